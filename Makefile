@@ -1,0 +1,36 @@
+# vSkipper verbs. `make install` builds .venv with the CPU torch 2.13.0 the machines carry (never a CUDA torch).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+DEMO_OUT ?= out/demo
+
+.PHONY: install test demo lint clean help
+
+help:
+	@echo "make install  create $(VENV) with the CPU torch and the project (runtime + dev extras)"
+	@echo "make demo     the main job on an embedded default: tiny FlexiDepth checkpoint, routes, thresholds, switch"
+	@echo "make test     the test suite"
+	@echo "make lint     ruff over the code and tests"
+
+install: $(VENV)/.installed
+
+# torch is installed first and alone, pinned, so no later requirement can pull a CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[runtime,dev]"
+	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed; expected the CPU build' if torch.version.cuda else 0)"
+	touch $@
+
+test: install
+	$(PY) -m pytest -q
+
+demo: install
+	$(VENV)/bin/vskipper demo --out $(DEMO_OUT)
+
+lint: install
+	$(VENV)/bin/ruff check vskipper tests
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis

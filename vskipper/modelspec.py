@@ -1,0 +1,110 @@
+"""Model facts the rule and the runtime need: depth, routed layers, KV geometry.
+
+`ModelFacts.from_config(dict)` reads a Hugging Face style config.json (already parsed: no I/O here);
+`load_model_facts(name_or_path)` is the one function that touches the file system.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from vskipper.roofline import kv_bytes_per_token_layer
+
+DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
+}
+
+
+class ModelConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    num_layers: int
+    routed_layers: tuple[int, ...]
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        return kv_bytes_per_token_layer(self.num_kv_heads, self.head_dim, self.dtype_bytes)
+
+    @property
+    def num_routed_layers(self) -> int:
+        return len(self.routed_layers)
+
+    @classmethod
+    def from_config(cls, config: dict, name: str = "config") -> ModelFacts:
+        def need(field: str) -> int:
+            value = config.get(field)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"{name}: field {field!r} must be a positive integer, got {value!r}")
+            return value
+
+        layers = need("num_hidden_layers")
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        kv_heads = config.get("num_key_value_heads", heads)
+        if not isinstance(kv_heads, int) or kv_heads <= 0:
+            raise ModelConfigError(f"{name}: field 'num_key_value_heads' must be a positive integer, got {kv_heads!r}")
+        head_dim = config.get("head_dim") or hidden // heads
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").replace("torch.", "")
+        if dtype not in DTYPE_BYTES:
+            raise ModelConfigError(f"{name}: field 'torch_dtype' has unsupported value {dtype!r}")
+        routed = config.get("routing_layers")
+        if routed is None:
+            # No declared routed set: route the deeper half, as both FlexiDepth (16..31 of 32) and the
+            # Qwen3 skippers (18..35 of 36) do.
+            routed = list(range(layers // 2, layers))
+        if (not isinstance(routed, list) or not routed
+                or any(not isinstance(i, int) or not 0 <= i < layers for i in routed)
+                or len(set(routed)) != len(routed)):
+            raise ModelConfigError(
+                f"{name}: field 'routing_layers' must be a non-empty list of distinct layer indices in "
+                f"[0, {layers}), got {routed!r}")
+        return cls(
+            name=name,
+            num_layers=layers,
+            routed_layers=tuple(sorted(routed)),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_attention_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype_bytes=DTYPE_BYTES[dtype],
+        )
+
+
+# The three models of the paper (shared reference: model facts), served in 16-bit.
+PRESETS: dict[str, ModelFacts] = {
+    "llama-3-8b": ModelFacts("llama-3-8b", 32, tuple(range(16, 32)), 4096, 14336, 32, 8, 128),
+    "qwen3-4b": ModelFacts("qwen3-4b", 36, tuple(range(18, 36)), 2560, 9728, 32, 8, 128),
+    "qwen3-8b": ModelFacts("qwen3-8b", 36, tuple(range(18, 36)), 4096, 12288, 32, 8, 128),
+}
+
+
+def load_model_facts(name_or_path: str) -> ModelFacts:
+    """A preset name, a config.json path, or a checkpoint directory holding config.json."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(
+            f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json path")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
+    return ModelFacts.from_config(config, name=str(path))

@@ -1,0 +1,92 @@
+"""RandomSkip: a seeded, batch-independent random policy for sweeping the skip ratio s = r * d.
+
+A row (one token of one request) is selected with probability r, and a selected row projects at a fraction d of
+the routed layers. Everything is a function of (seed, request key, token position) alone, so a request gets the
+same routes whatever batch it lands in, in prefill and in decode alike:
+
+  k   = mix(mix(seed) ^ fold(request_key))                        per-request phase in [0, 2^31)
+  row selected      iff (k + position * PHI) mod 2^31 < r * 2^31  (PHI = golden ratio * 2^31)
+  o   = mix(k ^ mix(position))                                    per-row layer offset
+  layer j projects  iff selected and (o + j * 2^31 / L) mod 2^31 < d * 2^31
+
+The position stride is a golden-ratio (Weyl) sequence, so the share of selected tokens in a request stays
+within O(1/n) of r instead of drifting binomially; the L layer points are evenly spaced from a random offset,
+so a selected row projects at floor(d L) or ceil(d L) layers, d L on average. Integer arithmetic stays below
+2^62, so the torch version and the pure-Python `reference_routes` agree bit for bit on any device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vskipper.skippers.base import BatchContext, LayerRoute, Skipper, unit_route
+
+MOD = 1 << 31
+MASK = MOD - 1
+PHI = 1327217884  # round(0.6180339887 * 2^31)
+MIX = 0x45D9F3B
+
+
+def _mix(x):
+    """A 31-bit integer finalizer; works on Python ints and int64 tensors alike."""
+    x = x & MASK
+    x = x ^ (x >> 16)
+    x = (x * MIX) & MASK
+    x = x ^ (x >> 16)
+    x = (x * MIX) & MASK
+    return x ^ (x >> 16)
+
+
+def _fold(key):
+    """Fold a signed 64-bit request key to 31 bits (arithmetic shifts agree in Python and torch)."""
+    return (key ^ (key >> 31) ^ (key >> 62)) & MASK
+
+
+def _threshold(fraction: float) -> int:
+    return min(MOD, int(fraction * MOD))
+
+
+def _row_phase(seed, key):
+    return _mix(_mix(seed) ^ _fold(key))
+
+
+def reference_routes(seed: int, key: int, position: int, r: float, d: float, num_layers: int) -> list[bool]:
+    """Pure-Python routes of one row: True where the row projects, per routed layer in order."""
+    k = _row_phase(seed, key)
+    if (k + position * PHI) % MOD >= _threshold(r):
+        return [False] * num_layers
+    o = _mix(k ^ _mix(position))
+    return [(o + j * MOD // num_layers) % MOD < _threshold(d) for j in range(num_layers)]
+
+
+class RandomSkip(Skipper):
+    name = "random_skip"
+    decision = "seeded_hash_of_request_and_position"
+
+    def __init__(self, r: float, d: float, seed: int = 0) -> None:
+        self.r, self.d, self.seed = r, d, seed
+
+    def parameters(self) -> dict[str, Any]:
+        return {"r": self.r, "d": self.d, "seed": self.seed, "skip_ratio": self.r * self.d}
+
+    def prepare_batch(self, batch: BatchContext) -> dict[str, Any]:
+        if batch.request_keys is None or batch.positions is None:
+            raise ValueError("random_skip needs per-row request_keys and positions in the batch context")
+        keys = batch.request_keys.to(torch.int64).view(-1)
+        pos = batch.positions.to(torch.int64).view(-1)
+        k = _row_phase(self.seed, keys)
+        selected = ((k + pos * PHI) % MOD) < _threshold(self.r)
+        offset = _mix(k ^ _mix(pos))
+        index = {layer: j for j, layer in enumerate(batch.routed_layers)}
+        return {"selected": selected & batch.valid_rows.view(-1), "offset": offset, "index": index,
+                "layers": len(batch.routed_layers), "valid": batch.valid_rows.view(-1),
+                "dtype": batch.hidden_states.dtype}
+
+    def route(self, layer_id: int, normed_hidden: torch.Tensor, state: dict[str, Any],
+              router: torch.nn.Module | None = None) -> LayerRoute:
+        j = state["index"][layer_id]
+        stride = j * MOD // state["layers"]
+        project = state["selected"] & (((state["offset"] + stride) % MOD) < _threshold(self.d))
+        return unit_route(state["valid"], project, state["dtype"])
