@@ -172,3 +172,4 @@ def test_attestation_is_json_ready_and_carries_the_thresholds():
     assert att["enter_tokens"] == ENTER and att["exit_tokens"] == EXIT
     assert att["settings"] == {"prefill": "hybrid", "decode": "hybrid", "promotion": True}
     assert att["recent_decisions"][0]["kind"] == "route_on"
+    assert att["constants"] == __import__("vskipper.constants").constants.attestation()

@@ -258,6 +258,7 @@ class ModeSwitch:
     def attestation(self, recent: int = 64) -> dict:
         return {
             "settings": self.settings.as_dict(),
+            "constants": asdict(self.constants),
             "enter_tokens": self.enter_tokens,
             "exit_tokens": self.exit_tokens,
             "routing_on": self._routing_on,
