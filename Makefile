@@ -19,7 +19,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[runtime,dev]"
+	$(PY) -m pip install --quiet -e ".[runtime,loadgen,dev]"
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed; expected the CPU build' if torch.version.cuda else 0)"
 	touch $@
 
@@ -30,7 +30,7 @@ demo: install
 	$(VENV)/bin/vskipper demo --out $(DEMO_OUT)
 
 lint: install
-	$(VENV)/bin/ruff check vskipper tests
+	$(VENV)/bin/ruff check vskipper loadgen tests
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis
