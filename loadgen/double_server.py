@@ -209,3 +209,65 @@ class DoubleServer:
 
     async def __aexit__(self, *exc) -> None:
         await self.stop()
+
+
+# ---- a separate process, so the client's work does not perturb the server's timing ---------------------------
+
+def _config_from_json(text: str) -> DoubleConfig:
+    data = json.loads(text)
+    if "routed_phases" in data:
+        data["routed_phases"] = tuple(data["routed_phases"])
+    return DoubleConfig(**data)
+
+
+class DoubleServerProcess:
+    """Runs a DoubleServer in a child Python process; `url` is set once it listens."""
+
+    def __init__(self, config: DoubleConfig | None = None) -> None:
+        self.config = config or DoubleConfig()
+        self.url = ""
+        self._proc = None
+
+    def __enter__(self) -> DoubleServerProcess:
+        import dataclasses
+        import subprocess
+        import sys
+
+        payload = json.dumps(dataclasses.asdict(self.config))
+        self._proc = subprocess.Popen([sys.executable, "-m", "loadgen.double_server", "--config", payload],
+                                      stdout=subprocess.PIPE, text=True)
+        line = self._proc.stdout.readline().strip()
+        if not line.startswith("listening "):
+            self._proc.kill()
+            raise RuntimeError(f"stand-in server did not start (said {line!r})")
+        self.url = line.split(" ", 1)[1]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+
+
+async def _serve_forever(config: DoubleConfig, port: int) -> None:
+    server = await DoubleServer(config).start(port=port)
+    print(f"listening {server.url}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m loadgen.double_server",
+                                     description="stand-in streaming server (no model) for tests and the demo")
+    parser.add_argument("--config", default="{}", help="DoubleConfig fields as JSON")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(_serve_forever(_config_from_json(args.config), args.port))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

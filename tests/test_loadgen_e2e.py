@@ -5,6 +5,7 @@ cell here is bounded (tens of requests, well under a second of injection each).
 """
 
 import asyncio
+import json
 
 import pytest
 
@@ -13,6 +14,8 @@ from loadgen.driver import matched_plan, natural_plan, record_lengths, run_cell
 from loadgen.experiment import ArmTarget, run_ab, run_ladder
 from loadgen.gates import accounting, gate_pair
 from loadgen.qstar import find_q_star
+from loadgen.records import CellResult
+from loadgen.report import write_report
 from loadgen.suite import Suite, SuiteRequest
 from tests.loadgen_double_server import DoubleConfig, DoubleServer, natural_length
 from vskipper.arms import get_arm
@@ -131,7 +134,7 @@ def test_mechanism_and_design_gates_read_the_servers_attestation():
     assert "phases served 'decode', intended 'both'" in by_gate["served_design"]
 
 
-def test_matched_work_ab_against_two_servers_passes_the_gates_and_resolves_the_faster_arm():
+def test_matched_work_ab_against_two_servers_passes_the_gates_and_resolves_the_faster_arm(tmp_path):
     suite = make_suite(30)
     arm = get_arm("always-route")
     slow = DoubleConfig(decode_base_s=0.004, decode_per_row_s=0.0004)
@@ -154,6 +157,19 @@ def test_matched_work_ab_against_two_servers_passes_the_gates_and_resolves_the_f
     tpot = res.comparison["tpot_mean"]
     assert tpot.n == 3 and tpot.resolved and tpot.mean < -20
 
+    paths = write_report([res], tmp_path, title="toy")
+    table = paths["table"].read_text()
+    assert "| Rate | arm | n | E2E mean | E2E p99 | TPOT mean" in table
+    assert f"| 60req-s | always-route | 3 | {res.comparison['e2e_mean'].format()} |" in table
+    for key in ("latency_vs_load", "change_map"):
+        assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cells = sorted((tmp_path / "cells").glob("*.json"))
+    assert len(cells) == 1 + 2 * 3  # the length-recording run and both arms of each repetition
+    again = CellResult.from_dict(json.loads((tmp_path / "cells" / "60req-s-always-route-rep1-always-route.json")
+                                            .read_text()))
+    assert [r.output_ids for r in again.records] == [r.output_ids for r in res.repetitions[1].arm.records]
+    assert again.summary == res.repetitions[1].arm.summary
+
 
 def test_ladder_applies_the_q_star_rule_to_the_in_window_output_rate_of_each_natural_cell():
     """Wiring only: the rule itself is tested on constructed ladders (test_loadgen_stats.py)."""
@@ -168,3 +184,21 @@ def test_ladder_applies_the_q_star_rule_to_the_in_window_output_rate_of_each_nat
     assert [c.lane for c in res.cells] == ["natural"] * 3
     tok = {int(c.rate): c.summary["window_output_tok_s"] for c in res.cells}
     assert res.q_star == find_q_star(tok)
+
+
+def test_ab_command_runs_cells_against_server_processes_and_writes_the_report(tmp_path, capsys):
+    from loadgen.cli import main as cli_main
+    from loadgen.double_server import DoubleServerProcess
+
+    suite_path = make_suite(16).save(tmp_path / "suite.jsonl")
+    arm = get_arm("decode-only-always")
+    served = DoubleConfig(decode_per_row_s=0.0001, arm=arm.as_dict(), routed_phases=arm.routed_phases)
+    with DoubleServerProcess() as a, DoubleServerProcess(served) as b:
+        rc = cli_main(["ab", "--suite", str(suite_path), "--baseline-url", a.url, "--arm-url", b.url, "--arm",
+                       arm.name, "--rates", "40", "--repetitions", "2", "--max-new-tokens", "32", "--out",
+                       str(tmp_path / "out")])
+    assert rc == 0
+    summary = json.loads((tmp_path / "out" / "ab-40req-s-decode-only-always.json").read_text())
+    assert summary["repetitions_accepted"] == 2
+    assert all(r["gates"]["passed"] for r in summary["repetitions"])
+    assert "| 40req-s | decode-only-always | 2 |" in capsys.readouterr().out

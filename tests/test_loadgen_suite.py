@@ -79,3 +79,21 @@ def test_poisson_arrivals_are_seeded_and_fill_the_declared_window():
     assert st.kstest(gaps, "expon", args=(0, 0.1)).pvalue > 0.01
     with pytest.raises(ValueError, match="rate must be > 0"):
         poisson_arrivals(3, 0.0, 0)
+
+
+def test_cli_builds_and_pads_a_suite(tmp_path, tokenizer_dir, capsys):
+    from loadgen.cli import main as cli_main
+
+    prompts = write_jsonl(tmp_path / "test.jsonl", PROMPTS)
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "Betty is saving money"}] * 3)
+    assert cli_main(["build-suite", "--prompts", str(prompts), "--tokenizer", str(tokenizer_dir), "--out",
+                     str(tmp_path / "s.jsonl")]) == 0
+    assert cli_main(["build-suite", "--prompts", str(train), "--tokenizer", str(tokenizer_dir), "--out",
+                     str(tmp_path / "t.jsonl"), "--id-prefix", "gsm8k:train", "--unscored"]) == 0
+    assert cli_main(["pad-suite", "--suite", str(tmp_path / "s.jsonl"), "--extra", str(tmp_path / "t.jsonl"),
+                     "--size", "4", "--out", str(tmp_path / "p.jsonl")]) == 0
+    padded = load_suite(tmp_path / "p.jsonl")
+    assert padded.ids == ["gsm8k:test:0", "gsm8k:test:1", "gsm8k:train:0", "gsm8k:train:1"]
+    assert cli_main(["pad-suite", "--suite", str(tmp_path / "s.jsonl"), "--extra", str(tmp_path / "t.jsonl"),
+                     "--size", "9", "--out", str(tmp_path / "q.jsonl")]) == 2
+    assert "need 7 extra requests" in capsys.readouterr().err
