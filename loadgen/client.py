@@ -4,7 +4,8 @@
 "stream": true}. The server answers with server-sent events `data: {json}` and a final `data: [DONE]`; each
 JSON carries "text", "output_ids" and "meta_info" {"prompt_tokens", "completion_tokens", "finish_reason", ...}.
 "output_ids" is cumulative by default and incremental when the server streams incremental output; the count
-`completion_tokens` tells which (a chunk whose ids equal the count is cumulative).
+`completion_tokens` tells which (a chunk whose ids equal the count is cumulative); "text" follows the same
+mode.
 
 `/v1/completions` request: {"prompt": [token ids], "max_tokens", "ignore_eos", "temperature": 0,
 "stream": true, "stream_options": {"include_usage": true}}; chunks carry choices[0].text and finish_reason, a
@@ -76,6 +77,7 @@ async def _read_generate(response, record: RequestRecord, clock: Callable[[], fl
     ids: list[int] = []
     count = 0
     done = False
+    incremental = False
     async for event in _sse_events(response):
         now = clock()
         if event is None:
@@ -92,6 +94,7 @@ async def _read_generate(response, record: RequestRecord, clock: Callable[[], fl
                 ids = chunk_ids  # cumulative
             elif reported is not None and len(chunk_ids) == reported - count:
                 ids = ids + chunk_ids  # incremental
+                incremental = True
             elif reported is None and chunk_ids[: len(ids)] == ids and len(chunk_ids) > len(ids):
                 ids = chunk_ids
             else:
@@ -99,7 +102,9 @@ async def _read_generate(response, record: RequestRecord, clock: Callable[[], fl
         new_count = reported if reported is not None else len(ids)
         _stamp(record, new_count - count, now)
         count = max(count, new_count)
-        record.text = event.get("text", record.text) if isinstance(event.get("text"), str) else record.text
+        text = event.get("text")
+        if isinstance(text, str):
+            record.text = record.text + text if incremental else text
         reason = _finish_reason(meta.get("finish_reason"))
         if reason is not None:
             record.finish_reason = reason

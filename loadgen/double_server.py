@@ -162,7 +162,8 @@ class DoubleServer:
             elif finish == "stop":
                 reason = {"type": "stop", "matched": 2}
             ids = new if self.config.incremental_ids else list(req.generated)
-            return {"text": " ".join(f"t{t}" for t in req.generated), "output_ids": ids,
+            text = "".join(f" t{t}" for t in (new if self.config.incremental_ids else req.generated))
+            return {"text": text, "output_ids": ids,
                     "meta_info": {"id": f"req-{number}", "prompt_tokens": len(req.input_ids),
                                   "completion_tokens": len(req.generated), "cached_tokens": 0,
                                   "finish_reason": reason}}

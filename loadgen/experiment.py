@@ -2,7 +2,8 @@
 
 `run_ab` measures one (suite, rate) cell for a baseline and one other arm:
 1. the baseline generates naturally at the cell's rate; its per-request output lengths are recorded
-   (skipped when lengths are given);
+   (skipped when lengths are given); that natural cell must pass accounting, declared cell size and zero-empty,
+   else `CellRefused` is raised;
 2. for each repetition, both arms run the matched lane on the same suite and arrival schedule (seed + rep),
    in alternating order; each pair goes through the gates; a refused pair is kept in the result with its
    reasons and left out of the comparison;
@@ -21,7 +22,7 @@ import aiohttp
 
 from loadgen.client import Endpoint
 from loadgen.driver import matched_plan, natural_plan, record_lengths, run_cell
-from loadgen.gates import GateReport, gate_pair
+from loadgen.gates import GateReport, accounting, declared_cell_size, gate_pair, zero_empty
 from loadgen.metrics import flat_metrics
 from loadgen.qstar import QStar, find_q_star
 from loadgen.records import CellResult
@@ -98,6 +99,15 @@ def _session() -> aiohttp.ClientSession:
                                  connector=aiohttp.TCPConnector(limit=0))
 
 
+def gate_length_cell(cell: CellResult, suite: Suite, empty_exceptions: Sequence[str] = ()) -> GateReport:
+    """The natural-lane run whose lengths the matched lane replays must itself be a valid cell."""
+    report = GateReport()
+    report.add("accounting", accounting(cell))
+    report.add("declared_cell_size", declared_cell_size(cell, suite.digest, suite.ids))
+    report.add("zero_empty", zero_empty(cell, empty_exceptions))
+    return report
+
+
 async def run_ab(baseline: ArmTarget, arm: ArmTarget, suite: Suite, rate: float, *, repetitions: int,
                  seed: int = 0, label: str = "", context_len: int | None = None,
                  max_new_tokens: int | None = None, lengths: Mapping[str, int] | None = None,
@@ -113,6 +123,8 @@ async def run_ab(baseline: ArmTarget, arm: ArmTarget, suite: Suite, rate: float,
             plan = natural_plan(suite, rate, seed, context_len=context_len, max_new_tokens=max_new_tokens)
             length_cell = await run_cell(baseline.endpoint, plan, baseline.name, progress=progress,
                                          session=session)
+            length_gates = gate_length_cell(length_cell, suite, empty_exceptions)
+            length_gates.raise_if_refused()
             lengths = record_lengths(length_cell)
         result = ABResult(baseline.name, arm.name, rate, label, suite.name, suite.digest, dict(lengths),
                           length_cell)

@@ -68,6 +68,22 @@ def score_gsm8k(generation: str, reference: str, extractor=composite_extract) ->
     return int(exact_match(extractor(generation), reference))
 
 
+def score_gsm8k_records(records, suite, extractor=composite_extract) -> dict[str, int]:
+    """Per scored document of a suite (`doc["answer"]` holds the reference): 1 if the served generation's
+    extracted answer matches. Unscored padding requests are skipped; a failed request scores 0."""
+    by_id = {r.request_id: r for r in records}
+    scores: dict[str, int] = {}
+    for req in suite.requests:
+        if not req.scored:
+            continue
+        answer = (req.doc or {}).get("answer")
+        if not isinstance(answer, str):
+            raise ValueError(f"request {req.id!r}: doc.answer is required to score GSM8K")
+        rec = by_id.get(req.id)
+        scores[req.id] = 0 if rec is None or not rec.ok else score_gsm8k(rec.text, answer, extractor)
+    return scores
+
+
 def did_per_document(a: Sequence[float], b: Sequence[float], c: Sequence[float],
                      d: Sequence[float]) -> list[float]:
     sizes = {len(a), len(b), len(c), len(d)}

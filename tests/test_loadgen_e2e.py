@@ -44,6 +44,7 @@ def test_generate_stream_records_the_server_reported_ids_and_token_times(increme
         n = natural_length(list(req.input_ids), 24)
         assert rec.output_tokens == n == len(rec.token_times_s)
         assert rec.output_ids == [(sum(req.input_ids) + 7 * k) % 32000 for k in range(n)]
+        assert rec.text == "".join(f" t{t}" for t in rec.output_ids)  # cumulative or incremental text alike
         assert rec.finish_reason == "stop"
         assert rec.submit_s >= rec.scheduled_s - 1e-3
         assert rec.submit_s <= rec.first_token_s <= rec.token_times_s[-1] <= rec.finish_s

@@ -180,3 +180,15 @@ def test_gate_pair_collects_refusals_and_raises_them_together():
     assert gates == {"work_identity", "mechanism_evidence"}
     with pytest.raises(CellRefused, match="work_identity"):
         report.raise_if_refused()
+
+
+def test_the_length_recording_run_is_refused_when_it_has_an_empty_generation():
+    from loadgen.experiment import gate_length_cell
+    from loadgen.suite import Suite, SuiteRequest
+
+    suite = Suite("t", tuple(SuiteRequest(i, (1, 2)) for i in IDS))
+    cell = make_cell(lane="natural", lengths=(3, 0, 2, 4))
+    cell.suite_digest = suite.digest
+    report = gate_length_cell(cell, suite)
+    assert [r.gate for r in report.refusals] == ["zero_empty"]
+    assert gate_length_cell(cell, suite, ["gsm8k:test:1"]).passed

@@ -14,6 +14,7 @@ from loadgen.quality import (
     exact_match,
     flexible_extract,
     score_gsm8k,
+    score_gsm8k_records,
     strict_match,
 )
 from loadgen.stats import arm_order, describe, mean_interval, paired_comparison, pct_change, percentile
@@ -152,3 +153,21 @@ def test_difference_in_differences_matches_a_paired_t_interval():
     assert st.ttest_rel(d - c, b - a).statistic == pytest.approx(iv.mean / (iv.half_width / st.t.ppf(0.975, 199)))
     with pytest.raises(ValueError, match="same documents"):
         difference_in_differences([1], [1], [1], [1, 0])
+
+
+def test_served_generations_are_scored_per_scored_document_only():
+    from loadgen.records import RequestRecord
+    from loadgen.suite import Suite, SuiteRequest
+
+    suite = Suite("g", (SuiteRequest("gsm8k:test:0", (1,), doc={"answer": "x\n#### 594"}),
+                        SuiteRequest("gsm8k:test:1", (2,), doc={"answer": "#### 21"}),
+                        SuiteRequest("gsm8k:train:5", (3,), scored=False)))
+
+    def rec(rid, text, error=None):
+        return RequestRecord(0, rid, 0.0, 1, 8, False, submit_s=0.0, finish_s=1.0, text=text, error=error)
+
+    records = [rec("gsm8k:test:0", "#### 594\nConfidence: 95%"), rec("gsm8k:test:1", "#### $21"),
+               rec("gsm8k:train:5", "anything")]
+    assert score_gsm8k_records(records, suite) == {"gsm8k:test:0": 1, "gsm8k:test:1": 1}
+    records[1] = rec("gsm8k:test:1", "#### 21", error="HTTP 500")
+    assert score_gsm8k_records(records, suite)["gsm8k:test:1"] == 0
