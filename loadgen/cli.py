@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="a small A/B run against two local stand-in servers, with report and plots")
     s.add_argument("--out", default="out/loadgen-demo")
-    s.add_argument("--repetitions", type=int, default=2)
+    s.add_argument("--repetitions", type=int, default=3)
     s.set_defaults(fn=cmd_demo)
     return p
 

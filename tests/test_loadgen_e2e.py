@@ -203,3 +203,15 @@ def test_ab_command_runs_cells_against_server_processes_and_writes_the_report(tm
     assert summary["repetitions_accepted"] == 2
     assert all(r["gates"]["passed"] for r in summary["repetitions"])
     assert "| 40req-s | decode-only-always | 2 |" in capsys.readouterr().out
+
+
+def test_demo_writes_the_table_the_cells_and_the_plots(tmp_path):
+    from loadgen.demo import DEMO_RATES, run_demo
+
+    res = asyncio.run(run_demo(tmp_path, repetitions=1))
+    assert [r.rate for r in res["results"]] == list(DEMO_RATES.values())
+    assert all(r.accepted for r in res["results"])  # every pair passed its gates
+    table = (tmp_path / "table.md").read_text()
+    assert all(f"| {label} | always-route | 1 |" in table for label in DEMO_RATES)
+    assert (tmp_path / "latency_vs_load.png").stat().st_size > 0 and (tmp_path / "change_map.png").stat().st_size > 0
+    assert len(list((tmp_path / "cells").glob("*.json"))) == 3 * 3
