@@ -97,3 +97,13 @@ def test_cli_builds_and_pads_a_suite(tmp_path, tokenizer_dir, capsys):
     assert cli_main(["pad-suite", "--suite", str(tmp_path / "s.jsonl"), "--extra", str(tmp_path / "t.jsonl"),
                      "--size", "9", "--out", str(tmp_path / "q.jsonl")]) == 2
     assert "need 7 extra requests" in capsys.readouterr().err
+
+
+def test_loadgen_runs_without_torch(cli_env):
+    """The loadgen image carries no torch: importing every loadgen module must not import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, loadgen.cli, loadgen.experiment, loadgen.report, loadgen.simulate, loadgen.demo, "
+            "loadgen.quality; sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], env=cli_env).returncode == 0
