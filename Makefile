@@ -4,12 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
+LOADGEN_DEMO_OUT ?= out/loadgen-demo
 
-.PHONY: install test demo lint clean help
+.PHONY: install test demo loadgen-demo lint clean help
 
 help:
 	@echo "make install  create $(VENV) with the CPU torch and the project (runtime + dev extras)"
 	@echo "make demo     the main job on an embedded default: tiny FlexiDepth checkpoint, routes, thresholds, switch"
+	@echo "make loadgen-demo  a small matched-work A/B run against two local stand-in servers: report and plots"
 	@echo "make test     the test suite"
 	@echo "make lint     ruff over the code and tests"
 
@@ -19,7 +21,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[runtime,dev]"
+	$(PY) -m pip install --quiet -e ".[runtime,loadgen,dev]"
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed; expected the CPU build' if torch.version.cuda else 0)"
 	touch $@
 
@@ -29,8 +31,11 @@ test: install
 demo: install
 	$(VENV)/bin/vskipper demo --out $(DEMO_OUT)
 
+loadgen-demo: install
+	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)
+
 lint: install
-	$(VENV)/bin/ruff check vskipper tests
+	$(VENV)/bin/ruff check vskipper loadgen tests
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

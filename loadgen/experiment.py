@@ -1,0 +1,169 @@
+"""A/B cells and Q* sweeps: the protocol of the paper's section 4.1 in code.
+
+`run_ab` measures one (suite, rate) cell for a baseline and one other arm:
+1. the baseline generates naturally at the cell's rate; its per-request output lengths are recorded
+   (skipped when lengths are given); that natural cell must pass accounting, declared cell size and zero-empty,
+   else `CellRefused` is raised;
+2. for each repetition, both arms run the matched lane on the same suite and arrival schedule (seed + rep),
+   in alternating order; each pair goes through the gates; a refused pair is kept in the result with its
+   reasons and left out of the comparison;
+3. the comparison is the mean per-repetition % change of every metric with a 95% t interval.
+
+`run_ladder` runs the baseline's natural lane at contiguous integer rates and applies the Q* rule to the
+in-window output token rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from loadgen.client import Endpoint
+from loadgen.driver import matched_plan, natural_plan, record_lengths, run_cell
+from loadgen.gates import GateReport, accounting, declared_cell_size, gate_pair, zero_empty
+from loadgen.metrics import flat_metrics
+from loadgen.qstar import QStar, find_q_star
+from loadgen.records import CellResult
+from loadgen.stats import Interval, arm_order, paired_comparison
+from loadgen.suite import Suite
+from vskipper.arms import Arm
+
+COMPARED = ("e2e_mean", "e2e_p50", "e2e_p90", "e2e_p99", "tpot_mean", "tpot_p99", "ttft_mean", "ttft_p99",
+            "makespan_s", "drain_s", "window_output_tok_s", "window_req_s")
+
+
+@dataclass(frozen=True)
+class ArmTarget:
+    """One arm under test: its name, where it is served, and (for vSkipper arms) the arm it must attest."""
+
+    name: str
+    endpoint: Endpoint
+    arm: Arm | None = None
+
+
+@dataclass
+class Repetition:
+    index: int
+    order: tuple[str, str]
+    baseline: CellResult
+    arm: CellResult
+    gates: GateReport
+
+    def as_dict(self) -> dict:
+        return {"index": self.index, "order": list(self.order), "gates": self.gates.as_dict(),
+                "baseline": self.baseline.as_dict(), "arm": self.arm.as_dict()}
+
+
+@dataclass
+class ABResult:
+    baseline: str
+    arm: str
+    rate: float
+    label: str
+    suite_name: str
+    suite_digest: str
+    lengths: dict[str, int]
+    length_cell: CellResult | None
+    repetitions: list[Repetition] = field(default_factory=list)
+    comparison: dict[str, Interval] = field(default_factory=dict)
+
+    @property
+    def accepted(self) -> list[Repetition]:
+        return [r for r in self.repetitions if r.gates.passed]
+
+    def compare(self, metrics: Iterable[str] = COMPARED) -> dict[str, Interval]:
+        reps = self.accepted
+        if not reps:
+            self.comparison = {}
+            return self.comparison
+        base = [flat_metrics(r.baseline.summary) for r in reps]
+        arm = [flat_metrics(r.arm.summary) for r in reps]
+        names = [m for m in metrics if all(m in b and b[m] != 0 for b in base) and all(m in a for a in arm)]
+        self.comparison = paired_comparison(base, arm, names)
+        return self.comparison
+
+    def as_dict(self) -> dict:
+        return {"baseline": self.baseline, "arm": self.arm, "rate": self.rate, "label": self.label,
+                "suite": {"name": self.suite_name, "digest": self.suite_digest},
+                "lengths": self.lengths,
+                "length_cell": self.length_cell.as_dict() if self.length_cell else None,
+                "repetitions_run": len(self.repetitions), "repetitions_accepted": len(self.accepted),
+                "comparison": {k: v.as_dict() for k, v in self.comparison.items()},
+                "repetitions": [r.as_dict() for r in self.repetitions]}
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=None),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
+def gate_length_cell(cell: CellResult, suite: Suite, empty_exceptions: Sequence[str] = ()) -> GateReport:
+    """The natural-lane run whose lengths the matched lane replays must itself be a valid cell."""
+    report = GateReport()
+    report.add("accounting", accounting(cell))
+    report.add("declared_cell_size", declared_cell_size(cell, suite.digest, suite.ids))
+    report.add("zero_empty", zero_empty(cell, empty_exceptions))
+    return report
+
+
+async def run_ab(baseline: ArmTarget, arm: ArmTarget, suite: Suite, rate: float, *, repetitions: int,
+                 seed: int = 0, label: str = "", context_len: int | None = None,
+                 max_new_tokens: int | None = None, lengths: Mapping[str, int] | None = None,
+                 empty_exceptions: Sequence[str] = (), expect_engaged: bool = True,
+                 progress: bool = False) -> ABResult:
+    if repetitions < 1:
+        raise ValueError(f"repetitions must be >= 1, got {repetitions}")
+    arms = {t.name: t.arm for t in (baseline, arm) if t.arm is not None}
+    targets = {baseline.name: baseline, arm.name: arm}
+    async with _session() as session:
+        length_cell = None
+        if lengths is None:
+            plan = natural_plan(suite, rate, seed, context_len=context_len, max_new_tokens=max_new_tokens)
+            length_cell = await run_cell(baseline.endpoint, plan, baseline.name, progress=progress,
+                                         session=session)
+            length_gates = gate_length_cell(length_cell, suite, empty_exceptions)
+            length_gates.raise_if_refused()
+            lengths = record_lengths(length_cell)
+        result = ABResult(baseline.name, arm.name, rate, label, suite.name, suite.digest, dict(lengths),
+                          length_cell)
+        for rep in range(repetitions):
+            order = arm_order(rep, baseline.name, arm.name)
+            plan = matched_plan(suite, rate, seed + rep, lengths, repetition=rep)
+            cells = {}
+            for name in order:
+                t = targets[name]
+                cells[name] = await run_cell(t.endpoint, plan, name, progress=progress, session=session)
+            report = gate_pair(cells[baseline.name], cells[arm.name], suite_digest=suite.digest,
+                               request_ids=suite.ids, arms=arms, empty_exceptions=empty_exceptions,
+                               expect_engaged=expect_engaged)
+            result.repetitions.append(Repetition(rep, order, cells[baseline.name], cells[arm.name], report))
+    result.compare()
+    return result
+
+
+@dataclass
+class LadderResult:
+    cells: list[CellResult]
+    q_star: QStar
+
+    def as_dict(self) -> dict:
+        return {"q_star": self.q_star.as_dict(),
+                "cells": [{"rate": c.rate, "summary": c.summary} for c in self.cells]}
+
+
+async def run_ladder(target: ArmTarget, suite: Suite, rates: Sequence[int], *, seed: int = 0,
+                     context_len: int | None = None, max_new_tokens: int | None = None,
+                     progress: bool = False) -> LadderResult:
+    cells = []
+    async with _session() as session:
+        for rate in rates:
+            plan = natural_plan(suite, rate, seed, context_len=context_len, max_new_tokens=max_new_tokens)
+            cells.append(await run_cell(target.endpoint, plan, target.name, progress=progress, session=session))
+    tok = {}
+    for c in cells:
+        if c.summary["window_output_tok_s"] is None:
+            raise ValueError(f"ladder: rate {c.rate} has no injection window (one request?)")
+        tok[int(c.rate)] = c.summary["window_output_tok_s"]
+    return LadderResult(cells, find_q_star(tok))

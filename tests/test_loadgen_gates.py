@@ -1,0 +1,194 @@
+"""Cell gates refuse constructed bad cells with their named reason; metrics on a hand-built cell."""
+
+import copy
+
+import pytest
+
+from loadgen.attestation import Attestation, AttestationError
+from loadgen.gates import (
+    CellRefused,
+    accounting,
+    declared_cell_size,
+    gate_pair,
+    mechanism_evidence,
+    served_design,
+    work_identity,
+    zero_empty,
+)
+from loadgen.metrics import flat_metrics, summarize_cell
+from loadgen.records import CellResult, RequestRecord
+from vskipper.arms import get_arm
+
+IDS = [f"gsm8k:test:{i}" for i in range(4)]
+DIGEST = "d" * 64
+
+
+def make_cell(arm="upstream", lane="matched", lengths=(3, 5, 2, 4), rate=2.0, step=0.1) -> CellResult:
+    records = []
+    for i, (rid, n) in enumerate(zip(IDS, lengths, strict=True)):
+        t0 = i / rate
+        first = t0 + 0.2
+        times = [first + k * step for k in range(n)]
+        records.append(RequestRecord(index=i, request_id=rid, scheduled_s=t0, prompt_tokens=10, max_new_tokens=n,
+                                     ignore_eos=lane == "matched", submit_s=t0,
+                                     first_token_s=first if n else None, token_times_s=times,
+                                     finish_s=(times[-1] if n else first), output_ids=list(range(n)),
+                                     output_tokens=n, finish_reason="length"))
+    cell = CellResult(arm=arm, lane=lane, rate=rate, duration_s=len(IDS) / rate, seed=1, suite_name="t",
+                      suite_digest=DIGEST, suite_size=len(IDS), records=records, submitted=4, started=4,
+                      completed=4)
+    summarize_cell(cell)
+    return cell
+
+
+def attest(prefill=(5, 0), decode=(50, 0), arm=None, sched=None):
+    d = {"passes_total": {"prefill": {"dense": prefill[0], "routed": prefill[1]},
+                          "decode": {"dense": decode[0], "routed": decode[1]}}}
+    if arm is not None:
+        d["arm"] = arm
+    if sched is not None:
+        d["scheduler_passes_total"] = sched
+    return d
+
+
+def test_metrics_follow_the_definitions_on_a_hand_built_cell():
+    cell = make_cell()
+    s = cell.summary
+    # E2E of request 0: 3 tokens, first at 0.2, last at 0.4
+    assert cell.records[0].e2e_s == pytest.approx(0.4)
+    assert cell.records[0].tpot_s == pytest.approx(0.1)
+    assert s["ttft"]["mean"] == pytest.approx(0.2)
+    assert s["tpot"]["mean"] == pytest.approx(0.1)
+    # window = first to last submission = 0 .. 1.5 s; last completion 1.5 + 0.2 + 0.3 = 2.0
+    assert s["window_s"] == pytest.approx(1.5)
+    assert s["makespan_s"] == pytest.approx(2.0)
+    assert s["drain_s"] == pytest.approx(0.5)
+    assert s["injected_rate"] == pytest.approx(2.0)
+    assert s["output_tokens"] == 14
+    in_window = sum(1 for r in cell.records for t in r.token_times_s if t <= 1.5)
+    assert s["window_output_tok_s"] == pytest.approx(in_window / 1.5)
+    assert s["window_req_s"] == pytest.approx(sum(r.finish_s <= 1.5 for r in cell.records) / 1.5)
+    assert flat_metrics(s)["e2e_p99"] == pytest.approx(s["e2e"]["p99"])
+
+
+def test_work_identity_refuses_a_request_with_a_different_token_count():
+    base, arm = make_cell(), make_cell("hybrid", lengths=(3, 5, 2, 5))
+    assert work_identity(base, make_cell("hybrid")) == []
+    (r,) = work_identity(base, arm)
+    assert r.gate == "work_identity" and "gsm8k:test:3 (upstream 4 vs hybrid 5)" in r.reason
+
+
+def test_work_identity_refuses_counts_that_disagree_with_the_reported_ids():
+    arm = make_cell("hybrid")
+    arm.records[1].output_ids = arm.records[1].output_ids[:-1]
+    reasons = [r.reason for r in work_identity(make_cell(), arm)]
+    assert any("reported token count differs from its output ids for gsm8k:test:1" in x for x in reasons)
+    arm.records[1].output_ids = None
+    assert any("no output ids" in r.reason for r in work_identity(make_cell(), arm))
+
+
+def test_accounting_refuses_lost_requests_errors_and_a_filtered_tail():
+    assert accounting(make_cell()) == []
+    lost = make_cell()
+    lost.completed = 3
+    assert "counts differ: submitted=4, started=4, completed=3, reported=4" in accounting(lost)[0].reason
+    err = make_cell()
+    err.records[2].error = "HTTP 500"
+    summarize_cell(err)
+    reasons = [r.reason for r in accounting(err)]
+    assert any("1 requests failed, first gsm8k:test:2: HTTP 500" in x for x in reasons)
+    tail = make_cell()
+    tail.summary = dict(tail.summary, requests=3)
+    assert "filtered tail" in accounting(tail)[0].reason
+
+
+def test_declared_cell_size_refuses_another_suite_or_duration():
+    assert declared_cell_size(make_cell(), DIGEST, IDS) == []
+    (r,) = declared_cell_size(make_cell(), "e" * 64, IDS)
+    assert r.gate == "declared_cell_size" and "digest" in r.reason
+    short = make_cell()
+    short.duration_s = 1.0
+    assert "duration 1 s is not requests / rate = 4 / 2 = 2 s" in declared_cell_size(short, DIGEST, IDS)[0].reason
+    missing = make_cell()
+    missing.records.pop()
+    assert "1 missing (gsm8k:test:3)" in declared_cell_size(missing, DIGEST, IDS)[0].reason
+
+
+def test_zero_empty_refuses_an_empty_natural_generation_unless_declared():
+    cell = make_cell(lane="natural", lengths=(3, 0, 2, 4))
+    (r,) = zero_empty(cell)
+    assert r.gate == "zero_empty" and "gsm8k:test:1" in r.reason
+    assert zero_empty(cell, exceptions=["gsm8k:test:1"]) == []
+    assert zero_empty(make_cell(lane="matched", lengths=(3, 0, 2, 4))) == []
+
+
+def test_mechanism_evidence_requires_routed_passes_on_declared_phases():
+    always = get_arm("always-route")
+    ok_after = attest(prefill=(5, 4), decode=(50, 100))
+    assert mechanism_evidence(always, attest(), ok_after) == []
+    (r,) = mechanism_evidence(always, attest(), attest(prefill=(9, 0), decode=(50, 100)))
+    assert r.gate == "mechanism_evidence" and "no routed prefill pass executed" in r.reason
+    hybrid = get_arm("hybrid")
+    never = attest(prefill=(9, 0), decode=(150, 0))
+    assert "no routed pass executed" in mechanism_evidence(hybrid, attest(), never)[0].reason
+    assert mechanism_evidence(hybrid, attest(), never, expect_engaged=False) == []
+
+
+def test_mechanism_evidence_refuses_routing_on_a_dense_arm_and_backwards_counters():
+    dense = get_arm("dense")
+    assert mechanism_evidence(dense, attest(), attest(prefill=(9, 0), decode=(90, 0))) == []
+    (r,) = mechanism_evidence(dense, attest(), attest(prefill=(9, 0), decode=(90, 3)))
+    assert "does not route decode but the server ran 3 routed decode passes" in r.reason
+    (r,) = mechanism_evidence(dense, attest(decode=(90, 0)), attest(decode=(10, 0)))
+    assert "counters went backwards" in r.reason and "passes_total.decode.dense" in r.reason
+    (r,) = mechanism_evidence(dense, None, attest())
+    assert "no attestation read before the cell" in r.reason
+
+
+def test_mechanism_evidence_checks_per_mode_counters_against_the_scheduler():
+    arm = get_arm("always-route")
+    before = attest(sched={"prefill": 5, "decode": 50})
+    after = attest(prefill=(5, 4), decode=(50, 100), sched={"prefill": 9, "decode": 149})
+    (r,) = mechanism_evidence(arm, before, after)
+    assert "decode: per-mode passes sum to 100 but the scheduler ran 99" in r.reason
+
+
+def test_served_design_names_every_field_that_differs():
+    arm = get_arm("hybrid")
+    assert served_design(arm, attest(arm=arm.as_dict())) == []
+    served = copy.deepcopy(arm.as_dict())
+    served["promotion"] = False
+    (r,) = served_design(arm, attest(arm=served))
+    assert r.gate == "served_design" and "promotion served False, intended True" in r.reason
+    assert "attests no served arm" in served_design(arm, attest())[0].reason
+
+
+def test_attestation_parser_names_the_bad_field():
+    with pytest.raises(AttestationError, match=r"attestation.passes_total.decode.routed"):
+        Attestation.from_json(attest(decode=(3, -1)))
+    with pytest.raises(AttestationError, match=r"attestation.passes_total: required"):
+        Attestation.from_json({"arm": {}})
+
+
+def test_gate_pair_collects_refusals_and_raises_them_together():
+    base = make_cell()
+    arm = make_cell("always-route", lengths=(3, 5, 2, 5))
+    arm.attestation_before = attest(arm=get_arm("always-route").as_dict())
+    arm.attestation_after = attest(decode=(50, 9), arm=get_arm("always-route").as_dict())
+    report = gate_pair(base, arm, suite_digest=DIGEST, request_ids=IDS, arms={"always-route": get_arm("always-route")})
+    gates = {r.gate for r in report.refusals}
+    assert gates == {"work_identity", "mechanism_evidence"}
+    with pytest.raises(CellRefused, match="work_identity"):
+        report.raise_if_refused()
+
+
+def test_the_length_recording_run_is_refused_when_it_has_an_empty_generation():
+    from loadgen.experiment import gate_length_cell
+    from loadgen.suite import Suite, SuiteRequest
+
+    suite = Suite("t", tuple(SuiteRequest(i, (1, 2)) for i in IDS))
+    cell = make_cell(lane="natural", lengths=(3, 0, 2, 4))
+    cell.suite_digest = suite.digest
+    report = gate_length_cell(cell, suite)
+    assert [r.gate for r in report.refusals] == ["zero_empty"]
+    assert gate_length_cell(cell, suite, ["gsm8k:test:1"]).passed
