@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.nn import functional as F
 
 NULL_SLOT = 0
 
@@ -107,3 +108,36 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if reads is not None:
         out = torch.where(reads.view(-1, 1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.reshape(rows, heads, head_dim).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
+                      req_indices: torch.Tensor, positions: torch.Tensor, scale: float,
+                      reads: torch.Tensor | None = None) -> torch.Tensor:
+    """The same causal attention as `paged_attention`, per request with torch's fused SDPA (prefill only).
+
+    Rows are grouped by request on the host (prefill runs outside graph capture); each request's own slots
+    req_to_token[r, 0..max position] are gathered once, so memory grows with rows x context per request, not
+    with the square of the batch. Only slots the request owns are read; rows outside `reads` read nothing and
+    get zeros.
+    """
+    rows, heads, head_dim = q.shape
+    out = q.new_zeros(q.shape)
+    if rows == 0:
+        return out
+    kv_heads = k_pool.shape[1]
+    live = torch.ones_like(req_indices, dtype=torch.bool) if reads is None else reads
+    for r in torch.unique(req_indices[live]).tolist():
+        sel = ((req_indices == r) & live).nonzero().view(-1)
+        pos = positions.index_select(0, sel)
+        length = int(pos.max()) + 1
+        slots = req_to_token[r, :length]
+        k = k_pool.index_select(0, slots).transpose(0, 1)  # [kv_heads, length, hd]
+        v = v_pool.index_select(0, slots).transpose(0, 1)
+        if kv_heads != heads:
+            k = k.repeat_interleave(heads // kv_heads, dim=0)
+            v = v.repeat_interleave(heads // kv_heads, dim=0)
+        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [n, length]
+        o = F.scaled_dot_product_attention(q.index_select(0, sel).transpose(0, 1), k.to(q.dtype), v.to(q.dtype),
+                                           attn_mask=mask, scale=scale)
+        out.index_copy_(0, sel, o.transpose(0, 1))
+    return out

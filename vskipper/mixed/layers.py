@@ -30,7 +30,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from vskipper.checkpoint import load_skipper_modules
-from vskipper.mixed.attention import PagedKVCache, apply_rope, paged_attention, rope_cos_sin
+from vskipper.mixed.attention import (
+    PagedKVCache,
+    apply_rope,
+    paged_attention,
+    prefill_attention,
+    rope_cos_sin,
+)
 from vskipper.mixed.backend import cohort_ffn, select_backend, triton_available, triton_interpreted
 from vskipper.mixed.cohorts import CohortBuilder, Cohorts
 from vskipper.mixed.tape import RouteTape
@@ -96,38 +102,45 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin)
 
     def forward(self, u: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, layer_id: int,
-                read_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Write every row's own K/V (Invariant 1), then attend for the rows in `read_rows` (all rows when
-        None); rows outside it, and padding rows, read no KV and get a zero output."""
+                run: torch.Tensor | None = None, read_rows: torch.Tensor | None = None,
+                impl: str = "torch") -> torch.Tensor:
+        """Write every valid row's own K/V (Invariant 1), then the attention read of the RUN rows.
+
+        run        bool [rows]: the RUN mask (None: every row runs). Project-Only and padding rows read no KV
+                   and their attention output is zero.
+        read_rows  the RUN cohort's batch rows when its size is known on the host (the torch backend): only
+                   those rows compute q and read; the others cost nothing.
+        impl       'triton': the capture-safe decode read (`masked_decode_attention`, every row keeps its
+                   launch slot); 'torch': the reference reads (SDPA per request in prefill).
+        """
+        rows = u.shape[0]
         k, v = self.project_kv(u, batch.positions)
         kv.write(layer_id, kv.write_slots(batch.req_indices, batch.positions, batch.valid), k, v)
-        scale = 1.0 / math.sqrt(self.head_dim)
         if read_rows is None:
+            reads = batch.valid if run is None else batch.valid & run
             q = self.project_q(u, batch.positions)
-            out = paged_attention(q, kv.k[layer_id], kv.v[layer_id], kv.req_to_token, batch.req_indices,
-                                  batch.positions, scale, reads=batch.valid)
-            return self.o_proj(out.reshape(u.shape[0], -1))
-        out = u.new_zeros(u.shape[0], self.heads * self.head_dim)
+            out = self._read(q, kv, layer_id, batch.req_indices, batch.positions, reads, batch.phase, impl)
+            return self.o_proj(out.reshape(rows, -1))
+        out = u.new_zeros(rows, self.heads * self.head_dim)
         if read_rows.numel():
             pos = batch.positions.index_select(0, read_rows)
             q = self.project_q(u.index_select(0, read_rows), pos)
-            read = paged_attention(q, kv.k[layer_id], kv.v[layer_id], kv.req_to_token,
-                                   batch.req_indices.index_select(0, read_rows), pos, scale,
-                                   reads=batch.valid.index_select(0, read_rows))
+            read = self._read(q, kv, layer_id, batch.req_indices.index_select(0, read_rows), pos,
+                              batch.valid.index_select(0, read_rows), batch.phase, impl)
             out.index_copy_(0, read_rows, read.reshape(read_rows.shape[0], -1))
         return self.o_proj(out)
 
-    def forward_masked(self, u: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, layer_id: int,
-                       run: torch.Tensor) -> torch.Tensor:
-        """The capture-safe form: every row keeps its launch slot; a Project-Only row's read is masked to its
-        reserved slot and its output selected to zero (a select, never a multiply: a masked row is 0/0)."""
-        k, v = self.project_kv(u, batch.positions)
-        kv.write(layer_id, kv.write_slots(batch.req_indices, batch.positions, batch.valid), k, v)
-        q = self.project_q(u, batch.positions)
-        reads = run & batch.valid
-        out = paged_attention(q, kv.k[layer_id], kv.v[layer_id], kv.req_to_token, batch.req_indices,
-                              batch.positions, 1.0 / math.sqrt(self.head_dim), reads=reads)
-        return self.o_proj(out.reshape(u.shape[0], -1))
+    def _read(self, q: torch.Tensor, kv: PagedKVCache, layer_id: int, req: torch.Tensor, pos: torch.Tensor,
+              reads: torch.Tensor, phase: str, impl: str) -> torch.Tensor:
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if phase == "prefill":
+            return prefill_attention(q, kv.k[layer_id], kv.v[layer_id], kv.req_to_token, req, pos, scale, reads)
+        if impl == "triton":
+            from vskipper.mixed.kernels import masked_decode_attention
+
+            return masked_decode_attention(q, kv.k[layer_id], kv.v[layer_id], kv.req_to_token, req, pos, reads,
+                                           scale)
+        return paged_attention(q, kv.k[layer_id], kv.v[layer_id], kv.req_to_token, req, pos, scale, reads)
 
 
 class MLP(nn.Module):
@@ -167,9 +180,9 @@ class DecoderLayer(nn.Module):
             self.router = SkipRouter(d, r, eps)
             self.router_proj = ProjectorAdapter(d, m)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, impl: str = "torch") -> torch.Tensor:
         """The dense layer (the unmodified model's computation)."""
-        h = x + self.self_attn(self.input_layernorm(x), batch, kv, self.layer_id)
+        h = x + self.self_attn(self.input_layernorm(x), batch, kv, self.layer_id, impl=impl)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_routed(self, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
@@ -183,14 +196,14 @@ class DecoderLayer(nn.Module):
         if n_proj == 0:
             # All-RUN fast path: no gather, no scatter; the branch weight still scales the MLP.
             stats.all_run_fast_path += 1
-            h = x + self.self_attn(u, batch, kv, self.layer_id)
+            h = x + self.self_attn(u, batch, kv, self.layer_id, impl=backend)
             return h + weights.view(-1, 1).to(h.dtype) * self.mlp(self.post_attention_layernorm(h))
         stats.cohort_passes += 1
         if host_counts:
             read_rows = cohorts.run_idx[: int(cohorts.n_run)]
             h = x + self.self_attn(u, batch, kv, self.layer_id, read_rows=read_rows)
         else:
-            h = x + self.self_attn.forward_masked(u, batch, kv, self.layer_id, run)
+            h = x + self.self_attn(u, batch, kv, self.layer_id, run=run, impl=backend)
         v = self.post_attention_layernorm(h)
         y = h.clone()
         mlp, proj = self.mlp, self.router_proj
@@ -302,6 +315,7 @@ class MixedDepthModel(nn.Module):
         `layer_inputs`, when given, receives every layer's input [rows, d] (for the Invariant 1 check).
         """
         x = self.embed(input_ids)
+        impl = self.backend_for(batch.phase)  # dense layers read attention the same way as routed ones
         routed = skipper is not None and bool(self.routed_layers)
         if routed:
             tape, builder = self.tape(), self._builder
@@ -329,7 +343,7 @@ class MixedDepthModel(nn.Module):
                 cohorts = builder.build(run)
                 x = layer.forward_routed(x, u, run, weights, cohorts, batch, kv, backend, self.stats, self.tiles)
             else:
-                x = layer(x, batch, kv)
+                x = layer(x, batch, kv, impl)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
