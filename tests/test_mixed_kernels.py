@@ -4,28 +4,28 @@ running on them, each against plain torch. The interpreter proves the kernels' s
 early exit, epilogue); their speed needs a GPU (benchmarks/mixed_depth_bench.py)."""
 
 import os
+import random
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+import pytest
+import torch
+from mixed_world import TapeSkipper, World, random_routes
 
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from mixed_world import TapeSkipper, World, random_routes  # noqa: E402
-
-from vskipper.mixed.attention import paged_attention  # noqa: E402
-from vskipper.mixed.backend import cohort_ffn_torch  # noqa: E402
-from vskipper.mixed.cohorts import build_cohorts  # noqa: E402
-from vskipper.mixed.kernels import (  # noqa: E402
+from vskipper.mixed.attention import paged_attention
+from vskipper.mixed.backend import cohort_ffn_torch
+from vskipper.mixed.cohorts import build_cohorts
+from vskipper.mixed.kernels import (
     cohort_down_scatter,
     cohort_ffn_triton,
     cohort_gate_up,
     masked_decode_attention,
 )
-from vskipper.mixed.layers import MixedDepthModel  # noqa: E402
-from vskipper.mixed.reference import reference_forward  # noqa: E402
-from vskipper.mixed.tiles import Tile  # noqa: E402
-from vskipper.skippers.static_depth import StaticDepth  # noqa: E402
+from vskipper.mixed.layers import MixedDepthModel
+from vskipper.mixed.reference import reference_forward
+from vskipper.mixed.tiles import Tile
+from vskipper.skippers.static_depth import StaticDepth
+
+# tests/conftest.py selects the interpreter before triton is first imported.
+assert os.environ.get("TRITON_INTERPRET") == "1", "the kernel tests need TRITON_INTERPRET=1 (see conftest.py)"
 
 SMALL = Tile(16, 32, 32, 4, 1)
 
