@@ -30,7 +30,7 @@ demo: install
 	$(VENV)/bin/vskipper demo --out $(DEMO_OUT)
 
 lint: install
-	$(VENV)/bin/ruff check vskipper tests
+	$(VENV)/bin/ruff check vskipper tests benchmarks
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis
