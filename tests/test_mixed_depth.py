@@ -231,3 +231,31 @@ def test_a_decode_batch_over_the_capacity_is_refused_but_a_long_prefill_is_route
     ids, batch = world.decode_batch([0, 1], padding=CAPACITY - 1)
     with pytest.raises(ValueError, match="exceeds the routed capacity"):
         model(ids, batch, world.kv, StaticDepth(0.5))
+
+
+def test_qwen3_project_only_rows_write_k_normed_per_head_before_rope(tiny_qwen3):
+    """Checked against an independent RoPE (complex rotation of the (i, i + d/2) pairs): the cached K of a row
+    that projects at every routed layer is RoPE(k_norm(k_proj(LN1 x))), not k_norm(RoPE(...))."""
+    model = MixedDepthModel.from_pretrained(tiny_qwen3, capacity=CAPACITY)
+    world = World(model, 2, seed=4)
+    model(*world.prefill_batch({0: 3, 1: 2}), world.kv)
+    ids, batch = world.decode_batch([1, 0])
+    inputs = []
+    model(ids, batch, world.kv, StaticDepth(1.0), layer_inputs=inputs)
+    attn = model.model.layers[model.routed_layers[-1]].self_attn
+    layer = model.routed_layers[-1]
+    hd = attn.head_dim
+    inv = 1.0 / (attn.theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    angle = batch.positions.double()[:, None] * inv[None, :]  # [rows, hd/2]
+
+    def rope(t):
+        pairs = torch.complex(t[..., : hd // 2].double(), t[..., hd // 2 :].double()) * torch.polar(
+            torch.ones_like(angle), angle)[:, None, :]
+        return torch.cat([pairs.real, pairs.imag], dim=-1).float()
+
+    with torch.no_grad():
+        raw = attn.k_proj(model.model.layers[layer].input_layernorm(inputs[layer])).view(2, attn.kv_heads, hd)
+        expected, wrong_order = rope(attn.k_norm(raw)), attn.k_norm(rope(raw))
+    cached = world.kv.k[layer, world.kv.req_to_token[batch.req_indices, batch.positions]]
+    torch.testing.assert_close(cached, expected, rtol=1e-5, atol=1e-5)
+    assert (cached - wrong_order).abs().max() > 1e-3  # the order is observable with these norm weights

@@ -366,5 +366,16 @@ class MixedDepthModel(nn.Module):
             "cohort_passes": self.stats.cohort_passes,
             "cohort_counts_read_on_host": self.stats.cohort_counts_read_on_host,
             "backends_used": dict(self.stats.backends),
-            "tiles": getattr(self.tiles, "source", None),
+            "tiles": self._tile_source(),
         }
+
+    def _tile_source(self) -> str | None:
+        if self.tiles is not None:
+            return getattr(self.tiles, "source", "explicit tile")
+        if self.backend_for("decode") != "triton":
+            return None
+        if self.device.type != "cuda":
+            return "interpreter tile"
+        from vskipper.mixed.kernels import device_tile_table
+
+        return device_tile_table(self.device).source
