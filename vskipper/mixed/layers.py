@@ -109,7 +109,7 @@ class Attention(nn.Module):
         run        bool [rows]: the RUN mask (None: every row runs). Project-Only and padding rows read no KV
                    and their attention output is zero.
         read_rows  the RUN cohort's batch rows when its size is known on the host (the torch backend): only
-                   those rows compute q and read; the others cost nothing.
+                   those rows compute q, read and go through o_proj; the others cost nothing beyond K/V.
         impl       'triton': the capture-safe decode read (`masked_decode_attention`, every row keeps its
                    launch slot); 'torch': the reference reads (SDPA per request in prefill).
         """
@@ -121,14 +121,14 @@ class Attention(nn.Module):
             q = self.project_q(u, batch.positions)
             out = self._read(q, kv, layer_id, batch.req_indices, batch.positions, reads, batch.phase, impl)
             return self.o_proj(out.reshape(rows, -1))
-        out = u.new_zeros(rows, self.heads * self.head_dim)
+        out = u.new_zeros(rows, u.shape[1])
         if read_rows.numel():
             pos = batch.positions.index_select(0, read_rows)
             q = self.project_q(u.index_select(0, read_rows), pos)
             read = self._read(q, kv, layer_id, batch.req_indices.index_select(0, read_rows), pos,
                               batch.valid.index_select(0, read_rows), batch.phase, impl)
-            out.index_copy_(0, read_rows, read.reshape(read_rows.shape[0], -1))
-        return self.o_proj(out)
+            out.index_copy_(0, read_rows, self.o_proj(read.reshape(read_rows.shape[0], -1)))
+        return out
 
     def _read(self, q: torch.Tensor, kv: PagedKVCache, layer_id: int, req: torch.Tensor, pos: torch.Tensor,
               reads: torch.Tensor, phase: str, impl: str) -> torch.Tensor:
