@@ -259,3 +259,19 @@ def test_qwen3_project_only_rows_write_k_normed_per_head_before_rope(tiny_qwen3)
     cached = world.kv.k[layer, world.kv.req_to_token[batch.req_indices, batch.positions]]
     torch.testing.assert_close(cached, expected, rtol=1e-5, atol=1e-5)
     assert (cached - wrong_order).abs().max() > 1e-3  # the order is observable with these norm weights
+
+
+def test_dense_mode_rows_in_a_routed_batch_compute_exactly_the_dense_forward(model):
+    """A mixed-mode batch takes the routed path with dense-mode rows forced to RUN with unit weight; those rows'
+    outputs equal a dense step of the same batch (rows are independent), while routed rows do differ."""
+    outs = []
+    for skipper in (None, StaticDepth(1.0)):
+        world = prefilled_world(model, seed=31)
+        ids, batch = world.decode_batch([4, 1, 3, 0, 2])
+        batch.dense_rows = torch.tensor([True, False, True, False, True])
+        outs.append(model(ids, batch, world.kv, skipper))
+    dense, mixed = outs
+    torch.testing.assert_close(mixed[batch.dense_rows], dense[batch.dense_rows], rtol=0, atol=1e-6)
+    assert (mixed[~batch.dense_rows] - dense[~batch.dense_rows]).abs().max() > 1e-3
+    run, weights = model.last_tape.layer(model.routed_layers[0], 5)
+    assert run.tolist() == batch.dense_rows.tolist() and (weights[batch.dense_rows] == 1).all()

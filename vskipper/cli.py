@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, UnknownDeviceError, ModelConfigError, SkipperConfigError, FileNotFoundError,
-            RuntimeError) as exc:
+    except (ValueError, UnknownDeviceError, ModelConfigError, SkipperConfigError, FileNotFoundError) as exc:
         print(f"vskipper {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -56,6 +56,7 @@ class ForwardBatch:
     valid: torch.Tensor  # bool [rows]: False for padding rows (they write the reserved slot, read nothing)
     phase: str = "decode"  # "decode" or "prefill"
     request_keys: torch.Tensor | None = None  # int64 [rows]: stable per-request keys (RandomSkip)
+    dense_rows: torch.Tensor | None = None  # bool [rows]: rows of dense-mode requests in a routed batch (RUN)
 
     def __post_init__(self) -> None:
         if self.phase not in ("decode", "prefill"):
@@ -338,7 +339,7 @@ class MixedDepthModel(nn.Module):
             if routed and layer.routed:
                 u = layer.input_layernorm(x)
                 router = layer.router if skipper.requires_router_weights else None
-                tape.record(layer.layer_id, skipper.route(layer.layer_id, u, state, router))
+                tape.record(layer.layer_id, skipper.route(layer.layer_id, u, state, router), batch.dense_rows)
                 run, weights = tape.layer(layer.layer_id, batch.rows)
                 cohorts = builder.build(run)
                 x = layer.forward_routed(x, u, run, weights, cohorts, batch, kv, backend, self.stats, self.tiles)

@@ -45,8 +45,11 @@ class RouteTape:
         self.run.fill_(True)
         self.weights.fill_(1.0)
 
-    def record(self, layer_id: int, route: LayerRoute) -> None:
-        """Copy one layer's route in place. The row count is a shape, never a tensor value."""
+    def record(self, layer_id: int, route: LayerRoute, dense_rows: torch.Tensor | None = None) -> None:
+        """Copy one layer's route in place. The row count is a shape, never a tensor value.
+
+        `dense_rows` (bool [rows]) marks rows of dense-mode requests in a mixed-mode batch: they RUN with unit
+        weight whatever the skipper said, so they compute exactly what the dense forward computes."""
         j = self.slot(layer_id)
         rows = route.run_mask.shape[0]
         if rows > self.capacity:
@@ -55,8 +58,12 @@ class RouteTape:
         if route.weights.shape[0] != rows:
             raise ValueError(f"route of layer {layer_id}: weights have {route.weights.shape[0]} rows, "
                              f"run_mask has {rows}")
-        self.run[j, :rows].copy_(route.run_mask.reshape(-1))
-        self.weights[j, :rows].copy_(route.weights.reshape(-1))
+        run, weights = route.run_mask.reshape(-1), route.weights.reshape(-1)
+        if dense_rows is not None:
+            run = run | dense_rows
+            weights = torch.where(dense_rows, torch.ones((), dtype=weights.dtype, device=weights.device), weights)
+        self.run[j, :rows].copy_(run)
+        self.weights[j, :rows].copy_(weights)
         if rows < self.capacity:
             self.run[j, rows:].fill_(True)
             self.weights[j, rows:].fill_(1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from vskipper.modelspec import load_model_facts
@@ -15,6 +16,16 @@ def run_tune_tiles(args: argparse.Namespace) -> int:
     if args.interpret:
         # Must precede the first triton import of this process.
         os.environ["TRITON_INTERPRET"] = "1"
+    from vskipper.mixed.tuner import TunerError
+
+    try:
+        return _run(args)
+    except TunerError as exc:
+        print(f"vskipper tune-tiles: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from vskipper.mixed.tuner import TunerError, tune
