@@ -35,7 +35,7 @@ loadgen-demo: install
 	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)
 
 lint: install
-	$(VENV)/bin/ruff check vskipper loadgen tests
+	$(VENV)/bin/ruff check vskipper loadgen tests benchmarks
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -4,6 +4,10 @@ from pathlib import Path
 
 import pytest
 
+# The Triton kernels are tested on the interpreter (tests run on CPU). Triton reads this when it is first
+# imported, and torch may import it early (e.g. via its flop counter), so it is set before any test module loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

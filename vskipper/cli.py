@@ -89,6 +89,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.out)
 
 
+def _tune_tiles(args: argparse.Namespace) -> int:
+    from vskipper.mixed.tune_cli import run_tune_tiles
+
+    return run_tune_tiles(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vskipper", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(func=_make_tiny)
+
+    p = sub.add_parser("tune-tiles", help="time cohort GEMM tiles against torch on this GPU; write a tile table")
+    p.add_argument("--model", default="llama-3-8b", help="preset or config.json giving the GEMM widths")
+    p.add_argument("--device", help="catalogue name for the table (default: detected from the GPU)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--out", required=True, help="where to write the JSON table")
+    p.add_argument("--max-candidates", type=int, help="sample at most this many tiles per shape")
+    p.add_argument("--interpret", action="store_true",
+                   help="tiny smoke run on the Triton interpreter (CPU); the table is not a measurement")
+    p.set_defaults(func=_tune_tiles)
 
     p = sub.add_parser("demo", help="the main job on an embedded default (tiny model, no GPU)")
     p.add_argument("--out", default="out/demo")

@@ -1,0 +1,94 @@
+"""Shared set-ups for the mixed-depth tests: paged caches with shuffled pages, prompts, decode batches, and a
+skipper that replays a given tape."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import torch
+
+from vskipper.mixed.layers import ForwardBatch, MixedDepthModel
+from vskipper.skippers.base import LayerRoute, Skipper
+
+
+class TapeSkipper(Skipper):
+    """Replays fixed routes: {layer: (run bool [rows], weights [rows])}."""
+
+    name = "fixed_tape"
+    decision = "given"
+
+    def __init__(self, routes: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.routes = routes
+
+    def prepare_batch(self, batch):
+        return None
+
+    def route(self, layer_id, normed_hidden, state, router=None):
+        run, w = self.routes[layer_id]
+        return LayerRoute(run.view(-1, 1), w.view(-1, 1).to(normed_hidden.dtype))
+
+
+def random_routes(layers, rows, rng: random.Random, valid: torch.Tensor, mode: str = "random",
+                  unit: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """mode: random (ragged counts), all_run (n_proj = 0), all_project (n_run = padding rows only)."""
+    routes = {}
+    for layer in layers:
+        if mode == "all_run":
+            run = [True] * rows
+        elif mode == "all_project":
+            run = [False] * rows
+        else:
+            share = rng.random()
+            run = [rng.random() > share for _ in range(rows)]
+        run_t = torch.tensor(run, dtype=torch.bool) | ~valid  # padding rows always RUN
+        w = torch.ones(rows) if unit else torch.tensor([rng.uniform(0.05, 0.95) for _ in range(rows)])
+        routes[layer] = (run_t, torch.where(valid, w, torch.ones(rows)))
+    return routes
+
+
+class World:
+    """A model, a paged cache with shuffled page ownership, and per-request prompt lengths."""
+
+    def __init__(self, model: MixedDepthModel, n_requests: int, seed: int, page_size: int = 4,
+                 max_context: int = 24, spare_pages: int = 3) -> None:
+        self.model = model
+        self.rng = random.Random(seed)
+        self.n_requests = n_requests
+        pages_per_request = max_context // page_size
+        num_pages = 1 + n_requests * pages_per_request + spare_pages
+        self.kv = model.new_kv_cache(num_pages, page_size, n_requests, max_context)
+        order = list(range(1, num_pages))
+        self.rng.shuffle(order)
+        self.pages = {r: order[r * pages_per_request : (r + 1) * pages_per_request] for r in range(n_requests)}
+        for r, pages in self.pages.items():
+            self.kv.assign_pages(r, pages)
+        self.lengths = {r: 0 for r in range(n_requests)}
+        self.vocab = model.config["vocab_size"]
+
+    def owned_slots(self, requests) -> set[int]:
+        return {int(self.kv.req_to_token[r, t]) for r in requests for t in range(self.lengths[r])}
+
+    def prefill_batch(self, prompt: dict[int, int]) -> tuple[torch.Tensor, ForwardBatch]:
+        """Packed prompt rows of the given requests ({request: new tokens}), interleaved in a random order."""
+        rows = [(r, self.lengths[r] + t) for r, n in prompt.items() for t in range(n)]
+        self.rng.shuffle(rows)
+        for r, n in prompt.items():
+            self.lengths[r] += n
+        ids = torch.tensor([self.rng.randrange(self.vocab) for _ in rows])
+        return ids, ForwardBatch(torch.tensor([p for _, p in rows]), torch.tensor([r for r, _ in rows]),
+                                 torch.ones(len(rows), dtype=torch.bool), "prefill")
+
+    def decode_batch(self, requests, padding: int = 0) -> tuple[torch.Tensor, ForwardBatch]:
+        """One row per request (in the given order) plus `padding` padding rows (request 0, position 0)."""
+        pos = []
+        for r in requests:
+            pos.append(self.lengths[r])
+            self.lengths[r] += 1
+        ids = torch.tensor([self.rng.randrange(self.vocab) for _ in range(len(requests) + padding)])
+        valid = torch.tensor([True] * len(requests) + [False] * padding)
+        return ids, ForwardBatch(torch.tensor(pos + [0] * padding), torch.tensor(list(requests) + [0] * padding),
+                                 valid, "decode")
+
+    def fork_cache(self):
+        return copy.deepcopy(self.kv)

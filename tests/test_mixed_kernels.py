@@ -1,0 +1,180 @@
+"""The Triton kernels under TRITON_INTERPRET=1 (no GPU here): count-bounded cohort GEMMs with the gather in the
+operand load and the weighted scatter in the epilogue, the masked decode attention, and a routed decode forward
+running on them, each against plain torch. The interpreter proves the kernels' semantics (indexing, masks,
+early exit, epilogue); their speed needs a GPU (benchmarks/mixed_depth_bench.py)."""
+
+import os
+import random
+
+import pytest
+import torch
+from mixed_world import TapeSkipper, World, random_routes
+from torch.overrides import TorchFunctionMode
+
+from vskipper.mixed.attention import paged_attention
+from vskipper.mixed.backend import cohort_ffn_torch
+from vskipper.mixed.cohorts import build_cohorts
+from vskipper.mixed.kernels import (
+    cohort_down_scatter,
+    cohort_ffn_triton,
+    cohort_gate_up,
+    masked_decode_attention,
+)
+from vskipper.mixed.layers import MixedDepthModel
+from vskipper.mixed.reference import reference_forward
+from vskipper.mixed.tiles import Tile
+from vskipper.skippers.static_depth import StaticDepth
+from vskipper.skippers.trained_gate import FlexiDepthGate
+
+# tests/conftest.py selects the interpreter before triton is first imported.
+assert os.environ.get("TRITON_INTERPRET") == "1", "the kernel tests need TRITON_INTERPRET=1 (see conftest.py)"
+
+SMALL = Tile(16, 32, 32, 4, 1)
+
+
+def weights(g, d, n):
+    return (torch.randn(n, d, generator=g) / d**0.5, torch.randn(n, d, generator=g) / d**0.5,
+            torch.randn(d, n, generator=g) / n**0.5)
+
+
+@pytest.mark.parametrize("share_run", [0.0, 1.0, 0.6])
+@pytest.mark.parametrize("capacity,d,n", [(24, 64, 96), (40, 48, 8)])  # an MLP shape, a narrow projector shape
+def test_cohort_ffn_kernels_match_torch_for_ragged_counts(capacity, d, n, share_run):
+    g = torch.Generator().manual_seed(capacity + n)
+    x = torch.randn(capacity, d, generator=g)
+    wg, wu, wd = weights(g, d, n)
+    w = torch.rand(capacity, generator=g)
+    mask = torch.rand(capacity, generator=g) < share_run
+    c = build_cohorts(mask)
+    for idx, count in ((c.run_idx, c.n_run), (c.proj_idx, c.n_proj)):
+        y = torch.randn(capacity, d, generator=g)
+        expected = y.clone()
+        cohort_ffn_torch(x, idx, count, w, wg, wu, wd, expected)
+        cohort_ffn_triton(x, idx, count, w, wg, wu, wd, y, tiles=SMALL)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_past_the_device_count_write_nothing():
+    g = torch.Generator().manual_seed(3)
+    capacity, d, n = 48, 32, 32
+    x = torch.randn(capacity, d, generator=g)
+    wg, wu, wd = weights(g, d, n)
+    idx = torch.randperm(capacity, generator=g)
+    count = torch.tensor([5])
+    a = torch.full((capacity, n), 7.0)
+    cohort_gate_up(x, idx, count, wg, wu, out=a, tile=SMALL)
+    assert (a[5:] == 7.0).all()  # rows at and past the count are left alone
+    rows = idx[:5]
+    xa = x[rows]
+    torch.testing.assert_close(a[:5], torch.nn.functional.silu(xa @ wg.t()) * (xa @ wu.t()))
+    y = torch.randn(capacity, d, generator=g)
+    before = y.clone()
+    w = torch.rand(capacity, generator=g)
+    cohort_down_scatter(a, idx, count, w, wd, y, tile=SMALL)
+    untouched = torch.ones(capacity, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(y[untouched], before[untouched])
+    torch.testing.assert_close(y[rows], before[rows] + w[rows, None] * (a[:5] @ wd.t()))
+
+
+def test_a_zero_count_launches_a_full_grid_that_does_nothing():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 32, generator=g)
+    wg, wu, wd = weights(g, 32, 32)
+    y = torch.randn(32, 32, generator=g)
+    before = y.clone()
+    cohort_ffn_triton(x, torch.arange(32), torch.tensor([0]), torch.rand(32, generator=g), wg, wu, wd, y,
+                      tiles=SMALL)
+    assert torch.equal(y, before)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 8)])
+def test_masked_decode_attention_matches_the_reference_and_ignores_foreign_slots(heads, kv_heads):
+    rng = random.Random(heads)
+    g = torch.Generator().manual_seed(heads)
+    hd, rows, ctx = 16, 6, 30
+    slots = 1 + rows * ctx + 40  # slot 0 reserved, 40 slots nobody in the batch owns
+    k_pool = torch.randn(slots, kv_heads, hd, generator=g)
+    v_pool = torch.randn(slots, kv_heads, hd, generator=g)
+    perm = torch.randperm(slots - 1, generator=g) + 1
+    r2t = perm[: rows * ctx].view(rows, ctx)
+    positions = torch.tensor([rng.randrange(r2t.shape[1]) for _ in range(rows)])
+    reads = torch.tensor([rng.random() < 0.7 for _ in range(rows)])
+    owned = {int(r2t[r, t]) for r in range(rows) if reads[r] for t in range(int(positions[r]) + 1)}
+    foreign = torch.tensor([s for s in range(slots) if s not in owned])
+    k_pool[foreign] = float("nan")
+    v_pool[foreign] = float("nan")
+    q = torch.randn(rows, heads, hd, generator=g)
+    req = torch.arange(rows)
+    out = masked_decode_attention(q, k_pool, v_pool, r2t, req, positions, reads, 0.25, block_t=16)
+    expected = paged_attention(q, k_pool, v_pool, r2t, req, positions, 0.25, reads)
+    assert torch.isfinite(out).all()
+    assert (out[~reads] == 0).all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def triton_model(tiny_flexidepth):
+    return MixedDepthModel.from_pretrained(tiny_flexidepth, capacity=8, backend="triton")
+
+
+def test_routed_decode_on_the_triton_backend_matches_the_reference(triton_model):
+    model = triton_model
+    world = World(model, 5, seed=2)
+    model(*world.prefill_batch({r: 1 + r % 3 for r in range(5)}), world.kv)
+    for mode in ("random", "all_project"):
+        ids, batch = world.decode_batch(world.rng.sample(range(5), 4), padding=2)
+        routes = random_routes(model.routed_layers, batch.rows, world.rng, batch.valid, mode)
+        ref_kv = world.fork_cache()
+        out = model(ids, batch, world.kv, TapeSkipper(routes))
+        expected = reference_forward(model, ids, batch, ref_kv, routes)
+        torch.testing.assert_close(out[batch.valid], expected[batch.valid], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(world.kv.k[:, 1:], ref_kv.k[:, 1:], rtol=1e-5, atol=1e-5)
+    att = model.attestation()
+    assert att["decode_backend"] == "triton" and att["backends_used"]["decode"] == "triton"
+    assert att["triton_interpreted"] and not att["cohort_counts_read_on_host"]
+    assert att["tiles"] == "interpreter tile"
+
+
+def test_all_run_routed_decode_on_triton_equals_the_dense_decode(triton_model):
+    model = triton_model
+    outs = []
+    for skipper in (None, StaticDepth(0.0)):
+        world = World(model, 4, seed=8)
+        model(*world.prefill_batch({0: 2, 1: 3, 2: 1, 3: 2}), world.kv)
+        ids, batch = world.decode_batch([2, 0, 3, 1], padding=1)
+        outs.append(model(ids, batch, world.kv, skipper)[batch.valid])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+class HostReadDetector(TorchFunctionMode):
+    """Records every tensor-to-host value read (.item(), int(), bool(), float(), tolist(), index use)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__float__,
+             torch.Tensor.tolist, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_routed_decode_step_on_the_triton_backend_reads_no_tensor_value_on_the_host(tiny_flexidepth):
+    """The capture contract: with the trained gate choosing routes, tape, cohort maps, attention and cohort
+    GEMMs run without a single host read, so a captured graph replays new routes. The torch backend (CPU)
+    does read its cohort counts, which the detector sees, so it would see a read on the Triton path too."""
+    reads = {}
+    for backend in ("triton", "torch"):
+        model = MixedDepthModel.from_pretrained(tiny_flexidepth, capacity=8, backend=backend)
+        world = World(model, 4, seed=9)
+        model(*world.prefill_batch({0: 2, 1: 3, 2: 1, 3: 2}), world.kv)
+        ids, batch = world.decode_batch([1, 3, 0, 2], padding=2)
+        with HostReadDetector() as detector:
+            model(ids, batch, world.kv, FlexiDepthGate())
+        reads[backend] = detector.reads
+    assert reads["triton"] == []
+    assert reads["torch"]

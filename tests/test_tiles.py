@@ -1,0 +1,83 @@
+"""Per-device tile tables: validation against the device's shared memory, the documented defaults, lookup."""
+
+import json
+
+import pytest
+
+from vskipper.mixed.tiles import (
+    COUNT_RANGES,
+    OPERATIONS,
+    Tile,
+    TileTableError,
+    default_tile_table,
+    load_tile_table,
+    parse_tile_table,
+    tile_table_for,
+)
+from vskipper.roofline import DEVICES, lookup_device
+
+
+def table(tile: dict, device="RTX-A6000") -> dict:
+    return {"device": device, "dtype": "bfloat16",
+            "tiles": {op: [{"rows": [lo, hi], **tile} for lo, hi in COUNT_RANGES] for op in OPERATIONS}}
+
+
+def test_loader_rejects_tiles_over_the_devices_shared_memory_with_a_clear_message(tmp_path):
+    big = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4}
+    path = tmp_path / "a6000.json"
+    path.write_text(json.dumps(table(big)))
+    need = Tile(128, 128, 64, 8, 4).shared_mem_bytes("mlp_gate_up")
+    limit = lookup_device("RTX-A6000").shared_mem_per_block
+    with pytest.raises(TileTableError) as err:
+        load_tile_table(path)
+    msg = str(err.value)
+    assert "tiles.mlp_gate_up[0]" in msg and f"needs {need} bytes" in msg and f"{limit} bytes per block" in msg
+    # the same tile fits a 227 KiB part
+    assert load_tile_table(path, lookup_device("H200")).lookup("mlp_down", 300).block_m == 128
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.name)
+def test_default_table_fits_every_catalogued_device_and_covers_all_twenty_shapes(device):
+    t = default_tile_table(device.shared_mem_per_block, device.name)
+    for op in OPERATIONS:
+        for lo, hi in COUNT_RANGES:
+            for rows in {lo, hi or 4096}:
+                tile = t.lookup(op, rows)
+                assert tile.shared_mem_bytes(op) <= device.shared_mem_per_block
+    assert t.lookup("mlp_gate_up", 1).block_m == 16 and t.lookup("mlp_gate_up", 1024).block_m == 128
+
+
+def test_smaller_shared_memory_gets_fewer_pipeline_stages():
+    big, small = default_tile_table(227 * 1024), default_tile_table(99 * 1024)
+    assert big.lookup("mlp_gate_up", 64).num_stages > small.lookup("mlp_gate_up", 64).num_stages
+    tiny = default_tile_table(24 * 1024)  # forced down until it fits
+    assert all(tiny.lookup(op, 512).shared_mem_bytes(op) <= 24 * 1024 for op in OPERATIONS)
+
+
+def test_unmeasured_devices_fall_back_to_the_default_and_unknown_ones_need_a_limit():
+    t = tile_table_for("NVIDIA-L40S")
+    assert t.source.startswith("default") and t.device == "L40S"
+    assert tile_table_for("Some Future GPU", 227 * 1024).device == "Some Future GPU"
+    with pytest.raises(TileTableError, match="not catalogued"):
+        tile_table_for("Some Future GPU")
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d["tiles"].pop("proj_down"), "'tiles.proj_down' is missing"),
+    (lambda d: d["tiles"]["mlp_down"][1]["rows"].__setitem__(0, 18), "expected 17"),
+    (lambda d: d["tiles"]["mlp_down"][4]["rows"].__setitem__(1, 512), "open-ended"),
+    (lambda d: d["tiles"]["mlp_gate_up"][0].__setitem__("block_k", 48), "block_k must be a power of two"),
+    (lambda d: d["tiles"].__setitem__("attention", []), "unknown operation"),
+    (lambda d: d.__setitem__("dtype", "int8"), "field 'dtype'"),
+])
+def test_malformed_tables_are_refused_naming_the_field(mutate, message):
+    data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2})
+    mutate(data)
+    with pytest.raises(TileTableError, match=message):
+        parse_tile_table(data, 99 * 1024)
+
+
+def test_table_round_trips_through_its_json_form():
+    t = default_tile_table(163 * 1024, "A100-SXM4-80GB")
+    again = parse_tile_table(json.loads(json.dumps(t.as_dict())), 163 * 1024)
+    assert again.entries == t.entries

@@ -1,0 +1,34 @@
+"""`vskipper tune-tiles`: refuses without a GPU, and its interpreter smoke run writes a table that loads.
+(The measured tuning itself needs a GPU; the smoke run exercises the same code path on the interpreter.)"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, load_tile_table
+
+
+def run_cli(args, env):
+    return subprocess.run([sys.executable, "-m", "vskipper.cli", "tune-tiles", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_tune_tiles_refuses_clearly_without_a_gpu(cli_env, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: tune-tiles tunes for real here")
+    env = {k: v for k, v in cli_env.items() if k != "TRITON_INTERPRET"}
+    res = run_cli(["--out", str(tmp_path / "t.json")], env)
+    assert res.returncode == 2
+    assert "none is visible" in res.stderr and "--interpret" in res.stderr
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_interpreter_smoke_run_writes_a_loadable_table_for_all_twenty_shapes(cli_env, tmp_path):
+    out = tmp_path / "smoke.json"
+    res = run_cli(["--interpret", "--device", "RTX-A6000", "--out", str(out)], cli_env)
+    assert res.returncode == 0, res.stderr
+    table = load_tile_table(out)  # validated against the RTX A6000's 99 KiB
+    assert table.device == "RTX-A6000" and "not a measurement" in table.source
+    assert sum(len(table.entries[op]) for op in OPERATIONS) == len(OPERATIONS) * len(COUNT_RANGES) == 20

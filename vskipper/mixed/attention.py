@@ -1,0 +1,143 @@
+"""Paged KV cache and the reference attention that reads it (runs anywhere torch runs, CPU included).
+
+Layout (the same as SGLang's token-to-KV pool): per layer a K pool and a V pool of shape
+[num_slots, kv_heads, head_dim]; slot 0 is reserved and never owned by a request (padding rows write there,
+masked reads point there). A request's tokens live in pages of `page_size` slots; `req_to_token[r, p]` is the
+slot of position p of the request held in request slot r.
+
+`paged_attention` is causal over a request's own positions: a row (request r, position p) reads exactly the
+slots req_to_token[r, 0..p]. Every other index it forms is slot 0, and whatever it gathers there is replaced by
+zeros with a select before use, so the content of any slot it does not own never reaches an output, whatever
+that content is (NaN included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn import functional as F
+
+NULL_SLOT = 0
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 max_requests: int, max_context: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        if num_pages < 2:
+            raise ValueError("num_pages must be at least 2 (page 0 is reserved)")
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self.max_context = max_context
+        shape = (num_layers, self.num_slots, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
+
+    def assign_pages(self, request: int, pages: Sequence[int]) -> None:
+        """Give request slot `request` the pages `pages` (in position order). Page 0 is reserved."""
+        pages = list(pages)
+        if any(p <= 0 or p * self.page_size >= self.num_slots for p in pages):
+            raise ValueError(f"pages must be in 1..{self.num_slots // self.page_size - 1}, got {pages}")
+        positions = torch.arange(min(len(pages) * self.page_size, self.max_context))
+        page_ids = torch.tensor(pages, dtype=torch.int64)[positions // self.page_size]
+        self.req_to_token[request].zero_()
+        self.req_to_token[request, : len(positions)] = (page_ids * self.page_size
+                                                         + positions % self.page_size).to(self.req_to_token.device)
+
+    def slots_of(self, request: int, length: int) -> torch.Tensor:
+        return self.req_to_token[request, :length]
+
+    def write_slots(self, req_indices: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Each row's own slot; padding rows get the reserved slot."""
+        slots = self.req_to_token[req_indices, positions]
+        return torch.where(valid, slots, torch.zeros_like(slots))
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+                                / head_dim))
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Llama/Qwen layout) on x [rows, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
+                    req_indices: torch.Tensor, positions: torch.Tensor, scale: float,
+                    reads: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of q [rows, heads, head_dim] over each row's own request pages; [rows, heads, head_dim].
+
+    k_pool / v_pool: [num_slots, kv_heads, head_dim] (one layer). Grouped-query: heads // kv_heads query heads
+    share a KV head. The context length is bounded by the largest position among the rows (host read: this is
+    the reference path, not a captured one). `reads` (bool [rows]) masks whole rows: a row outside it reads no
+    slot at all and its output is zero (selected, since its softmax is 0/0).
+    """
+    rows, heads, head_dim = q.shape
+    if rows == 0:
+        return q.new_zeros(q.shape)
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    length = int(positions.max()) + 1
+    j = torch.arange(length, device=q.device)
+    own = j[None, :] <= positions[:, None]  # [rows, length]
+    if reads is not None:
+        own = own & reads.view(-1, 1)
+    slots = torch.where(own, req_to_token[req_indices][:, :length], torch.zeros((), dtype=torch.int64,
+                                                                              device=q.device))
+    keep = own[:, :, None, None]
+    k = torch.where(keep, k_pool[slots], torch.zeros((), dtype=k_pool.dtype, device=q.device)).float()
+    v = torch.where(keep, v_pool[slots], torch.zeros((), dtype=v_pool.dtype, device=q.device)).float()
+    qf = q.float().view(rows, kv_heads, group, head_dim)
+    scores = torch.einsum("rkgd,rtkd->rkgt", qf, k) * scale
+    scores = torch.where(own[:, None, None, :], scores, torch.full((), float("-inf"), device=q.device))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("rkgt,rtkd->rkgd", probs, v)
+    if reads is not None:
+        out = torch.where(reads.view(-1, 1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.reshape(rows, heads, head_dim).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
+                      req_indices: torch.Tensor, positions: torch.Tensor, scale: float,
+                      reads: torch.Tensor | None = None) -> torch.Tensor:
+    """The same causal attention as `paged_attention`, per request with torch's fused SDPA (prefill only).
+
+    Rows are grouped by request on the host (prefill runs outside graph capture); each request's own slots
+    req_to_token[r, 0..max position] are gathered once, so memory grows with rows x context per request, not
+    with the square of the batch. Only slots the request owns are read; rows outside `reads` read nothing and
+    get zeros.
+    """
+    rows, heads, head_dim = q.shape
+    out = q.new_zeros(q.shape)
+    if rows == 0:
+        return out
+    kv_heads = k_pool.shape[1]
+    live = torch.ones_like(req_indices, dtype=torch.bool) if reads is None else reads
+    for r in torch.unique(req_indices[live]).tolist():
+        sel = ((req_indices == r) & live).nonzero().view(-1)
+        pos = positions.index_select(0, sel)
+        length = int(pos.max()) + 1
+        slots = req_to_token[r, :length]
+        k = k_pool.index_select(0, slots).transpose(0, 1)  # [kv_heads, length, hd]
+        v = v_pool.index_select(0, slots).transpose(0, 1)
+        if kv_heads != heads:
+            k = k.repeat_interleave(heads // kv_heads, dim=0)
+            v = v.repeat_interleave(heads // kv_heads, dim=0)
+        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [n, length]
+        o = F.scaled_dot_product_attention(q.index_select(0, sel).transpose(0, 1), k.to(q.dtype), v.to(q.dtype),
+                                           attn_mask=mask, scale=scale)
+        out.index_copy_(0, sel, o.transpose(0, 1))
+    return out

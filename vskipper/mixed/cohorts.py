@@ -1,0 +1,74 @@
+"""Cohort maps: from one layer's run mask, the packed index maps of its RUN and Project-Only rows.
+
+For a run mask over `rows` batch rows, `CohortBuilder.build` writes, on the mask's device and with no host read:
+
+  run_idx   int64 [rows]   run_idx[m]  = the batch row of RUN cohort position m,          m < n_run
+  proj_idx  int64 [rows]   proj_idx[m] = the batch row of Project-Only cohort position m, m < n_proj
+  n_run     int64 [1]      RUN rows (a device scalar)
+  n_proj    int64 [1]      Project-Only rows; n_run + n_proj = rows
+
+Cohort order is batch order (a stable compaction by prefix sums). Entries at and past a count are 0, a valid
+row, so a gather there is harmless; every consumer bounds its work by the count anyway.
+
+Invariant 2: these maps are derived from the current tape and the current row set at every routed layer of
+every step. Nothing route-dependent is cached: the builder keeps only route-independent buffers (row numbers,
+output storage) that each build overwrites in full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Cohorts:
+    run_idx: torch.Tensor
+    proj_idx: torch.Tensor
+    n_run: torch.Tensor
+    n_proj: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.run_idx.shape[0]
+
+    def host_counts(self) -> tuple[int, int]:
+        """(n_run, n_proj) on the host. Free on CPU; on a GPU it synchronizes (prefill and tests only)."""
+        return int(self.n_run), int(self.n_proj)
+
+
+class CohortBuilder:
+    def __init__(self, capacity: int, device: str | torch.device = "cpu") -> None:
+        self.capacity = capacity
+        self._rows = torch.arange(capacity + 1, dtype=torch.int64, device=device)
+        self._run = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
+        self._proj = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
+
+    def build(self, run_mask: torch.Tensor) -> Cohorts:
+        run = run_mask.reshape(-1)
+        rows = run.shape[0]
+        if rows > self.capacity:
+            raise ValueError(f"{rows} rows exceed the cohort capacity {self.capacity}")
+        if rows == 0:
+            raise ValueError("a routed layer needs at least one row")
+        run64 = run.to(torch.int64)
+        ends_run = torch.cumsum(run64, 0)
+        ends_proj = self._rows[1 : rows + 1] - ends_run
+        dump = self._rows[rows]  # one slot past the rows: where the other cohort's rows land, then dropped
+        to_run = torch.where(run, ends_run - 1, dump)
+        to_proj = torch.where(run, dump, ends_proj - 1)
+        row_ids = self._rows[:rows]
+        self._run.zero_().scatter_(0, to_run, row_ids)
+        self._proj.zero_().scatter_(0, to_proj, row_ids)
+        n_run = ends_run[rows - 1 :]
+        n_proj = ends_proj[rows - 1 :]
+        # The maps are views of the builder's buffers: the next build (the next routed layer) overwrites them.
+        return Cohorts(self._run[:rows], self._proj[:rows], n_run, n_proj)
+
+
+def build_cohorts(run_mask: torch.Tensor) -> Cohorts:
+    """One-off maps with their own storage (tests, prefill)."""
+    rows = run_mask.reshape(-1).shape[0]
+    c = CohortBuilder(rows, run_mask.device).build(run_mask)
+    return Cohorts(c.run_idx.clone(), c.proj_idx.clone(), c.n_run.clone(), c.n_proj.clone())

@@ -1,0 +1,235 @@
+"""Count-bounded cohort GEMMs in Triton: one captured graph serves every cohort size.
+
+A cohort is given by an index map `idx` [C] (cohort position -> batch row) and a device-side count `count` [1];
+C is the captured batch size. Both kernels launch a static grid sized for C rows; a program whose row tile
+starts at or past `count` returns at once, so the work is bounded by the cohort, not the batch.
+
+`cohort_gate_up_kernel`
+    Reads   X[idx[m], :] for m < count (the gather is folded into the operand load), W_gate [N, K], W_up [N, K]
+    Writes  A[m, :] = silu(X[idx[m]] @ W_gate^T) * (X[idx[m]] @ W_up^T) for m < count, packed (row m of A)
+            A rows >= count are not written.
+    Grid    (cdiv(C, BLOCK_M), cdiv(N, BLOCK_N))
+
+`cohort_down_scatter_kernel`
+    Reads   A[m, :] for m < count, W_down [D, N], weights[idx[m]], Y[idx[m], :]
+    Writes  Y[idx[m], :] += weights[idx[m]] * (A[m] @ W_down^T) for m < count (the scatter and the branch
+            weight are folded into the epilogue). Each (row, column) of Y belongs to one program: idx has no
+            repeated rows below count, and K is not split, so no atomics are needed.
+    Grid    (cdiv(C, BLOCK_M), cdiv(D, BLOCK_N))
+
+`masked_decode_attention_kernel` (at the end) is the decode attention read with the RUN mask.
+
+Both GEMMs accumulate in fp32. For the FlexiDepth projector pass (gate_proj, down_proj, up_proj) as
+(W_gate, W_up, W_down). Tests run these kernels under TRITON_INTERPRET=1 against torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vskipper.mixed.tiles import Tile, TileTable, tile_table_for
+
+# Under the interpreter (tests on CPU) small tiles keep the numpy emulation quick.
+INTERPRETER_TILE = Tile(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def cohort_gate_up_kernel(x_ptr, idx_ptr, count_ptr, wg_ptr, wu_ptr, out_ptr, N, K,
+                          stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    count = tl.load(count_ptr)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    g_ptrs = wg_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = wu_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, D, N,
+                               stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    count = tl.load(count_ptr)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    offs_d = pid_d * BLOCK_N + tl.arange(0, BLOCK_N)
+    d_mask = offs_d < D
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_an
+    b_ptrs = wd_ptr + offs_d[None, :] * stride_wd + offs_k[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(N, BLOCK_K)):
+        k_mask = offs_k < N - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_an
+        b_ptrs += BLOCK_K * stride_wn
+    rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
+    w = tl.load(w_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_d[None, :] * stride_yd
+    mask = m_mask[:, None] & d_mask[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + w[:, None] * acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid_tile(op: str, capacity: int, x: torch.Tensor, tiles: TileTable | Tile | None) -> Tile:
+    if isinstance(tiles, Tile):
+        return tiles
+    if tiles is None:
+        if not x.is_cuda:
+            return INTERPRETER_TILE
+        tiles = device_tile_table(x.device)
+    return tiles.lookup(op, capacity)
+
+
+_TABLES: dict[int, TileTable] = {}
+
+
+def device_tile_table(device: torch.device) -> TileTable:
+    """The measured table of the CUDA device, or the default for its shared-memory limit (cached per index)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _TABLES:
+        props = torch.cuda.get_device_properties(index)
+        limit = getattr(props, "shared_memory_per_block_optin", None) or 99 * 1024
+        _TABLES[index] = tile_table_for(props.name, limit)
+    return _TABLES[index]
+
+
+def cohort_gate_up(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w_gate: torch.Tensor,
+                   w_up: torch.Tensor, out: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
+    """A [C, N] with rows m < count set to silu(x[idx[m]] W_gate^T) * (x[idx[m]] W_up^T); others untouched."""
+    capacity, (n, k) = idx.shape[0], w_gate.shape
+    out = torch.empty(capacity, n, dtype=x.dtype, device=x.device) if out is None else out
+    t = tile or _grid_tile("mlp_gate_up", capacity, x, None)
+    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(n, t.block_n))
+    cohort_gate_up_kernel[grid](x, idx, count, w_gate, w_up, out, n, k, x.stride(0), x.stride(1),
+                                w_gate.stride(0), w_gate.stride(1), out.stride(0), out.stride(1),
+                                BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                                num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
+
+
+def cohort_down_scatter(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
+                        w_down: torch.Tensor, y: torch.Tensor, tile: Tile | None = None) -> None:
+    """y[idx[m]] += weights[idx[m]] * (a[m] @ W_down^T) for m < count, in place."""
+    capacity, (d, n) = idx.shape[0], w_down.shape
+    t = tile or _grid_tile("mlp_down", capacity, a, None)
+    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(d, t.block_n))
+    cohort_down_scatter_kernel[grid](a, idx, count, weights, w_down, y, d, n, a.stride(0), a.stride(1),
+                                     w_down.stride(0), w_down.stride(1), y.stride(0), y.stride(1),
+                                     BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                                     num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
+                      w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
+                      op: str = "mlp", tiles: TileTable | Tile | None = None) -> None:
+    """The cohort FFN of `vskipper.mixed.backend` on the two kernels; `op` is 'mlp' or 'proj'."""
+    if op not in ("mlp", "proj"):
+        raise ValueError(f"op must be 'mlp' or 'proj', got {op!r}")
+    capacity = idx.shape[0]
+    weights = weights.reshape(-1)
+    if weights.stride(0) != 1:
+        weights = weights.contiguous()
+    a = cohort_gate_up(x, idx, count, w_gate, w_up, tile=_grid_tile(f"{op}_gate_up", capacity, x, tiles))
+    cohort_down_scatter(a, idx, count, weights, w_down, y, tile=_grid_tile(f"{op}_down", capacity, x, tiles))
+
+
+
+
+@triton.jit
+def masked_decode_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, out_ptr, scale,
+                                   stride_qr, stride_qh, stride_ks, stride_kh, stride_r2t, stride_or, stride_oh,
+                                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                   BLOCK_T: tl.constexpr):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    out_ptrs = out_ptr + row * stride_or + heads[:, None] * stride_oh + offs_d[None, :]
+    if tl.load(read_ptr + row) == 0:
+        # A row that reads nothing emits zeros (stored, not computed: its softmax would be 0/0).
+        tl.store(out_ptrs, tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=g_mask[:, None])
+        return
+    q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
+                other=0.0)
+    req = tl.load(req_ptr + row)
+    length = tl.load(pos_ptr + row) + 1
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+    for start in range(0, length, BLOCK_T):
+        offs_t = start + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < length
+        slots = tl.load(r2t_ptr + req * stride_r2t + offs_t, mask=t_mask, other=0)
+        kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=t_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_G, BLOCK_T]
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_ptr + kv_off, mask=t_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                            req_to_token: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor,
+                            reads: torch.Tensor, scale: float, block_t: int = 64) -> torch.Tensor:
+    """Decode attention with a row mask, capture-safe (no host read).
+
+    Reads   q [rows, heads, hd]; for each row with reads[row]: the slots req_to_token[req, 0..pos] of the K/V
+            pools [slots, kv_heads, hd]; nothing at all for the other rows
+    Writes  out [rows, heads, hd]: the causal attention of reading rows, exact zeros for the others
+    Grid    (rows, kv_heads); the query heads of one KV head share its loads (grouped-query attention)
+    """
+    rows, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16 for the Triton decode attention, got {head_dim}")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    read = reads.to(torch.int32)
+    masked_decode_attention_kernel[(rows, kv_heads)](
+        q, k_pool, v_pool, req_to_token, req_indices, positions, read, out, scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_T=block_t)
+    return out

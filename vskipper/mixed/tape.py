@@ -1,0 +1,82 @@
+"""The route tape: each routed layer's run mask and branch weights, in device buffers sized for a capacity C.
+
+A skipper's `LayerRoute` for layer l is copied into row l of two preallocated buffers with tensor ops:
+
+  run      bool  [L_r, C]   True: the row runs the layer; False: Project-Only
+  weights  dtype [L_r, C]   the multiplier of the branch the row takes (MLP on RUN, projector on Project-Only)
+
+Rows past the batch's row count hold RUN with unit weight (the padding convention of the skipper interface).
+Recording never reads a tensor value on the host and never reallocates, so a decode graph captured at
+capacity C replays with whatever routes the skipper writes at the next step; the cohort maps read the tape
+as data (`vskipper.mixed.cohorts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vskipper.skippers.base import LayerRoute
+
+
+class RouteTape:
+    def __init__(self, capacity: int, routed_layers: Sequence[int], dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+        if not routed_layers:
+            raise ValueError("routed_layers must name at least one layer")
+        self.capacity = capacity
+        self.routed_layers = tuple(int(layer) for layer in routed_layers)
+        self._slot = {layer: j for j, layer in enumerate(self.routed_layers)}
+        self.run = torch.ones(len(self.routed_layers), capacity, dtype=torch.bool, device=device)
+        self.weights = torch.ones(len(self.routed_layers), capacity, dtype=dtype, device=device)
+
+    def slot(self, layer_id: int) -> int:
+        try:
+            return self._slot[layer_id]
+        except KeyError:
+            raise KeyError(f"layer {layer_id} is not a routed layer of this tape "
+                           f"(routed layers: {list(self.routed_layers)})") from None
+
+    def reset(self) -> None:
+        """Every row RUN with unit weight (the tape of a dense step)."""
+        self.run.fill_(True)
+        self.weights.fill_(1.0)
+
+    def record(self, layer_id: int, route: LayerRoute, dense_rows: torch.Tensor | None = None) -> None:
+        """Copy one layer's route in place. The row count is a shape, never a tensor value.
+
+        `dense_rows` (bool [rows]) marks rows of dense-mode requests in a mixed-mode batch: they RUN with unit
+        weight whatever the skipper said, so they compute exactly what the dense forward computes."""
+        j = self.slot(layer_id)
+        rows = route.run_mask.shape[0]
+        if rows > self.capacity:
+            raise ValueError(f"route of layer {layer_id} has {rows} rows, more than the tape capacity "
+                             f"{self.capacity}")
+        if route.weights.shape[0] != rows:
+            raise ValueError(f"route of layer {layer_id}: weights have {route.weights.shape[0]} rows, "
+                             f"run_mask has {rows}")
+        run, weights = route.run_mask.reshape(-1), route.weights.reshape(-1)
+        if dense_rows is not None:
+            run = run | dense_rows
+            weights = torch.where(dense_rows, torch.ones((), dtype=weights.dtype, device=weights.device), weights)
+        self.run[j, :rows].copy_(run)
+        self.weights[j, :rows].copy_(weights)
+        if rows < self.capacity:
+            self.run[j, rows:].fill_(True)
+            self.weights[j, rows:].fill_(1.0)
+
+    def layer(self, layer_id: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (run [rows], weights [rows]) of one layer's tape; no copy."""
+        j = self.slot(layer_id)
+        rows = self.capacity if rows is None else rows
+        return self.run[j, :rows], self.weights[j, :rows]
+
+    def projected_counts(self, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Project-Only rows per routed layer, as a device tensor [L_r] (for counters; reading it syncs)."""
+        proj = ~self.run
+        if valid is not None:
+            proj = proj[:, : valid.shape[0]] & valid.view(1, -1)
+        return proj.sum(dim=1)

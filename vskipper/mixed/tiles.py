@@ -1,0 +1,205 @@
+"""Per-device tile tables for the count-bounded cohort GEMMs.
+
+A table is a JSON file per device, keyed by operation and by the captured batch size C (the static grid is
+sized for C rows, so C picks the tile, never the device-side count):
+
+  {"device": "H200", "dtype": "bfloat16", "source": "vskipper tune-tiles ...",
+   "tiles": {"mlp_gate_up": [{"rows": [1, 16], "block_m": 16, "block_n": 64, "block_k": 64,
+                               "num_warps": 4, "num_stages": 4, "ratio_vs_torch": 0.93}, ...],
+             "mlp_down": [...], "proj_gate_up": [...], "proj_down": [...]}}
+
+`rows` ranges must cover 1.. without gaps (the last one open: [129, null]). The four operations are the gate-up
+(two operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector); with
+the five count ranges of `COUNT_RANGES` that is 20 shapes. A table is validated against the device's shared
+memory per block (`vskipper.roofline.DEVICES`): a tile whose pipelined operand buffers exceed it is refused
+with the operation, the range and both byte counts.
+
+Tables ship only for devices where they were measured (`vskipper/mixed/tile_tables/<device>.json`). Any other
+device gets `default_tile_table`: a conservative configuration chosen by its shared-memory limit (fewer
+pipeline stages on the 99 KiB parts), checked against that limit like a measured table.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vskipper.roofline import Device, find_device
+
+OPERATIONS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down")
+COUNT_RANGES: tuple[tuple[int, int | None], ...] = ((1, 16), (17, 32), (33, 64), (65, 128), (129, None))
+TABLE_DIR = Path(__file__).with_name("tile_tables")
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+class TileTableError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def shared_mem_bytes(self, op: str, dtype_bytes: int = 2) -> int:
+        """Shared memory of the pipelined operand tiles: the gathered rows plus one (down) or two (gate-up)
+        weight tiles, per stage."""
+        weights = 2 if op.endswith("gate_up") else 1
+        return self.num_stages * (self.block_m * self.block_k + weights * self.block_k * self.block_n) * dtype_bytes
+
+
+@dataclass
+class TileTable:
+    device: str
+    dtype: str
+    entries: dict[str, list[tuple[int, int | None, Tile]]]
+    source: str
+
+    def lookup(self, op: str, capacity: int) -> Tile:
+        if op not in self.entries:
+            raise KeyError(f"tile table for {self.device} has no operation {op!r}")
+        for lo, hi, tile in self.entries[op]:
+            if capacity >= lo and (hi is None or capacity <= hi):
+                return tile
+        raise KeyError(f"tile table for {self.device}: no {op} tile for {capacity} rows")
+
+    def as_dict(self) -> dict:
+        return {"device": self.device, "dtype": self.dtype, "source": self.source,
+                "tiles": {op: [{"rows": [lo, hi], **asdict(t)} for lo, hi, t in rows]
+                          for op, rows in self.entries.items()}}
+
+
+def _check_power_of_two(where: str, name: str, value: object, low: int) -> int:
+    if not isinstance(value, int) or value < low or value & (value - 1):
+        raise TileTableError(f"{where}: {name} must be a power of two >= {low}, got {value!r}")
+    return value
+
+
+def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile table") -> TileTable:
+    """Validate a table dict against a shared-memory limit (bytes per block)."""
+    if not isinstance(data, dict):
+        raise TileTableError(f"{where}: expected a JSON object")
+    dtype = data.get("dtype", "bfloat16")
+    if dtype not in DTYPE_BYTES:
+        raise TileTableError(f"{where}: field 'dtype' must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    tiles = data.get("tiles")
+    if not isinstance(tiles, dict):
+        raise TileTableError(f"{where}: field 'tiles' must be an object keyed by operation")
+    unknown = sorted(set(tiles) - set(OPERATIONS))
+    if unknown:
+        raise TileTableError(f"{where}: unknown operation(s) {unknown}; operations are {list(OPERATIONS)}")
+    entries: dict[str, list[tuple[int, int | None, Tile]]] = {}
+    for op in OPERATIONS:
+        if op not in tiles:
+            raise TileTableError(f"{where}: field 'tiles.{op}' is missing")
+        rows_out = []
+        expect = 1
+        for n, entry in enumerate(tiles[op]):
+            here = f"{where}: tiles.{op}[{n}]"
+            rows = entry.get("rows")
+            if not (isinstance(rows, list) and len(rows) == 2):
+                raise TileTableError(f"{here}: field 'rows' must be [first, last] (last null for open-ended)")
+            lo, hi = rows
+            if lo != expect:
+                raise TileTableError(f"{here}: rows start at {lo!r}, expected {expect} (ranges must be contiguous)")
+            if hi is not None and (not isinstance(hi, int) or hi < lo):
+                raise TileTableError(f"{here}: rows end {hi!r} must be null or an integer >= {lo}")
+            tile = Tile(
+                _check_power_of_two(here, "block_m", entry.get("block_m"), 16),
+                _check_power_of_two(here, "block_n", entry.get("block_n"), 16),
+                _check_power_of_two(here, "block_k", entry.get("block_k"), 16),
+                _check_power_of_two(here, "num_warps", entry.get("num_warps", 4), 1),
+                entry.get("num_stages", 2),
+            )
+            if not isinstance(tile.num_stages, int) or not 1 <= tile.num_stages <= 8:
+                raise TileTableError(f"{here}: num_stages must be an integer in 1..8, got {tile.num_stages!r}")
+            need = tile.shared_mem_bytes(op, DTYPE_BYTES[dtype])
+            if need > shared_mem_per_block:
+                raise TileTableError(
+                    f"{here} (rows {lo}..{hi if hi is not None else ''}): tile needs {need} bytes of shared "
+                    f"memory, more than the device's {shared_mem_per_block} bytes per block; lower "
+                    "num_stages or the block sizes")
+            rows_out.append((lo, hi, tile))
+            if hi is None:
+                if n != len(tiles[op]) - 1:
+                    raise TileTableError(f"{here}: only the last range may be open-ended")
+                break
+            expect = hi + 1
+        if not rows_out or rows_out[-1][1] is not None:
+            raise TileTableError(f"{where}: tiles.{op} must end with an open-ended range [first, null]")
+        entries[op] = rows_out
+    return TileTable(str(data.get("device", "unknown")), dtype, entries, str(data.get("source", where)))
+
+
+def load_tile_table(path: str | Path, device: Device | None = None, shared_mem_per_block: int | None = None
+                    ) -> TileTable:
+    """Read and validate a table file. The limit comes from `device` (or the table's own 'device' field looked
+    up in the catalogue) unless given explicitly."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TileTableError(f"{path}: not valid JSON ({exc})") from None
+    if shared_mem_per_block is None:
+        if device is None:
+            device = find_device(str(data.get("device", "")))
+            if device is None:
+                raise TileTableError(f"{path}: field 'device' {data.get('device')!r} is not a catalogued device; "
+                                     "pass the shared-memory limit explicitly")
+        shared_mem_per_block = device.shared_mem_per_block
+    return parse_tile_table(data, shared_mem_per_block, where=str(path))
+
+
+# Conservative defaults, by shared memory per block. Block sizes grow with the captured batch size so small
+# batches do not waste the tensor cores' M dimension on empty rows; every config is re-checked by the parser.
+_LARGE_SMEM = 160 * 1024  # A100 (163 KiB), H100/H200/B200 (227 KiB)
+
+
+def default_tile_table(shared_mem_per_block: int, device: str = "unmeasured", dtype: str = "bfloat16"
+                       ) -> TileTable:
+    """The documented fallback for a device without a measured table.
+
+    >= 160 KiB per block: block_m 16/32/64/64/128 over the count ranges, block_n 64 (gate-up) / 128 (down),
+    block_k 64, 3 stages (4 warps; 8 from 65 rows). Below that (the 99 KiB Ampere/Ada parts): the same blocks
+    with 2 stages. If a configuration still does not fit, stages and then block_n are lowered until it does.
+    """
+    stages = 3 if shared_mem_per_block >= _LARGE_SMEM else 2
+    block_ms = (16, 32, 64, 64, 128)
+    tiles: dict[str, list[dict]] = {}
+    for op in OPERATIONS:
+        rows = []
+        for (lo, hi), bm in zip(COUNT_RANGES, block_ms, strict=True):
+            tile = Tile(bm, 64 if op.endswith("gate_up") else 128, 64, 8 if lo > 64 else 4, stages)
+            while tile.shared_mem_bytes(op, DTYPE_BYTES[dtype]) > shared_mem_per_block:
+                if tile.num_stages > 1:
+                    tile = Tile(tile.block_m, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages - 1)
+                elif tile.block_n > 16:
+                    tile = Tile(tile.block_m, tile.block_n // 2, tile.block_k, tile.num_warps, 1)
+                else:
+                    raise TileTableError(f"no default tile fits {shared_mem_per_block} bytes of shared memory")
+            rows.append({"rows": [lo, hi], **asdict(tile)})
+        tiles[op] = rows
+    data = {"device": device, "dtype": dtype, "source": f"default for {shared_mem_per_block} B shared memory",
+            "tiles": tiles}
+    return parse_tile_table(data, shared_mem_per_block, where=f"default tile table ({device})")
+
+
+def table_path(device: Device) -> Path:
+    return TABLE_DIR / f"{device.name}.json"
+
+
+def tile_table_for(product: str, shared_mem_per_block: int | None = None, dtype: str = "bfloat16") -> TileTable:
+    """The table to serve with on a device named `product` (catalogue name or GPU product string): its measured
+    table when one ships, otherwise the default for its shared-memory limit (catalogue value, or the one given
+    for an unknown device)."""
+    device = find_device(product)
+    if device is not None and table_path(device).exists():
+        return load_tile_table(table_path(device), device)
+    limit = device.shared_mem_per_block if device is not None else shared_mem_per_block
+    if limit is None:
+        raise TileTableError(f"device {product!r} is not catalogued and no shared-memory limit was given")
+    return default_tile_table(limit, device.name if device else product, dtype)

@@ -1,0 +1,54 @@
+"""`vskipper tune-tiles`: pick the device, the widths and the mode, run the tuner, write the table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from vskipper.modelspec import load_model_facts
+from vskipper.roofline import lookup_device
+
+
+def run_tune_tiles(args: argparse.Namespace) -> int:
+    if args.interpret:
+        # Must precede the first triton import of this process.
+        os.environ["TRITON_INTERPRET"] = "1"
+    from vskipper.mixed.tuner import TunerError
+
+    try:
+        return _run(args)
+    except TunerError as exc:
+        print(f"vskipper tune-tiles: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from vskipper.mixed.tuner import TunerError, tune
+
+    if args.interpret:
+        hidden, intermediate, proj = 32, 64, 16  # tiny smoke widths
+        name = args.device or "interpreter-smoke"
+        limit = lookup_device(args.device).shared_mem_per_block if args.device else 99 * 1024
+    else:
+        if not torch.cuda.is_available():
+            raise TunerError("tune-tiles times kernels on a GPU and none is visible; pass --interpret for a tiny "
+                             "smoke run on the Triton interpreter (its table is not a measurement)")
+        facts = load_model_facts(args.model)
+        hidden, intermediate = facts.hidden_size, facts.intermediate_size
+        proj = intermediate // 16
+        props = torch.cuda.get_device_properties(0)
+        device = lookup_device(args.device or props.name)
+        name = device.name
+        limit = min(device.shared_mem_per_block,
+                    getattr(props, "shared_memory_per_block_optin", None) or device.shared_mem_per_block)
+    table = tune(name, limit, hidden, intermediate, proj, args.dtype, args.interpret, args.max_candidates)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=2) + "\n")
+    print(f"wrote {out} ({name}, {sum(len(v) for v in table['tiles'].values())} shapes)")
+    return 0
