@@ -5,13 +5,14 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
 
-.PHONY: install test demo lint clean help
+.PHONY: install test demo lint crd clean help
 
 help:
-	@echo "make install  create $(VENV) with the CPU torch and the project (runtime + dev extras)"
+	@echo "make install  create $(VENV) with the CPU torch and the project (runtime + operator + dev extras)"
 	@echo "make demo     the main job on an embedded default: tiny FlexiDepth checkpoint, routes, thresholds, switch"
 	@echo "make test     the test suite"
 	@echo "make lint     ruff over the code and tests"
+	@echo "make crd      regenerate manifests/crd.yaml from the operator's schema"
 
 install: $(VENV)/.installed
 
@@ -19,7 +20,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[runtime,dev]"
+	$(PY) -m pip install --quiet -e ".[runtime,operator,dev]"
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed; expected the CPU build' if torch.version.cuda else 0)"
 	touch $@
 
@@ -30,7 +31,10 @@ demo: install
 	$(VENV)/bin/vskipper demo --out $(DEMO_OUT)
 
 lint: install
-	$(VENV)/bin/ruff check vskipper tests
+	$(VENV)/bin/ruff check vskipper operator tests
+
+crd: install
+	$(VENV)/bin/vskipper-operator crd > manifests/crd.yaml
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis
