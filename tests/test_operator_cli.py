@@ -73,3 +73,20 @@ def test_console_script_prints_the_committed_crd_without_importing_torch():
             "rc = main(['crd']); assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True).stdout
     assert out == (ROOT / "manifests" / "crd.yaml").read_text()
+
+
+def test_operator_manifest_runs_one_replica_with_recreate_and_rbac_for_every_api_it_calls():
+    from vskipper_operator.kube import RESOURCES
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text())}
+    dep = docs["Deployment"]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}  # no leader election
+    granted = {(group, res, verb) for rule in docs["ClusterRole"]["rules"] for group in rule["apiGroups"]
+               for res in rule["resources"] for verb in rule["verbs"]}
+    for (api_version, _kind), (_prefix, plural) in RESOURCES.items():
+        group = api_version.rpartition("/")[0]
+        assert (group, plural, "list") in granted, plural
+        if plural != "pods":
+            assert {(group, plural, v) for v in ("create", "patch", "delete")} <= granted, plural
+    assert {("", "nodes", "watch"), ("vskipper.io", "skipperdeployments", "watch"),
+            ("vskipper.io", "skipperdeployments/status", "patch"), ("", "events", "create")} <= granted

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import logging
 import os
 import time
@@ -44,6 +43,7 @@ from vskipper_operator.plan import (
     diff,
     plan,
 )
+from vskipper_operator.probe import parse_result
 
 RESYNC_SECONDS = float(os.environ.get("VSKIPPER_OPERATOR_RESYNC_SECONDS", "60"))
 BACKOFFS = tuple(float(x) for x in os.environ.get("VSKIPPER_OPERATOR_API_BACKOFFS", "0.1,0.3,1,3").split(","))
@@ -246,11 +246,11 @@ async def on_probe_job(body: kopf.Body, namespace: str, name: str, logger: Any, 
     for pod in await kube().list("v1", "Pod", namespace, f"job-name={name}"):
         for cs in (pod.get("status") or {}).get("containerStatuses", []):
             message = ((cs.get("state") or {}).get("terminated") or {}).get("message")
-            try:
-                gbps = float(json.loads(message)["bandwidth_gbps"]) if message else gbps
-            except (ValueError, KeyError, TypeError):
+            value = parse_result(message)
+            if value is None:
                 metrics.ERRORS.labels("probe").inc()
                 logger.warning(f"probe {name}: unreadable result {message!r}")
+            gbps = value or gbps
     if gbps is None or not gbps > 0:
         return
     await kube().merge_config_map(namespace, BANDWIDTH_CONFIG_MAP, {product: f"{gbps:.1f}"},
