@@ -243,6 +243,24 @@ def test_rerunning_changes_nothing_and_drift_is_corrected(cluster):
     assert runner.exception is None, runner.output
 
 
+def test_scaling_the_resource_reapplies_the_replica_split_and_observes_the_generation(cluster):
+    add_node(cluster, "a100-0", A100)
+    add_node(cluster, "h100-0", H100)
+    add_resource(cluster, replicas=2)
+    with operator() as runner:
+        wait_for(lambda: deployment(cluster, "nvidia-h100-80gb-hbm3"), what="deployments")
+        # What `kubectl scale skd/llama --replicas=5` does through the scale subresource (kmock does not bump
+        # the generation itself, so the patch carries it as the API server would).
+        cluster.http("PATCH", f"{SKD_PATH}/llama", {"metadata": {"generation": 2}, "spec": {"replicas": 5}},
+                     "application/merge-patch+json")
+        wait_for(lambda: deployment(cluster, "nvidia-h100-80gb-hbm3")["spec"]["replicas"] == 3, what="H100 x3")
+        assert deployment(cluster, "nvidia-a100-sxm4-80gb")["spec"]["replicas"] == 2
+        status = wait_for(lambda: (s := status_of(cluster)).get("observedGeneration") == 2 and s, what="status")
+        assert status["replicas"] == 5
+        assert {c["observedGeneration"] for c in status["conditions"]} == {2}
+    assert runner.exception is None, runner.output
+
+
 def test_gpu_class_appearing_and_leaving_is_replanned_through_the_node_watch(cluster):
     add_node(cluster, "a100-0", A100)
     add_resource(cluster, replicas=3)

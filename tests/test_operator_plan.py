@@ -65,7 +65,7 @@ def test_unknown_gpu_gets_no_deployment_and_status_says_why():
     assert "deployment" not in rows[UNKNOWN]
     degraded = next(c for c in result.status()["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "UnknownGPU"
-    assert ("Warning", "UnknownGPU") in [(t, r) for t, r, _ in result.events()]
+    assert [(c.product, t, r) for c, t, r, _ in result.events() if t == "Warning"] == [(UNKNOWN, "Warning", "UnknownGPU")]
 
 
 def test_mig_slices_stay_unknown():

@@ -174,8 +174,7 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
         raise kopf.TemporaryError(str(exc), delay=10) from exc
     changed = {o["metadata"]["name"] for o in changes.create + changes.update if o["kind"] == "Deployment"}
     known_unknown = {r["product"] for r in previous.get("gpuClasses", []) if r.get("reason", "").startswith("Unknown")}
-    for c, (kind, reason, message) in zip([c for c in result.classes if c.served or c.reason.startswith("Unknown")],
-                                          result.events(), strict=True):
+    for c, kind, reason, message in result.events():
         if (c.served and c.deployment in changed) or (not c.served and c.product not in known_unknown):
             kopf.event(body, type=kind, reason=reason, message=message)
     for obj in changes.delete:

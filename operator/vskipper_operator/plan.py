@@ -205,19 +205,19 @@ class PlanResult:
     def selector(self) -> str:
         return f"{INSTANCE_LABEL}={self.name},{COMPONENT_LABEL}=server"
 
-    def events(self) -> list[tuple[str, str, str]]:
-        """(type, reason, message) for every class: derived thresholds, or why a class is not served."""
+    def events(self) -> list[tuple[GpuClass, str, str, str]]:
+        """(class, type, reason, message): the thresholds derived for each served class, and each unknown GPU."""
         out = []
         for c in self.classes:
             if c.served:
                 t = c.thresholds
                 vstar = f"V* {t.v_star_tokens:,.0f} tokens, " if t else ""
-                out.append(("Normal", "ThresholdsDerived",
+                out.append((c, "Normal", "ThresholdsDerived",
                             f"{c.product}: {c.bandwidth_gbps:g} GB/s ({c.bandwidth_source}), {vstar}"
                             f"exit {c.exit_tokens:,} / enter {c.enter_tokens:,} tokens ({c.threshold_source}) "
                             f"-> {c.deployment} x{c.replicas}"))
             elif c.reason.startswith("UnknownGPU"):
-                out.append(("Warning", "UnknownGPU", f"{c.product}: {c.reason}"))
+                out.append((c, "Warning", "UnknownGPU", f"{c.product}: {c.reason}"))
         return out
 
     def status(self, ready: Mapping[str, int] | None = None, generation: int | None = None,
