@@ -173,6 +173,10 @@ def test_operator_creates_per_class_deployments_and_reports_thresholds_in_status
         assert rows[A100]["bandwidthSource"] == "catalogue"
         assert not rows[UNKNOWN]["served"] and rows[UNKNOWN]["reason"].startswith("UnknownGPU")
         assert status["observedGeneration"] == 1 and status["selector"].startswith("app.kubernetes.io/instance=llama")
+        status_patches = [r.data for r in cluster.requests()
+                          if r.method == "PATCH" and r.url.path == f"{SKD_PATH}/llama/status"]
+        assert status_patches and status_patches[0]["status"]["gpuClassSummary"] == (
+            "A100-SXM4-80GB 160k/200k, H100-SXM 270k/340k")
         conditions = {c["type"]: c for c in status["conditions"]}
         assert conditions["ThresholdsDerived"]["status"] == "True"
         assert conditions["Degraded"]["reason"] == "UnknownGPU"
