@@ -6,14 +6,15 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
 LOADGEN_DEMO_OUT ?= out/loadgen-demo
 
-.PHONY: install test demo loadgen-demo lint clean help
+.PHONY: install test demo loadgen-demo lint crd clean help
 
 help:
-	@echo "make install  create $(VENV) with the CPU torch and the project (runtime + dev extras)"
+	@echo "make install  create $(VENV) with the CPU torch and the project (runtime, loadgen, operator and dev extras)"
 	@echo "make demo     the main job on an embedded default: tiny FlexiDepth checkpoint, routes, thresholds, switch"
 	@echo "make loadgen-demo  a small matched-work A/B run against two local stand-in servers: report and plots"
 	@echo "make test     the test suite"
 	@echo "make lint     ruff over the code and tests"
+	@echo "make crd      regenerate manifests/crd.yaml from the operator's schema"
 
 install: $(VENV)/.installed
 
@@ -21,7 +22,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[runtime,loadgen,dev]"
+	$(PY) -m pip install --quiet -e ".[runtime,loadgen,operator,dev]"
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed; expected the CPU build' if torch.version.cuda else 0)"
 	touch $@
 
@@ -35,7 +36,10 @@ loadgen-demo: install
 	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)
 
 lint: install
-	$(VENV)/bin/ruff check vskipper loadgen tests benchmarks
+	$(VENV)/bin/ruff check vskipper loadgen operator tests benchmarks
+
+crd: install
+	$(VENV)/bin/vskipper-operator crd > manifests/crd.yaml
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

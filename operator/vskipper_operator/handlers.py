@@ -1,0 +1,269 @@
+"""Kopf handlers: thin glue between the cluster and the pure builders in `vskipper_operator.plan`.
+
+- create/update/resume of a SkipperDeployment: plan against the indexed GPU nodes, apply what differs
+  (server-side apply, so re-running changes nothing), delete what the plan no longer wants, post an Event per
+  derived threshold and per unknown GPU, patch the status. Owner references on every object make deletion
+  cascade through the garbage collector (no finalizer needed).
+- a resync timer per resource re-runs the same reconciliation: drift in the managed fields is corrected.
+- a Node watch: when the set of GPU classes in the cluster changes (a product appears or disappears), every
+  SkipperDeployment is annotated with the new set, which triggers its update handler (re-plan).
+- bandwidth probe Jobs: when one succeeds, its pod's termination message (JSON written by
+  `vskipper_operator.probe`) is stored in the namespace's `vskipper-bandwidth` ConfigMap, which every later
+  plan prefers over the catalogue (status source `measured`).
+
+Leader election: Kopf has none. Its "peering" only pauses lower-priority operators while a higher-priority one
+runs; it is not a lease. The operator therefore runs `--standalone` as a single replica with the Deployment
+strategy `Recreate` (manifests/operator.yaml), so two instances never reconcile the same resource at once.
+Liveness: Kopf's endpoint (`--liveness`, default http://0.0.0.0:8080/healthz). Metrics: `vskipper_operator_*`
+on their own port (VSKIPPER_OPERATOR_METRICS_PORT, default 9090; 0 turns them off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import time
+from typing import Any
+
+import kopf
+
+from vskipper.roofline import normalize_product
+from vskipper_operator import metrics
+from vskipper_operator.crd import GPU_PRODUCT_LABEL, GROUP, PLURAL, VERSION, SpecError
+from vskipper_operator.kube import ApiError, Kube
+from vskipper_operator.plan import (
+    COMPONENT_LABEL,
+    INSTANCE_LABEL,
+    MANAGED_BY_LABEL,
+    MANAGER,
+    PRODUCT_ANNOTATION,
+    Node,
+    diff,
+    plan,
+)
+from vskipper_operator.probe import parse_result
+
+RESYNC_SECONDS = float(os.environ.get("VSKIPPER_OPERATOR_RESYNC_SECONDS", "60"))
+BACKOFFS = tuple(float(x) for x in os.environ.get("VSKIPPER_OPERATOR_API_BACKOFFS", "0.1,0.3,1,3").split(","))
+BANDWIDTH_CONFIG_MAP = "vskipper-bandwidth"
+CLASSES_ANNOTATION = "vskipper.io/gpu-classes"
+MEASURED_ANNOTATION = "vskipper.io/measured-bandwidth"
+
+# Per event loop (one operator run each; tests run several in one process): the credentials Kopf logged in
+# with, the operator's client, and the last GPU class set seen.
+_connections: dict[asyncio.AbstractEventLoop, Any] = {}
+_clients: dict[asyncio.AbstractEventLoop, Kube] = {}
+_classes: dict[asyncio.AbstractEventLoop, str] = {}
+_metrics_served: list[int] = []
+
+
+def kube() -> Kube:
+    loop = asyncio.get_running_loop()
+    if loop not in _clients:
+        _clients[loop] = Kube.from_connection(_connections[loop], backoffs=BACKOFFS)
+    return _clients[loop]
+
+
+@kopf.on.login()
+async def login(**kwargs: Any) -> Any:
+    """In-cluster service account, else the kubeconfig ($KUBECONFIG, read now), else the kubernetes client's
+    loaders (exec plugins); remembered so the operator's own client uses the same credentials as Kopf."""
+    info = (kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+            or kopf.login_via_client(**kwargs))
+    _connections[asyncio.get_running_loop()] = info
+    return info
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.vskipper.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="operator.vskipper.io", key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # Events are posted explicitly, not from every log line
+    settings.networking.error_backoffs = [1, 3, 10, 30]
+    settings.execution.max_workers = 4
+    port = int(os.environ.get("VSKIPPER_OPERATOR_METRICS_PORT", "9090"))
+    if port and not _metrics_served:
+        metrics.serve(port)
+        _metrics_served.append(port)
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    loop = asyncio.get_running_loop()
+    _classes.pop(loop, None)
+    _connections.pop(loop, None)
+    client = _clients.pop(loop, None)
+    if client is not None:
+        await client.close()
+
+
+@kopf.on.probe(id="gpuClasses")
+def probe_gpu_classes(gpu_nodes: kopf.Index, **_: Any) -> int:
+    return len(_gpu_classes(gpu_nodes))
+
+
+# -- indices ----------------------------------------------------------------------------------------------------
+
+@kopf.index("", "v1", "nodes")
+def gpu_nodes(name: str, labels: kopf.Labels, **_: Any) -> dict | None:
+    """Nodes with a GPU product label, by name (the plan's input; kept current by Kopf's watch)."""
+    return {name: dict(labels)} if labels.get(GPU_PRODUCT_LABEL) else None
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def skipper_deployments(namespace: str, name: str, annotations: kopf.Annotations, **_: Any) -> dict:
+    return {(namespace, name): annotations.get(CLASSES_ANNOTATION)}
+
+
+def _nodes(index: kopf.Index) -> list[Node]:
+    return [Node(name, labels) for name, store in index.items() for labels in store]
+
+
+def _gpu_classes(index: kopf.Index) -> str:
+    return ",".join(sorted({labels[GPU_PRODUCT_LABEL] for store in index.values() for labels in store}))
+
+
+# -- the reconciliation -----------------------------------------------------------------------------------------
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def _measured(namespace: str) -> dict[str, float]:
+    cm = await kube().get("v1", "ConfigMap", namespace, BANDWIDTH_CONFIG_MAP)
+    out = {}
+    for product, value in ((cm or {}).get("data") or {}).items():
+        try:
+            out[product] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, logger: Any) -> None:
+    start = time.perf_counter()
+    meta, namespace, name = body["metadata"], body["metadata"]["namespace"], body["metadata"]["name"]
+    resource = {"apiVersion": body["apiVersion"], "kind": body["kind"],
+                "metadata": {"name": name, "namespace": namespace, "uid": meta.get("uid")},
+                "spec": dict(body.get("spec") or {})}
+    previous = dict(body.get("status") or {})
+    try:
+        result = plan(resource, _nodes(gpu_nodes), await _measured(namespace))
+    except SpecError as exc:
+        metrics.RECONCILES.labels("invalid").inc()
+        metrics.ERRORS.labels("invalid_spec").inc()
+        kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        patch.status["observedGeneration"] = meta.get("generation")
+        patch.status["conditions"] = [{"type": "Ready", "status": "False", "reason": "InvalidSpec",
+                                       "message": str(exc), "lastTransitionTime": _now()}]
+        raise kopf.PermanentError(str(exc)) from None
+    try:
+        applied = await kube().list_managed(namespace, f"{INSTANCE_LABEL}={name},{MANAGED_BY_LABEL}={MANAGER}")
+        changes = diff(result.objects, applied)
+        for obj in changes.create:
+            await kube().create(obj)
+        for obj in changes.update:
+            await kube().apply(obj)
+        for obj in changes.delete:
+            await kube().delete(obj)
+    except ApiError as exc:
+        metrics.RECONCILES.labels("error").inc()
+        raise kopf.TemporaryError(str(exc), delay=10) from exc
+    changed = {o["metadata"]["name"] for o in changes.create + changes.update if o["kind"] == "Deployment"}
+    known_unknown = {r["product"] for r in previous.get("gpuClasses", []) if r.get("reason", "").startswith("Unknown")}
+    for c, kind, reason, message in result.events():
+        if (c.served and c.deployment in changed) or (not c.served and c.product not in known_unknown):
+            kopf.event(body, type=kind, reason=reason, message=message)
+    for obj in changes.delete:
+        if obj["kind"] == "Deployment":
+            product = (obj["metadata"].get("annotations") or {}).get(PRODUCT_ANNOTATION, obj["metadata"]["name"])
+            kopf.info(body, reason="GpuClassRemoved", message=f"{product}: no longer in the pool; "
+                                                              f"{obj['metadata']['name']} deleted")
+    ready = {o["metadata"]["name"]: (o.get("status") or {}).get("readyReplicas", 0)
+             for o in applied if o.get("kind") == "Deployment"}
+    status = result.status(ready, meta.get("generation"), _now(), previous.get("conditions", ()))
+    for key, value in status.items():
+        if previous.get(key) != value:
+            logger.debug(f"status.{key} changed: {previous.get(key)!r} -> {value!r}")
+            patch.status[key] = value
+    metrics.record_plan(result)
+    metrics.RECONCILES.labels("applied" if not changes.empty else "unchanged").inc()
+    metrics.DURATION.observe(time.perf_counter() - start)
+    logger.info(f"planned {len(result.served)} served GPU class(es): {status['gpuClassSummary']}; "
+                f"{len(changes.create)} created, {len(changes.update)} applied, {len(changes.delete)} deleted")
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+async def on_change(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+    await reconcile(body, gpu_nodes, patch, logger)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, idle=RESYNC_SECONDS)
+async def resync(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+    """Drift correction: the same reconciliation, when the resource itself has been quiet for a while."""
+    try:
+        await reconcile(body, gpu_nodes, patch, logger)
+    except kopf.PermanentError:
+        pass  # already reported by the change handler
+
+
+@kopf.on.event("", "v1", "nodes")
+async def on_node(gpu_nodes: kopf.Index, skipper_deployments: kopf.Index, logger: Any, **_: Any) -> None:
+    """When the cluster's set of GPU products changes, mark every SkipperDeployment to be re-planned."""
+    classes = _gpu_classes(gpu_nodes)
+    loop = asyncio.get_running_loop()
+    if classes == _classes.get(loop):
+        return
+    _classes[loop] = classes
+    for (namespace, name), store in skipper_deployments.items():
+        if classes in set(store):
+            continue
+        logger.info(f"GPU classes now [{classes}]: re-planning {namespace}/{name}")
+        await kube().request(
+            "PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}",
+            body={"metadata": {"annotations": {CLASSES_ANNOTATION: classes}}},
+            content_type="application/merge-patch+json", missing_ok=True)
+
+
+# -- measured bandwidth -----------------------------------------------------------------------------------------
+
+@kopf.on.event("batch", "v1", "jobs", labels={COMPONENT_LABEL: "bandwidth-probe", MANAGED_BY_LABEL: MANAGER})
+async def on_probe_job(body: kopf.Body, namespace: str, name: str, logger: Any, **_: Any) -> None:
+    """A finished probe Job: store its measured bandwidth and re-plan the resource that asked for it."""
+    if not (body.get("status") or {}).get("succeeded"):
+        return
+    product = normalize_product((body["metadata"].get("annotations") or {}).get(PRODUCT_ANNOTATION, ""))
+    measured = await _measured(namespace)
+    if not product or product in measured:
+        return
+    gbps = None
+    for pod in await kube().list("v1", "Pod", namespace, f"job-name={name}"):
+        for cs in (pod.get("status") or {}).get("containerStatuses", []):
+            message = ((cs.get("state") or {}).get("terminated") or {}).get("message")
+            value = parse_result(message)
+            if value is None:
+                metrics.ERRORS.labels("probe").inc()
+                logger.warning(f"probe {name}: unreadable result {message!r}")
+            gbps = value or gbps
+    if gbps is None or not gbps > 0:
+        return
+    await kube().merge_config_map(namespace, BANDWIDTH_CONFIG_MAP, {product: f"{gbps:.1f}"},
+                                  {"app.kubernetes.io/name": "vskipper", MANAGED_BY_LABEL: MANAGER})
+    owner = (body.get("metadata") or {}).get("labels", {}).get(INSTANCE_LABEL)
+    logger.info(f"measured {product}: {gbps:.1f} GB/s")
+    if owner:
+        await kube().request(
+            "PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{owner}",
+            body={"metadata": {"annotations": {MEASURED_ANNOTATION: f"{product}={gbps:.1f}"}}},
+            content_type="application/merge-patch+json", missing_ok=True)
+
+
+def run_operator(namespaces: list[str], liveness: str, metrics_port: int) -> None:
+    """`vskipper-operator run`: a standalone (single-replica) Kopf operator."""
+    os.environ.setdefault("VSKIPPER_OPERATOR_METRICS_PORT", str(metrics_port))
+    kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces, liveness_endpoint=liveness)

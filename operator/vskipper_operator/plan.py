@@ -1,0 +1,537 @@
+"""Pure planning: a SkipperDeployment and the cluster's nodes in, the objects the operator applies out.
+
+`plan(resource, nodes, measured)` groups the nodes by GPU class (`nvidia.com/gpu.product`, with GPU Feature
+Discovery's `-SHARED` suffix stripped), picks each class's memory bandwidth (spec override, then a measured probe
+result, then the device catalogue), derives that class's switching thresholds with the roofline rule
+(`vskipper.roofline.derive_thresholds`) and returns one Deployment per served class, pinned to the class by node
+affinity and launched with its own thresholds, plus a Service, a ConfigMap holding the switch constants and the
+arm, optionally a ServiceMonitor and bandwidth probe Jobs, and a status row per class. Unknown products (not in
+the catalogue, MIG slices) get no Deployment unless their bandwidth is overridden; their row says why.
+
+`diff(desired, applied)` says what applying a plan would change; a plan of the applied state changes nothing.
+
+Pure Python: no torch, no I/O, no Kubernetes client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vskipper.arms import ARMS, Arm
+from vskipper.constants import CONSTANTS, attestation
+from vskipper.modelspec import DTYPE_BYTES, PRESETS
+from vskipper.roofline import Device, Thresholds, derive_thresholds, find_device, normalize_product
+from vskipper.skippers.registry import SkipperConfigError, get_entry
+from vskipper_operator.crd import API_VERSION, GPU_PRODUCT_LABEL, KIND, SpecError, apply_schema
+
+MANAGER = "vskipper-operator"
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+CLASS_LABEL = "vskipper.io/gpu-class"
+PRODUCT_ANNOTATION = "vskipper.io/gpu-product"
+CONFIG_DIR = "/etc/vskipper"
+ARM_FILE = f"{CONFIG_DIR}/arm.json"
+PROBE_MODULE = "vskipper_operator.probe"
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any]) -> Node:
+        meta = obj.get("metadata") or {}
+        return cls(meta.get("name", ""), dict(meta.get("labels") or {}))
+
+
+def nodes_from_document(doc: Any) -> list[Node]:
+    """Nodes from a `kubectl get nodes -o json` document (a List), a single Node, or a list of either."""
+    if isinstance(doc, Mapping) and "items" in doc:
+        doc = doc["items"]
+    if isinstance(doc, Mapping):
+        doc = [doc]
+    if not isinstance(doc, list):
+        raise SpecError("nodes: expected a `kubectl get nodes -o json` document")
+    return [n if isinstance(n, Node) else Node.from_object(n) for n in doc]
+
+
+# -- the resolved spec ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Resolved:
+    name: str
+    namespace: str
+    uid: str | None
+    spec: dict  # defaults filled in
+    arm: Arm
+    skip_ratio: float
+    routed_layers: int
+    kv_bytes: int
+    constants: Any  # vskipper.constants.SwitchConstants, tau possibly overridden
+
+
+def _key(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "", normalize_product(text).lower())
+
+
+def _arm_from_spec(name: str, spec: dict) -> Arm:
+    skipper, sw = spec["skipper"], spec["switch"]
+    entry = get_entry(skipper["name"], where="spec.skipper.name")
+    params = entry.validate_params(skipper.get("params"), where="spec.skipper.params")
+    routed = [p for p in ("prefill", "decode") if sw["prefill" if p == "prefill" else "decode"] != "dense"]
+    phases = {2: "both", 0: "none"}.get(len(routed)) or routed[0]
+    policy = "hybrid" if phases == "none" else sw[routed[0]]
+    fields = {"skipper": None if phases == "none" else entry.name, "params": {} if phases == "none" else params,
+              "phases": phases, "mode_switch": policy == "hybrid", "promotion": sw["promotion"]}
+    for arm in ARMS.values():  # a named arm when the spec is one, so the server attests a familiar name
+        if (arm.skipper, dict(arm.params), arm.phases, arm.mode_switch, arm.promotion) == tuple(fields.values()):
+            return arm
+    try:
+        return Arm.from_dict({"name": name, **fields})
+    except SkipperConfigError as exc:
+        raise SpecError(f"spec.switch: {exc}") from None
+
+
+def resolve(resource: Mapping[str, Any]) -> Resolved:
+    if not isinstance(resource, Mapping):
+        raise SpecError("resource: must be an object")
+    api, kind = resource.get("apiVersion"), resource.get("kind")
+    if api not in (None, API_VERSION) or kind not in (None, KIND):
+        raise SpecError(f"apiVersion/kind: expected {API_VERSION} {KIND}, got {api} {kind}")
+    meta = resource.get("metadata") or {}
+    name = meta.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 40:
+        raise SpecError(f"metadata.name: must be a DNS label of at most 40 characters, got {name!r}")
+    spec = apply_schema(resource.get("spec"))
+    try:
+        arm = _arm_from_spec(name, spec)
+    except SkipperConfigError as exc:
+        raise SpecError(str(exc)) from None
+
+    model, skipper = spec["model"], spec["skipper"]
+    preset = PRESETS.get(model.get("preset", ""))
+    dtype_bytes = DTYPE_BYTES[model["dtype"]]
+    kv_heads = model.get("kvHeads") or preset.num_kv_heads
+    head_dim = model.get("headDim") or preset.head_dim
+    routed_layers = skipper.get("routedLayers") or model.get("routedLayers") or preset.num_routed_layers
+    s = skipper.get("skipRatio")
+    if s is None:
+        params = get_entry(skipper["name"]).validate_params(skipper.get("params"), "spec.skipper.params")
+        s = get_entry(skipper["name"]).declared_skip_ratio(params)
+        if s is None:
+            raise SpecError(f"spec.skipper.skipRatio: required: skipper {skipper['name']!r} declares no skip ratio")
+        if not 0 < s <= 1:
+            raise SpecError(f"spec.skipper.skipRatio: must be in (0, 1]: the params declare s = {s}; "
+                            "with no skipping routing never pays")
+    constants = CONSTANTS
+    tau = spec["switch"].get("tauMsPerRoutedLayer")
+    if tau is not None:
+        constants = dataclasses.replace(CONSTANTS, tau_ms_per_16_layers=tau * CONSTANTS.tau_reference_routed_layers)
+    return Resolved(name, meta.get("namespace") or "default", meta.get("uid"), spec, arm, float(s),
+                    int(routed_layers), 2 * kv_heads * head_dim * dtype_bytes, constants)
+
+
+# -- per-class rows ---------------------------------------------------------------------------------------------
+
+@dataclass
+class GpuClass:
+    product: str  # normalised nvidia.com/gpu.product
+    labels: tuple[str, ...]  # raw label values seen (with and without -SHARED)
+    nodes: int
+    device: Device | None = None
+    served: bool = False
+    reason: str = ""
+    bandwidth_gbps: float | None = None
+    bandwidth_source: str | None = None  # catalogue | override | measured
+    thresholds: Thresholds | None = None
+    exit_tokens: int | None = None
+    enter_tokens: int | None = None
+    threshold_source: str | None = None  # roofline | override
+    deployment: str | None = None
+    replicas: int = 0
+
+    def as_status(self, ready: int = 0) -> dict:
+        row: dict[str, Any] = {"product": self.product, "nodes": self.nodes, "served": self.served}
+        if self.device:
+            row["device"] = self.device.name
+        if self.reason:
+            row["reason"] = self.reason
+        if self.bandwidth_gbps is not None:
+            row.update(bandwidthGBps=self.bandwidth_gbps, bandwidthSource=self.bandwidth_source)
+        if self.thresholds is not None:
+            row["vStarTokens"] = round(self.thresholds.v_star_tokens, 1)
+            if self.thresholds.ridge_rows is not None:
+                row["ridgeRows"] = round(self.thresholds.ridge_rows, 1)
+        if self.exit_tokens is not None:
+            row.update(exitTokens=self.exit_tokens, enterTokens=self.enter_tokens,
+                       thresholdSource=self.threshold_source)
+        if self.deployment:
+            row.update(deployment=self.deployment, replicas=self.replicas, readyReplicas=ready)
+        return row
+
+    @property
+    def display(self) -> str:
+        return self.device.name if self.device else self.product
+
+
+@dataclass
+class PlanResult:
+    resolved: Resolved
+    classes: list[GpuClass]
+    objects: list[dict]  # desired objects, in apply order
+
+    @property
+    def name(self) -> str:
+        return self.resolved.name
+
+    @property
+    def namespace(self) -> str:
+        return self.resolved.namespace
+
+    @property
+    def served(self) -> list[GpuClass]:
+        return [c for c in self.classes if c.served]
+
+    @property
+    def selector(self) -> str:
+        return f"{INSTANCE_LABEL}={self.name},{COMPONENT_LABEL}=server"
+
+    def events(self) -> list[tuple[GpuClass, str, str, str]]:
+        """(class, type, reason, message): the thresholds derived for each served class, and each unknown GPU."""
+        out = []
+        for c in self.classes:
+            if c.served:
+                t = c.thresholds
+                vstar = f"V* {t.v_star_tokens:,.0f} tokens, " if t else ""
+                out.append((c, "Normal", "ThresholdsDerived",
+                            f"{c.product}: {c.bandwidth_gbps:g} GB/s ({c.bandwidth_source}), {vstar}"
+                            f"exit {c.exit_tokens:,} / enter {c.enter_tokens:,} tokens ({c.threshold_source}) "
+                            f"-> {c.deployment} x{c.replicas}"))
+            elif c.reason.startswith("UnknownGPU"):
+                out.append((c, "Warning", "UnknownGPU", f"{c.product}: {c.reason}"))
+        return out
+
+    def status(self, ready: Mapping[str, int] | None = None, generation: int | None = None,
+               now: str = "", previous: Iterable[Mapping[str, Any]] = ()) -> dict:
+        """The resource's status, given ready replicas per Deployment name (`now` stamps changed conditions)."""
+        ready = dict(ready or {})
+        rows = [c.as_status(ready.get(c.deployment or "", 0)) for c in self.classes]
+        want = sum(c.replicas for c in self.served)
+        have = sum(min(ready.get(c.deployment, 0), c.replicas) for c in self.served)
+        unknown = [c.product for c in self.classes if c.reason.startswith("UnknownGPU")]
+        conditions = [
+            _condition("ThresholdsDerived", bool(self.served), "Derived" if self.served else "NoServableGPU",
+                       "; ".join(f"{c.display}: exit {c.exit_tokens}, enter {c.enter_tokens}" for c in self.served)
+                       or "no node offers a GPU class with a known bandwidth"),
+            _condition("Degraded", bool(unknown), "UnknownGPU" if unknown else "AllClassesServed",
+                       f"not served (unknown bandwidth): {', '.join(unknown)}" if unknown
+                       else "every allowed GPU class present is served"),
+            _condition("Ready", bool(self.served) and have >= want,
+                       "ReplicasReady" if self.served and have >= want else
+                       ("NoServableGPU" if not self.served else "ReplicasNotReady"),
+                       f"{have}/{want} replicas ready"),
+        ]
+        prev = {c.get("type"): c for c in previous or ()}
+        for cond in conditions:
+            old = prev.get(cond["type"])
+            keep = old and old.get("status") == cond["status"] and old.get("lastTransitionTime")
+            if keep or now:
+                cond["lastTransitionTime"] = old["lastTransitionTime"] if keep else now
+            if generation is not None:
+                cond["observedGeneration"] = generation
+        status: dict[str, Any] = {
+            "replicas": want, "readyReplicas": have, "selector": self.selector,
+            "gpuClassSummary": ", ".join(f"{c.display} {_k(c.exit_tokens)}/{_k(c.enter_tokens)}"
+                                         for c in self.served) or "none",
+            "gpuClasses": rows, "conditions": conditions,
+        }
+        if generation is not None:
+            status["observedGeneration"] = generation
+        return status
+
+
+def _k(tokens: int | None) -> str:
+    return f"{tokens // 1000}k" if tokens is not None and tokens % 1000 == 0 else str(tokens)
+
+
+def _condition(kind: str, ok: bool, reason: str, message: str) -> dict:
+    return {"type": kind, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+# -- the plan ---------------------------------------------------------------------------------------------------
+
+def _allowed(product: str, allowed: list[str]) -> bool:
+    if not allowed:
+        return True
+    device = find_device(product)
+    for entry in allowed:
+        if _key(entry) == _key(product) or (device is not None and find_device(entry) is device):
+            return True
+    return False
+
+
+def _lookup(table: Mapping[str, Any], product: str) -> Any:
+    key = _key(product)
+    for name, value in table.items():
+        if _key(name) == key:
+            return value
+    return None
+
+
+def _classes(nodes: Iterable[Node | Mapping[str, Any]], spec: dict) -> list[GpuClass]:
+    selector = spec.get("placement", {}).get("nodeSelector") or {}
+    groups: dict[str, tuple[set[str], list[int]]] = {}
+    for node in nodes:
+        labels = node.labels if isinstance(node, Node) else (node.get("metadata") or {}).get("labels") or {}
+        raw = labels.get(GPU_PRODUCT_LABEL)
+        if not raw or any(labels.get(k) != v for k, v in selector.items()):
+            continue
+        product = normalize_product(raw)
+        seen, count = groups.setdefault(product, (set(), [0]))
+        seen.add(raw)
+        count[0] += 1
+    return [GpuClass(p, tuple(sorted(seen)), count[0]) for p, (seen, count) in sorted(groups.items())]
+
+
+def plan(resource: Mapping[str, Any], nodes: Iterable[Node | Mapping[str, Any]],
+         measured: Mapping[str, float] | None = None) -> PlanResult:
+    """The desired objects and status rows for one SkipperDeployment on the given nodes (see module docstring).
+
+    `measured` maps GPU products to probe-measured bandwidths (GB/s); a spec override still wins over them.
+    """
+    r = resolve(resource)
+    spec = r.spec
+    allowed = spec.get("placement", {}).get("gpuProducts") or []
+    overrides = {o["product"]: float(o["gbps"]) for o in spec.get("bandwidthOverrides", [])}
+    fixed = spec["switch"].get("thresholds")
+    classes = _classes(nodes, spec)
+    for c in classes:
+        c.device = find_device(c.product)
+        if not _allowed(c.product, allowed):
+            c.reason = "NotAllowed: not in spec.placement.gpuProducts"
+            continue
+        for source, value in (("override", _lookup(overrides, c.product)),
+                              ("measured", _lookup(measured or {}, c.product)),
+                              ("catalogue", c.device.bandwidth_gbps if c.device else None)):
+            if value is not None:
+                c.bandwidth_gbps, c.bandwidth_source = float(value), source
+                break
+        else:
+            kind = "a MIG slice gets only part of the card's bandwidth" if "-MIG-" in c.product.upper() \
+                else "not in the device catalogue"
+            c.reason = (f"UnknownGPU: {kind}; set spec.bandwidthOverrides for {c.product!r}"
+                        + (" or enable spec.bandwidthProbe" if not spec["bandwidthProbe"]["enabled"] else ""))
+            continue
+        c.thresholds = derive_thresholds(c.bandwidth_gbps, r.skip_ratio, r.routed_layers, r.kv_bytes,
+                                         c.device.dense_tflops if c.device else None, r.constants)
+        if fixed:
+            c.exit_tokens, c.enter_tokens, c.threshold_source = fixed["exitTokens"], fixed["enterTokens"], "override"
+        else:
+            c.exit_tokens, c.enter_tokens = c.thresholds.exit_tokens, c.thresholds.enter_tokens
+            c.threshold_source = "roofline"
+        c.served = True
+        c.deployment = _child_name(r.name, c.product)
+    _split_replicas([c for c in classes if c.served], spec)
+    return PlanResult(r, classes, _objects(r, classes, measured or {}))
+
+
+def _split_replicas(served: list[GpuClass], spec: dict) -> None:
+    per_class = spec.get("replicasPerClass")
+    if per_class is not None:
+        for c in served:
+            c.replicas = int(_lookup(per_class, c.product) or 0)
+        return
+    total = spec["replicas"]
+    # Even split; the remainder goes to the fastest classes first (highest bandwidth, then name).
+    order = sorted(served, key=lambda c: (-(c.bandwidth_gbps or 0), c.product))
+    for i, c in enumerate(order):
+        c.replicas = total // len(order) + (1 if i < total % len(order) else 0)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _child_name(base: str, product: str, prefix: str = "") -> str:
+    name = f"{base}-{prefix}{_slug(product)}"
+    if len(name) > 63:
+        digest = hashlib.sha256(product.encode()).hexdigest()[:8]
+        name = f"{name[:54].rstrip('-')}-{digest}"
+    return name
+
+
+def _labels(name: str, component: str = "server") -> dict:
+    return {NAME_LABEL: "vskipper", INSTANCE_LABEL: name, COMPONENT_LABEL: component, MANAGED_BY_LABEL: MANAGER}
+
+
+def _meta(r: Resolved, name: str, labels: dict, annotations: dict | None = None) -> dict:
+    meta: dict[str, Any] = {"name": name, "namespace": r.namespace, "labels": labels}
+    if annotations:
+        meta["annotations"] = annotations
+    if r.uid:
+        meta["ownerReferences"] = [{"apiVersion": API_VERSION, "kind": KIND, "name": r.name, "uid": r.uid,
+                                    "controller": True, "blockOwnerDeletion": True}]
+    return meta
+
+
+def _affinity(c: GpuClass) -> dict:
+    term = {"matchExpressions": [{"key": GPU_PRODUCT_LABEL, "operator": "In", "values": list(c.labels)}]}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+
+
+def arm_config(arm: Arm) -> dict:
+    """The arm as `Arm.from_dict` reads it back (the server's --arm-config file)."""
+    return {"name": arm.name, "skipper": arm.skipper, "params": dict(arm.params), "phases": arm.phases,
+            "mode_switch": arm.mode_switch, "promotion": arm.promotion}
+
+
+def server_args(r: Resolved, c: GpuClass) -> list[str]:
+    """`vskipper serve` arguments for one GPU class: the class's thresholds, the attested arm, SGLang flags."""
+    spec, serving = r.spec, r.spec["serving"]
+    args = ["serve", "--model", spec["model"]["path"], "--arm", r.arm.name, "--arm-config", ARM_FILE,
+            "--exit-tokens", str(c.exit_tokens), "--enter-tokens", str(c.enter_tokens),
+            "--host", "0.0.0.0", "--port", str(serving["port"]),
+            "--served-model-name", spec["model"].get("servedName") or r.name,
+            "--tp-size", str(spec["resources"]["gpus"]), "--dtype", spec["model"]["dtype"]]
+    for key, flag in (("cudaGraphMaxBatchSize", "--cuda-graph-max-bs"), ("memFractionStatic", "--mem-fraction-static"),
+                      ("attentionBackend", "--attention-backend")):
+        if key in serving:
+            args += [flag, str(serving[key])]
+    if not serving["prefixCache"]:
+        args.append("--disable-radix-cache")
+    if spec["metrics"]["enabled"]:
+        args.append("--enable-metrics")
+    return args + list(serving.get("extraArgs", []))
+
+
+def _config_map(r: Resolved, classes: list[GpuClass]) -> dict:
+    thresholds = {c.product: {"exit_tokens": c.exit_tokens, "enter_tokens": c.enter_tokens,
+                              "bandwidth_gbps": c.bandwidth_gbps, "bandwidth_source": c.bandwidth_source,
+                              "threshold_source": c.threshold_source}
+                  for c in classes if c.served}
+    constants = dataclasses.asdict(r.constants) if r.constants is not CONSTANTS else attestation()
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(r, f"{r.name}-switch", _labels(r.name, "config")),
+            "data": {"constants.json": json.dumps(constants, indent=2, sort_keys=True),
+                     "arm.json": json.dumps(arm_config(r.arm), indent=2, sort_keys=True),
+                     "thresholds.json": json.dumps(thresholds, indent=2, sort_keys=True)}}
+
+
+def _deployment(r: Resolved, c: GpuClass, config_hash: str) -> dict:
+    spec, serving, res = r.spec, r.spec["serving"], r.spec["resources"]
+    labels = {**_labels(r.name), CLASS_LABEL: _slug(c.product)[:63].strip("-")}
+    selector = {INSTANCE_LABEL: r.name, COMPONENT_LABEL: "server", CLASS_LABEL: labels[CLASS_LABEL]}
+    requests = {k: str(res[k]) for k in ("cpu", "memory") if k in res}
+    container = {
+        "name": "server", "image": serving["image"], "command": ["vskipper"], "args": server_args(r, c),
+        "ports": [{"name": "http", "containerPort": serving["port"], "protocol": "TCP"}],
+        "env": [{"name": "VSKIPPER_GPU_PRODUCT", "value": c.product}],
+        "resources": {"limits": {"nvidia.com/gpu": str(res["gpus"])}, **({"requests": requests} if requests else {})},
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+        "volumeMounts": [{"name": "switch", "mountPath": CONFIG_DIR, "readOnly": True},
+                         {"name": "shm", "mountPath": "/dev/shm"}],
+    }
+    pod: dict[str, Any] = {
+        "affinity": _affinity(c), "containers": [container],
+        "volumes": [{"name": "switch", "configMap": {"name": f"{r.name}-switch"}},
+                    {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+    }
+    placement = spec.get("placement", {})
+    if placement.get("nodeSelector"):
+        pod["nodeSelector"] = dict(placement["nodeSelector"])
+    if placement.get("tolerations"):
+        pod["tolerations"] = list(placement["tolerations"])
+    annotations = {PRODUCT_ANNOTATION: c.product, "vskipper.io/exit-tokens": str(c.exit_tokens),
+                   "vskipper.io/enter-tokens": str(c.enter_tokens), "vskipper.io/bandwidth-gbps": f"{c.bandwidth_gbps:g}",
+                   "vskipper.io/bandwidth-source": c.bandwidth_source, "vskipper.io/config-hash": config_hash}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": _meta(r, c.deployment, labels, {PRODUCT_ANNOTATION: c.product}),
+            "spec": {"replicas": c.replicas, "selector": {"matchLabels": selector},
+                     "template": {"metadata": {"labels": dict(labels), "annotations": annotations}, "spec": pod}}}
+
+
+def _probe_job(r: Resolved, c: GpuClass) -> dict:
+    labels = {**_labels(r.name, "bandwidth-probe"), CLASS_LABEL: _slug(c.product)[:63].strip("-")}
+    container = {"name": "probe", "image": r.spec["serving"]["image"],
+                 "command": ["python", "-m", PROBE_MODULE], "args": ["--device", "cuda"],
+                 "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                 "terminationMessagePolicy": "File"}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": _meta(r, _child_name(r.name, c.product, "probe-"), labels, {PRODUCT_ANNOTATION: c.product}),
+            "spec": {"backoffLimit": 1, "ttlSecondsAfterFinished": 3600,
+                     "template": {"metadata": {"labels": labels},
+                                  "spec": {"restartPolicy": "Never", "affinity": _affinity(c),
+                                           "containers": [container]}}}}
+
+
+def _objects(r: Resolved, classes: list[GpuClass], measured: Mapping[str, float]) -> list[dict]:
+    spec = r.spec
+    config = _config_map(r, classes)
+    config_hash = hashlib.sha256((config["data"]["constants.json"] + config["data"]["arm.json"]).encode()).hexdigest()[:16]
+    port = spec["serving"]["port"]
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(r, r.name, _labels(r.name)),
+               "spec": {"type": "ClusterIP",
+                        "selector": {INSTANCE_LABEL: r.name, COMPONENT_LABEL: "server"},
+                        "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]}}
+    objects = [config, service] + [_deployment(r, c, config_hash) for c in classes if c.served]
+    if spec["metrics"]["enabled"] and spec["metrics"]["serviceMonitor"]:
+        objects.append({
+            "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": _meta(r, r.name, _labels(r.name)),
+            "spec": {"selector": {"matchLabels": {INSTANCE_LABEL: r.name, COMPONENT_LABEL: "server"}},
+                     "endpoints": [{"port": "http", "path": "/metrics", "interval": spec["metrics"]["interval"]}]}})
+    if spec["bandwidthProbe"]["enabled"]:
+        objects += [_probe_job(r, c) for c in classes
+                    if not c.reason.startswith("NotAllowed") and _lookup(measured, c.product) is None]
+    return objects
+
+
+# -- what applying would change ---------------------------------------------------------------------------------
+
+def object_key(obj: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    meta = obj.get("metadata") or {}
+    return obj.get("apiVersion", ""), obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", "")
+
+
+def contains(applied: Any, desired: Any) -> bool:
+    """Every field the plan sets has that value in the applied object (fields the server adds are ignored)."""
+    if isinstance(desired, Mapping):
+        return isinstance(applied, Mapping) and all(k in applied and contains(applied[k], v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return (isinstance(applied, list) and len(applied) == len(desired)
+                and all(contains(a, d) for a, d in zip(applied, desired, strict=True)))
+    return applied == desired or (not isinstance(desired, bool) and str(applied) == str(desired))
+
+
+@dataclass
+class Changes:
+    create: list[dict] = field(default_factory=list)
+    update: list[dict] = field(default_factory=list)
+    delete: list[dict] = field(default_factory=list)  # applied objects the plan no longer wants
+
+    @property
+    def empty(self) -> bool:
+        return not (self.create or self.update or self.delete)
+
+
+def diff(desired: Iterable[dict], applied: Iterable[dict]) -> Changes:
+    """What applying `desired` over the objects managed for the same resource (`applied`) would change."""
+    have = {object_key(o): o for o in applied}
+    changes = Changes()
+    for obj in desired:
+        current = have.pop(object_key(obj), None)
+        if current is None:
+            changes.create.append(obj)
+        elif not contains(current, obj):
+            changes.update.append(obj)
+    changes.delete = list(have.values())
+    return changes

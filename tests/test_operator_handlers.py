@@ -1,0 +1,341 @@
+"""The real operator (Kopf, via `kopf.testing.KopfRunner`) against a Kubernetes API on loopback.
+
+No kube-apiserver can run here (no envtest assets are reachable; Debian has only etcd), so the API server is
+`kmock`'s `KubernetesEmulator` (a Kubernetes API mock server by Kopf's author, made for testing Kopf operators)
+on 127.0.0.1, run in a thread of its own. It stores objects, serves list/watch/get/create/patch/delete and API
+discovery, and records every request; it does not run controllers, defaulting, admission or real server-side
+apply merge semantics (a PATCH merges JSON). The tests assert what the operator really sends: the objects it
+creates, server-side applies, status patches, Events, and its retries after conflicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import kmock
+import pytest
+from kopf.testing import KopfRunner
+from operator_fixtures import A100, H100, UNKNOWN, node, resource
+
+from vskipper_operator.plan import plan
+
+os.environ["VSKIPPER_OPERATOR_RESYNC_SECONDS"] = "1"
+os.environ["VSKIPPER_OPERATOR_API_BACKOFFS"] = "0.05,0.1,0.2"
+
+CRD = "vskipper.io/v1alpha1/skipperdeployments"
+SKD_PATH = "/apis/vskipper.io/v1alpha1/namespaces/llm/skipperdeployments"
+DEPLOYMENTS = "/apis/apps/v1/namespaces/llm/deployments"
+VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """kmock's Kubernetes emulator on loopback, in its own event loop thread (Kopf runs in another)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        self.api, self.server = self._call(self._start())
+        self.url = str(self.server.url).rstrip("/")
+        return self
+
+    async def _start(self):
+        api = kmock.KubernetesEmulator()
+        for key, kind, namespaced, subresources in [
+            ("v1/namespaces", "Namespace", False, set()), ("v1/nodes", "Node", False, set()),
+            ("v1/events", "Event", True, set()), ("v1/configmaps", "ConfigMap", True, set()),
+            ("v1/services", "Service", True, set()), ("v1/pods", "Pod", True, set()),
+            ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
+            ("batch/v1/jobs", "Job", True, {"status"}),
+            (CRD, "SkipperDeployment", True, {"status", "scale"}),
+        ]:
+            api.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS,
+                                                    subresources=subresources)
+        await api.__aenter__()
+        server = kmock.Server(api)
+        await server.__aenter__()
+        return api, server
+
+    async def _stop(self):
+        await self.server.__aexit__(None, None, None)
+        await self.api.__aexit__(None, None, None)
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+
+    def __exit__(self, *exc):
+        self._call(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+    def http(self, method, path, body=None, content_type="application/json"):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                text = resp.read()
+        except urllib.error.HTTPError as err:
+            if err.code == 404:
+                return None
+            raise
+        return json.loads(text) if text else None
+
+    def requests(self):
+        return list(self.api)  # every request the server saw, in order
+
+    def writes(self, path_part):
+        return [r for r in self.requests() if r.method in ("POST", "PATCH", "DELETE", "PUT")
+                and path_part in str(r.url.path)]
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    with Cluster() as c:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": c.url}}],
+            "users": [{"name": "kmock", "user": {"token": "token"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}]}))
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        yield c
+
+
+def add_node(cluster, name, product):
+    cluster.http("POST", "/api/v1/nodes", node(name, product))
+
+
+def add_resource(cluster, **changes):
+    obj = resource(**changes)
+    obj["metadata"].update(uid="uid-llama", generation=1, resourceVersion="1", creationTimestamp="2026-01-01T00:00:00Z")
+    cluster.http("POST", SKD_PATH, obj)
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def operator(liveness_port=None):
+    args = ["run", "--standalone", "--all-namespaces", "--verbose", "-m", "vskipper_operator.handlers"]
+    if liveness_port:
+        args.append(f"--liveness=http://127.0.0.1:{liveness_port}/healthz")
+    return KopfRunner(args, timeout=30)
+
+
+def status_of(cluster, name="llama"):
+    return (cluster.http("GET", f"{SKD_PATH}/{name}") or {}).get("status") or {}
+
+
+def deployment(cluster, product):
+    slug = product.lower()
+    return cluster.http("GET", f"{DEPLOYMENTS}/llama-{slug}")
+
+
+def args_of(dep):
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    return {args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}
+
+
+def test_operator_creates_per_class_deployments_and_reports_thresholds_in_status_and_events(cluster):
+    for name, product in (("a100-0", A100), ("h100-0", H100), ("proto-0", UNKNOWN), ("cpu-0", None)):
+        add_node(cluster, name, product)
+    add_resource(cluster)
+    port, metrics_port = free_port(), free_port()
+    os.environ["VSKIPPER_OPERATOR_METRICS_PORT"] = str(metrics_port)
+    with operator(liveness_port=port) as runner:
+        status = wait_for(lambda: status_of(cluster).get("gpuClasses") and status_of(cluster), what="status")
+        rows = {r["product"]: r for r in status["gpuClasses"]}
+        assert (rows[A100]["exitTokens"], rows[A100]["enterTokens"]) == (160_000, 200_000)
+        assert (rows[H100]["exitTokens"], rows[H100]["enterTokens"]) == (270_000, 340_000)
+        assert rows[A100]["bandwidthSource"] == "catalogue"
+        assert not rows[UNKNOWN]["served"] and rows[UNKNOWN]["reason"].startswith("UnknownGPU")
+        assert status["observedGeneration"] == 1 and status["selector"].startswith("app.kubernetes.io/instance=llama")
+        status_patches = [r.data for r in cluster.requests()
+                          if r.method == "PATCH" and r.url.path == f"{SKD_PATH}/llama/status"]
+        assert status_patches and status_patches[0]["status"]["gpuClassSummary"] == (
+            "A100-SXM4-80GB 160k/200k, H100-SXM 270k/340k")
+        conditions = {c["type"]: c for c in status["conditions"]}
+        assert conditions["ThresholdsDerived"]["status"] == "True"
+        assert conditions["Degraded"]["reason"] == "UnknownGPU"
+        assert conditions["Ready"]["status"] == "False"  # no controller here makes pods ready
+
+        # What was created, through the API: one Deployment per known class, a Service, the ConfigMap.
+        created = {(r.url.path, r.data["metadata"]["name"]) for r in cluster.requests() if r.method == "POST"
+                   and "/namespaces/llm/" in r.url.path and r.data.get("kind") not in ("Event", None)}
+        assert {name for _, name in created} >= {"llama-nvidia-a100-sxm4-80gb", "llama-nvidia-h100-80gb-hbm3",
+                                                 "llama", "llama-switch"}
+        dep = deployment(cluster, "nvidia-h100-80gb-hbm3")
+        assert args_of(dep)["--exit-tokens"] == "270000" and args_of(dep)["--arm"] == "hybrid"
+        assert dep["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+        assert cluster.http("GET", f"{DEPLOYMENTS}/llama-nvidia-gb300-proto") is None
+
+        # Events: one per derived class, one warning for the unknown GPU.
+        events = wait_for(lambda: len([r for r in cluster.requests() if r.method == "POST"
+                                       and r.url.path.endswith("/events")]) >= 3
+                          and [r.data for r in cluster.requests() if r.method == "POST"
+                               and r.url.path.endswith("/events")], what="events")
+        # (kmock keeps resourceVersion constant, so Kopf may process the creation more than once; each
+        # Event type is asserted present rather than counted.)
+        derived = {e["message"].split(":")[0] for e in events if (e["type"], e["reason"]) == ("Normal", "ThresholdsDerived")}
+        assert derived == {A100, H100}
+        assert any((e["type"], e["reason"]) == ("Warning", "UnknownGPU") and UNKNOWN in e["message"] for e in events)
+        assert any("exit 160,000 / enter 200,000" in e["message"] for e in events)
+        assert all(e["involvedObject"]["uid"] == "uid-llama" for e in events)
+
+        # Liveness endpoint and the operator's own metrics.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+            assert resp.status == 200
+        scrape = wait_for(lambda: _scrape(metrics_port), what="metrics")
+        assert ('vskipper_operator_exit_tokens{gpu_product="NVIDIA-H100-80GB-HBM3",name="llama",namespace="llm"} '
+                '270000.0') in scrape
+        assert 'vskipper_operator_reconciles_total{result="applied"}' in scrape
+    assert runner.exception is None, runner.output
+
+
+def _scrape(port):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+        return text if "vskipper_operator_exit_tokens{" in text else None
+    except OSError:
+        return None
+
+
+def test_rerunning_changes_nothing_and_drift_is_corrected(cluster):
+    add_node(cluster, "a100-0", A100)
+    add_resource(cluster)
+    with operator() as runner:
+        wait_for(lambda: deployment(cluster, "nvidia-a100-sxm4-80gb"), what="deployment")
+        time.sleep(2.5)  # resync timer fires (every 1 s here) with nothing to change
+        before = len(cluster.writes("/deployments"))
+        time.sleep(2.5)
+        assert len(cluster.writes("/deployments")) == before, "an idle resync wrote to the Deployment"
+
+        # Someone edits the managed fields; the next resync applies them back.
+        cluster.http("PATCH", f"{DEPLOYMENTS}/llama-nvidia-a100-sxm4-80gb",
+                     {"spec": {"replicas": 9, "template": {"metadata": {"annotations": {
+                         "vskipper.io/exit-tokens": "1"}}}}}, "application/merge-patch+json")
+        restored = wait_for(lambda: (d := deployment(cluster, "nvidia-a100-sxm4-80gb"))["spec"]["replicas"] == 2
+                            and d, what="drift correction")
+        assert restored["spec"]["template"]["metadata"]["annotations"]["vskipper.io/exit-tokens"] == "160000"
+        applies = [r for r in cluster.writes("/deployments/llama-nvidia-a100-sxm4-80gb")
+                   if r.headers.get("Content-Type") == "application/apply-patch+yaml"]
+        assert applies and applies[-1].params == {"fieldManager": "vskipper-operator", "force": "true"}
+    assert runner.exception is None, runner.output
+
+
+def test_scaling_the_resource_reapplies_the_replica_split_and_observes_the_generation(cluster):
+    add_node(cluster, "a100-0", A100)
+    add_node(cluster, "h100-0", H100)
+    add_resource(cluster, replicas=2)
+    with operator() as runner:
+        wait_for(lambda: deployment(cluster, "nvidia-h100-80gb-hbm3"), what="deployments")
+        # What `kubectl scale skd/llama --replicas=5` does through the scale subresource (kmock does not bump
+        # the generation itself, so the patch carries it as the API server would).
+        cluster.http("PATCH", f"{SKD_PATH}/llama", {"metadata": {"generation": 2}, "spec": {"replicas": 5}},
+                     "application/merge-patch+json")
+        wait_for(lambda: deployment(cluster, "nvidia-h100-80gb-hbm3")["spec"]["replicas"] == 3, what="H100 x3")
+        assert deployment(cluster, "nvidia-a100-sxm4-80gb")["spec"]["replicas"] == 2
+        status = wait_for(lambda: (s := status_of(cluster)).get("observedGeneration") == 2 and s, what="status")
+        assert status["replicas"] == 5
+        assert {c["observedGeneration"] for c in status["conditions"]} == {2}
+    assert runner.exception is None, runner.output
+
+
+def test_gpu_class_appearing_and_leaving_is_replanned_through_the_node_watch(cluster):
+    add_node(cluster, "a100-0", A100)
+    add_resource(cluster, replicas=3)
+    with operator() as runner:
+        wait_for(lambda: deployment(cluster, "nvidia-a100-sxm4-80gb"), what="A100 deployment")
+        add_node(cluster, "h100-0", H100)
+        h100 = wait_for(lambda: deployment(cluster, "nvidia-h100-80gb-hbm3"), what="H100 deployment")
+        assert h100["spec"]["replicas"] == 2  # 3 split, the remainder to the faster class
+        wait_for(lambda: deployment(cluster, "nvidia-a100-sxm4-80gb")["spec"]["replicas"] == 1, what="A100 scaled")
+        annotations = cluster.http("GET", f"{SKD_PATH}/llama")["metadata"]["annotations"]
+        assert annotations["vskipper.io/gpu-classes"] == f"{A100},{H100}"
+        cluster.http("DELETE", "/api/v1/nodes/h100-0")
+        wait_for(lambda: deployment(cluster, "nvidia-h100-80gb-hbm3") is None, what="H100 deployment deleted")
+        wait_for(lambda: [r["product"] for r in status_of(cluster).get("gpuClasses", [])] == [A100], what="status")
+    assert runner.exception is None, runner.output
+
+
+def test_api_conflicts_are_retried_with_backoff(cluster):
+    add_node(cluster, "a100-0", A100)
+    add_resource(cluster)
+    # A Deployment left with a drifted replica count; the operator's server-side apply meets two conflicts.
+    stale = next(o for o in plan(resource(uid="uid-llama"), [node("a100-0", A100)]).objects if o["kind"] == "Deployment")
+    stale["spec"]["replicas"] = 7
+    cluster.http("POST", DEPLOYMENTS, stale)
+    path = f"{DEPLOYMENTS}/{stale['metadata']['name']}"
+    conflicts = cluster.api["patch", kmock.resource("apps/v1/deployments")][:2] << 409
+    with operator() as runner:
+        wait_for(lambda: status_of(cluster).get("gpuClasses"), what="status")
+        applies = wait_for(lambda: len(cluster.writes(path)) >= 3 and cluster.writes(path), what="retried apply")
+    assert len(list(conflicts)) == 2
+    assert all(r.method == "PATCH" and r.headers["Content-Type"] == "application/apply-patch+yaml"
+               for r in applies[:3])
+    assert cluster.http("GET", path)["spec"]["replicas"] == 2
+    assert runner.exception is None, runner.output
+
+
+def test_invalid_spec_is_reported_as_a_warning_event_and_status_condition(cluster):
+    add_node(cluster, "a100-0", A100)
+    add_resource(cluster, skipper={"name": "random_skip", "params": {"r": 1.5, "d": 0.5}})
+    with operator() as runner:
+        ready = wait_for(lambda: next((c for c in status_of(cluster).get("conditions", [])
+                                       if c["type"] == "Ready"), None), what="status")
+        assert ready["reason"] == "InvalidSpec"
+        assert ready["message"].startswith("spec.skipper.params.r must be in [0.0, 1.0]")
+        warning = wait_for(lambda: next((r.data for r in cluster.requests() if r.method == "POST"
+                                         and r.url.path.endswith("/events")
+                                         and r.data["reason"] == "InvalidSpec"), None), what="event")
+        assert warning["type"] == "Warning" and "spec.skipper.params.r" in warning["message"]
+    assert cluster.http("GET", f"{DEPLOYMENTS}/llama-nvidia-a100-sxm4-80gb") is None
+    assert runner.exception is None, runner.output
+
+
+def test_probe_job_result_is_stored_and_preferred_over_the_catalogue(cluster):
+    add_node(cluster, "h100-0", H100)
+    add_resource(cluster, bandwidthProbe={"enabled": True})
+    jobs = "/apis/batch/v1/namespaces/llm/jobs"
+    with operator() as runner:
+        job = wait_for(lambda: cluster.http("GET", f"{jobs}/llama-probe-nvidia-h100-80gb-hbm3"), what="probe job")
+        assert job["spec"]["template"]["spec"]["containers"][0]["command"][-1] == "vskipper_operator.probe"
+        # The Job's pod finishes with the probe's JSON as its termination message (no kubelet here: we post it).
+        cluster.http("POST", "/api/v1/namespaces/llm/pods", {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "probe-pod", "namespace": "llm", "labels": {"job-name": job["metadata"]["name"]}},
+            "status": {"containerStatuses": [{"name": "probe", "state": {"terminated": {
+                "exitCode": 0, "message": json.dumps({"bandwidth_gbps": 3005.2, "device": "cuda"})}}}]}})
+        cluster.http("PATCH", f"{jobs}/{job['metadata']['name']}", {"status": {"succeeded": 1}},
+                     "application/merge-patch+json")
+        row = wait_for(lambda: next((r for r in status_of(cluster).get("gpuClasses", [])
+                                     if r.get("bandwidthSource") == "measured"), None), what="measured status")
+        assert row["bandwidthGBps"] == 3005.2 and row["exitTokens"] == 240_000
+        stored = cluster.http("GET", "/api/v1/namespaces/llm/configmaps/vskipper-bandwidth")
+        assert stored["data"] == {H100: "3005.2"}
+        assert args_of(deployment(cluster, "nvidia-h100-80gb-hbm3"))["--exit-tokens"] == "240000"
+    assert runner.exception is None, runner.output
