@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
 LOADGEN_DEMO_OUT ?= out/loadgen-demo
+SGLANG_SPEC ?= sglang==0.5.21
+SGLANG_CONSTRAINTS := vskipper/sglang/constraints-cpu.txt
+SGLANG_REQUIREMENTS := vskipper/sglang/requirements-cpu.txt
 
 .PHONY: install test demo loadgen-demo lint clean help
 
@@ -18,10 +21,15 @@ help:
 install: $(VENV)/.installed
 
 # torch is installed first and alone, pinned, so no later requirement can pull a CUDA build.
-$(VENV)/.installed: pyproject.toml
+# SGLang (CPU serving): the pinned release without its declared dependencies (CUDA kernel wheels), then the
+# pure-Python ones it imports, every call under the constraints file that pins torch; then the torchvision shim.
+$(VENV)/.installed: pyproject.toml $(SGLANG_CONSTRAINTS) $(SGLANG_REQUIREMENTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[runtime,loadgen,dev]"
+	$(PY) -m pip install --quiet -c $(SGLANG_CONSTRAINTS) -e ".[runtime,loadgen,dev]"
+	$(PY) -m pip install --quiet -c $(SGLANG_CONSTRAINTS) --no-deps "$(SGLANG_SPEC)"
+	$(PY) -m pip install --quiet -c $(SGLANG_CONSTRAINTS) -r $(SGLANG_REQUIREMENTS)
+	$(PY) -m vskipper.sglang.shims.patch_torchvision
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed; expected the CPU build' if torch.version.cuda else 0)"
 	touch $@
 
