@@ -12,7 +12,7 @@ SGLANG_REQUIREMENTS := vskipper/sglang/requirements-cpu.txt
 .PHONY: install test demo loadgen-demo lint clean help
 
 help:
-	@echo "make install  create $(VENV) with the CPU torch and the project (runtime + dev extras)"
+	@echo "make install  create $(VENV) with the CPU torch, the project (runtime, loadgen, dev extras) and SGLang 0.5.21 for CPU"
 	@echo "make demo     the main job on an embedded default: tiny FlexiDepth checkpoint, routes, thresholds, switch"
 	@echo "make loadgen-demo  a small matched-work A/B run against two local stand-in servers: report and plots"
 	@echo "make test     the test suite"

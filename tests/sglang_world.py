@@ -66,13 +66,15 @@ class Server:
 
 @contextmanager
 def serve(model: Path, tmp: Path, arm: str | None = None, arm_file: Path | None = None,
-          extra: tuple[str, ...] = ()):
+          extra: tuple[str, ...] = (), enter_tokens: int | None = None, exit_tokens: int | None = None):
     """`vskipper serve` on a free port; yields a Server once /health answers; kills the session after."""
     port = free_port()
     log = tmp / f"server-{port}.log"
     cmd = [sys.executable, "-m", "vskipper.cli", "serve", "--model", str(model), "--port", str(port),
            "--state-file", str(tmp / f"state-{port}.json")]
     cmd += ["--arm", arm] if arm else ["--arm-file", str(arm_file)]
+    if enter_tokens is not None:
+        cmd += ["--enter-tokens", str(enter_tokens), "--exit-tokens", str(exit_tokens)]
     cmd += ["--", "--dtype", "float32", *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TRITON_INTERPRET", None)
