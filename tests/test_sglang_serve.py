@@ -107,8 +107,7 @@ def test_serve_refuses_a_hybrid_arm_without_thresholds_on_cpu(served_model):
 
 
 def test_server_process_refuses_an_invalid_arm_before_starting_sglang(served_model, tmp_path):
-    from vskipper.sglang.runtime import ServeSpec
-    from vskipper.sglang.server import serve_environment
+    from vskipper.sglang.spec import ServeSpec, serve_environment
 
     env = serve_environment(ServeSpec(get_arm("dense"), 0, 0, tmp_path / "state.json"))
     env["VSKIPPER_ARM"] = json.dumps({"skipper": "flexidepth", "phases": "sideways"})

@@ -48,7 +48,7 @@ def test_installed_torchvision_is_patched_and_imports_beside_the_cpu_torch():
 
 
 def test_sgl_kernel_stand_in_imports_any_name_and_raises_when_called():
-    from vskipper.sglang.server import SHIMS_DIR
+    from vskipper.sglang.spec import SHIMS_DIR
 
     code = ("from sgl_kernel import copy_all_layer_kv_cache_cpu as f\n"
             "import sgl_kernel; assert sgl_kernel.STUB\n"

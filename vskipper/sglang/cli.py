@@ -41,8 +41,7 @@ def thresholds(arm: Arm, enter: int | None, exit_: int | None) -> tuple[int, int
 
 
 def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    from vskipper.sglang.runtime import ServeSpec, check_arm_for_model
-    from vskipper.sglang.server import checkpoint_config, serve_environment
+    from vskipper.sglang.spec import ServeSpec, check_arm_for_model, checkpoint_config, serve_environment
 
     arm = load_arm(args)
     check_arm_for_model(arm, checkpoint_config(args.model).get("model_type", ""))

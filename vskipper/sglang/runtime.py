@@ -25,74 +25,19 @@ import time
 import zlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from vskipper import constants
-from vskipper.arms import Arm
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.tape import RouteTape
+from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
 from vskipper.skippers.base import BatchContext, Skipper
 from vskipper.skippers.registry import SkipperConfigError, build_skipper
 from vskipper.switch import Mode, ModeSwitch
 
-ENV_ARM = "VSKIPPER_ARM"  # the served arm as JSON (Arm fields)
-ENV_ENTER = "VSKIPPER_ENTER_TOKENS"
-ENV_EXIT = "VSKIPPER_EXIT_TOKENS"
-ENV_STATE = "VSKIPPER_STATE_FILE"  # where the scheduler writes its attestation for the HTTP process
-
-# Trained gates read routers trained for one model family; the others route any checkpoint.
-GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}
 COHORT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-
-
-class ServeConfigError(ValueError):
-    """A served configuration the runtime refuses at startup (the message names the field)."""
-
-
-@dataclass(frozen=True)
-class ServeSpec:
-    arm: Arm
-    enter_tokens: int
-    exit_tokens: int
-    state_file: Path | None = None
-
-    def to_env(self) -> dict[str, str]:
-        arm = {k: v for k, v in self.arm.as_dict().items() if k in ("name", "skipper", "params", "phases",
-                                                                     "mode_switch", "promotion")}
-        env = {ENV_ARM: json.dumps(arm), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens)}
-        if self.state_file is not None:
-            env[ENV_STATE] = str(self.state_file)
-        return env
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> ServeSpec:
-        environ = os.environ if environ is None else environ
-        if ENV_ARM not in environ:
-            raise ServeConfigError(f"{ENV_ARM} is not set: start the server with `vskipper serve --arm NAME`")
-        try:
-            arm = Arm.from_dict(json.loads(environ[ENV_ARM]))
-        except json.JSONDecodeError as exc:
-            raise ServeConfigError(f"{ENV_ARM}: not JSON ({exc})") from None
-        thresholds = []
-        for key in (ENV_ENTER, ENV_EXIT):
-            try:
-                thresholds.append(int(environ.get(key, "0")))
-            except ValueError:
-                raise ServeConfigError(f"{key} must be an integer, got {environ[key]!r}") from None
-        state = environ.get(ENV_STATE)
-        return cls(arm, thresholds[0], thresholds[1], Path(state) if state else None)
-
-
-def check_arm_for_model(arm: Arm, model_type: str) -> None:
-    """Refuse a trained gate on a checkpoint of another family (its routers would not exist or not match)."""
-    families = GATE_MODEL_TYPES.get(arm.skipper or "")
-    if families is not None and model_type not in families:
-        raise ServeConfigError(
-            f"arm {arm.name!r}: field 'skipper' is {arm.skipper!r}, which needs a checkpoint of model_type "
-            f"{' or '.join(families)}; this checkpoint is {model_type!r}")
 
 
 def request_key(rid: str) -> int:

@@ -20,32 +20,18 @@ from pathlib import Path
 
 from vskipper.sglang import SGLANG_VERSION
 from vskipper.sglang.configs import register_configs
-from vskipper.sglang.runtime import ENV_STATE, ServeConfigError, ServeSpec, check_arm_for_model
+from vskipper.sglang.spec import (
+    ENV_STATE,
+    MODEL_PACKAGE,
+    ServeConfigError,
+    ServeSpec,
+    check_arm_for_model,
+    checkpoint_config,
+)
 
-MODEL_PACKAGE = "vskipper.sglang.models"
-SHIMS_DIR = Path(__file__).resolve().parent / "shims"
 ATTESTATION_PATH = "/vskipper/attestation"
 
 register_configs()
-
-
-def serve_environment(spec: ServeSpec, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: SGLang's CPU engine, the external model package, the sgl_kernel stand-in
-    (on this process tree's PYTHONPATH only) and the served configuration."""
-    env = dict(os.environ if base is None else base)
-    env.update(spec.to_env())
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
-    env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = MODEL_PACKAGE
-    paths = [str(SHIMS_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
-
-
-def checkpoint_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ServeConfigError(f"--model {model_dir}: no config.json")
-    return json.loads(path.read_text())
 
 
 def resolve_model_class(model_dir: str | Path) -> tuple[str, type]:
