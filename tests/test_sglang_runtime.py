@@ -128,7 +128,13 @@ def test_counters_are_written_to_the_state_file_after_every_pass(tmp_path):
 def test_trained_gate_on_another_model_family_is_refused_naming_the_field():
     with pytest.raises(ServeConfigError, match="field 'skipper' is 'qwen3_hard_gate'"):
         check_arm_for_model(get_arm("qwen3-always-route"), "ddllama")
-    check_arm_for_model(get_arm("random-r50-d50"), "qwen3_skipper")  # untrained skippers route any model
+    check_arm_for_model(get_arm("random-r50-d50"), "ddllama")  # untrained skippers route any model
+
+
+def test_routed_arms_on_qwen3_checkpoints_are_refused_until_their_layers_are_wired():
+    with pytest.raises(ServeConfigError, match="routed execution of model_type 'qwen3_skipper' is not available"):
+        check_arm_for_model(get_arm("qwen3-always-route"), "qwen3_skipper")
+    check_arm_for_model(get_arm("dense"), "qwen3_skipper")
 
 
 def test_serve_spec_round_trips_through_the_environment(tmp_path):

@@ -38,6 +38,21 @@ def served_model(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def served_qwen3(tmp_path_factory):
+    from vskipper.checkpoint import make_tiny_model, write_tiny_tokenizer
+
+    path = make_tiny_model("qwen3-skipper", tmp_path_factory.mktemp("serve") / "qwen3")
+    write_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="class")
+def qwen3_server(served_qwen3, tmp_path_factory):
+    with serve(served_qwen3, tmp_path_factory.mktemp("qwen3"), arm="dense") as s:
+        yield s
+
+
 @pytest.fixture(scope="class")
 def dense_server(served_model, tmp_path_factory):
     with serve(served_model, tmp_path_factory.mktemp("dense"), arm="dense", extra=("--enable-metrics",)) as s:
@@ -272,3 +287,20 @@ class TestHybridArm:
         assert _metric(text, "vskipper_switch_decisions_total", decision="route_off") == \
             after["switch"]["decisions_total"]["route_off"]
         assert _metric(text, "vskipper_promotions_total") == after["promotions_total"]
+
+
+class TestQwen3Dense:
+    """A Qwen3 skipper checkpoint (tied embeddings, q/k norms, routers loaded by name) on the dense arm."""
+
+    def test_qwen3_skipper_dense_output_equals_the_torch_reference(self, qwen3_server, served_qwen3):
+        prompt = [100, 200, 300, 400, 17, 18]
+        assert qwen3_server.generate_ids(prompt, NEW_TOKENS) == greedy_reference(served_qwen3, prompt, NEW_TOKENS)
+        att = qwen3_server.get_json("/vskipper/attestation")
+        assert att["model"] == {"model_type": "qwen3_skipper", "class": "Qwen3SkipperForCausalLM",
+                                "routed_layers": [2, 3]}
+
+
+def test_serve_refuses_a_routed_arm_on_a_qwen3_checkpoint(served_qwen3):
+    r = _serve_cli("--model", str(served_qwen3), "--arm", "qwen3-always-route", "--dry-run")
+    assert r.returncode == 2
+    assert "routed execution of model_type 'qwen3_skipper' is not available" in r.stderr
