@@ -130,6 +130,44 @@ def make_tiny_model(arch: str, out: str | Path, size: TinySize = TinySize(), see
     return out
 
 
+# A few sentences to train the tiny byte-level BPE tokenizer on (offline, deterministic).
+_TOKENIZER_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Layer skipping lets easy tokens take a shallow path.",
+    "Serving large language models: prefill, decode, paged KV cache, continuous batching, prefix reuse.",
+    "What is two plus two? Two plus two is four. Count from one to ten: one two three four five six.",
+    "A router decides per token and per layer whether to run the layer or to project the hidden state.",
+    "Hello! How are you today? I am fine, thank you. Tell me a short story about a ship and a skipper.",
+)
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: the tiny configs' bos 1 and eos 2
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_tiny_tokenizer(out: str | Path, vocab_size: int = 512) -> Path:
+    """Train a byte-level BPE tokenizer of at most `vocab_size` tokens and save it (tokenizer.json and a
+    tokenizer_config.json with a chat template) into a checkpoint directory, so servers can load it as is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_TOKENIZER_CORPUS, trainer=trainer)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {vocab_size}")
+    tokenizer.save(str(out / "tokenizer.json"))
+    pad, bos, eos = SPECIAL_TOKENS
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "pad_token": pad, "model_max_length": 4096, "chat_template": CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": pad}, indent=2) + "\n")
+    return out
+
+
 def _checkpoint_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:

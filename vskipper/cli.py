@@ -79,7 +79,13 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
     size = TinySize(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate)
     out = make_tiny_model(args.arch, args.out, size=size, seed=args.seed, dtype=args.dtype)
-    print(f"wrote {args.arch} checkpoint to {out} (config.json, generation_config.json, model.safetensors)")
+    files = "config.json, generation_config.json, model.safetensors"
+    if args.tokenizer:
+        from vskipper.checkpoint import write_tiny_tokenizer
+
+        write_tiny_tokenizer(out, vocab_size=size.vocab)
+        files += ", tokenizer.json, tokenizer_config.json"
+    print(f"wrote {args.arch} checkpoint to {out} ({files})")
     return 0
 
 
@@ -93,6 +99,12 @@ def _tune_tiles(args: argparse.Namespace) -> int:
     from vskipper.mixed.tune_cli import run_tune_tiles
 
     return run_tune_tiles(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from vskipper.sglang.cli import run_serve
+
+    return run_serve(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--intermediate", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tokenizer", action="store_true",
+                   help="also train and save a tiny BPE tokenizer with a chat template (to serve the checkpoint)")
     p.set_defaults(func=_make_tiny)
 
     p = sub.add_parser("tune-tiles", help="time cohort GEMM tiles against torch on this GPU; write a tile table")
@@ -142,6 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interpret", action="store_true",
                    help="tiny smoke run on the Triton interpreter (CPU); the table is not a measurement")
     p.set_defaults(func=_tune_tiles)
+
+    p = sub.add_parser("serve", help="serve a skipper checkpoint with SGLang (CPU here); flags after -- go to SGLang")
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
+    arm = p.add_mutually_exclusive_group(required=True)
+    arm.add_argument("--arm", help="a named arm (see `vskipper arms`)")
+    arm.add_argument("--arm-file", help="an arm given as a JSON file (Arm fields)")
+    p.add_argument("--enter-tokens", type=int, help="decode switch: route when resident tokens V >= this")
+    p.add_argument("--exit-tokens", type=int, help="decode switch: stop routing when V <= this")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--state-file", help="where the scheduler writes its attestation (default: a temp file)")
+    p.add_argument("--dry-run", action="store_true", help="print the server command and environment, start nothing")
+    p.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then SGLang launch flags")
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser("demo", help="the main job on an embedded default (tiny model, no GPU)")
     p.add_argument("--out", default="out/demo")

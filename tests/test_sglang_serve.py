@@ -1,0 +1,306 @@
+"""The real SGLang 0.5.21 server on CPU, started by `vskipper serve` with a tiny FlexiDepth checkpoint.
+
+Each server starts once per arm (a class-scoped fixture: one server alive at a time, bounded start-up, always
+killed). Greedy outputs are compared
+token for token with the plain torch forward of `vskipper.mixed` (dense, or routed with the same skipper).
+CUDA graphs and the Triton cohort kernels do not run here (CPU): the routed layers run through the torch
+cohort backend and SGLang's torch-native attention.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from loadgen.attestation import Attestation, pass_delta  # noqa: E402
+from tests.sglang_world import ROOT, greedy_reference, serve  # noqa: E402
+from vskipper.arms import get_arm  # noqa: E402
+from vskipper.skippers.registry import build_skipper  # noqa: E402
+
+PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 300, 12, 7], [100, 200, 300, 400, 17, 18, 19, 20, 21, 22])
+NEW_TOKENS = 10
+HYBRID_ENTER, HYBRID_EXIT = 30, 20  # resident tokens V of the decode switch (tiny, so one request crosses them)
+
+
+@pytest.fixture(scope="module")
+def served_model(tmp_path_factory):
+    from vskipper.checkpoint import make_tiny_model, write_tiny_tokenizer
+
+    path = make_tiny_model("flexidepth-llama", tmp_path_factory.mktemp("serve") / "flexidepth")
+    write_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served_qwen3(tmp_path_factory):
+    from vskipper.checkpoint import make_tiny_model, write_tiny_tokenizer
+
+    path = make_tiny_model("qwen3-skipper", tmp_path_factory.mktemp("serve") / "qwen3")
+    write_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="class")
+def qwen3_server(served_qwen3, tmp_path_factory):
+    with serve(served_qwen3, tmp_path_factory.mktemp("qwen3"), arm="dense") as s:
+        yield s
+
+
+@pytest.fixture(scope="class")
+def dense_server(served_model, tmp_path_factory):
+    with serve(served_model, tmp_path_factory.mktemp("dense"), arm="dense", extra=("--enable-metrics",)) as s:
+        yield s
+
+
+@pytest.fixture(scope="class")
+def all_run_server(served_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("allrun")
+    arm = tmp / "static-depth-0-always.json"
+    arm.write_text(json.dumps({"skipper": "static_depth", "params": {"ratio": 0.0}, "mode_switch": False}))
+    with serve(served_model, tmp, arm_file=arm) as s:
+        yield s
+
+
+@pytest.fixture(scope="class")
+def hybrid_server(served_model, tmp_path_factory):
+    with serve(served_model, tmp_path_factory.mktemp("hybrid"), arm="hybrid", enter_tokens=HYBRID_ENTER,
+               exit_tokens=HYBRID_EXIT, extra=("--enable-metrics",)) as s:
+        yield s
+
+
+@pytest.fixture(scope="class")
+def routed_server(served_model, tmp_path_factory):
+    with serve(served_model, tmp_path_factory.mktemp("routed"), arm="always-route",
+               extra=("--enable-metrics",)) as s:
+        yield s
+
+
+def _generate_all(server) -> list[list[int]]:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: decode passes batch the requests
+        return list(pool.map(lambda p: server.generate_ids(list(p), NEW_TOKENS), PROMPTS))
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+            if found == labels:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name}{labels} not exposed")
+
+
+# -- startup refusals (no server needed) -------------------------------------------------------------------------
+
+def _serve_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vskipper.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_serve_refuses_an_unknown_arm_naming_it(served_model):
+    r = _serve_cli("--model", str(served_model), "--arm", "no-such-arm", "--dry-run")
+    assert r.returncode == 2
+    assert "unknown arm 'no-such-arm'" in r.stderr
+
+
+def test_serve_refuses_a_skipper_trained_for_another_model_family(served_model):
+    r = _serve_cli("--model", str(served_model), "--arm", "qwen3-always-route", "--dry-run")
+    assert r.returncode == 2
+    assert "field 'skipper' is 'qwen3_hard_gate'" in r.stderr and "'ddllama'" in r.stderr
+
+
+def test_serve_refuses_a_hybrid_arm_without_thresholds_on_cpu(served_model):
+    r = _serve_cli("--model", str(served_model), "--arm", "hybrid", "--dry-run")
+    assert r.returncode == 2
+    assert "--enter-tokens" in r.stderr
+
+
+def test_server_process_refuses_an_invalid_arm_before_starting_sglang(served_model, tmp_path):
+    from vskipper.sglang.spec import ServeSpec, serve_environment
+
+    env = serve_environment(ServeSpec(get_arm("dense"), 0, 0, tmp_path / "state.json"))
+    env["VSKIPPER_ARM"] = json.dumps({"skipper": "flexidepth", "phases": "sideways"})
+    r = subprocess.run([sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(served_model)],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert r.returncode == 2
+    assert "field 'phases' must be one of" in r.stderr
+
+
+def test_dry_run_shows_the_cpu_recipe_and_the_shim_on_the_server_path_only(served_model):
+    r = _serve_cli("--model", str(served_model), "--arm", "dense", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    cmd, env = shown["command"], shown["environment"]
+    for flag in ("--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--device", "cpu"):
+        assert flag in cmd
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "vskipper.sglang.models"
+    assert env["PYTHONPATH"].split(":")[0].endswith("vskipper/sglang/shims")
+    assert json.loads(env["VSKIPPER_ARM"])["name"] == "dense"
+
+
+# -- dense arm ---------------------------------------------------------------------------------------------------
+
+class TestDenseArm:
+    """The upstream-equivalent dense arm, with --enable-metrics."""
+
+    def test_dense_server_answers_generate_and_chat_completions(self, dense_server):
+        assert len(dense_server.generate_ids([5, 6, 7], 4)) == 4
+        chat = dense_server.post_json("/v1/chat/completions", {
+            "model": "tiny", "messages": [{"role": "user", "content": "two plus two?"}], "max_tokens": 5,
+            "temperature": 0})
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        assert chat["usage"]["completion_tokens"] == 5
+
+
+    def test_dense_greedy_output_equals_the_torch_reference_token_for_token(self, dense_server, served_model):
+        outputs = _generate_all(dense_server)
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out == greedy_reference(served_model, list(prompt), NEW_TOKENS)
+
+
+    def test_architecture_resolves_to_the_vskipper_class_not_the_transformers_fallback(self, dense_server):
+        att = dense_server.get_json("/vskipper/attestation")
+        assert att["model"]["class"] == "DDLlamaForCausalLM"
+        assert att["model"]["routed_layers"] == [2, 3]
+        assert "resolved to vskipper.sglang.models.ddllama.DDLlamaForCausalLM" in dense_server.log.read_text()
+
+
+    def test_dense_arm_attests_dense_passes_only_in_the_loadgen_contract(self, dense_server):
+        before = Attestation.from_json(dense_server.get_json("/vskipper/attestation"))
+        dense_server.generate_ids([9, 8, 7, 6], NEW_TOKENS)
+        after = Attestation.from_json(dense_server.get_json("/vskipper/attestation"))
+        delta = pass_delta(before, after)
+        assert not delta.regressions
+        assert delta.passes["prefill"] == {"dense": 1, "routed": 0}
+        assert delta.passes["decode"]["routed"] == 0 and delta.passes["decode"]["dense"] >= NEW_TOKENS - 1
+        assert after.arm == get_arm("dense").as_dict()
+        assert after.raw["sglang_version"] == "0.5.21"
+        assert after.raw["rows_total"]["decode"] == {"run": 0, "project_only": 0}
+
+
+    def test_metrics_expose_the_attested_pass_counters(self, dense_server):
+        dense_server.generate_ids([1, 2, 3], 3)
+        att = dense_server.get_json("/vskipper/attestation")
+        text = dense_server.metrics()
+        assert "sglang:" in text  # SGLang's own metrics sit beside ours
+        for phase in ("prefill", "decode"):
+            assert _metric(text, "vskipper_passes_total", mode="dense", phase=phase) == att["passes_total"][phase]["dense"]
+        assert _metric(text, "vskipper_threshold_tokens", bound="enter") == 0
+
+
+    def test_malformed_request_gets_an_error_and_the_server_keeps_serving(self, dense_server):
+        from tests.sglang_world import http
+
+        status, _ = http(dense_server.url + "/generate", {"input_ids": "not a list", "sampling_params": {}})
+        assert 400 <= status < 500
+        assert len(dense_server.generate_ids([5, 6], 2)) == 2
+
+
+# -- always-route arms ---------------------------------------------------------------------------------------------
+
+class TestAllRunArm:
+    """Always-route with StaticDepth at ratio 0: every row RUNs every routed layer."""
+
+    def test_always_route_with_an_all_run_skipper_equals_the_dense_arm_token_for_token(self, all_run_server, served_model):
+        before = all_run_server.get_json("/vskipper/attestation")
+        outputs = _generate_all(all_run_server)
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out == greedy_reference(served_model, list(prompt), NEW_TOKENS)
+        after = all_run_server.get_json("/vskipper/attestation")
+        assert after["passes_total"]["decode"]["routed"] > before["passes_total"]["decode"]["routed"]
+        assert after["passes_total"]["decode"]["dense"] == before["passes_total"]["decode"]["dense"]
+        assert after["rows_total"]["decode"]["project_only"] == 0
+        assert after["rows_total"]["decode"]["run"] > before["rows_total"]["decode"]["run"]
+
+
+class TestAlwaysRouteFlexiDepth:
+    """The always-route arm: FlexiDepth's trained routers on every pass, with --enable-metrics."""
+
+    def test_always_route_flexidepth_equals_the_torch_routed_forward_token_for_token(self, routed_server, served_model):
+        outputs = _generate_all(routed_server)
+        skipper = build_skipper("flexidepth", {})
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out == greedy_reference(served_model, list(prompt), NEW_TOKENS, skipper)
+        # routing is engaged: the tiny routers send rows both ways
+        att = routed_server.get_json("/vskipper/attestation")
+        for phase in ("prefill", "decode"):
+            assert att["rows_total"][phase]["project_only"] > 0 and att["rows_total"][phase]["run"] > 0
+            assert att["passes_total"][phase]["dense"] == 0
+
+
+    def test_routed_counters_are_consistent_across_attestation_and_metrics(self, routed_server):
+        routed_server.generate_ids([3, 1, 4, 1, 5], 4)
+        att = routed_server.get_json("/vskipper/attestation")
+        per_layer = att["rows_per_layer_total"]
+        assert sorted(per_layer) == ["2", "3"]
+        for action in ("run", "project_only"):
+            total = sum(att["rows_total"][p][action] for p in ("prefill", "decode"))
+            assert sum(layer[action] for layer in per_layer.values()) == total
+        text = routed_server.metrics()
+        for phase in ("prefill", "decode"):
+            for action in ("run", "project_only"):
+                assert _metric(text, "vskipper_rows_total", phase=phase, action=action) == att["rows_total"][phase][action]
+            assert _metric(text, "vskipper_passes_total", mode="routed", phase=phase) == \
+                att["passes_total"][phase]["routed"]
+        assert att["skipper"]["name"] == "flexidepth"
+        assert att["switch"]["settings"] == {"prefill": "routed", "decode": "routed", "promotion": True}
+
+
+class TestHybridArm:
+    """The hybrid arm with decode thresholds of 30/20 resident tokens; short prompts stay under the prefill floor."""
+
+    def test_decode_turns_routed_when_resident_tokens_cross_enter_and_promotes_the_running_request(
+            self, hybrid_server, served_model):
+        before = hybrid_server.get_json("/vskipper/attestation")
+        prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+        out = hybrid_server.generate_ids(prompt, 40)  # V grows from 9 to 48: crosses enter (30) once
+        after = hybrid_server.get_json("/vskipper/attestation")
+        dense_ref = greedy_reference(served_model, prompt, 40)
+        assert out[:15] == dense_ref[:15]  # V < 30 for these steps: dense decode, as the dense model
+        passes = {p: {m: after["passes_total"][p][m] - before["passes_total"][p][m] for m in ("dense", "routed")}
+                  for p in ("prefill", "decode")}
+        assert passes["prefill"] == {"dense": 1, "routed": 0}  # 8 prompt tokens < the 1536-token floor
+        assert passes["decode"]["dense"] > 0 and passes["decode"]["routed"] > 0
+        assert after["promotions_total"] - before["promotions_total"] == 1
+        decisions = after["switch"]["decisions_total"]
+        assert decisions.get("route_on", 0) - before["switch"]["decisions_total"].get("route_on", 0) == 1
+        assert after["thresholds"] == {"enter_tokens": HYBRID_ENTER, "exit_tokens": HYBRID_EXIT}
+
+    def test_a_new_request_under_exit_turns_routing_off_and_decodes_dense(self, hybrid_server, served_model):
+        hybrid_server.generate_ids([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,
+                                    23, 24, 25, 26, 27, 28, 29, 30, 31, 32], 2)  # V >= 30: routing on
+        before = hybrid_server.get_json("/vskipper/attestation")
+        prompt = [40, 41, 300, 12, 7]
+        out = hybrid_server.generate_ids(prompt, 6)  # V <= 11 <= exit: routing off, dense decode
+        after = hybrid_server.get_json("/vskipper/attestation")
+        assert out == greedy_reference(served_model, prompt, 6)
+        assert after["passes_total"]["decode"]["routed"] == before["passes_total"]["decode"]["routed"]
+        assert after["switch"]["routing_on"] is False
+        text = hybrid_server.metrics()
+        assert _metric(text, "vskipper_switch_decisions_total", decision="route_off") == \
+            after["switch"]["decisions_total"]["route_off"]
+        assert _metric(text, "vskipper_promotions_total") == after["promotions_total"]
+
+
+class TestQwen3Dense:
+    """A Qwen3 skipper checkpoint (tied embeddings, q/k norms, routers loaded by name) on the dense arm."""
+
+    def test_qwen3_skipper_dense_output_equals_the_torch_reference(self, qwen3_server, served_qwen3):
+        prompt = [100, 200, 300, 400, 17, 18]
+        assert qwen3_server.generate_ids(prompt, NEW_TOKENS) == greedy_reference(served_qwen3, prompt, NEW_TOKENS)
+        att = qwen3_server.get_json("/vskipper/attestation")
+        assert att["model"] == {"model_type": "qwen3_skipper", "class": "Qwen3SkipperForCausalLM",
+                                "routed_layers": [2, 3]}
+
+
+def test_serve_refuses_a_routed_arm_on_a_qwen3_checkpoint(served_qwen3):
+    r = _serve_cli("--model", str(served_qwen3), "--arm", "qwen3-always-route", "--dry-run")
+    assert r.returncode == 2
+    assert "routed execution of model_type 'qwen3_skipper' is not available" in r.stderr

@@ -1,0 +1,109 @@
+"""The server process `vskipper serve` starts: SGLang 0.5.21's own HTTP server, with vSkipper registered.
+
+    python -m vskipper.sglang.server [SGLang launch flags]     (environment: see `serve_environment`)
+
+Before SGLang starts anything it
+  1. registers the skipper config classes with transformers (here and, through the model package, in the
+     scheduler process),
+  2. checks that the checkpoint's architecture resolves, through SGLang's own registry with the external model
+     package, to vSkipper's class (never to the Transformers fallback) and refuses to start otherwise,
+  3. adds `GET /vskipper/attestation` to SGLang's FastAPI app: the scheduler's latest attestation (written after
+     every forward pass) plus the SGLang version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from vskipper.sglang import SGLANG_VERSION
+from vskipper.sglang.configs import register_configs
+from vskipper.sglang.spec import (
+    ENV_STATE,
+    MODEL_PACKAGE,
+    ServeConfigError,
+    ServeSpec,
+    check_arm_for_model,
+    checkpoint_config,
+)
+
+ATTESTATION_PATH = "/vskipper/attestation"
+
+register_configs()
+
+
+def resolve_model_class(model_dir: str | Path) -> tuple[str, type]:
+    """(architecture, class) as SGLang's registry resolves them with the external package; refuses anything but
+    a vSkipper class."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    from vskipper.sglang.models import ARCHITECTURES
+
+    config = checkpoint_config(model_dir)
+    archs = config.get("architectures") or []
+    if not archs or archs[0] not in ARCHITECTURES:
+        raise ServeConfigError(f"--model {model_dir}: config field 'architectures' is {archs!r}; vSkipper serves "
+                               f"{', '.join(ARCHITECTURES)}")
+    cls = ModelRegistry.models.get(archs[0])
+    if cls is None or not cls.__module__.startswith(MODEL_PACKAGE):
+        raise ServeConfigError(f"architecture {archs[0]!r} did not resolve to vSkipper's model class "
+                               f"(got {cls!r}); is SGLANG_EXTERNAL_MODEL_PACKAGE={MODEL_PACKAGE}?")
+    return archs[0], cls
+
+
+def add_attestation_route(app, state_file: Path) -> None:
+    from fastapi.responses import JSONResponse
+
+    @app.get(ATTESTATION_PATH)
+    async def vskipper_attestation():
+        try:
+            data = json.loads(state_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return JSONResponse({"error": "the scheduler has not written its attestation yet"}, status_code=503)
+        data["sglang_version"] = SGLANG_VERSION
+        return JSONResponse(data)
+
+
+def _model_path(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--model-path" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--model-path="):
+            return arg.split("=", 1)[1]
+    raise ServeConfigError("--model-path is required")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        spec = ServeSpec.from_env()
+        model_dir = _model_path(argv)
+        check_arm_for_model(spec.arm, checkpoint_config(model_dir).get("model_type", ""))
+        arch, cls = resolve_model_class(model_dir)
+    except (ServeConfigError, ValueError) as exc:
+        print(f"vskipper serve: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"vskipper: architecture {arch} resolved to {cls.__module__}.{cls.__name__}", file=sys.stderr)
+    if spec.state_file is None:
+        raise SystemExit(f"{ENV_STATE} must be set")
+
+    from sglang.launch_server import run_server
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    add_attestation_route(http_server.app, spec.state_file)
+    load_plugins()
+    server_args = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
