@@ -157,18 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny smoke run on the Triton interpreter (CPU); the table is not a measurement")
     p.set_defaults(func=_tune_tiles)
 
-    p = sub.add_parser("serve", help="serve a skipper checkpoint with SGLang (CPU here); flags after -- go to SGLang")
+    p = sub.add_parser("serve", help="serve a skipper checkpoint with SGLang; options it does not know go to SGLang",
+                       description="Validate the arm, then launch SGLang 0.5.21 with vSkipper. Options this command "
+                       "does not define (and everything after `--`) are passed to SGLang's launcher unchanged.")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
-    arm = p.add_mutually_exclusive_group(required=True)
-    arm.add_argument("--arm", help="a named arm (see `vskipper arms`)")
-    arm.add_argument("--arm-file", help="an arm given as a JSON file (Arm fields)")
+    p.add_argument("--arm", help="a named arm (see `vskipper arms`); with --arm-config, the name of that arm")
+    p.add_argument("--arm-config", "--arm-file", dest="arm_file",
+                   help="the arm as a JSON file (Arm fields); takes precedence over the named arm's fields")
     p.add_argument("--enter-tokens", type=int, help="decode switch: route when resident tokens V >= this")
     p.add_argument("--exit-tokens", type=int, help="decode switch: stop routing when V <= this")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="cpu adds the CPU recipe's SGLang flags; auto picks gpu when an NVIDIA device node exists")
     p.add_argument("--state-file", help="where the scheduler writes its attestation (default: a temp file)")
     p.add_argument("--dry-run", action="store_true", help="print the server command and environment, start nothing")
-    p.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then SGLang launch flags")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("demo", help="the main job on an embedded default (tiny model, no GPU)")
@@ -178,7 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `serve` forwards what it does not define to SGLang: everything after a bare `--`, and unknown options.
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command != "serve" and (unknown or passthrough):
+        parser.error(f"unrecognized arguments: {' '.join(unknown + passthrough)}")
+    args.sglang_args = unknown + passthrough
     try:
         return args.func(args)
     except (ValueError, UnknownDeviceError, ModelConfigError, SkipperConfigError, FileNotFoundError) as exc:

@@ -118,7 +118,7 @@ SPEC_SCHEMA: dict = _obj({
     "serving": _obj({
         "image": _str("runtime image (vSkipper on SGLang)", minLength=1),
         "port": _int("HTTP port of the server", 1, 65535, default=30000),
-        "cudaGraphMaxBatchSize": _int("--cuda-graph-max-bs", 1, 4096),
+        "cudaGraphMaxBatchSize": _int("--cuda-graph-max-bs-decode (SGLang 0.5.21: the largest decode batch captured in a graph)", 1, 4096),
         "memFractionStatic": _num("--mem-fraction-static", minimum=0, exclusiveMinimum=True, maximum=1,
                                   exclusiveMaximum=True),
         "attentionBackend": _str("--attention-backend", enum=list(ATTENTION_BACKENDS)),

@@ -402,7 +402,7 @@ def server_args(r: Resolved, c: GpuClass) -> list[str]:
             "--host", "0.0.0.0", "--port", str(serving["port"]),
             "--served-model-name", spec["model"].get("servedName") or r.name,
             "--tp-size", str(spec["resources"]["gpus"]), "--dtype", spec["model"]["dtype"]]
-    for key, flag in (("cudaGraphMaxBatchSize", "--cuda-graph-max-bs"), ("memFractionStatic", "--mem-fraction-static"),
+    for key, flag in (("cudaGraphMaxBatchSize", "--cuda-graph-max-bs-decode"), ("memFractionStatic", "--mem-fraction-static"),
                       ("attentionBackend", "--attention-backend")):
         if key in serving:
             args += [flag, str(serving[key])]

@@ -23,8 +23,16 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampli
 def load_arm(args: argparse.Namespace) -> Arm:
     if args.arm_file:
         with open(args.arm_file) as f:
-            return Arm.from_dict(json.load(f), name=Path(args.arm_file).stem)
+            return Arm.from_dict(json.load(f), name=args.arm or Path(args.arm_file).stem)
+    if not args.arm:
+        raise ValueError("serve: pass --arm NAME or --arm-config FILE")
     return get_arm(args.arm)
+
+
+def resolve_platform(platform: str) -> str:
+    if platform == "auto":
+        return "gpu" if os.path.exists("/dev/nvidiactl") else "cpu"
+    return platform
 
 
 def thresholds(arm: Arm, enter: int | None, exit_: int | None) -> tuple[int, int]:
@@ -49,11 +57,10 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
     spec = ServeSpec(arm, enter, exit_, state)
     extra = list(args.sglang_args or [])
-    if extra and extra[0] == "--":
-        extra = extra[1:]
-    cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *CPU_FLAGS,
+    cpu = resolve_platform(getattr(args, "platform", "auto")) == "cpu"
+    cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *(CPU_FLAGS if cpu else ()),
            "--host", args.host, "--port", str(args.port), *extra]
-    return cmd, serve_environment(spec)
+    return cmd, serve_environment(spec, cpu=cpu)
 
 
 def run_serve(args: argparse.Namespace) -> int:

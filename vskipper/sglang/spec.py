@@ -86,12 +86,13 @@ def checkpoint_config(model_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def serve_environment(spec: ServeSpec, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: SGLang's CPU engine, the external model package, the sgl_kernel stand-in
-    (on this process tree's PYTHONPATH only) and the served configuration."""
+def serve_environment(spec: ServeSpec, base: dict[str, str] | None = None, cpu: bool = True) -> dict[str, str]:
+    """The server's environment: SGLang's CPU engine (on CPU), the external model package, the sgl_kernel
+    stand-in (on this process tree's PYTHONPATH only) and the served configuration."""
     env = dict(os.environ if base is None else base)
     env.update(spec.to_env())
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    if cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = MODEL_PACKAGE
     paths = [str(SHIMS_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
