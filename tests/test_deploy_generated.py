@@ -81,8 +81,9 @@ def test_dashboard_panel_ids_are_unique_and_ref_ids_unique_per_panel():
 def test_dashboard_covers_routing_switch_latency_and_operator_health():
     board = json.loads(DASHBOARD.read_text())
     exprs = " ".join(t["expr"] for p in _panels(board) for t in p.get("targets", []))
+    sglang = [h.replace("sglang:", "sglang[:_]") for h in mn.SGLANG_HISTOGRAMS]
     for metric in (mn.ROWS.name, mn.PASSES.name, mn.SWITCH_DECISIONS.name, mn.RESIDENT_TOKENS.name,
-                   mn.THRESHOLD_TOKENS.name, *mn.SGLANG_HISTOGRAMS, "vskipper_operator_reconciles_total",
+                   mn.THRESHOLD_TOKENS.name, *sglang, "vskipper_operator_reconciles_total",
                    "vskipper_operator_enter_tokens", "vskipper_operator_exit_tokens"):
         assert metric in exprs, metric
 
@@ -99,8 +100,11 @@ def test_every_metric_the_dashboard_and_rules_name_is_declared():
     for family in REGISTRY.collect():
         known |= {s.name for s in family.samples} | {family.name, f"{family.name}_total"}
     for expr in [*dashboard_exprs(), *rule_exprs()]:
-        for name in re.findall(r"\b((?:vskipper|sglang)[a-z_:]*)\s*[{\[]", expr):
+        for name in re.findall(r"\b((?:vskipper|sglang)[a-z_:]*)\s*[{\[]", re.sub(r'"[^"]*"', '""', expr)):
             assert name in known, f"{name} in {expr!r}"
+        for pattern in re.findall(r'__name__=~"([^"]+)"', expr):
+            assert any(re.fullmatch(pattern, name) for name in known), f"{pattern} in {expr!r}"
+    assert sum('__name__=~"sglang[:_]' in e for e in dashboard_exprs()) == 6
 
 
 def test_runtime_metric_names_follow_prometheus_conventions_and_register():

@@ -130,6 +130,9 @@ def test_values_reach_the_operator_container(tmp_path):
     service = by_kind(docs, "Service")[0]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["metadata"]["labels"]["release"] == "kps"
+    # the operator's per-class gauges keep the resource's namespace label (tests/test_prometheus_live.py)
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
+    assert by_kind(docs, "PodMonitor")[0]["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
 
 
 def test_cluster_role_grants_exactly_the_plain_manifest_rules(tmp_path):

@@ -33,6 +33,14 @@ NS = f'namespace=~"${NAMESPACE_VAR}"'
 RATE = "$__rate_interval"
 
 
+def sglang_selector(metric: str, suffix: str) -> str:
+    """A selector for an SGLang series under either spelling of its prefix. prometheus_client (0.26) writes
+    OpenMetrics sample names with `sglang_` for `sglang:` (its HELP/TYPE lines keep the colon), and Prometheus
+    negotiates OpenMetrics, so the stored name depends on the client version inside the SGLang image."""
+    pattern = metric.replace("sglang:", "sglang[:_]", 1) + suffix
+    return f'{{__name__=~"{pattern}", {NS}}}'
+
+
 def _panels() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
     """(row title, panel title, unit, [(expr, legend)]) in display order."""
     rows, passes = ROWS.name, PASSES.name
@@ -40,7 +48,7 @@ def _panels() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
     for title, metric in (("TTFT", SGLANG_TTFT), ("TPOT (inter-token latency)", SGLANG_ITL),
                           ("End-to-end latency", SGLANG_E2E)):
         lat.append(("Latency (SGLang)", title, "s", [
-            (f"histogram_quantile({q}, sum by (le, model_name) (rate({metric}_bucket{{{NS}}}[{RATE}])))",
+            (f"histogram_quantile({q}, sum by (le, model_name) (rate({sglang_selector(metric, '_bucket')}[{RATE}])))",
              f"p{int(q * 100)} {{{{model_name}}}}") for q in (0.5, 0.99)]))
     return [
         ("Routing", "Routed share of decode rows", "percentunit", [
