@@ -50,7 +50,7 @@ loadgen-demo: install
 	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)
 
 lint: install
-	$(VENV)/bin/ruff check vskipper loadgen operator tests benchmarks
+	$(VENV)/bin/ruff check vskipper loadgen operator tests benchmarks images
 
 crd: install
 	$(VENV)/bin/vskipper-operator crd > manifests/crd.yaml

