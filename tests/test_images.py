@@ -118,3 +118,37 @@ def test_entrypoint_execs_vskipper_serve(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ran: serve --model /m --exit-tokens 1 --enter-tokens 2"
     assert "NVIDIA-H100-80GB-HBM3" in proc.stderr
+
+
+BUILD = os.environ.get("VSKIPPER_IMAGE_BUILD") == "1"
+
+
+@pytest.mark.skipif(not BUILD, reason="opt-in: VSKIPPER_IMAGE_BUILD=1 (builds images with docker; minutes)")
+def test_built_operator_and_loadgen_images_run_as_non_root_without_torch():
+    """`make images` for real: Debian's dockerd, a debootstrap base imported FROM scratch, then the operator
+    image's `plan` on the example resource and the loadgen image's `--help`, both as uid 10001, neither with torch."""
+    env = {**os.environ, "IMAGES": "operator loadgen", "IMAGE_TAG": "test"}
+    build = subprocess.run([str(IMAGES / "build.sh")], env=env, capture_output=True, text=True, timeout=3600)
+    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
+    cache = os.environ.get("VSKIPPER_IMAGE_CACHE", str(Path.home() / ".cache" / "vskipper-images"))
+    docker_env = dict(os.environ)
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        docker_env["DOCKER_HOST"] = f"unix://{cache}/docker.sock"
+
+    def run(image, *args, entrypoint=None):
+        cmd = ["docker", "run", "--rm", "--network", "none", "--read-only"]
+        cmd += ["--entrypoint", entrypoint] if entrypoint else []
+        return subprocess.run([*cmd, f"vskipper-{image}:test", *args], capture_output=True, text=True,
+                              env=docker_env, timeout=300)
+
+    plan = run("operator", "plan", "--spec", "/opt/vskipper/examples/flexidepth-llama3-8b.yaml",
+               "--nodes", "/opt/vskipper/examples/nodes-mixed-pool.json")
+    assert plan.returncode == 0, plan.stderr
+    assert "kind: Deployment" in plan.stdout and "--enter-tokens" in plan.stdout
+    helped = run("loadgen", "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert "usage" in helped.stdout.lower()
+    for image in ("operator", "loadgen"):
+        assert run(image, "-u", entrypoint="id").stdout.strip() == "10001"
+        no_torch = run(image, "-c", "import torch", entrypoint="python")
+        assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr

@@ -62,7 +62,8 @@ RESIDENT_TOKENS = MetricName(
     "Resident KV tokens V of the running decode batch, as the switch observes it")
 THRESHOLD_TOKENS = MetricName(
     "vskipper_threshold_tokens", "gauge",
-    "The switch's thresholds in resident KV tokens (enter: start routing decode; exit: stop)",
+    "The switch's thresholds in resident KV tokens (enter: start routing decode; exit: stop); exported only "
+    "while the decode phase is switched (hybrid policy), so alerts never compare V with an unused threshold",
     (("bound", BOUNDS),))
 
 RUNTIME_METRICS: tuple[MetricName, ...] = (ROWS, PASSES, SWITCH_DECISIONS, RESIDENT_TOKENS, THRESHOLD_TOKENS)
