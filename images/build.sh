@@ -51,11 +51,32 @@ if ! docker image inspect "$BASE_TAG" >/dev/null 2>&1; then
         docker build --network host -t "$BASE_TAG" -f - "$CACHE"
 fi
 
+# The runtime image here: the CPU torch wheel the machines carry ($TORCH_WHEEL_DIR), served on loopback as a
+# one-package index, and no SGLang (its CUDA wheels are out of reach; INSTALL_SGLANG=1 to try). Production builds
+# pass TORCH_INDEX_URL (the CUDA wheels) and keep INSTALL_SGLANG=1.
+index_pid=""
+trap 'if [ -n "$index_pid" ]; then kill "$index_pid"; fi' EXIT
+runtime_args() {  # sets `extra` (no subshell: the index server's pid must stay in this shell)
+    local url="${TORCH_INDEX_URL:-}"
+    if [ -z "$url" ]; then
+        local wheel port
+        wheel="$(ls "${TORCH_WHEEL_DIR:-/opt/wheels}"/torch-*+cpu-*.whl | head -1)"
+        rm -rf "$CACHE/torch-index" && mkdir -p "$CACHE/torch-index/torch"
+        ln "$wheel" "$CACHE/torch-index/torch/" 2>/dev/null || cp "$wheel" "$CACHE/torch-index/torch/"
+        port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+        python3 -m http.server --bind 127.0.0.1 --directory "$CACHE/torch-index" "$port" >/dev/null 2>&1 &
+        index_pid=$!
+        sleep 1
+        url="http://127.0.0.1:$port/"
+    fi
+    extra=(--build-arg "TORCH_INDEX_URL=$url" --build-arg "INSTALL_SGLANG=${INSTALL_SGLANG:-0}")
+}
+
 for image in $IMAGES; do
     echo "building vskipper-$image:$TAG"
     extra=()
     if [ "$image" = runtime ]; then
-        extra=(--build-arg "TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}")
+        runtime_args
     fi
     docker build --network host --build-arg "BASE_IMAGE=$BASE_TAG" "${extra[@]}" \
         -f "images/$image.Dockerfile" -t "vskipper-$image:$TAG" .

@@ -10,6 +10,8 @@ FROM ${BASE_IMAGE}
 ARG SGLANG_VERSION=0.5.21
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu129
+# torch's own dependencies (filelock, sympy, ...) when the torch index carries torch alone.
+ARG TORCH_EXTRA_INDEX_URL=https://pypi.org/simple
 ARG INSTALL_SGLANG=1
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -24,7 +26,8 @@ COPY images/runtime/entrypoint.py /usr/local/bin/vskipper-entrypoint
 
 # torch first and alone, pinned, from the chosen index; then SGLang pinned; then vSkipper's runtime extra.
 RUN python3 -m venv /opt/venv \
-    && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" --extra-index-url "${TORCH_EXTRA_INDEX_URL}" \
+        "torch==${TORCH_VERSION}" \
     && if [ "${INSTALL_SGLANG}" = "1" ]; then pip install --no-cache-dir "sglang==${SGLANG_VERSION}"; fi \
     && pip install --no-cache-dir "./[runtime]" \
     && python -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '${TORCH_VERSION}' else f'torch {v} replaced ${TORCH_VERSION}')"

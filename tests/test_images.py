@@ -123,11 +123,12 @@ def test_entrypoint_execs_vskipper_serve(tmp_path):
 BUILD = os.environ.get("VSKIPPER_IMAGE_BUILD") == "1"
 
 
-@pytest.mark.skipif(not BUILD, reason="opt-in: VSKIPPER_IMAGE_BUILD=1 (builds images with docker; minutes)")
-def test_built_operator_and_loadgen_images_run_as_non_root_without_torch():
-    """`make images` for real: Debian's dockerd, a debootstrap base imported FROM scratch, then the operator
-    image's `plan` on the example resource and the loadgen image's `--help`, both as uid 10001, neither with torch."""
-    env = {**os.environ, "IMAGES": "operator loadgen", "IMAGE_TAG": "test"}
+@pytest.fixture(scope="module")
+def docker_run():
+    """`make images` for real (IMAGES=operator loadgen runtime): Debian's dockerd, a debootstrap base imported FROM
+    scratch, the runtime with the machines' CPU torch wheel and without SGLang (its CUDA wheels are out of reach
+    here). Returns a function running a built image with no network and a read-only root."""
+    env = {**os.environ, "IMAGES": "operator loadgen runtime", "IMAGE_TAG": "test"}
     build = subprocess.run([str(IMAGES / "build.sh")], env=env, capture_output=True, text=True, timeout=3600)
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
     cache = os.environ.get("VSKIPPER_IMAGE_CACHE", str(Path.home() / ".cache" / "vskipper-images"))
@@ -135,20 +136,45 @@ def test_built_operator_and_loadgen_images_run_as_non_root_without_torch():
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         docker_env["DOCKER_HOST"] = f"unix://{cache}/docker.sock"
 
-    def run(image, *args, entrypoint=None):
+    def run(image, *args, entrypoint=None, env=None):
         cmd = ["docker", "run", "--rm", "--network", "none", "--read-only"]
         cmd += ["--entrypoint", entrypoint] if entrypoint else []
+        for key, value in (env or {}).items():
+            cmd += ["-e", f"{key}={value}"]
         return subprocess.run([*cmd, f"vskipper-{image}:test", *args], capture_output=True, text=True,
                               env=docker_env, timeout=300)
 
-    plan = run("operator", "plan", "--spec", "/opt/vskipper/examples/flexidepth-llama3-8b.yaml",
-               "--nodes", "/opt/vskipper/examples/nodes-mixed-pool.json")
+    return run
+
+
+@pytest.mark.skipif(not BUILD, reason="opt-in: VSKIPPER_IMAGE_BUILD=1 (builds images with docker; minutes)")
+def test_built_operator_and_loadgen_images_run_as_non_root_without_torch(docker_run):
+    plan = docker_run("operator", "plan", "--spec", "/opt/vskipper/examples/flexidepth-llama3-8b.yaml",
+                      "--nodes", "/opt/vskipper/examples/nodes-mixed-pool.json")
     assert plan.returncode == 0, plan.stderr
     assert "kind: Deployment" in plan.stdout and "--enter-tokens" in plan.stdout
-    helped = run("loadgen", "--help")
+    helped = docker_run("loadgen", "--help")
     assert helped.returncode == 0, helped.stderr
     assert "usage" in helped.stdout.lower()
     for image in ("operator", "loadgen"):
-        assert run(image, "-u", entrypoint="id").stdout.strip() == "10001"
-        no_torch = run(image, "-c", "import torch", entrypoint="python")
+        assert docker_run(image, "-u", entrypoint="id").stdout.strip() == "10001"
+        no_torch = docker_run(image, "-c", "import torch", entrypoint="python")
         assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
+
+
+@pytest.mark.skipif(not BUILD, reason="opt-in: VSKIPPER_IMAGE_BUILD=1 (builds images with docker; minutes)")
+def test_built_runtime_image_resolves_thresholds_and_carries_the_cpu_torch_and_tile_tables(docker_run):
+    resolved = docker_run("runtime", "--print-command", env={
+        "VSKIPPER_MODEL": "/models/m", "VSKIPPER_EXIT_TOKENS": "160000", "VSKIPPER_ENTER_TOKENS": "200000"})
+    assert resolved.returncode == 0, resolved.stderr
+    assert json.loads(resolved.stdout) == ["vskipper", "serve", "--model", "/models/m", "--exit-tokens", "160000",
+                                           "--enter-tokens", "200000"]
+    refused = docker_run("runtime", "--model", "/m", "--exit-tokens", "9", "--enter-tokens", "5")
+    assert refused.returncode == 2 and "must exceed --exit-tokens" in refused.stderr
+    assert docker_run("runtime", "-u", entrypoint="id").stdout.strip() == "10001"
+    probe = docker_run("runtime", "-c", "import torch, vskipper.mixed.tiles as t; "
+                       "print(torch.__version__, torch.version.cuda, t.TABLE_DIR.is_dir())", entrypoint="python")
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["2.13.0+cpu", "None", "True"]
+    thresholds = docker_run("runtime", "thresholds", "--help", entrypoint="vskipper")
+    assert thresholds.returncode == 0, thresholds.stderr
