@@ -133,3 +133,16 @@ def _combos(labels):
     for _, values in labels:
         combos = [c + (v,) for c in combos for v in values]
     return combos
+
+
+def test_plain_monitoring_manifests_carry_the_same_rules_and_dashboard():
+    import kubernetes_validate
+    import yaml
+
+    rule, config = [d for d in yaml.safe_load_all((ROOT / "manifests" / "monitoring.yaml").read_text()) if d]
+    files = ROOT / "helm" / "vskipper" / "files"
+    assert rule["kind"] == "PrometheusRule"
+    assert rule["spec"] == yaml.safe_load((files / "prometheus-rules.yaml").read_text())
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(config["data"]["vskipper.json"]) == json.loads(DASHBOARD.read_text())
+    kubernetes_validate.validate(config, "1.29.0", strict=True)
