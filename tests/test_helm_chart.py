@@ -234,3 +234,15 @@ def test_helm_test_hook_script_passes_against_the_real_operator_metrics_endpoint
     finally:
         exporter.kill()
         exporter.wait()
+
+
+def test_default_operator_container_matches_the_plain_manifest(tmp_path):
+    plain = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text())
+             if d and d["kind"] == "Deployment"][0]
+    plain_pod = plain["spec"]["template"]["spec"]
+    pod = by_kind(render(tmp_path), "Deployment")[0]["spec"]["template"]["spec"]
+    mine, theirs = pod["containers"][0], plain_pod["containers"][0]
+    for key in ("command", "args", "ports", "livenessProbe", "resources"):
+        assert mine[key] == theirs[key], key
+    assert theirs["securityContext"].items() <= mine["securityContext"].items()
+    assert {e["name"] for e in theirs["env"]} <= {e["name"] for e in mine["env"]}
