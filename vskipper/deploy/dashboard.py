@@ -1,0 +1,126 @@
+"""The Grafana dashboard, built with grafana-foundation-sdk and rendered to helm/vskipper/files/dashboard.json.
+
+Every query names metrics from `vskipper.metrics_names` (the runtime, SGLang's histograms) or the operator's
+`vskipper_operator_*`; a test evaluates each one against a live Prometheus that scrapes real exporters.
+Queries use two template variables: `$datasource` (a Prometheus data source) and `$namespace`.
+
+Cohort sizes have no metric of their own: the panel shows row-layer visits per decode pass by action, i.e. the
+cohort size times the number of routed layers. Runtime series carry no GPU-class label (the operator's
+ServiceMonitor does not copy the pod's `vskipper.io/gpu-class` label), so V is drawn per server against the
+thresholds that server reports, and the per-class thresholds come from the operator's gauges.
+"""
+
+from __future__ import annotations
+
+import json
+
+from vskipper.deploy.rules import share
+from vskipper.metrics_names import (
+    PASSES,
+    RESIDENT_TOKENS,
+    ROWS,
+    SGLANG_E2E,
+    SGLANG_ITL,
+    SGLANG_TTFT,
+    SWITCH_DECISIONS,
+    THRESHOLD_TOKENS,
+)
+
+UID = "vskipper-overview"
+DATASOURCE_VAR = "datasource"
+NAMESPACE_VAR = "namespace"
+NS = f'namespace=~"${NAMESPACE_VAR}"'
+RATE = "$__rate_interval"
+
+
+def sglang_selector(metric: str, suffix: str) -> str:
+    """A selector for an SGLang series under either spelling of its prefix. prometheus_client (0.26) writes
+    OpenMetrics sample names with `sglang_` for `sglang:` (its HELP/TYPE lines keep the colon), and Prometheus
+    negotiates OpenMetrics, so the stored name depends on the client version inside the SGLang image."""
+    pattern = metric.replace("sglang:", "sglang[:_]", 1) + suffix
+    return f'{{__name__=~"{pattern}", {NS}}}'
+
+
+def _panels() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
+    """(row title, panel title, unit, [(expr, legend)]) in display order."""
+    rows, passes = ROWS.name, PASSES.name
+    lat = []
+    for title, metric in (("TTFT", SGLANG_TTFT), ("TPOT (inter-token latency)", SGLANG_ITL),
+                          ("End-to-end latency", SGLANG_E2E)):
+        lat.append(("Latency (SGLang)", title, "s", [
+            (f"histogram_quantile({q}, sum by (le, model_name) (rate({sglang_selector(metric, '_bucket')}[{RATE}])))",
+             f"p{int(q * 100)} {{{{model_name}}}}") for q in (0.5, 0.99)]))
+    return [
+        ("Routing", "Routed share of decode rows", "percentunit", [
+            (share(f'rate({rows}{{{NS}, phase="decode", action="project_only"}}[{RATE}])',
+                   f'rate({rows}{{{NS}, phase="decode"}}[{RATE}])', "service"), "{{service}}")]),
+        ("Routing", "Routed share of passes per phase", "percentunit", [
+            (share(f'rate({passes}{{{NS}, mode="routed"}}[{RATE}])', f"rate({passes}{{{NS}}}[{RATE}])",
+                   "service, phase"), "{{service}} {{phase}}")]),
+        ("Routing", "Decode cohort sizes (row-layer visits per pass, by action)", "short", [
+            (f'sum by (service, action) (rate({rows}{{{NS}, phase="decode"}}[{RATE}]))\n'
+             f'/ on (service) group_left () sum by (service) (rate({passes}{{{NS}, phase="decode"}}[{RATE}]))',
+             "{{service}} {{action}}")]),
+        ("Switch", "Resident tokens V against the server's thresholds", "short", [
+            (f"{RESIDENT_TOKENS.name}{{{NS}}}", "V {{pod}}"),
+            (f"{THRESHOLD_TOKENS.name}{{{NS}}}", "{{bound}} {{pod}}")]),
+        ("Switch", "Thresholds per GPU class (operator)", "short", [
+            (f"vskipper_operator_enter_tokens{{{NS}}}", "enter {{name}} {{gpu_product}}"),
+            (f"vskipper_operator_exit_tokens{{{NS}}}", "exit {{name}} {{gpu_product}}"),
+            (f"vskipper_operator_v_star_tokens{{{NS}}}", "V* {{name}} {{gpu_product}}")]),
+        ("Switch", "Switch decisions", "short", [
+            (f"sum by (decision) (increase({SWITCH_DECISIONS.name}{{{NS}}}[{RATE}]))", "{{decision}}")]),
+        *lat,
+        ("Operator", "Reconciles by result", "ops", [
+            ("sum by (result) (rate(vskipper_operator_reconciles_total[$__rate_interval]))", "{{result}}")]),
+        ("Operator", "Errors and API retries", "ops", [
+            ("sum by (kind) (rate(vskipper_operator_errors_total[$__rate_interval]))", "error {{kind}}"),
+            ("sum by (reason) (rate(vskipper_operator_api_retries_total[$__rate_interval]))", "retry {{reason}}")]),
+        ("Operator", "Reconcile duration", "s", [
+            ("histogram_quantile(0.99, sum by (le) (rate(vskipper_operator_reconcile_duration_seconds_bucket"
+             "[$__rate_interval])))", "p99")]),
+        ("Operator", "GPU classes (served / not served)", "short", [
+            (f"sum by (served) (vskipper_operator_gpu_classes{{{NS}}})", "served={{served}}")]),
+    ]
+
+
+def build_dashboard() -> dict:
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.builders import prometheus, timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef
+
+    ds = DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE_VAR}}}")
+    board = (db.Dashboard("vSkipper")
+             .uid(UID)
+             .tags(["vskipper", "sglang"])
+             .description("Routing, the mode switch, SGLang latency and the vSkipper operator")
+             .time("now-1h", "now")
+             .refresh("30s")
+             .timezone("browser")
+             .with_variable(db.DatasourceVariable(DATASOURCE_VAR).label("Data source").type("prometheus"))
+             .with_variable(db.QueryVariable(NAMESPACE_VAR).label("Namespace").datasource(ds)
+                            .query(f"label_values({RESIDENT_TOKENS.name}, namespace)")
+                            .multi(True).include_all(True).all_value(".*")))
+    panel_id = 0
+    current_row = None
+    for row_title, title, unit, targets in _panels():
+        if row_title != current_row:
+            panel_id += 1
+            board = board.with_row(db.Row(row_title).id(panel_id))
+            current_row = row_title
+        panel_id += 1
+        panel = timeseries.Panel().id(panel_id).title(title).datasource(ds).unit(unit).height(8).span(12)
+        for i, (expr, legend) in enumerate(targets):
+            panel = panel.with_target(prometheus.Dataquery().expr(expr).legend_format(legend)
+                                      .ref_id(chr(ord("A") + i)).datasource(ds))
+        board = board.with_panel(panel)
+    return json.loads(json.dumps(board.build(), cls=JSONEncoder))
+
+
+def all_expressions() -> list[str]:
+    return [expr for _, _, _, targets in _panels() for expr, _ in targets]
+
+
+def render_dashboard_json() -> str:
+    return json.dumps(build_dashboard(), indent=2, sort_keys=True) + "\n"

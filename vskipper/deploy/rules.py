@@ -1,0 +1,117 @@
+"""Prometheus recording rules and alerts over the runtime's metrics (named in `vskipper.metrics_names`) and the
+operator's (`vskipper_operator_*`). Rendered to helm/vskipper/files/prometheus-rules.yaml, which the chart's
+PrometheusRule embeds and promtool checks and unit-tests (deploy/prometheus/rules.test.yaml).
+
+Per-server expressions aggregate by (job, instance): every scraped series carries them, one target per server
+pod. Per-deployment expressions aggregate by (namespace, service): the labels a ServiceMonitor attaches (the
+operator names a SkipperDeployment's Service after the resource).
+"""
+
+from __future__ import annotations
+
+from vskipper.metrics_names import PASSES, RESIDENT_TOKENS, ROWS, SWITCH_DECISIONS, THRESHOLD_TOKENS
+
+TARGET = "job, instance"
+DEPLOYMENT = "namespace, service"
+
+# Recording rules: name -> expression.
+DECODE_ROWS_ROUTED_SHARE = "vskipper:decode_rows_skipped:ratio_rate5m"
+PASSES_ROUTED_SHARE = "vskipper:passes_routed:ratio_rate5m"
+ROWS_SKIPPED_SHARE = "vskipper:rows_skipped:ratio_rate5m"
+
+FLAP_WINDOW = "10m"
+FLAP_TRANSITIONS = 10  # route_on + route_off decisions per window: more than one a minute defeats the hysteresis
+NEVER_ENGAGES_WINDOW = "15m"
+NOT_EXECUTED_WINDOW = "10m"
+
+
+def share(numerator: str, denominator: str, by: str) -> str:
+    """sum(numerator) / sum(denominator) by the labels `by`; 0 (not absent) where the denominator has groups that
+    the numerator lacks, e.g. a phase whose rows never skip."""
+    num, den = f"sum by ({by}) ({numerator})", f"sum by ({by}) ({denominator})"
+    return f"({num}\n or 0 * {den})\n/ {den}"
+
+
+def recording_rules() -> list[dict]:
+    rows, passes = ROWS.name, PASSES.name
+    return [
+        {"record": DECODE_ROWS_ROUTED_SHARE,
+         "expr": share(f'rate({rows}{{phase="decode", action="project_only"}}[5m])',
+                       f'rate({rows}{{phase="decode"}}[5m])', DEPLOYMENT)},
+        {"record": ROWS_SKIPPED_SHARE,
+         "expr": share(f'rate({rows}{{action="project_only"}}[5m])', f"rate({rows}[5m])", f"{DEPLOYMENT}, phase")},
+        {"record": PASSES_ROUTED_SHARE,
+         "expr": share(f'rate({passes}{{mode="routed"}}[5m])', f"rate({passes}[5m])", f"{DEPLOYMENT}, phase")},
+    ]
+
+
+def alerts() -> list[dict]:
+    w = NEVER_ENGAGES_WINDOW
+    never_engages = (
+        f"min_over_time({RESIDENT_TOKENS.name}[{w}])\n"
+        f"> on ({TARGET}) max by ({TARGET}) (max_over_time({THRESHOLD_TOKENS.name}{{bound=\"enter\"}}[{w}]))\n"
+        f"unless on ({TARGET})\n"
+        f"sum by ({TARGET}) (increase({PASSES.name}{{phase=\"decode\", mode=\"routed\"}}[{w}])) > 0")
+    flapping = (f"sum by ({TARGET}) (increase({SWITCH_DECISIONS.name}{{decision=~\"route_on|route_off\"}}"
+                f"[{FLAP_WINDOW}])) > {FLAP_TRANSITIONS}")
+    w = NOT_EXECUTED_WINDOW
+    not_executed = (
+        f"sum by ({TARGET}, phase) (increase({PASSES.name}{{mode=\"routed\"}}[{w}])) > 0\n"
+        f"unless on ({TARGET}, phase)\n"
+        f"sum by ({TARGET}, phase) (increase({ROWS.name}{{action=\"project_only\"}}[{w}])) > 0")
+    return [
+        {"alert": "VskipperRoutingNeverEngages", "expr": never_engages, "for": "5m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Routing never engages although V stays above the enter threshold",
+             "description": "{{ $labels.instance }}: resident tokens stayed above the enter threshold for "
+                            f"{NEVER_ENGAGES_WINDOW} and no decode pass ran routed. The switch is not acting "
+                            "on its thresholds (or the runtime exports thresholds it does not use)."}},
+        {"alert": "VskipperSwitchFlapping", "expr": flapping, "for": "5m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "The decode mode switch flaps",
+             "description": "{{ $labels.instance }}: {{ $value }} route_on/route_off decisions in "
+                            f"{FLAP_WINDOW}. The exit/enter band is too narrow for this load; check the "
+                            "thresholds the operator derived for this GPU class."}},
+        {"alert": "VskipperMechanismNotExecuted", "expr": not_executed, "for": "5m",
+         "labels": {"severity": "critical"},
+         "annotations": {
+             "summary": "Routed passes ran but no row skipped: the declared mechanism is not executed",
+             "description": "{{ $labels.instance }}: {{ $labels.phase }} passes ran in routed mode for "
+                            f"{NOT_EXECUTED_WINDOW} but no row took project_only. The attested arm declares "
+                            "skipping that the server does not perform."}},
+        {"alert": "VskipperOperatorReconcileErrors",
+         "expr": 'sum by (job) (increase(vskipper_operator_reconciles_total{result="error"}[10m])) > 0',
+         "for": "15m", "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "The vSkipper operator keeps failing to reconcile",
+             "description": "{{ $value }} failed reconciliations in 10m (see vskipper_operator_errors_total "
+                            "by kind and the operator's Events)."}},
+    ]
+
+
+def rule_groups() -> dict:
+    return {"groups": [
+        {"name": "vskipper.recording", "rules": recording_rules()},
+        {"name": "vskipper.alerts", "rules": alerts()},
+    ]}
+
+
+def all_expressions() -> list[str]:
+    return [r["expr"] for g in rule_groups()["groups"] for r in g["rules"]]
+
+
+def render_rules_yaml() -> str:
+    import yaml
+
+    class _Literal(yaml.SafeDumper):
+        pass
+
+    def _str(dumper, data):
+        style = "|" if "\n" in data else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+    _Literal.add_representer(str, _str)
+    header = "# Generated from vskipper/deploy/rules.py by `make chart`; do not edit.\n"
+    return header + yaml.dump(rule_groups(), Dumper=_Literal, sort_keys=False, width=110)

@@ -1,0 +1,76 @@
+"""The one place that names the runtime's Prometheus metrics (pure: no torch, no prometheus_client).
+
+The runtime (the SGLang integration) registers exactly these metrics; the Prometheus rules and the Grafana
+dashboard (`deploy/`) are generated from them, so a panel or an alert never names a metric nothing emits.
+Names follow Prometheus conventions: `vskipper_` namespace, base units (tokens), counters end in `_total`, and
+labels take values from small fixed sets (the enums of the switch and the skipper registry).
+
+SGLang's own request-latency histograms (release 0.5.21, `sglang/srt/observability/metrics_collector.py`; TTFT and E2E carry an `is_streaming` label too) are named here too:
+the dashboard reads TTFT, TPOT (inter-token latency) and end-to-end latency from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vskipper.skippers.registry import Action
+from vskipper.switch import DecisionKind, Mode
+
+NAMESPACE = "vskipper"
+
+PHASES = ("prefill", "decode")
+MODES = tuple(m.value for m in Mode)
+ACTIONS = tuple(a.value for a in Action)
+DECISIONS = tuple(d.value for d in DecisionKind)
+BOUNDS = ("enter", "exit")
+
+
+@dataclass(frozen=True)
+class MetricName:
+    """A metric as the runtime registers it: name (with `_total` for counters), type, help, label values."""
+
+    name: str
+    type: str  # counter | gauge | histogram
+    help: str
+    labels: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(k for k, _ in self.labels)
+
+    @property
+    def base_name(self) -> str:
+        """The name prometheus_client takes (it appends `_total` to counters itself)."""
+        return self.name[: -len("_total")] if self.type == "counter" and self.name.endswith("_total") else self.name
+
+
+ROWS = MetricName(
+    "vskipper_rows_total", "counter",
+    "Row-layer visits of routed layers, by phase and the action the row took (run: the whole layer; "
+    "project_only: own K/V and the projector's update)",
+    (("phase", PHASES), ("action", ACTIONS)))
+PASSES = MetricName(
+    "vskipper_passes_total", "counter",
+    "Forward passes, by phase and the execution mode the pass ran in (dense or routed)",
+    (("phase", PHASES), ("mode", MODES)))
+SWITCH_DECISIONS = MetricName(
+    "vskipper_switch_decisions_total", "counter",
+    "Mode-switch decisions, by kind (route_on, route_off, promote, prefill_routed, prefill_dense, probe)",
+    (("decision", DECISIONS),))
+RESIDENT_TOKENS = MetricName(
+    "vskipper_resident_tokens", "gauge",
+    "Resident KV tokens V of the running decode batch, as the switch observes it")
+THRESHOLD_TOKENS = MetricName(
+    "vskipper_threshold_tokens", "gauge",
+    "The switch's thresholds in resident KV tokens (enter: start routing decode; exit: stop); exported only "
+    "while the decode phase is switched (hybrid policy), so alerts never compare V with an unused threshold",
+    (("bound", BOUNDS),))
+
+RUNTIME_METRICS: tuple[MetricName, ...] = (ROWS, PASSES, SWITCH_DECISIONS, RESIDENT_TOKENS, THRESHOLD_TOKENS)
+
+# SGLang 0.5.21's own histograms (seconds), exported under the `sglang:` prefix with a `model_name` label.
+SGLANG_TTFT = "sglang:time_to_first_token_seconds"
+SGLANG_ITL = "sglang:inter_token_latency_seconds"  # TPOT: the time per output token after the first
+SGLANG_E2E = "sglang:e2e_request_latency_seconds"
+SGLANG_HISTOGRAMS = (SGLANG_TTFT, SGLANG_ITL, SGLANG_E2E)
+SGLANG_LABELS = ("model_name",)
