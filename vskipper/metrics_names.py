@@ -57,6 +57,9 @@ SWITCH_DECISIONS = MetricName(
     "vskipper_switch_decisions_total", "counter",
     "Mode-switch decisions, by kind (route_on, route_off, promote, prefill_routed, prefill_dense, probe)",
     (("decision", DECISIONS),))
+PROMOTIONS = MetricName(
+    "vskipper_promotions_total", "counter",
+    "Requests promoted from dense to routed decode when V crossed the enter threshold")
 RESIDENT_TOKENS = MetricName(
     "vskipper_resident_tokens", "gauge",
     "Resident KV tokens V of the running decode batch, as the switch observes it")
@@ -66,7 +69,8 @@ THRESHOLD_TOKENS = MetricName(
     "while the decode phase is switched (hybrid policy), so alerts never compare V with an unused threshold",
     (("bound", BOUNDS),))
 
-RUNTIME_METRICS: tuple[MetricName, ...] = (ROWS, PASSES, SWITCH_DECISIONS, RESIDENT_TOKENS, THRESHOLD_TOKENS)
+RUNTIME_METRICS: tuple[MetricName, ...] = (ROWS, PASSES, SWITCH_DECISIONS, PROMOTIONS, RESIDENT_TOKENS,
+                                           THRESHOLD_TOKENS)
 
 # SGLang 0.5.21's own histograms (seconds), exported under the `sglang:` prefix with a `model_name` label.
 SGLANG_TTFT = "sglang:time_to_first_token_seconds"

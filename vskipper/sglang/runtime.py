@@ -35,7 +35,7 @@ from vskipper.mixed.tape import RouteTape
 from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
 from vskipper.skippers.base import BatchContext, Skipper
 from vskipper.skippers.registry import SkipperConfigError, build_skipper
-from vskipper.switch import Mode, ModeSwitch
+from vskipper.switch import Mode, ModeSwitch, Policy
 
 COHORT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -79,20 +79,27 @@ def _bucket(n: int) -> str:
 
 
 class _Prometheus:
-    """vSkipper counters in the Prometheus multiprocess directory SGLang's /metrics collects (scheduler side)."""
+    """vSkipper counters in the Prometheus multiprocess directory SGLang's /metrics collects (scheduler side).
+    Names, types, help and labels come from `vskipper.metrics_names`, the one list dashboards and rules read."""
 
     def __init__(self) -> None:
         from prometheus_client import Counter as PCounter
         from prometheus_client import Gauge
 
-        self.passes = PCounter("vskipper_passes", "forward passes by phase and mode", ["phase", "mode"])
-        self.rows = PCounter("vskipper_rows", "routed-layer row decisions by phase and action", ["phase", "action"])
-        self.decisions = PCounter("vskipper_switch_decisions", "mode switch decisions", ["decision"])
-        self.promotions = PCounter("vskipper_promotions", "requests promoted from dense to routed decode")
-        self.resident = Gauge("vskipper_resident_tokens", "resident KV tokens V of the last decode pass",
-                              multiprocess_mode="mostrecent")
-        self.threshold = Gauge("vskipper_threshold_tokens", "decode switch thresholds", ["bound"],
-                               multiprocess_mode="mostrecent")
+        from vskipper import metrics_names as m
+
+        def counter(metric):
+            return PCounter(metric.base_name, metric.help, list(metric.label_names))
+
+        def gauge(metric):
+            return Gauge(metric.base_name, metric.help, list(metric.label_names), multiprocess_mode="mostrecent")
+
+        self.passes = counter(m.PASSES)
+        self.rows = counter(m.ROWS)
+        self.decisions = counter(m.SWITCH_DECISIONS)
+        self.promotions = counter(m.PROMOTIONS)
+        self.resident = gauge(m.RESIDENT_TOKENS)
+        self.threshold = gauge(m.THRESHOLD_TOKENS)
 
 
 class Runtime:
@@ -123,7 +130,8 @@ class Runtime:
         self._promotions_seen = 0
         self.started = time.time()
         self.prometheus = _Prometheus() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
-        if self.prometheus is not None:
+        if self.prometheus is not None and arm.switch_settings().decode is Policy.HYBRID:
+            # Exported only while decode is switched, so no alert compares V with a threshold nobody uses.
             self.prometheus.threshold.labels("enter").set(spec.enter_tokens)
             self.prometheus.threshold.labels("exit").set(spec.exit_tokens)
         self.write_state()
