@@ -236,6 +236,37 @@ class TestAlwaysRouteFlexiDepth:
             assert att["passes_total"][phase]["dense"] == 0
 
 
+    def test_loadgen_cells_against_the_real_server_pass_every_gate(self, routed_server):
+        """loadgen end to end against the real server (not a stand-in): an open-loop natural cell, then its
+        matched-work replay, each gated on accounting, cell size, zero-empty generations, work identity,
+        mechanism evidence (routed passes in both declared phases, read from the attestation before and after)
+        and the served design equal to the intended arm field by field."""
+        import asyncio
+
+        from loadgen import gates
+        from loadgen.client import Endpoint
+        from loadgen.driver import matched_plan, natural_plan, record_lengths, run_cell
+        from loadgen.suite import Suite, SuiteRequest
+        from vskipper.arms import get_arm
+
+        suite = Suite("real-server", tuple(SuiteRequest(f"tiny:test:{i}", tuple(range(5 + i, 13 + i)))
+                                           for i in range(6)))
+        endpoint = Endpoint(routed_server.url)
+        natural = asyncio.run(run_cell(endpoint, natural_plan(suite, 4.0, 1, max_new_tokens=6), "always-route"))
+        matched = asyncio.run(run_cell(endpoint, matched_plan(suite, 4.0, 2, record_lengths(natural)),
+                                       "always-route"))
+        arm = get_arm("always-route")
+        refusals = []
+        for cell in (natural, matched):
+            refusals += gates.accounting(cell) + gates.declared_cell_size(cell, suite.digest, suite.ids)
+            refusals += gates.mechanism_evidence(arm, cell.attestation_before, cell.attestation_after)
+            refusals += gates.served_design(arm, cell.attestation_after)
+        refusals += gates.zero_empty(natural) + gates.work_identity(natural, matched)
+        assert refusals == [], refusals
+        assert matched.completed == len(suite) and all(r.output_tokens >= 1 for r in matched.records)
+        # the gates bite on this server too: the dense arm's design is not what it serves
+        assert gates.served_design(get_arm("dense"), matched.attestation_after)
+
     def test_routed_counters_are_consistent_across_attestation_and_metrics(self, routed_server):
         routed_server.generate_ids([3, 1, 4, 1, 5], 4)
         att = routed_server.get_json("/vskipper/attestation")
