@@ -16,13 +16,11 @@ with unit weight (the tape's `dense_rows`), so they compute what the dense forwa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from sglang.srt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 from vskipper.mixed.backend import cohort_ffn
-from vskipper.sglang.models.routed import StepSlot, check_router_weights, split_router_weights
+from vskipper.sglang.models.routed import RouterWeightsMixin, StepSlot
 from vskipper.sglang.runtime import get_runtime
 from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, router_sizes
 
@@ -74,7 +72,7 @@ class RoutedLlamaDecoderLayer(LlamaDecoderLayer):
         return y, torch.zeros_like(y)
 
 
-class DDLlamaForCausalLM(LlamaForCausalLM):
+class DDLlamaForCausalLM(RouterWeightsMixin, LlamaForCausalLM):
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
         self.slot = StepSlot()
@@ -105,12 +103,6 @@ class DDLlamaForCausalLM(LlamaForCausalLM):
         if step is not None:
             self.runtime.finish(step)
         return out
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        loaded: set[str] = set()
-        result = super().load_weights(split_router_weights(self, weights, loaded))
-        check_router_weights(self, loaded)
-        return result
 
 
 EntryClass = DDLlamaForCausalLM

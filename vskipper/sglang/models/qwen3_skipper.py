@@ -8,17 +8,15 @@ layer-boundary stages, which a routed layer must take over. A routed arm is refu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from sglang.srt.models.qwen3 import Qwen3ForCausalLM
 
-from vskipper.sglang.models.routed import check_router_weights, split_router_weights
+from vskipper.sglang.models.routed import RouterWeightsMixin
 from vskipper.sglang.runtime import ServeConfigError, get_runtime
 from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, router_sizes
 
 
-class Qwen3SkipperForCausalLM(Qwen3ForCausalLM):
+class Qwen3SkipperForCausalLM(RouterWeightsMixin, Qwen3ForCausalLM):
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
         self.routed_layers = tuple(int(i) for i in (getattr(config, "routing_layers", None) or ()))
@@ -48,12 +46,6 @@ class Qwen3SkipperForCausalLM(Qwen3ForCausalLM):
         if step is not None:
             self.runtime.finish(step)
         return out
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        loaded: set[str] = set()
-        result = super().load_weights(split_router_weights(self, weights, loaded))
-        check_router_weights(self, loaded)
-        return result
 
 
 EntryClass = Qwen3SkipperForCausalLM

@@ -52,3 +52,15 @@ def check_router_weights(model: torch.nn.Module, loaded: set[str]) -> None:
     missing = sorted(n for n, _ in model.named_parameters() if is_router_tensor(n) and n not in loaded)
     if missing:
         raise KeyError(f"checkpoint lacks router/adapter tensor {missing[0]!r} ({len(missing)} missing)")
+
+
+class RouterWeightsMixin:
+    """For a skipper model class placed before its SGLang base: the router/adapter tensors are taken out of
+    the checkpoint stream by their real names (upstream's loader would read `router_proj.gate_proj` as an
+    MLP shard), the rest goes to upstream's loader, and a missing router tensor is an error naming it."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        loaded: set[str] = set()
+        result = super().load_weights(split_router_weights(self, weights, loaded))
+        check_router_weights(self, loaded)
+        return result
