@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,3 +144,95 @@ def test_serve_spec_round_trips_through_the_environment(tmp_path):
     assert back.arm == spec.arm and (back.enter_tokens, back.exit_tokens) == (200000, 160000)
     with pytest.raises(ServeConfigError, match="VSKIPPER_ARM is not set"):
         ServeSpec.from_env({})
+
+
+# -- admission rounds and prefix-cache namespaces (the scheduler hooks' runtime side) -------------------------------
+
+def waiting(rid: str, tokens: int, extra_key: str | None = None, output: int = 0):
+    """The fields of SGLang's Req the runtime reads and writes."""
+    return SimpleNamespace(rid=rid, origin_input_ids=[7] * tokens, output_ids=[8] * output, extra_key=extra_key)
+
+
+PREFILL_SWITCHED = {"skipper": "static_depth", "params": {"ratio": 0.5}, "phases": "prefill", "mode_switch": True}
+
+
+def test_waiting_requests_are_keyed_by_the_previewed_mode_and_keep_their_own_key(tmp_path):
+    rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
+    a, b = waiting("a", 1000), waiting("b", 700, extra_key="lora-7")
+    assert rt.key_candidates([a, b], budget_tokens=None).mode.value == "routed"  # 1700 >= floor: the first probe
+    assert (a.extra_key, b.extra_key) == ("vsk:routed", "vsk:routed|lora-7")
+    rt.admit([a])  # the round took a only; b waits
+    assert rt.key_candidates([b], budget_tokens=None).mode.value == "dense"  # 700 < floor
+    assert b.extra_key == "vsk:dense|lora-7"  # re-keyed from its own key, never stacked
+    step = run_pass(rt, prefill(["a"], [1000]))
+    assert step.routed and step.probe  # the probe round routes and reports its share
+    assert rt.switch.prefill_share_estimate == 0.5
+    assert rt.attestation()["requests_total"]["prefill"] == {"routed": 1}
+
+
+def test_the_candidate_round_counts_prompts_up_to_the_prefill_budget(tmp_path):
+    rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
+    queue = [waiting("a", 1000), waiting("b", 1000)]
+    assert rt.key_candidates(queue, budget_tokens=1000).mode.value == "dense"  # a fills the round alone
+    assert rt.key_candidates(queue, budget_tokens=1200).mode.value == "routed"  # b crosses the budget: counted
+    assert rt.key_candidates([waiting("c", 900, output=700)], None).mode.value == "routed"  # retracted: re-prefill
+
+
+def test_a_round_is_committed_with_its_previewed_decision_and_never_without_one(tmp_path):
+    rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
+    with pytest.raises(RuntimeError, match="without a preview"):
+        rt.admit([waiting("a", 10)])
+    rt.key_candidates([waiting("a", 2000)], None)
+    rt.admit([waiting("a", 2000)])
+    decisions = rt.attestation()["switch"]["recent_decisions"]
+    assert [(d["kind"], d["count"]) for d in decisions] == [("prefill_routed", 2000)]
+
+
+def test_generated_kv_is_inserted_only_when_decode_ran_in_the_prefill_mode(tmp_path):
+    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}}), tmp_path, enter=3000,
+                 exit_=2500)  # hybrid prefill and decode
+    queue = [waiting("routed-dense", 2000), waiting("routed-routed", 2000)]
+    rt.key_candidates(queue, None)
+    rt.admit(queue)
+    rt.key_candidates([waiting("dense-promoted", 100)], None)
+    rt.admit([waiting("dense-promoted", 100)])
+    run_pass(rt, prefill(["routed-dense", "routed-routed"], [2000, 2000]))
+    run_pass(rt, prefill(["dense-promoted"], [100]))
+    run_pass(rt, decode(["routed-dense", "dense-promoted"], [2001, 101]))  # V 2102 < enter: both decode dense
+    run_pass(rt, decode(["routed-dense", "dense-promoted", "routed-routed"], [2002, 102, 2001]))  # on: promoted
+    assert rt.kv_insert_limit("routed-routed", 2010, 2000) == 2010  # routed prefill, routed decode
+    assert rt.kv_insert_limit("routed-dense", 2010, 2000) == 2000  # routed prefill, dense-then-routed decode
+    assert rt.kv_insert_limit("dense-promoted", 110, 100) == 100  # dense prefill, promoted mid-decode
+    assert rt.kv_insert_limit("never-seen", 50, 40) == 50
+    assert rt.attestation()["prefix_cache"]["withheld_generated_kv_tokens_total"] == 20
+
+
+def test_a_retracted_request_is_admitted_afresh(tmp_path):
+    rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
+    rt.key_candidates([waiting("a", 2000)], None)
+    rt.admit([waiting("a", 2000)])
+    run_pass(rt, prefill(["a"], [2000]))
+    run_pass(rt, decode(["a"], [2001]))
+    assert "a" in rt.switch.running()
+    back = waiting("a", 2000, output=2)  # retracted into the waiting queue
+    rt.key_candidates([back], None)
+    assert "a" not in rt.switch.running()
+    rt.admit([back])
+    assert rt.attestation()["requests_total"]["prefill"]["routed"] == 2
+
+
+def test_arms_that_never_route_keep_sglangs_single_namespace(tmp_path):
+    rt = runtime(get_arm("dense"), tmp_path)
+    req = waiting("a", 2000, extra_key="user-key")
+    rt.key_candidates([req], None)
+    rt.admit([req])
+    assert req.extra_key == "user-key"
+    assert rt.attestation()["prefix_cache"]["namespaces"] == []
+
+
+def test_a_routed_server_without_its_scheduler_hooks_is_refused_naming_the_plugin():
+    pytest.importorskip("sglang")
+    from vskipper.sglang.hooks import check_applied
+
+    with pytest.raises(ServeConfigError, match="entry point group 'sglang.srt.plugins', name 'vskipper'"):
+        check_applied()  # this process never loaded SGLang's plugins

@@ -16,6 +16,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 pytest.importorskip("sglang")
 
@@ -98,9 +99,24 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 # -- startup refusals (no server needed) -------------------------------------------------------------------------
 
-def _serve_cli(*args: str) -> subprocess.CompletedProcess:
+def _serve_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vskipper.cli", "serve", *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+                          timeout=120, cwd=ROOT, env=env)
+
+
+def _gpu_path(tmp_path, product: str | None) -> dict:
+    """An environment whose PATH holds only a stand-in `nvidia-smi` printing `product` (none when None): no GPU
+    exists here, so the detection path reads a script that answers the query as nvidia-smi does."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if product is not None:
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\n[ \"$1 $2\" = \"--query-gpu=name --format=csv,noheader\" ] || exit 9\n"
+                       f"echo '{product}'\n")
+        smi.chmod(0o755)
+    return dict(os.environ, PATH=str(bin_dir))
 
 
 def test_serve_refuses_an_unknown_arm_naming_it(served_model):
@@ -115,10 +131,36 @@ def test_serve_refuses_a_skipper_trained_for_another_model_family(served_model):
     assert "field 'skipper' is 'qwen3_hard_gate'" in r.stderr and "'ddllama'" in r.stderr
 
 
-def test_serve_refuses_a_hybrid_arm_without_thresholds_on_cpu(served_model):
-    r = _serve_cli("--model", str(served_model), "--arm", "hybrid", "--dry-run")
+def test_serve_refuses_a_hybrid_arm_without_thresholds_where_no_gpu_is_detected(served_model, tmp_path):
+    r = _serve_cli("--model", str(served_model), "--arm", "hybrid", "--dry-run", env=_gpu_path(tmp_path, None))
     assert r.returncode == 2
-    assert "--enter-tokens" in r.stderr
+    assert "no GPU was detected" in r.stderr and "--enter-tokens" in r.stderr and "--gpu" in r.stderr
+
+
+@pytest.mark.parametrize("detected, flag, device", [
+    ("NVIDIA H100 80GB HBM3", None, "H100-SXM"),  # nvidia-smi's name for the SXM part
+    ("NVIDIA H100 80GB HBM3", "NVIDIA-A100-SXM4-80GB", "A100-SXM4-80GB"),  # --gpu takes a GFD label and wins
+])
+def test_serve_derives_hybrid_thresholds_from_the_roofline_rule_for_the_gpu(served_model, tmp_path, detected,
+                                                                             flag, device):
+    gpu = ("--gpu", flag) if flag else ()
+    r = _serve_cli("--model", str(served_model), "--arm", "hybrid", *gpu, "--dry-run",
+                   env=_gpu_path(tmp_path, detected))
+    assert r.returncode == 0, r.stderr
+    env = json.loads(r.stdout)["environment"]
+    rule = subprocess.run([sys.executable, "-m", "vskipper.cli", "thresholds", "--device", device, "--skip-ratio",
+                           str(get_arm("hybrid").declared_skip_ratio()), "--model", str(served_model), "--json"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=True)
+    expected = json.loads(rule.stdout)
+    assert int(env["VSKIPPER_ENTER_TOKENS"]) == expected["enter_tokens"] > 0
+    assert int(env["VSKIPPER_EXIT_TOKENS"]) == expected["exit_tokens"] > 0
+    assert env["VSKIPPER_THRESHOLDS_SOURCE"] == f"roofline:{device}"
+
+
+def test_serve_refuses_an_uncatalogued_gpu_naming_it(served_model, tmp_path):
+    r = _serve_cli("--model", str(served_model), "--arm", "hybrid", "--dry-run",
+                   env=_gpu_path(tmp_path, "NVIDIA Imaginary X9"))
+    assert r.returncode == 2 and "NVIDIA Imaginary X9" in r.stderr
 
 
 def test_server_process_refuses_an_invalid_arm_before_starting_sglang(served_model, tmp_path):
@@ -336,3 +378,71 @@ def test_serve_refuses_a_routed_arm_on_a_qwen3_checkpoint(served_qwen3):
     r = _serve_cli("--model", str(served_qwen3), "--arm", "qwen3-always-route", "--dry-run")
     assert r.returncode == 2
     assert "routed execution of model_type 'qwen3_skipper' is not available" in r.stderr
+
+
+# -- prefix reuse keyed by prefill mode ----------------------------------------------------------------------------
+
+LONG = 1600  # prompt tokens over the prefill floor (1536): the round may route
+SHORT = 400  # under it: the round runs dense
+
+
+@pytest.fixture(scope="class")
+def prefill_switched_server(served_model, tmp_path_factory):
+    """Prefill switched by the prefill rule, decode dense: StaticDepth skips exactly half the routed rows, so
+    every round over the floor routes (its probe measures a share of 0.5 > 0.35) and every round under it does
+    not. The KV pool is large enough that nothing is evicted during the class."""
+    tmp = tmp_path_factory.mktemp("prefix")
+    arm = tmp / "static-depth-50-prefill.json"
+    arm.write_text(json.dumps({"skipper": "static_depth", "params": {"ratio": 0.5}, "phases": "prefill",
+                               "mode_switch": True}))
+    with serve(served_model, tmp, arm_file=arm, extra=("--max-total-tokens", "16384")) as s:
+        yield s
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (n,), generator=g).tolist()
+
+
+class TestPrefixReuseByPrefillMode:
+    """SGLang's radix cache with vSkipper's namespaces: a prompt reuses only KV its own prefill mode computed,
+    and generated KV decoded in another mode than the prefill's never enters the cache."""
+
+    def _generate(self, server, ids: list[int], n: int = 4) -> tuple[dict, str]:
+        before = server.get_json("/vskipper/attestation")["requests_total"]["prefill"]
+        out = server.post_json("/generate", {"input_ids": ids, "sampling_params": {
+            "temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+        after = server.get_json("/vskipper/attestation")["requests_total"]["prefill"]
+        (mode,) = [m for m in ("dense", "routed") if after.get(m, 0) > before.get(m, 0)]
+        return out, mode
+
+    def test_a_prompt_reuses_only_kv_of_its_own_prefill_mode(self, prefill_switched_server):
+        server = prefill_switched_server
+        long_prompt = _prompt(LONG, 1)
+        first, mode = self._generate(server, long_prompt)
+        assert mode == "routed" and first["meta_info"]["cached_tokens"] == 0
+        # Its first SHORT tokens are cached, but under the routed namespace: a dense round reuses none of it.
+        short, mode = self._generate(server, long_prompt[:SHORT])
+        assert mode == "dense" and short["meta_info"]["cached_tokens"] == 0
+        again, mode = self._generate(server, long_prompt[:SHORT])
+        assert mode == "dense" and again["meta_info"]["cached_tokens"] >= SHORT - 1
+        # The long prompt's KV is still there, under its own mode.
+        long_again, mode = self._generate(server, long_prompt)
+        assert mode == "routed" and long_again["meta_info"]["cached_tokens"] >= LONG - 1
+        att = server.get_json("/vskipper/attestation")
+        assert att["prefix_cache"]["keyed_by_prefill_mode"] is True
+        assert att["prefix_cache"]["unkeyed_admissions_total"] == 0
+
+    def test_generated_kv_of_another_decode_mode_is_not_inserted(self, prefill_switched_server):
+        server = prefill_switched_server
+        prompt = _prompt(LONG, 2)
+        withheld = server.get_json("/vskipper/attestation")["prefix_cache"]["withheld_generated_kv_tokens_total"]
+        first, mode = self._generate(server, prompt, n=8)
+        assert mode == "routed"  # routed prefill, dense decode (the arm never routes decode)
+        follow_up = prompt + first["output_ids"] + _prompt(8, 3)
+        second, mode = self._generate(server, follow_up)
+        assert mode == "routed"
+        # The prompt's KV is reused; the tokens decoded dense were not inserted, so reuse stops at the prompt.
+        assert LONG - 1 <= second["meta_info"]["cached_tokens"] <= LONG
+        att = server.get_json("/vskipper/attestation")
+        assert att["prefix_cache"]["withheld_generated_kv_tokens_total"] > withheld

@@ -120,7 +120,13 @@ def test_prefill_rule_and_probe_cadence(rounds, share):
     for i, tokens in enumerate(rounds):
         due = due or i % period == 0
         estimate = sw.prefill_share_estimate
+        before = (sw.attestation(), sw.counters.prefill_rounds.copy())
+        for peek in (tokens, 5000 - tokens):  # a scheduler previews candidate rounds before it forms one
+            sw.preview_prefill(peek)
+        assert (sw.attestation(), sw.counters.prefill_rounds) == before  # previews change nothing
+        preview = sw.preview_prefill(tokens)
         decision = sw.admit_prefill(tokens, float(i))
+        assert decision == preview
         if tokens < floor:
             assert decision.mode is Mode.DENSE and not decision.probe  # counted before prefix hits
             continue

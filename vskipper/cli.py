@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the arm as a JSON file (Arm fields); takes precedence over the named arm's fields")
     p.add_argument("--enter-tokens", type=int, help="decode switch: route when resident tokens V >= this")
     p.add_argument("--exit-tokens", type=int, help="decode switch: stop routing when V <= this")
+    p.add_argument("--gpu", help="GPU product (catalogue name or GFD label) to derive the decode thresholds for "
+                   "when --enter/--exit-tokens are not given (default: the GPU nvidia-smi reports)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto",

@@ -207,34 +207,47 @@ class ModeSwitch:
     def prefill_share_estimate(self) -> float | None:
         return self._share
 
+    def preview_prefill(self, prompt_tokens: int) -> PrefillDecision:
+        """The decision `admit_prefill(prompt_tokens, ...)` would take now, changing nothing.
+
+        A scheduler keys the prefix cache by prefill mode, so it needs the mode before it matches prefixes and
+        knows which requests the round admits; it commits the round with `admit_prefill` once it is formed."""
+        return self._prefill_choice(prompt_tokens, self._probe_due_at_next_round())
+
     def admit_prefill(self, prompt_tokens: int, now: float) -> PrefillDecision:
         """Decide the mode of one admission round from its prompt tokens (before prefix-cache hits)."""
+        self._probe_due = self._probe_due_at_next_round()
+        decision = self._prefill_choice(prompt_tokens, self._probe_due)
+        self._admitted += 1
+        if decision.probe:
+            self._probe_due = False
+        self.counters.prefill_rounds[decision.mode.value] += 1
+        if self.settings.prefill is Policy.HYBRID:
+            kind = DecisionKind.PREFILL_ROUTED if decision.mode is Mode.ROUTED else DecisionKind.PREFILL_DENSE
+            self._record(now, kind, count=prompt_tokens, value=self._share)
+        return decision
+
+    def _probe_due_at_next_round(self) -> bool:
+        period = self.constants.prefill_probe_period_batches
+        return self._probe_due or (self.settings.prefill is Policy.HYBRID and self._admitted % period == 0)
+
+    def _prefill_choice(self, prompt_tokens: int, probe_due: bool) -> PrefillDecision:
         if not isinstance(prompt_tokens, int) or prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be a non-negative integer, got {prompt_tokens!r}")
         c = self.constants
-        if self.settings.prefill is Policy.HYBRID and self._admitted % c.prefill_probe_period_batches == 0:
-            self._probe_due = True
-        self._admitted += 1
         policy = self.settings.prefill
-        probe = False
         if policy is Policy.DENSE:
-            mode, reason = Mode.DENSE, "prefill policy is dense"
-        elif policy is Policy.ROUTED:
-            mode, reason = Mode.ROUTED, "prefill policy is always-route"
-        elif prompt_tokens < c.prefill_min_prompt_tokens:
-            mode, reason = Mode.DENSE, f"{prompt_tokens} prompt tokens < floor {c.prefill_min_prompt_tokens}"
-        elif self._probe_due:
-            mode, probe, reason = Mode.ROUTED, True, "share probe due"
-            self._probe_due = False
-        elif self._share is not None and self._share > c.prefill_min_project_share:
-            mode, reason = Mode.ROUTED, f"share {self._share:.3f} > {c.prefill_min_project_share}"
-        else:
-            mode, reason = Mode.DENSE, f"share {self._share} <= {c.prefill_min_project_share}"
-        self.counters.prefill_rounds[mode.value] += 1
-        kind = DecisionKind.PREFILL_ROUTED if mode is Mode.ROUTED else DecisionKind.PREFILL_DENSE
-        if policy is Policy.HYBRID:
-            self._record(now, kind, count=prompt_tokens, value=self._share)
-        return PrefillDecision(mode, probe, reason)
+            return PrefillDecision(Mode.DENSE, False, "prefill policy is dense")
+        if policy is Policy.ROUTED:
+            return PrefillDecision(Mode.ROUTED, False, "prefill policy is always-route")
+        if prompt_tokens < c.prefill_min_prompt_tokens:
+            return PrefillDecision(Mode.DENSE, False,
+                                   f"{prompt_tokens} prompt tokens < floor {c.prefill_min_prompt_tokens}")
+        if probe_due:
+            return PrefillDecision(Mode.ROUTED, True, "share probe due")
+        if self._share is not None and self._share > c.prefill_min_project_share:
+            return PrefillDecision(Mode.ROUTED, False, f"share {self._share:.3f} > {c.prefill_min_project_share}")
+        return PrefillDecision(Mode.DENSE, False, f"share {self._share} <= {c.prefill_min_project_share}")
 
     def record_prefill_share(self, share: float, now: float) -> None:
         """Report the Project-Only share measured on a probe round."""

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from vskipper.arms import Arm, get_arm
+from vskipper.modelspec import load_model_facts
+from vskipper.roofline import derive_thresholds, lookup_device
 from vskipper.switch import Policy
 
 # SGLang's CPU recipe: the CPU engine (environment), torch-native attention and sampling, no grammar backend,
@@ -35,17 +38,41 @@ def resolve_platform(platform: str) -> str:
     return platform
 
 
-def thresholds(arm: Arm, enter: int | None, exit_: int | None) -> tuple[int, int]:
-    settings = arm.switch_settings()
-    hybrid = Policy.HYBRID in (settings.prefill, settings.decode)
-    if enter is None and exit_ is None:
-        if hybrid and settings.decode is Policy.HYBRID:
-            raise ValueError(f"arm {arm.name!r} switches decode by resident tokens: pass --enter-tokens and "
-                             "--exit-tokens (`vskipper thresholds` derives them for a GPU)")
-        return 0, 0
-    if enter is None or exit_ is None:
-        raise ValueError("--enter-tokens and --exit-tokens go together")
-    return enter, exit_
+def detect_gpu_product() -> str | None:
+    """The first GPU's product name as `nvidia-smi` reports it; None where there is none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    names = [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+    return names[0] if names else None
+
+
+def thresholds(arm: Arm, enter: int | None, exit_: int | None, model_dir: str | Path | None = None,
+               gpu: str | None = None) -> tuple[int, int, str]:
+    """(enter, exit, source): from the flags, else, for an arm that switches decode, from the roofline rule
+    for the GPU (`--gpu`, else the detected one), the checkpoint's routed layers and KV width, and the arm's
+    declared skip ratio."""
+    if enter is not None or exit_ is not None:
+        if enter is None or exit_ is None:
+            raise ValueError("--enter-tokens and --exit-tokens go together")
+        return enter, exit_, "flags"
+    if arm.switch_settings().decode is not Policy.HYBRID:
+        return 0, 0, "unused (decode is not switched)"
+    product = gpu or detect_gpu_product()
+    if product is None:
+        raise ValueError(f"arm {arm.name!r} switches decode by resident tokens and no GPU was detected: pass "
+                         "--enter-tokens and --exit-tokens, or --gpu PRODUCT to derive them for that GPU")
+    device = lookup_device(product)
+    skip_ratio = arm.declared_skip_ratio()
+    if not skip_ratio:
+        raise ValueError(f"arm {arm.name!r} declares no skip ratio to derive thresholds from: pass "
+                         "--enter-tokens and --exit-tokens")
+    facts = load_model_facts(str(model_dir))
+    t = derive_thresholds(device.bandwidth_gbps, skip_ratio, facts.num_routed_layers,
+                          facts.kv_bytes_per_token_layer, device.dense_tflops)
+    return t.enter_tokens, t.exit_tokens, f"roofline:{device.name}"
 
 
 def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -53,9 +80,10 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
 
     arm = load_arm(args)
     check_arm_for_model(arm, checkpoint_config(args.model).get("model_type", ""))
-    enter, exit_ = thresholds(arm, args.enter_tokens, args.exit_tokens)
+    enter, exit_, source = thresholds(arm, args.enter_tokens, args.exit_tokens, args.model,
+                                      getattr(args, "gpu", None))
     state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
-    spec = ServeSpec(arm, enter, exit_, state)
+    spec = ServeSpec(arm, enter, exit_, state, source)
     extra = list(args.sglang_args or [])
     cpu = resolve_platform(getattr(args, "platform", "auto")) == "cpu"
     cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *(CPU_FLAGS if cpu else ()),

@@ -4,11 +4,17 @@ SGLang runs the model inside its scheduler process. The model classes (`vskipper
 `Runtime` once per forward pass for a `Step`: which rows run routed. The runtime decides from the foundation's
 `ModeSwitch`:
 
-  prefill (SGLang's extend)  a request's prefill mode is fixed when it is admitted (its first extend pass; a
-                             chunked prompt keeps it); the requests admitted in one pass form one admission round
+  prefill (SGLang's extend)  a request's prefill mode is fixed when SGLang's scheduler admits it into a round
+                             (`vskipper.sglang.hooks`): before the round is formed the switch previews the mode from
+                             the candidate round's prompt tokens and every waiting request's prefix lookups are keyed
+                             by it (`extra_key` namespace `vsk:dense` / `vsk:routed`); once formed, the round is
+                             committed with that mode. A chunked prompt keeps it.
   decode                     the switch observes V = the running batch's resident KV tokens (the sum of its
                              sequence lengths, host-side), then fixes the decode mode of the requests that start
                              decoding; promotion is one-way. A request that leaves the decode batch has finished.
+  prefix cache               a prompt reuses only KV computed under its own prefill mode (the namespaces above),
+                             and a request whose decode ran in another mode than its prefill (or was promoted)
+                             inserts only its prompt's KV, never its generated KV (`kv_insert_limit`).
 
 Counters are cumulative and monotonic. After every pass the runtime writes its attestation (the served design and
 the counters) to a JSON state file that the HTTP process serves at `/vskipper/attestation`, and, when SGLang runs
@@ -24,6 +30,7 @@ import os
 import time
 import zlib
 from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,14 +42,43 @@ from vskipper.mixed.tape import RouteTape
 from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
 from vskipper.skippers.base import BatchContext, Skipper
 from vskipper.skippers.registry import SkipperConfigError, build_skipper
-from vskipper.switch import Mode, ModeSwitch, Policy
+from vskipper.switch import Mode, ModeSwitch, Policy, PrefillDecision
 
 COHORT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+NAMESPACE_PREFIX = "vsk:"
+MAX_TRACKED_REQUESTS = 65536
 
 
 def request_key(rid: str) -> int:
     """A stable int64 key per request id (RandomSkip hashes it with the position)."""
     return zlib.crc32(str(rid).encode())
+
+
+def namespaced_extra_key(mode: Mode, base: str | None) -> str:
+    """The radix-cache key namespace of a request prefilled in `mode` (SGLang reads a LoRA id from the key's
+    last characters, so the request's own key stays at the end)."""
+    return f"{NAMESPACE_PREFIX}{mode.value}" + (f"|{base}" if base else "")
+
+
+def prompt_tokens(req: Any) -> int:
+    """Tokens an admission puts through prefill before prefix hits (a retracted request re-prefills its output)."""
+    return len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())
+
+
+@dataclass
+class RequestRecord:
+    """One admitted request: its prefill mode, and once it decodes, its decode mode and promotion."""
+
+    prefill_mode: Mode
+    keyed: bool  # its prefix lookups were keyed by its prefill mode
+    probe: bool = False  # its admission round is a share probe (reported after its first pass)
+    decode_mode: Mode | None = None
+    promoted: bool = False
+
+    def generated_kv_reusable(self) -> bool:
+        return self.decode_mode is self.prefill_mode and not self.promoted
 
 
 @dataclass
@@ -69,6 +105,8 @@ class Counters:
     rows_per_layer: dict = field(default_factory=dict)  # layer -> {"run": n, "project_only": n}
     cohort_sizes: Counter = field(default_factory=Counter)  # bucket upper bound of the RUN cohort -> passes
     requests: dict = field(default_factory=lambda: {"prefill": Counter(), "decode": Counter()})
+    unkeyed_admissions: int = 0  # requests admitted without a prefill-mode namespace (not through the hook)
+    withheld_generated_kv_tokens: int = 0  # generated tokens whose KV was kept out of the prefix cache
 
 
 def _bucket(n: int) -> str:
@@ -122,13 +160,15 @@ class Runtime:
         self.switch = ModeSwitch(arm.switch_settings(), spec.enter_tokens, spec.exit_tokens,
                                  declared_project_share=arm.declared_skip_ratio())
         self.counters = Counters()
-        self._prefill_mode: OrderedDict[str, Mode] = OrderedDict()
+        self._requests: OrderedDict[str, RequestRecord] = OrderedDict()
+        self._candidates: tuple[int, PrefillDecision] | None = None
         self._decoding: set[str] = set()
         self._tape: RouteTape | None = None
         self._builder: CohortBuilder | None = None
         self._decisions_seen = Counter()
         self._promotions_seen = 0
         self.started = time.time()
+        self.hooks_applied = False  # set by the model class once it checked vskipper.sglang.hooks
         self.prometheus = _Prometheus() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
         if self.prometheus is not None and arm.switch_settings().decode is Policy.HYBRID:
             # Exported only while decode is switched, so no alert compares V with a threshold nobody uses.
@@ -147,25 +187,83 @@ class Runtime:
             return self._plan_prefill(forward_batch, hidden, positions)
         return Step("other", False)
 
+    # -- admission (SGLang's scheduler, through vskipper.sglang.hooks) ------------------------------------------
+
+    def key_candidates(self, waiting: Sequence[Any], budget_tokens: int | None) -> PrefillDecision | None:
+        """Before SGLang forms an admission round from its waiting queue: preview the round's prefill mode and
+        key every waiting request's prefix lookups by it.
+
+        The candidate round is the waiting requests, in queue order, until their prompt tokens reach the
+        prefill budget (the request that crosses it is counted whole: a chunked prompt is admitted once). A
+        request back in the queue (retracted) is admitted afresh."""
+        if not waiting:
+            self._candidates = None
+            return None
+        total = 0
+        for req in waiting:
+            if req.rid in self._requests:
+                self._drop(req.rid)
+            if budget_tokens is None or total < budget_tokens:
+                total += prompt_tokens(req)
+        decision = self.switch.preview_prefill(total)
+        self._candidates = (total, decision)
+        if self.skipper is not None:  # arms that never route keep SGLang's single namespace
+            for req in waiting:
+                if not hasattr(req, "vskipper_base_extra_key"):
+                    req.vskipper_base_extra_key = req.extra_key
+                req.extra_key = namespaced_extra_key(decision.mode, req.vskipper_base_extra_key)
+        return decision
+
+    def admit(self, reqs: Iterable[Any]) -> None:
+        """After SGLang formed a round: commit the previewed decision for the requests it admitted."""
+        new = [r.rid for r in reqs if r.rid not in self._requests]
+        if not new:
+            return
+        if self._candidates is None:
+            raise RuntimeError("vSkipper: an admission round was formed without a preview of its prefill mode")
+        total, preview = self._candidates
+        self._candidates = None
+        decision = self.switch.admit_prefill(total, time.time())
+        if decision != preview:  # the switch changed between preview and commit: the namespaces would lie
+            raise RuntimeError(f"vSkipper: prefill decision {decision} differs from its preview {preview}")
+        self._record_admission(new, decision, keyed=self.skipper is not None)
+
+    def _record_admission(self, rids: list[str], decision: PrefillDecision, keyed: bool) -> None:
+        for rid in rids:
+            self._requests[rid] = RequestRecord(decision.mode, keyed, decision.probe)
+            self.counters.requests["prefill"][decision.mode.value] += 1
+            if not keyed and self.skipper is not None:
+                self.counters.unkeyed_admissions += 1
+        if len(self._requests) > MAX_TRACKED_REQUESTS:  # forget requests that never decoded (e.g. max_tokens 1)
+            stale = [rid for rid in self._requests if rid not in self._decoding]
+            for rid in stale[: len(self._requests) - MAX_TRACKED_REQUESTS]:
+                del self._requests[rid]
+
+    def kv_insert_limit(self, rid: str, up_to: int, prompt_len: int) -> int:
+        """How much of a released request's KV row the prefix cache may keep: all of it when the request decoded
+        in its prefill mode, else its prompt only (its generated KV was computed under another mode)."""
+        record = self._requests.get(rid)
+        if record is None or record.decode_mode is None or record.generated_kv_reusable():
+            return up_to
+        limit = min(up_to, prompt_len)
+        self.counters.withheld_generated_kv_tokens += up_to - limit
+        return limit
+
+    # -- per pass -------------------------------------------------------------------------------------------
+
     def _plan_prefill(self, fb: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Step:
-        now = time.time()
         rids = list(fb.rids or [])
         seq_lens = [int(n) for n in fb.seq_lens_cpu.tolist()] if fb.seq_lens_cpu is not None \
             else [int(n) for n in fb.seq_lens.tolist()]
-        new = [i for i, rid in enumerate(rids) if rid not in self._prefill_mode]
-        for i in new:  # a retracted request comes back through prefill: its decode state ends
-            if rids[i] in self._decoding:
-                self._end(rids[i])
-        probe = False
-        if new:
-            decision = self.switch.admit_prefill(sum(seq_lens[i] for i in new), now)
-            probe = decision.probe
-            for i in new:
-                self._prefill_mode[rids[i]] = decision.mode
-                self.counters.requests["prefill"][decision.mode.value] += 1
-            while len(self._prefill_mode) > 65536:  # requests that never decoded (e.g. max_tokens 1)
-                self._prefill_mode.popitem(last=False)
-        routed_req = [self._prefill_mode[rid] is Mode.ROUTED for rid in rids]
+        unadmitted = [i for i, rid in enumerate(rids) if rid not in self._requests]
+        if unadmitted:  # admitted outside the scheduler hook (no namespace): decided here, counted as unkeyed
+            decision = self.switch.admit_prefill(sum(seq_lens[i] for i in unadmitted), time.time())
+            self._record_admission([rids[i] for i in unadmitted], decision, keyed=False)
+        records = [self._requests[rid] for rid in rids]
+        probe = any(r.probe for r in records)
+        for r in records:
+            r.probe = False
+        routed_req = [r.prefill_mode is Mode.ROUTED for r in records]
         extend = fb.extend_seq_lens_cpu or [hidden.shape[0]]
         row_routed = torch.repeat_interleave(torch.tensor(routed_req, dtype=torch.bool),
                                              torch.tensor(list(extend), dtype=torch.int64))
@@ -179,15 +277,20 @@ class Runtime:
         rids = list(fb.rids or [])
         present = set(rids)
         for rid in [r for r in self._decoding if r not in present]:
-            self._end(rid)
+            self._drop(rid)
         seq_lens = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens
         resident = int(seq_lens.sum())
-        self.switch.observe(resident, now)
+        for rid in self.switch.observe(resident, now):
+            if rid in self._requests:
+                self._requests[rid].promoted = True
         for rid in rids:
             if rid not in self._decoding:
                 mode = self.switch.start_decode(rid)
                 self._decoding.add(rid)
-                self._prefill_mode.pop(rid, None)
+                record = self._requests.get(rid)
+                if record is None:  # admitted before this runtime tracked it: nothing known of its prefill
+                    record = self._requests[rid] = RequestRecord(mode, keyed=False)
+                record.decode_mode = mode
                 self.counters.requests["decode"][mode.value] += 1
         if self.prometheus is not None:
             self.prometheus.resident.set(resident)
@@ -198,6 +301,11 @@ class Runtime:
     def _end(self, rid: str) -> None:
         self.switch.finish(rid)
         self._decoding.discard(rid)
+
+    def _drop(self, rid: str) -> None:
+        """Forget a request: it finished, or it was retracted and is admitted afresh."""
+        self._end(rid)
+        self._requests.pop(rid, None)
 
     def _step(self, phase: str, hidden: torch.Tensor, positions: torch.Tensor, row_routed: torch.Tensor,
               keys: torch.Tensor, probe: bool) -> Step:
@@ -263,10 +371,15 @@ class Runtime:
             "run_cohort_size_passes_total": dict(sorted(c.cohort_sizes.items())),
             "requests_total": {k: dict(v) for k, v in c.requests.items()},
             "promotions_total": self.switch.counters.promoted_requests,
+            "prefix_cache": {"keyed_by_prefill_mode": self.skipper is not None and self.hooks_applied,
+                             "namespaces": [namespaced_extra_key(m, None) for m in Mode] if self.skipper else [],
+                             "unkeyed_admissions_total": c.unkeyed_admissions,
+                             "withheld_generated_kv_tokens_total": c.withheld_generated_kv_tokens},
             "arm": self.arm.as_dict(),
             "skipper": self.skipper.attestation() if self.skipper is not None else None,
             "switch": self.switch.attestation(),
-            "thresholds": {"enter_tokens": self.spec.enter_tokens, "exit_tokens": self.spec.exit_tokens},
+            "thresholds": {"enter_tokens": self.spec.enter_tokens, "exit_tokens": self.spec.exit_tokens,
+                           "source": self.spec.thresholds_source},
             "constants": constants.attestation(),
             "model": {"model_type": self.model_type, "class": self.model_class,
                       "routed_layers": list(self.routed_layers)},
@@ -290,8 +403,21 @@ _RUNTIME: Runtime | None = None
 
 
 def get_runtime(model_type: str, routed_layers: tuple[int, ...], model_class: str, device: str) -> Runtime:
-    """The process's runtime, built from the environment on first use (in the scheduler process)."""
+    """The process's runtime, built from the environment on first use (in the scheduler process). A routed arm
+    needs vSkipper's scheduler hooks (prefix namespaces by prefill mode): the server refuses to start without."""
     global _RUNTIME
     if _RUNTIME is None:
-        _RUNTIME = Runtime(ServeSpec.from_env(), model_type, routed_layers, model_class, device)
+        runtime = Runtime(ServeSpec.from_env(), model_type, routed_layers, model_class, device)
+        if runtime.skipper is not None:
+            from vskipper.sglang.hooks import check_applied
+
+            check_applied()
+            runtime.hooks_applied = True
+            runtime.write_state()
+        _RUNTIME = runtime
+    return _RUNTIME
+
+
+def current_runtime() -> Runtime | None:
+    """The process's runtime once the model built it (None in processes without a vSkipper model)."""
     return _RUNTIME

@@ -19,6 +19,7 @@ SHIMS_DIR = Path(__file__).resolve().parent / "shims"
 ENV_ARM = "VSKIPPER_ARM"  # the served arm as JSON (Arm fields)
 ENV_ENTER = "VSKIPPER_ENTER_TOKENS"
 ENV_EXIT = "VSKIPPER_EXIT_TOKENS"
+ENV_THRESHOLDS_SOURCE = "VSKIPPER_THRESHOLDS_SOURCE"  # flags | roofline:<device> | unused (...)
 ENV_STATE = "VSKIPPER_STATE_FILE"  # where the scheduler writes its attestation for the HTTP process
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
@@ -37,11 +38,13 @@ class ServeSpec:
     enter_tokens: int
     exit_tokens: int
     state_file: Path | None = None
+    thresholds_source: str = "flags"
 
     def to_env(self) -> dict[str, str]:
         arm = {k: v for k, v in self.arm.as_dict().items() if k in ("name", "skipper", "params", "phases",
                                                                      "mode_switch", "promotion")}
-        env = {ENV_ARM: json.dumps(arm), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens)}
+        env = {ENV_ARM: json.dumps(arm), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens),
+               ENV_THRESHOLDS_SOURCE: self.thresholds_source}
         if self.state_file is not None:
             env[ENV_STATE] = str(self.state_file)
         return env
@@ -62,7 +65,8 @@ class ServeSpec:
             except ValueError:
                 raise ServeConfigError(f"{key} must be an integer, got {environ[key]!r}") from None
         state = environ.get(ENV_STATE)
-        return cls(arm, thresholds[0], thresholds[1], Path(state) if state else None)
+        return cls(arm, thresholds[0], thresholds[1], Path(state) if state else None,
+                   environ.get(ENV_THRESHOLDS_SOURCE, "flags"))
 
 
 def check_arm_for_model(arm: Arm, model_type: str) -> None:
