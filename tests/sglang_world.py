@@ -66,7 +66,8 @@ class Server:
 
 @contextmanager
 def serve(model: Path, tmp: Path, arm: str | None = None, arm_file: Path | None = None,
-          extra: tuple[str, ...] = (), enter_tokens: int | None = None, exit_tokens: int | None = None):
+          extra: tuple[str, ...] = (), enter_tokens: int | None = None, exit_tokens: int | None = None,
+          env: dict[str, str] | None = None):
     """`vskipper serve` on a free port; yields a Server once /health answers; kills the session after."""
     port = free_port()
     log = tmp / f"server-{port}.log"
@@ -76,7 +77,7 @@ def serve(model: Path, tmp: Path, arm: str | None = None, arm_file: Path | None 
     if enter_tokens is not None:
         cmd += ["--enter-tokens", str(enter_tokens), "--exit-tokens", str(exit_tokens)]
     cmd += ["--", "--dtype", "float32", *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TRITON_INTERPRET", None)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

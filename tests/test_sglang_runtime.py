@@ -236,3 +236,50 @@ def test_a_routed_server_without_its_scheduler_hooks_is_refused_naming_the_plugi
 
     with pytest.raises(ServeConfigError, match="entry point group 'sglang.srt.plugins', name 'vskipper'"):
         check_applied()  # this process never loaded SGLang's plugins
+
+
+# -- SGLang's multi-process layout ----------------------------------------------------------------------------------
+
+def test_only_the_first_tensor_parallel_rank_of_a_replica_reports(tmp_path):
+    from vskipper.sglang.replicas import Placement
+
+    arm = get_arm("dense")
+    spec = ServeSpec(arm, 0, 0, tmp_path / "state.json")
+    second_tp = Runtime(spec, "ddllama", (2, 3), "DDLlamaForCausalLM", placement=Placement(attn_tp_rank=1))
+    run_pass(second_tp, prefill(["a"], [5]))
+    assert not (tmp_path / "state.json").exists()  # the TP peer computed the same pass; rank 0 counts it
+    replica = Runtime(spec, "ddllama", (2, 3), "DDLlamaForCausalLM", placement=Placement(dp_rank=1))
+    run_pass(replica, prefill(["b"], [5]))
+    assert json.loads((tmp_path / "state.dp1-adp0.json").read_text())["placement"]["replica"] == "dp1-adp0"
+
+
+def test_replica_attestations_merge_into_one_with_counters_summed(tmp_path):
+    from vskipper.sglang.replicas import Placement, merge_attestations, replica_state_files
+
+    arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "mode_switch": False})
+    spec = ServeSpec(arm, 0, 0, tmp_path / "state.json")
+    replicas = [Runtime(spec, "ddllama", (2, 3), "DDLlamaForCausalLM", placement=Placement(dp_rank=k))
+                for k in range(2)]
+    for k, rt in enumerate(replicas):
+        for i in range(k + 1):
+            run_pass(rt, prefill([f"r{k}-{i}"], [4]))
+        run_pass(rt, decode([f"r{k}-0"], [5]))
+    files = replica_state_files(tmp_path / "state.json")
+    assert [f.name for f in files] == ["state.json", "state.dp1-adp0.json"]
+    merged = merge_attestations([json.loads(f.read_text()) for f in files])
+    assert merged["passes_total"] == {"prefill": {"dense": 0, "routed": 3}, "decode": {"dense": 0, "routed": 2}}
+    assert merged["rows_total"]["prefill"]["run"] + merged["rows_total"]["prefill"]["project_only"] == 3 * 4 * 2
+    assert merged["requests_total"]["prefill"] == {"routed": 3}
+    assert merged["prefix_cache"]["withheld_generated_kv_tokens_total"] == 0
+    assert merged["arm"] == replicas[0].attestation()["arm"]
+    assert [r["placement"]["replica"] for r in merged["replicas"]] == ["dp0-adp0", "dp1-adp0"]
+    single = merge_attestations([json.loads(files[0].read_text())])
+    assert "replicas" not in single and single["passes_total"]["prefill"]["routed"] == 1
+
+
+def test_routed_arms_are_refused_under_pipeline_parallelism(tmp_path):
+    from vskipper.sglang.replicas import Placement
+
+    with pytest.raises(ServeConfigError, match="--pp-size 2"):
+        Runtime(ServeSpec(get_arm("always-route"), 0, 0, None), "ddllama", (2, 3), "DDLlamaForCausalLM",
+                placement=Placement(pp_size=2))

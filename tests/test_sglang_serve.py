@@ -446,3 +446,33 @@ class TestPrefixReuseByPrefillMode:
         assert LONG - 1 <= second["meta_info"]["cached_tokens"] <= LONG
         att = server.get_json("/vskipper/attestation")
         assert att["prefix_cache"]["withheld_generated_kv_tokens_total"] > withheld
+
+
+# -- SGLang's multi-process layout: data-parallel replicas -----------------------------------------------------------
+
+@pytest.fixture(scope="class")
+def replicated_server(served_model, tmp_path_factory):
+    """Two data-parallel replicas (two scheduler processes, one core each: SGLang's CPU engine binds each rank's
+    threads, and this machine has one NUMA node)."""
+    with serve(served_model, tmp_path_factory.mktemp("dp"), arm="always-route",
+               extra=("--dp-size", "2", "--enable-metrics"), env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}) as s:
+        yield s
+
+
+class TestDataParallelReplicas:
+    def test_each_replica_reports_its_own_requests_and_the_server_attests_their_sum(self, replicated_server):
+        server = replicated_server
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda i: server.generate_ids([5, 6, 7, i], 4), range(6)))
+        state = server.log.parent / f"state-{server.port}.json"
+        parts = [json.loads(p.read_text()) for p in (state, state.with_name(f"{state.stem}.dp1-adp0.json"))]
+        assert [p["placement"]["replica"] for p in parts] == ["dp0-adp0", "dp1-adp0"]
+        assert all(p["passes_total"]["decode"]["routed"] > 0 for p in parts)  # both replicas served requests
+        att = server.get_json("/vskipper/attestation")
+        metrics = server.metrics()
+        for phase in ("prefill", "decode"):
+            total = sum(p["passes_total"][phase]["routed"] for p in parts)
+            assert att["passes_total"][phase]["routed"] == total
+            assert _metric(metrics, "vskipper_passes_total", mode="routed", phase=phase) == total
+        assert sum(att["requests_total"]["decode"].values()) >= 6
+        assert [r["placement"]["replica"] for r in att["replicas"]] == ["dp0-adp0", "dp1-adp0"]

@@ -21,6 +21,9 @@ the counters) to a JSON state file that the HTTP process serves at `/vskipper/at
 with `--enable-metrics`, moves Prometheus counters in the multiprocess directory SGLang's `/metrics` reads.
 
 The launcher passes the served configuration through the environment (the scheduler is a spawned process).
+Under tensor and data parallelism every scheduler process builds a runtime; `vskipper.sglang.replicas` says which
+of them report, and how the HTTP process merges the replicas' state files. Pipeline parallelism is refused for
+routed arms.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from vskipper import constants
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.tape import RouteTape
+from vskipper.sglang.replicas import Placement
 from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
 from vskipper.skippers.base import BatchContext, Skipper
 from vskipper.skippers.registry import SkipperConfigError, build_skipper
@@ -142,11 +146,16 @@ class _Prometheus:
 
 class Runtime:
     def __init__(self, spec: ServeSpec, model_type: str, routed_layers: tuple[int, ...], model_class: str,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", placement: Placement | None = None) -> None:
         arm = spec.arm
         check_arm_for_model(arm, model_type)
         if arm.skipper is not None and not routed_layers:
             raise ServeConfigError(f"arm {arm.name!r} routes but the checkpoint has no 'routing_layers'")
+        placement = placement or Placement()
+        if arm.skipper is not None and placement.pp_size > 1:
+            raise ServeConfigError(f"arm {arm.name!r} routes, and routed layers do not run under pipeline "
+                                   f"parallelism (--pp-size {placement.pp_size}): serve it with --pp-size 1")
+        self.placement = placement
         self.spec = spec
         self.arm = arm
         self.model_type = model_type
@@ -169,7 +178,8 @@ class Runtime:
         self._promotions_seen = 0
         self.started = time.time()
         self.hooks_applied = False  # set by the model class once it checked vskipper.sglang.hooks
-        self.prometheus = _Prometheus() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
+        self.prometheus = _Prometheus() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and placement.reports \
+            else None
         if self.prometheus is not None and arm.switch_settings().decode is Policy.HYBRID:
             # Exported only while decode is switched, so no alert compares V with a threshold nobody uses.
             self.prometheus.threshold.labels("enter").set(spec.enter_tokens)
@@ -386,14 +396,16 @@ class Runtime:
             "execution": {"device": self.device, "routed_layers_backend": "torch (vskipper.mixed cohort_ffn)",
                           "attention_backend": "SGLang's (every row writes K/V; Project-Only reads are dropped)",
                           "cuda_graphs": False, "tiles": None},
+            "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
+                          "attn_dp_rank": self.placement.attn_dp_rank},
             "started": self.started,
             "updated": time.time(),
         }
 
     def write_state(self) -> None:
-        path = self.spec.state_file
-        if path is None:
+        if self.spec.state_file is None or not self.placement.reports:
             return
+        path = self.placement.state_file(self.spec.state_file)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.attestation(), default=str))
         os.replace(tmp, path)
@@ -407,7 +419,8 @@ def get_runtime(model_type: str, routed_layers: tuple[int, ...], model_class: st
     needs vSkipper's scheduler hooks (prefix namespaces by prefill mode): the server refuses to start without."""
     global _RUNTIME
     if _RUNTIME is None:
-        runtime = Runtime(ServeSpec.from_env(), model_type, routed_layers, model_class, device)
+        runtime = Runtime(ServeSpec.from_env(), model_type, routed_layers, model_class, device,
+                          Placement.from_sglang())
         if runtime.skipper is not None:
             from vskipper.sglang.hooks import check_applied
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from vskipper.sglang import SGLANG_VERSION
 from vskipper.sglang.configs import register_configs
+from vskipper.sglang.replicas import merge_attestations, replica_state_files
 from vskipper.sglang.spec import (
     ENV_STATE,
     MODEL_PACKAGE,
@@ -53,16 +54,27 @@ def resolve_model_class(model_dir: str | Path) -> tuple[str, type]:
     return archs[0], cls
 
 
+def read_attestation(state_file: Path) -> dict | None:
+    """The server's attestation: its replicas' state files merged (None until the first is written)."""
+    parts = []
+    for path in replica_state_files(state_file):
+        try:
+            parts.append(json.loads(path.read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+    if not parts:
+        return None
+    return {**merge_attestations(parts), "sglang_version": SGLANG_VERSION}
+
+
 def add_attestation_route(app, state_file: Path) -> None:
     from fastapi.responses import JSONResponse
 
     @app.get(ATTESTATION_PATH)
     async def vskipper_attestation():
-        try:
-            data = json.loads(state_file.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        data = read_attestation(state_file)
+        if data is None:
             return JSONResponse({"error": "the scheduler has not written its attestation yet"}, status_code=503)
-        data["sglang_version"] = SGLANG_VERSION
         return JSONResponse(data)
 
 
