@@ -345,7 +345,20 @@ class TestHybridArm:
         assert after["promotions_total"] - before["promotions_total"] == 1
         decisions = after["switch"]["decisions_total"]
         assert decisions.get("route_on", 0) - before["switch"]["decisions_total"].get("route_on", 0) == 1
-        assert after["thresholds"] == {"enter_tokens": HYBRID_ENTER, "exit_tokens": HYBRID_EXIT}
+        assert after["thresholds"] == {"enter_tokens": HYBRID_ENTER, "exit_tokens": HYBRID_EXIT, "source": "flags"}
+
+    def test_with_routing_engaged_hybrid_decodes_the_tokens_of_the_same_routes(self, hybrid_server, served_model):
+        """A prompt whose own KV puts V over enter: prefill runs dense (under the floor), and every decode step
+        routes through FlexiDepth's routers, as the torch forward with the same routes does."""
+        prompt = list(range(40, 72))  # 32 tokens: V >= 30 from the first decode step
+        before = hybrid_server.get_json("/vskipper/attestation")
+        out = hybrid_server.generate_ids(prompt, NEW_TOKENS)
+        after = hybrid_server.get_json("/vskipper/attestation")
+        assert after["passes_total"]["decode"]["dense"] == before["passes_total"]["decode"]["dense"]
+        assert after["passes_total"]["decode"]["routed"] - before["passes_total"]["decode"]["routed"] >= NEW_TOKENS - 1
+        routed = greedy_reference(served_model, prompt, NEW_TOKENS, None, decode_skipper=build_skipper("flexidepth", {}))
+        assert out == routed
+        assert out != greedy_reference(served_model, prompt, NEW_TOKENS)  # the routes change the tokens
 
     def test_a_new_request_under_exit_turns_routing_off_and_decodes_dense(self, hybrid_server, served_model):
         hybrid_server.generate_ids([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,
