@@ -127,15 +127,36 @@ def test_counters_are_written_to_the_state_file_after_every_pass(tmp_path):
 
 
 def test_trained_gate_on_another_model_family_is_refused_naming_the_field():
-    with pytest.raises(ServeConfigError, match="field 'skipper' is 'qwen3_hard_gate'"):
+    with pytest.raises(ServeConfigError, match="field 'skipper' is 'qwen3_hard_gate'.*this checkpoint is 'ddllama'"):
         check_arm_for_model(get_arm("qwen3-always-route"), "ddllama")
-    check_arm_for_model(get_arm("random-r50-d50"), "ddllama")  # untrained skippers route any model
+    with pytest.raises(ServeConfigError, match="field 'skipper' is 'flexidepth'.*this checkpoint is 'qwen3_skipper'"):
+        check_arm_for_model(get_arm("always-route"), "qwen3_skipper")
+    check_arm_for_model(get_arm("random-r50-d50"), "ddllama")  # untrained skippers route any skipper checkpoint
+    check_arm_for_model(get_arm("random-r50-d50"), "qwen3_skipper")
 
 
-def test_routed_arms_on_qwen3_checkpoints_are_refused_until_their_layers_are_wired():
-    with pytest.raises(ServeConfigError, match="routed execution of model_type 'qwen3_skipper' is not available"):
-        check_arm_for_model(get_arm("qwen3-always-route"), "qwen3_skipper")
-    check_arm_for_model(get_arm("dense"), "qwen3_skipper")
+def test_routed_arms_are_served_on_both_skipper_families_and_refused_on_a_checkpoint_without_routed_layers():
+    check_arm_for_model(get_arm("always-route"), "ddllama")
+    check_arm_for_model(get_arm("qwen3-always-route"), "qwen3_skipper")
+    check_arm_for_model(get_arm("dense"), "qwen3")
+    with pytest.raises(ServeConfigError, match="field 'skipper' is 'random_skip', but a checkpoint of model_type "
+                                               "'qwen3' has no routed layers"):
+        check_arm_for_model(get_arm("random-r50-d50"), "qwen3")
+
+
+def test_a_routed_arm_on_a_qwen3_checkpoint_routes_its_passes(tmp_path):
+    arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "mode_switch": False})
+    rt = Runtime(ServeSpec(arm, 0, 0, tmp_path / "state.json"), "qwen3_skipper", (0, 3),
+                 "Qwen3SkipperForCausalLM")
+    assert run_pass(rt, prefill(["a"], [6]), layers=(0, 3)).routed
+    assert run_pass(rt, decode(["a"], [7]), layers=(0, 3)).routed
+    att = json.loads((tmp_path / "state.json").read_text())
+    assert att["model"] == {"model_type": "qwen3_skipper", "class": "Qwen3SkipperForCausalLM",
+                            "routed_layers": [0, 3]}
+    assert att["passes_total"] == {"prefill": {"dense": 0, "routed": 1}, "decode": {"dense": 0, "routed": 1}}
+    assert att["rows_per_layer_total"] == {"0": {"run": 7, "project_only": 0}, "3": {"run": 0, "project_only": 7}}
+    with pytest.raises(ServeConfigError, match="field 'skipper' is 'flexidepth'"):
+        Runtime(ServeSpec(get_arm("always-route"), 0, 0, None), "qwen3_skipper", (0, 3), "Qwen3SkipperForCausalLM")
 
 
 def test_serve_spec_round_trips_through_the_environment(tmp_path):

@@ -1,8 +1,8 @@
-"""The real SGLang 0.5.21 server on CPU, started by `vskipper serve` with a tiny FlexiDepth checkpoint.
+"""The real SGLang 0.5.21 server on CPU, started by `vskipper serve` with tiny FlexiDepth and Qwen3 checkpoints.
 
-Each server starts once per arm (a class-scoped fixture: one server alive at a time, bounded start-up, always
-killed). Greedy outputs are compared
-token for token with the plain torch forward of `vskipper.mixed` (dense, or routed with the same skipper).
+Each server starts once per arm (a class-scoped fixture, or a module-scoped one that keeps only the outputs:
+one server alive at a time, bounded start-up, always killed). Greedy outputs are compared token for token with
+the plain torch forward of `vskipper.mixed` (dense, or routed with the same skipper).
 CUDA graphs and the Triton cohort kernels do not run here (CPU): the routed layers run through the torch
 cohort backend and SGLang's torch-native attention.
 """
@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from vskipper.skippers.registry import build_skipper  # noqa: E402
 
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 300, 12, 7], [100, 200, 300, 400, 17, 18, 19, 20, 21, 22])
 NEW_TOKENS = 10
+QWEN3_SEED, QWEN3_ROUTED, QWEN3_EMBED_SCALE = 2, [0, 2, 3], 0.3  # the tiny Qwen3 checkpoint (see served_qwen3)
 HYBRID_ENTER, HYBRID_EXIT = 30, 20  # resident tokens V of the decode switch (tiny, so one request crosses them)
 
 
@@ -41,16 +43,42 @@ def served_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served_qwen3(tmp_path_factory):
-    from vskipper.checkpoint import make_tiny_model, write_tiny_tokenizer
+    """The tiny Qwen3 skipper with its first and last layers routed (both ends of upstream's residual stream)
+    and its tied embeddings scaled down, so that the layers pick the next token (at full scale the embedding's
+    self-similarity repeats the last token whatever the layers do). With seed 2 the hard gate sends rows both
+    ways at every routed layer, in prefill and in decode, on PROMPTS."""
+    from safetensors.torch import save_file
+
+    from vskipper.checkpoint import make_tiny_model, tiny_state_dict, write_tiny_tokenizer
 
     path = make_tiny_model("qwen3-skipper", tmp_path_factory.mktemp("serve") / "qwen3")
+    config = json.loads((path / "config.json").read_text()) | {"routing_layers": QWEN3_ROUTED}
+    state = tiny_state_dict(config, QWEN3_SEED)
+    state["model.embed_tokens.weight"] *= QWEN3_EMBED_SCALE
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     write_tiny_tokenizer(path)
     return path
 
 
-@pytest.fixture(scope="class")
-def qwen3_server(served_qwen3, tmp_path_factory):
+@pytest.fixture(scope="module")
+def qwen3_dense_run(served_qwen3, tmp_path_factory):
+    """The dense arm on the Qwen3 checkpoint: its greedy outputs on PROMPTS (concurrent) and its attestation.
+    The server lives only inside this fixture."""
     with serve(served_qwen3, tmp_path_factory.mktemp("qwen3"), arm="dense") as s:
+        return _generate_all(s), s.get_json("/vskipper/attestation")
+
+
+@pytest.fixture(scope="class")
+def qwen3_all_run_server(served_qwen3, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qwen3-allrun")
+    with serve(served_qwen3, tmp, arm_file=_all_run_arm(tmp)) as s:
+        yield s
+
+
+@pytest.fixture(scope="class")
+def qwen3_routed_server(served_qwen3, tmp_path_factory):
+    with serve(served_qwen3, tmp_path_factory.mktemp("qwen3-routed"), arm="qwen3-always-route") as s:
         yield s
 
 
@@ -63,9 +91,7 @@ def dense_server(served_model, tmp_path_factory):
 @pytest.fixture(scope="class")
 def all_run_server(served_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("allrun")
-    arm = tmp / "static-depth-0-always.json"
-    arm.write_text(json.dumps({"skipper": "static_depth", "params": {"ratio": 0.0}, "mode_switch": False}))
-    with serve(served_model, tmp, arm_file=arm) as s:
+    with serve(served_model, tmp, arm_file=_all_run_arm(tmp)) as s:
         yield s
 
 
@@ -81,6 +107,13 @@ def routed_server(served_model, tmp_path_factory):
     with serve(served_model, tmp_path_factory.mktemp("routed"), arm="always-route",
                extra=("--enable-metrics",)) as s:
         yield s
+
+
+def _all_run_arm(tmp: Path) -> Path:
+    """Always-route with StaticDepth at ratio 0: every row RUNs every routed layer."""
+    arm = tmp / "static-depth-0-always.json"
+    arm.write_text(json.dumps({"skipper": "static_depth", "params": {"ratio": 0.0}, "mode_switch": False}))
+    return arm
 
 
 def _generate_all(server) -> list[list[int]]:
@@ -379,18 +412,59 @@ class TestHybridArm:
 class TestQwen3Dense:
     """A Qwen3 skipper checkpoint (tied embeddings, q/k norms, routers loaded by name) on the dense arm."""
 
-    def test_qwen3_skipper_dense_output_equals_the_torch_reference(self, qwen3_server, served_qwen3):
-        prompt = [100, 200, 300, 400, 17, 18]
-        assert qwen3_server.generate_ids(prompt, NEW_TOKENS) == greedy_reference(served_qwen3, prompt, NEW_TOKENS)
-        att = qwen3_server.get_json("/vskipper/attestation")
+    def test_qwen3_skipper_dense_output_equals_the_torch_reference(self, qwen3_dense_run, served_qwen3):
+        outputs, att = qwen3_dense_run
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out == greedy_reference(served_qwen3, list(prompt), NEW_TOKENS)
         assert att["model"] == {"model_type": "qwen3_skipper", "class": "Qwen3SkipperForCausalLM",
-                                "routed_layers": [2, 3]}
+                                "routed_layers": QWEN3_ROUTED}
+        assert att["passes_total"]["decode"]["routed"] == 0 and att["passes_total"]["prefill"]["routed"] == 0
 
 
-def test_serve_refuses_a_routed_arm_on_a_qwen3_checkpoint(served_qwen3):
-    r = _serve_cli("--model", str(served_qwen3), "--arm", "qwen3-always-route", "--dry-run")
+class TestQwen3AllRunArm:
+    """Always-route on the Qwen3 checkpoint with an all-RUN StaticDepth: the routed layers (the first and the
+    last among them) take over upstream's residual stream and must hand on what the dense layers would."""
+
+    def test_qwen3_always_route_with_an_all_run_skipper_equals_the_dense_arm_token_for_token(
+            self, qwen3_all_run_server, qwen3_dense_run):
+        dense_outputs, _ = qwen3_dense_run
+        assert _generate_all(qwen3_all_run_server) == dense_outputs
+        att = qwen3_all_run_server.get_json("/vskipper/attestation")
+        for phase in ("prefill", "decode"):
+            assert att["passes_total"][phase]["dense"] == 0 and att["passes_total"][phase]["routed"] > 0
+            assert att["rows_total"][phase]["project_only"] == 0 and att["rows_total"][phase]["run"] > 0
+        assert sorted(att["rows_per_layer_total"], key=int) == [str(i) for i in QWEN3_ROUTED]
+
+
+class TestQwen3AlwaysRoute:
+    """The qwen3-always-route arm: the Qwen3 hard gate's trained routers on every pass."""
+
+    def test_qwen3_hard_gate_equals_the_torch_routed_forward_token_for_token(self, qwen3_routed_server,
+                                                                             served_qwen3, qwen3_dense_run):
+        outputs = _generate_all(qwen3_routed_server)
+        skipper = build_skipper("qwen3_hard_gate", {})
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out == greedy_reference(served_qwen3, list(prompt), NEW_TOKENS, skipper)
+        assert outputs != qwen3_dense_run[0]  # the skipped layers change the tokens: the comparison can fail
+        # routing is engaged: both actions taken, in both phases and at every routed layer
+        att = qwen3_routed_server.get_json("/vskipper/attestation")
+        for phase in ("prefill", "decode"):
+            assert att["rows_total"][phase]["project_only"] > 0 and att["rows_total"][phase]["run"] > 0
+            assert att["passes_total"][phase]["dense"] == 0
+        for layer in QWEN3_ROUTED:
+            rows = att["rows_per_layer_total"][str(layer)]
+            assert rows["run"] > 0 and rows["project_only"] > 0, (layer, rows)
+        assert att["skipper"]["name"] == "qwen3_hard_gate"
+        assert att["model"]["class"] == "Qwen3SkipperForCausalLM"
+
+
+def test_serve_accepts_the_qwen3_gate_on_a_qwen3_checkpoint_and_refuses_flexidepth_naming_the_field(served_qwen3):
+    ok = _serve_cli("--model", str(served_qwen3), "--arm", "qwen3-always-route", "--dry-run")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(json.loads(ok.stdout)["environment"]["VSKIPPER_ARM"])["skipper"] == "qwen3_hard_gate"
+    r = _serve_cli("--model", str(served_qwen3), "--arm", "always-route", "--dry-run")
     assert r.returncode == 2
-    assert "routed execution of model_type 'qwen3_skipper' is not available" in r.stderr
+    assert "field 'skipper' is 'flexidepth'" in r.stderr and "this checkpoint is 'qwen3_skipper'" in r.stderr
 
 
 # -- prefix reuse keyed by prefill mode ----------------------------------------------------------------------------

@@ -24,8 +24,8 @@ ENV_STATE = "VSKIPPER_STATE_FILE"  # where the scheduler writes its attestation 
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
 GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}
-# Model types whose routed layers execute in this server (Qwen3's layer-boundary residual is not wired yet).
-ROUTED_MODEL_TYPES = ("ddllama",)
+# Model types whose routed layers execute in this server (the skipper checkpoints' model classes).
+ROUTED_MODEL_TYPES = ("ddllama", "qwen3_skipper")
 
 
 class ServeConfigError(ValueError):
@@ -78,8 +78,8 @@ def check_arm_for_model(arm: Arm, model_type: str) -> None:
             f"{' or '.join(families)}; this checkpoint is {model_type!r}")
     if arm.skipper is not None and model_type not in ROUTED_MODEL_TYPES:
         raise ServeConfigError(
-            f"arm {arm.name!r}: field 'skipper' is {arm.skipper!r}, but routed execution of model_type "
-            f"{model_type!r} is not available in this server yet (routed: {', '.join(ROUTED_MODEL_TYPES)}); "
+            f"arm {arm.name!r}: field 'skipper' is {arm.skipper!r}, but a checkpoint of model_type "
+            f"{model_type!r} has no routed layers (routed: {', '.join(ROUTED_MODEL_TYPES)}); "
             "serve it with --arm dense")
 
 

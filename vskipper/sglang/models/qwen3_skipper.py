@@ -1,51 +1,43 @@
-"""Qwen3 skipper checkpoints in SGLang: upstream's Qwen3 model file, serving the dense arm.
+"""Qwen3 skipper checkpoints in SGLang: upstream's Qwen3 model file, with the routed layers executing mixed depth.
 
-The routed layers carry the checkpoint's `router` and `router_proj` modules (loaded by their real names, so a
-skipper checkpoint loads as it is and is checked complete), and every pass is counted for the attestation.
-Routed execution is not wired for Qwen3 yet: upstream's Qwen3 layers drive their residual through SGLang's
-layer-boundary stages, which a routed layer must take over. A routed arm is refused at startup.
+The dense layers, the dense forward of a routed layer, attention (per-head q/k RMSNorm, then RoPE), the KV pool
+and the logits are SGLang's own (`sglang.srt.models.qwen3`). On a pass with routed rows a routed layer runs the
+mixed-depth body of `vskipper.sglang.models.routed` (RUN rows: attention and MLP; Project-Only rows: their K/V
+written, the adapter only).
+
+Upstream's Qwen3 layers keep the residual in the forward batch's residual stream (SGLang's layer-boundary
+stages): a layer leaves its output pending there, and the next layer's input boundary (or the final norm) adds
+it to the residual and normalizes. A routed layer folds the pending output into the residual, which gives its
+input x (at the first layer, the embeddings), and hands on y as the written residual, with nothing pending: the
+next layer's boundary reads LN1 y, the final norm reads norm(y).
 """
 
 from __future__ import annotations
 
-import torch
-from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+from sglang.srt.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
 
-from vskipper.sglang.models.routed import RouterWeightsMixin
-from vskipper.sglang.runtime import ServeConfigError, get_runtime
-from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, router_sizes
+from vskipper.sglang.models.routed import MixedDepthLayer, SkipperCausalLM
 
 
-class Qwen3SkipperForCausalLM(RouterWeightsMixin, Qwen3ForCausalLM):
-    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
-        super().__init__(config, quant_config=quant_config, prefix=prefix)
-        self.routed_layers = tuple(int(i) for i in (getattr(config, "routing_layers", None) or ()))
-        r, m = router_sizes({"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-                             "router_reduction_factor": getattr(config, "router_reduction_factor", 16),
-                             "proj_reduction_factor": getattr(config, "proj_reduction_factor", 16)})
-        for i in self.routed_layers:
-            layer = self.model.layers[i]
-            layer.router = SkipRouter(config.hidden_size, r, config.rms_norm_eps)
-            layer.router_proj = ProjectorAdapter(config.hidden_size, m)
-        device = str(self.model.embed_tokens.weight.device)
-        self.runtime = get_runtime(config.model_type, self.routed_layers, type(self).__name__, device)
-        if self.runtime.skipper is not None:
-            raise ServeConfigError(
-                f"arm {self.runtime.arm.name!r}: routed execution of Qwen3 skipper checkpoints is not available "
-                "in this server yet; serve them with --arm dense")
+class RoutedQwen3DecoderLayer(MixedDepthLayer, Qwen3DecoderLayer):
+    def forward(self, positions, hidden_states, forward_batch, post_residual_addition=None, capture_output=None):
+        step = self.routed_step()
+        if step is None:
+            return super().forward(positions, hidden_states, forward_batch, post_residual_addition, capture_output)
+        if post_residual_addition is not None or capture_output is not None:
+            raise NotImplementedError(f"routed layer {self.layer_id}: post_residual_addition and capture_output "
+                                      "(multimodal deepstack, speculative capture) are not served routed")
+        x = residual_batch.fold(hidden_states, forward_batch)
+        return residual_batch.written(self.mixed_depth(step, positions, x, forward_batch), forward_batch)
 
-    @torch.no_grad()
-    def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False,
-                pp_proxy_tensors=None):
-        rids = forward_batch.rids or []
-        step = None
-        if len(rids) == forward_batch.batch_size:
-            hidden = torch.empty(input_ids.shape[0], 0)
-            step = self.runtime.plan(forward_batch, hidden, positions)
-        out = super().forward(input_ids, positions, forward_batch, input_embeds, get_embedding, pp_proxy_tensors)
-        if step is not None:
-            self.runtime.finish(step)
-        return out
+
+class Qwen3SkipperForCausalLM(SkipperCausalLM, Qwen3ForCausalLM):
+    def routed_layer(self, config, layer_id, quant_config, prefix):
+        upstream = self.model.layers[layer_id]
+        return RoutedQwen3DecoderLayer(config, layer_id, self.slot, start_layer=self.model.start_layer,
+                                       quant_config=quant_config, prefix=prefix,
+                                       alt_stream=upstream.self_attn.alt_stream)
 
 
 EntryClass = Qwen3SkipperForCausalLM
