@@ -519,6 +519,7 @@ class TestPrefixReuseByPrefillMode:
         att = server.get_json("/vskipper/attestation")
         assert att["prefix_cache"]["keyed_by_prefill_mode"] is True
         assert att["prefix_cache"]["unkeyed_admissions_total"] == 0
+        assert att["passes_total"]["decode"]["routed"] == 0 and att["rows_total"]["decode"]["run"] == 0  # prefill-only
 
     def test_generated_kv_of_another_decode_mode_is_not_inserted(self, prefill_switched_server):
         server = prefill_switched_server
@@ -541,7 +542,7 @@ class TestPrefixReuseByPrefillMode:
 def replicated_server(served_model, tmp_path_factory):
     """Two data-parallel replicas (two scheduler processes, one core each: SGLang's CPU engine binds each rank's
     threads, and this machine has one NUMA node)."""
-    with serve(served_model, tmp_path_factory.mktemp("dp"), arm="always-route",
+    with serve(served_model, tmp_path_factory.mktemp("dp"), arm="decode-only-always",
                extra=("--dp-size", "2", "--enable-metrics"), env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}) as s:
         yield s
 
@@ -557,9 +558,11 @@ class TestDataParallelReplicas:
         assert all(p["passes_total"]["decode"]["routed"] > 0 for p in parts)  # both replicas served requests
         att = server.get_json("/vskipper/attestation")
         metrics = server.metrics()
-        for phase in ("prefill", "decode"):
-            total = sum(p["passes_total"][phase]["routed"] for p in parts)
-            assert att["passes_total"][phase]["routed"] == total
-            assert _metric(metrics, "vskipper_passes_total", mode="routed", phase=phase) == total
+        for phase, mode in (("prefill", "dense"), ("decode", "routed")):  # the decode-only arm
+            total = sum(p["passes_total"][phase][mode] for p in parts)
+            assert att["passes_total"][phase][mode] == total > 0
+            assert _metric(metrics, "vskipper_passes_total", mode=mode, phase=phase) == total
+        assert att["passes_total"]["prefill"]["routed"] == att["passes_total"]["decode"]["dense"] == 0
+        assert att["rows_total"]["prefill"] == {"run": 0, "project_only": 0}
         assert sum(att["requests_total"]["decode"].values()) >= 6
         assert [r["placement"]["replica"] for r in att["replicas"]] == ["dp0-adp0", "dp1-adp0"]
