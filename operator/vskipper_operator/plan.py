@@ -395,9 +395,11 @@ def arm_config(arm: Arm) -> dict:
 
 
 def server_args(r: Resolved, c: GpuClass) -> list[str]:
-    """`vskipper serve` arguments for one GPU class: the class's thresholds, the attested arm, SGLang flags."""
+    """The server container's arguments for one GPU class: `vskipper serve` flags (the class's thresholds, the
+    attested arm, SGLang flags). The container sets no `command`: the runtime image's entrypoint
+    (images/runtime/entrypoint.py) checks them and execs `vskipper serve` with them."""
     spec, serving = r.spec, r.spec["serving"]
-    args = ["serve", "--model", spec["model"]["path"], "--arm", r.arm.name, "--arm-config", ARM_FILE,
+    args = ["--model", spec["model"]["path"], "--arm", r.arm.name, "--arm-config", ARM_FILE,
             "--exit-tokens", str(c.exit_tokens), "--enter-tokens", str(c.enter_tokens),
             "--host", "0.0.0.0", "--port", str(serving["port"]),
             "--served-model-name", spec["model"].get("servedName") or r.name,
@@ -432,7 +434,7 @@ def _deployment(r: Resolved, c: GpuClass, config_hash: str) -> dict:
     selector = {INSTANCE_LABEL: r.name, COMPONENT_LABEL: "server", CLASS_LABEL: labels[CLASS_LABEL]}
     requests = {k: str(res[k]) for k in ("cpu", "memory") if k in res}
     container = {
-        "name": "server", "image": serving["image"], "command": ["vskipper"], "args": server_args(r, c),
+        "name": "server", "image": serving["image"], "args": server_args(r, c),
         "ports": [{"name": "http", "containerPort": serving["port"], "protocol": "TCP"}],
         "env": [{"name": "VSKIPPER_GPU_PRODUCT", "value": c.product}],
         "resources": {"limits": {"nvidia.com/gpu": str(res["gpus"])}, **({"requests": requests} if requests else {})},
