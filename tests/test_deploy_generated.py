@@ -107,6 +107,21 @@ def test_every_metric_the_dashboard_and_rules_name_is_declared():
     assert sum('__name__=~"sglang[:_]' in e for e in dashboard_exprs()) == 6
 
 
+def test_per_class_views_group_by_the_gpu_class_label_the_operator_monitor_copies():
+    """Thresholds, routed shares and cohort sizes are shown per GPU class (each class has its own thresholds)."""
+    from vskipper.deploy.dashboard import _panels
+    from vskipper.deploy.rules import recording_rules
+
+    by_title = {title: [expr for expr, _ in targets] for _, title, _, targets in _panels()}
+    thresholds = [e for exprs in by_title.values() for e in exprs if mn.THRESHOLD_TOKENS.name in e]
+    assert thresholds == [f'max by (namespace, service, {mn.GPU_CLASS}, bound) '
+                          f'({mn.THRESHOLD_TOKENS.name}{{namespace=~"$namespace"}})']
+    runtime = [e for exprs in by_title.values() for e in exprs if mn.ROWS.name in e or mn.PASSES.name in e]
+    assert len(runtime) == 3 and all(f"by (service, {mn.GPU_CLASS}" in e for e in runtime)
+    for rule in recording_rules():
+        assert f"by (namespace, service, {mn.GPU_CLASS}" in rule["expr"], rule["record"]
+
+
 def test_runtime_metric_names_follow_prometheus_conventions_and_register():
     from prometheus_client import CollectorRegistry, Counter, Gauge
 

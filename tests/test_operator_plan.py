@@ -146,6 +146,27 @@ def test_service_monitor_and_probe_jobs_are_optional():
     assert probed == [A100, UNKNOWN]
 
 
+def test_server_pods_carry_their_gpu_class_and_the_monitor_copies_it_onto_their_series():
+    from vskipper.metrics_names import GPU_CLASS, GPU_CLASS_POD_LABEL
+
+    result = plan(resource(metrics={"serviceMonitor": True}), mixed_pool())
+    classes = {}
+    for dep in by_kind(result, "Deployment"):
+        pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        classes[dep["metadata"]["annotations"]["vskipper.io/gpu-product"]] = pod_labels[GPU_CLASS_POD_LABEL]
+    assert classes == {A100: "nvidia-a100-sxm4-80gb", H100: "nvidia-h100-80gb-hbm3"}
+    monitor = by_kind(result, "ServiceMonitor")[0]["spec"]
+    assert monitor["podTargetLabels"] == [GPU_CLASS_POD_LABEL]
+    # the monitor selects the Service, whose selector takes every class's pods
+    service = by_kind(result, "Service")[0]
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    for dep in by_kind(result, "Deployment"):
+        assert service["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    # prometheus-operator names the series label after the pod label, invalid characters replaced by `_`
+    assert GPU_CLASS == "vskipper_io_gpu_class"
+
+
 def test_owner_reference_is_set_when_the_resource_has_a_uid():
     result = plan(resource(uid="1234"), mixed_pool())
     for obj in result.objects:
