@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import monitoring_schemas
 import pytest
 
 from vskipper import metrics_names as mn
@@ -161,3 +162,19 @@ def test_plain_monitoring_manifests_carry_the_same_rules_and_dashboard():
     assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(config["data"]["vskipper.json"]) == json.loads(DASHBOARD.read_text())
     kubernetes_validate.validate(config, "1.29.0", strict=True)
+
+
+@pytest.mark.skipif(monitoring_schemas.MISSING is not None, reason=monitoring_schemas.MISSING or "")
+def test_monitoring_objects_in_manifests_validate_against_the_prometheus_operator_schemas():
+    import yaml
+
+    docs = [d for path in sorted((ROOT / "manifests").rglob("*.yaml")) for d in yaml.safe_load_all(path.read_text())]
+    monitoring = monitoring_schemas.monitoring_objects(docs)
+    assert [d["kind"] for d in monitoring] == ["PrometheusRule"]
+    assert monitoring_schemas.validate(monitoring) == [[]]
+    bad = json.loads(json.dumps(monitoring[0]))
+    bad["spec"]["groups"][1]["rules"][0]["for"] = 300
+    bad["spec"]["groups"][0]["name"] = ""
+    (errors,) = monitoring_schemas.validate([bad])
+    assert [e.split(": ")[0] for e in errors] == ["spec.groups[0].name", "spec.groups[1].rules[0].for"]
+    assert errors[1].endswith("must be string")
