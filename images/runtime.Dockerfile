@@ -4,6 +4,9 @@
 #       --build-arg BASE_IMAGE=nvidia/cuda:12.9.1-cudnn-devel-ubuntu24.04 .
 # BASE_IMAGE: a CUDA (or SGLang) base with python3 and its venv module. TORCH_INDEX_URL selects the torch build
 # (the CUDA wheels in production; the CPU index for a CPU build that exercises the Python layer).
+# Launch: the entrypoint (runtime/entrypoint.py) execs `vskipper serve` with the container's arguments, the
+# `vskipper serve` flags; the operator plans its server pods with no `command`, so they start exactly this way.
+# Its bandwidth-probe Jobs run `python -m vskipper_operator.probe` in this image (hence operator/ below).
 ARG BASE_IMAGE=nvidia/cuda:12.9.1-cudnn-devel-ubuntu24.04
 FROM ${BASE_IMAGE}
 
@@ -20,6 +23,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY vskipper ./vskipper
+COPY operator ./operator
 COPY images/runtime/patches /opt/vskipper/patches
 COPY images/runtime/tile_tables /opt/vskipper/tile_tables
 COPY images/runtime/entrypoint.py /usr/local/bin/vskipper-entrypoint
@@ -51,4 +55,3 @@ USER 10001:10001
 WORKDIR /home/vskipper
 EXPOSE 30000
 ENTRYPOINT ["/usr/local/bin/vskipper-entrypoint"]
-CMD ["serve"]

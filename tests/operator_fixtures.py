@@ -11,7 +11,7 @@ UNKNOWN = "NVIDIA-GB300-PROTO"
 BASE_SPEC = {
     "model": {"path": "/models/flexidepth-llama-3-8b", "preset": "llama-3-8b"},
     "skipper": {"name": "flexidepth", "params": {"skip_ratio": 0.5}},
-    "serving": {"image": "ghcr.io/vskipper/vskipper-sglang:0.1.0"},
+    "serving": {"image": "ghcr.io/vskipper/vskipper-runtime:0.1.0"},
     "replicas": 2,
 }
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import monitoring_schemas
 import pytest
 
 from vskipper import metrics_names as mn
@@ -107,6 +108,21 @@ def test_every_metric_the_dashboard_and_rules_name_is_declared():
     assert sum('__name__=~"sglang[:_]' in e for e in dashboard_exprs()) == 6
 
 
+def test_per_class_views_group_by_the_gpu_class_label_the_operator_monitor_copies():
+    """Thresholds, routed shares and cohort sizes are shown per GPU class (each class has its own thresholds)."""
+    from vskipper.deploy.dashboard import _panels
+    from vskipper.deploy.rules import recording_rules
+
+    by_title = {title: [expr for expr, _ in targets] for _, title, _, targets in _panels()}
+    thresholds = [e for exprs in by_title.values() for e in exprs if mn.THRESHOLD_TOKENS.name in e]
+    assert thresholds == [f'max by (namespace, service, {mn.GPU_CLASS}, bound) '
+                          f'({mn.THRESHOLD_TOKENS.name}{{namespace=~"$namespace"}})']
+    runtime = [e for exprs in by_title.values() for e in exprs if mn.ROWS.name in e or mn.PASSES.name in e]
+    assert len(runtime) == 3 and all(f"by (service, {mn.GPU_CLASS}" in e for e in runtime)
+    for rule in recording_rules():
+        assert f"by (namespace, service, {mn.GPU_CLASS}" in rule["expr"], rule["record"]
+
+
 def test_runtime_metric_names_follow_prometheus_conventions_and_register():
     from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -146,3 +162,19 @@ def test_plain_monitoring_manifests_carry_the_same_rules_and_dashboard():
     assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(config["data"]["vskipper.json"]) == json.loads(DASHBOARD.read_text())
     kubernetes_validate.validate(config, "1.29.0", strict=True)
+
+
+@pytest.mark.skipif(monitoring_schemas.MISSING is not None, reason=monitoring_schemas.MISSING or "")
+def test_monitoring_objects_in_manifests_validate_against_the_prometheus_operator_schemas():
+    import yaml
+
+    docs = [d for path in sorted((ROOT / "manifests").rglob("*.yaml")) for d in yaml.safe_load_all(path.read_text())]
+    monitoring = monitoring_schemas.monitoring_objects(docs)
+    assert [d["kind"] for d in monitoring] == ["PrometheusRule"]
+    assert monitoring_schemas.validate(monitoring) == [[]]
+    bad = json.loads(json.dumps(monitoring[0]))
+    bad["spec"]["groups"][1]["rules"][0]["for"] = 300
+    bad["spec"]["groups"][0]["name"] = ""
+    (errors,) = monitoring_schemas.validate([bad])
+    assert [e.split(": ")[0] for e in errors] == ["spec.groups[0].name", "spec.groups[1].rules[0].for"]
+    assert errors[1].endswith("must be string")

@@ -2,8 +2,9 @@
 its objects validated against the Kubernetes OpenAPI schemas bundled in `kubernetes-validate` (offline).
 
 No Kubernetes cluster runs here, so `helm install` and `helm test` are not executed; the `helm test` hook's own
-script is run against the real operator metrics exporter instead. ServiceMonitor and PodMonitor
-(monitoring.coreos.com) have no bundled schema; the PrometheusRule's groups are checked by promtool.
+script is run against the real operator metrics exporter instead. ServiceMonitor, PodMonitor and PrometheusRule
+(monitoring.coreos.com) have no bundled Kubernetes schema: they are checked against prometheus-operator's
+(tests/monitoring_schemas.py), and the PrometheusRule's groups by promtool too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import monitoring_schemas
 import pytest
 import yaml
 
@@ -85,8 +87,15 @@ def test_rendered_objects_validate_against_the_kubernetes_schemas(tmp_path, valu
         assert {"ServiceMonitor", "PodMonitor", "PrometheusRule"} <= kinds
     for doc in docs:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            continue  # no bundled schema; see the module docstring
+            continue  # prometheus-operator's schemas: the next test
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.skipif(monitoring_schemas.MISSING is not None, reason=monitoring_schemas.MISSING or "")
+def test_rendered_monitors_and_rules_validate_against_the_prometheus_operator_schemas(tmp_path):
+    monitoring = monitoring_schemas.monitoring_objects(render(tmp_path, FULL_VALUES))
+    assert sorted(d["kind"] for d in monitoring) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
+    assert monitoring_schemas.validate(monitoring) == [[], [], []]
 
 
 def test_schema_validation_is_not_vacuous(tmp_path):

@@ -71,6 +71,26 @@ def test_runtime_image_pins_sglang_and_torch_and_bakes_tile_tables():
     assert "TABLE_DIR" in text and "ENTRYPOINT [\"/usr/local/bin/vskipper-entrypoint\"]" in text
 
 
+def test_chart_manifests_and_examples_name_the_images_built_here():
+    """`make images` tags `vskipper-<name>` from `<name>.Dockerfile`: the chart and the plain manifest run the
+    operator image, and every example SkipperDeployment serves the runtime image, from one registry."""
+    import yaml
+
+    built = {f"vskipper-{p.name.removesuffix('.Dockerfile')}" for p in DOCKERFILES}
+    values = yaml.safe_load((ROOT / "helm" / "vskipper" / "values.yaml").read_text())
+    registry, operator_image = values["operator"]["image"]["repository"].rsplit("/", 1)
+    assert operator_image == "vskipper-operator" and operator_image in built
+    plain = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text())
+             if d and d["kind"] == "Deployment"][0]
+    assert plain["spec"]["template"]["spec"]["containers"][0]["image"].rsplit(":", 1)[0] == \
+        f"{registry}/vskipper-operator"
+    examples = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))
+    assert len(examples) == 3
+    for example in examples:
+        image = yaml.safe_load(example.read_text())["spec"]["serving"]["image"]
+        assert image.rsplit(":", 1)[0] == f"{registry}/vskipper-runtime", example.name
+
+
 def entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("VSKIPPER_")}
     return subprocess.run([sys.executable, str(ENTRYPOINT), *args], capture_output=True, text=True,
@@ -78,14 +98,14 @@ def entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_entrypoint_passes_the_operator_launch_arguments_through():
-    args = ["serve", "--model", "/models/m", "--arm", "flexidepth", "--arm-config", "/etc/vskipper/arm.json",
+    args = ["--model", "/models/m", "--arm", "flexidepth", "--arm-config", "/etc/vskipper/arm.json",
             "--exit-tokens", "160000", "--enter-tokens", "200000", "--port", "30000"]
     proc = entrypoint(*args, "--print-command", VSKIPPER_ENTER_TOKENS="999999")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == ["vskipper", *args]  # flags win over the environment
+    assert json.loads(proc.stdout) == ["vskipper", "serve", *args]  # flags win over the environment
 
 
-def test_entrypoint_reads_missing_thresholds_from_the_environment():
+def test_entrypoint_reads_missing_flags_from_the_environment():
     proc = entrypoint("--model=/models/m", "--print-command", VSKIPPER_EXIT_TOKENS="270000",
                       VSKIPPER_ENTER_TOKENS="340000", VSKIPPER_ARM="flexidepth")
     assert proc.returncode == 0, proc.stderr
@@ -93,12 +113,21 @@ def test_entrypoint_reads_missing_thresholds_from_the_environment():
                                        "--exit-tokens", "270000", "--enter-tokens", "340000"]
 
 
+def test_entrypoint_leaves_arms_without_thresholds_to_serve():
+    """A dense arm needs no thresholds: the entrypoint does not ask for them (`vskipper serve` knows the arm)."""
+    proc = entrypoint("--model", "/m", "--arm", "dense", "--print-command")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["vskipper", "serve", "--model", "/m", "--arm", "dense"]
+
+
 @pytest.mark.parametrize(("args", "env", "message"), [
-    (["--model", "m", "--exit-tokens", "160000"], {}, "--enter-tokens (VSKIPPER_ENTER_TOKENS) is required"),
+    (["--model", "m", "--exit-tokens", "160000"], {}, "--enter-tokens (VSKIPPER_ENTER_TOKENS) is missing"),
+    (["--model", "m"], {"VSKIPPER_ENTER_TOKENS": "5"}, "--exit-tokens (VSKIPPER_EXIT_TOKENS) is missing"),
     (["--model", "m"], {"VSKIPPER_EXIT_TOKENS": "lots", "VSKIPPER_ENTER_TOKENS": "5"},
      "--exit-tokens (VSKIPPER_EXIT_TOKENS): 'lots' is not an integer"),
-    (["--model", "m", "--exit-tokens", "0", "--enter-tokens", "5"], {}, "--exit-tokens (VSKIPPER_EXIT_TOKENS): 0"),
-    (["--model", "m", "--exit-tokens", "200000", "--enter-tokens", "160000"], {}, "must exceed --exit-tokens"),
+    (["--model", "m", "--exit-tokens", "-1", "--enter-tokens", "5"], {},
+     "--exit-tokens (VSKIPPER_EXIT_TOKENS): -1 must be non-negative"),
+    (["--model", "m", "--exit-tokens", "200000", "--enter-tokens", "160000"], {}, "must be at least --exit-tokens"),
     (["--exit-tokens", "1", "--enter-tokens", "2"], {}, "--model (VSKIPPER_MODEL) is required"),
     (["--model"], {}, "--model needs a value"),
 ])
@@ -106,6 +135,21 @@ def test_entrypoint_refuses_bad_thresholds_naming_the_flag(args, env, message):
     proc = entrypoint(*args, **env)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+@pytest.mark.parametrize(("exit_tokens", "enter_tokens"), [(0, 0), (5, 5), (160_000, 200_000), (6, 5), (-1, 5)])
+def test_entrypoint_accepts_exactly_the_thresholds_the_mode_switch_accepts(exit_tokens, enter_tokens):
+    """One rule: the entrypoint refuses a pair before SGLang starts iff the switch would refuse it after."""
+    from vskipper.switch import SETTINGS, ModeSwitch
+
+    try:
+        ModeSwitch(SETTINGS["hybrid"], enter_tokens, exit_tokens)
+        switch_ok = True
+    except ValueError:
+        switch_ok = False
+    proc = entrypoint("--model", "/m", "--exit-tokens", str(exit_tokens), "--enter-tokens", str(enter_tokens),
+                      "--print-command")
+    assert (proc.returncode == 0) == switch_ok, proc.stderr
 
 
 def test_entrypoint_execs_vskipper_serve(tmp_path):
@@ -170,7 +214,7 @@ def test_built_runtime_image_resolves_thresholds_and_carries_the_cpu_torch_and_t
     assert json.loads(resolved.stdout) == ["vskipper", "serve", "--model", "/models/m", "--exit-tokens", "160000",
                                            "--enter-tokens", "200000"]
     refused = docker_run("runtime", "--model", "/m", "--exit-tokens", "9", "--enter-tokens", "5")
-    assert refused.returncode == 2 and "must exceed --exit-tokens" in refused.stderr
+    assert refused.returncode == 2 and "must be at least --exit-tokens" in refused.stderr
     assert docker_run("runtime", "-u", entrypoint="id").stdout.strip() == "10001"
     probe = docker_run("runtime", "-c", "import torch, vskipper.mixed.tiles as t; "
                        "print(torch.__version__, torch.version.cuda, t.TABLE_DIR.is_dir())", entrypoint="python")

@@ -156,7 +156,7 @@ def deployment(cluster, product):
 
 def args_of(dep):
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    return {args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}
+    return {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
 
 
 def test_operator_creates_per_class_deployments_and_reports_thresholds_in_status_and_events(cluster):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import monitoring_schemas
 import pytest
 from operator_fixtures import A100, H100, UNKNOWN, mixed_pool, node, resource
 
@@ -144,6 +145,50 @@ def test_service_monitor_and_probe_jobs_are_optional():
     # A probe per class still lacking a measurement, the unknown GPU included (a measurement would serve it).
     probed = sorted(j["metadata"]["annotations"]["vskipper.io/gpu-product"] for j in by_kind(full, "Job"))
     assert probed == [A100, UNKNOWN]
+
+
+def test_server_pods_carry_their_gpu_class_and_the_monitor_copies_it_onto_their_series():
+    from vskipper.metrics_names import GPU_CLASS, GPU_CLASS_POD_LABEL
+
+    result = plan(resource(metrics={"serviceMonitor": True}), mixed_pool())
+    classes = {}
+    for dep in by_kind(result, "Deployment"):
+        pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        classes[dep["metadata"]["annotations"]["vskipper.io/gpu-product"]] = pod_labels[GPU_CLASS_POD_LABEL]
+    assert classes == {A100: "nvidia-a100-sxm4-80gb", H100: "nvidia-h100-80gb-hbm3"}
+    monitor = by_kind(result, "ServiceMonitor")[0]["spec"]
+    assert monitor["podTargetLabels"] == [GPU_CLASS_POD_LABEL]
+    # the monitor selects the Service, whose selector takes every class's pods
+    service = by_kind(result, "Service")[0]
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    for dep in by_kind(result, "Deployment"):
+        assert service["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    # prometheus-operator names the series label after the pod label, invalid characters replaced by `_`
+    assert GPU_CLASS == "vskipper_io_gpu_class"
+
+
+needs_monitoring_schemas = pytest.mark.skipif(monitoring_schemas.MISSING is not None,
+                                              reason=monitoring_schemas.MISSING or "")
+
+
+@needs_monitoring_schemas
+def test_planned_service_monitor_passes_the_prometheus_operator_schema():
+    monitors = [o for spec in ({"metrics": {"serviceMonitor": True}},
+                               {"metrics": {"serviceMonitor": True, "interval": "15s"}, "replicas": 5})
+                for o in monitoring_schemas.monitoring_objects(plan(resource(**spec), mixed_pool()).objects)]
+    assert [m["kind"] for m in monitors] == ["ServiceMonitor", "ServiceMonitor"]
+    assert monitoring_schemas.validate(monitors) == [[], []]
+
+
+@needs_monitoring_schemas
+def test_monitor_schema_check_names_a_field_of_the_wrong_type():
+    monitor = by_kind(plan(resource(metrics={"serviceMonitor": True}), mixed_pool()), "ServiceMonitor")[0]
+    bad = json.loads(json.dumps(monitor))
+    bad["spec"]["endpoints"][0]["interval"] = 30
+    bad["spec"]["podTargetLabels"] = "vskipper.io/gpu-class"
+    assert monitoring_schemas.validate([bad]) == [["spec.endpoints[0].interval: must be string",
+                                                   "spec.podTargetLabels: must be array"]]
 
 
 def test_owner_reference_is_set_when_the_resource_has_a_uid():

@@ -1,11 +1,24 @@
-"""A real Prometheus server (Debian's prometheus 2.x binary) on loopback, with the chart's rules loaded, scrapes the
-real operator metrics endpoint and two runtime stand-in endpoints (tests/standin_exporters.py: the SGLang
-integration that emits the runtime metrics is not in this tree, so the stand-ins register the names of
-vskipper.metrics_names with prometheus_client). Every PromQL expression of the dashboard and of the rules is
-evaluated through the HTTP API and must return data: no panel or alert names a metric nothing emits.
+"""A real Prometheus server (Debian's prometheus 2.x binary) on loopback, with the chart's rules loaded, evaluates
+every PromQL expression of the dashboard and of the rules through its HTTP API: no panel or alert names a metric
+nothing emits.
 
-Scrape targets carry the labels a ServiceMonitor attaches (namespace, service, pod); the operator job keeps its
-own `namespace` label (honor_labels), as the chart's monitors do.
+Two setups:
+
+- Stand-ins (the `prometheus` fixture): Prometheus scrapes the real operator metrics endpoint and two runtime
+  stand-ins (tests/standin_exporters.py: the metric names of vskipper.metrics_names registered with
+  prometheus_client, driven through an engaged-and-flapping and a stuck scenario). Every dashboard and rule
+  expression returns data, and the alerts pick the pathological server. The operator-side queries (the
+  `vskipper_operator_*` panels, the reconcile-error alert) are checked here only.
+- The real runtime (the `real_runtime` fixture, one server start): `vskipper serve` on a tiny FlexiDepth
+  checkpoint with SGLang's `--enable-metrics`, the hybrid arm with decode thresholds of 30/20 resident tokens so
+  routing engages under a few requests, a steady trickle of requests, and Prometheus scraping it every second.
+  Every runtime-side expression (`vskipper_*` and SGLang's histograms) of the dashboard and every recording rule
+  returns data from the real server, and every runtime metric and SGLang histogram is there. The alert
+  expressions select pathologies a healthy server does not show; their runtime inputs are among those metrics.
+
+Scrape targets carry the labels the operator's ServiceMonitor attaches (namespace, service, pod, and its
+`podTargetLabels`: the GPU class); the operator job keeps its own `namespace` label (honor_labels), as the chart's
+monitors do.
 """
 
 from __future__ import annotations
@@ -16,13 +29,18 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
+
+from vskipper import metrics_names as mn
+from vskipper.metrics_names import GPU_CLASS
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "helm" / "vskipper" / "files" / "prometheus-rules.yaml"
@@ -49,52 +67,65 @@ def _query(base: str, expr: str) -> list:
     return body["data"]["result"]
 
 
+@contextmanager
+def running_prometheus(tmp: Path, scrape_configs: list[dict], targets: int):
+    """Prometheus on a free loopback port with the chart's rules, scraping every second; yields its URL once
+    `targets` targets are up and a few scrapes have landed (rate() and increase() need two samples or more)."""
+    port = _free_port()
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],
+              "scrape_configs": scrape_configs}
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    log = tmp / "prometheus.log"
+    server = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # noqa: SIM115
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if len(_query(base, "up == 1")) == targets:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise AssertionError(f"prometheus never scraped {targets} targets:\n{log.read_text()}")
+            time.sleep(0.5)
+        time.sleep(8)
+        yield base
+    finally:
+        server.kill()
+        server.wait()
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prometheus")
-    op_port, engaged_port, stuck_port, prom_port = (_free_port() for _ in range(4))
+    op_port, engaged_port, stuck_port = (_free_port() for _ in range(3))
     exporters = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "standin_exporters.py"), "--operator-port", str(op_port),
          "--runtime-port", f"engaged={engaged_port}", "--runtime-port", f"stuck={stuck_port}"],
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
         stdout=subprocess.PIPE, text=True)
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
-        "scrape_configs": [
-            {"job_name": "vskipper-operator", "honor_labels": True, "static_configs": [
-                {"targets": [f"127.0.0.1:{op_port}"], "labels": {"namespace": "vskipper-system"}}]},
-            {"job_name": "vskipper-runtime", "static_configs": [
-                {"targets": [f"127.0.0.1:{engaged_port}"],
-                 "labels": {"namespace": "llm", "service": "llama", "pod": "llama-a100-80gb-0"}},
-                {"targets": [f"127.0.0.1:{stuck_port}"],
-                 "labels": {"namespace": "llm", "service": "qwen", "pod": "qwen-h100-0"}}]},
-        ],
-    }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    server = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp / "prometheus.log", "w"))  # noqa: SIM115
-    base = f"http://127.0.0.1:{prom_port}"
+    scrape_configs = [
+        {"job_name": "vskipper-operator", "honor_labels": True, "static_configs": [
+            {"targets": [f"127.0.0.1:{op_port}"], "labels": {"namespace": "vskipper-system"}}]},
+        {"job_name": "vskipper-runtime", "static_configs": [
+            {"targets": [f"127.0.0.1:{engaged_port}"],
+             "labels": {"namespace": "llm", "service": "llama", "pod": "llama-a100-80gb-0",
+                        GPU_CLASS: "nvidia-a100-sxm4-80gb"}},
+            {"targets": [f"127.0.0.1:{stuck_port}"],
+             "labels": {"namespace": "llm", "service": "qwen", "pod": "qwen-h100-0",
+                        GPU_CLASS: "nvidia-h100-80gb-hbm3"}}]},
+    ]
     try:
         assert exporters.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if len(_query(base, "up == 1")) == 3:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise AssertionError(f"prometheus never scraped 3 targets:\n{(tmp / 'prometheus.log').read_text()}")
-            time.sleep(0.5)
-        time.sleep(8)  # several scrapes: rate() and increase() need two samples or more
-        yield base
+        with running_prometheus(tmp, scrape_configs, targets=3) as base:
+            yield base
     finally:
-        for proc in (server, exporters):
-            proc.kill()
-            proc.wait()
+        exporters.kill()
+        exporters.wait()
 
 
 def _instantiate(expr: str) -> str:
@@ -158,3 +189,144 @@ def test_operator_gauges_keep_the_resource_namespace_and_gpu_class(prometheus):
     classes = {r["metric"]["gpu_product"]: float(r["value"][1]) for r in enter}
     assert {r["metric"]["namespace"] for r in enter} == {"llm"}  # the resource's, not the operator pod's
     assert len(classes) >= 2 and all(v > 0 for v in classes.values())
+
+
+def _panel_expr(title_prefix: str, ref: str = "A") -> str:
+    return next(expr for title, expr in _dashboard_exprs() if title.startswith(title_prefix) and title.endswith(ref))
+
+
+def test_thresholds_are_drawn_per_gpu_class(prometheus):
+    expr = _panel_expr("Resident tokens V against the thresholds of each GPU class", "B")
+    series = {(r["metric"]["service"], r["metric"][GPU_CLASS], r["metric"]["bound"]) for r in
+              _query(prometheus, _instantiate(expr))}
+    assert series == {(s, c, b) for s, c in (("llama", "nvidia-a100-sxm4-80gb"), ("qwen", "nvidia-h100-80gb-hbm3"))
+                      for b in ("enter", "exit")}
+
+
+# -- the real runtime ---------------------------------------------------------------------------------------------
+
+def _runtime_side(expr: str) -> bool:
+    return "vskipper_operator_" not in expr
+
+
+def monitor_target_labels(objects: list[dict], deployment: dict) -> dict:
+    """The labels prometheus-operator attaches to a server pod's series through the planned ServiceMonitor:
+    namespace, service and pod, and each of its `podTargetLabels` under the name it gives them."""
+    monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")
+    service = next(o for o in objects if o["kind"] == "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    labels = {"namespace": service["metadata"]["namespace"], "service": service["metadata"]["name"],
+              "pod": f"{deployment['metadata']['name']}-0"}
+    labels.update({mn.target_label(name): pod_labels[name] for name in monitor["spec"]["podTargetLabels"]})
+    return labels
+
+
+@pytest.fixture(scope="module")
+def real_runtime(tmp_path_factory):
+    """Prometheus scraping a real `vskipper serve` (SGLang 0.5.21 on CPU, --enable-metrics) under a trickle of
+    requests; yields (Prometheus URL, the target labels the planned ServiceMonitor would attach)."""
+    pytest.importorskip("sglang")
+    from operator_fixtures import A100, mixed_pool, resource
+
+    from tests.sglang_world import serve
+    from vskipper.checkpoint import make_tiny_model, write_tiny_tokenizer
+    from vskipper_operator.plan import plan
+
+    tmp = tmp_path_factory.mktemp("real-runtime")
+    model = make_tiny_model("flexidepth-llama", tmp / "flexidepth")
+    write_tiny_tokenizer(model)
+    objects = plan(resource(metrics={"serviceMonitor": True}), mixed_pool()).objects
+    deployment = next(o for o in objects if o["kind"] == "Deployment"
+                      and o["metadata"]["annotations"]["vskipper.io/gpu-product"] == A100)
+    labels = monitor_target_labels(objects, deployment)
+    stop = threading.Event()
+    failures: list[Exception] = []
+
+    def trickle(server):
+        prompts = ([5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 300, 12, 7, 8], [100, 200, 300, 400, 17, 18, 19])
+        i = 0
+        while not stop.is_set():
+            try:  # V grows past the enter threshold (30) within each request: decode turns routed, then off
+                _stream_generate(server.url, list(prompts[i % len(prompts)]), 32)
+            except Exception as exc:  # reported by the tests
+                failures.append(exc)
+                return
+            i += 1
+
+    with serve(model, tmp, arm="hybrid", enter_tokens=30, exit_tokens=20, extra=("--enable-metrics",)) as server:
+        worker = threading.Thread(target=trickle, args=(server,), daemon=True)
+        worker.start()
+        scrape = [{"job_name": "vskipper-runtime", "metrics_path": "/metrics", "static_configs": [
+            {"targets": [f"127.0.0.1:{server.port}"], "labels": labels}]}]
+        try:
+            with running_prometheus(tmp, scrape, targets=1) as base:
+                _wait_for_data(base, failures)
+                yield base, labels
+        finally:
+            stop.set()
+            worker.join(timeout=120)
+    assert not failures, failures
+
+
+def _stream_generate(url: str, input_ids: list[int], n: int) -> None:
+    """A streamed /generate: SGLang observes its inter-token-latency histogram only on intermediate outputs, which
+    a non-streamed request of a few tokens never produces."""
+    body = {"input_ids": input_ids, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
+    req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        chunks = [line for line in resp.read().decode().splitlines() if line.startswith("data:")]
+    assert chunks and chunks[-1].strip() == "data: [DONE]" and len(chunks) > 2, chunks[-3:]
+
+
+def _wait_for_data(base: str, failures: list, timeout: float = 120) -> None:
+    """Until the decode switch has engaged and SGLang's histograms have samples in the dashboard's window."""
+    probes = [f'{mn.PASSES.name}{{phase="decode", mode="routed"}}', mn.THRESHOLD_TOKENS.name,
+              'rate({__name__=~"sglang[:_]inter_token_latency_seconds_count"}[30s]) > 0']
+    deadline = time.monotonic() + timeout
+    while not all(_query(base, p) for p in probes):
+        assert not failures, failures
+        assert time.monotonic() < deadline, [p for p in probes if not _query(base, p)]
+        time.sleep(1)
+
+
+def test_real_runtime_answers_every_runtime_side_dashboard_query(real_runtime):
+    base, labels = real_runtime
+    exprs = [(title, expr) for title, expr in _dashboard_exprs() if _runtime_side(expr)]
+    assert len(exprs) >= 11  # routing, switch and latency panels
+    empty = [title for title, expr in exprs if not _query(base, _instantiate(expr))]
+    assert not empty, f"dashboard queries with no data from the real server: {empty}"
+    # the per-class views carry the GPU class the planned ServiceMonitor copies from the pod
+    thresholds = _query(base, _instantiate(_panel_expr("Resident tokens V against the thresholds", "B")))
+    assert {(r["metric"][GPU_CLASS], r["metric"]["bound"], float(r["value"][1])) for r in thresholds} == \
+        {(labels[GPU_CLASS], "enter", 30.0), (labels[GPU_CLASS], "exit", 20.0)}
+
+
+def test_real_runtime_answers_every_recording_rule(real_runtime):
+    base, labels = real_runtime
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    records = [(r["record"], r["expr"]) for g in groups for r in g["rules"] if "record" in r]
+    assert len(records) == 3 and all(_runtime_side(expr) for _, expr in records)
+    for name, expr in records:
+        result = _query(base, expr)
+        assert result, f"{name}: no data from the real server"
+        for r in result:
+            assert {k: r["metric"][k] for k in ("namespace", "service", GPU_CLASS)} == \
+                {k: labels[k] for k in ("namespace", "service", GPU_CLASS)}, name
+            assert 0.0 <= float(r["value"][1]) <= 1.0, (name, r)
+    routed = _query(base, 'vskipper:passes_routed:ratio_rate5m{phase="decode"}')
+    assert float(routed[0]["value"][1]) > 0  # the switch engaged on the real server
+
+
+def test_real_runtime_emits_every_runtime_metric_and_sglang_histogram(real_runtime):
+    """The inputs of every runtime-side panel and rule, the alerts' included, come from the real server."""
+    base, _ = real_runtime
+    names = [m.name for m in mn.RUNTIME_METRICS]
+    names += [f'{h.replace("sglang:", "sglang[:_]")}_bucket' for h in mn.SGLANG_HISTOGRAMS]
+    missing = [n for n in names if not _query(base, f'{{__name__=~"{n}"}}')]
+    assert not missing, f"not exported by the real server: {missing}"
+    rule_inputs = {n for _, expr in _rule_exprs() if _runtime_side(expr)
+                   for n in (m.name for m in mn.RUNTIME_METRICS) if n in expr}
+    assert rule_inputs <= set(names)

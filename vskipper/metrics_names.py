@@ -11,6 +11,7 @@ the dashboard reads TTFT, TPOT (inter-token latency) and end-to-end latency from
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from vskipper.skippers.registry import Action
@@ -78,3 +79,17 @@ SGLANG_ITL = "sglang:inter_token_latency_seconds"  # TPOT: the time per output t
 SGLANG_E2E = "sglang:e2e_request_latency_seconds"
 SGLANG_HISTOGRAMS = (SGLANG_TTFT, SGLANG_ITL, SGLANG_E2E)
 SGLANG_LABELS = ("model_name",)
+
+
+# The GPU class of a runtime series. The operator plans one Deployment per GPU class, each with its own thresholds,
+# and labels its server pods with the class; the ServiceMonitor it plans copies that pod label onto every scraped
+# series (`podTargetLabels`), under the name prometheus-operator gives it: invalid characters replaced by `_`.
+GPU_CLASS_POD_LABEL = "vskipper.io/gpu-class"
+
+
+def target_label(pod_label: str) -> str:
+    """The series label prometheus-operator makes of a pod label named in a monitor's `podTargetLabels`."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", pod_label)
+
+
+GPU_CLASS = target_label(GPU_CLASS_POD_LABEL)  # vskipper_io_gpu_class

@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
-"""Runtime image entrypoint: resolve the switching thresholds, then exec `vskipper serve`.
+"""Runtime image entrypoint, the one way a vSkipper server starts in a container: resolve the launch flags, then
+exec `vskipper serve FLAGS`.
 
-The operator launches servers as `vskipper serve --model ... --exit-tokens N --enter-tokens N ...`
-(operator/README.md). Outside the operator (docker run, a plain Deployment) the same values may come from the
-environment; a flag always wins over its variable:
+The operator plans its server containers with no `command`, so Kubernetes runs this entrypoint with the planned
+`args` (the `vskipper serve` flags, each GPU class with its own `--exit-tokens/--enter-tokens`; operator/README.md).
+Outside the operator (docker run, a plain Deployment) the same values may come from the environment; a flag
+always wins over its variable:
 
     --model          VSKIPPER_MODEL
     --arm            VSKIPPER_ARM
     --exit-tokens    VSKIPPER_EXIT_TOKENS
     --enter-tokens   VSKIPPER_ENTER_TOKENS
 
-Thresholds must be positive integers with enter > exit (the switch's hysteresis); a bad value stops the
-container with a message naming the flag and its variable. `--print-command` prints the resolved command as
-JSON instead of running it. Standard library only: it runs before anything else is imported.
+Thresholds follow the mode switch's own rule (vskipper.switch.ModeSwitch): non-negative integers, given together,
+enter >= exit. A bad value stops the container before SGLang loads a model, with a message naming the flag and
+its variable. Whether an arm needs thresholds at all is `vskipper serve`'s call (only a switched decode does).
+Every other flag (`--dry-run`, SGLang's own) passes through unchanged. `--print-command` prints the resolved
+command as JSON instead of running it. Standard library only: it runs before anything else is imported.
 """
 
 from __future__ import annotations
@@ -41,30 +45,35 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
+def _thresholds(args: list[str]) -> None:
+    values = {}
+    for flag in THRESHOLDS:
+        raw = _flag_value(args, flag)
+        if raw is None:
+            continue
+        try:
+            values[flag] = int(raw)
+        except ValueError:
+            raise EntrypointError(f"{flag} ({ENV[flag]}): {raw!r} is not an integer") from None
+        if values[flag] < 0:
+            raise EntrypointError(f"{flag} ({ENV[flag]}): {values[flag]} must be non-negative")
+    if len(values) == 1:
+        missing = next(f for f in THRESHOLDS if f not in values)
+        raise EntrypointError(f"{missing} ({ENV[missing]}) is missing: the exit and enter thresholds go together")
+    if values and values["--enter-tokens"] < values["--exit-tokens"]:
+        raise EntrypointError(f"--enter-tokens ({values['--enter-tokens']}) must be at least --exit-tokens "
+                              f"({values['--exit-tokens']}): the switch's hysteresis band")
+
+
 def resolve(argv: list[str], env: dict[str, str]) -> list[str]:
-    """The `vskipper serve ...` argv for this container: flags as given plus values taken from the environment."""
+    """The `vskipper serve ...` argv for this container: the flags as given plus values taken from the environment."""
     args = list(argv)
-    if args and args[0] == "serve":
-        args = args[1:]
     for flag, var in ENV.items():
         if _flag_value(args, flag) is None and env.get(var, "") != "":
             args += [flag, env[var]]
     if _flag_value(args, "--model") is None:
         raise EntrypointError("--model (VSKIPPER_MODEL) is required: the checkpoint path")
-    values = {}
-    for flag in THRESHOLDS:
-        raw = _flag_value(args, flag)
-        if raw is None:
-            raise EntrypointError(f"{flag} ({ENV[flag]}) is required: resident KV tokens, set by the operator")
-        try:
-            values[flag] = int(raw)
-        except ValueError:
-            raise EntrypointError(f"{flag} ({ENV[flag]}): {raw!r} is not an integer") from None
-        if values[flag] <= 0:
-            raise EntrypointError(f"{flag} ({ENV[flag]}): {values[flag]} must be positive")
-    if values["--enter-tokens"] <= values["--exit-tokens"]:
-        raise EntrypointError(f"--enter-tokens ({values['--enter-tokens']}) must exceed --exit-tokens "
-                              f"({values['--exit-tokens']}): the switch needs a hysteresis band")
+    _thresholds(args)
     return ["vskipper", "serve", *args]
 
 

@@ -5,8 +5,9 @@ Discovery's `-SHARED` suffix stripped), picks each class's memory bandwidth (spe
 result, then the device catalogue), derives that class's switching thresholds with the roofline rule
 (`vskipper.roofline.derive_thresholds`) and returns one Deployment per served class, pinned to the class by node
 affinity and launched with its own thresholds, plus a Service, a ConfigMap holding the switch constants and the
-arm, optionally a ServiceMonitor and bandwidth probe Jobs, and a status row per class. Unknown products (not in
-the catalogue, MIG slices) get no Deployment unless their bandwidth is overridden; their row says why.
+arm, optionally a ServiceMonitor (which copies each server pod's GPU-class label onto its series) and bandwidth
+probe Jobs, and a status row per class. Unknown products (not in the catalogue, MIG slices) get no Deployment
+unless their bandwidth is overridden; their row says why.
 
 `diff(desired, applied)` says what applying a plan would change; a plan of the applied state changes nothing.
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from vskipper.arms import ARMS, Arm
 from vskipper.constants import CONSTANTS, attestation
+from vskipper.metrics_names import GPU_CLASS_POD_LABEL as CLASS_LABEL
 from vskipper.modelspec import DTYPE_BYTES, PRESETS
 from vskipper.roofline import Device, Thresholds, derive_thresholds, find_device, normalize_product
 from vskipper.skippers.registry import SkipperConfigError, get_entry
@@ -35,7 +37,6 @@ NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-CLASS_LABEL = "vskipper.io/gpu-class"
 PRODUCT_ANNOTATION = "vskipper.io/gpu-product"
 CONFIG_DIR = "/etc/vskipper"
 ARM_FILE = f"{CONFIG_DIR}/arm.json"
@@ -395,9 +396,11 @@ def arm_config(arm: Arm) -> dict:
 
 
 def server_args(r: Resolved, c: GpuClass) -> list[str]:
-    """`vskipper serve` arguments for one GPU class: the class's thresholds, the attested arm, SGLang flags."""
+    """The server container's arguments for one GPU class: `vskipper serve` flags (the class's thresholds, the
+    attested arm, SGLang flags). The container sets no `command`: the runtime image's entrypoint
+    (images/runtime/entrypoint.py) checks them and execs `vskipper serve` with them."""
     spec, serving = r.spec, r.spec["serving"]
-    args = ["serve", "--model", spec["model"]["path"], "--arm", r.arm.name, "--arm-config", ARM_FILE,
+    args = ["--model", spec["model"]["path"], "--arm", r.arm.name, "--arm-config", ARM_FILE,
             "--exit-tokens", str(c.exit_tokens), "--enter-tokens", str(c.enter_tokens),
             "--host", "0.0.0.0", "--port", str(serving["port"]),
             "--served-model-name", spec["model"].get("servedName") or r.name,
@@ -432,7 +435,7 @@ def _deployment(r: Resolved, c: GpuClass, config_hash: str) -> dict:
     selector = {INSTANCE_LABEL: r.name, COMPONENT_LABEL: "server", CLASS_LABEL: labels[CLASS_LABEL]}
     requests = {k: str(res[k]) for k in ("cpu", "memory") if k in res}
     container = {
-        "name": "server", "image": serving["image"], "command": ["vskipper"], "args": server_args(r, c),
+        "name": "server", "image": serving["image"], "args": server_args(r, c),
         "ports": [{"name": "http", "containerPort": serving["port"], "protocol": "TCP"}],
         "env": [{"name": "VSKIPPER_GPU_PRODUCT", "value": c.product}],
         "resources": {"limits": {"nvidia.com/gpu": str(res["gpus"])}, **({"requests": requests} if requests else {})},
@@ -488,6 +491,8 @@ def _objects(r: Resolved, classes: list[GpuClass], measured: Mapping[str, float]
             "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
             "metadata": _meta(r, r.name, _labels(r.name)),
             "spec": {"selector": {"matchLabels": {INSTANCE_LABEL: r.name, COMPONENT_LABEL: "server"}},
+                     # Each server pod's GPU class onto its series: dashboards and rules group by it.
+                     "podTargetLabels": [CLASS_LABEL],
                      "endpoints": [{"port": "http", "path": "/metrics", "interval": spec["metrics"]["interval"]}]}})
     if spec["bandwidthProbe"]["enabled"]:
         objects += [_probe_job(r, c) for c in classes

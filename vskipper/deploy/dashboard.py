@@ -5,9 +5,10 @@ Every query names metrics from `vskipper.metrics_names` (the runtime, SGLang's h
 Queries use two template variables: `$datasource` (a Prometheus data source) and `$namespace`.
 
 Cohort sizes have no metric of their own: the panel shows row-layer visits per decode pass by action, i.e. the
-cohort size times the number of routed layers. Runtime series carry no GPU-class label (the operator's
-ServiceMonitor does not copy the pod's `vskipper.io/gpu-class` label), so V is drawn per server against the
-thresholds that server reports, and the per-class thresholds come from the operator's gauges.
+cohort size times the number of routed layers. Runtime series carry their server's GPU class
+(`vskipper.metrics_names.GPU_CLASS`, copied from the pod label by the operator's ServiceMonitor): routed shares
+and cohort sizes are drawn per deployment and GPU class, V per server against the thresholds of its class (which
+the servers of a class report alike), and the operator's gauges show the thresholds it derived per class.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 
 from vskipper.deploy.rules import share
 from vskipper.metrics_names import (
+    GPU_CLASS,
     PASSES,
     RESIDENT_TOKENS,
     ROWS,
@@ -50,20 +52,23 @@ def _panels() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
         lat.append(("Latency (SGLang)", title, "s", [
             (f"histogram_quantile({q}, sum by (le, model_name) (rate({sglang_selector(metric, '_bucket')}[{RATE}])))",
              f"p{int(q * 100)} {{{{model_name}}}}") for q in (0.5, 0.99)]))
+    cls = f"{{{{{GPU_CLASS}}}}}"  # the legend's {{vskipper_io_gpu_class}}
+    by_class = f"service, {GPU_CLASS}"
     return [
-        ("Routing", "Routed share of decode rows", "percentunit", [
+        ("Routing", "Routed share of decode rows, per GPU class", "percentunit", [
             (share(f'rate({rows}{{{NS}, phase="decode", action="project_only"}}[{RATE}])',
-                   f'rate({rows}{{{NS}, phase="decode"}}[{RATE}])', "service"), "{{service}}")]),
-        ("Routing", "Routed share of passes per phase", "percentunit", [
+                   f'rate({rows}{{{NS}, phase="decode"}}[{RATE}])', by_class), f"{{{{service}}}} {cls}")]),
+        ("Routing", "Routed share of passes per phase, per GPU class", "percentunit", [
             (share(f'rate({passes}{{{NS}, mode="routed"}}[{RATE}])', f"rate({passes}{{{NS}}}[{RATE}])",
-                   "service, phase"), "{{service}} {{phase}}")]),
+                   f"{by_class}, phase"), f"{{{{service}}}} {cls} {{{{phase}}}}")]),
         ("Routing", "Decode cohort sizes (row-layer visits per pass, by action)", "short", [
-            (f'sum by (service, action) (rate({rows}{{{NS}, phase="decode"}}[{RATE}]))\n'
-             f'/ on (service) group_left () sum by (service) (rate({passes}{{{NS}, phase="decode"}}[{RATE}]))',
-             "{{service}} {{action}}")]),
-        ("Switch", "Resident tokens V against the server's thresholds", "short", [
-            (f"{RESIDENT_TOKENS.name}{{{NS}}}", "V {{pod}}"),
-            (f"{THRESHOLD_TOKENS.name}{{{NS}}}", "{{bound}} {{pod}}")]),
+            (f'sum by ({by_class}, action) (rate({rows}{{{NS}, phase="decode"}}[{RATE}]))\n'
+             f'/ on ({by_class}) group_left () sum by ({by_class}) (rate({passes}{{{NS}, phase="decode"}}[{RATE}]))',
+             f"{{{{service}}}} {cls} {{{{action}}}}")]),
+        ("Switch", "Resident tokens V against the thresholds of each GPU class", "short", [
+            (f"{RESIDENT_TOKENS.name}{{{NS}}}", f"V {{{{pod}}}} {cls}"),
+            (f"max by (namespace, {by_class}, bound) ({THRESHOLD_TOKENS.name}{{{NS}}})",
+             f"{{{{bound}}}} {{{{service}}}} {cls}")]),
         ("Switch", "Thresholds per GPU class (operator)", "short", [
             (f"vskipper_operator_enter_tokens{{{NS}}}", "enter {{name}} {{gpu_product}}"),
             (f"vskipper_operator_exit_tokens{{{NS}}}", "exit {{name}} {{gpu_product}}"),

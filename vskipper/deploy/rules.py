@@ -3,16 +3,24 @@ operator's (`vskipper_operator_*`). Rendered to helm/vskipper/files/prometheus-r
 PrometheusRule embeds and promtool checks and unit-tests (deploy/prometheus/rules.test.yaml).
 
 Per-server expressions aggregate by (job, instance): every scraped series carries them, one target per server
-pod. Per-deployment expressions aggregate by (namespace, service): the labels a ServiceMonitor attaches (the
-operator names a SkipperDeployment's Service after the resource).
+pod. Per-deployment expressions aggregate by (namespace, service) and the GPU class: the labels the operator's
+ServiceMonitor attaches (it names a SkipperDeployment's Service after the resource and copies each pod's GPU-class
+label, `vskipper.metrics_names.GPU_CLASS`). Each class runs with its own thresholds, so its routed shares differ.
 """
 
 from __future__ import annotations
 
-from vskipper.metrics_names import PASSES, RESIDENT_TOKENS, ROWS, SWITCH_DECISIONS, THRESHOLD_TOKENS
+from vskipper.metrics_names import (
+    GPU_CLASS,
+    PASSES,
+    RESIDENT_TOKENS,
+    ROWS,
+    SWITCH_DECISIONS,
+    THRESHOLD_TOKENS,
+)
 
 TARGET = "job, instance"
-DEPLOYMENT = "namespace, service"
+DEPLOYMENT = f"namespace, service, {GPU_CLASS}"
 
 # Recording rules: name -> expression.
 DECODE_ROWS_ROUTED_SHARE = "vskipper:decode_rows_skipped:ratio_rate5m"
