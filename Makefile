@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
+DEMO_ARGS ?=
 LOADGEN_DEMO_OUT ?= out/loadgen-demo
 SGLANG_SPEC ?= sglang==0.5.21
 SGLANG_CONSTRAINTS := vskipper/sglang/constraints-cpu.txt
@@ -20,7 +21,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 help:
 	@echo "make install  create $(VENV) with the CPU torch, the project (runtime, loadgen, operator, dev extras) and SGLang 0.5.21 for CPU"
-	@echo "make demo     the main job on an embedded default: tiny FlexiDepth checkpoint, routes, thresholds, switch"
+	@echo "make demo     the main job on an embedded default: a tiny FlexiDepth checkpoint (routes, thresholds, switch),"
+	@echo "              then SGLang on CPU, dense and hybrid: OpenAI API, a loadgen A/B, attestation, /metrics (~3 min)"
 	@echo "make loadgen-demo  a small matched-work A/B run against two local stand-in servers: report and plots"
 	@echo "make test     the test suite"
 	@echo "make lint     ruff over the code and tests"
@@ -58,8 +60,9 @@ $(PROM_OPERATOR_SCHEMAS): $(HELM)
 test: install tools
 	PATH="$(CURDIR)/$(TOOLS)/node_modules/.bin:$$PATH" $(PY) -m pytest -q
 
+# DEMO_ARGS=--offline: the tour only (no server); --requests/--rate/--repetitions size the A/B.
 demo: install
-	$(VENV)/bin/vskipper demo --out $(DEMO_OUT)
+	$(VENV)/bin/vskipper demo --out $(DEMO_OUT) $(DEMO_ARGS)
 
 loadgen-demo: install
 	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)

@@ -10,6 +10,7 @@ It takes about a minute (three repetitions).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 
 from loadgen.client import Endpoint
@@ -29,26 +30,38 @@ def demo_suite(n: int = 40) -> Suite:
                                for i in range(n)))
 
 
+async def run_rates(baseline: ArmTarget, target: ArmTarget, suite: Suite, rates: Mapping[str, float],
+                    out: str | Path, *, repetitions: int, title: str, seed: int = 7, max_new_tokens: int = 128,
+                    progress: bool = False) -> dict:
+    """One matched-work A/B cell per labelled rate between two served arms, then the report (per-cell JSON, the
+    Markdown table, the plots). The stand-in demo and `vskipper demo` (two real servers) both run this."""
+    results = []
+    for label, rate in rates.items():
+        results.append(await run_ab(baseline, target, suite, rate, repetitions=repetitions, seed=seed,
+                                    label=label, max_new_tokens=max_new_tokens, progress=progress))
+    paths = write_report(results, out, title=title)
+    return {"results": results, "paths": paths, "table": markdown_table(results)}
+
+
 async def run_demo(out: str | Path, repetitions: int = 3, progress: bool = False) -> dict:
     arm = get_arm("always-route")
     upstream = DoubleConfig(decode_base_s=0.006, decode_per_row_s=0.0025, natural_max=32)
     served = DoubleConfig(decode_base_s=0.006, decode_per_row_s=0.0019, natural_max=32, arm=arm.as_dict(),
                           routed_phases=arm.routed_phases)
-    suite = demo_suite()
-    results = []
     with DoubleServerProcess(upstream) as a, DoubleServerProcess(served) as b:
         base = ArmTarget("upstream", Endpoint(a.url, attestation_path=None))
         target = ArmTarget(arm.name, Endpoint(b.url), arm)
-        for label, rate in DEMO_RATES.items():
-            results.append(await run_ab(base, target, suite, rate, repetitions=repetitions, seed=7,
-                                        label=label, max_new_tokens=128, progress=progress))
-    paths = write_report(results, out, title="demo: stand-in servers, matched work")
-    return {"results": results, "paths": paths, "table": markdown_table(results)}
+        return await run_rates(base, target, demo_suite(), DEMO_RATES, out, repetitions=repetitions,
+                               title="demo: stand-in servers, matched work", progress=progress)
 
 
-def main(out: str | Path, repetitions: int = 3) -> int:
-    res = asyncio.run(run_demo(out, repetitions))
+def print_report(res: dict) -> None:
+    """The Markdown table and where the report went."""
     print(res["table"])
     for key in ("table", "latency_vs_load", "change_map"):
         print(f"wrote {res['paths'][key]}")
+
+
+def main(out: str | Path, repetitions: int = 3) -> int:
+    print_report(asyncio.run(run_demo(out, repetitions)))
     return 0

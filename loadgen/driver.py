@@ -91,6 +91,14 @@ def record_lengths(cell: CellResult) -> dict[str, int]:
     return {r.request_id: r.output_tokens for r in cell.records}
 
 
+def client_session() -> aiohttp.ClientSession:
+    """The HTTP session cells run on: no timeouts (a cell waits for every request), no connection cap (open loop),
+    and one connection per request: a pooled keep-alive connection that the server closes while it sits idle
+    (SGLang's uvicorn closes them after 5 s, aiohttp would keep them 15 s) fails the next request sent on it."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=None),
+                                 connector=aiohttp.TCPConnector(limit=0, force_close=True))
+
+
 async def run_cell(endpoint: Endpoint, plan: CellPlan, arm: str, *, progress: bool = False,
                    session: aiohttp.ClientSession | None = None) -> CellResult:
     arrivals = poisson_arrivals(len(plan.suite), plan.rate, plan.seed)
@@ -99,8 +107,7 @@ async def run_cell(endpoint: Endpoint, plan: CellPlan, arm: str, *, progress: bo
                       repetition=plan.repetition)
     own = session is None
     if own:
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=None),
-                                        connector=aiohttp.TCPConnector(limit=0))
+        session = client_session()
     bar = None
     if progress:
         from tqdm import tqdm

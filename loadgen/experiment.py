@@ -18,10 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from loadgen.client import Endpoint
-from loadgen.driver import matched_plan, natural_plan, record_lengths, run_cell
+from loadgen.driver import client_session, matched_plan, natural_plan, record_lengths, run_cell
 from loadgen.gates import GateReport, accounting, declared_cell_size, gate_pair, zero_empty
 from loadgen.metrics import flat_metrics
 from loadgen.qstar import QStar, find_q_star
@@ -94,11 +92,6 @@ class ABResult:
                 "repetitions": [r.as_dict() for r in self.repetitions]}
 
 
-def _session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=None),
-                                 connector=aiohttp.TCPConnector(limit=0))
-
-
 def gate_length_cell(cell: CellResult, suite: Suite, empty_exceptions: Sequence[str] = ()) -> GateReport:
     """The natural-lane run whose lengths the matched lane replays must itself be a valid cell."""
     report = GateReport()
@@ -117,7 +110,7 @@ async def run_ab(baseline: ArmTarget, arm: ArmTarget, suite: Suite, rate: float,
         raise ValueError(f"repetitions must be >= 1, got {repetitions}")
     arms = {t.name: t.arm for t in (baseline, arm) if t.arm is not None}
     targets = {baseline.name: baseline, arm.name: arm}
-    async with _session() as session:
+    async with client_session() as session:
         length_cell = None
         if lengths is None:
             plan = natural_plan(suite, rate, seed, context_len=context_len, max_new_tokens=max_new_tokens)
@@ -157,7 +150,7 @@ async def run_ladder(target: ArmTarget, suite: Suite, rates: Sequence[int], *, s
                      context_len: int | None = None, max_new_tokens: int | None = None,
                      progress: bool = False) -> LadderResult:
     cells = []
-    async with _session() as session:
+    async with client_session() as session:
         for rate in rates:
             plan = natural_plan(suite, rate, seed, context_len=context_len, max_new_tokens=max_new_tokens)
             cells.append(await run_cell(target.endpoint, plan, target.name, progress=progress, session=session))

@@ -566,3 +566,38 @@ class TestDataParallelReplicas:
         assert att["rows_total"]["prefill"] == {"run": 0, "project_only": 0}
         assert sum(att["requests_total"]["decode"].values()) >= 6
         assert [r["placement"]["replica"] for r in att["replicas"]] == ["dp0-adp0", "dp1-adp0"]
+
+
+# -- SGLang's multi-process layout: tensor parallelism ---------------------------------------------------------------
+
+@pytest.fixture(scope="class")
+def tensor_parallel_server(served_model, tmp_path_factory):
+    """Two tensor-parallel ranks on CPU (SGLang falls back to a gloo all-reduce without the CPU shared-memory
+    kernel): each rank holds half of every MLP's intermediate width and half of the attention heads."""
+    with serve(served_model, tmp_path_factory.mktemp("tp"), arm="always-route",
+               extra=("--tp-size", "2", "--enable-metrics"), env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}) as s:
+        yield s
+
+
+class TestTensorParallelRanks:
+    def test_routed_cohorts_reduce_their_partial_sums_and_equal_the_torch_routed_forward(
+            self, tensor_parallel_server, served_model):
+        prompts = [*PROMPTS, list(range(40, 72))]
+        skipper = build_skipper("flexidepth", {})
+        for prompt in prompts:
+            assert tensor_parallel_server.generate_ids(list(prompt), NEW_TOKENS) == \
+                greedy_reference(served_model, list(prompt), NEW_TOKENS, skipper)
+        att = tensor_parallel_server.get_json("/vskipper/attestation")
+        assert att["rows_total"]["decode"]["project_only"] > 0 and att["rows_total"]["decode"]["run"] > 0
+
+    def test_only_one_rank_counts_each_pass(self, tensor_parallel_server):
+        server = tensor_parallel_server
+        before = server.get_json("/vskipper/attestation")
+        for i in range(3):  # one after the other: one admission round and one prefill pass each
+            server.generate_ids([9, 8, 7, i], 3)
+        after = server.get_json("/vskipper/attestation")
+        assert after["passes_total"]["prefill"]["routed"] - before["passes_total"]["prefill"]["routed"] == 3
+        assert sum(after["requests_total"]["prefill"].values()) - sum(before["requests_total"]["prefill"].values()) == 3
+        assert "replicas" not in after
+        assert _metric(server.metrics(), "vskipper_passes_total", mode="routed", phase="prefill") == \
+            after["passes_total"]["prefill"]["routed"]

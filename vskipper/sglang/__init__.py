@@ -9,6 +9,7 @@ Thin glue, all in this package:
                  the running batch's resident tokens, and the counters (attestation, Prometheus)
   server.py      the launcher `vskipper serve` runs: registers the above, adds `/vskipper/attestation`, starts
                  SGLang's HTTP server
+  launch.py      `vskipper serve` as a child process in its own session (the demo and the server tests)
   shims/         what the pinned release needs to run on CPU-only machines
 """
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
 from vskipper.mixed.backend import cohort_ffn
 from vskipper.sglang.runtime import Step, get_runtime
@@ -78,11 +79,15 @@ class MixedDepthLayer:
         v = self.post_attention_layernorm(h)
         if n_proj == 0:  # all-RUN fast path: the branch weight still scales the MLP
             return h + weights.view(-1, 1).to(h.dtype) * self.mlp(v)
-        y = h.clone()  # Project-Only rows: h = x (their attention output was dropped), so LN2 h = LN2 x
+        # Under tensor parallelism this rank holds a slice of the MLP's intermediate width (column-parallel
+        # gate/up, row-parallel down): its cohort output is a partial sum, reduced across the TP group as the
+        # upstream MLP reduces its own. The adapter is replicated on every rank.
         gate_up = self.mlp.gate_up_proj.weight
         inter = gate_up.shape[0] // 2
+        mlp_out = torch.zeros_like(h)
         cohort_ffn("torch", v, cohorts.run_idx, cohorts.n_run, weights, gate_up[:inter], gate_up[inter:],
-                   self.mlp.down_proj.weight, y, op="mlp")
+                   self.mlp.down_proj.weight, mlp_out, op="mlp")
+        y = h + tensor_model_parallel_all_reduce(mlp_out)  # Project-Only rows: h = x, so LN2 h = LN2 x
         p = self.router_proj
         cohort_ffn("torch", v, cohorts.proj_idx, cohorts.n_proj, weights, p.gate_proj.weight, p.down_proj.weight,
                    p.up_proj.weight, y, op="proj")

@@ -1,0 +1,87 @@
+"""`vskipper demo` end to end, as `make demo` runs it (smallest sizing): two real SGLang servers on CPU, the
+OpenAI-compatible API, a matched-work A/B with loadgen, the attestation and /metrics; the servers stop after.
+
+About two to four minutes on a 2-core CPU, most of it the two servers starting side by side.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vskipper.demo import DEMO_ENTER_TOKENS, DEMO_EXIT_TOKENS
+
+
+def _sample(lines, name, **labels):
+    for line in lines:
+        series, value = line.rsplit(" ", 1)
+        if series.split("{")[0] == name and dict(re.findall(r'(\w+)="([^"]*)"', series)) == labels:
+            return float(value)
+    raise AssertionError(f"{name}{labels} not among the printed metrics")
+
+
+def test_full_demo_serves_both_arms_gates_the_ab_and_prints_attestation_and_metrics(cli_env, tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "vskipper.cli", "demo", "--out", str(out), "--requests", "8",
+                           "--repetitions", "1", "--rate", "4"], capture_output=True, text=True, env=cli_env,
+                          timeout=480)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    servers = summary["servers"]
+    assert set(servers) == {"dense", "hybrid"}
+
+    # the offline tour still runs first
+    assert text.index("exit 160000, enter 200000") < text.index("== 2.")
+
+    # the OpenAI-compatible API answered on the hybrid server
+    api = json.loads((out / "openai.json").read_text())
+    assert api["chat_completion"]["choices"][0]["message"]["role"] == "assistant"
+    assert api["chat_completion"]["usage"]["completion_tokens"] == 16
+    assert api["completion"]["usage"]["completion_tokens"] == 16
+    assert f"POST {servers['hybrid']}/v1/chat/completions" in text
+
+    # the A/B: its report exists and every gate passed, the hybrid arm's routing engaged in its matched cell
+    ab = summary["ab"]
+    assert ab["gates_passed"] is True, ab.get("refusals")
+    report = json.loads(Path(ab["report"]).read_text())
+    assert (report["baseline"], report["arm"]) == ("dense", "hybrid")
+    assert report["repetitions_run"] == report["repetitions_accepted"] == 1
+    gates = report["repetitions"][0]["gates"]
+    assert gates["passed"] and {"work_identity", "mechanism_evidence", "served_design"} <= set(gates["checked"])
+    assert (Path(ab["report_dir"]) / "table.md").read_text().count("| 4req-s | hybrid | 1 |") == 1
+    rows = {r["arm"]: r for r in ab["arms"]}
+    assert rows["hybrid"]["decode_passes"]["routed"] > 0 and rows["dense"]["decode_passes"]["routed"] == 0
+    assert rows["hybrid"]["output_tokens"] == rows["dense"]["output_tokens"] > 0  # matched work
+    assert "not performance claims" in text and "scaled for this tiny model" in text
+
+    # the attestation as printed equals the served document: routed decode on hybrid, none on dense
+    hybrid = json.loads((out / "attestation-hybrid.json").read_text())
+    dense = json.loads((out / "attestation-dense.json").read_text())
+    assert hybrid["arm"]["name"] == "hybrid" and dense["arm"]["name"] == "dense"
+    assert hybrid["thresholds"] == {"enter_tokens": DEMO_ENTER_TOKENS, "exit_tokens": DEMO_EXIT_TOKENS}
+    routed = hybrid["passes_total"]["decode"]["routed"]
+    assert routed > 0 and hybrid["rows_total"]["decode"]["project_only"] > 0 and hybrid["promotions_total"] > 0
+    assert hybrid["passes_total"]["prefill"]["routed"] == 0  # short prompts: under the prefill floor
+    assert dense["passes_total"]["decode"]["routed"] == 0 and dense["passes_total"]["decode"]["dense"] > 0
+    assert f"GET {servers['hybrid']}/vskipper/attestation" in text
+    assert f"decode  passes: dense {hybrid['passes_total']['decode']['dense']}, routed {routed}" in text
+    assert f"thresholds: enter {DEMO_ENTER_TOKENS} / exit {DEMO_EXIT_TOKENS}" in text
+
+    # /metrics: where it is, and the vskipper_* lines agree with the attestation
+    assert f"{servers['hybrid']}/metrics" in text and f"{servers['dense']}/metrics" in text
+    lines = (out / "metrics-hybrid.txt").read_text().splitlines()
+    assert lines and all(line.startswith("vskipper_") for line in lines)
+    assert _sample(lines, "vskipper_passes_total", mode="routed", phase="decode") == routed
+    assert _sample(lines, "vskipper_threshold_tokens", bound="enter") == DEMO_ENTER_TOKENS
+    assert f'vskipper_passes_total{{mode="routed",phase="decode"}} {float(routed)}' in text
+
+    # both servers were stopped when the demo ended
+    assert "servers stopped" in text
+    for url in servers.values():
+        with pytest.raises(OSError):
+            urllib.request.urlopen(url + "/health", timeout=5)

@@ -1,0 +1,169 @@
+"""`vskipper serve` as a child process: start it, wait for `/health`, talk to it, always stop it.
+
+The demo and the server tests both start servers this way. Each server runs in its own session (process group),
+so the terminal's Ctrl-C reaches only the caller, whose `finally` then ends the whole group (SGLang's HTTP
+process, scheduler and detokenizer) with SIGTERM, and SIGKILL if it lingers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 240
+REQUEST_TIMEOUT_S = 60
+STOP_TIMEOUT_S = 20
+# The directory holding the imported `vskipper` package: put on the child's path so it serves this same code.
+_CODE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, str]:
+    """GET (no body) or POST a JSON body; (status, text), also for HTTP error statuses."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def serve_command(model: str | Path, port: int, state_file: Path, *, arm: str | None = None,
+                  arm_file: Path | None = None, enter_tokens: int | None = None, exit_tokens: int | None = None,
+                  dtype: str | None = "float32", extra: Sequence[str] = ()) -> list[str]:
+    """The `vskipper serve` command line for one server on 127.0.0.1:port (SGLang flags after `--`)."""
+    if (arm is None) == (arm_file is None):
+        raise ValueError("serve_command: pass exactly one of arm and arm_file")
+    cmd = [sys.executable, "-m", "vskipper.cli", "serve", "--model", str(model), "--port", str(port),
+           "--state-file", str(state_file)]
+    cmd += ["--arm", arm] if arm else ["--arm-file", str(arm_file)]
+    if enter_tokens is not None or exit_tokens is not None:
+        cmd += ["--enter-tokens", str(enter_tokens), "--exit-tokens", str(exit_tokens)]
+    cmd += ["--", *(("--dtype", dtype) if dtype else ()), *extra]
+    return cmd
+
+
+class Server:
+    """A started `vskipper serve` child process on a loopback port."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
+        """Block until `/health` answers 200; raises with the log's tail if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if http(self.url + "/health", timeout=5)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not up in {timeout:g} s:\n{self.log.read_text()[-3000:]}")
+            time.sleep(1)
+
+    def terminate(self) -> None:
+        """Send SIGTERM to the server's whole process group, without waiting."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        """End the server's whole process group: SIGTERM, then SIGKILL if it lingers (idempotent)."""
+        if self.proc.poll() is not None:
+            return
+        self.terminate()
+        try:
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+
+    def get_json(self, path: str) -> dict:
+        status, text = http(self.url + path)
+        if status != 200:
+            raise RuntimeError(f"GET {path}: HTTP {status} {text[:300]}")
+        return json.loads(text)
+
+    def post_json(self, path: str, body: dict) -> dict:
+        status, text = http(self.url + path, body)
+        if status != 200:
+            raise RuntimeError(f"POST {path}: HTTP {status} {text[:300]}")
+        return json.loads(text)
+
+    def generate_ids(self, input_ids: list[int], n: int) -> list[int]:
+        out = self.post_json("/generate", {"input_ids": input_ids, "sampling_params": {
+            "temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+        return out["output_ids"]
+
+    def metrics(self) -> str:
+        status, text = http(self.url + "/metrics")
+        if status != 200:
+            raise RuntimeError(f"GET /metrics: HTTP {status} {text[:300]}")
+        return text
+
+
+def stop_all(servers: Sequence[Server]) -> None:
+    """Stop several servers side by side (SGLang takes a few seconds to wind down after SIGTERM)."""
+    for server in servers:
+        server.terminate()
+    for server in servers:
+        server.stop()
+
+
+@contextmanager
+def launched(model: str | Path, workdir: Path, *, arm: str | None = None, arm_file: Path | None = None,
+             enter_tokens: int | None = None, exit_tokens: int | None = None, dtype: str | None = "float32",
+             extra: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Iterator[Server]:
+    """Start `vskipper serve` on a free port (log and state file in `workdir`) without waiting for it; the
+    server is stopped when the block exits, however it exits. `env` adds variables to the server's environment."""
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / f"server-{port}.log"
+    cmd = serve_command(model, port, workdir / f"state-{port}.json", arm=arm, arm_file=arm_file,
+                        enter_tokens=enter_tokens, exit_tokens=exit_tokens, dtype=dtype, extra=extra)
+    env = dict(os.environ, **(env or {}),
+               PYTHONPATH=os.pathsep.join(p for p in (str(_CODE_ROOT), os.environ.get("PYTHONPATH")) if p))
+    env.pop("TRITON_INTERPRET", None)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    server = Server(proc, port, log)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def serve(model: str | Path, workdir: Path, *, arm: str | None = None, arm_file: Path | None = None,
+          enter_tokens: int | None = None, exit_tokens: int | None = None, dtype: str | None = "float32",
+          extra: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Iterator[Server]:
+    """`launched`, then wait for `/health`: yields a serving Server; stops it after."""
+    with launched(model, workdir, arm=arm, arm_file=arm_file, enter_tokens=enter_tokens, exit_tokens=exit_tokens,
+                  dtype=dtype, extra=extra, env=env) as server:
+        yield server.wait_ready()
