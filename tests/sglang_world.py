@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @torch.no_grad()
-def greedy_reference(model_dir: Path, prompt: list[int], n: int, skipper=None) -> list[int]:
-    """Greedy tokens from the plain torch MixedDepthModel (dense when `skipper` is None), one request."""
+def greedy_reference(model_dir: Path, prompt: list[int], n: int, skipper=None, decode_skipper="same") -> list[int]:
+    """Greedy tokens from the plain torch MixedDepthModel, one request: prefill routed by `skipper` (dense when
+    None), decode by `decode_skipper` (the same skipper unless given; None decodes dense)."""
     from vskipper.mixed.layers import ForwardBatch, MixedDepthModel
 
     model = MixedDepthModel.from_pretrained(model_dir, backend="torch")
@@ -31,10 +32,12 @@ def greedy_reference(model_dir: Path, prompt: list[int], n: int, skipper=None) -
                          request_keys=torch.zeros(len(prompt), dtype=torch.int64))
     hidden = model(ids, batch, kv, skipper)
     out = [int(model.logits(hidden[-1:]).argmax(-1))]
+    if decode_skipper == "same":
+        decode_skipper = skipper
     while len(out) < n:
         pos = len(prompt) + len(out) - 1
         batch = ForwardBatch(torch.tensor([pos]), torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.bool),
                              "decode", request_keys=torch.zeros(1, dtype=torch.int64))
-        hidden = model(torch.tensor([out[-1]]), batch, kv, skipper)
+        hidden = model(torch.tensor([out[-1]]), batch, kv, decode_skipper)
         out.append(int(model.logits(hidden).argmax(-1)))
     return out

@@ -63,7 +63,8 @@ def test_full_demo_serves_both_arms_gates_the_ab_and_prints_attestation_and_metr
     hybrid = json.loads((out / "attestation-hybrid.json").read_text())
     dense = json.loads((out / "attestation-dense.json").read_text())
     assert hybrid["arm"]["name"] == "hybrid" and dense["arm"]["name"] == "dense"
-    assert hybrid["thresholds"] == {"enter_tokens": DEMO_ENTER_TOKENS, "exit_tokens": DEMO_EXIT_TOKENS}
+    assert hybrid["thresholds"] == {"enter_tokens": DEMO_ENTER_TOKENS, "exit_tokens": DEMO_EXIT_TOKENS,
+                                       "source": "flags"}
     routed = hybrid["passes_total"]["decode"]["routed"]
     assert routed > 0 and hybrid["rows_total"]["decode"]["project_only"] > 0 and hybrid["promotions_total"] > 0
     assert hybrid["passes_total"]["prefill"]["routed"] == 0  # short prompts: under the prefill floor
