@@ -1,19 +1,20 @@
-"""Test helper: metrics endpoints for the live-Prometheus test (tests/test_prometheus_live.py).
+"""Test helper: two SYNTHETIC runtime metrics endpoints for the alert tests of tests/test_prometheus_live.py.
 
-The OPERATOR endpoint is the real one: `vskipper_operator.metrics.serve` with its registry, its per-class gauges
-set by `record_plan` from a real plan of manifests/examples/flexidepth-llama3-8b.yaml over the example node pool,
-and its counters driven the way handlers drive them.
+A healthy `vskipper serve` fires none of the alerts, and the pathologies they detect (a switch that never acts on
+its thresholds, a switch flapping for ten minutes, routed passes that skip nothing) cannot be provoked in a real
+server on CPU without breaking it on purpose. These endpoints therefore register the runtime's metrics (the names,
+types and labels of `vskipper.metrics_names`, the module the real runtime registers them from) and SGLang
+0.5.21's latency histograms with prometheus_client, and drive them with fixed increments through two scenarios:
 
-The RUNTIME endpoints are STAND-INS: the SGLang integration that registers the runtime's metrics is not part of
-this tree, so this helper registers the metrics named in `vskipper.metrics_names` (the one module the runtime
-uses too) and SGLang 0.5.21's latency histograms with prometheus_client, and drives them through two scenarios:
-
-- `engaged`: V above the enter threshold, decode passes routed, rows skip; the switch flips route_on/route_off
-  many times (a flapping switch).
+- `engaged`: V above the enter threshold, decode passes routed, 24 of 32 decode row-visits skip; the switch
+  flips route_on/route_off several times a second (a flapping switch).
 - `stuck`: V above the enter threshold but every decode pass dense (routing never engages); prefill passes run
   routed while no row skips (a mechanism declared but not executed).
 
-    python tests/standin_exporters.py --operator-port P --runtime-port engaged=P1 --runtime-port stuck=P2
+Nothing else is synthetic: the runtime-side dashboard queries and recording rules are checked against a real
+`vskipper serve`, and the operator-side queries against the real operator, in the same test module.
+
+    python tests/standin_exporters.py --runtime-port engaged=P1 --runtime-port stuck=P2
 """
 
 from __future__ import annotations
@@ -22,13 +23,11 @@ import argparse
 import random
 import sys
 import time
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from vskipper import metrics_names as mn
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama-3-8b-flexidepth"
 
 
@@ -80,45 +79,18 @@ class RuntimeStandIn:
             self.e2e.labels(MODEL, "true").observe(rng.uniform(1.0, 6.0))
 
 
-def start_operator(port: int):
-    import yaml
-
-    from vskipper_operator import metrics
-    from vskipper_operator.plan import nodes_from_document, plan
-
-    metrics.serve(port)  # binds all interfaces, as in the operator pod
-    resource = yaml.safe_load((ROOT / "manifests/examples/flexidepth-llama3-8b.yaml").read_text())
-    nodes = nodes_from_document(yaml.safe_load((ROOT / "manifests/examples/nodes-mixed-pool.json").read_text()))
-    metrics.record_plan(plan(resource, nodes))
-    return metrics
-
-
-def step_operator(metrics, rng: random.Random) -> None:
-    for result in ("applied", "unchanged", "invalid", "error"):
-        metrics.RECONCILES.labels(result).inc()
-    for kind in ("invalid_spec", "api", "probe"):
-        metrics.ERRORS.labels(kind).inc()
-    for reason in ("conflict", "throttled", "server_error"):
-        metrics.API_RETRIES.labels(reason).inc()
-    metrics.APPLIED.labels("Deployment", "apply").inc()
-    metrics.DURATION.observe(rng.uniform(0.01, 0.3))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--operator-port", type=int, required=True)
-    parser.add_argument("--runtime-port", action="append", default=[], help="SCENARIO=PORT")
+    parser.add_argument("--runtime-port", action="append", required=True, help="SCENARIO=PORT")
     parser.add_argument("--period", type=float, default=0.25)
     args = parser.parse_args(argv)
     rng = random.Random(0)
-    operator = start_operator(args.operator_port)
     runtimes = []
     for spec in args.runtime_port:
         scenario, port = spec.split("=")
         runtimes.append(RuntimeStandIn(scenario, int(port)))
     print("ready", flush=True)
     while True:
-        step_operator(operator, rng)
         for runtime in runtimes:
             runtime.step(rng)
         time.sleep(args.period)

@@ -1,27 +1,19 @@
-"""The real operator (Kopf, via `kopf.testing.KopfRunner`) against a Kubernetes API on loopback.
-
-No kube-apiserver can run here (no envtest assets are reachable; Debian has only etcd), so the API server is
-`kmock`'s `KubernetesEmulator` (a Kubernetes API mock server by Kopf's author, made for testing Kopf operators)
-on 127.0.0.1, run in a thread of its own. It stores objects, serves list/watch/get/create/patch/delete and API
-discovery, and records every request; it does not run controllers, defaulting, admission or real server-side
-apply merge semantics (a PATCH merges JSON). The tests assert what the operator really sends: the objects it
-creates, server-side applies, status patches, Events, and its retries after conflicts.
+"""The real operator (Kopf, via `kopf.testing.KopfRunner`) against a Kubernetes API on loopback (kmock's emulator,
+see tests/kube_world.py). The tests assert what the operator really sends: the objects it creates, server-side
+applies, status patches, Events, and its retries after conflicts.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import socket
-import threading
 import time
-import urllib.error
 import urllib.request
 
 import kmock
 import pytest
 from kopf.testing import KopfRunner
+from kube_world import Cluster, free_port, wait_for
 from operator_fixtures import A100, H100, UNKNOWN, node, resource
 
 from vskipper_operator.plan import plan
@@ -29,91 +21,14 @@ from vskipper_operator.plan import plan
 os.environ["VSKIPPER_OPERATOR_RESYNC_SECONDS"] = "1"
 os.environ["VSKIPPER_OPERATOR_API_BACKOFFS"] = "0.05,0.1,0.2"
 
-CRD = "vskipper.io/v1alpha1/skipperdeployments"
 SKD_PATH = "/apis/vskipper.io/v1alpha1/namespaces/llm/skipperdeployments"
 DEPLOYMENTS = "/apis/apps/v1/namespaces/llm/deployments"
-VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    """kmock's Kubernetes emulator on loopback, in its own event loop thread (Kopf runs in another)."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        self.api, self.server = self._call(self._start())
-        self.url = str(self.server.url).rstrip("/")
-        return self
-
-    async def _start(self):
-        api = kmock.KubernetesEmulator()
-        for key, kind, namespaced, subresources in [
-            ("v1/namespaces", "Namespace", False, set()), ("v1/nodes", "Node", False, set()),
-            ("v1/events", "Event", True, set()), ("v1/configmaps", "ConfigMap", True, set()),
-            ("v1/services", "Service", True, set()), ("v1/pods", "Pod", True, set()),
-            ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
-            ("batch/v1/jobs", "Job", True, {"status"}),
-            (CRD, "SkipperDeployment", True, {"status", "scale"}),
-        ]:
-            api.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS,
-                                                    subresources=subresources)
-        await api.__aenter__()
-        server = kmock.Server(api)
-        await server.__aenter__()
-        return api, server
-
-    async def _stop(self):
-        await self.server.__aexit__(None, None, None)
-        await self.api.__aexit__(None, None, None)
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
-
-    def __exit__(self, *exc):
-        self._call(self._stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-
-    def http(self, method, path, body=None, content_type="application/json"):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": content_type})
-        try:
-            with urllib.request.urlopen(req, timeout=5) as resp:
-                text = resp.read()
-        except urllib.error.HTTPError as err:
-            if err.code == 404:
-                return None
-            raise
-        return json.loads(text) if text else None
-
-    def requests(self):
-        return list(self.api)  # every request the server saw, in order
-
-    def writes(self, path_part):
-        return [r for r in self.requests() if r.method in ("POST", "PATCH", "DELETE", "PUT")
-                and path_part in str(r.url.path)]
 
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
     with Cluster() as c:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": c.url}}],
-            "users": [{"name": "kmock", "user": {"token": "token"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}]}))
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.setenv("KUBECONFIG", str(c.write_kubeconfig(tmp_path / "kubeconfig")))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
         yield c
 
@@ -123,19 +38,7 @@ def add_node(cluster, name, product):
 
 
 def add_resource(cluster, **changes):
-    obj = resource(**changes)
-    obj["metadata"].update(uid="uid-llama", generation=1, resourceVersion="1", creationTimestamp="2026-01-01T00:00:00Z")
-    cluster.http("POST", SKD_PATH, obj)
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    cluster.add_resource(resource(**changes), uid="uid-llama")
 
 
 def operator(liveness_port=None):

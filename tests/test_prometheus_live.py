@@ -1,32 +1,37 @@
 """A real Prometheus server (Debian's prometheus 2.x binary) on loopback, with the chart's rules loaded, evaluates
 every PromQL expression of the dashboard and of the rules through its HTTP API: no panel or alert names a metric
-nothing emits.
+nothing emits. Three setups, each with its own Prometheus scraping every second:
 
-Two setups:
+- The real runtime (`real_runtime`, one server start): `vskipper serve` on a tiny FlexiDepth checkpoint with
+  SGLang's `--enable-metrics`, the hybrid arm with decode thresholds of 30/20 resident tokens so routing engages
+  under a few requests, and a steady trickle of streamed requests. Every runtime-side dashboard query (`vskipper_*`
+  and SGLang's histograms) and every recording rule returns data from it, with the labels the planned
+  ServiceMonitor attaches, and every runtime metric and SGLang histogram, the alerts' inputs included, is there.
+- The real operator (`real_operator`): `vskipper-operator run` in its own process, as the operator pod runs it
+  (metrics port flag, Kopf's liveness endpoint, standalone, cluster-wide), against kmock's Kubernetes API on
+  loopback (tests/kube_world.py; no kube-apiserver runs here). It reconciles the example SkipperDeployments over
+  the example node pool; the API answers 500 to every list of Deployments in the `bench` namespace, so the
+  RandomSkip example there keeps failing to reconcile, and an invalid copy of it is rejected. Every value on its
+  endpoint is set by the handlers and the API client themselves: every operator-side dashboard query and rule
+  expression (`vskipper_operator_*`) returns data, and the reconcile-error alert goes pending on the real failure.
+- Synthetic pathological runtimes (`pathological_runtimes`, tests/standin_exporters.py): the alerts select
+  pathologies a healthy server does not show (routing never engaging, a flapping switch, routed passes that skip
+  nothing), so two stand-in endpoints with the runtime's metric names act them out with fixed increments. They
+  check that each runtime-side alert returns data, picks the pathological server and spares the healthy one, that
+  the recording rules compute the expected shares from known counts, and that thresholds are drawn per GPU class
+  for two servers of two classes.
 
-- Stand-ins (the `prometheus` fixture): Prometheus scrapes the real operator metrics endpoint and two runtime
-  stand-ins (tests/standin_exporters.py: the metric names of vskipper.metrics_names registered with
-  prometheus_client, driven through an engaged-and-flapping and a stuck scenario). Every dashboard and rule
-  expression returns data, and the alerts pick the pathological server. The operator-side queries (the
-  `vskipper_operator_*` panels, the reconcile-error alert) are checked here only.
-- The real runtime (the `real_runtime` fixture, one server start): `vskipper serve` on a tiny FlexiDepth
-  checkpoint with SGLang's `--enable-metrics`, the hybrid arm with decode thresholds of 30/20 resident tokens so
-  routing engages under a few requests, a steady trickle of requests, and Prometheus scraping it every second.
-  Every runtime-side expression (`vskipper_*` and SGLang's histograms) of the dashboard and every recording rule
-  returns data from the real server, and every runtime metric and SGLang histogram is there. The alert
-  expressions select pathologies a healthy server does not show; their runtime inputs are among those metrics.
-
-Scrape targets carry the labels the operator's ServiceMonitor attaches (namespace, service, pod, and its
-`podTargetLabels`: the GPU class); the operator job keeps its own `namespace` label (honor_labels), as the chart's
-monitors do.
+Scrape targets carry the labels the ServiceMonitors attach (namespace, service, pod, and for a server its
+`podTargetLabels`: the GPU class); the operator job keeps its series' own `namespace` label (honor_labels), as the
+chart's monitors do.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -36,8 +41,11 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import kmock
 import pytest
 import yaml
+from kube_world import Cluster, free_port, operator_process, wait_for
+from operator_fixtures import A100, H100
 
 from vskipper import metrics_names as mn
 from vskipper.metrics_names import GPU_CLASS
@@ -47,12 +55,6 @@ RULES = ROOT / "helm" / "vskipper" / "files" / "prometheus-rules.yaml"
 PROMETHEUS = shutil.which("prometheus")
 
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing: run `make tools`")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(base: str, path: str, **params) -> dict:
@@ -71,7 +73,7 @@ def _query(base: str, expr: str) -> list:
 def running_prometheus(tmp: Path, scrape_configs: list[dict], targets: int):
     """Prometheus on a free loopback port with the chart's rules, scraping every second; yields its URL once
     `targets` targets are up and a few scrapes have landed (rate() and increase() need two samples or more)."""
-    port = _free_port()
+    port = free_port()
     config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],
               "scrape_configs": scrape_configs}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -100,17 +102,17 @@ def running_prometheus(tmp: Path, scrape_configs: list[dict], targets: int):
 
 
 @pytest.fixture(scope="module")
-def prometheus(tmp_path_factory):
+def pathological_runtimes(tmp_path_factory):
+    """Prometheus scraping the two synthetic runtimes: `engaged` (flapping) as llama on an A100, `stuck` (routing
+    never engages, routed prefill skips nothing) as qwen on an H100."""
     tmp = tmp_path_factory.mktemp("prometheus")
-    op_port, engaged_port, stuck_port = (_free_port() for _ in range(3))
+    engaged_port, stuck_port = free_port(), free_port()
     exporters = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "standin_exporters.py"), "--operator-port", str(op_port),
+        [sys.executable, str(ROOT / "tests" / "standin_exporters.py"),
          "--runtime-port", f"engaged={engaged_port}", "--runtime-port", f"stuck={stuck_port}"],
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
         stdout=subprocess.PIPE, text=True)
     scrape_configs = [
-        {"job_name": "vskipper-operator", "honor_labels": True, "static_configs": [
-            {"targets": [f"127.0.0.1:{op_port}"], "labels": {"namespace": "vskipper-system"}}]},
         {"job_name": "vskipper-runtime", "static_configs": [
             {"targets": [f"127.0.0.1:{engaged_port}"],
              "labels": {"namespace": "llm", "service": "llama", "pod": "llama-a100-80gb-0",
@@ -121,7 +123,7 @@ def prometheus(tmp_path_factory):
     ]
     try:
         assert exporters.stdout.readline().strip() == "ready"
-        with running_prometheus(tmp, scrape_configs, targets=3) as base:
+        with running_prometheus(tmp, scrape_configs, targets=2) as base:
             yield base
     finally:
         exporters.kill()
@@ -147,67 +149,142 @@ def _rule_exprs() -> list[tuple[str, str]]:
     return [(rule.get("record") or rule["alert"], rule["expr"]) for g in groups for rule in g["rules"]]
 
 
-def test_every_dashboard_query_returns_data(prometheus):
-    exprs = _dashboard_exprs()
-    assert len(exprs) >= 15
-    empty = [title for title, expr in exprs if not _query(prometheus, _instantiate(expr))]
-    assert not empty, f"dashboard queries with no data: {empty}"
+def _runtime_side(expr: str) -> bool:
+    return "vskipper_operator_" not in expr
 
 
-def test_every_rule_expression_returns_data(prometheus):
-    empty = [name for name, expr in _rule_exprs() if not _query(prometheus, expr)]
-    assert not empty, f"rule expressions with no data: {empty}"
+def test_every_runtime_side_alert_returns_data_on_the_pathological_servers(pathological_runtimes):
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    alerts = [(r["alert"], r["expr"]) for g in groups for r in g["rules"] if "alert" in r and _runtime_side(r["expr"])]
+    assert len(alerts) == 3
+    empty = [name for name, expr in alerts if not _query(pathological_runtimes, expr)]
+    assert not empty, f"alert expressions with no data: {empty}"
 
 
-def test_alerts_pick_the_pathological_server_and_spare_the_healthy_one(prometheus):
-    service = {r["metric"]["instance"]: r["metric"].get("service") for r in _query(prometheus, "up")}
+def test_alerts_pick_the_pathological_server_and_spare_the_healthy_one(pathological_runtimes):
+    service = {r["metric"]["instance"]: r["metric"].get("service") for r in _query(pathological_runtimes, "up")}
 
     def instances(alert):
         expr = dict(_rule_exprs())[alert]
-        return {service[r["metric"]["instance"]] for r in _query(prometheus, expr)}
+        return {service[r["metric"]["instance"]] for r in _query(pathological_runtimes, expr)}
 
     assert instances("VskipperRoutingNeverEngages") == {"qwen"}
     assert instances("VskipperMechanismNotExecuted") == {"qwen"}
     assert instances("VskipperSwitchFlapping") == {"llama"}
 
 
-def test_prometheus_evaluates_the_loaded_rules(prometheus):
-    """The server loaded the rules file: recording rules produce series and every alert is pending (for: 5m)."""
-    share = _query(prometheus, "vskipper:decode_rows_skipped:ratio_rate5m")
+def test_prometheus_evaluates_the_loaded_rules(pathological_runtimes):
+    """The server loaded the rules file: recording rules compute the shares of the known counts and every
+    runtime-side alert is pending (for: 5m)."""
+    share = _query(pathological_runtimes, "vskipper:decode_rows_skipped:ratio_rate5m")
     by_service = {r["metric"]["service"]: float(r["value"][1]) for r in share}
     assert by_service["llama"] == pytest.approx(0.75, abs=0.01)  # 24 of 32 decode row-visits skip
     assert by_service["qwen"] == 0.0
-    routed = _query(prometheus, 'vskipper:passes_routed:ratio_rate5m{phase="decode"}')
+    routed = _query(pathological_runtimes, 'vskipper:passes_routed:ratio_rate5m{phase="decode"}')
     assert {r["metric"]["service"]: float(r["value"][1]) for r in routed} == {"llama": 1.0, "qwen": 0.0}
-    pending = {r["metric"]["alertname"] for r in _query(prometheus, 'ALERTS{alertstate="pending"}')}
-    assert pending == {"VskipperRoutingNeverEngages", "VskipperSwitchFlapping", "VskipperMechanismNotExecuted",
-                       "VskipperOperatorReconcileErrors"}
-
-
-def test_operator_gauges_keep_the_resource_namespace_and_gpu_class(prometheus):
-    enter = _query(prometheus, "vskipper_operator_enter_tokens")
-    classes = {r["metric"]["gpu_product"]: float(r["value"][1]) for r in enter}
-    assert {r["metric"]["namespace"] for r in enter} == {"llm"}  # the resource's, not the operator pod's
-    assert len(classes) >= 2 and all(v > 0 for v in classes.values())
+    pending = {r["metric"]["alertname"] for r in _query(pathological_runtimes, 'ALERTS{alertstate="pending"}')}
+    assert pending == {"VskipperRoutingNeverEngages", "VskipperSwitchFlapping", "VskipperMechanismNotExecuted"}
 
 
 def _panel_expr(title_prefix: str, ref: str = "A") -> str:
     return next(expr for title, expr in _dashboard_exprs() if title.startswith(title_prefix) and title.endswith(ref))
 
 
-def test_thresholds_are_drawn_per_gpu_class(prometheus):
+def test_thresholds_are_drawn_per_gpu_class(pathological_runtimes):
     expr = _panel_expr("Resident tokens V against the thresholds of each GPU class", "B")
     series = {(r["metric"]["service"], r["metric"][GPU_CLASS], r["metric"]["bound"]) for r in
-              _query(prometheus, _instantiate(expr))}
+              _query(pathological_runtimes, _instantiate(expr))}
     assert series == {(s, c, b) for s, c in (("llama", "nvidia-a100-sxm4-80gb"), ("qwen", "nvidia-h100-80gb-hbm3"))
                       for b in ("enter", "exit")}
 
 
+# -- the real operator --------------------------------------------------------------------------------------------
+
+EXAMPLES = ROOT / "manifests" / "examples"
+OPERATOR_NAMESPACE = "vskipper-system"
+
+
+@pytest.fixture(scope="class")
+def real_operator(tmp_path_factory):
+    """Prometheus scraping the real operator, which reconciles three SkipperDeployments over the example node pool:
+    the FlexiDepth example (llm), the RandomSkip example (bench, where the API answers 500 to every list of
+    Deployments) and an invalid copy of it (bench). Yields (Prometheus URL, the cluster, the refused requests).
+    Class-scoped: the operator is stopped before the real runtime's server starts."""
+    tmp = tmp_path_factory.mktemp("real-operator")
+    healthy = yaml.safe_load((EXAMPLES / "flexidepth-llama3-8b.yaml").read_text())
+    failing = yaml.safe_load((EXAMPLES / "random-skip-arm.yaml").read_text())
+    invalid = copy.deepcopy(failing)
+    invalid["metadata"]["name"] = "random-invalid"
+    invalid["spec"]["skipper"]["params"]["r"] = 1.5
+    with Cluster() as cluster:
+        for node in json.loads((EXAMPLES / "nodes-mixed-pool.json").read_text())["items"]:
+            cluster.http("POST", "/api/v1/nodes", node)
+        for obj in (healthy, failing, invalid):
+            cluster.add_resource(obj, uid=f"uid-{obj['metadata']['name']}")
+        refused = cluster.api[kmock.action.LIST, kmock.resource("apps/v1/deployments"),
+                              kmock.namespace(failing["metadata"]["namespace"])] << 500
+        metrics_port = free_port()
+        with operator_process(cluster.write_kubeconfig(tmp / "kubeconfig"), tmp / "operator.log", metrics_port,
+                              health_port=free_port()):
+            scrape = [{"job_name": "vskipper-operator", "honor_labels": True, "static_configs": [
+                {"targets": [f"127.0.0.1:{metrics_port}"], "labels": {"namespace": OPERATOR_NAMESPACE}}]}]
+            with running_prometheus(tmp, scrape, targets=1) as base:
+                # increase() needs the error counter to grow between two scrapes: the next failed attempt
+                wait_for(lambda: _query(base, 'ALERTS{alertname="VskipperOperatorReconcileErrors"}'), timeout=90,
+                         what="the reconcile-error alert")
+                yield {"base": base, "cluster": cluster, "refused": refused, "healthy": healthy}
+
+
+class TestRealOperator:
+    def test_every_operator_side_dashboard_query_and_rule_returns_data(self, real_operator):
+        base = real_operator["base"]
+        queries = [(title, _instantiate(expr)) for title, expr in _dashboard_exprs() if not _runtime_side(expr)]
+        rules = [(name, expr) for name, expr in _rule_exprs() if not _runtime_side(expr)]
+        assert len(queries) >= 8  # thresholds, reconciles, errors, retries, duration, GPU classes
+        assert [name for name, _ in rules] == ["VskipperOperatorReconcileErrors"]
+        empty = [title for title, expr in queries + rules if not _query(base, expr)]
+        assert not empty, f"operator-side queries with no data from the real operator: {empty}"
+
+    def test_gauges_are_the_plan_of_the_reconciled_example_and_keep_its_namespace(self, real_operator):
+        base, meta = real_operator["base"], real_operator["healthy"]["metadata"]
+
+        def per_class(metric):
+            return {(r["metric"]["namespace"], r["metric"]["name"], r["metric"]["gpu_product"]): float(r["value"][1])
+                    for r in _query(base, metric)}
+
+        # only the resource that reconciled has gauges; its namespace, not the operator pod's, is kept
+        key = (meta["namespace"], meta["name"])
+        assert per_class("vskipper_operator_enter_tokens") == {(*key, A100): 200_000, (*key, H100): 340_000}
+        assert per_class("vskipper_operator_exit_tokens") == {(*key, A100): 160_000, (*key, H100): 270_000}
+        classes = {r["metric"]["served"]: float(r["value"][1]) for r in _query(base, "vskipper_operator_gpu_classes")}
+        assert classes["true"] == 2
+
+    def test_counters_record_what_the_operator_met(self, real_operator):
+        base, refused = real_operator["base"], real_operator["refused"]
+
+        def by(label, metric):
+            return {r["metric"][label]: float(r["value"][1]) for r in _query(base, metric)}
+
+        assert set(by("result", "vskipper_operator_reconciles_total")) == {"applied", "unchanged", "error", "invalid"}
+        assert set(by("kind", "vskipper_operator_errors_total")) == {"api", "invalid_spec"}
+        assert set(by("reason", "vskipper_operator_api_retries_total")) == {"server_error"}
+        # each failed reconcile: a list answered 500, retried three times (VSKIPPER_OPERATOR_API_BACKOFFS)
+        errors = by("result", "vskipper_operator_reconciles_total")["error"]
+        assert errors >= 2 and len(list(refused)) >= 4 * errors
+        # series that name no resource carry the operator's own namespace (honor_labels keeps the others')
+        assert {r["metric"]["namespace"] for r in _query(base, "vskipper_operator_reconciles_total")} == \
+            {OPERATOR_NAMESPACE}
+
+    def test_the_reconcile_error_alert_is_pending_and_nothing_else(self, real_operator):
+        base, cluster = real_operator["base"], real_operator["cluster"]
+        pending = {r["metric"]["alertname"] for r in _query(base, 'ALERTS{alertstate="pending"}')}
+        assert pending == {"VskipperOperatorReconcileErrors"}
+        # the healthy example's Deployments exist; the failing namespace got none
+        assert cluster.http("GET", "/apis/apps/v1/namespaces/llm/deployments")["items"]
+        assert not cluster.writes("/namespaces/bench/deployments")
+
+
 # -- the real runtime ---------------------------------------------------------------------------------------------
-
-def _runtime_side(expr: str) -> bool:
-    return "vskipper_operator_" not in expr
-
 
 def monitor_target_labels(objects: list[dict], deployment: dict) -> dict:
     """The labels prometheus-operator attaches to a server pod's series through the planned ServiceMonitor:
@@ -227,7 +304,7 @@ def real_runtime(tmp_path_factory):
     """Prometheus scraping a real `vskipper serve` (SGLang 0.5.21 on CPU, --enable-metrics) under a trickle of
     requests; yields (Prometheus URL, the target labels the planned ServiceMonitor would attach)."""
     pytest.importorskip("sglang")
-    from operator_fixtures import A100, mixed_pool, resource
+    from operator_fixtures import mixed_pool, resource
 
     from tests.sglang_world import serve
     from vskipper.checkpoint import make_tiny_model, write_tiny_tokenizer
