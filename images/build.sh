@@ -36,7 +36,7 @@ fi
 
 start_docker
 if ! docker image inspect "$BASE_TAG" >/dev/null 2>&1; then
-    if [ ! -f "$CACHE/bookworm-python.tar" ]; then
+    if [ ! -f "$CACHE/base/bookworm-python.tar" ]; then
         rm -rf "$CACHE/rootfs"
         debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,patch,passwd \
             bookworm "$CACHE/rootfs" "$MIRROR"
@@ -44,11 +44,12 @@ if ! docker image inspect "$BASE_TAG" >/dev/null 2>&1; then
             cp /etc/ssl/certs/ca-certificates.crt "$CACHE/rootfs/etc/ssl/certs/ca-certificates.crt"
         fi
         rm -rf "$CACHE/rootfs/var/cache/apt/archives/"*.deb "$CACHE/rootfs/var/lib/apt/lists/"*
-        tar -C "$CACHE/rootfs" -cf "$CACHE/bookworm-python.tar.tmp" . && mv "$CACHE/bookworm-python.tar.tmp" "$CACHE/bookworm-python.tar"
+        mkdir -p "$CACHE/base"
+        tar -C "$CACHE/rootfs" -cf "$CACHE/base/bookworm-python.tar.tmp" . && mv "$CACHE/base/bookworm-python.tar.tmp" "$CACHE/base/bookworm-python.tar"
         rm -rf "$CACHE/rootfs"
     fi
     printf 'FROM scratch\nADD bookworm-python.tar /\nENV LANG=C.UTF-8\nCMD ["/bin/bash"]\n' |
-        docker build --network host -t "$BASE_TAG" -f - "$CACHE"
+        docker build --network host -t "$BASE_TAG" -f - "$CACHE/base"  # the tar alone: never the daemon's data root
 fi
 
 # The runtime image here: the CPU torch wheel the machines carry ($TORCH_WHEEL_DIR), served on loopback as a
