@@ -76,7 +76,6 @@ class RequestRecord:
     """One admitted request: its prefill mode, and once it decodes, its decode mode and promotion."""
 
     prefill_mode: Mode
-    keyed: bool  # its prefix lookups were keyed by its prefill mode
     probe: bool = False  # its admission round is a share probe (reported after its first pass)
     decode_mode: Mode | None = None
     promoted: bool = False
@@ -240,7 +239,7 @@ class Runtime:
 
     def _record_admission(self, rids: list[str], decision: PrefillDecision, keyed: bool) -> None:
         for rid in rids:
-            self._requests[rid] = RequestRecord(decision.mode, keyed, decision.probe)
+            self._requests[rid] = RequestRecord(decision.mode, decision.probe)
             self.counters.requests["prefill"][decision.mode.value] += 1
             if not keyed and self.skipper is not None:
                 self.counters.unkeyed_admissions += 1
@@ -299,7 +298,7 @@ class Runtime:
                 self._decoding.add(rid)
                 record = self._requests.get(rid)
                 if record is None:  # admitted before this runtime tracked it: nothing known of its prefill
-                    record = self._requests[rid] = RequestRecord(mode, keyed=False)
+                    record = self._requests[rid] = RequestRecord(mode)
                 record.decode_mode = mode
                 self.counters.requests["decode"][mode.value] += 1
         if self.prometheus is not None:
