@@ -402,7 +402,9 @@ class Runtime:
         return Step(phase, True, self.skipper, state, self._tape, self._builder, dense_rows, rows, probe)
 
     def record_layer(self, step: Step, layer_id: int, run: torch.Tensor) -> None:
-        """Count one routed layer's decisions over the rows of routed-mode requests."""
+        """Count one routed layer's decisions over the rows of routed-mode requests (health probes: none)."""
+        if step.health_check:
+            return
         mine = run if step.dense_rows is None else run[~step.dense_rows]
         n_run = int(mine.sum())
         n_proj = int(mine.numel()) - n_run
