@@ -211,7 +211,7 @@ def test_invalid_spec_is_reported_as_a_warning_event_and_status_condition(cluste
         ready = wait_for(lambda: next((c for c in status_of(cluster).get("conditions", [])
                                        if c["type"] == "Ready"), None), what="status")
         assert ready["reason"] == "InvalidSpec"
-        assert ready["message"].startswith("spec.skipper.params.r must be in [0.0, 1.0]")
+        assert ready["message"].startswith("spec.skipper.params.r: must be in [0.0, 1.0]")
         warning = wait_for(lambda: next((r.data for r in cluster.requests() if r.method == "POST"
                                          and r.url.path.endswith("/events")
                                          and r.data["reason"] == "InvalidSpec"), None), what="event")

@@ -30,7 +30,7 @@ from vskipper.metrics_names import GPU_CLASS_POD_LABEL as CLASS_LABEL
 from vskipper.modelspec import DTYPE_BYTES, PRESETS
 from vskipper.roofline import Device, Thresholds, derive_thresholds, find_device, normalize_product
 from vskipper.skippers.registry import SkipperConfigError, get_entry
-from vskipper_operator.crd import API_VERSION, GPU_PRODUCT_LABEL, KIND, SpecError, apply_schema
+from vskipper_operator.crd import API_VERSION, GPU_PRODUCT_LABEL, KIND, SpecError, apply_schema, check_name
 
 MANAGER = "vskipper-operator"
 NAME_LABEL = "app.kubernetes.io/name"
@@ -109,9 +109,8 @@ def resolve(resource: Mapping[str, Any]) -> Resolved:
     if api not in (None, API_VERSION) or kind not in (None, KIND):
         raise SpecError(f"apiVersion/kind: expected {API_VERSION} {KIND}, got {api} {kind}")
     meta = resource.get("metadata") or {}
-    name = meta.get("name")
-    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 40:
-        raise SpecError(f"metadata.name: must be a DNS label of at most 40 characters, got {name!r}")
+    check_name(resource)
+    name = meta["name"]
     spec = apply_schema(resource.get("spec"))
     try:
         arm = _arm_from_spec(name, spec)
@@ -189,6 +188,7 @@ class PlanResult:
     resolved: Resolved
     classes: list[GpuClass]
     objects: list[dict]  # desired objects, in apply order
+    unmatched: list[str] = field(default_factory=list)  # spec.replicasPerClass keys asking for replicas no class serves
 
     @property
     def name(self) -> str:
@@ -229,16 +229,19 @@ class PlanResult:
         want = sum(c.replicas for c in self.served)
         have = sum(min(ready.get(c.deployment, 0), c.replicas) for c in self.served)
         unknown = [c.product for c in self.classes if c.reason.startswith("UnknownGPU")]
+        degraded = ("UnknownGPU", f"not served (unknown bandwidth): {', '.join(unknown)}") if unknown else (
+            ("ReplicasPerClassUnmatched", f"spec.replicasPerClass asks for replicas of {', '.join(self.unmatched)}, "
+             "which no served GPU class present matches") if self.unmatched else
+            ("AllClassesServed", "every allowed GPU class present is served"))
+        ready = bool(self.served) and have >= want and not self.unmatched
         conditions = [
             _condition("ThresholdsDerived", bool(self.served), "Derived" if self.served else "NoServableGPU",
                        "; ".join(f"{c.display}: exit {c.exit_tokens}, enter {c.enter_tokens}" for c in self.served)
                        or "no node offers a GPU class with a known bandwidth"),
-            _condition("Degraded", bool(unknown), "UnknownGPU" if unknown else "AllClassesServed",
-                       f"not served (unknown bandwidth): {', '.join(unknown)}" if unknown
-                       else "every allowed GPU class present is served"),
-            _condition("Ready", bool(self.served) and have >= want,
-                       "ReplicasReady" if self.served and have >= want else
-                       ("NoServableGPU" if not self.served else "ReplicasNotReady"),
+            _condition("Degraded", degraded[0] != "AllClassesServed", *degraded),
+            _condition("Ready", ready, "ReplicasReady" if ready else
+                       ("NoServableGPU" if not self.served else
+                        "ReplicasPerClassUnmatched" if self.unmatched else "ReplicasNotReady"),
                        f"{have}/{want} replicas ready"),
         ]
         prev = {c.get("type"): c for c in previous or ()}
@@ -342,7 +345,24 @@ def plan(resource: Mapping[str, Any], nodes: Iterable[Node | Mapping[str, Any]],
         c.served = True
         c.deployment = _child_name(r.name, c.product)
     _split_replicas([c for c in classes if c.served], spec)
-    return PlanResult(r, classes, _objects(r, classes, measured or {}))
+    return PlanResult(r, classes, _objects(r, classes, measured or {}),
+                      _unmatched(spec, classes, allowed, overrides))
+
+
+def _unmatched(spec: dict, classes: list[GpuClass], allowed: list[str], overrides: Mapping[str, float]) -> list[str]:
+    """spec.replicasPerClass keys with replicas that no served class takes. A key that names no GPU product at
+    all (not catalogued, not allowed by name, not overridden, no such nodes) is a spec error."""
+    out = []
+    for key, count in (spec.get("replicasPerClass") or {}).items():
+        known = (find_device(key) is not None or any(_key(key) == _key(a) for a in allowed)
+                 or _lookup(overrides, key) is not None or any(_key(key) == _key(c.product) for c in classes))
+        if not known:
+            raise SpecError(f"spec.replicasPerClass.{key}: names no GPU product (not in the device catalogue, "
+                            "spec.placement.gpuProducts, spec.bandwidthOverrides or the nodes' "
+                            f"{GPU_PRODUCT_LABEL} labels)")
+        if count and not any(c.served and _key(key) == _key(c.product) for c in classes):
+            out.append(key)
+    return out
 
 
 def _split_replicas(served: list[GpuClass], spec: dict) -> None:
