@@ -97,6 +97,10 @@ CASES = [
     ("extra-args-arm-file", args("--arm-file", "/x.json"), "spec.serving.extraArgs", "both"),
     ("extra-args-host-abbreviated", args("--hos", "1.2.3.4"), "spec.serving.extraArgs", "both"),
     ("extra-args-served-name", args("--served-model-name=other"), "spec.serving.extraArgs", "both"),
+    ("extra-args-after-separator", args("--", "--tensor-parallel", "2"), "spec.serving.extraArgs", "both"),
+    ("extra-args-dry-run", args("--dry-run"), "spec.serving.extraArgs", "planner"),
+    ("extra-args-config-file", args("--config", "/etc/more.yaml"), "spec.serving.extraArgs", "planner"),
+    ("extra-args-unknown-flag", args("--colour", "blue"), "spec.serving.extraArgs", "planner"),
     # Skippers: the registered names, each with its own parameters.
     ("skipper-unknown", {"skipper": {"name": "nope"}}, "spec.skipper.name", "both"),
     ("skipper-missing-required-param", {"skipper": {"name": "random_skip", "params": {"d": 0.5}}},
@@ -157,7 +161,7 @@ def test_valid_resources_and_the_examples_are_admitted():
     assert admit(_resource({})) == []
     rich = _resource({
         "serving": {"image": "registry.example.com:5000/team/vskipper-runtime:0.1.0@sha256:" + "a" * 64,
-                    "extraArgs": ["--max-running-requests", "8", "--portal"]},
+                    "extraArgs": ["--max-running-requests", "8", "--", "--schedule-policy", "lpm"]},
         "resources": {"gpus": 2, "cpu": "8", "memory": "64Gi"},
         "placement": {"nodeSelector": {"example.com/pool": "gpu"}, "gpuProducts": [A100],
                       "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},

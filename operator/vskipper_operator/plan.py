@@ -31,6 +31,7 @@ from vskipper.modelspec import DTYPE_BYTES, PRESETS
 from vskipper.roofline import Device, Thresholds, derive_thresholds, find_device, normalize_product
 from vskipper.skippers.registry import SkipperConfigError, get_entry
 from vskipper_operator.crd import API_VERSION, GPU_PRODUCT_LABEL, KIND, SpecError, apply_schema, check_name
+from vskipper_operator.flags import check_extra_args
 
 MANAGER = "vskipper-operator"
 NAME_LABEL = "app.kubernetes.io/name"
@@ -112,6 +113,7 @@ def resolve(resource: Mapping[str, Any]) -> Resolved:
     check_name(resource)
     name = meta["name"]
     spec = apply_schema(resource.get("spec"))
+    check_extra_args(spec["serving"].get("extraArgs", []))
     try:
         arm = _arm_from_spec(name, spec)
     except SkipperConfigError as exc:
