@@ -22,6 +22,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from vskipper.arms import ARMS, Arm
@@ -44,15 +45,28 @@ ARM_FILE = f"{CONFIG_DIR}/arm.json"
 PROBE_MODULE = "vskipper_operator.probe"
 
 
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
 @dataclass(frozen=True)
 class Node:
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    gpus: int = 0  # allocatable nvidia.com/gpu (the device plugin's count, with or without GFD labels)
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> Node:
         meta = obj.get("metadata") or {}
-        return cls(meta.get("name", ""), dict(meta.get("labels") or {}))
+        return cls(meta.get("name", ""), dict(meta.get("labels") or {}), node_gpus(obj.get("status")))
+
+
+def node_gpus(status: Mapping[str, Any] | None) -> int:
+    status = status or {}
+    value = (status.get("allocatable") or status.get("capacity") or {}).get(GPU_RESOURCE, 0)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 def nodes_from_document(doc: Any) -> list[Node]:
@@ -191,6 +205,7 @@ class PlanResult:
     classes: list[GpuClass]
     objects: list[dict]  # desired objects, in apply order
     unmatched: list[str] = field(default_factory=list)  # spec.replicasPerClass keys asking for replicas no class serves
+    unlabelled: list[str] = field(default_factory=list)  # GPU nodes without a product label (no GPU Feature Discovery)
 
     @property
     def name(self) -> str:
@@ -224,26 +239,33 @@ class PlanResult:
         return out
 
     def status(self, ready: Mapping[str, int] | None = None, generation: int | None = None,
-               now: str = "", previous: Iterable[Mapping[str, Any]] = ()) -> dict:
-        """The resource's status, given ready replicas per Deployment name (`now` stamps changed conditions)."""
+               now: str = "", previous: Iterable[Mapping[str, Any]] = (), conflicts: Iterable[str] = ()) -> dict:
+        """The resource's status, given ready replicas per Deployment name (`now` stamps changed conditions) and
+        the planned objects whose names other objects hold (`conflicts`, one line each)."""
+        conflicts = list(conflicts)
         ready = dict(ready or {})
         rows = [c.as_status(ready.get(c.deployment or "", 0)) for c in self.classes]
         want = sum(c.replicas for c in self.served)
         have = sum(min(ready.get(c.deployment, 0), c.replicas) for c in self.served)
         unknown = [c.product for c in self.classes if c.reason.startswith("UnknownGPU")]
-        degraded = ("UnknownGPU", f"not served (unknown bandwidth): {', '.join(unknown)}") if unknown else (
+        problems = [(reason, message) for reason, message, present in (
+            ("NameTaken", "; ".join(conflicts), conflicts),
+            ("UnknownGPU", f"not served (unknown bandwidth): {', '.join(unknown)}", unknown),
+            ("GpuFeatureDiscoveryMissing", f"GPU nodes without a {GPU_PRODUCT_LABEL} label (is GPU Feature "
+             f"Discovery running?): {', '.join(self.unlabelled)}", self.unlabelled),
             ("ReplicasPerClassUnmatched", f"spec.replicasPerClass asks for replicas of {', '.join(self.unmatched)}, "
-             "which no served GPU class present matches") if self.unmatched else
-            ("AllClassesServed", "every allowed GPU class present is served"))
-        ready = bool(self.served) and have >= want and not self.unmatched
+             "which no served GPU class present matches", self.unmatched)) if present]
+        degraded = (problems[0][0], "; ".join(m for _, m in problems)) if problems else (
+            "AllClassesServed", "every allowed GPU class present is served")
+        blocked = "NameTaken" if conflicts else "ReplicasPerClassUnmatched" if self.unmatched else ""
+        ready = bool(self.served) and have >= want and not blocked
         conditions = [
             _condition("ThresholdsDerived", bool(self.served), "Derived" if self.served else "NoServableGPU",
                        "; ".join(f"{c.display}: exit {c.exit_tokens}, enter {c.enter_tokens}" for c in self.served)
                        or "no node offers a GPU class with a known bandwidth"),
             _condition("Degraded", degraded[0] != "AllClassesServed", *degraded),
             _condition("Ready", ready, "ReplicasReady" if ready else
-                       ("NoServableGPU" if not self.served else
-                        "ReplicasPerClassUnmatched" if self.unmatched else "ReplicasNotReady"),
+                       ("NoServableGPU" if not self.served else blocked or "ReplicasNotReady"),
                        f"{have}/{want} replicas ready"),
         ]
         prev = {c.get("type"): c for c in previous or ()}
@@ -293,13 +315,18 @@ def _lookup(table: Mapping[str, Any], product: str) -> Any:
     return None
 
 
-def _classes(nodes: Iterable[Node | Mapping[str, Any]], spec: dict) -> list[GpuClass]:
+def _classes(nodes: Iterable[Node | Mapping[str, Any]], spec: dict, unlabelled: list[str]) -> list[GpuClass]:
     selector = spec.get("placement", {}).get("nodeSelector") or {}
     groups: dict[str, tuple[set[str], list[int]]] = {}
     for node in nodes:
-        labels = node.labels if isinstance(node, Node) else (node.get("metadata") or {}).get("labels") or {}
+        node = node if isinstance(node, Node) else Node.from_object(node)
+        labels = node.labels
         raw = labels.get(GPU_PRODUCT_LABEL)
-        if not raw or any(labels.get(k) != v for k, v in selector.items()):
+        if any(labels.get(k) != v for k, v in selector.items()):
+            continue
+        if not raw:
+            if node.gpus > 0:
+                unlabelled.append(node.name)
             continue
         product = normalize_product(raw)
         seen, count = groups.setdefault(product, (set(), [0]))
@@ -319,7 +346,8 @@ def plan(resource: Mapping[str, Any], nodes: Iterable[Node | Mapping[str, Any]],
     allowed = spec.get("placement", {}).get("gpuProducts") or []
     overrides = {o["product"]: float(o["gbps"]) for o in spec.get("bandwidthOverrides", [])}
     fixed = spec["switch"].get("thresholds")
-    classes = _classes(nodes, spec)
+    unlabelled: list[str] = []
+    classes = _classes(nodes, spec, unlabelled)
     for c in classes:
         c.device = find_device(c.product)
         if not _allowed(c.product, allowed):
@@ -348,7 +376,7 @@ def plan(resource: Mapping[str, Any], nodes: Iterable[Node | Mapping[str, Any]],
         c.deployment = _child_name(r.name, c.product)
     _split_replicas([c for c in classes if c.served], spec)
     return PlanResult(r, classes, _objects(r, classes, measured or {}),
-                      _unmatched(spec, classes, allowed, overrides))
+                      _unmatched(spec, classes, allowed, overrides), sorted(unlabelled))
 
 
 def _unmatched(spec: dict, classes: list[GpuClass], allowed: list[str], overrides: Mapping[str, float]) -> list[str]:
@@ -529,14 +557,41 @@ def object_key(obj: Mapping[str, Any]) -> tuple[str, str, str, str]:
     return obj.get("apiVersion", ""), obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", "")
 
 
-def contains(applied: Any, desired: Any) -> bool:
-    """Every field the plan sets has that value in the applied object (fields the server adds are ignored)."""
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][0-9]+)?")
+_BINARY_EXP = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL_EXP = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+def quantity(value: Any) -> Decimal | None:
+    """A Kubernetes quantity's value (`1000m` and `1` are equal; `65536Mi` and `64Gi` are), None if it is not one."""
+    match = _QUANTITY.fullmatch(str(value))
+    if not match or isinstance(value, bool):
+        return None
+    number, suffix = Decimal(match[1]), match[2] or ""
+    if suffix in _BINARY_EXP:
+        return number * 1024 ** _BINARY_EXP[suffix]
+    exponent = int(suffix[1:]) if suffix[:1] in ("e", "E") else _DECIMAL_EXP[suffix]
+    return number.scaleb(exponent)
+
+
+def contains(applied: Any, desired: Any, quantities: bool = False) -> bool:
+    """Every field the plan sets has that value in the applied object (fields the server adds are ignored;
+    resource requests and limits, which the API server stores canonically, compare by value)."""
     if isinstance(desired, Mapping):
-        return isinstance(applied, Mapping) and all(k in applied and contains(applied[k], v) for k, v in desired.items())
+        return isinstance(applied, Mapping) and all(
+            k in applied and contains(applied[k], v, quantities or k in ("requests", "limits"))
+            for k, v in desired.items())
     if isinstance(desired, list):
         return (isinstance(applied, list) and len(applied) == len(desired)
                 and all(contains(a, d) for a, d in zip(applied, desired, strict=True)))
+    if quantities and quantity(desired) is not None:
+        return quantity(desired) == quantity(applied)
     return applied == desired or (not isinstance(desired, bool) and str(applied) == str(desired))
+
+
+# Kinds whose spec the API server will not patch once created (a Job's pod template is immutable): a changed one
+# is deleted and created anew.
+REPLACED_KINDS = (("batch/v1", "Job"),)
 
 
 @dataclass
@@ -544,10 +599,11 @@ class Changes:
     create: list[dict] = field(default_factory=list)
     update: list[dict] = field(default_factory=list)
     delete: list[dict] = field(default_factory=list)  # applied objects the plan no longer wants
+    replace: list[dict] = field(default_factory=list)  # changed objects of REPLACED_KINDS: delete, then create
 
     @property
     def empty(self) -> bool:
-        return not (self.create or self.update or self.delete)
+        return not (self.create or self.update or self.delete or self.replace)
 
 
 def diff(desired: Iterable[dict], applied: Iterable[dict]) -> Changes:
@@ -559,6 +615,6 @@ def diff(desired: Iterable[dict], applied: Iterable[dict]) -> Changes:
         if current is None:
             changes.create.append(obj)
         elif not contains(current, obj):
-            changes.update.append(obj)
+            (changes.replace if (obj["apiVersion"], obj["kind"]) in REPLACED_KINDS else changes.update).append(obj)
     changes.delete = list(have.values())
     return changes
