@@ -27,24 +27,20 @@ JOBS = "/apis/batch/v1/namespaces/llm/jobs"
 CONFIG_MAPS = "/api/v1/namespaces/llm/configmaps"
 
 
-@pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    with Cluster() as c:
-        monkeypatch.setenv("KUBECONFIG", str(c.write_kubeconfig(tmp_path / "kubeconfig")))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        monkeypatch.setenv("VSKIPPER_OPERATOR_METRICS_PORT", "0")  # the gauges are read in-process
-        yield c
+@pytest.fixture(autouse=True)
+def gauges_in_process(monkeypatch):
+    monkeypatch.setenv("VSKIPPER_OPERATOR_METRICS_PORT", "0")  # the gauges are read in-process, not scraped
 
 
 def condition(cluster, kind):
     return next((c for c in status_of(cluster).get("conditions", []) if c["type"] == kind), None)
 
 
-def quiet_for(cluster, path_part, seconds=2.5):
-    """No write under `path_part` for `seconds` (the resync runs every second here)."""
+def late_writes(cluster, path_part, seconds=2.5):
+    """The writes under `path_part` in the next `seconds` (the resync runs every second here), briefly."""
     before = len(cluster.writes(path_part))
     time.sleep(seconds)
-    return len(cluster.writes(path_part)) == before
+    return [(str(r.method), r.url.path, str(r.data)[:160]) for r in cluster.writes(path_part)[before:]]
 
 
 def test_canonicalized_quantities_are_not_reapplied_on_every_resync(cluster):
@@ -59,7 +55,7 @@ def test_canonicalized_quantities_are_not_reapplied_on_every_resync(cluster):
             return len([r for r in cluster.requests() if r.method == "POST" and r.url.path.endswith("/events")
                         and r.data.get("reason") == "ThresholdsDerived"])
         before = derived()
-        assert quiet_for(cluster, "/deployments"), "a resync re-applied the Deployment"
+        assert late_writes(cluster, "/deployments") == []
         assert derived() == before, "a resync posted ThresholdsDerived again"
     assert runner.exception is None, runner.output
 
@@ -81,7 +77,7 @@ def test_a_probe_job_whose_template_changes_is_replaced_not_patched(cluster):
         assert image == new_image
         assert {r.method for r in cluster.writes(job_path)} == {"DELETE"}
         assert not [r for r in cluster.api.refused if r.url.path.startswith(JOBS)], "a Job template was patched"
-        assert quiet_for(cluster, "/jobs") and quiet_for(cluster, "/deployments")
+        assert late_writes(cluster, "/jobs") == [] and late_writes(cluster, "/deployments") == []
     assert runner.exception is None, runner.output
 
 
@@ -107,7 +103,7 @@ def test_a_name_held_by_a_foreign_object_is_reported_not_adopted(cluster):
         held = cluster.http("GET", f"{CONFIG_MAPS}/llama-switch")
         assert held["data"] == {"settings": "theirs"} and held["metadata"]["ownerReferences"][0]["uid"] == "uid-search"
         assert not [r for r in cluster.writes(f"{CONFIG_MAPS}/llama-switch")], "the operator wrote the foreign object"
-        assert quiet_for(cluster, CONFIG_MAPS) and quiet_for(cluster, "/deployments")
+        assert late_writes(cluster, CONFIG_MAPS) == [] and late_writes(cluster, "/deployments") == []
     assert runner.exception is None, runner.output
 
 
@@ -128,6 +124,8 @@ def test_the_client_rereads_its_credentials_after_a_401(cluster, tmp_path):
         assert any(r.headers.get("Authorization") == "Bearer token" for r in cluster.api.refused), "no 401 was met"
         late = [r for r in cluster.writes(DEPLOYMENTS) if r.headers.get("Authorization") == "Bearer rotated"]
         assert late, "no write with the re-read token"
+        time.sleep(1.5)
+        assert late_writes(cluster, DEPLOYMENTS) == [] and late_writes(cluster, CONFIG_MAPS) == []
     assert runner.exception is None, runner.output
 
 
