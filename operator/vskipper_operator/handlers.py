@@ -70,6 +70,8 @@ _metrics_served: list[int] = []
 
 def kube() -> Kube:
     loop = asyncio.get_running_loop()
+    if loop not in _connections:  # a timer that fires while the operator stops, after `close`
+        raise kopf.TemporaryError("the operator is stopping", delay=RESYNC_SECONDS)
     if loop not in _clients:
         _clients[loop] = Kube.from_connection(_connections[loop], backoffs=BACKOFFS, relogin=_relogin)
     return _clients[loop]
