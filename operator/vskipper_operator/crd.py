@@ -315,9 +315,9 @@ RULES: tuple[Rule, ...] = (
          lambda s: not any(re.search(OWNED_ARG_RE, a) for a in s.get("extraArgs", [])), "extraArgs"),
     _quantity_rule("cpu"),
     _quantity_rule("memory"),
-    Rule("placement.nodeSelector", f"self.all(k, k.matches({_cel_str(LABEL_KEY_RE)}))",
+    Rule("placement.nodeSelector", f"self.all(k, k.size() <= 317 && k.matches({_cel_str(LABEL_KEY_RE)}))",
          "keys must be label keys ([prefix/]name, name at most 63 characters of [A-Za-z0-9-_.])",
-         lambda m: all(re.search(LABEL_KEY_RE, k) for k in m)),
+         lambda m: all(len(k) <= 317 and re.search(LABEL_KEY_RE, k) for k in m)),
     Rule("placement.tolerations[]", "!has(self.operator) || self.operator != 'Exists' || !has(self.value) "
          "|| self.value == ''", "must be empty when operator is Exists",
          lambda t: t.get("operator") != "Exists" or not t.get("value"), "value"),
