@@ -32,3 +32,14 @@ def cli_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    """A Kubernetes API on loopback (tests/kube_world.py) that the operator under test logs in to."""
+    from kube_world import Cluster
+
+    with Cluster() as c:
+        monkeypatch.setenv("KUBECONFIG", str(c.write_kubeconfig(tmp_path / "kubeconfig")))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        yield c

@@ -3,9 +3,20 @@
 No kube-apiserver can run here (no envtest assets are reachable; Debian has only etcd), so the API server is
 `kmock`'s `KubernetesEmulator` (a Kubernetes API mock server by Kopf's author, made for testing Kopf operators)
 on 127.0.0.1, run in a thread of its own. It stores objects, serves list/watch/get/create/patch/delete and API
-discovery, and records every request; it does not run controllers, defaulting, admission or real server-side
-apply merge semantics (a PATCH merges JSON). Faults are injected with kmock's own DSL, e.g.
+discovery, and records every request; it does not run controllers, defaulting or real server-side apply merge
+semantics (a PATCH merges JSON). Faults are injected with kmock's own DSL, e.g.
 `cluster.api["patch", kmock.resource("apps/v1/deployments")][:2] << 409`.
+
+`ApiServer` adds the rules of a real kube-apiserver that the operator's reconcile depends on:
+- a Job's pod template is immutable: a write that would change `spec.template` is answered 422 (Invalid);
+- resource quantities in pod templates are stored canonically (`1000m` -> `1`, `65536Mi` -> `64Gi`), as
+  `resource.Quantity` serializes them;
+- a bearer token in `expired_tokens` gets 401 on every request (short-lived credentials that ran out);
+- a create of a name that exists is 409 AlreadyExists (kmock's own), whoever holds the name;
+- `fail(...)` makes matching writes fail without changing anything (kmock's own reactions answer with a status
+  but still apply the write);
+- with `admission=True`, SkipperDeployments are admitted against the generated CRD (tests/admission.py), 422
+  naming the field.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,9 +33,12 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
+from decimal import Decimal
 from pathlib import Path
 
+import attrs
 import kmock
+from admission import admit
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = "vskipper.io/v1alpha1/skipperdeployments"
@@ -56,10 +71,121 @@ def wait_for(predicate, timeout=20.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+def canonical_quantity(value) -> str:
+    """How the API server writes a resource.Quantity back: binary-SI inputs with the largest exact binary suffix,
+    the others with the largest exact decimal suffix (`1000m` -> `1`, `1.5` -> `1500m`, `65536Mi` -> `64Gi`)."""
+    text = str(value)
+    match = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", text)
+    if not match:
+        return text
+    number, suffix = Decimal(match[1]), match[2]
+    if suffix in _BINARY:
+        amount = number * 1024 ** _BINARY[suffix]
+        for name, power in sorted(_BINARY.items(), key=lambda kv: -kv[1]):
+            if amount % 1024 ** power == 0:
+                return f"{amount // 1024 ** power}{name}"
+        return f"{amount.normalize():f}"
+    exponent = int(suffix[1:]) if suffix[:1] in ("e", "E") else _DECIMAL.get(suffix)
+    if exponent is None:
+        return text
+    amount = number * Decimal(10) ** exponent
+    for name, power in sorted(_DECIMAL.items(), key=lambda kv: -kv[1]):
+        scaled = amount / Decimal(10) ** power
+        if scaled == scaled.to_integral_value() and scaled >= 1 or power == -9:
+            return f"{int(scaled)}{name}"
+    return text
+
+
+def _merge(old, patch):
+    if not isinstance(old, dict) or not isinstance(patch, dict):
+        return patch
+    out = dict(old)
+    for key, value in patch.items():
+        out[key] = _merge(old.get(key), value)
+    return out
+
+
+def _pod_specs(obj):
+    spec = (obj or {}).get("spec") or {}
+    template = spec.get("template") or {}
+    if isinstance(template.get("spec"), dict):
+        yield template["spec"]
+
+
+class Refused(kmock.KubernetesError):
+    pass
+
+
+@attrs.define(eq=False)
+class ApiServer(kmock.KubernetesEmulator):
+    """kmock's emulator with the API server's rules the reconcile meets (see the module docstring)."""
+
+    expired_tokens: set = attrs.field(factory=set)
+    admission: bool = False
+    faults: list = attrs.field(factory=list)
+
+    def fail(self, method: str, path_part: str, times: int, status: int = 500, when=lambda data: True) -> dict:
+        """The next `times` `method` requests under `path_part` whose JSON object body satisfies `when` get
+        `status`, unapplied; the returned record counts them (`hits`)."""
+        fault = {"method": method, "path": path_part, "left": times, "status": status, "when": when, "hits": 0}
+        self.faults.append(fault)
+        return fault
+
+    async def _handle(self, request):
+        refusal = self._refusal(request)
+        if refusal is not None:
+            self.refused.append(request)
+            return await self._render_error(refusal)
+        if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
+            for pod in _pod_specs(request.data):
+                for container in pod.get("containers") or []:
+                    for kind in ("requests", "limits"):
+                        amounts = (container.get("resources") or {}).get(kind) or {}
+                        for key, value in amounts.items():
+                            amounts[key] = canonical_quantity(value)
+        return await super()._handle(request)
+
+    refused: list = attrs.field(factory=list)
+
+    def _refusal(self, request):
+        auth = (request.headers or {}).get("Authorization", "")
+        if auth.partition(" ")[2] in self.expired_tokens:
+            return Refused(status=401, reason="Unauthorized", message="the bearer token has expired")
+        for fault in self.faults:
+            if (fault["left"] > 0 and str(request.method).upper().endswith(fault["method"])
+                    and fault["path"] in str(request.url.path) and isinstance(request.data, dict)
+                    and fault["when"](request.data)):
+                fault["left"] -= 1
+                fault["hits"] += 1
+                return Refused(status=fault["status"], reason="InternalError", message="injected fault")
+        if request.resource is None or not isinstance(request.data, dict):
+            return None
+        plural = request.resource.plural
+        if (request.action == kmock.action.UPDATE and plural == "jobs" and request.name
+                and request.subresource is None and "template" in (request.data.get("spec") or {})):
+            key = (request.resource, request.namespace, request.name)
+            stored = self._objects[key] if key in self._objects else None
+            old = ((stored.raw if stored is not None and not stored.deleted else {}).get("spec") or {}).get("template")
+            if old is not None and _merge(old, request.data["spec"]["template"]) != old:
+                return Refused(status=422, reason="Invalid", message=f"Job.batch {request.name!r} is invalid: "
+                               "spec.template: Invalid value: field is immutable")
+        if self.admission and plural == "skipperdeployments" and request.subresource is None and (
+                request.action == kmock.action.CREATE):
+            errors = admit(request.data)
+            if errors:
+                return Refused(status=422, reason="Invalid", message="; ".join(errors))
+        return None
+
+
 class Cluster:
     """kmock's Kubernetes emulator on loopback, in its own event loop thread (Kopf runs in another)."""
 
-    def __init__(self):
+    def __init__(self, admission: bool = False):
+        self.admission = admission
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -70,7 +196,7 @@ class Cluster:
         return self
 
     async def _start(self):
-        api = kmock.KubernetesEmulator()
+        api = ApiServer(admission=self.admission)
         for key, kind, namespaced, subresources in RESOURCES:
             api.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS,
                                                     subresources=subresources)

@@ -50,7 +50,7 @@ def test_invalid_spec_exits_2_naming_the_field(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(doc))
     assert main(["plan", "--spec", str(bad), "--nodes", str(NODES)]) == 2
-    assert "error: spec.skipper.params.r must be in [0.0, 1.0], got 1.5" in capsys.readouterr().err
+    assert "error: spec.skipper.params.r: must be in [0.0, 1.0], got 1.5" in capsys.readouterr().err
 
 
 def test_missing_file_is_reported_not_raised(capsys):

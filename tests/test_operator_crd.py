@@ -18,6 +18,7 @@ import yaml
 from operator_fixtures import A100, resource
 
 from vskipper_operator.crd import (
+    NAME_RULE,
     RULES,
     SpecError,
     apply_schema,
@@ -103,28 +104,52 @@ def cel(rule_expr: str, value) -> bool:
     return bool(env.program(env.compile(rule_expr)).evaluate({"self": celpy.json_to_cel(value)}))
 
 
+# Values for the nodes each rule is attached to; every rule must see both outcomes among its path's values.
 CEL_CASES = {
-    "model": [({"path": "/m", "preset": "llama-3-8b"}, True), ({"path": "/m"}, False),
-              ({"path": "/m", "kvHeads": 8, "headDim": 128, "routedLayers": 16}, True),
-              ({"path": "/m", "kvHeads": 8, "headDim": 128}, False)],
-    "switch.thresholds": [({"exitTokens": 1, "enterTokens": 2}, True), ({"exitTokens": 3, "enterTokens": 2}, False),
-                          ({"exitTokens": 2, "enterTokens": 2}, True)],
-    "switch": [({}, True), ({"prefill": "dense", "decode": "always-route"}, True),
-               ({"prefill": "always-route", "decode": "hybrid"}, False),
-               ({"prefill": "always-route"}, False), ({"prefill": "hybrid", "decode": "hybrid"}, True)],
-    "serving": [({"image": "x"}, True), ({"image": "x", "extraArgs": ["--max-running-requests", "8"]}, True),
-                ({"image": "x", "extraArgs": ["--port=8"]}, False), ({"image": "x", "extraArgs": ["--arm"]}, False),
-                ({"image": "x", "extraArgs": ["--portal"]}, True)],
+    "model": [{"path": "/m", "preset": "llama-3-8b"}, {"path": "/m"},
+              {"path": "/m", "kvHeads": 8, "headDim": 128, "routedLayers": 16},
+              {"path": "/m", "kvHeads": 8, "headDim": 128}],
+    "switch.thresholds": [{"exitTokens": 1, "enterTokens": 2}, {"exitTokens": 3, "enterTokens": 2},
+                          {"exitTokens": 2, "enterTokens": 2}],
+    "switch": [{}, {"prefill": "dense", "decode": "always-route"}, {"prefill": "always-route", "decode": "hybrid"},
+               {"prefill": "always-route"}, {"prefill": "hybrid", "decode": "hybrid"}],
+    "serving": [{"image": "x"}, {"image": "x", "extraArgs": ["--max-running-requests", "8"]},
+                {"image": "x", "extraArgs": ["--port=8"]}, {"image": "x", "extraArgs": ["--arm"]},
+                {"image": "x", "extraArgs": ["--portal"]}, {"image": "x", "extraArgs": ["--enter", "0"]},
+                {"image": "x", "extraArgs": ["--tensor-parallel-size", "2"]}],
+    "resources": [{}, {"cpu": 8, "memory": "64Gi"}, {"cpu": "500m"}, {"cpu": -4}, {"memory": "lots"},
+                  {"cpu": "1.5"}, {"memory": "1e3"}, {"memory": "64 Gi"}],
+    "placement.nodeSelector": [{}, {"zone": "a", "example.com/pool": "gpu"}, {"bad key!": "x"}, {"a/b/c": "x"}],
+    "placement.tolerations[]": [{"key": "gpu", "operator": "Exists"}, {"key": "gpu", "operator": "Exists", "value": "x"},
+                                {"operator": "Exists"}, {"operator": "Equal", "value": "x"},
+                                {"key": "bad key!", "operator": "Exists"},
+                                {"key": "g", "effect": "NoExecute", "tolerationSeconds": 30},
+                                {"key": "g", "effect": "NoSchedule", "tolerationSeconds": 30}],
+    "replicasPerClass": [{}, {A100: 2}, {"no such gpu!": 1}, {"x" * 64: 1}],
+    "skipper": [{"name": "flexidepth"}, {"name": "flexidepth", "params": {"skip_ratio": 0.5}},
+                {"name": "flexidepth", "params": {"r": 0.5}}, {"name": "random_skip", "params": {"r": 0.5, "d": 0.5}},
+                {"name": "random_skip", "params": {"d": 0.5}}, {"name": "random_skip", "params": {"r": 0.5}},
+                {"name": "random_skip"}, {"name": "random_skip", "params": {"r": 0.5, "d": 0.5, "skip_ratio": 0.5}},
+                {"name": "static_depth", "params": {"ratio": 0.5}}, {"name": "static_depth"},
+                {"name": "qwen3_hard_gate", "params": {"ratio": 0.5}},
+                {"name": "static_depth", "params": {"ratio": 0.5, "seed": 1}}],
 }
 
 
-@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.path or "spec")
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.path or 'spec'}:{r.field}:{r.message[:30]}")
 def test_cel_rules_evaluate_as_their_python_twins(rule):
-    cases = CEL_CASES[rule.path]
-    assert {want for _, want in cases} == {True, False}
-    for value, want in cases:
+    outcomes = set()
+    for value in CEL_CASES[rule.path]:
+        want = bool(rule.check(value))
         assert cel(rule.cel, value) is want, (rule.cel, value)
-        assert rule.check(value) is want, value
+        outcomes.add(want)
+    assert outcomes == {True, False}, f"the cases for {rule.path} never {'fail' if True in outcomes else 'pass'}"
+
+
+def test_name_rule_evaluates_as_its_python_twin():
+    for name, want in (("llama", True), ("a" * 40, True), ("a" * 41, False), ("Llama_8B", False), ("-a", False)):
+        doc = {"metadata": {"name": name}}
+        assert cel(NAME_RULE.cel, doc) is want and NAME_RULE.check(doc) is want, name
 
 
 def test_cel_rules_are_attached_where_they_apply():
@@ -132,8 +157,9 @@ def test_cel_rules_are_attached_where_they_apply():
     for rule in RULES:
         node = spec
         for part in filter(None, rule.path.split(".")):
-            node = node["properties"][part]
-        assert {"rule": rule.cel, "message": rule.message} in node["x-kubernetes-validations"]
+            node = node["properties"][part.removesuffix("[]")]
+            node = node["items"] if part.endswith("[]") else node
+        assert rule.validation() in node["x-kubernetes-validations"]
 
 
 def test_schema_defaults_are_filled_as_the_api_server_would():

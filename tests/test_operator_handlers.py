@@ -11,9 +11,8 @@ import time
 import urllib.request
 
 import kmock
-import pytest
 from kopf.testing import KopfRunner
-from kube_world import Cluster, free_port, wait_for
+from kube_world import free_port, wait_for
 from operator_fixtures import A100, H100, UNKNOWN, node, resource
 
 from vskipper_operator.plan import plan
@@ -23,14 +22,6 @@ os.environ["VSKIPPER_OPERATOR_API_BACKOFFS"] = "0.05,0.1,0.2"
 
 SKD_PATH = "/apis/vskipper.io/v1alpha1/namespaces/llm/skipperdeployments"
 DEPLOYMENTS = "/apis/apps/v1/namespaces/llm/deployments"
-
-
-@pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    with Cluster() as c:
-        monkeypatch.setenv("KUBECONFIG", str(c.write_kubeconfig(tmp_path / "kubeconfig")))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        yield c
 
 
 def add_node(cluster, name, product):
@@ -211,7 +202,7 @@ def test_invalid_spec_is_reported_as_a_warning_event_and_status_condition(cluste
         ready = wait_for(lambda: next((c for c in status_of(cluster).get("conditions", [])
                                        if c["type"] == "Ready"), None), what="status")
         assert ready["reason"] == "InvalidSpec"
-        assert ready["message"].startswith("spec.skipper.params.r must be in [0.0, 1.0]")
+        assert ready["message"].startswith("spec.skipper.params.r: must be in [0.0, 1.0]")
         warning = wait_for(lambda: next((r.data for r in cluster.requests() if r.method == "POST"
                                          and r.url.path.endswith("/events")
                                          and r.data["reason"] == "InvalidSpec"), None), what="event")

@@ -72,6 +72,15 @@ def _crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sglang_flags(args: argparse.Namespace) -> int:
+    from vskipper_operator.flags import sglang_table
+
+    table = sglang_table()
+    options = ",\n".join("  " + json.dumps(o) for o in table.pop("options"))
+    print(json.dumps(table)[:-1] + ', "options": [\n' + options + "\n]}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from vskipper_operator.handlers import run_operator
 
@@ -90,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_plan)
     p = sub.add_parser("crd", help="print the SkipperDeployment CustomResourceDefinition")
     p.set_defaults(func=_crd)
+    p = sub.add_parser("sglang-flags", help="print SGLang's server flag table (vskipper_operator/sglang_flags.json; "
+                       "needs SGLang installed)")
+    p.set_defaults(func=_sglang_flags)
     p = sub.add_parser("run", help="run the operator (kopf) against the current cluster")
     p.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable; "
                    "default: cluster-wide)")

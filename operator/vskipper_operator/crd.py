@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vskipper.skippers.registry import registered
+
 GROUP = "vskipper.io"
 VERSION = "v1alpha1"
 KIND = "SkipperDeployment"
@@ -33,6 +35,27 @@ MODEL_PRESETS = ("llama-3-8b", "qwen3-4b", "qwen3-8b")
 # Launch flags the operator sets itself; serving.extraArgs may not repeat them.
 OWNED_FLAGS = ("--model", "--arm", "--arm-config", "--enter-tokens", "--exit-tokens", "--host", "--port",
                "--served-model-name", "--tp-size")
+# Their aliases in the parsers that read them (`vskipper serve`: --arm-file; SGLang 0.5.21: --model and
+# --model-path for the checkpoint, --tensor-parallel-size): `vskipper_operator.flags` checks extraArgs with those
+# parsers themselves, tests/test_operator_flags.py keeps this list equal to what they resolve.
+OWNED_ALIASES = ("--arm-file", "--model-path", "--tensor-parallel-size")
+MAX_NAME = 40  # child objects append the GPU class to the resource's name and must stay DNS labels
+MAX_TOKENS = 10**9  # thresholds above this are typos (no GPU holds a billion resident KV tokens)
+
+# Patterns the API server would otherwise check only when the derived objects are written (RE2 and Python re).
+DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+LABEL_VALUE_RE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+LABEL_KEY_RE = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+# distribution/reference: [domain[:port]/]path[:tag][@digest], path components lower case.
+_PATH_COMPONENT = r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?(\.[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?)*(:[0-9]+)?"
+IMAGE_RE = (rf"^({_DOMAIN}/)?{_PATH_COMPONENT}(/{_PATH_COMPONENT})*(:[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?"
+            r"(@sha256:[a-f0-9]{64})?$")
+# A non-negative Kubernetes quantity (resource.Quantity's grammar without the sign).
+QUANTITY_RE = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE]|[eE][0-9]+)?$"
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
 class SpecError(ValueError):
@@ -77,8 +100,38 @@ def _policy(phase: str) -> dict:
                 enum=list(POLICIES), default="hybrid")
 
 
-def _untyped(description: str) -> dict:
-    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
+def _skipper_params() -> dict:
+    """Every registered skipper's parameters, typed with their ranges (a name two skippers share must mean the
+    same); which names each skipper takes and requires are CEL rules on `skipper` (SKIPPER_RULES)."""
+    props: dict[str, dict] = {}
+    for entry in registered().values():
+        for key, p in entry.params.items():
+            kind = {bool: "boolean", int: "integer", float: "number"}.get(p.kind, "string")
+            node: dict[str, Any] = {"type": kind, "description": p.help}
+            if p.minimum is not None:
+                node["minimum"] = p.minimum
+            if p.maximum is not None:
+                node["maximum"] = p.maximum
+            seen = props.setdefault(key, node)
+            if {k: v for k, v in seen.items() if k != "description"} != {k: v for k, v in node.items()
+                                                                        if k != "description"}:
+                raise ValueError(f"skipper parameter {key!r} has different types or ranges across skippers")
+    return _obj(props, description="the skipper's parameters (which apply depends on skipper.name)")
+
+
+def _quantity(description: str) -> dict:
+    return {"x-kubernetes-int-or-string": True, "description": f"{description} (a Kubernetes quantity: 8, 500m, "
+            "64Gi)"}
+
+
+TOLERATION = _obj({
+    "key": _str("taint key (empty with operator Exists: every taint)", maxLength=317),
+    "operator": _str("Exists or Equal (default Equal)", enum=list(TOLERATION_OPERATORS)),
+    "value": _str("taint value (operator Equal)", maxLength=63, pattern=LABEL_VALUE_RE),
+    "effect": _str("taint effect to match (empty: every effect)", enum=list(TAINT_EFFECTS)),
+    "tolerationSeconds": {"type": "integer", "format": "int64",
+                          "description": "how long a NoExecute taint is tolerated"},
+}, description="a core/v1 Toleration")
 
 
 SPEC_SCHEMA: dict = _obj({
@@ -95,9 +148,9 @@ SPEC_SCHEMA: dict = _obj({
         "routedLayers": _int("routed layers L_r, when no preset is named", 1, 1024),
     }, required=("path",), description="the checkpoint and the facts of its architecture"),
     "skipper": _obj({
-        "name": _str("registered skipper (flexidepth, qwen3_hard_gate, random_skip, static_depth, or a plugin)",
-                     minLength=1, maxLength=63),
-        "params": _untyped("the skipper's parameters, validated by the skipper registry"),
+        "name": _str("registered skipper (the built-in ones and the plugins installed where the CRD was "
+                     "generated)", enum=sorted(registered())),
+        "params": _skipper_params(),
         "skipRatio": _num("declared fraction s of routed decisions that project (default: what the skipper "
                           "declares from its params)", minimum=0, exclusiveMinimum=True, maximum=1),
         "routedLayers": _int("routed layers L_r (default: the model's)", 1, 1024),
@@ -110,13 +163,14 @@ SPEC_SCHEMA: dict = _obj({
                                     "vskipper.constants, 2.67 ms per 16 layers)", minimum=0,
                                     exclusiveMinimum=True, maximum=10),
         "thresholds": _obj({
-            "exitTokens": _int("leave routing at or below this many resident KV tokens", 0),
-            "enterTokens": _int("enter routing at or above this many resident KV tokens", 0),
+            "exitTokens": _int("leave routing at or below this many resident KV tokens", 0, MAX_TOKENS),
+            "enterTokens": _int("enter routing at or above this many resident KV tokens", 0, MAX_TOKENS),
         }, required=("exitTokens", "enterTokens"),
             description="fixed thresholds for every GPU class instead of the roofline rule's"),
     }, description="when routed execution is used, per phase"),
     "serving": _obj({
-        "image": _str("runtime image (vSkipper on SGLang)", minLength=1),
+        "image": _str("runtime image (vSkipper on SGLang): [registry[:port]/]path[:tag][@sha256:digest]",
+                      minLength=1, maxLength=512, pattern=IMAGE_RE),
         "port": _int("HTTP port of the server", 1, 65535, default=30000),
         "cudaGraphMaxBatchSize": _int("--cuda-graph-max-bs-decode (SGLang 0.5.21: the largest decode batch captured in a graph)", 1, 4096),
         "memFractionStatic": _num("--mem-fraction-static", minimum=0, exclusiveMinimum=True, maximum=1,
@@ -127,28 +181,31 @@ SPEC_SCHEMA: dict = _obj({
                       "description": "further server arguments, appended verbatim"},
     }, required=("image",), description="the runtime container and the SGLang launch arguments that matter"),
     "placement": _obj({
-        "gpuProducts": {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 64,
+        "gpuProducts": {"type": "array", "items": _str("a GPU product", minLength=1, maxLength=63,
+                                                      pattern=LABEL_VALUE_RE), "maxItems": 64,
                         "x-kubernetes-list-type": "set",
                         "description": "GPU products allowed (nvidia.com/gpu.product values or catalogue "
                                        "names); empty allows every product present"},
-        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"},
+        "nodeSelector": {"type": "object", "maxProperties": 64,
+                         "additionalProperties": _str("label value", maxLength=63, pattern=LABEL_VALUE_RE),
                          "description": "labels every node must carry"},
-        "tolerations": {"type": "array", "items": _untyped("a core/v1 Toleration")},
+        "tolerations": {"type": "array", "maxItems": 64, "items": TOLERATION},
     }, description="which nodes serve"),
     "replicas": _int("total server replicas, split across the GPU classes served (scale subresource)", 0,
                      1000, default=1),
-    "replicasPerClass": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0},
+    "replicasPerClass": {"type": "object", "maxProperties": 64,
+                         "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 1000},
                          "description": "replicas per GPU product, instead of splitting spec.replicas"},
     "resources": _obj({
         "gpus": _int("GPUs per replica (tensor parallel size)", 1, 8, default=1),
-        "cpu": {"x-kubernetes-int-or-string": True, "description": "CPU request"},
-        "memory": {"x-kubernetes-int-or-string": True, "description": "memory request"},
+        "cpu": _quantity("CPU request"),
+        "memory": _quantity("memory request"),
     }, description="per-replica resources"),
     "bandwidthOverrides": {
         "type": "array", "maxItems": 64, "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["product"],
         "description": "memory bandwidth per GPU product, preferred over measurements and the catalogue",
         "items": _obj({
-            "product": _str("nvidia.com/gpu.product value", minLength=1),
+            "product": _str("nvidia.com/gpu.product value", minLength=1, maxLength=63, pattern=LABEL_VALUE_RE),
             "gbps": _num("memory bandwidth, GB/s", minimum=0, exclusiveMinimum=True, maximum=100000),
         }, required=("product", "gbps")),
     },
@@ -168,14 +225,77 @@ SPEC_SCHEMA: dict = _obj({
 class Rule:
     """One cross-field check: the CEL the API server evaluates and the same check in Python."""
 
-    path: str  # where the rule is attached, relative to spec ("" for spec itself)
+    path: str  # where the rule is attached, relative to spec ("" for spec itself; "a.b[]": each item of a.b)
     cel: str
     message: str
     check: Callable[[Mapping[str, Any]], bool]
+    field: str = ""  # the field the message is about, relative to `path` (the CRD's fieldPath)
+
+    def validation(self) -> dict:
+        out = {"rule": self.cel, "message": self.message}
+        if self.field:
+            out["fieldPath"] = "." + self.field
+        return out
 
 
 def _routed_policies(sw: Mapping[str, Any]) -> set[str]:
     return {sw.get(p, "hybrid") for p in ("prefill", "decode")} - {"dense"}
+
+
+def _cel_str(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _prefixes(flag: str) -> str:
+    """A regex matching `flag` and every abbreviation argparse would expand to it (`--p`, `--po`, ...)."""
+    body = flag[2:]
+    out = re.escape(body[-1])
+    for ch in reversed(body[1:-1]):
+        out = f"{re.escape(ch)}({out})?"
+    return f"{re.escape(body[0])}({out})?" if len(body) > 1 else re.escape(body)
+
+
+# Any argument that is an owned flag or an abbreviation of one, with or without `=value`. An over-approximation
+# of what the parsers resolve (an ambiguous abbreviation is refused too: the parser would fail on it); the
+# planner runs extraArgs through the real parsers (vskipper_operator.flags).
+OWNED_ARG_RE = "^--(" + "|".join(_prefixes(f) for f in OWNED_FLAGS + OWNED_ALIASES) + ")(=.*)?$"
+GPU_PRODUCT_RE = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+def _is_quantity(value: Any) -> bool:
+    if isinstance(value, str):
+        return re.search(QUANTITY_RE, value) is not None
+    return isinstance(value, int) and value >= 0
+
+
+def _quantity_rule(key: str) -> Rule:
+    return Rule("resources", f"!has(self.{key}) || (type(self.{key}) == string ? "
+                f"self.{key}.matches({_cel_str(QUANTITY_RE)}) : self.{key} >= 0)",
+                "must be a non-negative Kubernetes quantity (8, 500m, 64Gi)",
+                lambda r: key not in r or _is_quantity(r[key]), key)
+
+
+def _skipper_rules() -> tuple[Rule, ...]:
+    """Per registered skipper: the parameters it takes, and each one it requires."""
+    rules = []
+    every = sorted({k for e in registered().values() for k in e.params})
+    for name, entry in sorted(registered().items()):
+        foreign = [k for k in every if k not in entry.params]
+        if foreign:
+            rules.append(Rule(
+                "skipper", f"self.name != {_cel_str(name)} || !has(self.params) || "
+                + " && ".join(f"!has(self.params.{k})" for k in foreign),
+                f"skipper {name} takes only {', '.join(entry.params) or 'no parameters'}",
+                lambda s, name=name, foreign=foreign: s.get("name") != name
+                or not any(k in (s.get("params") or {}) for k in foreign), "params"))
+        for key, spec in entry.params.items():
+            if spec.required:
+                rules.append(Rule(
+                    "skipper", f"self.name != {_cel_str(name)} || (has(self.params) && has(self.params.{key}))",
+                    f"required by skipper {name} ({spec.help})",
+                    lambda s, name=name, key=key: s.get("name") != name or key in (s.get("params") or {}),
+                    f"params.{key}"))
+    return tuple(rules)
 
 
 RULES: tuple[Rule, ...] = (
@@ -189,24 +309,53 @@ RULES: tuple[Rule, ...] = (
          " == 'dense' || (has(self.prefill) ? self.prefill : 'hybrid') == (has(self.decode) ? self.decode : 'hybrid')",
          "prefill and decode, when both routed, must use the same policy (hybrid or always-route)",
          lambda s: len(_routed_policies(s)) <= 1),
-    Rule("serving",
-         "!has(self.extraArgs) || self.extraArgs.all(a, !" + repr(list(OWNED_FLAGS)).replace('"', "'")
-         + ".exists(f, a == f || a.startsWith(f + '=')))",
-         "extraArgs must not set flags the operator owns (" + ", ".join(OWNED_FLAGS) + ")",
-         lambda s: not any(a == f or a.startswith(f + "=") for a in s.get("extraArgs", []) for f in OWNED_FLAGS)),
+    Rule("serving", f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches({_cel_str(OWNED_ARG_RE)}))",
+         "must not set flags the operator owns, abbreviated or aliased ("
+         + ", ".join(OWNED_FLAGS + OWNED_ALIASES) + ")",
+         lambda s: not any(re.search(OWNED_ARG_RE, a) for a in s.get("extraArgs", [])), "extraArgs"),
+    _quantity_rule("cpu"),
+    _quantity_rule("memory"),
+    Rule("placement.nodeSelector", f"self.all(k, k.size() <= 317 && k.matches({_cel_str(LABEL_KEY_RE)}))",
+         "keys must be label keys ([prefix/]name, name at most 63 characters of [A-Za-z0-9-_.])",
+         lambda m: all(len(k) <= 317 and re.search(LABEL_KEY_RE, k) for k in m)),
+    Rule("placement.tolerations[]", "!has(self.operator) || self.operator != 'Exists' || !has(self.value) "
+         "|| self.value == ''", "must be empty when operator is Exists",
+         lambda t: t.get("operator") != "Exists" or not t.get("value"), "value"),
+    Rule("placement.tolerations[]", "(has(self.key) && self.key != '') || (has(self.operator) && "
+         "self.operator == 'Exists')", "an empty key needs operator Exists (it matches every taint)",
+         lambda t: bool(t.get("key")) or t.get("operator") == "Exists", "key"),
+    Rule("placement.tolerations[]", f"!has(self.key) || self.key == '' || self.key.matches({_cel_str(LABEL_KEY_RE)})",
+         "must be a label key ([prefix/]name)", lambda t: not t.get("key") or re.search(LABEL_KEY_RE, t["key"]),
+         "key"),
+    Rule("placement.tolerations[]", "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+         "needs effect NoExecute", lambda t: "tolerationSeconds" not in t or t.get("effect") == "NoExecute",
+         "tolerationSeconds"),
+    Rule("replicasPerClass", f"self.all(k, k.size() <= 63 && k.matches({_cel_str(GPU_PRODUCT_RE)}))",
+         "keys must be GPU products (nvidia.com/gpu.product values or catalogue names)",
+         lambda m: all(len(k) <= 63 and re.search(GPU_PRODUCT_RE, k) for k in m)),
+    *_skipper_rules(),
 )
+
+# On the resource itself: child objects are named `<name>-<gpu class>`.
+NAME_RULE = Rule("", f"self.metadata.name.size() <= {MAX_NAME} && self.metadata.name.matches({_cel_str(DNS_LABEL_RE)})",
+                 f"must be a DNS label of at most {MAX_NAME} characters (child objects append the GPU class)",
+                 lambda obj: isinstance(name := (obj.get("metadata") or {}).get("name"), str)
+                 and len(name) <= MAX_NAME and re.search(DNS_LABEL_RE, name) is not None, "metadata.name")
+
+
+def _node_at(schema: dict, path: str) -> dict:
+    node = schema
+    for part in filter(None, path.split(".")):
+        node = node["properties"][part.removesuffix("[]")]
+        if part.endswith("[]"):
+            node = node["items"]
+    return node
 
 
 def _attach_rules(schema: dict) -> dict:
     schema = copy.deepcopy(schema)
     for rule in RULES:
-        node = schema
-        for part in filter(None, rule.path.split(".")):
-            node = node["properties"][part]
-        node.setdefault("x-kubernetes-validations", []).append({"rule": rule.cel, "message": rule.message})
-    for node in _walk(schema):
-        if node.get("x-kubernetes-validations") == []:
-            del node["x-kubernetes-validations"]
+        _node_at(schema, rule.path).setdefault("x-kubernetes-validations", []).append(rule.validation())
     return schema
 
 
@@ -273,7 +422,7 @@ def openapi_schema() -> dict:
         "metadata": {"type": "object"},
         "spec": _attach_rules(SPEC_SCHEMA),
         "status": STATUS_SCHEMA,
-    }, required=("spec",))
+    }, required=("spec",), **{"x-kubernetes-validations": [NAME_RULE.validation()]})
 
 
 def crd_manifest() -> dict:
@@ -367,6 +516,8 @@ def _check(node: dict, value: Any, path: str) -> Any:
 def _check_object(node: dict, value: dict, path: str) -> dict:
     if node.get("x-kubernetes-preserve-unknown-fields") and "properties" not in node:
         return copy.deepcopy(value)
+    if "maxProperties" in node and len(value) > node["maxProperties"]:
+        raise SpecError(f"{path}: must have at most {node['maxProperties']} entries")
     if "additionalProperties" in node:
         return {k: _check(node["additionalProperties"], v, f"{path}.{k}") for k, v in value.items()}
     props = node.get("properties", {})
@@ -386,15 +537,41 @@ def _check_object(node: dict, value: dict, path: str) -> dict:
     return out
 
 
+def _select(value: Any, parts: list[str], path: str):
+    """(value, path) for each node a rule path names in a spec, arrays expanded."""
+    if not parts:
+        yield value, path
+        return
+    part, rest = parts[0], parts[1:]
+    name = part.removesuffix("[]")
+    child = value.get(name) if isinstance(value, dict) else None
+    if child is None:
+        return
+    if part.endswith("[]"):
+        for i, item in enumerate(child):
+            yield from _select(item, rest, f"{path}.{name}[{i}]")
+    else:
+        yield from _select(child, rest, f"{path}.{name}")
+
+
+def check_rules(spec: dict, path: str = "spec") -> None:
+    """The CEL rules' Python twins over a defaulted spec; the first failure raises, naming the field."""
+    for rule in RULES:
+        for node, where in _select(spec, list(filter(None, rule.path.split("."))), path):
+            if not rule.check(node):
+                raise SpecError(f"{'.'.join(filter(None, (where, rule.field)))}: {rule.message}")
+
+
+def check_name(resource: Mapping[str, Any]) -> None:
+    if not NAME_RULE.check(resource):
+        name = (resource.get("metadata") or {}).get("name")
+        raise SpecError(f"metadata.name: {NAME_RULE.message}, got {name!r}")
+
+
 def apply_schema(spec: Any, path: str = "spec") -> dict:
     """Check `spec` against the schema and the CEL rules, returning it with the schema's defaults filled in."""
     if not isinstance(spec, dict):
         raise SpecError(f"{path}: must be an object, got {type(spec).__name__}")
     out = _check_object(SPEC_SCHEMA, spec, path)
-    for rule in RULES:
-        node: Any = out
-        for part in filter(None, rule.path.split(".")):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is not None and not rule.check(node):
-            raise SpecError(f"{'.'.join(filter(None, (path, rule.path)))}: {rule.message}")
+    check_rules(out, path)
     return out

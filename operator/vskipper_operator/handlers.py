@@ -1,12 +1,19 @@
 """Kopf handlers: thin glue between the cluster and the pure builders in `vskipper_operator.plan`.
 
 - create/update/resume of a SkipperDeployment: plan against the indexed GPU nodes, apply what differs
-  (server-side apply, so re-running changes nothing), delete what the plan no longer wants, post an Event per
-  derived threshold and per unknown GPU, patch the status. Owner references on every object make deletion
-  cascade through the garbage collector (no finalizer needed).
-- a resync timer per resource re-runs the same reconciliation: drift in the managed fields is corrected.
-- a Node watch: when the set of GPU classes in the cluster changes (a product appears or disappears), every
-  SkipperDeployment is annotated with the new set, which triggers its update handler (re-plan).
+  (server-side apply, so re-running changes nothing; quantities compare by value, as the API server stores them
+  canonically), replace changed Jobs (their pod template is immutable), delete what the plan no longer wants,
+  post an Event per derived threshold and per unknown GPU, patch the status. A name held by an object the resource
+  does not own is never adopted: `Degraded`/`Ready=False` with reason NameTaken and a Warning Event say who holds
+  it. Owner references on every object make deletion cascade through the garbage collector.
+- a resync timer per resource re-runs the same reconciliation: drift in the managed fields is corrected. Kopf
+  puts a finalizer on every resource that has a timer (`kopf.zalando.org/KopfFinalizerMarker`): deleting a
+  SkipperDeployment, or its namespace, waits for a running operator; uninstall in the order operator/README.md
+  gives.
+- a Node watch: when the set of GPU classes in the cluster changes (a product appears or disappears, or GPU
+  nodes without product labels do), every SkipperDeployment is annotated with the new set, which triggers its
+  update handler (re-plan); a failed annotation is retried on the next Node event.
+- a SkipperDeployment's deletion removes its per-class gauges.
 - bandwidth probe Jobs: when one succeeds, its pod's termination message (JSON written by
   `vskipper_operator.probe`) is stored in the namespace's `vskipper-bandwidth` ConfigMap, which every later
   plan prefers over the catalogue (status source `measured`).
@@ -32,7 +39,7 @@ import kopf
 from vskipper.roofline import normalize_product
 from vskipper_operator import metrics
 from vskipper_operator.crd import GPU_PRODUCT_LABEL, GROUP, PLURAL, VERSION, SpecError
-from vskipper_operator.kube import ApiError, Kube
+from vskipper_operator.kube import ApiError, Kube, NameTaken
 from vskipper_operator.plan import (
     COMPONENT_LABEL,
     INSTANCE_LABEL,
@@ -41,6 +48,7 @@ from vskipper_operator.plan import (
     PRODUCT_ANNOTATION,
     Node,
     diff,
+    node_gpus,
     plan,
 )
 from vskipper_operator.probe import parse_result
@@ -54,6 +62,7 @@ MEASURED_ANNOTATION = "vskipper.io/measured-bandwidth"
 # Per event loop (one operator run each; tests run several in one process): the credentials Kopf logged in
 # with, the operator's client, and the last GPU class set seen.
 _connections: dict[asyncio.AbstractEventLoop, Any] = {}
+_login_kwargs: dict[asyncio.AbstractEventLoop, dict] = {}
 _clients: dict[asyncio.AbstractEventLoop, Kube] = {}
 _classes: dict[asyncio.AbstractEventLoop, str] = {}
 _metrics_served: list[int] = []
@@ -61,18 +70,34 @@ _metrics_served: list[int] = []
 
 def kube() -> Kube:
     loop = asyncio.get_running_loop()
+    if loop not in _connections:  # a timer that fires while the operator stops, after `close`
+        raise kopf.TemporaryError("the operator is stopping", delay=RESYNC_SECONDS)
     if loop not in _clients:
-        _clients[loop] = Kube.from_connection(_connections[loop], backoffs=BACKOFFS)
+        _clients[loop] = Kube.from_connection(_connections[loop], backoffs=BACKOFFS, relogin=_relogin)
     return _clients[loop]
+
+
+def _login(**kwargs: Any) -> Any:
+    return (kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+            or kopf.login_via_client(**kwargs))
 
 
 @kopf.on.login()
 async def login(**kwargs: Any) -> Any:
     """In-cluster service account, else the kubeconfig ($KUBECONFIG, read now), else the kubernetes client's
-    loaders (exec plugins); remembered so the operator's own client uses the same credentials as Kopf."""
-    info = (kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-            or kopf.login_via_client(**kwargs))
-    _connections[asyncio.get_running_loop()] = info
+    loaders (exec plugins); remembered so the operator's own client uses the same credentials as Kopf, and
+    logs in the same way again when its credentials are refused (401)."""
+    loop = asyncio.get_running_loop()
+    _login_kwargs[loop] = kwargs
+    _connections[loop] = _login(**kwargs)
+    return _connections[loop]
+
+
+async def _relogin() -> Any:
+    loop = asyncio.get_running_loop()
+    info = _login(**_login_kwargs[loop]) if loop in _login_kwargs else None
+    if info is not None:
+        _connections[loop] = info
     return info
 
 
@@ -95,6 +120,7 @@ async def close(**_: Any) -> None:
     loop = asyncio.get_running_loop()
     _classes.pop(loop, None)
     _connections.pop(loop, None)
+    _login_kwargs.pop(loop, None)
     client = _clients.pop(loop, None)
     if client is not None:
         await client.close()
@@ -108,9 +134,11 @@ def probe_gpu_classes(gpu_nodes: kopf.Index, **_: Any) -> int:
 # -- indices ----------------------------------------------------------------------------------------------------
 
 @kopf.index("", "v1", "nodes")
-def gpu_nodes(name: str, labels: kopf.Labels, **_: Any) -> dict | None:
-    """Nodes with a GPU product label, by name (the plan's input; kept current by Kopf's watch)."""
-    return {name: dict(labels)} if labels.get(GPU_PRODUCT_LABEL) else None
+def gpu_nodes(name: str, labels: kopf.Labels, status: kopf.Status, **_: Any) -> dict | None:
+    """GPU nodes by name: those with a product label, and those whose device plugin reports GPUs without one
+    (GPU Feature Discovery missing). The plan's input; kept current by Kopf's watch."""
+    gpus = node_gpus(status)
+    return {name: {"labels": dict(labels), "gpus": gpus}} if labels.get(GPU_PRODUCT_LABEL) or gpus else None
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
@@ -119,11 +147,15 @@ def skipper_deployments(namespace: str, name: str, annotations: kopf.Annotations
 
 
 def _nodes(index: kopf.Index) -> list[Node]:
-    return [Node(name, labels) for name, store in index.items() for labels in store]
+    return [Node(name, entry["labels"], entry["gpus"]) for name, store in index.items() for entry in store]
 
 
 def _gpu_classes(index: kopf.Index) -> str:
-    return ",".join(sorted({labels[GPU_PRODUCT_LABEL] for store in index.values() for labels in store}))
+    """The trigger: the GPU products present, and how many GPU nodes carry no product label."""
+    entries = [entry for store in index.values() for entry in store]
+    products = sorted({e["labels"][GPU_PRODUCT_LABEL] for e in entries if GPU_PRODUCT_LABEL in e["labels"]})
+    unlabelled = sum(1 for e in entries if GPU_PRODUCT_LABEL not in e["labels"])
+    return ",".join(products + ([f"+{unlabelled} unlabelled"] if unlabelled else []))
 
 
 # -- the reconciliation -----------------------------------------------------------------------------------------
@@ -160,11 +192,17 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
         patch.status["conditions"] = [{"type": "Ready", "status": "False", "reason": "InvalidSpec",
                                        "message": str(exc), "lastTransitionTime": _now()}]
         raise kopf.PermanentError(str(exc)) from None
+    conflicts: list[NameTaken] = []
     try:
         applied = await kube().list_managed(namespace, f"{INSTANCE_LABEL}={name},{MANAGED_BY_LABEL}={MANAGER}")
         changes = diff(result.objects, applied)
-        for obj in changes.create:
-            await kube().create(obj)
+        for obj in changes.replace:
+            await kube().delete(obj)
+        for obj in changes.create + changes.replace:
+            try:
+                await kube().create(obj, meta.get("uid"))
+            except NameTaken as exc:
+                conflicts.append(exc)
         for obj in changes.update:
             await kube().apply(obj)
         for obj in changes.delete:
@@ -172,7 +210,13 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
     except ApiError as exc:
         metrics.RECONCILES.labels("error").inc()
         raise kopf.TemporaryError(str(exc), delay=10) from exc
-    changed = {o["metadata"]["name"] for o in changes.create + changes.update if o["kind"] == "Deployment"}
+    taken = {(c.kind, c.name) for c in conflicts}
+    changed = {o["metadata"]["name"] for o in changes.create + changes.update + changes.replace
+               if o["kind"] == "Deployment" and (o["kind"], f"{namespace}/{o['metadata']['name']}") not in taken}
+    known = next((c.get("message", "") for c in previous.get("conditions", []) if c.get("type") == "Degraded"), "")
+    for exc in conflicts:
+        if str(exc) not in known:
+            kopf.warn(body, reason="NameTaken", message=str(exc))
     known_unknown = {r["product"] for r in previous.get("gpuClasses", []) if r.get("reason", "").startswith("Unknown")}
     for c, kind, reason, message in result.events():
         if (c.served and c.deployment in changed) or (not c.served and c.product not in known_unknown):
@@ -184,7 +228,8 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
                                                               f"{obj['metadata']['name']} deleted")
     ready = {o["metadata"]["name"]: (o.get("status") or {}).get("readyReplicas", 0)
              for o in applied if o.get("kind") == "Deployment"}
-    status = result.status(ready, meta.get("generation"), _now(), previous.get("conditions", ()))
+    status = result.status(ready, meta.get("generation"), _now(), previous.get("conditions", ()),
+                           [str(c) for c in conflicts])
     for key, value in status.items():
         if previous.get(key) != value:
             logger.debug(f"status.{key} changed: {previous.get(key)!r} -> {value!r}")
@@ -193,7 +238,8 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
     metrics.RECONCILES.labels("applied" if not changes.empty else "unchanged").inc()
     metrics.DURATION.observe(time.perf_counter() - start)
     logger.info(f"planned {len(result.served)} served GPU class(es): {status['gpuClassSummary']}; "
-                f"{len(changes.create)} created, {len(changes.update)} applied, {len(changes.delete)} deleted")
+                f"{len(changes.create)} created, {len(changes.update)} applied, {len(changes.replace)} replaced, "
+                f"{len(changes.delete)} deleted" + (f"; {len(conflicts)} name(s) held by others" if conflicts else ""))
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -219,15 +265,28 @@ async def on_node(gpu_nodes: kopf.Index, skipper_deployments: kopf.Index, logger
     loop = asyncio.get_running_loop()
     if classes == _classes.get(loop):
         return
-    _classes[loop] = classes
+    failed = 0
     for (namespace, name), store in skipper_deployments.items():
         if classes in set(store):
             continue
         logger.info(f"GPU classes now [{classes}]: re-planning {namespace}/{name}")
-        await kube().request(
-            "PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}",
-            body={"metadata": {"annotations": {CLASSES_ANNOTATION: classes}}},
-            content_type="application/merge-patch+json", missing_ok=True)
+        try:
+            await kube().request(
+                "PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}",
+                body={"metadata": {"annotations": {CLASSES_ANNOTATION: classes}}},
+                content_type="application/merge-patch+json", missing_ok=True)
+        except ApiError as exc:
+            failed += 1
+            logger.warning(f"could not mark {namespace}/{name} for re-planning (retried on the next Node event): {exc}")
+    if not failed:  # remembered only once every resource has it: a failed trigger is not lost
+        _classes[loop] = classes
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def on_resource_event(type: str, namespace: str, name: str, **_: Any) -> None:
+    """A deleted SkipperDeployment's per-class gauges go with it."""
+    if type == "DELETED":
+        metrics.forget(namespace, name)
 
 
 # -- measured bandwidth -----------------------------------------------------------------------------------------

@@ -4,7 +4,11 @@ A small aiohttp client over the connection Kopf logged in with: list the objects
 them, server-side apply them (`fieldManager=vskipper-operator`, forced: the operator owns the fields it sets),
 delete them, read and merge-patch ConfigMaps. Conflicts (409), throttling (429) and server errors (5xx) are
 retried with exponential backoff; when the retries run out the error is re-raised for Kopf to retry the
-handler later.
+handler later. A 401 (short-lived credentials that ran out) makes the client log in again (`relogin`, the same
+login Kopf uses: the service account token or the kubeconfig, read anew) and repeat the request once.
+
+A name held by an object the resource does not own (no owner reference with its uid) is never adopted: `create`
+raises `NameTaken`, saying who holds it, and writes nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -42,6 +46,30 @@ class ApiError(Exception):
         self.status = status
 
 
+class NameTaken(Exception):
+    """The name a planned object needs is held by an object the resource does not own."""
+
+    def __init__(self, obj: Mapping[str, Any], holder: Mapping[str, Any]):
+        meta = obj["metadata"]
+        self.kind, self.name = obj["kind"], f"{meta['namespace']}/{meta['name']}"
+        self.holder = describe_holder(holder)
+        super().__init__(f"{self.kind} {self.name} exists and belongs to {self.holder}: not adopted")
+
+
+def describe_holder(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    owners = meta.get("ownerReferences") or []
+    owner = next((o for o in owners if o.get("controller")), owners[0] if owners else None)
+    if owner:
+        return f"{owner.get('kind')} {owner.get('name')} (uid {owner.get('uid')})"
+    managers = sorted({m.get("manager") for m in meta.get("managedFields") or [] if m.get("manager")})
+    return f"no owner (written by {', '.join(managers)})" if managers else "no owner"
+
+
+def owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
+    return uid is not None and any(o.get("uid") == uid for o in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
 def matches(obj: Mapping[str, Any], selector: str) -> bool:
     """Equality-based label selector (`a=b,c=d`), re-checked on the client: deleting what the plan no longer
     wants must never reach an object outside the selector."""
@@ -58,19 +86,40 @@ def path_for(api_version: str, kind: str, namespace: str, name: str | None = Non
 class Kube:
     def __init__(self, server: str, *, token: str | None = None, scheme: str | None = None,
                  ssl_context: ssl.SSLContext | bool | None = None,
-                 backoffs: Sequence[float] = (0.1, 0.3, 1.0, 3.0)):
+                 backoffs: Sequence[float] = (0.1, 0.3, 1.0, 3.0),
+                 relogin: Callable[[], Awaitable[Any]] | None = None):
         self.server = server.rstrip("/")
         self.backoffs = tuple(backoffs)
+        self.relogin = relogin
+        self._use(token, scheme, ssl_context)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _use(self, token: str | None, scheme: str | None, ssl_context: ssl.SSLContext | bool | None) -> None:
         headers = {"Accept": "application/json", "User-Agent": MANAGER}
         if token:
             headers["Authorization"] = f"{scheme or 'Bearer'} {token}"
         self._headers = headers
         self._ssl = ssl_context
-        self._session: aiohttp.ClientSession | None = None
+
+    async def _login_again(self) -> bool:
+        """New credentials from `relogin` (a Kopf ConnectionInfo); False when there is no way to get any."""
+        info = await self.relogin() if self.relogin else None
+        if info is None:
+            return False
+        await self.close()
+        self._use(info.token, info.scheme, self.ssl_context(info))
+        return True
 
     @classmethod
-    def from_connection(cls, info: Any, backoffs: Sequence[float] | None = None) -> Kube:
+    def from_connection(cls, info: Any, backoffs: Sequence[float] | None = None,
+                        relogin: Callable[[], Awaitable[Any]] | None = None) -> Kube:
         """From Kopf's `ConnectionInfo` (whatever login method Kopf used)."""
+        kwargs: dict[str, Any] = {} if backoffs is None else {"backoffs": backoffs}
+        return cls(info.server, token=info.token, scheme=info.scheme, ssl_context=cls.ssl_context(info),
+                   relogin=relogin, **kwargs)
+
+    @staticmethod
+    def ssl_context(info: Any) -> ssl.SSLContext | bool | None:
         context: ssl.SSLContext | bool | None = None
         if info.server.startswith("https"):
             if info.insecure:
@@ -81,8 +130,7 @@ class Kube:
                     cadata=(info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data) or None)
                 if info.certificate_path and info.private_key_path:
                     context.load_cert_chain(info.certificate_path, info.private_key_path)
-        kwargs = {} if backoffs is None else {"backoffs": backoffs}
-        return cls(info.server, token=info.token, scheme=info.scheme, ssl_context=context, **kwargs)
+        return context
 
     async def close(self) -> None:
         if self._session is not None:
@@ -91,11 +139,13 @@ class Kube:
 
     async def request(self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
                       content_type: str = "application/json", missing_ok: bool = False) -> Any:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._headers)
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
-        for attempt in range(len(self.backoffs) + 1):
+        relogged = False
+        attempt = 0
+        while True:
+            if self._session is None:
+                self._session = aiohttp.ClientSession(headers=self._headers)
             async with self._session.request(method, self.server + path, data=data, params=params or None,
                                              headers=headers, ssl=self._ssl) as resp:
                 text = await resp.text()
@@ -103,6 +153,10 @@ class Kube:
                     return json.loads(text) if text else None
                 if resp.status == 404 and missing_ok:
                     return None
+                if resp.status == 401 and not relogged:
+                    relogged = True
+                    if await self._login_again():
+                        continue
                 reason = RETRY_STATUSES.get(resp.status)
                 if method == "POST" and resp.status == 409:
                     reason = None  # AlreadyExists, not a write conflict: retrying cannot help
@@ -111,7 +165,7 @@ class Kube:
                     raise ApiError(resp.status, method, path, text)
             metrics.API_RETRIES.labels(reason).inc()
             await asyncio.sleep(self.backoffs[attempt])
-        raise AssertionError("unreachable")
+            attempt += 1
 
     # -- the operations the handlers use ------------------------------------------------------------------------
 
@@ -129,17 +183,24 @@ class Kube:
                 out.append(item)
         return out
 
-    async def create(self, obj: Mapping[str, Any]) -> dict:
+    async def create(self, obj: Mapping[str, Any], owner_uid: str | None = None) -> dict:
+        """Create `obj`; if its name exists, apply over it only when `owner_uid` owns it, else raise NameTaken."""
         meta = obj["metadata"]
-        try:
-            created = await self.request("POST", path_for(obj["apiVersion"], obj["kind"], meta["namespace"]),
-                                         body=obj, params={"fieldManager": MANAGER})
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
-            return await self.apply(obj)  # created meanwhile: apply over it
-        metrics.APPLIED.labels(obj["kind"], "create").inc()
-        return created
+        current = await self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        if current is None:
+            try:
+                created = await self.request("POST", path_for(obj["apiVersion"], obj["kind"], meta["namespace"]),
+                                             body=obj, params={"fieldManager": MANAGER})
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                current = await self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) or {}
+            else:
+                metrics.APPLIED.labels(obj["kind"], "create").inc()
+                return created
+        if not owned_by(current, owner_uid):
+            raise NameTaken(obj, current)
+        return await self.apply(obj)  # ours, but no longer carrying the labels it is listed by
 
     async def apply(self, obj: Mapping[str, Any]) -> dict:
         """Server-side apply: the operator's field manager owns exactly the fields it sends."""

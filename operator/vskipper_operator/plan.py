@@ -22,6 +22,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from vskipper.arms import ARMS, Arm
@@ -30,7 +31,8 @@ from vskipper.metrics_names import GPU_CLASS_POD_LABEL as CLASS_LABEL
 from vskipper.modelspec import DTYPE_BYTES, PRESETS
 from vskipper.roofline import Device, Thresholds, derive_thresholds, find_device, normalize_product
 from vskipper.skippers.registry import SkipperConfigError, get_entry
-from vskipper_operator.crd import API_VERSION, GPU_PRODUCT_LABEL, KIND, SpecError, apply_schema
+from vskipper_operator.crd import API_VERSION, GPU_PRODUCT_LABEL, KIND, SpecError, apply_schema, check_name
+from vskipper_operator.flags import check_extra_args
 
 MANAGER = "vskipper-operator"
 NAME_LABEL = "app.kubernetes.io/name"
@@ -43,15 +45,28 @@ ARM_FILE = f"{CONFIG_DIR}/arm.json"
 PROBE_MODULE = "vskipper_operator.probe"
 
 
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
 @dataclass(frozen=True)
 class Node:
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    gpus: int = 0  # allocatable nvidia.com/gpu (the device plugin's count, with or without GFD labels)
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> Node:
         meta = obj.get("metadata") or {}
-        return cls(meta.get("name", ""), dict(meta.get("labels") or {}))
+        return cls(meta.get("name", ""), dict(meta.get("labels") or {}), node_gpus(obj.get("status")))
+
+
+def node_gpus(status: Mapping[str, Any] | None) -> int:
+    status = status or {}
+    value = (status.get("allocatable") or status.get("capacity") or {}).get(GPU_RESOURCE, 0)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 def nodes_from_document(doc: Any) -> list[Node]:
@@ -109,10 +124,10 @@ def resolve(resource: Mapping[str, Any]) -> Resolved:
     if api not in (None, API_VERSION) or kind not in (None, KIND):
         raise SpecError(f"apiVersion/kind: expected {API_VERSION} {KIND}, got {api} {kind}")
     meta = resource.get("metadata") or {}
-    name = meta.get("name")
-    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 40:
-        raise SpecError(f"metadata.name: must be a DNS label of at most 40 characters, got {name!r}")
+    check_name(resource)
+    name = meta["name"]
     spec = apply_schema(resource.get("spec"))
+    check_extra_args(spec["serving"].get("extraArgs", []))
     try:
         arm = _arm_from_spec(name, spec)
     except SkipperConfigError as exc:
@@ -189,6 +204,8 @@ class PlanResult:
     resolved: Resolved
     classes: list[GpuClass]
     objects: list[dict]  # desired objects, in apply order
+    unmatched: list[str] = field(default_factory=list)  # spec.replicasPerClass keys asking for replicas no class serves
+    unlabelled: list[str] = field(default_factory=list)  # GPU nodes without a product label (no GPU Feature Discovery)
 
     @property
     def name(self) -> str:
@@ -222,23 +239,33 @@ class PlanResult:
         return out
 
     def status(self, ready: Mapping[str, int] | None = None, generation: int | None = None,
-               now: str = "", previous: Iterable[Mapping[str, Any]] = ()) -> dict:
-        """The resource's status, given ready replicas per Deployment name (`now` stamps changed conditions)."""
+               now: str = "", previous: Iterable[Mapping[str, Any]] = (), conflicts: Iterable[str] = ()) -> dict:
+        """The resource's status, given ready replicas per Deployment name (`now` stamps changed conditions) and
+        the planned objects whose names other objects hold (`conflicts`, one line each)."""
+        conflicts = list(conflicts)
         ready = dict(ready or {})
         rows = [c.as_status(ready.get(c.deployment or "", 0)) for c in self.classes]
         want = sum(c.replicas for c in self.served)
         have = sum(min(ready.get(c.deployment, 0), c.replicas) for c in self.served)
         unknown = [c.product for c in self.classes if c.reason.startswith("UnknownGPU")]
+        problems = [(reason, message) for reason, message, present in (
+            ("NameTaken", "; ".join(conflicts), conflicts),
+            ("UnknownGPU", f"not served (unknown bandwidth): {', '.join(unknown)}", unknown),
+            ("GpuFeatureDiscoveryMissing", f"GPU nodes without a {GPU_PRODUCT_LABEL} label (is GPU Feature "
+             f"Discovery running?): {', '.join(self.unlabelled)}", self.unlabelled),
+            ("ReplicasPerClassUnmatched", f"spec.replicasPerClass asks for replicas of {', '.join(self.unmatched)}, "
+             "which no served GPU class present matches", self.unmatched)) if present]
+        degraded = (problems[0][0], "; ".join(m for _, m in problems)) if problems else (
+            "AllClassesServed", "every allowed GPU class present is served")
+        blocked = "NameTaken" if conflicts else "ReplicasPerClassUnmatched" if self.unmatched else ""
+        ready = bool(self.served) and have >= want and not blocked
         conditions = [
             _condition("ThresholdsDerived", bool(self.served), "Derived" if self.served else "NoServableGPU",
                        "; ".join(f"{c.display}: exit {c.exit_tokens}, enter {c.enter_tokens}" for c in self.served)
                        or "no node offers a GPU class with a known bandwidth"),
-            _condition("Degraded", bool(unknown), "UnknownGPU" if unknown else "AllClassesServed",
-                       f"not served (unknown bandwidth): {', '.join(unknown)}" if unknown
-                       else "every allowed GPU class present is served"),
-            _condition("Ready", bool(self.served) and have >= want,
-                       "ReplicasReady" if self.served and have >= want else
-                       ("NoServableGPU" if not self.served else "ReplicasNotReady"),
+            _condition("Degraded", degraded[0] != "AllClassesServed", *degraded),
+            _condition("Ready", ready, "ReplicasReady" if ready else
+                       ("NoServableGPU" if not self.served else blocked or "ReplicasNotReady"),
                        f"{have}/{want} replicas ready"),
         ]
         prev = {c.get("type"): c for c in previous or ()}
@@ -288,13 +315,18 @@ def _lookup(table: Mapping[str, Any], product: str) -> Any:
     return None
 
 
-def _classes(nodes: Iterable[Node | Mapping[str, Any]], spec: dict) -> list[GpuClass]:
+def _classes(nodes: Iterable[Node | Mapping[str, Any]], spec: dict, unlabelled: list[str]) -> list[GpuClass]:
     selector = spec.get("placement", {}).get("nodeSelector") or {}
     groups: dict[str, tuple[set[str], list[int]]] = {}
     for node in nodes:
-        labels = node.labels if isinstance(node, Node) else (node.get("metadata") or {}).get("labels") or {}
+        node = node if isinstance(node, Node) else Node.from_object(node)
+        labels = node.labels
         raw = labels.get(GPU_PRODUCT_LABEL)
-        if not raw or any(labels.get(k) != v for k, v in selector.items()):
+        if any(labels.get(k) != v for k, v in selector.items()):
+            continue
+        if not raw:
+            if node.gpus > 0:
+                unlabelled.append(node.name)
             continue
         product = normalize_product(raw)
         seen, count = groups.setdefault(product, (set(), [0]))
@@ -314,7 +346,8 @@ def plan(resource: Mapping[str, Any], nodes: Iterable[Node | Mapping[str, Any]],
     allowed = spec.get("placement", {}).get("gpuProducts") or []
     overrides = {o["product"]: float(o["gbps"]) for o in spec.get("bandwidthOverrides", [])}
     fixed = spec["switch"].get("thresholds")
-    classes = _classes(nodes, spec)
+    unlabelled: list[str] = []
+    classes = _classes(nodes, spec, unlabelled)
     for c in classes:
         c.device = find_device(c.product)
         if not _allowed(c.product, allowed):
@@ -342,7 +375,24 @@ def plan(resource: Mapping[str, Any], nodes: Iterable[Node | Mapping[str, Any]],
         c.served = True
         c.deployment = _child_name(r.name, c.product)
     _split_replicas([c for c in classes if c.served], spec)
-    return PlanResult(r, classes, _objects(r, classes, measured or {}))
+    return PlanResult(r, classes, _objects(r, classes, measured or {}),
+                      _unmatched(spec, classes, allowed, overrides), sorted(unlabelled))
+
+
+def _unmatched(spec: dict, classes: list[GpuClass], allowed: list[str], overrides: Mapping[str, float]) -> list[str]:
+    """spec.replicasPerClass keys with replicas that no served class takes. A key that names no GPU product at
+    all (not catalogued, not allowed by name, not overridden, no such nodes) is a spec error."""
+    out = []
+    for key, count in (spec.get("replicasPerClass") or {}).items():
+        known = (find_device(key) is not None or any(_key(key) == _key(a) for a in allowed)
+                 or _lookup(overrides, key) is not None or any(_key(key) == _key(c.product) for c in classes))
+        if not known:
+            raise SpecError(f"spec.replicasPerClass.{key}: names no GPU product (not in the device catalogue, "
+                            "spec.placement.gpuProducts, spec.bandwidthOverrides or the nodes' "
+                            f"{GPU_PRODUCT_LABEL} labels)")
+        if count and not any(c.served and _key(key) == _key(c.product) for c in classes):
+            out.append(key)
+    return out
 
 
 def _split_replicas(served: list[GpuClass], spec: dict) -> None:
@@ -507,14 +557,41 @@ def object_key(obj: Mapping[str, Any]) -> tuple[str, str, str, str]:
     return obj.get("apiVersion", ""), obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", "")
 
 
-def contains(applied: Any, desired: Any) -> bool:
-    """Every field the plan sets has that value in the applied object (fields the server adds are ignored)."""
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][0-9]+)?")
+_BINARY_EXP = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL_EXP = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+def quantity(value: Any) -> Decimal | None:
+    """A Kubernetes quantity's value (`1000m` and `1` are equal; `65536Mi` and `64Gi` are), None if it is not one."""
+    match = _QUANTITY.fullmatch(str(value))
+    if not match or isinstance(value, bool):
+        return None
+    number, suffix = Decimal(match[1]), match[2] or ""
+    if suffix in _BINARY_EXP:
+        return number * 1024 ** _BINARY_EXP[suffix]
+    exponent = int(suffix[1:]) if suffix[:1] in ("e", "E") else _DECIMAL_EXP[suffix]
+    return number.scaleb(exponent)
+
+
+def contains(applied: Any, desired: Any, quantities: bool = False) -> bool:
+    """Every field the plan sets has that value in the applied object (fields the server adds are ignored;
+    resource requests and limits, which the API server stores canonically, compare by value)."""
     if isinstance(desired, Mapping):
-        return isinstance(applied, Mapping) and all(k in applied and contains(applied[k], v) for k, v in desired.items())
+        return isinstance(applied, Mapping) and all(
+            k in applied and contains(applied[k], v, quantities or k in ("requests", "limits"))
+            for k, v in desired.items())
     if isinstance(desired, list):
         return (isinstance(applied, list) and len(applied) == len(desired)
                 and all(contains(a, d) for a, d in zip(applied, desired, strict=True)))
+    if quantities and quantity(desired) is not None:
+        return quantity(desired) == quantity(applied)
     return applied == desired or (not isinstance(desired, bool) and str(applied) == str(desired))
+
+
+# Kinds whose spec the API server will not patch once created (a Job's pod template is immutable): a changed one
+# is deleted and created anew.
+REPLACED_KINDS = (("batch/v1", "Job"),)
 
 
 @dataclass
@@ -522,10 +599,11 @@ class Changes:
     create: list[dict] = field(default_factory=list)
     update: list[dict] = field(default_factory=list)
     delete: list[dict] = field(default_factory=list)  # applied objects the plan no longer wants
+    replace: list[dict] = field(default_factory=list)  # changed objects of REPLACED_KINDS: delete, then create
 
     @property
     def empty(self) -> bool:
-        return not (self.create or self.update or self.delete)
+        return not (self.create or self.update or self.delete or self.replace)
 
 
 def diff(desired: Iterable[dict], applied: Iterable[dict]) -> Changes:
@@ -537,6 +615,6 @@ def diff(desired: Iterable[dict], applied: Iterable[dict]) -> Changes:
         if current is None:
             changes.create.append(obj)
         elif not contains(current, obj):
-            changes.update.append(obj)
+            (changes.replace if (obj["apiVersion"], obj["kind"]) in REPLACED_KINDS else changes.update).append(obj)
     changes.delete = list(have.values())
     return changes
