@@ -1,7 +1,8 @@
 """Run as a script: import SGLang 0.5.21's CUDA server path with CUDA faked at import time (this machine has no
 GPU), the stand-ins on PYTHONPATH as the GPU profile puts them, then run SGLang's own CUDA RMSNorm
 (`RMSNorm.forward_cuda`, which calls `sgl_kernel.rmsnorm` / `fused_add_rmsnorm`) on CPU tensors against its
-native torch path. Prints one JSON object; exits 1 when a module does not import."""
+native torch path. With `--distributions`, also imports vSkipper's server and model modules and lists the installed
+distributions every loaded module belongs to. Prints one JSON object; exits 1 when a module does not import."""
 
 from __future__ import annotations
 
@@ -49,10 +50,22 @@ def _compare(norm, x: torch.Tensor, residual: torch.Tensor) -> dict:
             "fused_residual_max_err": float((fused_residual - native_residual).abs().max())}
 
 
+VSKIPPER_SERVER = ("vskipper.sglang.server", "vskipper.sglang.models.ddllama", "vskipper.sglang.models.qwen3_skipper",
+                   "vskipper.sglang.hooks")
+
+
+def loaded_distributions() -> list[str]:
+    import importlib.metadata
+
+    owners = importlib.metadata.packages_distributions()
+    return sorted({d for m in list(sys.modules) for d in owners.get(m.split(".")[0], ())})
+
+
 def main() -> int:
     fake_cuda()
     failed = {}
-    for name in SERVER_PATH:
+    modules = SERVER_PATH + (VSKIPPER_SERVER if "--distributions" in sys.argv else ())
+    for name in modules:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 (report every failure, by module)
@@ -64,6 +77,8 @@ def main() -> int:
         result["sgl_kernel"] = sgl_kernel.__file__
         result["torch_ops_sgl_kernel"] = [n for n in dir(torch.ops.sgl_kernel) if not n.startswith("_") and n != "name"]
         result.update(rmsnorm_through_sglang())
+        if "--distributions" in sys.argv:
+            result["distributions"] = loaded_distributions()
     print(json.dumps(result))
     return 1 if failed else 0
 

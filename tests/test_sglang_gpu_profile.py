@@ -131,22 +131,37 @@ def test_stand_in_has_plain_launches_no_scalar_type_no_ops_and_import_only_names
 
 # -- the import surface, with CUDA faked ---------------------------------------------------------------------------
 
-def _probe(shims) -> dict:
+def _probe(shims, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
-    env.update(GPU_STAND_IN_ENV, PYTHONPATH=str(shims), SGLANG_FORCE_FUSED_OP_BACKEND="torch")
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "faked_cuda_probe.py")], capture_output=True,
+    env.update(GPU_STAND_IN_ENV, PYTHONPATH=os.pathsep.join([str(shims), str(ROOT)]),
+               SGLANG_FORCE_FUSED_OP_BACKEND="torch", SGLANG_EXTERNAL_MODEL_PACKAGE="vskipper.sglang.models")
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "faked_cuda_probe.py"), *args], capture_output=True,
                        text=True, timeout=240, env=env, cwd=ROOT)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_sglang_cuda_server_path_imports_with_the_stand_ins_and_its_cuda_rmsnorm_equals_native():
+@pytest.fixture(scope="module")
+def cuda_path():
+    """SGLang's CUDA server path and vSkipper's server imported with CUDA faked and the GPU stand-ins."""
     pytest.importorskip("sglang")
-    result = _probe(SHIMS_GPU_DIR)
-    assert result["failed"] == {}
-    assert result["sgl_kernel"].startswith(str(SHIMS_GPU_DIR))
-    assert result["torch_ops_sgl_kernel"] == []
-    assert result["rmsnorm_max_err"] < 1e-6 and result["fused_max_err"] < 1e-6
-    assert result["fused_residual_max_err"] < 1e-6
+    return _probe(SHIMS_GPU_DIR, "--distributions")
+
+
+def test_sglang_cuda_server_path_imports_with_the_stand_ins_and_its_cuda_rmsnorm_equals_native(cuda_path):
+    assert cuda_path["failed"] == {}
+    assert cuda_path["sgl_kernel"].startswith(str(SHIMS_GPU_DIR))
+    assert cuda_path["torch_ops_sgl_kernel"] == []
+    assert cuda_path["rmsnorm_max_err"] < 1e-6 and cuda_path["fused_max_err"] < 1e-6
+    assert cuda_path["fused_residual_max_err"] < 1e-6
+
+
+def test_every_distribution_the_cuda_server_path_imports_is_on_the_device_or_in_the_bundle(cuda_path):
+    from benchmarks.gpu.bundle import normalize, read_device_packages, read_requirements
+
+    travels = {r.key for r in read_requirements()} | read_device_packages() | {"vskipper"}
+    lacking = sorted(d for d in cuda_path["distributions"] if normalize(d) not in travels)
+    assert lacking == []
+    assert "sglang" in {normalize(d) for d in cuda_path["distributions"]}
 
 
 def test_the_cpu_stub_cannot_serve_the_cuda_path():
