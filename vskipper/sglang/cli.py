@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,12 +16,7 @@ from vskipper.modelspec import load_model_facts
 from vskipper.roofline import derive_thresholds, lookup_device
 from vskipper.switch import Policy
 
-# SGLang's CPU recipe: the CPU engine (environment), torch-native attention and sampling, no grammar backend,
-# no CUDA graphs, a small KV pool. Flags after `--` are appended and override these (SGLang keeps the last).
-CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-             "--grammar-backend", "none", "--cuda-graph-backend-decode", "disabled",
-             "--cuda-graph-backend-prefill", "disabled", "--mem-fraction-static", "0.1",
-             "--max-total-tokens", "4096")
+NVIDIA_DEVICE_NODE = "/dev/nvidiactl"  # present wherever an NVIDIA driver exposes a device
 
 
 def load_arm(args: argparse.Namespace) -> Arm:
@@ -32,10 +28,26 @@ def load_arm(args: argparse.Namespace) -> Arm:
     return get_arm(args.arm)
 
 
-def resolve_platform(platform: str) -> str:
+def resolve_platform(platform: str, device_node: str = NVIDIA_DEVICE_NODE) -> str:
+    """cpu | gpu: `auto` is gpu where an NVIDIA device node exists."""
     if platform == "auto":
-        return "gpu" if os.path.exists("/dev/nvidiactl") else "cpu"
+        return "gpu" if os.path.exists(device_node) else "cpu"
     return platform
+
+
+def real_sgl_kernel_importable() -> bool:
+    """Whether this interpreter finds an `sgl_kernel` that is not one of vSkipper's stand-ins (never imported here:
+    the real one loads CUDA libraries)."""
+    from vskipper.sglang.spec import SHIMS_DIR, SHIMS_GPU_DIR
+
+    try:
+        found = importlib.util.find_spec("sgl_kernel")
+    except (ImportError, ValueError):
+        return False
+    if found is None or found.origin is None:
+        return False
+    origin = Path(found.origin).resolve()
+    return not any(origin.is_relative_to(d) for d in (SHIMS_DIR, SHIMS_GPU_DIR))
 
 
 def detect_gpu_product() -> str | None:
@@ -76,26 +88,39 @@ def thresholds(arm: Arm, enter: int | None, exit_: int | None, model_dir: str | 
 
 
 def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    from vskipper.sglang.spec import ServeSpec, check_arm_for_model, checkpoint_config, serve_environment
+    from vskipper.sglang.spec import (
+        ServeSpec,
+        check_arm_for_model,
+        check_decode_graph_flags,
+        checkpoint_config,
+        serve_environment,
+        serve_profile,
+    )
 
     arm = load_arm(args)
     check_arm_for_model(arm, checkpoint_config(args.model).get("model_type", ""))
     enter, exit_, source = thresholds(arm, args.enter_tokens, args.exit_tokens, args.model,
                                       getattr(args, "gpu", None))
-    state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
-    spec = ServeSpec(arm, enter, exit_, state, source)
+    platform = resolve_platform(getattr(args, "platform", "auto"))
+    profile = serve_profile(platform, platform == "gpu" and real_sgl_kernel_importable(),
+                            arm.switch_settings().decode is not Policy.DENSE, getattr(args, "gpu_jit", False))
     extra = list(args.sglang_args or [])
-    cpu = resolve_platform(getattr(args, "platform", "auto")) == "cpu"
-    cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *(CPU_FLAGS if cpu else ()),
-           "--host", args.host, "--port", str(args.port), *extra]
-    return cmd, serve_environment(spec, cpu=cpu)
+    check_decode_graph_flags(profile, extra)
+    state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
+    spec = ServeSpec(arm, enter, exit_, state, source, profile.attestation())
+    cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *profile.flags,
+           "--host", args.host, "--port", str(args.port), *extra, *profile.final_flags]
+    return cmd, serve_environment(spec, profile=profile)
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from vskipper.sglang.spec import ENV_PROFILE
+
     cmd, env = server_command(args)
     if args.dry_run:
         shown = {k: v for k, v in env.items() if k.startswith(("VSKIPPER_", "SGLANG_")) or k == "PYTHONPATH"}
-        print(json.dumps({"command": cmd, "environment": shown}, indent=2))
+        profile = json.loads(env[ENV_PROFILE])
+        print(json.dumps({"command": cmd, "environment": shown, "profile": profile}, indent=2))
         return 0
     sys.stdout.flush()
     sys.stderr.flush()

@@ -46,8 +46,9 @@ def http(url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S)
 
 def serve_command(model: str | Path, port: int, state_file: Path, *, arm: str | None = None,
                   arm_file: Path | None = None, enter_tokens: int | None = None, exit_tokens: int | None = None,
-                  dtype: str | None = "float32", extra: Sequence[str] = ()) -> list[str]:
-    """The `vskipper serve` command line for one server on 127.0.0.1:port (SGLang flags after `--`)."""
+                  dtype: str | None = "float32", extra: Sequence[str] = (), platform: str | None = None) -> list[str]:
+    """The `vskipper serve` command line for one server on 127.0.0.1:port (SGLang flags after `--`); `platform`
+    (cpu | gpu) overrides serve's detection."""
     if (arm is None) == (arm_file is None):
         raise ValueError("serve_command: pass exactly one of arm and arm_file")
     cmd = [sys.executable, "-m", "vskipper.cli", "serve", "--model", str(model), "--port", str(port),
@@ -55,6 +56,8 @@ def serve_command(model: str | Path, port: int, state_file: Path, *, arm: str | 
     cmd += ["--arm", arm] if arm else ["--arm-file", str(arm_file)]
     if enter_tokens is not None or exit_tokens is not None:
         cmd += ["--enter-tokens", str(enter_tokens), "--exit-tokens", str(exit_tokens)]
+    if platform is not None:
+        cmd += ["--platform", platform]
     cmd += ["--", *(("--dtype", dtype) if dtype else ()), *extra]
     return cmd
 
@@ -138,14 +141,16 @@ def stop_all(servers: Sequence[Server]) -> None:
 @contextmanager
 def launched(model: str | Path, workdir: Path, *, arm: str | None = None, arm_file: Path | None = None,
              enter_tokens: int | None = None, exit_tokens: int | None = None, dtype: str | None = "float32",
-             extra: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Iterator[Server]:
+             extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
+             platform: str | None = None) -> Iterator[Server]:
     """Start `vskipper serve` on a free port (log and state file in `workdir`) without waiting for it; the
     server is stopped when the block exits, however it exits. `env` adds variables to the server's environment."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"server-{port}.log"
     cmd = serve_command(model, port, workdir / f"state-{port}.json", arm=arm, arm_file=arm_file,
-                        enter_tokens=enter_tokens, exit_tokens=exit_tokens, dtype=dtype, extra=extra)
+                        enter_tokens=enter_tokens, exit_tokens=exit_tokens, dtype=dtype, extra=extra,
+                        platform=platform)
     env = dict(os.environ, **(env or {}),
                PYTHONPATH=os.pathsep.join(p for p in (str(_CODE_ROOT), os.environ.get("PYTHONPATH")) if p))
     env.pop("TRITON_INTERPRET", None)

@@ -476,7 +476,7 @@ class Runtime:
                       "routed_layers": list(self.routed_layers)},
             "execution": {"device": self.device, "routed_layers_backend": "torch (vskipper.mixed cohort_ffn)",
                           "attention_backend": "SGLang's (every row writes K/V; Project-Only reads are dropped)",
-                          "cuda_graphs": False, "tiles": None},
+                          "cuda_graphs": False, "tiles": None, "profile": self.spec.profile},
             "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
                           "attn_dp_rank": self.placement.attn_dp_rank},
             "run_id": os.environ.get(ENV_RUN_ID),

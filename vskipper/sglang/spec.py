@@ -14,13 +14,15 @@ from pathlib import Path
 from vskipper.arms import Arm
 
 MODEL_PACKAGE = "vskipper.sglang.models"
-SHIMS_DIR = Path(__file__).resolve().parent / "shims"
+SHIMS_DIR = Path(__file__).resolve().parent / "shims"  # the CPU stand-in for sgl_kernel
+SHIMS_GPU_DIR = Path(__file__).resolve().parent / "shims_gpu"  # the CUDA stand-ins for sgl_kernel and flashinfer
 
 ENV_ARM = "VSKIPPER_ARM"  # the served arm as JSON (Arm fields)
 ENV_ENTER = "VSKIPPER_ENTER_TOKENS"
 ENV_EXIT = "VSKIPPER_EXIT_TOKENS"
 ENV_THRESHOLDS_SOURCE = "VSKIPPER_THRESHOLDS_SOURCE"  # flags | roofline:<device> | unused (...)
 ENV_STATE = "VSKIPPER_STATE_FILE"  # where the scheduler writes its attestation for the HTTP process
+ENV_PROFILE = "VSKIPPER_PROFILE"  # the serving profile's attestation as JSON (ServeProfile.attestation)
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
 GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}
@@ -39,6 +41,7 @@ class ServeSpec:
     exit_tokens: int
     state_file: Path | None = None
     thresholds_source: str = "flags"
+    profile: dict | None = None  # ServeProfile.attestation() of the profile that serves
 
     def to_env(self) -> dict[str, str]:
         arm = {k: v for k, v in self.arm.as_dict().items() if k in ("name", "skipper", "params", "phases",
@@ -47,6 +50,8 @@ class ServeSpec:
                ENV_THRESHOLDS_SOURCE: self.thresholds_source}
         if self.state_file is not None:
             env[ENV_STATE] = str(self.state_file)
+        if self.profile is not None:
+            env[ENV_PROFILE] = json.dumps(self.profile)
         return env
 
     @classmethod
@@ -65,8 +70,12 @@ class ServeSpec:
             except ValueError:
                 raise ServeConfigError(f"{key} must be an integer, got {environ[key]!r}") from None
         state = environ.get(ENV_STATE)
+        try:
+            profile = json.loads(environ[ENV_PROFILE]) if environ.get(ENV_PROFILE) else None
+        except json.JSONDecodeError as exc:
+            raise ServeConfigError(f"{ENV_PROFILE}: not JSON ({exc})") from None
         return cls(arm, thresholds[0], thresholds[1], Path(state) if state else None,
-                   environ.get(ENV_THRESHOLDS_SOURCE, "flags"))
+                   environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile)
 
 
 def check_arm_for_model(arm: Arm, model_type: str) -> None:
@@ -90,14 +99,110 @@ def checkpoint_config(model_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def serve_environment(spec: ServeSpec, base: dict[str, str] | None = None, cpu: bool = True) -> dict[str, str]:
-    """The server's environment: SGLang's CPU engine (on CPU), the external model package, the sgl_kernel
-    stand-in (on this process tree's PYTHONPATH only) and the served configuration."""
+# Whether the model classes capture a routed decode graph variant. Until they do, decode graph replay (which never
+# calls the model's Python forward, where each pass is planned) would run the captured dense graph for routed rows
+# and stop the counters, so an arm that routes or switches decode runs decode eagerly on a GPU.
+ROUTED_DECODE_GRAPHS = False
+ROUTED_DECODE_EAGER = ("eager: the arm routes decode and no routed decode graph variant exists "
+                       "(a replay would run the captured dense graph)")
+# Launch flags that can turn decode graphs on again after the profile's last word (SGLang keeps the last
+# convenience flag, and a --cuda-graph-config JSON wins over every convenience flag).
+DECODE_GRAPH_FLAGS = ("--cuda-graph-backend-decode", "--cuda-graph-config")
+
+# SGLang's CPU recipe: the CPU engine (environment), torch-native attention and sampling, no grammar backend,
+# no CUDA graphs, a small KV pool. Flags after `--` are appended and override these (SGLang keeps the last).
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--grammar-backend", "none", "--cuda-graph-backend-decode", "disabled",
+             "--cuda-graph-backend-prefill", "disabled", "--mem-fraction-static", "0.1",
+             "--max-total-tokens", "4096")
+# SGLang on CUDA without its kernel wheels: the pure-Triton attention backend (else it picks fa3 on Hopper), torch
+# sampling, no grammar backend, full decode graphs (torch.cuda.CUDAGraph only), no prefill graphs (piecewise
+# prefill graphs need sgl_kernel.weak_ref_tensor).
+GPU_STAND_IN_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+                      "--cuda-graph-backend-decode", "full", "--cuda-graph-backend-prefill", "disabled")
+GPU_STAND_IN_ENV = {
+    "SGLANG_IS_FLASHINFER_AVAILABLE": "false",  # the flashinfer stand-in is importable, never usable
+    "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",  # the stand-in has no wheel version
+    "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",  # no compiled radix tree core on the device
+}
+# Without JIT: SGLang's fused ops (rope, silu, KV store, q/k norm) take their torch paths and nothing compiles at
+# warm-up (deterministic start-up on a fresh machine). With JIT they compile with nvcc and ninja.
+GPU_NO_JIT_ENV = {"SGLANG_FORCE_FUSED_OP_BACKEND": "torch", "SGLANG_CRASH_ON_JIT_COMPILE": "1"}
+
+
+@dataclass(frozen=True)
+class ServeProfile:
+    """How the server runs on its platform: what goes first on its PYTHONPATH, its environment, SGLang flags
+    before the caller's (`flags`) and after them (`final_flags`, which the caller cannot override)."""
+
+    name: str  # cpu | gpu-stand-in | gpu-kernels
+    platform: str  # cpu | gpu
+    kernels: str
+    decode_graphs: str  # what the launch asks of decode passes: disabled | full | sglang-default | eager: why
+    path: tuple[str, ...] = ()
+    environment: tuple[tuple[str, str], ...] = ()
+    flags: tuple[str, ...] = ()
+    final_flags: tuple[str, ...] = ()
+    jit: str | None = None
+
+    def attestation(self) -> dict:
+        return {"name": self.name, "platform": self.platform, "kernels": self.kernels, "jit": self.jit,
+                "decode_graphs": self.decode_graphs}
+
+
+def serve_profile(platform: str, real_sgl_kernel: bool, routes_decode: bool, jit: bool = False) -> ServeProfile:
+    """The serving profile for a resolved platform (`cpu` | `gpu`), whether a real `sgl_kernel` is importable,
+    and whether the arm routes or switches decode.
+
+    cpu           the CPU recipe: the CPU stand-in for sgl_kernel, SGLang's CPU engine, CPU_FLAGS
+    gpu-stand-in  a GPU without SGLang's kernel wheels: the CUDA stand-ins, GPU_STAND_IN_ENV, GPU_STAND_IN_FLAGS
+    gpu-kernels   a GPU with the real sgl_kernel (a CUDA runtime image): nothing added
+    On a GPU an arm that routes decode runs decode eagerly while no routed decode graph variant exists."""
+    if platform == "cpu":
+        return ServeProfile("cpu", "cpu", "sgl_kernel CPU stand-in (vskipper/sglang/shims); SGLang's torch paths",
+                            "disabled", path=(str(SHIMS_DIR),), environment=(("SGLANG_USE_CPU_ENGINE", "1"),),
+                            flags=CPU_FLAGS)
+    if platform != "gpu":
+        raise ValueError(f"--platform must be cpu, gpu or auto, got {platform!r}")
+    eager = routes_decode and not ROUTED_DECODE_GRAPHS
+    final = ("--cuda-graph-backend-decode", "disabled") if eager else ()
+    if real_sgl_kernel:
+        return ServeProfile("gpu-kernels", "gpu", "SGLang's sgl_kernel and flashinfer (installed)",
+                            ROUTED_DECODE_EAGER if eager else "sglang-default", final_flags=final)
+    env = dict(GPU_STAND_IN_ENV, **({} if jit else GPU_NO_JIT_ENV))
+    return ServeProfile("gpu-stand-in", "gpu", "CUDA stand-in (vskipper/sglang/shims_gpu): sgl_kernel norms in "
+                        "torch, flashinfer importable only; Triton attention, torch sampling",
+                        ROUTED_DECODE_EAGER if eager else "full", path=(str(SHIMS_GPU_DIR),),
+                        environment=tuple(sorted(env.items())), flags=GPU_STAND_IN_FLAGS, final_flags=final,
+                        jit="SGLang JIT kernels (nvcc, ninja)" if jit else "off: SGLang's torch fused-op paths")
+
+
+def check_decode_graph_flags(profile: ServeProfile, extra: list[str]) -> None:
+    """Refuse caller flags that would turn decode graphs back on where the profile runs decode eagerly."""
+    if not profile.final_flags:
+        return
+    for i, arg in enumerate(extra):
+        flag, _, value = arg.partition("=")
+        for name in DECODE_GRAPH_FLAGS:
+            if len(flag) > len("--cuda-graph-") and name.startswith(flag):
+                value = value or (extra[i + 1] if i + 1 < len(extra) else "")
+                if name.endswith("decode") and value == "disabled":
+                    continue
+                raise ServeConfigError(f"{flag} {value}: this arm routes decode and no routed decode graph "
+                                       "variant exists, so decode runs eagerly; a decode graph replay would run the "
+                                       "captured dense graph for routed rows")
+
+
+def serve_environment(spec: ServeSpec, base: dict[str, str] | None = None,
+                      profile: ServeProfile | None = None) -> dict[str, str]:
+    """The server's environment: the profile's (on CPU, SGLang's CPU engine), the external model package, the
+    profile's stand-ins first on this process tree's PYTHONPATH only, and the served configuration."""
+    profile = profile or serve_profile("cpu", False, False)
     env = dict(os.environ if base is None else base)
     env.update(spec.to_env())
-    if cpu:
-        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env.update(profile.environment)
     env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = MODEL_PACKAGE
-    paths = [str(SHIMS_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    stand_ins = {str(SHIMS_DIR), str(SHIMS_GPU_DIR)}  # never inherit the other platform's stand-in
+    paths = list(profile.path) + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in stand_ins]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env

@@ -1,0 +1,586 @@
+"""The device run's stages (benchmarks/gpu/run.sh calls this): dense against routed, served by the real SGLang.
+
+    python benchmarks/gpu/run.py serve-ab|sweep|kernels|summary OUTDIR [--dry-run]
+
+Each stage writes `OUTDIR/<stage>.json` when it completes and skips work already there (a fresh machine reruns
+only what is missing); a stage stops starting new work when its time budget (`--budget-s`, under nine minutes)
+would be exceeded and says what it left for the next run. `--dry-run` runs every step on the CPU platform with a
+tiny model and tiny sizes (the same code path; its numbers mean nothing).
+
+serve-ab  a Llama-3-8B-shaped FlexiDepth configuration (32 layers, routed 16-31, random weights: `--load-format
+          dummy`) in three arms: dense, always-route RandomSkip r = 1 d = 0.5, hybrid (the same skipper, decode
+          thresholds from the roofline rule for the detected device); loadgen's matched-work A/B of each routed
+          arm against dense at loads whose resident KV tokens are below, near and above the enter threshold.
+sweep     fixed-batch decode (batch x context, cells that do not fit the KV pool are skipped and named) and
+          prefill at 1k/2k/4k tokens, dense and always-route, one server at a time: step time, tokens/s, TPOT,
+          the latency lines in V (tau, the measured crossover V_x beside the rule's V*), prefill ratios.
+kernels   benchmarks/mixed_depth_bench.py and `vskipper tune-tiles` for the device.
+summary   results.json and summary.md from whatever the stages wrote.
+
+A routed arm's decode passes run eagerly while no routed decode graph variant exists (`vskipper serve` says so
+in the attestation's `execution.profile.decode_graphs`); every figure is labelled with what ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from vskipper.sglang.launch import Server, http, launched  # noqa: E402
+
+STAGES = ("serve-ab", "sweep", "kernels")
+SKIP_RATIO = 0.5  # RandomSkip r = 1, d = 0.5: half of the routed decisions project
+ARM_FILES = {name: {"name": name, "skipper": "random_skip", "params": {"r": 1.0, "d": 0.5}, "mode_switch": switch}
+             for name, switch in (("random-r1-d0.5-always", False), ("random-r1-d0.5-hybrid", True))}
+ALWAYS, HYBRID = ARM_FILES
+LOAD_CELLS = {"below": 0.5, "near": 1.0, "above": 1.5}  # target resident KV tokens as a multiple of enter
+# A JSON file {arm: URL} of servers already serving OUTDIR/model with `Plan` flags (`start`), used instead of
+# starting them: the CI dry run starts each arm once for every stage.
+ENV_SERVERS = "VSKIPPER_GPU_RUN_SERVERS"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one device run (`gpu`) or of its CPU dry run (`dry_run`)."""
+
+    dry_run: bool
+    platform: str
+    dtype: str
+    sglang_flags: tuple[str, ...]
+    ab_mem_fraction: str | None  # two servers share the device during an A/B
+    sweep_mem_fraction: str | None
+    prompt_tokens: int
+    output_tokens: int
+    ab_window_s: float  # declared duration of one A/B lane
+    ab_min_requests: int
+    ab_repetitions: int
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    sweep_new_tokens: int
+    prefill_lengths: tuple[int, ...]
+    prefill_reps: int
+    startup_timeout_s: float
+    pair_estimate_s: float  # what one routed arm's A/B takes, to stop before the stage's budget
+    load_cells: dict = field(default_factory=dict)  # arm -> the LOAD_CELLS it runs (default: all)
+    dry_thresholds: tuple[int, int] | None = None  # (enter, exit) on CPU, where no device has a roofline
+    model_size: dict = field(default_factory=dict)
+
+    @classmethod
+    def gpu(cls) -> Plan:
+        return cls(False, "gpu", "bfloat16",
+                   ("--load-format", "dummy", "--skip-tokenizer-init", "--context-length", "8192",
+                    "--cuda-graph-max-bs-decode", "256", "--max-running-requests", "256"),
+                   "0.42", "0.85", prompt_tokens=1024, output_tokens=256, ab_window_s=15.0, ab_min_requests=24,
+                   ab_repetitions=2, batches=(32, 64, 128), contexts=(1024, 2048, 4096), sweep_new_tokens=48,
+                   prefill_lengths=(1024, 2048, 4096), prefill_reps=3, startup_timeout_s=420.0, pair_estimate_s=300,
+                   model_size={"layers": 32, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8,
+                               "head_dim": 128, "vocab": 128256, "reduction": 16})
+
+    @classmethod
+    def dry(cls) -> Plan:
+        return cls(True, "cpu", "float32", ("--load-format", "dummy", "--skip-tokenizer-init"), None, None,
+                   prompt_tokens=24, output_tokens=6, ab_window_s=1.5, ab_min_requests=4, ab_repetitions=1,
+                   batches=(2, 3), contexts=(16,), sweep_new_tokens=6, prefill_lengths=(32, 64), prefill_reps=1,
+                   startup_timeout_s=240.0, pair_estimate_s=1, dry_thresholds=(60, 40), model_size={"layers": 4},
+                   # one cell per arm (the loop over cells is the same): engaged for always-route, and below
+                   # engagement for hybrid
+                   load_cells={ALWAYS: ("above",), HYBRID: ("below",)})
+
+
+class Stage:
+    """One stage's output folder, its time budget and what it left undone."""
+
+    def __init__(self, name: str, out: Path, budget_s: float) -> None:
+        self.name, self.out = name, out / name
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + budget_s
+        self.left: list[str] = []
+
+    def has_time(self, needed_s: float, what: str) -> bool:
+        if time.monotonic() + needed_s <= self.deadline:
+            return True
+        self.left.append(what)
+        print(f"[{self.name}] left for the next run (time budget): {what}", flush=True)
+        return False
+
+
+def log(stage: str, text: str) -> None:
+    print(f"[{stage}] {text}", flush=True)
+
+
+# -- the model, the arms, the servers -------------------------------------------------------------------------------
+
+def write_model(plan: Plan, out: Path) -> Path:
+    """A FlexiDepth-Llama config.json (no weights: `--load-format dummy` draws them)."""
+    from vskipper.checkpoint import TinySize, tiny_config
+
+    path = out / "model"
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config("flexidepth-llama", TinySize(**plan.model_size), dtype=plan.dtype)
+    if not plan.dry_run:
+        config.update(max_position_embeddings=8192, bos_token_id=128000, eos_token_id=128001)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def write_arms(out: Path) -> dict[str, Path]:
+    """The routed arms as files (OUTDIR/arms/NAME.json) for `vskipper serve --arm-file` and loadgen."""
+    paths = {}
+    (out / "arms").mkdir(parents=True, exist_ok=True)
+    for name, arm in ARM_FILES.items():
+        paths[name] = out / "arms" / f"{name}.json"
+        paths[name].write_text(json.dumps(arm) + "\n")
+    return paths
+
+
+def device_name(plan: Plan) -> str | None:
+    if plan.dry_run:
+        return None
+    from vskipper.roofline import lookup_device
+    from vskipper.sglang.cli import detect_gpu_product
+
+    product = detect_gpu_product()
+    return lookup_device(product).name if product else None
+
+
+def rule(plan: Plan, model: Path) -> dict:
+    """The roofline rule for the device (V*, enter, exit), or the dry run's tiny thresholds."""
+    if plan.dry_thresholds is not None:
+        enter, exit_ = plan.dry_thresholds
+        return {"enter_tokens": enter, "exit_tokens": exit_, "v_star_tokens": exit_, "source": "dry-run (CPU)"}
+    from vskipper.modelspec import load_model_facts
+    from vskipper.roofline import derive_thresholds, lookup_device
+
+    device = lookup_device(device_name(plan))
+    facts = load_model_facts(str(model))
+    t = derive_thresholds(device.bandwidth_gbps, SKIP_RATIO, facts.num_routed_layers,
+                          facts.kv_bytes_per_token_layer, device.dense_tflops)
+    return {**t.as_dict(), "source": f"roofline:{device.name}"}
+
+
+def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
+          arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None) -> Server:
+    extra = list(plan.sglang_flags) + (["--mem-fraction-static", mem] if mem else [])
+    kw = {}
+    if thresholds is not None and plan.dry_thresholds is not None:
+        kw = {"enter_tokens": thresholds["enter_tokens"], "exit_tokens": thresholds["exit_tokens"]}
+    return stack.enter_context(launched(model, workdir, arm=arm, arm_file=arm_file, dtype=plan.dtype,
+                                        extra=extra, platform=plan.platform, **kw))
+
+
+class Attached:
+    """A server started elsewhere (ENV_SERVERS): the calls the stages make of a `Server`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def wait_ready(self, timeout: float) -> Attached:
+        if http(self.url + "/health", timeout=min(timeout, 30))[0] != 200:
+            raise RuntimeError(f"{self.url}/health does not answer 200")
+        return self
+
+    def get_json(self, path: str) -> dict:
+        status, text = http(self.url + path)
+        if status != 200:
+            raise RuntimeError(f"GET {self.url}{path}: HTTP {status} {text[:300]}")
+        return json.loads(text)
+
+
+def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: str, arm_files: dict[str, Path],
+               mem: str | None = None, thresholds: dict | None = None):
+    """The arm's server: attached from ENV_SERVERS when it names the arm, else started (stopped with `stack`)."""
+    given = json.loads(Path(os.environ[ENV_SERVERS]).read_text()) if os.environ.get(ENV_SERVERS) else {}
+    if name in given:
+        return Attached(given[name])
+    if name == "dense":
+        return start(plan, stack, model, workdir, arm="dense", mem=mem)
+    return start(plan, stack, model, workdir, arm_file=arm_files[name], mem=mem,
+                 thresholds=thresholds if name == HYBRID else None)
+
+
+def ready(plan: Plan, servers: list[Server]) -> None:
+    for server in servers:
+        server.wait_ready(plan.startup_timeout_s)
+
+
+def find_key(doc, key: str):
+    if isinstance(doc, dict):
+        if key in doc:
+            return doc[key]
+        doc = list(doc.values())
+    if isinstance(doc, list):
+        for item in doc:
+            found = find_key(item, key)
+            if found is not None:
+                return found
+    return None
+
+
+def kv_capacity(server: Server) -> int:
+    capacity = find_key(server.get_json("/server_info"), "max_total_num_tokens")
+    if not capacity:
+        raise RuntimeError(f"{server.url}/server_info names no max_total_num_tokens")
+    return int(capacity)
+
+
+def served(server: Server) -> dict:
+    """What the server attests it ran: profile (decode graphs), passes, thresholds."""
+    doc = server.get_json("/vskipper/attestation")
+    return {"arm": doc["arm"]["name"], "profile": doc["execution"].get("profile"), "passes_total": doc["passes_total"],
+            "thresholds": doc["thresholds"], "sglang_version": doc.get("sglang_version")}
+
+
+# -- bursts: a fixed batch, timed from the stream ---------------------------------------------------------------------
+
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+
+async def burst(server: Server, prompts: list[list[int]], new_tokens: int):
+    import aiohttp
+
+    from loadgen.client import Endpoint, stream_request
+    from loadgen.records import RequestRecord
+
+    endpoint = Endpoint(server.url, attestation_path=None)
+    records = [RequestRecord(i, f"b{i}", 0.0, len(p), new_tokens, True) for i, p in enumerate(prompts)]
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(stream_request(session, endpoint, r, p, time.perf_counter)
+                               for r, p in zip(records, prompts, strict=True)))
+    errors = [r.error for r in records if r.error]
+    if errors:
+        raise RuntimeError(f"burst against {server.url}: {len(errors)} requests failed, first: {errors[0]}")
+    return records
+
+
+def decode_step(records) -> tuple[float, int]:
+    """(seconds per decode step, steps) over the window where every request of the batch decodes."""
+    t0 = max(r.first_token_s for r in records)
+    t1 = min(r.token_times_s[-1] for r in records)
+    steps = [sum(1 for t in r.token_times_s if t0 <= t <= t1) for r in records]
+    n = min(steps)
+    if n < 2 or t1 <= t0:
+        raise RuntimeError("decode window too short: raise the sweep's new tokens")
+    return (t1 - t0) / (n - 1), n
+
+
+def fit_line(points: list[tuple[float, float]]) -> dict | None:
+    """Least squares step = a + b V."""
+    if len(points) < 2:
+        return None
+    xs, ys = zip(*points, strict=True)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return {"intercept_s": my - b * mx, "slope_s_per_token": b, "points": len(points)}
+
+
+# -- stages ------------------------------------------------------------------------------------------------------------
+
+def stage_serve_ab(plan: Plan, out: Path, budget_s: float) -> dict:
+    """The dense server stays up while each routed arm in turn is served beside it (two on the device at once)."""
+    stage = Stage("serve-ab", out, budget_s)
+    model = write_model(plan, out)
+    arms = write_arms(out)
+    thresholds = rule(plan, model)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    result = {"thresholds": thresholds, "pairs": {}}
+    todo = []
+    for name in (ALWAYS, HYBRID):
+        done = stage.out / name / "pair.json"
+        if done.is_file():
+            result["pairs"][name] = json.loads(done.read_text())
+            log(stage.name, f"{name}: done in an earlier run ({done})")
+        else:
+            todo.append(name)
+    if todo:
+        with ExitStack() as stack:
+            t0 = time.monotonic()
+            dense = server_for(plan, stack, model, stage.out / "dense", "dense", arms, plan.ab_mem_fraction)
+            for name in todo:
+                if not stage.has_time(plan.pair_estimate_s, f"A/B dense vs {name}"):
+                    break
+                with ExitStack() as pair_stack:
+                    routed = server_for(plan, pair_stack, model, stage.out / name / "server", name, arms,
+                                        plan.ab_mem_fraction, thresholds)
+                    ready(plan, [dense, routed])
+                    log(stage.name, f"dense and {name} up after {time.monotonic() - t0:.0f} s")
+                    pair = ab_pair(plan, stage, name, arms[name], thresholds, vocab, dense, routed)
+                (stage.out / name / "pair.json").write_text(json.dumps(pair, indent=1) + "\n")
+                result["pairs"][name] = pair
+                t0 = time.monotonic()
+    result["left"] = stage.left
+    return result
+
+
+def ab_pair(plan: Plan, stage: Stage, name: str, arm_file: Path, thresholds: dict, vocab: int, dense: Server,
+            routed: Server) -> dict:
+    from loadgen.suite import Suite, SuiteRequest
+
+    work = stage.out / name
+    capacity = kv_capacity(dense)
+    per_request = plan.prompt_tokens + plan.output_tokens / 2
+    calib_batch = max(1, min(64, int(thresholds["enter_tokens"] / per_request)))
+    records = asyncio.run(burst(dense, [prompt(plan.prompt_tokens, i, vocab) for i in range(calib_batch)],
+                                max(8, plan.output_tokens // 8)))
+    step_s, _ = decode_step(records)
+    ttft = statistics.median(r.ttft_s for r in records)
+    cells = {}
+    for label in plan.load_cells.get(name, tuple(LOAD_CELLS)):
+        target = LOAD_CELLS[label] * thresholds["enter_tokens"]
+        capped = target > 0.9 * capacity
+        target = min(target, 0.9 * capacity)
+        concurrency = max(1.0, target / per_request)
+        rate = concurrency / (ttft + plan.output_tokens * step_s)  # Little's law with the calibrated latency
+        requests = max(plan.ab_min_requests, round(rate * plan.ab_window_s))
+        if plan.dry_run:  # the pipeline only: a short cell whatever the CPU's speed
+            rate = requests / plan.ab_window_s
+        cells[label] = {"target_resident_tokens": round(target), "capped_by_kv_pool": capped,
+                        "rate": round(rate, 3), "requests": requests}
+    n = max(c["requests"] for c in cells.values())
+    suite = Suite(f"gpu-{plan.prompt_tokens}", tuple(
+        SuiteRequest(f"gpu:{i}", tuple(prompt(plan.prompt_tokens, 1000 + i, vocab)),
+                     max_new_tokens=plan.output_tokens) for i in range(n)))
+    suite_path = suite.save(work / "suite.jsonl")
+    log(stage.name, f"{name}: KV pool {capacity} tokens; cells {json.dumps(cells)}")
+    runs = {}
+    for label, cell in cells.items():
+        # The hybrid arm routes only above its enter threshold: below and near it, a cell where the switch never
+        # routes is accepted (loadgen's --below-engagement); above it, routing must engage.
+        below = name == HYBRID and label != "above"
+        cmd = [sys.executable, "-m", "loadgen.cli", "ab", "--suite", str(suite_path), "--baseline-url", dense.url,
+               "--baseline-name", "dense", "--baseline-attested", "--arm-url", routed.url, "--arm-json",
+               str(arm_file), "--rates", str(cell["rate"]), "--repetitions", str(plan.ab_repetitions),
+               "--max-new-tokens", str(plan.output_tokens), "--out", str(work / f"ab-{label}"),
+               *(["--below-engagement"] if below else [])]
+        t_cell = time.monotonic()
+        ab = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        (work / f"loadgen-{label}.log").write_text(ab.stdout + ab.stderr)
+        table = work / f"ab-{label}" / "table.md"
+        runs[label] = {**cell, "loadgen_exit": ab.returncode, "gates_passed": ab.returncode == 0,
+                       "below_engagement_accepted": below, "seconds": round(time.monotonic() - t_cell, 1),
+                       "table": table.read_text() if table.is_file() else None, "report": str(work / f"ab-{label}")}
+        log(stage.name, f"{name} {label}: loadgen exit {ab.returncode} ({runs[label]['seconds']} s)")
+    return {"arm": name, "kv_pool_tokens": capacity, "calibration": {"batch": calib_batch, "decode_step_s": step_s,
+            "ttft_s": ttft}, "cells": runs, "gates_passed": all(c["gates_passed"] for c in runs.values()),
+            "served": {"dense": served(dense), name: served(routed)}}
+
+
+def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
+    stage = Stage("sweep", out, budget_s)
+    model = write_model(plan, out)
+    arms = write_arms(out)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    result = {"arms": {}}
+    for name in ("dense", ALWAYS):
+        done = stage.out / f"{name}.result.json"
+        if done.is_file():
+            result["arms"][name] = json.loads(done.read_text())
+            continue
+        if not stage.has_time(0.3 * budget_s if not plan.dry_run else 1, f"sweep of {name}"):
+            continue
+        with ExitStack() as stack:
+            server = server_for(plan, stack, model, stage.out / name, name, arms, plan.sweep_mem_fraction)
+            ready(plan, [server])
+            capacity = kv_capacity(server)
+            decode, prefill, skipped = [], [], []
+            for batch in plan.batches:
+                for ctx in plan.contexts:
+                    need = batch * (ctx + plan.sweep_new_tokens)
+                    if need > capacity:
+                        skipped.append({"batch": batch, "context": ctx, "why": f"needs {need} KV tokens, "
+                                        f"pool {capacity}"})
+                        continue
+                    records = asyncio.run(burst(server, [prompt(ctx, 7 * batch + i, vocab) for i in range(batch)],
+                                                plan.sweep_new_tokens))
+                    step_s, steps = decode_step(records)
+                    decode.append({"batch": batch, "context": ctx, "resident_tokens": batch * (ctx + steps // 2),
+                                   "step_s": step_s, "tpot_s": step_s, "decode_tok_s": batch / step_s})
+            for length in plan.prefill_lengths:
+                ttfts = [asyncio.run(burst(server, [prompt(length, 99 + r, vocab)], 1))[0].ttft_s
+                         for r in range(plan.prefill_reps)]
+                prefill.append({"tokens": length, "ttft_s": statistics.median(ttfts),
+                                "prefill_tok_s": length / statistics.median(ttfts)})
+            result["arms"][name] = {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill,
+                                    "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"])
+                                                                          for d in decode]),
+                                    "served": served(server)}
+        done.write_text(json.dumps(result["arms"][name], indent=1) + "\n")
+    result["comparison"] = compare_sweep(plan, model, result["arms"])
+    result["left"] = stage.left
+    return result
+
+
+def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
+    if "dense" not in arms or ALWAYS not in arms:
+        return None
+    dense, routed = arms["dense"], arms[ALWAYS]
+    out: dict = {"routed_decode_graphs": routed["served"]["profile"]["decode_graphs"],
+                 "dense_decode_graphs": dense["served"]["profile"]["decode_graphs"]}
+    ld, lr = dense["line"], routed["line"]
+    if ld and lr:
+        tau = lr["intercept_s"] - ld["intercept_s"]
+        gap = ld["slope_s_per_token"] - lr["slope_s_per_token"]
+        v_star = rule(plan, model)["v_star_tokens"]
+        v_x = tau / gap if gap > 0 else None
+        out.update(tau_ms=tau * 1e3, v_x_tokens=v_x, v_star_tokens=v_star,
+                   v_x_over_v_star=(v_x / v_star) if v_x and v_star else None)
+    pairs = {(d["batch"], d["context"]): d for d in dense["decode"]}
+    out["decode_speedup"] = [{"batch": r["batch"], "context": r["context"],
+                              "routed_over_dense_tok_s": r["decode_tok_s"] / pairs[(r["batch"], r["context"])][
+                                  "decode_tok_s"]} for r in routed["decode"] if (r["batch"], r["context"]) in pairs]
+    dense_prefill = {p["tokens"]: p["ttft_s"] for p in dense["prefill"]}
+    out["prefill_speedup"] = [{"tokens": p["tokens"], "dense_over_routed_time": dense_prefill[p["tokens"]] / p["ttft_s"]}
+                              for p in routed["prefill"] if p["tokens"] in dense_prefill]
+    return out
+
+
+def bench_grid(plan: Plan) -> list[str]:
+    """mixed_depth_bench's grid sized to the device: its default grid takes about 95 GB."""
+    if plan.dry_run:
+        return ["--smoke"]
+    import torch
+
+    memory_gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    return [] if memory_gib >= 120 else ["--rows", "32,64,128", "--contexts", "512,1024,2048"]
+
+
+def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
+    stage = Stage("kernels", out, budget_s)
+    device = device_name(plan) or "CPU"
+    tiles = stage.out / f"tiles-{device}.json"
+    bench_json = stage.out / "mixed_depth_bench.json"
+    runs = {}
+    steps = (("tune-tiles", tiles, [sys.executable, "-m", "vskipper.cli", "tune-tiles", "--out", str(tiles),
+                                    *(["--interpret"] if plan.dry_run else ["--device", device])]),
+             ("mixed_depth_bench", bench_json, [sys.executable, str(ROOT / "benchmarks" / "mixed_depth_bench.py"),
+                                                "--json", str(bench_json), *bench_grid(plan)]))
+    for name, target, cmd in steps:
+        if target.is_file():
+            runs[name] = {"output": str(target), "exit": 0, "earlier_run": True}
+            continue
+        if not stage.has_time(5 if plan.dry_run else 120, name):
+            continue
+        env = dict(os.environ)
+        if plan.dry_run:
+            env["TRITON_INTERPRET"] = "1"
+        remaining = max(30.0, stage.deadline - time.monotonic())
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=remaining)
+            code, text = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            code, text = 124, f"stopped at the stage's time budget\n{exc.stdout or ''}"
+        (stage.out / f"{name}.log").write_text(text if isinstance(text, str) else text.decode())
+        runs[name] = {"output": str(target), "exit": code}
+        log(stage.name, f"{name}: exit {code}")
+    return {"device": device, "runs": runs, "left": stage.left}
+
+
+def summary(plan: Plan, out: Path) -> dict:
+    results = {"dry_run": plan.dry_run, "platform": plan.platform}
+    env = out / "env.json"
+    if env.is_file():
+        results["environment"] = json.loads(env.read_text())
+    for name in STAGES:
+        path = out / f"{name}.json"
+        results[name] = json.loads(path.read_text()) if path.is_file() else None
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "summary.md").write_text(markdown(results))
+    return results
+
+
+def _f(value, fmt: str = ".3g") -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def markdown(results: dict) -> str:
+    env = results.get("environment") or {}
+    lines = ["# vSkipper device run", "",
+             f"Device: {env.get('gpu', 'none (CPU dry run: no figure here is a GPU measurement)')}; "
+             f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, driver {env.get('driver', '?')}.", ""]
+    if results["dry_run"]:
+        lines += ["**Dry run on CPU with a tiny model: the pipeline, not performance.**", ""]
+    ab = results.get("serve-ab")
+    if ab:
+        th = ab["thresholds"]
+        lines += ["## Matched-work A/B", "", f"Thresholds ({th['source']}): enter {th['enter_tokens']} / exit "
+                  f"{th['exit_tokens']} resident KV tokens.", ""]
+        for name, pair in ab["pairs"].items():
+            graphs = pair["served"][name]["profile"]["decode_graphs"]
+            lines += [f"### dense vs {name}", "", f"Gates {'passed' if pair['gates_passed'] else 'FAILED'}; "
+                      f"routed decode: {graphs}.", ""]
+            for label, cell in pair["cells"].items():
+                lines += [f"{label} (target V {cell['target_resident_tokens']} tokens"
+                          f"{', capped by the KV pool' if cell['capped_by_kv_pool'] else ''}; {cell['rate']} req/s; "
+                          f"loadgen exit {cell['loadgen_exit']}):", "", cell["table"] or "(no table)", ""]
+        if ab.get("left"):
+            lines += [f"Left for the next run: {', '.join(ab['left'])}", ""]
+    sweep = results.get("sweep")
+    if sweep and sweep.get("comparison"):
+        c = sweep["comparison"]
+        lines += ["## Decode sweep and prefill", "",
+                  f"Dense decode: {c['dense_decode_graphs']}; routed decode: {c['routed_decode_graphs']}.", "",
+                  f"tau = {_f(c.get('tau_ms'))} ms; V_x = {_f(c.get('v_x_tokens'))} tokens; rule V* = "
+                  f"{_f(c.get('v_star_tokens'))} tokens; V_x / V* = {_f(c.get('v_x_over_v_star'))}", "",
+                  "| batch | context | routed / dense decode tok/s |", "|---:|---:|---:|"]
+        lines += [f"| {d['batch']} | {d['context']} | {d['routed_over_dense_tok_s']:.3f} |"
+                  for d in c["decode_speedup"]]
+        lines += ["", "| prefill tokens | dense / routed time |", "|---:|---:|"]
+        lines += [f"| {p['tokens']} | {p['dense_over_routed_time']:.3f} |" for p in c["prefill_speedup"]]
+        lines.append("")
+    kernels = results.get("kernels")
+    if kernels:
+        lines += ["## Kernels", ""] + [f"- {k}: exit {v['exit']}, {v['output']}" for k, v in kernels["runs"].items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=[*STAGES, "summary"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--dry-run", action="store_true", help="CPU platform, tiny model, tiny sizes")
+    parser.add_argument("--budget-s", type=float, default=500.0, help="the stage's time budget")
+    args = parser.parse_args(argv)
+    # A stage stopped at its time limit (SIGTERM) unwinds: its servers are stopped, never left holding the device.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    plan = Plan.dry() if args.dry_run else Plan.gpu()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.stage == "summary":
+        summary(plan, args.out)
+        print(f"wrote {args.out / 'results.json'} and {args.out / 'summary.md'}")
+        return 0
+    path = args.out / f"{args.stage}.json"
+    if path.is_file() and not json.loads(path.read_text()).get("left"):
+        print(f"[{args.stage}] complete in an earlier run: {path}")
+        return 0
+    run = {"serve-ab": stage_serve_ab, "sweep": stage_sweep, "kernels": stage_kernels}[args.stage]
+    result = run(plan, args.out, args.budget_s)
+    result["plan"] = asdict(plan)
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    summary(plan, args.out)
+    print(f"[{args.stage}] wrote {path}")
+    return 0 if not result.get("left") else 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())

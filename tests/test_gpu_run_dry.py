@@ -1,0 +1,145 @@
+"""benchmarks/gpu/run.sh on CPU (`--dry-run`: the CPU platform, a tiny FlexiDepth model with `--load-format dummy`),
+so that device minutes are not spent on typos: every stage end to end against the real SGLang server, with the
+three arms started once for all stages (the script's own launcher, `VSKIPPER_GPU_RUN_SERVERS`); and the device
+plan's server commands parsed by SGLang's own launch-flag parser. The numbers of a dry run mean nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from contextlib import ExitStack
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from benchmarks.gpu import run  # noqa: E402
+from tests.sglang_world import ROOT  # noqa: E402
+from tests.test_serve_contract import sglang_parser  # noqa: E402
+
+SCRIPT = ROOT / "benchmarks" / "gpu" / "run.sh"
+
+
+def _stage(stage: str, out, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([str(SCRIPT), stage, str(out), "--dry-run"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+
+
+def _finish(proc: subprocess.Popen, stage: str, logs: dict) -> None:
+    logs[stage], _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, f"{stage}:\n{logs[stage][-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """`run.sh` install, then serve-ab and sweep against the three arms started once (the kernels stage, which
+    needs no server, runs beside them), then `all`, which finds every stage done, into one folder."""
+    out = tmp_path_factory.mktemp("gpu-run")
+    plan = run.Plan.dry()
+    model = run.write_model(plan, out)
+    arms = run.write_arms(out)
+    thresholds = run.rule(plan, model)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    logs: dict[str, str] = {}
+    _finish(_stage("install", out, env), "install", logs)
+    kernels = _stage("kernels", out, env)
+    try:
+        with ExitStack() as stack:
+            servers = {name: run.server_for(plan, stack, model, out / "servers" / name, name, arms,
+                                            thresholds=thresholds) for name in ("dense", run.ALWAYS, run.HYBRID)}
+            run.ready(plan, list(servers.values()))
+            given = out / "servers.json"
+            given.write_text(json.dumps({name: s.url for name, s in servers.items()}))
+            env[run.ENV_SERVERS] = str(given)
+            for stage in ("serve-ab", "sweep"):
+                _finish(_stage(stage, out, env), stage, logs)
+        _finish(kernels, "kernels", logs)
+        _finish(_stage("all", out, env), "all", logs)
+    finally:
+        kernels.kill()
+    return out, logs
+
+
+def test_install_reports_the_platform_torch_and_triton(dry_run):
+    out, logs = dry_run
+    env = json.loads((out / "env.json").read_text())
+    assert env["mode"] == "--dry-run" and env["torch"].startswith("2.13") and env["triton"]
+    assert "no bundle installed" in logs["install"]
+
+
+def test_serve_ab_runs_both_routed_arms_against_dense_and_every_gate_passes(dry_run):
+    out, _ = dry_run
+    ab = json.loads((out / "serve-ab.json").read_text())
+    assert ab["left"] == [] and set(ab["pairs"]) == {run.ALWAYS, run.HYBRID}
+    for name, pair in ab["pairs"].items():
+        assert pair["gates_passed"], pair
+        for cell in pair["cells"].values():
+            assert cell["table"] and "| dense |" in cell["table"] or cell["table"]
+            assert (out / "serve-ab" / name / f"ab-{next(iter(pair['cells']))}" / "table.md").is_file()
+        served = pair["served"][name]
+        assert served["arm"] == name
+        assert served["profile"]["name"] == "cpu" and served["profile"]["decode_graphs"] == "disabled"
+        assert pair["served"]["dense"]["arm"] == "dense"
+    assert ab["pairs"][run.HYBRID]["cells"]["below"]["below_engagement_accepted"]
+    always = ab["pairs"][run.ALWAYS]["served"][run.ALWAYS]["passes_total"]
+    assert always["decode"]["routed"] > 0 and always["decode"]["dense"] == 0
+
+
+def test_sweep_measures_both_arms_and_compares_them(dry_run):
+    out, _ = dry_run
+    sweep = json.loads((out / "sweep.json").read_text())
+    plan = run.Plan.dry()
+    for name in ("dense", run.ALWAYS):
+        arm = sweep["arms"][name]
+        assert {(d["batch"], d["context"]) for d in arm["decode"]} == \
+            {(b, c) for b in plan.batches for c in plan.contexts}
+        assert all(d["decode_tok_s"] > 0 for d in arm["decode"])
+        assert [p["tokens"] for p in arm["prefill"]] == list(plan.prefill_lengths)
+        assert arm["line"]["points"] == len(arm["decode"])
+    comparison = sweep["comparison"]
+    assert len(comparison["decode_speedup"]) == len(plan.batches) * len(plan.contexts)
+    assert len(comparison["prefill_speedup"]) == len(plan.prefill_lengths)
+    assert comparison["routed_decode_graphs"] == "disabled" and "tau_ms" in comparison
+
+
+def test_kernels_stage_writes_a_tile_table_and_the_bench_figures(dry_run):
+    out, _ = dry_run
+    kernels = json.loads((out / "kernels.json").read_text())
+    assert {k: v["exit"] for k, v in kernels["runs"].items()} == {"tune-tiles": 0, "mixed_depth_bench": 0}
+    assert json.loads((out / "kernels" / "tiles-CPU.json").read_text())
+    assert json.loads((out / "kernels" / "mixed_depth_bench.json").read_text())
+
+
+def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
+    out, logs = dry_run
+    for stage in ("serve-ab", "sweep", "kernels"):
+        assert f"[{stage}] complete in an earlier run" in logs["all"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["dry_run"] and results["serve-ab"] and results["sweep"] and results["kernels"]
+    summary = (out / "summary.md").read_text()
+    assert "Dry run on CPU" in summary and "## Matched-work A/B" in summary and "tau =" in summary
+
+
+def test_device_plan_server_commands_parse_with_sglangs_own_flags(tmp_path):
+    plan = run.Plan.gpu()
+    model = run.write_model(plan, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["routing_layers"]) == \
+        (32, 4096, list(range(16, 32)))
+    arms = run.write_arms(tmp_path)
+    parser = sglang_parser()
+    for arm in (["--arm", "dense"], ["--arm-file", str(arms[run.ALWAYS])],
+                ["--arm-file", str(arms[run.HYBRID]), "--gpu", "H100-SXM"]):
+        r = subprocess.run([sys.executable, "-m", "vskipper.cli", "serve", "--model", str(model), *arm,
+                            "--platform", "gpu", "--dry-run", "--", *plan.sglang_flags, "--mem-fraction-static",
+                            plan.ab_mem_fraction], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 0, r.stderr
+        shown = json.loads(r.stdout)
+        args = parser.parse_args(shown["command"][3:])
+        assert (args.load_format, args.attention_backend, args.skip_tokenizer_init) == ("dummy", "triton", True)
+        routed = arm[0] == "--arm-file"
+        assert args.cuda_graph_backend_decode == ("disabled" if routed else "full")
+        max_bs = int(plan.sglang_flags[plan.sglang_flags.index("--cuda-graph-max-bs-decode") + 1])
+        assert args.cuda_graph_backend_prefill == "disabled" and args.cuda_graph_max_bs_decode == max_bs

@@ -1,0 +1,1 @@
+"""`flashinfer.comm.mapping` of the GPU stand-in: importable, never called."""

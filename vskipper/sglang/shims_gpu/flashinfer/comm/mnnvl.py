@@ -1,0 +1,1 @@
+"""`flashinfer.comm.mnnvl` of the GPU stand-in: importable, never called."""
