@@ -9,6 +9,8 @@ scheduler's included, and applies their hooks before the scheduler is built. `re
                     lookups by it; after, it commits the mode for the requests the round admitted
   prefix insert     AROUND <tree cache>.insert_req: a released request whose decode ran in another mode than
                     its prefill inserts its prompt's KV only
+  executed config   AFTER Scheduler.get_init_info and AROUND Scheduler.run_batch (`vskipper.sglang.executed`):
+                    what SGLang executes, read after boot, and the scheduler's own pass count per phase
 
 SGLang only logs a hook that fails to apply, so the model class calls `check_applied` at load and refuses to
 serve a routed arm without them.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vskipper.sglang import executed
 from vskipper.sglang.spec import ENV_ARM, ServeConfigError
 
 ADMISSION_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
@@ -26,7 +29,7 @@ INSERT_TARGETS = (
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert_req",  # SGLang's default tree cache
     "sglang.srt.mem_cache.radix_cache.RadixCache.insert_req",
 )
-TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS)
+TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *executed.TARGETS)
 
 
 def _runtime():
@@ -73,6 +76,7 @@ def register() -> None:
     HookRegistry.register(ADMISSION_TARGET, around_admission_round, HookType.AROUND)
     for target in INSERT_TARGETS:
         HookRegistry.register(target, around_insert_req, HookType.AROUND)
+    executed.register(HookRegistry, HookType)
 
 
 def check_applied() -> None:
