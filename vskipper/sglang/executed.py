@@ -1,9 +1,8 @@
 """What a server executes, read from SGLang's scheduler once it has booted, and the scheduler's own pass counts.
 
 The comparability gates of an A/B (loadgen's `execution_difference` and `cross_arm_identity`) compare what each
-server ran, never its launch flags: SGLang resolves, caps and overrides flags while it boots (a chunk size
-disabled, graph batch sizes capped at the running-request limit, a KV pool sized by the memory left after the
-weights). Two hooks in the scheduler process, registered with vSkipper's others (`vskipper.sglang.hooks`):
+server ran, never its launch flags: SGLang resolves and overrides flags while it boots (a chunk size disabled,
+graph capture turned off by the attention backend, a KV pool sized by the memory left after the weights). Two hooks in the scheduler process, registered with vSkipper's others (`vskipper.sglang.hooks`):
 
   booted      AFTER Scheduler.get_init_info, which SGLang calls once the scheduler is built (weights loaded, KV
               pool allocated, graphs captured) and before the server reports ready: reads the executed
@@ -25,8 +24,7 @@ BOOTED_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
 RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 TARGETS = (BOOTED_TARGET, RUN_BATCH_TARGET)
 
-# The vSkipper execution profile a server runs: routed layers through the torch cohort backend, eager, on CPU.
-CPU_PROFILE = "cpu"
+CPU_PROFILE = "cpu"  # vSkipper's execution profile on CPU: the routed layers through the torch cohort backend, eager
 
 
 @dataclass
@@ -50,14 +48,14 @@ def _kv_pool_bytes(pool: Any) -> int:
     return int(sum(size)) if isinstance(size, tuple) else int(size)
 
 
-def vskipper_profile(device: str) -> str:
-    """The execution profile of vSkipper's routed layers on this device (one profile exists: the CPU one)."""
-    if device != "cpu":
-        raise ValueError(f"vSkipper has no execution profile for device {device!r} yet (profiles: {CPU_PROFILE})")
-    return CPU_PROFILE
+def vskipper_profile(runtime: Any) -> str:
+    """vSkipper's execution profile: the one the runtime attests (`execution.profile`) where it attests one, else
+    the CPU profile (the routed layers through the torch cohort backend, eager), the only one so far."""
+    attested = (runtime.attestation().get("execution") or {}).get("profile") if runtime is not None else None
+    return attested or CPU_PROFILE
 
 
-def executed_configuration(scheduler: Any, device: str) -> dict[str, Any]:
+def executed_configuration(scheduler: Any, profile: str) -> dict[str, Any]:
     """The configuration a booted scheduler executes, read from its objects:
 
     attention_backend           {prefill, decode}: the backends the model runner resolved and built
@@ -99,7 +97,7 @@ def executed_configuration(scheduler: Any, device: str) -> dict[str, Any]:
         "mixed_chunk": bool(scheduler.is_mixed_chunk),
         "prefix_cache": type(scheduler.tree_cache).__name__,
         "sglang_version": sglang.__version__,
-        "profile": vskipper_profile(device),
+        "profile": profile,
     }
 
 
@@ -199,8 +197,7 @@ def after_boot(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     runtime = _runtime()
-    device = runtime.device if runtime is not None else str(scheduler.device)
-    _STATE.config = executed_configuration(scheduler, device)
+    _STATE.config = executed_configuration(scheduler, vskipper_profile(runtime))
     _STATE.counting = RUN_BATCH_TARGET in HookRegistry._patched
     if runtime is not None:
         runtime.write_state()
