@@ -18,6 +18,7 @@ import pytest
 
 from loadgen.attestation import Attestation, pass_delta
 from loadgen.gates import cross_arm_identity, execution_difference, mechanism_evidence
+from tests.sglang_world import servable_tiny_model
 from vskipper.arms import get_arm
 from vskipper.sglang.cli import CPU_FLAGS
 from vskipper.sglang.executed import CPU_PROFILE, declared_execution
@@ -41,11 +42,7 @@ def test_launch_flags_declare_the_fields_they_name_and_nothing_sglang_decides():
 
 @pytest.fixture(scope="module")
 def served_model(tmp_path_factory):
-    from vskipper.checkpoint import make_tiny_model, write_tiny_tokenizer
-
-    path = make_tiny_model("flexidepth-llama", tmp_path_factory.mktemp("executed") / "flexidepth")
-    write_tiny_tokenizer(path)
-    return path
+    return servable_tiny_model(tmp_path_factory.mktemp("executed") / "flexidepth")
 
 
 @pytest.fixture(scope="module")
