@@ -10,8 +10,12 @@ The runtime serves a JSON document at an HTTP GET path (default `/vskipper/attes
     }
 
 Optional: "scheduler_passes_total": {"prefill": int, "decode": int}, the scheduler's own pass counts; when
-present, the per-mode counters of a phase must sum to it over the cell. Other keys (switch attestation,
-constants, ...) are kept in `raw` untouched.
+present, the per-mode counters of a phase must sum to it over the cell. "executed": {field: value}, the
+configuration the server executes as read from SGLang after boot (attention backends, sampling backend, decode
+graph batch sizes, chunked-prefill size, max running requests, `kv_pool` {tokens, bytes}, dtypes, page size,
+parallel sizes, scheduler policy, overlap scheduler, SGLang version, vSkipper profile; see
+`vskipper.sglang.executed`); the execution-difference and cross-arm identity gates read it. Other keys (switch
+attestation, constants, ...) are kept in `raw` untouched.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Attestation:
     passes_total: dict[str, dict[str, int]]
     arm: dict[str, Any] | None = None
     scheduler_passes_total: dict[str, int] | None = None
+    executed: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -65,7 +70,11 @@ class Attestation:
             if not isinstance(sched, Mapping):
                 raise AttestationError("attestation.scheduler_passes_total: must be an object {phase: count}")
             sched_parsed = {p: _count(sched.get(p, 0), f"attestation.scheduler_passes_total.{p}") for p in PHASES}
-        return cls(parsed, dict(arm) if arm is not None else None, sched_parsed, dict(data))
+        executed = data.get("executed")
+        if executed is not None and not isinstance(executed, Mapping):
+            raise AttestationError(f"attestation.executed: must be an object, got {type(executed).__name__}")
+        return cls(parsed, dict(arm) if arm is not None else None, sched_parsed,
+                   dict(executed) if executed is not None else None, dict(data))
 
     def as_dict(self) -> dict:
         return dict(self.raw) or {"passes_total": self.passes_total, "arm": self.arm,

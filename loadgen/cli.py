@@ -92,8 +92,12 @@ def cmd_ab(args) -> int:
     else:
         raise SystemExit("ab: give --q-star or --rates")
     suite = load_suite(args.suite)
-    base = ArmTarget(args.baseline_name, _endpoint(args.baseline_url, args, args.baseline_attested))
-    target = ArmTarget(arm.name, _endpoint(args.arm_url, args, True), arm)
+    execution = json.loads(Path(args.execution).read_text()) if args.execution else None
+    if execution is not None and not isinstance(execution, dict):
+        raise ValueError(f"--execution {args.execution}: must hold a JSON object of executed fields")
+    base = ArmTarget(args.baseline_name, _endpoint(args.baseline_url, args, args.baseline_attested),
+                     execution=execution if args.baseline_attested else None)
+    target = ArmTarget(arm.name, _endpoint(args.arm_url, args, True), arm, execution)
 
     async def go():
         return [await run_ab(base, target, suite, rate, repetitions=args.repetitions, seed=args.seed, label=label,
@@ -221,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--empty-exception", action="append", default=[], help="request id allowed to be empty")
     s.add_argument("--below-engagement", action="store_true",
                    help="hybrid arm: accept cells where the switch never routes")
+    s.add_argument("--execution", help="the configuration both arms must attest they executed: a JSON file "
+                                       "holding an object of `executed` fields (attested arms only)")
     s.add_argument("--out", required=True)
     server_args(s)
     s.set_defaults(fn=cmd_ab)

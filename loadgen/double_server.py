@@ -10,7 +10,7 @@ one token. Latency therefore grows with load, like a real server's.
 Generated tokens are deterministic: request r's k-th token is (sum(input_ids) + 7k) % vocab, and its natural
 length is 1 + (sum(input_ids) * 2654435761 % 1009) % natural_max (capped by max_new_tokens, after which it
 stops with "length"); with ignore_eos it generates exactly max_new_tokens. Passes are counted per phase under
-the mode the configured arm declares for that phase.
+the mode the configured arm declares for that phase; the attested `executed` configuration is the configured one.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class DoubleConfig:
     vocab: int = 32000
     incremental_ids: bool = False  # stream output_ids as increments instead of the cumulative list
     arm: dict[str, Any] | None = None  # attested as the served design
+    executed: dict[str, Any] = field(default_factory=lambda: {"profile": "stand-in", "kv_pool": {"tokens": 0}})
     routed_phases: tuple[str, ...] = ()  # phases whose passes count as routed
     attestation_path: str = DEFAULT_ATTESTATION_PATH
     fail_every: int = 0  # > 0: every n-th request answers HTTP 500 (to exercise the accounting gate)
@@ -178,7 +179,8 @@ class DoubleServer:
 
     async def _attestation(self, request: web.Request) -> web.Response:
         sched = {p: sum(m.values()) for p, m in self.passes.items()}
-        doc = {"passes_total": self.passes, "scheduler_passes_total": sched, "arm": self.config.arm}
+        doc = {"passes_total": self.passes, "scheduler_passes_total": sched, "arm": self.config.arm,
+               "executed": self.config.executed}
         return web.json_response(doc)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> DoubleServer:

@@ -5,8 +5,9 @@
    (skipped when lengths are given); that natural cell must pass accounting, declared cell size and zero-empty,
    else `CellRefused` is raised;
 2. for each repetition, both arms run the matched lane on the same suite and arrival schedule (seed + rep),
-   in alternating order; each pair goes through the gates; a refused pair is kept in the result with its
-   reasons and left out of the comparison;
+   in alternating order; each pair goes through the gates (with the comparability gates: each arm executed
+   its declared configuration, and the two arms differ only where allowed); a refused pair is kept in the
+   result with its reasons and left out of the comparison;
 3. the comparison is the mean per-repetition % change of every metric with a 95% t interval.
 
 `run_ladder` runs the baseline's natural lane at contiguous integer rates and applies the Q* rule to the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from loadgen.client import Endpoint
 from loadgen.driver import client_session, matched_plan, natural_plan, record_lengths, run_cell
@@ -34,11 +36,13 @@ COMPARED = ("e2e_mean", "e2e_p50", "e2e_p90", "e2e_p99", "tpot_mean", "tpot_p99"
 
 @dataclass(frozen=True)
 class ArmTarget:
-    """One arm under test: its name, where it is served, and (for vSkipper arms) the arm it must attest."""
+    """One arm under test: its name, where it is served, (for vSkipper arms) the arm it must attest, and the
+    configuration the experiment declares it executes (a possibly partial attested `executed` object)."""
 
     name: str
     endpoint: Endpoint
     arm: Arm | None = None
+    execution: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -109,6 +113,7 @@ async def run_ab(baseline: ArmTarget, arm: ArmTarget, suite: Suite, rate: float,
     if repetitions < 1:
         raise ValueError(f"repetitions must be >= 1, got {repetitions}")
     arms = {t.name: t.arm for t in (baseline, arm) if t.arm is not None}
+    declared = {t.name: t.execution for t in (baseline, arm) if t.execution is not None}
     targets = {baseline.name: baseline, arm.name: arm}
     async with client_session() as session:
         length_cell = None
@@ -130,7 +135,7 @@ async def run_ab(baseline: ArmTarget, arm: ArmTarget, suite: Suite, rate: float,
                 cells[name] = await run_cell(t.endpoint, plan, name, progress=progress, session=session)
             report = gate_pair(cells[baseline.name], cells[arm.name], suite_digest=suite.digest,
                                request_ids=suite.ids, arms=arms, empty_exceptions=empty_exceptions,
-                               expect_engaged=expect_engaged)
+                               expect_engaged=expect_engaged, declared_execution=declared)
             result.repetitions.append(Repetition(rep, order, cells[baseline.name], cells[arm.name], report))
     result.compare()
     return result

@@ -11,10 +11,17 @@
   declared below the switch's engagement), none on a dense arm, counters never went backwards, and per-mode
   counters sum to the scheduler's pass count when it is attested.
 - served_design: the arm the server attests equals the intended arm, field by field.
+- execution_difference: every field of the configuration the experiment declares for an arm equals what that
+  arm's server attests it executed (`executed`, read from SGLang after boot, never the launch flags).
+- cross_arm_identity: the two arms' resolved configurations (the attested `executed`, `execution`, `model` and
+  `constants`, and the allow-listed `arm`, `skipper`, `thresholds`) differ only in the allow-list; the arm's KV
+  pool may be smaller than the baseline's (its router and adapter weights take KV budget) but never larger. The
+  gate reports the pool difference in tokens and as a share of the baseline's pool.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +31,11 @@ from loadgen.records import CellResult
 from vskipper.arms import Arm
 
 DURATION_TOLERANCE = 1e-6
+# What two arms' resolved configurations may differ in, and the attested sections compared beside them.
+ALLOWED_DIFFERENCES = ("arm", "skipper", "thresholds")
+COMPARED_SECTIONS = ("executed", "execution", "model", "constants", *ALLOWED_DIFFERENCES)
+KV_POOL_FIELDS = ("executed.kv_pool.tokens", "executed.kv_pool.bytes")  # the arm's may be smaller, never larger
+_ABSENT = "<absent>"
 
 
 @dataclass(frozen=True)
@@ -45,14 +57,17 @@ class CellRefused(RuntimeError):
 class GateReport:
     checked: list[str] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)  # gate -> what it measured (kept when it passes)
 
     @property
     def passed(self) -> bool:
         return not self.refusals
 
-    def add(self, gate: str, refusals: Iterable[Refusal]) -> None:
+    def add(self, gate: str, refusals: Iterable[Refusal], details: Any = None) -> None:
         self.checked.append(gate)
         self.refusals.extend(refusals)
+        if details is not None:
+            self.details[gate] = details
 
     def raise_if_refused(self) -> None:
         if self.refusals:
@@ -60,7 +75,8 @@ class GateReport:
 
     def as_dict(self) -> dict:
         return {"passed": self.passed, "checked": list(self.checked),
-                "refusals": [{"gate": r.gate, "reason": r.reason} for r in self.refusals]}
+                "refusals": [{"gate": r.gate, "reason": r.reason} for r in self.refusals],
+                "details": dict(self.details)}
 
 
 def _examples(items: Sequence[str], k: int = 3) -> str:
@@ -231,10 +247,96 @@ def served_design(intended: Arm, attested: Any) -> list[Refusal]:
     return []
 
 
+def flatten(value: Any, prefix: str) -> dict[str, Any]:
+    """Dotted field paths to leaf values (a non-empty object is a branch; anything else, lists too, a leaf)."""
+    if isinstance(value, Mapping) and value:
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(flatten(item, f"{prefix}.{key}"))
+        return out
+    return {prefix: value}
+
+
+def execution_difference(arm_name: str, declared: Mapping[str, Any], attested: Any) -> list[Refusal]:
+    """Every field the experiment declares for the arm (a possibly partial `executed` object) equals what the
+    arm's server attests it executed; one refusal per field, naming it and both values."""
+    gate = "execution_difference"
+    att, refused = _attestation(attested, "after", gate)
+    if refused:
+        return [Refusal(gate, f"arm {arm_name!r}: {r.reason}") for r in refused]
+    if att.executed is None:
+        return [Refusal(gate, f"arm {arm_name!r}: the server attests no executed configuration "
+                              "(attestation.executed)")]
+    want = flatten(json.loads(json.dumps(dict(declared))), "executed")  # tuples compare as the JSON lists
+    got = flatten(att.executed, "executed")
+    out = []
+    for path, value in want.items():
+        if path not in got:
+            out.append(Refusal(gate, f"arm {arm_name!r}: {path} is not attested (declared {value!r})"))
+        elif got[path] != value:
+            out.append(Refusal(gate, f"arm {arm_name!r}: {path} executed {got[path]!r}, declared {value!r}"))
+    return out
+
+
+def _configuration(att: Attestation) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for section in COMPARED_SECTIONS:
+        if section in att.raw:
+            out.update(flatten(att.raw[section], section))
+    return out
+
+
+def cross_arm_identity(baseline_name: str, baseline: Any, arm_name: str, arm: Any,
+                       allowed: Sequence[str] = ALLOWED_DIFFERENCES) -> tuple[list[Refusal], dict[str, Any]]:
+    """The two arms' resolved configurations differ only in `allowed` (top-level sections); the arm's KV pool
+    may not be larger than the baseline's. Returns (refusals, details: the allowed differences and the KV pool
+    difference in tokens, bytes and as a share of the baseline's pool)."""
+    gate = "cross_arm_identity"
+    parsed, out = {}, []
+    for name, data in ((baseline_name, baseline), (arm_name, arm)):
+        att, refused = _attestation(data, "after", gate)
+        out += [Refusal(gate, f"arm {name!r}: {r.reason}") for r in refused]
+        if att is not None and att.executed is None:
+            out.append(Refusal(gate, f"arm {name!r}: the server attests no executed configuration "
+                                     "(attestation.executed)"))
+        parsed[name] = att
+    if out:
+        return out, {}
+    base, mine = _configuration(parsed[baseline_name]), _configuration(parsed[arm_name])
+    allowed_diffs = []
+    for path in sorted(set(base) | set(mine)):
+        b, a = base.get(path, _ABSENT), mine.get(path, _ABSENT)
+        if a == b:
+            continue
+        if path.split(".", 1)[0] in allowed:
+            allowed_diffs.append(path)
+        elif path in KV_POOL_FIELDS and isinstance(a, int) and isinstance(b, int) and a < b:
+            continue  # a smaller pool on the arm: reported below
+        elif path in KV_POOL_FIELDS and isinstance(a, int) and isinstance(b, int):
+            out.append(Refusal(gate, f"{path}: arm {arm_name!r} {a!r} is larger than baseline {baseline_name!r} "
+                                     f"{b!r} (the arm's KV pool may not exceed the baseline's)"))
+        else:
+            out.append(Refusal(gate, f"{path}: baseline {baseline_name!r} {b!r}, arm {arm_name!r} {a!r} "
+                                     f"(only {', '.join(allowed)} may differ)"))
+    details: dict[str, Any] = {"allowed_differences": allowed_diffs}
+    tokens = (base.get(KV_POOL_FIELDS[0]), mine.get(KV_POOL_FIELDS[0]))
+    if all(isinstance(t, int) for t in tokens):
+        kv_bytes = (base.get(KV_POOL_FIELDS[1]), mine.get(KV_POOL_FIELDS[1]))
+        details["kv_pool"] = {
+            "baseline_tokens": tokens[0], "arm_tokens": tokens[1], "smaller_by_tokens": tokens[0] - tokens[1],
+            "smaller_by_share": (tokens[0] - tokens[1]) / tokens[0] if tokens[0] else None,
+            "baseline_bytes": kv_bytes[0], "arm_bytes": kv_bytes[1],
+            "smaller_by_bytes": kv_bytes[0] - kv_bytes[1] if all(isinstance(b, int) for b in kv_bytes) else None}
+    return out, details
+
+
 def gate_pair(baseline: CellResult, arm: CellResult, *, suite_digest: str, request_ids: Sequence[str],
               arms: Mapping[str, Arm] | None = None, empty_exceptions: Iterable[str] = (),
-              expect_engaged: bool = True) -> GateReport:
-    """Run every gate that applies to a paired (baseline, arm) cell."""
+              expect_engaged: bool = True,
+              declared_execution: Mapping[str, Mapping[str, Any]] | None = None) -> GateReport:
+    """Run every gate that applies to a paired (baseline, arm) cell. `declared_execution` maps an arm's name to
+    the configuration the experiment declares it executes; the cross-arm identity gate runs when both cells
+    were read an attestation."""
     report = GateReport()
     if arm.lane == "matched":
         report.add("work_identity", work_identity(baseline, arm))
@@ -249,4 +351,10 @@ def gate_pair(baseline: CellResult, arm: CellResult, *, suite_digest: str, reque
                                                                 cell.attestation_after,
                                                                 expect_engaged=expect_engaged))
             report.add("served_design", served_design(spec, cell.attestation_after))
+        if declared_execution and cell.arm in declared_execution:
+            report.add("execution_difference", execution_difference(cell.arm, declared_execution[cell.arm],
+                                                                    cell.attestation_after))
+    if baseline.attestation_after is not None and arm.attestation_after is not None:
+        report.add("cross_arm_identity", *cross_arm_identity(baseline.arm, baseline.attestation_after, arm.arm,
+                                                             arm.attestation_after))
     return report

@@ -65,6 +65,7 @@ def markdown_table(results: Sequence[ABResult], title: str = "") -> str:
             iv = r.comparison.get(metric)
             row.append("n/a" if iv is None else iv.format())
         lines.append("| " + " | ".join(row) + " |")
+    lines += comparability_lines(results)
     refused = [(r, x) for r in results for x in r.repetitions if not x.gates.passed]
     if refused:
         lines += ["", "Refused repetitions (left out of the comparison):"]
@@ -73,6 +74,37 @@ def markdown_table(results: Sequence[ABResult], title: str = "") -> str:
     lines += ["", "Mean % change against the baseline over paired repetitions, ± the 95% t half-width; "
                   "negative is better. A single repetition has no interval and is never resolved."]
     return "\n".join(lines) + "\n"
+
+
+COMPARABILITY_GATES = ("execution_difference", "cross_arm_identity")
+
+
+def comparability_lines(results: Sequence[ABResult]) -> list[str]:
+    """Per cell: the gates every repetition went through, whether the comparability gates passed, and the KV
+    pool difference the cross-arm identity gate measured (the arm's pool may be smaller, never larger)."""
+    lines = []
+    for r in results:
+        if not r.repetitions:
+            continue
+        checked = list(dict.fromkeys(g for x in r.repetitions for g in x.gates.checked))
+        parts = []
+        for gate in COMPARABILITY_GATES:
+            ran = [x for x in r.repetitions if gate in x.gates.checked]
+            if not ran:
+                parts.append(f"{gate} not run")
+                continue
+            passed = sum(not any(f.gate == gate for f in x.gates.refusals) for x in ran)
+            parts.append(f"{gate} passed {passed}/{len(ran)}")
+        pools = [x.gates.details["cross_arm_identity"]["kv_pool"] for x in r.repetitions
+                 if "kv_pool" in x.gates.details.get("cross_arm_identity", {})]
+        if pools:
+            kv = pools[-1]
+            share = "n/a" if kv["smaller_by_share"] is None else f"{100 * kv['smaller_by_share']:.2f}%"
+            parts.append(f"KV pool {r.arm} {kv['arm_tokens']} vs {r.baseline} {kv['baseline_tokens']} tokens "
+                         f"(smaller by {kv['smaller_by_tokens']} tokens, {share} of the baseline's pool)")
+        lines.append(f"- {cell_label(r)} {r.arm}: " + "; ".join(parts) + f". Gates: {', '.join(checked)}.")
+    return ["", "Gates per cell (comparability: each arm executed its declared configuration; the arms differ "
+                "only in arm, skipper and thresholds):"] + lines if lines else []
 
 
 def _arm_means(results: Sequence[ABResult], which: str, metric: str) -> tuple[list[float], list[float]]:

@@ -10,9 +10,18 @@ import torch
 
 from vskipper.sglang.launch import Server, http, serve
 
-__all__ = ["ROOT", "Server", "greedy_reference", "http", "serve"]
+__all__ = ["ROOT", "Server", "greedy_reference", "http", "serve", "servable_tiny_model"]
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def servable_tiny_model(directory: Path, arch: str = "flexidepth-llama") -> Path:
+    """A tiny random checkpoint with its tiny tokenizer in `directory`: what `vskipper serve` can load."""
+    from vskipper.checkpoint import make_tiny_model, write_tiny_tokenizer
+
+    path = make_tiny_model(arch, directory)
+    write_tiny_tokenizer(path)
+    return path
 
 
 @torch.no_grad()

@@ -52,8 +52,12 @@ def test_full_demo_serves_both_arms_gates_the_ab_and_prints_attestation_and_metr
     assert (report["baseline"], report["arm"]) == ("dense", "hybrid")
     assert report["repetitions_run"] == report["repetitions_accepted"] == 1
     gates = report["repetitions"][0]["gates"]
-    assert gates["passed"] and {"work_identity", "mechanism_evidence", "served_design"} <= set(gates["checked"])
-    assert (Path(ab["report_dir"]) / "table.md").read_text().count("| 4req-s | hybrid | 1 |") == 1
+    assert gates["passed"] and {"work_identity", "mechanism_evidence", "served_design", "execution_difference",
+                                "cross_arm_identity"} <= set(gates["checked"])
+    table = (Path(ab["report_dir"]) / "table.md").read_text()
+    assert table.count("| 4req-s | hybrid | 1 |") == 1
+    assert "- 4req-s hybrid: execution_difference passed 1/1; cross_arm_identity passed 1/1; KV pool hybrid" in table
+    assert "execution_difference passed 1/1; cross_arm_identity passed 1/1" in text  # printed with the table
     rows = {r["arm"]: r for r in ab["arms"]}
     assert rows["hybrid"]["decode_passes"]["routed"] > 0 and rows["dense"]["decode_passes"]["routed"] == 0
     assert rows["hybrid"]["output_tokens"] == rows["dense"]["output_tokens"] > 0  # matched work

@@ -205,6 +205,27 @@ def test_ab_command_runs_cells_against_server_processes_and_writes_the_report(tm
     assert "| 40req-s | decode-only-always | 2 |" in capsys.readouterr().out
 
 
+def test_ab_command_refuses_an_arm_whose_attested_execution_is_not_the_declared_one(tmp_path, capsys):
+    from loadgen.cli import main as cli_main
+    from loadgen.double_server import DoubleServerProcess
+
+    suite_path = make_suite(8).save(tmp_path / "suite.jsonl")
+    arm = get_arm("decode-only-always")
+    served = DoubleConfig(arm=arm.as_dict(), routed_phases=arm.routed_phases,
+                          executed={"profile": "stand-in", "chunked_prefill_size": 2048})
+    declared = tmp_path / "execution.json"
+    declared.write_text(json.dumps({"chunked_prefill_size": 4096}))
+    with DoubleServerProcess() as a, DoubleServerProcess(served) as b:
+        rc = cli_main(["ab", "--suite", str(suite_path), "--baseline-url", a.url, "--arm-url", b.url, "--arm",
+                       arm.name, "--rates", "40", "--repetitions", "1", "--max-new-tokens", "8", "--execution",
+                       str(declared), "--out", str(tmp_path / "out")])
+    assert rc == 3
+    table = capsys.readouterr().out
+    assert ("execution_difference: arm 'decode-only-always': executed.chunked_prefill_size executed 2048, "
+            "declared 4096") in table
+    assert "execution_difference passed 0/1; cross_arm_identity not run" in table  # the baseline attests nothing
+
+
 def test_demo_writes_the_table_the_cells_and_the_plots(tmp_path):
     from loadgen.demo import DEMO_RATES, run_demo
 

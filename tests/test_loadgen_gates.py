@@ -8,7 +8,9 @@ from loadgen.attestation import Attestation, AttestationError
 from loadgen.gates import (
     CellRefused,
     accounting,
+    cross_arm_identity,
     declared_cell_size,
+    execution_difference,
     gate_pair,
     mechanism_evidence,
     served_design,
@@ -192,3 +194,95 @@ def test_the_length_recording_run_is_refused_when_it_has_an_empty_generation():
     report = gate_length_cell(cell, suite)
     assert [r.gate for r in report.refusals] == ["zero_empty"]
     assert gate_length_cell(cell, suite, ["gsm8k:test:1"]).passed
+
+
+# -- comparability: execution difference and cross-arm identity ------------------------------------------------
+
+EXECUTED = {"attention_backend": {"prefill": "torch_native", "decode": "torch_native"},
+            "sampling_backend": "pytorch", "decode_graph_batch_sizes": [1, 2, 4], "chunked_prefill_size": 4096,
+            "max_running_requests": 64, "kv_pool": {"tokens": 393_319, "bytes": 393_319 * 131_072},
+            "dtype": "float16", "page_size": 1, "tp_size": 1, "profile": "cpu", "sglang_version": "0.5.21"}
+
+
+def served(arm_name="dense", executed=None, **changes):
+    """An attestation of a server running `arm_name` with EXECUTED changed at dotted paths."""
+    arm = get_arm(arm_name)
+    executed = copy.deepcopy(EXECUTED if executed is None else executed)
+    for path, value in changes.items():
+        node = executed
+        *parents, leaf = path.split("__")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return dict(attest(arm=arm.as_dict()), executed=executed, skipper={"name": arm.skipper},
+                thresholds={"enter_tokens": 200_000 if arm_name == "hybrid" else 0, "exit_tokens": 0},
+                constants={"enter_factor": 1.25}, model={"class": "DDLlamaForCausalLM"})
+
+
+def test_execution_difference_names_each_declared_field_the_server_did_not_execute():
+    declared = {"attention_backend": {"decode": "torch_native"}, "decode_graph_batch_sizes": (1, 2, 4),
+                "chunked_prefill_size": 4096}
+    assert execution_difference("dense", declared, served()) == []
+    refusals = execution_difference("dense", declared, served(chunked_prefill_size=2048,
+                                                              attention_backend__decode="triton"))
+    reasons = sorted(r.reason for r in refusals)
+    assert [r.gate for r in refusals] == ["execution_difference"] * 2
+    assert reasons == ["arm 'dense': executed.attention_backend.decode executed 'triton', declared 'torch_native'",
+                       "arm 'dense': executed.chunked_prefill_size executed 2048, declared 4096"]
+    (r,) = execution_difference("dense", {"kv_dtype": "fp8_e4m3"}, served())
+    assert "executed.kv_dtype is not attested (declared 'fp8_e4m3')" in r.reason
+    (r,) = execution_difference("dense", declared, attest())
+    assert "attests no executed configuration" in r.reason
+
+
+def test_cross_arm_identity_allows_only_arm_skipper_and_thresholds_to_differ():
+    refusals, details = cross_arm_identity("dense", served("dense"), "hybrid", served("hybrid"))
+    assert refusals == []
+    assert {"arm.name", "skipper.name", "thresholds.enter_tokens"} <= set(details["allowed_differences"])
+    assert details["kv_pool"]["smaller_by_tokens"] == 0
+    (r,) = cross_arm_identity("dense", served(), "hybrid", served("hybrid", chunked_prefill_size=8192))[0]
+    assert r.gate == "cross_arm_identity"
+    assert r.reason.startswith("executed.chunked_prefill_size: baseline 'dense' 4096, arm 'hybrid' 8192")
+    hybrid = served("hybrid")
+    hybrid["model"] = {"class": "LlamaForCausalLM"}
+    (r,) = cross_arm_identity("dense", served(), "hybrid", hybrid)[0]
+    assert "model.class: baseline 'dense' 'DDLlamaForCausalLM', arm 'hybrid' 'LlamaForCausalLM'" in r.reason
+
+
+def test_cross_arm_identity_refuses_a_larger_kv_pool_on_the_arm_and_reports_a_smaller_one():
+    """The paper's A100 cell: the routed arm's router and adapter weights cost 3,840 of 393,319 KV tokens."""
+    smaller = served("hybrid", kv_pool={"tokens": 393_319 - 3_840, "bytes": (393_319 - 3_840) * 131_072})
+    refusals, details = cross_arm_identity("dense", served(), "hybrid", smaller)
+    assert refusals == []
+    kv = details["kv_pool"]
+    assert kv["smaller_by_tokens"] == 3_840 and kv["smaller_by_bytes"] == 3_840 * 131_072
+    assert kv["smaller_by_share"] == pytest.approx(0.0098, abs=5e-5)
+    larger = served("hybrid", kv_pool={"tokens": 400_000, "bytes": 400_000 * 131_072})
+    reasons = [r.reason for r in cross_arm_identity("dense", served(), "hybrid", larger)[0]]
+    assert reasons == ["executed.kv_pool.bytes: arm 'hybrid' 52428800000 is larger than baseline 'dense' "
+                       "51553107968 (the arm's KV pool may not exceed the baseline's)",
+                       "executed.kv_pool.tokens: arm 'hybrid' 400000 is larger than baseline 'dense' 393319 "
+                       "(the arm's KV pool may not exceed the baseline's)"]
+    (r,) = cross_arm_identity("dense", attest(), "hybrid", smaller)[0]
+    assert "arm 'dense': the server attests no executed configuration" in r.reason
+
+
+def test_gate_pair_runs_the_comparability_gates_and_the_table_shows_them():
+    from loadgen.experiment import ABResult, Repetition
+    from loadgen.report import markdown_table
+
+    base, arm = make_cell("dense"), make_cell("hybrid")
+    base.attestation_after = served("dense")
+    arm.attestation_after = served("hybrid", kv_pool={"tokens": 390_000, "bytes": 390_000 * 131_072})
+    declared = {"dense": {"chunked_prefill_size": 4096}, "hybrid": {"chunked_prefill_size": 2048}}
+    report = gate_pair(base, arm, suite_digest=DIGEST, request_ids=IDS, declared_execution=declared)
+    assert report.checked.count("execution_difference") == 2 and report.checked[-1] == "cross_arm_identity"
+    (r,) = report.refusals
+    assert r.reason == "arm 'hybrid': executed.chunked_prefill_size executed 4096, declared 2048"
+    assert report.as_dict()["details"]["cross_arm_identity"]["kv_pool"]["smaller_by_tokens"] == 3_319
+    result = ABResult("dense", "hybrid", 2.0, "", "t", DIGEST, {}, None,
+                      [Repetition(0, ("dense", "hybrid"), base, arm, report)])
+    table = markdown_table([result])
+    assert ("- 2req-s hybrid: execution_difference passed 0/1; cross_arm_identity passed 1/1; KV pool hybrid "
+            "390000 vs dense 393319 tokens (smaller by 3319 tokens, 0.84% of the baseline's pool)") in table
+    assert "rep 0: execution_difference: arm 'hybrid': executed.chunked_prefill_size" in table

@@ -383,7 +383,13 @@ def test_routed_arms_are_refused_under_pipeline_parallelism(tmp_path):
 
 
 def test_state_files_of_another_run_are_never_merged(tmp_path, monkeypatch):
-    from vskipper.sglang.replicas import ENV_RUN_ID, Placement, of_run, remove_state_files, replica_state_files
+    from vskipper.sglang.replicas import (
+        ENV_RUN_ID,
+        Placement,
+        of_run,
+        remove_state_files,
+        replica_state_files,
+    )
 
     arm = get_arm("dense")
     spec = ServeSpec(arm, 0, 0, tmp_path / "state.json")

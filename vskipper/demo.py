@@ -9,7 +9,8 @@ No GPU and no hub. The demo
    (with decode thresholds scaled down to the tiny model), each in its own session and always stopped;
 3. sends a chat completion and a completion through the OpenAI-compatible API;
 4. runs a small matched-work A/B between the two servers with loadgen (the code path of `vskipper-loadgen demo`):
-   report, table and gates;
+   report, table and gates, the comparability gates included (each server executed the configuration its launch
+   flags declare, read from SGLang after boot; the two differ only in arm, skipper and thresholds);
 5. prints each server's attestation and its `vskipper_*` lines on `/metrics`.
 """
 
@@ -233,13 +234,29 @@ def _arm_rows(result) -> list[dict]:
     return rows
 
 
+def declared_execution() -> dict:
+    """The configuration both demo servers must attest they executed: what their SGLang launch flags (the CPU
+    recipe, then the flags `vskipper.sglang.launch` and the demo add) declare outright, on vSkipper's CPU
+    profile and the pinned SGLang."""
+    from vskipper.sglang import SGLANG_VERSION
+    from vskipper.sglang.cli import CPU_FLAGS
+    from vskipper.sglang.executed import CPU_PROFILE
+    from vskipper.sglang.executed import declared_execution as from_flags
+    from vskipper.sglang.launch import serve_command
+
+    cmd = serve_command("model", 0, Path("state.json"), arm=AB_ARMS[0], extra=SERVER_FLAGS)
+    flags = [*CPU_FLAGS, *cmd[cmd.index("--") + 1:]]
+    return {**from_flags(flags), "profile": CPU_PROFILE, "sglang_version": SGLANG_VERSION}
+
+
 def _ab(servers: dict, out: Path, sizing: Sizing) -> dict:
     from loadgen.client import Endpoint
     from loadgen.demo import demo_suite, print_report, run_rates
     from loadgen.experiment import ArmTarget
     from loadgen.gates import CellRefused
 
-    base, target = (ArmTarget(a, Endpoint(servers[a].url), get_arm(a)) for a in AB_ARMS)
+    execution = declared_execution()
+    base, target = (ArmTarget(a, Endpoint(servers[a].url), get_arm(a), execution) for a in AB_ARMS)
     suite = demo_suite(sizing.requests)
     label = f"{sizing.rate:g}req-s"
     print(f"  {len(suite)} requests of {len(suite.requests[0].input_ids)} prompt tokens at {sizing.rate:g} req/s "

@@ -13,6 +13,8 @@ scheduler's included, and applies their hooks before the scheduler is built. `re
   release           AROUND <tree cache>.on_release (every path that frees a request's KV row: finish, abort,
                     retraction, drain) and Scheduler._release_aborted_request (aborts from the waiting queue):
                     a request's record leaves with it; a retracted one keeps it until it is admitted again
+  executed config   AFTER Scheduler.get_init_info and AROUND Scheduler.run_batch (`vskipper.sglang.executed`):
+                    what SGLang executes, read after boot, and the scheduler's own pass count per phase
 
 SGLang only logs a hook that fails to apply, so the model class calls `check_applied` at load and refuses to
 serve a routed arm without them.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vskipper.sglang import executed
 from vskipper.sglang.admission import AdmissionLimits
 from vskipper.sglang.spec import ENV_ARM, ServeConfigError
 
@@ -36,7 +39,7 @@ RELEASE_TARGETS = (
     "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.on_release",  # every other tree cache
 )
 QUEUE_ABORT_TARGET = "sglang.srt.managers.scheduler.Scheduler._release_aborted_request"
-TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *RELEASE_TARGETS, QUEUE_ABORT_TARGET)
+TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *RELEASE_TARGETS, QUEUE_ABORT_TARGET, *executed.TARGETS)
 
 
 def _runtime():
@@ -128,6 +131,7 @@ def register() -> None:
     for target in RELEASE_TARGETS:
         HookRegistry.register(target, around_on_release, HookType.AROUND)
     HookRegistry.register(QUEUE_ABORT_TARGET, around_release_aborted_request, HookType.AROUND)
+    executed.register(HookRegistry, HookType)
 
 
 def check_applied() -> None:

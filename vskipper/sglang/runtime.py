@@ -42,6 +42,7 @@ import torch
 from vskipper import constants
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.tape import RouteTape
+from vskipper.sglang import executed
 from vskipper.sglang.admission import AdmissionLimits, prompt_tokens
 from vskipper.sglang.replicas import ENV_RUN_ID, Placement
 from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
@@ -477,6 +478,7 @@ class Runtime:
             "execution": {"device": self.device, "routed_layers_backend": "torch (vskipper.mixed cohort_ffn)",
                           "attention_backend": "SGLang's (every row writes K/V; Project-Only reads are dropped)",
                           "cuda_graphs": False, "tiles": None, "profile": self.spec.profile},
+            **executed.attestation(),  # what SGLang executes, read after boot; the scheduler's pass counts
             "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
                           "attn_dp_rank": self.placement.attn_dp_rank},
             "run_id": os.environ.get(ENV_RUN_ID),
