@@ -239,7 +239,7 @@ def declared_execution() -> dict:
     recipe, then the flags `vskipper.sglang.launch` and the demo add) declare outright, on vSkipper's CPU
     profile and the pinned SGLang."""
     from vskipper.sglang import SGLANG_VERSION
-    from vskipper.sglang.cli import CPU_FLAGS
+    from vskipper.sglang.spec import CPU_FLAGS
     from vskipper.sglang.executed import CPU_PROFILE
     from vskipper.sglang.executed import declared_execution as from_flags
     from vskipper.sglang.launch import serve_command
