@@ -552,11 +552,11 @@ class TestDataParallelReplicas:
         server = replicated_server
         with ThreadPoolExecutor(6) as pool:
             list(pool.map(lambda i: server.generate_ids([5, 6, 7, i], 4), range(6)))
+        att = server.get_json("/vskipper/attestation")  # the replicas write their state files for this read
         state = server.log.parent / f"state-{server.port}.json"
         parts = [json.loads(p.read_text()) for p in (state, state.with_name(f"{state.stem}.dp1-adp0.json"))]
         assert [p["placement"]["replica"] for p in parts] == ["dp0-adp0", "dp1-adp0"]
         assert all(p["passes_total"]["decode"]["routed"] > 0 for p in parts)  # both replicas served requests
-        att = server.get_json("/vskipper/attestation")
         metrics = server.metrics()
         for phase, mode in (("prefill", "dense"), ("decode", "routed")):  # the decode-only arm
             total = sum(p["passes_total"][phase][mode] for p in parts)
