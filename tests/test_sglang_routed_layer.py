@@ -149,3 +149,19 @@ class _both:
     def __exit__(self, *exc):
         for m in reversed(self.modes):
             m.__exit__(*exc)
+
+
+def test_a_routed_phase_refuses_sglangs_cuda_graphs_naming_the_flag_and_a_dense_phase_keeps_them():
+    """A replayed graph skips the model's Python forward, so a routed pass would run the dense graph, uncounted:
+    the phases an arm routes must run eagerly; phases it keeps dense may replay."""
+    from vskipper.arms import get_arm
+
+    decode_graphs = {"decode": "full", "prefill": "disabled"}
+    with pytest.raises(served.ServeConfigError, match="routes decode.*--cuda-graph-backend-decode full.*"
+                                                      "--cuda-graph-backend-decode disabled"):
+        served.refuse_graph_replay(get_arm("always-route"), decode_graphs)
+    with pytest.raises(served.ServeConfigError, match="routes prefill.*--cuda-graph-backend-prefill tc_piecewise"):
+        served.refuse_graph_replay(get_arm("always-route"), {"decode": "disabled", "prefill": "tc_piecewise"})
+    served.refuse_graph_replay(get_arm("dense"), decode_graphs)
+    served.refuse_graph_replay(get_arm("always-route"), {"decode": "disabled", "prefill": "disabled"})
+    assert served.graph_backends() == {"decode": "disabled", "prefill": "disabled"}  # nothing published here

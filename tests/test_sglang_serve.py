@@ -220,6 +220,18 @@ def test_dry_run_shows_the_cpu_recipe_and_the_shim_on_the_server_path_only(serve
     assert json.loads(env["VSKIPPER_ARM"])["name"] == "dense"
 
 
+def test_on_a_gpu_serve_runs_the_routed_phases_without_cuda_graphs_and_keeps_them_for_dense_ones(served_model):
+    cmds = {}
+    for arm in ("decode-only", "dense"):
+        r = _serve_cli("--model", str(served_model), "--arm", arm, "--platform", "gpu", "--enter-tokens", "200",
+                       "--exit-tokens", "100", "--dry-run")
+        assert r.returncode == 0, r.stderr
+        cmds[arm] = " ".join(json.loads(r.stdout)["command"])
+    assert "--cuda-graph-backend-decode disabled" in cmds["decode-only"]
+    assert "--cuda-graph-backend-prefill" not in cmds["decode-only"]
+    assert "--cuda-graph-backend" not in cmds["dense"]
+
+
 # -- dense arm ---------------------------------------------------------------------------------------------------
 
 class TestDenseArm:
@@ -309,6 +321,9 @@ class TestAlwaysRouteFlexiDepth:
         for phase in ("prefill", "decode"):
             assert att["rows_total"][phase]["project_only"] > 0 and att["rows_total"][phase]["run"] > 0
             assert att["passes_total"][phase]["dense"] == 0
+        # what executed: Project-Only rows skip Q, routed passes run eagerly (no graph replays a dense graph)
+        assert att["execution"]["project_only_q"] == "skipped: K/V rows of qkv_proj"
+        assert att["execution"]["cuda_graphs"]["backends"] == {"decode": "disabled", "prefill": "disabled"}
 
 
     def test_loadgen_cells_against_the_real_server_pass_every_gate(self, routed_server):

@@ -23,6 +23,12 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampli
              "--max-total-tokens", "4096")
 
 
+def eager_routed_phases(arm: Arm) -> list[str]:
+    """SGLang flags that run the arm's routed phases eagerly: a replayed CUDA graph would run the dense model (no
+    routed graph variant is captured yet; the model refuses to start with them on)."""
+    return [flag for phase in arm.routed_phases for flag in (f"--cuda-graph-backend-{phase}", "disabled")]
+
+
 def load_arm(args: argparse.Namespace) -> Arm:
     if args.arm_file:
         with open(args.arm_file) as f:
@@ -86,8 +92,8 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     spec = ServeSpec(arm, enter, exit_, state, source)
     extra = list(args.sglang_args or [])
     cpu = resolve_platform(getattr(args, "platform", "auto")) == "cpu"
-    cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *(CPU_FLAGS if cpu else ()),
-           "--host", args.host, "--port", str(args.port), *extra]
+    cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model),
+           *(CPU_FLAGS if cpu else eager_routed_phases(arm)), "--host", args.host, "--port", str(args.port), *extra]
     return cmd, serve_environment(spec, cpu=cpu)
 
 

@@ -39,6 +39,7 @@ from sglang.srt.utils.common import use_intel_amx_backend
 from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.routed_layer import routed_layer
 from vskipper.sglang.runtime import Step, get_runtime
+from vskipper.sglang.spec import ServeConfigError
 from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, router_sizes
 
 ROUTER_MARKERS = (".router.", ".router_proj.")
@@ -138,6 +139,32 @@ class SGLangLayerOps:
         return self.layer.mlp(v)
 
 
+def graph_backends() -> dict[str, str]:
+    """The CUDA graph backend SGLang runs each phase with ('disabled': eager; also where no configuration is
+    published, outside a server)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+    from sglang.srt.runtime_context import get_exec
+
+    try:
+        config = get_exec().graph.cuda_graph_config
+    except ValueError:
+        config = None
+    return {phase: getattr(config, phase).backend if config is not None else Backend.DISABLED
+            for phase in Phase.ALL}
+
+
+def refuse_graph_replay(arm, backends: dict[str, str]) -> None:
+    """A replayed graph never calls the model's Python forward: a routed pass would run the captured dense graph,
+    uncounted. Until SGLang captures a routed variant, an arm that routes a phase serves that phase eagerly and
+    refuses to start with its graphs on."""
+    for phase in arm.routed_phases:
+        backend = backends.get(phase, "disabled")
+        if backend != "disabled":
+            raise ServeConfigError(f"arm {arm.name!r} routes {phase}, but SGLang would replay {phase} passes from "
+                                   f"CUDA graphs (--cuda-graph-backend-{phase} {backend}), which run the dense "
+                                   f"model: serve it with --cuda-graph-backend-{phase} disabled")
+
+
 def _router_config(config) -> dict:
     return {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
             "router_reduction_factor": getattr(config, "router_reduction_factor", 16),
@@ -229,6 +256,15 @@ class SkipperCausalLM(RouterWeightsMixin):
         device = str(self.model.embed_tokens.weight.device)
         self.runtime = get_runtime(config.model_type, self.routed_layers, type(self).__name__, device)
         self.slot.runtime = self.runtime
+        graphs = graph_backends()
+        refuse_graph_replay(self.runtime.arm, graphs)
+        qkv = [self.model.layers[i].self_attn.qkv_proj for i in self.routed_layers
+               if self.model.start_layer <= i < self.model.end_layer]
+        self.runtime.execution.update({
+            "cuda_graphs": {"backends": graphs, "routed_passes": "eager (no routed graph variant is captured; "
+                                                                  "graphs are refused for routed phases)"},
+            "project_only_q": "skipped: K/V rows of qkv_proj" if all(kv_only_supported(q) for q in qkv)
+            else "computed and dropped: a quantized or packed qkv_proj has no K/V row view"})
 
     def routed_layer(self, config, layer_id: int, quant_config, prefix: str) -> torch.nn.Module:
         raise NotImplementedError(f"{type(self).__name__} must define routed_layer")
