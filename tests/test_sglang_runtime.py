@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vskipper.arms import Arm, get_arm
+from vskipper.sglang.admission import AdmissionLimits
 from vskipper.sglang.runtime import Runtime
 from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
 
@@ -91,7 +92,8 @@ def test_a_request_that_starts_decoding_after_routing_turned_off_decodes_dense_b
     assert not step.routed
     step = run_pass(rt, decode(["c", "d"], [11, 200]))  # on again; c promoted; d routed
     assert step.routed and step.dense_rows is None
-    assert rt.attestation()["switch"]["decisions_total"] == {"route_on": 2, "promote": 2, "route_off": 1}
+    # The first crossing found nobody decoding dense: no promotion is recorded for it.
+    assert rt.attestation()["switch"]["decisions_total"] == {"route_on": 2, "promote": 1, "route_off": 1}
 
 
 def test_no_promotion_arm_keeps_running_dense_requests_dense_in_a_routed_pass(tmp_path):
@@ -168,41 +170,67 @@ def test_serve_spec_round_trips_through_the_environment(tmp_path):
 
 # -- admission rounds and prefix-cache namespaces (the scheduler hooks' runtime side) -------------------------------
 
-def waiting(rid: str, tokens: int, extra_key: str | None = None, output: int = 0):
-    """The fields of SGLang's Req the runtime reads and writes."""
-    return SimpleNamespace(rid=rid, origin_input_ids=[7] * tokens, output_ids=[8] * output, extra_key=extra_key)
+def waiting(rid: str, tokens: int, extra_key: str | None = None, output: int = 0, max_new: int = 16,
+            prefix: int = 0):
+    """The fields of SGLang's Req the runtime reads and writes (`prefix`: tokens its prefix lookup matched)."""
+    return SimpleNamespace(rid=rid, origin_input_ids=[7] * tokens, output_ids=[8] * output, extra_key=extra_key,
+                           sampling_params=SimpleNamespace(max_new_tokens=max_new), prefix_indices=[0] * prefix)
 
 
+OPEN = AdmissionLimits()  # no limit: every waiting request is a candidate
 PREFILL_SWITCHED = {"skipper": "static_depth", "params": {"ratio": 0.5}, "phases": "prefill", "mode_switch": True}
 
 
 def test_waiting_requests_are_keyed_by_the_previewed_mode_and_keep_their_own_key(tmp_path):
     rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
     a, b = waiting("a", 1000), waiting("b", 700, extra_key="lora-7")
-    assert rt.key_candidates([a, b], budget_tokens=None).mode.value == "routed"  # 1700 >= floor: the first probe
+    assert rt.key_candidates([a, b], OPEN).mode.value == "routed"  # 1700 >= floor: the first probe
     assert (a.extra_key, b.extra_key) == ("vsk:routed", "vsk:routed|lora-7")
-    rt.admit([a])  # the round took a only; b waits
-    assert rt.key_candidates([b], budget_tokens=None).mode.value == "dense"  # 700 < floor
-    assert b.extra_key == "vsk:dense|lora-7"  # re-keyed from its own key, never stacked
-    step = run_pass(rt, prefill(["a"], [1000]))
-    assert step.routed and step.probe  # the probe round routes and reports its share
-    assert rt.switch.prefill_share_estimate == 0.5
-    assert rt.attestation()["requests_total"]["prefill"] == {"routed": 1}
+    rt.key_candidates([b], OPEN)
+    assert b.extra_key == "vsk:dense|lora-7"  # 700 < floor: re-keyed from its own key, never stacked
 
 
-def test_the_candidate_round_counts_prompts_up_to_the_prefill_budget(tmp_path):
+def test_the_round_is_decided_on_what_sglang_admitted_and_rekeyed_when_nothing_was_reused(tmp_path):
     rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
-    queue = [waiting("a", 1000), waiting("b", 1000)]
-    assert rt.key_candidates(queue, budget_tokens=1000).mode.value == "dense"  # a fills the round alone
-    assert rt.key_candidates(queue, budget_tokens=1200).mode.value == "routed"  # b crosses the budget: counted
-    assert rt.key_candidates([waiting("c", 900, output=700)], None).mode.value == "routed"  # retracted: re-prefill
+    a, b = waiting("a", 1000), waiting("b", 700)
+    assert rt.key_candidates([a, b], OPEN).mode.value == "routed"  # the candidates: 1700 >= floor
+    decision = rt.admit([a])  # SGLang admitted a only: 1000 < floor
+    assert decision.mode.value == "dense" and a.extra_key == "vsk:dense"
+    assert not run_pass(rt, prefill(["a"], [1000])).routed
+    att = rt.attestation()
+    assert [(d["kind"], d["count"]) for d in att["switch"]["recent_decisions"]] == [("prefill_dense", 1000)]
+    assert att["admission_rounds_total"] == {"rekeyed": 1} and att["requests_total"]["prefill"] == {"dense": 1}
+
+
+def test_a_round_that_reused_prefix_kv_of_the_previewed_mode_is_bound_to_it(tmp_path):
+    rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
+    a, b = waiting("a", 1000, prefix=512), waiting("b", 700)
+    rt.key_candidates([a, b], OPEN)
+    decision = rt.admit([a])  # a matched 512 tokens in the routed namespace: its KV must extend it
+    assert decision.mode.value == "routed" and "prefix reuse" in decision.reason and a.extra_key == "vsk:routed"
+    assert run_pass(rt, prefill(["a"], [1000], extend=[488])).routed
+    att = rt.attestation()
+    assert [(d["kind"], d["count"]) for d in att["switch"]["recent_decisions"]] == [("prefill_routed", 1000)]
+    assert att["admission_rounds_total"] == {"bound": 1}
+
+
+def test_the_candidate_round_is_what_sglangs_limits_let_in(tmp_path):
+    rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
+    queue = [waiting("a", 1000, max_new=100), waiting("b", 1000, max_new=100)]
+    assert rt.key_candidates(queue, AdmissionLimits(prefill_tokens=1000)).mode.value == "dense"  # a fills it
+    assert rt.key_candidates(queue, AdmissionLimits(prefill_tokens=1200)).mode.value == "routed"  # b crosses: whole
+    assert rt.key_candidates(queue, AdmissionLimits(requests=1)).mode.value == "dense"  # one free request slot
+    # b's prefill plus its reserved output and a page no longer fit the free KV tokens.
+    assert rt.key_candidates(queue, AdmissionLimits(kv_tokens=2100)).mode.value == "dense"
+    assert rt.key_candidates(queue, AdmissionLimits(kv_tokens=2202)).mode.value == "routed"
+    assert rt.key_candidates([waiting("c", 900, output=700)], OPEN).mode.value == "routed"  # retracted: re-prefill
 
 
 def test_a_round_is_committed_with_its_previewed_decision_and_never_without_one(tmp_path):
     rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
     with pytest.raises(RuntimeError, match="without a preview"):
         rt.admit([waiting("a", 10)])
-    rt.key_candidates([waiting("a", 2000)], None)
+    rt.key_candidates([waiting("a", 2000)], OPEN)
     rt.admit([waiting("a", 2000)])
     decisions = rt.attestation()["switch"]["recent_decisions"]
     assert [(d["kind"], d["count"]) for d in decisions] == [("prefill_routed", 2000)]
@@ -212,9 +240,9 @@ def test_generated_kv_is_inserted_only_when_decode_ran_in_the_prefill_mode(tmp_p
     rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}}), tmp_path, enter=3000,
                  exit_=2500)  # hybrid prefill and decode
     queue = [waiting("routed-dense", 2000), waiting("routed-routed", 2000)]
-    rt.key_candidates(queue, None)
+    rt.key_candidates(queue, OPEN)
     rt.admit(queue)
-    rt.key_candidates([waiting("dense-promoted", 100)], None)
+    rt.key_candidates([waiting("dense-promoted", 100)], OPEN)
     rt.admit([waiting("dense-promoted", 100)])
     run_pass(rt, prefill(["routed-dense", "routed-routed"], [2000, 2000]))
     run_pass(rt, prefill(["dense-promoted"], [100]))
@@ -227,24 +255,72 @@ def test_generated_kv_is_inserted_only_when_decode_ran_in_the_prefill_mode(tmp_p
     assert rt.attestation()["prefix_cache"]["withheld_generated_kv_tokens_total"] == 20
 
 
-def test_a_retracted_request_is_admitted_afresh(tmp_path):
+def test_a_retracted_request_is_admitted_again_under_its_record_and_counted_once(tmp_path):
     rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
-    rt.key_candidates([waiting("a", 2000)], None)
+    rt.key_candidates([waiting("a", 2000)], OPEN)
     rt.admit([waiting("a", 2000)])
     run_pass(rt, prefill(["a"], [2000]))
     run_pass(rt, decode(["a"], [2001]))
-    assert "a" in rt.switch.running()
-    back = waiting("a", 2000, output=2)  # retracted into the waiting queue
-    rt.key_candidates([back], None)
-    assert "a" not in rt.switch.running()
+    assert "a" in rt.switch.running() and rt.attestation()["resident_tokens"] == 2001
+    rt.release("a", finished=False)  # SGLang retracted it: its KV row is freed, it waits in the queue
+    assert "a" not in rt.switch.running() and rt.attestation()["resident_tokens"] == 0
+    back = waiting("a", 2000, output=2)
+    rt.key_candidates([back], OPEN)
     rt.admit([back])
-    assert rt.attestation()["requests_total"]["prefill"]["routed"] == 2
+    run_pass(rt, prefill(["a"], [2002]))
+    run_pass(rt, decode(["a"], [2003]))
+    att = rt.attestation()
+    assert att["requests_total"] == {"prefill": {"routed": 1}, "decode": {"dense": 1}}
+    assert att["retractions_total"] == 1 and att["requests_tracked"] == 1
+    rt.release("a", finished=True)
+    assert rt.attestation()["requests_tracked"] == 0
+
+
+def test_the_insert_limit_never_frees_kv_the_cache_protects_or_that_a_readmission_prefilled(tmp_path):
+    """A request retracted after 300 output tokens re-prefills prompt + 300 in its new prefill mode, and SGLang's
+    cache then protects that whole prefix for it: the limit keeps it, and only the tokens decoded in another mode
+    after that are withheld."""
+    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "phases": "decode"}),
+                 tmp_path, enter=0, exit_=0)  # dense prefill, routed decode: modes always differ
+    back = waiting("a", 200, output=300)
+    rt.key_candidates([back], OPEN)
+    rt.admit([back])
+    run_pass(rt, prefill(["a"], [500]))
+    run_pass(rt, decode(["a"], [501]))
+    assert rt.kv_insert_limit("a", 510, protected=500) == 500  # not the original 200-token prompt
+    assert rt.kv_insert_limit("a", 510, protected=505) == 505  # whatever the tree already owns stays owned
+    assert rt.attestation()["prefix_cache"]["withheld_generated_kv_tokens_total"] == 10 + 5
+
+
+def test_records_leave_with_their_requests_however_they_leave(tmp_path):
+    rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
+    queue = [waiting(rid, 10) for rid in ("one-token", "aborted-in-prefill", "retracted-then-aborted")]
+    rt.key_candidates(queue, OPEN)
+    rt.admit(queue)
+    run_pass(rt, prefill([r.rid for r in queue], [10, 10, 10]))
+    rt.release("one-token", finished=True)  # finished on its prefill pass, never decoded
+    rt.release("aborted-in-prefill", finished=True)
+    rt.release("retracted-then-aborted", finished=False)
+    rt.abort_queued("retracted-then-aborted")  # aborted while waiting to be admitted again
+    rt.abort_queued("never-admitted")
+    assert rt.attestation()["requests_tracked"] == 0
+
+
+def test_health_probes_are_not_counted_as_traffic(tmp_path):
+    rt = runtime(Arm.from_dict(PREFILL_SWITCHED), tmp_path)
+    probe = waiting("HEALTH_CHECK_0f3a", 1)
+    rt.key_candidates([probe], OPEN)
+    assert rt.admit([probe]).reason == "health check"
+    run_pass(rt, prefill([probe.rid], [1]))
+    att = rt.attestation()
+    assert att["requests_total"]["prefill"] == {} and att["passes_total"]["prefill"] == {"dense": 0, "routed": 0}
+    assert att["health_check_passes_total"] == {"prefill": 1} and att["switch"]["recent_decisions"] == []
 
 
 def test_arms_that_never_route_keep_sglangs_single_namespace(tmp_path):
     rt = runtime(get_arm("dense"), tmp_path)
     req = waiting("a", 2000, extra_key="user-key")
-    rt.key_candidates([req], None)
+    rt.key_candidates([req], OPEN)
     rt.admit([req])
     assert req.extra_key == "user-key"
     assert rt.attestation()["prefix_cache"]["namespaces"] == []
@@ -331,3 +407,24 @@ def test_a_server_runtime_writes_its_state_off_the_forward_path_and_fresh_for_ea
     assert att["passes_total"]["decode"] == {"dense": 0, "routed": 3}
     assert att["passes_total"]["prefill"] == {"dense": 0, "routed": 1}
     assert writers and set(writers) == {"vskipper-state-writer"}
+
+
+def test_state_files_of_another_run_are_never_merged(tmp_path, monkeypatch):
+    from vskipper.sglang.replicas import (
+        ENV_RUN_ID,
+        Placement,
+        of_run,
+        remove_state_files,
+        replica_state_files,
+    )
+
+    arm = get_arm("dense")
+    spec = ServeSpec(arm, 0, 0, tmp_path / "state.json")
+    monkeypatch.setenv(ENV_RUN_ID, "earlier")
+    Runtime(spec, "ddllama", (2, 3), "DDLlamaForCausalLM", placement=Placement(dp_rank=1))  # a dp=2 run
+    monkeypatch.setenv(ENV_RUN_ID, "now")
+    Runtime(spec, "ddllama", (2, 3), "DDLlamaForCausalLM")  # this run serves with dp=1
+    parts = [json.loads(f.read_text()) for f in replica_state_files(tmp_path / "state.json")]
+    assert len(parts) == 2 and [p["run_id"] for p in of_run(parts, "now")] == ["now"]
+    remove_state_files(tmp_path / "state.json")  # what a new server does before its schedulers start
+    assert not any(f.exists() for f in replica_state_files(tmp_path / "state.json"))

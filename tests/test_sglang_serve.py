@@ -24,6 +24,7 @@ pytest.importorskip("sglang")
 from loadgen.attestation import Attestation, pass_delta  # noqa: E402
 from tests.sglang_world import ROOT, greedy_reference, serve  # noqa: E402
 from vskipper.arms import get_arm  # noqa: E402
+from vskipper.checkpoint import TinySize  # noqa: E402
 from vskipper.skippers.registry import build_skipper  # noqa: E402
 
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 300, 12, 7], [100, 200, 300, 400, 17, 18, 19, 20, 21, 22])
@@ -107,6 +108,33 @@ def routed_server(served_model, tmp_path_factory):
     with serve(served_model, tmp_path_factory.mktemp("routed"), arm="always-route",
                extra=("--enable-metrics",)) as s:
         yield s
+
+
+VOCAB = TinySize().vocab  # the tiny checkpoints' vocabulary
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+# (API, body, the field the 400 must name): each would kill SGLang 0.5.21's scheduler or give a 500 unguarded.
+BAD_REQUESTS = [
+    ("/generate", {"input_ids": [5, VOCAB]}, "input_ids[1]"),
+    ("/generate", {"input_ids": [5, -1]}, "input_ids[1]"),
+    ("/generate", {"input_ids": [[5], [6, 10 ** 9]]}, "input_ids[1][1]"),
+    ("/generate", {"input_ids": "not a list"}, "input_ids"),
+    ("/generate", {"input_ids": [VOCAB], "stream": True, "sampling_params": {"max_new_tokens": 2}}, "input_ids[0]"),
+    ("/generate", {"input_ids": [5], "return_logprob": True, "top_logprobs_num": VOCAB + 1}, "top_logprobs_num"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": "8"}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"stop_token_ids": [VOCAB]}},
+     "sampling_params.stop_token_ids[0]"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5, VOCAB], "max_tokens": 2}, "prompt[1]"),
+    ("/v1/completions", {"model": "tiny", "prompt": [[5], [-3]], "max_tokens": 2}, "prompt[1][0]"),
+    ("/v1/completions", {"model": "tiny", "prompt": [VOCAB], "max_tokens": 2, "stream": True}, "prompt[0]"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": VOCAB + 1}, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logit_bias": {str(VOCAB): 1.0}},
+     f"logit_bias.{VOCAB}"),
+    ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": VOCAB + 1}, "top_logprobs"),
+    ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": VOCAB + 1, "stream": True}, "top_logprobs"),
+    ("/v1/chat/completions", CHAT | {"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+    ("/v1/chat/completions", CHAT | {"max_tokens": "many"}, "max_tokens"),
+]
 
 
 def _all_run_arm(tmp: Path) -> Path:
@@ -283,12 +311,24 @@ class TestDenseArm:
         assert not any(line.startswith("vskipper_threshold_tokens") for line in text.splitlines())
 
 
-    def test_malformed_request_gets_an_error_and_the_server_keeps_serving(self, dense_server):
+    @pytest.mark.parametrize("path,body,field", BAD_REQUESTS, ids=[f"{p}:{f}" for p, _, f in BAD_REQUESTS])
+    def test_a_bad_request_gets_a_400_naming_the_field_and_the_server_keeps_serving(self, dense_server, path, body,
+                                                                                     field):
         from tests.sglang_world import http
 
-        status, _ = http(dense_server.url + "/generate", {"input_ids": "not a list", "sampling_params": {}})
-        assert 400 <= status < 500
+        status, text = http(dense_server.url + path, body)
+        assert status == 400, (status, text[:500])
+        error = json.loads(text)
+        assert field in error.get("message", error.get("error", {}).get("message", "")), text[:500]
         assert len(dense_server.generate_ids([5, 6], 2)) == 2
+
+    def test_the_last_id_of_the_vocabulary_is_served(self, dense_server, served_model):
+        last = json.loads((served_model / "config.json").read_text())["vocab_size"] - 1
+        assert len(dense_server.generate_ids([5, last], 2)) == 2
+        out = dense_server.post_json("/generate", {"input_ids": [5, 6], "return_logprob": True,
+                                                   "top_logprobs_num": last + 1,
+                                                   "sampling_params": {"max_new_tokens": 1}})
+        assert len(out["meta_info"]["output_top_logprobs"][0]) == last + 1
 
 
 # -- always-route arms ---------------------------------------------------------------------------------------------

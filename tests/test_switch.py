@@ -179,3 +179,20 @@ def test_attestation_is_json_ready_and_carries_the_thresholds():
     assert att["settings"] == {"prefill": "hybrid", "decode": "hybrid", "promotion": True}
     assert att["recent_decisions"][0]["kind"] == "route_on"
     assert att["constants"] == __import__("vskipper.constants").constants.attestation()
+
+
+def test_a_crossing_with_nobody_running_dense_records_no_promotion():
+    sw = ModeSwitch(SETTINGS["hybrid"], ENTER, EXIT)
+    assert sw.observe(ENTER, 1.0) == []
+    assert [d.kind for d in sw.decisions()] == [DecisionKind.ROUTE_ON]
+    assert sw.attestation()["promoted_requests_total"] == 0
+
+
+def test_a_round_bound_by_prefix_reuse_runs_in_that_mode_and_says_why():
+    sw = ModeSwitch(SETTINGS["hybrid"], ENTER, EXIT, declared_project_share=0.9)
+    floor = CONSTANTS.prefill_min_prompt_tokens
+    decision = sw.admit_prefill(floor - 1, 1.0, bound=Mode.ROUTED)
+    assert decision.mode is Mode.ROUTED and not decision.probe and "prefix reuse" in decision.reason
+    (record,) = sw.decisions()
+    assert record.kind is DecisionKind.PREFILL_ROUTED and record.count == floor - 1  # the admitted round's size
+    assert sw.admit_prefill(floor - 1, 2.0, bound=Mode.DENSE).mode is Mode.DENSE  # the rule agrees: unchanged

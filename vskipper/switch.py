@@ -169,8 +169,9 @@ class ModeSwitch:
                 for rid in promoted:
                     self._modes[rid] = Mode.ROUTED
                     self._promoted.add(rid)
-                self.counters.promoted_requests += len(promoted)
-                self._record(now, DecisionKind.PROMOTE, count=len(promoted))
+                if promoted:  # a decision only when somebody changed mode
+                    self.counters.promoted_requests += len(promoted)
+                    self._record(now, DecisionKind.PROMOTE, count=len(promoted))
         elif self._routing_on and resident_tokens <= self.exit_tokens:
             self._routing_on = False
             self._record(now, DecisionKind.ROUTE_OFF)
@@ -214,10 +215,16 @@ class ModeSwitch:
         knows which requests the round admits; it commits the round with `admit_prefill` once it is formed."""
         return self._prefill_choice(prompt_tokens, self._probe_due_at_next_round())
 
-    def admit_prefill(self, prompt_tokens: int, now: float) -> PrefillDecision:
-        """Decide the mode of one admission round from its prompt tokens (before prefix-cache hits)."""
+    def admit_prefill(self, prompt_tokens: int, now: float, *, bound: Mode | None = None) -> PrefillDecision:
+        """Decide the mode of one admission round from its prompt tokens (before prefix-cache hits).
+
+        `bound`: the round reuses prefix KV that was computed in this mode, so it must run in it whatever the
+        rule would choose; the decision says so, and a share probe runs only if the rule's choice was one."""
         self._probe_due = self._probe_due_at_next_round()
         decision = self._prefill_choice(prompt_tokens, self._probe_due)
+        if bound is not None and bound is not decision.mode:
+            decision = PrefillDecision(bound, False, f"bound to {bound.value} by prefix reuse "
+                                                     f"(the rule chose {decision.mode.value}: {decision.reason})")
         self._admitted += 1
         if decision.probe:
             self._probe_due = False

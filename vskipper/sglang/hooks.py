@@ -5,10 +5,14 @@ scheduler's included, and applies their hooks before the scheduler is built. `re
 (pyproject.toml); it registers nothing unless the process belongs to a `vskipper serve` server.
 
   admission round   AROUND Scheduler._get_new_batch_prefill_raw: before SGLang matches prefixes and forms the
-                    round, the runtime previews the round's prefill mode and keys every waiting request's prefix
-                    lookups by it; after, it commits the mode for the requests the round admitted
+                    round, the runtime previews the round's prefill mode (from the waiting requests SGLang's
+                    limits let in) and keys every waiting request's prefix lookups by it; after, it decides the
+                    mode on the requests the round admitted (`Runtime.admit`)
   prefix insert     AROUND <tree cache>.insert_req: a released request whose decode ran in another mode than
-                    its prefill inserts its prompt's KV only
+                    its prefill inserts only what its admission prefilled, never less than the cache protects
+  release           AROUND <tree cache>.on_release (every path that frees a request's KV row: finish, abort,
+                    retraction, drain) and Scheduler._release_aborted_request (aborts from the waiting queue):
+                    a request's record leaves with it; a retracted one keeps it until it is admitted again
 
 SGLang only logs a hook that fails to apply, so the model class calls `check_applied` at load and refuses to
 serve a routed arm without them.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vskipper.sglang.admission import AdmissionLimits
 from vskipper.sglang.spec import ENV_ARM, ServeConfigError
 
 ADMISSION_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
@@ -26,7 +31,12 @@ INSERT_TARGETS = (
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert_req",  # SGLang's default tree cache
     "sglang.srt.mem_cache.radix_cache.RadixCache.insert_req",
 )
-TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS)
+RELEASE_TARGETS = (
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.on_release",
+    "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.on_release",  # every other tree cache
+)
+QUEUE_ABORT_TARGET = "sglang.srt.managers.scheduler.Scheduler._release_aborted_request"
+TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *RELEASE_TARGETS, QUEUE_ABORT_TARGET)
 
 
 def _runtime():
@@ -45,11 +55,37 @@ def prefill_budget(scheduler: Any) -> int | None:
     return int(cap) if cap else None
 
 
+def admission_limits(scheduler: Any, running_batch: Any) -> AdmissionLimits:
+    """What SGLang's next admission round can take, read as its PrefillAdder will: the prefill budget, the free
+    plus evictable KV tokens less the running requests' decode reservations, and the free request slots. A limit
+    this SGLang does not expose is left open (the admitted round's decision covers it)."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    running = list(getattr(running_batch, "reqs", None) or ())
+    try:
+        ratio = float(scheduler.new_token_ratio_tracker.current)
+        reserved = sum(min(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+                       for r in running) * ratio
+        kv_tokens = (scheduler.token_to_kv_pool_allocator.available_size() + scheduler.tree_cache.evictable_size()
+                     - reserved)
+    except AttributeError:
+        kv_tokens = None
+    try:
+        requests = scheduler.get_num_allocatable_reqs(len(running), running_batch=running_batch)
+        if scheduler.max_running_requests:
+            requests = min(requests, scheduler.max_running_requests - len(running))
+    except (AttributeError, TypeError):
+        requests = None
+    return AdmissionLimits(prefill_budget(scheduler), kv_tokens, requests, CLIP_MAX_NEW_TOKENS,
+                           int(getattr(scheduler, "page_size", 1) or 1))
+
+
 def around_admission_round(original, scheduler, *args, **kwargs):
     runtime = _runtime()
     if runtime is None:
         return original(scheduler, *args, **kwargs)
-    runtime.key_candidates(scheduler.waiting_queue, prefill_budget(scheduler))
+    running_batch = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
+    runtime.key_candidates(scheduler.waiting_queue, admission_limits(scheduler, running_batch))
     result = original(scheduler, *args, **kwargs)
     new_batch = result[0]
     if new_batch is not None:
@@ -60,8 +96,24 @@ def around_admission_round(original, scheduler, *args, **kwargs):
 def around_insert_req(original, cache, req, *args, up_to: int, **kwargs):
     runtime = _runtime()
     if runtime is not None:
-        up_to = runtime.kv_insert_limit(req.rid, up_to, len(req.origin_input_ids))
+        up_to = runtime.kv_insert_limit(req.rid, up_to, req.kv.cache_protected_len)
     return original(cache, req, *args, up_to=up_to, **kwargs)
+
+
+def around_on_release(original, cache, req, *args, **kwargs):
+    result = original(cache, req, *args, **kwargs)
+    runtime = _runtime()
+    if runtime is not None:
+        runtime.release(req.rid, finished=req.finished())
+    return result
+
+
+def around_release_aborted_request(original, scheduler, req, *args, **kwargs):
+    result = original(scheduler, req, *args, **kwargs)
+    runtime = _runtime()
+    if runtime is not None:
+        runtime.abort_queued(req.rid)
+    return result
 
 
 def register() -> None:
@@ -73,6 +125,9 @@ def register() -> None:
     HookRegistry.register(ADMISSION_TARGET, around_admission_round, HookType.AROUND)
     for target in INSERT_TARGETS:
         HookRegistry.register(target, around_insert_req, HookType.AROUND)
+    for target in RELEASE_TARGETS:
+        HookRegistry.register(target, around_on_release, HookType.AROUND)
+    HookRegistry.register(QUEUE_ABORT_TARGET, around_release_aborted_request, HookType.AROUND)
 
 
 def check_applied() -> None:

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The server's run: set by the HTTP process before SGLang spawns its schedulers, written into every replica's
+# state file, and the only run whose state files the HTTP process merges (a reused --state-file folder may hold
+# files of an earlier run, with another data-parallel size).
+ENV_RUN_ID = "VSKIPPER_RUN_ID"
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -60,6 +65,17 @@ class Placement:
 def replica_state_files(base: Path) -> list[Path]:
     """The state files of every replica writing next to `base` (the first replica's is `base` itself)."""
     return [base] + sorted(base.parent.glob(f"{base.stem}.dp*-adp*{base.suffix}"))
+
+
+def remove_state_files(base: Path) -> None:
+    """Remove the state files an earlier server left at `base` (before this server's schedulers start)."""
+    for path in replica_state_files(base):
+        path.unlink(missing_ok=True)
+
+
+def of_run(parts: list[dict[str, Any]], run_id: str | None) -> list[dict[str, Any]]:
+    """The replicas' attestations written by the run `run_id` (all of them when no run is named)."""
+    return parts if run_id is None else [p for p in parts if p.get("run_id") == run_id]
 
 
 def merge_attestations(parts: list[dict[str, Any]]) -> dict[str, Any]:

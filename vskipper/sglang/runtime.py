@@ -46,7 +46,8 @@ import torch
 from vskipper import constants
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.tape import RouteTape
-from vskipper.sglang.replicas import Placement, read_state_request
+from vskipper.sglang.admission import AdmissionLimits, prompt_tokens
+from vskipper.sglang.replicas import ENV_RUN_ID, Placement, read_state_request
 from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
 from vskipper.skippers.base import BatchContext, Skipper
 from vskipper.skippers.registry import SkipperConfigError, build_skipper
@@ -58,7 +59,14 @@ STATE_POLL_S = 0.01  # how often the writer looks for a request from the HTTP pr
 
 
 NAMESPACE_PREFIX = "vsk:"
+# Records leave with their requests (`release`, `abort_queued`); this bound only guards against a release path
+# SGLang adds later: past it the oldest record is forgotten, in O(1).
 MAX_TRACKED_REQUESTS = 65536
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants: the rid of /health_generate's probe request
+
+
+def is_health_check(rid: str) -> bool:
+    return str(rid).startswith(HEALTH_CHECK_RID_PREFIX)
 
 
 def request_key(rid: str) -> int:
@@ -72,19 +80,20 @@ def namespaced_extra_key(mode: Mode, base: str | None) -> str:
     return f"{NAMESPACE_PREFIX}{mode.value}" + (f"|{base}" if base else "")
 
 
-def prompt_tokens(req: Any) -> int:
-    """Tokens an admission puts through prefill before prefix hits (a retracted request re-prefills its output)."""
-    return len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())
-
-
 @dataclass
 class RequestRecord:
-    """One admitted request: its prefill mode, and once it decodes, its decode mode and promotion."""
+    """One admitted request: its prefill mode, and once it decodes, its decode mode and promotion.
+
+    A retracted request keeps its record (it is counted once); its re-admission prefills its prompt plus the
+    output it carried back, in the mode of that round, and `prefilled_tokens` moves to that boundary."""
 
     prefill_mode: Mode
+    prefilled_tokens: int  # tokens its (latest) admission prefilled in `prefill_mode`
     probe: bool = False  # its admission round is a share probe (reported after its first pass)
     decode_mode: Mode | None = None
     promoted: bool = False
+    retracted: bool = False  # back in SGLang's waiting queue, to be admitted again
+    decoded: bool = False  # counted in requests_total["decode"] (once per request)
 
     def generated_kv_reusable(self) -> bool:
         return self.decode_mode is self.prefill_mode and not self.promoted
@@ -109,6 +118,7 @@ class Step:
     dense_count: int = 0  # rows of dense-mode requests (host)
     run_rows: int = 0  # routed decisions of routed-mode rows that ran (summed over routed layers; set by finish)
     proj_rows: int = 0
+    health_check: bool = False  # every row belongs to /health_generate's probe: not counted as traffic
 
 
 @dataclass
@@ -120,6 +130,11 @@ class Counters:
     requests: dict = field(default_factory=lambda: {"prefill": Counter(), "decode": Counter()})
     unkeyed_admissions: int = 0  # requests admitted without a prefill-mode namespace (not through the hook)
     withheld_generated_kv_tokens: int = 0  # generated tokens whose KV was kept out of the prefix cache
+    retractions: int = 0  # requests SGLang retracted (each is re-admitted later, and counted once above)
+    # Admission rounds whose previewed mode differed from the rule on the round SGLang admitted: re-keyed to the
+    # admitted round's mode (no admitted request reused prefix KV yet), or bound to the previewed mode by reuse.
+    admission_rounds: Counter = field(default_factory=Counter)  # "previewed" | "rekeyed" | "bound"
+    health_check_passes: Counter = field(default_factory=Counter)  # phase -> passes of health probes alone
 
 
 def _bucket(n: int) -> str:
@@ -188,8 +203,8 @@ class Runtime:
                                  declared_project_share=arm.declared_skip_ratio())
         self.counters = Counters()
         self._requests: OrderedDict[str, RequestRecord] = OrderedDict()
-        self._candidates: tuple[int, PrefillDecision] | None = None
-        self._decoding: set[str] = set()
+        self._candidates: PrefillDecision | None = None
+        self._decoding: dict[str, int] = {}  # decoding request -> its resident KV tokens at its last decode pass
         self._tape: RouteTape | None = None
         self._builder: CohortBuilder | None = None
         self._decisions_seen = Counter()
@@ -214,72 +229,122 @@ class Runtime:
         """Decide this pass's rows. `forward_batch` is SGLang's ForwardBatch (extend or decode)."""
         mode = forward_batch.forward_mode
         if mode.is_decode():
-            return self._plan_decode(forward_batch, hidden, positions)
-        if mode.is_extend():
-            return self._plan_prefill(forward_batch, hidden, positions)
-        return Step("other", False)
+            step = self._plan_decode(forward_batch, hidden, positions)
+        elif mode.is_extend():
+            step = self._plan_prefill(forward_batch, hidden, positions)
+        else:
+            return Step("other", False)
+        rids = forward_batch.rids or ()
+        step.health_check = bool(rids) and all(is_health_check(r) for r in rids)
+        return step
 
     # -- admission (SGLang's scheduler, through vskipper.sglang.hooks) ------------------------------------------
 
-    def key_candidates(self, waiting: Sequence[Any], budget_tokens: int | None) -> PrefillDecision | None:
+    def key_candidates(self, waiting: Sequence[Any], limits: AdmissionLimits) -> PrefillDecision | None:
         """Before SGLang forms an admission round from its waiting queue: preview the round's prefill mode and
         key every waiting request's prefix lookups by it.
 
-        The candidate round is the waiting requests, in queue order, until their prompt tokens reach the
-        prefill budget (the request that crosses it is counted whole: a chunked prompt is admitted once). A
-        request back in the queue (retracted) is admitted afresh."""
+        The candidate round is the waiting requests, in queue order, that SGLang's limits let in: the prefill
+        token budget (the request that crosses it is counted whole: a chunked prompt is admitted once), the free
+        KV tokens and the free request slots. `admit` then decides on the round SGLang actually formed."""
         if not waiting:
             self._candidates = None
             return None
-        total = 0
-        for req in waiting:
-            if req.rid in self._requests:
-                self._drop(req.rid)
-            if budget_tokens is None or total < budget_tokens:
-                total += prompt_tokens(req)
-        decision = self.switch.preview_prefill(total)
-        self._candidates = (total, decision)
+        decision = self.switch.preview_prefill(limits.candidate_tokens(waiting))
+        self._candidates = decision
         if self.skipper is not None:  # arms that never route keep SGLang's single namespace
-            for req in waiting:
-                if not hasattr(req, "vskipper_base_extra_key"):
-                    req.vskipper_base_extra_key = req.extra_key
-                req.extra_key = namespaced_extra_key(decision.mode, req.vskipper_base_extra_key)
+            self._key(waiting, decision.mode)
         return decision
 
-    def admit(self, reqs: Iterable[Any]) -> None:
-        """After SGLang formed a round: commit the previewed decision for the requests it admitted."""
-        new = [r.rid for r in reqs if r.rid not in self._requests]
+    @staticmethod
+    def _key(reqs: Iterable[Any], mode: Mode) -> None:
+        for req in reqs:
+            if not hasattr(req, "vskipper_base_extra_key"):
+                req.vskipper_base_extra_key = req.extra_key
+            req.extra_key = namespaced_extra_key(mode, req.vskipper_base_extra_key)
+
+    def admit(self, reqs: Iterable[Any]) -> PrefillDecision | None:
+        """After SGLang formed a round: decide its prefill mode on the requests it admitted (their prompt tokens,
+        a re-admitted request's carried output included).
+
+        The previewed mode keyed their prefix lookups. Where the rule on the admitted round agrees, that is the
+        decision. Where it does not and no admitted request reused prefix KV, the requests are re-keyed to the
+        admitted round's mode (nothing of the previewed namespace is in their KV rows yet). Where one did reuse
+        prefix KV of the previewed mode, the round is bound to that mode: its KV must extend that namespace."""
+        new = [r for r in reqs if r.rid not in self._requests or self._requests[r.rid].retracted]
         if not new:
-            return
+            return None
         if self._candidates is None:
             raise RuntimeError("vSkipper: an admission round was formed without a preview of its prefill mode")
-        total, preview = self._candidates
-        self._candidates = None
-        decision = self.switch.admit_prefill(total, time.time())
-        if decision != preview:  # the switch changed between preview and commit: the namespaces would lie
-            raise RuntimeError(f"vSkipper: prefill decision {decision} differs from its preview {preview}")
-        self._record_admission(new, decision, keyed=self.skipper is not None)
+        preview, self._candidates = self._candidates, None
+        if all(is_health_check(r.rid) for r in new):  # /health_generate's probe: dense, and no decision
+            decision = PrefillDecision(Mode.DENSE, False, "health check")
+        else:
+            total = sum(prompt_tokens(r) for r in new)
+            rule = self.switch.preview_prefill(total)
+            if rule.mode is preview.mode:
+                outcome, bound = "previewed", None
+            elif self.skipper is not None and any(len(getattr(r, "prefix_indices", ()) or ()) for r in new):
+                outcome, bound = "bound", preview.mode
+            else:
+                outcome, bound = "rekeyed", None
+            decision = self.switch.admit_prefill(total, time.time(), bound=bound)
+            self.counters.admission_rounds[outcome] += 1
+        if self.skipper is not None and decision.mode is not preview.mode:
+            self._key(new, decision.mode)
+        self._record_admission([(r.rid, prompt_tokens(r)) for r in new], decision, keyed=self.skipper is not None)
+        return decision
 
-    def _record_admission(self, rids: list[str], decision: PrefillDecision, keyed: bool) -> None:
-        for rid in rids:
-            self._requests[rid] = RequestRecord(decision.mode, decision.probe)
+    def _record_admission(self, admitted: list[tuple[str, int]], decision: PrefillDecision, keyed: bool) -> None:
+        """Record (request id, tokens its admission prefills) of one round decided `decision`."""
+        for rid, prefilled in admitted:
+            record = self._requests.get(rid)
+            if record is not None:  # a retracted request, admitted again: counted once
+                record.prefill_mode, record.prefilled_tokens, record.probe = decision.mode, prefilled, decision.probe
+                record.decode_mode, record.promoted, record.retracted = None, False, False
+                continue
+            self._requests[rid] = RequestRecord(decision.mode, prefilled, decision.probe)
+            if is_health_check(rid):
+                continue
             self.counters.requests["prefill"][decision.mode.value] += 1
             if not keyed and self.skipper is not None:
                 self.counters.unkeyed_admissions += 1
-        if len(self._requests) > MAX_TRACKED_REQUESTS:  # forget requests that never decoded (e.g. max_tokens 1)
-            stale = [rid for rid in self._requests if rid not in self._decoding]
-            for rid in stale[: len(self._requests) - MAX_TRACKED_REQUESTS]:
-                del self._requests[rid]
+        while len(self._requests) > MAX_TRACKED_REQUESTS:
+            rid, _ = self._requests.popitem(last=False)
+            self._end(rid)
 
-    def kv_insert_limit(self, rid: str, up_to: int, prompt_len: int) -> int:
+    def kv_insert_limit(self, rid: str, up_to: int, protected: int) -> int:
         """How much of a released request's KV row the prefix cache may keep: all of it when the request decoded
-        in its prefill mode, else its prompt only (its generated KV was computed under another mode)."""
+        in its prefill mode, else what its admission prefilled (its prompt, plus the output a retraction carried
+        back), never less than the `protected` prefix the cache already owns for the request (SGLang frees the
+        row from the limit on: a limit below what the tree holds would free slots the tree still references)."""
         record = self._requests.get(rid)
         if record is None or record.decode_mode is None or record.generated_kv_reusable():
             return up_to
-        limit = min(up_to, prompt_len)
+        limit = min(up_to, max(record.prefilled_tokens, protected))
         self.counters.withheld_generated_kv_tokens += up_to - limit
         return limit
+
+    def release(self, rid: str, finished: bool) -> None:
+        """SGLang released a request's KV row: it finished (or was aborted) and its record goes, or it was
+        retracted and waits to be admitted again under the same record."""
+        record = self._requests.get(rid)
+        if record is None:
+            return
+        self._end(rid)
+        if finished:
+            del self._requests[rid]
+        elif not record.retracted:
+            record.retracted = True
+            self.counters.retractions += 1
+        self._publish_resident()
+        self.state_changed()
+
+    def abort_queued(self, rid: str) -> None:
+        """A request left SGLang's waiting queue aborted (a retracted one has a record; a new one has none)."""
+        if self._requests.pop(rid, None) is not None:
+            self._end(rid)
+            self.state_changed()
 
     # -- per pass -------------------------------------------------------------------------------------------
 
@@ -290,7 +355,7 @@ class Runtime:
         unadmitted = [i for i, rid in enumerate(rids) if rid not in self._requests]
         if unadmitted:  # admitted outside the scheduler hook (no namespace): decided here, counted as unkeyed
             decision = self.switch.admit_prefill(sum(seq_lens[i] for i in unadmitted), time.time())
-            self._record_admission([rids[i] for i in unadmitted], decision, keyed=False)
+            self._record_admission([(rids[i], seq_lens[i]) for i in unadmitted], decision, keyed=False)
         records = [self._requests[rid] for rid in rids]
         probe = any(r.probe for r in records)
         for r in records:
@@ -307,36 +372,42 @@ class Runtime:
         now = time.time()
         rids = list(fb.rids or [])
         present = set(rids)
-        for rid in [r for r in self._decoding if r not in present]:
-            self._drop(rid)
+        for rid in [r for r in self._decoding if r not in present]:  # left the batch (its release ends it too)
+            self._end(rid)
         seq_lens = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens
-        resident = int(seq_lens.sum())
+        lengths = [int(n) for n in seq_lens.tolist()]
+        resident = sum(lengths)
         for rid in self.switch.observe(resident, now):
             if rid in self._requests:
                 self._requests[rid].promoted = True
-        for rid in rids:
+        for rid, length in zip(rids, lengths, strict=True):
             if rid not in self._decoding:
                 mode = self.switch.start_decode(rid)
-                self._decoding.add(rid)
                 record = self._requests.get(rid)
                 if record is None:  # admitted before this runtime tracked it: nothing known of its prefill
-                    record = self._requests[rid] = RequestRecord(mode)
+                    record = self._requests[rid] = RequestRecord(mode, length)
                 record.decode_mode = mode
-                self.counters.requests["decode"][mode.value] += 1
-        if self.prometheus is not None:
-            self.prometheus.resident.set(resident)
+                if not record.decoded and not is_health_check(rid):
+                    record.decoded = True
+                    self.counters.requests["decode"][mode.value] += 1
+            self._decoding[rid] = length
+        self._publish_resident()
         row_routed = torch.tensor([self.switch.decode_mode(r) is Mode.ROUTED for r in rids], dtype=torch.bool)
         keys = torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
         return self._step("decode", hidden, positions, row_routed, keys, False)
 
     def _end(self, rid: str) -> None:
+        """The request stopped decoding (it left the batch: finished, aborted or retracted)."""
         self.switch.finish(rid)
-        self._decoding.discard(rid)
+        self._decoding.pop(rid, None)
 
-    def _drop(self, rid: str) -> None:
-        """Forget a request: it finished, or it was retracted and is admitted afresh."""
-        self._end(rid)
-        self._requests.pop(rid, None)
+    def resident_tokens(self) -> int:
+        """The KV tokens of the requests decoding now (as of their last decode pass, less those that left)."""
+        return sum(self._decoding.values())
+
+    def _publish_resident(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.resident.set(self.resident_tokens())
 
     def _step(self, phase: str, hidden: torch.Tensor, positions: torch.Tensor, row_routed: torch.Tensor,
               keys: torch.Tensor, probe: bool) -> Step:
@@ -375,6 +446,10 @@ class Runtime:
         """Count a pass after its forward: one read of the tape (routed passes), then the counters."""
         if step.phase not in ("prefill", "decode"):
             return
+        if step.health_check:
+            self.counters.health_check_passes[step.phase] += 1
+            self.state_changed()
+            return
         mode = "routed" if step.routed else "dense"
         with self._state_lock:
             if step.routed:
@@ -400,10 +475,7 @@ class Runtime:
             if promoted > self._promotions_seen:
                 p.promotions.inc(promoted - self._promotions_seen)
                 self._promotions_seen = promoted
-        if self._writer is None:
-            self.write_state()
-        else:
-            self._writer.changed()
+        self.state_changed()
 
     # -- attestation ----------------------------------------------------------------------------------------
 
@@ -415,6 +487,11 @@ class Runtime:
             "rows_per_layer_total": {str(k): v for k, v in sorted(c.rows_per_layer.items())},
             "run_cohort_size_passes_total": dict(sorted(c.cohort_sizes.items())),
             "requests_total": {k: dict(v) for k, v in c.requests.items()},
+            "retractions_total": c.retractions,
+            "requests_tracked": len(self._requests),  # records of requests still in SGLang (queued or running)
+            "resident_tokens": self.resident_tokens(),  # KV tokens of the requests decoding now
+            "admission_rounds_total": dict(c.admission_rounds),
+            "health_check_passes_total": dict(c.health_check_passes),
             "promotions_total": self.switch.counters.promoted_requests,
             "prefix_cache": {"keyed_by_prefill_mode": self.skipper is not None and self.hooks_applied,
                              "namespaces": [namespaced_extra_key(m, None) for m in Mode] if self.skipper else [],
@@ -438,6 +515,7 @@ class Runtime:
                           "cuda_graphs": False, "tiles": None, **self.execution},
             "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
                           "attn_dp_rank": self.placement.attn_dp_rank},
+            "run_id": os.environ.get(ENV_RUN_ID),
             "started": self.started,
             "updated": time.time(),
             "state_request": self.state_request,
@@ -458,6 +536,13 @@ class Runtime:
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         tmp.write_text(document)
         os.replace(tmp, path)
+
+    def state_changed(self) -> None:
+        """The counters changed: written now without a writer, by the writer otherwise (never from two threads)."""
+        if self._writer is None:
+            self.write_state()
+        else:
+            self._writer.changed()
 
     def start_state_writer(self) -> None:
         """Write the state file off the forward path from now on (`StateWriter`)."""

@@ -18,11 +18,20 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from vskipper.sglang import SGLANG_VERSION
 from vskipper.sglang.configs import register_configs
-from vskipper.sglang.replicas import merge_attestations, replica_state_files, request_state
+from vskipper.sglang.guard import install_request_guard, vocab_size
+from vskipper.sglang.replicas import (
+    ENV_RUN_ID,
+    merge_attestations,
+    of_run,
+    remove_state_files,
+    replica_state_files,
+    request_state,
+)
 from vskipper.sglang.spec import (
     ENV_STATE,
     MODEL_PACKAGE,
@@ -64,7 +73,7 @@ def _state_parts(state_file: Path) -> list[dict]:
             parts.append(json.loads(path.read_text()))
         except (FileNotFoundError, json.JSONDecodeError):
             continue
-    return parts
+    return of_run(parts, os.environ.get(ENV_RUN_ID))
 
 
 def _merged(parts: list[dict]) -> dict | None:
@@ -115,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = _model_path(argv)
         check_arm_for_model(spec.arm, checkpoint_config(model_dir).get("model_type", ""))
         arch, cls = resolve_model_class(model_dir)
+        vocab = vocab_size(model_dir)
     except (ServeConfigError, ValueError) as exc:
         print(f"vskipper serve: error: {exc}", file=sys.stderr)
         return 2
@@ -128,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
+    os.environ[ENV_RUN_ID] = uuid.uuid4().hex  # inherited by the scheduler processes SGLang spawns
+    remove_state_files(spec.state_file)
     add_attestation_route(http_server.app, spec.state_file)
+    install_request_guard(http_server.app, vocab)
     load_plugins()
     server_args = prepare_server_args(argv)
     try:
