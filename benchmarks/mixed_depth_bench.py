@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from vskipper.checkpoint import TinySize, tiny_config  # noqa: E402
-from vskipper.mixed.layers import ForwardBatch, MixedDepthModel  # noqa: E402
+from vskipper.mixed.bench_stack import BenchStack, ForwardBatch  # noqa: E402
 from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS  # noqa: E402
 from vskipper.mixed.tuner import op_dims, representative_rows, time_call  # noqa: E402
 from vskipper.roofline import derive_thresholds, find_device, kv_bytes_per_token_layer  # noqa: E402
@@ -112,7 +112,7 @@ def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smok
 class DecodeRig:
     """Static inputs for one row count, a cache sized for the largest context, and a captured step per mode."""
 
-    def __init__(self, model: MixedDepthModel, kv, rows: int, page_size: int) -> None:
+    def __init__(self, model: BenchStack, kv, rows: int, page_size: int) -> None:
         self.model, self.kv, self.rows = model, kv, rows
         dev = model.device
         self.ids = torch.randint(0, model.config["vocab_size"], (rows,), device=dev)
@@ -157,7 +157,7 @@ def time_step(fn, use_graph: bool, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_decode(model: MixedDepthModel, rows_grid: list[int], contexts: list[int], s: float, page_size: int,
+def bench_decode(model: BenchStack, rows_grid: list[int], contexts: list[int], s: float, page_size: int,
                  use_graph: bool, reps: int) -> dict:
     max_rows, max_ctx = max(rows_grid), max(contexts) + 1
     pages_per_request = -(-max_ctx // page_size)
@@ -195,7 +195,7 @@ def bench_decode(model: MixedDepthModel, rows_grid: list[int], contexts: list[in
 
 # -- 3. prefill -------------------------------------------------------------------------------------------
 
-def bench_prefill(model: MixedDepthModel, lengths: list[int], s: float, page_size: int, reps: int) -> list[dict]:
+def bench_prefill(model: BenchStack, lengths: list[int], s: float, page_size: int, reps: int) -> list[dict]:
     dev = model.device
     max_len = max(lengths)
     pages = -(-max_len // page_size)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = tiny_config("flexidepth-llama", size, dtype=str(dtype).removeprefix("torch."))
     with torch.device(device):
-        model = MixedDepthModel(config, capacity=max(rows_grid)).to(dtype).eval()
+        model = BenchStack(config, capacity=max(rows_grid)).to(dtype).eval()
     print(f"model: {size.layers} layers, hidden {size.hidden}, routed {len(model.routed_layers)}; "
           f"attestation {json.dumps(model.attestation())}")
 

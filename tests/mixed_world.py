@@ -7,8 +7,10 @@ import copy
 import random
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from vskipper.mixed.layers import ForwardBatch, MixedDepthModel
+from vskipper.mixed.bench_stack import BenchStack, ForwardBatch
 from vskipper.skippers.base import LayerRoute, Skipper
 
 
@@ -50,7 +52,7 @@ def random_routes(layers, rows, rng: random.Random, valid: torch.Tensor, mode: s
 class World:
     """A model, a paged cache with shuffled page ownership, and per-request prompt lengths."""
 
-    def __init__(self, model: MixedDepthModel, n_requests: int, seed: int, page_size: int = 4,
+    def __init__(self, model: BenchStack, n_requests: int, seed: int, page_size: int = 4,
                  max_context: int = 24, spare_pages: int = 3) -> None:
         self.model = model
         self.rng = random.Random(seed)
@@ -92,3 +94,33 @@ class World:
 
     def fork_cache(self):
         return copy.deepcopy(self.kv)
+
+
+class HostReadDetector(TorchFunctionMode):
+    """Records every tensor-to-host value read (.item(), int(), bool(), float(), tolist(), index use)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__float__,
+             torch.Tensor.tolist, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class ScalarReadDetector(TorchDispatchMode):
+    """Records every scalar read that reaches the dispatcher (`aten._local_scalar_dense`), including those an
+    operator makes inside C++ (a host read a Python-level detector cannot see)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -1,5 +1,5 @@
 """Helpers for the SGLang server tests: `serve` (vskipper.sglang.launch: `vskipper serve` in its own session,
-wait for /health, always kill); a greedy torch reference through `vskipper.mixed` (the plain MixedDepthModel
+wait for /health, always kill); a greedy torch reference through `vskipper.mixed` (the plain BenchStack
 forward, dense or routed)."""
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ def servable_tiny_model(directory: Path, arch: str = "flexidepth-llama") -> Path
 
 @torch.no_grad()
 def greedy_reference(model_dir: Path, prompt: list[int], n: int, skipper=None, decode_skipper="same") -> list[int]:
-    """Greedy tokens from the plain torch MixedDepthModel, one request: prefill routed by `skipper` (dense when
+    """Greedy tokens from the plain torch BenchStack, one request: prefill routed by `skipper` (dense when
     None), decode by `decode_skipper` (the same skipper unless given; None decodes dense)."""
-    from vskipper.mixed.layers import ForwardBatch, MixedDepthModel
+    from vskipper.mixed.bench_stack import BenchStack, ForwardBatch
 
-    model = MixedDepthModel.from_pretrained(model_dir, backend="torch")
+    model = BenchStack.from_pretrained(model_dir, backend="torch")
     page = 16
     ctx = len(prompt) + n + page
     kv = model.new_kv_cache(num_pages=ctx // page + 2, page_size=page, max_requests=1, max_context=ctx)

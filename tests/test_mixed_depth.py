@@ -8,8 +8,8 @@ import torch
 from mixed_world import TapeSkipper, World, random_routes
 from torch.utils.flop_counter import FlopCounterMode
 
+from vskipper.mixed.bench_stack import BenchStack
 from vskipper.mixed.cohorts import CohortBuilder, build_cohorts
-from vskipper.mixed.layers import MixedDepthModel
 from vskipper.mixed.reference import reference_forward
 from vskipper.mixed.tape import RouteTape
 from vskipper.skippers.base import LayerRoute
@@ -22,7 +22,7 @@ CAPACITY = 8
 @pytest.fixture(scope="module", params=["flexidepth", "qwen3"])
 def model(request, tiny_flexidepth, tiny_qwen3):
     path = tiny_flexidepth if request.param == "flexidepth" else tiny_qwen3
-    return MixedDepthModel.from_pretrained(path, capacity=CAPACITY)
+    return BenchStack.from_pretrained(path, capacity=CAPACITY)
 
 
 def prefilled_world(model, seed, n_requests=5, skipper=None):
@@ -217,7 +217,7 @@ def test_model_attests_the_backend_it_chose(model):
     model(*world.decode_batch([0, 1]), world.kv, StaticDepth(0.5))
     att = model.attestation()
     assert att["decode_backend"] == "torch" and att["prefill_backend"] == "torch"
-    assert att["backends_used"]["decode"] == "torch" and att["cohort_counts_read_on_host"]
+    assert att["backends_used"]["decode"] == "torch" and att["cohort_counts"] == "cohort shapes"
     assert att["routed_layers"] == list(model.routed_layers)
 
 
@@ -236,7 +236,7 @@ def test_a_decode_batch_over_the_capacity_is_refused_but_a_long_prefill_is_route
 def test_qwen3_project_only_rows_write_k_normed_per_head_before_rope(tiny_qwen3):
     """Checked against an independent RoPE (complex rotation of the (i, i + d/2) pairs): the cached K of a row
     that projects at every routed layer is RoPE(k_norm(k_proj(LN1 x))), not k_norm(RoPE(...))."""
-    model = MixedDepthModel.from_pretrained(tiny_qwen3, capacity=CAPACITY)
+    model = BenchStack.from_pretrained(tiny_qwen3, capacity=CAPACITY)
     world = World(model, 2, seed=4)
     model(*world.prefill_batch({0: 3, 1: 2}), world.kv)
     ids, batch = world.decode_batch([1, 0])

@@ -20,8 +20,8 @@ from loadgen.attestation import Attestation, pass_delta
 from loadgen.gates import cross_arm_identity, execution_difference, mechanism_evidence
 from tests.sglang_world import servable_tiny_model
 from vskipper.arms import get_arm
-from vskipper.sglang.spec import CPU_FLAGS
 from vskipper.sglang.executed import CPU_PROFILE, declared_execution
+from vskipper.sglang.spec import CPU_FLAGS
 
 MISMATCHED_FLAGS = ("--max-total-tokens", "8192", "--chunked-prefill-size", "1024", "--attention-backend",
                     "flex_attention", "--skip-server-warmup")

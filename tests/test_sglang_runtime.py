@@ -62,7 +62,6 @@ def run_pass(rt: Runtime, batch: Batch, layers=(2, 3)):
         for layer in layers:
             route = step.skipper.route(layer, hidden, step.state, None)
             step.tape.record(layer, route, step.dense_rows)
-            rt.record_layer(step, layer, step.tape.layer(layer, step.rows)[0])
     rt.finish(step)
     return step
 
@@ -380,6 +379,34 @@ def test_routed_arms_are_refused_under_pipeline_parallelism(tmp_path):
     with pytest.raises(ServeConfigError, match="--pp-size 2"):
         Runtime(ServeSpec(get_arm("always-route"), 0, 0, None), "ddllama", (2, 3), "DDLlamaForCausalLM",
                 placement=Placement(pp_size=2))
+
+
+def test_a_server_runtime_writes_its_state_off_the_forward_path_and_fresh_for_each_read(tmp_path):
+    """With its writer started (as in a server) a pass only marks the state changed; the file is written in the
+    writer's thread, and a read of the attestation gets the counters of every pass finished before it."""
+    import asyncio
+    import threading
+
+    from vskipper.sglang.server import fresh_attestation
+
+    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "mode_switch": False}),
+                 tmp_path)
+    writers = []
+    write = rt.write_state
+
+    def recorded(*args):
+        writers.append(threading.current_thread().name)
+        write(*args)
+
+    rt.write_state = recorded
+    rt.start_state_writer()
+    run_pass(rt, prefill(["a"], [5]))
+    for n in range(3):
+        run_pass(rt, decode(["a"], [6 + n]))
+    att = asyncio.run(fresh_attestation(tmp_path / "state.json", timeout=30))
+    assert att["passes_total"]["decode"] == {"dense": 0, "routed": 3}
+    assert att["passes_total"]["prefill"] == {"dense": 0, "routed": 1}
+    assert writers and set(writers) == {"vskipper-state-writer"}
 
 
 def test_state_files_of_another_run_are_never_merged(tmp_path, monkeypatch):

@@ -248,6 +248,18 @@ def test_dry_run_shows_the_cpu_recipe_and_the_shim_on_the_server_path_only(serve
     assert json.loads(env["VSKIPPER_ARM"])["name"] == "dense"
 
 
+def test_on_a_gpu_serve_runs_the_routed_phases_without_cuda_graphs_and_keeps_them_for_dense_ones(served_model):
+    cmds = {}
+    for arm in ("decode-only", "dense"):
+        r = _serve_cli("--model", str(served_model), "--arm", arm, "--platform", "gpu", "--enter-tokens", "200",
+                       "--exit-tokens", "100", "--dry-run")
+        assert r.returncode == 0, r.stderr
+        cmds[arm] = " ".join(json.loads(r.stdout)["command"])
+    assert "--cuda-graph-backend-decode disabled" in cmds["decode-only"]
+    assert "--cuda-graph-backend-prefill" not in cmds["decode-only"]
+    assert "--cuda-graph-backend" not in cmds["dense"]
+
+
 # -- dense arm ---------------------------------------------------------------------------------------------------
 
 class TestDenseArm:
@@ -349,6 +361,9 @@ class TestAlwaysRouteFlexiDepth:
         for phase in ("prefill", "decode"):
             assert att["rows_total"][phase]["project_only"] > 0 and att["rows_total"][phase]["run"] > 0
             assert att["passes_total"][phase]["dense"] == 0
+        # what executed: Project-Only rows skip Q, routed passes run eagerly (no graph replays a dense graph)
+        assert att["execution"]["project_only_q"] == "skipped: K/V rows of qkv_proj"
+        assert att["execution"]["cuda_graphs"]["backends"] == {"decode": "disabled", "prefill": "disabled"}
 
 
     def test_loadgen_cells_against_the_real_server_pass_every_gate(self, routed_server):
@@ -592,11 +607,11 @@ class TestDataParallelReplicas:
         server = replicated_server
         with ThreadPoolExecutor(6) as pool:
             list(pool.map(lambda i: server.generate_ids([5, 6, 7, i], 4), range(6)))
+        att = server.get_json("/vskipper/attestation")  # the replicas write their state files for this read
         state = server.log.parent / f"state-{server.port}.json"
         parts = [json.loads(p.read_text()) for p in (state, state.with_name(f"{state.stem}.dp1-adp0.json"))]
         assert [p["placement"]["replica"] for p in parts] == ["dp0-adp0", "dp1-adp0"]
         assert all(p["passes_total"]["decode"]["routed"] > 0 for p in parts)  # both replicas served requests
-        att = server.get_json("/vskipper/attestation")
         metrics = server.metrics()
         for phase, mode in (("prefill", "dense"), ("decode", "routed")):  # the decode-only arm
             total = sum(p["passes_total"][phase][mode] for p in parts)

@@ -239,10 +239,10 @@ def declared_execution() -> dict:
     recipe, then the flags `vskipper.sglang.launch` and the demo add) declare outright, on vSkipper's CPU
     profile and the pinned SGLang."""
     from vskipper.sglang import SGLANG_VERSION
-    from vskipper.sglang.spec import CPU_FLAGS
     from vskipper.sglang.executed import CPU_PROFILE
     from vskipper.sglang.executed import declared_execution as from_flags
     from vskipper.sglang.launch import serve_command
+    from vskipper.sglang.spec import CPU_FLAGS
 
     cmd = serve_command("model", 0, Path("state.json"), arm=AB_ARMS[0], extra=SERVER_FLAGS)
     flags = [*CPU_FLAGS, *cmd[cmd.index("--") + 1:]]

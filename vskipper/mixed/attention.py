@@ -77,12 +77,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
                     req_indices: torch.Tensor, positions: torch.Tensor, scale: float,
-                    reads: torch.Tensor | None = None) -> torch.Tensor:
+                    reads: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
     """Causal attention of q [rows, heads, head_dim] over each row's own request pages; [rows, heads, head_dim].
 
     k_pool / v_pool: [num_slots, kv_heads, head_dim] (one layer). Grouped-query: heads // kv_heads query heads
-    share a KV head. The context length is bounded by the largest position among the rows (host read: this is
-    the reference path, not a captured one). `reads` (bool [rows]) masks whole rows: a row outside it reads no
+    share a KV head. The context is bounded by `length` (at least the largest position + 1, planned on the host),
+    else by the largest position among the rows (a host read). `reads` (bool [rows]) masks whole rows: a row outside it reads no
     slot at all and its output is zero (selected, since its softmax is 0/0).
     """
     rows, heads, head_dim = q.shape
@@ -90,7 +90,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         return q.new_zeros(q.shape)
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
-    length = int(positions.max()) + 1
+    if length is None:
+        length = int(positions.max()) + 1
     j = torch.arange(length, device=q.device)
     own = j[None, :] <= positions[:, None]  # [rows, length]
     if reads is not None:

@@ -1,7 +1,7 @@
 """The slow, obviously-correct mixed-depth forward: one row at a time, explicit loops, no cohorts.
 
 It takes the routes as given (per routed layer: run bool [rows], weights [rows]) and applies, row by row, the
-semantics spelled out in `vskipper.mixed.layers`. The fast paths are checked against it; nothing serves with it.
+semantics spelled out in `vskipper.mixed.bench_stack`. The fast paths are checked against it; nothing serves with it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 
 from vskipper.mixed.attention import PagedKVCache
-from vskipper.mixed.layers import ForwardBatch, MixedDepthModel
+from vskipper.mixed.bench_stack import BenchStack, ForwardBatch
 
 
 def _attend_one(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
@@ -30,7 +30,7 @@ def _attend_one(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
 
 
 @torch.no_grad()
-def reference_forward(model: MixedDepthModel, input_ids: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache,
+def reference_forward(model: BenchStack, input_ids: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache,
                       routes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """Final-normed hidden states of every row; `routes` None means dense. Writes K/V into `kv`."""
     rows = batch.rows

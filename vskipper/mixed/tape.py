@@ -74,9 +74,12 @@ class RouteTape:
         rows = self.capacity if rows is None else rows
         return self.run[j, :rows], self.weights[j, :rows]
 
-    def projected_counts(self, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Project-Only rows per routed layer, as a device tensor [L_r] (for counters; reading it syncs)."""
+    def projected_counts(self, valid: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
+        """Project-Only rows per routed layer over the first `rows` rows (or the rows `valid` marks), as a
+        device tensor [L_r] (for counters: read it once per pass, after the forward; reading it syncs)."""
         proj = ~self.run
         if valid is not None:
             proj = proj[:, : valid.shape[0]] & valid.view(1, -1)
+        elif rows is not None:
+            proj = proj[:, :rows]
         return proj.sum(dim=1)

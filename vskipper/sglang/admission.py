@@ -15,6 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants: the rid of /health_generate's probe request
+
+
+def is_health_check(rid: str) -> bool:
+    """A request of /health_generate's probe: served, but never counted as traffic."""
+    return str(rid).startswith(HEALTH_CHECK_RID_PREFIX)
+
+
 def prompt_tokens(req: Any) -> int:
     """Tokens an admission puts through prefill before prefix hits (a retracted request re-prefills its output)."""
     return len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())

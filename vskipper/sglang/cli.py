@@ -19,6 +19,12 @@ from vskipper.switch import Policy
 NVIDIA_DEVICE_NODE = "/dev/nvidiactl"  # present wherever an NVIDIA driver exposes a device
 
 
+def eager_routed_phases(arm: Arm) -> list[str]:
+    """SGLang flags that run the arm's routed phases eagerly: a replayed CUDA graph would run the dense model (no
+    routed graph variant is captured yet; the model refuses to start with them on)."""
+    return [flag for phase in arm.routed_phases for flag in (f"--cuda-graph-backend-{phase}", "disabled")]
+
+
 def load_arm(args: argparse.Namespace) -> Arm:
     if args.arm_file:
         with open(args.arm_file) as f:
@@ -109,7 +115,8 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
     spec = ServeSpec(arm, enter, exit_, state, source, profile.attestation())
     cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *profile.flags,
-           "--host", args.host, "--port", str(args.port), *extra, *profile.final_flags]
+           "--host", args.host, "--port", str(args.port), *extra, *profile.final_flags,
+           *(eager_routed_phases(arm) if platform == "gpu" else ())]
     return cmd, serve_environment(spec, profile=profile)
 
 

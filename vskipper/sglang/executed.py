@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vskipper.sglang.admission import is_health_check
+
 BOOTED_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
 RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 TARGETS = (BOOTED_TARGET, RUN_BATCH_TARGET)
@@ -200,19 +202,20 @@ def after_boot(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     _STATE.config = executed_configuration(scheduler, vskipper_profile(runtime))
     _STATE.counting = RUN_BATCH_TARGET in HookRegistry._patched
     if runtime is not None:
-        runtime.write_state()
+        runtime.state_changed()
 
 
 def around_run_batch(original, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     phase = batch_phase(batch.forward_mode)
-    if phase is None:
+    reqs = getattr(batch, "reqs", None) or ()
+    if phase is None or (reqs and all(is_health_check(r.rid) for r in reqs)):  # /health_generate: not traffic
         return original(scheduler, batch, *args, **kwargs)
     runtime = _runtime()
     counted = sum(runtime.counters.passes[phase].values()) if runtime is not None else 0
     _STATE.passes[phase] += 1  # before the pass, so the attestation the runtime writes after it includes it
     result = original(scheduler, batch, *args, **kwargs)
     if runtime is not None and sum(runtime.counters.passes[phase].values()) == counted:
-        runtime.write_state()  # the runtime did not count this pass: attest the disagreement now
+        runtime.state_changed()  # the runtime did not count this pass: attest the disagreement
     return result
 
 

@@ -9,6 +9,8 @@ in SGLang's multiprocess directory, whose collector sums them.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,3 +107,26 @@ def merge_attestations(parts: list[dict[str, Any]]) -> dict[str, Any]:
         merged = {**merged, "replicas": [{"placement": p.get("placement"), "switch": p.get("switch"),
                                           "updated": p.get("updated")} for p in parts]}
     return merged
+
+
+def state_request_file(base: Path) -> Path:
+    """Where the HTTP process stamps a request for fresh state files (every replica's writer watches it)."""
+    return base.with_name(base.name + ".request")
+
+
+def request_state(base: Path) -> int:
+    """Ask every replica's writer for a fresh state file; returns the stamp their documents answer with."""
+    stamp = time.time_ns()
+    path = state_request_file(base)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(str(stamp))
+    os.replace(tmp, path)
+    return stamp
+
+
+def read_state_request(base: Path) -> int:
+    """The latest request stamp (0: none yet)."""
+    try:
+        return int(state_request_file(base).read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0

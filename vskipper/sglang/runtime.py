@@ -16,9 +16,12 @@ SGLang runs the model inside its scheduler process. The model classes (`vskipper
                              and a request whose decode ran in another mode than its prefill (or was promoted)
                              inserts only its prompt's KV, never its generated KV (`kv_insert_limit`).
 
-Counters are cumulative and monotonic. After every pass the runtime writes its attestation (the served design and
-the counters) to a JSON state file that the HTTP process serves at `/vskipper/attestation`, and, when SGLang runs
-with `--enable-metrics`, moves Prometheus counters in the multiprocess directory SGLang's `/metrics` reads.
+Counters are cumulative and monotonic. The runtime writes its attestation (the served design and the counters) to
+a JSON state file that the HTTP process serves at `/vskipper/attestation`, and, when SGLang runs with
+`--enable-metrics`, moves Prometheus counters in the multiprocess directory SGLang's `/metrics` reads. In a server
+the state file is written off the forward path (`StateWriter`): when the HTTP process asks for it (each read of
+the attestation) and at most every `STATE_INTERVAL_S` otherwise; a pass only marks the state changed. A runtime
+without a writer (tests, tools) writes after every pass.
 
 The launcher passes the served configuration through the environment (the scheduler is a spawned process).
 Under tensor and data parallelism every scheduler process builds a runtime; `vskipper.sglang.replicas` says which
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import zlib
 from collections import Counter, OrderedDict
@@ -43,25 +47,22 @@ from vskipper import constants
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.tape import RouteTape
 from vskipper.sglang import executed
-from vskipper.sglang.admission import AdmissionLimits, prompt_tokens
-from vskipper.sglang.replicas import ENV_RUN_ID, Placement
+from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
+from vskipper.sglang.replicas import ENV_RUN_ID, Placement, read_state_request
 from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
 from vskipper.skippers.base import BatchContext, Skipper
 from vskipper.skippers.registry import SkipperConfigError, build_skipper
 from vskipper.switch import Mode, ModeSwitch, Policy, PrefillDecision
 
 COHORT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STATE_INTERVAL_S = 0.5  # the longest a changed state waits for its write when nobody asks for it
+STATE_POLL_S = 0.01  # how often the writer looks for a request from the HTTP process
 
 
 NAMESPACE_PREFIX = "vsk:"
 # Records leave with their requests (`release`, `abort_queued`); this bound only guards against a release path
 # SGLang adds later: past it the oldest record is forgotten, in O(1).
 MAX_TRACKED_REQUESTS = 65536
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants: the rid of /health_generate's probe request
-
-
-def is_health_check(rid: str) -> bool:
-    return str(rid).startswith(HEALTH_CHECK_RID_PREFIX)
 
 
 def request_key(rid: str) -> int:
@@ -96,7 +97,10 @@ class RequestRecord:
 
 @dataclass
 class Step:
-    """What one forward pass runs: phase, per-row routed flags, the skipper's per-pass state and the tape."""
+    """What one forward pass runs: phase, per-row routed flags, the skipper's per-pass state and the tape.
+
+    Everything here is fixed on the host before the forward; the routed layers read nothing back. The pass's
+    routed decisions are counted once after the forward, from the tape (`Runtime.finish`)."""
 
     phase: str  # "prefill" | "decode"
     routed: bool  # any row runs the routed layers through the tape
@@ -107,7 +111,8 @@ class Step:
     dense_rows: torch.Tensor | None = None  # bool [rows]: rows of dense-mode requests (RUN, unit weight)
     rows: int = 0
     probe: bool = False
-    run_rows: int = 0  # routed decisions of routed-mode rows that ran (summed over routed layers)
+    dense_count: int = 0  # rows of dense-mode requests (host)
+    run_rows: int = 0  # routed decisions of routed-mode rows that ran (summed over routed layers; set by finish)
     proj_rows: int = 0
     health_check: bool = False  # every row belongs to /health_generate's probe: not counted as traffic
 
@@ -157,6 +162,15 @@ class _Prometheus:
         self.promotions = counter(m.PROMOTIONS)
         self.resident = gauge(m.RESIDENT_TOKENS)
         self.threshold = gauge(m.THRESHOLD_TOKENS)
+        self._children: dict = {}
+
+    def child(self, metric, *labels):
+        """A labelled child, looked up once (`labels()` takes a lock and builds a key on every call)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
 
 class Runtime:
@@ -193,6 +207,10 @@ class Runtime:
         self._promotions_seen = 0
         self.started = time.time()
         self.hooks_applied = False  # set by the model class once it checked vskipper.sglang.hooks
+        self.state_request = 0  # the latest read request of the HTTP process the state file answers
+        self._state_lock = threading.Lock()
+        self._writer: StateWriter | None = None
+        self.execution: dict[str, Any] = {}  # what the model class reports of its routed execution
         self.prometheus = _Prometheus() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and placement.reports \
             else None
         if self.prometheus is not None and arm.switch_settings().decode is Policy.HYBRID:
@@ -316,13 +334,13 @@ class Runtime:
             record.retracted = True
             self.counters.retractions += 1
         self._publish_resident()
-        self.write_state()
+        self.state_changed()
 
     def abort_queued(self, rid: str) -> None:
         """A request left SGLang's waiting queue aborted (a retracted one has a record; a new one has none)."""
         if self._requests.pop(rid, None) is not None:
             self._end(rid)
-            self.write_state()
+            self.state_changed()
 
     # -- per pass -------------------------------------------------------------------------------------------
 
@@ -344,8 +362,7 @@ class Runtime:
                                              torch.tensor(list(extend), dtype=torch.int64))
         keys = torch.repeat_interleave(torch.tensor([request_key(r) for r in rids], dtype=torch.int64),
                                        torch.tensor(list(extend), dtype=torch.int64))
-        return self._step("prefill", hidden, positions, row_routed.to(hidden.device), keys.to(hidden.device),
-                          probe)
+        return self._step("prefill", hidden, positions, row_routed, keys, probe)
 
     def _plan_decode(self, fb: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Step:
         now = time.time()
@@ -373,7 +390,7 @@ class Runtime:
         self._publish_resident()
         row_routed = torch.tensor([self.switch.decode_mode(r) is Mode.ROUTED for r in rids], dtype=torch.bool)
         keys = torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
-        return self._step("decode", hidden, positions, row_routed.to(hidden.device), keys.to(hidden.device), False)
+        return self._step("decode", hidden, positions, row_routed, keys, False)
 
     def _end(self, rid: str) -> None:
         """The request stopped decoding (it left the batch: finished, aborted or retracted)."""
@@ -390,62 +407,71 @@ class Runtime:
 
     def _step(self, phase: str, hidden: torch.Tensor, positions: torch.Tensor, row_routed: torch.Tensor,
               keys: torch.Tensor, probe: bool) -> Step:
+        """`row_routed` and `keys` are host tensors (built from the request records): the decisions made on them
+        here read no device value."""
         rows = hidden.shape[0]
-        if self.skipper is None or rows == 0 or not bool(row_routed.any()):
+        n_routed = int(row_routed.sum())
+        if self.skipper is None or rows == 0 or n_routed == 0:
             return Step(phase, False, rows=rows)
         if self._tape is None or self._tape.capacity < rows:
             # Eager CPU execution: the tape grows to the largest pass seen and is reused after that.
             self._tape = RouteTape(max(rows, 64), self.routed_layers, hidden.dtype, hidden.device)
             self._builder = CohortBuilder(max(rows, 64), hidden.device)
-        valid = torch.ones(rows, dtype=torch.bool, device=hidden.device)
-        state = self.skipper.prepare_batch(BatchContext(hidden, valid, self.routed_layers, phase, keys, positions))
-        dense_rows = None if bool(row_routed.all()) else ~row_routed
-        return Step(phase, True, self.skipper, state, self._tape, self._builder, dense_rows, rows, probe)
+        device = hidden.device
+        valid = torch.ones(rows, dtype=torch.bool, device=device)
+        state = self.skipper.prepare_batch(BatchContext(hidden, valid, self.routed_layers, phase, keys.to(device),
+                                                        positions))
+        dense_rows = None if n_routed == rows else (~row_routed).to(device)
+        return Step(phase, True, self.skipper, state, self._tape, self._builder, dense_rows, rows, probe,
+                    rows - n_routed)
 
-    def record_layer(self, step: Step, layer_id: int, run: torch.Tensor) -> None:
-        """Count one routed layer's decisions over the rows of routed-mode requests (health probes: none)."""
-        if step.health_check:
-            return
-        mine = run if step.dense_rows is None else run[~step.dense_rows]
-        n_run = int(mine.sum())
-        n_proj = int(mine.numel()) - n_run
-        step.run_rows += n_run
-        step.proj_rows += n_proj
-        per = self.counters.rows_per_layer.setdefault(layer_id, {"run": 0, "project_only": 0})
-        per["run"] += n_run
-        per["project_only"] += n_proj
-        self.counters.cohort_sizes[_bucket(int(run.sum()))] += 1
+    def count_routes(self, step: Step) -> None:
+        """Count the pass's routed decisions over the rows of routed-mode requests: one read of the tape's
+        Project-Only counts per pass, after the forward (dense-mode rows are RUN on the tape)."""
+        projected = step.tape.projected_counts(rows=step.rows).tolist()
+        routed_rows = step.rows - step.dense_count
+        for layer, n_proj in zip(step.tape.routed_layers, projected, strict=True):
+            per = self.counters.rows_per_layer.setdefault(layer, {"run": 0, "project_only": 0})
+            per["run"] += routed_rows - n_proj
+            per["project_only"] += n_proj
+            self.counters.cohort_sizes[_bucket(step.rows - n_proj)] += 1
+        step.proj_rows = sum(projected)
+        step.run_rows = routed_rows * len(projected) - step.proj_rows
 
     def finish(self, step: Step) -> None:
+        """Count a pass after its forward: one read of the tape (routed passes), then the counters."""
         if step.phase not in ("prefill", "decode"):
             return
         if step.health_check:
             self.counters.health_check_passes[step.phase] += 1
-            self.write_state()
+            self.state_changed()
             return
         mode = "routed" if step.routed else "dense"
-        self.counters.passes[step.phase][mode] += 1
-        self.counters.rows[step.phase]["run"] += step.run_rows
-        self.counters.rows[step.phase]["project_only"] += step.proj_rows
+        with self._state_lock:
+            if step.routed:
+                self.count_routes(step)
+            self.counters.passes[step.phase][mode] += 1
+            self.counters.rows[step.phase]["run"] += step.run_rows
+            self.counters.rows[step.phase]["project_only"] += step.proj_rows
         if step.probe and step.run_rows + step.proj_rows:
             self.switch.record_prefill_share(step.proj_rows / (step.run_rows + step.proj_rows), time.time())
         if self.prometheus is not None:
             p = self.prometheus
-            p.passes.labels(step.phase, mode).inc()
+            p.child(p.passes, step.phase, mode).inc()
             if step.run_rows:
-                p.rows.labels(step.phase, "run").inc(step.run_rows)
+                p.child(p.rows, step.phase, "run").inc(step.run_rows)
             if step.proj_rows:
-                p.rows.labels(step.phase, "project_only").inc(step.proj_rows)
+                p.child(p.rows, step.phase, "project_only").inc(step.proj_rows)
             decisions = self.switch.counters.decisions
             for kind, n in decisions.items():
                 if n > self._decisions_seen[kind]:
-                    p.decisions.labels(kind).inc(n - self._decisions_seen[kind])
+                    p.child(p.decisions, kind).inc(n - self._decisions_seen[kind])
                     self._decisions_seen[kind] = n
             promoted = self.switch.counters.promoted_requests
             if promoted > self._promotions_seen:
                 p.promotions.inc(promoted - self._promotions_seen)
                 self._promotions_seen = promoted
-        self.write_state()
+        self.state_changed()
 
     # -- attestation ----------------------------------------------------------------------------------------
 
@@ -475,24 +501,89 @@ class Runtime:
             "constants": constants.attestation(),
             "model": {"model_type": self.model_type, "class": self.model_class,
                       "routed_layers": list(self.routed_layers)},
-            "execution": {"device": self.device, "routed_layers_backend": "torch (vskipper.mixed cohort_ffn)",
-                          "attention_backend": "SGLang's (every row writes K/V; Project-Only reads are dropped)",
-                          "cuda_graphs": False, "tiles": None, "profile": self.spec.profile},
+            "execution": {"device": self.device,
+                          "routed_layers_backend": "torch cohorts (vskipper.mixed.routed_layer over SGLang's "
+                                                   "qkv_proj, o_proj and MLP)",
+                          "attention_backend": "SGLang's on dense passes and all-RUN layers; on mixed routed "
+                                               "layers every row's K/V through the KV pool's set_kv_buffer, then "
+                                               "RUN rows alone read (vskipper.mixed.attention over SGLang's "
+                                               "req_to_token)",
+                          "cuda_graphs": False, "tiles": None, "profile": self.spec.profile,
+                          **self.execution},
             **executed.attestation(),  # what SGLang executes, read after boot; the scheduler's pass counts
             "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
                           "attn_dp_rank": self.placement.attn_dp_rank},
             "run_id": os.environ.get(ENV_RUN_ID),
             "started": self.started,
             "updated": time.time(),
+            "state_request": self.state_request,
         }
 
-    def write_state(self) -> None:
+    def state_document(self) -> str | None:
+        """The attestation as JSON, or None where this replica writes no state file."""
         if self.spec.state_file is None or not self.placement.reports:
+            return None
+        with self._state_lock:
+            return json.dumps(self.attestation(), default=str)
+
+    def write_state(self, document: str | None = None) -> None:
+        document = self.state_document() if document is None else document
+        if document is None:
             return
         path = self.placement.state_file(self.spec.state_file)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.attestation(), default=str))
+        tmp.write_text(document)
         os.replace(tmp, path)
+
+    def state_changed(self) -> None:
+        """The counters changed: written now without a writer, by the writer otherwise (never from two threads)."""
+        if self._writer is None:
+            self.write_state()
+        else:
+            self._writer.changed()
+
+    def start_state_writer(self) -> None:
+        """Write the state file off the forward path from now on (`StateWriter`)."""
+        if self._writer is None and self.spec.state_file is not None and self.placement.reports:
+            self._writer = StateWriter(self)
+            self._writer.start()
+
+
+class StateWriter(threading.Thread):
+    """Writes a runtime's state file in its own thread: at once when the HTTP process asks (a request stamp next
+    to the state file, `vskipper.sglang.replicas.request_state`), else at most every `STATE_INTERVAL_S` after a
+    change. The document carries the latest stamp it answers (`state_request`), which the HTTP process waits for.
+
+    The scheduler mutates the counters while the writer reads them: `finish` and the document share a lock; a
+    document that races another mutation (admission bookkeeping) raises and is simply taken again."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__(name="vskipper-state-writer", daemon=True)
+        self.runtime = runtime
+        self._changed = threading.Event()
+        self.answered = 0
+
+    def changed(self) -> None:
+        self._changed.set()
+
+    def run(self) -> None:
+        base = self.runtime.spec.state_file
+        last = 0.0
+        while True:
+            time.sleep(STATE_POLL_S)
+            request = read_state_request(base)
+            due = self._changed.is_set() and time.monotonic() - last >= STATE_INTERVAL_S
+            if request <= self.answered and not due:
+                continue
+            self._changed.clear()
+            try:
+                self.runtime.state_request = max(request, self.answered)
+                self.runtime.write_state()
+            except RuntimeError:  # a counter changed size while it was read: take it again next time
+                self._changed.set()
+                continue
+            self.answered = self.runtime.state_request
+            last = time.monotonic()
 
 
 _RUNTIME: Runtime | None = None
@@ -511,6 +602,7 @@ def get_runtime(model_type: str, routed_layers: tuple[int, ...], model_class: st
             check_applied()
             runtime.hooks_applied = True
             runtime.write_state()
+        runtime.start_state_writer()
         _RUNTIME = runtime
     return _RUNTIME
 

@@ -7,15 +7,17 @@ Before SGLang starts anything it
      scheduler process),
   2. checks that the checkpoint's architecture resolves, through SGLang's own registry with the external model
      package, to vSkipper's class (never to the Transformers fallback) and refuses to start otherwise,
-  3. adds `GET /vskipper/attestation` to SGLang's FastAPI app: the scheduler's latest attestation (written after
-     every forward pass) plus the SGLang version.
+  3. adds `GET /vskipper/attestation` to SGLang's FastAPI app: the schedulers' attestation, written fresh for the
+     read (each scheduler's state writer answers the read's request stamp), plus the SGLang version.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from vskipper.sglang.replicas import (
     of_run,
     remove_state_files,
     replica_state_files,
+    request_state,
 )
 from vskipper.sglang.spec import (
     ENV_STATE,
@@ -39,6 +42,7 @@ from vskipper.sglang.spec import (
 )
 
 ATTESTATION_PATH = "/vskipper/attestation"
+FRESH_STATE_TIMEOUT_S = 2.0  # how long a read waits for the schedulers to answer it (then: their latest state)
 
 register_configs()
 
@@ -62,18 +66,35 @@ def resolve_model_class(model_dir: str | Path) -> tuple[str, type]:
     return archs[0], cls
 
 
-def read_attestation(state_file: Path) -> dict | None:
-    """The server's attestation: its replicas' state files merged (None until the first is written)."""
+def _state_parts(state_file: Path) -> list[dict]:
     parts = []
     for path in replica_state_files(state_file):
         try:
             parts.append(json.loads(path.read_text()))
         except (FileNotFoundError, json.JSONDecodeError):
             continue
-    parts = of_run(parts, os.environ.get(ENV_RUN_ID))
-    if not parts:
-        return None
-    return {**merge_attestations(parts), "sglang_version": SGLANG_VERSION}
+    return of_run(parts, os.environ.get(ENV_RUN_ID))
+
+
+def _merged(parts: list[dict]) -> dict | None:
+    return {**merge_attestations(parts), "sglang_version": SGLANG_VERSION} if parts else None
+
+
+def read_attestation(state_file: Path) -> dict | None:
+    """The server's attestation as its replicas last wrote it, merged (None until the first is written)."""
+    return _merged(_state_parts(state_file))
+
+
+async def fresh_attestation(state_file: Path, timeout: float = FRESH_STATE_TIMEOUT_S) -> dict | None:
+    """The server's attestation written for this read: every replica's state answers a new request stamp (or,
+    past `timeout`, whatever they last wrote)."""
+    stamp = request_state(state_file)
+    deadline = time.monotonic() + timeout
+    while True:
+        parts = _state_parts(state_file)
+        if (parts and all(p.get("state_request", 0) >= stamp for p in parts)) or time.monotonic() > deadline:
+            return _merged(parts)
+        await asyncio.sleep(0.005)
 
 
 def add_attestation_route(app, state_file: Path) -> None:
@@ -81,7 +102,7 @@ def add_attestation_route(app, state_file: Path) -> None:
 
     @app.get(ATTESTATION_PATH)
     async def vskipper_attestation():
-        data = read_attestation(state_file)
+        data = await fresh_attestation(state_file)
         if data is None:
             return JSONResponse({"error": "the scheduler has not written its attestation yet"}, status_code=503)
         return JSONResponse(data)

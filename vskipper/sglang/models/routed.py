@@ -1,17 +1,23 @@
-"""What the skipper model classes share: the per-pass step slot, the mixed-depth layer body, the model wrapper
-that plans each pass, and the router/adapter weight loading.
+"""What the skipper model classes share: the per-pass step slot, the SGLang side of the routed-layer body, the
+model wrapper that plans each pass, and the router/adapter weight loading.
 
-A routed layer (x: the layer input, u = LN1 x, w: the tape's branch weight, as in `vskipper.mixed`) runs, on a
-pass with routed rows:
+A routed layer runs, on a pass with routed rows, the routed-layer body of `vskipper.mixed.routed_layer` over
+SGLang's own modules (`SGLangLayerOps`):
 
-  RUN row           h = x + Attn(u);  y = h + w * MLP(LN2 h)
-  Project-Only row  y = x + w * Proj(LN2 x)
+  RUN rows           the layer's `qkv_proj` (Qwen3: q/k norm) and rotary embedding, the RUN-masked attention
+                     read over SGLang's KV pool, `o_proj`, the MLP (`gate_up_proj`/`down_proj` through their
+                     linear methods, so quantization and the tensor-parallel reduction stay SGLang's)
+  Project-Only rows  K and V only (the K/V rows of `qkv_proj`; Qwen3: k_norm, then RoPE), written to the KV
+                     pool with every other row's (`set_kv_buffer`, Invariant 1), then the adapter: no Q, no
+                     attention read, no `o_proj`, no MLP
+  every row RUN      upstream's own attention and MLP over the whole batch (the all-RUN fast path)
 
-Every row's K/V is written to SGLang's KV pool through the attention backend (its `set_kv_buffer`), Project-Only
-rows included (Invariant 1); the attention output of Project-Only rows is dropped with a select, so they read
-nothing into their residual. The MLP and the adapter run over their cohorts with `vskipper.mixed`'s cohort FFN
-(torch backend: this path serves CPU, with CUDA graphs off). Rows of dense-mode requests in a routed pass RUN
-with unit weight (the tape's `dense_rows`), so they compute what the dense forward computes.
+Rows of dense-mode requests in a routed pass RUN with unit weight (the tape's `dense_rows`), so they compute what
+the dense forward computes. The attention read is `vskipper.mixed.attention`'s over SGLang's token-level page
+table (`req_to_token`): on CPU only RUN rows read (decode: one masked read bounded by the pass's longest context,
+planned on the host before the forward; prefill: SDPA per request over every token's K/V). The routed pass reads
+no tensor value on the host: cohort sizes are shapes, the counters are read from the tape once after the forward
+(`Runtime.finish`).
 
 The model files add only how their upstream layer hands the residual across the layer boundary.
 
@@ -21,23 +27,142 @@ The model files add only how their upstream layer hands the residual across the 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
-from sglang.srt.distributed import tensor_model_parallel_all_reduce
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+from sglang.srt.utils.common import use_intel_amx_backend
 
-from vskipper.mixed.backend import cohort_ffn
+from vskipper.mixed.attention import paged_attention, prefill_attention
+from vskipper.mixed.routed_layer import routed_layer
 from vskipper.sglang.runtime import Step, get_runtime
+from vskipper.sglang.spec import ServeConfigError
 from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, router_sizes
 
 ROUTER_MARKERS = (".router.", ".router_proj.")
 
 
+@dataclass
+class PassPlan:
+    """What the routed layers of one pass read besides the batch, fixed on the host before the forward."""
+
+    req_rows: torch.Tensor  # int64 [rows]: each row's request slot in SGLang's req_to_token
+    context: int  # decode: the longest context of the pass (host mirror of seq_lens); prefill: unused
+
+
 class StepSlot:
-    """The current forward pass's `Step`, set by the model around its forward and read by its routed layers."""
+    """The current forward pass's `Step` and `PassPlan`, set by the model around its forward and read by its
+    routed layers."""
 
     def __init__(self) -> None:
         self.step: Step | None = None
+        self.plan: PassPlan | None = None
         self.runtime = None
+
+
+def plan_pass(forward_batch, rows: int) -> PassPlan:
+    """Each row's request slot and the decode context bound, from SGLang's batch and its host mirrors."""
+    if forward_batch.forward_mode.is_decode():
+        lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
+        return PassPlan(forward_batch.req_pool_indices, int(lens.max()))
+    req_rows = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
+                                       output_size=rows)
+    return PassPlan(req_rows, 0)
+
+
+def kv_only_supported(qkv_proj) -> bool:
+    """Whether a fused `qkv_proj`'s linear method has a row view of its K/V rows (unquantized, unpacked weights).
+    Elsewhere (quantized or packed weights) Project-Only rows run the whole `qkv_proj` and drop Q (attested)."""
+    return type(qkv_proj.quant_method) is UnquantizedLinearMethod and not use_intel_amx_backend(qkv_proj)
+
+
+def kv_projection(qkv_proj, q_size: int, u: torch.Tensor) -> torch.Tensor:
+    """The K/V columns [n, 2 * kv_size] of `qkv_proj(u)`, through its own linear method."""
+    if not kv_only_supported(qkv_proj):
+        return qkv_proj(u)[0][:, q_size:]
+    bias = qkv_proj.bias[q_size:] if qkv_proj.bias is not None else None
+    return qkv_proj.quant_method.apply(SimpleNamespace(weight=qkv_proj.weight[q_size:]), u, bias)
+
+
+class SGLangLayerOps:
+    """`LayerOps` over an SGLang decoder layer (Llama or Qwen3) for one pass (`vskipper.mixed.routed_layer`)."""
+
+    def __init__(self, layer, positions: torch.Tensor, forward_batch, plan: PassPlan) -> None:
+        self.layer, self.positions, self.fb, self.plan = layer, positions, forward_batch, plan
+        self.attn = layer.self_attn
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.projector = layer.router_proj
+
+    def _positions(self, rows: torch.Tensor | None) -> torch.Tensor:
+        return self.positions if rows is None else self.positions.index_select(0, rows)
+
+    def attention(self, u: torch.Tensor) -> torch.Tensor:
+        return self.attn(positions=self.positions, hidden_states=u, forward_batch=self.fb)
+
+    def qkv(self, u: torch.Tensor, rows: torch.Tensor | None):
+        return self.attn.forward_prepare_native(self._positions(rows), u)
+
+    def kv(self, u: torch.Tensor, rows: torch.Tensor | None):
+        a = self.attn
+        k, v = kv_projection(a.qkv_proj, a.q_size, u).split([a.kv_size, a.kv_size], dim=-1)
+        if hasattr(a, "k_norm"):  # Qwen3: per-head k_norm before RoPE
+            k = a.k_norm(k.reshape(-1, a.head_dim)).view(k.shape)
+        # The rotary embedding rotates a query and a key: one head of k stands in for the query it never needs.
+        _, k = a.rotary_emb(self._positions(rows), k[:, : a.head_dim].clone(), k.contiguous())
+        return k, v
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        a = self.attn
+        get_token_to_kv_pool().set_kv_buffer(a.attn, KVWriteLoc(self.fb.out_cache_loc),
+                                             k.view(-1, a.num_kv_heads, a.head_dim),
+                                             v.view(-1, a.num_kv_heads, a.head_dim))
+
+    def read(self, q: torch.Tensor, rows: torch.Tensor | None, reads: torch.Tensor | None = None) -> torch.Tensor:
+        a = self.attn
+        pool = get_token_to_kv_pool()
+        lid = a.attn.layer_id
+        req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
+        qh = q.view(q.shape[0], a.num_heads, a.head_dim)
+        read = paged_attention if self.fb.forward_mode.is_decode() else prefill_attention
+        kwargs = {"length": self.plan.context} if read is paged_attention else {}
+        out = read(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
+                   req, self._positions(rows), a.attn.scaling, reads, **kwargs)
+        return out.reshape(q.shape[0], -1)
+
+    def o_proj(self, a: torch.Tensor) -> torch.Tensor:
+        return self.attn.o_proj(a)[0]
+
+    def mlp(self, v: torch.Tensor) -> torch.Tensor:
+        return self.layer.mlp(v)
+
+
+def graph_backends() -> dict[str, str]:
+    """The CUDA graph backend SGLang runs each phase with ('disabled': eager; also where no configuration is
+    published, outside a server)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+    from sglang.srt.runtime_context import get_exec
+
+    try:
+        config = get_exec().graph.cuda_graph_config
+    except ValueError:
+        config = None
+    return {phase: getattr(config, phase).backend if config is not None else Backend.DISABLED
+            for phase in Phase.ALL}
+
+
+def refuse_graph_replay(arm, backends: dict[str, str]) -> None:
+    """A replayed graph never calls the model's Python forward: a routed pass would run the captured dense graph,
+    uncounted. Until SGLang captures a routed variant, an arm that routes a phase serves that phase eagerly and
+    refuses to start with its graphs on."""
+    for phase in arm.routed_phases:
+        backend = backends.get(phase, "disabled")
+        if backend != "disabled":
+            raise ServeConfigError(f"arm {arm.name!r} routes {phase}, but SGLang would replay {phase} passes from "
+                                   f"CUDA graphs (--cuda-graph-backend-{phase} {backend}), which run the dense "
+                                   f"model: serve it with --cuda-graph-backend-{phase} disabled")
 
 
 def _router_config(config) -> dict:
@@ -48,7 +173,7 @@ def _router_config(config) -> dict:
 
 class MixedDepthLayer:
     """For a routed layer class placed before its upstream SGLang decoder layer: the checkpoint's `router` and
-    `router_proj` modules, and the mixed-depth body over the layer's own norms, attention and MLP."""
+    `router_proj` modules, and the routed-layer body over the layer's own norms, attention and MLP."""
 
     def __init__(self, config, layer_id: int, slot: StepSlot, **upstream) -> None:
         super().__init__(config=config, layer_id=layer_id, **upstream)
@@ -69,29 +194,7 @@ class MixedDepthLayer:
         router = self.router if step.skipper.requires_router_weights else None
         step.tape.record(self.layer_id, step.skipper.route(self.layer_id, u, step.state, router), step.dense_rows)
         run, weights = step.tape.layer(self.layer_id, step.rows)
-        self._slot.runtime.record_layer(step, self.layer_id, run)
-        cohorts = step.builder.build(run)
-        n_proj = int(cohorts.n_proj)  # host read: free on CPU, and this path runs eagerly
-        attn = self.self_attn(positions=positions, hidden_states=u, forward_batch=forward_batch)
-        if n_proj:
-            attn = torch.where(run.view(-1, 1), attn, torch.zeros((), dtype=attn.dtype, device=attn.device))
-        h = x + attn
-        v = self.post_attention_layernorm(h)
-        if n_proj == 0:  # all-RUN fast path: the branch weight still scales the MLP
-            return h + weights.view(-1, 1).to(h.dtype) * self.mlp(v)
-        # Under tensor parallelism this rank holds a slice of the MLP's intermediate width (column-parallel
-        # gate/up, row-parallel down): its cohort output is a partial sum, reduced across the TP group as the
-        # upstream MLP reduces its own. The adapter is replicated on every rank.
-        gate_up = self.mlp.gate_up_proj.weight
-        inter = gate_up.shape[0] // 2
-        mlp_out = torch.zeros_like(h)
-        cohort_ffn("torch", v, cohorts.run_idx, cohorts.n_run, weights, gate_up[:inter], gate_up[inter:],
-                   self.mlp.down_proj.weight, mlp_out, op="mlp")
-        y = h + tensor_model_parallel_all_reduce(mlp_out)  # Project-Only rows: h = x, so LN2 h = LN2 x
-        p = self.router_proj
-        cohort_ffn("torch", v, cohorts.proj_idx, cohorts.n_proj, weights, p.gate_proj.weight, p.down_proj.weight,
-                   p.up_proj.weight, y, op="proj")
-        return y
+        return routed_layer(SGLangLayerOps(self, positions, forward_batch, self._slot.plan), x, u, run, weights)
 
 
 def is_router_tensor(name: str) -> bool:
@@ -153,6 +256,15 @@ class SkipperCausalLM(RouterWeightsMixin):
         device = str(self.model.embed_tokens.weight.device)
         self.runtime = get_runtime(config.model_type, self.routed_layers, type(self).__name__, device)
         self.slot.runtime = self.runtime
+        graphs = graph_backends()
+        refuse_graph_replay(self.runtime.arm, graphs)
+        qkv = [self.model.layers[i].self_attn.qkv_proj for i in self.routed_layers
+               if self.model.start_layer <= i < self.model.end_layer]
+        self.runtime.execution.update({
+            "cuda_graphs": {"backends": graphs, "routed_passes": "eager (no routed graph variant is captured; "
+                                                                  "graphs are refused for routed phases)"},
+            "project_only_q": "skipped: K/V rows of qkv_proj" if all(kv_only_supported(q) for q in qkv)
+            else "computed and dropped: a quantized or packed qkv_proj has no K/V row view"})
 
     def routed_layer(self, config, layer_id: int, quant_config, prefix: str) -> torch.nn.Module:
         raise NotImplementedError(f"{type(self).__name__} must define routed_layer")
@@ -167,11 +279,13 @@ class SkipperCausalLM(RouterWeightsMixin):
         if len(rids) == forward_batch.batch_size:
             step = self.runtime.plan(forward_batch, input_embeds, positions)
         self.slot.step = step
+        self.slot.plan = plan_pass(forward_batch, step.rows) if step is not None and step.routed else None
         try:
             out = super().forward(input_ids, positions, forward_batch, input_embeds, get_embedding,
                                   pp_proxy_tensors)
         finally:
             self.slot.step = None
+            self.slot.plan = None
         if step is not None:
             self.runtime.finish(step)
         return out

@@ -1,6 +1,10 @@
-"""Routed decoder layers for the Llama-3 (FlexiDepth) and Qwen3 skipper families, and a small model stack.
+"""The engine-free bench/reference stack: a Llama-3 / Qwen3 skipper model with its own paged KV cache, no engine.
 
-Read top to bottom like the math. Per layer, x = the layer input, LN1/LN2 its input/post-attention RMSNorms:
+It runs the same routed-layer body the SGLang layer runs (`vskipper.mixed.routed_layer`), over its own
+modules, so the kernels and the cohort logic can be measured (`benchmarks/mixed_depth_bench.py`) and checked
+against the per-row oracle (`vskipper.mixed.reference`) without a server. Nothing serves with it.
+
+Per layer, x = the layer input, LN1/LN2 its input/post-attention RMSNorms:
 
   dense                 h = x + Attn(LN1 x);  y = h + MLP(LN2 h)
   routed, RUN row       h = x + Attn(LN1 x);  y = h + w * MLP(LN2 h)
@@ -10,11 +14,10 @@ Read top to bottom like the math. Per layer, x = the layer input, LN1/LN2 its in
 Every valid row computes its own K/V at every layer through the layer's own projections (Qwen3: per-head
 q_norm/k_norm, then RoPE) and writes them to the paged cache (Invariant 1); a Project-Only row reads no KV and
 its attention output is zero, so its h is x. A routed layer builds its cohort maps from the tape at every step
-(Invariant 2), runs the MLP over the RUN cohort and the projector over the Project-Only cohort, and scatters
-both into the residual. When no row projects, the all-RUN fast path runs the MLP over the whole batch.
+(Invariant 2).
 
 Module and parameter names follow the checkpoints (`model.layers.{i}.self_attn.q_proj`, `mlp.gate_proj`,
-`router`, `router_proj`, ...), so `MixedDepthModel.from_pretrained` loads a skipper checkpoint as it is.
+`router`, `router_proj`, ...), so `BenchStack.from_pretrained` loads a skipper checkpoint as it is.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from vskipper.mixed.attention import (
     prefill_attention,
     rope_cos_sin,
 )
-from vskipper.mixed.backend import cohort_ffn, select_backend, triton_available, triton_interpreted
+from vskipper.mixed.backend import select_backend, triton_available, triton_interpreted
 from vskipper.mixed.cohorts import CohortBuilder, Cohorts
+from vskipper.mixed.routed_layer import routed_layer
 from vskipper.mixed.tape import RouteTape
 from vskipper.skippers.base import BatchContext, Skipper
 from vskipper.skippers.modules import ProjectorAdapter, RMSNorm, SkipRouter, router_sizes
@@ -103,33 +107,17 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin)
 
     def forward(self, u: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, layer_id: int,
-                run: torch.Tensor | None = None, read_rows: torch.Tensor | None = None,
                 impl: str = "torch") -> torch.Tensor:
-        """Write every valid row's own K/V (Invariant 1), then the attention read of the RUN rows.
+        """The dense attention: write every valid row's own K/V (Invariant 1), then every valid row reads.
 
-        run        bool [rows]: the RUN mask (None: every row runs). Project-Only and padding rows read no KV
-                   and their attention output is zero.
-        read_rows  the RUN cohort's batch rows when its size is known on the host (the torch backend): only
-                   those rows compute q, read and go through o_proj; the others cost nothing beyond K/V.
-        impl       'triton': the capture-safe decode read (`masked_decode_attention`, every row keeps its
-                   launch slot); 'torch': the reference reads (SDPA per request in prefill).
+        impl  'triton': the capture-safe decode read (`masked_decode_attention`, every row keeps its launch
+              slot); 'torch': the reference reads (SDPA per request in prefill).
         """
-        rows = u.shape[0]
         k, v = self.project_kv(u, batch.positions)
         kv.write(layer_id, kv.write_slots(batch.req_indices, batch.positions, batch.valid), k, v)
-        if read_rows is None:
-            reads = batch.valid if run is None else batch.valid & run
-            q = self.project_q(u, batch.positions)
-            out = self._read(q, kv, layer_id, batch.req_indices, batch.positions, reads, batch.phase, impl)
-            return self.o_proj(out.reshape(rows, -1))
-        out = u.new_zeros(rows, u.shape[1])
-        if read_rows.numel():
-            pos = batch.positions.index_select(0, read_rows)
-            q = self.project_q(u.index_select(0, read_rows), pos)
-            read = self._read(q, kv, layer_id, batch.req_indices.index_select(0, read_rows), pos,
-                              batch.valid.index_select(0, read_rows), batch.phase, impl)
-            out.index_copy_(0, read_rows, self.o_proj(read.reshape(read_rows.shape[0], -1)))
-        return out
+        q = self.project_q(u, batch.positions)
+        out = self._read(q, kv, layer_id, batch.req_indices, batch.positions, batch.valid, batch.phase, impl)
+        return self.o_proj(out.reshape(u.shape[0], -1))
 
     def _read(self, q: torch.Tensor, kv: PagedKVCache, layer_id: int, req: torch.Tensor, pos: torch.Tensor,
               reads: torch.Tensor, phase: str, impl: str) -> torch.Tensor:
@@ -162,8 +150,14 @@ class LayerStats:
     routed_layer_passes: int = 0
     all_run_fast_path: int = 0
     cohort_passes: int = 0
-    cohort_counts_read_on_host: bool = False
     backends: dict = field(default_factory=dict)
+
+    def note(self, path: str) -> None:
+        """The body's report of the path a routed layer took ('all_run' or 'cohorts')."""
+        if path == "all_run":
+            self.all_run_fast_path += 1
+        else:
+            self.cohort_passes += 1
 
 
 class DecoderLayer(nn.Module):
@@ -189,30 +183,60 @@ class DecoderLayer(nn.Module):
     def forward_routed(self, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
                        cohorts: Cohorts, batch: ForwardBatch, kv: PagedKVCache, backend: str,
                        stats: LayerStats, tiles: Any = None) -> torch.Tensor:
-        """One routed layer over the tape's run mask `run` [rows] and branch weights `weights` [rows]."""
-        host_counts = backend == "torch"  # the torch backend reads counts on the host (free on CPU)
-        n_proj = int(cohorts.n_proj) if host_counts else None
+        """One routed layer over the tape's run mask `run` [rows] and branch weights `weights` [rows]: the
+        shared routed-layer body over this stack's own modules."""
         stats.routed_layer_passes += 1
-        stats.cohort_counts_read_on_host |= host_counts
-        if n_proj == 0:
-            # All-RUN fast path: no gather, no scatter; the branch weight still scales the MLP.
-            stats.all_run_fast_path += 1
-            h = x + self.self_attn(u, batch, kv, self.layer_id, impl=backend)
-            return h + weights.view(-1, 1).to(h.dtype) * self.mlp(self.post_attention_layernorm(h))
-        stats.cohort_passes += 1
-        if host_counts:
-            read_rows = cohorts.run_idx[: int(cohorts.n_run)]
-            h = x + self.self_attn(u, batch, kv, self.layer_id, read_rows=read_rows)
-        else:
-            h = x + self.self_attn(u, batch, kv, self.layer_id, run=run, impl=backend)
-        v = self.post_attention_layernorm(h)
-        y = h.clone()
-        mlp, proj = self.mlp, self.router_proj
-        cohort_ffn(backend, v, cohorts.run_idx, cohorts.n_run, weights, mlp.gate_proj.weight,
-                   mlp.up_proj.weight, mlp.down_proj.weight, y, op="mlp", tiles=tiles)
-        cohort_ffn(backend, v, cohorts.proj_idx, cohorts.n_proj, weights, proj.gate_proj.weight,
-                   proj.down_proj.weight, proj.up_proj.weight, y, op="proj", tiles=tiles)
-        return y
+        return routed_layer(StackLayerOps(self, batch, kv, backend), x, u, run, weights, backend, cohorts, tiles,
+                            note=stats.note)
+
+
+class StackLayerOps:
+    """The stack's `LayerOps`: its own projections, MLP and paged KV cache (`vskipper.mixed.routed_layer`)."""
+
+    def __init__(self, layer: DecoderLayer, batch: ForwardBatch, kv: PagedKVCache, impl: str) -> None:
+        self.layer, self.batch, self.cache, self.impl = layer, batch, kv, impl
+        self.attn = layer.self_attn
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.projector = layer.router_proj
+
+    def _positions(self, rows: torch.Tensor | None) -> torch.Tensor:
+        return self.batch.positions if rows is None else self.batch.positions.index_select(0, rows)
+
+    def attention(self, u: torch.Tensor) -> torch.Tensor:
+        return self.attn(u, self.batch, self.cache, self.layer.layer_id, impl=self.impl)
+
+    def qkv(self, u: torch.Tensor, rows: torch.Tensor | None):
+        pos = self._positions(rows)
+        k, v = self.attn.project_kv(u, pos)
+        q = self.attn.project_q(u, pos)
+        return q.reshape(u.shape[0], -1), k.reshape(u.shape[0], -1), v.reshape(u.shape[0], -1)
+
+    def kv(self, u: torch.Tensor, rows: torch.Tensor | None):
+        k, v = self.attn.project_kv(u, self._positions(rows))
+        return k.reshape(u.shape[0], -1), v.reshape(u.shape[0], -1)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        b, a = self.batch, self.attn
+        self.cache.write(self.layer.layer_id, self.cache.write_slots(b.req_indices, b.positions, b.valid),
+                      k.view(-1, a.kv_heads, a.head_dim), v.view(-1, a.kv_heads, a.head_dim))
+
+    def read(self, q: torch.Tensor, rows: torch.Tensor | None, reads: torch.Tensor | None = None) -> torch.Tensor:
+        b, a = self.batch, self.attn
+        req = b.req_indices if rows is None else b.req_indices.index_select(0, rows)
+        valid = b.valid if rows is None else b.valid.index_select(0, rows)
+        out = a._read(q.view(q.shape[0], a.heads, a.head_dim), self.cache, self.layer.layer_id, req,
+                      self._positions(rows), valid if reads is None else valid & reads, b.phase, self.impl)
+        return out.reshape(q.shape[0], -1)
+
+    def o_proj(self, a: torch.Tensor) -> torch.Tensor:
+        return self.attn.o_proj(a)
+
+    def mlp(self, v: torch.Tensor) -> torch.Tensor:
+        return self.layer.mlp(v)
+
+    def mlp_weights(self):
+        m = self.layer.mlp
+        return m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
 
 
 class Backbone(nn.Module):
@@ -225,7 +249,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
 
 
-class MixedDepthModel(nn.Module):
+class BenchStack(nn.Module):
     """A Llama-3 / Qwen3 skipper model with a dense forward and a routed (mixed-depth) forward."""
 
     def __init__(self, config: dict, capacity: int = 64, backend: str = "auto", tiles: Any = None) -> None:
@@ -250,7 +274,7 @@ class MixedDepthModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
-                        device: str | torch.device = "cpu", **kwargs: Any) -> MixedDepthModel:
+                        device: str | torch.device = "cpu", **kwargs: Any) -> BenchStack:
         """Load a skipper checkpoint directory (config.json + *.safetensors) by its real tensor names."""
         from safetensors.torch import load_file
 
@@ -365,7 +389,7 @@ class MixedDepthModel(nn.Module):
             "routed_layer_passes": self.stats.routed_layer_passes,
             "all_run_fast_path": self.stats.all_run_fast_path,
             "cohort_passes": self.stats.cohort_passes,
-            "cohort_counts_read_on_host": self.stats.cohort_counts_read_on_host,
+            "cohort_counts": "device scalars" if self.backend_for("decode") == "triton" else "cohort shapes",
             "backends_used": dict(self.stats.backends),
             "tiles": self._tile_source(),
         }

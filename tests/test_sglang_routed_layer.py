@@ -1,0 +1,167 @@
+"""The served routed layer in this process (`tests/sglang_layer_world.py`): SGLang's own Llama and Qwen3 decoder
+layers, KV pool and torch-native attention backend, with vSkipper's routed body. What each cohort computes, what
+each sub-module sees, and that a routed decode pass reads no tensor value on the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mixed_world import HostReadDetector, ScalarReadDetector
+from sglang_layer_world import LayerWorld
+
+from vskipper.sglang.models import routed as served
+
+ARCHS = ("flexidepth-llama", "qwen3-skipper")
+PROMPTS = {0: 5, 1: 3, 2: 7, 3: 4}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def world(request, tmp_path_factory):
+    w = LayerWorld(request.param, tmp_path_factory.mktemp("layer"), seed=3)
+    fb = w.batch(PROMPTS)
+    w.dense(fb, w.hidden(fb.positions.shape[0]))  # every request's prompt K/V at this layer
+    return w
+
+
+def _route(run: list[bool], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """RUN rows with unit weight (so they compare with the dense layer), Project-Only rows with a random one."""
+    run_t = torch.tensor(run)
+    w = torch.where(run_t, torch.ones(len(run)), torch.rand(len(run), generator=gen) * 0.8 + 0.1)
+    return run_t, w
+
+
+def _routed_and_dense(world: LayerWorld, extend: dict[int, int], run: list[bool]):
+    """The same pass twice from the same KV state: routed with `run`, then dense. Returns the outputs, the KV
+    at this layer after each, the input and the route."""
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    fb = world.batch(extend)
+    x = world.hidden(fb.positions.shape[0])
+    run_t, w = _route(run, world.gen)
+    y = world.routed(fb, x, run_t, w)
+    kv_routed = world.kv()
+    world.restore(kv0, lengths0)
+    y_dense = world.dense(world.batch(extend), x)
+    kv_dense = world.kv()
+    world.restore(kv0, lengths0)
+    return y, y_dense, kv_routed, kv_dense, x, run_t, w
+
+
+def _adapter(world: LayerWorld, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    layer = world.layer
+    with torch.no_grad():
+        return x + w.view(-1, 1) * layer.router_proj(layer.post_attention_layernorm(x))
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_run_rows_equal_the_dense_layer_and_project_only_rows_take_the_adapter_with_their_kv_written(world, phase):
+    """RUN rows compute what SGLang's dense layer computes, attending to every token's K/V, Project-Only tokens'
+    of this very pass included (prefill); Project-Only rows get x + w * Proj(LN2 x); every row's K/V in the pool
+    equals the dense layer's (Invariant 1)."""
+    if phase == "decode":
+        extend, run = {0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False]
+    else:  # two requests extend their prompts with new tokens, Project-Only tokens before RUN ones
+        extend, run = {1: 4, 3: 3}, [False, True, False, True, True, False, True]
+    y, y_dense, kv_routed, kv_dense, x, run_t, w = _routed_and_dense(world, extend, run)
+    torch.testing.assert_close(y[run_t], y_dense[run_t], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y[~run_t], _adapter(world, x[~run_t], w[~run_t]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_routed, kv_dense, rtol=1e-4, atol=1e-4)
+
+
+def test_an_all_project_only_pass_writes_every_rows_kv_and_runs_only_the_adapter(world):
+    y, _, kv_routed, kv_dense, x, run_t, w = _routed_and_dense(world, {0: 1, 2: 1, 3: 1}, [False] * 3)
+    torch.testing.assert_close(y, _adapter(world, x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_routed, kv_dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(world, phase, monkeypatch):
+    """Rows each sub-module of the served layer sees in a mixed pass: Q (the fused qkv_proj), the attention read,
+    o_proj and the MLP see the RUN rows only; the adapter the Project-Only rows only; SGLang's own attention
+    backend (which would read every row) is not called."""
+    layer = world.layer
+    seen: dict[str, int] = {}
+
+    def count(name):
+        def hook(module, args):
+            seen[name] = seen.get(name, 0) + args[0].shape[0]
+        return hook
+
+    modules = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+               "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj,
+               "adapter": layer.router_proj}
+    handles = [m.register_forward_pre_hook(count(name)) for name, m in modules.items()]
+
+    def counted(read, name):
+        def wrapper(q, *args, **kwargs):
+            seen[name] = seen.get(name, 0) + q.shape[0]
+            return read(q, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(served, "paged_attention", counted(served.paged_attention, "read"))
+    monkeypatch.setattr(served, "prefill_attention", counted(served.prefill_attention, "read"))
+    monkeypatch.setattr(world.backend, "forward_decode", counted(world.backend.forward_decode, "backend"))
+    monkeypatch.setattr(world.backend, "forward_extend", counted(world.backend.forward_extend, "backend"))
+    extend = {0: 1, 1: 1, 2: 1, 3: 1} if phase == "decode" else {0: 3, 2: 4}
+    run = [True, False, False, True] if phase == "decode" else [False, True, True, False, False, True, False]
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    try:
+        fb = world.batch(extend)
+        world.routed(fb, world.hidden(len(run)), *_route(run, world.gen))
+    finally:
+        for h in handles:
+            h.remove()
+        world.restore(kv0, lengths0)
+    n_run = sum(run)
+    assert seen == {"qkv_proj": n_run, "read": n_run, "o_proj": n_run, "gate_up_proj": n_run, "down_proj": n_run,
+                    "adapter": len(run) - n_run}
+
+
+def test_a_routed_decode_pass_of_the_served_layer_reads_no_tensor_value_on_the_host(world):
+    """Cohort sizes are shapes, the context bound is planned on the host before the forward, the counters are
+    read after it: the layer's forward itself reads nothing back, Python-level or inside an operator. The same
+    detectors see the reads of SGLang's torch-native decode backend (its per-request loop over seq_lens)."""
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    try:
+        fb = world.batch({0: 1, 1: 1, 2: 1, 3: 1})
+        x = world.hidden(4)
+        detectors = (HostReadDetector(), ScalarReadDetector())
+        world.routed(fb, x, *_route([False, True, True, False], world.gen), watch=_both(*detectors))
+        assert [d.reads for d in detectors] == [[], []]
+        world.restore(kv0, lengths0)
+        fb = world.batch({0: 1, 1: 1, 2: 1, 3: 1})
+        dense_reads = (HostReadDetector(), ScalarReadDetector())
+        with _both(*dense_reads), world.context(), torch.no_grad():
+            world.layer.self_attn(positions=fb.positions, hidden_states=x, forward_batch=fb)
+        assert dense_reads[1].reads  # its slices by seq_lens[i] read each length inside the operator
+    finally:
+        world.restore(kv0, lengths0)
+
+
+class _both:
+    def __init__(self, *modes):
+        self.modes = modes
+
+    def __enter__(self):
+        for m in self.modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self.modes):
+            m.__exit__(*exc)
+
+
+def test_a_routed_phase_refuses_sglangs_cuda_graphs_naming_the_flag_and_a_dense_phase_keeps_them():
+    """A replayed graph skips the model's Python forward, so a routed pass would run the dense graph, uncounted:
+    the phases an arm routes must run eagerly; phases it keeps dense may replay."""
+    from vskipper.arms import get_arm
+
+    decode_graphs = {"decode": "full", "prefill": "disabled"}
+    with pytest.raises(served.ServeConfigError, match="routes decode.*--cuda-graph-backend-decode full.*"
+                                                      "--cuda-graph-backend-decode disabled"):
+        served.refuse_graph_replay(get_arm("always-route"), decode_graphs)
+    with pytest.raises(served.ServeConfigError, match="routes prefill.*--cuda-graph-backend-prefill tc_piecewise"):
+        served.refuse_graph_replay(get_arm("always-route"), {"decode": "disabled", "prefill": "tc_piecewise"})
+    served.refuse_graph_replay(get_arm("dense"), decode_graphs)
+    served.refuse_graph_replay(get_arm("always-route"), {"decode": "disabled", "prefill": "disabled"})
+    assert served.graph_backends() == {"decode": "disabled", "prefill": "disabled"}  # nothing published here

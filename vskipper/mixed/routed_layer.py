@@ -1,0 +1,138 @@
+"""The routed-layer body: one routed decoder layer over its RUN and Project-Only cohorts, whatever hosts it.
+
+Per layer, x = the layer input, u = LN1 x, w = the tape's branch weight (`vskipper.mixed.tape`):
+
+  RUN row           q, k, v of u;  K/V written;  h = x + o_proj(Attn(q));  y = h + w * MLP(LN2 h)
+  Project-Only row  k, v of u;     K/V written;  y = x + w * Proj(LN2 x)
+
+A Project-Only row pays for its layer's K and V (Qwen3: k_norm, then RoPE) and the projector, nothing else:
+no Q, no attention read, no o_proj, no MLP. Every row's K/V is written before any RUN row reads (Invariant 1),
+so a RUN row attends to every token's K/V, Project-Only tokens' included.
+
+The host layer hands its own modules to the body through `LayerOps`: the SGLang layer passes SGLang's
+`qkv_proj`, `o_proj`, MLP and KV pool (`vskipper.sglang.models.routed`), the engine-free stack passes its own
+(`vskipper.mixed.bench_stack`). The body owns the cohort logic and the weighted scatter; the host owns the math
+of each projection (quantization, tensor-parallel reductions, RoPE variants).
+
+Two executions of the same semantics:
+
+  torch   (CPU) the cohorts are packed with `nonzero`: their sizes are shapes, never values read on the host.
+          Each sub-module sees only its cohort's rows. When no row projects, the all-RUN fast path calls the
+          host's own dense attention and MLP over the whole batch. (`nonzero` would synchronize on a GPU, where
+          the triton execution is the capture-safe one.) The served layer runs this execution.
+  triton  (GPU decode; the bench stack only so far) every kernel keeps its launch shape for the capacity: K/V and Q over all
+          rows, the RUN-masked decode read (Project-Only rows read nothing and yield zero by a select), the
+          count-bounded cohort FFNs over the device cohort maps (`vskipper.mixed.cohorts`). No host read. Q and
+          o_proj of Project-Only rows are still computed here (the read is skipped, not the projections).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from vskipper.mixed.backend import cohort_ffn
+from vskipper.mixed.cohorts import Cohorts
+
+
+class LayerOps(Protocol):
+    """A routed layer's own modules, as the body calls them. `rows` (int64 [n]) names the batch rows a call
+    covers (their positions, requests and cache slots); None covers every row."""
+
+    post_attention_layernorm: nn.Module
+    projector: nn.Module  # the FlexiDepth adapter (`ProjectorAdapter`): d -> m -> d
+
+    def attention(self, u: torch.Tensor) -> torch.Tensor:
+        """The host's dense attention over every row (K/V write, read, o_proj): the all-RUN fast path."""
+
+    def qkv(self, u: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q [n, heads * hd], rotated (Qwen3: normed) k and v [n, kv_heads * hd] of rows u."""
+
+    def kv(self, u: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v only (no q) of rows u."""
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write every row's k, v [rows, ...] (batch order) to the host's KV cache at this layer."""
+
+    def read(self, q: torch.Tensor, rows: torch.Tensor | None, reads: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention read [n, heads * hd] of query rows q over the KV cache. `reads` (bool [n]): rows outside
+        it read nothing and yield zero."""
+
+    def o_proj(self, a: torch.Tensor) -> torch.Tensor:
+        """The output projection, reduced across the host's tensor-parallel group."""
+
+    def mlp(self, v: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP, reduced across the host's tensor-parallel group."""
+
+    def mlp_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate, up, down) weights for the count-bounded kernels: needed by the triton execution only (the
+        served layer runs the torch execution and has none: its MLP stays behind SGLang's linear methods)."""
+
+
+def routed_layer(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
+                 backend: str = "torch", cohorts: Cohorts | None = None, tiles: Any = None,
+                 note: Callable[[str], None] | None = None) -> torch.Tensor:
+    """The layer output y [rows, d] from its input x, u = LN1 x, the tape's run mask and branch weights [rows].
+
+    `note`, when given, hears the path the torch execution took ('all_run' or 'cohorts'); the triton execution
+    has one path ('cohorts')."""
+    if backend == "torch":
+        return _routed_torch(ops, x, u, run, weights, note)
+    if backend == "triton":
+        if cohorts is None:
+            raise ValueError("backend 'triton' needs the layer's device cohort maps ('cohorts')")
+        if note is not None:
+            note("cohorts")
+        return _routed_triton(ops, x, u, run, weights, cohorts, tiles)
+    raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+
+
+def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
+                  note: Callable[[str], None] | None) -> torch.Tensor:
+    w = weights.view(-1, 1).to(x.dtype)
+    proj_rows = torch.nonzero(~run).view(-1)
+    all_run = proj_rows.shape[0] == 0
+    if note is not None:
+        note("all_run" if all_run else "cohorts")
+    if all_run:  # the fast path: no gather, no scatter; the branch weight still scales the MLP
+        h = x + ops.attention(u)
+        return h + w * ops.mlp(ops.post_attention_layernorm(h))
+    run_rows = torch.nonzero(run).view(-1)
+    y = torch.empty_like(x)
+    k_proj, v_proj = ops.kv(u.index_select(0, proj_rows), proj_rows)
+    if run_rows.shape[0] == 0:
+        ops.write_kv(k_proj, v_proj)  # every row projects: cohort order is batch order
+    else:
+        q, k_run, v_run = ops.qkv(u.index_select(0, run_rows), run_rows)
+        ops.write_kv(_interleave(k_run, run_rows, k_proj, proj_rows), _interleave(v_run, run_rows, v_proj, proj_rows))
+        h = x.index_select(0, run_rows) + ops.o_proj(ops.read(q, run_rows))
+        y.index_copy_(0, run_rows, h + w.index_select(0, run_rows) * ops.mlp(ops.post_attention_layernorm(h)))
+    xp = x.index_select(0, proj_rows)
+    y.index_copy_(0, proj_rows, xp + w.index_select(0, proj_rows) * ops.projector(ops.post_attention_layernorm(xp)))
+    return y
+
+
+def _interleave(a: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor) -> torch.Tensor:
+    """Two cohorts' rows back in batch order."""
+    out = a.new_empty(a.shape[0] + b.shape[0], *a.shape[1:])
+    out.index_copy_(0, a_rows, a)
+    out.index_copy_(0, b_rows, b.to(a.dtype))
+    return out
+
+
+def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
+                   cohorts: Cohorts, tiles: Any) -> torch.Tensor:
+    q, k, v = ops.qkv(u, None)
+    ops.write_kv(k, v)
+    h = x + ops.o_proj(ops.read(q, None, reads=run))  # Project-Only rows read nothing: h = x
+    y = h.clone()
+    v = ops.post_attention_layernorm(h)
+    gate, up, down = ops.mlp_weights()
+    p = ops.projector
+    cohort_ffn("triton", v, cohorts.run_idx, cohorts.n_run, weights, gate, up, down, y, op="mlp", tiles=tiles)
+    cohort_ffn("triton", v, cohorts.proj_idx, cohorts.n_proj, weights,
+               p.gate_proj.weight, p.down_proj.weight, p.up_proj.weight, y, op="proj", tiles=tiles)
+    return y
