@@ -254,10 +254,14 @@ def test_on_a_gpu_serve_runs_the_routed_phases_without_cuda_graphs_and_keeps_the
         r = _serve_cli("--model", str(served_model), "--arm", arm, "--platform", "gpu", "--enter-tokens", "200",
                        "--exit-tokens", "100", "--dry-run")
         assert r.returncode == 0, r.stderr
-        cmds[arm] = " ".join(json.loads(r.stdout)["command"])
-    assert "--cuda-graph-backend-decode disabled" in cmds["decode-only"]
-    assert "--cuda-graph-backend-prefill" not in cmds["decode-only"]
-    assert "--cuda-graph-backend" not in cmds["dense"]
+        cmds[arm] = json.loads(r.stdout)["command"]
+
+    def last(cmd: list[str], flag: str) -> str:  # SGLang keeps a flag's last value
+        return cmd[max(i for i, a in enumerate(cmd) if a == flag) + 1]
+
+    assert last(cmds["decode-only"], "--cuda-graph-backend-decode") == "disabled"
+    assert cmds["decode-only"].count("--cuda-graph-backend-decode") == 2  # the profile's, then the routed phase's
+    assert last(cmds["dense"], "--cuda-graph-backend-decode") == "full"
 
 
 # -- dense arm ---------------------------------------------------------------------------------------------------

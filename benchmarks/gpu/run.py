@@ -341,7 +341,7 @@ def ab_pair(plan: Plan, stage: Stage, name: str, arm_file: Path, thresholds: dic
     per_request = plan.prompt_tokens + plan.output_tokens / 2
     calib_batch = max(1, min(64, int(thresholds["enter_tokens"] / per_request)))
     records = asyncio.run(burst(dense, [prompt(plan.prompt_tokens, i, vocab) for i in range(calib_batch)],
-                                max(8, plan.output_tokens // 8)))
+                                max(32, plan.output_tokens // 8)))  # long enough that the burst decodes together
     step_s, _ = decode_step(records)
     ttft = statistics.median(r.ttft_s for r in records)
     cells = {}

@@ -25,6 +25,13 @@ def eager_routed_phases(arm: Arm) -> list[str]:
     return [flag for phase in arm.routed_phases for flag in (f"--cuda-graph-backend-{phase}", "disabled")]
 
 
+def _eager_phase_flags(arm: Arm, final_flags: tuple[str, ...]) -> list[str]:
+    """`eager_routed_phases` less the phases the profile's final flags already run eagerly."""
+    flags = eager_routed_phases(arm)
+    pairs = [flags[i:i + 2] for i in range(0, len(flags), 2)]
+    return [f for pair in pairs if pair[0] not in final_flags for f in pair]
+
+
 def load_arm(args: argparse.Namespace) -> Arm:
     if args.arm_file:
         with open(args.arm_file) as f:
@@ -116,7 +123,7 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     spec = ServeSpec(arm, enter, exit_, state, source, profile.attestation())
     cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *profile.flags,
            "--host", args.host, "--port", str(args.port), *extra, *profile.final_flags,
-           *(eager_routed_phases(arm) if platform == "gpu" else ())]
+           *(_eager_phase_flags(arm, profile.final_flags) if platform == "gpu" else ())]
     return cmd, serve_environment(spec, profile=profile)
 
 
