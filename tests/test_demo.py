@@ -25,9 +25,10 @@ def _sample(lines, name, **labels):
 
 
 def test_full_demo_serves_both_arms_gates_the_ab_and_prints_attestation_and_metrics(cli_env, tmp_path):
+    # a burst (eight requests within 8 ms): they decode together on any host, however fast, so routing engages
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "vskipper.cli", "demo", "--out", str(out), "--requests", "8",
-                           "--repetitions", "1", "--rate", "4"], capture_output=True, text=True, env=cli_env,
+                           "--repetitions", "1", "--rate", "1000"], capture_output=True, text=True, env=cli_env,
                           timeout=480)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = proc.stdout
@@ -55,8 +56,8 @@ def test_full_demo_serves_both_arms_gates_the_ab_and_prints_attestation_and_metr
     assert gates["passed"] and {"work_identity", "mechanism_evidence", "served_design", "execution_difference",
                                 "cross_arm_identity"} <= set(gates["checked"])
     table = (Path(ab["report_dir"]) / "table.md").read_text()
-    assert table.count("| 4req-s | hybrid | 1 |") == 1
-    assert "- 4req-s hybrid: execution_difference passed 1/1; cross_arm_identity passed 1/1; KV pool hybrid" in table
+    assert table.count("| 1000req-s | hybrid | 1 |") == 1
+    assert "- 1000req-s hybrid: execution_difference passed 1/1; cross_arm_identity passed 1/1; KV pool hybrid" in table
     assert "execution_difference passed 1/1; cross_arm_identity passed 1/1" in text  # printed with the table
     rows = {r["arm"]: r for r in ab["arms"]}
     assert rows["hybrid"]["decode_passes"]["routed"] > 0 and rows["dense"]["decode_passes"]["routed"] == 0
@@ -70,7 +71,8 @@ def test_full_demo_serves_both_arms_gates_the_ab_and_prints_attestation_and_metr
     assert hybrid["thresholds"] == {"enter_tokens": DEMO_ENTER_TOKENS, "exit_tokens": DEMO_EXIT_TOKENS,
                                        "source": "flags"}
     routed = hybrid["passes_total"]["decode"]["routed"]
-    assert routed > 0 and hybrid["rows_total"]["decode"]["project_only"] > 0 and hybrid["promotions_total"] > 0
+    # (a burst starts every request routed, so nothing is promoted here: TestHybridArm proves promotion)
+    assert routed > 0 and hybrid["rows_total"]["decode"]["project_only"] > 0
     assert hybrid["passes_total"]["prefill"]["routed"] == 0  # short prompts: under the prefill floor
     assert dense["passes_total"]["decode"]["routed"] == 0 and dense["passes_total"]["decode"]["dense"] > 0
     assert f"GET {servers['hybrid']}/vskipper/attestation" in text

@@ -53,11 +53,13 @@ CAVEAT = ("a tiny random model on a CPU: these numbers show the pipeline working
 
 @dataclass(frozen=True)
 class Sizing:
-    """The live part's A/B: `requests` per cell at `rate` req/s, `repetitions` paired matched-work runs."""
+    """The live part's A/B: `requests` per cell at `rate` req/s, `repetitions` paired matched-work runs. The
+    default rate offers the requests within about a second, so that several of them decode together (routing
+    engages) however fast the host decodes the tiny model; a low rate on a fast host never engages it."""
 
     requests: int = 16
     repetitions: int = 2
-    rate: float = 3.0
+    rate: float = 16.0
 
     def __post_init__(self) -> None:
         if not 2 <= self.requests <= AB_MAX_REQUESTS:
@@ -281,6 +283,10 @@ def _ab(servers: dict, out: Path, sizing: Sizing) -> dict:
         print(f"  {r['arm']:7} {r['repetitions']:4d} {r['output_tokens']:10d} {_fmt(r['e2e_mean_s'], 1, 's', 9, 2)} "
               f"{_fmt(r['tpot_mean_s'], 1e3, 'ms', 10, 1)} {_fmt(r['output_tok_s'], 1, '', 7, 1)}  dense "
               f"{r['decode_passes']['dense']}, routed {r['decode_passes']['routed']}")
+    hybrid = next((r for r in rows if r["arm"] == AB_ARMS[1]), None)
+    if hybrid is not None and hybrid["decode_passes"]["routed"] == 0:
+        print(f"  routing never engaged: too few requests decoded together to reach {DEMO_ENTER_TOKENS} resident "
+              "tokens; raise --rate (or --requests)")
     print(f"  {CAVEAT}")
     refused = [rep for rep in result.repetitions if not rep.gates.passed]
     if refused:

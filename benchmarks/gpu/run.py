@@ -271,14 +271,20 @@ async def burst(server: Server, prompts: list[list[int]], new_tokens: int):
 
 
 def decode_step(records) -> tuple[float, int]:
-    """(seconds per decode step, steps) over the window where every request of the batch decodes."""
+    """(seconds per decode step, steps) over the window where every request of the batch decodes. Where the batch
+    did not decode together for two steps (its requests were admitted in rounds that barely overlap, as on a fast
+    host with a tiny model), the median of the requests' own mean inter-token times, over their shortest decode."""
     t0 = max(r.first_token_s for r in records)
     t1 = min(r.token_times_s[-1] for r in records)
     steps = [sum(1 for t in r.token_times_s if t0 <= t <= t1) for r in records]
     n = min(steps)
-    if n < 2 or t1 <= t0:
-        raise RuntimeError("decode window too short: raise the sweep's new tokens")
-    return (t1 - t0) / (n - 1), n
+    if n >= 2 and t1 > t0:
+        return (t1 - t0) / (n - 1), n
+    own = [((r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1), len(r.token_times_s))
+           for r in records if len(r.token_times_s) >= 2 and r.token_times_s[-1] > r.token_times_s[0]]
+    if not own:
+        raise RuntimeError("decode window too short: no request decoded two tokens apart; raise the new tokens")
+    return statistics.median(s for s, _ in own), min(n for _, n in own)
 
 
 def fit_line(points: list[tuple[float, float]]) -> dict | None:
