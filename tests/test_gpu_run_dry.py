@@ -143,3 +143,29 @@ def test_device_plan_server_commands_parse_with_sglangs_own_flags(tmp_path):
         assert args.cuda_graph_backend_decode == ("disabled" if routed else "full")
         max_bs = int(plan.sglang_flags[plan.sglang_flags.index("--cuda-graph-max-bs-decode") + 1])
         assert args.cuda_graph_backend_prefill == "disabled" and args.cuda_graph_max_bs_decode == max_bs
+
+
+def _record(first: float, step: float, tokens: int):
+    from loadgen.records import RequestRecord
+
+    r = RequestRecord(0, "r", 0.0, 8, tokens, True)
+    r.token_times_s = [first + i * step for i in range(tokens)]
+    r.first_token_s = first
+    return r
+
+
+def test_decode_step_reads_the_window_where_the_whole_batch_decodes():
+    # two requests decoding together from t = 1.0 to t = 1.3 at 10 ms a step
+    step_s, steps = run.decode_step([_record(0.8, 0.01, 51), _record(1.0, 0.01, 31)])
+    assert steps == 31 and step_s == pytest.approx(0.01)
+
+
+def test_decode_step_falls_back_to_each_requests_own_pace_where_the_batch_barely_overlaps():
+    # the first request ends before the second's second token (a fast host): no common window of two steps
+    step_s, steps = run.decode_step([_record(0.0, 0.002, 32), _record(0.062, 0.004, 32)])
+    assert steps == 32 and step_s == pytest.approx(0.003)
+
+
+def test_decode_step_refuses_requests_that_never_decoded_two_tokens_apart():
+    with pytest.raises(RuntimeError, match="no request decoded two tokens apart"):
+        run.decode_step([_record(0.0, 0.0, 4), _record(1.0, 0.0, 4)])
