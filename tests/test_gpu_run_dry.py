@@ -169,3 +169,27 @@ def test_decode_step_falls_back_to_each_requests_own_pace_where_the_batch_barely
 def test_decode_step_refuses_requests_that_never_decoded_two_tokens_apart():
     with pytest.raises(RuntimeError, match="no request decoded two tokens apart"):
         run.decode_step([_record(0.0, 0.0, 4), _record(1.0, 0.0, 4)])
+
+
+def test_hybrid_arm_is_not_served_where_no_cell_can_reach_its_enter_threshold():
+    thresholds = {"enter_tokens": 340000, "exit_tokens": 270000, "source": "roofline:H100-SXM"}
+    why = run.unreachable_threshold(thresholds, 128000)
+    assert "340000" in why and "128000" in why and "roofline:H100-SXM" in why
+    assert run.unreachable_threshold(thresholds, 400000) is None  # 90% of 400k is above 340k
+
+
+def test_profile_summary_sums_kernels_ops_and_host_waits():
+    from benchmarks.gpu.profile_routed import summarise
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "dur": 30.0},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "dur": 20.0},
+        {"ph": "X", "cat": "kernel", "name": "Memcpy DtoH (Device -> Pinned)", "dur": 2.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::item", "dur": 5.0},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "dur": 7.0},
+        {"ph": "i", "cat": "kernel", "name": "instant", "dur": 99.0}]}
+    s = summarise(trace, top=5)
+    assert s["gpu_kernel_us_total"] == 52.0 and s["gpu_kernels_us"][0] == ("gemm", 50.0)
+    assert s["cpu_ops_us"] == [("aten::item", 5.0)]
+    assert dict((name, (us, n)) for name, us, n in s["host_waits_us"]) == {
+        "cudaStreamSynchronize": (7.0, 1), "aten::item": (5.0, 1), "Memcpy DtoH (Device -> Pinned)": (2.0, 1)}

@@ -64,6 +64,8 @@ class Plan:
     sglang_flags: tuple[str, ...]
     ab_mem_fraction: str | None  # two servers share the device during an A/B
     sweep_mem_fraction: str | None
+    ab_max_total_tokens: int | None  # each A/B server's KV pool, the same for both (None: SGLang profiles it)
+    tune_max_candidates: int | None  # tiles tried per shape by tune-tiles (None: all of them)
     prompt_tokens: int
     output_tokens: int
     ab_window_s: float  # declared duration of one A/B lane
@@ -85,7 +87,7 @@ class Plan:
         return cls(False, "gpu", "bfloat16",
                    ("--load-format", "dummy", "--skip-tokenizer-init", "--context-length", "8192",
                     "--cuda-graph-max-bs-decode", "256", "--max-running-requests", "256"),
-                   "0.42", "0.85", prompt_tokens=1024, output_tokens=256, ab_window_s=15.0, ab_min_requests=24,
+                   "0.88", "0.85", ab_max_total_tokens=128000, tune_max_candidates=24, prompt_tokens=1024, output_tokens=256, ab_window_s=15.0, ab_min_requests=24,
                    ab_repetitions=2, batches=(32, 64, 128), contexts=(1024, 2048, 4096), sweep_new_tokens=48,
                    prefill_lengths=(1024, 2048, 4096), prefill_reps=3, startup_timeout_s=420.0, pair_estimate_s=300,
                    model_size={"layers": 32, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8,
@@ -93,7 +95,7 @@ class Plan:
 
     @classmethod
     def dry(cls) -> Plan:
-        return cls(True, "cpu", "float32", ("--load-format", "dummy", "--skip-tokenizer-init"), None, None,
+        return cls(True, "cpu", "float32", ("--load-format", "dummy", "--skip-tokenizer-init"), None, None, None, None,
                    prompt_tokens=24, output_tokens=6, ab_window_s=1.5, ab_min_requests=4, ab_repetitions=1,
                    batches=(2, 3), contexts=(16,), sweep_new_tokens=6, prefill_lengths=(32, 64), prefill_reps=1,
                    startup_timeout_s=240.0, pair_estimate_s=1, dry_thresholds=(60, 40), model_size={"layers": 4},
@@ -174,8 +176,10 @@ def rule(plan: Plan, model: Path) -> dict:
 
 
 def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
-          arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None) -> Server:
-    extra = list(plan.sglang_flags) + (["--mem-fraction-static", mem] if mem else [])
+          arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None,
+          tokens: int | None = None) -> Server:
+    extra = (list(plan.sglang_flags) + (["--mem-fraction-static", mem] if mem else [])
+             + (["--max-total-tokens", str(tokens)] if tokens else []))
     kw = {}
     if thresholds is not None and plan.dry_thresholds is not None:
         kw = {"enter_tokens": thresholds["enter_tokens"], "exit_tokens": thresholds["exit_tokens"]}
@@ -202,15 +206,15 @@ class Attached:
 
 
 def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: str, arm_files: dict[str, Path],
-               mem: str | None = None, thresholds: dict | None = None):
+               mem: str | None = None, thresholds: dict | None = None, tokens: int | None = None):
     """The arm's server: attached from ENV_SERVERS when it names the arm, else started (stopped with `stack`)."""
     given = json.loads(Path(os.environ[ENV_SERVERS]).read_text()) if os.environ.get(ENV_SERVERS) else {}
     if name in given:
         return Attached(given[name])
     if name == "dense":
-        return start(plan, stack, model, workdir, arm="dense", mem=mem)
+        return start(plan, stack, model, workdir, arm="dense", mem=mem, tokens=tokens)
     return start(plan, stack, model, workdir, arm_file=arm_files[name], mem=mem,
-                 thresholds=thresholds if name == HYBRID else None)
+                 thresholds=thresholds if name == HYBRID else None, tokens=tokens)
 
 
 def ready(plan: Plan, servers: list[Server]) -> None:
@@ -321,13 +325,25 @@ def stage_serve_ab(plan: Plan, out: Path, budget_s: float) -> dict:
     if todo:
         with ExitStack() as stack:
             t0 = time.monotonic()
-            dense = server_for(plan, stack, model, stage.out / "dense", "dense", arms, plan.ab_mem_fraction)
+            dense = server_for(plan, stack, model, stage.out / "dense", "dense", arms, plan.ab_mem_fraction,
+                               tokens=plan.ab_max_total_tokens)
+            # One at a time: SGLang sizes its KV pool from the memory free when it starts, so a routed server
+            # started beside a loading dense one would race it for the device.
+            ready(plan, [dense])
             for name in todo:
+                unreachable = unreachable_threshold(thresholds, kv_capacity(dense)) if name == HYBRID else None
+                if unreachable:
+                    log(stage.name, f"{name}: not served: {unreachable}")
+                    pair = {"arm": name, "skipped": unreachable, "cells": {}, "gates_passed": None}
+                    (stage.out / name).mkdir(parents=True, exist_ok=True)
+                    (stage.out / name / "pair.json").write_text(json.dumps(pair, indent=1) + "\n")
+                    result["pairs"][name] = pair
+                    continue
                 if not stage.has_time(plan.pair_estimate_s, f"A/B dense vs {name}"):
                     break
                 with ExitStack() as pair_stack:
                     routed = server_for(plan, pair_stack, model, stage.out / name / "server", name, arms,
-                                        plan.ab_mem_fraction, thresholds)
+                                        plan.ab_mem_fraction, thresholds, tokens=plan.ab_max_total_tokens)
                     ready(plan, [dense, routed])
                     log(stage.name, f"dense and {name} up after {time.monotonic() - t0:.0f} s")
                     pair = ab_pair(plan, stage, name, arms[name], thresholds, vocab, dense, routed)
@@ -336,6 +352,15 @@ def stage_serve_ab(plan: Plan, out: Path, budget_s: float) -> dict:
                 t0 = time.monotonic()
     result["left"] = stage.left
     return result
+
+
+def unreachable_threshold(thresholds: dict, capacity: int) -> str | None:
+    """Why the hybrid arm cannot engage on this device's A/B pool, or None: its switch routes only once the
+    resident KV tokens pass the enter threshold, and a cell is capped at 90% of the pool."""
+    if thresholds["enter_tokens"] <= 0.9 * capacity:
+        return None
+    return (f"the enter threshold ({thresholds['enter_tokens']} resident tokens, {thresholds['source']}) is above "
+            f"90% of the KV pool each of the two A/B servers holds ({capacity} tokens): no cell could engage routing")
 
 
 def ab_pair(plan: Plan, stage: Stage, name: str, arm_file: Path, thresholds: dict, vocab: int, dense: Server,
@@ -355,6 +380,9 @@ def ab_pair(plan: Plan, stage: Stage, name: str, arm_file: Path, thresholds: dic
         target = LOAD_CELLS[label] * thresholds["enter_tokens"]
         capped = target > 0.9 * capacity
         target = min(target, 0.9 * capacity)
+        if capped and any(c["capped_by_kv_pool"] for c in cells.values()):
+            log(stage.name, f"{name} {label}: same capped load as a cell before it (KV pool {capacity}), not run")
+            continue
         concurrency = max(1.0, target / per_request)
         rate = concurrency / (ttft + plan.output_tokens * step_s)  # Little's law with the calibrated latency
         requests = max(plan.ab_min_requests, round(rate * plan.ab_window_s))
@@ -467,7 +495,7 @@ def bench_grid(plan: Plan) -> list[str]:
     import torch
 
     memory_gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
-    return [] if memory_gib >= 120 else ["--rows", "32,64,128", "--contexts", "512,1024,2048"]
+    return [] if memory_gib >= 120 else ["--rows", "32,64,128", "--contexts", "512,1024,2048", "--reps", "10"]
 
 
 def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
@@ -477,7 +505,9 @@ def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
     bench_json = stage.out / "mixed_depth_bench.json"
     runs = {}
     steps = (("tune-tiles", tiles, [sys.executable, "-m", "vskipper.cli", "tune-tiles", "--out", str(tiles),
-                                    *(["--interpret"] if plan.dry_run else ["--device", device])]),
+                                    *(["--interpret"] if plan.dry_run else ["--device", device]),
+                                    *(["--max-candidates", str(plan.tune_max_candidates)]
+                                      if plan.tune_max_candidates else [])]),
              ("mixed_depth_bench", bench_json, [sys.executable, str(ROOT / "benchmarks" / "mixed_depth_bench.py"),
                                                 "--json", str(bench_json), *bench_grid(plan)]))
     for name, target, cmd in steps:
@@ -531,6 +561,9 @@ def markdown(results: dict) -> str:
         lines += ["## Matched-work A/B", "", f"Thresholds ({th['source']}): enter {th['enter_tokens']} / exit "
                   f"{th['exit_tokens']} resident KV tokens.", ""]
         for name, pair in ab["pairs"].items():
+            if pair.get("skipped"):
+                lines += [f"### dense vs {name}", "", f"Not served: {pair['skipped']}.", ""]
+                continue
             graphs = pair["served"][name]["profile"]["decode_graphs"]
             lines += [f"### dense vs {name}", "", f"Gates {'passed' if pair['gates_passed'] else 'FAILED'}; "
                       f"routed decode: {graphs}.", ""]
