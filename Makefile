@@ -18,7 +18,7 @@ HELM := $(TOOLS)/node_modules/.bin/helm
 PROM_OPERATOR_SCHEMAS := $(TOOLS)/node_modules/@kubernetes-models/prometheus-operator/package.json
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install tools test demo loadgen-demo lint crd chart images gpu-bundle clean help
+.PHONY: install tools test test-fast demo loadgen-demo lint crd chart images gpu-bundle clean help
 
 help:
 	@echo "make install  create $(VENV) with the CPU torch, the project (runtime, loadgen, operator, dev extras) and SGLang 0.5.21 for CPU"
@@ -26,6 +26,7 @@ help:
 	@echo "              then SGLang on CPU, dense and hybrid: OpenAI API, a loadgen A/B, attestation, /metrics (~3 min)"
 	@echo "make loadgen-demo  a small matched-work A/B run against two local stand-in servers: report and plots"
 	@echo "make test     the test suite"
+	@echo "make test-fast  the suite without the tests that start real SGLang servers or other heavy processes"
 	@echo "make lint     ruff over the code and tests"
 	@echo "make crd      regenerate manifests/crd.yaml from the operator's schema"
 	@echo "make chart    regenerate the chart's generated files (values schema, CRD, RBAC rules, alert rules, dashboard)"
@@ -62,15 +63,19 @@ $(PROM_OPERATOR_SCHEMAS): $(HELM)
 test: install tools
 	PATH="$(CURDIR)/$(TOOLS)/node_modules/.bin:$$PATH" $(PY) -m pytest -q
 
+# Tests marked `server` (a real SGLang server or another heavy real process) are left out.
+test-fast: install tools
+	PATH="$(CURDIR)/$(TOOLS)/node_modules/.bin:$$PATH" $(PY) -m pytest -q -m "not server"
+
 # DEMO_ARGS=--offline: the tour only (no server); --requests/--rate/--repetitions size the A/B.
 demo: install
-	$(VENV)/bin/vskipper demo --out $(DEMO_OUT) $(DEMO_ARGS)
+	$(PY) -m demo --out $(DEMO_OUT) $(DEMO_ARGS)
 
 loadgen-demo: install
 	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)
 
 lint: install
-	$(VENV)/bin/ruff check vskipper loadgen operator tests benchmarks images
+	$(VENV)/bin/ruff check vskipper loadgen operator tests benchmarks images demo
 
 crd: install
 	$(VENV)/bin/vskipper-operator crd > manifests/crd.yaml

@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vskipper.metrics_names import MODES, PHASES
+
 DEFAULT_ATTESTATION_PATH = "/vskipper/attestation"
-PHASES = ("prefill", "decode")
-MODES = ("dense", "routed")
 
 
 class AttestationError(ValueError):

@@ -34,7 +34,7 @@ async def run_rates(baseline: ArmTarget, target: ArmTarget, suite: Suite, rates:
                     out: str | Path, *, repetitions: int, title: str, seed: int = 7, max_new_tokens: int = 128,
                     progress: bool = False) -> dict:
     """One matched-work A/B cell per labelled rate between two served arms, then the report (per-cell JSON, the
-    Markdown table, the plots). The stand-in demo and `vskipper demo` (two real servers) both run this."""
+    Markdown table, the plots). The stand-in demo and `make demo` (two real servers) both run this."""
     results = []
     for label, rate in rates.items():
         results.append(await run_ab(baseline, target, suite, rate, repetitions=repetitions, seed=seed,

@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from loadgen.attestation import DEFAULT_ATTESTATION_PATH
+from vskipper.switch import PHASES
 
 
 @dataclass
@@ -71,7 +72,7 @@ class DoubleServer:
         self._engine: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
         self._requests = itertools.count(1)
-        self.passes = {p: {"dense": 0, "routed": 0} for p in ("prefill", "decode")}
+        self.passes = {p: {"dense": 0, "routed": 0} for p in PHASES}
         self.url = ""
 
     # ---- engine --------------------------------------------------------------------------------------------

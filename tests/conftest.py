@@ -27,6 +27,27 @@ def tiny_qwen3(tmp_path_factory):
     return make_tiny_model("qwen3-skipper", tmp_path_factory.mktemp("ckpt") / "qwen3")
 
 
+@pytest.fixture(scope="session")
+def served_flexidepth(tmp_path_factory):
+    """The tiny FlexiDepth checkpoint with its tokenizer: what the shared servers serve."""
+    from tests.sglang_world import servable_tiny_model
+
+    return servable_tiny_model(tmp_path_factory.mktemp("served") / "flexidepth")
+
+
+@pytest.fixture(scope="session")
+def shared_servers(served_flexidepth, tmp_path_factory):
+    """The real SGLang servers several modules share (`tests.sglang_world.SHARED`): each starts on first use
+    and stops when the session ends."""
+    pytest.importorskip("sglang")
+    from contextlib import ExitStack
+
+    from tests.sglang_world import SharedServers
+
+    with ExitStack() as stack:
+        yield SharedServers(served_flexidepth, tmp_path_factory.mktemp("shared-servers"), stack)
+
+
 @pytest.fixture
 def cli_env():
     env = dict(os.environ)

@@ -1,18 +1,62 @@
-"""Helpers for the SGLang server tests: `serve` (vskipper.sglang.launch: `vskipper serve` in its own session,
-wait for /health, always kill); a greedy torch reference through `vskipper.mixed` (the plain BenchStack
-forward, dense or routed)."""
+"""Helpers for the SGLang server tests: `serve` and `launched` (vskipper.sglang.launch: `vskipper serve` in its
+own session, wait for /health, always kill) with the test servers' common flags; `SharedServers`, the servers
+several test modules share (tests/conftest.py starts each once per session); a greedy torch reference through
+`vskipper.mixed` (the plain BenchStack forward, dense or routed)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 
-from vskipper.sglang.launch import Server, http, serve
+from vskipper.sglang import launch
+from vskipper.sglang.launch import Server, http, stop_all
 
-__all__ = ["ROOT", "Server", "greedy_reference", "http", "serve", "servable_tiny_model"]
+__all__ = ["ROOT", "SHARED", "Server", "SharedServers", "greedy_reference", "http", "launched", "serve",
+           "servable_tiny_model"]
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every test server sleeps while idle: an idle SGLang scheduler otherwise polls its sockets in a busy loop, and
+# on two cores a server waiting for the next test (or several started side by side) takes a core from the rest.
+TEST_SERVER_FLAGS = ("--sleep-on-idle",)
+# The servers test modules share, on the tiny FlexiDepth checkpoint, by name: `serve` keyword arguments.
+SHARED = {
+    "dense": dict(arm="dense", extra=("--enable-metrics",)),
+    "always-route": dict(arm="always-route", extra=("--enable-metrics",)),
+}
+
+
+@contextmanager
+def launched(model, workdir: Path, *, extra: Sequence[str] = (), **kwargs) -> Iterator[Server]:
+    """`vskipper.sglang.launch.launched` with the test servers' flags: started, not yet ready."""
+    with launch.launched(model, workdir, extra=(*extra, *TEST_SERVER_FLAGS), **kwargs) as server:
+        yield server
+
+
+@contextmanager
+def serve(model, workdir: Path, **kwargs) -> Iterator[Server]:
+    """`launched`, then wait for `/health`: yields a serving Server; stops it after."""
+    with launched(model, workdir, **kwargs) as server:
+        yield server.wait_ready()
+
+
+class SharedServers:
+    """The `SHARED` servers, each started on first use and kept until the session ends. `get` starts the named
+    servers that are not running side by side, then waits for each."""
+
+    def __init__(self, model: Path, workdir: Path, stack: ExitStack) -> None:
+        self.model, self.workdir, self.stack = model, workdir, stack
+        self.servers: dict[str, Server] = {}
+        stack.callback(lambda: stop_all(list(self.servers.values())))
+
+    def get(self, *names: str) -> dict[str, Server]:
+        for name in names:
+            if name not in self.servers:
+                self.servers[name] = self.stack.enter_context(
+                    launched(self.model, self.workdir / name, **SHARED[name]))
+        return {name: self.servers[name].wait_ready() for name in names}
 
 
 def servable_tiny_model(directory: Path, arch: str = "flexidepth-llama") -> Path:

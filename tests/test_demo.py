@@ -1,7 +1,8 @@
-"""`vskipper demo` end to end, as `make demo` runs it (smallest sizing): two real SGLang servers on CPU, the
-OpenAI-compatible API, a matched-work A/B with loadgen, the attestation and /metrics; the servers stop after.
+"""`python -m demo` as `make demo` runs it: the offline tour alone (seconds), its sizing refused naming the flag,
+and end to end (smallest sizing): two real SGLang servers on CPU, the OpenAI-compatible API, a matched-work A/B
+with loadgen, the attestation and /metrics; the servers stop after.
 
-About two to four minutes on a 2-core CPU, most of it the two servers starting side by side.
+The full run takes about two to four minutes on a 2-core CPU, most of it the two servers starting side by side.
 """
 
 import json
@@ -13,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from vskipper.demo import DEMO_ENTER_TOKENS, DEMO_EXIT_TOKENS
+from demo.live import DEMO_ENTER_TOKENS, DEMO_EXIT_TOKENS
+
+
+def _demo(args, env, timeout=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "demo", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
 
 
 def _sample(lines, name, **labels):
@@ -24,12 +30,28 @@ def _sample(lines, name, **labels):
     raise AssertionError(f"{name}{labels} not among the printed metrics")
 
 
+def test_offline_tour_writes_a_servable_checkpoint_and_replays_the_switch_without_a_server(cli_env, tmp_path):
+    proc = _demo(["--offline", "--out", str(tmp_path / "demo")], cli_env)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "exit 160000, enter 200000" in out and "route_on" in out
+    assert "== 2." not in out and not (tmp_path / "demo" / "servers").exists()  # the tour starts no server
+    assert (tmp_path / "demo" / "tiny-flexidepth" / "tokenizer.json").is_file()  # servable as written
+    att = json.loads((tmp_path / "demo" / "switch-attestation.json").read_text())
+    assert att["decisions_total"]["route_on"] == 1 and att["promoted_requests_total"] > 0
+
+
+def test_a_sizing_out_of_range_exits_2_naming_the_flag(cli_env):
+    proc = _demo(["--requests", "1"], cli_env)
+    assert proc.returncode == 2 and "--requests must be between 2" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.server
 def test_full_demo_serves_both_arms_gates_the_ab_and_prints_attestation_and_metrics(cli_env, tmp_path):
     # a burst (eight requests within 8 ms): they decode together on any host, however fast, so routing engages
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "vskipper.cli", "demo", "--out", str(out), "--requests", "8",
-                           "--repetitions", "1", "--rate", "1000"], capture_output=True, text=True, env=cli_env,
-                          timeout=480)
+    proc = _demo(["--out", str(out), "--requests", "8", "--repetitions", "1", "--rate", "1000"], cli_env,
+                 timeout=480)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = proc.stdout
     summary = json.loads((out / "summary.json").read_text())

@@ -19,6 +19,8 @@ from benchmarks.gpu import run  # noqa: E402
 from tests.sglang_world import ROOT  # noqa: E402
 from tests.test_serve_contract import sglang_parser  # noqa: E402
 
+pytestmark = pytest.mark.server  # the device run's stages against three real SGLang servers
+
 SCRIPT = ROOT / "benchmarks" / "gpu" / "run.sh"
 
 

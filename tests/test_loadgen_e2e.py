@@ -226,6 +226,7 @@ def test_ab_command_refuses_an_arm_whose_attested_execution_is_not_the_declared_
     assert "execution_difference passed 0/1; cross_arm_identity not run" in table  # the baseline attests nothing
 
 
+@pytest.mark.server
 def test_demo_writes_the_table_the_cells_and_the_plots(tmp_path):
     from loadgen.demo import DEMO_RATES, run_demo
 

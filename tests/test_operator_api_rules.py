@@ -23,6 +23,8 @@ from test_operator_handlers import (
 
 from vskipper_operator import metrics
 
+pytestmark = pytest.mark.server  # the operator running against a Kubernetes API on loopback
+
 JOBS = "/apis/batch/v1/namespaces/llm/jobs"
 CONFIG_MAPS = "/api/v1/namespaces/llm/configmaps"
 

@@ -11,11 +11,14 @@ import time
 import urllib.request
 
 import kmock
+import pytest
 from kopf.testing import KopfRunner
 from kube_world import free_port, wait_for
 from operator_fixtures import A100, H100, UNKNOWN, node, resource
 
 from vskipper_operator.plan import plan
+
+pytestmark = pytest.mark.server  # the operator running against a Kubernetes API on loopback
 
 os.environ["VSKIPPER_OPERATOR_RESYNC_SECONDS"] = "1"
 os.environ["VSKIPPER_OPERATOR_API_BACKOFFS"] = "0.05,0.1,0.2"

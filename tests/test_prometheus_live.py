@@ -54,7 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "helm" / "vskipper" / "files" / "prometheus-rules.yaml"
 PROMETHEUS = shutil.which("prometheus")
 
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing: run `make tools`")
+pytestmark = [pytest.mark.server,  # a real Prometheus scraping real servers and the operator
+              pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing: run `make tools`")]
 
 
 def _get(base: str, path: str, **params) -> dict:

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from operator_fixtures import mixed_pool, resource
 
 from vskipper.checkpoint import make_tiny_model
@@ -81,6 +82,7 @@ def sglang_parser():
     return parser
 
 
+@pytest.mark.server
 def test_planned_server_containers_start_through_the_image_entrypoint_into_serve_and_sglang(tmp_path, cli_env):
     ckpt = make_tiny_model("flexidepth-llama", tmp_path / "ckpt")
     spec_changes = {"model": {"path": "/models/flexidepth", "preset": "llama-3-8b", "servedName": "llama3-skip"},

@@ -2,10 +2,10 @@
 (read from SGLang's scheduler after boot), the execution-difference and cross-arm identity gates over those
 attestations, and the mechanism gate's pass-count check against the scheduler's own count.
 
-Three servers start side by side, once for the module: a dense and an always-route arm launched with the same
-flags, and an always-route arm launched with a larger `--max-total-tokens`, another chunk size and another
-attention backend (flex attention, which builds on CPU but cannot run a batch here: that server skips SGLang's
-warmup and generating health checks, and only attests).
+Three servers start side by side: a dense and an always-route arm launched with the same flags (the session's
+shared servers, tests/conftest.py), and, for this module only, an always-route arm launched with a larger
+`--max-total-tokens`, another chunk size and another attention backend (flex attention, which builds on CPU but
+cannot run a batch here: that server skips SGLang's warmup and generating health checks, and only attests).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from loadgen.attestation import Attestation, pass_delta
 from loadgen.gates import cross_arm_identity, execution_difference, mechanism_evidence
-from tests.sglang_world import servable_tiny_model
+from tests.sglang_world import launched
 from vskipper.arms import get_arm
 from vskipper.sglang.executed import CPU_PROFILE, declared_execution
 from vskipper.sglang.spec import CPU_FLAGS
@@ -41,31 +41,18 @@ def test_launch_flags_declare_the_fields_they_name_and_nothing_sglang_decides():
 
 
 @pytest.fixture(scope="module")
-def served_model(tmp_path_factory):
-    return servable_tiny_model(tmp_path_factory.mktemp("executed") / "flexidepth")
+def served_model(served_flexidepth):
+    return served_flexidepth
 
 
 @pytest.fixture(scope="module")
-def servers(served_model, tmp_path_factory):
-    """{"dense", "always-route", "mismatched"}: started together, stopped together after the module."""
-    pytest.importorskip("sglang")
-    from contextlib import ExitStack
-
-    from vskipper.sglang.launch import launched, stop_all
-
-    tmp = tmp_path_factory.mktemp("executed-servers")
-    with ExitStack() as stack:
-        started = {
-            "dense": stack.enter_context(launched(served_model, tmp / "dense", arm="dense")),
-            "always-route": stack.enter_context(launched(served_model, tmp / "routed", arm="always-route")),
-            "mismatched": stack.enter_context(launched(
-                served_model, tmp / "mismatched", arm="always-route", extra=MISMATCHED_FLAGS,
-                env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"})),
-        }
-        stack.callback(stop_all, list(started.values()))
-        for server in started.values():
-            server.wait_ready()
-        yield started
+def servers(served_model, shared_servers, tmp_path_factory):
+    """{"dense", "always-route", "mismatched"}, started side by side: the first two are the session's shared
+    servers (launched with the same flags), the mismatched one stops after the module."""
+    with launched(served_model, tmp_path_factory.mktemp("executed-servers") / "mismatched", arm="always-route",
+                  extra=MISMATCHED_FLAGS, env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}) as mismatched:
+        started = shared_servers.get("dense", "always-route")
+        yield {**started, "mismatched": mismatched.wait_ready()}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +64,7 @@ def declared():
             "sglang_version": SGLANG_VERSION}
 
 
+@pytest.mark.server
 def test_each_server_attests_the_configuration_sglang_executes_after_boot(servers, served_model, declared):
     config = json.loads((served_model / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
@@ -96,6 +84,7 @@ def test_each_server_attests_the_configuration_sglang_executes_after_boot(server
     assert mismatched["kv_pool"]["tokens"] == 8192 and mismatched["chunked_prefill_size"] == 1024
 
 
+@pytest.mark.server
 def test_dense_and_routed_arms_launched_with_the_same_flags_pass_both_comparability_gates(servers, declared,
                                                                                           tmp_path):
     """loadgen's matched-work A/B between the two real servers: both arms executed the declared configuration,
@@ -128,6 +117,7 @@ def test_dense_and_routed_arms_launched_with_the_same_flags_pass_both_comparabil
     assert report["repetitions"][0]["gates"]["details"]["cross_arm_identity"]["kv_pool"]["arm_tokens"] == 4096
 
 
+@pytest.mark.server
 def test_a_routed_arm_launched_with_a_larger_pool_another_chunk_size_and_attention_backend_is_refused(
         servers, declared):
     dense = servers["dense"].get_json("/vskipper/attestation")
@@ -149,6 +139,7 @@ def test_a_routed_arm_launched_with_a_larger_pool_another_chunk_size_and_attenti
     assert "executed.attention_backend.prefill" in prefill
 
 
+@pytest.mark.server
 def test_per_mode_passes_sum_to_the_schedulers_own_count_on_the_real_runtime(servers):
     server = servers["always-route"]
     before = Attestation.from_json(server.get_json("/vskipper/attestation"))

@@ -147,6 +147,7 @@ def cuda_path():
     return _probe(SHIMS_GPU_DIR, "--distributions")
 
 
+@pytest.mark.server
 def test_sglang_cuda_server_path_imports_with_the_stand_ins_and_its_cuda_rmsnorm_equals_native(cuda_path):
     assert cuda_path["failed"] == {}
     assert cuda_path["sgl_kernel"].startswith(str(SHIMS_GPU_DIR))
@@ -155,6 +156,7 @@ def test_sglang_cuda_server_path_imports_with_the_stand_ins_and_its_cuda_rmsnorm
     assert cuda_path["fused_residual_max_err"] < 1e-6
 
 
+@pytest.mark.server
 def test_every_distribution_the_cuda_server_path_imports_is_on_the_device_or_in_the_bundle(cuda_path):
     from benchmarks.gpu.bundle import normalize, read_device_packages, read_requirements
 
@@ -164,6 +166,7 @@ def test_every_distribution_the_cuda_server_path_imports_is_on_the_device_or_in_
     assert "sglang" in {normalize(d) for d in cuda_path["distributions"]}
 
 
+@pytest.mark.server
 def test_the_cpu_stub_cannot_serve_the_cuda_path():
     pytest.importorskip("sglang")
     failed = _probe(SHIMS_DIR)["failed"]

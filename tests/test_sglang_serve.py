@@ -1,7 +1,8 @@
 """The real SGLang 0.5.21 server on CPU, started by `vskipper serve` with tiny FlexiDepth and Qwen3 checkpoints.
 
 Each server starts once per arm (a class-scoped fixture, or a module-scoped one that keeps only the outputs:
-one server alive at a time, bounded start-up, always killed). Greedy outputs are compared token for token with
+bounded start-up, always killed); the dense and always-route FlexiDepth servers are the session's shared ones
+(tests/conftest.py). Greedy outputs are compared token for token with
 the plain torch forward of `vskipper.mixed` (dense, or routed with the same skipper).
 CUDA graphs and the Triton cohort kernels do not run here (CPU): the routed layers run through the torch
 cohort backend and SGLang's torch-native attention.
@@ -27,6 +28,8 @@ from vskipper.arms import get_arm  # noqa: E402
 from vskipper.checkpoint import TinySize  # noqa: E402
 from vskipper.skippers.registry import build_skipper  # noqa: E402
 
+pytestmark = pytest.mark.server  # real SGLang servers, and `vskipper serve` processes that refuse to start
+
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 300, 12, 7], [100, 200, 300, 400, 17, 18, 19, 20, 21, 22])
 NEW_TOKENS = 10
 QWEN3_SEED, QWEN3_ROUTED, QWEN3_EMBED_SCALE = 2, [0, 2, 3], 0.3  # the tiny Qwen3 checkpoint (see served_qwen3)
@@ -34,12 +37,8 @@ HYBRID_ENTER, HYBRID_EXIT = 30, 20  # resident tokens V of the decode switch (ti
 
 
 @pytest.fixture(scope="module")
-def served_model(tmp_path_factory):
-    from vskipper.checkpoint import make_tiny_model, write_tiny_tokenizer
-
-    path = make_tiny_model("flexidepth-llama", tmp_path_factory.mktemp("serve") / "flexidepth")
-    write_tiny_tokenizer(path)
-    return path
+def served_model(served_flexidepth):
+    return served_flexidepth
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +83,8 @@ def qwen3_routed_server(served_qwen3, tmp_path_factory):
 
 
 @pytest.fixture(scope="class")
-def dense_server(served_model, tmp_path_factory):
-    with serve(served_model, tmp_path_factory.mktemp("dense"), arm="dense", extra=("--enable-metrics",)) as s:
-        yield s
+def dense_server(shared_servers):
+    return shared_servers.get("dense")["dense"]
 
 
 @pytest.fixture(scope="class")
@@ -104,10 +102,8 @@ def hybrid_server(served_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="class")
-def routed_server(served_model, tmp_path_factory):
-    with serve(served_model, tmp_path_factory.mktemp("routed"), arm="always-route",
-               extra=("--enable-metrics",)) as s:
-        yield s
+def routed_server(shared_servers):
+    return shared_servers.get("always-route")["always-route"]
 
 
 VOCAB = TinySize().vocab  # the tiny checkpoints' vocabulary

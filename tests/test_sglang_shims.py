@@ -36,6 +36,7 @@ def test_torchvision_patch_refuses_an_unknown_file_layout():
         tv.patched_source("@torch.library.register_fake(\"torchvision::nms\")\n")
 
 
+@pytest.mark.server
 def test_installed_torchvision_is_patched_and_imports_beside_the_cpu_torch():
     pytest.importorskip("sglang")
     check = subprocess.run([sys.executable, "-m", "vskipper.sglang.shims.patch_torchvision", "--check"],

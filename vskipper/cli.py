@@ -89,13 +89,6 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from vskipper.demo import Sizing, run_demo
-
-    given = {k: getattr(args, k) for k in ("requests", "repetitions", "rate") if getattr(args, k) is not None}
-    return run_demo(args.out, offline=args.offline, sizing=Sizing(**given))
-
-
 def _tune_tiles(args: argparse.Namespace) -> int:
     from vskipper.mixed.tune_cli import run_tune_tiles
 
@@ -181,16 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the server command and environment, start nothing")
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("demo", help="the main job on an embedded default (tiny model, no GPU)",
-                       description="An offline tour of a tiny FlexiDepth checkpoint (routes, thresholds, the mode "
-                       "switch), then two real SGLang servers on CPU (dense and hybrid): OpenAI-compatible "
-                       "requests, a small matched-work A/B with loadgen, the attestation and /metrics.")
-    p.add_argument("--out", default="out/demo")
-    p.add_argument("--offline", action="store_true", help="the offline tour only (no server; seconds)")
-    p.add_argument("--requests", type=int, help="requests per A/B cell (the demo prints the sizing it runs)")
-    p.add_argument("--repetitions", type=int, help="paired matched-work repetitions of the A/B")
-    p.add_argument("--rate", type=float, help="offered load of the A/B in requests per second")
-    p.set_defaults(func=_demo)
     return parser
 
 

@@ -15,11 +15,10 @@ import re
 from dataclasses import dataclass
 
 from vskipper.skippers.registry import Action
-from vskipper.switch import DecisionKind, Mode
+from vskipper.switch import PHASES, DecisionKind, Mode
 
 NAMESPACE = "vskipper"
 
-PHASES = ("prefill", "decode")
 MODES = tuple(m.value for m in Mode)
 ACTIONS = tuple(a.value for a in Action)
 DECISIONS = tuple(d.value for d in DecisionKind)

@@ -71,18 +71,6 @@ DEVICES: tuple[Device, ...] = (
     Device("B200", 8000.0, 2250.0, 227 * KIB, ("NVIDIA-B200",)),
 )
 
-_BY_KEY: dict[str, Device] = {}
-
-
-def _key(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "", text.lower())
-
-
-for _d in DEVICES:
-    for _alias in (_d.name, *_d.gfd_products):
-        _BY_KEY[_key(_alias)] = _d
-
-
 class UnknownDeviceError(KeyError):
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0])
@@ -97,9 +85,21 @@ def normalize_product(product: str) -> str:
     return re.sub(r"-SHARED$", "", product.strip())
 
 
+def product_key(name: str) -> str:
+    """The key a device name or GFD product label is catalogued under: shared-GPU suffixes stripped, case and
+    separators ignored (`NVIDIA-H100-80GB-HBM3-SHARED` and `nvidia h100 80gb hbm3` have the same key)."""
+    return re.sub(r"[^a-z0-9]+", "", normalize_product(name).lower())
+
+
+_BY_KEY: dict[str, Device] = {}
+for _d in DEVICES:
+    for _alias in (_d.name, *_d.gfd_products):
+        _BY_KEY[product_key(_alias)] = _d
+
+
 def lookup_device(name: str) -> Device:
     """Find a device by catalogue name, GFD product label, or a spelling of either (case and separators ignored)."""
-    device = _BY_KEY.get(_key(normalize_product(name)))
+    device = _BY_KEY.get(product_key(name))
     if device is None:
         known = ", ".join(d.name for d in DEVICES)
         raise UnknownDeviceError(f"unknown device {name!r}: known devices are {known}; pass a bandwidth instead")

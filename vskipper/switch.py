@@ -24,6 +24,10 @@ from dataclasses import asdict, dataclass, field
 
 from vskipper.constants import CONSTANTS, SwitchConstants
 
+# The two kinds of forward pass a mode is decided for; every per-phase table (arms, counters, metrics labels,
+# attestations) is keyed by these names.
+PHASES = ("prefill", "decode")
+
 
 class Mode(str, enum.Enum):
     DENSE = "dense"
@@ -43,7 +47,7 @@ class SwitchSettings:
     promotion: bool = True
 
     def __post_init__(self) -> None:
-        for phase in ("prefill", "decode"):
+        for phase in PHASES:
             value = getattr(self, phase)
             if not isinstance(value, Policy):
                 try:
@@ -139,7 +143,6 @@ class ModeSwitch:
         self.constants = constants
         self._routing_on = settings.decode is Policy.ROUTED
         self._modes: dict[Hashable, Mode] = {}
-        self._promoted: set[Hashable] = set()
         self._last_v = 0
         self._share = declared_project_share
         self._admitted = 0
@@ -168,7 +171,6 @@ class ModeSwitch:
                 promoted = [rid for rid, mode in self._modes.items() if mode is Mode.DENSE]
                 for rid in promoted:
                     self._modes[rid] = Mode.ROUTED
-                    self._promoted.add(rid)
                 if promoted:  # a decision only when somebody changed mode
                     self.counters.promoted_requests += len(promoted)
                     self._record(now, DecisionKind.PROMOTE, count=len(promoted))
@@ -193,12 +195,8 @@ class ModeSwitch:
     def decode_mode(self, rid: Hashable) -> Mode:
         return self._modes[rid]
 
-    def was_promoted(self, rid: Hashable) -> bool:
-        return rid in self._promoted
-
     def finish(self, rid: Hashable) -> None:
         self._modes.pop(rid, None)
-        self._promoted.discard(rid)
 
     def running(self) -> dict[Hashable, Mode]:
         return dict(self._modes)

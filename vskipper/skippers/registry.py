@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-PHASES = ("prefill", "decode")
+from vskipper.switch import PHASES
+
 _REQUIRED = object()
 
 
