@@ -39,9 +39,11 @@ from sglang.srt.utils.common import use_intel_amx_backend
 
 from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
+from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.mixed.routed_layer import routed_layer
+from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
-from vskipper.sglang.spec import ServeConfigError
+from vskipper.sglang.spec import ROUTED_DECODE_GRAPHS, ServeConfigError
 from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, router_sizes
 
 ROUTER_MARKERS = (".router.", ".router_proj.")
@@ -111,13 +113,25 @@ def cohort_execution(layers, device: torch.device, requested: str = "auto") -> C
     return CohortExecution("triton", device_tile_table(device))
 
 
+@dataclass
+class PreparedPass:
+    """A pass decided before its forward: SGLang's batch it belongs to, the step (None: not planned, e.g. a
+    graph-capture batch), and where routed, the plan whose per-row fields live in the model's `PlanBuffers`."""
+
+    forward_batch: Any
+    step: Step | None
+    plan: PassPlan | None
+    used: bool = False  # a forward has run it
+
+
 class StepSlot:
     """The current forward pass's `Step` and `PassPlan`, set by the model around its forward and read by its
-    routed layers, and the model's cohort execution."""
+    routed layers; the pass prepared before the forward; and the model's cohort execution."""
 
     def __init__(self) -> None:
         self.step: Step | None = None
         self.plan: PassPlan | None = None
+        self.prepared: PreparedPass | None = None
         self.runtime = None
         self.execution: CohortExecution = TORCH_EXECUTION
 
@@ -329,19 +343,38 @@ class RouterWeightsMixin:
         return result
 
 
+_ACTIVE: list = []  # the skipper model of this process (one per scheduler process), for the SGLang hooks
+
+
+def active_model():
+    """The skipper model this process serves, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 class SkipperCausalLM(RouterWeightsMixin):
     """For a skipper model class placed before its SGLang CausalLM base: the checkpoint's `routing_layers` are
     replaced by the class's routed layers (`routed_layer`), and every forward pass is planned by the runtime
-    (the step its routed layers read) and counted after."""
+    (the step its routed layers read) and counted after.
+
+    In a server every pass is decided before SGLang's forward (`prepare_pass`, from the hook around
+    `ModelRunner.forward`): the runtime's host decisions, then the per-row plan (request slots, request keys,
+    dense-mode rows) written into the model's static `PlanBuffers`, which the forward only reads. Before SGLang's
+    graph runner answers whether it replays the pass, the replay veto refuses a routed pass (`graph_veto`);
+    after the pass, SGLang's report of whether it replayed is counted per phase and mode (`finish_pass`,
+    `execution.cuda_graphs.passes_total`) and the runtime counts the pass. A forward called directly (outside
+    `ModelRunner.forward`) is decided and counted in the forward (`execution.plan_writes.in_forward`)."""
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
         self.slot = StepSlot()
+        self.ledger = ReplayLedger({"decode": ROUTED_DECODE_GRAPHS, "prefill": False})
+        self.plan_writes = {"before_forward": 0, "in_forward": 0}
         self.routed_layers = tuple(int(i) for i in (getattr(config, "routing_layers", None) or ()))
         for i in self.routed_layers:
             if self.model.start_layer <= i < self.model.end_layer:
                 self.model.layers[i] = self.routed_layer(config, i, quant_config, prefix=f"model.layers.{i}")
         device = str(self.model.embed_tokens.weight.device)
+        self.buffers = PlanBuffers(64, device)
         self.runtime = get_runtime(config.model_type, self.routed_layers, type(self).__name__, device)
         self.slot.runtime = self.runtime
         graphs = graph_backends()
@@ -350,33 +383,95 @@ class SkipperCausalLM(RouterWeightsMixin):
                   if self.model.start_layer <= i < self.model.end_layer]
         qkv = [layer.self_attn.qkv_proj for layer in layers]
         self.slot.execution = cohort_execution(layers, self.model.embed_tokens.weight.device)
+        _ACTIVE.append(self)
         self.runtime.execution.update({
             "routed_layers_backend": self.slot.execution.attestation(),
+            # Live counters (fixed keys, values only change): read whenever the attestation is written.
             "cuda_graphs": {"backends": graphs, "routed_passes": "eager (no routed graph variant is captured; "
-                                                                  "graphs are refused for routed phases)"},
+                                                                  "graphs are refused for routed phases)",
+                            "passes_total": self.ledger.passes,
+                            "routed_replays_vetoed_total": self.ledger.vetoed,
+                            "routed_graph_variants": self.ledger.routed_graphs},
+            "plan_writes": self.plan_writes,
             "tiles": self.slot.execution.attestation()["tiles"],
             "project_only_q": project_only_q(qkv, self.slot.execution)})
 
     def routed_layer(self, config, layer_id: int, quant_config, prefix: str) -> torch.nn.Module:
         raise NotImplementedError(f"{type(self).__name__} must define routed_layer")
 
+    def _decide(self, forward_batch) -> PreparedPass:
+        """The runtime's host decisions for this pass and, where it routes, its plan in the static buffers."""
+        rids = forward_batch.rids or []
+        if len(rids) != forward_batch.batch_size:
+            return PreparedPass(forward_batch, None, None)
+        ids = forward_batch.positions if forward_batch.positions is not None else forward_batch.input_ids
+        weight = self.model.embed_tokens.weight
+        step = self.runtime.decide(forward_batch, ids.shape[0], weight.dtype, weight.device)
+        plan = self.write_plan(forward_batch, step) if step.routed else None
+        return PreparedPass(forward_batch, step, plan)
+
+    def write_plan(self, forward_batch, step: Step) -> PassPlan:
+        """Write the routed pass's per-row plan into the static buffers; the step and the plan read their views."""
+        plan = plan_pass(forward_batch, step.rows)
+        self.buffers.write(plan.req_rows, step.keys, step.dense_rows)
+        views = self.buffers.views(step.rows)
+        step.keys = views["request_keys"]
+        if step.dense_rows is not None:
+            step.dense_rows = views["dense_rows"]
+        return PassPlan(views["req_rows"], plan.context)
+
+    def prepare_pass(self, forward_batch) -> None:
+        """Before SGLang's forward of this batch (the hook around `ModelRunner.forward`)."""
+        self.slot.prepared = self._decide(forward_batch)
+        self.plan_writes["before_forward"] += 1
+
+    def graph_veto(self, forward_batch, graph_can_run: bool) -> bool:
+        """SGLang's graph runner's answer for this batch after the replay veto (a routed pass runs eagerly)."""
+        prepared = self.slot.prepared
+        if prepared is None or prepared.step is None or prepared.step.phase not in PHASES:
+            return graph_can_run
+        return self.ledger.veto(prepared.step.phase, prepared.step.routed, graph_can_run)
+
+    def finish_pass(self, forward_batch, replayed: bool) -> None:
+        """After SGLang's forward of this batch: count it (replayed or eager, per phase and mode) and let the
+        runtime count its rows from the tape."""
+        prepared, self.slot.prepared = self.slot.prepared, None
+        if prepared is None or prepared.forward_batch is not forward_batch or prepared.step is None:
+            return
+        self._count(prepared.step, replayed)
+
+    def _count(self, step: Step, replayed: bool) -> None:
+        """The ledger counts what the runtime counts: health probes' passes are not traffic."""
+        if step.phase in PHASES and not step.health_check:
+            self.ledger.record(step.phase, step.routed, replayed)
+        self.runtime.finish(step)
+
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False,
                 pp_proxy_tensors=None):
         if input_embeds is None:
             input_embeds = self.model.embed_tokens(input_ids)
-        rids = forward_batch.rids or []
-        step = None
-        if len(rids) == forward_batch.batch_size:
-            step = self.runtime.plan(forward_batch, input_embeds, positions)
-        self.slot.step = step
-        self.slot.plan = plan_pass(forward_batch, step.rows) if step is not None and step.routed else None
+        # SGLang's eager runner hands the forward a copy of the batch it was asked to run (its static-buffer
+        # slice), so the pass prepared for this ModelRunner.forward is the pending one, used once.
+        prepared = self.slot.prepared
+        inline = prepared is None or prepared.used
+        if inline:  # called outside ModelRunner.forward: decided here
+            prepared = self._decide(forward_batch)
+            self.plan_writes["in_forward"] += 1
+        prepared.used = True
+        step = prepared.step
+        if step is not None and step.routed:
+            if input_embeds.shape[0] != step.rows:
+                raise RuntimeError(f"the pass was planned for {step.rows} rows but its forward has "
+                                   f"{input_embeds.shape[0]} (padded batches are not served routed)")
+            self.runtime.prepare_state(step, input_embeds, positions)
+            self.slot.step, self.slot.plan = step, prepared.plan
         try:
             out = super().forward(input_ids, positions, forward_batch, input_embeds, get_embedding,
                                   pp_proxy_tensors)
         finally:
             self.slot.step = None
             self.slot.plan = None
-        if step is not None:
-            self.runtime.finish(step)
+        if inline and step is not None:
+            self._count(step, replayed=False)
         return out
