@@ -162,13 +162,14 @@ def test_a_served_routed_arm_plans_every_pass_before_the_forward_and_counts_them
             if att["passes_total"]["decode"]["routed"] >= 10 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-    execution = att["execution"]
-    graphs = execution["cuda_graphs"]
-    assert execution["plan_writes"]["in_forward"] == 0 and execution["plan_writes"]["before_forward"] > 0, \
-        json.dumps(execution["plan_writes"])
+    writes = att["plan_writes_total"]
+    assert writes["in_forward"] == 0 and writes["before_forward"] > 0, json.dumps(writes)
     for phase in ("prefill", "decode"):
-        assert graphs["passes_total"][phase]["routed"] == {"replayed": 0, "eager": att["passes_total"][phase]["routed"]}
-        assert graphs["passes_total"][phase]["dense"]["replayed"] == 0
+        assert att["graph_passes_total"][phase]["routed"] == {"replayed": 0,
+                                                              "eager": att["passes_total"][phase]["routed"]}
+        assert att["graph_passes_total"][phase]["dense"]["replayed"] == 0
     assert att["passes_total"]["decode"]["routed"] >= 10
-    assert graphs["routed_replays_vetoed_total"] == {"prefill": 0, "decode": 0}  # graphs are off on CPU
+    assert att["routed_replays_vetoed_total"] == {"prefill": 0, "decode": 0}  # graphs are off on CPU
+    execution = att["execution"]
+    assert execution["cuda_graphs"]["routed_graph_variants"] == {"prefill": False, "decode": False}
     assert execution["routed_layers_backend"] == {"decode": "torch", "prefill": "torch", "tiles": None}

@@ -212,6 +212,8 @@ class Runtime:
         self._state_lock = threading.Lock()
         self._writer: StateWriter | None = None
         self.execution: dict[str, Any] = {}  # what the model class reports of its routed execution
+        # The model class's own `*_total` counters (live dicts with fixed keys), beside the runtime's.
+        self.model_counters: dict[str, Any] = {}
         self.prometheus = _Prometheus() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and placement.reports \
             else None
         if self.prometheus is not None and arm.switch_settings().decode is Policy.HYBRID:
@@ -521,6 +523,7 @@ class Runtime:
                                                "req_to_token)",
                           "cuda_graphs": False, "tiles": None, "profile": self.spec.profile,
                           **self.execution},
+            **self.model_counters,
             **executed.attestation(),  # what SGLang executes, read after boot; the scheduler's pass counts
             "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
                           "attn_dp_rank": self.placement.attn_dp_rank},

@@ -361,8 +361,8 @@ class SkipperCausalLM(RouterWeightsMixin):
     dense-mode rows) written into the model's static `PlanBuffers`, which the forward only reads. Before SGLang's
     graph runner answers whether it replays the pass, the replay veto refuses a routed pass (`graph_veto`);
     after the pass, SGLang's report of whether it replayed is counted per phase and mode (`finish_pass`,
-    `execution.cuda_graphs.passes_total`) and the runtime counts the pass. A forward called directly (outside
-    `ModelRunner.forward`) is decided and counted in the forward (`execution.plan_writes.in_forward`)."""
+    `graph_passes_total`) and the runtime counts the pass. A forward called directly (outside
+    `ModelRunner.forward`) is decided and counted in the forward (`plan_writes_total.in_forward`)."""
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
@@ -384,15 +384,15 @@ class SkipperCausalLM(RouterWeightsMixin):
         qkv = [layer.self_attn.qkv_proj for layer in layers]
         self.slot.execution = cohort_execution(layers, self.model.embed_tokens.weight.device)
         _ACTIVE.append(self)
+        # Live counters (fixed keys, values only change), read whenever the attestation is written.
+        self.runtime.model_counters.update({"graph_passes_total": self.ledger.passes,
+                                            "routed_replays_vetoed_total": self.ledger.vetoed,
+                                            "plan_writes_total": self.plan_writes})
         self.runtime.execution.update({
             "routed_layers_backend": self.slot.execution.attestation(),
-            # Live counters (fixed keys, values only change): read whenever the attestation is written.
             "cuda_graphs": {"backends": graphs, "routed_passes": "eager (no routed graph variant is captured; "
                                                                   "graphs are refused for routed phases)",
-                            "passes_total": self.ledger.passes,
-                            "routed_replays_vetoed_total": self.ledger.vetoed,
-                            "routed_graph_variants": self.ledger.routed_graphs},
-            "plan_writes": self.plan_writes,
+                            "routed_graph_variants": dict(self.ledger.routed_graphs)},
             "tiles": self.slot.execution.attestation()["tiles"],
             "project_only_q": project_only_q(qkv, self.slot.execution)})
 
