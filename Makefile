@@ -6,6 +6,8 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
 DEMO_ARGS ?=
 LOADGEN_DEMO_OUT ?= out/loadgen-demo
+BENCH_CPU_OUT ?= out/bench-cpu
+BENCH_CPU_ARGS ?=
 GPU_BUNDLE ?= .gpu-bundle
 SGLANG_SPEC ?= sglang==0.5.21
 SGLANG_CONSTRAINTS := vskipper/sglang/constraints-cpu.txt
@@ -18,12 +20,14 @@ HELM := $(TOOLS)/node_modules/.bin/helm
 PROM_OPERATOR_SCHEMAS := $(TOOLS)/node_modules/@kubernetes-models/prometheus-operator/package.json
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install tools test test-fast demo loadgen-demo lint crd chart images gpu-bundle clean help
+.PHONY: install tools test test-fast demo loadgen-demo bench-cpu lint crd chart images gpu-bundle clean help
 
 help:
 	@echo "make install  create $(VENV) with the CPU torch, the project (runtime, loadgen, operator, dev extras) and SGLang 0.5.21 for CPU"
 	@echo "make demo     the main job on an embedded default: a tiny FlexiDepth checkpoint (routes, thresholds, switch),"
 	@echo "              then SGLang on CPU, dense and hybrid: OpenAI API, a loadgen A/B, attestation, /metrics (~3 min)"
+	@echo "make bench-cpu  dense vs always-route s=0 vs s=0.5 on a 16-layer d=1024 bf16 model served by SGLang on CPU,"
+	@echo "              with the FLOP and profiled decode limits (tens of minutes; BENCH_CPU_ARGS=--quick: a smoke run)"
 	@echo "make loadgen-demo  a small matched-work A/B run against two local stand-in servers: report and plots"
 	@echo "make test     the test suite"
 	@echo "make test-fast  the suite without the tests that start real SGLang servers or other heavy processes"
@@ -70,6 +74,9 @@ test-fast: install tools
 # DEMO_ARGS=--offline: the tour only (no server); --requests/--rate/--repetitions size the A/B.
 demo: install
 	$(PY) -m demo --out $(DEMO_OUT) $(DEMO_ARGS)
+
+bench-cpu: install
+	$(PY) benchmarks/bench_cpu.py --out $(BENCH_CPU_OUT) $(BENCH_CPU_ARGS)
 
 loadgen-demo: install
 	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)

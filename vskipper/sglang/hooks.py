@@ -13,6 +13,11 @@ scheduler's included, and applies their hooks before the scheduler is built. `re
   release           AROUND <tree cache>.on_release (every path that frees a request's KV row: finish, abort,
                     retraction, drain) and Scheduler._release_aborted_request (aborts from the waiting queue):
                     a request's record leaves with it; a retracted one keeps it until it is admitted again
+  each pass         AROUND ModelRunner.forward: before, the model decides the pass and writes its plan into its
+                    static buffers (`SkipperCausalLM.prepare_pass`); after, SGLang's report of a graph replay is
+                    counted and the runtime counts the pass (`finish_pass`)
+  replay veto       AROUND the graph runners' can_run_graph: a routed pass never replays a captured (dense)
+                    graph (`SkipperCausalLM.graph_veto`, `vskipper.sglang.replay`)
   executed config   AFTER Scheduler.get_init_info and AROUND Scheduler.run_batch (`vskipper.sglang.executed`):
                     what SGLang executes, read after boot, and the scheduler's own pass count per phase
 
@@ -39,7 +44,14 @@ RELEASE_TARGETS = (
     "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.on_release",  # every other tree cache
 )
 QUEUE_ABORT_TARGET = "sglang.srt.managers.scheduler.Scheduler._release_aborted_request"
-TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *RELEASE_TARGETS, QUEUE_ABORT_TARGET, *executed.TARGETS)
+FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+GRAPH_TARGETS = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph",
+    "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner.can_run_graph",
+)
+TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *RELEASE_TARGETS, QUEUE_ABORT_TARGET, FORWARD_TARGET, *GRAPH_TARGETS,
+           *executed.TARGETS)
 
 
 def _runtime():
@@ -119,6 +131,32 @@ def around_release_aborted_request(original, scheduler, req, *args, **kwargs):
     return result
 
 
+def _model():
+    from vskipper.sglang.models import routed
+
+    return routed.active_model()
+
+
+def around_model_forward(original, runner, forward_batch, *args, **kwargs):
+    model = _model() if getattr(runner, "model", None) is not None else None
+    if model is None or runner.model is not model:
+        return original(runner, forward_batch, *args, **kwargs)
+    model.prepare_pass(forward_batch)
+    try:
+        output = original(runner, forward_batch, *args, **kwargs)
+    except BaseException:
+        model.slot.prepared = None
+        raise
+    model.finish_pass(forward_batch, bool(getattr(output, "can_run_graph", False)))
+    return output
+
+
+def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs):
+    answer = original(graph_runner, forward_batch, *args, **kwargs)
+    model = _model()
+    return answer if model is None else model.graph_veto(forward_batch, bool(answer))
+
+
 def register() -> None:
     """SGLang general plugin entry point: register the hooks in processes of a vSkipper server."""
     if ENV_ARM not in os.environ:
@@ -131,6 +169,9 @@ def register() -> None:
     for target in RELEASE_TARGETS:
         HookRegistry.register(target, around_on_release, HookType.AROUND)
     HookRegistry.register(QUEUE_ABORT_TARGET, around_release_aborted_request, HookType.AROUND)
+    HookRegistry.register(FORWARD_TARGET, around_model_forward, HookType.AROUND)
+    for target in GRAPH_TARGETS:
+        HookRegistry.register(target, around_can_run_graph, HookType.AROUND)
     executed.register(HookRegistry, HookType)
 
 

@@ -115,6 +115,7 @@ class Step:
     run_rows: int = 0  # routed decisions of routed-mode rows that ran (summed over routed layers; set by finish)
     proj_rows: int = 0
     health_check: bool = False  # every row belongs to /health_generate's probe: not counted as traffic
+    keys: torch.Tensor | None = None  # int64 [rows]: each row's request key (RandomSkip hashes it)
 
 
 @dataclass
@@ -211,6 +212,8 @@ class Runtime:
         self._state_lock = threading.Lock()
         self._writer: StateWriter | None = None
         self.execution: dict[str, Any] = {}  # what the model class reports of its routed execution
+        # The model class's own `*_total` counters (live dicts with fixed keys), beside the runtime's.
+        self.model_counters: dict[str, Any] = {}
         self.prometheus = _Prometheus() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and placement.reports \
             else None
         if self.prometheus is not None and arm.switch_settings().decode is Policy.HYBRID:
@@ -222,17 +225,32 @@ class Runtime:
     # -- per pass -------------------------------------------------------------------------------------------
 
     def plan(self, forward_batch: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Step:
-        """Decide this pass's rows. `forward_batch` is SGLang's ForwardBatch (extend or decode)."""
+        """Decide this pass's rows and prepare the skipper's state (`decide`, then `prepare_state`)."""
+        step = self.decide(forward_batch, hidden.shape[0], hidden.dtype, hidden.device)
+        self.prepare_state(step, hidden, positions)
+        return step
+
+    def decide(self, forward_batch: Any, rows: int, dtype: torch.dtype, device: torch.device | str) -> Step:
+        """Decide this pass's rows on the host, before the forward. `forward_batch` is SGLang's ForwardBatch
+        (extend or decode) of `rows` rows; the tape is kept in `dtype` on `device`."""
         mode = forward_batch.forward_mode
         if mode.is_decode():
-            step = self._plan_decode(forward_batch, hidden, positions)
+            step = self._plan_decode(forward_batch, rows, dtype, device)
         elif mode.is_extend():
-            step = self._plan_prefill(forward_batch, hidden, positions)
+            step = self._plan_prefill(forward_batch, rows, dtype, device)
         else:
             return Step("other", False)
         rids = forward_batch.rids or ()
         step.health_check = bool(rids) and all(is_health_check(r) for r in rids)
         return step
+
+    def prepare_state(self, step: Step, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """The skipper's per-pass state from the pass's inputs (tensor ops on the device, inside the forward)."""
+        if not step.routed:
+            return
+        valid = torch.ones(step.rows, dtype=torch.bool, device=hidden.device)
+        step.state = self.skipper.prepare_batch(BatchContext(hidden, valid, self.routed_layers, step.phase,
+                                                             step.keys, positions))
 
     # -- admission (SGLang's scheduler, through vskipper.sglang.hooks) ------------------------------------------
 
@@ -344,7 +362,7 @@ class Runtime:
 
     # -- per pass -------------------------------------------------------------------------------------------
 
-    def _plan_prefill(self, fb: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Step:
+    def _plan_prefill(self, fb: Any, rows: int, dtype: torch.dtype, device: torch.device | str) -> Step:
         rids = list(fb.rids or [])
         seq_lens = [int(n) for n in fb.seq_lens_cpu.tolist()] if fb.seq_lens_cpu is not None \
             else [int(n) for n in fb.seq_lens.tolist()]
@@ -357,14 +375,14 @@ class Runtime:
         for r in records:
             r.probe = False
         routed_req = [r.prefill_mode is Mode.ROUTED for r in records]
-        extend = fb.extend_seq_lens_cpu or [hidden.shape[0]]
+        extend = fb.extend_seq_lens_cpu or [rows]
         row_routed = torch.repeat_interleave(torch.tensor(routed_req, dtype=torch.bool),
                                              torch.tensor(list(extend), dtype=torch.int64))
         keys = torch.repeat_interleave(torch.tensor([request_key(r) for r in rids], dtype=torch.int64),
                                        torch.tensor(list(extend), dtype=torch.int64))
-        return self._step("prefill", hidden, positions, row_routed, keys, probe)
+        return self._step("prefill", rows, dtype, device, row_routed, keys, probe)
 
-    def _plan_decode(self, fb: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Step:
+    def _plan_decode(self, fb: Any, rows: int, dtype: torch.dtype, device: torch.device | str) -> Step:
         now = time.time()
         rids = list(fb.rids or [])
         present = set(rids)
@@ -390,7 +408,7 @@ class Runtime:
         self._publish_resident()
         row_routed = torch.tensor([self.switch.decode_mode(r) is Mode.ROUTED for r in rids], dtype=torch.bool)
         keys = torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
-        return self._step("decode", hidden, positions, row_routed, keys, False)
+        return self._step("decode", rows, dtype, device, row_routed, keys, False)
 
     def _end(self, rid: str) -> None:
         """The request stopped decoding (it left the batch: finished, aborted or retracted)."""
@@ -405,25 +423,20 @@ class Runtime:
         if self.prometheus is not None:
             self.prometheus.resident.set(self.resident_tokens())
 
-    def _step(self, phase: str, hidden: torch.Tensor, positions: torch.Tensor, row_routed: torch.Tensor,
-              keys: torch.Tensor, probe: bool) -> Step:
+    def _step(self, phase: str, rows: int, dtype: torch.dtype, device: torch.device | str,
+              row_routed: torch.Tensor, keys: torch.Tensor, probe: bool) -> Step:
         """`row_routed` and `keys` are host tensors (built from the request records): the decisions made on them
         here read no device value."""
-        rows = hidden.shape[0]
         n_routed = int(row_routed.sum())
         if self.skipper is None or rows == 0 or n_routed == 0:
             return Step(phase, False, rows=rows)
         if self._tape is None or self._tape.capacity < rows:
             # Eager CPU execution: the tape grows to the largest pass seen and is reused after that.
-            self._tape = RouteTape(max(rows, 64), self.routed_layers, hidden.dtype, hidden.device)
-            self._builder = CohortBuilder(max(rows, 64), hidden.device)
-        device = hidden.device
-        valid = torch.ones(rows, dtype=torch.bool, device=device)
-        state = self.skipper.prepare_batch(BatchContext(hidden, valid, self.routed_layers, phase, keys.to(device),
-                                                        positions))
+            self._tape = RouteTape(max(rows, 64), self.routed_layers, dtype, device)
+            self._builder = CohortBuilder(max(rows, 64), device)
         dense_rows = None if n_routed == rows else (~row_routed).to(device)
-        return Step(phase, True, self.skipper, state, self._tape, self._builder, dense_rows, rows, probe,
-                    rows - n_routed)
+        return Step(phase, True, self.skipper, None, self._tape, self._builder, dense_rows, rows, probe,
+                    rows - n_routed, keys=keys.to(device))
 
     def count_routes(self, step: Step) -> None:
         """Count the pass's routed decisions over the rows of routed-mode requests: one read of the tape's
@@ -510,6 +523,7 @@ class Runtime:
                                                "req_to_token)",
                           "cuda_graphs": False, "tiles": None, "profile": self.spec.profile,
                           **self.execution},
+            **self.model_counters,
             **executed.attestation(),  # what SGLang executes, read after boot; the scheduler's pass counts
             "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
                           "attn_dp_rank": self.placement.attn_dp_rank},

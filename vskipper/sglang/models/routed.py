@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
@@ -37,9 +38,12 @@ from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get
 from sglang.srt.utils.common import use_intel_amx_backend
 
 from vskipper.mixed.attention import paged_attention, prefill_attention
+from vskipper.mixed.backend import select_backend
+from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.mixed.routed_layer import routed_layer
+from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
-from vskipper.sglang.spec import ServeConfigError
+from vskipper.sglang.spec import ROUTED_DECODE_GRAPHS, ServeConfigError
 from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, router_sizes
 
 ROUTER_MARKERS = (".router.", ".router_proj.")
@@ -53,14 +57,83 @@ class PassPlan:
     context: int  # decode: the longest context of the pass (host mirror of seq_lens); prefill: unused
 
 
+@dataclass(frozen=True)
+class CohortExecution:
+    """How this process's routed layers run a mixed decode pass (prefill always runs the torch execution).
+
+    triton  on CUDA (or under TRITON_INTERPRET=1, for tests): the count-bounded cohort GEMMs of
+            `vskipper.mixed.kernels` with tiles from the device's table, the RUN-masked decode read
+            (`masked_decode_attention`) over SGLang's KV pool; every kernel keeps its launch shape, no host read
+    torch   the cohort execution over packed rows (CPU; and wherever a layer's MLP has no plain weight view)
+    """
+
+    decode: str
+    tiles: Any = None  # a TileTable (CUDA), None: the interpreter's tile
+    reason: str = ""  # why the triton execution was not taken, where it was not
+
+    def attestation(self) -> dict[str, Any]:
+        tiles = getattr(self.tiles, "source", None) if self.tiles is not None else (
+            "interpreter tile" if self.decode == "triton" else None)
+        return {"decode": self.decode, "prefill": "torch", "tiles": tiles, **({"why": self.reason}
+                                                                              if self.reason else {})}
+
+
+TORCH_EXECUTION = CohortExecution("torch")
+
+
+def triton_blocker(layer) -> str | None:
+    """Why the triton execution cannot run this routed layer, or None. The kernels read the MLP's gate/up/down
+    weights directly, so they need unquantized, unpacked weights and the whole MLP on this rank (a TP rank's
+    partial sum would need a reduction the kernels' in-place scatter does not do)."""
+    mlp = layer.mlp
+    for name in ("gate_up_proj", "down_proj"):
+        if not kv_only_supported(getattr(mlp, name)):
+            return f"layer {layer.layer_id}: mlp.{name} is quantized or packed"
+    if getattr(mlp.down_proj, "tp_size", 1) > 1:
+        return f"layer {layer.layer_id}: the MLP is split over {mlp.down_proj.tp_size} tensor-parallel ranks"
+    head_dim = layer.self_attn.head_dim
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"layer {layer.layer_id}: head_dim {head_dim} is not a power of two >= 16"
+    return None
+
+
+def cohort_execution(layers, device: torch.device, requested: str = "auto") -> CohortExecution:
+    """The execution for these routed layers on `device`: `auto` takes triton on CUDA where every layer allows
+    it (`triton_blocker`), torch elsewhere."""
+    if select_backend(requested, device) != "triton":
+        return TORCH_EXECUTION
+    for layer in layers:
+        why = triton_blocker(layer)
+        if why is not None:
+            return CohortExecution("torch", reason=why)
+    if device.type != "cuda":
+        return CohortExecution("triton")
+    from vskipper.mixed.kernels import device_tile_table
+
+    return CohortExecution("triton", device_tile_table(device))
+
+
+@dataclass
+class PreparedPass:
+    """A pass decided before its forward: SGLang's batch it belongs to, the step (None: not planned, e.g. a
+    graph-capture batch), and where routed, the plan whose per-row fields live in the model's `PlanBuffers`."""
+
+    forward_batch: Any
+    step: Step | None
+    plan: PassPlan | None
+    used: bool = False  # a forward has run it
+
+
 class StepSlot:
     """The current forward pass's `Step` and `PassPlan`, set by the model around its forward and read by its
-    routed layers."""
+    routed layers; the pass prepared before the forward; and the model's cohort execution."""
 
     def __init__(self) -> None:
         self.step: Step | None = None
         self.plan: PassPlan | None = None
+        self.prepared: PreparedPass | None = None
         self.runtime = None
+        self.execution: CohortExecution = TORCH_EXECUTION
 
 
 def plan_pass(forward_batch, rows: int) -> PassPlan:
@@ -90,8 +163,9 @@ def kv_projection(qkv_proj, q_size: int, u: torch.Tensor) -> torch.Tensor:
 class SGLangLayerOps:
     """`LayerOps` over an SGLang decoder layer (Llama or Qwen3) for one pass (`vskipper.mixed.routed_layer`)."""
 
-    def __init__(self, layer, positions: torch.Tensor, forward_batch, plan: PassPlan) -> None:
+    def __init__(self, layer, positions: torch.Tensor, forward_batch, plan: PassPlan, backend: str = "torch") -> None:
         self.layer, self.positions, self.fb, self.plan = layer, positions, forward_batch, plan
+        self.backend = backend
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
@@ -126,6 +200,13 @@ class SGLangLayerOps:
         lid = a.attn.layer_id
         req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
         qh = q.view(q.shape[0], a.num_heads, a.head_dim)
+        if self.backend == "triton":  # decode, every row keeps its launch slot; rows outside `reads` read nothing
+            from vskipper.mixed.kernels import masked_decode_attention
+
+            out = masked_decode_attention(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid),
+                                          get_req_to_token_pool().req_to_token, req, self._positions(rows),
+                                          reads, a.attn.scaling)
+            return out.reshape(q.shape[0], -1)
         read = paged_attention if self.fb.forward_mode.is_decode() else prefill_attention
         kwargs = {"length": self.plan.context} if read is paged_attention else {}
         out = read(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
@@ -137,6 +218,23 @@ class SGLangLayerOps:
 
     def mlp(self, v: torch.Tensor) -> torch.Tensor:
         return self.layer.mlp(v)
+
+    def mlp_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of the MLP's gate and up rows of `gate_up_proj` and of `down_proj` (the triton execution only,
+        where `triton_blocker` found plain weights on one rank)."""
+        mlp = self.layer.mlp
+        gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)
+        return gate, up, mlp.down_proj.weight
+
+
+def project_only_q(qkv_projs, execution: CohortExecution) -> str:
+    """What a Project-Only row's Q costs, as attested."""
+    torch_path = "skipped: K/V rows of qkv_proj" if all(kv_only_supported(q) for q in qkv_projs) \
+        else "computed and dropped: a quantized or packed qkv_proj has no K/V row view"
+    if execution.decode != "triton":
+        return torch_path
+    return (f"decode: computed with every row's (the triton execution keeps each kernel's launch shape; the "
+            f"attention read is skipped); prefill: {torch_path}")
 
 
 def graph_backends() -> dict[str, str]:
@@ -194,6 +292,10 @@ class MixedDepthLayer:
         router = self.router if step.skipper.requires_router_weights else None
         step.tape.record(self.layer_id, step.skipper.route(self.layer_id, u, step.state, router), step.dense_rows)
         run, weights = step.tape.layer(self.layer_id, step.rows)
+        execution = self._slot.execution
+        if step.phase == "decode" and execution.decode == "triton":
+            ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton")
+            return routed_layer(ops, x, u, run, weights, "triton", step.builder.build(run), execution.tiles)
         return routed_layer(SGLangLayerOps(self, positions, forward_batch, self._slot.plan), x, u, run, weights)
 
 
@@ -241,51 +343,135 @@ class RouterWeightsMixin:
         return result
 
 
+_ACTIVE: list = []  # the skipper model of this process (one per scheduler process), for the SGLang hooks
+
+
+def active_model():
+    """The skipper model this process serves, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 class SkipperCausalLM(RouterWeightsMixin):
     """For a skipper model class placed before its SGLang CausalLM base: the checkpoint's `routing_layers` are
     replaced by the class's routed layers (`routed_layer`), and every forward pass is planned by the runtime
-    (the step its routed layers read) and counted after."""
+    (the step its routed layers read) and counted after.
+
+    In a server every pass is decided before SGLang's forward (`prepare_pass`, from the hook around
+    `ModelRunner.forward`): the runtime's host decisions, then the per-row plan (request slots, request keys,
+    dense-mode rows) written into the model's static `PlanBuffers`, which the forward only reads. Before SGLang's
+    graph runner answers whether it replays the pass, the replay veto refuses a routed pass (`graph_veto`);
+    after the pass, SGLang's report of whether it replayed is counted per phase and mode (`finish_pass`,
+    `graph_passes_total`) and the runtime counts the pass. A forward called directly (outside
+    `ModelRunner.forward`) is decided and counted in the forward (`plan_writes_total.in_forward`)."""
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
         self.slot = StepSlot()
+        self.ledger = ReplayLedger({"decode": ROUTED_DECODE_GRAPHS, "prefill": False})
+        self.plan_writes = {"before_forward": 0, "in_forward": 0}
         self.routed_layers = tuple(int(i) for i in (getattr(config, "routing_layers", None) or ()))
         for i in self.routed_layers:
             if self.model.start_layer <= i < self.model.end_layer:
                 self.model.layers[i] = self.routed_layer(config, i, quant_config, prefix=f"model.layers.{i}")
         device = str(self.model.embed_tokens.weight.device)
+        self.buffers = PlanBuffers(64, device)
         self.runtime = get_runtime(config.model_type, self.routed_layers, type(self).__name__, device)
         self.slot.runtime = self.runtime
         graphs = graph_backends()
         refuse_graph_replay(self.runtime.arm, graphs)
-        qkv = [self.model.layers[i].self_attn.qkv_proj for i in self.routed_layers
-               if self.model.start_layer <= i < self.model.end_layer]
+        layers = [self.model.layers[i] for i in self.routed_layers
+                  if self.model.start_layer <= i < self.model.end_layer]
+        qkv = [layer.self_attn.qkv_proj for layer in layers]
+        self.slot.execution = cohort_execution(layers, self.model.embed_tokens.weight.device)
+        _ACTIVE.append(self)
+        # Live counters (fixed keys, values only change), read whenever the attestation is written.
+        self.runtime.model_counters.update({"graph_passes_total": self.ledger.passes,
+                                            "routed_replays_vetoed_total": self.ledger.vetoed,
+                                            "plan_writes_total": self.plan_writes})
         self.runtime.execution.update({
+            "routed_layers_backend": self.slot.execution.attestation(),
             "cuda_graphs": {"backends": graphs, "routed_passes": "eager (no routed graph variant is captured; "
-                                                                  "graphs are refused for routed phases)"},
-            "project_only_q": "skipped: K/V rows of qkv_proj" if all(kv_only_supported(q) for q in qkv)
-            else "computed and dropped: a quantized or packed qkv_proj has no K/V row view"})
+                                                                  "graphs are refused for routed phases)",
+                            "routed_graph_variants": dict(self.ledger.routed_graphs)},
+            "tiles": self.slot.execution.attestation()["tiles"],
+            "project_only_q": project_only_q(qkv, self.slot.execution)})
 
     def routed_layer(self, config, layer_id: int, quant_config, prefix: str) -> torch.nn.Module:
         raise NotImplementedError(f"{type(self).__name__} must define routed_layer")
+
+    def _decide(self, forward_batch) -> PreparedPass:
+        """The runtime's host decisions for this pass and, where it routes, its plan in the static buffers."""
+        rids = forward_batch.rids or []
+        if len(rids) != forward_batch.batch_size:
+            return PreparedPass(forward_batch, None, None)
+        ids = forward_batch.positions if forward_batch.positions is not None else forward_batch.input_ids
+        weight = self.model.embed_tokens.weight
+        step = self.runtime.decide(forward_batch, ids.shape[0], weight.dtype, weight.device)
+        plan = self.write_plan(forward_batch, step) if step.routed else None
+        return PreparedPass(forward_batch, step, plan)
+
+    def write_plan(self, forward_batch, step: Step) -> PassPlan:
+        """Write the routed pass's per-row plan into the static buffers; the step and the plan read their views."""
+        plan = plan_pass(forward_batch, step.rows)
+        self.buffers.write(plan.req_rows, step.keys, step.dense_rows)
+        views = self.buffers.views(step.rows)
+        step.keys = views["request_keys"]
+        if step.dense_rows is not None:
+            step.dense_rows = views["dense_rows"]
+        return PassPlan(views["req_rows"], plan.context)
+
+    def prepare_pass(self, forward_batch) -> None:
+        """Before SGLang's forward of this batch (the hook around `ModelRunner.forward`)."""
+        self.slot.prepared = self._decide(forward_batch)
+        self.plan_writes["before_forward"] += 1
+
+    def graph_veto(self, forward_batch, graph_can_run: bool) -> bool:
+        """SGLang's graph runner's answer for this batch after the replay veto (a routed pass runs eagerly)."""
+        prepared = self.slot.prepared
+        if prepared is None or prepared.step is None or prepared.step.phase not in PHASES:
+            return graph_can_run
+        return self.ledger.veto(prepared.step.phase, prepared.step.routed, graph_can_run)
+
+    def finish_pass(self, forward_batch, replayed: bool) -> None:
+        """After SGLang's forward of this batch: count it (replayed or eager, per phase and mode) and let the
+        runtime count its rows from the tape."""
+        prepared, self.slot.prepared = self.slot.prepared, None
+        if prepared is None or prepared.forward_batch is not forward_batch or prepared.step is None:
+            return
+        self._count(prepared.step, replayed)
+
+    def _count(self, step: Step, replayed: bool) -> None:
+        """The ledger counts what the runtime counts: health probes' passes are not traffic."""
+        if step.phase in PHASES and not step.health_check:
+            self.ledger.record(step.phase, step.routed, replayed)
+        self.runtime.finish(step)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False,
                 pp_proxy_tensors=None):
         if input_embeds is None:
             input_embeds = self.model.embed_tokens(input_ids)
-        rids = forward_batch.rids or []
-        step = None
-        if len(rids) == forward_batch.batch_size:
-            step = self.runtime.plan(forward_batch, input_embeds, positions)
-        self.slot.step = step
-        self.slot.plan = plan_pass(forward_batch, step.rows) if step is not None and step.routed else None
+        # SGLang's eager runner hands the forward a copy of the batch it was asked to run (its static-buffer
+        # slice), so the pass prepared for this ModelRunner.forward is the pending one, used once.
+        prepared = self.slot.prepared
+        inline = prepared is None or prepared.used
+        if inline:  # called outside ModelRunner.forward: decided here
+            prepared = self._decide(forward_batch)
+            self.plan_writes["in_forward"] += 1
+        prepared.used = True
+        step = prepared.step
+        if step is not None and step.routed:
+            if input_embeds.shape[0] != step.rows:
+                raise RuntimeError(f"the pass was planned for {step.rows} rows but its forward has "
+                                   f"{input_embeds.shape[0]} (padded batches are not served routed)")
+            self.runtime.prepare_state(step, input_embeds, positions)
+            self.slot.step, self.slot.plan = step, prepared.plan
         try:
             out = super().forward(input_ids, positions, forward_batch, input_embeds, get_embedding,
                                   pp_proxy_tensors)
         finally:
             self.slot.step = None
             self.slot.plan = None
-        if step is not None:
-            self.runtime.finish(step)
+        if inline and step is not None:
+            self._count(step, replayed=False)
         return out

@@ -1,0 +1,318 @@
+"""`make bench-cpu`: what routing saves when the real SGLang serves on CPU, beside what it could save.
+
+1. Writes a mid-sized skipper checkpoint (16 layers, d = 1024, Llama-3 width ratios: GQA 16/4 heads of 64, MLP
+   3584, bf16; layers 8-15 routed) with `vskipper.checkpoint`'s writers and a tiny tokenizer.
+2. Serves it three times side by side with `vskipper serve` on CPU, `--enable-metrics` as deployed:
+     dense   the upstream-equivalent arm
+     s=0     always-route RandomSkip r = 0: every row RUN (the routed path's own cost)
+     s=0.5   always-route RandomSkip r = 1, d = 0.5 (half the routed layers' rows Project-Only)
+   and drives each with the same client load, SGLang's own `sglang.bench_serving` (random-ids, ignore-eos):
+     prefill 1024-token prompts, 1 output token, 4 concurrent     -> input tok/s
+     decode  32-token prompts, 256 output tokens, 16 concurrent   -> output tok/s
+   repeated in alternating arm order (ABC, CBA, ...), so drift on a shared machine lands on every arm alike.
+3. The FLOP limit of s = 0.5 over s = 0 from the model's shapes: a Project-Only row pays its K/V and the
+   projector and skips Q, the attention read, o_proj and the MLP (`flop_limit`).
+4. The decode limit from time: a dense decode step of the same model (the engine-free stack,
+   `vskipper.mixed.bench_stack`, same shapes and batch) is profiled per sub-module, and the time share of the
+   work a Project-Only row skips at the routed layers, less the projector it runs instead, bounds the decode gain.
+
+The last line: `prefill <x>x of limit <y>x; decode <x>x of limit <y>x; s=0 overhead <z>%` (s = 0.5 over s = 0,
+the decode limit from the profiled time share; the overhead is the larger of the two phases' dense / s=0 - 1).
+
+    python benchmarks/bench_cpu.py                 # the full size (tens of minutes on two cores)
+    python benchmarks/bench_cpu.py --quick         # a tiny model and load: checks the pipeline, figures mean nothing
+
+CPU timings on a machine other processes share are noisy: the repetitions' spread is printed beside each ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from vskipper.checkpoint import TinySize, make_tiny_model, tiny_config, write_tiny_tokenizer  # noqa: E402
+from vskipper.skippers.modules import router_sizes  # noqa: E402
+
+ARCH = "flexidepth-llama"
+SKIP = 0.5  # r * d of the routed arm: the Project-Only share of routed-layer rows
+ARMS = {
+    "dense": None,
+    "s=0": {"skipper": "random_skip", "params": {"r": 0.0, "d": SKIP}, "mode_switch": False},
+    "s=0.5": {"skipper": "random_skip", "params": {"r": 1.0, "d": SKIP}, "mode_switch": False},
+}
+
+
+@dataclass(frozen=True)
+class Load:
+    """One bench_serving run: prompt and output lengths, prompts, concurrency."""
+
+    input_len: int
+    output_len: int
+    prompts: int
+    concurrency: int
+
+
+@dataclass(frozen=True)
+class Size:
+    model: TinySize
+    prefill: Load
+    decode: Load
+    repetitions: int
+    max_total_tokens: int
+
+
+FULL = Size(TinySize(layers=16, hidden=1024, intermediate=3584, heads=16, kv_heads=4, head_dim=64, vocab=512),
+            prefill=Load(1024, 1, 8, 4), decode=Load(32, 256, 16, 16), repetitions=3, max_total_tokens=16384)
+QUICK = Size(TinySize(layers=4, hidden=64, intermediate=224, heads=4, kv_heads=1, head_dim=16, vocab=512),
+             prefill=Load(32, 1, 4, 2), decode=Load(8, 8, 4, 4), repetitions=1, max_total_tokens=4096)
+
+
+# -- the limits ------------------------------------------------------------------------------------------------
+
+def token_macs(config: dict, context: float, skip: float, lm_head_share: float) -> dict[str, float]:
+    """Multiply-accumulates per token of one forward over every layer, at attention context `context`, when a
+    share `skip` of the routed layers' rows is Project-Only (RandomSkip reads no router weights: no router).
+
+    RUN row: Q, K/V, the attention read (QK^T and PV over the context), o_proj, the MLP.
+    Project-Only row: K/V and the projector (d -> m, d -> m, m -> d)."""
+    d, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    _, m = router_sizes(config)
+    parts = {"q": d * heads * hd, "kv": 2 * d * kv * hd, "read": 2 * heads * hd * context, "o": heads * hd * d,
+             "mlp": 3 * d * inter}
+    run = sum(parts.values())
+    project_only = parts["kv"] + 3 * d * m
+    layers, routed = config["num_hidden_layers"], len(config["routing_layers"])
+    total = (layers - routed) * run + routed * ((1 - skip) * run + skip * project_only)
+    return {"per_token": total + lm_head_share * d * config["vocab_size"], "run_row": run,
+            "project_only_row": project_only, "skippable": run - parts["kv"]}
+
+
+def flop_limit(config: dict, phase: Load, skip: float) -> float:
+    """The work of s = 0 over the work at `skip`, per token of the load (prefill: logits of each prompt's last
+    token only; decode: the mean context over the outputs)."""
+    if phase.output_len == 1:
+        context, lm = (phase.input_len + 1) / 2, 1 / phase.input_len
+    else:
+        context, lm = phase.input_len + phase.output_len / 2, 1.0
+    return token_macs(config, context, 0.0, lm)["per_token"] / token_macs(config, context, skip, lm)["per_token"]
+
+
+def profile_decode(ckpt: Path, load: Load, skip: float, reps: int) -> dict:
+    """Time a dense decode step of the engine-free stack (same checkpoint, batch and mean context) per sub-module:
+    the routed layers' Q, attention read, o_proj and MLP (what a Project-Only row skips) and, separately, the
+    projector over the rows that would take it. Returns the shares of the step and the time limit."""
+    import torch
+
+    from vskipper.mixed.bench_stack import BenchStack, ForwardBatch
+
+    torch.manual_seed(0)
+    model = BenchStack.from_pretrained(ckpt, capacity=load.concurrency)
+    rows, context = load.concurrency, load.input_len + load.output_len // 2
+    page = 16
+    pages = -(-(context + 1) // page)
+    kv = model.new_kv_cache(1 + rows * pages, page, rows, pages * page)
+    for r in range(rows):
+        kv.assign_pages(r, range(1 + r * pages, 1 + (r + 1) * pages))
+    kv.k.normal_()
+    kv.v.normal_()
+    batch = ForwardBatch(torch.full((rows,), context, dtype=torch.int64), torch.arange(rows),
+                         torch.ones(rows, dtype=torch.bool), "decode")
+    ids = torch.randint(0, model.config["vocab_size"], (rows,))
+    spent: dict[str, float] = {}
+    starts: dict[int, float] = {}
+
+    def timed(name, module):
+        def pre(mod, args):
+            starts[id(mod)] = time.perf_counter()
+
+        def post(mod, args, out):
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - starts.pop(id(mod))
+        return module.register_forward_pre_hook(pre), module.register_forward_hook(post)
+
+    def timed_read(attn):
+        read = attn._read
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = read(*args, **kwargs)
+            spent["read"] = spent.get("read", 0.0) + time.perf_counter() - t0
+            return out
+        return wrapper
+
+    handles = []
+    for layer in model.model.layers:
+        if layer.routed:
+            handles += [*timed("q", layer.self_attn.q_proj), *timed("o", layer.self_attn.o_proj),
+                        *timed("mlp", layer.mlp)]
+            layer.self_attn._read = timed_read(layer.self_attn)
+    with torch.no_grad():
+        model(ids, batch, kv)  # warm-up
+        spent.clear()
+        steps = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model.logits(model(ids, batch, kv))
+            steps.append(time.perf_counter() - t0)
+        for h in handles:
+            h.remove()
+        routed = [layer for layer in model.model.layers if layer.routed]
+        v = torch.randn(max(1, round(rows * skip)), model.config["hidden_size"], dtype=model.dtype)
+        proj = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for layer in routed:
+                layer.router_proj(v)
+            proj.append(time.perf_counter() - t0)
+    step = statistics.median(steps)
+    skippable = sum(spent.values()) / reps
+    projector = statistics.median(proj)
+    saved = skip * skippable - projector
+    return {"rows": rows, "context": context, "step_ms": step * 1e3, "skippable_ms": skippable * 1e3,
+            "parts_ms": {k: v / reps * 1e3 for k, v in spent.items()}, "projector_ms": projector * 1e3,
+            "skippable_share": skippable / step, "limit": step / (step - saved)}
+
+
+# -- the served arms -------------------------------------------------------------------------------------------
+
+def write_model(out: Path, size: Size) -> Path:
+    ckpt = make_tiny_model(ARCH, out / "model", size.model, dtype="bfloat16")
+    write_tiny_tokenizer(ckpt, size.model.vocab)
+    return ckpt
+
+
+# SGLang's client (`sglang.bench_serving`). Its dataset package imports Hugging Face `datasets` at the top for
+# the MMMU loader alone; random-ids never calls it, so the client runs with a stand-in module that refuses.
+CLIENT = """
+import sys, types
+try:
+    import datasets
+except ImportError:
+    datasets = types.ModuleType("datasets")
+    def load_dataset(*args, **kwargs):
+        raise NotImplementedError("Hugging Face datasets is not installed (random-ids needs none)")
+    datasets.load_dataset = load_dataset
+    sys.modules["datasets"] = datasets
+from sglang.benchmark.serving import cli_main
+cli_main()
+"""
+
+
+def bench_serving(url: str, ckpt: Path, load: Load, out: Path, seed: int) -> dict:
+    """One run of SGLang's own client; its JSONL record."""
+    cmd = [sys.executable, "-c", CLIENT, "--backend", "sglang", "--base-url", url,
+           "--tokenizer", str(ckpt), "--model", str(ckpt), "--dataset-name", "random-ids",
+           "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
+           "--random-range-ratio", "1", "--num-prompts", str(load.prompts),
+           "--max-concurrency", str(load.concurrency), "--request-rate", "inf", "--seed", str(seed),
+           "--warmup-requests", "1", "--disable-tqdm", "--output-file", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench_serving failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+    return json.loads(out.read_text().strip().splitlines()[-1])
+
+
+def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[float]]]:
+    from vskipper.sglang.launch import launched
+
+    extra = ["--enable-metrics", "--max-total-tokens", str(size.max_total_tokens)]
+    results: dict[str, dict[str, list[float]]] = {arm: {"prefill": [], "decode": []} for arm in ARMS}
+    with ExitStack() as stack:
+        servers = {}
+        for arm, spec in ARMS.items():
+            kwargs = {"arm": "dense"}
+            if spec is not None:
+                arm_file = out / f"arm-{arm}.json"
+                arm_file.write_text(json.dumps({"name": f"bench-{arm}", **spec}))
+                kwargs = {"arm_file": arm_file}
+            servers[arm] = stack.enter_context(launched(ckpt, out / f"server-{arm}", dtype="bfloat16",
+                                                        extra=extra, **kwargs))
+        for server in servers.values():
+            server.wait_ready(timeout=900)
+        order = list(ARMS)
+        for rep in range(size.repetitions):
+            for arm in order if rep % 2 == 0 else order[::-1]:
+                url = servers[arm].url
+                for phase, load in (("prefill", size.prefill), ("decode", size.decode)):
+                    record = bench_serving(url, ckpt, load, out / f"{arm}-{phase}-{rep}.jsonl", seed=rep)
+                    tps = record["input_throughput"] if phase == "prefill" else record["output_throughput"]
+                    results[arm][phase].append(tps)
+                    print(f"  rep {rep} {arm:6} {phase:7} {tps:9.1f} tok/s", flush=True)
+        for arm, server in servers.items():
+            passes = server.get_json("/vskipper/attestation")["passes_total"]
+            print(f"  {arm:6} passes {json.dumps(passes)}")
+    return results
+
+
+def paired(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the repetitions' ratios num[i] / den[i] (each pair measured back to back)."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def report(results: dict, config: dict, size: Size, profile: dict) -> dict:
+    print("\n  arm     prefill tok/s  decode tok/s   (median of the repetitions)")
+    for arm, r in results.items():
+        print(f"  {arm:6} {statistics.median(r['prefill']):14.1f} {statistics.median(r['decode']):13.1f}")
+    limits = {"prefill": flop_limit(config, size.prefill, SKIP), "decode": flop_limit(config, size.decode, SKIP)}
+    ratios = {phase: paired(results["s=0.5"][phase], results["s=0"][phase]) for phase in ("prefill", "decode")}
+    overhead = {phase: paired(results["dense"][phase], results["s=0"][phase]) for phase in ("prefill", "decode")}
+    print(f"\n  s=0.5 over s=0 (median, [min, max] of {size.repetitions} paired repetitions):")
+    for phase in ("prefill", "decode"):
+        m, lo, hi = ratios[phase]
+        print(f"  {phase:7} {m:5.3f}x [{lo:.3f}, {hi:.3f}]   FLOP limit {limits[phase]:.3f}x")
+    print(f"  decode step of the dense model, {profile['rows']} rows at context {profile['context']}: "
+          f"{profile['step_ms']:.2f} ms, skippable at the routed layers {profile['skippable_ms']:.2f} ms "
+          f"({profile['skippable_share']:.1%}: " + ", ".join(f"{k} {v:.2f}" for k, v in profile["parts_ms"].items())
+          + f" ms), projector over the skipped rows {profile['projector_ms']:.2f} ms -> time limit "
+          f"{profile['limit']:.3f}x")
+    for phase in ("prefill", "decode"):
+        m, lo, hi = overhead[phase]
+        print(f"  dense over s=0 {phase:7} {m:5.3f}x [{lo:.3f}, {hi:.3f}]")
+    z = max(overhead[p][0] for p in overhead) - 1
+    line = (f"prefill {ratios['prefill'][0]:.2f}x of limit {limits['prefill']:.2f}x; "
+            f"decode {ratios['decode'][0]:.2f}x of limit {profile['limit']:.2f}x; s=0 overhead {z * 100:.1f}%")
+    return {"results": results, "flop_limits": limits, "ratios": ratios, "overhead": overhead,
+            "decode_profile": profile, "size": asdict(size), "line": line}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a tiny model and load (smoke test; figures mean nothing)")
+    p.add_argument("--out", default="out/bench-cpu", help="checkpoint, server logs, client records, bench.json")
+    p.add_argument("--repetitions", type=int, help="alternating repetitions of the three arms (default: by size)")
+    args = p.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    if args.repetitions is not None:
+        if args.repetitions < 1:
+            raise SystemExit("--repetitions must be at least 1")
+        size = Size(size.model, size.prefill, size.decode, args.repetitions, size.max_total_tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = write_model(out, size)
+    config = tiny_config(ARCH, size.model, "bfloat16")
+    print(f"model: {config['num_hidden_layers']} layers, d={config['hidden_size']}, MLP "
+          f"{config['intermediate_size']}, heads {config['num_attention_heads']}/{config['num_key_value_heads']} of "
+          f"{config['head_dim']}, routed {config['routing_layers'][0]}-{config['routing_layers'][-1]}, bf16 ({ckpt})",
+          flush=True)
+    profile = profile_decode(ckpt, size.decode, SKIP, reps=3 if args.quick else 10)
+    results = run_arms(ckpt, out, size)
+    summary = report(results, config, size, profile)
+    (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(summary["line"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

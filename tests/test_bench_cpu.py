@@ -1,0 +1,34 @@
+"""`make bench-cpu` runs end to end at its quick size: a checkpoint written by the script, three real SGLang
+servers on CPU driven by SGLang's own client, the limits and the decode profile. Only the shape of the output
+is checked, never a figure (timings on a shared CPU mean nothing here)."""
+
+import json
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+
+LAST_LINE = re.compile(r"prefill \d+\.\d\dx of limit \d+\.\d\dx; decode \d+\.\d\dx of limit \d+\.\d\dx; "
+                       r"s=0 overhead -?\d+\.\d%")
+
+
+def test_the_quick_cpu_benchmark_serves_three_arms_and_ends_with_the_summary_line(cli_env, tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu.py"), "--quick", "--out",
+                          str(tmp_path)], env=cli_env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    lines = res.stdout.strip().splitlines()
+    assert LAST_LINE.fullmatch(lines[-1]), lines[-1]
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    assert set(summary["results"]) == {"dense", "s=0", "s=0.5"}
+    for arm, phases in summary["results"].items():
+        assert set(phases) == {"prefill", "decode"} and all(len(v) == 1 and v[0] > 0 for v in phases.values()), arm
+    assert summary["line"] == lines[-1]
+    assert set(summary["decode_profile"]["parts_ms"]) == {"q", "read", "o", "mlp"}
+    # The arms served what they name: the dense server ran no routed pass, both routed servers routed every pass.
+    passes = {m.group(1): json.loads(m.group(2)) for m in
+              (re.match(r"\s+(\S+)\s+passes (\{.*\})$", line) for line in lines) if m}
+    assert passes["dense"]["decode"]["routed"] == 0 and passes["dense"]["decode"]["dense"] > 0
+    for arm in ("s=0", "s=0.5"):
+        assert passes[arm]["decode"]["dense"] == 0 and passes[arm]["decode"]["routed"] > 0, arm
+        assert passes[arm]["prefill"]["dense"] == 0 and passes[arm]["prefill"]["routed"] > 0, arm

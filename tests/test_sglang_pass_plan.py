@@ -1,0 +1,175 @@
+"""Decode-graph readiness on CPU: a routed pass's per-row plan lives in static, model-owned buffers written
+before the forward (`vskipper.mixed.plan_buffers`, `SkipperCausalLM.prepare_pass`); a routed pass never replays
+a captured dense graph, and the passes replayed and run eagerly are counted per phase and mode
+(`vskipper.sglang.replay`). No CUDA graph is captured here: the buffers' reuse is shown by two routed passes with
+different routes through the same buffers, each equal to an eager pass with fresh tensors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from sglang_layer_world import LayerWorld
+
+from vskipper.mixed.plan_buffers import PlanBuffers
+from vskipper.sglang.replay import ReplayLedger, RoutedReplayError
+
+# -- the replay veto and its counts ----------------------------------------------------------------------------
+
+
+def test_the_veto_refuses_a_routed_pass_a_graph_and_lets_a_dense_pass_replay():
+    ledger = ReplayLedger({"decode": False})
+    assert ledger.veto("decode", routed=True, graph_can_run=True) is False
+    assert ledger.veto("decode", routed=False, graph_can_run=True) is True
+    assert ledger.veto("decode", routed=True, graph_can_run=False) is False  # nothing to veto: not counted
+    assert ledger.veto("prefill", routed=True, graph_can_run=True) is False
+    assert ledger.vetoed == {"prefill": 1, "decode": 1}
+    with_variant = ReplayLedger({"decode": True})
+    assert with_variant.veto("decode", routed=True, graph_can_run=True) is True
+    assert with_variant.vetoed == {"prefill": 0, "decode": 0}
+
+
+def test_passes_are_counted_per_phase_and_mode_and_a_routed_replay_without_a_variant_is_an_error():
+    ledger = ReplayLedger()
+    ledger.record("decode", routed=False, replayed=True)
+    ledger.record("decode", routed=False, replayed=True)
+    ledger.record("decode", routed=True, replayed=False)
+    ledger.record("prefill", routed=True, replayed=False)
+    with pytest.raises(RoutedReplayError, match="routed decode pass replayed.*--cuda-graph-backend-decode"):
+        ledger.record("decode", routed=True, replayed=True)
+    with pytest.raises(ValueError, match="phase must be one of"):
+        ledger.record("idle", routed=False, replayed=False)
+    assert ledger.attestation() == {
+        "passes_total": {"prefill": {"dense": {"replayed": 0, "eager": 0}, "routed": {"replayed": 0, "eager": 1}},
+                         "decode": {"dense": {"replayed": 2, "eager": 0}, "routed": {"replayed": 0, "eager": 1}}},
+        "routed_replays_vetoed_total": {"prefill": 0, "decode": 0},
+        "routed_graph_variants": {"prefill": False, "decode": False}}
+    ReplayLedger({"decode": True}).record("decode", routed=True, replayed=True)  # a captured routed variant
+
+
+# -- the static plan buffers -----------------------------------------------------------------------------------
+
+
+def test_plan_buffers_keep_their_storage_pad_past_the_rows_and_refuse_growth_once_frozen():
+    buffers = PlanBuffers(6)
+    ptrs = [buffers.req_rows.data_ptr(), buffers.request_keys.data_ptr(), buffers.dense_rows.data_ptr()]
+    buffers.write(torch.tensor([3, 1, 2]), torch.tensor([7, 8, 9]), torch.tensor([False, True, False]))
+    buffers.write(torch.tensor([0, 2]), torch.tensor([5, 6]))
+    assert [buffers.req_rows.data_ptr(), buffers.request_keys.data_ptr(), buffers.dense_rows.data_ptr()] == ptrs
+    assert buffers.req_rows.tolist() == [0, 2, 0, 0, 0, 0]
+    assert buffers.request_keys.tolist() == [5, 6, 0, 0, 0, 0]
+    assert buffers.dense_rows.tolist() == [False, False, True, True, True, True]  # padding RUNs
+    assert buffers.valid.tolist() == [True, True, False, False, False, False]
+    assert {k: v.tolist() for k, v in buffers.views().items()} == {
+        "req_rows": [0, 2], "request_keys": [5, 6], "dense_rows": [False, False], "valid": [True, True]}
+    with pytest.raises(ValueError, match="'request_keys' has 1 rows, req_rows has 2"):
+        buffers.write(torch.tensor([0, 2]), torch.tensor([5]))
+    buffers.write(torch.arange(8), torch.arange(8))  # eager: grows
+    assert buffers.capacity == 8
+    buffers.frozen = True
+    with pytest.raises(ValueError, match="9 rows exceeds the plan buffers' capacity 8"):
+        buffers.write(torch.arange(9), torch.arange(9))
+
+
+# -- two routed decode passes through the same buffers ---------------------------------------------------------
+
+PROMPTS = {0: 6, 1: 4, 2: 5, 3: 7}
+
+
+@pytest.fixture(scope="module", params=("flexidepth-llama", "qwen3-skipper"))
+def world(request, tmp_path_factory):
+    w = LayerWorld(request.param, tmp_path_factory.mktemp("plan"), seed=11)
+    fb = w.batch(PROMPTS)
+    w.dense(fb, w.hidden(fb.positions.shape[0]))
+    return w
+
+
+def _routed_pass(world: LayerWorld, x, keys, dense, buffers: PlanBuffers | None):
+    """One routed decode pass of every request, RandomSkip(r=1, d=0.5) on this layer, dense-mode rows `dense`.
+    With `buffers` the plan (request slots, keys, dense rows) is written into them and the pass reads their
+    views; without, it reads fresh tensors. Returns the output, the tape's run mask and this layer's KV; the
+    world's KV state is restored."""
+    from vskipper.mixed.cohorts import CohortBuilder
+    from vskipper.mixed.tape import RouteTape
+    from vskipper.sglang.models.routed import PassPlan, plan_pass
+    from vskipper.sglang.runtime import Step
+    from vskipper.skippers.base import BatchContext
+    from vskipper.skippers.random_skip import RandomSkip
+
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    fb = world.batch({r: 1 for r in PROMPTS})
+    rows = x.shape[0]
+    planned = plan_pass(fb, rows)
+    if buffers is None:
+        req_rows, keys_v, dense_v = planned.req_rows.clone(), keys.clone(), dense.clone()
+    else:
+        buffers.write(planned.req_rows, keys, dense)
+        v = buffers.views(rows)
+        req_rows, keys_v, dense_v = v["req_rows"], v["request_keys"], v["dense_rows"]
+    lid = world.layer.layer_id
+    skipper = RandomSkip(r=1.0, d=0.5, seed=3)
+    tape = RouteTape(rows, (lid,))
+    step = Step("decode", True, skipper, None, tape, CohortBuilder(rows), dense_v, rows, keys=keys_v)
+    step.state = skipper.prepare_batch(BatchContext(x, torch.ones(rows, dtype=torch.bool), (lid,), "decode",
+                                                    keys_v, fb.positions))
+    world.slot.step, world.slot.plan = step, PassPlan(req_rows, planned.context)
+    try:
+        with world.context(), torch.no_grad():
+            y = world.layer.mixed_depth(step, fb.positions, x, fb)
+        return y, tape.run[0, :rows].clone(), world.kv()
+    finally:
+        world.slot.step = world.slot.plan = None
+        world.restore(kv0, lengths0)
+
+
+def test_two_routed_decode_passes_through_the_same_static_buffers_equal_eager_passes(world):
+    buffers = PlanBuffers(8)
+    ptr = buffers.request_keys.data_ptr()
+    x = world.hidden(4)
+    passes = [(torch.tensor([11, 12, 13, 14]), torch.tensor([False, False, True, False])),
+              (torch.tensor([901, 902, 903, 904]), torch.tensor([False, False, False, False]))]
+    runs = []
+    for keys, dense in passes:
+        y_static, run_static, kv_static = _routed_pass(world, x, keys, dense, buffers)
+        y_eager, run_eager, kv_eager = _routed_pass(world, x, keys, dense, None)
+        assert torch.equal(run_static, run_eager)
+        assert run_static[dense].all()  # the dense-mode row read from the buffers RUNs
+        torch.testing.assert_close(y_static, y_eager, rtol=0, atol=0)
+        torch.testing.assert_close(kv_static, kv_eager, rtol=0, atol=0)
+        runs.append(run_static)
+    assert buffers.request_keys.data_ptr() == ptr
+    assert not torch.equal(runs[0], runs[1])  # the second pass routed differently through the same buffers
+    assert (~runs[0]).any() and (~runs[1]).any()
+
+
+# -- in a server -----------------------------------------------------------------------------------------------
+
+
+def test_a_served_routed_arm_plans_every_pass_before_the_forward_and_counts_them_eager(tmp_path):
+    """Through SGLang's own ModelRunner.forward: every pass's plan is written before the forward (none in it),
+    no routed pass replays, and the per-mode counts of eager passes equal the runtime's pass counts."""
+    from sglang_world import servable_tiny_model, serve
+
+    model = servable_tiny_model(tmp_path / "model")
+    with serve(model, tmp_path / "srv", arm="always-route") as server:
+        for prompt in ([5, 6, 7, 8], [9, 10, 11, 12, 13, 14]):
+            assert len(server.generate_ids(prompt, 6)) == 6
+        deadline = time.monotonic() + 30
+        while True:
+            att = server.get_json("/vskipper/attestation")
+            if att["passes_total"]["decode"]["routed"] >= 10 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    writes = att["plan_writes_total"]
+    assert writes["in_forward"] == 0 and writes["before_forward"] > 0, json.dumps(writes)
+    for phase in ("prefill", "decode"):
+        assert att["graph_passes_total"][phase]["routed"] == {"replayed": 0,
+                                                              "eager": att["passes_total"][phase]["routed"]}
+        assert att["graph_passes_total"][phase]["dense"]["replayed"] == 0
+    assert att["passes_total"]["decode"]["routed"] >= 10
+    assert att["routed_replays_vetoed_total"] == {"prefill": 0, "decode": 0}  # graphs are off on CPU
+    execution = att["execution"]
+    assert execution["cuda_graphs"]["routed_graph_variants"] == {"prefill": False, "decode": False}
+    assert execution["routed_layers_backend"] == {"decode": "torch", "prefill": "torch", "tiles": None}

@@ -1,0 +1,104 @@
+"""The served routed layer's triton execution (`vskipper.sglang.models.routed.CohortExecution`) under
+TRITON_INTERPRET=1: SGLang's own decoder layers and KV pool (`tests/sglang_layer_world.py`), the count-bounded
+cohort GEMMs and the RUN-masked decode read of `vskipper.mixed.kernels`, against the torch execution of the same
+routed-layer body. Which execution a process takes, and why, is attested."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from sglang_layer_world import LayerWorld
+
+from vskipper.mixed import kernels
+from vskipper.mixed import routed_layer as body
+from vskipper.sglang.models import routed as served
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "the triton execution tests need TRITON_INTERPRET=1 (conftest.py)"
+
+ARCHS = ("flexidepth-llama", "qwen3-skipper")
+PROMPTS = {0: 5, 1: 3, 2: 7, 3: 4}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def world(request, tmp_path_factory):
+    w = LayerWorld(request.param, tmp_path_factory.mktemp("triton-layer"), seed=5)
+    fb = w.batch(PROMPTS)
+    w.dense(fb, w.hidden(fb.positions.shape[0]))
+    return w
+
+
+def _pass(world: LayerWorld, extend: dict[int, int], x, run, w, execution):
+    """One routed pass with `execution` from the world's current KV state; the output and this layer's KV
+    after it. The KV state and request lengths are restored."""
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    world.slot.execution = execution
+    try:
+        y = world.routed(world.batch(extend), x, run, w)
+        return y, world.kv()
+    finally:
+        world.slot.execution = served.TORCH_EXECUTION
+        world.restore(kv0, lengths0)
+
+
+@pytest.mark.parametrize("run", [[True, False, True, False], [False, False, False, True], [True] * 4,
+                                 [False] * 4])
+def test_the_triton_execution_of_a_decode_pass_equals_the_torch_execution(world, run, monkeypatch):
+    """Outputs and the KV written, with both cohorts, all-RUN and all-Project-Only routes; the pass really ran
+    the cohort GEMMs (one MLP and one projector launch) and the masked decode read (once)."""
+    calls = {"cohort_ffn": [], "masked_read": 0}
+
+    def cohort_ffn(backend, *args, **kwargs):
+        calls["cohort_ffn"].append((backend, kwargs["op"], kwargs["tiles"]))
+        return real_ffn(backend, *args, **kwargs)
+
+    def masked_read(*args, **kwargs):
+        calls["masked_read"] += 1
+        return real_read(*args, **kwargs)
+
+    real_ffn, real_read = body.cohort_ffn, kernels.masked_decode_attention
+    monkeypatch.setattr(body, "cohort_ffn", cohort_ffn)
+    monkeypatch.setattr(kernels, "masked_decode_attention", masked_read)
+    extend = {0: 1, 1: 1, 2: 1, 3: 1}
+    x = world.hidden(4)
+    run_t = torch.tensor(run)
+    w = torch.where(run_t, torch.ones(4), torch.rand(4, generator=world.gen) * 0.8 + 0.1)
+    triton = served.cohort_execution([world.layer], torch.device("cpu"), "triton")
+    assert triton.decode == "triton"
+    y_triton, kv_triton = _pass(world, extend, x, run_t, w, triton)
+    assert calls == {"cohort_ffn": [("triton", "mlp", None), ("triton", "proj", None)], "masked_read": 1}
+    y_torch, kv_torch = _pass(world, extend, x, run_t, w, served.TORCH_EXECUTION)
+    torch.testing.assert_close(y_triton, y_torch, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
+
+
+def test_a_prefill_pass_runs_the_torch_execution_whatever_the_decode_execution(world, monkeypatch):
+    calls = []
+    monkeypatch.setattr(body, "cohort_ffn", lambda *a, **k: calls.append(a))
+    extend = {1: 3, 3: 2}
+    x = world.hidden(5)
+    run = torch.tensor([True, False, True, False, True])
+    w = torch.where(run, torch.ones(5), torch.full((5,), 0.4))
+    y_triton, kv_triton = _pass(world, extend, x, run, w,
+                                served.cohort_execution([world.layer], torch.device("cpu"), "triton"))
+    y_torch, kv_torch = _pass(world, extend, x, run, w, served.TORCH_EXECUTION)
+    assert calls == []
+    torch.testing.assert_close(y_triton, y_torch, rtol=0, atol=0)
+    torch.testing.assert_close(kv_triton, kv_torch, rtol=0, atol=0)
+
+
+def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_weights(world, monkeypatch):
+    cpu = torch.device("cpu")
+    assert served.cohort_execution([world.layer], cpu) is served.TORCH_EXECUTION  # auto: triton only on CUDA
+    assert served.TORCH_EXECUTION.attestation() == {"decode": "torch", "prefill": "torch", "tiles": None}
+    assert served.cohort_execution([world.layer], cpu, "triton").attestation() == {
+        "decode": "triton", "prefill": "torch", "tiles": "interpreter tile"}
+    monkeypatch.setattr(world.layer.mlp.down_proj, "tp_size", 2, raising=False)
+    split = served.cohort_execution([world.layer], cpu, "triton")
+    assert split.decode == "torch"
+    assert split.attestation()["why"] == "layer 2: the MLP is split over 2 tensor-parallel ranks"
+    monkeypatch.setattr(world.layer.mlp.down_proj, "tp_size", 1, raising=False)
+    monkeypatch.setattr(world.layer.mlp.gate_up_proj, "quant_method", object())
+    assert served.cohort_execution([world.layer], cpu, "triton").reason == \
+        "layer 2: mlp.gate_up_proj is quantized or packed"
