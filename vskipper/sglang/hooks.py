@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vskipper.sglang import executed
+from vskipper.sglang import active, executed
 from vskipper.sglang.admission import AdmissionLimits
 from vskipper.sglang.spec import ENV_ARM, ServeConfigError
 
@@ -132,9 +132,7 @@ def around_release_aborted_request(original, scheduler, req, *args, **kwargs):
 
 
 def _model():
-    from vskipper.sglang.models import routed
-
-    return routed.active_model()
+    return active.active_model()
 
 
 def around_model_forward(original, runner, forward_batch, *args, **kwargs):

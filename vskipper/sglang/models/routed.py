@@ -41,6 +41,7 @@ from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
 from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.mixed.routed_layer import routed_layer
+from vskipper.sglang import active
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
 from vskipper.sglang.spec import ROUTED_DECODE_GRAPHS, ServeConfigError
@@ -343,13 +344,6 @@ class RouterWeightsMixin:
         return result
 
 
-_ACTIVE: list = []  # the skipper model of this process (one per scheduler process), for the SGLang hooks
-
-
-def active_model():
-    """The skipper model this process serves, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None
-
 
 class SkipperCausalLM(RouterWeightsMixin):
     """For a skipper model class placed before its SGLang CausalLM base: the checkpoint's `routing_layers` are
@@ -383,7 +377,7 @@ class SkipperCausalLM(RouterWeightsMixin):
                   if self.model.start_layer <= i < self.model.end_layer]
         qkv = [layer.self_attn.qkv_proj for layer in layers]
         self.slot.execution = cohort_execution(layers, self.model.embed_tokens.weight.device)
-        _ACTIVE.append(self)
+        active.register(self)  # for the SGLang hooks around the forward and the graph runners
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
         self.runtime.model_counters.update({"graph_passes_total": self.ledger.passes,
                                             "routed_replays_vetoed_total": self.ledger.vetoed,
