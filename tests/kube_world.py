@@ -50,6 +50,7 @@ RESOURCES = [
     ("v1/services", "Service", True, set()), ("v1/pods", "Pod", True, set()),
     ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
     ("batch/v1/jobs", "Job", True, {"status"}),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
     ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True, set()),
     (CRD, "SkipperDeployment", True, {"status", "scale"}),
 ]

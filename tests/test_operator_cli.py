@@ -40,7 +40,8 @@ def test_flexidepth_example_shows_each_class_thresholds_in_the_yaml_preview(caps
     assert any("NVIDIA-H100-80GB-HBM3: 2 node(s), 3350 GB/s (catalogue), exit 270,000 / enter 340,000" in h
                for h in header)
     docs = [d for d in yaml.safe_load_all(out) if d]
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment", "Deployment", "ServiceMonitor"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment", "Deployment", "PodDisruptionBudget",
+                                         "PodDisruptionBudget", "ServiceMonitor"]
     assert "&id" not in out  # plain YAML, no anchors
 
 

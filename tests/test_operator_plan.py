@@ -137,7 +137,7 @@ def test_config_map_carries_the_attested_constants_and_the_arm():
 
 def test_service_monitor_and_probe_jobs_are_optional():
     plain = plan(resource(), mixed_pool())
-    assert {o["kind"] for o in plain.objects} == {"ConfigMap", "Service", "Deployment"}
+    assert {o["kind"] for o in plain.objects} == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
     full = plan(resource(metrics={"serviceMonitor": True}, bandwidthProbe={"enabled": True}), mixed_pool(),
                 measured={H100: 3100.0})
     monitor = by_kind(full, "ServiceMonitor")[0]
@@ -206,7 +206,7 @@ def test_plan_of_the_applied_state_is_empty():
         obj["status"] = {"observedGeneration": 1}
         if obj["kind"] == "Deployment":
             obj["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1"
-            obj["spec"]["strategy"] = {"type": "RollingUpdate"}
+            obj["spec"]["progressDeadlineSeconds"] = 600
     assert diff(plan(resource(uid="u1"), mixed_pool()).objects, applied).empty
 
 
@@ -222,7 +222,8 @@ def test_gpu_class_leaving_the_pool_deletes_its_deployment():
     before = plan(resource(), mixed_pool())
     after = plan(resource(), [n for n in mixed_pool() if not n["metadata"]["name"].startswith("h100")])
     changes = diff(after.objects, before.objects)
-    assert [o["metadata"]["name"] for o in changes.delete] == ["llama-nvidia-h100-80gb-hbm3"]
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in changes.delete) == [
+        ("Deployment", "llama-nvidia-h100-80gb-hbm3"), ("PodDisruptionBudget", "llama-nvidia-h100-80gb-hbm3")]
 
 
 def test_contains_ignores_server_fields_but_not_changed_values():
