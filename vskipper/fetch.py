@@ -124,7 +124,12 @@ def _http_download(repo: str, revision: str, out: Path, include: Sequence[str], 
 def _hub_download(repo: str, revision: str, out: Path, include: Sequence[str], endpoint: str,
                   token: str | None) -> list[str]:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.utils import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         snapshot_download(repo_id=repo, revision=revision, local_dir=str(out), allow_patterns=list(include),
