@@ -41,7 +41,8 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_INCLUDE = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py")
 MARKER = ".vskipper-fetch.json"
 TERMINATION_LOG = "/dev/termination-log"
-_REPO = re.compile(r"^hf://([A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)$")
+# The form spec.model.path admits (vskipper_operator.crd.HF_REPO_RE; tests/test_model_fetch.py keeps them equal).
+_REPO = re.compile(r"^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$")
 
 
 class FetchError(RuntimeError):
@@ -50,10 +51,9 @@ class FetchError(RuntimeError):
 
 def parse_uri(uri: str) -> str:
     """`hf://ORG/NAME` -> `ORG/NAME`; any other form is refused (the CRD's rule on spec.model.path)."""
-    match = _REPO.match(uri)
-    if not match:
+    if not _REPO.match(uri):
         raise FetchError(f"{uri!r}: expected hf://ORG/NAME (other schemes are not supported)")
-    return match[1]
+    return uri[len(SCHEME):]
 
 
 def check_checkpoint(folder: Path) -> dict:
@@ -80,14 +80,14 @@ def _request(url: str, token: str | None) -> urllib.request.Request:
     return urllib.request.Request(url, headers=headers)
 
 
-def _http_error(repo: str, revision: str, exc: urllib.error.HTTPError, what: str) -> FetchError:
-    if exc.code in (401, 403):
-        return FetchError(f"hf://{repo}: access denied (HTTP {exc.code}) for {what}: give a token that can read "
+def _status_error(repo: str, revision: str, status: int | None, what: str) -> FetchError:
+    if status in (401, 403):
+        return FetchError(f"hf://{repo}: access denied (HTTP {status}) for {what}: give a token that can read "
                           "the repository (spec.model.download.tokenSecret)")
-    if exc.code == 404:
+    if status == 404:
         return FetchError(f"hf://{repo}@{revision}: not found (HTTP 404) for {what}: check the repository name "
                           "and spec.model.revision")
-    return FetchError(f"hf://{repo}@{revision}: HTTP {exc.code} for {what}")
+    return FetchError(f"hf://{repo}@{revision}: HTTP {status} for {what}")
 
 
 def _http_download(repo: str, revision: str, out: Path, include: Sequence[str], endpoint: str,
@@ -98,7 +98,7 @@ def _http_download(repo: str, revision: str, out: Path, include: Sequence[str], 
         with urllib.request.urlopen(_request(api, token), timeout=60) as resp:
             info = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        raise _http_error(repo, revision, exc, "the file list") from None
+        raise _status_error(repo, revision, exc.code, "the file list") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise FetchError(f"hf://{repo}: cannot list files at {api}: {exc}") from None
     files = sorted(s["rfilename"] for s in info.get("siblings", [])
@@ -114,7 +114,7 @@ def _http_download(repo: str, revision: str, out: Path, include: Sequence[str], 
             with urllib.request.urlopen(_request(url, token), timeout=60) as resp, open(part, "wb") as fh:
                 shutil.copyfileobj(resp, fh, length=1 << 20)
         except urllib.error.HTTPError as exc:
-            raise _http_error(repo, revision, exc, name) from None
+            raise _status_error(repo, revision, exc.code, name) from None
         except (urllib.error.URLError, OSError) as exc:
             raise FetchError(f"hf://{repo}: downloading {name} failed: {exc}") from None
         os.replace(part, target)
@@ -124,24 +124,18 @@ def _http_download(repo: str, revision: str, out: Path, include: Sequence[str], 
 def _hub_download(repo: str, revision: str, out: Path, include: Sequence[str], endpoint: str,
                   token: str | None) -> list[str]:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import (
-        GatedRepoError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         snapshot_download(repo_id=repo, revision=revision, local_dir=str(out), allow_patterns=list(include),
                           endpoint=endpoint, token=token or False)
-    except (GatedRepoError, RepositoryNotFoundError) as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", "?")
-        raise FetchError(f"hf://{repo}: not found or access denied (HTTP {status}): check the name and give a "
-                         "token that can read the repository (spec.model.download.tokenSecret)") from None
-    except RevisionNotFoundError:
-        raise FetchError(f"hf://{repo}@{revision}: revision not found (spec.model.revision)") from None
-    except HfHubHTTPError as exc:
-        raise FetchError(f"hf://{repo}@{revision}: {str(exc).splitlines()[0]}") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
+        # snapshot_download answers an unreadable file list with LocalEntryNotFoundError caused by the HTTP error
+        cause = exc if isinstance(exc, HfHubHTTPError) else exc.__cause__
+        status = getattr(getattr(cause, "response", None), "status_code", None)
+        if status is None:
+            raise FetchError(f"hf://{repo}@{revision}: {str(exc).splitlines()[0]}") from None
+        raise _status_error(repo, revision, status, "the download") from None
     except OSError as exc:
         raise FetchError(f"hf://{repo}: {exc}") from None
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and ".cache" not in p.parts)
