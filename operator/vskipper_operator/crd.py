@@ -32,9 +32,10 @@ POLICIES = ("hybrid", "always-route", "dense")
 DTYPES = ("bfloat16", "float16")
 ATTENTION_BACKENDS = ("flashinfer", "triton", "fa3", "torch_native")
 MODEL_PRESETS = ("llama-3-8b", "qwen3-4b", "qwen3-8b")
-# Launch flags the operator sets itself; serving.extraArgs may not repeat them.
+# Launch flags the operator sets itself; serving.extraArgs may not repeat them (the API key comes from a Secret,
+# serving.apiKeySecret, never from the spec's text).
 OWNED_FLAGS = ("--model", "--arm", "--arm-config", "--enter-tokens", "--exit-tokens", "--host", "--port",
-               "--served-model-name", "--tp-size")
+               "--served-model-name", "--tp-size", "--api-key")
 # Their aliases in the parsers that read them (`vskipper serve`: --arm-file; SGLang 0.5.21: --model and
 # --model-path for the checkpoint, --tensor-parallel-size): `vskipper_operator.flags` checks extraArgs with those
 # parsers themselves, tests/test_operator_flags.py keeps this list equal to what they resolve.
