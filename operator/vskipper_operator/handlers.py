@@ -57,6 +57,7 @@ from vskipper_operator.plan import (
     downloads,
     node_gpus,
     plan,
+    served_rows,
 )
 from vskipper_operator.probe import parse_result
 
@@ -191,7 +192,11 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
     previous = dict(body.get("status") or {})
     now = _now()
     try:
-        result = plan(resource, _nodes(gpu_nodes), await _measured(namespace), previous.get("gpuClasses", ()), now)
+        applied = await kube().list_managed(namespace, f"{INSTANCE_LABEL}={name},{MANAGED_BY_LABEL}={MANAGER}")
+        result = plan(resource, _nodes(gpu_nodes), await _measured(namespace), served_rows(applied), now)
+    except ApiError as exc:
+        metrics.RECONCILES.labels("error").inc()
+        raise kopf.TemporaryError(str(exc), delay=10) from exc
     except SpecError as exc:
         metrics.RECONCILES.labels("invalid").inc()
         metrics.ERRORS.labels("invalid_spec").inc()
@@ -202,7 +207,6 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
         raise kopf.PermanentError(str(exc)) from None
     conflicts: list[NameTaken] = []
     try:
-        applied = await kube().list_managed(namespace, f"{INSTANCE_LABEL}={name},{MANAGED_BY_LABEL}={MANAGER}")
         changes = diff(result.objects, applied)
         for obj in changes.replace:
             await kube().delete(obj)

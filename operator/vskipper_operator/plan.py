@@ -49,6 +49,7 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 PRODUCT_ANNOTATION = "vskipper.io/gpu-product"
+NODES_LOST_ANNOTATION = "vskipper.io/nodes-lost-at"
 CONFIG_DIR = "/etc/vskipper"
 ARM_FILE = f"{CONFIG_DIR}/arm.json"
 PROBE_MODULE = "vskipper_operator.probe"
@@ -423,12 +424,33 @@ def _parse_time(text: str | None) -> datetime.datetime | None:
         return None
 
 
+def served_rows(applied: Iterable[Mapping[str, Any]]) -> list[dict]:
+    """What the applied Deployments say was served: per class, its product, the product labels its pods are pinned
+    to and, for a class already seen without nodes, since when (the Deployment's `vskipper.io/nodes-lost-at`).
+    Read from the objects themselves, listed anew on every reconcile, so no stale status can drop a class early."""
+    rows = []
+    for obj in applied:
+        annotations = (obj.get("metadata") or {}).get("annotations") or {}
+        if obj.get("kind") != "Deployment" or PRODUCT_ANNOTATION not in annotations:
+            continue
+        terms = ((((obj.get("spec") or {}).get("template") or {}).get("spec") or {}).get("affinity") or {}).get(
+            "nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+        labels = [v for t in terms for e in t.get("matchExpressions", []) if e.get("key") == GPU_PRODUCT_LABEL
+                  for v in e.get("values", [])]
+        row = {"product": annotations[PRODUCT_ANNOTATION], "served": True, "labels": labels}
+        if annotations.get(NODES_LOST_ANNOTATION):
+            row.update(nodeState="NodesLost", nodesLostAt=annotations[NODES_LOST_ANNOTATION])
+        rows.append(row)
+    return rows
+
+
 def _absent_classes(present: list[GpuClass], spec: dict, previous: Iterable[Mapping[str, Any]],
                     now: str) -> list[GpuClass]:
     """Classes with no node that are planned anyway: those named in spec.placement.gpuProducts when
     spec.placement.scaleFromZero (their pending pods are what a cluster autoscaler scales a node pool up for), and
-    classes served in the previous status whose nodes are gone, for spec.placement.nodeLossGraceSeconds from
-    when that was first seen (a label flap, a pool drained to zero, an upgrade surge)."""
+    classes served before (`previous`: status rows or `served_rows` of the applied Deployments) whose nodes are
+    gone, for spec.placement.nodeLossGraceSeconds from when that was first seen (a label flap, a pool drained to
+    zero, an upgrade surge)."""
     placement = spec["placement"]
     have = {_key(c.product) for c in present}
     out: list[GpuClass] = []
@@ -463,8 +485,9 @@ def plan(resource: Mapping[str, Any], nodes: Iterable[Node | Mapping[str, Any]],
     """The desired objects and status rows for one SkipperDeployment on the given nodes (see module docstring).
 
     `measured` maps GPU products to probe-measured bandwidths (GB/s); a spec override still wins over them.
-    `previous` is the resource's last `status.gpuClasses` and `now` the current time (`%Y-%m-%dT%H:%M:%SZ`):
-    together they keep a served class whose nodes are gone for the grace period.
+    `previous` says which classes were served (the resource's `status.gpuClasses`, or `served_rows` of the applied
+    Deployments) and `now` is the current time (`%Y-%m-%dT%H:%M:%SZ`): together they keep a served class whose
+    nodes are gone for the grace period.
     """
     r = resolve(resource)
     spec = r.spec
@@ -742,7 +765,8 @@ def _deployment(r: Resolved, c: GpuClass, config_hash: str) -> dict:
                    "vskipper.io/enter-tokens": str(c.enter_tokens), "vskipper.io/bandwidth-gbps": f"{c.bandwidth_gbps:g}",
                    "vskipper.io/bandwidth-source": c.bandwidth_source, "vskipper.io/config-hash": config_hash}
     return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": _meta(r, c.deployment, labels, {PRODUCT_ANNOTATION: c.product}),
+            "metadata": _meta(r, c.deployment, labels, {PRODUCT_ANNOTATION: c.product, **(
+                {NODES_LOST_ANNOTATION: c.nodes_lost_at} if c.nodes_lost_at else {})}),
             "spec": {"replicas": c.replicas, "selector": {"matchLabels": _class_selector(r, c)},
                      # A GPU node seldom has a spare GPU: replace one pod at a time, never surge.
                      "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
