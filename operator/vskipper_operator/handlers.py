@@ -57,6 +57,7 @@ from vskipper_operator.plan import (
     downloads,
     node_gpus,
     plan,
+    resolve,
     served_rows,
 )
 from vskipper_operator.probe import parse_result
@@ -192,6 +193,7 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
     previous = dict(body.get("status") or {})
     now = _now()
     try:
+        resolve(resource)  # a spec error is reported before anything is read from the API
         applied = await kube().list_managed(namespace, f"{INSTANCE_LABEL}={name},{MANAGED_BY_LABEL}={MANAGER}")
         result = plan(resource, _nodes(gpu_nodes), await _measured(namespace), served_rows(applied), now)
     except ApiError as exc:
@@ -204,6 +206,7 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
         patch.status["observedGeneration"] = meta.get("generation")
         patch.status["conditions"] = [{"type": "Ready", "status": "False", "reason": "InvalidSpec",
                                        "message": str(exc), "lastTransitionTime": _now()}]
+        metrics.record_ready(namespace, name, patch.status["conditions"])
         raise kopf.PermanentError(str(exc)) from None
     conflicts: list[NameTaken] = []
     try:
@@ -248,6 +251,7 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
             logger.debug(f"status.{key} changed: {previous.get(key)!r} -> {value!r}")
             patch.status[key] = value
     metrics.record_plan(result)
+    metrics.record_ready(namespace, name, status["conditions"])
     metrics.RECONCILES.labels("applied" if not changes.empty else "unchanged").inc()
     metrics.DURATION.observe(time.perf_counter() - start)
     logger.info(f"planned {len(result.served)} served GPU class(es): {status['gpuClassSummary']}; "
