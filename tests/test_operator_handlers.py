@@ -164,7 +164,7 @@ def test_scaling_the_resource_reapplies_the_replica_split_and_observes_the_gener
 
 def test_gpu_class_appearing_and_leaving_is_replanned_through_the_node_watch(cluster):
     add_node(cluster, "a100-0", A100)
-    add_resource(cluster, replicas=3)
+    add_resource(cluster, replicas=3, placement={"nodeLossGraceSeconds": 0})
     with operator() as runner:
         wait_for(lambda: deployment(cluster, "nvidia-a100-sxm4-80gb"), what="A100 deployment")
         add_node(cluster, "h100-0", H100)

@@ -137,7 +137,7 @@ def test_config_map_carries_the_attested_constants_and_the_arm():
 
 def test_service_monitor_and_probe_jobs_are_optional():
     plain = plan(resource(), mixed_pool())
-    assert {o["kind"] for o in plain.objects} == {"ConfigMap", "Service", "Deployment"}
+    assert {o["kind"] for o in plain.objects} == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
     full = plan(resource(metrics={"serviceMonitor": True}, bandwidthProbe={"enabled": True}), mixed_pool(),
                 measured={H100: 3100.0})
     monitor = by_kind(full, "ServiceMonitor")[0]
@@ -206,7 +206,7 @@ def test_plan_of_the_applied_state_is_empty():
         obj["status"] = {"observedGeneration": 1}
         if obj["kind"] == "Deployment":
             obj["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1"
-            obj["spec"]["strategy"] = {"type": "RollingUpdate"}
+            obj["spec"]["progressDeadlineSeconds"] = 600
     assert diff(plan(resource(uid="u1"), mixed_pool()).objects, applied).empty
 
 
@@ -222,7 +222,8 @@ def test_gpu_class_leaving_the_pool_deletes_its_deployment():
     before = plan(resource(), mixed_pool())
     after = plan(resource(), [n for n in mixed_pool() if not n["metadata"]["name"].startswith("h100")])
     changes = diff(after.objects, before.objects)
-    assert [o["metadata"]["name"] for o in changes.delete] == ["llama-nvidia-h100-80gb-hbm3"]
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in changes.delete) == [
+        ("Deployment", "llama-nvidia-h100-80gb-hbm3"), ("PodDisruptionBudget", "llama-nvidia-h100-80gb-hbm3")]
 
 
 def test_contains_ignores_server_fields_but_not_changed_values():
@@ -278,3 +279,83 @@ def test_planning_a_thousand_nodes_for_a_hundred_resources_is_fast():
     elapsed = time.perf_counter() - start
     assert all(len(r.served) == 4 for r in results)
     assert elapsed < 5.0, f"planning took {elapsed:.2f}s"  # a guard; typically well under a second
+
+
+def _row(result, product):
+    return next(r for r in result.status()["gpuClasses"] if r["product"] == product)
+
+
+def test_scale_from_zero_plans_named_classes_with_no_node_pinned_to_their_product_labels():
+    """A pool that an autoscaler scales from zero has no node until a pod asks for one: with scaleFromZero the
+    classes named in gpuProducts are planned anyway (by label value or catalogue name), their pods pending."""
+    nodes = [node("a100-0", A100)]
+    placement = {"gpuProducts": [A100, "H200"], "scaleFromZero": True}
+    result = plan(resource(placement=placement, replicas=2), nodes)
+    h200 = deployment_for(result, "NVIDIA-H200")
+    terms = h200["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In",
+                                            "values": ["NVIDIA-H200"]}]}]
+    row = _row(result, "NVIDIA-H200")
+    assert row["served"] and row["nodes"] == 0 and row["nodeState"] == "AwaitingScaleUp"
+    assert (row["exitTokens"], row["replicas"]) == (390_000, 1)  # H200's thresholds; a replica to scale up for
+    assert _row(result, A100)["nodeState"] == "Present"
+    assert not any(o["kind"] == "Job" for o in plan(resource(placement=placement, bandwidthProbe={"enabled": True}),
+                                                    nodes).objects if "h200" in o["metadata"]["name"])
+    # Without scaleFromZero only the classes present are planned.
+    plain = plan(resource(placement={"gpuProducts": [A100, "H200"]}), nodes)
+    assert [c.product for c in plain.classes] == [A100]
+
+
+def test_a_class_whose_nodes_vanish_is_kept_for_the_grace_period_then_removed():
+    """What was served is read back from the applied Deployments (`served_rows`), as a reconcile does; the first
+    re-plan without nodes dates the loss on the class's Deployment, and the class goes once the grace is over."""
+    from vskipper_operator.plan import NODES_LOST_ANNOTATION, served_rows
+
+    spec = {"placement": {"nodeLossGraceSeconds": 600}}
+    before = plan(resource(**spec), mixed_pool(), now="2026-01-01T00:00:00Z")
+    without_h100 = [n for n in mixed_pool() if not n["metadata"]["name"].startswith("h100")]
+    lost = plan(resource(**spec), without_h100, previous=served_rows(before.objects), now="2026-01-01T00:01:00Z")
+    changes = diff(lost.objects, before.objects)
+    assert [(o["kind"], o["metadata"]["annotations"][NODES_LOST_ANNOTATION]) for o in changes.update] == [
+        ("Deployment", "2026-01-01T00:01:00Z")]  # the same H100 Deployment, dated; nothing deleted
+    assert not changes.delete and deployment_for(lost, H100)["spec"] == deployment_for(before, H100)["spec"]
+    row = _row(lost, H100)
+    assert row["nodeState"] == "NodesLost" and row["nodesLostAt"] == "2026-01-01T00:01:00Z" and row["nodes"] == 0
+    # The loss is dated from when it was first seen, not from each re-plan.
+    later = plan(resource(**spec), without_h100, previous=served_rows(lost.objects), now="2026-01-01T00:10:00Z")
+    assert _row(later, H100)["nodesLostAt"] == "2026-01-01T00:01:00Z" and diff(later.objects, lost.objects).empty
+    gone = plan(resource(**spec), without_h100, previous=served_rows(later.objects), now="2026-01-01T00:11:00Z")
+    assert H100 not in [c.product for c in gone.classes]
+    assert sorted(o["kind"] for o in diff(gone.objects, later.objects).delete) == ["Deployment", "PodDisruptionBudget"]
+    # A node coming back ends the loss.
+    back = plan(resource(**spec), mixed_pool(), previous=served_rows(later.objects), now="2026-01-01T00:10:30Z")
+    assert _row(back, H100)["nodeState"] == "Present" and "nodesLostAt" not in _row(back, H100)
+    assert NODES_LOST_ANNOTATION not in deployment_for(back, H100)["metadata"]["annotations"]
+    # Status rows serve as well (what the planner's CLI user may pass).
+    assert _row(plan(resource(**spec), without_h100, previous=before.status()["gpuClasses"], now="2026-01-01T00:01:00Z"),
+                H100)["nodeState"] == "NodesLost"
+
+
+def test_model_condition_follows_the_download_init_containers():
+    from vskipper_operator.plan import model_condition, resolve
+
+    hf = resolve(resource(model={"path": "hf://meta-llama/Meta-Llama-3-8B", "preset": "llama-3-8b"}))
+
+    def pod(name, state, last=None):
+        status = {"name": "fetch-model", "state": state, **({"lastState": last} if last else {})}
+        return {"metadata": {"name": name}, "status": {"initContainerStatuses": [status]}}
+
+    assert model_condition(resolve(resource()), [pod("p", {"running": {}})]) is None  # a local path
+    assert model_condition(hf, [])["status"] == "Unknown"
+    downloading = model_condition(hf, [pod("p0", {"running": {}}), pod("p1", {"waiting": {}})])
+    assert (downloading["status"], downloading["reason"]) == ("False", "Downloading") and "p0" in downloading["message"]
+    failed = model_condition(hf, [pod("p0", {"waiting": {"reason": "CrashLoopBackOff"}},
+                                      {"terminated": {"exitCode": 1, "message": "hf://x/y: access denied (HTTP 401)"}})])
+    assert failed["reason"] == "DownloadFailed" and failed["message"].endswith("p0: hf://x/y: access denied (HTTP 401)")
+    done = model_condition(hf, [pod("p0", {"terminated": {"exitCode": 0}})])
+    assert (done["status"], done["reason"]) == ("True", "Downloaded")
+    status = plan(resource(model={"path": "hf://meta-llama/Meta-Llama-3-8B", "preset": "llama-3-8b"}),
+                  mixed_pool()).status(pods=[pod("p0", {"waiting": {}}, {"terminated": {"exitCode": 1}})])
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ModelDownloadFailed")

@@ -151,7 +151,7 @@ def _rule_exprs() -> list[tuple[str, str]]:
 
 
 def _runtime_side(expr: str) -> bool:
-    return "vskipper_operator_" not in expr
+    return "vskipper_operator_" not in expr and "vskipper-operator" not in expr
 
 
 def test_every_runtime_side_alert_returns_data_on_the_pathological_servers(pathological_runtimes):
@@ -184,7 +184,9 @@ def test_prometheus_evaluates_the_loaded_rules(pathological_runtimes):
     routed = _query(pathological_runtimes, 'vskipper:passes_routed:ratio_rate5m{phase="decode"}')
     assert {r["metric"]["service"]: float(r["value"][1]) for r in routed} == {"llama": 1.0, "qwen": 0.0}
     pending = {r["metric"]["alertname"] for r in _query(pathological_runtimes, 'ALERTS{alertstate="pending"}')}
-    assert pending == {"VskipperRoutingNeverEngages", "VskipperSwitchFlapping", "VskipperMechanismNotExecuted"}
+    # ... and the operator-down alert: this Prometheus scrapes no operator at all
+    assert pending == {"VskipperRoutingNeverEngages", "VskipperSwitchFlapping", "VskipperMechanismNotExecuted",
+                       "VskipperOperatorDown"}
 
 
 def _panel_expr(title_prefix: str, ref: str = "A") -> str:
@@ -242,9 +244,11 @@ class TestRealOperator:
         queries = [(title, _instantiate(expr)) for title, expr in _dashboard_exprs() if not _runtime_side(expr)]
         rules = [(name, expr) for name, expr in _rule_exprs() if not _runtime_side(expr)]
         assert len(queries) >= 8  # thresholds, reconciles, errors, retries, duration, GPU classes
-        assert [name for name, _ in rules] == ["VskipperOperatorReconcileErrors"]
+        assert [name for name, _ in rules] == ["VskipperOperatorReconcileErrors", "VskipperOperatorDown",
+                                               "VskipperDeploymentNotReady", "VskipperGpuClassNotServed"]
         empty = [title for title, expr in queries + rules if not _query(base, expr)]
-        assert not empty, f"operator-side queries with no data from the real operator: {empty}"
+        # the operator is up: its down alert has nothing to say; every other query has data
+        assert empty == ["VskipperOperatorDown"], f"operator-side queries with no data from the real operator: {empty}"
 
     def test_gauges_are_the_plan_of_the_reconciled_example_and_keep_its_namespace(self, real_operator):
         base, meta = real_operator["base"], real_operator["healthy"]["metadata"]
@@ -259,6 +263,9 @@ class TestRealOperator:
         assert per_class("vskipper_operator_exit_tokens") == {(*key, A100): 160_000, (*key, H100): 270_000}
         classes = {r["metric"]["served"]: float(r["value"][1]) for r in _query(base, "vskipper_operator_gpu_classes")}
         assert classes["true"] == 2
+        # no kubelet makes pods ready here: the reconciled resource and the invalid one are not Ready
+        ready = {r["metric"]["name"]: float(r["value"][1]) for r in _query(base, "vskipper_operator_resource_ready")}
+        assert ready == {meta["name"]: 0, "random-invalid": 0}
 
     def test_counters_record_what_the_operator_met(self, real_operator):
         base, refused = real_operator["base"], real_operator["refused"]
@@ -276,10 +283,11 @@ class TestRealOperator:
         assert {r["metric"]["namespace"] for r in _query(base, "vskipper_operator_reconciles_total")} == \
             {OPERATOR_NAMESPACE}
 
-    def test_the_reconcile_error_alert_is_pending_and_nothing_else(self, real_operator):
+    def test_pending_alerts_are_reconcile_errors_resources_not_ready_and_classes_not_served(self, real_operator):
         base, cluster = real_operator["base"], real_operator["cluster"]
         pending = {r["metric"]["alertname"] for r in _query(base, 'ALERTS{alertstate="pending"}')}
-        assert pending == {"VskipperOperatorReconcileErrors"}
+        # no pod is ever ready here, and the example pool has GPUs of unknown bandwidth (GB300)
+        assert pending == {"VskipperOperatorReconcileErrors", "VskipperDeploymentNotReady", "VskipperGpuClassNotServed"}
         # the healthy example's Deployments exist; the failing namespace got none
         assert cluster.http("GET", "/apis/apps/v1/namespaces/llm/deployments")["items"]
         assert not cluster.writes("/namespaces/bench/deployments")

@@ -25,7 +25,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 def test_promtool_accepts_the_rules():
     proc = promtool("check", "rules", str(RULES))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "SUCCESS: 7 rules found" in proc.stdout
+    assert "SUCCESS: 10 rules found" in proc.stdout
 
 
 def test_rule_unit_tests_pass():
@@ -47,3 +47,19 @@ def test_rule_unit_tests_fail_when_an_alert_is_silenced(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode != 0
     assert "VskipperSwitchFlapping" in proc.stdout + proc.stderr
+
+
+def test_operator_alerts_link_runbook_sections_that_exist():
+    import re
+
+    import yaml
+
+    runbook = (ROOT / "deploy" / "runbook.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9-]", "", h.lower().replace(" ", "-")) for h in re.findall(r"^## (.+)$", runbook, re.M)}
+    groups = {g["name"]: g["rules"] for g in yaml.safe_load(RULES.read_text())["groups"]}
+    assert [r["alert"] for r in groups["vskipper.operator"]] == ["VskipperOperatorDown", "VskipperDeploymentNotReady",
+                                                                 "VskipperGpuClassNotServed"]
+    for rule in groups["vskipper.operator"]:
+        url = rule["annotations"]["runbook_url"]
+        assert url.startswith("https://github.com/vskipper/vskipper/blob/main/deploy/runbook.md#"), url
+        assert url.rpartition("#")[2] in anchors, url

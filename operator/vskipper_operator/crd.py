@@ -32,9 +32,10 @@ POLICIES = ("hybrid", "always-route", "dense")
 DTYPES = ("bfloat16", "float16")
 ATTENTION_BACKENDS = ("flashinfer", "triton", "fa3", "torch_native")
 MODEL_PRESETS = ("llama-3-8b", "qwen3-4b", "qwen3-8b")
-# Launch flags the operator sets itself; serving.extraArgs may not repeat them.
+# Launch flags the operator sets itself; serving.extraArgs may not repeat them (the API key comes from a Secret,
+# serving.apiKeySecret, never from the spec's text).
 OWNED_FLAGS = ("--model", "--arm", "--arm-config", "--enter-tokens", "--exit-tokens", "--host", "--port",
-               "--served-model-name", "--tp-size")
+               "--served-model-name", "--tp-size", "--api-key")
 # Their aliases in the parsers that read them (`vskipper serve`: --arm-file; SGLang 0.5.21: --model and
 # --model-path for the checkpoint, --tensor-parallel-size): `vskipper_operator.flags` checks extraArgs with those
 # parsers themselves, tests/test_operator_flags.py keeps this list equal to what they resolve.
@@ -54,6 +55,15 @@ IMAGE_RE = (rf"^({_DOMAIN}/)?{_PATH_COMPONENT}(/{_PATH_COMPONENT})*(:[A-Za-z0-9_
             r"(@sha256:[a-f0-9]{64})?$")
 # A non-negative Kubernetes quantity (resource.Quantity's grammar without the sign).
 QUANTITY_RE = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE]|[eE][0-9]+)?$"
+# spec.model.path: a directory in the container (the image's, or a mounted volume's), or a Hugging Face Hub repository
+# the server pods download before the server starts. Other schemes (s3://, gs://, http://) are refused at admission.
+HF_SCHEME = "hf://"
+HF_REPO_RE = r"^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$"
+REVISION_RE = r"^[A-Za-z0-9][-A-Za-z0-9_.]*(/[A-Za-z0-9][-A-Za-z0-9_.]*)*$"
+RELATIVE_PATH_RE = r"^[^/]"
+DOT_DOT_RE = r"(^|/)\.\.(/|$)"
+DNS_SUBDOMAIN_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ENV_NAME_RE = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 
@@ -100,6 +110,19 @@ def _policy(phase: str) -> dict:
                 enum=list(POLICIES), default="hybrid")
 
 
+def _secret_key(description: str, key: str) -> dict:
+    return _obj({"name": _str("Secret name (in the resource's namespace)", minLength=1, maxLength=253,
+                              pattern=DNS_SUBDOMAIN_RE),
+                 "key": _str(f"key in the Secret (default {key})", minLength=1, maxLength=253)},
+                required=("name",), description=description)
+
+
+def _free_form(description: str, max_items: int = 64) -> dict:
+    """Kubernetes objects the planned pods carry verbatim (checked by the API server when they are written)."""
+    return {"type": "array", "maxItems": max_items, "description": description,
+            "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+
+
 def _skipper_params() -> dict:
     """Every registered skipper's parameters, typed with their ranges (a name two skippers share must mean the
     same); which names each skipper takes and requires are CEL rules on `skipper` (SKIPPER_RULES)."""
@@ -136,8 +159,28 @@ TOLERATION = _obj({
 
 SPEC_SCHEMA: dict = _obj({
     "model": _obj({
-        "path": _str("checkpoint directory inside the container, or a URI the runtime image can fetch "
-                     "(hf://org/name, s3://bucket/key)", minLength=1, maxLength=1024),
+        "path": _str("checkpoint directory inside the container (in the image, or where spec.model.storage "
+                     "mounts it), or hf://ORG/NAME: downloaded into a cache volume by an init container before "
+                     "the server starts; other schemes are refused", minLength=1, maxLength=1024),
+        "revision": _str("hf:// only: branch, tag or commit to download (default main)", maxLength=255,
+                         pattern=REVISION_RE),
+        "storage": _obj({
+            "pvc": _obj({"claimName": _str("PersistentVolumeClaim in the resource's namespace", minLength=1,
+                                           maxLength=253, pattern=DNS_SUBDOMAIN_RE)},
+                        required=("claimName",), description="a PersistentVolumeClaim holding the checkpoint"),
+            "hostPath": _obj({"path": _str("directory on the node", minLength=2, maxLength=1024, pattern=r"^/")},
+                             required=("path",), description="a directory on every GPU node (pre-staged weights)"),
+            "subPath": _str("directory inside the volume", maxLength=1024, pattern=RELATIVE_PATH_RE),
+            "readOnly": {"type": "boolean", "description": "mount read-only (default: true for a local path; "
+                                                             "an hf:// download writes, so it must be false)"},
+        }, description="the volume holding the checkpoint (a local path: mounted at spec.model.path), or the "
+                       "download cache (hf://: mounted at /models; default an emptyDir)"),
+        "download": _obj({
+            "tokenSecret": _secret_key("a Secret holding a Hugging Face token (HF_TOKEN)", "token"),
+            "endpoint": _str("the hub's base URL (HF_ENDPOINT), for a mirror", maxLength=512,
+                             pattern=r"^https?://[^\s]+$"),
+            "cacheSizeLimit": _quantity("size limit of the default emptyDir download cache"),
+        }, description="hf:// only: how the init container downloads the checkpoint"),
         "servedName": _str("model name the OpenAI-compatible endpoint serves (default: the resource name)",
                            maxLength=253),
         "dtype": _str("weight and KV-cache dtype", enum=list(DTYPES), default="bfloat16"),
@@ -179,7 +222,27 @@ SPEC_SCHEMA: dict = _obj({
         "prefixCache": _bool("radix prefix cache (false adds --disable-radix-cache)", True),
         "extraArgs": {"type": "array", "items": {"type": "string", "maxLength": 256}, "maxItems": 64,
                       "description": "further server arguments, appended verbatim"},
+        "apiKeySecret": _secret_key("a Secret holding the API key the server requires (SGLang --api-key, "
+                                    "passed through the environment)", "api-key"),
+        "startupTimeoutSeconds": _int("how long a server may take to load the model and warm up before its "
+                                      "liveness probe counts", 60, 7200, default=1800),
+        "terminationGracePeriodSeconds": _int("time a server pod gets to drain in-flight requests on shutdown",
+                                              10, 3600, default=120),
     }, required=("image",), description="the runtime container and the SGLang launch arguments that matter"),
+    "pod": _obj({
+        "serviceAccountName": _str("ServiceAccount of the server pods", maxLength=253, pattern=DNS_SUBDOMAIN_RE),
+        "imagePullSecrets": {"type": "array", "maxItems": 16, "description": "Secrets for pulling the image",
+                             "items": _obj({"name": _str("Secret name", minLength=1, maxLength=253,
+                                                         pattern=DNS_SUBDOMAIN_RE)}, required=("name",))},
+        "priorityClassName": _str("PriorityClass of the server pods", maxLength=253, pattern=DNS_SUBDOMAIN_RE),
+        "annotations": {"type": "object", "maxProperties": 64, "description": "extra pod annotations",
+                        "additionalProperties": _str("annotation value", maxLength=4096)},
+        "labels": {"type": "object", "maxProperties": 32, "description": "extra pod labels",
+                   "additionalProperties": _str("label value", maxLength=63, pattern=LABEL_VALUE_RE)},
+        "env": _free_form("extra core/v1 EnvVars of the server container"),
+        "volumes": _free_form("extra core/v1 Volumes of the server pods", 32),
+        "volumeMounts": _free_form("extra core/v1 VolumeMounts of the server container", 32),
+    }, description="pod-level settings of the server pods"),
     "placement": _obj({
         "gpuProducts": {"type": "array", "items": _str("a GPU product", minLength=1, maxLength=63,
                                                       pattern=LABEL_VALUE_RE), "maxItems": 64,
@@ -190,6 +253,11 @@ SPEC_SCHEMA: dict = _obj({
                          "additionalProperties": _str("label value", maxLength=63, pattern=LABEL_VALUE_RE),
                          "description": "labels every node must carry"},
         "tolerations": {"type": "array", "maxItems": 64, "items": TOLERATION},
+        "scaleFromZero": _bool("plan every GPU class named in gpuProducts even with no node present, so its "
+                               "pending pods make a cluster autoscaler add a node", False),
+        "nodeLossGraceSeconds": _int("how long a served GPU class whose nodes are all gone keeps its Deployment "
+                                     "(a label flap, a pool drained to zero, an upgrade surge)", 0, 86400,
+                                     default=600),
     }, description="which nodes serve"),
     "replicas": _int("total server replicas, split across the GPU classes served (scale subresource)", 0,
                      1000, default=1),
@@ -302,6 +370,23 @@ RULES: tuple[Rule, ...] = (
     Rule("model", "has(self.preset) || (has(self.kvHeads) && has(self.headDim) && has(self.routedLayers))",
          "name a preset, or give kvHeads, headDim and routedLayers",
          lambda m: "preset" in m or all(k in m for k in ("kvHeads", "headDim", "routedLayers"))),
+    Rule("model", f"self.path.startsWith('/') || self.path.matches({_cel_str(HF_REPO_RE)})",
+         "must be an absolute directory in the container or hf://ORG/NAME (a Hugging Face Hub repository); "
+         "other schemes (s3://, gs://, http://) are not supported",
+         lambda m: m["path"].startswith("/") or re.search(HF_REPO_RE, m["path"]) is not None, "path"),
+    Rule("model", "!has(self.revision) || self.path.startsWith('hf://')", "only an hf:// path has a revision",
+         lambda m: "revision" not in m or m["path"].startswith(HF_SCHEME), "revision"),
+    Rule("model", "!has(self.download) || self.path.startsWith('hf://')", "only an hf:// path is downloaded",
+         lambda m: "download" not in m or m["path"].startswith(HF_SCHEME), "download"),
+    Rule("model", "!self.path.startsWith('hf://') || !has(self.storage) || !has(self.storage.readOnly) "
+         "|| !self.storage.readOnly", "must be false for an hf:// path: the download writes the cache",
+         lambda m: not m["path"].startswith(HF_SCHEME) or not (m.get("storage") or {}).get("readOnly"),
+         "storage.readOnly"),
+    Rule("model.storage", "has(self.pvc) != has(self.hostPath)", "name exactly one of pvc or hostPath",
+         lambda st: ("pvc" in st) != ("hostPath" in st)),
+    Rule("model.storage", f"!has(self.subPath) || !self.subPath.matches({_cel_str(DOT_DOT_RE)})",
+         "must stay inside the volume (no '..')",
+         lambda st: re.search(DOT_DOT_RE, st.get("subPath", "")) is None, "subPath"),
     Rule("switch.thresholds", "self.enterTokens >= self.exitTokens",
          "enterTokens must be at least exitTokens", lambda t: t["enterTokens"] >= t["exitTokens"]),
     Rule("switch",
@@ -313,6 +398,24 @@ RULES: tuple[Rule, ...] = (
          "must not set flags the operator owns, abbreviated or aliased ("
          + ", ".join(OWNED_FLAGS + OWNED_ALIASES) + ")",
          lambda s: not any(re.search(OWNED_ARG_RE, a) for a in s.get("extraArgs", [])), "extraArgs"),
+    Rule("model.download", "!has(self.cacheSizeLimit) || (type(self.cacheSizeLimit) == string ? "
+         f"self.cacheSizeLimit.matches({_cel_str(QUANTITY_RE)}) : self.cacheSizeLimit >= 0)",
+         "must be a non-negative Kubernetes quantity (8, 500m, 64Gi)",
+         lambda d: "cacheSizeLimit" not in d or _is_quantity(d["cacheSizeLimit"]), "cacheSizeLimit"),
+    Rule("pod.env[]", f"has(self.name) && self.name.matches({_cel_str(ENV_NAME_RE)})",
+         "must have a name that is a C identifier-like environment variable name",
+         lambda e: isinstance(e.get("name"), str) and re.search(ENV_NAME_RE, e["name"]) is not None, "name"),
+    Rule("pod.env[]", "!has(self.name) || !(self.name in ['VSKIPPER_GPU_PRODUCT', 'VSKIPPER_API_KEY'])",
+         "must not set a variable the operator owns (VSKIPPER_GPU_PRODUCT, VSKIPPER_API_KEY)",
+         lambda e: e.get("name") not in ("VSKIPPER_GPU_PRODUCT", "VSKIPPER_API_KEY"), "name"),
+    Rule("pod.volumes[]", f"has(self.name) && self.name.matches({_cel_str(DNS_LABEL_RE)}) && "
+         "!(self.name in ['switch', 'shm', 'model'])",
+         "must have a DNS-label name other than the operator's volumes (switch, shm, model)",
+         lambda v: isinstance(v.get("name"), str) and re.search(DNS_LABEL_RE, v["name"]) is not None
+         and v["name"] not in ("switch", "shm", "model"), "name"),
+    Rule("pod.volumeMounts[]", "has(self.name) && has(self.mountPath) && self.mountPath.startsWith('/')",
+         "must have a name and an absolute mountPath",
+         lambda v: isinstance(v.get("name"), str) and str(v.get("mountPath", "")).startswith("/"), "mountPath"),
     _quantity_rule("cpu"),
     _quantity_rule("memory"),
     Rule("placement.nodeSelector", f"self.all(k, k.size() <= 317 && k.matches({_cel_str(LABEL_KEY_RE)}))",
@@ -374,6 +477,12 @@ def _class_status() -> dict:
         "device": _str("catalogue device, if known"),
         "nodes": _int("nodes of this class"),
         "served": {"type": "boolean"},
+        "nodeState": _str("Present; AwaitingScaleUp (planned with no node, spec.placement.scaleFromZero); "
+                          "NodesLost (nodes gone, kept for spec.placement.nodeLossGraceSeconds)",
+                          enum=["Present", "AwaitingScaleUp", "NodesLost"]),
+        "nodesLostAt": _str("when the class was first seen without nodes", format="date-time"),
+        "labels": {"type": "array", "items": {"type": "string"},
+                   "description": "nvidia.com/gpu.product values the class's pods are pinned to"},
         "reason": _str("why the class is not served"),
         "bandwidthGBps": _num("memory bandwidth the thresholds were derived from"),
         "bandwidthSource": _str("where the bandwidth came from", enum=["catalogue", "override", "measured"]),
@@ -396,7 +505,7 @@ STATUS_SCHEMA: dict = _obj({
     "gpuClassSummary": _str("served GPU classes and their exit/enter thresholds"),
     "gpuClasses": {"type": "array", "items": _class_status()},
     "conditions": {"type": "array", "items": _obj({
-        "type": _str("Ready, ThresholdsDerived or Degraded"),
+        "type": _str("Ready, ThresholdsDerived, Degraded or ModelAvailable (an hf:// download)"),
         "status": _str("True, False or Unknown", enum=["True", "False", "Unknown"]),
         "reason": _str("CamelCase reason"),
         "message": _str("human-readable detail"),

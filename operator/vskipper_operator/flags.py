@@ -32,7 +32,8 @@ SGLANG_VERSION = "0.5.21"
 SERVE_OWNED = frozenset({"model", "arm", "arm_file", "enter_tokens", "exit_tokens", "gpu", "host", "port",
                          "platform", "state_file", "dry_run", "help"})
 # SGLang destinations the operator sets or that could set them behind its back (a config file), or stop the server.
-SGLANG_OWNED = frozenset({"model_path", "host", "port", "served_model_name", "tp_size", "config", "help"})
+# The API key only from a Secret (spec.serving.apiKeySecret), never as text in the spec.
+SGLANG_OWNED = frozenset({"model_path", "host", "port", "served_model_name", "tp_size", "api_key", "config", "help"})
 _UNSET = object()
 
 

@@ -14,6 +14,12 @@
   nodes without product labels do), every SkipperDeployment is annotated with the new set, which triggers its
   update handler (re-plan); a failed annotation is retried on the next Node event.
 - a SkipperDeployment's deletion removes its per-class gauges.
+- a resource whose model is downloaded (hf://): its server pods' `fetch-model` init containers are read on every
+  reconcile (the resync timer's period at the latest) into the `ModelAvailable` condition (Downloading,
+  DownloadFailed with the container's termination message, Downloaded).
+- GPU classes with no node: planned anyway when named in spec.placement.gpuProducts with scaleFromZero, and a
+  served class whose nodes are gone is kept for spec.placement.nodeLossGraceSeconds (status rows say which);
+  the resync timer removes it once the grace period is over.
 - bandwidth probe Jobs: when one succeeds, its pod's termination message (JSON written by
   `vskipper_operator.probe`) is stored in the namespace's `vskipper-bandwidth` ConfigMap, which every later
   plan prefers over the catalogue (status source `measured`).
@@ -48,8 +54,11 @@ from vskipper_operator.plan import (
     PRODUCT_ANNOTATION,
     Node,
     diff,
+    downloads,
     node_gpus,
     plan,
+    resolve,
+    served_rows,
 )
 from vskipper_operator.probe import parse_result
 
@@ -182,8 +191,14 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
                 "metadata": {"name": name, "namespace": namespace, "uid": meta.get("uid")},
                 "spec": dict(body.get("spec") or {})}
     previous = dict(body.get("status") or {})
+    now = _now()
     try:
-        result = plan(resource, _nodes(gpu_nodes), await _measured(namespace))
+        resolve(resource)  # a spec error is reported before anything is read from the API
+        applied = await kube().list_managed(namespace, f"{INSTANCE_LABEL}={name},{MANAGED_BY_LABEL}={MANAGER}")
+        result = plan(resource, _nodes(gpu_nodes), await _measured(namespace), served_rows(applied), now)
+    except ApiError as exc:
+        metrics.RECONCILES.labels("error").inc()
+        raise kopf.TemporaryError(str(exc), delay=10) from exc
     except SpecError as exc:
         metrics.RECONCILES.labels("invalid").inc()
         metrics.ERRORS.labels("invalid_spec").inc()
@@ -191,10 +206,10 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
         patch.status["observedGeneration"] = meta.get("generation")
         patch.status["conditions"] = [{"type": "Ready", "status": "False", "reason": "InvalidSpec",
                                        "message": str(exc), "lastTransitionTime": _now()}]
+        metrics.record_ready(namespace, name, patch.status["conditions"])
         raise kopf.PermanentError(str(exc)) from None
     conflicts: list[NameTaken] = []
     try:
-        applied = await kube().list_managed(namespace, f"{INSTANCE_LABEL}={name},{MANAGED_BY_LABEL}={MANAGER}")
         changes = diff(result.objects, applied)
         for obj in changes.replace:
             await kube().delete(obj)
@@ -228,13 +243,15 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
                                                               f"{obj['metadata']['name']} deleted")
     ready = {o["metadata"]["name"]: (o.get("status") or {}).get("readyReplicas", 0)
              for o in applied if o.get("kind") == "Deployment"}
-    status = result.status(ready, meta.get("generation"), _now(), previous.get("conditions", ()),
-                           [str(c) for c in conflicts])
+    pods = await kube().list("v1", "Pod", namespace, result.selector) if downloads(result.resolved) else []
+    status = result.status(ready, meta.get("generation"), now, previous.get("conditions", ()),
+                           [str(c) for c in conflicts], pods)
     for key, value in status.items():
         if previous.get(key) != value:
             logger.debug(f"status.{key} changed: {previous.get(key)!r} -> {value!r}")
             patch.status[key] = value
     metrics.record_plan(result)
+    metrics.record_ready(namespace, name, status["conditions"])
     metrics.RECONCILES.labels("applied" if not changes.empty else "unchanged").inc()
     metrics.DURATION.observe(time.perf_counter() - start)
     logger.info(f"planned {len(result.served)} served GPU class(es): {status['gpuClassSummary']}; "

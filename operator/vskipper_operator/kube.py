@@ -34,10 +34,11 @@ RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
     ("v1", "Pod"): ("/api/v1", "pods"),
     ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments"),
     ("batch/v1", "Job"): ("/apis/batch/v1", "jobs"),
+    ("policy/v1", "PodDisruptionBudget"): ("/apis/policy/v1", "poddisruptionbudgets"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ("/apis/monitoring.coreos.com/v1", "servicemonitors"),
 }
 MANAGED_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "Deployment"), ("batch/v1", "Job"),
-                 ("monitoring.coreos.com/v1", "ServiceMonitor"))
+                 ("policy/v1", "PodDisruptionBudget"), ("monitoring.coreos.com/v1", "ServiceMonitor"))
 
 
 class ApiError(Exception):

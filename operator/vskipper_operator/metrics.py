@@ -28,7 +28,10 @@ BANDWIDTH = Gauge("vskipper_operator_bandwidth_bytes_per_second", "Memory bandwi
 GPU_CLASSES = Gauge("vskipper_operator_gpu_classes", "GPU classes per resource, by served (true/false)",
                     ["namespace", "name", "served"], registry=REGISTRY)
 
-_PER_RESOURCE = (EXIT_TOKENS, ENTER_TOKENS, V_STAR_TOKENS, BANDWIDTH, GPU_CLASSES)
+READY = Gauge("vskipper_operator_resource_ready", "1 when the SkipperDeployment's Ready condition is True, else 0",
+              ["namespace", "name"], registry=REGISTRY)
+
+_PER_RESOURCE = (EXIT_TOKENS, ENTER_TOKENS, V_STAR_TOKENS, BANDWIDTH, GPU_CLASSES, READY)
 
 
 def record_plan(result) -> None:
@@ -46,6 +49,11 @@ def record_plan(result) -> None:
     for served in (True, False):
         count = sum(1 for c in result.classes if c.served is served)
         GPU_CLASSES.labels(result.namespace, result.name, str(served).lower()).set(count)
+
+
+def record_ready(namespace: str, name: str, conditions) -> None:
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    READY.labels(namespace, name).set(1 if ready else 0)
 
 
 def forget(namespace: str, name: str) -> None:

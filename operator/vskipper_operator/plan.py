@@ -17,6 +17,7 @@ Pure Python: no torch, no I/O, no Kubernetes client.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import re
@@ -31,7 +32,15 @@ from vskipper.metrics_names import GPU_CLASS_POD_LABEL as CLASS_LABEL
 from vskipper.modelspec import DTYPE_BYTES, PRESETS
 from vskipper.roofline import Device, Thresholds, derive_thresholds, find_device, normalize_product
 from vskipper.skippers.registry import SkipperConfigError, get_entry
-from vskipper_operator.crd import API_VERSION, GPU_PRODUCT_LABEL, KIND, SpecError, apply_schema, check_name
+from vskipper_operator.crd import (
+    API_VERSION,
+    GPU_PRODUCT_LABEL,
+    HF_SCHEME,
+    KIND,
+    SpecError,
+    apply_schema,
+    check_name,
+)
 from vskipper_operator.flags import check_extra_args
 
 MANAGER = "vskipper-operator"
@@ -40,12 +49,27 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 PRODUCT_ANNOTATION = "vskipper.io/gpu-product"
+NODES_LOST_ANNOTATION = "vskipper.io/nodes-lost-at"
 CONFIG_DIR = "/etc/vskipper"
 ARM_FILE = f"{CONFIG_DIR}/arm.json"
 PROBE_MODULE = "vskipper_operator.probe"
 
 
 GPU_RESOURCE = "nvidia.com/gpu"
+MIG_STRATEGY_LABEL = "nvidia.com/mig.strategy"
+MODEL_CACHE = "/models"  # where an hf:// download's cache volume is mounted
+FETCH_CONTAINER = "fetch-model"
+FETCH_MODULE = "vskipper.fetch"
+RUNTIME_UID = 10001  # the runtime image's user (images/runtime.Dockerfile: USER 10001:10001)
+API_KEY_ENV = "VSKIPPER_API_KEY"
+DRAIN_SECONDS = 15  # preStop: endpoints stop routing to a terminating pod before SGLang gets SIGTERM
+DEFAULT_CPU = "4"  # per replica, when spec.resources.cpu is not given
+DEFAULT_MEMORY = "32Gi"  # host memory for loading the weights and the tokenizer workers
+PROBE_PERIOD = 10
+# PodSecurity `restricted` (tests/pod_security.py checks every planned pod against it): non-root, the runtime's
+# default seccomp profile, no privilege escalation, every capability dropped.
+POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
 @dataclass(frozen=True)
@@ -174,9 +198,24 @@ class GpuClass:
     threshold_source: str | None = None  # roofline | override
     deployment: str | None = None
     replicas: int = 0
+    mig_strategy: str = ""  # the nodes' nvidia.com/mig.strategy label (single, mixed), if any
+    node_state: str = "Present"  # Present | AwaitingScaleUp (no node yet) | NodesLost (kept for the grace period)
+    nodes_lost_at: str | None = None  # when a served class was first seen without nodes
+
+    @property
+    def gpu_resource(self) -> str:
+        """The extended resource a pod of this class requests: a MIG slice under the `mixed` strategy is its own
+        resource (`nvidia.com/mig-1g.10gb`); whole GPUs, and slices under `single`, are `nvidia.com/gpu`."""
+        match = re.search(r"-MIG-([0-9]+g\.[0-9]+gb)$", self.product, re.IGNORECASE)
+        return f"nvidia.com/mig-{match[1].lower()}" if match and self.mig_strategy == "mixed" else GPU_RESOURCE
 
     def as_status(self, ready: int = 0) -> dict:
-        row: dict[str, Any] = {"product": self.product, "nodes": self.nodes, "served": self.served}
+        row: dict[str, Any] = {"product": self.product, "nodes": self.nodes, "served": self.served,
+                               "nodeState": self.node_state}
+        if self.nodes_lost_at:
+            row["nodesLostAt"] = self.nodes_lost_at
+        if self.served:
+            row["labels"] = list(self.labels)
         if self.device:
             row["device"] = self.device.name
         if self.reason:
@@ -239,9 +278,11 @@ class PlanResult:
         return out
 
     def status(self, ready: Mapping[str, int] | None = None, generation: int | None = None,
-               now: str = "", previous: Iterable[Mapping[str, Any]] = (), conflicts: Iterable[str] = ()) -> dict:
-        """The resource's status, given ready replicas per Deployment name (`now` stamps changed conditions) and
-        the planned objects whose names other objects hold (`conflicts`, one line each)."""
+               now: str = "", previous: Iterable[Mapping[str, Any]] = (), conflicts: Iterable[str] = (),
+               pods: Iterable[Mapping[str, Any]] = ()) -> dict:
+        """The resource's status, given ready replicas per Deployment name (`now` stamps changed conditions),
+        the planned objects whose names other objects hold (`conflicts`, one line each) and the server pods
+        (their download init containers' state: the ModelAvailable condition)."""
         conflicts = list(conflicts)
         ready = dict(ready or {})
         rows = [c.as_status(ready.get(c.deployment or "", 0)) for c in self.classes]
@@ -259,6 +300,9 @@ class PlanResult:
             "AllClassesServed", "every allowed GPU class present is served")
         blocked = "NameTaken" if conflicts else "ReplicasPerClassUnmatched" if self.unmatched else ""
         ready = bool(self.served) and have >= want and not blocked
+        model = model_condition(self.resolved, pods)
+        if not blocked and model and model["reason"] in ("Downloading", "DownloadFailed"):
+            blocked = "ModelDownloadFailed" if model["reason"] == "DownloadFailed" else "ModelDownloading"
         conditions = [
             _condition("ThresholdsDerived", bool(self.served), "Derived" if self.served else "NoServableGPU",
                        "; ".join(f"{c.display}: exit {c.exit_tokens}, enter {c.enter_tokens}" for c in self.served)
@@ -267,7 +311,7 @@ class PlanResult:
             _condition("Ready", ready, "ReplicasReady" if ready else
                        ("NoServableGPU" if not self.served else blocked or "ReplicasNotReady"),
                        f"{have}/{want} replicas ready"),
-        ]
+        ] + ([model] if model else [])
         prev = {c.get("type"): c for c in previous or ()}
         for cond in conditions:
             old = prev.get(cond["type"])
@@ -285,6 +329,40 @@ class PlanResult:
         if generation is not None:
             status["observedGeneration"] = generation
         return status
+
+
+def model_condition(r: Resolved, pods: Iterable[Mapping[str, Any]]) -> dict | None:
+    """The ModelAvailable condition of a resource whose checkpoint is downloaded (None otherwise), from its server
+    pods' `fetch-model` init containers: DownloadFailed (with the container's termination message) when one
+    failed, Downloading while one runs, Downloaded when every pod's finished, Unknown before any pod has one."""
+    if not downloads(r):
+        return None
+    states = []
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            if cs.get("name") == FETCH_CONTAINER:
+                states.append(((pod.get("metadata") or {}).get("name", "?"), cs))
+    failures, running, done = [], [], 0
+    for pod_name, cs in states:
+        state, last = cs.get("state") or {}, cs.get("lastState") or {}
+        finished = state.get("terminated") or {}
+        failed = finished if finished.get("exitCode") not in (None, 0) else last.get("terminated") or {}
+        if finished.get("exitCode") == 0:
+            done += 1
+        elif failed.get("exitCode") not in (None, 0):
+            message = (failed.get("message") or failed.get("reason") or "").strip().splitlines()
+            failures.append(f"{pod_name}: {message[-1] if message else 'exit code ' + str(failed['exitCode'])}")
+        elif "running" in state:
+            running.append(pod_name)
+    uri = f"{r.spec['model']['path']}@{r.spec['model'].get('revision', 'main')}"
+    if failures:
+        return _condition("ModelAvailable", False, "DownloadFailed", f"{uri}: " + "; ".join(failures))
+    if running:
+        return _condition("ModelAvailable", False, "Downloading", f"{uri}: downloading in {', '.join(running)}")
+    if states and done == len(states):
+        return _condition("ModelAvailable", True, "Downloaded", f"{uri}: downloaded and checked in {done} pod(s)")
+    return {**_condition("ModelAvailable", False, "Pending", f"{uri}: no server pod has started its download"),
+            "status": "Unknown"}
 
 
 def _k(tokens: int | None) -> str:
@@ -318,6 +396,7 @@ def _lookup(table: Mapping[str, Any], product: str) -> Any:
 def _classes(nodes: Iterable[Node | Mapping[str, Any]], spec: dict, unlabelled: list[str]) -> list[GpuClass]:
     selector = spec.get("placement", {}).get("nodeSelector") or {}
     groups: dict[str, tuple[set[str], list[int]]] = {}
+    strategies: dict[str, str] = {}
     for node in nodes:
         node = node if isinstance(node, Node) else Node.from_object(node)
         labels = node.labels
@@ -332,14 +411,83 @@ def _classes(nodes: Iterable[Node | Mapping[str, Any]], spec: dict, unlabelled: 
         seen, count = groups.setdefault(product, (set(), [0]))
         seen.add(raw)
         count[0] += 1
-    return [GpuClass(p, tuple(sorted(seen)), count[0]) for p, (seen, count) in sorted(groups.items())]
+        if labels.get(MIG_STRATEGY_LABEL):
+            strategies[product] = labels[MIG_STRATEGY_LABEL]
+    return [GpuClass(p, tuple(sorted(seen)), count[0], mig_strategy=strategies.get(p, ""))
+            for p, (seen, count) in sorted(groups.items())]
+
+
+def _parse_time(text: str | None) -> datetime.datetime | None:
+    try:
+        return datetime.datetime.strptime(text or "", "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    except ValueError:
+        return None
+
+
+def served_rows(applied: Iterable[Mapping[str, Any]]) -> list[dict]:
+    """What the applied Deployments say was served: per class, its product, the product labels its pods are pinned
+    to and, for a class already seen without nodes, since when (the Deployment's `vskipper.io/nodes-lost-at`).
+    Read from the objects themselves, listed anew on every reconcile, so no stale status can drop a class early."""
+    rows = []
+    for obj in applied:
+        annotations = (obj.get("metadata") or {}).get("annotations") or {}
+        if obj.get("kind") != "Deployment" or PRODUCT_ANNOTATION not in annotations:
+            continue
+        terms = ((((obj.get("spec") or {}).get("template") or {}).get("spec") or {}).get("affinity") or {}).get(
+            "nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+        labels = [v for t in terms for e in t.get("matchExpressions", []) if e.get("key") == GPU_PRODUCT_LABEL
+                  for v in e.get("values", [])]
+        row = {"product": annotations[PRODUCT_ANNOTATION], "served": True, "labels": labels}
+        if annotations.get(NODES_LOST_ANNOTATION):
+            row.update(nodeState="NodesLost", nodesLostAt=annotations[NODES_LOST_ANNOTATION])
+        rows.append(row)
+    return rows
+
+
+def _absent_classes(present: list[GpuClass], spec: dict, previous: Iterable[Mapping[str, Any]],
+                    now: str) -> list[GpuClass]:
+    """Classes with no node that are planned anyway: those named in spec.placement.gpuProducts when
+    spec.placement.scaleFromZero (their pending pods are what a cluster autoscaler scales a node pool up for), and
+    classes served before (`previous`: status rows or `served_rows` of the applied Deployments) whose nodes are
+    gone, for spec.placement.nodeLossGraceSeconds from when that was first seen (a label flap, a pool drained to
+    zero, an upgrade surge)."""
+    placement = spec["placement"]
+    have = {_key(c.product) for c in present}
+    out: list[GpuClass] = []
+    if placement["scaleFromZero"]:
+        for entry in placement.get("gpuProducts") or []:
+            device = find_device(entry)
+            labels = tuple(sorted(device.gfd_products)) if device and device.gfd_products else (entry,)
+            product = labels[0] if device and device.gfd_products else normalize_product(entry)
+            if _key(product) in have or any(_key(lab) in have for lab in labels):
+                continue
+            have.add(_key(product))
+            out.append(GpuClass(product, labels, 0, node_state="AwaitingScaleUp"))
+    grace = datetime.timedelta(seconds=placement["nodeLossGraceSeconds"])
+    current = _parse_time(now)
+    for row in previous or ():
+        product = str(row.get("product", ""))
+        if not product or not row.get("served") or _key(product) in have:
+            continue
+        lost_at = row.get("nodesLostAt") if row.get("nodeState") == "NodesLost" else now
+        since = _parse_time(lost_at)
+        if current is None or since is None or current - since >= grace:
+            continue
+        have.add(_key(product))
+        labels = tuple(row.get("labels") or (product,))
+        out.append(GpuClass(product, labels, 0, node_state="NodesLost", nodes_lost_at=lost_at))
+    return out
 
 
 def plan(resource: Mapping[str, Any], nodes: Iterable[Node | Mapping[str, Any]],
-         measured: Mapping[str, float] | None = None) -> PlanResult:
+         measured: Mapping[str, float] | None = None, previous: Iterable[Mapping[str, Any]] = (),
+         now: str = "") -> PlanResult:
     """The desired objects and status rows for one SkipperDeployment on the given nodes (see module docstring).
 
     `measured` maps GPU products to probe-measured bandwidths (GB/s); a spec override still wins over them.
+    `previous` says which classes were served (the resource's `status.gpuClasses`, or `served_rows` of the applied
+    Deployments) and `now` is the current time (`%Y-%m-%dT%H:%M:%SZ`): together they keep a served class whose
+    nodes are gone for the grace period.
     """
     r = resolve(resource)
     spec = r.spec
@@ -348,6 +496,7 @@ def plan(resource: Mapping[str, Any], nodes: Iterable[Node | Mapping[str, Any]],
     fixed = spec["switch"].get("thresholds")
     unlabelled: list[str] = []
     classes = _classes(nodes, spec, unlabelled)
+    classes = sorted(classes + _absent_classes(classes, spec, previous, now), key=lambda c: c.product)
     for c in classes:
         c.device = find_device(c.product)
         if not _allowed(c.product, allowed):
@@ -450,7 +599,7 @@ def server_args(r: Resolved, c: GpuClass) -> list[str]:
     attested arm, SGLang flags). The container sets no `command`: the runtime image's entrypoint
     (images/runtime/entrypoint.py) checks them and execs `vskipper serve` with them."""
     spec, serving = r.spec, r.spec["serving"]
-    args = ["--model", spec["model"]["path"], "--arm", r.arm.name, "--arm-config", ARM_FILE,
+    args = ["--model", model_dir(r), "--arm", r.arm.name, "--arm-config", ARM_FILE,
             "--exit-tokens", str(c.exit_tokens), "--enter-tokens", str(c.enter_tokens),
             "--host", "0.0.0.0", "--port", str(serving["port"]),
             "--served-model-name", spec["model"].get("servedName") or r.name,
@@ -463,7 +612,74 @@ def server_args(r: Resolved, c: GpuClass) -> list[str]:
         args.append("--disable-radix-cache")
     if spec["metrics"]["enabled"]:
         args.append("--enable-metrics")
+    if serving.get("apiKeySecret"):
+        args += ["--api-key", f"$({API_KEY_ENV})"]  # expanded by the kubelet from the Secret-backed variable
     return args + list(serving.get("extraArgs", []))
+
+
+# -- model storage ----------------------------------------------------------------------------------------------
+
+def downloads(r: Resolved) -> bool:
+    return r.spec["model"]["path"].startswith(HF_SCHEME)
+
+
+def model_dir(r: Resolved) -> str:
+    """Where the server reads the checkpoint: spec.model.path, or for hf:// the download's folder in the cache
+    volume (`/models/hf/ORG/NAME/REVISION`, a revision's slashes as `--`)."""
+    model = r.spec["model"]
+    if not downloads(r):
+        return model["path"]
+    revision = model.get("revision", "main").replace("/", "--")
+    return f"{MODEL_CACHE}/hf/{model['path'][len(HF_SCHEME):]}/{revision}"
+
+
+def _model_volume(r: Resolved) -> dict | None:
+    storage = r.spec["model"].get("storage")
+    if storage and "pvc" in storage:
+        return {"name": "model", "persistentVolumeClaim": {"claimName": storage["pvc"]["claimName"],
+                                                            "readOnly": _model_read_only(r)}}
+    if storage and "hostPath" in storage:
+        return {"name": "model", "hostPath": {"path": storage["hostPath"]["path"], "type": "Directory"
+                                              if not downloads(r) else "DirectoryOrCreate"}}
+    if downloads(r):
+        limit = (r.spec["model"].get("download") or {}).get("cacheSizeLimit")
+        return {"name": "model", "emptyDir": {"sizeLimit": str(limit)} if limit is not None else {}}
+    return None
+
+
+def _model_read_only(r: Resolved) -> bool:
+    storage = r.spec["model"].get("storage") or {}
+    return storage.get("readOnly", not downloads(r))
+
+
+def _model_mount(r: Resolved, writable: bool = False) -> dict:
+    storage = r.spec["model"].get("storage") or {}
+    mount = {"name": "model", "mountPath": MODEL_CACHE if downloads(r) else r.spec["model"]["path"],
+             "readOnly": not writable}
+    if storage.get("subPath"):
+        mount["subPath"] = storage["subPath"]
+    return mount
+
+
+def _fetch_container(r: Resolved) -> dict:
+    """The init container that downloads an hf:// checkpoint into the cache volume (`python -m vskipper.fetch`,
+    which checks config.json and the weights after the download and skips a finished one)."""
+    model = r.spec["model"]
+    download = model.get("download") or {}
+    env = [{"name": "HF_HOME", "value": f"{MODEL_CACHE}/.hf-home"},
+           {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"}]
+    if download.get("endpoint"):
+        env.append({"name": "HF_ENDPOINT", "value": download["endpoint"]})
+    if download.get("tokenSecret"):
+        secret = download["tokenSecret"]
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": secret["name"], "key": secret.get("key", "token")}}})
+    return {"name": FETCH_CONTAINER, "image": r.spec["serving"]["image"],
+            "command": ["python", "-m", FETCH_MODULE],
+            "args": [model["path"], "--revision", model.get("revision", "main"), "--out", model_dir(r)],
+            "env": env, "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+            "securityContext": dict(CONTAINER_SECURITY), "terminationMessagePolicy": "FallbackToLogsOnError",
+            "volumeMounts": [_model_mount(r, writable=True)]}
 
 
 def _config_map(r: Resolved, classes: list[GpuClass]) -> dict:
@@ -479,51 +695,109 @@ def _config_map(r: Resolved, classes: list[GpuClass]) -> dict:
                      "thresholds.json": json.dumps(thresholds, indent=2, sort_keys=True)}}
 
 
-def _deployment(r: Resolved, c: GpuClass, config_hash: str) -> dict:
-    spec, serving, res = r.spec, r.spec["serving"], r.spec["resources"]
-    labels = {**_labels(r.name), CLASS_LABEL: _slug(c.product)[:63].strip("-")}
-    selector = {INSTANCE_LABEL: r.name, COMPONENT_LABEL: "server", CLASS_LABEL: labels[CLASS_LABEL]}
-    requests = {k: str(res[k]) for k in ("cpu", "memory") if k in res}
-    container = {
-        "name": "server", "image": serving["image"], "args": server_args(r, c),
-        "ports": [{"name": "http", "containerPort": serving["port"], "protocol": "TCP"}],
-        "env": [{"name": "VSKIPPER_GPU_PRODUCT", "value": c.product}],
-        "resources": {"limits": {"nvidia.com/gpu": str(res["gpus"])}, **({"requests": requests} if requests else {})},
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
-        "volumeMounts": [{"name": "switch", "mountPath": CONFIG_DIR, "readOnly": True},
-                         {"name": "shm", "mountPath": "/dev/shm"}],
-    }
-    pod: dict[str, Any] = {
-        "affinity": _affinity(c), "containers": [container],
-        "volumes": [{"name": "switch", "configMap": {"name": f"{r.name}-switch"}},
-                    {"name": "shm", "emptyDir": {"medium": "Memory"}}],
-    }
+def _class_selector(r: Resolved, c: GpuClass) -> dict:
+    return {INSTANCE_LABEL: r.name, COMPONENT_LABEL: "server", CLASS_LABEL: _slug(c.product)[:63].strip("-")}
+
+
+def _placement(spec: dict, c: GpuClass) -> dict:
+    """Node affinity on the class's product labels, spec.placement's nodeSelector and tolerations: the server pods
+    and the class's probe Job schedule on the same nodes."""
+    pod: dict[str, Any] = {"affinity": _affinity(c)}
     placement = spec.get("placement", {})
     if placement.get("nodeSelector"):
         pod["nodeSelector"] = dict(placement["nodeSelector"])
     if placement.get("tolerations"):
         pod["tolerations"] = list(placement["tolerations"])
-    annotations = {PRODUCT_ANNOTATION: c.product, "vskipper.io/exit-tokens": str(c.exit_tokens),
+    return pod
+
+
+def _deployment(r: Resolved, c: GpuClass, config_hash: str) -> dict:
+    spec, serving, res, knobs = r.spec, r.spec["serving"], r.spec["resources"], r.spec.get("pod") or {}
+    labels = {**_labels(r.name), CLASS_LABEL: _slug(c.product)[:63].strip("-")}
+    requests = {"cpu": str(res.get("cpu", DEFAULT_CPU)), "memory": str(res.get("memory", DEFAULT_MEMORY))}
+    env = [{"name": "VSKIPPER_GPU_PRODUCT", "value": c.product}]
+    if serving.get("apiKeySecret"):
+        secret = serving["apiKeySecret"]
+        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret["name"],
+                                                                         "key": secret.get("key", "api-key")}}})
+    mounts = [{"name": "switch", "mountPath": CONFIG_DIR, "readOnly": True}, {"name": "shm", "mountPath": "/dev/shm"}]
+    volumes = [{"name": "switch", "configMap": {"name": f"{r.name}-switch"}},
+               {"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    model_volume = _model_volume(r)
+    if model_volume:
+        volumes.append(model_volume)
+        mounts.append(_model_mount(r))
+    def probe(path: str, period: int, timeout: int, failures: int) -> dict:
+        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": timeout,
+                "failureThreshold": failures}
+
+    container = {
+        "name": "server", "image": serving["image"], "args": server_args(r, c),
+        "ports": [{"name": "http", "containerPort": serving["port"], "protocol": "TCP"}],
+        "env": env + list(knobs.get("env", [])),
+        "resources": {"limits": {c.gpu_resource: str(res["gpus"])}, "requests": requests},
+        # SGLang 0.5.21's endpoints (none needs the API key): /health answers 200 once the model is loaded and
+        # warmed up, which the startup probe waits for; /health_generate runs a one-token generation unless
+        # requests are running (a hung scheduler fails it: liveness restarts the pod); /ready is 503 while
+        # starting or shutting down (readiness takes the pod out of the Service).
+        "startupProbe": probe("/health", PROBE_PERIOD, 5, -(-serving["startupTimeoutSeconds"] // PROBE_PERIOD)),
+        "livenessProbe": probe("/health_generate", 30, 25, 3),
+        "readinessProbe": probe("/ready", PROBE_PERIOD, 5, 3),
+        # Endpoints stop sending new requests before SGLang is told to stop; the grace period covers the drain.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(DRAIN_SECONDS)]}}},
+        "securityContext": dict(CONTAINER_SECURITY),
+        "volumeMounts": mounts + list(knobs.get("volumeMounts", [])),
+    }
+    pod: dict[str, Any] = {
+        **_placement(spec, c), "containers": [container],
+        "securityContext": {**POD_SECURITY, **({"fsGroup": RUNTIME_UID, "fsGroupChangePolicy": "OnRootMismatch"}
+                                               if downloads(r) else {})},
+        "terminationGracePeriodSeconds": serving["terminationGracePeriodSeconds"],
+        "volumes": volumes + list(knobs.get("volumes", [])),
+    }
+    if downloads(r):
+        pod["initContainers"] = [_fetch_container(r)]
+    for key in ("serviceAccountName", "priorityClassName", "imagePullSecrets"):
+        if knobs.get(key):
+            pod[key] = knobs[key]
+    annotations = {**(knobs.get("annotations") or {}),
+                   PRODUCT_ANNOTATION: c.product, "vskipper.io/exit-tokens": str(c.exit_tokens),
                    "vskipper.io/enter-tokens": str(c.enter_tokens), "vskipper.io/bandwidth-gbps": f"{c.bandwidth_gbps:g}",
                    "vskipper.io/bandwidth-source": c.bandwidth_source, "vskipper.io/config-hash": config_hash}
     return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": _meta(r, c.deployment, labels, {PRODUCT_ANNOTATION: c.product}),
-            "spec": {"replicas": c.replicas, "selector": {"matchLabels": selector},
-                     "template": {"metadata": {"labels": dict(labels), "annotations": annotations}, "spec": pod}}}
+            "metadata": _meta(r, c.deployment, labels, {PRODUCT_ANNOTATION: c.product, **(
+                {NODES_LOST_ANNOTATION: c.nodes_lost_at} if c.nodes_lost_at else {})}),
+            "spec": {"replicas": c.replicas, "selector": {"matchLabels": _class_selector(r, c)},
+                     # A GPU node seldom has a spare GPU: replace one pod at a time, never surge.
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+                     "template": {"metadata": {"labels": {**(knobs.get("labels") or {}), **labels},
+                                               "annotations": annotations}, "spec": pod}}}
+
+
+def _disruption_budget(r: Resolved, c: GpuClass) -> dict:
+    """At most one server of a class evicted at a time (node drains, autoscaler scale-down)."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(r, c.deployment, {**_labels(r.name), CLASS_LABEL: _class_selector(r, c)[CLASS_LABEL]},
+                              {PRODUCT_ANNOTATION: c.product}),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _class_selector(r, c)}}}
 
 
 def _probe_job(r: Resolved, c: GpuClass) -> dict:
     labels = {**_labels(r.name, "bandwidth-probe"), CLASS_LABEL: _slug(c.product)[:63].strip("-")}
+    knobs = r.spec.get("pod") or {}
     container = {"name": "probe", "image": r.spec["serving"]["image"],
                  "command": ["python", "-m", PROBE_MODULE], "args": ["--device", "cuda"],
-                 "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                 "terminationMessagePolicy": "File"}
+                 "resources": {"limits": {c.gpu_resource: "1"}},
+                 "securityContext": dict(CONTAINER_SECURITY), "terminationMessagePolicy": "File"}
+    pod = {"restartPolicy": "Never", **_placement(r.spec, c), "securityContext": dict(POD_SECURITY),
+           "containers": [container]}
+    for key in ("serviceAccountName", "priorityClassName", "imagePullSecrets"):
+        if knobs.get(key):
+            pod[key] = knobs[key]
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": _meta(r, _child_name(r.name, c.product, "probe-"), labels, {PRODUCT_ANNOTATION: c.product}),
             "spec": {"backoffLimit": 1, "ttlSecondsAfterFinished": 3600,
-                     "template": {"metadata": {"labels": labels},
-                                  "spec": {"restartPolicy": "Never", "affinity": _affinity(c),
-                                           "containers": [container]}}}}
+                     "template": {"metadata": {"labels": labels}, "spec": pod}}}
 
 
 def _objects(r: Resolved, classes: list[GpuClass], measured: Mapping[str, float]) -> list[dict]:
@@ -536,6 +810,7 @@ def _objects(r: Resolved, classes: list[GpuClass], measured: Mapping[str, float]
                         "selector": {INSTANCE_LABEL: r.name, COMPONENT_LABEL: "server"},
                         "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]}}
     objects = [config, service] + [_deployment(r, c, config_hash) for c in classes if c.served]
+    objects += [_disruption_budget(r, c) for c in classes if c.served]
     if spec["metrics"]["enabled"] and spec["metrics"]["serviceMonitor"]:
         objects.append({
             "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
@@ -545,8 +820,8 @@ def _objects(r: Resolved, classes: list[GpuClass], measured: Mapping[str, float]
                      "podTargetLabels": [CLASS_LABEL],
                      "endpoints": [{"port": "http", "path": "/metrics", "interval": spec["metrics"]["interval"]}]}})
     if spec["bandwidthProbe"]["enabled"]:
-        objects += [_probe_job(r, c) for c in classes
-                    if not c.reason.startswith("NotAllowed") and _lookup(measured, c.product) is None]
+        objects += [_probe_job(r, c) for c in classes if not c.reason.startswith("NotAllowed")
+                    and c.node_state == "Present" and _lookup(measured, c.product) is None]
     return objects
 
 

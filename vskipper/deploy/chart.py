@@ -1,5 +1,7 @@
 """The chart's generated files: values.schema.json (from values.yaml and its constraints), the CRD in crds/
-(from the operator's schema), and the ClusterRole rules (from manifests/operator.yaml, the one RBAC source)."""
+(from the operator's schema), and the RBAC rules (from manifests/operator.yaml, the one RBAC source): the
+cluster-wide reads, and the rules for a watched namespace (a ClusterRole bound cluster-wide, or a Role per
+namespace in operator.watchNamespaces)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ from typing import Any
 CHART = Path("helm/vskipper")
 CRD_FILE = CHART / "crds" / "skipperdeployments.vskipper.io.yaml"
 SCHEMA_FILE = CHART / "values.schema.json"
-RBAC_FILE = CHART / "files" / "operator-rbac-rules.yaml"
+RBAC_FILES = {"cluster": CHART / "files" / "operator-rbac-cluster-rules.yaml",
+              "namespaced": CHART / "files" / "operator-rbac-namespaced-rules.yaml"}
+# The plain manifest's ClusterRoles: cluster-wide reads, and what the operator does in a watched namespace.
+RBAC_ROLES = {"cluster": "vskipper-operator-cluster", "namespaced": "vskipper-operator"}
 OPERATOR_MANIFEST = Path("manifests/operator.yaml")
 
 _DNS1123 = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -121,14 +126,15 @@ def _has_path(values: dict, path: str) -> bool:
     return True
 
 
-def rbac_rules(manifest_text: str) -> list[dict]:
-    """The ClusterRole rules of the plain operator manifest."""
+def rbac_rules(manifest_text: str) -> dict[str, list[dict]]:
+    """The rules of the plain operator manifest's two ClusterRoles, by part (cluster, namespaced)."""
     import yaml
 
-    roles = [d for d in yaml.safe_load_all(manifest_text) if d and d.get("kind") == "ClusterRole"]
-    if len(roles) != 1:
-        raise ValueError(f"{OPERATOR_MANIFEST}: expected one ClusterRole, found {len(roles)}")
-    return roles[0]["rules"]
+    roles = {d["metadata"]["name"]: d for d in yaml.safe_load_all(manifest_text) if d and d.get("kind") == "ClusterRole"}
+    if set(roles) != set(RBAC_ROLES.values()):
+        raise ValueError(f"{OPERATOR_MANIFEST}: expected the ClusterRoles {', '.join(RBAC_ROLES.values())}, "
+                         f"found {', '.join(roles) or 'none'}")
+    return {part: roles[name]["rules"] for part, name in RBAC_ROLES.items()}
 
 
 def generated_files(root: Path) -> dict[Path, str]:
@@ -142,5 +148,7 @@ def generated_files(root: Path) -> dict[Path, str]:
     return {
         SCHEMA_FILE: json.dumps(schema, indent=2) + "\n",
         CRD_FILE: render_crd_yaml(),
-        RBAC_FILE: header + yaml.safe_dump(rules, sort_keys=False, default_flow_style=None, width=110),
+        **{path: f"{header}# ClusterRole {RBAC_ROLES[part]}\n"
+           + yaml.safe_dump(rules[part], sort_keys=False, default_flow_style=None, width=110)
+           for part, path in RBAC_FILES.items()},
     }

@@ -99,10 +99,50 @@ def alerts() -> list[dict]:
     ]
 
 
+RUNBOOK = "https://github.com/vskipper/vskipper/blob/main/deploy/runbook.md"
+# The operator's metrics target: the chart's ServiceMonitor (job = the metrics Service, `<release>-vskipper-
+# operator-metrics`) or PodMonitor (job = `<namespace>/<monitor>`), or a static job of that name.
+OPERATOR_JOB = 'job=~".*vskipper-operator.*"'
+NOT_READY_FOR = "30m"  # a model download and load take minutes; the startup probe allows 30 by default
+NOT_SERVED_FOR = "15m"
+
+
+def operator_alerts() -> list[dict]:
+    """The operator and the resources it serves: the operator's target down or gone, a SkipperDeployment not
+    Ready, GPU classes present but not served. Each links its runbook section."""
+    return [
+        {"alert": "VskipperOperatorDown",
+         "expr": f"up{{{OPERATOR_JOB}}} == 0\nor absent(up{{{OPERATOR_JOB}}})", "for": "5m",
+         "labels": {"severity": "critical"},
+         "annotations": {
+             "summary": "The vSkipper operator is down or not scraped",
+             "description": "No vSkipper operator target has answered for 5m: SkipperDeployments are not "
+                            "reconciled (new GPU classes, scaling, drift and model-download status wait).",
+             "runbook_url": f"{RUNBOOK}#vskipperoperatordown"}},
+        {"alert": "VskipperDeploymentNotReady", "expr": "vskipper_operator_resource_ready == 0",
+         "for": NOT_READY_FOR, "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "A SkipperDeployment is not Ready",
+             "description": "{{ $labels.namespace }}/{{ $labels.name }} has not been Ready for "
+                            f"{NOT_READY_FOR}: see its Ready and ModelAvailable conditions "
+                            "(kubectl describe skd).",
+             "runbook_url": f"{RUNBOOK}#vskipperdeploymentnotready"}},
+        {"alert": "VskipperGpuClassNotServed", "expr": 'vskipper_operator_gpu_classes{served="false"} > 0',
+         "for": NOT_SERVED_FOR, "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "GPU classes in the pool are not served",
+             "description": "{{ $labels.namespace }}/{{ $labels.name }}: {{ $value }} GPU class(es) present "
+                            "are not served (unknown bandwidth, or not in spec.placement.gpuProducts): "
+                            "status.gpuClasses gives each reason.",
+             "runbook_url": f"{RUNBOOK}#vskippergpuclassnotserved"}},
+    ]
+
+
 def rule_groups() -> dict:
     return {"groups": [
         {"name": "vskipper.recording", "rules": recording_rules()},
         {"name": "vskipper.alerts", "rules": alerts()},
+        {"name": "vskipper.operator", "rules": operator_alerts()},
     ]}
 
 
