@@ -26,7 +26,9 @@ TORCH_CORE = {"vskipper.checkpoint", "vskipper.tour", "vskipper.skippers.base", 
               "vskipper.skippers.random_skip", "vskipper.skippers.static_depth", "vskipper.skippers.trained_gate"}
 # The command line: its module level is pure (test_cli proves it imports no torch); its verbs reach the mixed and
 # SGLang floors through imports inside the verb.
-ENTRY = {"vskipper.cli"}
+# `vskipper.fetch` is the model-download command the server pod's init container runs (standard library, and
+# huggingface_hub when importable).
+ENTRY = {"vskipper.cli", "vskipper.fetch"}
 
 # Known exceptions, each named; a fix removes its line here.
 KNOWN_BACKWARD = {
