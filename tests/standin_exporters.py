@@ -92,7 +92,12 @@ class KubeStateStandIn:
             ("llm", "unrelated-0", "", False))
 
     def __init__(self, port: int):
-        from vskipper.deploy.dashboard import KUBE_CONTAINER_RESTARTS, KUBE_GPU_CLASS, KUBE_POD_LABELS, KUBE_POD_READY
+        from vskipper.deploy.dashboard import (
+            KUBE_CONTAINER_RESTARTS,
+            KUBE_GPU_CLASS,
+            KUBE_POD_LABELS,
+            KUBE_POD_READY,
+        )
 
         reg = CollectorRegistry()
         labels = Gauge(KUBE_POD_LABELS, "pod labels", ["namespace", "pod", "uid", KUBE_GPU_CLASS], registry=reg)

@@ -93,11 +93,10 @@ def test_dashboard_covers_routing_switch_serving_pods_and_operator_health():
 def test_every_metric_the_dashboard_and_rules_name_is_declared():
     """Static twin of the live-Prometheus test: each metric name in a query is a runtime metric from
     vskipper.metrics_names, an SGLang histogram, or a metric of the operator's registry."""
+    from vskipper.deploy.dashboard import KUBE_STATE_METRICS
     from vskipper.deploy.dashboard import all_expressions as dashboard_exprs
     from vskipper.deploy.rules import all_expressions as rule_exprs
     from vskipper_operator.metrics import REGISTRY
-
-    from vskipper.deploy.dashboard import KUBE_STATE_METRICS
 
     known = {m.name for m in mn.RUNTIME_METRICS}
     known |= {f"{h}_bucket" for h in mn.SGLANG_HISTOGRAMS} | {*mn.SGLANG_GAUGES, *mn.SGLANG_COUNTERS}
