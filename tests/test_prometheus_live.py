@@ -433,13 +433,28 @@ def test_real_runtime_answers_every_recording_rule(real_runtime):
     assert float(routed[0]["value"][1]) > 0  # the switch engaged on the real server
 
 
-def test_real_runtime_emits_every_runtime_metric_and_sglang_histogram(real_runtime):
+def test_real_runtime_emits_every_runtime_metric_and_sglang_metric(real_runtime):
     """The inputs of every runtime-side panel and rule, the alerts' included, come from the real server."""
     base, _ = real_runtime
     names = [m.name for m in mn.RUNTIME_METRICS]
     names += [f'{h.replace("sglang:", "sglang[:_]")}_bucket' for h in mn.SGLANG_HISTOGRAMS]
+    names += [h.replace("sglang:", "sglang[:_]") for h in (*mn.SGLANG_GAUGES, *mn.SGLANG_COUNTERS)]
     missing = [n for n in names if not _query(base, f'{{__name__=~"{n}"}}')]
     assert not missing, f"not exported by the real server: {missing}"
     rule_inputs = {n for _, expr in _rule_exprs() if _runtime_side(expr)
                    for n in (m.name for m in mn.RUNTIME_METRICS) if n in expr}
     assert rule_inputs <= set(names)
+
+
+def test_autoscaling_examples_adapter_rule_gives_the_hpa_a_value_per_server_pod(real_runtime):
+    """prometheus-adapter's steps for the HPA example's Pods metric, on the real server's series: discover the
+    series with the rule's seriesQuery, then evaluate its metricsQuery for the pod in its namespace."""
+    from test_autoscaling_example import adapter_query, adapter_rule
+
+    base, labels = real_runtime
+    rule = adapter_rule()
+    series = {r["metric"]["__name__"] for r in _query(base, rule["seriesQuery"])}
+    assert len(series) == 1, series
+    result = _query(base, adapter_query(rule, series.pop(), labels["namespace"], [labels["pod"], "other-0"]))
+    assert [r["metric"] for r in result] == [{"pod": labels["pod"]}]
+    assert float(result[0]["value"][1]) >= 0
