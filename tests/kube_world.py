@@ -56,6 +56,7 @@ RESOURCES = [
     ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
     ("batch/v1/jobs", "Job", True, {"status"}),
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, set()),
     ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True, set()),
     (CRD, "SkipperDeployment", True, {"status", "scale"}),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),

@@ -11,6 +11,9 @@ types and labels of `vskipper.metrics_names`, the module the real runtime regist
 - `stuck`: V above the enter threshold but every decode pass dense (routing never engages); prefill passes run
   routed while no row skips (a mechanism declared but not executed).
 
+A third endpoint stands in for kube-state-metrics (`--kube-state-port`): the pod series of the two servers and of
+an unrelated pod, one server not Ready and restarting, for the dashboard's per-class pod panels.
+
 Nothing else is synthetic: the runtime-side dashboard queries and recording rules are checked against a real
 `vskipper serve`, and the operator-side queries against the real operator, in the same test module.
 
@@ -79,9 +82,46 @@ class RuntimeStandIn:
             self.e2e.labels(MODEL, "true").observe(rng.uniform(1.0, 6.0))
 
 
+class KubeStateStandIn:
+    """kube-state-metrics' pod series (the names the dashboard's generator lists) for three pods: the two servers'
+    (their `vskipper.io/gpu-class` label allowed through, as the dashboard asks) and an unrelated pod without it.
+    The A100 server is Ready; the H100 server is not and its container keeps restarting."""
+
+    PODS = (("llm", "llama-a100-80gb-0", "nvidia-a100-sxm4-80gb", True),
+            ("llm", "qwen-h100-0", "nvidia-h100-80gb-hbm3", False),
+            ("llm", "unrelated-0", "", False))
+
+    def __init__(self, port: int):
+        from vskipper.deploy.dashboard import (
+            KUBE_CONTAINER_RESTARTS,
+            KUBE_GPU_CLASS,
+            KUBE_POD_LABELS,
+            KUBE_POD_READY,
+        )
+
+        reg = CollectorRegistry()
+        labels = Gauge(KUBE_POD_LABELS, "pod labels", ["namespace", "pod", "uid", KUBE_GPU_CLASS], registry=reg)
+        ready = Gauge(KUBE_POD_READY, "pod ready", ["namespace", "pod", "uid", "condition"], registry=reg)
+        self.restarts = Counter(KUBE_CONTAINER_RESTARTS.removesuffix("_total"), "restarts",
+                                ["namespace", "pod", "uid", "container"], registry=reg)
+        for ns, pod, gpu_class, is_ready in self.PODS:
+            uid = f"uid-{pod}"
+            labels.labels(ns, pod, uid, gpu_class).set(1)
+            for condition in ("true", "false", "unknown"):
+                ready.labels(ns, pod, uid, condition).set(int(condition == ("true" if is_ready else "false")))
+            self.restarts.labels(ns, pod, uid, "server").inc(0)
+        start_http_server(port, addr="127.0.0.1", registry=reg)
+
+    def step(self, rng: random.Random) -> None:
+        for ns, pod, _, is_ready in self.PODS:
+            if not is_ready:
+                self.restarts.labels(ns, pod, f"uid-{pod}", "server").inc()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runtime-port", action="append", required=True, help="SCENARIO=PORT")
+    parser.add_argument("--kube-state-port", type=int, help="also a kube-state-metrics stand-in on this port")
     parser.add_argument("--period", type=float, default=0.25)
     args = parser.parse_args(argv)
     rng = random.Random(0)
@@ -89,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.runtime_port:
         scenario, port = spec.split("=")
         runtimes.append(RuntimeStandIn(scenario, int(port)))
+    if args.kube_state_port:
+        runtimes.append(KubeStateStandIn(args.kube_state_port))
     print("ready", flush=True)
     while True:
         for runtime in runtimes:

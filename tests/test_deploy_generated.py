@@ -79,33 +79,82 @@ def test_dashboard_panel_ids_are_unique_and_ref_ids_unique_per_panel():
     assert board["uid"] == "vskipper-overview"
 
 
-def test_dashboard_covers_routing_switch_latency_and_operator_health():
+def test_dashboard_covers_routing_switch_serving_pods_and_operator_health():
     board = json.loads(DASHBOARD.read_text())
     exprs = " ".join(t["expr"] for p in _panels(board) for t in p.get("targets", []))
-    sglang = [h.replace("sglang:", "sglang[:_]") for h in mn.SGLANG_HISTOGRAMS]
+    sglang = [h.replace("sglang:", "sglang[:_]") for h in mn.SGLANG_METRICS]
     for metric in (mn.ROWS.name, mn.PASSES.name, mn.SWITCH_DECISIONS.name, mn.RESIDENT_TOKENS.name,
                    mn.THRESHOLD_TOKENS.name, *sglang, "vskipper_operator_reconciles_total",
-                   "vskipper_operator_enter_tokens", "vskipper_operator_exit_tokens"):
+                   "vskipper_operator_enter_tokens", "vskipper_operator_exit_tokens",
+                   "kube_pod_status_ready", "kube_pod_container_status_restarts_total"):
         assert metric in exprs, metric
 
 
 def test_every_metric_the_dashboard_and_rules_name_is_declared():
     """Static twin of the live-Prometheus test: each metric name in a query is a runtime metric from
     vskipper.metrics_names, an SGLang histogram, or a metric of the operator's registry."""
+    from vskipper.deploy.dashboard import KUBE_STATE_METRICS
     from vskipper.deploy.dashboard import all_expressions as dashboard_exprs
     from vskipper.deploy.rules import all_expressions as rule_exprs
     from vskipper_operator.metrics import REGISTRY
 
     known = {m.name for m in mn.RUNTIME_METRICS}
-    known |= {f"{h}_bucket" for h in mn.SGLANG_HISTOGRAMS}
+    known |= {f"{h}_bucket" for h in mn.SGLANG_HISTOGRAMS} | {*mn.SGLANG_GAUGES, *mn.SGLANG_COUNTERS}
     for family in REGISTRY.collect():
         known |= {s.name for s in family.samples} | {family.name, f"{family.name}_total"}
     for expr in [*dashboard_exprs(), *rule_exprs()]:
-        for name in re.findall(r"\b((?:vskipper|sglang)[a-z_:]*)\s*[{\[]", re.sub(r'"[^"]*"', '""', expr)):
-            assert name in known, f"{name} in {expr!r}"
+        for name in re.findall(r"\b((?:vskipper|sglang|kube)[a-z_:]*)\s*[{\[]", re.sub(r'"[^"]*"', '""', expr)):
+            assert name in known | set(KUBE_STATE_METRICS), f"{name} in {expr!r}"
         for pattern in re.findall(r'__name__=~"([^"]+)"', expr):
             assert any(re.fullmatch(pattern, name) for name in known), f"{pattern} in {expr!r}"
-    assert sum('__name__=~"sglang[:_]' in e for e in dashboard_exprs()) == 6
+    # latency (3 histograms x 2 quantiles), KV usage (max, mean), queue (waiting, running), tokens/s
+    assert sum('__name__=~"sglang[:_]' in e for e in dashboard_exprs()) == 11
+
+
+def _sglang_collector_metrics() -> dict[str, str]:
+    """{name: Gauge | Counter | Histogram} for every `sglang:` metric the installed SGLang's collector registers,
+    read from its source (the collector registers most of them only inside a running scheduler)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang.srt.observability.metrics_collector")
+    if spec is None:
+        pytest.skip("SGLang is not installed")
+    tree = ast.parse(Path(spec.origin).read_text())
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            for kw in node.keywords:
+                if kw.arg == "name" and isinstance(kw.value, ast.Constant) and str(kw.value.value).startswith("sglang:"):
+                    out[kw.value.value] = node.func.id
+    return out
+
+
+def test_every_sglang_metric_the_dashboard_reads_is_registered_by_sglangs_collector_with_its_type():
+    collector = _sglang_collector_metrics()
+    assert len(collector) > 50  # the source was read, not an empty file
+    expected = {**dict.fromkeys(mn.SGLANG_HISTOGRAMS, "Histogram"), **dict.fromkeys(mn.SGLANG_GAUGES, "Gauge"),
+                **dict.fromkeys(mn.SGLANG_COUNTERS, "Counter")}
+    assert {name: collector.get(name) for name in expected} == expected
+
+
+def test_every_kube_state_metric_the_dashboard_reads_is_listed_once_in_the_generator():
+    """kube-state-metrics' series are named only in `KUBE_STATE_METRICS` (its documented pod metrics), and each
+    pod panel joins them with the pod's GPU class under the runtime series' label name."""
+    from vskipper.deploy import dashboard
+
+    assert dashboard.KUBE_STATE_METRICS == ("kube_pod_labels", "kube_pod_status_ready",
+                                            "kube_pod_container_status_restarts_total")
+    assert dashboard.KUBE_GPU_CLASS == "label_vskipper_io_gpu_class"
+    pod_panels = [(title, [e for e, _ in targets]) for row, title, _, targets in dashboard._panels()
+                  if row.startswith("Server pods")]
+    assert [t for t, _ in pod_panels] == ["Server pods by readiness, per GPU class", "Container restarts, per GPU class"]
+    for _, exprs in pod_panels:
+        for expr in exprs:
+            assert f"group_left ({mn.GPU_CLASS})" in expr and f"by (namespace, {mn.GPU_CLASS}" in expr
+    source = Path(dashboard.__file__).read_text()
+    for name in dashboard.KUBE_STATE_METRICS:
+        assert source.count(f'"{name}"') == 1, name
 
 
 def test_per_class_views_group_by_the_gpu_class_label_the_operator_monitor_copies():
@@ -119,6 +168,10 @@ def test_per_class_views_group_by_the_gpu_class_label_the_operator_monitor_copie
                           f'({mn.THRESHOLD_TOKENS.name}{{namespace=~"$namespace"}})']
     runtime = [e for exprs in by_title.values() for e in exprs if mn.ROWS.name in e or mn.PASSES.name in e]
     assert len(runtime) == 3 and all(f"by (service, {mn.GPU_CLASS}" in e for e in runtime)
+    sglang = [e for exprs in by_title.values() for e in exprs if "sglang[:_]" in e]
+    assert len(sglang) == 11 and all(f"by (service, {mn.GPU_CLASS})" in e or f"by (le, service, {mn.GPU_CLASS})" in e
+                                     for e in sglang)
+    assert not [e for exprs in by_title.values() for e in exprs if "model_name" in e]
     for rule in recording_rules():
         assert f"by (namespace, service, {mn.GPU_CLASS}" in rule["expr"], rule["record"]
 

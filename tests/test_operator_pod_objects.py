@@ -30,7 +30,10 @@ SPECS = {
         "model": {"path": "hf://meta-llama/Meta-Llama-3-8B", "preset": "llama-3-8b", "revision": "main",
                   "download": {"tokenSecret": {"name": "hf-token"}, "cacheSizeLimit": "40Gi",
                                "endpoint": "https://hf-mirror.example.com"}},
-        "serving": {"image": IMG, "apiKeySecret": {"name": "llama-api"}, "startupTimeoutSeconds": 900},
+        "serving": {"image": IMG, "apiKeySecret": {"name": "llama-api"}, "startupTimeoutSeconds": 900,
+                    "networkPolicy": {"enabled": True, "allowFrom": [
+                        {"namespaces": ["gateway"], "podLabels": {"app.kubernetes.io/name": "envoy"}},
+                        {"namespaces": ["monitoring"]}, {"podLabels": {"role": "client"}}]}},
         "resources": {"gpus": 1, "cpu": "8", "memory": "64Gi"},
         "placement": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                       "nodeSelector": {"example.com/pool": "gpu"}},
@@ -151,6 +154,35 @@ def test_server_pods_are_production_objects():
     budgets = {o["metadata"]["name"]: o for o in result.objects if o["kind"] == "PodDisruptionBudget"}
     assert budgets[dep["metadata"]["name"]]["spec"] == {"maxUnavailable": 1, "selector": spec["selector"]}
     assert len(budgets) == len([o for o in result.objects if o["kind"] == "Deployment"])
+
+
+def test_network_policy_admits_only_the_listed_peers_to_the_server_port_and_is_off_by_default():
+    assert not [o for o in planned(SPECS["plain"]).objects if o["kind"] == "NetworkPolicy"]
+    off = {"serving": {"image": IMG, "networkPolicy": {"enabled": False, "allowFrom": [{"namespaces": ["x"]}]}}}
+    assert not [o for o in planned(off).objects if o["kind"] == "NetworkPolicy"]
+    result = planned(SPECS["hf-download-with-every-knob"])
+    (policy,) = [o for o in result.objects if o["kind"] == "NetworkPolicy"]
+    service = next(o for o in result.objects if o["kind"] == "Service")
+    assert policy["metadata"]["name"] == "llama" and policy["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+    # Every server pod of the resource (each GPU class), the pods the Service sends to; no probe Job pod.
+    assert policy["spec"]["podSelector"] == {"matchLabels": service["spec"]["selector"]}
+    for dep in (o for o in result.objects if o["kind"] == "Deployment"):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    for job in (o for o in result.objects if o["kind"] == "Job"):
+        assert not policy["spec"]["podSelector"]["matchLabels"].items() <= job["spec"]["template"]["metadata"][
+            "labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 30000}]
+
+    def by_name(*names):
+        return {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": list(names)}]}
+
+    assert rule["from"] == [
+        {"namespaceSelector": by_name("gateway"), "podSelector": {"matchLabels": {"app.kubernetes.io/name": "envoy"}}},
+        {"namespaceSelector": by_name("monitoring")},
+        {"podSelector": {"matchLabels": {"role": "client"}}}]
 
 
 def test_model_storage_reaches_the_server_pod():

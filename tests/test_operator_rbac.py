@@ -1,7 +1,7 @@
 """The operator's RBAC is what it uses, no more: the real operator (Kopf, watching one namespace as the chart runs it
 with `operator.watchNamespaces`) goes through a SkipperDeployment's life against the Kubernetes API on loopback
-(kmock, tests/kube_world.py): create with a probe Job, a ServiceMonitor and an hf:// model, probe results stored,
-a spec change that drops the ServiceMonitor, a GPU class leaving. Every request it makes is mapped to the RBAC
+(kmock, tests/kube_world.py): create with a probe Job, a ServiceMonitor, a NetworkPolicy and an hf:// model, probe
+results stored, a spec change that drops the ServiceMonitor and the NetworkPolicy, a GPU class leaving. Every request it makes is mapped to the RBAC
 (apiGroup, resource, verb) the API server would authorize, and checked against the chart's rendering
 (`helm template` with watchNamespaces): namespaced requests against the Role in that namespace, cluster-scoped
 ones against the ClusterRole; and every verb the chart grants was used, or is listed here with the reason the
@@ -78,6 +78,8 @@ def test_every_request_is_granted_by_the_scoped_role_and_every_grant_is_used(clu
     add_node(cluster, "h100-0", H100)
     add_resource(cluster, bandwidthProbe={"enabled": True}, metrics={"serviceMonitor": True},
                  placement={"nodeLossGraceSeconds": 0},
+                 serving={"image": "ghcr.io/vskipper/vskipper-runtime:0.1.0", "networkPolicy": {
+                     "enabled": True, "allowFrom": [{"namespaces": ["gateway"]}]}},
                  model={"path": "hf://meta-llama/Meta-Llama-3-8B", "preset": "llama-3-8b"})
     args = ["run", "--standalone", "--namespace=llm", "--verbose", "-m", "vskipper_operator.handlers"]
     with KopfRunner(args, timeout=60) as runner:
@@ -106,11 +108,16 @@ def test_every_request_is_granted_by_the_scoped_role_and_every_grant_is_used(clu
                  == 31000, what="Service applied")
         wait_for(lambda: cluster.http("GET", "/apis/monitoring.coreos.com/v1/namespaces/llm/servicemonitors/llama")
                  ["spec"]["endpoints"][0]["interval"] == "15s", what="ServiceMonitor applied")
+        policy = "/apis/networking.k8s.io/v1/namespaces/llm/networkpolicies/llama"
+        wait_for(lambda: (cluster.http("GET", policy) or {}).get("spec", {}).get("ingress", [{}])[0].get("ports")
+                 == [{"protocol": "TCP", "port": 31000}], what="NetworkPolicy applied")
         cluster.http("PATCH", f"{SKD_PATH}/llama", {"metadata": {"generation": 3},
-                                                   "spec": {"metrics": {"serviceMonitor": False}}},
+                                                   "spec": {"metrics": {"serviceMonitor": False},
+                                                            "serving": {"networkPolicy": {"enabled": False}}}},
                      "application/merge-patch+json")
         wait_for(lambda: cluster.http("GET", "/apis/monitoring.coreos.com/v1/namespaces/llm/servicemonitors/llama")
                  is None, what="ServiceMonitor deleted")
+        wait_for(lambda: cluster.http("GET", policy) is None, what="NetworkPolicy deleted")
         cluster.http("DELETE", "/api/v1/nodes/h100-0")
         wait_for(lambda: cluster.http("GET", f"{DEPLOYMENTS}/llama-nvidia-h100-80gb-hbm3") is None,
                  what="H100 class removed")

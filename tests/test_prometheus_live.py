@@ -107,10 +107,11 @@ def pathological_runtimes(tmp_path_factory):
     """Prometheus scraping the two synthetic runtimes: `engaged` (flapping) as llama on an A100, `stuck` (routing
     never engages, routed prefill skips nothing) as qwen on an H100."""
     tmp = tmp_path_factory.mktemp("prometheus")
-    engaged_port, stuck_port = free_port(), free_port()
+    engaged_port, stuck_port, kube_state_port = free_port(), free_port(), free_port()
     exporters = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "standin_exporters.py"),
-         "--runtime-port", f"engaged={engaged_port}", "--runtime-port", f"stuck={stuck_port}"],
+         "--runtime-port", f"engaged={engaged_port}", "--runtime-port", f"stuck={stuck_port}",
+         "--kube-state-port", str(kube_state_port)],
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
         stdout=subprocess.PIPE, text=True)
     scrape_configs = [
@@ -121,10 +122,13 @@ def pathological_runtimes(tmp_path_factory):
             {"targets": [f"127.0.0.1:{stuck_port}"],
              "labels": {"namespace": "llm", "service": "qwen", "pod": "qwen-h100-0",
                         GPU_CLASS: "nvidia-h100-80gb-hbm3"}}]},
+        # kube-prometheus-stack scrapes kube-state-metrics with honorLabels: its namespace/pod labels are the pods'
+        {"job_name": "kube-state-metrics", "honor_labels": True, "static_configs": [
+            {"targets": [f"127.0.0.1:{kube_state_port}"]}]},
     ]
     try:
         assert exporters.stdout.readline().strip() == "ready"
-        with running_prometheus(tmp, scrape_configs, targets=2) as base:
+        with running_prometheus(tmp, scrape_configs, targets=3) as base:
             yield base
     finally:
         exporters.kill()
@@ -150,8 +154,18 @@ def _rule_exprs() -> list[tuple[str, str]]:
     return [(rule.get("record") or rule["alert"], rule["expr"]) for g in groups for rule in g["rules"]]
 
 
+def _kube_state_side(expr: str) -> bool:
+    from vskipper.deploy.dashboard import KUBE_STATE_METRICS
+
+    return any(name in expr for name in KUBE_STATE_METRICS)
+
+
+def _operator_side(expr: str) -> bool:
+    return "vskipper_operator_" in expr or "vskipper-operator" in expr
+
+
 def _runtime_side(expr: str) -> bool:
-    return "vskipper_operator_" not in expr and "vskipper-operator" not in expr
+    return not _operator_side(expr) and not _kube_state_side(expr)
 
 
 def test_every_runtime_side_alert_returns_data_on_the_pathological_servers(pathological_runtimes):
@@ -201,6 +215,23 @@ def test_thresholds_are_drawn_per_gpu_class(pathological_runtimes):
                       for b in ("enter", "exit")}
 
 
+def test_server_pod_readiness_and_restarts_are_drawn_per_gpu_class(pathological_runtimes):
+    """The pod panels join kube-state-metrics' series with each server pod's GPU class: the unrelated pod (no class
+    label) is left out, the Ready A100 server counts as ready, the H100 server as not ready and restarting."""
+    pod_panels = [(title, expr) for title, expr in _dashboard_exprs() if _kube_state_side(expr)]
+    assert [t for t, _ in pod_panels] == ["Server pods by readiness, per GPU class / A",
+                                          "Container restarts, per GPU class / A"]
+    ready = {(r["metric"][GPU_CLASS], r["metric"]["condition"]): float(r["value"][1])
+             for r in _query(pathological_runtimes, _instantiate(pod_panels[0][1]))}
+    assert ready == {("nvidia-a100-sxm4-80gb", "true"): 1.0, ("nvidia-a100-sxm4-80gb", "false"): 0.0,
+                     ("nvidia-a100-sxm4-80gb", "unknown"): 0.0, ("nvidia-h100-80gb-hbm3", "true"): 0.0,
+                     ("nvidia-h100-80gb-hbm3", "false"): 1.0, ("nvidia-h100-80gb-hbm3", "unknown"): 0.0}
+    restarts = {r["metric"][GPU_CLASS]: float(r["value"][1])
+                for r in _query(pathological_runtimes, _instantiate(pod_panels[1][1]))}
+    assert set(restarts) == {"nvidia-a100-sxm4-80gb", "nvidia-h100-80gb-hbm3"}
+    assert restarts["nvidia-a100-sxm4-80gb"] == 0.0 and restarts["nvidia-h100-80gb-hbm3"] > 0
+
+
 # -- the real operator --------------------------------------------------------------------------------------------
 
 EXAMPLES = ROOT / "manifests" / "examples"
@@ -241,8 +272,8 @@ def real_operator(tmp_path_factory):
 class TestRealOperator:
     def test_every_operator_side_dashboard_query_and_rule_returns_data(self, real_operator):
         base = real_operator["base"]
-        queries = [(title, _instantiate(expr)) for title, expr in _dashboard_exprs() if not _runtime_side(expr)]
-        rules = [(name, expr) for name, expr in _rule_exprs() if not _runtime_side(expr)]
+        queries = [(title, _instantiate(expr)) for title, expr in _dashboard_exprs() if _operator_side(expr)]
+        rules = [(name, expr) for name, expr in _rule_exprs() if _operator_side(expr)]
         assert len(queries) >= 8  # thresholds, reconciles, errors, retries, duration, GPU classes
         assert [name for name, _ in rules] == ["VskipperOperatorReconcileErrors", "VskipperOperatorDown",
                                                "VskipperDeploymentNotReady", "VskipperGpuClassNotServed"]
@@ -406,13 +437,28 @@ def test_real_runtime_answers_every_recording_rule(real_runtime):
     assert float(routed[0]["value"][1]) > 0  # the switch engaged on the real server
 
 
-def test_real_runtime_emits_every_runtime_metric_and_sglang_histogram(real_runtime):
+def test_real_runtime_emits_every_runtime_metric_and_sglang_metric(real_runtime):
     """The inputs of every runtime-side panel and rule, the alerts' included, come from the real server."""
     base, _ = real_runtime
     names = [m.name for m in mn.RUNTIME_METRICS]
     names += [f'{h.replace("sglang:", "sglang[:_]")}_bucket' for h in mn.SGLANG_HISTOGRAMS]
+    names += [h.replace("sglang:", "sglang[:_]") for h in (*mn.SGLANG_GAUGES, *mn.SGLANG_COUNTERS)]
     missing = [n for n in names if not _query(base, f'{{__name__=~"{n}"}}')]
     assert not missing, f"not exported by the real server: {missing}"
     rule_inputs = {n for _, expr in _rule_exprs() if _runtime_side(expr)
                    for n in (m.name for m in mn.RUNTIME_METRICS) if n in expr}
     assert rule_inputs <= set(names)
+
+
+def test_autoscaling_examples_adapter_rule_gives_the_hpa_a_value_per_server_pod(real_runtime):
+    """prometheus-adapter's steps for the HPA example's Pods metric, on the real server's series: discover the
+    series with the rule's seriesQuery, then evaluate its metricsQuery for the pod in its namespace."""
+    from test_autoscaling_example import adapter_query, adapter_rule
+
+    base, labels = real_runtime
+    rule = adapter_rule()
+    series = {r["metric"]["__name__"] for r in _query(base, rule["seriesQuery"])}
+    assert len(series) == 1, series
+    result = _query(base, adapter_query(rule, series.pop(), labels["namespace"], [labels["pod"], "other-0"]))
+    assert [r["metric"] for r in result] == [{"pod": labels["pod"]}]
+    assert float(result[0]["value"][1]) >= 0

@@ -5,8 +5,9 @@ dashboard (`deploy/`) are generated from them, so a panel or an alert never name
 Names follow Prometheus conventions: `vskipper_` namespace, base units (tokens), counters end in `_total`, and
 labels take values from small fixed sets (the enums of the switch and the skipper registry).
 
-SGLang's own request-latency histograms (release 0.5.21, `sglang/srt/observability/metrics_collector.py`; TTFT and E2E carry an `is_streaming` label too) are named here too:
-the dashboard reads TTFT, TPOT (inter-token latency) and end-to-end latency from them.
+SGLang's own metrics (release 0.5.21, `sglang/srt/observability/metrics_collector.py`; TTFT and E2E carry an
+`is_streaming` label too) are named here too: the dashboard reads TTFT, TPOT (inter-token latency) and end-to-end
+latency from its histograms, KV-cache use, queue depth and generated tokens/s from its gauges and counters.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ SGLANG_TTFT = "sglang:time_to_first_token_seconds"
 SGLANG_ITL = "sglang:inter_token_latency_seconds"  # TPOT: the time per output token after the first
 SGLANG_E2E = "sglang:e2e_request_latency_seconds"
 SGLANG_HISTOGRAMS = (SGLANG_TTFT, SGLANG_ITL, SGLANG_E2E)
+# ... and the scheduler's gauges and the request counters (same collector): KV-cache use, queue depth, throughput.
+SGLANG_KV_USAGE = "sglang:token_usage"  # gauge, 0..1: the share of the KV-cache pool's tokens in use
+SGLANG_QUEUE = "sglang:num_queue_reqs"  # gauge: requests waiting in the scheduler's queue
+SGLANG_RUNNING = "sglang:num_running_reqs"  # gauge: requests in the running batch
+SGLANG_GENERATED_TOKENS = "sglang:generation_tokens_total"  # counter: output tokens
+SGLANG_GAUGES = (SGLANG_KV_USAGE, SGLANG_QUEUE, SGLANG_RUNNING)
+SGLANG_COUNTERS = (SGLANG_GENERATED_TOKENS,)
+SGLANG_METRICS = (*SGLANG_HISTOGRAMS, *SGLANG_GAUGES, *SGLANG_COUNTERS)
 SGLANG_LABELS = ("model_name",)
 
 

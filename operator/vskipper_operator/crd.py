@@ -228,6 +228,23 @@ SPEC_SCHEMA: dict = _obj({
                                       "liveness probe counts", 60, 7200, default=1800),
         "terminationGracePeriodSeconds": _int("time a server pod gets to drain in-flight requests on shutdown",
                                               10, 3600, default=120),
+        "networkPolicy": _obj({
+            "enabled": _bool("plan a networking.k8s.io/v1 NetworkPolicy admitting only allowFrom to the server "
+                             "port (Prometheus included: allow its namespace to scrape /metrics)", False),
+            "allowFrom": {"type": "array", "maxItems": 32, "description": "the clients admitted, any of them",
+                          "items": _obj({
+                              "namespaces": {"type": "array", "minItems": 1, "maxItems": 64,
+                                             "x-kubernetes-list-type": "set",
+                                             "description": "namespaces by name (default: the resource's own)",
+                                             "items": _str("a namespace", minLength=1, maxLength=63,
+                                                           pattern=DNS_LABEL_RE)},
+                              "podLabels": {"type": "object", "minProperties": 1, "maxProperties": 32,
+                                            "description": "labels the client pods carry (default: every pod of "
+                                                           "those namespaces)",
+                                            "additionalProperties": _str("label value", maxLength=63,
+                                                                         pattern=LABEL_VALUE_RE)},
+                          }, description="a peer: pods with podLabels in namespaces (both given: both hold)")},
+        }, description="an ingress NetworkPolicy for the server pods (off by default)"),
     }, required=("image",), description="the runtime container and the SGLang launch arguments that matter"),
     "pod": _obj({
         "serviceAccountName": _str("ServiceAccount of the server pods", maxLength=253, pattern=DNS_SUBDOMAIN_RE),
@@ -416,6 +433,16 @@ RULES: tuple[Rule, ...] = (
     Rule("pod.volumeMounts[]", "has(self.name) && has(self.mountPath) && self.mountPath.startsWith('/')",
          "must have a name and an absolute mountPath",
          lambda v: isinstance(v.get("name"), str) and str(v.get("mountPath", "")).startswith("/"), "mountPath"),
+    Rule("serving.networkPolicy", "!has(self.enabled) || !self.enabled || (has(self.allowFrom) && "
+         "self.allowFrom.size() > 0)", "needs at least one peer when enabled (a policy with none admits no client)",
+         lambda n: not n.get("enabled") or bool(n.get("allowFrom")), "allowFrom"),
+    Rule("serving.networkPolicy.allowFrom[]", "has(self.namespaces) || has(self.podLabels)",
+         "name namespaces, podLabels or both", lambda p: "namespaces" in p or "podLabels" in p),
+    Rule("serving.networkPolicy.allowFrom[]", "!has(self.podLabels) || self.podLabels.all(k, k.size() <= 317 && "
+         f"k.matches({_cel_str(LABEL_KEY_RE)}))",
+         "keys must be label keys ([prefix/]name, name at most 63 characters of [A-Za-z0-9-_.])",
+         lambda p: all(len(k) <= 317 and re.search(LABEL_KEY_RE, k) for k in p.get("podLabels") or {}),
+         "podLabels"),
     _quantity_rule("cpu"),
     _quantity_rule("memory"),
     Rule("placement.nodeSelector", f"self.all(k, k.size() <= 317 && k.matches({_cel_str(LABEL_KEY_RE)}))",
@@ -607,6 +634,9 @@ def _check(node: dict, value: Any, path: str) -> Any:
     if kind == "array":
         if "maxItems" in node and len(value) > node["maxItems"]:
             raise SpecError(f"{path}: must have at most {node['maxItems']} items")
+        if len(value) < node.get("minItems", 0):
+            raise SpecError(f"{path}: must not be empty" if node["minItems"] == 1
+                            else f"{path}: must have at least {node['minItems']} items")
         items = [_check(node["items"], v, f"{path}[{i}]") for i, v in enumerate(value)] if "items" in node else value
         keys = node.get("x-kubernetes-list-map-keys")
         if keys:
@@ -627,6 +657,9 @@ def _check_object(node: dict, value: dict, path: str) -> dict:
         return copy.deepcopy(value)
     if "maxProperties" in node and len(value) > node["maxProperties"]:
         raise SpecError(f"{path}: must have at most {node['maxProperties']} entries")
+    if len(value) < node.get("minProperties", 0):
+        raise SpecError(f"{path}: must not be empty" if node["minProperties"] == 1
+                        else f"{path}: must have at least {node['minProperties']} entries")
     if "additionalProperties" in node:
         return {k: _check(node["additionalProperties"], v, f"{path}.{k}") for k, v in value.items()}
     props = node.get("properties", {})

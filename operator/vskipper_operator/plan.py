@@ -57,6 +57,7 @@ PROBE_MODULE = "vskipper_operator.probe"
 
 GPU_RESOURCE = "nvidia.com/gpu"
 MIG_STRATEGY_LABEL = "nvidia.com/mig.strategy"
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every Namespace by the API server (1.22+)
 MODEL_CACHE = "/models"  # where an hf:// download's cache volume is mounted
 FETCH_CONTAINER = "fetch-model"
 FETCH_MODULE = "vskipper.fetch"
@@ -782,6 +783,24 @@ def _disruption_budget(r: Resolved, c: GpuClass) -> dict:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _class_selector(r, c)}}}
 
 
+def _network_policy(r: Resolved) -> dict:
+    """Ingress to the resource's server pods, on the server port, only from the spec's peers (egress stays open)."""
+    peers = []
+    for peer in r.spec["serving"]["networkPolicy"]["allowFrom"]:
+        out: dict[str, Any] = {}
+        if peer.get("namespaces"):
+            out["namespaceSelector"] = {"matchExpressions": [
+                {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": list(peer["namespaces"])}]}
+        if peer.get("podLabels"):
+            out["podSelector"] = {"matchLabels": dict(peer["podLabels"])}
+        peers.append(out)
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(r, r.name, _labels(r.name)),
+            "spec": {"podSelector": {"matchLabels": {INSTANCE_LABEL: r.name, COMPONENT_LABEL: "server"}},
+                     "policyTypes": ["Ingress"],
+                     "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": r.spec["serving"]["port"]}]}]}}
+
+
 def _probe_job(r: Resolved, c: GpuClass) -> dict:
     labels = {**_labels(r.name, "bandwidth-probe"), CLASS_LABEL: _slug(c.product)[:63].strip("-")}
     knobs = r.spec.get("pod") or {}
@@ -811,6 +830,8 @@ def _objects(r: Resolved, classes: list[GpuClass], measured: Mapping[str, float]
                         "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]}}
     objects = [config, service] + [_deployment(r, c, config_hash) for c in classes if c.served]
     objects += [_disruption_budget(r, c) for c in classes if c.served]
+    if (spec["serving"].get("networkPolicy") or {}).get("enabled"):
+        objects.append(_network_policy(r))
     if spec["metrics"]["enabled"] and spec["metrics"]["serviceMonitor"]:
         objects.append({
             "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",

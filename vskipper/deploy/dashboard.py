@@ -1,13 +1,15 @@
 """The Grafana dashboard, built with grafana-foundation-sdk and rendered to helm/vskipper/files/dashboard.json.
 
-Every query names metrics from `vskipper.metrics_names` (the runtime, SGLang's histograms) or the operator's
-`vskipper_operator_*`; a test evaluates each one against a live Prometheus that scrapes real exporters.
+Every query names metrics from `vskipper.metrics_names` (the runtime, SGLang's histograms, gauges and counters),
+the operator's `vskipper_operator_*` or kube-state-metrics' pod series (`KUBE_STATE_METRICS`, joined with the pod's
+GPU class); a test evaluates each one against a live Prometheus that scrapes real exporters.
 Queries use two template variables: `$datasource` (a Prometheus data source) and `$namespace`.
 
 Cohort sizes have no metric of their own: the panel shows row-layer visits per decode pass by action, i.e. the
 cohort size times the number of routed layers. Runtime series carry their server's GPU class
-(`vskipper.metrics_names.GPU_CLASS`, copied from the pod label by the operator's ServiceMonitor): routed shares
-and cohort sizes are drawn per deployment and GPU class, V per server against the thresholds of its class (which
+(`vskipper.metrics_names.GPU_CLASS`, copied from the pod label by the operator's ServiceMonitor): routed shares,
+cohort sizes, SGLang's latency, KV-cache use, queue depth and throughput, and the server pods' readiness and
+restarts are drawn per deployment and GPU class, V per server against the thresholds of its class (which
 the servers of a class report alike), and the operator's gauges show the thresholds it derived per class.
 """
 
@@ -18,14 +20,20 @@ import json
 from vskipper.deploy.rules import share
 from vskipper.metrics_names import (
     GPU_CLASS,
+    GPU_CLASS_POD_LABEL,
     PASSES,
     RESIDENT_TOKENS,
     ROWS,
     SGLANG_E2E,
+    SGLANG_GENERATED_TOKENS,
     SGLANG_ITL,
+    SGLANG_KV_USAGE,
+    SGLANG_QUEUE,
+    SGLANG_RUNNING,
     SGLANG_TTFT,
     SWITCH_DECISIONS,
     THRESHOLD_TOKENS,
+    target_label,
 )
 
 UID = "vskipper-overview"
@@ -33,6 +41,16 @@ DATASOURCE_VAR = "datasource"
 NAMESPACE_VAR = "namespace"
 NS = f'namespace=~"${NAMESPACE_VAR}"'
 RATE = "$__rate_interval"
+
+# kube-state-metrics (v2, docs/metrics/workload/pod-metrics.md), the only series here no vSkipper or SGLang code
+# exports. Its pod labels reach `kube_pod_labels` only when allowed (`--metric-labels-allowlist=
+# pods=[vskipper.io/gpu-class]`; kube-prometheus-stack: `kube-state-metrics.metricLabelsAllowlist`), as
+# `label_` + the label's name with invalid characters replaced by `_`.
+KUBE_POD_LABELS = "kube_pod_labels"
+KUBE_POD_READY = "kube_pod_status_ready"  # condition: true | false | unknown
+KUBE_CONTAINER_RESTARTS = "kube_pod_container_status_restarts_total"
+KUBE_STATE_METRICS = (KUBE_POD_LABELS, KUBE_POD_READY, KUBE_CONTAINER_RESTARTS)
+KUBE_GPU_CLASS = "label_" + target_label(GPU_CLASS_POD_LABEL)  # label_vskipper_io_gpu_class
 
 
 def sglang_selector(metric: str, suffix: str) -> str:
@@ -43,17 +61,45 @@ def sglang_selector(metric: str, suffix: str) -> str:
     return f'{{__name__=~"{pattern}", {NS}}}'
 
 
+def by_gpu_class(pod_series: str) -> str:
+    """A kube-state-metrics pod series joined with its pod's GPU class, under the runtime series' label name."""
+    labels = (f'label_replace({KUBE_POD_LABELS}{{{NS}, {KUBE_GPU_CLASS}!=""}}, '
+              f'"{GPU_CLASS}", "$1", "{KUBE_GPU_CLASS}", "(.+)")')
+    return f"{pod_series}\n* on (namespace, pod) group_left ({GPU_CLASS}) {labels}"
+
+
 def _panels() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
     """(row title, panel title, unit, [(expr, legend)]) in display order."""
     rows, passes = ROWS.name, PASSES.name
+    cls = f"{{{{{GPU_CLASS}}}}}"  # the legend's {{vskipper_io_gpu_class}}
+    by_class = f"service, {GPU_CLASS}"
     lat = []
     for title, metric in (("TTFT", SGLANG_TTFT), ("TPOT (inter-token latency)", SGLANG_ITL),
                           ("End-to-end latency", SGLANG_E2E)):
-        lat.append(("Latency (SGLang)", title, "s", [
-            (f"histogram_quantile({q}, sum by (le, model_name) (rate({sglang_selector(metric, '_bucket')}[{RATE}])))",
-             f"p{int(q * 100)} {{{{model_name}}}}") for q in (0.5, 0.99)]))
-    cls = f"{{{{{GPU_CLASS}}}}}"  # the legend's {{vskipper_io_gpu_class}}
-    by_class = f"service, {GPU_CLASS}"
+        lat.append(("Latency (SGLang), per GPU class", f"{title}, per GPU class", "s", [
+            (f"histogram_quantile({q}, sum by (le, {by_class}) "
+             f"(rate({sglang_selector(metric, '_bucket')}[{RATE}])))",
+             f"p{int(q * 100)} {{{{service}}}} {cls}") for q in (0.5, 0.99)]))
+    serving = [
+        ("Serving (SGLang), per GPU class", "KV-cache usage, per GPU class", "percentunit", [
+            (f"max by ({by_class}) ({sglang_selector(SGLANG_KV_USAGE, '')})", f"max {{{{service}}}} {cls}"),
+            (f"avg by ({by_class}) ({sglang_selector(SGLANG_KV_USAGE, '')})", f"mean {{{{service}}}} {cls}")]),
+        ("Serving (SGLang), per GPU class", "Queue depth (waiting and running requests), per GPU class", "short", [
+            (f"sum by ({by_class}) ({sglang_selector(SGLANG_QUEUE, '')})", f"waiting {{{{service}}}} {cls}"),
+            (f"sum by ({by_class}) ({sglang_selector(SGLANG_RUNNING, '')})", f"running {{{{service}}}} {cls}")]),
+        ("Serving (SGLang), per GPU class", "Generated tokens/s, per GPU class", "short", [
+            (f"sum by ({by_class}) (rate({sglang_selector(SGLANG_GENERATED_TOKENS, '')}[{RATE}]))",
+             f"{{{{service}}}} {cls}")]),
+    ]
+    pods = [
+        ("Server pods (kube-state-metrics), per GPU class", "Server pods by readiness, per GPU class", "short", [
+            (f"sum by (namespace, {GPU_CLASS}, condition) "
+             f"({by_gpu_class(f'{KUBE_POD_READY}{{{NS}}}')})", f"ready={{{{condition}}}} {{{{namespace}}}} {cls}")]),
+        ("Server pods (kube-state-metrics), per GPU class", "Container restarts, per GPU class", "short", [
+            (f"sum by (namespace, {GPU_CLASS}) "
+             f"({by_gpu_class(f'increase({KUBE_CONTAINER_RESTARTS}{{{NS}}}[{RATE}])')})",
+             f"{{{{namespace}}}} {cls}")]),
+    ]
     return [
         ("Routing", "Routed share of decode rows, per GPU class", "percentunit", [
             (share(f'rate({rows}{{{NS}, phase="decode", action="project_only"}}[{RATE}])',
@@ -76,6 +122,8 @@ def _panels() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
         ("Switch", "Switch decisions", "short", [
             (f"sum by (decision) (increase({SWITCH_DECISIONS.name}{{{NS}}}[{RATE}]))", "{{decision}}")]),
         *lat,
+        *serving,
+        *pods,
         ("Operator", "Reconciles by result", "ops", [
             ("sum by (result) (rate(vskipper_operator_reconciles_total[$__rate_interval]))", "{{result}}")]),
         ("Operator", "Errors and API retries", "ops", [
@@ -99,7 +147,7 @@ def build_dashboard() -> dict:
     board = (db.Dashboard("vSkipper")
              .uid(UID)
              .tags(["vskipper", "sglang"])
-             .description("Routing, the mode switch, SGLang latency and the vSkipper operator")
+             .description("Routing, the mode switch, SGLang serving per GPU class, server pods and the vSkipper operator")
              .time("now-1h", "now")
              .refresh("30s")
              .timezone("browser")
