@@ -82,13 +82,13 @@ loadgen-demo: install
 	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)
 
 lint: install
-	$(VENV)/bin/ruff check vskipper loadgen operator tests benchmarks images demo
+	$(VENV)/bin/ruff check vskipper loadgen operator tests benchmarks images demo deploy
 
 crd: install
 	$(VENV)/bin/vskipper-operator crd > manifests/crd.yaml
 
 chart: install crd
-	$(PY) -m vskipper.deploy
+	$(PY) -m deploy
 
 # Real image builds with Debian's docker.io daemon and a debootstrap base (see images/build.sh); IMAGES=runtime
 # adds the runtime image. Not part of `make test` (minutes per image); VSKIPPER_IMAGE_BUILD=1 make test runs the

@@ -2,7 +2,8 @@
 
 1. Writes a mid-sized skipper checkpoint (16 layers, d = 1024, Llama-3 width ratios: GQA 16/4 heads of 64, MLP
    3584, bf16; layers 8-15 routed) with `vskipper.checkpoint`'s writers and a tiny tokenizer.
-2. Serves it three times side by side with `vskipper serve` on CPU, `--enable-metrics` as deployed:
+2. Serves it three times side by side with `vskipper serve` on CPU, `--enable-metrics` as deployed and
+   `--sleep-on-idle` (so the idle arms leave the cores to the driven one):
      dense   the upstream-equivalent arm
      s=0     always-route RandomSkip r = 0: every row RUN (the routed path's own cost)
      s=0.5   always-route RandomSkip r = 1, d = 0.5 (half the routed layers' rows Project-Only)
@@ -48,8 +49,8 @@ ARCH = "flexidepth-llama"
 SKIP = 0.5  # r * d of the routed arm: the Project-Only share of routed-layer rows
 ARMS = {
     "dense": None,
-    "s=0": {"skipper": "random_skip", "params": {"r": 0.0, "d": SKIP}, "mode_switch": False},
-    "s=0.5": {"skipper": "random_skip", "params": {"r": 1.0, "d": SKIP}, "mode_switch": False},
+    "s=0": {"skipper": "random_skip", "params": {"r": 0.0, "d": SKIP}, "prefill": "routed", "decode": "routed"},
+    "s=0.5": {"skipper": "random_skip", "params": {"r": 1.0, "d": SKIP}, "prefill": "routed", "decode": "routed"},
 }
 
 
@@ -226,7 +227,9 @@ def bench_serving(url: str, ckpt: Path, load: Load, out: Path, seed: int) -> dic
 def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[float]]]:
     from vskipper.sglang.launch import launched
 
-    extra = ["--enable-metrics", "--max-total-tokens", str(size.max_total_tokens)]
+    # The three servers share the machine: an idle SGLang scheduler polls in a busy loop, so the two arms not being
+    # driven would take CPU from the one that is; each sleeps while it has no request.
+    extra = ["--enable-metrics", "--sleep-on-idle", "--max-total-tokens", str(size.max_total_tokens)]
     results: dict[str, dict[str, list[float]]] = {arm: {"prefill": [], "decode": []} for arm in ARMS}
     with ExitStack() as stack:
         servers = {}
@@ -236,10 +239,10 @@ def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[floa
                 arm_file = out / f"arm-{arm}.json"
                 arm_file.write_text(json.dumps({"name": f"bench-{arm}", **spec}))
                 kwargs = {"arm_file": arm_file}
+            # One after another: SGLang sizes its KV pool from the memory free when it starts (on CPU, the
+            # host's), so servers loading side by side race for it and one can find none left.
             servers[arm] = stack.enter_context(launched(ckpt, out / f"server-{arm}", dtype="bfloat16",
-                                                        extra=extra, **kwargs))
-        for server in servers.values():
-            server.wait_ready(timeout=900)
+                                                        extra=extra, **kwargs)).wait_ready(timeout=900)
         order = list(ARMS)
         for rep in range(size.repetitions):
             for arm in order if rep % 2 == 0 else order[::-1]:

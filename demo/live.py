@@ -226,9 +226,8 @@ def _show_attestation(arm: str, server, out: Path) -> dict:
     if a["skipper"] is None:
         print(f"    arm {a['name']}: no skipper (upstream-equivalent); switch settings {sw['settings']}")
     else:
-        print(f"    arm {a['name']}: skipper {a['skipper']}, phases {a['phases']}, mode switch "
-              f"{'on' if a['mode_switch'] else 'off'}, promotion {'on' if a['promotion'] else 'off'}; "
-              f"switch settings {sw['settings']}")
+        print(f"    arm {a['name']}: skipper {a['skipper']}, prefill {a['prefill']}, decode {a['decode']}, "
+              f"promotion {'on' if a['promotion'] else 'off'}; switch settings {sw['settings']}")
     if sw["settings"]["decode"] == "hybrid":
         t = att["thresholds"]
         print(f"    thresholds: enter {t['enter_tokens']} / exit {t['exit_tokens']} resident KV tokens; routing now "

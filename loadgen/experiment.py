@@ -81,9 +81,9 @@ class ABResult:
             self.comparison = {}
             return self.comparison
         base = [flat_metrics(r.baseline.summary) for r in reps]
-        arm = [flat_metrics(r.arm.summary) for r in reps]
-        names = [m for m in metrics if all(m in b and b[m] != 0 for b in base) and all(m in a for a in arm)]
-        self.comparison = paired_comparison(base, arm, names)
+        treated = [flat_metrics(r.arm.summary) for r in reps]
+        names = [m for m in metrics if all(m in b and b[m] != 0 for b in base) and all(m in t for t in treated)]
+        self.comparison = paired_comparison(base, treated, names)
         return self.comparison
 
     def as_dict(self) -> dict:
@@ -105,16 +105,16 @@ def gate_length_cell(cell: CellResult, suite: Suite, empty_exceptions: Sequence[
     return report
 
 
-async def run_ab(baseline: ArmTarget, arm: ArmTarget, suite: Suite, rate: float, *, repetitions: int,
+async def run_ab(baseline: ArmTarget, treated: ArmTarget, suite: Suite, rate: float, *, repetitions: int,
                  seed: int = 0, label: str = "", context_len: int | None = None,
                  max_new_tokens: int | None = None, lengths: Mapping[str, int] | None = None,
                  empty_exceptions: Sequence[str] = (), expect_engaged: bool = True,
                  progress: bool = False) -> ABResult:
     if repetitions < 1:
         raise ValueError(f"repetitions must be >= 1, got {repetitions}")
-    arms = {t.name: t.arm for t in (baseline, arm) if t.arm is not None}
-    declared = {t.name: t.execution for t in (baseline, arm) if t.execution is not None}
-    targets = {baseline.name: baseline, arm.name: arm}
+    arms = {t.name: t.arm for t in (baseline, treated) if t.arm is not None}
+    declared = {t.name: t.execution for t in (baseline, treated) if t.execution is not None}
+    targets = {baseline.name: baseline, treated.name: treated}
     async with client_session() as session:
         length_cell = None
         if lengths is None:
@@ -124,19 +124,19 @@ async def run_ab(baseline: ArmTarget, arm: ArmTarget, suite: Suite, rate: float,
             length_gates = gate_length_cell(length_cell, suite, empty_exceptions)
             length_gates.raise_if_refused()
             lengths = record_lengths(length_cell)
-        result = ABResult(baseline.name, arm.name, rate, label, suite.name, suite.digest, dict(lengths),
+        result = ABResult(baseline.name, treated.name, rate, label, suite.name, suite.digest, dict(lengths),
                           length_cell)
         for rep in range(repetitions):
-            order = arm_order(rep, baseline.name, arm.name)
+            order = arm_order(rep, baseline.name, treated.name)
             plan = matched_plan(suite, rate, seed + rep, lengths, repetition=rep)
             cells = {}
             for name in order:
                 t = targets[name]
                 cells[name] = await run_cell(t.endpoint, plan, name, progress=progress, session=session)
-            report = gate_pair(cells[baseline.name], cells[arm.name], suite_digest=suite.digest,
+            report = gate_pair(cells[baseline.name], cells[treated.name], suite_digest=suite.digest,
                                request_ids=suite.ids, arms=arms, empty_exceptions=empty_exceptions,
                                expect_engaged=expect_engaged, declared_execution=declared)
-            result.repetitions.append(Repetition(rep, order, cells[baseline.name], cells[arm.name], report))
+            result.repetitions.append(Repetition(rep, order, cells[baseline.name], cells[treated.name], report))
     result.compare()
     return result
 

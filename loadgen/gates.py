@@ -29,6 +29,7 @@ from typing import Any
 from loadgen.attestation import PHASES, Attestation, AttestationError, pass_delta
 from loadgen.records import CellResult
 from vskipper.arms import Arm
+from vskipper.switch import Policy
 
 DURATION_TOLERANCE = 1e-6
 # What two arms' resolved configurations may differ in, and the attested sections compared beside them.
@@ -84,10 +85,10 @@ def _examples(items: Sequence[str], k: int = 3) -> str:
     return shown + (f" and {len(items) - k} more" if len(items) > k else "")
 
 
-def work_identity(baseline: CellResult, arm: CellResult) -> list[Refusal]:
+def work_identity(baseline: CellResult, treated: CellResult) -> list[Refusal]:
     gate = "work_identity"
     out: list[Refusal] = []
-    for cell in (baseline, arm):
+    for cell in (baseline, treated):
         no_ids = [r.request_id for r in cell.records if r.ok and r.output_ids is None]
         if no_ids:
             out.append(Refusal(gate, f"arm {cell.arm!r} reported no output ids for {_examples(no_ids)}: "
@@ -98,7 +99,7 @@ def work_identity(baseline: CellResult, arm: CellResult) -> list[Refusal]:
             out.append(Refusal(gate, f"arm {cell.arm!r}: reported token count differs from its output ids "
                                      f"for {_examples(bad)}"))
     a = {r.request_id: r for r in baseline.records}
-    b = {r.request_id: r for r in arm.records}
+    b = {r.request_id: r for r in treated.records}
     if set(a) != set(b):
         only = sorted(set(a) ^ set(b))
         out.append(Refusal(gate, f"the arms served different requests ({len(only)} not in both: "
@@ -108,7 +109,7 @@ def work_identity(baseline: CellResult, arm: CellResult) -> list[Refusal]:
         na = len(a[rid].output_ids) if a[rid].output_ids is not None else a[rid].output_tokens
         nb = len(b[rid].output_ids) if b[rid].output_ids is not None else b[rid].output_tokens
         if na != nb:
-            diff.append(f"{rid} ({baseline.arm} {na} vs {arm.arm} {nb})")
+            diff.append(f"{rid} ({baseline.arm} {na} vs {treated.arm} {nb})")
     if diff:
         out.append(Refusal(gate, f"{len(diff)} requests generated different token counts: {_examples(diff)}"))
     return out
@@ -213,14 +214,15 @@ def mechanism_evidence(arm: Arm, before: Any, after: Any, *, expect_engaged: boo
     if undeclared:
         out.append(Refusal(gate, f"arm {arm.name!r} does not route {', '.join(undeclared)} but the server ran "
                                  + ", ".join(f"{routed[p]} routed {p} passes" for p in undeclared)))
-    if declared:
-        missing = [p for p in declared if routed[p] == 0]
-        if not arm.mode_switch and missing:
-            out.append(Refusal(gate, f"arm {arm.name!r} always routes {', '.join(declared)} but no routed "
-                                     f"{' or '.join(missing)} pass executed"))
-        elif arm.mode_switch and expect_engaged and len(missing) == len(declared):
-            out.append(Refusal(gate, f"arm {arm.name!r} declares routing on {', '.join(declared)} but no routed "
-                                     "pass executed in the cell"))
+    always = [p for p in declared if arm.policy(p) is Policy.ROUTED]
+    switched = [p for p in declared if arm.policy(p) is Policy.HYBRID]
+    missing = [p for p in always if routed[p] == 0]
+    if missing:
+        out.append(Refusal(gate, f"arm {arm.name!r} always routes {', '.join(always)} but no routed "
+                                 f"{' or '.join(missing)} pass executed"))
+    if switched and expect_engaged and all(routed[p] == 0 for p in switched):
+        out.append(Refusal(gate, f"arm {arm.name!r} declares routing on {', '.join(switched)} but no routed "
+                                 "pass executed in the cell"))
     return out
 
 
@@ -286,14 +288,14 @@ def _configuration(att: Attestation) -> dict[str, Any]:
     return out
 
 
-def cross_arm_identity(baseline_name: str, baseline: Any, arm_name: str, arm: Any,
+def cross_arm_identity(baseline_name: str, baseline: Any, treated_name: str, treated: Any,
                        allowed: Sequence[str] = ALLOWED_DIFFERENCES) -> tuple[list[Refusal], dict[str, Any]]:
-    """The two arms' resolved configurations differ only in `allowed` (top-level sections); the arm's KV pool
-    may not be larger than the baseline's. Returns (refusals, details: the allowed differences and the KV pool
+    """The two arms' resolved configurations differ only in `allowed` (top-level sections); the treated arm's KV
+    pool may not be larger than the baseline's. Returns (refusals, details: the allowed differences and the KV pool
     difference in tokens, bytes and as a share of the baseline's pool)."""
     gate = "cross_arm_identity"
     parsed, out = {}, []
-    for name, data in ((baseline_name, baseline), (arm_name, arm)):
+    for name, data in ((baseline_name, baseline), (treated_name, treated)):
         att, refused = _attestation(data, "after", gate)
         out += [Refusal(gate, f"arm {name!r}: {r.reason}") for r in refused]
         if att is not None and att.executed is None:
@@ -302,7 +304,7 @@ def cross_arm_identity(baseline_name: str, baseline: Any, arm_name: str, arm: An
         parsed[name] = att
     if out:
         return out, {}
-    base, mine = _configuration(parsed[baseline_name]), _configuration(parsed[arm_name])
+    base, mine = _configuration(parsed[baseline_name]), _configuration(parsed[treated_name])
     allowed_diffs = []
     for path in sorted(set(base) | set(mine)):
         b, a = base.get(path, _ABSENT), mine.get(path, _ABSENT)
@@ -313,10 +315,10 @@ def cross_arm_identity(baseline_name: str, baseline: Any, arm_name: str, arm: An
         elif path in KV_POOL_FIELDS and isinstance(a, int) and isinstance(b, int) and a < b:
             continue  # a smaller pool on the arm: reported below
         elif path in KV_POOL_FIELDS and isinstance(a, int) and isinstance(b, int):
-            out.append(Refusal(gate, f"{path}: arm {arm_name!r} {a!r} is larger than baseline {baseline_name!r} "
+            out.append(Refusal(gate, f"{path}: arm {treated_name!r} {a!r} is larger than baseline {baseline_name!r} "
                                      f"{b!r} (the arm's KV pool may not exceed the baseline's)"))
         else:
-            out.append(Refusal(gate, f"{path}: baseline {baseline_name!r} {b!r}, arm {arm_name!r} {a!r} "
+            out.append(Refusal(gate, f"{path}: baseline {baseline_name!r} {b!r}, arm {treated_name!r} {a!r} "
                                      f"(only {', '.join(allowed)} may differ)"))
     details: dict[str, Any] = {"allowed_differences": allowed_diffs}
     tokens = (base.get(KV_POOL_FIELDS[0]), mine.get(KV_POOL_FIELDS[0]))
@@ -330,17 +332,17 @@ def cross_arm_identity(baseline_name: str, baseline: Any, arm_name: str, arm: An
     return out, details
 
 
-def gate_pair(baseline: CellResult, arm: CellResult, *, suite_digest: str, request_ids: Sequence[str],
+def gate_pair(baseline: CellResult, treated: CellResult, *, suite_digest: str, request_ids: Sequence[str],
               arms: Mapping[str, Arm] | None = None, empty_exceptions: Iterable[str] = (),
               expect_engaged: bool = True,
               declared_execution: Mapping[str, Mapping[str, Any]] | None = None) -> GateReport:
-    """Run every gate that applies to a paired (baseline, arm) cell. `declared_execution` maps an arm's name to
+    """Run every gate that applies to a paired (baseline, treated) cell. `declared_execution` maps an arm's name to
     the configuration the experiment declares it executes; the cross-arm identity gate runs when both cells
     were read an attestation."""
     report = GateReport()
-    if arm.lane == "matched":
-        report.add("work_identity", work_identity(baseline, arm))
-    for cell in (baseline, arm):
+    if treated.lane == "matched":
+        report.add("work_identity", work_identity(baseline, treated))
+    for cell in (baseline, treated):
         report.add("accounting", accounting(cell))
         report.add("declared_cell_size", declared_cell_size(cell, suite_digest, request_ids))
         report.add("zero_empty", zero_empty(cell, empty_exceptions))
@@ -354,7 +356,7 @@ def gate_pair(baseline: CellResult, arm: CellResult, *, suite_digest: str, reque
         if declared_execution and cell.arm in declared_execution:
             report.add("execution_difference", execution_difference(cell.arm, declared_execution[cell.arm],
                                                                     cell.attestation_after))
-    if baseline.attestation_after is not None and arm.attestation_after is not None:
-        report.add("cross_arm_identity", *cross_arm_identity(baseline.arm, baseline.attestation_after, arm.arm,
-                                                             arm.attestation_after))
+    if baseline.attestation_after is not None and treated.attestation_after is not None:
+        report.add("cross_arm_identity", *cross_arm_identity(baseline.arm, baseline.attestation_after, treated.arm,
+                                                             treated.attestation_after))
     return report

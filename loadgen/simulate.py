@@ -31,7 +31,7 @@ from loadgen.arrivals import poisson_arrivals
 from loadgen.metrics import flat_metrics, summarize
 from loadgen.records import RequestRecord
 from loadgen.stats import pct_change
-from vskipper.switch import SETTINGS, Mode, ModeSwitch, SwitchSettings
+from vskipper.switch import Mode, ModeSwitch, Policy, SwitchSettings
 
 
 @dataclass(frozen=True)
@@ -186,9 +186,12 @@ class Prediction:
 PREDICTED = ("e2e_mean", "e2e_p99", "ttft_mean", "ttft_p99", "tpot_mean", "makespan_s")
 
 
+DENSE = SwitchSettings(Policy.DENSE, Policy.DENSE)  # the baseline arm routes nothing
+
+
 def predict(prompt_tokens: Sequence[int], output_tokens: Sequence[int], rates: Sequence[float],
             config: SimConfig, arm_settings: SwitchSettings, *, seed: int = 0,
-            baseline_settings: SwitchSettings = SETTINGS["dense"]) -> list[Prediction]:
+            baseline_settings: SwitchSettings = DENSE) -> list[Prediction]:
     """For each offered rate: both arms on the same seeded arrivals; the arm's % change against the baseline."""
     out = []
     for rate in rates:

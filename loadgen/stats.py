@@ -98,20 +98,21 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval
     return Interval(mean, half, n, confidence)
 
 
-def arm_order(repetition: int, baseline: str, arm: str) -> tuple[str, str]:
-    """Which arm runs first in a repetition: the baseline on even repetitions, the other arm on odd ones."""
+def arm_order(repetition: int, baseline: str, treated: str) -> tuple[str, str]:
+    """Which arm runs first in a repetition: the baseline on even repetitions, the treated arm on odd ones."""
     if repetition < 0:
         raise ValueError(f"repetition must be >= 0, got {repetition}")
-    return (baseline, arm) if repetition % 2 == 0 else (arm, baseline)
+    return (baseline, treated) if repetition % 2 == 0 else (treated, baseline)
 
 
-def paired_changes(baseline: Sequence[Mapping[str, float]], arm: Sequence[Mapping[str, float]],
+def paired_changes(baseline: Sequence[Mapping[str, float]], treated: Sequence[Mapping[str, float]],
                    metrics: Sequence[str]) -> dict[str, list[float]]:
-    """Per-repetition % change of each metric; repetition i of `arm` is paired with repetition i of `baseline`."""
-    if len(baseline) != len(arm):
-        raise ValueError(f"paired_changes: {len(baseline)} baseline repetitions vs {len(arm)} arm repetitions")
+    """Per-repetition % change of each metric; repetition i of `treated` is paired with repetition i of
+    `baseline`."""
+    if len(baseline) != len(treated):
+        raise ValueError(f"paired_changes: {len(baseline)} baseline repetitions vs {len(treated)} arm repetitions")
     out: dict[str, list[float]] = {m: [] for m in metrics}
-    for i, (b, a) in enumerate(zip(baseline, arm, strict=True)):
+    for i, (b, a) in enumerate(zip(baseline, treated, strict=True)):
         for m in metrics:
             if b.get(m) is None or a.get(m) is None:
                 raise ValueError(f"paired_changes: repetition {i} lacks metric {m!r}")
@@ -119,8 +120,8 @@ def paired_changes(baseline: Sequence[Mapping[str, float]], arm: Sequence[Mappin
     return out
 
 
-def paired_comparison(baseline: Sequence[Mapping[str, float]], arm: Sequence[Mapping[str, float]],
+def paired_comparison(baseline: Sequence[Mapping[str, float]], treated: Sequence[Mapping[str, float]],
                       metrics: Sequence[str], confidence: float = 0.95) -> dict[str, Interval]:
     """Mean % change per metric over paired repetitions, with its t interval."""
-    changes = paired_changes(baseline, arm, metrics)
+    changes = paired_changes(baseline, treated, metrics)
     return {m: mean_interval(v, confidence) for m, v in changes.items()}

@@ -92,7 +92,7 @@ class KubeStateStandIn:
             ("llm", "unrelated-0", "", False))
 
     def __init__(self, port: int):
-        from vskipper.deploy.dashboard import (
+        from deploy.dashboard import (
             KUBE_CONTAINER_RESTARTS,
             KUBE_GPU_CLASS,
             KUBE_POD_LABELS,

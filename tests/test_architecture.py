@@ -14,12 +14,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPS = {"vskipper": ROOT / "vskipper", "loadgen": ROOT / "loadgen",
-        "vskipper_operator": ROOT / "operator" / "vskipper_operator", "demo": ROOT / "demo"}
+        "vskipper_operator": ROOT / "operator" / "vskipper_operator", "demo": ROOT / "demo", "deploy": ROOT / "deploy"}
 
 # The pure floor: no torch, no I/O, standard library only. The operator image and the loadgen image install
 # these without the runtime extra.
 PURE = {"vskipper", "vskipper.constants", "vskipper.roofline", "vskipper.switch", "vskipper.arms",
-        "vskipper.modelspec", "vskipper.metrics_names", "vskipper.skippers", "vskipper.skippers.registry"}
+        "vskipper.modelspec", "vskipper.metrics_names", "vskipper.serveargs", "vskipper.skippers",
+        "vskipper.skippers.registry"}
 # The torch core: tiny checkpoints, the skipper plugins and the offline tour; engine-independent like the pure
 # floor, but with torch.
 TORCH_CORE = {"vskipper.checkpoint", "vskipper.tour", "vskipper.skippers.base", "vskipper.skippers.modules",
@@ -31,11 +32,7 @@ TORCH_CORE = {"vskipper.checkpoint", "vskipper.tour", "vskipper.skippers.base", 
 ENTRY = {"vskipper.cli", "vskipper.fetch"}
 
 # Known exceptions, each named; a fix removes its line here.
-KNOWN_BACKWARD = {
-    # the chart generator (vskipper/deploy/, repository tooling shipped inside the runtime package) reads the
-    # operator's CRD schema: vskipper -> operator
-    ("vskipper.deploy.chart", "vskipper_operator.crd"),
-}
+KNOWN_BACKWARD: set[tuple[str, str]] = set()
 KNOWN_CYCLES = [
     # the scheduler hooks call the runtime, the runtime checks that the hooks were applied, and the executed
     # configuration reader and the runtime read each other
@@ -87,7 +84,7 @@ def project_imports(module: str) -> set[str]:
 def test_every_top_level_vskipper_module_has_a_floor():
     top_level = {m for m in modules() if m.split(".")[0] == "vskipper" and
                  (m.count(".") <= 1 or m.startswith("vskipper.skippers.")) and
-                 not m.startswith(("vskipper.mixed", "vskipper.sglang", "vskipper.deploy"))}
+                 not m.startswith(("vskipper.mixed", "vskipper.sglang"))}
     assert top_level - PURE - TORCH_CORE - ENTRY == set(), "add the module to PURE, TORCH_CORE or ENTRY"
     assert (PURE | TORCH_CORE | ENTRY) <= set(modules()), "a floor names a module that no longer exists"
 
@@ -117,10 +114,25 @@ def test_mixed_never_imports_sglang():
     assert bad == set()
 
 
-def test_vskipper_imports_neither_loadgen_nor_the_operator_nor_the_demo():
+def test_vskipper_imports_neither_loadgen_nor_the_operator_nor_the_repository_tooling():
     bad = {(m, dep) for m in modules() if m.split(".")[0] == "vskipper" for dep in project_imports(m)
-           if dep.split(".")[0] in ("loadgen", "vskipper_operator", "demo")}
+           if dep.split(".")[0] in ("loadgen", "vskipper_operator", "demo", "deploy")}
     assert bad - KNOWN_BACKWARD == set()
+
+
+def test_the_deployment_generators_are_repository_tooling():
+    """deploy/ (chart, rules and dashboard generators that write repository paths) stands on the pure modules and
+    the operator's schema; no shipped package imports it, and no wheel carries it."""
+    bad = {(m, dep) for m in modules() if m.split(".")[0] == "deploy" for dep in project_imports(m)
+           if dep.split(".")[0] == "vskipper" and dep not in PURE}
+    assert bad == set()
+    users = {m for m in modules() if m.split(".")[0] != "deploy" for dep in project_imports(m)
+             if dep.split(".")[0] == "deploy"}
+    assert users == set()
+    import tomllib
+
+    packaged = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert not any(pattern.startswith("deploy") for pattern in packaged["include"])
 
 
 def test_loadgen_and_the_operator_stand_on_the_pure_modules_only():
@@ -169,5 +181,5 @@ def test_no_import_cycles_between_modules():
 def test_the_checker_sees_imports_inside_functions():
     """The rules above would pass vacuously if the parser missed imports inside functions."""
     assert "vskipper.sglang.cli" in project_imports("vskipper.cli")  # imported inside `_serve`
-    assert "vskipper_operator.crd" in project_imports("vskipper.deploy.chart")
+    assert "vskipper_operator.crd" in project_imports("deploy.chart")
     assert "vskipper.sglang.hooks" in project_imports("vskipper.sglang.runtime")

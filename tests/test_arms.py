@@ -31,21 +31,27 @@ def test_declared_skip_ratios_feed_the_rule():
 
 def test_arm_from_dict_resolves_defaults():
     arm = Arm.from_dict({"name": "mine", "skipper": "random_skip", "params": {"r": 0.5, "d": 0.25},
-                         "phases": "decode", "mode_switch": False})
+                         "prefill": "dense", "decode": "routed"})
     assert arm.params == {"r": 0.5, "d": 0.25, "seed": 0}
-    assert arm.as_dict()["switch"] == {"prefill": "dense", "decode": "routed", "promotion": True}
+    assert arm.switch_settings().as_dict() == {"prefill": "dense", "decode": "routed", "promotion": True}
+    assert Arm.from_dict(arm.fields()) == arm  # an arm file round-trips
+    assert Arm.from_dict({"skipper": None}).routed_phases == ()  # null skipper: dense unless told otherwise
 
 
 @pytest.mark.parametrize("data,match", [
     ({"skipper": "nope"}, "field 'skipper': unknown skipper 'nope'"),
     ({"skipper": "random_skip", "params": {"r": 2, "d": 0.5}}, r"field 'params'.r must be in \[0.0, 1.0\]"),
     ({"skipper": "static_depth"}, "field 'params'.ratio: required"),
-    ({"skipper": "flexidepth", "phases": "sometimes"}, "field 'phases' must be one of"),
-    ({"skipper": "flexidepth", "mode_switch": "yes"}, "field 'mode_switch' must be true or false"),
+    ({"skipper": "flexidepth", "decode": "sometimes"}, "field 'decode' must be one of dense, routed, hybrid"),
+    ({"skipper": "flexidepth", "prefill": "always-route"}, "field 'prefill' must be one of dense, routed, hybrid"),
+    ({"skipper": "flexidepth", "promotion": "yes"}, "field 'promotion' must be true or false"),
     ({"skipper": "flexidepth", "phase": "both"}, "arm.phase: unknown field"),
-    ({"phases": "both"}, "arm.skipper: required"),
-    ({"skipper": None, "phases": "both"}, "dense arm"),
-    ({"skipper": "flexidepth", "phases": "none"}, "field 'phases' is 'none'"),
+    ({"skipper": "flexidepth", "phases": "both"}, "arm.phases: no longer a field: use 'prefill' and 'decode'"),
+    ({"skipper": "flexidepth", "mode_switch": False}, "arm.mode_switch: no longer a field"),
+    ({"decode": "hybrid"}, "arm.skipper: required"),
+    ({"skipper": None, "decode": "hybrid"}, "dense arm"),
+    ({"skipper": "flexidepth", "prefill": "dense", "decode": "dense"}, "both 'dense' but skipper 'flexidepth'"),
+    ({"skipper": "flexidepth", "prefill": "routed", "decode": "hybrid"}, "both route but with different policies"),
 ])
 def test_bad_arms_name_the_field(data, match):
     with pytest.raises(SkipperConfigError, match=match):
@@ -55,9 +61,9 @@ def test_bad_arms_name_the_field(data, match):
 def test_an_arm_cannot_route_a_phase_its_skipper_cannot_serve():
     register_skipper(SkipperEntry("decode_only_policy", "x:y", phases=frozenset({"decode"})))
     try:
-        assert Arm.from_dict({"skipper": "decode_only_policy", "phases": "decode"}).routed_phases == ("decode",)
-        with pytest.raises(SkipperConfigError, match="cannot serve prefill"):
-            Arm.from_dict({"skipper": "decode_only_policy", "phases": "both"}, name="x")
+        assert Arm.from_dict({"skipper": "decode_only_policy", "prefill": "dense"}).routed_phases == ("decode",)
+        with pytest.raises(SkipperConfigError, match="field 'prefill' is 'hybrid' but .* cannot serve prefill"):
+            Arm.from_dict({"skipper": "decode_only_policy"}, name="x")
     finally:
         unregister_skipper("decode_only_policy")
 

@@ -46,7 +46,7 @@ def test_devices_arms_constants_listings(cli_env):
     devices = json.loads(run(["devices", "--json"], cli_env).stdout)
     assert any(d["name"] == "H200" for d in devices)
     arms = json.loads(run(["arms", "--json"], cli_env).stdout)
-    assert arms["hybrid"]["switch"]["decode"] == "hybrid"
+    assert arms["hybrid"]["decode"] == "hybrid" and arms["always-route"]["prefill"] == "routed"
     consts = json.loads(run(["constants"], cli_env).stdout)
     assert consts["prefill_min_prompt_tokens"] == 1536 and consts["prefill_probe_period_batches"] == 64
 

@@ -21,14 +21,14 @@ pytest.importorskip("grafana_foundation_sdk")
 
 
 def test_generated_deploy_files_match_their_generators(cli_env):
-    proc = subprocess.run([sys.executable, "-m", "vskipper.deploy", "--check", "--root", str(ROOT)],
+    proc = subprocess.run([sys.executable, "-m", "deploy", "--check", "--root", str(ROOT)],
                           capture_output=True, text=True, env=cli_env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_drift_check_names_a_stale_file(tmp_path):
     """The check is not vacuous: a copy of the tree with one edited generated file fails, naming the file."""
-    from vskipper.deploy.__main__ import DASHBOARD_FILE, drifted, generated_files
+    from deploy.__main__ import DASHBOARD_FILE, drifted, generated_files
 
     for rel, text in generated_files(ROOT).items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -93,9 +93,9 @@ def test_dashboard_covers_routing_switch_serving_pods_and_operator_health():
 def test_every_metric_the_dashboard_and_rules_name_is_declared():
     """Static twin of the live-Prometheus test: each metric name in a query is a runtime metric from
     vskipper.metrics_names, an SGLang histogram, or a metric of the operator's registry."""
-    from vskipper.deploy.dashboard import KUBE_STATE_METRICS
-    from vskipper.deploy.dashboard import all_expressions as dashboard_exprs
-    from vskipper.deploy.rules import all_expressions as rule_exprs
+    from deploy.dashboard import KUBE_STATE_METRICS
+    from deploy.dashboard import all_expressions as dashboard_exprs
+    from deploy.rules import all_expressions as rule_exprs
     from vskipper_operator.metrics import REGISTRY
 
     known = {m.name for m in mn.RUNTIME_METRICS}
@@ -109,6 +109,17 @@ def test_every_metric_the_dashboard_and_rules_name_is_declared():
             assert any(re.fullmatch(pattern, name) for name in known), f"{pattern} in {expr!r}"
     # latency (3 histograms x 2 quantiles), KV usage (max, mean), queue (waiting, running), tokens/s
     assert sum('__name__=~"sglang[:_]' in e for e in dashboard_exprs()) == 11
+
+
+def test_operator_registers_exactly_the_catalogued_operator_metrics():
+    """The operator's registry and vskipper.metrics_names name the same metrics (counters as exposed, `_total`)."""
+    from vskipper_operator.metrics import REGISTRY
+
+    registered = set()
+    for family in REGISTRY.collect():
+        registered.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    assert registered == set(mn.OPERATOR_METRICS)
+    assert all(name.startswith(mn.OPERATOR_NAMESPACE + "_") for name in mn.OPERATOR_METRICS)
 
 
 def _sglang_collector_metrics() -> dict[str, str]:
@@ -141,7 +152,7 @@ def test_every_sglang_metric_the_dashboard_reads_is_registered_by_sglangs_collec
 def test_every_kube_state_metric_the_dashboard_reads_is_listed_once_in_the_generator():
     """kube-state-metrics' series are named only in `KUBE_STATE_METRICS` (its documented pod metrics), and each
     pod panel joins them with the pod's GPU class under the runtime series' label name."""
-    from vskipper.deploy import dashboard
+    from deploy import dashboard
 
     assert dashboard.KUBE_STATE_METRICS == ("kube_pod_labels", "kube_pod_status_ready",
                                             "kube_pod_container_status_restarts_total")
@@ -159,8 +170,8 @@ def test_every_kube_state_metric_the_dashboard_reads_is_listed_once_in_the_gener
 
 def test_per_class_views_group_by_the_gpu_class_label_the_operator_monitor_copies():
     """Thresholds, routed shares and cohort sizes are shown per GPU class (each class has its own thresholds)."""
-    from vskipper.deploy.dashboard import _panels
-    from vskipper.deploy.rules import recording_rules
+    from deploy.dashboard import _panels
+    from deploy.rules import recording_rules
 
     by_title = {title: [expr for expr, _ in targets] for _, title, _, targets in _panels()}
     thresholds = [e for exprs in by_title.values() for e in exprs if mn.THRESHOLD_TOKENS.name in e]

@@ -178,10 +178,11 @@ def test_entrypoint_refuses_bad_thresholds_naming_the_flag(args, env, message):
 @pytest.mark.parametrize(("exit_tokens", "enter_tokens"), [(0, 0), (5, 5), (160_000, 200_000), (6, 5), (-1, 5)])
 def test_entrypoint_accepts_exactly_the_thresholds_the_mode_switch_accepts(exit_tokens, enter_tokens):
     """One rule: the entrypoint refuses a pair before SGLang starts iff the switch would refuse it after."""
-    from vskipper.switch import SETTINGS, ModeSwitch
+    from vskipper.arms import ARMS
+    from vskipper.switch import ModeSwitch
 
     try:
-        ModeSwitch(SETTINGS["hybrid"], enter_tokens, exit_tokens)
+        ModeSwitch(ARMS["hybrid"].switch_settings(), enter_tokens, exit_tokens)
         switch_ok = True
     except ValueError:
         switch_ok = False

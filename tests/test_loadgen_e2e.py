@@ -116,7 +116,7 @@ def test_failed_requests_are_recorded_and_refused_by_the_accounting_gate():
 def test_mechanism_and_design_gates_read_the_servers_attestation():
     suite = make_suite(10)
     hybrid = get_arm("always-route")
-    wrong = dict(hybrid.as_dict(), phases="decode")
+    wrong = dict(hybrid.as_dict(), prefill="dense")
 
     async def go():
         async with DoubleServer(DoubleConfig(arm=wrong, routed_phases=("decode",))) as srv:
@@ -132,7 +132,7 @@ def test_mechanism_and_design_gates_read_the_servers_attestation():
     by_gate = {r.gate: r.reason for r in report.refusals}
     assert set(by_gate) == {"mechanism_evidence", "served_design"}
     assert "no routed prefill pass executed" in by_gate["mechanism_evidence"]
-    assert "phases served 'decode', intended 'both'" in by_gate["served_design"]
+    assert "prefill served 'dense', intended 'routed'" in by_gate["served_design"]
 
 
 def test_matched_work_ab_against_two_servers_passes_the_gates_and_resolves_the_faster_arm(tmp_path):

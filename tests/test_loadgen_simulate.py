@@ -8,8 +8,7 @@ import pytest
 
 from loadgen.cli import main as cli_main
 from loadgen.simulate import SimConfig, StepLine, predict, simulate
-from vskipper.arms import get_arm
-from vskipper.switch import SETTINGS
+from vskipper.arms import ARMS, get_arm
 
 DENSE = StepLine(0.010, 0.00005, 2e-7)
 ROUTED = StepLine(0.010, 0.000045, 1.8e-7)  # 10% cheaper per row and per resident token
@@ -28,7 +27,7 @@ def workload(n=400, seed=0):
 
 
 def test_single_request_timeline_is_the_sum_of_its_pass_lines():
-    records, counters = simulate([0.5], [100], [3], config(), SETTINGS["dense"])
+    records, counters = simulate([0.5], [100], [3], config(), ARMS["dense"].switch_settings())
     (r,) = records
     prefill = 0.005 + 0.00004 * 100
     step1 = 0.010 + 0.00005 + 2e-7 * 101
@@ -67,7 +66,7 @@ def test_step_line_and_config_errors_name_the_field():
     with pytest.raises(ValueError, match="per_row_s must be >= 0"):
         StepLine(0.01, -1.0)
     with pytest.raises(ValueError, match="output length must be >= 1"):
-        simulate([0.0], [10], [0], config(), SETTINGS["dense"])
+        simulate([0.0], [10], [0], config(), ARMS["dense"].switch_settings())
 
 
 def test_simulate_cli_derives_thresholds_from_the_roofline_and_writes_predictions(tmp_path, capsys):

@@ -124,7 +124,7 @@ CASES = [
     # The rest of the spec.
     ("replicas-negative", {"replicas": -1}, "spec.replicas", "both"),
     ("model-without-geometry", {"model": {"path": "/m"}}, "spec.model", "both"),
-    ("switch-mixed-policies", {"switch": {"prefill": "always-route", "decode": "hybrid"}}, "spec.switch", "both"),
+    ("switch-mixed-policies", {"switch": {"prefill": "routed", "decode": "hybrid"}}, "spec.switch", "both"),
     ("override-zero-bandwidth", {"bandwidthOverrides": [{"product": A100, "gbps": 0}]},
      "spec.bandwidthOverrides[0].gbps", "both"),
     ("override-duplicate-product", {"bandwidthOverrides": [{"product": A100, "gbps": 1}, {"product": A100, "gbps": 2}]},

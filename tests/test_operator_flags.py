@@ -10,8 +10,9 @@ import re
 
 import pytest
 
+from vskipper.serveargs import SERVE_FLAGS, SGLANG_OPERATOR_FLAGS
 from vskipper_operator import flags
-from vskipper_operator.crd import OWNED_ALIASES, OWNED_ARG_RE, OWNED_FLAGS, SpecError
+from vskipper_operator.crd import OWNED_ARG_RE, OWNED_ARGS, SpecError
 from vskipper_operator.flags import (
     SERVE_OWNED,
     SGLANG_OWNED,
@@ -54,14 +55,40 @@ def test_rebuilt_parser_resolves_each_argument_as_sglangs_does(real_sglang_parse
 
 
 def test_owned_flags_list_is_what_the_parsers_resolve_to_owned_destinations():
-    """The CEL rule's list (crd.OWNED_FLAGS + OWNED_ALIASES) holds every option string of the destinations the
-    operator sets (vskipper serve's model/arm/thresholds/host/port, SGLang's model path, name and TP size)."""
-    named = {"model", "arm", "arm_file", "enter_tokens", "exit_tokens", "host", "port"}
+    """The CEL rule's list (crd.OWNED_ARGS, from vskipper.serveargs) holds every option string of the destinations
+    the operator sets (vskipper serve's model/arm/thresholds/host/port, SGLang's model path, name, TP size, dtype
+    and API key), as the parsers themselves spell them."""
+    named = {f.destination for f in SERVE_FLAGS if f.operator_sets}
+    assert named == {"model", "arm", "arm_file", "enter_tokens", "exit_tokens", "host", "port"}
+    in_rule = {f.dest for f in SGLANG_OPERATOR_FLAGS if f.in_admission_rule}
+    assert in_rule == {"model_path", "host", "port", "served_model_name", "tp_size", "dtype", "api_key"}
     strings = {o for a in serve_parser()._actions if a.dest in named for o in a.option_strings}
-    strings |= {o for a in sglang_parser()._actions if a.dest in {"model_path", "host", "port", "served_model_name",
-                                                                  "tp_size", "api_key"} for o in a.option_strings}
-    assert strings == set(OWNED_FLAGS + OWNED_ALIASES)
-    assert named <= SERVE_OWNED and {"model_path", "served_model_name", "tp_size", "api_key"} <= SGLANG_OWNED
+    strings |= {o for a in sglang_parser()._actions if a.dest in in_rule for o in a.option_strings}
+    assert strings == set(OWNED_ARGS)
+    assert named <= SERVE_OWNED and in_rule <= SGLANG_OWNED
+
+
+def test_declared_sglang_flags_are_spelled_as_sglang_spells_them():
+    """Each operator-set SGLang flag's option strings, type and arity are those of SGLang 0.5.21's parser."""
+    actions = {a.dest: a for a in sglang_parser()._actions}
+    for flag in SGLANG_OPERATOR_FLAGS:
+        action = actions[flag.dest]
+        assert tuple(action.option_strings) == flag.strings, flag.dest
+        assert (action.nargs == 0) == (flag.type is None), flag.dest
+        if flag.type in (int, float):
+            assert action.type is flag.type, flag.dest
+
+
+def test_serve_parser_is_built_from_the_declarations():
+    """`vskipper serve`'s parser has exactly the declared flags, with their option strings, defaults and types."""
+    actions = {a.dest: a for a in serve_parser()._actions if a.dest != "help"}
+    assert set(actions) == {f.destination for f in SERVE_FLAGS} == SERVE_OWNED - {"help"}
+    for flag in SERVE_FLAGS:
+        action = actions[flag.destination]
+        assert tuple(action.option_strings) == flag.strings
+        assert (action.nargs == 0) == (flag.type is None)
+        if flag.type is not None:
+            assert action.default == flag.default and (action.type or str) is flag.type
 
 
 def test_cel_pattern_refuses_no_flag_sglang_or_serve_would_leave_to_the_user():
@@ -85,6 +112,10 @@ def test_cel_pattern_refuses_no_flag_sglang_or_serve_would_leave_to_the_user():
     (["--dry-run"], "--dry-run"),
     (["--platform", "cpu"], "--platform"),
     (["--max-running-requests", "8", "--", "--tensor-parallel", "2"], "--tp-size"),
+    (["--dtype", "float16"], "spec.model.dtype"),
+    (["--mem-fraction-static", "0.5"], "spec.serving.memFractionStatic"),
+    (["--enable-metrics"], "spec.metrics.enabled"),
+    (["--", "--disable-radix-cache"], "spec.serving.prefixCache"),
 ])
 def test_owned_destinations_are_refused_through_abbreviations_and_aliases(extra, owner):
     with pytest.raises(SpecError, match=re.escape(owner)) as err:

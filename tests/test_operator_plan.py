@@ -13,7 +13,7 @@ from vskipper.constants import attestation
 from vskipper.modelspec import PRESETS
 from vskipper.roofline import derive_thresholds, lookup_device
 from vskipper_operator.crd import SpecError
-from vskipper_operator.plan import contains, diff, plan
+from vskipper_operator.plan import contains, diff, new_conflicts, plan, status_patch
 
 LLAMA_B = PRESETS["llama-3-8b"].kv_bytes_per_token_layer
 
@@ -67,6 +67,31 @@ def test_unknown_gpu_gets_no_deployment_and_status_says_why():
     degraded = next(c for c in result.status()["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "UnknownGPU"
     assert [(c.product, t, r) for c, t, r, _ in result.events() if t == "Warning"] == [(UNKNOWN, "Warning", "UnknownGPU")]
+
+
+def test_events_are_posted_once_per_change_and_the_status_patch_holds_only_changes():
+    """A first apply posts each written class's thresholds and the unknown GPU; a resync over the status it wrote
+    posts nothing and patches nothing; a rewritten Deployment posts its class again."""
+    result = plan(resource(), mixed_pool())
+    written = [d["metadata"]["name"] for d in by_kind(result, "Deployment")]
+    first = result.new_events({}, written)
+    assert sorted(r for _, r, _ in first) == ["ThresholdsDerived", "ThresholdsDerived", "UnknownGPU"]
+    status = result.status()
+    assert status_patch({}, status) == status
+    assert result.new_events(status, []) == []
+    assert status_patch(status, status) == {}
+    again = result.new_events(status, written[:1])
+    assert [(t, r) for t, r, _ in again] == [("Normal", "ThresholdsDerived")] and A100 in again[0][2]
+    assert status_patch(status, {**status, "replicas": 7}) == {"replicas": 7}
+
+
+def test_name_conflicts_are_warned_until_the_status_reports_them():
+    held = "Deployment llm/llama-nvidia-h100-80gb-hbm3 is held by another owner"
+    assert new_conflicts({}, [held]) == [held]
+    degraded = {"conditions": [{"type": "Degraded", "status": "True", "message": f"names taken: {held}"}]}
+    assert new_conflicts(degraded, [held]) == []
+    assert new_conflicts(degraded, ["Service llm/llama is held by another owner"]) == [
+        "Service llm/llama is held by another owner"]
 
 
 def test_mig_slices_stay_unknown():
@@ -130,8 +155,8 @@ def test_config_map_carries_the_attested_constants_and_the_arm():
     data = by_kind(result, "ConfigMap")[0]["data"]
     assert json.loads(data["constants.json"]) == attestation()
     arm = json.loads(data["arm.json"])
-    assert (arm["skipper"], arm["params"], arm["phases"], arm["mode_switch"]) == ("flexidepth", {"skip_ratio": 0.5},
-                                                                                   "both", True)
+    assert (arm["skipper"], arm["params"], arm["prefill"], arm["decode"]) == ("flexidepth", {"skip_ratio": 0.5},
+                                                                               "hybrid", "hybrid")
     assert json.loads(data["thresholds.json"])[H100]["exit_tokens"] == 270_000
 
 
@@ -245,7 +270,7 @@ def test_contains_ignores_server_fields_but_not_changed_values():
     ({"serving": {"image": "x", "memFractionStatic": 1.0}}, "spec.serving.memFractionStatic: must be in (0, 1)"),
     ({"model": {"path": "/m"}}, "spec.model: name a preset, or give kvHeads, headDim and routedLayers"),
     ({"model": {"path": "/m", "preset": "gpt-5"}}, "spec.model.preset: must be one of"),
-    ({"switch": {"prefill": "always-route", "decode": "hybrid"}}, "spec.switch: prefill and decode"),
+    ({"switch": {"prefill": "routed", "decode": "hybrid"}}, "spec.switch: prefill and decode"),
     ({"switch": {"thresholds": {"exitTokens": 9, "enterTokens": 8}}}, "spec.switch.thresholds: enterTokens must be"),
     ({"bandwidthOverrides": [{"product": A100, "gbps": 0}]}, "spec.bandwidthOverrides[0].gbps: must be in (0"),
     ({"bandwidthOverrides": [{"product": A100, "gbps": 1}, {"product": A100, "gbps": 2}]},

@@ -155,7 +155,7 @@ def _rule_exprs() -> list[tuple[str, str]]:
 
 
 def _kube_state_side(expr: str) -> bool:
-    from vskipper.deploy.dashboard import KUBE_STATE_METRICS
+    from deploy.dashboard import KUBE_STATE_METRICS
 
     return any(name in expr for name in KUBE_STATE_METRICS)
 

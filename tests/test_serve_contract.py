@@ -20,6 +20,7 @@ import pytest
 from operator_fixtures import mixed_pool, resource
 
 from vskipper.checkpoint import make_tiny_model
+from vskipper.sglang.spec import ENV_ENTER, ENV_EXIT
 from vskipper_operator.plan import ARM_FILE, Node, plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,8 +122,8 @@ def test_planned_server_containers_start_through_the_image_entrypoint_into_serve
         assert command[command.index("--served-model-name") + 1] == "llama3-skip"
         exit_tokens = args[args.index("--exit-tokens") + 1]
         enter_tokens = args[args.index("--enter-tokens") + 1]
-        assert (shown["environment"]["VSKIPPER_EXIT_TOKENS"], shown["environment"]["VSKIPPER_ENTER_TOKENS"]) == \
-            (exit_tokens, enter_tokens)  # the class's thresholds reach the served config
+        served = shown["environment"]
+        assert (served[ENV_EXIT], served[ENV_ENTER]) == (exit_tokens, enter_tokens)  # the class's thresholds
         # ... and SGLang's own launch-flag parser (the pinned release's) takes every flag, unambiguously.
         assert command[1:3] == ["-m", "vskipper.sglang.server"]
         server_args = sglang_parser().parse_args(command[3:])

@@ -106,8 +106,8 @@ def test_no_promotion_arm_keeps_running_dense_requests_dense_in_a_routed_pass(tm
 
 
 def test_prefill_mode_is_fixed_at_admission_and_kept_across_chunks(tmp_path):
-    arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "phases": "decode",
-                         "mode_switch": False})
+    arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "prefill": "dense",
+                         "decode": "routed"})
     rt = runtime(arm, tmp_path)  # prefill dense, decode always routed
     assert not run_pass(rt, prefill(["a"], [600], [600])).routed
     assert not run_pass(rt, prefill(["a", "b"], [1200, 30], [600, 30])).routed  # a's second chunk, b admitted
@@ -146,7 +146,7 @@ def test_routed_arms_are_served_on_both_skipper_families_and_refused_on_a_checkp
 
 
 def test_a_routed_arm_on_a_qwen3_checkpoint_routes_its_passes(tmp_path):
-    arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "mode_switch": False})
+    arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "prefill": "routed", "decode": "routed"})
     rt = Runtime(ServeSpec(arm, 0, 0, tmp_path / "state.json"), "qwen3_skipper", (0, 3),
                  "Qwen3SkipperForCausalLM")
     assert run_pass(rt, prefill(["a"], [6]), layers=(0, 3)).routed
@@ -164,7 +164,7 @@ def test_serve_spec_round_trips_through_the_environment(tmp_path):
     spec = ServeSpec(get_arm("no-promotion"), 200000, 160000, tmp_path / "s.json")
     back = ServeSpec.from_env(spec.to_env())
     assert back.arm == spec.arm and (back.enter_tokens, back.exit_tokens) == (200000, 160000)
-    with pytest.raises(ServeConfigError, match="VSKIPPER_ARM is not set"):
+    with pytest.raises(ServeConfigError, match="VSKIPPER_SERVED_ARM is not set"):
         ServeSpec.from_env({})
 
 
@@ -178,7 +178,7 @@ def waiting(rid: str, tokens: int, extra_key: str | None = None, output: int = 0
 
 
 OPEN = AdmissionLimits()  # no limit: every waiting request is a candidate
-PREFILL_SWITCHED = {"skipper": "static_depth", "params": {"ratio": 0.5}, "phases": "prefill", "mode_switch": True}
+PREFILL_SWITCHED = {"skipper": "static_depth", "params": {"ratio": 0.5}, "prefill": "hybrid", "decode": "dense"}
 
 
 def test_waiting_requests_are_keyed_by_the_previewed_mode_and_keep_their_own_key(tmp_path):
@@ -280,7 +280,7 @@ def test_the_insert_limit_never_frees_kv_the_cache_protects_or_that_a_readmissio
     """A request retracted after 300 output tokens re-prefills prompt + 300 in its new prefill mode, and SGLang's
     cache then protects that whole prefix for it: the limit keeps it, and only the tokens decoded in another mode
     after that are withheld."""
-    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "phases": "decode"}),
+    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "prefill": "dense"}),
                  tmp_path, enter=0, exit_=0)  # dense prefill, routed decode: modes always differ
     back = waiting("a", 200, output=300)
     rt.key_candidates([back], OPEN)
@@ -352,7 +352,7 @@ def test_only_the_first_tensor_parallel_rank_of_a_replica_reports(tmp_path):
 def test_replica_attestations_merge_into_one_with_counters_summed(tmp_path):
     from vskipper.sglang.replicas import Placement, merge_attestations, replica_state_files
 
-    arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "mode_switch": False})
+    arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "prefill": "routed", "decode": "routed"})
     spec = ServeSpec(arm, 0, 0, tmp_path / "state.json")
     replicas = [Runtime(spec, "ddllama", (2, 3), "DDLlamaForCausalLM", placement=Placement(dp_rank=k))
                 for k in range(2)]
@@ -389,7 +389,7 @@ def test_a_server_runtime_writes_its_state_off_the_forward_path_and_fresh_for_ea
 
     from vskipper.sglang.server import fresh_attestation
 
-    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "mode_switch": False}),
+    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "prefill": "routed", "decode": "routed"}),
                  tmp_path)
     writers = []
     write = rt.write_state

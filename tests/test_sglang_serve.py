@@ -26,6 +26,7 @@ from loadgen.attestation import Attestation, pass_delta  # noqa: E402
 from tests.sglang_world import ROOT, greedy_reference, serve  # noqa: E402
 from vskipper.arms import get_arm  # noqa: E402
 from vskipper.checkpoint import TinySize  # noqa: E402
+from vskipper.sglang.spec import ENV_ARM, ENV_ENTER, ENV_EXIT  # noqa: E402
 from vskipper.skippers.registry import build_skipper  # noqa: E402
 
 pytestmark = pytest.mark.server  # real SGLang servers, and `vskipper serve` processes that refuse to start
@@ -136,7 +137,8 @@ BAD_REQUESTS = [
 def _all_run_arm(tmp: Path) -> Path:
     """Always-route with StaticDepth at ratio 0: every row RUNs every routed layer."""
     arm = tmp / "static-depth-0-always.json"
-    arm.write_text(json.dumps({"skipper": "static_depth", "params": {"ratio": 0.0}, "mode_switch": False}))
+    arm.write_text(json.dumps({"skipper": "static_depth", "params": {"ratio": 0.0}, "prefill": "routed",
+                               "decode": "routed"}))
     return arm
 
 
@@ -209,8 +211,8 @@ def test_serve_derives_hybrid_thresholds_from_the_roofline_rule_for_the_gpu(serv
                            str(get_arm("hybrid").declared_skip_ratio()), "--model", str(served_model), "--json"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT, check=True)
     expected = json.loads(rule.stdout)
-    assert int(env["VSKIPPER_ENTER_TOKENS"]) == expected["enter_tokens"] > 0
-    assert int(env["VSKIPPER_EXIT_TOKENS"]) == expected["exit_tokens"] > 0
+    assert int(env[ENV_ENTER]) == expected["enter_tokens"] > 0
+    assert int(env[ENV_EXIT]) == expected["exit_tokens"] > 0
     assert env["VSKIPPER_THRESHOLDS_SOURCE"] == f"roofline:{device}"
 
 
@@ -224,11 +226,11 @@ def test_server_process_refuses_an_invalid_arm_before_starting_sglang(served_mod
     from vskipper.sglang.spec import ServeSpec, serve_environment
 
     env = serve_environment(ServeSpec(get_arm("dense"), 0, 0, tmp_path / "state.json"))
-    env["VSKIPPER_ARM"] = json.dumps({"skipper": "flexidepth", "phases": "sideways"})
+    env[ENV_ARM] = json.dumps({"skipper": "flexidepth", "decode": "sideways"})
     r = subprocess.run([sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(served_model)],
                        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert r.returncode == 2
-    assert "field 'phases' must be one of" in r.stderr
+    assert "field 'decode' must be one of dense, routed, hybrid" in r.stderr
 
 
 def test_dry_run_shows_the_cpu_recipe_and_the_shim_on_the_server_path_only(served_model):
@@ -241,7 +243,7 @@ def test_dry_run_shows_the_cpu_recipe_and_the_shim_on_the_server_path_only(serve
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "vskipper.sglang.models"
     assert env["PYTHONPATH"].split(":")[0].endswith("vskipper/sglang/shims")
-    assert json.loads(env["VSKIPPER_ARM"])["name"] == "dense"
+    assert json.loads(env[ENV_ARM])["name"] == "dense"
 
 
 def test_on_a_gpu_serve_runs_the_routed_phases_without_cuda_graphs_and_keeps_them_for_dense_ones(served_model):
@@ -516,7 +518,7 @@ class TestQwen3AlwaysRoute:
 def test_serve_accepts_the_qwen3_gate_on_a_qwen3_checkpoint_and_refuses_flexidepth_naming_the_field(served_qwen3):
     ok = _serve_cli("--model", str(served_qwen3), "--arm", "qwen3-always-route", "--dry-run")
     assert ok.returncode == 0, ok.stderr
-    assert json.loads(json.loads(ok.stdout)["environment"]["VSKIPPER_ARM"])["skipper"] == "qwen3_hard_gate"
+    assert json.loads(json.loads(ok.stdout)["environment"][ENV_ARM])["skipper"] == "qwen3_hard_gate"
     r = _serve_cli("--model", str(served_qwen3), "--arm", "always-route", "--dry-run")
     assert r.returncode == 2
     assert "field 'skipper' is 'flexidepth'" in r.stderr and "this checkpoint is 'qwen3_skipper'" in r.stderr
@@ -535,8 +537,8 @@ def prefill_switched_server(served_model, tmp_path_factory):
     not. The KV pool is large enough that nothing is evicted during the class."""
     tmp = tmp_path_factory.mktemp("prefix")
     arm = tmp / "static-depth-50-prefill.json"
-    arm.write_text(json.dumps({"skipper": "static_depth", "params": {"ratio": 0.5}, "phases": "prefill",
-                               "mode_switch": True}))
+    arm.write_text(json.dumps({"skipper": "static_depth", "params": {"ratio": 0.5}, "prefill": "hybrid",
+                               "decode": "dense"}))
     with serve(served_model, tmp, arm_file=arm, extra=("--max-total-tokens", "16384")) as s:
         yield s
 

@@ -5,8 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from vskipper.arms import ARMS
 from vskipper.constants import CONSTANTS
-from vskipper.switch import SETTINGS, DecisionKind, Mode, ModeSwitch, Policy, SwitchSettings
+from vskipper.switch import DecisionKind, Mode, ModeSwitch, Policy, SwitchSettings
 
 ENTER, EXIT = 200_000, 160_000
 V = st.integers(min_value=0, max_value=400_000)
@@ -75,7 +76,7 @@ TestDecodeSwitch = DecodeSwitchMachine.TestCase
 
 
 def test_promotion_happens_once_at_the_crossing():
-    sw = ModeSwitch(SETTINGS["hybrid"], ENTER, EXIT)
+    sw = ModeSwitch(ARMS["hybrid"].switch_settings(), ENTER, EXIT)
     assert [sw.start_decode(i) for i in range(3)] == [Mode.DENSE] * 3
     assert sw.observe(ENTER, 1.0) == [0, 1, 2]
     assert sw.observe(ENTER + 1, 2.0) == []  # still on: no second promotion
@@ -91,7 +92,7 @@ def test_promotion_happens_once_at_the_crossing():
 
 
 def test_no_promotion_ablation_leaves_running_dense_requests_dense():
-    sw = ModeSwitch(SETTINGS["no-promotion"], ENTER, EXIT)
+    sw = ModeSwitch(ARMS["no-promotion"].switch_settings(), ENTER, EXIT)
     sw.start_decode("a")
     assert sw.observe(10 * ENTER, 1.0) == []
     assert sw.decode_mode("a") is Mode.DENSE and sw.start_decode("b") is Mode.ROUTED
@@ -104,7 +105,7 @@ def test_no_promotion_ablation_leaves_running_dense_requests_dense():
     ("decode-only", Mode.DENSE, Mode.ROUTED),
 ])
 def test_fixed_and_per_phase_settings(name, first, after_load):
-    sw = ModeSwitch(SETTINGS[name], ENTER, EXIT)
+    sw = ModeSwitch(ARMS[name].switch_settings(), ENTER, EXIT)
     assert sw.start_decode(0) is first
     sw.observe(10 * ENTER, 1.0)
     assert sw.start_decode(1) is after_load
@@ -114,7 +115,7 @@ def test_fixed_and_per_phase_settings(name, first, after_load):
        share=st.one_of(st.none(), st.floats(min_value=0, max_value=1)))
 @settings(max_examples=200, deadline=None)
 def test_prefill_rule_and_probe_cadence(rounds, share):
-    sw = ModeSwitch(SETTINGS["hybrid"], ENTER, EXIT, declared_project_share=share)
+    sw = ModeSwitch(ARMS["hybrid"].switch_settings(), ENTER, EXIT, declared_project_share=share)
     floor, period = CONSTANTS.prefill_min_prompt_tokens, CONSTANTS.prefill_probe_period_batches
     due = False
     for i, tokens in enumerate(rounds):
@@ -142,7 +143,7 @@ def test_prefill_rule_and_probe_cadence(rounds, share):
 
 
 def test_probe_refreshes_the_share_estimate():
-    sw = ModeSwitch(SETTINGS["hybrid"], ENTER, EXIT, declared_project_share=0.5)
+    sw = ModeSwitch(ARMS["hybrid"].switch_settings(), ENTER, EXIT, declared_project_share=0.5)
     assert sw.admit_prefill(2000, 0.0).probe
     sw.record_prefill_share(0.2, 0.0)  # the skipper projected less than declared: stop routing prefill
     assert [sw.admit_prefill(2000, float(i)).mode for i in range(1, 64)] == [Mode.DENSE] * 63
@@ -156,12 +157,12 @@ def test_probe_refreshes_the_share_estimate():
 
 def test_bad_switch_arguments_name_the_field():
     with pytest.raises(ValueError, match="enter_tokens"):
-        ModeSwitch(SETTINGS["hybrid"], 100, 200)
+        ModeSwitch(ARMS["hybrid"].switch_settings(), 100, 200)
     with pytest.raises(ValueError, match="exit_tokens"):
-        ModeSwitch(SETTINGS["hybrid"], 100, -1)
+        ModeSwitch(ARMS["hybrid"].switch_settings(), 100, -1)
     with pytest.raises(ValueError, match="switch.decode"):
         SwitchSettings("hybrid", "sometimes")
-    sw = ModeSwitch(SETTINGS["hybrid"], ENTER, EXIT)
+    sw = ModeSwitch(ARMS["hybrid"].switch_settings(), ENTER, EXIT)
     with pytest.raises(ValueError, match="resident_tokens"):
         sw.observe(-5, 0.0)
     sw.start_decode("r")
@@ -172,7 +173,7 @@ def test_bad_switch_arguments_name_the_field():
 def test_attestation_is_json_ready_and_carries_the_thresholds():
     import json
 
-    sw = ModeSwitch(SETTINGS["hybrid"], ENTER, EXIT)
+    sw = ModeSwitch(ARMS["hybrid"].switch_settings(), ENTER, EXIT)
     sw.observe(ENTER, 0.5)
     att = json.loads(json.dumps(sw.attestation()))
     assert att["enter_tokens"] == ENTER and att["exit_tokens"] == EXIT
@@ -182,14 +183,14 @@ def test_attestation_is_json_ready_and_carries_the_thresholds():
 
 
 def test_a_crossing_with_nobody_running_dense_records_no_promotion():
-    sw = ModeSwitch(SETTINGS["hybrid"], ENTER, EXIT)
+    sw = ModeSwitch(ARMS["hybrid"].switch_settings(), ENTER, EXIT)
     assert sw.observe(ENTER, 1.0) == []
     assert [d.kind for d in sw.decisions()] == [DecisionKind.ROUTE_ON]
     assert sw.attestation()["promoted_requests_total"] == 0
 
 
 def test_a_round_bound_by_prefix_reuse_runs_in_that_mode_and_says_why():
-    sw = ModeSwitch(SETTINGS["hybrid"], ENTER, EXIT, declared_project_share=0.9)
+    sw = ModeSwitch(ARMS["hybrid"].switch_settings(), ENTER, EXIT, declared_project_share=0.9)
     floor = CONSTANTS.prefill_min_prompt_tokens
     decision = sw.admit_prefill(floor - 1, 1.0, bound=Mode.ROUTED)
     assert decision.mode is Mode.ROUTED and not decision.probe and "prefix reuse" in decision.reason

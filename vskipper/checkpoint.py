@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, router_sizes
+from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, is_router_tensor, router_sizes
 
 # Architecture names written into config.json; the SGLang integration registers model classes for them.
 ARCHS = {
@@ -196,7 +196,7 @@ def load_skipper_modules(path: str | Path, dtype: torch.dtype | None = None,
     for file in _checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if ".router." in key or ".router_proj." in key:
+                if is_router_tensor(key):
                     wanted[key] = f.get_tensor(key)
     modules = {}
     for layer in layers:

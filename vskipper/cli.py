@@ -9,6 +9,7 @@ import sys
 from vskipper import constants
 from vskipper.modelspec import ModelConfigError, load_model_facts
 from vskipper.roofline import DEVICES, UnknownDeviceError, derive_thresholds, lookup_device
+from vskipper.serveargs import add_serve_arguments
 from vskipper.skippers.registry import SkipperConfigError
 
 
@@ -154,24 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a skipper checkpoint with SGLang; options it does not know go to SGLang",
                        description="Validate the arm, then launch SGLang 0.5.21 with vSkipper. Options this command "
                        "does not define (and everything after `--`) are passed to SGLang's launcher unchanged.")
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
-    p.add_argument("--arm", help="a named arm (see `vskipper arms`); with --arm-config, the name of that arm")
-    p.add_argument("--arm-config", "--arm-file", dest="arm_file",
-                   help="the arm as a JSON file (Arm fields); takes precedence over the named arm's fields")
-    p.add_argument("--enter-tokens", type=int, help="decode switch: route when resident tokens V >= this")
-    p.add_argument("--exit-tokens", type=int, help="decode switch: stop routing when V <= this")
-    p.add_argument("--gpu", help="GPU product (catalogue name or GFD label) to derive the decode thresholds for "
-                   "when --enter/--exit-tokens are not given (default: the GPU nvidia-smi reports)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto",
-                   help="cpu: the CPU recipe; gpu: SGLang's kernels if installed, else the CUDA stand-ins with Triton "
-                   "attention and decode graphs; auto picks gpu when an NVIDIA device node exists")
-    p.add_argument("--gpu-jit", action="store_true",
-                   help="with the CUDA stand-ins: let SGLang JIT-compile its fused ops (nvcc, ninja) instead of "
-                   "their torch paths")
-    p.add_argument("--state-file", help="where the scheduler writes its attestation (default: a temp file)")
-    p.add_argument("--dry-run", action="store_true", help="print the server command and environment, start nothing")
+    add_serve_arguments(p)
     p.set_defaults(func=_serve)
 
     return parser

@@ -89,6 +89,25 @@ SGLANG_METRICS = (*SGLANG_HISTOGRAMS, *SGLANG_GAUGES, *SGLANG_COUNTERS)
 SGLANG_LABELS = ("model_name",)
 
 
+# The operator's own metrics (`operator/vskipper_operator/metrics.py` registers exactly these; counters as
+# exposed, with `_total`). The dashboard and the alerts read them from here.
+OPERATOR_NAMESPACE = "vskipper_operator"
+OPERATOR_RECONCILES = "vskipper_operator_reconciles_total"  # counter, by result
+OPERATOR_ERRORS = "vskipper_operator_errors_total"  # counter, by kind
+OPERATOR_API_RETRIES = "vskipper_operator_api_retries_total"  # counter, by reason
+OPERATOR_APPLIED = "vskipper_operator_applied_objects_total"  # counter, by kind and action
+OPERATOR_RECONCILE_DURATION = "vskipper_operator_reconcile_duration_seconds"  # histogram
+OPERATOR_EXIT_TOKENS = "vskipper_operator_exit_tokens"  # gauge per GPU class
+OPERATOR_ENTER_TOKENS = "vskipper_operator_enter_tokens"  # gauge per GPU class
+OPERATOR_V_STAR_TOKENS = "vskipper_operator_v_star_tokens"  # gauge per GPU class
+OPERATOR_BANDWIDTH = "vskipper_operator_bandwidth_bytes_per_second"  # gauge per GPU class, by source
+OPERATOR_GPU_CLASSES = "vskipper_operator_gpu_classes"  # gauge per resource, by served
+OPERATOR_RESOURCE_READY = "vskipper_operator_resource_ready"  # gauge per resource
+OPERATOR_METRICS = (OPERATOR_RECONCILES, OPERATOR_ERRORS, OPERATOR_API_RETRIES, OPERATOR_APPLIED,
+                    OPERATOR_RECONCILE_DURATION, OPERATOR_EXIT_TOKENS, OPERATOR_ENTER_TOKENS, OPERATOR_V_STAR_TOKENS,
+                    OPERATOR_BANDWIDTH, OPERATOR_GPU_CLASSES, OPERATOR_RESOURCE_READY)
+
+
 # The GPU class of a runtime series. The operator plans one Deployment per GPU class, each with its own thresholds,
 # and labels its server pods with the class; the ServiceMonitor it plans copies that pod label onto every scraped
 # series (`podTargetLabels`), under the name prometheus-operator gives it: invalid characters replaced by `_`.

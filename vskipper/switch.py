@@ -64,19 +64,6 @@ class SwitchSettings:
         return {"prefill": self.prefill.value, "decode": self.decode.value, "promotion": self.promotion}
 
 
-# Named settings. Per-phase arms and the no-promotion ablation are combinations of the same three policies.
-SETTINGS: dict[str, SwitchSettings] = {
-    "hybrid": SwitchSettings(Policy.HYBRID, Policy.HYBRID),
-    "always-route": SwitchSettings(Policy.ROUTED, Policy.ROUTED),
-    "dense": SwitchSettings(Policy.DENSE, Policy.DENSE),
-    "decode-only": SwitchSettings(Policy.DENSE, Policy.HYBRID),
-    "prefill-only": SwitchSettings(Policy.HYBRID, Policy.DENSE),
-    "decode-only-always": SwitchSettings(Policy.DENSE, Policy.ROUTED),
-    "prefill-only-always": SwitchSettings(Policy.ROUTED, Policy.DENSE),
-    "no-promotion": SwitchSettings(Policy.HYBRID, Policy.HYBRID, promotion=False),
-}
-
-
 class DecisionKind(str, enum.Enum):
     ROUTE_ON = "route_on"  # decode: V crossed the enter threshold
     ROUTE_OFF = "route_off"  # decode: V fell to the exit threshold

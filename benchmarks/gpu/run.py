@@ -45,8 +45,9 @@ from vskipper.sglang.launch import Server, http, launched  # noqa: E402
 
 STAGES = ("serve-ab", "sweep", "kernels")
 SKIP_RATIO = 0.5  # RandomSkip r = 1, d = 0.5: half of the routed decisions project
-ARM_FILES = {name: {"name": name, "skipper": "random_skip", "params": {"r": 1.0, "d": 0.5}, "mode_switch": switch}
-             for name, switch in (("random-r1-d0.5-always", False), ("random-r1-d0.5-hybrid", True))}
+ARM_FILES = {name: {"name": name, "skipper": "random_skip", "params": {"r": 1.0, "d": 0.5}, "prefill": policy,
+                    "decode": policy}
+             for name, policy in (("random-r1-d0.5-always", "routed"), ("random-r1-d0.5-hybrid", "hybrid"))}
 ALWAYS, HYBRID = ARM_FILES
 LOAD_CELLS = {"below": 0.5, "near": 1.0, "above": 1.5}  # target resident KV tokens as a multiple of enter
 # A JSON file {arm: URL} of servers already serving OUTDIR/model with `Plan` flags (`start`), used instead of
@@ -95,7 +96,10 @@ class Plan:
 
     @classmethod
     def dry(cls) -> Plan:
-        return cls(True, "cpu", "float32", ("--load-format", "dummy", "--skip-tokenizer-init"), None, None, None, None,
+        # On CPU an idle SGLang scheduler polls in a busy loop: the dry run's servers sleep while idle, so the
+        # three of them and the kernels stage share the cores with the one being driven.
+        return cls(True, "cpu", "float32", ("--load-format", "dummy", "--skip-tokenizer-init", "--sleep-on-idle"),
+                   None, None, None, None,
                    prompt_tokens=24, output_tokens=6, ab_window_s=1.5, ab_min_requests=4, ab_repetitions=1,
                    batches=(2, 3), contexts=(16,), sweep_new_tokens=6, prefill_lengths=(32, 64), prefill_reps=1,
                    startup_timeout_s=240.0, pair_estimate_s=1, dry_thresholds=(60, 40), model_size={"layers": 4},

@@ -5,18 +5,16 @@ exec `vskipper serve FLAGS`.
 The operator plans its server containers with no `command`, so Kubernetes runs this entrypoint with the planned
 `args` (the `vskipper serve` flags, each GPU class with its own `--exit-tokens/--enter-tokens`; operator/README.md).
 Outside the operator (docker run, a plain Deployment) the same values may come from the environment; a flag
-always wins over its variable:
-
-    --model          VSKIPPER_MODEL
-    --arm            VSKIPPER_ARM
-    --exit-tokens    VSKIPPER_EXIT_TOKENS
-    --enter-tokens   VSKIPPER_ENTER_TOKENS
+always wins over its variable. Which flags have a variable is declared with the flags themselves
+(`vskipper.serveargs.CONTAINER_ENV`: --model VSKIPPER_MODEL, --arm VSKIPPER_ARM, --exit-tokens
+VSKIPPER_EXIT_TOKENS, --enter-tokens VSKIPPER_ENTER_TOKENS). These variables name what a person writes; what
+`vskipper serve` hands its scheduler travels under other names (`VSKIPPER_SERVED_*`).
 
 Thresholds follow the mode switch's own rule (vskipper.switch.ModeSwitch): non-negative integers, given together,
 enter >= exit. A bad value stops the container before SGLang loads a model, with a message naming the flag and
 its variable. Whether an arm needs thresholds at all is `vskipper serve`'s call (only a switched decode does).
 Every other flag (`--dry-run`, SGLang's own) passes through unchanged. `--print-command` prints the resolved
-command as JSON instead of running it. Standard library only: it runs before anything else is imported.
+command as JSON instead of running it. It imports only the standard library and `vskipper.serveargs` (pure).
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ import json
 import os
 import sys
 
-ENV = {"--model": "VSKIPPER_MODEL", "--arm": "VSKIPPER_ARM", "--exit-tokens": "VSKIPPER_EXIT_TOKENS",
-       "--enter-tokens": "VSKIPPER_ENTER_TOKENS"}
+from vskipper.serveargs import CONTAINER_ENV as ENV
+
 THRESHOLDS = ("--exit-tokens", "--enter-tokens")
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from vskipper_operator.crd import SpecError, render_crd_yaml
+from vskipper_operator.settings import SettingsError
 
 
 def _load(path: str, what: str):
@@ -106,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable; "
                    "default: cluster-wide)")
     p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
-    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (0: off)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus metrics port (0: off; default: "
+                   "$VSKIPPER_OPERATOR_METRICS_PORT, else 9090)")
     p.set_defaults(func=_run)
     return parser
 
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except SpecError as exc:
+    except (SpecError, SettingsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -17,7 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vskipper.constants import CONSTANTS
+from vskipper.serveargs import operator_owned_strings
 from vskipper.skippers.registry import registered
+from vskipper.switch import Policy
 
 GROUP = "vskipper.io"
 VERSION = "v1alpha1"
@@ -28,18 +31,15 @@ SHORT_NAMES = ["skd", "skipper"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
-POLICIES = ("hybrid", "always-route", "dense")
+POLICIES = tuple(p.value for p in Policy)  # the switch's own values, as arms hold them
 DTYPES = ("bfloat16", "float16")
 ATTENTION_BACKENDS = ("flashinfer", "triton", "fa3", "torch_native")
 MODEL_PRESETS = ("llama-3-8b", "qwen3-4b", "qwen3-8b")
-# Launch flags the operator sets itself; serving.extraArgs may not repeat them (the API key comes from a Secret,
-# serving.apiKeySecret, never from the spec's text).
-OWNED_FLAGS = ("--model", "--arm", "--arm-config", "--enter-tokens", "--exit-tokens", "--host", "--port",
-               "--served-model-name", "--tp-size", "--api-key")
-# Their aliases in the parsers that read them (`vskipper serve`: --arm-file; SGLang 0.5.21: --model and
-# --model-path for the checkpoint, --tensor-parallel-size): `vskipper_operator.flags` checks extraArgs with those
-# parsers themselves, tests/test_operator_flags.py keeps this list equal to what they resolve.
-OWNED_ALIASES = ("--arm-file", "--model-path", "--tensor-parallel-size")
+# Launch flags the operator sets itself, with every alias the parsers that read them accept (`vskipper serve`:
+# --arm-file; SGLang 0.5.21: --model for --model-path, --tensor-parallel-size): serving.extraArgs may not repeat
+# them (the API key comes from a Secret, serving.apiKeySecret, never from the spec's text). Declared once in
+# `vskipper.serveargs`; `vskipper_operator.flags` checks extraArgs with the parsers themselves.
+OWNED_ARGS = operator_owned_strings()
 MAX_NAME = 40  # child objects append the GPU class to the resource's name and must stay DNS labels
 MAX_TOKENS = 10**9  # thresholds above this are typos (no GPU holds a billion resident KV tokens)
 
@@ -106,7 +106,8 @@ def _bool(description: str, default: bool) -> dict:
 
 
 def _policy(phase: str) -> dict:
-    return _str(f"{phase} policy: hybrid (route when the roofline rule says it pays), always-route, or dense",
+    return _str(f"{phase} policy (vskipper.switch.Policy): hybrid (route when the roofline rule says it pays), "
+                "routed (always), or dense",
                 enum=list(POLICIES), default="hybrid")
 
 
@@ -203,7 +204,8 @@ SPEC_SCHEMA: dict = _obj({
         "decode": _policy("decode"),
         "promotion": _bool("promote running dense decodes when routing turns on", True),
         "tauMsPerRoutedLayer": _num("routed mode's fixed per-step cost per routed layer, ms (default: "
-                                    "vskipper.constants, 2.67 ms per 16 layers)", minimum=0,
+                                    f"vskipper.constants, {CONSTANTS.tau_ms_per_16_layers} ms per "
+                                    f"{CONSTANTS.tau_reference_routed_layers} layers)", minimum=0,
                                     exclusiveMinimum=True, maximum=10),
         "thresholds": _obj({
             "exitTokens": _int("leave routing at or below this many resident KV tokens", 0, MAX_TOKENS),
@@ -343,7 +345,7 @@ def _prefixes(flag: str) -> str:
 # Any argument that is an owned flag or an abbreviation of one, with or without `=value`. An over-approximation
 # of what the parsers resolve (an ambiguous abbreviation is refused too: the parser would fail on it); the
 # planner runs extraArgs through the real parsers (vskipper_operator.flags).
-OWNED_ARG_RE = "^--(" + "|".join(_prefixes(f) for f in OWNED_FLAGS + OWNED_ALIASES) + ")(=.*)?$"
+OWNED_ARG_RE = "^--(" + "|".join(_prefixes(f) for f in OWNED_ARGS) + ")(=.*)?$"
 GPU_PRODUCT_RE = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
 
@@ -409,11 +411,11 @@ RULES: tuple[Rule, ...] = (
     Rule("switch",
          "(has(self.prefill) ? self.prefill : 'hybrid') == 'dense' || (has(self.decode) ? self.decode : 'hybrid')"
          " == 'dense' || (has(self.prefill) ? self.prefill : 'hybrid') == (has(self.decode) ? self.decode : 'hybrid')",
-         "prefill and decode, when both routed, must use the same policy (hybrid or always-route)",
+         "prefill and decode, when both routed, must use the same policy (hybrid or routed)",
          lambda s: len(_routed_policies(s)) <= 1),
     Rule("serving", f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches({_cel_str(OWNED_ARG_RE)}))",
          "must not set flags the operator owns, abbreviated or aliased ("
-         + ", ".join(OWNED_FLAGS + OWNED_ALIASES) + ")",
+         + ", ".join(OWNED_ARGS) + ")",
          lambda s: not any(re.search(OWNED_ARG_RE, a) for a in s.get("extraArgs", [])), "extraArgs"),
     Rule("model.download", "!has(self.cacheSizeLimit) || (type(self.cacheSizeLimit) == string ? "
          f"self.cacheSizeLimit.matches({_cel_str(QUANTITY_RE)}) : self.cacheSizeLimit >= 0)",

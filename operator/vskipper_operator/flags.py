@@ -24,16 +24,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vskipper.serveargs import SERVE_DESTS, SGLANG_BY_DEST, SGLANG_OWNED_DESTS
 from vskipper_operator.crd import SpecError
 
 TABLE = Path(__file__).with_name("sglang_flags.json")
 SGLANG_VERSION = "0.5.21"
-# Every flag `vskipper serve` defines is the operator's: extraArgs are for SGLang.
-SERVE_OWNED = frozenset({"model", "arm", "arm_file", "enter_tokens", "exit_tokens", "gpu", "host", "port",
-                         "platform", "state_file", "dry_run", "help"})
-# SGLang destinations the operator sets or that could set them behind its back (a config file), or stop the server.
-# The API key only from a Secret (spec.serving.apiKeySecret), never as text in the spec.
-SGLANG_OWNED = frozenset({"model_path", "host", "port", "served_model_name", "tp_size", "api_key", "config", "help"})
+# Every flag `vskipper serve` defines is the operator's: extraArgs are for SGLang. SGLang destinations the operator
+# (or `vskipper serve` for it) sets, or that could set them behind its back (a config file): `vskipper.serveargs`.
+SERVE_OWNED = SERVE_DESTS
+SGLANG_OWNED = SGLANG_OWNED_DESTS
 _UNSET = object()
 
 
@@ -146,7 +145,9 @@ def check_extra_args(extra: Sequence[str], where: str = "spec.serving.extraArgs"
         except _Refused as exc:
             raise SpecError(f"{where}: SGLang {SGLANG_VERSION} refuses {arg!r}: {exc}") from None
         for dest in dests & SGLANG_OWNED:
-            raise SpecError(f"{where}: {arg!r} is SGLang's {_flags(sglang_parser(), dest)}, which the operator sets")
+            set_by = SGLANG_BY_DEST[dest].set_by if dest in SGLANG_BY_DEST else "the operator"
+            raise SpecError(f"{where}: {arg!r} is SGLang's {_flags(sglang_parser(), dest)}, which the operator sets "
+                            f"(from {set_by})")
     try:
         _, rest = resolve(sglang_parser(), to_sglang)
     except _Refused as exc:

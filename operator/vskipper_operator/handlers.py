@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import os
 import time
 from typing import Any
 
@@ -55,15 +54,19 @@ from vskipper_operator.plan import (
     Node,
     diff,
     downloads,
+    new_conflicts,
     node_gpus,
     plan,
     resolve,
     served_rows,
+    status_patch,
 )
 from vskipper_operator.probe import parse_result
+from vskipper_operator.settings import Settings
 
-RESYNC_SECONDS = float(os.environ.get("VSKIPPER_OPERATOR_RESYNC_SECONDS", "60"))
-BACKOFFS = tuple(float(x) for x in os.environ.get("VSKIPPER_OPERATOR_API_BACKOFFS", "0.1,0.3,1,3").split(","))
+# The timer's interval is fixed when the handlers are declared; every other setting is read when the operator
+# starts (`configure`), with the command line's flags (`run_operator`) winning over the environment.
+RESYNC_SECONDS = Settings.from_env().resync_seconds
 BANDWIDTH_CONFIG_MAP = "vskipper-bandwidth"
 CLASSES_ANNOTATION = "vskipper.io/gpu-classes"
 MEASURED_ANNOTATION = "vskipper.io/measured-bandwidth"
@@ -74,7 +77,16 @@ _connections: dict[asyncio.AbstractEventLoop, Any] = {}
 _login_kwargs: dict[asyncio.AbstractEventLoop, dict] = {}
 _clients: dict[asyncio.AbstractEventLoop, Kube] = {}
 _classes: dict[asyncio.AbstractEventLoop, str] = {}
+_settings: dict[asyncio.AbstractEventLoop, Settings] = {}
+_flags: dict[str, object] = {}  # from the command line (run_operator)
 _metrics_served: list[int] = []
+
+
+def operator_settings() -> Settings:
+    loop = asyncio.get_running_loop()
+    if loop not in _settings:
+        _settings[loop] = Settings.from_env(**_flags)
+    return _settings[loop]
 
 
 def kube() -> Kube:
@@ -82,7 +94,8 @@ def kube() -> Kube:
     if loop not in _connections:  # a timer that fires while the operator stops, after `close`
         raise kopf.TemporaryError("the operator is stopping", delay=RESYNC_SECONDS)
     if loop not in _clients:
-        _clients[loop] = Kube.from_connection(_connections[loop], backoffs=BACKOFFS, relogin=_relogin)
+        _clients[loop] = Kube.from_connection(_connections[loop], backoffs=operator_settings().api_backoffs,
+                                               relogin=_relogin)
     return _clients[loop]
 
 
@@ -118,7 +131,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # Events are posted explicitly, not from every log line
     settings.networking.error_backoffs = [1, 3, 10, 30]
     settings.execution.max_workers = 4
-    port = int(os.environ.get("VSKIPPER_OPERATOR_METRICS_PORT", "9090"))
+    _settings.pop(asyncio.get_running_loop(), None)  # read afresh for this run
+    port = operator_settings().metrics_port
     if port and not _metrics_served:
         metrics.serve(port)
         _metrics_served.append(port)
@@ -128,6 +142,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 async def close(**_: Any) -> None:
     loop = asyncio.get_running_loop()
     _classes.pop(loop, None)
+    _settings.pop(loop, None)
     _connections.pop(loop, None)
     _login_kwargs.pop(loop, None)
     client = _clients.pop(loop, None)
@@ -228,14 +243,10 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
     taken = {(c.kind, c.name) for c in conflicts}
     changed = {o["metadata"]["name"] for o in changes.create + changes.update + changes.replace
                if o["kind"] == "Deployment" and (o["kind"], f"{namespace}/{o['metadata']['name']}") not in taken}
-    known = next((c.get("message", "") for c in previous.get("conditions", []) if c.get("type") == "Degraded"), "")
-    for exc in conflicts:
-        if str(exc) not in known:
-            kopf.warn(body, reason="NameTaken", message=str(exc))
-    known_unknown = {r["product"] for r in previous.get("gpuClasses", []) if r.get("reason", "").startswith("Unknown")}
-    for c, kind, reason, message in result.events():
-        if (c.served and c.deployment in changed) or (not c.served and c.product not in known_unknown):
-            kopf.event(body, type=kind, reason=reason, message=message)
+    for message in new_conflicts(previous, [str(c) for c in conflicts]):
+        kopf.warn(body, reason="NameTaken", message=message)
+    for kind, reason, message in result.new_events(previous, changed):
+        kopf.event(body, type=kind, reason=reason, message=message)
     for obj in changes.delete:
         if obj["kind"] == "Deployment":
             product = (obj["metadata"].get("annotations") or {}).get(PRODUCT_ANNOTATION, obj["metadata"]["name"])
@@ -246,10 +257,9 @@ async def reconcile(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, l
     pods = await kube().list("v1", "Pod", namespace, result.selector) if downloads(result.resolved) else []
     status = result.status(ready, meta.get("generation"), now, previous.get("conditions", ()),
                            [str(c) for c in conflicts], pods)
-    for key, value in status.items():
-        if previous.get(key) != value:
-            logger.debug(f"status.{key} changed: {previous.get(key)!r} -> {value!r}")
-            patch.status[key] = value
+    for key, value in status_patch(previous, status).items():
+        logger.debug(f"status.{key} changed: {previous.get(key)!r} -> {value!r}")
+        patch.status[key] = value
     metrics.record_plan(result)
     metrics.record_ready(namespace, name, status["conditions"])
     metrics.RECONCILES.labels("applied" if not changes.empty else "unchanged").inc()
@@ -275,6 +285,14 @@ async def resync(body: kopf.Body, gpu_nodes: kopf.Index, patch: kopf.Patch, logg
         pass  # already reported by the change handler
 
 
+async def _annotate(namespace: str, name: str, key: str, value: str) -> None:
+    """Set one annotation on a SkipperDeployment (a merge patch; a resource deleted meanwhile is no error): its
+    change handler then re-plans it."""
+    await kube().request("PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}",
+                         body={"metadata": {"annotations": {key: value}}},
+                         content_type="application/merge-patch+json", missing_ok=True)
+
+
 @kopf.on.event("", "v1", "nodes")
 async def on_node(gpu_nodes: kopf.Index, skipper_deployments: kopf.Index, logger: Any, **_: Any) -> None:
     """When the cluster's set of GPU products changes, mark every SkipperDeployment to be re-planned."""
@@ -288,10 +306,7 @@ async def on_node(gpu_nodes: kopf.Index, skipper_deployments: kopf.Index, logger
             continue
         logger.info(f"GPU classes now [{classes}]: re-planning {namespace}/{name}")
         try:
-            await kube().request(
-                "PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}",
-                body={"metadata": {"annotations": {CLASSES_ANNOTATION: classes}}},
-                content_type="application/merge-patch+json", missing_ok=True)
+            await _annotate(namespace, name, CLASSES_ANNOTATION, classes)
         except ApiError as exc:
             failed += 1
             logger.warning(f"could not mark {namespace}/{name} for re-planning (retried on the next Node event): {exc}")
@@ -333,13 +348,11 @@ async def on_probe_job(body: kopf.Body, namespace: str, name: str, logger: Any, 
     owner = (body.get("metadata") or {}).get("labels", {}).get(INSTANCE_LABEL)
     logger.info(f"measured {product}: {gbps:.1f} GB/s")
     if owner:
-        await kube().request(
-            "PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{owner}",
-            body={"metadata": {"annotations": {MEASURED_ANNOTATION: f"{product}={gbps:.1f}"}}},
-            content_type="application/merge-patch+json", missing_ok=True)
+        await _annotate(namespace, owner, MEASURED_ANNOTATION, f"{product}={gbps:.1f}")
 
 
 def run_operator(namespaces: list[str], liveness: str, metrics_port: int) -> None:
     """`vskipper-operator run`: a standalone (single-replica) Kopf operator."""
-    os.environ.setdefault("VSKIPPER_OPERATOR_METRICS_PORT", str(metrics_port))
+    _flags.update(metrics_port=metrics_port)
+    Settings.from_env(**_flags)  # a bad variable stops the operator here, naming it
     kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces, liveness_endpoint=liveness)

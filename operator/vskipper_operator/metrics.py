@@ -1,34 +1,37 @@
-"""The operator's own Prometheus metrics (namespace `vskipper_operator`), on a registry of their own."""
+"""The operator's own Prometheus metrics (namespace `vskipper_operator`, named in `vskipper.metrics_names`), on a
+registry of their own."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from vskipper import metrics_names as names
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-RECONCILES = Counter("vskipper_operator_reconciles_total", "Reconciliations of SkipperDeployments, by result "
+RECONCILES = Counter(names.OPERATOR_RECONCILES, "Reconciliations of SkipperDeployments, by result "
                      "(applied: something changed, unchanged, invalid, error)", ["result"], registry=REGISTRY)
-ERRORS = Counter("vskipper_operator_errors_total", "Errors by kind (invalid_spec, api, probe)", ["kind"],
+ERRORS = Counter(names.OPERATOR_ERRORS, "Errors by kind (invalid_spec, api, probe)", ["kind"],
                  registry=REGISTRY)
-API_RETRIES = Counter("vskipper_operator_api_retries_total", "Kubernetes API requests retried after a "
+API_RETRIES = Counter(names.OPERATOR_API_RETRIES, "Kubernetes API requests retried after a "
                       "conflict, throttling or server error", ["reason"], registry=REGISTRY)
-APPLIED = Counter("vskipper_operator_applied_objects_total", "Objects created, updated or deleted",
+APPLIED = Counter(names.OPERATOR_APPLIED, "Objects created, updated or deleted",
                   ["kind", "action"], registry=REGISTRY)
-DURATION = Histogram("vskipper_operator_reconcile_duration_seconds", "Time to plan and apply one resource",
+DURATION = Histogram(names.OPERATOR_RECONCILE_DURATION, "Time to plan and apply one resource",
                      registry=REGISTRY, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 _CLASS = ["namespace", "name", "gpu_product"]
-EXIT_TOKENS = Gauge("vskipper_operator_exit_tokens", "Served exit threshold per GPU class, resident KV tokens",
+EXIT_TOKENS = Gauge(names.OPERATOR_EXIT_TOKENS, "Served exit threshold per GPU class, resident KV tokens",
                     _CLASS, registry=REGISTRY)
-ENTER_TOKENS = Gauge("vskipper_operator_enter_tokens", "Served enter threshold per GPU class, resident KV tokens",
+ENTER_TOKENS = Gauge(names.OPERATOR_ENTER_TOKENS, "Served enter threshold per GPU class, resident KV tokens",
                      _CLASS, registry=REGISTRY)
-V_STAR_TOKENS = Gauge("vskipper_operator_v_star_tokens", "Roofline crossover V* per GPU class, resident KV tokens",
+V_STAR_TOKENS = Gauge(names.OPERATOR_V_STAR_TOKENS, "Roofline crossover V* per GPU class, resident KV tokens",
                       _CLASS, registry=REGISTRY)
-BANDWIDTH = Gauge("vskipper_operator_bandwidth_bytes_per_second", "Memory bandwidth the thresholds were derived "
+BANDWIDTH = Gauge(names.OPERATOR_BANDWIDTH, "Memory bandwidth the thresholds were derived "
                   "from, by source (catalogue, override, measured)", [*_CLASS, "source"], registry=REGISTRY)
-GPU_CLASSES = Gauge("vskipper_operator_gpu_classes", "GPU classes per resource, by served (true/false)",
+GPU_CLASSES = Gauge(names.OPERATOR_GPU_CLASSES, "GPU classes per resource, by served (true/false)",
                     ["namespace", "name", "served"], registry=REGISTRY)
 
-READY = Gauge("vskipper_operator_resource_ready", "1 when the SkipperDeployment's Ready condition is True, else 0",
+READY = Gauge(names.OPERATOR_RESOURCE_READY, "1 when the SkipperDeployment's Ready condition is True, else 0",
               ["namespace", "name"], registry=REGISTRY)
 
 _PER_RESOURCE = (EXIT_TOKENS, ENTER_TOKENS, V_STAR_TOKENS, BANDWIDTH, GPU_CLASSES, READY)

@@ -30,7 +30,15 @@ from vskipper.arms import ARMS, Arm
 from vskipper.constants import CONSTANTS, attestation
 from vskipper.metrics_names import GPU_CLASS_POD_LABEL as CLASS_LABEL
 from vskipper.modelspec import DTYPE_BYTES, PRESETS
-from vskipper.roofline import Device, Thresholds, derive_thresholds, find_device, normalize_product
+from vskipper.roofline import (
+    Device,
+    Thresholds,
+    derive_thresholds,
+    find_device,
+    kv_bytes_per_token_layer,
+    normalize_product,
+)
+from vskipper.serveargs import serve_argv
 from vskipper.skippers.registry import SkipperConfigError, get_entry
 from vskipper_operator.crd import (
     API_VERSION,
@@ -128,13 +136,12 @@ def _arm_from_spec(name: str, spec: dict) -> Arm:
     skipper, sw = spec["skipper"], spec["switch"]
     entry = get_entry(skipper["name"], where="spec.skipper.name")
     params = entry.validate_params(skipper.get("params"), where="spec.skipper.params")
-    routed = [p for p in ("prefill", "decode") if sw["prefill" if p == "prefill" else "decode"] != "dense"]
-    phases = {2: "both", 0: "none"}.get(len(routed)) or routed[0]
-    policy = "hybrid" if phases == "none" else sw[routed[0]]
-    fields = {"skipper": None if phases == "none" else entry.name, "params": {} if phases == "none" else params,
-              "phases": phases, "mode_switch": policy == "hybrid", "promotion": sw["promotion"]}
+    # The spec's switch policies are the arm's own (vskipper.switch.Policy values): no translation.
+    routes = sw["prefill"] != "dense" or sw["decode"] != "dense"
+    fields = {"skipper": entry.name if routes else None, "params": params if routes else {},
+              "prefill": sw["prefill"], "decode": sw["decode"], "promotion": sw["promotion"]}
     for arm in ARMS.values():  # a named arm when the spec is one, so the server attests a familiar name
-        if (arm.skipper, dict(arm.params), arm.phases, arm.mode_switch, arm.promotion) == tuple(fields.values()):
+        if {k: v for k, v in arm.fields().items() if k != "name"} == fields:
             return arm
     try:
         return Arm.from_dict({"name": name, **fields})
@@ -178,7 +185,7 @@ def resolve(resource: Mapping[str, Any]) -> Resolved:
     if tau is not None:
         constants = dataclasses.replace(CONSTANTS, tau_ms_per_16_layers=tau * CONSTANTS.tau_reference_routed_layers)
     return Resolved(name, meta.get("namespace") or "default", meta.get("uid"), spec, arm, float(s),
-                    int(routed_layers), 2 * kv_heads * head_dim * dtype_bytes, constants)
+                    int(routed_layers), kv_bytes_per_token_layer(kv_heads, head_dim, dtype_bytes), constants)
 
 
 # -- per-class rows ---------------------------------------------------------------------------------------------
@@ -277,6 +284,16 @@ class PlanResult:
             elif c.reason.startswith("UnknownGPU"):
                 out.append((c, "Warning", "UnknownGPU", f"{c.product}: {c.reason}"))
         return out
+
+    def new_events(self, previous_status: Mapping[str, Any], changed: Iterable[str]) -> list[tuple[str, str, str]]:
+        """(type, reason, message) worth posting after an apply: a served class's thresholds when its Deployment
+        (named in `changed`) was just written, an unknown GPU the resource's status does not show yet. A resync
+        that changes nothing posts nothing."""
+        changed = set(changed)
+        known_unknown = {r["product"] for r in previous_status.get("gpuClasses", [])
+                         if r.get("reason", "").startswith("Unknown")}
+        return [(kind, reason, message) for c, kind, reason, message in self.events()
+                if (c.served and c.deployment in changed) or (not c.served and c.product not in known_unknown)]
 
     def status(self, ready: Mapping[str, int] | None = None, generation: int | None = None,
                now: str = "", previous: Iterable[Mapping[str, Any]] = (), conflicts: Iterable[str] = (),
@@ -591,8 +608,7 @@ def _affinity(c: GpuClass) -> dict:
 
 def arm_config(arm: Arm) -> dict:
     """The arm as `Arm.from_dict` reads it back (the server's --arm-config file)."""
-    return {"name": arm.name, "skipper": arm.skipper, "params": dict(arm.params), "phases": arm.phases,
-            "mode_switch": arm.mode_switch, "promotion": arm.promotion}
+    return arm.fields()
 
 
 def server_args(r: Resolved, c: GpuClass) -> list[str]:
@@ -600,22 +616,31 @@ def server_args(r: Resolved, c: GpuClass) -> list[str]:
     attested arm, SGLang flags). The container sets no `command`: the runtime image's entrypoint
     (images/runtime/entrypoint.py) checks them and execs `vskipper serve` with them."""
     spec, serving = r.spec, r.spec["serving"]
-    args = ["--model", model_dir(r), "--arm", r.arm.name, "--arm-config", ARM_FILE,
-            "--exit-tokens", str(c.exit_tokens), "--enter-tokens", str(c.enter_tokens),
-            "--host", "0.0.0.0", "--port", str(serving["port"]),
-            "--served-model-name", spec["model"].get("servedName") or r.name,
-            "--tp-size", str(spec["resources"]["gpus"]), "--dtype", spec["model"]["dtype"]]
-    for key, flag in (("cudaGraphMaxBatchSize", "--cuda-graph-max-bs-decode"), ("memFractionStatic", "--mem-fraction-static"),
-                      ("attentionBackend", "--attention-backend")):
-        if key in serving:
-            args += [flag, str(serving[key])]
-    if not serving["prefixCache"]:
-        args.append("--disable-radix-cache")
-    if spec["metrics"]["enabled"]:
-        args.append("--enable-metrics")
-    if serving.get("apiKeySecret"):
-        args += ["--api-key", f"$({API_KEY_ENV})"]  # expanded by the kubelet from the Secret-backed variable
+    args = serve_argv({"model": model_dir(r), "arm": r.arm.name, "arm_file": ARM_FILE,
+                       "exit_tokens": c.exit_tokens, "enter_tokens": c.enter_tokens,
+                       "host": "0.0.0.0", "port": serving["port"],
+                       "served_model_name": spec["model"].get("servedName") or r.name,
+                       "tp_size": spec["resources"]["gpus"], "dtype": spec["model"]["dtype"],
+                       "cuda_graph_max_bs_decode": serving.get("cudaGraphMaxBatchSize"),
+                       "mem_fraction_static": serving.get("memFractionStatic"),
+                       "attention_backend": serving.get("attentionBackend"),
+                       "disable_radix_cache": not serving["prefixCache"],
+                       "enable_metrics": spec["metrics"]["enabled"],
+                       # expanded by the kubelet from the Secret-backed variable
+                       "api_key": f"$({API_KEY_ENV})" if serving.get("apiKeySecret") else None})
     return args + list(serving.get("extraArgs", []))
+
+
+def status_patch(previous: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
+    """The status fields that differ from what the resource shows (an unchanged resource gets an empty patch)."""
+    return {key: value for key, value in status.items() if previous.get(key) != value}
+
+
+def new_conflicts(previous_status: Mapping[str, Any], conflicts: Iterable[str]) -> list[str]:
+    """Names held by other objects that the resource's Degraded condition does not report yet."""
+    known = next((c.get("message", "") for c in previous_status.get("conditions", []) if c.get("type") == "Degraded"),
+                 "")
+    return [c for c in conflicts if c not in known]
 
 
 # -- model storage ----------------------------------------------------------------------------------------------

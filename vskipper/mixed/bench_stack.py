@@ -45,7 +45,7 @@ from vskipper.mixed.cohorts import CohortBuilder, Cohorts
 from vskipper.mixed.routed_layer import routed_layer
 from vskipper.mixed.tape import RouteTape
 from vskipper.skippers.base import BatchContext, Skipper
-from vskipper.skippers.modules import ProjectorAdapter, RMSNorm, SkipRouter, router_sizes
+from vskipper.skippers.modules import ProjectorAdapter, RMSNorm, SkipRouter, is_router_tensor, router_sizes
 
 QWEN3_TYPES = ("qwen3_skipper", "qwen3")
 LLAMA_TYPES = ("ddllama", "llama")
@@ -283,14 +283,13 @@ class BenchStack(nn.Module):
         model = cls(config, **kwargs)
         state: dict[str, torch.Tensor] = {}
         for file in sorted(path.glob("*.safetensors")):
-            state |= {k: v for k, v in load_file(str(file)).items()
-                      if ".router." not in k and ".router_proj." not in k}
+            state |= {k: v for k, v in load_file(str(file)).items() if not is_router_tensor(k)}
         if not state:
             raise FileNotFoundError(f"{path}: no *.safetensors files")
         if model.tied:
             state.pop("lm_head.weight", None)
         missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if ".router." not in k and ".router_proj." not in k]
+        missing = [k for k in missing if not is_router_tensor(k)]
         if missing or unexpected:
             raise KeyError(f"{path}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
         if model.routed_layers:

@@ -40,11 +40,6 @@ class RouteTape:
             raise KeyError(f"layer {layer_id} is not a routed layer of this tape "
                            f"(routed layers: {list(self.routed_layers)})") from None
 
-    def reset(self) -> None:
-        """Every row RUN with unit weight (the tape of a dense step)."""
-        self.run.fill_(True)
-        self.weights.fill_(1.0)
-
     def record(self, layer_id: int, route: LayerRoute, dense_rows: torch.Tensor | None = None) -> None:
         """Copy one layer's route in place. The row count is a shape, never a tensor value.
 

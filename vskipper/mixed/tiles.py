@@ -25,12 +25,13 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vskipper.modelspec import DTYPE_BYTES
 from vskipper.roofline import Device, find_device
 
 OPERATIONS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down")
 COUNT_RANGES: tuple[tuple[int, int | None], ...] = ((1, 16), (17, 32), (33, 64), (65, 128), (129, None))
 TABLE_DIR = Path(__file__).with_name("tile_tables")
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+TABLE_DTYPES = ("float16", "bfloat16", "float32")  # the canonical names a table may be measured in
 
 
 class TileTableError(ValueError):
@@ -84,8 +85,8 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
     if not isinstance(data, dict):
         raise TileTableError(f"{where}: expected a JSON object")
     dtype = data.get("dtype", "bfloat16")
-    if dtype not in DTYPE_BYTES:
-        raise TileTableError(f"{where}: field 'dtype' must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if dtype not in TABLE_DTYPES:
+        raise TileTableError(f"{where}: field 'dtype' must be one of {sorted(TABLE_DTYPES)}, got {dtype!r}")
     tiles = data.get("tiles")
     if not isinstance(tiles, dict):
         raise TileTableError(f"{where}: field 'tiles' must be an object keyed by operation")

@@ -21,7 +21,8 @@ from dataclasses import asdict
 import torch
 from torch.nn import functional as F
 
-from vskipper.mixed.tiles import COUNT_RANGES, DTYPE_BYTES, OPERATIONS, Tile, parse_tile_table
+from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, Tile, parse_tile_table
+from vskipper.modelspec import DTYPE_BYTES
 
 
 class TunerError(RuntimeError):

@@ -20,6 +20,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from vskipper.serveargs import serve_argv
+
 STARTUP_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 20
@@ -51,15 +53,12 @@ def serve_command(model: str | Path, port: int, state_file: Path, *, arm: str | 
     (cpu | gpu) overrides serve's detection."""
     if (arm is None) == (arm_file is None):
         raise ValueError("serve_command: pass exactly one of arm and arm_file")
-    cmd = [sys.executable, "-m", "vskipper.cli", "serve", "--model", str(model), "--port", str(port),
-           "--state-file", str(state_file)]
-    cmd += ["--arm", arm] if arm else ["--arm-file", str(arm_file)]
-    if enter_tokens is not None or exit_tokens is not None:
-        cmd += ["--enter-tokens", str(enter_tokens), "--exit-tokens", str(exit_tokens)]
-    if platform is not None:
-        cmd += ["--platform", platform]
-    cmd += ["--", *(("--dtype", dtype) if dtype else ()), *extra]
-    return cmd
+    thresholds = enter_tokens is not None or exit_tokens is not None
+    flags = serve_argv({"model": model, "arm": arm, "arm_file": arm_file, "port": port, "state_file": state_file,
+                        "enter_tokens": enter_tokens if thresholds else None,
+                        "exit_tokens": exit_tokens if thresholds else None, "platform": platform})
+    return [sys.executable, "-m", "vskipper.cli", "serve", *flags, "--", *(("--dtype", dtype) if dtype else ()),
+            *extra]
 
 
 class Server:

@@ -17,9 +17,9 @@ MODEL_PACKAGE = "vskipper.sglang.models"
 SHIMS_DIR = Path(__file__).resolve().parent / "shims"  # the CPU stand-in for sgl_kernel
 SHIMS_GPU_DIR = Path(__file__).resolve().parent / "shims_gpu"  # the CUDA stand-ins for sgl_kernel and flashinfer
 
-ENV_ARM = "VSKIPPER_ARM"  # the served arm as JSON (Arm fields)
-ENV_ENTER = "VSKIPPER_ENTER_TOKENS"
-ENV_EXIT = "VSKIPPER_EXIT_TOKENS"
+ENV_ARM = "VSKIPPER_SERVED_ARM"  # the served arm as JSON (Arm fields); VSKIPPER_ARM is the image's arm *name*
+ENV_ENTER = "VSKIPPER_SERVED_ENTER_TOKENS"  # as resolved (flags or the roofline rule)
+ENV_EXIT = "VSKIPPER_SERVED_EXIT_TOKENS"
 ENV_THRESHOLDS_SOURCE = "VSKIPPER_THRESHOLDS_SOURCE"  # flags | roofline:<device> | unused (...)
 ENV_STATE = "VSKIPPER_STATE_FILE"  # where the scheduler writes its attestation for the HTTP process
 ENV_PROFILE = "VSKIPPER_PROFILE"  # the serving profile's attestation as JSON (ServeProfile.attestation)
@@ -44,9 +44,7 @@ class ServeSpec:
     profile: dict | None = None  # ServeProfile.attestation() of the profile that serves
 
     def to_env(self) -> dict[str, str]:
-        arm = {k: v for k, v in self.arm.as_dict().items() if k in ("name", "skipper", "params", "phases",
-                                                                     "mode_switch", "promotion")}
-        env = {ENV_ARM: json.dumps(arm), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens),
+        env = {ENV_ARM: json.dumps(self.arm.fields()), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens),
                ENV_THRESHOLDS_SOURCE: self.thresholds_source}
         if self.state_file is not None:
             env[ENV_STATE] = str(self.state_file)

@@ -62,6 +62,15 @@ class ProjectorAdapter(nn.Module):
         return self.up_proj(F.silu(self.gate_proj(v)) * self.down_proj(v))
 
 
+# The checkpoint tensors a skipper brings, by the module names above: every loader sets them apart by these.
+ROUTER_MARKERS = (".router.", ".router_proj.")
+
+
+def is_router_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to a layer's router or Project-Only adapter."""
+    return any(m in name for m in ROUTER_MARKERS)
+
+
 def router_sizes(config: dict) -> tuple[int, int]:
     """(r, m): the router's and the adapter's reduced widths from a skipper checkpoint's config."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]

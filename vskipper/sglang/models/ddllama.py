@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from sglang.srt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-from vskipper.sglang.models.routed import MixedDepthLayer, SkipperCausalLM
+from vskipper.sglang.models.routed import RoutedLayerMixin, SkipperCausalLM
 
 
-class RoutedLlamaDecoderLayer(MixedDepthLayer, LlamaDecoderLayer):
+class RoutedLlamaDecoderLayer(RoutedLayerMixin, LlamaDecoderLayer):
     def forward(self, positions, hidden_states, forward_batch, residual):
         step = self.routed_step()
         if step is None:

@@ -17,10 +17,10 @@ from __future__ import annotations
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
 
-from vskipper.sglang.models.routed import MixedDepthLayer, SkipperCausalLM
+from vskipper.sglang.models.routed import RoutedLayerMixin, SkipperCausalLM
 
 
-class RoutedQwen3DecoderLayer(MixedDepthLayer, Qwen3DecoderLayer):
+class RoutedQwen3DecoderLayer(RoutedLayerMixin, Qwen3DecoderLayer):
     def forward(self, positions, hidden_states, forward_batch, post_residual_addition=None, capture_output=None):
         step = self.routed_step()
         if step is None:

@@ -45,9 +45,7 @@ from vskipper.sglang import active
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
 from vskipper.sglang.spec import ROUTED_DECODE_GRAPHS, ServeConfigError
-from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, router_sizes
-
-ROUTER_MARKERS = (".router.", ".router_proj.")
+from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, is_router_tensor, router_sizes
 
 
 @dataclass
@@ -270,7 +268,7 @@ def _router_config(config) -> dict:
             "proj_reduction_factor": getattr(config, "proj_reduction_factor", 16)}
 
 
-class MixedDepthLayer:
+class RoutedLayerMixin:
     """For a routed layer class placed before its upstream SGLang decoder layer: the checkpoint's `router` and
     `router_proj` modules, and the routed-layer body over the layer's own norms, attention and MLP."""
 
@@ -298,10 +296,6 @@ class MixedDepthLayer:
             ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton")
             return routed_layer(ops, x, u, run, weights, "triton", step.builder.build(run), execution.tiles)
         return routed_layer(SGLangLayerOps(self, positions, forward_batch, self._slot.plan), x, u, run, weights)
-
-
-def is_router_tensor(name: str) -> bool:
-    return any(m in name for m in ROUTER_MARKERS)
 
 
 def split_router_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

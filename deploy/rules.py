@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from vskipper.metrics_names import (
     GPU_CLASS,
+    OPERATOR_ERRORS,
+    OPERATOR_GPU_CLASSES,
+    OPERATOR_RECONCILES,
+    OPERATOR_RESOURCE_READY,
     PASSES,
     RESIDENT_TOKENS,
     ROWS,
@@ -90,11 +94,11 @@ def alerts() -> list[dict]:
                             f"{NOT_EXECUTED_WINDOW} but no row took project_only. The attested arm declares "
                             "skipping that the server does not perform."}},
         {"alert": "VskipperOperatorReconcileErrors",
-         "expr": 'sum by (job) (increase(vskipper_operator_reconciles_total{result="error"}[10m])) > 0',
+         "expr": f'sum by (job) (increase({OPERATOR_RECONCILES}{{result="error"}}[10m])) > 0',
          "for": "15m", "labels": {"severity": "warning"},
          "annotations": {
              "summary": "The vSkipper operator keeps failing to reconcile",
-             "description": "{{ $value }} failed reconciliations in 10m (see vskipper_operator_errors_total "
+             "description": "{{ $value }} failed reconciliations in 10m (see " + OPERATOR_ERRORS + " "
                             "by kind and the operator's Events)."}},
     ]
 
@@ -119,7 +123,7 @@ def operator_alerts() -> list[dict]:
              "description": "No vSkipper operator target has answered for 5m: SkipperDeployments are not "
                             "reconciled (new GPU classes, scaling, drift and model-download status wait).",
              "runbook_url": f"{RUNBOOK}#vskipperoperatordown"}},
-        {"alert": "VskipperDeploymentNotReady", "expr": "vskipper_operator_resource_ready == 0",
+        {"alert": "VskipperDeploymentNotReady", "expr": f"{OPERATOR_RESOURCE_READY} == 0",
          "for": NOT_READY_FOR, "labels": {"severity": "warning"},
          "annotations": {
              "summary": "A SkipperDeployment is not Ready",
@@ -127,7 +131,7 @@ def operator_alerts() -> list[dict]:
                             f"{NOT_READY_FOR}: see its Ready and ModelAvailable conditions "
                             "(kubectl describe skd).",
              "runbook_url": f"{RUNBOOK}#vskipperdeploymentnotready"}},
-        {"alert": "VskipperGpuClassNotServed", "expr": 'vskipper_operator_gpu_classes{served="false"} > 0',
+        {"alert": "VskipperGpuClassNotServed", "expr": f'{OPERATOR_GPU_CLASSES}{{served="false"}} > 0',
          "for": NOT_SERVED_FOR, "labels": {"severity": "warning"},
          "annotations": {
              "summary": "GPU classes in the pool are not served",
@@ -161,5 +165,5 @@ def render_rules_yaml() -> str:
         return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
 
     _Literal.add_representer(str, _str)
-    header = "# Generated from vskipper/deploy/rules.py by `make chart`; do not edit.\n"
+    header = "# Generated from deploy/rules.py by `make chart`; do not edit.\n"
     return header + yaml.dump(rule_groups(), Dumper=_Literal, sort_keys=False, width=110)

@@ -17,10 +17,18 @@ from __future__ import annotations
 
 import json
 
-from vskipper.deploy.rules import share
+from deploy.rules import share
 from vskipper.metrics_names import (
     GPU_CLASS,
     GPU_CLASS_POD_LABEL,
+    OPERATOR_API_RETRIES,
+    OPERATOR_ENTER_TOKENS,
+    OPERATOR_ERRORS,
+    OPERATOR_EXIT_TOKENS,
+    OPERATOR_GPU_CLASSES,
+    OPERATOR_RECONCILE_DURATION,
+    OPERATOR_RECONCILES,
+    OPERATOR_V_STAR_TOKENS,
     PASSES,
     RESIDENT_TOKENS,
     ROWS,
@@ -116,24 +124,24 @@ def _panels() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
             (f"max by (namespace, {by_class}, bound) ({THRESHOLD_TOKENS.name}{{{NS}}})",
              f"{{{{bound}}}} {{{{service}}}} {cls}")]),
         ("Switch", "Thresholds per GPU class (operator)", "short", [
-            (f"vskipper_operator_enter_tokens{{{NS}}}", "enter {{name}} {{gpu_product}}"),
-            (f"vskipper_operator_exit_tokens{{{NS}}}", "exit {{name}} {{gpu_product}}"),
-            (f"vskipper_operator_v_star_tokens{{{NS}}}", "V* {{name}} {{gpu_product}}")]),
+            (f"{OPERATOR_ENTER_TOKENS}{{{NS}}}", "enter {{name}} {{gpu_product}}"),
+            (f"{OPERATOR_EXIT_TOKENS}{{{NS}}}", "exit {{name}} {{gpu_product}}"),
+            (f"{OPERATOR_V_STAR_TOKENS}{{{NS}}}", "V* {{name}} {{gpu_product}}")]),
         ("Switch", "Switch decisions", "short", [
             (f"sum by (decision) (increase({SWITCH_DECISIONS.name}{{{NS}}}[{RATE}]))", "{{decision}}")]),
         *lat,
         *serving,
         *pods,
         ("Operator", "Reconciles by result", "ops", [
-            ("sum by (result) (rate(vskipper_operator_reconciles_total[$__rate_interval]))", "{{result}}")]),
+            (f"sum by (result) (rate({OPERATOR_RECONCILES}[$__rate_interval]))", "{{result}}")]),
         ("Operator", "Errors and API retries", "ops", [
-            ("sum by (kind) (rate(vskipper_operator_errors_total[$__rate_interval]))", "error {{kind}}"),
-            ("sum by (reason) (rate(vskipper_operator_api_retries_total[$__rate_interval]))", "retry {{reason}}")]),
+            (f"sum by (kind) (rate({OPERATOR_ERRORS}[$__rate_interval]))", "error {{kind}}"),
+            (f"sum by (reason) (rate({OPERATOR_API_RETRIES}[$__rate_interval]))", "retry {{reason}}")]),
         ("Operator", "Reconcile duration", "s", [
-            ("histogram_quantile(0.99, sum by (le) (rate(vskipper_operator_reconcile_duration_seconds_bucket"
+            (f"histogram_quantile(0.99, sum by (le) (rate({OPERATOR_RECONCILE_DURATION}_bucket"
              "[$__rate_interval])))", "p99")]),
         ("Operator", "GPU classes (served / not served)", "short", [
-            (f"sum by (served) (vskipper_operator_gpu_classes{{{NS}}})", "served={{served}}")]),
+            (f"sum by (served) ({OPERATOR_GPU_CLASSES}{{{NS}}})", "served={{served}}")]),
     ]
 
 
