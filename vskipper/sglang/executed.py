@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vskipper.sglang import active
 from vskipper.sglang.admission import is_health_check
 
 BOOTED_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_init_info"
@@ -190,9 +191,7 @@ def batch_phase(forward_mode: Any) -> str | None:
 
 
 def _runtime():
-    from vskipper.sglang import runtime
-
-    return runtime.current_runtime()
+    return active.current_runtime()
 
 
 def after_boot(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

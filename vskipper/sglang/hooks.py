@@ -55,9 +55,7 @@ TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *RELEASE_TARGETS, QUEUE_ABORT_TARG
 
 
 def _runtime():
-    from vskipper.sglang import runtime
-
-    return runtime.current_runtime()
+    return active.current_runtime()
 
 
 def prefill_budget(scheduler: Any) -> int | None:

@@ -46,7 +46,7 @@ import torch
 from vskipper import constants
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.tape import RouteTape
-from vskipper.sglang import executed
+from vskipper.sglang import active, executed
 from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
 from vskipper.sglang.replicas import ENV_RUN_ID, Placement, read_state_request
 from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
@@ -600,14 +600,12 @@ class StateWriter(threading.Thread):
             last = time.monotonic()
 
 
-_RUNTIME: Runtime | None = None
-
-
 def get_runtime(model_type: str, routed_layers: tuple[int, ...], model_class: str, device: str) -> Runtime:
-    """The process's runtime, built from the environment on first use (in the scheduler process). A routed arm
-    needs vSkipper's scheduler hooks (prefix namespaces by prefill mode): the server refuses to start without."""
-    global _RUNTIME
-    if _RUNTIME is None:
+    """The process's runtime, built from the environment on first use (in the scheduler process) and registered
+    in `active`. A routed arm needs vSkipper's scheduler hooks (prefix namespaces by prefill mode): the server
+    refuses to start without."""
+    runtime = active.current_runtime()
+    if runtime is None:
         runtime = Runtime(ServeSpec.from_env(), model_type, routed_layers, model_class, device,
                           Placement.from_sglang())
         if runtime.skipper is not None:
@@ -617,10 +615,5 @@ def get_runtime(model_type: str, routed_layers: tuple[int, ...], model_class: st
             runtime.hooks_applied = True
             runtime.write_state()
         runtime.start_state_writer()
-        _RUNTIME = runtime
-    return _RUNTIME
-
-
-def current_runtime() -> Runtime | None:
-    """The process's runtime once the model built it (None in processes without a vSkipper model)."""
-    return _RUNTIME
+        active.set_runtime(runtime)
+    return runtime
