@@ -137,7 +137,7 @@ def _fmt(value: float | None, scale: float, unit: str, width: int, digits: int) 
 def _arm_rows(result) -> list[dict]:
     """Per arm, over the accepted repetitions: mean latencies and throughput, decode passes by mode."""
     rows = []
-    for which in ("baseline", "arm"):
+    for which in ("baseline", "treated"):
         cells = [getattr(rep, which) for rep in result.accepted]
         if not cells:
             continue
@@ -147,7 +147,7 @@ def _arm_rows(result) -> list[dict]:
                                Attestation.from_json(cell.attestation_after))
             for mode in decode:
                 decode[mode] += delta.passes["decode"][mode]
-        rows.append({"arm": cells[0].arm, "repetitions": len(cells),
+        rows.append({"arm": cells[0].arm_name, "repetitions": len(cells),
                      "output_tokens": cells[0].summary["output_tokens"],
                      "e2e_mean_s": _mean([c.summary["e2e"]["mean"] for c in cells]),
                      "tpot_mean_s": _mean([c.summary["tpot"]["mean"] for c in cells]),

@@ -99,10 +99,10 @@ def client_session() -> aiohttp.ClientSession:
                                  connector=aiohttp.TCPConnector(limit=0, force_close=True))
 
 
-async def run_cell(endpoint: Endpoint, plan: CellPlan, arm: str, *, progress: bool = False,
+async def run_cell(endpoint: Endpoint, plan: CellPlan, arm_name: str, *, progress: bool = False,
                    session: aiohttp.ClientSession | None = None) -> CellResult:
     arrivals = poisson_arrivals(len(plan.suite), plan.rate, plan.seed)
-    cell = CellResult(arm=arm, lane=plan.lane, rate=plan.rate, duration_s=plan.duration_s, seed=plan.seed,
+    cell = CellResult(arm_name=arm_name, lane=plan.lane, rate=plan.rate, duration_s=plan.duration_s, seed=plan.seed,
                       suite_name=plan.suite.name, suite_digest=plan.suite.digest, suite_size=len(plan.suite),
                       repetition=plan.repetition)
     own = session is None
@@ -112,7 +112,7 @@ async def run_cell(endpoint: Endpoint, plan: CellPlan, arm: str, *, progress: bo
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(plan.suite), desc=f"{arm} {plan.lane} {plan.rate:g} req/s", unit="req")
+        bar = tqdm(total=len(plan.suite), desc=f"{arm_name} {plan.lane} {plan.rate:g} req/s", unit="req")
     try:
         cell.attestation_before = await fetch_attestation(session, endpoint)
         t0 = time.perf_counter()

@@ -36,12 +36,12 @@ COMPARED = ("e2e_mean", "e2e_p50", "e2e_p90", "e2e_p99", "tpot_mean", "tpot_p99"
 
 @dataclass(frozen=True)
 class ArmTarget:
-    """One arm under test: its name, where it is served, (for vSkipper arms) the arm it must attest, and the
+    """One arm under test: its name, where it is served, (for vSkipper arms) the design it must attest, and the
     configuration the experiment declares it executes (a possibly partial attested `executed` object)."""
 
     name: str
     endpoint: Endpoint
-    arm: Arm | None = None
+    design: Arm | None = None
     execution: Mapping[str, Any] | None = None
 
 
@@ -50,18 +50,18 @@ class Repetition:
     index: int
     order: tuple[str, str]
     baseline: CellResult
-    arm: CellResult
+    treated: CellResult
     gates: GateReport
 
     def as_dict(self) -> dict:
         return {"index": self.index, "order": list(self.order), "gates": self.gates.as_dict(),
-                "baseline": self.baseline.as_dict(), "arm": self.arm.as_dict()}
+                "baseline": self.baseline.as_dict(), "arm": self.treated.as_dict()}
 
 
 @dataclass
 class ABResult:
     baseline: str
-    arm: str
+    treated: str
     rate: float
     label: str
     suite_name: str
@@ -81,13 +81,13 @@ class ABResult:
             self.comparison = {}
             return self.comparison
         base = [flat_metrics(r.baseline.summary) for r in reps]
-        treated = [flat_metrics(r.arm.summary) for r in reps]
+        treated = [flat_metrics(r.treated.summary) for r in reps]
         names = [m for m in metrics if all(m in b and b[m] != 0 for b in base) and all(m in t for t in treated)]
         self.comparison = paired_comparison(base, treated, names)
         return self.comparison
 
     def as_dict(self) -> dict:
-        return {"baseline": self.baseline, "arm": self.arm, "rate": self.rate, "label": self.label,
+        return {"baseline": self.baseline, "arm": self.treated, "rate": self.rate, "label": self.label,
                 "suite": {"name": self.suite_name, "digest": self.suite_digest},
                 "lengths": self.lengths,
                 "length_cell": self.length_cell.as_dict() if self.length_cell else None,
@@ -112,7 +112,7 @@ async def run_ab(baseline: ArmTarget, treated: ArmTarget, suite: Suite, rate: fl
                  progress: bool = False) -> ABResult:
     if repetitions < 1:
         raise ValueError(f"repetitions must be >= 1, got {repetitions}")
-    arms = {t.name: t.arm for t in (baseline, treated) if t.arm is not None}
+    arms = {t.name: t.design for t in (baseline, treated) if t.design is not None}
     declared = {t.name: t.execution for t in (baseline, treated) if t.execution is not None}
     targets = {baseline.name: baseline, treated.name: treated}
     async with client_session() as session:

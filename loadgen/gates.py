@@ -91,12 +91,12 @@ def work_identity(baseline: CellResult, treated: CellResult) -> list[Refusal]:
     for cell in (baseline, treated):
         no_ids = [r.request_id for r in cell.records if r.ok and r.output_ids is None]
         if no_ids:
-            out.append(Refusal(gate, f"arm {cell.arm!r} reported no output ids for {_examples(no_ids)}: "
+            out.append(Refusal(gate, f"arm {cell.arm_name!r} reported no output ids for {_examples(no_ids)}: "
                                      "work identity needs the raw server-reported ids"))
         bad = [r.request_id for r in cell.records
                if r.ok and r.output_ids is not None and len(r.output_ids) != r.output_tokens]
         if bad:
-            out.append(Refusal(gate, f"arm {cell.arm!r}: reported token count differs from its output ids "
+            out.append(Refusal(gate, f"arm {cell.arm_name!r}: reported token count differs from its output ids "
                                      f"for {_examples(bad)}"))
     a = {r.request_id: r for r in baseline.records}
     b = {r.request_id: r for r in treated.records}
@@ -109,7 +109,7 @@ def work_identity(baseline: CellResult, treated: CellResult) -> list[Refusal]:
         na = len(a[rid].output_ids) if a[rid].output_ids is not None else a[rid].output_tokens
         nb = len(b[rid].output_ids) if b[rid].output_ids is not None else b[rid].output_tokens
         if na != nb:
-            diff.append(f"{rid} ({baseline.arm} {na} vs {treated.arm} {nb})")
+            diff.append(f"{rid} ({baseline.arm_name} {na} vs {treated.arm_name} {nb})")
     if diff:
         out.append(Refusal(gate, f"{len(diff)} requests generated different token counts: {_examples(diff)}"))
     return out
@@ -346,17 +346,17 @@ def gate_pair(baseline: CellResult, treated: CellResult, *, suite_digest: str, r
         report.add("accounting", accounting(cell))
         report.add("declared_cell_size", declared_cell_size(cell, suite_digest, request_ids))
         report.add("zero_empty", zero_empty(cell, empty_exceptions))
-        if arms and cell.arm in arms and (cell.attestation_before is not None
+        if arms and cell.arm_name in arms and (cell.attestation_before is not None
                                           or cell.attestation_after is not None):
-            spec = arms[cell.arm]
+            spec = arms[cell.arm_name]
             report.add("mechanism_evidence", mechanism_evidence(spec, cell.attestation_before,
                                                                 cell.attestation_after,
                                                                 expect_engaged=expect_engaged))
             report.add("served_design", served_design(spec, cell.attestation_after))
-        if declared_execution and cell.arm in declared_execution:
-            report.add("execution_difference", execution_difference(cell.arm, declared_execution[cell.arm],
+        if declared_execution and cell.arm_name in declared_execution:
+            report.add("execution_difference", execution_difference(cell.arm_name, declared_execution[cell.arm_name],
                                                                     cell.attestation_after))
     if baseline.attestation_after is not None and treated.attestation_after is not None:
-        report.add("cross_arm_identity", *cross_arm_identity(baseline.arm, baseline.attestation_after, treated.arm,
+        report.add("cross_arm_identity", *cross_arm_identity(baseline.arm_name, baseline.attestation_after, treated.arm_name,
                                                              treated.attestation_after))
     return report

@@ -65,7 +65,7 @@ class RequestRecord:
 class CellResult:
     """One arm's run of one cell (suite x rate x lane x repetition)."""
 
-    arm: str
+    arm_name: str
     lane: str  # natural | matched
     rate: float
     duration_s: float
@@ -88,7 +88,7 @@ class CellResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "arm": self.arm, "lane": self.lane, "rate": self.rate, "duration_s": self.duration_s,
+            "arm": self.arm_name, "lane": self.lane, "rate": self.rate, "duration_s": self.duration_s,
             "seed": self.seed, "suite": {"name": self.suite_name, "digest": self.suite_digest,
                                          "size": self.suite_size},
             "repetition": self.repetition, "submitted": self.submitted, "started": self.started,
@@ -100,7 +100,7 @@ class CellResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CellResult:
         suite = d["suite"]
-        return cls(arm=d["arm"], lane=d["lane"], rate=d["rate"], duration_s=d["duration_s"], seed=d["seed"],
+        return cls(arm_name=d["arm"], lane=d["lane"], rate=d["rate"], duration_s=d["duration_s"], seed=d["seed"],
                    suite_name=suite["name"], suite_digest=suite["digest"], suite_size=suite["size"],
                    repetition=d.get("repetition", 0),
                    records=[RequestRecord.from_dict(r) for r in d["records"]], submitted=d["submitted"],

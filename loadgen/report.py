@@ -31,19 +31,19 @@ def write_cells(result: ABResult, out: Path) -> list[Path]:
     cells = out / "cells"
     cells.mkdir(parents=True, exist_ok=True)
     paths = []
-    base = _slug(f"{cell_label(result)}-{result.arm}")
+    base = _slug(f"{cell_label(result)}-{result.treated}")
     if result.length_cell is not None:
         p = cells / f"{base}-lengths-{result.baseline}.json"
         p.write_text(json.dumps(result.length_cell.as_dict(), indent=1))
         paths.append(p)
     for rep in result.repetitions:
-        for cell in (rep.baseline, rep.arm):
-            p = cells / f"{base}-rep{rep.index}-{_slug(cell.arm)}.json"
+        for cell in (rep.baseline, rep.treated):
+            p = cells / f"{base}-rep{rep.index}-{_slug(cell.arm_name)}.json"
             p.write_text(json.dumps(dict(cell.as_dict(), gates=rep.gates.as_dict()), indent=1))
             paths.append(p)
     summary = {k: v for k, v in result.as_dict().items() if k not in ("repetitions", "length_cell")}
     summary["repetitions"] = [{"index": r.index, "order": list(r.order), "gates": r.gates.as_dict(),
-                               "baseline": r.baseline.summary, "arm": r.arm.summary} for r in result.repetitions]
+                               "baseline": r.baseline.summary, "arm": r.treated.summary} for r in result.repetitions]
     p = out / f"ab-{base}.json"
     p.write_text(json.dumps(summary, indent=1))
     paths.append(p)
@@ -60,7 +60,7 @@ def markdown_table(results: Sequence[ABResult], title: str = "") -> str:
     lines.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|")
     for r in results:
         n = len(r.accepted)
-        row = [cell_label(r), r.arm, str(n)]
+        row = [cell_label(r), r.treated, str(n)]
         for _, metric, _ in TABLE_COLUMNS:
             iv = r.comparison.get(metric)
             row.append("n/a" if iv is None else iv.format())
@@ -69,7 +69,7 @@ def markdown_table(results: Sequence[ABResult], title: str = "") -> str:
     refused = [(r, x) for r in results for x in r.repetitions if not x.gates.passed]
     if refused:
         lines += ["", "Refused repetitions (left out of the comparison):"]
-        lines += [f"- {cell_label(r)} {r.arm} rep {x.index}: " + "; ".join(str(f) for f in x.gates.refusals)
+        lines += [f"- {cell_label(r)} {r.treated} rep {x.index}: " + "; ".join(str(f) for f in x.gates.refusals)
                   for r, x in refused]
     lines += ["", "Mean % change against the baseline over paired repetitions, ± the 95% t half-width; "
                   "negative is better. A single repetition has no interval and is never resolved."]
@@ -100,9 +100,9 @@ def comparability_lines(results: Sequence[ABResult]) -> list[str]:
         if pools:
             kv = pools[-1]
             share = "n/a" if kv["smaller_by_share"] is None else f"{100 * kv['smaller_by_share']:.2f}%"
-            parts.append(f"KV pool {r.arm} {kv['arm_tokens']} vs {r.baseline} {kv['baseline_tokens']} tokens "
+            parts.append(f"KV pool {r.treated} {kv['arm_tokens']} vs {r.baseline} {kv['baseline_tokens']} tokens "
                          f"(smaller by {kv['smaller_by_tokens']} tokens, {share} of the baseline's pool)")
-        lines.append(f"- {cell_label(r)} {r.arm}: " + "; ".join(parts) + f". Gates: {', '.join(checked)}.")
+        lines.append(f"- {cell_label(r)} {r.treated}: " + "; ".join(parts) + f". Gates: {', '.join(checked)}.")
     return ["", "Gates per cell (comparability: each arm executed its declared configuration; the arms differ "
                 "only in arm, skipper and thresholds):"] + lines if lines else []
 
@@ -127,7 +127,7 @@ def plot_latency_vs_load(results: Sequence[ABResult], path: Path) -> Path:
     metrics = (("e2e_mean", "mean E2E (s)"), ("ttft_mean", "mean TTFT (s)"), ("tpot_mean", "mean TPOT (s)"))
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     for ax, (metric, label) in zip(axes, metrics, strict=True):
-        for which in ("baseline", "arm"):
+        for which in ("baseline", "treated"):
             names = {getattr(r, which) for r in results}
             xs, ys = _arm_means(results, which, metric)
             ax.plot(xs, ys, marker="o", label=", ".join(sorted(names)))

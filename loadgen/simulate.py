@@ -176,11 +176,11 @@ def simulate(arrivals: Sequence[float], prompt_tokens: Sequence[int], output_tok
 class Prediction:
     rate: float
     baseline: dict
-    arm: dict
+    treated: dict
     change_pct: dict[str, float]
 
     def as_dict(self) -> dict:
-        return {"rate": self.rate, "baseline": self.baseline, "arm": self.arm, "change_pct": self.change_pct}
+        return {"rate": self.rate, "baseline": self.baseline, "arm": self.treated, "change_pct": self.change_pct}
 
 
 PREDICTED = ("e2e_mean", "e2e_p99", "ttft_mean", "ttft_p99", "tpot_mean", "makespan_s")

@@ -154,7 +154,7 @@ def test_matched_work_ab_against_two_servers_passes_the_gates_and_resolves_the_f
     assert all(r.gates.passed for r in res.repetitions), [r.gates.refusals for r in res.repetitions]
     assert res.lengths == record_lengths(res.length_cell)
     for rep in res.repetitions:
-        assert [r.output_tokens for r in rep.arm.records] == [res.lengths[r.request_id] for r in rep.arm.records]
+        assert [r.output_tokens for r in rep.treated.records] == [res.lengths[r.request_id] for r in rep.treated.records]
     tpot = res.comparison["tpot_mean"]
     assert tpot.n == 3 and tpot.resolved and tpot.mean < -20
 
@@ -168,8 +168,8 @@ def test_matched_work_ab_against_two_servers_passes_the_gates_and_resolves_the_f
     assert len(cells) == 1 + 2 * 3  # the length-recording run and both arms of each repetition
     again = CellResult.from_dict(json.loads((tmp_path / "cells" / "60req-s-always-route-rep1-always-route.json")
                                             .read_text()))
-    assert [r.output_ids for r in again.records] == [r.output_ids for r in res.repetitions[1].arm.records]
-    assert again.summary == res.repetitions[1].arm.summary
+    assert [r.output_ids for r in again.records] == [r.output_ids for r in res.repetitions[1].treated.records]
+    assert again.summary == res.repetitions[1].treated.summary
 
 
 def test_ladder_applies_the_q_star_rule_to_the_in_window_output_rate_of_each_natural_cell():

@@ -36,7 +36,7 @@ def make_cell(arm="upstream", lane="matched", lengths=(3, 5, 2, 4), rate=2.0, st
                                      first_token_s=first if n else None, token_times_s=times,
                                      finish_s=(times[-1] if n else first), output_ids=list(range(n)),
                                      output_tokens=n, finish_reason="length"))
-    cell = CellResult(arm=arm, lane=lane, rate=rate, duration_s=len(IDS) / rate, seed=1, suite_name="t",
+    cell = CellResult(arm_name=arm, lane=lane, rate=rate, duration_s=len(IDS) / rate, seed=1, suite_name="t",
                       suite_digest=DIGEST, suite_size=len(IDS), records=records, submitted=4, started=4,
                       completed=4)
     summarize_cell(cell)

@@ -55,8 +55,8 @@ def test_hybrid_arm_routes_decode_only_above_the_enter_threshold():
     prompts, outputs = workload(200)
     hybrid = get_arm("hybrid").switch_settings()
     low, high = predict(prompts, outputs, [2, 14], config(enter=40_000, exit=30_000), hybrid)
-    assert low.arm["passes_total"]["decode"]["routed"] == 0
-    assert high.arm["passes_total"]["decode"]["routed"] > 0
+    assert low.treated["passes_total"]["decode"]["routed"] == 0
+    assert high.treated["passes_total"]["decode"]["routed"] > 0
     assert low.baseline["passes_total"]["decode"]["routed"] == 0 == high.baseline["passes_total"]["prefill"]["routed"]
 
 

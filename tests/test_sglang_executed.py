@@ -103,7 +103,7 @@ def test_dense_and_routed_arms_launched_with_the_same_flags_pass_both_comparabil
     assert rep.gates.passed, rep.gates.refusals
     assert {"execution_difference", "cross_arm_identity", "mechanism_evidence"} <= set(rep.gates.checked)
     assert rep.gates.checked.count("execution_difference") == 2
-    for cell in (rep.baseline, rep.arm):
+    for cell in (rep.baseline, rep.treated):
         assert Attestation.from_json(cell.attestation_after).scheduler_passes_total is not None
     details = rep.gates.details["cross_arm_identity"]
     assert "arm.name" in details["allowed_differences"]
