@@ -7,12 +7,14 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 LAST_LINE = re.compile(r"prefill \d+\.\d\dx of limit \d+\.\d\dx; decode \d+\.\d\dx of limit \d+\.\d\dx; "
                        r"s=0 overhead -?\d+\.\d%")
 
 
+@pytest.mark.server  # real SGLang servers
 def test_the_quick_cpu_benchmark_serves_three_arms_and_ends_with_the_summary_line(cli_env, tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu.py"), "--quick", "--out",
                           str(tmp_path)], env=cli_env, capture_output=True, text=True, timeout=900)

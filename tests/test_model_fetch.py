@@ -139,6 +139,7 @@ def _expand(args: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), a) for a in args]
 
 
+@pytest.mark.server  # real SGLang servers
 def test_the_planned_pod_downloads_what_its_server_then_serves(hub, tmp_path, cli_env):
     """The init container and the server container of a planned hf:// Deployment, run as the kubelet runs them
     (the cache volume is a folder here, Secrets are resolved, `$(VAR)` expanded): the download lands where the

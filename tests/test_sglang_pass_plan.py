@@ -147,6 +147,7 @@ def test_two_routed_decode_passes_through_the_same_static_buffers_equal_eager_pa
 # -- in a server -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.server  # real SGLang servers
 def test_a_served_routed_arm_plans_every_pass_before_the_forward_and_counts_them_eager(tmp_path):
     """Through SGLang's own ModelRunner.forward: every pass's plan is written before the forward (none in it),
     no routed pass replays, and the per-mode counts of eager passes equal the runtime's pass counts."""
