@@ -214,8 +214,8 @@ def mechanism_evidence(arm: Arm, before: Any, after: Any, *, expect_engaged: boo
     if undeclared:
         out.append(Refusal(gate, f"arm {arm.name!r} does not route {', '.join(undeclared)} but the server ran "
                                  + ", ".join(f"{routed[p]} routed {p} passes" for p in undeclared)))
-    always = [p for p in declared if arm.policy(p) is Policy.ROUTED]
-    switched = [p for p in declared if arm.policy(p) is Policy.HYBRID]
+    always = [p for p in declared if getattr(arm, p) is Policy.ROUTED]
+    switched = [p for p in declared if getattr(arm, p) is Policy.HYBRID]
     missing = [p for p in always if routed[p] == 0]
     if missing:
         out.append(Refusal(gate, f"arm {arm.name!r} always routes {', '.join(always)} but no routed "

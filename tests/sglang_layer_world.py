@@ -47,8 +47,19 @@ def init_sglang() -> None:
     _READY = True
 
 
+ARCHS = ("flexidepth-llama", "qwen3-skipper")  # the two routed model families
+
+
 class LayerWorld:
     """One routed decoder layer (random weights) over a KV pool shared by `requests` request slots."""
+
+    @classmethod
+    def prefilled(cls, arch: str, tmp: Path, seed: int, prompts: dict[int, int]) -> LayerWorld:
+        """A world whose requests' prompt K/V (request -> prompt tokens) is already written at this layer."""
+        world = cls(arch, tmp, seed=seed)
+        fb = world.batch(prompts)
+        world.dense(fb, world.hidden(fb.positions.shape[0]))
+        return world
 
     def __init__(self, arch: str, tmp: Path, seed: int = 0, layer_id: int = 2, requests: int = 4,
                  slots: int = 160, context: int = 32) -> None:

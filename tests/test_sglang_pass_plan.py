@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from sglang_layer_world import LayerWorld
+from sglang_layer_world import ARCHS, LayerWorld
 
 from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.sglang.replay import ReplayLedger, RoutedReplayError
@@ -78,12 +78,9 @@ def test_plan_buffers_keep_their_storage_pad_past_the_rows_and_refuse_growth_onc
 PROMPTS = {0: 6, 1: 4, 2: 5, 3: 7}
 
 
-@pytest.fixture(scope="module", params=("flexidepth-llama", "qwen3-skipper"))
+@pytest.fixture(scope="module", params=ARCHS)
 def world(request, tmp_path_factory):
-    w = LayerWorld(request.param, tmp_path_factory.mktemp("plan"), seed=11)
-    fb = w.batch(PROMPTS)
-    w.dense(fb, w.hidden(fb.positions.shape[0]))
-    return w
+    return LayerWorld.prefilled(request.param, tmp_path_factory.mktemp("plan"), 11, PROMPTS)
 
 
 def _routed_pass(world: LayerWorld, x, keys, dense, buffers: PlanBuffers | None):

@@ -7,20 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 from mixed_world import HostReadDetector, ScalarReadDetector
-from sglang_layer_world import LayerWorld
+from sglang_layer_world import ARCHS, LayerWorld
 
 from vskipper.sglang.models import routed as served
-
-ARCHS = ("flexidepth-llama", "qwen3-skipper")
-PROMPTS = {0: 5, 1: 3, 2: 7, 3: 4}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def world(request, tmp_path_factory):
-    w = LayerWorld(request.param, tmp_path_factory.mktemp("layer"), seed=3)
-    fb = w.batch(PROMPTS)
-    w.dense(fb, w.hidden(fb.positions.shape[0]))  # every request's prompt K/V at this layer
-    return w
+    return LayerWorld.prefilled(request.param, tmp_path_factory.mktemp("layer"), 3, {0: 5, 1: 3, 2: 7, 3: 4})
 
 
 def _route(run: list[bool], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

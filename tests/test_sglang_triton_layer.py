@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from sglang_layer_world import LayerWorld
+from sglang_layer_world import ARCHS, LayerWorld
 
 from vskipper.mixed import kernels
 from vskipper.mixed import routed_layer as body
@@ -17,16 +17,9 @@ from vskipper.sglang.models import routed as served
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "the triton execution tests need TRITON_INTERPRET=1 (conftest.py)"
 
-ARCHS = ("flexidepth-llama", "qwen3-skipper")
-PROMPTS = {0: 5, 1: 3, 2: 7, 3: 4}
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def world(request, tmp_path_factory):
-    w = LayerWorld(request.param, tmp_path_factory.mktemp("triton-layer"), seed=5)
-    fb = w.batch(PROMPTS)
-    w.dense(fb, w.hidden(fb.positions.shape[0]))
-    return w
+    return LayerWorld.prefilled(request.param, tmp_path_factory.mktemp("triton-layer"), 5, {0: 5, 1: 3, 2: 7, 3: 4})
 
 
 def _pass(world: LayerWorld, extend: dict[int, int], x, run, w, execution):

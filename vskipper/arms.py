@@ -36,6 +36,15 @@ class Arm:
     decode: Policy = Policy.HYBRID
     promotion: bool = True  # False: the no-promotion ablation
 
+    def __post_init__(self) -> None:
+        for phase in PHASES:  # the switch's own values, whatever spelling they came in (an enum or its value)
+            value = getattr(self, phase)
+            try:
+                object.__setattr__(self, phase, Policy(value))
+            except ValueError:
+                raise SkipperConfigError(f"arm {self.name!r}: field {phase!r} must be one of {_POLICIES}, "
+                                         f"got {value!r}") from None
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], name: str | None = None) -> Arm:
         if not isinstance(data, Mapping):
@@ -57,12 +66,6 @@ class Arm:
 
     def validate(self) -> Arm:
         where = f"arm {self.name!r}"
-        for phase in PHASES:
-            value = getattr(self, phase)
-            try:
-                object.__setattr__(self, phase, Policy(value))
-            except ValueError:
-                raise SkipperConfigError(f"{where}: field {phase!r} must be one of {_POLICIES}, got {value!r}") from None
         if not isinstance(self.promotion, bool):
             raise SkipperConfigError(f"{where}: field 'promotion' must be true or false, got {self.promotion!r}")
         routed = self.routed_phases
@@ -91,10 +94,7 @@ class Arm:
     @property
     def routed_phases(self) -> tuple[str, ...]:
         """The phases this arm routes, always or when the switch says so."""
-        return tuple(p for p in PHASES if Policy(getattr(self, p)) is not Policy.DENSE)
-
-    def policy(self, phase: str) -> Policy:
-        return Policy(getattr(self, phase))
+        return tuple(p for p in PHASES if getattr(self, p) is not Policy.DENSE)
 
     def switch_settings(self) -> SwitchSettings:
         return SwitchSettings(self.prefill, self.decode, promotion=self.promotion)
@@ -107,7 +107,7 @@ class Arm:
     def fields(self) -> dict[str, Any]:
         """The arm as `from_dict` takes it (an arm file, the served configuration)."""
         return {"name": self.name, "skipper": self.skipper, "params": dict(self.params),
-                "prefill": self.policy("prefill").value, "decode": self.policy("decode").value,
+                "prefill": self.prefill.value, "decode": self.decode.value,
                 "promotion": self.promotion}
 
     def as_dict(self) -> dict[str, Any]:

@@ -60,14 +60,18 @@ class SGLangFlag:
 
     dest: str  # SGLang's argparse destination
     strings: tuple[str, ...]  # every option string SGLang gives it (tests/test_operator_flags.py checks them)
-    set_by: str  # who sets it, for the error naming it: a spec field or `vskipper serve`'s flag
     spec_field: str | None = None  # the spec field the operator writes it from
     type: Callable[[str], Any] | None = str  # None: a switch
     in_admission_rule: bool = True  # listed in the CRD's CEL rule (else refused by the operator's parser check)
+    why: str = ""  # who sets it when no spec field does, or why it matters, for the error naming it
 
     @property
     def name(self) -> str:
         return self.strings[0]
+
+    @property
+    def set_by(self) -> str:
+        return " ".join(p for p in (self.spec_field, self.why) if p)
 
 
 SERVE_FLAGS: tuple[ServeFlag, ...] = (
@@ -95,32 +99,27 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
 )
 
 SGLANG_OPERATOR_FLAGS: tuple[SGLangFlag, ...] = (
-    SGLangFlag("model_path", ("--model-path", "--model"), "`vskipper serve --model`"),
-    SGLangFlag("host", ("--host",), "`vskipper serve --host`"),
-    SGLangFlag("port", ("--port",), "`vskipper serve --port`", type=int),
-    SGLangFlag("served_model_name", ("--served-model-name",), "spec.model.servedName",
-               spec_field="spec.model.servedName"),
-    SGLangFlag("tp_size", ("--tp-size", "--tensor-parallel-size"), "spec.resources.gpus",
-               spec_field="spec.resources.gpus", type=int),
-    SGLangFlag("dtype", ("--dtype",), "spec.model.dtype (it also feeds the decode thresholds)",
-               spec_field="spec.model.dtype"),
+    SGLangFlag("model_path", ("--model-path", "--model"), why="`vskipper serve --model`"),
+    SGLangFlag("host", ("--host",), why="`vskipper serve --host`"),
+    SGLangFlag("port", ("--port",), type=int, why="`vskipper serve --port`"),
+    SGLangFlag("served_model_name", ("--served-model-name",), "spec.model.servedName"),
+    SGLangFlag("tp_size", ("--tp-size", "--tensor-parallel-size"), "spec.resources.gpus", type=int),
+    SGLangFlag("dtype", ("--dtype",), "spec.model.dtype", why="(it also feeds the decode thresholds)"),
     # Tunables with a spec field: set from the field when it is given, and only there (refused in extraArgs by the
     # operator's parser check, outside the CEL rule to keep its cost small).
     SGLangFlag("cuda_graph_max_bs_decode", ("--cuda-graph-max-bs-decode",), "spec.serving.cudaGraphMaxBatchSize",
-               spec_field="spec.serving.cudaGraphMaxBatchSize", type=int, in_admission_rule=False),
-    SGLangFlag("mem_fraction_static", ("--mem-fraction-static",), "spec.serving.memFractionStatic",
-               spec_field="spec.serving.memFractionStatic", type=float, in_admission_rule=False),
-    SGLangFlag("attention_backend", ("--attention-backend",), "spec.serving.attentionBackend",
-               spec_field="spec.serving.attentionBackend", in_admission_rule=False),
-    SGLangFlag("disable_radix_cache", ("--disable-radix-cache",), "spec.serving.prefixCache",
-               spec_field="spec.serving.prefixCache", type=None, in_admission_rule=False),
-    SGLangFlag("enable_metrics", ("--enable-metrics",), "spec.metrics.enabled", spec_field="spec.metrics.enabled",
-               type=None, in_admission_rule=False),
-    SGLangFlag("api_key", ("--api-key",), "spec.serving.apiKeySecret (never as text in the spec)",
-               spec_field="spec.serving.apiKeySecret"),
-    # Not set, but a config file could set the others behind the operator's back.
-    SGLangFlag("config", ("--config",), "nobody: a config file would set the operator's flags behind its back",
+               type=int, in_admission_rule=False),
+    SGLangFlag("mem_fraction_static", ("--mem-fraction-static",), "spec.serving.memFractionStatic", type=float,
                in_admission_rule=False),
+    SGLangFlag("attention_backend", ("--attention-backend",), "spec.serving.attentionBackend",
+               in_admission_rule=False),
+    SGLangFlag("disable_radix_cache", ("--disable-radix-cache",), "spec.serving.prefixCache", type=None,
+               in_admission_rule=False),
+    SGLangFlag("enable_metrics", ("--enable-metrics",), "spec.metrics.enabled", type=None, in_admission_rule=False),
+    SGLangFlag("api_key", ("--api-key",), "spec.serving.apiKeySecret", why="(never as text in the spec)"),
+    # Not set, but a config file could set the others behind the operator's back.
+    SGLangFlag("config", ("--config",), in_admission_rule=False,
+               why="nobody: a config file would set the operator's flags behind its back"),
 )
 
 SERVE_BY_DEST = {f.destination: f for f in SERVE_FLAGS}

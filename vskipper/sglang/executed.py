@@ -190,8 +190,7 @@ def batch_phase(forward_mode: Any) -> str | None:
     return None
 
 
-def _runtime():
-    return active.current_runtime()
+_runtime = active.current_runtime
 
 
 def after_boot(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

@@ -54,8 +54,7 @@ TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *RELEASE_TARGETS, QUEUE_ABORT_TARG
            *executed.TARGETS)
 
 
-def _runtime():
-    return active.current_runtime()
+_runtime = active.current_runtime
 
 
 def prefill_budget(scheduler: Any) -> int | None:
