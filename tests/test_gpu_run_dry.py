@@ -36,7 +36,7 @@ def _finish(proc: subprocess.Popen, stage: str, logs: dict) -> None:
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """`run.sh` install, then serve-ab and sweep against the three arms started once (the kernels stage, which
+    """`run.sh` install, then serve-ab and sweep against the four arms started once (the kernels stage, which
     needs no server, runs beside them), then `all`, which finds every stage done, into one folder."""
     out = tmp_path_factory.mktemp("gpu-run")
     plan = run.Plan.dry()
@@ -50,7 +50,8 @@ def dry_run(tmp_path_factory):
     try:
         with ExitStack() as stack:
             servers = {name: run.server_for(plan, stack, model, out / "servers" / name, name, arms,
-                                            thresholds=thresholds) for name in ("dense", run.ALWAYS, run.HYBRID)}
+                                            thresholds=thresholds)
+                       for name in ("dense", run.ALWAYS, run.HYBRID, run.CONTROL)}
             run.ready(plan, list(servers.values()))
             given = out / "servers.json"
             given.write_text(json.dumps({name: s.url for name, s in servers.items()}))
@@ -89,11 +90,11 @@ def test_serve_ab_runs_both_routed_arms_against_dense_and_every_gate_passes(dry_
     assert always["decode"]["routed"] > 0 and always["decode"]["dense"] == 0
 
 
-def test_sweep_measures_both_arms_and_compares_them(dry_run):
+def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(dry_run):
     out, _ = dry_run
     sweep = json.loads((out / "sweep.json").read_text())
     plan = run.Plan.dry()
-    for name in ("dense", run.ALWAYS):
+    for name in ("dense", run.CONTROL, run.ALWAYS):
         arm = sweep["arms"][name]
         assert {(d["batch"], d["context"]) for d in arm["decode"]} == \
             {(b, c) for b in plan.batches for c in plan.contexts}
@@ -103,7 +104,16 @@ def test_sweep_measures_both_arms_and_compares_them(dry_run):
     comparison = sweep["comparison"]
     assert len(comparison["decode_speedup"]) == len(plan.batches) * len(plan.contexts)
     assert len(comparison["prefill_speedup"]) == len(plan.prefill_lengths)
-    assert comparison["routed_decode_graphs"] == "disabled" and "tau_ms" in comparison
+    assert comparison["routed_decode_graphs"].startswith("routed passes 0 replayed") and "tau_ms" in comparison
+    cells = len(plan.batches) * len(plan.contexts)
+    assert len(comparison["decode_over_control"]) == len(comparison["control_over_dense_decode"]) == cells
+    for row in comparison["decode_over_control"]:  # the bandwidth limit grows with the resident KV tokens
+        assert 1.0 < row["bandwidth_limit"] < 1.5 and row["routed_over_control_tok_s"] > 0
+    for row in comparison["prefill_over_control"]:
+        assert 1.0 < row["flop_limit"] < 1.5
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert run.decode_bytes(config, 1000, 0.5) < run.decode_bytes(config, 1000, 0.0)
+    assert run.decode_bytes(config, 0, 0.5) == run.decode_bytes(config, 0, 0.0)  # weights: read whatever skips
 
 
 def test_kernels_stage_writes_a_tile_table_and_the_bench_figures(dry_run):

@@ -18,12 +18,9 @@ from vskipper.sglang.spec import (
     CPU_FLAGS,
     GPU_STAND_IN_ENV,
     GPU_STAND_IN_FLAGS,
-    ROUTED_DECODE_EAGER,
     SHIMS_DIR,
     SHIMS_GPU_DIR,
-    ServeConfigError,
     ServeSpec,
-    check_decode_graph_flags,
     serve_environment,
     serve_profile,
 )
@@ -176,8 +173,8 @@ def test_the_cpu_stub_cannot_serve_the_cuda_path():
 # -- which profile serves ------------------------------------------------------------------------------------------
 
 def test_cpu_profile_is_the_cpu_recipe_unchanged(tmp_path):
-    profile = serve_profile("cpu", real_sgl_kernel=False, routes_decode=True)
-    assert profile.flags == CPU_FLAGS and profile.final_flags == ()
+    profile = serve_profile("cpu", real_sgl_kernel=False)
+    assert profile.flags == CPU_FLAGS and profile.decode_graphs == "disabled"
     env = serve_environment(ServeSpec(get_arm("dense"), 0, 0, tmp_path / "s.json"), base={"PYTHONPATH": "/x"},
                             profile=profile)
     assert env["PYTHONPATH"].split(os.pathsep) == [str(SHIMS_DIR), "/x"]
@@ -185,7 +182,7 @@ def test_cpu_profile_is_the_cpu_recipe_unchanged(tmp_path):
 
 
 def test_gpu_without_kernels_puts_the_cuda_stand_in_first_and_never_the_cpu_stub(tmp_path):
-    profile = serve_profile("gpu", real_sgl_kernel=False, routes_decode=False)
+    profile = serve_profile("gpu", real_sgl_kernel=False)
     assert profile.name == "gpu-stand-in" and profile.flags == GPU_STAND_IN_FLAGS
     assert profile.decode_graphs == "full"
     base = {"PYTHONPATH": os.pathsep.join([str(SHIMS_DIR), "/x"])}  # an inherited CPU stub is dropped
@@ -195,29 +192,17 @@ def test_gpu_without_kernels_puts_the_cuda_stand_in_first_and_never_the_cpu_stub
     for key, value in GPU_STAND_IN_ENV.items():
         assert env[key] == value
     assert env["SGLANG_FORCE_FUSED_OP_BACKEND"] == "torch"
-    jit = serve_profile("gpu", real_sgl_kernel=False, routes_decode=False, jit=True)
+    jit = serve_profile("gpu", real_sgl_kernel=False, jit=True)
     assert "SGLANG_FORCE_FUSED_OP_BACKEND" not in dict(jit.environment) and "nvcc" in jit.attestation()["jit"]
 
 
-def test_gpu_with_real_kernels_adds_nothing_for_a_dense_arm():
-    profile = serve_profile("gpu", real_sgl_kernel=True, routes_decode=False)
-    assert (profile.name, profile.path, profile.environment, profile.flags, profile.final_flags) == \
-        ("gpu-kernels", (), (), (), ())
+def test_gpu_with_real_kernels_adds_nothing():
+    profile = serve_profile("gpu", real_sgl_kernel=True)
+    assert (profile.name, profile.path, profile.environment, profile.flags, profile.decode_graphs) == \
+        ("gpu-kernels", (), (), (), "sglang-default")
     env = serve_environment(ServeSpec(get_arm("dense"), 0, 0), base={"PYTHONPATH": str(SHIMS_DIR)},
                             profile=profile)
     assert env["PYTHONPATH"] == ""
-
-
-@pytest.mark.parametrize("real_kernels", [False, True])
-def test_an_arm_routing_decode_on_a_gpu_runs_decode_eagerly_and_says_so(real_kernels):
-    profile = serve_profile("gpu", real_sgl_kernel=real_kernels, routes_decode=True)
-    assert profile.final_flags == ("--cuda-graph-backend-decode", "disabled")
-    assert profile.attestation()["decode_graphs"] == ROUTED_DECODE_EAGER
-    for flags in (["--cuda-graph-backend-decode", "full"], ["--cuda-graph-backend-dec=breakable"],
-                  ["--cuda-graph-config", '{"decode": {"backend": "full"}}']):
-        with pytest.raises(ServeConfigError, match="no routed decode graph variant"):
-            check_decode_graph_flags(profile, flags)
-    check_decode_graph_flags(profile, ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-max-bs-decode", "8"])
 
 
 def test_auto_is_gpu_exactly_where_an_nvidia_device_node_exists(tmp_path):
@@ -250,7 +235,8 @@ def test_serve_picks_the_profile_by_whether_a_real_sgl_kernel_is_importable(tiny
     assert stand_in["profile"]["name"] == "gpu-stand-in"
     assert stand_in["environment"]["PYTHONPATH"].split(os.pathsep)[0] == str(SHIMS_GPU_DIR)
     assert json.loads(stand_in["environment"]["VSKIPPER_PROFILE"]) == stand_in["profile"]
-    cmd = stand_in["command"]  # SGLang keeps a flag's last value: decode runs eagerly for a routed-decode arm
-    assert cmd[max(i for i, a in enumerate(cmd) if a == "--cuda-graph-backend-decode") + 1] == "disabled"
-    refused = _dry_run(tiny_flexidepth, "always-route", str(tmp_path), "--", "--cuda-graph-backend-decode", "full")
-    assert refused.returncode == 2 and "no routed decode graph variant" in refused.stderr
+    cmd = stand_in["command"]  # SGLang keeps a flag's last value: decode graphs (with a routed variant) stay on
+    assert cmd[max(i for i, a in enumerate(cmd) if a == "--cuda-graph-backend-decode") + 1] == "full"
+    prefill = json.loads(_dry_run(tiny_flexidepth, "always-route", str(tmp_path), "--",
+                                  "--cuda-graph-backend-prefill", "full").stdout)["command"]
+    assert prefill[max(i for i, a in enumerate(prefill) if a == "--cuda-graph-backend-prefill") + 1] == "disabled"

@@ -83,7 +83,7 @@ def world(request, tmp_path_factory):
     return LayerWorld.prefilled(request.param, tmp_path_factory.mktemp("plan"), 11, PROMPTS)
 
 
-def _routed_pass(world: LayerWorld, x, keys, dense, buffers: PlanBuffers | None):
+def _routed_pass(world: LayerWorld, x, keys, dense, buffers: PlanBuffers | None, skipper=None):
     """One routed decode pass of every request, RandomSkip(r=1, d=0.5) on this layer, dense-mode rows `dense`.
     With `buffers` the plan (request slots, keys, dense rows) is written into them and the pass reads their
     views; without, it reads fresh tensors. Returns the output, the tape's run mask and this layer's KV; the
@@ -106,7 +106,7 @@ def _routed_pass(world: LayerWorld, x, keys, dense, buffers: PlanBuffers | None)
         v = buffers.views(rows)
         req_rows, keys_v, dense_v = v["req_rows"], v["request_keys"], v["dense_rows"]
     lid = world.layer.layer_id
-    skipper = RandomSkip(r=1.0, d=0.5, seed=3)
+    skipper = skipper or RandomSkip(r=1.0, d=0.5, seed=3)
     tape = RouteTape(rows, (lid,))
     step = Step("decode", True, skipper, None, tape, CohortBuilder(rows), dense_v, rows, keys=keys_v)
     step.state = skipper.prepare_batch(BatchContext(x, torch.ones(rows, dtype=torch.bool), (lid,), "decode",
@@ -141,6 +141,105 @@ def test_two_routed_decode_passes_through_the_same_static_buffers_equal_eager_pa
     assert (~runs[0]).any() and (~runs[1]).any()
 
 
+def test_a_routed_decode_graph_captured_from_static_storage_replays_each_later_plan_as_its_eager_pass(world,
+                                                                                                      tmp_path):
+    """What SGLang's decode graph runner captures for the routed variant (`SkipperCausalLM.capture_pass`): the
+    layer run once more with the capture step, built a single time over the frozen graph plan buffers and the
+    runtime's graph tape, after each later pass's plan was written into them, as a replay does. With the triton
+    execution (the one captured on CUDA; here under TRITON_INTERPRET=1, no CUDA graph), each such "replay" equals
+    that pass run eagerly with fresh tensors and the torch execution; the pass's own step counts its routes from
+    the graph tape the capture step wrote."""
+    from vskipper.arms import get_arm
+    from vskipper.sglang.models import routed as served
+    from vskipper.sglang.models.routed import PassPlan, plan_pass
+    from vskipper.sglang.runtime import Runtime
+    from vskipper.sglang.spec import ServeSpec
+
+    lid, rows = world.layer.layer_id, len(PROMPTS)
+    rt = Runtime(ServeSpec(get_arm("random-r75-d50-always"), 0, 0, tmp_path / "state.json"),
+                 world.config.model_type, (lid,), "test")
+    rt.reserve_graph_tape(8, torch.float32, "cpu")
+    graph_buffers = PlanBuffers(8)
+    graph_buffers.frozen = True
+    views = graph_buffers.views(rows)
+    capture = rt.capture_step(rows, views["dense_rows"], views["request_keys"])
+    capture_plan = PassPlan(views["req_rows"], 0)
+    x = world.hidden(rows)
+    runs = []
+    for keys, dense in ((torch.tensor([11, 12, 13, 14]), torch.tensor([False, True, False, False])),
+                        (torch.tensor([901, 902, 903, 904]), torch.tensor([False] * 4))):
+        # The pass as the runtime decides it: its step records on the graph tape, its plan goes to the buffers.
+        step = rt._step("decode", rows, torch.float32, "cpu", ~dense, keys, False)
+        assert rt.on_graph_tape(step)
+        kv0, lengths0 = world.kv(), list(world.lengths)
+        fb = world.batch({r: 1 for r in PROMPTS})
+        graph_buffers.write(plan_pass(fb, rows).req_rows, step.keys, step.dense_rows)
+        world.slot.execution = served.cohort_execution([world.layer], torch.device("cpu"), "triton")
+        world.slot.step, world.slot.plan = capture, capture_plan
+        try:
+            with world.context(), torch.no_grad():
+                rt.prepare_state(capture, x, fb.positions)
+                y_replay = world.layer.mixed_depth(capture, fb.positions, x, fb)
+            kv_replay = world.kv()
+        finally:
+            world.slot.step = world.slot.plan = None
+            world.slot.execution = served.TORCH_EXECUTION
+            world.restore(kv0, lengths0)
+        y_eager, run_eager, kv_eager = _routed_pass(world, x, keys, dense, None, skipper=rt.skipper)
+        torch.testing.assert_close(y_replay, y_eager, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kv_replay, kv_eager, rtol=1e-4, atol=1e-4)
+        assert torch.equal(step.tape.run[0, :rows], run_eager)
+        assert step.tape.projected_counts(rows=rows).tolist() == [int((~run_eager).sum())]
+        runs.append(run_eager)
+    assert not torch.equal(runs[0], runs[1]) and (~runs[0]).any() and (~runs[1]).any()
+    with pytest.raises(ValueError, match="which a captured graph holds"):
+        graph_buffers.write(torch.zeros(9, dtype=torch.int64), torch.zeros(9, dtype=torch.int64))
+    eager = rt._step("decode", 9, torch.float32, "cpu", torch.ones(9, dtype=torch.bool),
+                     torch.arange(9), False)
+    assert not rt.on_graph_tape(eager)  # above the largest captured batch: the eager tape
+
+
+def test_the_decode_graph_runner_gets_a_routed_variant_only_for_an_arm_routing_decode_where_one_can_be_captured(
+        tmp_path):
+    """`SkipperCausalLM.decode_graph_variants`, called before SGLang captures: static storage for the largest
+    captured batch, the variant of each pass by its mode; nothing for a dense arm, a blocked execution or a
+    speculative runner (their routed passes stay eager through the veto)."""
+    from types import SimpleNamespace
+
+    from vskipper.arms import get_arm
+    from vskipper.sglang.models import routed as served
+    from vskipper.sglang.runtime import Runtime, Step
+    from vskipper.sglang.spec import ServeSpec
+
+    def model(arm: str, blocker=None):
+        rt = Runtime(ServeSpec(get_arm(arm), 0, 0, tmp_path / f"{arm}.json"), "ddllama", (2,), "test")
+        m = SimpleNamespace(runtime=rt, graph_blocker=blocker, graph_buffers=None, ledger=ReplayLedger(),
+                            slot=served.StepSlot(),
+                            model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=torch.zeros(1))))
+        m.pass_is_routed = lambda fb: served.SkipperCausalLM.pass_is_routed(m, fb)
+        return m
+
+    runner = SimpleNamespace(capture_bs=[1, 2, 4, 8, 6], captured_req_width=1)
+    routed = model("random-r75-d50-always")
+    variants = served.SkipperCausalLM.decode_graph_variants(routed, runner)
+    assert variants.capture_labels == (served.DENSE_VARIANT, served.ROUTED_VARIANT)
+    assert routed.graph_buffers.capacity == 8 and routed.graph_buffers.frozen
+    assert routed.ledger.routed_graphs == {"prefill": False, "decode": True}
+    assert routed.runtime.capture_step(8, torch.zeros(8, dtype=torch.bool), torch.zeros(8)).tape.capacity == 8
+    fb = object()
+    assert variants.select(fb) == served.DENSE_VARIANT  # nothing prepared (a capture or an idle pass)
+    for is_routed, label in ((True, served.ROUTED_VARIANT), (False, served.DENSE_VARIANT)):
+        routed.slot.prepared = served.PreparedPass(fb, Step("decode", is_routed), None)
+        assert variants.select(fb) == label
+    for m, r in ((model("dense"), runner), (model("prefill-only"), runner),
+                 (model("always-route", "no CUDA graphs on cpu"), runner),
+                 (model("always-route"), SimpleNamespace(capture_bs=[4], captured_req_width=3))):
+        assert served.SkipperCausalLM.decode_graph_variants(m, r) is None
+        assert m.graph_buffers is None and not m.ledger.routed_graphs["decode"]
+    with pytest.raises(RuntimeError, match="no graph tape holds a routed decode graph of 9 rows"):
+        routed.runtime.capture_step(9, torch.zeros(9, dtype=torch.bool), torch.zeros(9))
+
+
 # -- in a server -----------------------------------------------------------------------------------------------
 
 
@@ -169,5 +268,6 @@ def test_a_served_routed_arm_plans_every_pass_before_the_forward_and_counts_them
     assert att["passes_total"]["decode"]["routed"] >= 10
     assert att["routed_replays_vetoed_total"] == {"prefill": 0, "decode": 0}  # graphs are off on CPU
     execution = att["execution"]
-    assert execution["cuda_graphs"]["routed_graph_variants"] == {"prefill": False, "decode": False}
+    assert att["routed_graph_variants"] == {"prefill": False, "decode": False}
+    assert execution["cuda_graphs"]["routed_variant"] == "none: routed passes run eagerly (no CUDA graphs on cpu)"
     assert execution["routed_layers_backend"] == {"decode": "torch", "prefill": "torch", "tiles": None}

@@ -145,17 +145,16 @@ class _both:
             m.__exit__(*exc)
 
 
-def test_a_routed_phase_refuses_sglangs_cuda_graphs_naming_the_flag_and_a_dense_phase_keeps_them():
-    """A replayed graph skips the model's Python forward, so a routed pass would run the dense graph, uncounted:
-    the phases an arm routes must run eagerly; phases it keeps dense may replay."""
+def test_a_routed_prefill_refuses_sglangs_prefill_graphs_naming_the_flag_and_decode_graphs_are_kept():
+    """A replayed graph skips the model's Python forward: a routed phase may replay only graphs that hold a routed
+    variant. Decode graphs do (the model's `SkipperGraphVariants`); prefill graphs do not, so an arm that routes
+    prefill must run it eagerly."""
     from vskipper.arms import get_arm
 
-    decode_graphs = {"decode": "full", "prefill": "disabled"}
-    with pytest.raises(served.ServeConfigError, match="routes decode.*--cuda-graph-backend-decode full.*"
-                                                      "--cuda-graph-backend-decode disabled"):
-        served.refuse_graph_replay(get_arm("always-route"), decode_graphs)
-    with pytest.raises(served.ServeConfigError, match="routes prefill.*--cuda-graph-backend-prefill tc_piecewise"):
-        served.refuse_graph_replay(get_arm("always-route"), {"decode": "disabled", "prefill": "tc_piecewise"})
-    served.refuse_graph_replay(get_arm("dense"), decode_graphs)
-    served.refuse_graph_replay(get_arm("always-route"), {"decode": "disabled", "prefill": "disabled"})
+    with pytest.raises(served.ServeConfigError, match="routes prefill.*--cuda-graph-backend-prefill tc_piecewise.*"
+                                                      "--cuda-graph-backend-prefill disabled"):
+        served.refuse_graph_replay(get_arm("always-route"), {"decode": "full", "prefill": "tc_piecewise"})
+    served.refuse_graph_replay(get_arm("decode-only"), {"decode": "full", "prefill": "tc_piecewise"})
+    served.refuse_graph_replay(get_arm("always-route"), {"decode": "full", "prefill": "disabled"})
+    served.refuse_graph_replay(get_arm("dense"), {"decode": "full", "prefill": "full"})
     assert served.graph_backends() == {"decode": "disabled", "prefill": "disabled"}  # nothing published here

@@ -246,20 +246,23 @@ def test_dry_run_shows_the_cpu_recipe_and_the_shim_on_the_server_path_only(serve
     assert json.loads(env[ENV_ARM])["name"] == "dense"
 
 
-def test_on_a_gpu_serve_runs_the_routed_phases_without_cuda_graphs_and_keeps_them_for_dense_ones(served_model):
+def test_on_a_gpu_serve_keeps_decode_graphs_for_every_arm_and_runs_routed_prefill_eagerly(served_model):
+    """Decode graphs hold a routed variant (captured by the model, `SkipperGraphVariants`); prefill graphs do not,
+    so an arm that routes prefill runs it eagerly whatever the caller asked."""
     cmds = {}
-    for arm in ("decode-only", "dense"):
+    for arm in ("decode-only", "dense", "always-route"):
         r = _serve_cli("--model", str(served_model), "--arm", arm, "--platform", "gpu", "--enter-tokens", "200",
-                       "--exit-tokens", "100", "--dry-run")
+                       "--exit-tokens", "100", "--dry-run", "--", "--cuda-graph-backend-prefill", "full")
         assert r.returncode == 0, r.stderr
         cmds[arm] = json.loads(r.stdout)["command"]
 
     def last(cmd: list[str], flag: str) -> str:  # SGLang keeps a flag's last value
         return cmd[max(i for i, a in enumerate(cmd) if a == flag) + 1]
 
-    assert last(cmds["decode-only"], "--cuda-graph-backend-decode") == "disabled"
-    assert cmds["decode-only"].count("--cuda-graph-backend-decode") == 2  # the profile's, then the routed phase's
-    assert last(cmds["dense"], "--cuda-graph-backend-decode") == "full"
+    for arm, prefill in (("decode-only", "full"), ("dense", "full"), ("always-route", "disabled")):
+        assert last(cmds[arm], "--cuda-graph-backend-decode") == "full", arm
+        assert cmds[arm].count("--cuda-graph-backend-decode") == 1, arm
+        assert last(cmds[arm], "--cuda-graph-backend-prefill") == prefill, arm
 
 
 # -- dense arm ---------------------------------------------------------------------------------------------------

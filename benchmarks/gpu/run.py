@@ -11,14 +11,16 @@ serve-ab  a Llama-3-8B-shaped FlexiDepth configuration (32 layers, routed 16-31,
           dummy`) in three arms: dense, always-route RandomSkip r = 1 d = 0.5, hybrid (the same skipper, decode
           thresholds from the roofline rule for the detected device); loadgen's matched-work A/B of each routed
           arm against dense at loads whose resident KV tokens are below, near and above the enter threshold.
-sweep     fixed-batch decode (batch x context, cells that do not fit the KV pool are skipped and named) and
-          prefill at 1k/2k/4k tokens, dense and always-route, one server at a time: step time, tokens/s, TPOT,
+sweep     fixed-batch decode (batch x context, each cell's prompts prefilled first so the timed burst decodes
+          together; cells that do not fit the KV pool are skipped and named) and
+          prefill at 1k/2k/4k tokens, dense, the control (always-route RandomSkip r = 0: nothing skipped) and
+          always-route r = 1 d = 0.5, one server at a time: step time, tokens/s, TPOT,
           the latency lines in V (tau, the measured crossover V_x beside the rule's V*), prefill ratios.
 kernels   benchmarks/mixed_depth_bench.py and `vskipper tune-tiles` for the device.
 summary   results.json and summary.md from whatever the stages wrote.
 
-A routed arm's decode passes run eagerly while no routed decode graph variant exists (`vskipper serve` says so
-in the attestation's `execution.profile.decode_graphs`); every figure is labelled with what ran.
+A routed arm's decode passes replay the routed decode graph variant its model captured beside the dense one;
+every figure is labelled with what ran (the attestation's `graph_passes_total`: passes replayed and eager).
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ from vskipper.sglang.launch import Server, http, launched  # noqa: E402
 
 STAGES = ("serve-ab", "sweep", "kernels")
 SKIP_RATIO = 0.5  # RandomSkip r = 1, d = 0.5: half of the routed decisions project
-ARM_FILES = {name: {"name": name, "skipper": "random_skip", "params": {"r": 1.0, "d": 0.5}, "prefill": policy,
+ARM_FILES = {name: {"name": name, "skipper": "random_skip", "params": {"r": r, "d": 0.5}, "prefill": policy,
                     "decode": policy}
-             for name, policy in (("random-r1-d0.5-always", "routed"), ("random-r1-d0.5-hybrid", "hybrid"))}
-ALWAYS, HYBRID = ARM_FILES
+             for name, r, policy in (("random-r1-d0.5-always", 1.0, "routed"), ("random-r1-d0.5-hybrid", 1.0, "hybrid"),
+                                     ("random-r0-always", 0.0, "routed"))}
+# The control arm: the routed path with nothing skipped (every row RUN), the same kernels as ALWAYS.
+ALWAYS, HYBRID, CONTROL = ARM_FILES
 LOAD_CELLS = {"below": 0.5, "near": 1.0, "above": 1.5}  # target resident KV tokens as a multiple of enter
 # A JSON file {arm: URL} of servers already serving OUTDIR/model with `Plan` flags (`start`), used instead of
 # starting them: the CI dry run starts each arm once for every stage.
@@ -250,7 +254,20 @@ def served(server: Server) -> dict:
     """What the server attests it ran: profile (decode graphs), passes, thresholds."""
     doc = server.get_json("/vskipper/attestation")
     return {"arm": doc["arm"]["name"], "profile": doc["execution"].get("profile"), "passes_total": doc["passes_total"],
+            "graph_passes_total": doc.get("graph_passes_total"), "routed_graph_variants": doc.get("routed_graph_variants"),
+            "cuda_graphs": doc["execution"].get("cuda_graphs"), "rows_total": doc.get("rows_total"),
             "thresholds": doc["thresholds"], "sglang_version": doc.get("sglang_version")}
+
+
+def decode_graphs(served_doc: dict) -> str:
+    """What a served arm's decode passes ran: its routed decode passes replayed / eager, else the profile's word."""
+    passes = (served_doc.get("graph_passes_total") or {}).get("decode", {})
+    routed, dense = passes.get("routed", {}), passes.get("dense", {})
+    if routed.get("replayed") or routed.get("eager"):
+        return f"routed passes {routed.get('replayed', 0)} replayed, {routed.get('eager', 0)} eager"
+    if dense.get("replayed") or dense.get("eager"):
+        return f"dense passes {dense.get('replayed', 0)} replayed, {dense.get('eager', 0)} eager"
+    return str((served_doc.get("profile") or {}).get("decode_graphs"))
 
 
 # -- bursts: a fixed batch, timed from the stream ---------------------------------------------------------------------
@@ -429,7 +446,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
     arms = write_arms(out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     result = {"arms": {}}
-    for name in ("dense", ALWAYS):
+    for name in ("dense", CONTROL, ALWAYS):
         done = stage.out / f"{name}.result.json"
         if done.is_file():
             result["arms"][name] = json.loads(done.read_text())
@@ -448,8 +465,12 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                         skipped.append({"batch": batch, "context": ctx, "why": f"needs {need} KV tokens, "
                                         f"pool {capacity}"})
                         continue
-                    records = asyncio.run(burst(server, [prompt(ctx, 7 * batch + i, vocab) for i in range(batch)],
-                                                plan.sweep_new_tokens))
+                    prompts = [prompt(ctx, 7 * batch + i, vocab) for i in range(batch)]
+                    # Prefilled once first (one token each): the timed burst finds the prompts in SGLang's prefix
+                    # cache, so its requests decode together instead of beside the chunks of each other's prefill
+                    # (whose cost differs per arm and would enter the decode figure).
+                    asyncio.run(burst(server, prompts, 1))
+                    records = asyncio.run(burst(server, prompts, plan.sweep_new_tokens))
                     step_s, steps = decode_step(records)
                     decode.append({"batch": batch, "context": ctx, "resident_tokens": batch * (ctx + steps // 2),
                                    "step_s": step_s, "tpot_s": step_s, "decode_tok_s": batch / step_s})
@@ -472,8 +493,8 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
     if "dense" not in arms or ALWAYS not in arms:
         return None
     dense, routed = arms["dense"], arms[ALWAYS]
-    out: dict = {"routed_decode_graphs": routed["served"]["profile"]["decode_graphs"],
-                 "dense_decode_graphs": dense["served"]["profile"]["decode_graphs"]}
+    out: dict = {"routed_decode_graphs": decode_graphs(routed["served"]),
+                 "dense_decode_graphs": decode_graphs(dense["served"])}
     ld, lr = dense["line"], routed["line"]
     if ld and lr:
         tau = lr["intercept_s"] - ld["intercept_s"]
@@ -482,14 +503,67 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
         v_x = tau / gap if gap > 0 else None
         out.update(tau_ms=tau * 1e3, v_x_tokens=v_x, v_star_tokens=v_star,
                    v_x_over_v_star=(v_x / v_star) if v_x and v_star else None)
-    pairs = {(d["batch"], d["context"]): d for d in dense["decode"]}
-    out["decode_speedup"] = [{"batch": r["batch"], "context": r["context"],
-                              "routed_over_dense_tok_s": r["decode_tok_s"] / pairs[(r["batch"], r["context"])][
-                                  "decode_tok_s"]} for r in routed["decode"] if (r["batch"], r["context"]) in pairs]
-    dense_prefill = {p["tokens"]: p["ttft_s"] for p in dense["prefill"]}
-    out["prefill_speedup"] = [{"tokens": p["tokens"], "dense_over_routed_time": dense_prefill[p["tokens"]] / p["ttft_s"]}
-                              for p in routed["prefill"] if p["tokens"] in dense_prefill]
+    config = json.loads((model / "config.json").read_text())
+    out["decode_speedup"] = decode_ratios(config, routed["decode"], dense["decode"], "routed_over_dense_tok_s")
+    out["prefill_speedup"] = prefill_ratios(config, routed["prefill"], dense["prefill"], "dense_over_routed_time")
+    if CONTROL in arms:
+        control = arms[CONTROL]
+        out["control_decode_graphs"] = decode_graphs(control["served"])
+        out["decode_over_control"] = decode_ratios(config, routed["decode"], control["decode"],
+                                                   "routed_over_control_tok_s", limit=True)
+        out["prefill_over_control"] = prefill_ratios(config, routed["prefill"], control["prefill"],
+                                                     "control_over_routed_time", limit=True)
+        out["control_over_dense_decode"] = decode_ratios(config, control["decode"], dense["decode"],
+                                                         "control_over_dense_tok_s")
     return out
+
+
+def decode_bytes(config: dict, resident: float, skip: float, dtype_bytes: int = 2) -> float:
+    """Bytes one decode step reads: every weight once, and the KV of the `resident` tokens at every layer, less
+    the attention reads a Project-Only decision skips (share `skip` of the routed layers' rows)."""
+    d, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or d // heads
+    layers, routed = config["num_hidden_layers"], len(config["routing_layers"])
+    per_layer = d * (heads + 2 * kv_heads) * hd + heads * hd * d + 3 * d * i
+    weights = (layers * per_layer + 2 * v * d) * dtype_bytes
+    kv_token_layer = 2 * kv_heads * hd * dtype_bytes
+    return weights + resident * kv_token_layer * (layers - skip * routed)
+
+
+def decode_ratios(config: dict, treated: list, baseline: list, key: str, limit: bool = False) -> list[dict]:
+    """Per (batch, context) cell: treated / baseline decode tok/s; with `limit`, beside it the bandwidth limit of
+    the skip (s = SKIP_RATIO over s = 0: bytes read per step at s = 0 over bytes at SKIP_RATIO)."""
+    pairs = {(d["batch"], d["context"]): d for d in baseline}
+    rows = []
+    for r in treated:
+        b = pairs.get((r["batch"], r["context"]))
+        if b is None:
+            continue
+        row = {"batch": r["batch"], "context": r["context"], key: r["decode_tok_s"] / b["decode_tok_s"]}
+        if limit:
+            v = r["resident_tokens"]
+            row["bandwidth_limit"] = decode_bytes(config, v, 0.0) / decode_bytes(config, v, SKIP_RATIO)
+        rows.append(row)
+    return rows
+
+
+def prefill_ratios(config: dict, treated: list, baseline: list, key: str, limit: bool = False) -> list[dict]:
+    """Per prompt length: baseline / treated time to first token; with `limit`, the FLOP limit of the skip (a
+    Project-Only row pays its K/V and the projector; `benchmarks/bench_cpu.py`'s accounting)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_cpu import Load, flop_limit
+
+    times = {p["tokens"]: p["ttft_s"] for p in baseline}
+    rows = []
+    for p in treated:
+        if p["tokens"] not in times:
+            continue
+        row = {"tokens": p["tokens"], key: times[p["tokens"]] / p["ttft_s"]}
+        if limit:
+            row["flop_limit"] = flop_limit(config, Load(p["tokens"], 1, 1, 1), SKIP_RATIO)
+        rows.append(row)
+    return rows
 
 
 def bench_grid(plan: Plan) -> list[str]:
@@ -568,7 +642,7 @@ def markdown(results: dict) -> str:
             if pair.get("skipped"):
                 lines += [f"### dense vs {name}", "", f"Not served: {pair['skipped']}.", ""]
                 continue
-            graphs = pair["served"][name]["profile"]["decode_graphs"]
+            graphs = decode_graphs(pair["served"][name])
             lines += [f"### dense vs {name}", "", f"Gates {'passed' if pair['gates_passed'] else 'FAILED'}; "
                       f"routed decode: {graphs}.", ""]
             for label, cell in pair["cells"].items():
@@ -590,6 +664,20 @@ def markdown(results: dict) -> str:
         lines += ["", "| prefill tokens | dense / routed time |", "|---:|---:|"]
         lines += [f"| {p['tokens']} | {p['dense_over_routed_time']:.3f} |" for p in c["prefill_speedup"]]
         lines.append("")
+        if c.get("decode_over_control"):
+            dense_ratio = {(d["batch"], d["context"]): d["control_over_dense_tok_s"]
+                           for d in c["control_over_dense_decode"]}
+            lines += [f"Against the control arm ({CONTROL}: the routed path, nothing skipped; decode "
+                      f"{c['control_decode_graphs']}):", "",
+                      "| batch | context | s=0.5 / s=0 decode tok/s | bandwidth limit | s=0 / dense decode tok/s |",
+                      "|---:|---:|---:|---:|---:|"]
+            lines += [f"| {d['batch']} | {d['context']} | {d['routed_over_control_tok_s']:.3f} | "
+                      f"{d['bandwidth_limit']:.3f} | {_f(dense_ratio.get((d['batch'], d['context'])), '.3f')} |"
+                      for d in c["decode_over_control"]]
+            lines += ["", "| prefill tokens | s=0 / s=0.5 time | FLOP limit |", "|---:|---:|---:|"]
+            lines += [f"| {p['tokens']} | {p['control_over_routed_time']:.3f} | {p['flop_limit']:.3f} |"
+                      for p in c["prefill_over_control"]]
+            lines.append("")
     kernels = results.get("kernels")
     if kernels:
         lines += ["## Kernels", ""] + [f"- {k}: exit {v['exit']}, {v['output']}" for k, v in kernels["runs"].items()]

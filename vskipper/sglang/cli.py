@@ -20,16 +20,13 @@ NVIDIA_DEVICE_NODE = "/dev/nvidiactl"  # present wherever an NVIDIA driver expos
 
 
 def eager_routed_phases(arm: Arm) -> list[str]:
-    """SGLang flags that run the arm's routed phases eagerly: a replayed CUDA graph would run the dense model (no
-    routed graph variant is captured yet; the model refuses to start with them on)."""
-    return [flag for phase in arm.routed_phases for flag in (f"--cuda-graph-backend-{phase}", "disabled")]
+    """SGLang flags that run the arm's routed phases without a routed graph variant eagerly (after the caller's
+    flags: SGLang keeps the last): a replayed graph of such a phase would run the dense model, and the model
+    refuses to start with those graphs on."""
+    from vskipper.sglang.spec import ROUTED_GRAPH_PHASES
 
-
-def _eager_phase_flags(arm: Arm, final_flags: tuple[str, ...]) -> list[str]:
-    """`eager_routed_phases` less the phases the profile's final flags already run eagerly."""
-    flags = eager_routed_phases(arm)
-    pairs = [flags[i:i + 2] for i in range(0, len(flags), 2)]
-    return [f for pair in pairs if pair[0] not in final_flags for f in pair]
+    return [flag for phase in arm.routed_phases if phase not in ROUTED_GRAPH_PHASES
+            for flag in (f"--cuda-graph-backend-{phase}", "disabled")]
 
 
 def load_arm(args: argparse.Namespace) -> Arm:
@@ -104,7 +101,6 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     from vskipper.sglang.spec import (
         ServeSpec,
         check_arm_for_model,
-        check_decode_graph_flags,
         checkpoint_config,
         serve_environment,
         serve_profile,
@@ -116,14 +112,13 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
                                       getattr(args, "gpu", None))
     platform = resolve_platform(getattr(args, "platform", "auto"))
     profile = serve_profile(platform, platform == "gpu" and real_sgl_kernel_importable(),
-                            arm.switch_settings().decode is not Policy.DENSE, getattr(args, "gpu_jit", False))
+                            getattr(args, "gpu_jit", False))
     extra = list(args.sglang_args or [])
-    check_decode_graph_flags(profile, extra)
     state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
     spec = ServeSpec(arm, enter, exit_, state, source, profile.attestation())
     cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *profile.flags,
-           "--host", args.host, "--port", str(args.port), *extra, *profile.final_flags,
-           *(_eager_phase_flags(arm, profile.final_flags) if platform == "gpu" else ())]
+           "--host", args.host, "--port", str(args.port), *extra,
+           *(eager_routed_phases(arm) if platform == "gpu" else ())]
     return cmd, serve_environment(spec, profile=profile)
 
 

@@ -16,8 +16,11 @@ scheduler's included, and applies their hooks before the scheduler is built. `re
   each pass         AROUND ModelRunner.forward: before, the model decides the pass and writes its plan into its
                     static buffers (`SkipperCausalLM.prepare_pass`); after, SGLang's report of a graph replay is
                     counted and the runtime counts the pass (`finish_pass`)
-  replay veto       AROUND the graph runners' can_run_graph: a routed pass never replays a captured (dense)
-                    graph (`SkipperCausalLM.graph_veto`, `vskipper.sglang.replay`)
+  decode capture    AROUND DecodeCudaGraphRunner.capture: before SGLang captures its decode graphs, a model whose
+                    arm routes decode installs its graph variants (a dense and a routed graph per batch size,
+                    `SkipperCausalLM.decode_graph_variants`)
+  replay veto       AROUND the graph runners' can_run_graph: a routed pass replays only a routed variant, never a
+                    dense graph (`SkipperCausalLM.graph_veto`, `vskipper.sglang.replay`)
   executed config   AFTER Scheduler.get_init_info and AROUND Scheduler.run_batch (`vskipper.sglang.executed`):
                     what SGLang executes, read after boot, and the scheduler's own pass count per phase
 
@@ -50,8 +53,9 @@ GRAPH_TARGETS = (
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph",
     "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner.can_run_graph",
 )
+CAPTURE_TARGET = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture"
 TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *RELEASE_TARGETS, QUEUE_ABORT_TARGET, FORWARD_TARGET, *GRAPH_TARGETS,
-           *executed.TARGETS)
+           CAPTURE_TARGET, *executed.TARGETS)
 
 
 _runtime = active.current_runtime
@@ -152,6 +156,15 @@ def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs)
     return answer if model is None else model.graph_veto(forward_batch, bool(answer))
 
 
+def around_decode_capture(original, graph_runner, *args, **kwargs):
+    model = _model()
+    if model is not None and getattr(graph_runner.model_runner, "model", None) is model:
+        variants = model.decode_graph_variants(graph_runner)
+        if variants is not None:
+            graph_runner.attention_graph_variants = variants
+    return original(graph_runner, *args, **kwargs)
+
+
 def register() -> None:
     """SGLang general plugin entry point: register the hooks in processes of a vSkipper server."""
     if ENV_ARM not in os.environ:
@@ -167,6 +180,7 @@ def register() -> None:
     HookRegistry.register(FORWARD_TARGET, around_model_forward, HookType.AROUND)
     for target in GRAPH_TARGETS:
         HookRegistry.register(target, around_can_run_graph, HookType.AROUND)
+    HookRegistry.register(CAPTURE_TARGET, around_decode_capture, HookType.AROUND)
     executed.register(HookRegistry, HookType)
 
 

@@ -26,8 +26,8 @@ class RoutedReplayError(RuntimeError):
 class ReplayLedger:
     """The replay veto and the per-phase, per-mode counts of passes replayed from a graph and passes run eagerly.
 
-    `routed_graphs[phase]`: whether the model captures a routed variant for that phase (none does yet: routed
-    passes run eagerly). The counts' keys are fixed at construction; only their values change, so a reader on
+    `routed_graphs[phase]`: whether a routed variant of that phase's graphs was captured (decode, once SGLang's
+    decode graph runner captured the model's variants; where none was, routed passes run eagerly). The counts' keys are fixed at construction; only their values change, so a reader on
     another thread (the state writer) never sees the mapping change size."""
 
     def __init__(self, routed_graphs: Mapping[str, bool] | None = None) -> None:

@@ -204,6 +204,9 @@ class Runtime:
         self._decoding: dict[str, int] = {}  # decoding request -> its resident KV tokens at its last decode pass
         self._tape: RouteTape | None = None
         self._builder: CohortBuilder | None = None
+        # Decode passes a captured graph replays: a tape and cohort builder that never reallocate.
+        self._graph_tape: RouteTape | None = None
+        self._graph_builder: CohortBuilder | None = None
         self._decisions_seen = Counter()
         self._promotions_seen = 0
         self.started = time.time()
@@ -430,13 +433,36 @@ class Runtime:
         n_routed = int(row_routed.sum())
         if self.skipper is None or rows == 0 or n_routed == 0:
             return Step(phase, False, rows=rows)
-        if self._tape is None or self._tape.capacity < rows:
-            # Eager CPU execution: the tape grows to the largest pass seen and is reused after that.
-            self._tape = RouteTape(max(rows, 64), self.routed_layers, dtype, device)
-            self._builder = CohortBuilder(max(rows, 64), device)
+        if phase == "decode" and self._graph_tape is not None and rows <= self._graph_tape.capacity:
+            tape, builder = self._graph_tape, self._graph_builder  # a captured routed graph may replay it
+        else:
+            if self._tape is None or self._tape.capacity < rows:
+                # Eager execution: the tape grows to the largest pass seen and is reused after that.
+                self._tape = RouteTape(max(rows, 64), self.routed_layers, dtype, device)
+                self._builder = CohortBuilder(max(rows, 64), device)
+            tape, builder = self._tape, self._builder
         dense_rows = None if n_routed == rows else (~row_routed).to(device)
-        return Step(phase, True, self.skipper, None, self._tape, self._builder, dense_rows, rows, probe,
+        return Step(phase, True, self.skipper, None, tape, builder, dense_rows, rows, probe,
                     rows - n_routed, keys=keys.to(device))
+
+    def reserve_graph_tape(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Static storage for decode passes of up to `capacity` rows, which captured routed graphs replay: their
+        tape and cohort maps live at fixed addresses from now on."""
+        self._graph_tape = RouteTape(capacity, self.routed_layers, dtype, device)
+        self._graph_builder = CohortBuilder(capacity, device)
+
+    def on_graph_tape(self, step: Step) -> bool:
+        """Whether the pass records its routes on the graph tape (a captured routed graph may replay it)."""
+        return step.tape is not None and step.tape is self._graph_tape
+
+    def capture_step(self, rows: int, dense_rows: torch.Tensor, keys: torch.Tensor) -> Step:
+        """The routed decode step a graph of `rows` rows is captured from: the graph tape, and every row's
+        dense-mode flag and request key read from `dense_rows` and `keys` (views of static buffers a replayed
+        pass writes first). Never counted."""
+        if self.skipper is None or self._graph_tape is None or rows > self._graph_tape.capacity:
+            raise RuntimeError(f"no graph tape holds a routed decode graph of {rows} rows")
+        return Step("decode", True, self.skipper, None, self._graph_tape, self._graph_builder, dense_rows, rows,
+                    keys=keys)
 
     def count_routes(self, step: Step) -> None:
         """Count the pass's routed decisions over the rows of routed-mode requests: one read of the tape's
@@ -521,7 +547,7 @@ class Runtime:
                                                "layers every row's K/V through the KV pool's set_kv_buffer, then "
                                                "RUN rows alone read (vskipper.mixed.attention over SGLang's "
                                                "req_to_token)",
-                          "cuda_graphs": False, "tiles": None, "profile": self.spec.profile,
+                          "cuda_graphs": None, "tiles": None, "profile": self.spec.profile,
                           **self.execution},
             **self.model_counters,
             **executed.attestation(),  # what SGLang executes, read after boot; the scheduler's pass counts

@@ -97,15 +97,10 @@ def checkpoint_config(model_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-# Whether the model classes capture a routed decode graph variant. Until they do, decode graph replay (which never
-# calls the model's Python forward, where each pass is planned) would run the captured dense graph for routed rows
-# and stop the counters, so an arm that routes or switches decode runs decode eagerly on a GPU.
-ROUTED_DECODE_GRAPHS = False
-ROUTED_DECODE_EAGER = ("eager: the arm routes decode and no routed decode graph variant exists "
-                       "(a replay would run the captured dense graph)")
-# Launch flags that can turn decode graphs on again after the profile's last word (SGLang keeps the last
-# convenience flag, and a --cuda-graph-config JSON wins over every convenience flag).
-DECODE_GRAPH_FLAGS = ("--cuda-graph-backend-decode", "--cuda-graph-config")
+# The phases whose CUDA graphs hold a routed variant: SGLang's decode graph runner captures a dense and a routed
+# graph per batch size for an arm that routes decode (`vskipper.sglang.models.routed.SkipperGraphVariants`).
+# An arm that routes any other phase serves it eagerly (its graphs would hold the dense model only).
+ROUTED_GRAPH_PHASES = ("decode",)
 
 # SGLang's CPU recipe: the CPU engine (environment), torch-native attention and sampling, no grammar backend,
 # no CUDA graphs, a small KV pool. Flags after `--` are appended and override these (SGLang keeps the last).
@@ -131,7 +126,7 @@ GPU_NO_JIT_ENV = {"SGLANG_FORCE_FUSED_OP_BACKEND": "torch", "SGLANG_CRASH_ON_JIT
 @dataclass(frozen=True)
 class ServeProfile:
     """How the server runs on its platform: what goes first on its PYTHONPATH, its environment, SGLang flags
-    before the caller's (`flags`) and after them (`final_flags`, which the caller cannot override)."""
+    before the caller's (`flags`)."""
 
     name: str  # cpu | gpu-stand-in | gpu-kernels
     platform: str  # cpu | gpu
@@ -140,7 +135,6 @@ class ServeProfile:
     path: tuple[str, ...] = ()
     environment: tuple[tuple[str, str], ...] = ()
     flags: tuple[str, ...] = ()
-    final_flags: tuple[str, ...] = ()
     jit: str | None = None
 
     def attestation(self) -> dict:
@@ -148,54 +142,34 @@ class ServeProfile:
                 "decode_graphs": self.decode_graphs}
 
 
-def serve_profile(platform: str, real_sgl_kernel: bool, routes_decode: bool, jit: bool = False) -> ServeProfile:
-    """The serving profile for a resolved platform (`cpu` | `gpu`), whether a real `sgl_kernel` is importable,
-    and whether the arm routes or switches decode.
+def serve_profile(platform: str, real_sgl_kernel: bool, jit: bool = False) -> ServeProfile:
+    """The serving profile for a resolved platform (`cpu` | `gpu`) and whether a real `sgl_kernel` is importable.
 
     cpu           the CPU recipe: the CPU stand-in for sgl_kernel, SGLang's CPU engine, CPU_FLAGS
     gpu-stand-in  a GPU without SGLang's kernel wheels: the CUDA stand-ins, GPU_STAND_IN_ENV, GPU_STAND_IN_FLAGS
     gpu-kernels   a GPU with the real sgl_kernel (a CUDA runtime image): nothing added
-    On a GPU an arm that routes decode runs decode eagerly while no routed decode graph variant exists."""
+    Decode graphs stay on for every arm: a routed arm's decode passes replay its routed graph variant."""
     if platform == "cpu":
         return ServeProfile("cpu", "cpu", "sgl_kernel CPU stand-in (vskipper/sglang/shims); SGLang's torch paths",
                             "disabled", path=(str(SHIMS_DIR),), environment=(("SGLANG_USE_CPU_ENGINE", "1"),),
                             flags=CPU_FLAGS)
     if platform != "gpu":
         raise ValueError(f"--platform must be cpu, gpu or auto, got {platform!r}")
-    eager = routes_decode and not ROUTED_DECODE_GRAPHS
-    final = ("--cuda-graph-backend-decode", "disabled") if eager else ()
     if real_sgl_kernel:
-        return ServeProfile("gpu-kernels", "gpu", "SGLang's sgl_kernel and flashinfer (installed)",
-                            ROUTED_DECODE_EAGER if eager else "sglang-default", final_flags=final)
+        return ServeProfile("gpu-kernels", "gpu", "SGLang's sgl_kernel and flashinfer (installed)", "sglang-default")
     env = dict(GPU_STAND_IN_ENV, **({} if jit else GPU_NO_JIT_ENV))
     return ServeProfile("gpu-stand-in", "gpu", "CUDA stand-in (vskipper/sglang/shims_gpu): sgl_kernel norms in "
                         "torch, flashinfer importable only; Triton attention, torch sampling",
-                        ROUTED_DECODE_EAGER if eager else "full", path=(str(SHIMS_GPU_DIR),),
-                        environment=tuple(sorted(env.items())), flags=GPU_STAND_IN_FLAGS, final_flags=final,
+                        "full", path=(str(SHIMS_GPU_DIR),), environment=tuple(sorted(env.items())),
+                        flags=GPU_STAND_IN_FLAGS,
                         jit="SGLang JIT kernels (nvcc, ninja)" if jit else "off: SGLang's torch fused-op paths")
-
-
-def check_decode_graph_flags(profile: ServeProfile, extra: list[str]) -> None:
-    """Refuse caller flags that would turn decode graphs back on where the profile runs decode eagerly."""
-    if not profile.final_flags:
-        return
-    for i, arg in enumerate(extra):
-        flag, _, value = arg.partition("=")
-        for name in DECODE_GRAPH_FLAGS:
-            if len(flag) > len("--cuda-graph-") and name.startswith(flag):
-                value = value or (extra[i + 1] if i + 1 < len(extra) else "")
-                if name.endswith("decode") and value == "disabled":
-                    continue
-                raise ServeConfigError(f"{flag} {value}: this arm routes decode and no routed decode graph "
-                                       "variant exists, so decode runs eagerly; a decode graph replay would run the "
-                                       "captured dense graph for routed rows")
 
 
 def serve_environment(spec: ServeSpec, base: dict[str, str] | None = None,
                       profile: ServeProfile | None = None) -> dict[str, str]:
     """The server's environment: the profile's (on CPU, SGLang's CPU engine), the external model package, the
     profile's stand-ins first on this process tree's PYTHONPATH only, and the served configuration."""
-    profile = profile or serve_profile("cpu", False, False)
+    profile = profile or serve_profile("cpu", False)
     env = dict(os.environ if base is None else base)
     env.update(spec.to_env())
     env.update(profile.environment)

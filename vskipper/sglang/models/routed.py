@@ -35,6 +35,7 @@ import torch
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 from sglang.srt.utils.common import use_intel_amx_backend
 
 from vskipper.mixed.attention import paged_attention, prefill_attention
@@ -44,7 +45,7 @@ from vskipper.mixed.routed_layer import routed_layer
 from vskipper.sglang import active
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
-from vskipper.sglang.spec import ROUTED_DECODE_GRAPHS, ServeConfigError
+from vskipper.sglang.spec import ROUTED_GRAPH_PHASES, ServeConfigError
 from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, is_router_tensor, router_sizes
 
 
@@ -251,15 +252,45 @@ def graph_backends() -> dict[str, str]:
 
 
 def refuse_graph_replay(arm, backends: dict[str, str]) -> None:
-    """A replayed graph never calls the model's Python forward: a routed pass would run the captured dense graph,
-    uncounted. Until SGLang captures a routed variant, an arm that routes a phase serves that phase eagerly and
-    refuses to start with its graphs on."""
+    """A replayed graph never calls the model's Python forward: a routed pass would run whatever the graph
+    captured. SGLang captures a routed variant for decode only (`ROUTED_GRAPH_PHASES`, `SkipperGraphVariants`),
+    so an arm that routes another phase serves it eagerly and refuses to start with that phase's graphs on."""
     for phase in arm.routed_phases:
         backend = backends.get(phase, "disabled")
-        if backend != "disabled":
+        if phase not in ROUTED_GRAPH_PHASES and backend != "disabled":
             raise ServeConfigError(f"arm {arm.name!r} routes {phase}, but SGLang would replay {phase} passes from "
-                                   f"CUDA graphs (--cuda-graph-backend-{phase} {backend}), which run the dense "
-                                   f"model: serve it with --cuda-graph-backend-{phase} disabled")
+                                   f"CUDA graphs (--cuda-graph-backend-{phase} {backend}), which hold no routed "
+                                   f"variant: serve it with --cuda-graph-backend-{phase} disabled")
+
+
+# SGLang's attention graph variants (the decode graph runner's plugin point): the labels a skipper model's decode
+# graphs are captured under, one graph of each per captured batch size.
+DENSE_VARIANT = "vskipper-dense"
+ROUTED_VARIANT = "vskipper-routed"
+
+
+class SkipperGraphVariants:
+    """The decode graph runner's `attention_graph_variants` for a skipper model whose arm routes decode: it
+    captures a dense and a routed graph at every batch size, and each pass replays the variant of its mode (the
+    pass is decided before the runner looks, `SkipperCausalLM.prepare_pass`)."""
+
+    capture_labels = (DENSE_VARIANT, ROUTED_VARIANT)
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def select(self, forward_batch) -> str:
+        return ROUTED_VARIANT if self.model.pass_is_routed(forward_batch) else DENSE_VARIANT
+
+
+def routed_graph_blocker(execution: CohortExecution, device: torch.device) -> str | None:
+    """Why a routed decode graph cannot be captured here, or None: capture needs the triton execution on CUDA
+    (the torch execution packs cohorts with `nonzero`, whose sizes are read on the host)."""
+    if device.type != "cuda":
+        return f"no CUDA graphs on {device.type}"
+    if execution.decode != "triton":
+        return f"the routed layers decode with the torch execution ({execution.reason or 'not triton'})"
+    return None
 
 
 def _router_config(config) -> dict:
@@ -355,34 +386,74 @@ class SkipperCausalLM(RouterWeightsMixin):
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
         self.slot = StepSlot()
-        self.ledger = ReplayLedger({"decode": ROUTED_DECODE_GRAPHS, "prefill": False})
+        self.ledger = ReplayLedger()  # a routed decode variant is recorded once captured (`decode_graph_variants`)
         self.plan_writes = {"before_forward": 0, "in_forward": 0}
         self.routed_layers = tuple(int(i) for i in (getattr(config, "routing_layers", None) or ()))
         for i in self.routed_layers:
             if self.model.start_layer <= i < self.model.end_layer:
                 self.model.layers[i] = self.routed_layer(config, i, quant_config, prefix=f"model.layers.{i}")
-        device = str(self.model.embed_tokens.weight.device)
-        self.buffers = PlanBuffers(64, device)
-        self.runtime = get_runtime(config.model_type, self.routed_layers, type(self).__name__, device)
+        device = self.model.embed_tokens.weight.device
+        self.buffers = PlanBuffers(64, str(device))  # eager passes: grows to the largest pass
+        self.graph_buffers: PlanBuffers | None = None  # decode passes a captured graph replays: frozen
+        self.runtime = get_runtime(config.model_type, self.routed_layers, type(self).__name__, str(device))
         self.slot.runtime = self.runtime
         graphs = graph_backends()
         refuse_graph_replay(self.runtime.arm, graphs)
         layers = [self.model.layers[i] for i in self.routed_layers
                   if self.model.start_layer <= i < self.model.end_layer]
         qkv = [layer.self_attn.qkv_proj for layer in layers]
-        self.slot.execution = cohort_execution(layers, self.model.embed_tokens.weight.device)
+        self.slot.execution = cohort_execution(layers, device)
+        self.graph_blocker = routed_graph_blocker(self.slot.execution, device)
         active.register(self)  # for the SGLang hooks around the forward and the graph runners
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
+        # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
+        # which describes what the model and device run and is the same for every arm of one deployment.
         self.runtime.model_counters.update({"graph_passes_total": self.ledger.passes,
                                             "routed_replays_vetoed_total": self.ledger.vetoed,
-                                            "plan_writes_total": self.plan_writes})
+                                            "plan_writes_total": self.plan_writes,
+                                            "routed_graph_variants": self.ledger.routed_graphs})
+        routed_variant = ("decode: a routed graph beside the dense one at every captured batch size, for an arm "
+                          "that routes decode" if self.graph_blocker is None
+                          else f"none: routed passes run eagerly ({self.graph_blocker})")
         self.runtime.execution.update({
             "routed_layers_backend": self.slot.execution.attestation(),
-            "cuda_graphs": {"backends": graphs, "routed_passes": "eager (no routed graph variant is captured; "
-                                                                  "graphs are refused for routed phases)",
-                            "routed_graph_variants": dict(self.ledger.routed_graphs)},
+            "cuda_graphs": {"backends": graphs, "routed_variant": routed_variant},
             "tiles": self.slot.execution.attestation()["tiles"],
             "project_only_q": project_only_q(qkv, self.slot.execution)})
+
+    def decode_graph_variants(self, runner) -> SkipperGraphVariants | None:
+        """Before SGLang's decode graph runner captures (the hook around `DecodeCudaGraphRunner.capture`): the
+        variants to capture, or None where only the dense graph is captured (a dense arm; a routed arm whose
+        routed layers cannot be captured, whose routed passes the replay veto then runs eagerly).
+
+        For the routed variant the per-pass plan and the route tape get static storage sized for the largest
+        captured batch: the graphs hold their addresses, and each replayed pass writes its plan into them."""
+        if "decode" not in self.runtime.arm.routed_phases or self.graph_blocker is not None:
+            return None
+        if int(getattr(runner, "captured_req_width", 1)) != 1:  # speculative decoding: routed passes run eagerly
+            return None
+        capacity = max(int(bs) for bs in runner.capture_bs)
+        weight = self.model.embed_tokens.weight
+        if self.graph_buffers is None or self.graph_buffers.capacity < capacity:
+            self.graph_buffers = PlanBuffers(capacity, weight.device)
+            self.runtime.reserve_graph_tape(capacity, weight.dtype, weight.device)
+        self.graph_buffers.frozen = True
+        self.ledger.routed_graphs["decode"] = True
+        return SkipperGraphVariants(self)
+
+    def pass_is_routed(self, forward_batch) -> bool:
+        """Whether the pass prepared for this batch routes (the graph variant it replays)."""
+        prepared = self.slot.prepared
+        return prepared is not None and prepared.step is not None and prepared.step.routed
+
+    def capture_pass(self, forward_batch) -> PreparedPass:
+        """The pass a routed decode graph is captured from: every per-row input is a view of the static plan
+        buffers and the graph tape (whatever padding they hold now), so a replay computes the pass whose plan
+        was written into them before it."""
+        rows = forward_batch.batch_size
+        views = self.graph_buffers.views(rows)
+        step = self.runtime.capture_step(rows, views["dense_rows"], views["request_keys"])
+        return PreparedPass(forward_batch, step, PassPlan(views["req_rows"], 0))
 
     def routed_layer(self, config, layer_id: int, quant_config, prefix: str) -> torch.nn.Module:
         raise NotImplementedError(f"{type(self).__name__} must define routed_layer")
@@ -399,10 +470,13 @@ class SkipperCausalLM(RouterWeightsMixin):
         return PreparedPass(forward_batch, step, plan)
 
     def write_plan(self, forward_batch, step: Step) -> PassPlan:
-        """Write the routed pass's per-row plan into the static buffers; the step and the plan read their views."""
+        """Write the routed pass's per-row plan into the static buffers; the step and the plan read their views.
+        A decode pass on the graph tape writes the graph buffers (a replay reads them), every other pass the
+        eager ones."""
         plan = plan_pass(forward_batch, step.rows)
-        self.buffers.write(plan.req_rows, step.keys, step.dense_rows)
-        views = self.buffers.views(step.rows)
+        buffers = self.graph_buffers if self.runtime.on_graph_tape(step) else self.buffers
+        buffers.write(plan.req_rows, step.keys, step.dense_rows)
+        views = buffers.views(step.rows)
         step.keys = views["request_keys"]
         if step.dense_rows is not None:
             step.dense_rows = views["dense_rows"]
@@ -443,7 +517,12 @@ class SkipperCausalLM(RouterWeightsMixin):
         # slice), so the pass prepared for this ModelRunner.forward is the pending one, used once.
         prepared = self.slot.prepared
         inline = prepared is None or prepared.used
-        if inline:  # called outside ModelRunner.forward: decided here
+        variant = get_capture_attention_variant()
+        if variant in (DENSE_VARIANT, ROUTED_VARIANT):  # SGLang captures a decode graph: no pass to count
+            inline = False
+            prepared = self.capture_pass(forward_batch) if variant == ROUTED_VARIANT \
+                else PreparedPass(forward_batch, None, None)
+        elif inline:  # called outside ModelRunner.forward: decided here
             prepared = self._decide(forward_batch)
             self.plan_writes["in_forward"] += 1
         prepared.used = True
