@@ -151,8 +151,7 @@ def test_device_plan_server_commands_parse_with_sglangs_own_flags(tmp_path):
         shown = json.loads(r.stdout)
         args = parser.parse_args(shown["command"][3:])
         assert (args.load_format, args.attention_backend, args.skip_tokenizer_init) == ("dummy", "triton", True)
-        routed = arm[0] == "--arm-file"
-        assert args.cuda_graph_backend_decode == ("disabled" if routed else "full")
+        assert args.cuda_graph_backend_decode == "full"  # routed arms replay their routed decode variant
         max_bs = int(plan.sglang_flags[plan.sglang_flags.index("--cuda-graph-max-bs-decode") + 1])
         assert args.cuda_graph_backend_prefill == "disabled" and args.cuda_graph_max_bs_decode == max_bs
 
