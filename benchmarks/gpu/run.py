@@ -521,14 +521,15 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
 def decode_bytes(config: dict, resident: float, skip: float, dtype_bytes: int = 2) -> float:
     """Bytes one decode step reads: every weight once, and the KV of the `resident` tokens at every layer, less
     the attention reads a Project-Only decision skips (share `skip` of the routed layers' rows)."""
+    from vskipper.roofline import kv_bytes_per_token_layer
+
     d, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or d // heads
     layers, routed = config["num_hidden_layers"], len(config["routing_layers"])
     per_layer = d * (heads + 2 * kv_heads) * hd + heads * hd * d + 3 * d * i
     weights = (layers * per_layer + 2 * v * d) * dtype_bytes
-    kv_token_layer = 2 * kv_heads * hd * dtype_bytes
-    return weights + resident * kv_token_layer * (layers - skip * routed)
+    return weights + resident * kv_bytes_per_token_layer(kv_heads, hd, dtype_bytes) * (layers - skip * routed)
 
 
 def decode_ratios(config: dict, treated: list, baseline: list, key: str, limit: bool = False) -> list[dict]:
@@ -551,7 +552,8 @@ def decode_ratios(config: dict, treated: list, baseline: list, key: str, limit: 
 def prefill_ratios(config: dict, treated: list, baseline: list, key: str, limit: bool = False) -> list[dict]:
     """Per prompt length: baseline / treated time to first token; with `limit`, the FLOP limit of the skip (a
     Project-Only row pays its K/V and the projector; `benchmarks/bench_cpu.py`'s accounting)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_cpu import Load, flop_limit
 
     times = {p["tokens"]: p["ttft_s"] for p in baseline}
