@@ -87,8 +87,10 @@ def test_a_zero_count_launches_a_full_grid_that_does_nothing():
     assert torch.equal(y, before)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 8)])
-def test_masked_decode_attention_matches_the_reference_and_ignores_foreign_slots(heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,splits", [(4, 2, None), (8, 8, 1), (4, 2, 3), (4, 1, 8)])
+def test_masked_decode_attention_matches_the_reference_and_ignores_foreign_slots(heads, kv_heads, splits):
+    """Every split count gives the reference read: splits past a short row's length stay empty, and a row outside
+    `reads` loads no slot (foreign slots hold NaN)."""
     rng = random.Random(heads)
     g = torch.Generator().manual_seed(heads)
     hd, rows, ctx = 16, 6, 30
@@ -105,7 +107,7 @@ def test_masked_decode_attention_matches_the_reference_and_ignores_foreign_slots
     v_pool[foreign] = float("nan")
     q = torch.randn(rows, heads, hd, generator=g)
     req = torch.arange(rows)
-    out = masked_decode_attention(q, k_pool, v_pool, r2t, req, positions, reads, 0.25, block_t=16)
+    out = masked_decode_attention(q, k_pool, v_pool, r2t, req, positions, reads, 0.25, block_t=16, splits=splits)
     expected = paged_attention(q, k_pool, v_pool, r2t, req, positions, 0.25, reads)
     assert torch.isfinite(out).all()
     assert (out[~reads] == 0).all()

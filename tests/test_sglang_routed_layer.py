@@ -61,6 +61,49 @@ def test_run_rows_equal_the_dense_layer_and_project_only_rows_take_the_adapter_w
     torch.testing.assert_close(kv_routed, kv_dense, rtol=1e-4, atol=1e-4)
 
 
+def test_a_prefill_read_through_sglangs_backend_gives_the_same_layer_and_skips_q_o_proj_and_the_mlp(world,
+                                                                                                   monkeypatch):
+    """The prefill read of the CUDA execution (`PREFILL_READS['backend']`) on SGLang's torch-native backend: RUN
+    rows equal the dense layer, Project-Only rows the adapter, the KV the dense layer's; the backend is called once
+    over every row (Project-Only rows with a zero query), while Q, o_proj and the MLP see the RUN rows only."""
+    layer = world.layer
+    seen: dict[str, int] = {}
+    queries: list[torch.Tensor] = []
+    modules = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+               "gate_up_proj": layer.mlp.gate_up_proj}
+
+    def count(name):
+        def hook(module, args):
+            seen[name] = seen.get(name, 0) + args[0].shape[0]
+        return hook
+
+    extend_fn = world.backend.forward_extend
+
+    def extend(q, *args, **kwargs):
+        queries.append(q.clone())
+        seen["backend"] = seen.get("backend", 0) + q.shape[0]
+        return extend_fn(q, *args, **kwargs)
+
+    monkeypatch.setattr(world.backend, "forward_extend", extend)
+    monkeypatch.setattr(world.slot, "execution", served.CohortExecution("torch", prefill_read="backend"))
+    run = [False, True, False, True, True, False, True]
+    handles = [m.register_forward_pre_hook(count(name)) for name, m in modules.items()]
+    try:
+        y, y_dense, kv_routed, kv_dense, x, run_t, w = _routed_and_dense(world, {1: 4, 3: 3}, run)
+    finally:
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(y[run_t], y_dense[run_t], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y[~run_t], _adapter(world, x[~run_t], w[~run_t]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_routed, kv_dense, rtol=1e-4, atol=1e-4)
+    n_run = sum(run)
+    # The dense pass that follows the routed one adds its len(run) rows to each module and to the backend.
+    assert seen == {"qkv_proj": n_run + len(run), "o_proj": n_run + len(run), "gate_up_proj": n_run + len(run),
+                    "backend": 2 * len(run)}
+    routed_q = queries[0].view(len(run), -1)
+    assert (routed_q[~run_t] == 0).all() and (routed_q[run_t] != 0).any()
+
+
 def test_an_all_project_only_pass_writes_every_rows_kv_and_runs_only_the_adapter(world):
     y, _, kv_routed, kv_dense, x, run_t, w = _routed_and_dense(world, {0: 1, 2: 1, 3: 1}, [False] * 3)
     torch.testing.assert_close(y, _adapter(world, x, w), rtol=1e-4, atol=1e-4)

@@ -83,10 +83,13 @@ def test_a_prefill_pass_runs_the_torch_execution_whatever_the_decode_execution(w
 
 def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_weights(world, monkeypatch):
     cpu = torch.device("cpu")
-    assert served.cohort_execution([world.layer], cpu) is served.TORCH_EXECUTION  # auto: triton only on CUDA
-    assert served.TORCH_EXECUTION.attestation() == {"decode": "torch", "prefill": "torch", "tiles": None}
+    assert served.cohort_execution([world.layer], cpu) == served.TORCH_EXECUTION  # auto: triton only on CUDA
+    assert served.TORCH_EXECUTION.attestation() == {"decode": "torch", "prefill": "torch", "prefill_read": "rows",
+                                                      "tiles": None}
     assert served.cohort_execution([world.layer], cpu, "triton").attestation() == {
-        "decode": "triton", "prefill": "torch", "tiles": "interpreter tile"}
+        "decode": "triton", "prefill": "torch", "prefill_read": "rows", "tiles": "interpreter tile"}
+    # On CUDA prefill reads through SGLang's attention backend, whichever execution decodes.
+    assert served.cohort_execution([world.layer], torch.device("cuda"), "torch").prefill_read == "backend"
     monkeypatch.setattr(world.layer.mlp.down_proj, "tp_size", 2, raising=False)
     split = served.cohort_execution([world.layer], cpu, "triton")
     assert split.decode == "torch"

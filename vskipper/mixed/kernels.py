@@ -17,7 +17,8 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
             repeated rows below count, and K is not split, so no atomics are needed.
     Grid    (cdiv(C, BLOCK_M), cdiv(D, BLOCK_N))
 
-`masked_decode_attention_kernel` (at the end) is the decode attention read with the RUN mask.
+`masked_decode_split_kernel` and `masked_decode_merge_kernel` (at the end) are the decode attention read with the
+RUN mask, split over the context.
 
 Both GEMMs accumulate in fp32. For the FlexiDepth projector pass (gate_proj, down_proj, up_proj) as
 (W_gate, W_up, W_down). Tests run these kernels under TRITON_INTERPRET=1 against torch.
@@ -168,32 +169,32 @@ def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w
 
 
 @triton.jit
-def masked_decode_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, out_ptr, scale,
-                                   stride_qr, stride_qh, stride_ks, stride_kh, stride_r2t, stride_or, stride_oh,
-                                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                   BLOCK_T: tl.constexpr):
+def masked_decode_split_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, mid_o_ptr, mid_ml_ptr,
+                               scale, stride_qr, stride_qh, stride_ks, stride_kh, stride_r2t,
+                               GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               BLOCK_T: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if tl.load(read_ptr + row) == 0:  # a row that reads nothing loads nothing; the merge writes its zeros
+        return
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
-    out_ptrs = out_ptr + row * stride_or + heads[:, None] * stride_oh + offs_d[None, :]
-    if tl.load(read_ptr + row) == 0:
-        # A row that reads nothing emits zeros (stored, not computed: its softmax would be 0/0).
-        tl.store(out_ptrs, tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32).to(out_ptr.dtype.element_ty),
-                 mask=g_mask[:, None])
-        return
-    q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
-                other=0.0)
     req = tl.load(req_ptr + row)
     length = tl.load(pos_ptr + row) + 1
+    span = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_T) * BLOCK_T  # this row's span per split, whole tiles
+    lo = split * span
+    hi = tl.minimum(lo + span, length)
+    q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
+                other=0.0)
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
-    for start in range(0, length, BLOCK_T):
+    for start in range(lo, hi, BLOCK_T):
         offs_t = start + tl.arange(0, BLOCK_T)
-        t_mask = offs_t < length
+        t_mask = offs_t < hi
         slots = tl.load(r2t_ptr + req * stride_r2t + offs_t, mask=t_mask, other=0)
         kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
         k = tl.load(k_ptr + kv_off, mask=t_mask[:, None], other=0.0)
@@ -206,30 +207,77 @@ def masked_decode_attention_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_pt
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    # Partials [rows, heads, SPLITS, ...]: the unnormalised sum, and (max, sum of exponentials); an empty split
+    # (past its row's length) leaves (-inf, 0) and zeros, which the merge weighs by exp(-inf) = 0.
+    head_split = (row * GROUP * tl.num_programs(1) + heads) * SPLITS + split
+    tl.store(mid_o_ptr + head_split[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+    tl.store(mid_ml_ptr + head_split * 2, m_i, mask=g_mask)
+    tl.store(mid_ml_ptr + head_split * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def masked_decode_merge_kernel(mid_o_ptr, mid_ml_ptr, read_ptr, out_ptr, stride_or, stride_oh,
+                               HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+                               BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    out_ptrs = out_ptr + row * stride_or + head * stride_oh + offs_d
+    if tl.load(read_ptr + row) == 0:
+        # A row that reads nothing emits zeros (stored, not computed: its softmax would be 0/0).
+        tl.store(out_ptrs, tl.zeros((HEAD_DIM,), dtype=tl.float32).to(out_ptr.dtype.element_ty))
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < SPLITS
+    base = (row * HEADS + head) * SPLITS + offs_s
+    m = tl.load(mid_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(mid_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
+    o = tl.load(mid_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    w = tl.exp(m - tl.max(m, 0))  # split 0 always holds the row's first tile: the max is finite
+    acc = tl.sum(o * w[:, None], 0)
+    tl.store(out_ptrs, (acc / tl.sum(l_s * w, 0)).to(out_ptr.dtype.element_ty))
+
+
+DECODE_SPLITS = 8  # the most splits of one row's context (SGLang's Triton decode default, num_kv_splits)
+
+
+def decode_splits(max_context: int, block_t: int) -> int:
+    """Splits of the context for the masked decode read: up to DECODE_SPLITS, never more than the tiles of the
+    longest context a request slot can hold (a shape, so the choice is the same at capture and replay)."""
+    return max(1, min(DECODE_SPLITS, triton.cdiv(max_context, block_t)))
 
 
 def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             req_to_token: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor,
-                            reads: torch.Tensor, scale: float, block_t: int = 64) -> torch.Tensor:
-    """Decode attention with a row mask, capture-safe (no host read).
+                            reads: torch.Tensor, scale: float, block_t: int = 64,
+                            splits: int | None = None) -> torch.Tensor:
+    """Decode attention with a row mask, split over the context (split-KV), capture-safe (no host read).
 
     Reads   q [rows, heads, hd]; for each row with reads[row]: the slots req_to_token[req, 0..pos] of the K/V
             pools [slots, kv_heads, hd]; nothing at all for the other rows
     Writes  out [rows, heads, hd]: the causal attention of reading rows, exact zeros for the others
-    Grid    (rows, kv_heads); the query heads of one KV head share its loads (grouped-query attention)
+    Grid    split: (rows, kv_heads, splits), each program one split of its row's context (whole tiles of
+            `block_t`), the query heads of one KV head sharing its loads (grouped-query attention);
+            merge: (rows, heads), the splits' partials weighed by their maxima
     """
     rows, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim must be a power of two >= 16 for the Triton decode attention, got {head_dim}")
+    if splits is None:
+        splits = decode_splits(req_to_token.shape[1], block_t)
     q = q.contiguous()
     out = torch.empty_like(q)
     read = reads.to(torch.int32)
-    masked_decode_attention_kernel[(rows, kv_heads)](
-        q, k_pool, v_pool, req_to_token, req_indices, positions, read, out, scale,
+    mid_o = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_ml = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
+    masked_decode_split_kernel[(rows, kv_heads, splits)](
+        q, k_pool, v_pool, req_to_token, req_indices, positions, read, mid_o, mid_ml, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_T=block_t)
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_T=block_t,
+        SPLITS=splits)
+    masked_decode_merge_kernel[(rows, heads)](
+        mid_o, mid_ml, read, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits))
     return out

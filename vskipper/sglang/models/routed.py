@@ -57,25 +57,42 @@ class PassPlan:
     context: int  # decode: the longest context of the pass (host mirror of seq_lens); prefill: unused
 
 
+# How RUN tokens of a mixed prefill pass read attention (each still attends to every token's K/V).
+PREFILL_READS = {
+    "rows": "the RUN rows alone, causal SDPA per request over its KV pages; Project-Only rows read nothing",
+    "backend": "SGLang's attention backend over every row (its extend kernel takes a causal prefix of each "
+               "request, not a subset of rows): Project-Only rows enter with a zero query and their output is "
+               "dropped; they compute no Q, o_proj or MLP",
+}
+
+
 @dataclass(frozen=True)
 class CohortExecution:
-    """How this process's routed layers run a mixed decode pass (prefill always runs the torch execution).
+    """How this process's routed layers run a mixed pass.
 
-    triton  on CUDA (or under TRITON_INTERPRET=1, for tests): the count-bounded cohort GEMMs of
-            `vskipper.mixed.kernels` with tiles from the device's table, the RUN-masked decode read
-            (`masked_decode_attention`) over SGLang's KV pool; every kernel keeps its launch shape, no host read
-    torch   the cohort execution over packed rows (CPU; and wherever a layer's MLP has no plain weight view)
+    decode   triton: on CUDA (or under TRITON_INTERPRET=1, for tests): the count-bounded cohort GEMMs of
+             `vskipper.mixed.kernels` with tiles from the device's table, the RUN-masked decode read
+             (`masked_decode_attention`) over SGLang's KV pool; every kernel keeps its launch shape, no host read
+             torch: the cohort execution over packed rows (CPU; and wherever a layer's MLP has no plain weight view)
+    prefill  always the torch execution (packed cohorts); its attention read is one of `PREFILL_READS`: `rows`
+             on CPU, `backend` on CUDA (the per-request SDPA with an explicit mask is far slower there than
+             SGLang's extend kernel, whose wasted reads of Project-Only rows cost a few percent of a prefill)
     """
 
     decode: str
     tiles: Any = None  # a TileTable (CUDA), None: the interpreter's tile
     reason: str = ""  # why the triton execution was not taken, where it was not
+    prefill_read: str = "rows"
+
+    def __post_init__(self) -> None:
+        if self.prefill_read not in PREFILL_READS:
+            raise ValueError(f"prefill_read must be one of {sorted(PREFILL_READS)}, got {self.prefill_read!r}")
 
     def attestation(self) -> dict[str, Any]:
         tiles = getattr(self.tiles, "source", None) if self.tiles is not None else (
             "interpreter tile" if self.decode == "triton" else None)
-        return {"decode": self.decode, "prefill": "torch", "tiles": tiles, **({"why": self.reason}
-                                                                              if self.reason else {})}
+        return {"decode": self.decode, "prefill": "torch", "prefill_read": self.prefill_read, "tiles": tiles,
+                **({"why": self.reason} if self.reason else {})}
 
 
 TORCH_EXECUTION = CohortExecution("torch")
@@ -98,19 +115,20 @@ def triton_blocker(layer) -> str | None:
 
 
 def cohort_execution(layers, device: torch.device, requested: str = "auto") -> CohortExecution:
-    """The execution for these routed layers on `device`: `auto` takes triton on CUDA where every layer allows
-    it (`triton_blocker`), torch elsewhere."""
+    """The execution for these routed layers on `device`: `auto` takes triton decode on CUDA where every layer
+    allows it (`triton_blocker`), torch elsewhere; prefill reads through SGLang's attention backend on CUDA."""
+    prefill_read = "backend" if device.type == "cuda" else "rows"
     if select_backend(requested, device) != "triton":
-        return TORCH_EXECUTION
+        return CohortExecution("torch", prefill_read=prefill_read)
     for layer in layers:
         why = triton_blocker(layer)
         if why is not None:
-            return CohortExecution("torch", reason=why)
+            return CohortExecution("torch", reason=why, prefill_read=prefill_read)
     if device.type != "cuda":
-        return CohortExecution("triton")
+        return CohortExecution("triton", prefill_read=prefill_read)
     from vskipper.mixed.kernels import device_tile_table
 
-    return CohortExecution("triton", device_tile_table(device))
+    return CohortExecution("triton", device_tile_table(device), prefill_read=prefill_read)
 
 
 @dataclass
@@ -163,9 +181,11 @@ def kv_projection(qkv_proj, q_size: int, u: torch.Tensor) -> torch.Tensor:
 class SGLangLayerOps:
     """`LayerOps` over an SGLang decoder layer (Llama or Qwen3) for one pass (`vskipper.mixed.routed_layer`)."""
 
-    def __init__(self, layer, positions: torch.Tensor, forward_batch, plan: PassPlan, backend: str = "torch") -> None:
+    def __init__(self, layer, positions: torch.Tensor, forward_batch, plan: PassPlan, backend: str = "torch",
+                 prefill_read: str = "rows") -> None:
         self.layer, self.positions, self.fb, self.plan = layer, positions, forward_batch, plan
-        self.backend = backend
+        self.backend, self.prefill_read = backend, prefill_read
+        self.written: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's K/V of this pass, once written
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
@@ -190,9 +210,9 @@ class SGLangLayerOps:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         a = self.attn
-        get_token_to_kv_pool().set_kv_buffer(a.attn, KVWriteLoc(self.fb.out_cache_loc),
-                                             k.view(-1, a.num_kv_heads, a.head_dim),
-                                             v.view(-1, a.num_kv_heads, a.head_dim))
+        k, v = k.view(-1, a.num_kv_heads, a.head_dim), v.view(-1, a.num_kv_heads, a.head_dim)
+        get_token_to_kv_pool().set_kv_buffer(a.attn, KVWriteLoc(self.fb.out_cache_loc), k, v)
+        self.written = (k, v)  # a backend read hands them to SGLang's extend kernel, which takes them as operands
 
     def read(self, q: torch.Tensor, rows: torch.Tensor | None, reads: torch.Tensor | None = None) -> torch.Tensor:
         a = self.attn
@@ -207,11 +227,26 @@ class SGLangLayerOps:
                                           get_req_to_token_pool().req_to_token, req, self._positions(rows),
                                           reads, a.attn.scaling)
             return out.reshape(q.shape[0], -1)
+        if self.prefill_read == "backend" and not self.fb.forward_mode.is_decode():
+            return self._backend_read(q, rows)
         read = paged_attention if self.fb.forward_mode.is_decode() else prefill_attention
         kwargs = {"length": self.plan.context} if read is paged_attention else {}
         out = read(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
                    req, self._positions(rows), a.attn.scaling, reads, **kwargs)
         return out.reshape(q.shape[0], -1)
+
+    def _backend_read(self, q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The prefill read through SGLang's attention backend (`PREFILL_READS['backend']`): the RUN rows' queries
+        in their batch slots, zeros elsewhere (a zero query's softmax is uniform, never 0/0), over the K/V this
+        pass wrote; the RUN rows' outputs."""
+        if self.written is None:
+            raise RuntimeError("the backend read runs after the pass's K/V is written (write_kv)")
+        k, v = self.written
+        if rows is not None:
+            full = q.new_zeros(k.shape[0], q.shape[1])
+            q = full.index_copy_(0, rows, q)
+        out = self.attn.attn(q, k, v, self.fb, save_kv_cache=False)
+        return out if rows is None else out.index_select(0, rows)
 
     def o_proj(self, a: torch.Tensor) -> torch.Tensor:
         return self.attn.o_proj(a)[0]
@@ -326,7 +361,8 @@ class RoutedLayerMixin:
         if step.phase == "decode" and execution.decode == "triton":
             ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton")
             return routed_layer(ops, x, u, run, weights, "triton", step.builder.build(run), execution.tiles)
-        return routed_layer(SGLangLayerOps(self, positions, forward_batch, self._slot.plan), x, u, run, weights)
+        ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, prefill_read=execution.prefill_read)
+        return routed_layer(ops, x, u, run, weights)
 
 
 def split_router_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
