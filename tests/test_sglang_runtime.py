@@ -84,6 +84,30 @@ def test_hybrid_decode_routes_from_the_enter_crossing_and_promotes_running_reque
     assert att["rows_per_layer_total"] == {"2": {"run": 2, "project_only": 0}, "3": {"run": 0, "project_only": 2}}
 
 
+def test_a_routed_pass_is_counted_once_its_tape_counts_reach_the_host_and_the_state_file_waits_for_them(tmp_path):
+    """The forward's pass never waits for its own counts: they are counted at a later pass once copied, and a
+    state document counts every pass still in flight first (`Runtime.settle`)."""
+    from types import SimpleNamespace
+
+    from test_mixed_deferred import ManualReads
+
+    arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}})
+    rt = runtime(arm, tmp_path)
+    rt._route_reads = reads = ManualReads()
+    rt._writer = SimpleNamespace(changed=lambda: None)  # the state writer thread, never due here
+    run_pass(rt, decode(["a", "b"], [60, 45]))
+    att = rt.attestation()
+    assert att["passes_total"]["decode"]["routed"] == 1
+    assert att["rows_total"]["decode"] == {"run": 0, "project_only": 0} and len(reads) == 1
+    reads.events[0].done = True
+    run_pass(rt, decode(["a", "b"], [61, 46]))  # counts the first pass; its own counts are on their way
+    assert rt.attestation()["rows_total"]["decode"] == {"run": 2, "project_only": 2} and len(reads) == 1
+    document = json.loads(rt.state_document())
+    assert document["rows_total"]["decode"] == {"run": 4, "project_only": 4} and len(reads) == 0
+    assert document["rows_per_layer_total"] == {"2": {"run": 4, "project_only": 0},
+                                                "3": {"run": 0, "project_only": 4}}
+
+
 def test_a_request_that_starts_decoding_after_routing_turned_off_decodes_dense_beside_routed_ones(tmp_path):
     arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 1.0}})
     rt = runtime(arm, tmp_path, enter=100, exit_=50)

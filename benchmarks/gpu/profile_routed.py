@@ -1,12 +1,16 @@
-"""Where a served arm's time goes: SGLang's own torch profiler over one prefill and its first decode steps.
+"""Where a served arm's time goes: SGLang's own torch profiler over a burst's prefill steps and decode steps.
 
-    python benchmarks/gpu/profile_routed.py OUTDIR [--arm dense|random-r1-d0.5-always] [--prompt 2048] [--dry-run]
+    python benchmarks/gpu/profile_routed.py OUTDIR [--arm NAME ...] [--prompt 2048] [--batch 1] [--steps 3]
+                                           [--new-tokens 64] [--dry-run]
 
-Starts the arm's server with the device run's model and flags (benchmarks/gpu/run.py), sends one warm-up request,
-asks `/start_profile` for the next steps, sends one prompt, and sums the trace it writes: GPU kernels and CPU ops by
-total time, and the host waits (device-to-host copies, synchronisations) that stall the scheduler. Prints the tables
-and writes OUTDIR/profile-<arm>.json; the trace itself stays on the machine.
+For each arm in turn (dense, the always-route arm, the always-route s = 0 control): starts its server with the
+device run's model and flags (benchmarks/gpu/run.py), sends a warm-up burst, asks `/start_profile` to trace
+`--steps` prefill steps and, once every request of the burst is admitted, `--steps` decode steps (SGLang's
+profile by stage), sends the burst of `--batch` prompts, and sums each trace: GPU kernels and CPU ops by total
+time per step, and the host waits (device-to-host copies, synchronisations) that stall the scheduler. Prints the
+tables and writes OUTDIR/profile-<arm>.json; the traces stay on the machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,21 +52,67 @@ def summarise(trace: dict, top: int) -> dict:
             "host_waits_us": [(k, v, counts[k]) for k, v in waits.most_common(top)]}
 
 
-def wait_for(traces: Path, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not list(traces.rglob("*.json*")):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(1)
-    return True
+def _trace_stage(path: Path) -> str:
+    return "decode" if "DECODE" in path.name else "prefill" if "EXTEND" in path.name else "all"
+
+
+def profile_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm: str) -> dict:
+    traces = args.out / f"trace-{arm}"
+    traces.mkdir(exist_ok=True)
+    prompts = [run.prompt(args.prompt, 2 + i, vocab) for i in range(args.batch)]
+    with ExitStack() as stack:
+        server = run.server_for(plan, stack, model, args.out / f"server-{arm}", arm, arms, plan.sweep_mem_fraction)
+        run.ready(plan, [server])
+        warm = [run.prompt(args.prompt, 10_000 + i, vocab) for i in range(args.batch)]
+        asyncio.run(run.burst(server, warm, 2))  # compiles and captures what the burst will run
+        activities = ["CPU"] if args.dry_run else ["CPU", "GPU"]
+        status, text = http(server.url + "/start_profile", {"output_dir": str(traces), "num_steps": args.steps,
+                                                            "activities": activities, "profile_by_stage": True},
+                            timeout=60)
+        if status != 200:
+            raise RuntimeError(f"/start_profile: HTTP {status} {text[:300]}")
+        records = asyncio.run(run.burst(server, prompts, args.new_tokens))
+        deadline = time.monotonic() + 60
+        while len(list(traces.rglob("*.json*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(3)  # a file is written in one go once found; let a gzip writer finish
+    files = sorted(traces.rglob("*.json*"))
+    if not files:
+        raise RuntimeError(f"no trace under {traces} after the profiled steps")
+    stages = {}
+    for path in files:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            stages[_trace_stage(path)] = summarise(json.load(f), args.top)
+    result = {"arm": arm, "prompt_tokens": args.prompt, "batch": args.batch, "profiled_steps": args.steps,
+              "traces": [str(f) for f in files], "ttft_s": [r.ttft_s for r in records], "stages": stages}
+    (args.out / f"profile-{arm}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def report(result: dict) -> None:
+    steps = result["profiled_steps"]
+    print(f"== {result['arm']}: batch {result['batch']} x {result['prompt_tokens']} tokens, {steps} steps per stage")
+    for stage, summary in result["stages"].items():
+        print(f"-- {stage}: GPU kernels {summary['gpu_kernel_us_total'] / 1e3 / steps:.2f} ms per step")
+        for title, rows in (("GPU kernels", summary["gpu_kernels_us"]), ("CPU ops", summary["cpu_ops_us"])):
+            print(f"   {title} (ms per step)")
+            for name, us in rows:
+                print(f"{us / 1e3 / steps:9.3f}  {name}")
+        print("   host waits (ms per step, count)")
+        for name, us, n in summary["host_waits_us"]:
+            print(f"{us / 1e3 / steps:9.3f} {n:6d}  {name}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
-    p.add_argument("--arm", default=run.ALWAYS, choices=["dense", run.ALWAYS])
-    p.add_argument("--prompt", type=int, default=2048, help="prompt tokens of the profiled request")
-    p.add_argument("--new-tokens", type=int, default=6, help="decode steps profiled after its prefill")
+    p.add_argument("--arm", action="append", choices=["dense", run.ALWAYS, run.CONTROL],
+                   help="repeat for several arms, profiled one after the other (default: the always-route arm)")
+    p.add_argument("--prompt", type=int, default=2048, help="prompt tokens of each request")
+    p.add_argument("--batch", type=int, default=1, help="requests in the profiled burst")
+    p.add_argument("--steps", type=int, default=3, help="prefill steps, then decode steps, traced")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens each request generates")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--dry-run", action="store_true", help="CPU platform, tiny model")
     args = p.parse_args(argv)
@@ -71,42 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     model = run.write_model(plan, args.out)
     arms = run.write_arms(args.out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    traces = args.out / f"trace-{args.arm}"
-    traces.mkdir(exist_ok=True)
-    with ExitStack() as stack:
-        server = run.server_for(plan, stack, model, args.out / f"server-{args.arm}", args.arm, arms,
-                                plan.sweep_mem_fraction)
-        run.ready(plan, [server])
-        asyncio.run(run.burst(server, [run.prompt(args.prompt, 1, vocab)], args.new_tokens))  # warm-up
-        steps = args.new_tokens  # one prefill, then new_tokens - 1 decode steps
-        activities = ["CPU"] if args.dry_run else ["CPU", "GPU"]
-        status, text = http(server.url + "/start_profile", {"output_dir": str(traces), "num_steps": steps,
-                                                            "activities": activities}, timeout=60)
-        if status != 200:
-            raise RuntimeError(f"/start_profile: HTTP {status} {text[:300]}")
-        record = asyncio.run(run.burst(server, [run.prompt(args.prompt, 2, vocab)], args.new_tokens))[0]
-        if not wait_for(traces, 20):  # the step count missed (an extra or a merged step): stop it by hand
-            http(server.url + "/stop_profile", {}, timeout=60)
-            wait_for(traces, 150)
-        time.sleep(3)  # the file is written in one go once found; let a gzip writer finish
-    files = sorted(traces.rglob("*.json*"))
-    if not files:
-        raise RuntimeError(f"no trace under {traces} after the profiled steps")
-    opener = gzip.open if files[0].suffix == ".gz" else open
-    with opener(files[0], "rt") as f:
-        result = summarise(json.load(f), args.top)
-    result.update(arm=args.arm, prompt_tokens=args.prompt, profiled_steps=steps, trace=str(files[0]),
-                  ttft_s=record.ttft_s)
-    (args.out / f"profile-{args.arm}.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{args.arm}: {steps} steps profiled (prompt {args.prompt}), TTFT {record.ttft_s * 1e3:.1f} ms, "
-          f"GPU kernels {result['gpu_kernel_us_total'] / 1e3:.1f} ms in all")
-    for title, rows in (("GPU kernels", result["gpu_kernels_us"]), ("CPU ops", result["cpu_ops_us"])):
-        print(f"-- {title} (ms)")
-        for name, us in rows:
-            print(f"{us / 1e3:9.2f}  {name}")
-    print("-- host waits (ms, count)")
-    for name, us, n in result["host_waits_us"]:
-        print(f"{us / 1e3:9.2f} {n:6d}  {name}")
+    for arm in args.arm or [run.ALWAYS]:
+        report(profile_arm(plan, args, model, arms, vocab, arm))
     return 0
 
 

@@ -16,7 +16,8 @@ of each projection (quantization, tensor-parallel reductions, RoPE variants).
 
 Two executions of the same semantics:
 
-  torch   (CPU) the cohorts are packed with `nonzero`: their sizes are shapes, never values read on the host.
+  torch   (CPU; prefill everywhere) the cohorts are packed with one `nonzero` per layer (the RUN cohort takes
+          the rest, `nonzero_static`): their sizes are shapes, never values read on the host.
           Each sub-module sees only its cohort's rows. When no row projects, the all-RUN fast path calls the
           host's own dense attention and MLP over the whole batch. (`nonzero` would synchronize on a GPU, where
           the triton execution is the capture-safe one.) The served layer runs this execution.
@@ -100,7 +101,8 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
     if all_run:  # the fast path: no gather, no scatter; the branch weight still scales the MLP
         h = x + ops.attention(u)
         return h + w * ops.mlp(ops.post_attention_layernorm(h))
-    run_rows = torch.nonzero(run).view(-1)
+    # The RUN cohort's size follows from the Project-Only one: no second wait for the device.
+    run_rows = torch.nonzero_static(run, size=run.shape[0] - proj_rows.shape[0]).view(-1)
     y = torch.empty_like(x)
     k_proj, v_proj = ops.kv(u.index_select(0, proj_rows), proj_rows)
     if run_rows.shape[0] == 0:

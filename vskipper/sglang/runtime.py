@@ -45,6 +45,7 @@ import torch
 
 from vskipper import constants
 from vskipper.mixed.cohorts import CohortBuilder
+from vskipper.mixed.deferred import DeferredReads
 from vskipper.mixed.tape import RouteTape
 from vskipper.sglang import active, executed
 from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
@@ -100,7 +101,7 @@ class Step:
     """What one forward pass runs: phase, per-row routed flags, the skipper's per-pass state and the tape.
 
     Everything here is fixed on the host before the forward; the routed layers read nothing back. The pass's
-    routed decisions are counted once after the forward, from the tape (`Runtime.finish`)."""
+    routed decisions are read from the tape after the forward, without waiting for the device (`Runtime.finish`)."""
 
     phase: str  # "prefill" | "decode"
     routed: bool  # any row runs the routed layers through the tape
@@ -112,10 +113,20 @@ class Step:
     rows: int = 0
     probe: bool = False
     dense_count: int = 0  # rows of dense-mode requests (host)
-    run_rows: int = 0  # routed decisions of routed-mode rows that ran (summed over routed layers; set by finish)
-    proj_rows: int = 0
     health_check: bool = False  # every row belongs to /health_generate's probe: not counted as traffic
     keys: torch.Tensor | None = None  # int64 [rows]: each row's request key (RandomSkip hashes it)
+
+
+@dataclass(frozen=True)
+class PassRoutes:
+    """What counting a routed pass's decisions needs besides its tape's counts, kept while they are read."""
+
+    phase: str
+    layers: tuple[int, ...]  # the tape's routed layers, in the order of its counts
+    rows: int
+    dense_count: int
+    probe: bool
+    finished: float  # time.time() after the forward
 
 
 @dataclass
@@ -207,6 +218,7 @@ class Runtime:
         # Decode passes a captured graph replays: a tape and cohort builder that never reallocate.
         self._graph_tape: RouteTape | None = None
         self._graph_builder: CohortBuilder | None = None
+        self._route_reads = DeferredReads()  # routed passes' tape counts on their way to the host
         self._decisions_seen = Counter()
         self._promotions_seen = 0
         self.started = time.time()
@@ -464,21 +476,10 @@ class Runtime:
         return Step("decode", True, self.skipper, None, self._graph_tape, self._graph_builder, dense_rows, rows,
                     keys=keys)
 
-    def count_routes(self, step: Step) -> None:
-        """Count the pass's routed decisions over the rows of routed-mode requests: one read of the tape's
-        Project-Only counts per pass, after the forward (dense-mode rows are RUN on the tape)."""
-        projected = step.tape.projected_counts(rows=step.rows).tolist()
-        routed_rows = step.rows - step.dense_count
-        for layer, n_proj in zip(step.tape.routed_layers, projected, strict=True):
-            per = self.counters.rows_per_layer.setdefault(layer, {"run": 0, "project_only": 0})
-            per["run"] += routed_rows - n_proj
-            per["project_only"] += n_proj
-            self.counters.cohort_sizes[_bucket(step.rows - n_proj)] += 1
-        step.proj_rows = sum(projected)
-        step.run_rows = routed_rows * len(projected) - step.proj_rows
-
     def finish(self, step: Step) -> None:
-        """Count a pass after its forward: one read of the tape (routed passes), then the counters."""
+        """Count a pass after its forward. A routed pass's decisions are read from its tape without waiting for
+        the device (`DeferredReads`): they are counted at a later pass, or when the state is written, in order
+        (a probe round's share is read at once: the switch needs it now)."""
         if step.phase not in ("prefill", "decode"):
             return
         if step.health_check:
@@ -487,20 +488,15 @@ class Runtime:
             return
         mode = "routed" if step.routed else "dense"
         with self._state_lock:
-            if step.routed:
-                self.count_routes(step)
             self.counters.passes[step.phase][mode] += 1
-            self.counters.rows[step.phase]["run"] += step.run_rows
-            self.counters.rows[step.phase]["project_only"] += step.proj_rows
-        if step.probe and step.run_rows + step.proj_rows:
-            self.switch.record_prefill_share(step.proj_rows / (step.run_rows + step.proj_rows), time.time())
+            if step.routed:
+                routes = PassRoutes(step.phase, tuple(step.tape.routed_layers), step.rows, step.dense_count, step.probe,
+                                    time.time())
+                self._route_reads.push(step.tape.projected_counts(rows=step.rows), routes)
+            self._settle(block=step.probe)
         if self.prometheus is not None:
             p = self.prometheus
             p.child(p.passes, step.phase, mode).inc()
-            if step.run_rows:
-                p.child(p.rows, step.phase, "run").inc(step.run_rows)
-            if step.proj_rows:
-                p.child(p.rows, step.phase, "project_only").inc(step.proj_rows)
             decisions = self.switch.counters.decisions
             for kind, n in decisions.items():
                 if n > self._decisions_seen[kind]:
@@ -511,6 +507,37 @@ class Runtime:
                 p.promotions.inc(promoted - self._promotions_seen)
                 self._promotions_seen = promoted
         self.state_changed()
+
+    def settle(self) -> None:
+        """Count every routed pass whose decisions are still on their way from the device (waits for them)."""
+        with self._state_lock:
+            self._settle(block=True)
+
+    def _settle(self, block: bool) -> None:
+        for projected, routes in self._route_reads.ready(block):
+            self._count_routes(routes, projected)
+
+    def _count_routes(self, routes: PassRoutes, projected: list[int]) -> None:
+        """Count one routed pass's decisions over the rows of routed-mode requests (dense-mode rows are RUN on
+        the tape): per routed layer its Project-Only rows, `projected`."""
+        routed_rows = routes.rows - routes.dense_count
+        for layer, n_proj in zip(routes.layers, projected, strict=True):
+            per = self.counters.rows_per_layer.setdefault(layer, {"run": 0, "project_only": 0})
+            per["run"] += routed_rows - n_proj
+            per["project_only"] += n_proj
+            self.counters.cohort_sizes[_bucket(routes.rows - n_proj)] += 1
+        proj_rows = sum(projected)
+        run_rows = routed_rows * len(projected) - proj_rows
+        self.counters.rows[routes.phase]["run"] += run_rows
+        self.counters.rows[routes.phase]["project_only"] += proj_rows
+        if routes.probe and run_rows + proj_rows:
+            self.switch.record_prefill_share(proj_rows / (run_rows + proj_rows), routes.finished)
+        if self.prometheus is not None:
+            p = self.prometheus
+            if run_rows:
+                p.child(p.rows, routes.phase, "run").inc(run_rows)
+            if proj_rows:
+                p.child(p.rows, routes.phase, "project_only").inc(proj_rows)
 
     # -- attestation ----------------------------------------------------------------------------------------
 
@@ -564,6 +591,7 @@ class Runtime:
         if self.spec.state_file is None or not self.placement.reports:
             return None
         with self._state_lock:
+            self._settle(block=True)
             return json.dumps(self.attestation(), default=str)
 
     def write_state(self, document: str | None = None) -> None:
