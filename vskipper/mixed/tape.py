@@ -71,7 +71,8 @@ class RouteTape:
 
     def projected_counts(self, valid: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
         """Project-Only rows per routed layer over the first `rows` rows (or the rows `valid` marks), as a
-        device tensor [L_r] (for counters: read it once per pass, after the forward; reading it syncs)."""
+        device tensor [L_r] (for counters: read once per pass after the forward, through `DeferredReads`, never by
+        waiting for the device)."""
         proj = ~self.run
         if valid is not None:
             proj = proj[:, : valid.shape[0]] & valid.view(1, -1)
