@@ -86,7 +86,7 @@ def test_hybrid_decode_routes_from_the_enter_crossing_and_promotes_running_reque
 
 def test_a_routed_pass_is_counted_once_its_tape_counts_reach_the_host_and_the_state_file_waits_for_them(tmp_path):
     """The forward's pass never waits for its own counts: they are counted at a later pass once copied, and a
-    state document counts every pass still in flight first (`Runtime.settle`)."""
+    state document counts every pass still in flight first (`Runtime.state_document`)."""
     from types import SimpleNamespace
 
     from test_mixed_deferred import ManualReads

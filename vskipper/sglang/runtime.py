@@ -508,12 +508,8 @@ class Runtime:
                 self._promotions_seen = promoted
         self.state_changed()
 
-    def settle(self) -> None:
-        """Count every routed pass whose decisions are still on their way from the device (waits for them)."""
-        with self._state_lock:
-            self._settle(block=True)
-
     def _settle(self, block: bool) -> None:
+        """Count the routed passes whose decisions reached the host (with `block`: every one, waiting for them)."""
         for projected, routes in self._route_reads.ready(block):
             self._count_routes(routes, projected)
 

@@ -28,7 +28,7 @@ The model files add only how their upstream layer hands the residual across the 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -118,18 +118,22 @@ def triton_blocker(layer) -> str | None:
 def cohort_execution(layers, device: torch.device, requested: str = "auto") -> CohortExecution:
     """The execution for these routed layers on `device`: `auto` takes triton decode on CUDA where every layer
     allows it (`triton_blocker`), torch elsewhere; prefill reads through SGLang's attention backend on CUDA."""
-    prefill_read = "backend" if device.type == "cuda" else "rows"
+    return replace(_decode_execution(layers, device, requested),
+                   prefill_read="backend" if device.type == "cuda" else "rows")
+
+
+def _decode_execution(layers, device: torch.device, requested: str) -> CohortExecution:
     if select_backend(requested, device) != "triton":
-        return CohortExecution("torch", prefill_read=prefill_read)
+        return TORCH_EXECUTION
     for layer in layers:
         why = triton_blocker(layer)
         if why is not None:
-            return CohortExecution("torch", reason=why, prefill_read=prefill_read)
+            return CohortExecution("torch", reason=why)
     if device.type != "cuda":
-        return CohortExecution("triton", prefill_read=prefill_read)
+        return CohortExecution("triton")
     from vskipper.mixed.kernels import device_tile_table
 
-    return CohortExecution("triton", device_tile_table(device), prefill_read=prefill_read)
+    return CohortExecution("triton", device_tile_table(device))
 
 
 @dataclass
