@@ -156,7 +156,7 @@ class LayerWorld:
         self.slot.step, self.slot.plan = step, plan_pass(fb, rows)
         try:
             with self.context(), torch.no_grad(), watch or nullcontext():
-                return self.layer.mixed_depth(step, fb.positions, x, fb)
+                return self.layer.mixed_depth(step, fb.positions, x, fb).output()
         finally:
             self.slot.step = self.slot.plan = None
 

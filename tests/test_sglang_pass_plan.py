@@ -114,7 +114,7 @@ def _routed_pass(world: LayerWorld, x, keys, dense, buffers: PlanBuffers | None,
     world.slot.step, world.slot.plan = step, PassPlan(req_rows, planned.context)
     try:
         with world.context(), torch.no_grad():
-            y = world.layer.mixed_depth(step, fb.positions, x, fb)
+            y = world.layer.mixed_depth(step, fb.positions, x, fb).output()
         return y, tape.run[0, :rows].clone(), world.kv()
     finally:
         world.slot.step = world.slot.plan = None
@@ -179,7 +179,7 @@ def test_a_routed_decode_graph_captured_from_static_storage_replays_each_later_p
         try:
             with world.context(), torch.no_grad():
                 rt.prepare_state(capture, x, fb.positions)
-                y_replay = world.layer.mixed_depth(capture, fb.positions, x, fb)
+                y_replay = world.layer.mixed_depth(capture, fb.positions, x, fb).output()
             kv_replay = world.kv()
         finally:
             world.slot.step = world.slot.plan = None

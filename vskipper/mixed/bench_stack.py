@@ -187,7 +187,7 @@ class DecoderLayer(nn.Module):
         shared routed-layer body over this stack's own modules."""
         stats.routed_layer_passes += 1
         return routed_layer(StackLayerOps(self, batch, kv, backend), x, u, run, weights, backend, cohorts, tiles,
-                            note=stats.note)
+                            note=stats.note).output()
 
 
 class StackLayerOps:

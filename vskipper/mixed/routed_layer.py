@@ -5,6 +5,10 @@ Per layer, x = the layer input, u = LN1 x, w = the tape's branch weight (`vskipp
   RUN row           q, k, v of u;  K/V written;  h = x + o_proj(Attn(q));  y = h + w * MLP(LN2 h)
   Project-Only row  k, v of u;     K/V written;  y = x + w * Proj(LN2 x)
 
+The body hands y on as upstream decoder layers do, as a pair (`Handoff`): the residual (h for a RUN row, x for
+a Project-Only row) and the branch's weighted output, whose sum the next layer's fused add-norm forms (or the
+host, where its layers hand on y itself).
+
 A Project-Only row pays for its layer's K and V (Qwen3: k_norm, then RoPE) and the projector, nothing else:
 no Q, no attention read, no o_proj, no MLP. Every row's K/V is written before any RUN row reads (Invariant 1),
 so a RUN row attends to every token's K/V, Project-Only tokens' included.
@@ -30,13 +34,24 @@ Two executions of the same semantics:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from vskipper.mixed.backend import cohort_ffn
 from vskipper.mixed.cohorts import Cohorts
+
+
+class Handoff(NamedTuple):
+    """A routed layer's output y = residual + delta, left unsummed for the next layer's fused add-norm."""
+
+    delta: torch.Tensor  # [rows, d]: w * MLP(LN2 h) (RUN rows), w * Proj(LN2 x) (Project-Only rows)
+    residual: torch.Tensor  # [rows, d]: h (RUN rows), x (Project-Only rows)
+
+    def output(self) -> torch.Tensor:
+        """y, for a host whose layers hand on the layer output itself."""
+        return self.residual + self.delta
 
 
 class LayerOps(Protocol):
@@ -75,8 +90,9 @@ class LayerOps(Protocol):
 
 def routed_layer(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
                  backend: str = "torch", cohorts: Cohorts | None = None, tiles: Any = None,
-                 note: Callable[[str], None] | None = None) -> torch.Tensor:
-    """The layer output y [rows, d] from its input x, u = LN1 x, the tape's run mask and branch weights [rows].
+                 note: Callable[[str], None] | None = None) -> Handoff:
+    """The layer output y (as a `Handoff`) from its input x, u = LN1 x, the tape's run mask and branch weights
+    [rows].
 
     `note`, when given, hears the path the torch execution took ('all_run' or 'cohorts'); the triton execution
     has one path ('cohorts')."""
@@ -92,7 +108,7 @@ def routed_layer(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Ten
 
 
 def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
-                  note: Callable[[str], None] | None) -> torch.Tensor:
+                  note: Callable[[str], None] | None) -> Handoff:
     w = weights.view(-1, 1).to(x.dtype)
     proj_rows = torch.nonzero(~run).view(-1)
     all_run = proj_rows.shape[0] == 0
@@ -100,21 +116,23 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
         note("all_run" if all_run else "cohorts")
     if all_run:  # the fast path: no gather, no scatter; the branch weight still scales the MLP
         h = x + ops.attention(u)
-        return h + w * ops.mlp(ops.post_attention_layernorm(h))
+        return Handoff(w * ops.mlp(ops.post_attention_layernorm(h)), h)
     # The RUN cohort's size follows from the Project-Only one: no second wait for the device.
     run_rows = torch.nonzero_static(run, size=run.shape[0] - proj_rows.shape[0]).view(-1)
-    y = torch.empty_like(x)
+    delta = torch.empty_like(x)
+    xp = x.index_select(0, proj_rows)
     k_proj, v_proj = ops.kv(u.index_select(0, proj_rows), proj_rows)
     if run_rows.shape[0] == 0:
         ops.write_kv(k_proj, v_proj)  # every row projects: cohort order is batch order
+        residual = x
     else:
         q, k_run, v_run = ops.qkv(u.index_select(0, run_rows), run_rows)
         ops.write_kv(_interleave(k_run, run_rows, k_proj, proj_rows), _interleave(v_run, run_rows, v_proj, proj_rows))
         h = x.index_select(0, run_rows) + ops.o_proj(ops.read(q, run_rows))
-        y.index_copy_(0, run_rows, h + w.index_select(0, run_rows) * ops.mlp(ops.post_attention_layernorm(h)))
-    xp = x.index_select(0, proj_rows)
-    y.index_copy_(0, proj_rows, xp + w.index_select(0, proj_rows) * ops.projector(ops.post_attention_layernorm(xp)))
-    return y
+        delta.index_copy_(0, run_rows, w.index_select(0, run_rows) * ops.mlp(ops.post_attention_layernorm(h)))
+        residual = _interleave(h, run_rows, xp, proj_rows)
+    delta.index_copy_(0, proj_rows, w.index_select(0, proj_rows) * ops.projector(ops.post_attention_layernorm(xp)))
+    return Handoff(delta, residual)
 
 
 def _interleave(a: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor) -> torch.Tensor:
@@ -126,15 +144,15 @@ def _interleave(a: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, b_rows: 
 
 
 def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
-                   cohorts: Cohorts, tiles: Any) -> torch.Tensor:
+                   cohorts: Cohorts, tiles: Any) -> Handoff:
     q, k, v = ops.qkv(u, None)
     ops.write_kv(k, v)
     h = x + ops.o_proj(ops.read(q, None, reads=run))  # Project-Only rows read nothing: h = x
-    y = h.clone()
+    delta = torch.zeros_like(h)  # each row's branch adds into it (count-bounded scatter)
     v = ops.post_attention_layernorm(h)
     gate, up, down = ops.mlp_weights()
     p = ops.projector
-    cohort_ffn("triton", v, cohorts.run_idx, cohorts.n_run, weights, gate, up, down, y, op="mlp", tiles=tiles)
+    cohort_ffn("triton", v, cohorts.run_idx, cohorts.n_run, weights, gate, up, down, delta, op="mlp", tiles=tiles)
     cohort_ffn("triton", v, cohorts.proj_idx, cohorts.n_proj, weights,
-               p.gate_proj.weight, p.down_proj.weight, p.up_proj.weight, y, op="proj", tiles=tiles)
-    return y
+               p.gate_proj.weight, p.down_proj.weight, p.up_proj.weight, delta, op="proj", tiles=tiles)
+    return Handoff(delta, h)

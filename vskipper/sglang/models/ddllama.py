@@ -6,12 +6,13 @@ The dense layers, the dense forward of a routed layer, attention, the KV pool an
 only).
 
 Upstream's Llama layers hand on (delta, residual) and add them in the next layer's fused add-norm (or the final
-norm's). A routed layer takes x = delta + residual as its input and hands on (y, 0).
+norm's). A routed layer does the same: its input x and u = LN1 x come from upstream's fused add-norm, and it
+hands on the body's `Handoff` (delta, residual), whose sum the next fused add-norm forms.
 """
 
 from __future__ import annotations
 
-import torch
+from sglang.srt.models import llama
 from sglang.srt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 from vskipper.sglang.models.routed import RoutedLayerMixin, SkipperCausalLM
@@ -22,14 +23,16 @@ class RoutedLlamaDecoderLayer(RoutedLayerMixin, LlamaDecoderLayer):
         step = self.routed_step()
         if step is None:
             return super().forward(positions, hidden_states, forward_batch, residual)
-        x = hidden_states if residual is None else hidden_states + residual
-        y = self.mixed_depth(step, positions, x, forward_batch)
-        return y, torch.zeros_like(y)
+        if residual is None:  # the first layer: its input is the embeddings
+            x, u = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            u, x = self.input_layernorm(hidden_states, residual)
+        return tuple(self.mixed_depth(step, positions, x, forward_batch, u))
 
 
 class DDLlamaForCausalLM(SkipperCausalLM, LlamaForCausalLM):
-    def routed_layer(self, config, layer_id, quant_config, prefix):
-        return RoutedLlamaDecoderLayer(config, layer_id, self.slot, quant_config=quant_config, prefix=prefix)
+    upstream_layer = (llama, "LlamaDecoderLayer")
+    routed_layer_class = RoutedLlamaDecoderLayer
 
 
 EntryClass = DDLlamaForCausalLM

@@ -15,6 +15,7 @@ next layer's boundary reads LN1 y, the final norm reads norm(y).
 from __future__ import annotations
 
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+from sglang.srt.models import qwen3
 from sglang.srt.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
 
 from vskipper.sglang.models.routed import RoutedLayerMixin, SkipperCausalLM
@@ -29,15 +30,13 @@ class RoutedQwen3DecoderLayer(RoutedLayerMixin, Qwen3DecoderLayer):
             raise NotImplementedError(f"routed layer {self.layer_id}: post_residual_addition and capture_output "
                                       "(multimodal deepstack, speculative capture) are not served routed")
         x = residual_batch.fold(hidden_states, forward_batch)
-        return residual_batch.written(self.mixed_depth(step, positions, x, forward_batch), forward_batch)
+        y = self.mixed_depth(step, positions, x, forward_batch).output()
+        return residual_batch.written(y, forward_batch)
 
 
 class Qwen3SkipperForCausalLM(SkipperCausalLM, Qwen3ForCausalLM):
-    def routed_layer(self, config, layer_id, quant_config, prefix):
-        upstream = self.model.layers[layer_id]
-        return RoutedQwen3DecoderLayer(config, layer_id, self.slot, start_layer=self.model.start_layer,
-                                       quant_config=quant_config, prefix=prefix,
-                                       alt_stream=upstream.self_attn.alt_stream)
+    upstream_layer = (qwen3, "Qwen3DecoderLayer")
+    routed_layer_class = RoutedQwen3DecoderLayer
 
 
 EntryClass = Qwen3SkipperForCausalLM

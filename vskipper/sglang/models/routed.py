@@ -28,6 +28,7 @@ The model files add only how their upstream layer hands the residual across the 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -42,7 +43,7 @@ from sglang.srt.utils.common import use_intel_amx_backend
 from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
 from vskipper.mixed.plan_buffers import PlanBuffers
-from vskipper.mixed.routed_layer import routed_layer
+from vskipper.mixed.routed_layer import Handoff, routed_layer
 from vskipper.sglang import active
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
@@ -356,9 +357,12 @@ class RoutedLayerMixin:
         step = self._slot.step
         return step if step is not None and step.routed else None
 
-    def mixed_depth(self, step: Step, positions: torch.Tensor, x: torch.Tensor, forward_batch) -> torch.Tensor:
-        """The layer output y [rows, d] from its complete input x (the residual stream at the layer)."""
-        u = self.input_layernorm(x)
+    def mixed_depth(self, step: Step, positions: torch.Tensor, x: torch.Tensor, forward_batch,
+                    u: torch.Tensor | None = None) -> Handoff:
+        """The layer output y [rows, d], as the body's `Handoff`, from its complete input x (the residual stream
+        at the layer) and u = LN1 x (computed here when not given)."""
+        if u is None:
+            u = self.input_layernorm(x)
         router = self.router if step.skipper.requires_router_weights else None
         step.tape.record(self.layer_id, step.skipper.route(self.layer_id, u, step.state, router), step.dense_rows)
         run, weights = step.tape.layer(self.layer_id, step.rows)
@@ -398,6 +402,26 @@ def check_router_weights(model: torch.nn.Module, loaded: set[str]) -> None:
         raise KeyError(f"checkpoint lacks router/adapter tensor {missing[0]!r} ({len(missing)} missing)")
 
 
+@contextmanager
+def layers_built_routed(module, name: str, routed_class: type, routed_layers: tuple[int, ...], slot: StepSlot):
+    """While an upstream model is constructed: its layer factory (the function `make_layers` calls, which looks
+    up the layer class as `module.name` when it builds each layer) builds `routed_class` at the routed indices,
+    with upstream's own arguments, and upstream's class elsewhere. A routed layer is built once, in place: no
+    upstream layer is built and thrown away."""
+    upstream = getattr(module, name)
+
+    def build(**kwargs):
+        if kwargs["layer_id"] in routed_layers:
+            return routed_class(slot=slot, **kwargs)
+        return upstream(**kwargs)
+
+    setattr(module, name, build)
+    try:
+        yield
+    finally:
+        setattr(module, name, upstream)
+
+
 class RouterWeightsMixin:
     """For a skipper model class placed before its SGLang base: the router/adapter tensors are taken out of
     the checkpoint stream by their real names (upstream's loader would read `router_proj.gate_proj` as an
@@ -413,8 +437,8 @@ class RouterWeightsMixin:
 
 class SkipperCausalLM(RouterWeightsMixin):
     """For a skipper model class placed before its SGLang CausalLM base: the checkpoint's `routing_layers` are
-    replaced by the class's routed layers (`routed_layer`), and every forward pass is planned by the runtime
-    (the step its routed layers read) and counted after.
+    built as the class's `routed_layer_class` by upstream's own layer factory (`layers_built_routed`), and every
+    forward pass is planned by the runtime (the step its routed layers read) and counted after.
 
     In a server every pass is decided before SGLang's forward (`prepare_pass`, from the hook around
     `ModelRunner.forward`): the runtime's host decisions, then the per-row plan (request slots, request keys,
@@ -424,15 +448,25 @@ class SkipperCausalLM(RouterWeightsMixin):
     `graph_passes_total`) and the runtime counts the pass. A forward called directly (outside
     `ModelRunner.forward`) is decided and counted in the forward (`plan_writes_total.in_forward`)."""
 
+    upstream_layer: tuple[Any, str]  # (upstream's model module, the name its layer factory builds layers by)
+    routed_layer_class: type  # the routed layer (`RoutedLayerMixin` before upstream's layer class)
+
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
-        super().__init__(config, quant_config=quant_config, prefix=prefix)
-        self.slot = StepSlot()
+        slot = StepSlot()
+        routed_layers = tuple(int(i) for i in (getattr(config, "routing_layers", None) or ()))
+        module, name = self.upstream_layer
+        with layers_built_routed(module, name, self.routed_layer_class, routed_layers, slot):
+            super().__init__(config, quant_config=quant_config, prefix=prefix)
+        self.slot = slot
+        self.routed_layers = routed_layers
+        for i in routed_layers:
+            layer = self.model.layers[i]
+            if self.model.start_layer <= i < self.model.end_layer and not isinstance(layer, self.routed_layer_class):
+                raise RuntimeError(f"{type(self).__name__}: layer {i} was built as {type(layer).__name__}, not "
+                                   f"{self.routed_layer_class.__name__}: upstream no longer builds its layers by "
+                                   f"{module.__name__}.{name}")
         self.ledger = ReplayLedger()  # a routed decode variant is recorded once captured (`decode_graph_variants`)
         self.plan_writes = {"before_forward": 0, "in_forward": 0}
-        self.routed_layers = tuple(int(i) for i in (getattr(config, "routing_layers", None) or ()))
-        for i in self.routed_layers:
-            if self.model.start_layer <= i < self.model.end_layer:
-                self.model.layers[i] = self.routed_layer(config, i, quant_config, prefix=f"model.layers.{i}")
         device = self.model.embed_tokens.weight.device
         self.buffers = PlanBuffers(64, str(device))  # eager passes: grows to the largest pass
         self.graph_buffers: PlanBuffers | None = None  # decode passes a captured graph replays: frozen
@@ -495,9 +529,6 @@ class SkipperCausalLM(RouterWeightsMixin):
         views = self.graph_buffers.views(rows)
         step = self.runtime.capture_step(rows, views["dense_rows"], views["request_keys"])
         return PreparedPass(forward_batch, step, PassPlan(views["req_rows"], 0))
-
-    def routed_layer(self, config, layer_id: int, quant_config, prefix: str) -> torch.nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} must define routed_layer")
 
     def _decide(self, forward_batch) -> PreparedPass:
         """The runtime's host decisions for this pass and, where it routes, its plan in the static buffers."""
