@@ -193,10 +193,13 @@ def write_model(out: Path, size: Size) -> Path:
     return ckpt
 
 
-# SGLang's client (`sglang.bench_serving`). Its dataset package imports Hugging Face `datasets` at the top for
-# the MMMU loader alone; random-ids never calls it, so the client runs with a stand-in module that refuses.
+# SGLang's client (`sglang.bench_serving`), in one process for every run of the benchmark (importing it takes
+# about 5 s): each line on its stdin is one run's arguments, and it answers with the run's exit status after
+# DONE. Its dataset package imports Hugging Face `datasets` at the top for the MMMU loader alone; random-ids never
+# calls it, so the client runs with a stand-in module that refuses.
+DONE = "@@bench_serving-done@@ "
 CLIENT = """
-import sys, types
+import json, sys, traceback, types
 try:
     import datasets
 except ImportError:
@@ -206,22 +209,59 @@ except ImportError:
     datasets.load_dataset = load_dataset
     sys.modules["datasets"] = datasets
 from sglang.benchmark.serving import cli_main
-cli_main()
-"""
+for line in sys.stdin:
+    sys.argv = ["bench_serving", *json.loads(line)]
+    try:
+        cli_main()
+        status = 0
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except Exception:
+        traceback.print_exc()
+        status = 1
+    sys.stderr.flush()
+    print(%r + str(status), flush=True)
+""" % DONE
 
 
-def bench_serving(url: str, ckpt: Path, load: Load, out: Path, seed: int) -> dict:
-    """One run of SGLang's own client; its JSONL record."""
-    cmd = [sys.executable, "-c", CLIENT, "--backend", "sglang", "--base-url", url,
-           "--tokenizer", str(ckpt), "--model", str(ckpt), "--dataset-name", "random-ids",
-           "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
-           "--random-range-ratio", "1", "--num-prompts", str(load.prompts),
-           "--max-concurrency", str(load.concurrency), "--request-rate", "inf", "--seed", str(seed),
-           "--warmup-requests", "1", "--disable-tqdm", "--output-file", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if res.returncode != 0 or not out.exists():
-        raise RuntimeError(f"bench_serving failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
-    return json.loads(out.read_text().strip().splitlines()[-1])
+class BenchServing:
+    """SGLang's client, started once; `run` drives one load against one server and returns its JSONL record."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+    def run(self, url: str, ckpt: Path, load: Load, out: Path, seed: int) -> dict:
+        args = ["--backend", "sglang", "--base-url", url, "--tokenizer", str(ckpt), "--model", str(ckpt),
+                "--dataset-name", "random-ids", "--random-input-len", str(load.input_len),
+                "--random-output-len", str(load.output_len), "--random-range-ratio", "1",
+                "--num-prompts", str(load.prompts), "--max-concurrency", str(load.concurrency),
+                "--request-rate", "inf", "--seed", str(seed), "--warmup-requests", "1", "--disable-tqdm",
+                "--output-file", str(out)]
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        lines: list[str] = []
+        for line in self.proc.stdout:
+            if line.startswith(DONE):
+                status = int(line[len(DONE):])
+                break
+            lines.append(line)
+        else:
+            status = self.proc.wait()
+            lines.append(f"(the client exited with {status})\n")
+            status = status or 1
+        if status != 0 or not out.exists():
+            raise RuntimeError(f"bench_serving failed ({status}):\n{''.join(lines)[-4000:]}")
+        return json.loads(out.read_text().strip().splitlines()[-1])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[float]]]:
@@ -232,6 +272,8 @@ def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[floa
     extra = ["--enable-metrics", "--sleep-on-idle", "--max-total-tokens", str(size.max_total_tokens)]
     results: dict[str, dict[str, list[float]]] = {arm: {"prefill": [], "decode": []} for arm in ARMS}
     with ExitStack() as stack:
+        client = BenchServing()
+        stack.callback(client.close)
         servers = {}
         for arm, spec in ARMS.items():
             kwargs = {"arm": "dense"}
@@ -241,14 +283,15 @@ def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[floa
                 kwargs = {"arm_file": arm_file}
             # One after another: SGLang sizes its KV pool from the memory free when it starts (on CPU, the
             # host's), so servers loading side by side race for it and one can find none left.
-            servers[arm] = stack.enter_context(launched(ckpt, out / f"server-{arm}", dtype="bfloat16",
-                                                        extra=extra, **kwargs)).wait_ready(timeout=900)
+            # Killed, not drained, once measured: SGLang's graceful shutdown costs about 5 s a server.
+            servers[arm] = stack.enter_context(launched(ckpt, out / f"server-{arm}", dtype="bfloat16", extra=extra,
+                                                        graceful=False, **kwargs)).wait_ready(timeout=900)
         order = list(ARMS)
         for rep in range(size.repetitions):
             for arm in order if rep % 2 == 0 else order[::-1]:
                 url = servers[arm].url
                 for phase, load in (("prefill", size.prefill), ("decode", size.decode)):
-                    record = bench_serving(url, ckpt, load, out / f"{arm}-{phase}-{rep}.jsonl", seed=rep)
+                    record = client.run(url, ckpt, load, out / f"{arm}-{phase}-{rep}.jsonl", seed=rep)
                     tps = record["input_throughput"] if phase == "prefill" else record["output_throughput"]
                     results[arm][phase].append(tps)
                     print(f"  rep {rep} {arm:6} {phase:7} {tps:9.1f} tok/s", flush=True)

@@ -30,7 +30,10 @@ SHARED = {
 
 @contextmanager
 def launched(model, workdir: Path, *, extra: Sequence[str] = (), **kwargs) -> Iterator[Server]:
-    """`vskipper.sglang.launch.launched` with the test servers' flags: started, not yet ready."""
+    """`vskipper.sglang.launch.launched` with the test servers' flags: started, not yet ready. A test server is
+    killed when its block ends, not drained (SGLang's graceful shutdown takes about 5 s per server, and what a
+    test checks happened before)."""
+    kwargs.setdefault("graceful", False)
     with launch.launched(model, workdir, extra=(*extra, *TEST_SERVER_FLAGS), **kwargs) as server:
         yield server
 

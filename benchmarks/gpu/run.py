@@ -191,8 +191,9 @@ def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | N
     kw = {}
     if thresholds is not None and plan.dry_thresholds is not None:
         kw = {"enter_tokens": thresholds["enter_tokens"], "exit_tokens": thresholds["exit_tokens"]}
+    # Killed, not drained, when the stage is done with it: SGLang's graceful shutdown costs about 5 s a server.
     return stack.enter_context(launched(model, workdir, arm=arm, arm_file=arm_file, dtype=plan.dtype,
-                                        extra=extra, platform=plan.platform, **kw))
+                                        extra=extra, platform=plan.platform, graceful=False, **kw))
 
 
 class Attached:

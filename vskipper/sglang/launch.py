@@ -64,9 +64,11 @@ def serve_command(model: str | Path, port: int, state_file: Path, *, arm: str | 
 class Server:
     """A started `vskipper serve` child process on a loopback port."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, graceful: bool = True) -> None:
         self.proc, self.port, self.log = proc, port, log
         self.url = f"http://127.0.0.1:{port}"
+        # graceful: SIGTERM first (SGLang drains its requests, about 5 s); otherwise the group is killed at once
+        self.graceful = graceful
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
         """Block until `/health` answers 200; raises with the log's tail if the process exits or time runs out."""
@@ -84,25 +86,26 @@ class Server:
             time.sleep(1)
 
     def terminate(self) -> None:
-        """Send SIGTERM to the server's whole process group, without waiting."""
+        """Send SIGTERM (SIGKILL where not graceful) to the server's whole process group, without waiting."""
+        self._signal(signal.SIGTERM if self.graceful else signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
 
     def stop(self) -> None:
-        """End the server's whole process group: SIGTERM, then SIGKILL if it lingers (idempotent)."""
+        """End the server's whole process group: SIGTERM, then SIGKILL if it lingers; where not graceful,
+        SIGKILL at once (idempotent)."""
         if self.proc.poll() is not None:
             return
         self.terminate()
         try:
             self.proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._signal(signal.SIGKILL)
             self.proc.wait(timeout=STOP_TIMEOUT_S)
 
     def get_json(self, path: str) -> dict:
@@ -141,9 +144,10 @@ def stop_all(servers: Sequence[Server]) -> None:
 def launched(model: str | Path, workdir: Path, *, arm: str | None = None, arm_file: Path | None = None,
              enter_tokens: int | None = None, exit_tokens: int | None = None, dtype: str | None = "float32",
              extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
-             platform: str | None = None) -> Iterator[Server]:
+             platform: str | None = None, graceful: bool = True) -> Iterator[Server]:
     """Start `vskipper serve` on a free port (log and state file in `workdir`) without waiting for it; the
-    server is stopped when the block exits, however it exits. `env` adds variables to the server's environment."""
+    server is stopped when the block exits, however it exits (`graceful`: see `Server`). `env` adds variables
+    to the server's environment."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"server-{port}.log"
@@ -156,7 +160,7 @@ def launched(model: str | Path, workdir: Path, *, arm: str | None = None, arm_fi
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
-    server = Server(proc, port, log)
+    server = Server(proc, port, log, graceful)
     try:
         yield server
     finally:
