@@ -10,6 +10,8 @@ BENCH_CPU_OUT ?= out/bench-cpu
 BENCH_CPU_ARGS ?=
 GPU_BUNDLE ?= .gpu-bundle
 SGLANG_SPEC ?= sglang==0.5.21
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope)
 SGLANG_CONSTRAINTS := vskipper/sglang/constraints-cpu.txt
 SGLANG_REQUIREMENTS := vskipper/sglang/requirements-cpu.txt
 # Deployment-stack tools: helm 3 and prometheus-operator's schema validators (@kubernetes-models/prometheus-operator,
@@ -64,12 +66,14 @@ $(HELM):
 $(PROM_OPERATOR_SCHEMAS): $(HELM)
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS) @kubernetes-models/prometheus-operator@5.0.1
 
+# Two pytest workers (pytest-xdist), each taking whole classes and modules (`loadscope`), so a class's or module's
+# server starts once; while one worker waits on a starting server the other runs. PYTEST_WORKERS=0: one process.
 test: install tools
-	PATH="$(CURDIR)/$(TOOLS)/node_modules/.bin:$$PATH" $(PY) -m pytest -q
+	PATH="$(CURDIR)/$(TOOLS)/node_modules/.bin:$$PATH" $(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 # Tests marked `server` (a real SGLang server or another heavy real process) are left out.
 test-fast: install tools
-	PATH="$(CURDIR)/$(TOOLS)/node_modules/.bin:$$PATH" $(PY) -m pytest -q -m "not server"
+	PATH="$(CURDIR)/$(TOOLS)/node_modules/.bin:$$PATH" $(PY) -m pytest -q -m "not server" $(PYTEST_PARALLEL)
 
 # DEMO_ARGS=--offline: the tour only (no server); --requests/--rate/--repetitions size the A/B.
 demo: install

@@ -13,6 +13,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules that start real servers (`server` mark) run first, in collection order, the rest after: with
+    `make test`'s two workers the long modules start early instead of leaving one worker busy at the end."""
+    heavy = {item.module.__name__ for item in items if item.get_closest_marker("server") is not None}
+    items.sort(key=lambda item: item.module.__name__ not in heavy)  # stable: order within each group is kept
+
+
 @pytest.fixture(scope="session")
 def tiny_flexidepth(tmp_path_factory):
     from vskipper.checkpoint import make_tiny_model
