@@ -209,6 +209,7 @@ except ImportError:
     datasets.load_dataset = load_dataset
     sys.modules["datasets"] = datasets
 from sglang.benchmark.serving import cli_main
+done = sys.argv[1]
 for line in sys.stdin:
     sys.argv = ["bench_serving", *json.loads(line)]
     try:
@@ -220,15 +221,15 @@ for line in sys.stdin:
         traceback.print_exc()
         status = 1
     sys.stderr.flush()
-    print(%r + str(status), flush=True)
-""" % DONE
+    print(done + str(status), flush=True)
+"""
 
 
 class BenchServing:
     """SGLang's client, started once; `run` drives one load against one server and returns its JSONL record."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", CLIENT, DONE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1)
 
     def run(self, url: str, ckpt: Path, load: Load, out: Path, seed: int) -> dict:
