@@ -46,11 +46,17 @@ def _adapter(world: LayerWorld, x: torch.Tensor, w: torch.Tensor) -> torch.Tenso
         return x + w.view(-1, 1) * layer.router_proj(layer.post_attention_layernorm(x))
 
 
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_run_rows_equal_the_dense_layer_and_project_only_rows_take_the_adapter_with_their_kv_written(world, phase):
+# (phase, the torch execution's decode read): prefill reads per request whatever the decode read
+PHASE_READS = [("decode", "masked"), ("decode", "rows"), ("prefill", "masked")]
+
+
+@pytest.mark.parametrize(("phase", "decode_read"), PHASE_READS)
+def test_run_rows_equal_the_dense_layer_and_project_only_rows_take_the_adapter_with_their_kv_written(
+        world, phase, decode_read, monkeypatch):
     """RUN rows compute what SGLang's dense layer computes, attending to every token's K/V, Project-Only tokens'
     of this very pass included (prefill); Project-Only rows get x + w * Proj(LN2 x); every row's K/V in the pool
-    equals the dense layer's (Invariant 1)."""
+    equals the dense layer's (Invariant 1). Both decode reads (`DECODE_READS`)."""
+    monkeypatch.setattr(world.slot, "execution", served.CohortExecution("torch", decode_read=decode_read))
     if phase == "decode":
         extend, run = {0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False]
     else:  # two requests extend their prompts with new tokens, Project-Only tokens before RUN ones
@@ -110,8 +116,9 @@ def test_an_all_project_only_pass_writes_every_rows_kv_and_runs_only_the_adapter
     torch.testing.assert_close(kv_routed, kv_dense, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(world, phase, monkeypatch):
+@pytest.mark.parametrize(("phase", "decode_read"), PHASE_READS)
+def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(world, phase, decode_read,
+                                                                             monkeypatch):
     """Rows each sub-module of the served layer sees in a mixed pass: Q (the fused qkv_proj), the attention read,
     o_proj and the MLP see the RUN rows only; the adapter the Project-Only rows only; SGLang's own attention
     backend (which would read every row) is not called."""
@@ -134,7 +141,9 @@ def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(wo
             return read(q, *args, **kwargs)
         return wrapper
 
+    monkeypatch.setattr(world.slot, "execution", served.CohortExecution("torch", decode_read=decode_read))
     monkeypatch.setattr(served, "paged_attention", counted(served.paged_attention, "read"))
+    monkeypatch.setattr(served, "decode_attention", counted(served.decode_attention, "read"))
     monkeypatch.setattr(served, "prefill_attention", counted(served.prefill_attention, "read"))
     monkeypatch.setattr(world.backend, "forward_decode", counted(world.backend.forward_decode, "backend"))
     monkeypatch.setattr(world.backend, "forward_extend", counted(world.backend.forward_extend, "backend"))
@@ -155,8 +164,10 @@ def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(wo
 
 def test_a_routed_decode_pass_of_the_served_layer_reads_no_tensor_value_on_the_host(world):
     """Cohort sizes are shapes, the context bound is planned on the host before the forward, the counters are
-    read after it: the layer's forward itself reads nothing back, Python-level or inside an operator. The same
-    detectors see the reads of SGLang's torch-native decode backend (its per-request loop over seq_lens)."""
+    read after it: the layer's forward itself reads nothing back, Python-level or inside an operator (the masked
+    decode read, which the torch execution takes off CPU; on CPU it reads per row, as the next test shows). The
+    same detectors see the reads of SGLang's torch-native decode backend (its per-request loop over seq_lens)."""
+    assert world.slot.execution.decode_read == "masked"
     kv0, lengths0 = world.kv(), list(world.lengths)
     try:
         fb = world.batch({0: 1, 1: 1, 2: 1, 3: 1})

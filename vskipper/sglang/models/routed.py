@@ -40,7 +40,7 @@ from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get
 from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 from sglang.srt.utils.common import use_intel_amx_backend
 
-from vskipper.mixed.attention import paged_attention, prefill_attention
+from vskipper.mixed.attention import decode_attention, paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
 from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.mixed.routed_layer import Handoff, routed_layer
@@ -68,6 +68,16 @@ PREFILL_READS = {
 }
 
 
+# How RUN rows of a mixed decode pass read attention in the torch execution (the triton execution has its masked
+# split-KV kernel).
+DECODE_READS = {
+    "masked": "one padded read of every RUN row bounded by the planned context, masked per row: no value read on "
+              "the host",
+    "rows": "one fused SDPA per RUN row over exactly its own slots, its request and position read on the host "
+            "(CPU, where a host read waits for nothing: SGLang's torch-native backend reads them the same way)",
+}
+
+
 @dataclass(frozen=True)
 class CohortExecution:
     """How this process's routed layers run a mixed pass.
@@ -85,16 +95,20 @@ class CohortExecution:
     tiles: Any = None  # a TileTable (CUDA), None: the interpreter's tile
     reason: str = ""  # why the triton execution was not taken, where it was not
     prefill_read: str = "rows"
+    decode_read: str = "masked"  # the torch execution's decode read (`DECODE_READS`)
 
     def __post_init__(self) -> None:
         if self.prefill_read not in PREFILL_READS:
             raise ValueError(f"prefill_read must be one of {sorted(PREFILL_READS)}, got {self.prefill_read!r}")
+        if self.decode_read not in DECODE_READS:
+            raise ValueError(f"decode_read must be one of {sorted(DECODE_READS)}, got {self.decode_read!r}")
 
     def attestation(self) -> dict[str, Any]:
         tiles = getattr(self.tiles, "source", None) if self.tiles is not None else (
             "interpreter tile" if self.decode == "triton" else None)
-        return {"decode": self.decode, "prefill": "torch", "prefill_read": self.prefill_read, "tiles": tiles,
-                **({"why": self.reason} if self.reason else {})}
+        read = {"decode_read": self.decode_read} if self.decode == "torch" else {}
+        return {"decode": self.decode, **read, "prefill": "torch", "prefill_read": self.prefill_read,
+                "tiles": tiles, **({"why": self.reason} if self.reason else {})}
 
 
 TORCH_EXECUTION = CohortExecution("torch")
@@ -118,9 +132,11 @@ def triton_blocker(layer) -> str | None:
 
 def cohort_execution(layers, device: torch.device, requested: str = "auto") -> CohortExecution:
     """The execution for these routed layers on `device`: `auto` takes triton decode on CUDA where every layer
-    allows it (`triton_blocker`), torch elsewhere; prefill reads through SGLang's attention backend on CUDA."""
+    allows it (`triton_blocker`), torch elsewhere; prefill reads through SGLang's attention backend on CUDA; the
+    torch execution's decode read is per row on CPU, masked elsewhere."""
     return replace(_decode_execution(layers, device, requested),
-                   prefill_read="backend" if device.type == "cuda" else "rows")
+                   prefill_read="backend" if device.type == "cuda" else "rows",
+                   decode_read="rows" if device.type == "cpu" else "masked")
 
 
 def _decode_execution(layers, device: torch.device, requested: str) -> CohortExecution:
@@ -188,9 +204,9 @@ class SGLangLayerOps:
     """`LayerOps` over an SGLang decoder layer (Llama or Qwen3) for one pass (`vskipper.mixed.routed_layer`)."""
 
     def __init__(self, layer, positions: torch.Tensor, forward_batch, plan: PassPlan, backend: str = "torch",
-                 prefill_read: str = "rows") -> None:
+                 prefill_read: str = "rows", decode_read: str = "masked") -> None:
         self.layer, self.positions, self.fb, self.plan = layer, positions, forward_batch, plan
-        self.backend, self.prefill_read = backend, prefill_read
+        self.backend, self.prefill_read, self.decode_read = backend, prefill_read, decode_read
         self.written: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's K/V of this pass, once written
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
@@ -235,8 +251,11 @@ class SGLangLayerOps:
             return out.reshape(q.shape[0], -1)
         if self.prefill_read == "backend" and not self.fb.forward_mode.is_decode():
             return self._backend_read(q, rows)
-        read = paged_attention if self.fb.forward_mode.is_decode() else prefill_attention
-        kwargs = {"length": self.plan.context} if read is paged_attention else {}
+        if self.fb.forward_mode.is_decode():  # `DECODE_READS`
+            read, kwargs = ((decode_attention, {}) if self.decode_read == "rows"
+                            else (paged_attention, {"length": self.plan.context}))
+        else:
+            read, kwargs = prefill_attention, {}
         out = read(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
                    req, self._positions(rows), a.attn.scaling, reads, **kwargs)
         return out.reshape(q.shape[0], -1)
@@ -370,7 +389,8 @@ class RoutedLayerMixin:
         if step.phase == "decode" and execution.decode == "triton":
             ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton")
             return routed_layer(ops, x, u, run, weights, "triton", step.builder.build(run), execution.tiles)
-        ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, prefill_read=execution.prefill_read)
+        ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, prefill_read=execution.prefill_read,
+                             decode_read=execution.decode_read)
         return routed_layer(ops, x, u, run, weights)
 
 
