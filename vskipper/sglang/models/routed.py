@@ -14,10 +14,10 @@ SGLang's own modules (`SGLangLayerOps`):
 
 Rows of dense-mode requests in a routed pass RUN with unit weight (the tape's `dense_rows`), so they compute what
 the dense forward computes. The attention read is `vskipper.mixed.attention`'s over SGLang's token-level page
-table (`req_to_token`): on CPU only RUN rows read (decode: one masked read bounded by the pass's longest context,
-planned on the host before the forward; prefill: SDPA per request over every token's K/V); on CUDA decode reads
-with the masked split-KV kernel and prefill through SGLang's attention backend (`PREFILL_READS`). The routed
-decode pass reads no tensor value on the host: cohort sizes are device counts, and the counters are read from the
+table (`req_to_token`): on CPU only RUN rows read (decode: SDPA per RUN row over its own slots, `DECODE_READS`;
+prefill: SDPA per request over every token's K/V); on CUDA decode reads with the masked split-KV kernel and
+prefill through SGLang's attention backend (`PREFILL_READS`). Off CPU the routed decode pass reads no tensor
+value on the host: cohort sizes are device counts, and the counters are read from the
 tape after the forward without waiting for the device (`Runtime.finish`).
 
 The model files add only how their upstream layer hands the residual across the layer boundary.
