@@ -229,8 +229,8 @@ class BenchServing:
     """SGLang's client, started once; `run` drives one load against one server and returns its JSONL record."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", CLIENT, DONE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.proc = subprocess.Popen([sys.executable, "-c", CLIENT, DONE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
 
     def run(self, url: str, ckpt: Path, load: Load, out: Path, seed: int) -> dict:
         args = ["--backend", "sglang", "--base-url", url, "--tokenizer", str(ckpt), "--model", str(ckpt),
