@@ -1,0 +1,133 @@
+"""One served routed decoder layer outside a server, in this process, on CPU: SGLang's real decoder layer (Llama or
+Qwen3) with vSkipper's routed body, SGLang's real KV pool, request-to-token pool and torch-native attention backend.
+The served layer's tests build on it (`tests/sglang_layer_world.py`), and so does the CPU bench's decode profile
+(`benchmarks/bench_cpu.py`).
+
+SGLang's layers need its runtime context and a model-parallel group even at TP = 1: `init_sglang` publishes a
+one-process topology (gloo) once per process, as SGLang's own layer tests do. Before that, `cpu_process` prepares
+the process as the server's CPU profile prepares the server (`vskipper.sglang.spec.serve_profile`): SGLang decides
+its platform from the environment when its modules are first imported, and its CPU engine imports `sgl_kernel`
+(the stand-in). So this module imports no SGLang at import time, and a process that uses it imports SGLang only
+after `cpu_process` (or `init_sglang`) has run. It sets RANK, WORLD_SIZE and MASTER_* in the environment: a process
+that starts servers runs it in a child process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from vskipper.sglang.spec import serve_profile
+
+_READY = False
+
+
+def cpu_process() -> None:
+    """The server's CPU environment and stand-ins (first on sys.path) in this process; idempotent."""
+    profile = serve_profile("cpu", False)
+    os.environ.update(profile.environment)
+    for path in reversed(profile.path):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def init_sglang() -> None:
+    """SGLang's runtime context and a one-process gloo model-parallel group (idempotent)."""
+    global _READY
+    if _READY:
+        return
+    cpu_process()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    reset_context()
+    publish(ServerArgs(model_path="dummy", tp_size=1, pp_size=1, device="cpu"), role="test",
+            ranks=SpawnRanks(world_rank=0))
+    get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    parallel_state.initialize_model_parallel(backend="gloo")
+    _READY = True
+
+
+def routed_decoder_layer(config, layer_id: int, slot):
+    """The model family's routed decoder layer (`config.model_type`), built with upstream's arguments."""
+    prefix = f"model.layers.{layer_id}"
+    if config.model_type == "ddllama":
+        from vskipper.sglang.models.ddllama import RoutedLlamaDecoderLayer
+
+        return RoutedLlamaDecoderLayer(config, layer_id, slot, quant_config=None, prefix=prefix)
+    if config.model_type == "qwen3_skipper":
+        from vskipper.sglang.models.qwen3_skipper import RoutedQwen3DecoderLayer
+
+        return RoutedQwen3DecoderLayer(config, layer_id, slot, start_layer=0, quant_config=None, prefix=prefix,
+                                       alt_stream=None)
+    raise ValueError(f"no routed decoder layer for model_type {config.model_type!r}")
+
+
+class StandaloneLayer:
+    """One routed decoder layer (random weights) of `config` over a KV pool of `slots` slots shared by `requests`
+    request slots of up to `context` tokens each; request r's positions live at random distinct slots (slot 0,
+    SGLang's padding slot, stays free). `batch` tracks each request's length."""
+
+    def __init__(self, config, *, layer_id: int, requests: int, slots: int, context: int,
+                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+        init_sglang()
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        from vskipper.sglang.models.routed import StepSlot
+
+        if requests * context > slots - 1:
+            raise ValueError(f"slots ({slots}) must hold requests x context ({requests} x {context}) plus slot 0")
+        self.config = config
+        self.slot = StepSlot()
+        layer = routed_decoder_layer(config, layer_id, self.slot)
+        self.gen = gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1))
+        self.layer = layer.to(dtype).eval()
+        attn = layer.self_attn
+        self.pool = MHATokenToKVPool(slots, 1, dtype, attn.num_kv_heads, attn.head_dim, config.num_hidden_layers,
+                                     "cpu", False)
+        self.req_pool = ReqToTokenPool(requests, context, "cpu", False)
+        perm = torch.randperm(slots - 1, generator=gen)[: requests * context] + 1
+        self.req_pool.req_to_token[:requests, :context] = perm.view(requests, context)
+        self.backend = TorchNativeAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=self.req_pool,
+                                                              token_to_kv_pool=self.pool))
+        self.lengths = [0] * requests
+
+    def context(self):
+        """SGLang's forward context of this layer's passes (its attention backend, hence its pools)."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        return forward_context(ForwardContext(attn_backend=self.backend))
+
+    def batch(self, extend: dict[int, int]) -> SimpleNamespace:
+        """A forward batch: `extend` maps request slot -> new tokens (all 1: a decode batch)."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        decode = all(n == 1 for n in extend.values()) and all(self.lengths[r] for r in extend)
+        reqs = list(extend)
+        prefix = [self.lengths[r] for r in reqs]
+        seq = [self.lengths[r] + extend[r] for r in reqs]
+        positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq, strict=True)])
+        req_rows = torch.repeat_interleave(torch.tensor(reqs), torch.tensor([extend[r] for r in reqs]))
+        out_loc = self.req_pool.req_to_token[req_rows, positions].to(torch.int64)
+        for r in reqs:
+            self.lengths[r] += extend[r]
+        return SimpleNamespace(
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, positions=positions,
+            out_cache_loc=out_loc, req_pool_indices=torch.tensor(reqs, dtype=torch.int64),
+            seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq),
+            extend_seq_lens=torch.tensor([extend[r] for r in reqs]), extend_seq_lens_cpu=[extend[r] for r in reqs],
+            extend_prefix_lens=torch.tensor(prefix), encoder_lens=None, mha_return_lse=False)
