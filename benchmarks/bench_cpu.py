@@ -13,12 +13,17 @@
    repeated in alternating arm order (ABC, CBA, ...), so drift on a shared machine lands on every arm alike.
 3. The FLOP limit of s = 0.5 over s = 0 from the model's shapes: a Project-Only row pays its K/V and the
    projector and skips Q, the attention read, o_proj and the MLP (`flop_limit`).
-4. The decode limit from time: a dense decode step of the same model (the engine-free stack,
-   `vskipper.mixed.bench_stack`, same shapes and batch) is profiled per sub-module, and the time share of the
-   work a Project-Only row skips at the routed layers, less the projector it runs instead, bounds the decode gain.
+4. The decode limit from time (`served_decode_profile`, in a child process before the servers start): one
+   served routed layer of the checkpoint's shape (SGLang's own decoder layer, KV pool and torch-native decode
+   read) at the decode load's batch and mean context. What a Project-Only row skips (Q, the read, o_proj, the
+   MLP) is timed over every row and over the RUN rows only: the saving is the difference, less the projector
+   over the Project-Only rows, at each routed layer; the step is the model's layers, dense (embedding, logits
+   and the scheduler left out, so the limit is an upper bound). On CPU at batch 16 a decode GEMM's time is its
+   weight read, nearly flat in the rows, so the saving is mostly the attention read, not s x the skipped work.
+   The routed-layer body itself is timed too, nothing skipped and at s: what the layer realises of its limit.
 
 The last line: `prefill <x>x of limit <y>x; decode <x>x of limit <y>x; s=0 overhead <z>%` (s = 0.5 over s = 0,
-the decode limit from the profiled time share; the overhead is the larger of the two phases' dense / s=0 - 1).
+the decode limit from the profiled saving; the overhead is the larger of the two phases' dense / s=0 - 1).
 
     python benchmarks/bench_cpu.py                 # the full size (tens of minutes on two cores)
     python benchmarks/bench_cpu.py --quick         # a tiny model and load: checks the pipeline, figures mean nothing
@@ -74,7 +79,7 @@ class Size:
 
 
 FULL = Size(TinySize(layers=16, hidden=1024, intermediate=3584, heads=16, kv_heads=4, head_dim=64, vocab=512),
-            prefill=Load(1024, 1, 8, 4), decode=Load(32, 256, 16, 16), repetitions=3, max_total_tokens=16384)
+            prefill=Load(1024, 1, 8, 4), decode=Load(32, 256, 16, 16), repetitions=5, max_total_tokens=16384)
 QUICK = Size(TinySize(layers=4, hidden=64, intermediate=224, heads=4, kv_heads=1, head_dim=16, vocab=512),
              prefill=Load(32, 1, 4, 2), decode=Load(8, 8, 4, 4), repetitions=1, max_total_tokens=4096)
 
@@ -110,79 +115,115 @@ def flop_limit(config: dict, phase: Load, skip: float) -> float:
     return token_macs(config, context, 0.0, lm)["per_token"] / token_macs(config, context, skip, lm)["per_token"]
 
 
-def profile_decode(ckpt: Path, load: Load, skip: float, reps: int) -> dict:
-    """Time a dense decode step of the engine-free stack (same checkpoint, batch and mean context) per sub-module:
-    the routed layers' Q, attention read, o_proj and MLP (what a Project-Only row skips) and, separately, the
-    projector over the rows that would take it. Returns the shares of the step and the time limit."""
+def profile_decode(ckpt: Path, load: Load, skip: float, rounds: int) -> dict:
+    """`served_decode_profile` in a child process (SGLang's one-process topology sets RANK, WORLD_SIZE and
+    MASTER_* in its environment, which the servers started later must not inherit)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--profile-decode", str(ckpt),
+           json.dumps({"rows": load.concurrency, "context": load.input_len + load.output_len // 2, "skip": skip,
+                       "rounds": rounds})]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the decode profile failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def served_decode_profile(ckpt: Path, rows: int, context: int, skip: float, rounds: int) -> dict:
+    """Where a dense decode step of the served model goes, and what a Project-Only row can save in it, from one
+    served routed layer of the checkpoint's shape (`vskipper.sglang.standalone`: SGLang's own decoder layer,
+    KV pool and torch-native attention backend; random weights), decode rows at `context` tokens.
+
+    Timed, each the median of `rounds` rounds that take every measurement once in turn:
+      layer       the dense layer (upstream's forward) over all `rows` rows: the step is the model's layers
+                  times that (embedding, logits and the scheduler left out: the limit is an upper bound);
+      q, read, o, mlp   what a Project-Only row skips, over all rows and over the RUN rows only (rows - n_proj,
+                  n_proj = round(skip x rows)): Q (the Q rows of the fused qkv_proj), SGLang's decode read, o_proj,
+                  LN2 + MLP. The saving is the difference, not skip x the time: at decode on CPU a GEMM's time is
+                  the weight read, nearly flat in the row count, while the read scales with the rows;
+      projector   LN2 + the adapter over the n_proj rows;
+      routed      the served routed-layer body over all rows with nothing skipped and with n_proj Project-Only
+                  rows, with the execution the server picks on CPU (`cohort_execution`): what the layer realises.
+    """
     import torch
+    from torch.nn import functional as F
 
-    from vskipper.mixed.bench_stack import BenchStack, ForwardBatch
+    from vskipper.sglang.standalone import StandaloneLayer, init_sglang
 
-    torch.manual_seed(0)
-    model = BenchStack.from_pretrained(ckpt, capacity=load.concurrency)
-    rows, context = load.concurrency, load.input_len + load.output_len // 2
-    page = 16
-    pages = -(-(context + 1) // page)
-    kv = model.new_kv_cache(1 + rows * pages, page, rows, pages * page)
-    for r in range(rows):
-        kv.assign_pages(r, range(1 + r * pages, 1 + (r + 1) * pages))
-    kv.k.normal_()
-    kv.v.normal_()
-    batch = ForwardBatch(torch.full((rows,), context, dtype=torch.int64), torch.arange(rows),
-                         torch.ones(rows, dtype=torch.bool), "decode")
-    ids = torch.randint(0, model.config["vocab_size"], (rows,))
-    spent: dict[str, float] = {}
-    starts: dict[int, float] = {}
+    init_sglang()
+    from transformers import AutoConfig
 
-    def timed(name, module):
-        def pre(mod, args):
-            starts[id(mod)] = time.perf_counter()
+    from vskipper.mixed.routed_layer import routed_layer
+    from vskipper.sglang.configs import register_configs
+    from vskipper.sglang.models.routed import SGLangLayerOps, cohort_execution, plan_pass
 
-        def post(mod, args, out):
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - starts.pop(id(mod))
-        return module.register_forward_pre_hook(pre), module.register_forward_hook(post)
+    register_configs()
+    torch.set_grad_enabled(False)
+    config = AutoConfig.from_pretrained(str(ckpt))
+    routed_ids = list(config.routing_layers)
+    world = StandaloneLayer(config, layer_id=routed_ids[0], requests=rows, slots=rows * (context + 1) + 1,
+                            context=context + 1, dtype=torch.bfloat16)
+    layer, attn = world.layer, world.layer.self_attn
+    lid = attn.attn.layer_id
+    world.pool.get_key_buffer(lid).normal_()
+    world.pool.get_value_buffer(lid).normal_()
+    n_proj = round(skip * rows)
+    n_run = rows - n_proj
 
-    def timed_read(attn):
-        read = attn._read
+    def decode_batch(n: int):
+        world.lengths = [context] * rows
+        return world.batch({r: 1 for r in range(n)})
 
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = read(*args, **kwargs)
-            spent["read"] = spent.get("read", 0.0) + time.perf_counter() - t0
-            return out
-        return wrapper
+    batches = {rows: decode_batch(rows), n_run: decode_batch(n_run)}
+    gen = world.gen
+    x = torch.randn(rows, config.hidden_size, generator=gen).to(torch.bfloat16)
+    q = torch.randn(rows, attn.q_size, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(rows, attn.num_kv_heads, attn.head_dim, generator=gen).to(torch.bfloat16)
+    q_weight = attn.qkv_proj.weight[: attn.q_size]
+    execution = cohort_execution([layer], torch.device("cpu"))
+    run_half = torch.ones(rows, dtype=torch.bool)
+    run_half[torch.randperm(rows, generator=gen)[:n_proj]] = False
+    weights = torch.ones(rows)
 
-    handles = []
-    for layer in model.model.layers:
-        if layer.routed:
-            handles += [*timed("q", layer.self_attn.q_proj), *timed("o", layer.self_attn.o_proj),
-                        *timed("mlp", layer.mlp)]
-            layer.self_attn._read = timed_read(layer.self_attn)
-    with torch.no_grad():
-        model(ids, batch, kv)  # warm-up
-        spent.clear()
-        steps = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            model.logits(model(ids, batch, kv))
-            steps.append(time.perf_counter() - t0)
-        for h in handles:
-            h.remove()
-        routed = [layer for layer in model.model.layers if layer.routed]
-        v = torch.randn(max(1, round(rows * skip)), model.config["hidden_size"], dtype=model.dtype)
-        proj = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for layer in routed:
-                layer.router_proj(v)
-            proj.append(time.perf_counter() - t0)
-    step = statistics.median(steps)
-    skippable = sum(spent.values()) / reps
-    projector = statistics.median(proj)
-    saved = skip * skippable - projector
-    return {"rows": rows, "context": context, "step_ms": step * 1e3, "skippable_ms": skippable * 1e3,
-            "parts_ms": {k: v / reps * 1e3 for k, v in spent.items()}, "projector_ms": projector * 1e3,
-            "skippable_share": skippable / step, "limit": step / (step - saved)}
+    def routed(run: torch.Tensor):
+        fb = batches[rows]
+        ops = SGLangLayerOps(layer, fb.positions, fb, plan_pass(fb, rows), prefill_read=execution.prefill_read,
+                             decode_read=execution.decode_read)
+        return routed_layer(ops, x, layer.input_layernorm(x), run, weights)
+
+    def parts(n: int) -> dict:
+        fb = batches[n]
+        return {"q": lambda: F.linear(x[:n], q_weight),
+                "read": lambda: world.backend.forward_decode(q[:n], kv[:n], kv[:n], attn.attn, fb,
+                                                            save_kv_cache=False),
+                "o": lambda: attn.o_proj(q[:n]),
+                "mlp": lambda: layer.mlp(layer.post_attention_layernorm(x[:n]))}
+
+    timed = {"layer": lambda: layer(batches[rows].positions, x, batches[rows], None),
+             "projector": lambda: layer.router_proj(layer.post_attention_layernorm(x[:n_proj])),
+             "routed s=0": lambda: routed(torch.ones(rows, dtype=torch.bool)),
+             "routed s": lambda: routed(run_half)}
+    timed.update({f"{k} @all": f for k, f in parts(rows).items()})
+    timed.update({f"{k} @run": f for k, f in parts(n_run).items()})
+    samples: dict[str, list[float]] = {k: [] for k in timed}
+    with world.context():
+        for f in timed.values():  # warm-up
+            f()
+        for _ in range(rounds):
+            for name, f in timed.items():
+                t0 = time.perf_counter()
+                f()
+                samples[name].append(time.perf_counter() - t0)
+    ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    saving = {k: ms[f"{k} @all"] - ms[f"{k} @run"] for k in ("q", "read", "o", "mlp")}
+    layer_saving = sum(saving.values()) - ms["projector"]
+    step = config.num_hidden_layers * ms["layer"]
+    saved = len(routed_ids) * layer_saving
+    return {"rows": rows, "context": context, "project_only_rows": n_proj, "decode_read": execution.decode_read,
+            "layer_ms": ms["layer"], "step_ms": step, "parts_all_ms": {k: ms[f"{k} @all"] for k in saving},
+            "parts_run_ms": {k: ms[f"{k} @run"] for k in saving}, "saving_ms": saving,
+            "projector_ms": ms["projector"], "layer_saving_ms": layer_saving, "saved_ms": saved,
+            "skippable_share": saved / step, "limit": step / (step - saved),
+            "routed_ms": {"s=0": ms["routed s=0"], f"s={skip}": ms["routed s"]},
+            "routed_saving_ms": ms["routed s=0"] - ms["routed s"]}
 
 
 # -- the served arms -------------------------------------------------------------------------------------------
@@ -319,11 +360,18 @@ def report(results: dict, config: dict, size: Size, profile: dict) -> dict:
     for phase in ("prefill", "decode"):
         m, lo, hi = ratios[phase]
         print(f"  {phase:7} {m:5.3f}x [{lo:.3f}, {hi:.3f}]   FLOP limit {limits[phase]:.3f}x")
-    print(f"  decode step of the dense model, {profile['rows']} rows at context {profile['context']}: "
-          f"{profile['step_ms']:.2f} ms, skippable at the routed layers {profile['skippable_ms']:.2f} ms "
-          f"({profile['skippable_share']:.1%}: " + ", ".join(f"{k} {v:.2f}" for k, v in profile["parts_ms"].items())
-          + f" ms), projector over the skipped rows {profile['projector_ms']:.2f} ms -> time limit "
-          f"{profile['limit']:.3f}x")
+    pr = profile
+    print(f"  decode, the served layer alone ({pr['rows']} rows at context {pr['context']}, {pr['project_only_rows']} "
+          f"Project-Only, decode read {pr['decode_read']!r}): dense layer {pr['layer_ms']:.2f} ms, step (the "
+          f"layers) {pr['step_ms']:.1f} ms")
+    print("    what a Project-Only row skips, ms over all rows -> over the RUN rows: " + ", ".join(
+        f"{k} {pr['parts_all_ms'][k]:.2f} -> {pr['parts_run_ms'][k]:.2f}" for k in pr["saving_ms"])
+        + f"; projector {pr['projector_ms']:.2f}")
+    print(f"    saves {pr['layer_saving_ms']:.2f} ms a routed layer, {pr['saved_ms']:.1f} ms a step "
+          f"({pr['skippable_share']:.1%}) -> time limit {pr['limit']:.3f}x")
+    routed_ms = list(pr["routed_ms"].values())
+    print(f"    the routed layer itself: nothing skipped {routed_ms[0]:.2f} ms, s={SKIP} {routed_ms[1]:.2f} ms: saves "
+          f"{pr['routed_saving_ms']:.2f} ms of the {pr['layer_saving_ms']:.2f} ms limit")
     for phase in ("prefill", "decode"):
         m, lo, hi = overhead[phase]
         print(f"  dense over s=0 {phase:7} {m:5.3f}x [{lo:.3f}, {hi:.3f}]")
@@ -339,7 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a tiny model and load (smoke test; figures mean nothing)")
     p.add_argument("--out", default="out/bench-cpu", help="checkpoint, server logs, client records, bench.json")
     p.add_argument("--repetitions", type=int, help="alternating repetitions of the three arms (default: by size)")
+    p.add_argument("--profile-decode", nargs=2, metavar=("CKPT", "JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.profile_decode:  # the child process of `profile_decode`
+        print(json.dumps(served_decode_profile(Path(args.profile_decode[0]), **json.loads(args.profile_decode[1]))))
+        return 0
     size = QUICK if args.quick else FULL
     if args.repetitions is not None:
         if args.repetitions < 1:
@@ -353,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{config['intermediate_size']}, heads {config['num_attention_heads']}/{config['num_key_value_heads']} of "
           f"{config['head_dim']}, routed {config['routing_layers'][0]}-{config['routing_layers'][-1]}, bf16 ({ckpt})",
           flush=True)
-    profile = profile_decode(ckpt, size.decode, SKIP, reps=3 if args.quick else 10)
+    profile = profile_decode(ckpt, size.decode, SKIP, rounds=3 if args.quick else 15)
     results = run_arms(ckpt, out, size)
     summary = report(results, config, size, profile)
     (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")

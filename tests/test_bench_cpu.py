@@ -26,7 +26,9 @@ def test_the_quick_cpu_benchmark_serves_three_arms_and_ends_with_the_summary_lin
     for arm, phases in summary["results"].items():
         assert set(phases) == {"prefill", "decode"} and all(len(v) == 1 and v[0] > 0 for v in phases.values()), arm
     assert summary["line"] == lines[-1]
-    assert set(summary["decode_profile"]["parts_ms"]) == {"q", "read", "o", "mlp"}
+    profile = summary["decode_profile"]  # the served layer's, with the read the server picks on CPU
+    assert set(profile["parts_all_ms"]) == set(profile["parts_run_ms"]) == {"q", "read", "o", "mlp"}
+    assert profile["decode_read"] == "backend" and profile["project_only_rows"] == 2
     # The arms served what they name: the dense server ran no routed pass, both routed servers routed every pass.
     passes = {m.group(1): json.loads(m.group(2)) for m in
               (re.match(r"\s+(\S+)\s+passes (\{.*\})$", line) for line in lines) if m}
