@@ -47,7 +47,7 @@ def _adapter(world: LayerWorld, x: torch.Tensor, w: torch.Tensor) -> torch.Tenso
 
 
 # (phase, the torch execution's decode read): prefill reads per request whatever the decode read
-PHASE_READS = [("decode", "masked"), ("decode", "rows"), ("prefill", "masked")]
+PHASE_READS = [("decode", "masked"), ("decode", "backend"), ("prefill", "masked")]
 
 
 @pytest.mark.parametrize(("phase", "decode_read"), PHASE_READS)
@@ -120,8 +120,8 @@ def test_an_all_project_only_pass_writes_every_rows_kv_and_runs_only_the_adapter
 def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(world, phase, decode_read,
                                                                              monkeypatch):
     """Rows each sub-module of the served layer sees in a mixed pass: Q (the fused qkv_proj), the attention read,
-    o_proj and the MLP see the RUN rows only; the adapter the Project-Only rows only; SGLang's own attention
-    backend (which would read every row) is not called."""
+    o_proj and the MLP see the RUN rows only; the adapter the Project-Only rows only. SGLang's own attention
+    backend reads only where the decode read is its own (`backend`), and then the RUN rows only."""
     layer = world.layer
     seen: dict[str, int] = {}
 
@@ -143,7 +143,6 @@ def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(wo
 
     monkeypatch.setattr(world.slot, "execution", served.CohortExecution("torch", decode_read=decode_read))
     monkeypatch.setattr(served, "paged_attention", counted(served.paged_attention, "read"))
-    monkeypatch.setattr(served, "decode_attention", counted(served.decode_attention, "read"))
     monkeypatch.setattr(served, "prefill_attention", counted(served.prefill_attention, "read"))
     monkeypatch.setattr(world.backend, "forward_decode", counted(world.backend.forward_decode, "backend"))
     monkeypatch.setattr(world.backend, "forward_extend", counted(world.backend.forward_extend, "backend"))
@@ -158,14 +157,15 @@ def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(wo
             h.remove()
         world.restore(kv0, lengths0)
     n_run = sum(run)
-    assert seen == {"qkv_proj": n_run, "read": n_run, "o_proj": n_run, "gate_up_proj": n_run, "down_proj": n_run,
+    read = "backend" if (phase, decode_read) == ("decode", "backend") else "read"
+    assert seen == {"qkv_proj": n_run, read: n_run, "o_proj": n_run, "gate_up_proj": n_run, "down_proj": n_run,
                     "adapter": len(run) - n_run}
 
 
 def test_a_routed_decode_pass_of_the_served_layer_reads_no_tensor_value_on_the_host(world):
     """Cohort sizes are shapes, the context bound is planned on the host before the forward, the counters are
     read after it: the layer's forward itself reads nothing back, Python-level or inside an operator (the masked
-    decode read, which the torch execution takes off CPU; on CPU it reads per row, as the next test shows). The
+    decode read, which the torch execution takes off CPU; on CPU it reads through SGLang's backend). The
     same detectors see the reads of SGLang's torch-native decode backend (its per-request loop over seq_lens)."""
     assert world.slot.execution.decode_read == "masked"
     kv0, lengths0 = world.kv(), list(world.lengths)

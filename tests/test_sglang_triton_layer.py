@@ -84,9 +84,9 @@ def test_a_prefill_pass_runs_the_torch_execution_whatever_the_decode_execution(w
 def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_weights(world, monkeypatch):
     cpu = torch.device("cpu")
     # auto: triton only on CUDA; on CPU the torch execution's decode read is per row
-    assert served.cohort_execution([world.layer], cpu) == served.CohortExecution("torch", decode_read="rows")
+    assert served.cohort_execution([world.layer], cpu) == served.CohortExecution("torch", decode_read="backend")
     assert served.cohort_execution([world.layer], cpu).attestation() == {
-        "decode": "torch", "decode_read": "rows", "prefill": "torch", "prefill_read": "rows", "tiles": None}
+        "decode": "torch", "decode_read": "backend", "prefill": "torch", "prefill_read": "rows", "tiles": None}
     assert served.cohort_execution([world.layer], torch.device("cuda"), "torch").decode_read == "masked"
     with pytest.raises(ValueError, match="decode_read must be one of"):
         served.CohortExecution("torch", decode_read="padded")

@@ -108,26 +108,6 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out.reshape(rows, heads, head_dim).to(q.dtype)
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
-                     req_indices: torch.Tensor, positions: torch.Tensor, scale: float,
-                     reads: torch.Tensor | None = None) -> torch.Tensor:
-    """The same causal attention as `paged_attention` for decode rows (one row per request), each row with
-    torch's fused SDPA over exactly its own slots req_to_token[r, 0..p] (CPU only: requests and positions are
-    read on the host, as SGLang's torch-native backend reads them). No padding is gathered and no mask built:
-    on two CPU cores at 16 rows and 160-288 tokens of context it is 1.4-1.6x as fast as `paged_attention`'s
-    padded, masked read, at 8 rows and 1,024 tokens 2.5x. Rows outside `reads` read nothing and get zeros."""
-    rows, heads, head_dim = q.shape
-    out = q.new_zeros(q.shape)
-    gqa = k_pool.shape[1] != heads
-    live = range(rows) if reads is None else reads.nonzero().view(-1).tolist()
-    requests, ends = req_indices.tolist(), (positions + 1).tolist()
-    for i in live:
-        k, v = _own_kv(k_pool, v_pool, req_to_token[requests[i], : ends[i]], q.dtype)
-        o = F.scaled_dot_product_attention(q[i].view(1, heads, 1, head_dim), k, v, scale=scale, enable_gqa=gqa)
-        out[i] = o[0, :, 0]
-    return out
-
-
 def _own_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's K and V at `slots`, as SDPA takes them: [1, kv_heads, len(slots), head_dim]. (The batch

@@ -14,8 +14,8 @@ SGLang's own modules (`SGLangLayerOps`):
 
 Rows of dense-mode requests in a routed pass RUN with unit weight (the tape's `dense_rows`), so they compute what
 the dense forward computes. The attention read is `vskipper.mixed.attention`'s over SGLang's token-level page
-table (`req_to_token`): on CPU only RUN rows read (decode: SDPA per RUN row over its own slots, `DECODE_READS`;
-prefill: SDPA per request over every token's K/V); on CUDA decode reads with the masked split-KV kernel and
+table (`req_to_token`): on CPU only RUN rows read (decode: SGLang's torch-native decode read over the RUN rows
+alone, `DECODE_READS`; prefill: SDPA per request over every token's K/V); on CUDA decode reads with the masked split-KV kernel and
 prefill through SGLang's attention backend (`PREFILL_READS`). Off CPU the routed decode pass reads no tensor
 value on the host: cohort sizes are device counts, and the counters are read from the
 tape after the forward without waiting for the device (`Runtime.finish`).
@@ -27,6 +27,7 @@ The model files add only how their upstream layer hands the residual across the 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -34,13 +35,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+from sglang.srt.model_executor.forward_context import (
+    get_attn_backend,
+    get_req_to_token_pool,
+    get_token_to_kv_pool,
+)
 from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 from sglang.srt.utils.common import use_intel_amx_backend
 
-from vskipper.mixed.attention import decode_attention, paged_attention, prefill_attention
+from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
 from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.mixed.routed_layer import Handoff, routed_layer
@@ -73,8 +79,8 @@ PREFILL_READS = {
 DECODE_READS = {
     "masked": "one padded read of every RUN row bounded by the planned context, masked per row: no value read on "
               "the host",
-    "rows": "one fused SDPA per RUN row over exactly its own slots, its request and position read on the host "
-            "(CPU, where a host read waits for nothing: SGLang's torch-native backend reads them the same way)",
+    "backend": "SGLang's torch-native backend's own decode read over the RUN rows alone (the pass's batch narrowed "
+               "to their requests and lengths): the kernel a dense decode pass runs, per RUN row (CPU)",
 }
 
 
@@ -133,10 +139,10 @@ def triton_blocker(layer) -> str | None:
 def cohort_execution(layers, device: torch.device, requested: str = "auto") -> CohortExecution:
     """The execution for these routed layers on `device`: `auto` takes triton decode on CUDA where every layer
     allows it (`triton_blocker`), torch elsewhere; prefill reads through SGLang's attention backend on CUDA; the
-    torch execution's decode read is per row on CPU, masked elsewhere."""
+    torch execution's decode read is SGLang's torch-native one over the RUN rows on CPU, masked elsewhere."""
     return replace(_decode_execution(layers, device, requested),
                    prefill_read="backend" if device.type == "cuda" else "rows",
-                   decode_read="rows" if device.type == "cpu" else "masked")
+                   decode_read="backend" if device.type == "cpu" else "masked")
 
 
 def _decode_execution(layers, device: torch.device, requested: str) -> CohortExecution:
@@ -252,13 +258,31 @@ class SGLangLayerOps:
         if self.prefill_read == "backend" and not self.fb.forward_mode.is_decode():
             return self._backend_read(q, rows)
         if self.fb.forward_mode.is_decode():  # `DECODE_READS`
-            read, kwargs = ((decode_attention, {}) if self.decode_read == "rows"
-                            else (paged_attention, {"length": self.plan.context}))
+            if self.decode_read == "backend":
+                return self._backend_decode_read(q, rows)
+            read, kwargs = paged_attention, {"length": self.plan.context}
         else:
             read, kwargs = prefill_attention, {}
         out = read(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
                    req, self._positions(rows), a.attn.scaling, reads, **kwargs)
         return out.reshape(q.shape[0], -1)
+
+    def _backend_decode_read(self, q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The decode read of `DECODE_READS['backend']`: SGLang's attention layer and torch-native backend over the
+        pass's batch narrowed to the RUN rows (their request slots and lengths; every row's K/V is already in the
+        pool). Only a backend that plans nothing per batch can read a narrowed batch: the torch-native one."""
+        backend = get_attn_backend()
+        if not isinstance(backend, TorchNativeAttnBackend):
+            raise RuntimeError(f"decode_read 'backend' reads through SGLang's torch-native attention backend, not "
+                               f"{type(backend).__name__}")
+        fb = self.fb
+        if rows is not None:
+            fb = copy.copy(fb)
+            for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+                setattr(fb, name, getattr(self.fb, name).index_select(0, rows))
+            if getattr(self.fb, "seq_lens_cpu", None) is not None:
+                fb.seq_lens_cpu = self.fb.seq_lens_cpu.index_select(0, rows.cpu())
+        return self.attn.attn(q, None, None, fb, save_kv_cache=False)
 
     def _backend_read(self, q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """The prefill read through SGLang's attention backend (`PREFILL_READS['backend']`): the RUN rows' queries
