@@ -19,6 +19,7 @@ import torch
 from torch.nn import functional as F
 
 NULL_SLOT = 0
+PREFILL_READ_BLOCK = 128  # positions per block of a request's reading rows (`prefill_attention`)
 
 
 class PagedKVCache:
@@ -119,13 +120,17 @@ def _own_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
 
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
                       req_indices: torch.Tensor, positions: torch.Tensor, scale: float,
-                      reads: torch.Tensor | None = None) -> torch.Tensor:
+                      reads: torch.Tensor | None = None, block: int = PREFILL_READ_BLOCK) -> torch.Tensor:
     """The same causal attention as `paged_attention`, per request with torch's fused SDPA (prefill only).
 
     Rows are grouped by request on the host (prefill runs outside graph capture); each request's own slots
     req_to_token[r, 0..max position] are gathered once, so memory grows with rows x context per request, not
     with the square of the batch. Only slots the request owns are read; rows outside `reads` read nothing and
     get zeros.
+
+    A request's reading rows are read in blocks of `block` positions, each over the keys up to its last row's
+    position only: a causal SDPA skips the key blocks above the diagonal, an SDPA with an explicit mask computes
+    them all, so one call over every key would cost a subset of rows about what a causal read of all rows costs.
     """
     rows, heads, head_dim = q.shape
     out = q.new_zeros(q.shape)
@@ -135,11 +140,17 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     live = torch.ones_like(req_indices, dtype=torch.bool) if reads is None else reads
     for r in torch.unique(req_indices[live]).tolist():
         sel = ((req_indices == r) & live).nonzero().view(-1)
-        pos = positions.index_select(0, sel)
-        length = int(pos.max()) + 1
-        k, v = _own_kv(k_pool, v_pool, req_to_token[r, :length], q.dtype)
-        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [n, length]
-        o = F.scaled_dot_product_attention(q.index_select(0, sel).transpose(0, 1).unsqueeze(0), k, v,
-                                           attn_mask=mask, scale=scale, enable_gqa=kv_heads != heads)
-        out.index_copy_(0, sel, o[0].transpose(0, 1))
+        pos, order = positions.index_select(0, sel).sort()
+        sel = sel.index_select(0, order)
+        k, v = _own_kv(k_pool, v_pool, req_to_token[r, : int(pos[-1]) + 1], q.dtype)
+        qr = q.index_select(0, sel).transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
+        start = 0
+        for n in torch.unique_consecutive(torch.div(pos, block, rounding_mode="floor"), return_counts=True)[1].tolist():
+            p = pos[start:start + n]
+            length = int(p[-1]) + 1
+            mask = torch.arange(length, device=q.device)[None, :] <= p[:, None]  # [n, length]
+            o = F.scaled_dot_product_attention(qr[:, :, start:start + n], k[:, :, :length], v[:, :, :length],
+                                               attn_mask=mask, scale=scale, enable_gqa=kv_heads != heads)
+            out.index_copy_(0, sel[start:start + n], o[0].transpose(0, 1))
+            start += n
     return out
