@@ -79,7 +79,7 @@ class Size:
 
 
 FULL = Size(TinySize(layers=16, hidden=1024, intermediate=3584, heads=16, kv_heads=4, head_dim=64, vocab=512),
-            prefill=Load(1024, 1, 8, 4), decode=Load(32, 256, 16, 16), repetitions=5, max_total_tokens=16384)
+            prefill=Load(1024, 1, 8, 4), decode=Load(32, 256, 16, 16), repetitions=7, max_total_tokens=16384)
 QUICK = Size(TinySize(layers=4, hidden=64, intermediate=224, heads=4, kv_heads=1, head_dim=16, vocab=512),
              prefill=Load(32, 1, 4, 2), decode=Load(8, 8, 4, 4), repetitions=1, max_total_tokens=4096)
 
