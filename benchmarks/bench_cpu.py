@@ -7,7 +7,8 @@
      dense   the upstream-equivalent arm
      s=0     always-route RandomSkip r = 0: every row RUN (the routed path's own cost)
      s=0.5   always-route RandomSkip r = 1, d = 0.5 (half the routed layers' rows Project-Only)
-   and drives each with the same client load, SGLang's own `sglang.bench_serving` (random-ids, ignore-eos):
+   and drives each with the same client load, SGLang's own `sglang.bench_serving` (random-ids sent as token ids,
+   ignore-eos, the prefix cache flushed after the warm-up; SGLang's token counters confirm each run's lengths):
      prefill 1024-token prompts, 1 output token, 4 concurrent     -> input tok/s
      decode  32-token prompts, 256 output tokens, 16 concurrent   -> output tok/s
    repeated in alternating arm order (ABC, CBA, ...), so drift on a shared machine lands on every arm alike.
@@ -59,6 +60,9 @@ ARMS = {
 }
 
 
+WARMUP_OUTPUT_CAP = 32  # bench_serving's warm-up request generates at most this many tokens
+
+
 @dataclass(frozen=True)
 class Load:
     """One bench_serving run: prompt and output lengths, prompts, concurrency."""
@@ -67,6 +71,12 @@ class Load:
     output_len: int
     prompts: int
     concurrency: int
+
+    def served_tokens(self) -> dict[str, int]:
+        """The prompt and generated tokens the server takes for one run: the prompts as token ids (the lengths
+        exact) and bench_serving's one warm-up request (the first prompt, its output capped)."""
+        return {"prompt": (self.prompts + 1) * self.input_len,
+                "generation": self.prompts * self.output_len + min(self.output_len, WARMUP_OUTPUT_CAP)}
 
 
 @dataclass(frozen=True)
@@ -267,7 +277,12 @@ for line in sys.stdin:
 
 
 class BenchServing:
-    """SGLang's client, started once; `run` drives one load against one server and returns its JSONL record."""
+    """SGLang's client, started once; `run` drives one load against one server and returns its JSONL record.
+
+    The prompts go as token ids (`--tokenize-prompt`): as text, random ids decode to a string the server's
+    tokenizer splits otherwise (the 1024-id prompts came to 1.5-1.6k tokens, the 32-id ones to about 50). The
+    prefix cache is flushed after the warm-up (`--flush-cache`), which sends the first prompt, so the measured run
+    prefills every prompt whole."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", CLIENT, DONE], stdin=subprocess.PIPE,
@@ -279,7 +294,7 @@ class BenchServing:
                 "--random-output-len", str(load.output_len), "--random-range-ratio", "1",
                 "--num-prompts", str(load.prompts), "--max-concurrency", str(load.concurrency),
                 "--request-rate", "inf", "--seed", str(seed), "--warmup-requests", "1", "--disable-tqdm",
-                "--output-file", str(out)]
+                "--tokenize-prompt", "--flush-cache", "--output-file", str(out)]
         self.proc.stdin.write(json.dumps(args) + "\n")
         self.proc.stdin.flush()
         lines: list[str] = []
@@ -304,6 +319,37 @@ class BenchServing:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+SERVED_COUNTERS = {"prompt": "sglang:prompt_tokens_total", "generation": "sglang:generation_tokens_total"}
+
+
+def served_counts(server) -> dict[str, int]:
+    """SGLang's own request-token counters (`--enable-metrics`), summed over their labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = dict.fromkeys(SERVED_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(server.metrics()):
+        for sample in family.samples:
+            for key, name in SERVED_COUNTERS.items():
+                if sample.name == name:
+                    counts[key] += sample.value
+    return {k: round(v) for k, v in counts.items()}
+
+
+def check_served(server, arm: str, phase: str, load: Load, before: dict[str, int], wait_s: float = 10.0) -> None:
+    """The server took the tokens the load states, or the run measured some other load. SGLang counts a request
+    just after it answers it, so the counters may trail the client's last answer by a moment."""
+    want, deadline = load.served_tokens(), time.monotonic() + wait_s
+    while True:
+        after = served_counts(server)
+        took = {k: after[k] - before[k] for k in SERVED_COUNTERS}
+        if took == want:
+            return
+        if any(took[k] > want[k] for k in want) or time.monotonic() > deadline:
+            raise RuntimeError(f"arm {arm} {phase}: the server took {took} tokens (SGLang's counters), the load "
+                               f"{load} sends {want}")
+        time.sleep(0.05)
 
 
 def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[float]]]:
@@ -333,7 +379,9 @@ def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[floa
             for arm in order if rep % 2 == 0 else order[::-1]:
                 url = servers[arm].url
                 for phase, load in (("prefill", size.prefill), ("decode", size.decode)):
+                    before = served_counts(servers[arm])
                     record = client.run(url, ckpt, load, out / f"{arm}-{phase}-{rep}.jsonl", seed=rep)
+                    check_served(servers[arm], arm, phase, load, before)
                     tps = record["input_throughput"] if phase == "prefill" else record["output_throughput"]
                     results[arm][phase].append(tps)
                     print(f"  rep {rep} {arm:6} {phase:7} {tps:9.1f} tok/s", flush=True)

@@ -36,3 +36,46 @@ def test_the_quick_cpu_benchmark_serves_three_arms_and_ends_with_the_summary_lin
     for arm in ("s=0", "s=0.5"):
         assert passes[arm]["decode"]["dense"] == 0 and passes[arm]["decode"]["routed"] > 0, arm
         assert passes[arm]["prefill"]["dense"] == 0 and passes[arm]["prefill"]["routed"] > 0, arm
+
+
+def _bench_cpu():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cpu", ROOT / "benchmarks" / "bench_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_cpu"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Counters:
+    """SGLang's request-token counters as its /metrics exposes them (two label sets, summed by the bench)."""
+
+    def __init__(self, prompt: int, generation: int) -> None:
+        self.prompt, self.generation = prompt, generation
+
+    def metrics(self) -> str:
+        lines = []
+        for name, value in (("prompt_tokens", self.prompt), ("generation_tokens", self.generation)):
+            lines += [f"# HELP sglang:{name}_total tokens", f"# TYPE sglang:{name}_total counter",
+                      f'sglang:{name}_total{{model_name="m",stream="a"}} {value - 1}.0',
+                      f'sglang:{name}_total{{model_name="m",stream="b"}} 1.0']
+        return "\n".join(lines) + "\n"
+
+
+def test_a_run_is_refused_unless_the_server_took_the_tokens_its_load_states():
+    bench = _bench_cpu()
+    load = bench.Load(input_len=1024, output_len=256, prompts=8, concurrency=4)
+    # The prompts as ids plus the warm-up request (the first prompt, at most 32 generated tokens).
+    assert load.served_tokens() == {"prompt": 9 * 1024, "generation": 8 * 256 + 32}
+    server = _Counters(100, 7)
+    before = bench.served_counts(server)
+    assert before == {"prompt": 100, "generation": 7}
+    server.prompt, server.generation = 100 + 9 * 1024, 7 + 8 * 256 + 32
+    bench.check_served(server, "s=0", "decode", load, before)
+    server.prompt = 100 + 9 * 1580  # prompts sent as text came out longer
+    with pytest.raises(RuntimeError, match=r"arm s=0 decode: the server took \{'prompt': 14220"):
+        bench.check_served(server, "s=0", "decode", load, before, wait_s=0.1)
+    server.prompt = 100 + 9 * 1024 - 5  # short, and never catches up
+    with pytest.raises(RuntimeError, match="the server took"):
+        bench.check_served(server, "s=0", "decode", load, before, wait_s=0.1)
