@@ -27,9 +27,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 help:
 	@echo "make install  create $(VENV) with the CPU torch, the project (runtime, loadgen, operator, dev extras) and SGLang 0.5.21 for CPU"
 	@echo "make demo     the main job on an embedded default: a tiny FlexiDepth checkpoint (routes, thresholds, switch),"
-	@echo "              then SGLang on CPU, dense and hybrid: OpenAI API, a loadgen A/B, attestation, /metrics (~3 min)"
+	@echo "              then SGLang on CPU, dense and hybrid: OpenAI API, a loadgen A/B, attestation, /metrics; then what"
+	@echo "              routing saves on an 8-layer d=1024 model on CPU, next to its limits (~4 min)"
 	@echo "make bench-cpu  dense vs always-route s=0 vs s=0.5 on a 16-layer d=1024 bf16 model served by SGLang on CPU,"
-	@echo "              with the FLOP and profiled decode limits (tens of minutes; BENCH_CPU_ARGS=--quick: a smoke run)"
+	@echo "              with the FLOP and profiled decode limits (tens of minutes; BENCH_CPU_ARGS=--quick: a smoke run,"
+	@echo "              --size demo: 8 layers, the routed arms, what make demo runs)"
 	@echo "make loadgen-demo  a small matched-work A/B run against two local stand-in servers: report and plots"
 	@echo "make test     the test suite"
 	@echo "make test-fast  the suite without the tests that start real SGLang servers or other heavy processes"

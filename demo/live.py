@@ -9,7 +9,10 @@ No GPU and no hub. The demo
 4. runs a small matched-work A/B between the two servers with loadgen (the code path of `vskipper-loadgen demo`):
    report, table and gates, the comparability gates included (each server executed the configuration its launch
    flags declare, read from SGLang after boot; the two differ only in arm, skipper and thresholds);
-5. prints each server's attestation and its `vskipper_*` lines on `/metrics`.
+5. prints each server's attestation and its `vskipper_*` lines on `/metrics`;
+6. once those servers stop, measures what routing saves on this CPU on a model big enough for it to do real work:
+   `benchmarks/bench_cpu.py --size demo` (8 layers, d = 1024, Llama-3 width ratios, bf16) serves always-route s = 0
+   (every row RUN) and s = 0.5 side by side and prints each ratio next to its limit.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ AB_ARMS = ("dense", "hybrid")  # baseline, arm under test
 SERVER_FLAGS = ("--enable-metrics", "--sleep-on-idle")  # vskipper_* on /metrics; an idle server yields the CPU
 AB_MAX_NEW_TOKENS = 48  # the natural lane's cap per request
 AB_MAX_REQUESTS = 150  # loadgen's demo suite: request i's prompt is token ids 5+3i .. 44+3i, inside the tiny vocab
+BENCH_SIZES = ("demo", "quick", "off")  # step 6: bench_cpu's size, or none
+BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cpu.py"
+BENCH_CAVEAT = ("CPU figures (SGLang's torch-native kernels on this host's cores, a noisy shared machine): the "
+                "saving next to what this model's shapes allow on a CPU; a GPU's figures come from "
+                "benchmarks/gpu")
 CAVEAT = ("a tiny random model on a CPU: these numbers show the pipeline working end to end; they are not "
           "performance claims (routing pays off on a GPU, above the thresholds the roofline rule gives)")
 
@@ -276,7 +284,34 @@ def run_live(ckpt: Path, out: Path, sizing: Sizing) -> dict:
     return summary
 
 
-def run_demo(out: str | Path = "out/demo", offline: bool = False, sizing: Sizing | None = None) -> int:
+def run_routing_bench(out: Path, size: str) -> dict:
+    """Step 6: `benchmarks/bench_cpu.py --size <size>` in a child process (its servers are its own and always
+    stop), its report streamed and kept (routing-bench.txt); returns its summary (bench.json)."""
+    import subprocess
+
+    if not BENCH_SCRIPT.is_file():
+        raise ValueError(f"{BENCH_SCRIPT} is missing: step 6 runs from a checkout of the repository "
+                         "(`--bench off` leaves it out)")
+    work = out / "routing-bench"
+    log = out / "routing-bench.log"  # its stderr (the servers' warnings)
+    print(f"  {BENCH_CAVEAT}", flush=True)
+    with log.open("w") as err, (out / "routing-bench.txt").open("w") as report:
+        proc = subprocess.Popen([sys.executable, str(BENCH_SCRIPT), "--size", size, "--out", str(work)],
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        for line in proc.stdout:
+            report.write(line)
+            print(f"  {line.rstrip()}", flush=True)
+        status = proc.wait()
+    if status != 0:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"the routing bench failed ({status}); its log is {log}:\n{tail}")
+    return json.loads((work / "bench.json").read_text())
+
+
+def run_demo(out: str | Path = "out/demo", offline: bool = False, sizing: Sizing | None = None,
+             bench: str = "demo") -> int:
+    if bench not in BENCH_SIZES:
+        raise ValueError(f"--bench must be one of {', '.join(BENCH_SIZES)}, got {bench!r}")
     t0 = time.monotonic()
     out = Path(out)
     _section("1. offline tour: a tiny FlexiDepth checkpoint, its routes, the thresholds, the mode switch")
@@ -285,9 +320,15 @@ def run_demo(out: str | Path = "out/demo", offline: bool = False, sizing: Sizing
         return 0
     try:
         summary = run_live(ckpt, out, sizing or Sizing())
+        if bench != "off":
+            _section("6. what routing saves on CPU: always-route s = 0.5 over s = 0, next to the limits")
+            summary["routing"] = run_routing_bench(out, bench)
     except KeyboardInterrupt:
         print("\ninterrupted: servers stopped", file=sys.stderr)
         return 130
+    except RuntimeError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
     summary["wall_s"] = round(time.monotonic() - t0, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(f"demo done in {summary['wall_s']:.0f} s; summary in {out / 'summary.json'}")

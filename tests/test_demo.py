@@ -1,8 +1,10 @@
 """`python -m demo` as `make demo` runs it: the offline tour alone (seconds), its sizing refused naming the flag,
 and end to end (smallest sizing): two real SGLang servers on CPU, the OpenAI-compatible API, a matched-work A/B
-with loadgen, the attestation and /metrics; the servers stop after.
+with loadgen, the attestation and /metrics; the servers stop after; then the routing bench (step 6) at its quick
+size, which is also the test of `make bench-cpu`'s pipeline.
 
-The full run takes about two to four minutes on a 2-core CPU, most of it the two servers starting side by side.
+The full run takes about three to five minutes on a 2-core CPU, most of it servers starting (two for the A/B,
+three for the quick bench).
 """
 
 import json
@@ -13,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_bench_cpu import check_quick_bench
 
 from demo.live import DEMO_ENTER_TOKENS, DEMO_EXIT_TOKENS
 
@@ -44,14 +47,16 @@ def test_offline_tour_writes_a_servable_checkpoint_and_replays_the_switch_withou
 def test_a_sizing_out_of_range_exits_2_naming_the_flag(cli_env):
     proc = _demo(["--requests", "1"], cli_env)
     assert proc.returncode == 2 and "--requests must be between 2" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _demo(["--bench", "full"], cli_env)
+    assert proc.returncode == 2 and "--bench: invalid choice: 'full'" in proc.stderr
 
 
 @pytest.mark.server
 def test_full_demo_serves_both_arms_gates_the_ab_and_prints_attestation_and_metrics(cli_env, tmp_path):
     # a burst (eight requests within 8 ms): they decode together on any host, however fast, so routing engages
     out = tmp_path / "demo"
-    proc = _demo(["--out", str(out), "--requests", "8", "--repetitions", "1", "--rate", "1000"], cli_env,
-                 timeout=480)
+    proc = _demo(["--out", str(out), "--requests", "8", "--repetitions", "1", "--rate", "1000", "--bench", "quick"],
+                 cli_env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -108,6 +113,13 @@ def test_full_demo_serves_both_arms_gates_the_ab_and_prints_attestation_and_metr
     assert _sample(lines, "vskipper_passes_total", mode="routed", phase="decode") == routed
     assert _sample(lines, "vskipper_threshold_tokens", bound="enter") == DEMO_ENTER_TOKENS
     assert f'vskipper_passes_total{{mode="routed",phase="decode"}} {float(routed)}' in text
+
+    # step 6, once the A/B's servers stopped: the routing bench at its quick size, streamed, kept and summarised
+    assert text.index("servers stopped") < text.index("== 6.") and "CPU figures" in text
+    bench_lines = (out / "routing-bench.txt").read_text()
+    check_quick_bench(bench_lines, out / "routing-bench")
+    assert f"  {bench_lines.strip().splitlines()[-1]}" in text
+    assert summary["routing"]["line"] == bench_lines.strip().splitlines()[-1]
 
     # both servers were stopped when the demo ended
     assert "servers stopped" in text
