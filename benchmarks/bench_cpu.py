@@ -11,7 +11,8 @@
    ignore-eos, the prefix cache flushed after the warm-up; SGLang's token counters confirm each run's lengths):
      prefill 1024-token prompts, 1 output token, 4 concurrent     -> input tok/s
      decode  32-token prompts, 256 output tokens, 16 concurrent   -> output tok/s
-   repeated in alternating arm order (ABC, CBA, ...), so drift on a shared machine lands on every arm alike.
+   repeated in alternating arm order (ABC, CBA, ...) phase by phase, so drift on a shared machine lands on every
+   arm alike and the runs a ratio pairs are back to back.
 3. The FLOP limit of s = 0.5 over s = 0 from the model's shapes: a Project-Only row pays its K/V and the
    projector and skips Q, the attention read, o_proj and the MLP (`flop_limit`).
 4. The decode limit from time (`served_decode_profile`, in a child process before the servers start): one
@@ -28,7 +29,7 @@ the decode limit from the profiled saving; the overhead is the larger of the two
 
     python benchmarks/bench_cpu.py                 # the full size (tens of minutes on two cores)
     python benchmarks/bench_cpu.py --size demo     # 8 layers, s=0 and s=0.5 only (`make demo`'s routing section)
-    python benchmarks/bench_cpu.py --quick         # a tiny model and load: checks the pipeline, figures mean nothing
+    python benchmarks/bench_cpu.py --quick         # a tiny model, the routed arms: checks the pipeline, figures mean nothing
 
 CPU timings on a machine other processes share are noisy: the repetitions' spread is printed beside each ratio.
 """
@@ -99,10 +100,11 @@ SIZES = {
     # about three minutes on two cores.
     "demo": Size(TinySize(layers=8, **WIDE), prefill=Load(1024, 1, 4, 2), decode=Load(32, 192, 16, 16),
                  repetitions=4, max_total_tokens=8192, arms=("s=0", "s=0.5"), profile_rounds=9),
-    # A tiny model and load: checks the pipeline, its figures mean nothing.
+    # A tiny model and load, the routed arms: checks the pipeline (the demo's test runs it), its figures mean
+    # nothing.
     "quick": Size(TinySize(layers=4, hidden=64, intermediate=224, heads=4, kv_heads=1, head_dim=16, vocab=512),
                   prefill=Load(32, 1, 4, 2), decode=Load(8, 8, 4, 4), repetitions=1, max_total_tokens=4096,
-                  profile_rounds=3),
+                  arms=("s=0", "s=0.5"), profile_rounds=3),
 }
 
 
@@ -389,9 +391,10 @@ def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[floa
                                                         graceful=False, **kwargs)).wait_ready(timeout=900)
         order = list(size.arms)
         for rep in range(size.repetitions):
-            for arm in order if rep % 2 == 0 else order[::-1]:
-                url = servers[arm].url
-                for phase, load in (("prefill", size.prefill), ("decode", size.decode)):
+            # Phase by phase, so the runs a ratio pairs are back to back.
+            for phase, load in (("prefill", size.prefill), ("decode", size.decode)):
+                for arm in order if rep % 2 == 0 else order[::-1]:
+                    url = servers[arm].url
                     before = served_counts(servers[arm])
                     record = client.run(url, ckpt, load, out / f"{arm}-{phase}-{rep}.jsonl", seed=rep)
                     check_served(servers[arm], arm, phase, load, before)
@@ -462,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=SIZES, default="full",
                    help="full: 16 layers, three arms (tens of minutes); demo: 8 layers, the routed arms (about three "
-                        "minutes); quick: a tiny model (smoke test, figures mean nothing)")
+                        "minutes); quick: a tiny model, the routed arms (smoke test, figures mean nothing)")
     p.add_argument("--quick", action="store_true", help="the same as --size quick")
     p.add_argument("--out", default="out/bench-cpu", help="checkpoint, server logs, client records, bench.json")
     p.add_argument("--repetitions", type=int, help="alternating repetitions of the arms (default: by size)")

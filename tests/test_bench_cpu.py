@@ -15,7 +15,7 @@ LAST_LINE = re.compile(r"prefill \d+\.\d\dx of limit \d+\.\d\dx; decode \d+\.\d\
                        r"(s=0 overhead -?\d+\.\d%|s=0 overhead not measured \(no dense arm\))")
 
 
-def check_quick_bench(stdout: str, out: Path, arms: tuple[str, ...] = ("dense", "s=0", "s=0.5")) -> None:
+def check_quick_bench(stdout: str, out: Path, arms: tuple[str, ...] = ("s=0", "s=0.5")) -> None:
     """What a quick run of the bench printed and wrote (`out`: its --out): only the shape, never a figure."""
     lines = stdout.strip().splitlines()
     assert LAST_LINE.fullmatch(lines[-1]), lines[-1]
@@ -79,3 +79,39 @@ def test_a_run_is_refused_unless_the_server_took_the_tokens_its_load_states():
     server.prompt = 100 + 9 * 1024 - 5  # short, and never catches up
     with pytest.raises(RuntimeError, match="the server took"):
         bench.check_served(server, "s=0", "decode", load, before, wait_s=0.1)
+
+
+def _profile(limit: float) -> dict:
+    """A decode profile of `served_decode_profile`'s shape (figures made up: the report's arithmetic is checked)."""
+    parts = {"q": 0.2, "read": 3.0, "o": 0.3, "mlp": 1.5}
+    return {"rows": 16, "context": 160, "project_only_rows": 8, "decode_read": "backend", "layer_ms": 6.0,
+            "step_ms": 96.0, "parts_all_ms": parts, "parts_run_ms": {k: v / 2 for k, v in parts.items()},
+            "saving_ms": {k: v / 2 for k, v in parts.items()}, "projector_ms": 0.3, "layer_saving_ms": 2.2,
+            "saved_ms": 17.6, "skippable_share": 0.18, "limit": limit,
+            "routed_ms": {"s=0": 6.1, "s=0.5": 4.2}, "routed_saving_ms": 1.9}
+
+
+@pytest.mark.parametrize("arms", [("dense", "s=0", "s=0.5"), ("s=0", "s=0.5")], ids=["full", "routed-only"])
+def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms, capsys):
+    bench = _bench_cpu()
+    size = bench.replace(bench.SIZES["quick"], arms=arms, repetitions=3)
+    config = bench.tiny_config(bench.ARCH, size.model, "bfloat16")
+    results = {"s=0": {"prefill": [100.0, 100.0, 100.0], "decode": [10.0, 10.0, 10.0]},
+               "s=0.5": {"prefill": [110.0, 120.0, 130.0], "decode": [13.0, 10.5, 11.0]},
+               "dense": {"prefill": [99.0, 101.0, 102.0], "decode": [10.0, 10.0, 10.4]}}
+    summary = bench.report({arm: results[arm] for arm in arms}, config, size, _profile(limit=1.2))
+    out = capsys.readouterr().out
+    prefill_limit = summary["flop_limits"]["prefill"]
+    assert summary["ratios"]["prefill"] == pytest.approx((1.2, 1.1, 1.3))  # median, min, max of the pairs
+    assert summary["ratios"]["decode"] == pytest.approx((1.1, 1.05, 1.3))
+    assert f"{(1.2 - 1) / (prefill_limit - 1):.0%} of the FLOP limit's gain" in out
+    assert "50% of the time limit's gain" in out  # (1.1 - 1) / (1.2 - 1)
+    assert "ABOVE" not in out
+    assert LAST_LINE.fullmatch(summary["line"])
+    if "dense" in arms:
+        assert summary["overhead"]["decode"] == pytest.approx((1.0, 1.0, 1.04))
+        assert summary["line"].endswith("s=0 overhead 1.0%")  # the larger phase median: prefill 1.01 (decode 1.0)
+    else:
+        assert summary["overhead"] is None and summary["line"].endswith("s=0 overhead not measured (no dense arm)")
+    bench.report({arm: results[arm] for arm in arms}, config, size, _profile(limit=1.05))
+    assert "ABOVE its limit (1.050x): a question, not a win" in capsys.readouterr().out

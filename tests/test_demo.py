@@ -4,7 +4,7 @@ with loadgen, the attestation and /metrics; the servers stop after; then the rou
 size, which is also the test of `make bench-cpu`'s pipeline.
 
 The full run takes about three to five minutes on a 2-core CPU, most of it servers starting (two for the A/B,
-three for the quick bench).
+two for the quick bench).
 """
 
 import json
