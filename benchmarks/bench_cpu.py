@@ -12,7 +12,8 @@
      prefill 1024-token prompts, 1 output token, 4 concurrent     -> input tok/s
      decode  32-token prompts, 256 output tokens, 16 concurrent   -> output tok/s
    repeated in alternating arm order (ABC, CBA, ...) phase by phase, so drift on a shared machine lands on every
-   arm alike and the runs a ratio pairs are back to back.
+   arm alike and the runs a ratio pairs are back to back. Then the prefill load's prompts one at a time, the same
+   ids to every arm in alternating order (`prefill_latency`): the prefill's latency without concurrency.
 3. The FLOP limit of s = 0.5 over s = 0 from the model's shapes: a Project-Only row pays its K/V and the
    projector and skips Q, the attention read, o_proj and the MLP (`flop_limit`).
 4. The decode limit from time (`served_decode_profile`, in a child process before the servers start): one
@@ -90,6 +91,7 @@ class Size:
     max_total_tokens: int
     arms: tuple[str, ...] = tuple(ARMS)
     profile_rounds: int = 15
+    latency_prompts: int = 12  # prefill prompts sent one at a time to each arm, alternating (`prefill_latency`)
 
 
 WIDE = dict(hidden=1024, intermediate=3584, heads=16, kv_heads=4, head_dim=64, vocab=512)  # Llama-3 width ratios
@@ -99,12 +101,12 @@ SIZES = {
     # `make demo`'s routing section: half the layers, the routed arms alone (the demo's A/B has the dense one),
     # about three minutes on two cores.
     "demo": Size(TinySize(layers=8, **WIDE), prefill=Load(1024, 1, 4, 2), decode=Load(32, 192, 16, 16),
-                 repetitions=4, max_total_tokens=8192, arms=("s=0", "s=0.5"), profile_rounds=9),
+                 repetitions=4, max_total_tokens=8192, arms=("s=0", "s=0.5"), profile_rounds=9, latency_prompts=6),
     # A tiny model and load, the routed arms: checks the pipeline (the demo's test runs it), its figures mean
     # nothing.
     "quick": Size(TinySize(layers=4, hidden=64, intermediate=224, heads=4, kv_heads=1, head_dim=16, vocab=512),
                   prefill=Load(32, 1, 4, 2), decode=Load(8, 8, 4, 4), repetitions=1, max_total_tokens=4096,
-                  arms=("s=0", "s=0.5"), profile_rounds=3),
+                  arms=("s=0", "s=0.5"), profile_rounds=3, latency_prompts=2),
 }
 
 
@@ -366,7 +368,26 @@ def check_served(server, arm: str, phase: str, load: Load, before: dict[str, int
         time.sleep(0.05)
 
 
-def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[float]]]:
+def prefill_latency(servers: dict, size: Size) -> dict[str, list[float]]:
+    """Seconds per prompt of the prefill load's length sent alone (one output token), to each arm in turn (ABC,
+    CBA, ...; the same random token ids to every arm): the prefill's latency without the client's concurrency,
+    paired prompt by prompt. On a shared host it is far less noisy than a `bench_serving` run."""
+    import random
+
+    rng = random.Random(0)
+    order = list(size.arms)
+    seconds: dict[str, list[float]] = {arm: [] for arm in order}
+    for i in range(size.latency_prompts + 1):  # the first round warms each server's path up and is dropped
+        ids = [rng.randrange(5, size.model.vocab) for _ in range(size.prefill.input_len)]
+        for arm in order if i % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            servers[arm].generate_ids(ids, 1)
+            if i:
+                seconds[arm].append(time.perf_counter() - t0)
+    return seconds
+
+
+def run_arms(ckpt: Path, out: Path, size: Size) -> tuple[dict[str, dict[str, list[float]]], dict[str, list[float]]]:
     from vskipper.sglang.launch import launched
 
     # The three servers share the machine: an idle SGLang scheduler polls in a busy loop, so the two arms not being
@@ -401,10 +422,11 @@ def run_arms(ckpt: Path, out: Path, size: Size) -> dict[str, dict[str, list[floa
                     tps = record["input_throughput"] if phase == "prefill" else record["output_throughput"]
                     results[arm][phase].append(tps)
                     print(f"  rep {rep} {arm:6} {phase:7} {tps:9.1f} tok/s", flush=True)
+        latency = prefill_latency(servers, size)
         for arm, server in servers.items():
             passes = server.get_json("/vskipper/attestation")["passes_total"]
             print(f"  {arm:6} passes {json.dumps(passes)}")
-    return results
+    return results, latency
 
 
 def paired(num: list[float], den: list[float]) -> tuple[float, float, float]:
@@ -418,7 +440,7 @@ def gain_share(speedup: float, limit: float) -> str:
     return f"{(speedup - 1) / (limit - 1):.0%}" if limit > 1 else "none"
 
 
-def report(results: dict, config: dict, size: Size, profile: dict) -> dict:
+def report(results: dict, config: dict, size: Size, profile: dict, latency: dict[str, list[float]]) -> dict:
     print("\n  arm     prefill tok/s  decode tok/s   (median of the repetitions)")
     for arm, r in results.items():
         print(f"  {arm:6} {statistics.median(r['prefill']):14.1f} {statistics.median(r['decode']):13.1f}")
@@ -436,6 +458,11 @@ def report(results: dict, config: dict, size: Size, profile: dict) -> dict:
             print(f"          ABOVE its limit ({limit:.3f}x): a question, not a win. Both arms routed every pass "
                   f"with the same kernels (passes above); if [{lo:.3f}, {hi:.3f}] straddles the limit, the "
                   "host's noise is the first suspect: rerun alone with more repetitions")
+    lat = paired(latency["s=0"], latency["s=0.5"])  # the speed-up: s=0's time over s=0.5's, prompt by prompt
+    print(f"  prefill one prompt at a time ({size.latency_prompts} prompts of {size.prefill.input_len} tokens, "
+          f"alternating): s=0 {statistics.median(latency['s=0']) * 1e3:.0f} ms, s=0.5 "
+          f"{statistics.median(latency['s=0.5']) * 1e3:.0f} ms: {lat[0]:5.3f}x [{lat[1]:.3f}, {lat[2]:.3f}]   "
+          f"{gain_share(lat[0], limits['prefill'])} of the FLOP limit's gain")
     pr = profile
     print(f"  decode, the served layer alone ({pr['rows']} rows at context {pr['context']}, {pr['project_only_rows']} "
           f"Project-Only, decode read {pr['decode_read']!r}): dense layer {pr['layer_ms']:.2f} ms, step (the "
@@ -457,7 +484,8 @@ def report(results: dict, config: dict, size: Size, profile: dict) -> dict:
         tail = f"s=0 overhead {(max(overhead[p][0] for p in overhead) - 1) * 100:.1f}%"
     line = (f"prefill {ratios['prefill'][0]:.2f}x of limit {limits['prefill']:.2f}x; "
             f"decode {ratios['decode'][0]:.2f}x of limit {profile['limit']:.2f}x; {tail}")
-    return {"results": results, "flop_limits": limits, "ratios": ratios, "overhead": overhead,
+    return {"results": results, "prefill_latency_s": latency, "prefill_latency_speedup": lat,
+            "flop_limits": limits, "ratios": ratios, "overhead": overhead,
             "decode_profile": profile, "size": asdict(size), "line": line}
 
 
@@ -488,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{config['head_dim']}, routed {config['routing_layers'][0]}-{config['routing_layers'][-1]}, bf16 ({ckpt})",
           flush=True)
     profile = profile_decode(ckpt, size.decode, SKIP, rounds=size.profile_rounds)
-    results = run_arms(ckpt, out, size)
-    summary = report(results, config, size, profile)
+    results, latency = run_arms(ckpt, out, size)
+    summary = report(results, config, size, profile, latency)
     (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(summary["line"])
     return 0

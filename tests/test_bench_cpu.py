@@ -24,6 +24,8 @@ def check_quick_bench(stdout: str, out: Path, arms: tuple[str, ...] = ("s=0", "s
     for arm, phases in summary["results"].items():
         assert set(phases) == {"prefill", "decode"} and all(len(v) == 1 and v[0] > 0 for v in phases.values()), arm
     assert summary["line"] == lines[-1]
+    assert {arm: len(v) for arm, v in summary["prefill_latency_s"].items()} == dict.fromkeys(arms, 2)
+    assert "prefill one prompt at a time (2 prompts of 32 tokens, alternating)" in stdout
     profile = summary["decode_profile"]  # the served layer's, with the read the server picks on CPU
     assert set(profile["parts_all_ms"]) == set(profile["parts_run_ms"]) == {"q", "read", "o", "mlp"}
     assert profile["decode_read"] == "backend" and profile["project_only_rows"] == 2
@@ -99,8 +101,12 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
     results = {"s=0": {"prefill": [100.0, 100.0, 100.0], "decode": [10.0, 10.0, 10.0]},
                "s=0.5": {"prefill": [110.0, 120.0, 130.0], "decode": [13.0, 10.5, 11.0]},
                "dense": {"prefill": [99.0, 101.0, 102.0], "decode": [10.0, 10.0, 10.4]}}
-    summary = bench.report({arm: results[arm] for arm in arms}, config, size, _profile(limit=1.2))
+    latency = {"s=0": [1.0, 1.1, 1.2], "s=0.5": [0.8, 1.0, 0.9], "dense": [1.0, 1.0, 1.0]}
+    latency = {arm: latency[arm] for arm in arms}
+    summary = bench.report({arm: results[arm] for arm in arms}, config, size, _profile(limit=1.2), latency)
     out = capsys.readouterr().out
+    assert summary["prefill_latency_speedup"] == pytest.approx((1.25, 1.1, 4 / 3))  # s=0 time over s=0.5's
+    assert "s=0 1100 ms, s=0.5 900 ms: 1.250x [1.100, 1.333]" in out
     prefill_limit = summary["flop_limits"]["prefill"]
     assert summary["ratios"]["prefill"] == pytest.approx((1.2, 1.1, 1.3))  # median, min, max of the pairs
     assert summary["ratios"]["decode"] == pytest.approx((1.1, 1.05, 1.3))
@@ -113,5 +119,5 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
         assert summary["line"].endswith("s=0 overhead 1.0%")  # the larger phase median: prefill 1.01 (decode 1.0)
     else:
         assert summary["overhead"] is None and summary["line"].endswith("s=0 overhead not measured (no dense arm)")
-    bench.report({arm: results[arm] for arm in arms}, config, size, _profile(limit=1.05))
+    bench.report({arm: results[arm] for arm in arms}, config, size, _profile(limit=1.05), latency)
     assert "ABOVE its limit (1.050x): a question, not a win" in capsys.readouterr().out
