@@ -371,7 +371,8 @@ def check_served(server, arm: str, phase: str, load: Load, before: dict[str, int
 def prefill_latency(servers: dict, size: Size) -> dict[str, list[float]]:
     """Seconds per prompt of the prefill load's length sent alone (one output token), to each arm in turn (ABC,
     CBA, ...; the same random token ids to every arm): the prefill's latency without the client's concurrency,
-    paired prompt by prompt. On a shared host it is far less noisy than a `bench_serving` run."""
+    paired prompt by prompt. Within a run it is tighter than the `bench_serving` runs; between runs it still moves
+    with a shared host."""
     import random
 
     rng = random.Random(0)
@@ -494,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=SIZES, default="full",
                    help="full: 16 layers, three arms (tens of minutes); demo: 8 layers, the routed arms (about three "
                         "minutes); quick: a tiny model, the routed arms (smoke test, figures mean nothing)")
-    p.add_argument("--quick", action="store_true", help="the same as --size quick")
+    p.add_argument("--quick", dest="size", action="store_const", const="quick", help="the same as --size quick")
     p.add_argument("--out", default="out/bench-cpu", help="checkpoint, server logs, client records, bench.json")
     p.add_argument("--repetitions", type=int, help="alternating repetitions of the arms (default: by size)")
     p.add_argument("--profile-decode", nargs=2, metavar=("CKPT", "JSON"), help=argparse.SUPPRESS)
@@ -502,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_decode:  # the child process of `profile_decode`
         print(json.dumps(served_decode_profile(Path(args.profile_decode[0]), **json.loads(args.profile_decode[1]))))
         return 0
-    size = SIZES["quick" if args.quick else args.size]
+    size = SIZES[args.size]
     if args.repetitions is not None:
         if args.repetitions < 1:
             raise SystemExit("--repetitions must be at least 1")

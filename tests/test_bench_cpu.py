@@ -1,6 +1,6 @@
 """`make bench-cpu`'s checks. Its quick size runs end to end inside the demo's test (`tests/test_demo.py`, the
-demo's step 6 runs the script as `make bench-cpu` does): a checkpoint written by the script, three real SGLang
-servers on CPU driven by SGLang's own client, the limits and the decode profile; `check_quick_bench` checks the
+demo's step 6 runs the script as `make bench-cpu` does): a checkpoint written by the script, the two routed arms'
+real SGLang servers on CPU driven by SGLang's own client, the limits and the decode profile; `check_quick_bench` checks the
 shape of what it printed and wrote, never a figure (timings on a shared CPU mean nothing here)."""
 
 import json
