@@ -7,6 +7,7 @@ from vskipper.modelspec import PRESETS, ModelConfigError, ModelFacts
 from vskipper.roofline import (
     DEVICES,
     UnknownDeviceError,
+    decode_bytes,
     derive_thresholds,
     find_device,
     lookup_device,
@@ -141,3 +142,16 @@ def test_model_facts_from_config():
         ModelFacts.from_config(cfg | {"num_hidden_layers": "32"})
     with pytest.raises(ModelConfigError, match="torch_dtype"):
         ModelFacts.from_config(cfg | {"torch_dtype": "int3"})
+
+
+def test_decode_bytes_reads_every_weight_once_and_the_kv_the_project_only_rows_do_not_skip():
+    """Llama-3-8B's shape: 436 MiB of weights per layer; 128 KiB of K/V per 1k resident tokens per layer (bf16)."""
+    cfg = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "routing_layers": list(range(16, 32))}
+    layer = {**cfg, "num_hidden_layers": 1, "routing_layers": [0], "vocab_size": 0}  # one routed layer alone
+    weights = 4096 * (32 + 16) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336
+    assert decode_bytes(layer, 0, 0.5) == decode_bytes(layer, 0, 0.0) == 2 * weights
+    assert decode_bytes(layer, 1000, 0.0) - decode_bytes(layer, 0, 0.0) == 1000 * 4096
+    assert decode_bytes(layer, 1000, 0.5) - decode_bytes(layer, 0, 0.0) == 500 * 4096
+    model = decode_bytes(cfg, 1000, 0.5) - decode_bytes(cfg, 0, 0.5)
+    assert model == 1000 * 4096 * (32 - 8)  # a quarter of the model's layer reads skipped

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from vskipper.roofline import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
 
 STAGES = ("serve-ab", "sweep", "kernels")
@@ -517,20 +518,6 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
         out["control_over_dense_decode"] = decode_ratios(config, control["decode"], dense["decode"],
                                                          "control_over_dense_tok_s")
     return out
-
-
-def decode_bytes(config: dict, resident: float, skip: float, dtype_bytes: int = 2) -> float:
-    """Bytes one decode step reads: every weight once, and the KV of the `resident` tokens at every layer, less
-    the attention reads a Project-Only decision skips (share `skip` of the routed layers' rows)."""
-    from vskipper.roofline import kv_bytes_per_token_layer
-
-    d, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    hd = config.get("head_dim") or d // heads
-    layers, routed = config["num_hidden_layers"], len(config["routing_layers"])
-    per_layer = d * (heads + 2 * kv_heads) * hd + heads * hd * d + 3 * d * i
-    weights = (layers * per_layer + 2 * v * d) * dtype_bytes
-    return weights + resident * kv_bytes_per_token_layer(kv_heads, hd, dtype_bytes) * (layers - skip * routed)
 
 
 def decode_ratios(config: dict, treated: list, baseline: list, key: str, limit: bool = False) -> list[dict]:
