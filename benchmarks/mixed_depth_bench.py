@@ -9,6 +9,15 @@
    to a line in the resident tokens V = rows x context; tau = routed intercept - dense intercept, the measured
    crossover V_x = tau / (dense slope - routed slope), printed beside the rule's V* for the detected device.
 3. Prefill: one prompt of 1k, 2k and 4k tokens, dense vs routed at s, eager (prefill is never captured).
+Sections 2 and 3 run the routed-layer body over the engine-free stack's own modules (`vskipper.mixed.bench_stack`).
+4. The served layer: SGLang's routed decoder layer as the server builds and runs it (`vskipper.sglang.standalone`:
+   the model family's SGLang layer with the routed body, SGLang's KV pool and linear methods, the cohort execution
+   the server picks on the device, the skipper's route and the tape inside the forward), one routed layer of the
+   same shape. Decode over the same rows x context grid, replayed from a CUDA graph per cell where the server
+   would capture the routed variant; prefill one prompt per length, eager. The control is always-route RandomSkip
+   r = 0 (the routed path, nothing skipped), against r = 1, d = s; each ratio beside the layer's bandwidth limit
+   (decode) or FLOP limit (prefill). Upstream's dense forward is timed too where its attention backend here
+   (SGLang's torch-native one) is the server's: on CPU.
 
 Run:  python benchmarks/mixed_depth_bench.py [--rows 32,64,128,192] [--contexts 512,1024,2048,3072] [--s 0.5]
       python benchmarks/mixed_depth_bench.py --smoke      (tiny model on CPU; numbers mean nothing)
@@ -21,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -222,6 +232,180 @@ def bench_prefill(model: BenchStack, lengths: list[int], s: float, page_size: in
     return out
 
 
+# -- 4. the served layer ------------------------------------------------------------------------------------
+
+def served_config(size: TinySize, dtype: torch.dtype, out: Path):
+    """The FlexiDepth-Llama config of `size` as SGLang's layers take it (a transformers config; no weights)."""
+    from transformers import AutoConfig
+
+    from vskipper.sglang.configs import register_configs
+
+    register_configs()
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config("flexidepth-llama", size, dtype=str(dtype).removeprefix("torch."))
+    (out / "config.json").write_text(json.dumps(config))
+    return AutoConfig.from_pretrained(str(out)), config
+
+
+def one_layer(config: dict) -> dict:
+    """`config` reduced to one routed layer and no vocabulary: the limits of a single served layer."""
+    return {**config, "num_hidden_layers": 1, "routing_layers": [0], "vocab_size": 0}
+
+
+class ServedRig:
+    """One served routed decoder layer (`vskipper.sglang.standalone`: SGLang's Llama layer with the routed body,
+    SGLang's KV pool and torch-native attention backend; random weights) and its passes as the served model runs
+    them: the skipper's per-pass state, its route into the tape, the cohort maps and the routed body, all inside
+    the forward, with the execution the server picks on this device (`cohort_execution`)."""
+
+    def __init__(self, config, requests: int, context: int, dtype: torch.dtype, device: torch.device,
+                 execution: str = "auto") -> None:
+        from vskipper.sglang.models.routed import cohort_execution, routed_graph_blocker
+        from vskipper.sglang.standalone import StandaloneLayer
+
+        self.world = StandaloneLayer(config, layer_id=config.routing_layers[0], requests=requests,
+                                     slots=requests * context + 1, context=context, dtype=dtype, device=device)
+        self.layer = self.world.layer
+        self.lid = self.layer.layer_id
+        self.device = self.world.device
+        self.world.slot.execution = cohort_execution([self.layer], self.device, execution)
+        self.graph_blocker = routed_graph_blocker(self.world.slot.execution, self.device)
+
+    def pass_fn(self, fb, x: torch.Tensor, skipper):
+        """One forward of the layer over batch `fb`: upstream's dense forward (skipper None) or the routed pass."""
+        from vskipper.mixed.cohorts import CohortBuilder
+        from vskipper.mixed.tape import RouteTape
+        from vskipper.sglang.models.routed import plan_pass
+        from vskipper.sglang.runtime import Step
+        from vskipper.skippers.base import BatchContext
+
+        world, layer, rows = self.world, self.layer, x.shape[0]
+        phase = "decode" if fb.forward_mode.is_decode() else "prefill"
+        plan = plan_pass(fb, rows)
+        keys = plan.req_rows * 7919 + 11  # one key per request
+        valid = torch.ones(rows, dtype=torch.bool, device=self.device)
+        tape, builder = RouteTape(rows, (self.lid,), x.dtype, self.device), CohortBuilder(rows, self.device)
+
+        def run():
+            if skipper is not None:
+                state = skipper.prepare_batch(BatchContext(x, valid, (self.lid,), phase, keys, fb.positions))
+                world.slot.step = Step(phase, True, skipper, state, tape, builder, None, rows, keys=keys)
+                world.slot.plan = plan
+            try:
+                return layer(fb.positions, x, fb, None)
+            finally:
+                world.slot.step = world.slot.plan = None
+
+        run.tape = tape  # after a routed pass: its route (`project_only_share`)
+        return run
+
+
+def project_only_share(fn) -> float:
+    """The share of rows a routed pass (`ServedRig.pass_fn`, run at least once) sent Project-Only at its layer."""
+    run = fn.tape.run[0, : fn.tape.capacity]
+    return float((~run).sum()) / run.shape[0]
+
+
+def synced(fn, device: torch.device):
+    """fn, waiting for the device after it (eager timing on CUDA)."""
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def bench_served(size: TinySize, device: torch.device, dtype: torch.dtype, rows_grid: list[int],
+                 contexts: list[int], prefill: list[int], s: float, use_graph: bool, reps: int, prefill_reps: int,
+                 tmp: Path, execution: str = "auto") -> dict:
+    """Decode and prefill of one served routed layer: always-route RandomSkip r = 0 (the control: the routed path
+    with nothing skipped) against r = 1, d = s (one routed layer: a share s of its rows project), each beside the
+    limit of what a Project-Only row skips; and upstream's dense forward where SGLang's torch-native backend is
+    the server's (CPU). `execution` 'auto' is the server's choice; the smoke run asks for 'triton' (in the
+    interpreter), the execution a GPU decodes with."""
+    from bench_cpu import token_macs
+
+    from vskipper.roofline import decode_bytes
+    from vskipper.sglang.standalone import init_sglang
+
+    init_sglang(device.type)
+    hf_config, config = served_config(size, dtype, tmp)
+    layer_cfg = one_layer(config)
+    arms = {"s=0": RandomSkip(r=0.0, d=s, seed=0), f"s={s}": RandomSkip(r=1.0, d=s, seed=0)}
+    dense_too = device.type == "cpu"  # on CUDA the dense layer would read through the torch-native backend
+    report: dict = {}
+    torch.set_grad_enabled(False)
+
+    rig = ServedRig(hf_config, max(rows_grid), max(contexts) + 1, dtype, device, execution)
+    attested = rig.world.slot.execution.attestation()
+    graphs = use_graph and rig.graph_blocker is None
+    print(f"  execution {json.dumps(attested)}; decode "
+          f"{'replayed from CUDA graphs' if graphs else 'eager (' + (rig.graph_blocker or 'no graphs') + ')'}"
+          f"{'' if dense_too else '; dense not timed: here it would read through the torch-native backend'}")
+    report["execution"], report["decode_graphs"] = attested, graphs
+    pool = rig.world.pool
+    pool.get_key_buffer(rig.lid).normal_()
+    pool.get_value_buffer(rig.lid).normal_()
+    cells = []
+    with rig.world.context():
+        for rows in rows_grid:
+            x = torch.randn(rows, size.hidden, generator=rig.world.gen).to(device, dtype)
+            for ctx in contexts:
+                rig.world.lengths = [ctx] * max(rows_grid)
+                fb = rig.world.batch({r: 1 for r in range(rows)})
+                timed = {"dense": None} if dense_too else {}
+                timed.update(arms)
+                ms, fns = {}, {}
+                for arm, skipper in timed.items():
+                    fns[arm] = fn = rig.pass_fn(fb, x, skipper)
+                    ms[arm] = time_step(fn, True, reps) if graphs else time_step(synced(fn, device), False, reps)
+                share = project_only_share(fns[f"s={s}"])  # RandomSkip's hash: about s of the rows, not exactly
+                v = rows * (ctx + 1)
+                limit = decode_bytes(layer_cfg, v, 0.0) / decode_bytes(layer_cfg, v, share)
+                cell = {"rows": rows, "context": ctx, "V": v, **{f"{k}_ms": t for k, t in ms.items()},
+                        "project_only_share": share, "speedup": ms["s=0"] / ms[f"s={s}"], "bandwidth_limit": limit}
+                cells.append(cell)
+                dense = f"dense {ms['dense']:8.3f}  " if "dense" in ms else ""
+                print(f"  rows {rows:>4} ctx {ctx:>6} V {v:>9}  {dense}s=0 {ms['s=0']:8.3f}  s={s} "
+                      f"{ms[f's={s}']:8.3f} ms  s=0/s={s} {cell['speedup']:5.3f} (Project-Only {share:.2f} of the "
+                      f"rows; bandwidth limit {limit:5.3f})", flush=True)
+    vs = [c["V"] for c in cells]
+    lines = {arm: fit_line(vs, [c[f"{arm}_ms"] for c in cells]) for arm in ("dense", *arms) if f"{arm}_ms" in cells[0]}
+    for arm, (a, b) in lines.items():
+        print(f"  {arm:>6} line: {a:.4f} ms + {b * 1e6:.3f} ms per 1M resident tokens")
+    ratios = sorted(c["speedup"] / c["bandwidth_limit"] for c in cells)
+    print(f"  s=0/s={s} over its bandwidth limit: median {statistics.median(ratios):.3f} "
+          f"(min {ratios[0]:.3f}, max {ratios[-1]:.3f}; above 1 is a question, not a win: on a GPU the arms would "
+          f"not run the same work; on CPU the decode read is compute-bound and the bytes do not bound it)")
+    report["decode"] = {"cells": cells, "lines": {k: list(v) for k, v in lines.items()}}
+    del rig
+
+    rig = ServedRig(hf_config, 1, max(prefill), dtype, device, execution)
+    out = []
+    with rig.world.context():
+        for n in prefill:
+            rig.world.lengths = [0]
+            fb = rig.world.batch({0: n})
+            x = torch.randn(n, size.hidden, generator=rig.world.gen).to(device, dtype)
+            fns = {arm: rig.pass_fn(fb, x, sk) for arm, sk in {"dense": None, **arms}.items()}
+            ms = {arm: time_step(synced(fn, device), False, prefill_reps) for arm, fn in fns.items()}
+            share = project_only_share(fns[f"s={s}"])
+            context = (n + 1) / 2
+            limit = token_macs(layer_cfg, context, 0.0, 0.0)["per_token"] / \
+                token_macs(layer_cfg, context, share, 0.0)["per_token"]
+            row = {"tokens": n, **{f"{k}_ms": t for k, t in ms.items()}, "project_only_share": share,
+                   "speedup": ms["s=0"] / ms[f"s={s}"], "dense_over_s": ms["dense"] / ms[f"s={s}"], "flop_limit": limit}
+            out.append(row)
+            print(f"  {n:>6} tokens  dense {ms['dense']:9.2f}  s=0 {ms['s=0']:9.2f}  s={s} {ms[f's={s}']:9.2f} ms  "
+                  f"s=0/s={s} {row['speedup']:5.3f}  dense/s={s} {row['dense_over_s']:5.3f} (Project-Only "
+                  f"{share:.3f} of the tokens; FLOP limit {limit:5.3f})", flush=True)
+    report["prefill"] = out
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script runs end to end")
@@ -231,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--s", type=float, default=0.5, help="skip ratio: share of routed decisions projecting")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--skip", default="", help="comma list of sections to skip: kernels,decode,prefill")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: kernels,decode,prefill,served")
     p.add_argument("--json", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -256,9 +440,14 @@ def main(argv: list[str] | None = None) -> int:
           f"s = {args.s}")
     report: dict = {"device": name, "s": args.s, "smoke": args.smoke}
 
+    def write(report: dict) -> None:  # after each section: what ran survives a later section's failure
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2, default=float) + "\n")
+
     if "kernels" not in skip:
         print("1. cohort GEMM / torch on packed rows")
         report["kernels"] = bench_kernels(size, device, dtype, args.smoke)
+        write(report)
 
     config = tiny_config("flexidepth-llama", size, dtype=str(dtype).removeprefix("torch."))
     with torch.device(device):
@@ -280,14 +469,23 @@ def main(argv: list[str] | None = None) -> int:
             report["rule_v_star_tokens"] = rule.v_star_tokens
         else:
             print("  (device not catalogued: no rule V* to compare with)")
+        write(report)
 
     if "prefill" not in skip:
         print("3. prefill, one prompt (eager)")
         report["prefill"] = bench_prefill(model, prefill, args.s, args.page_size, max(3, reps // 4))
 
     print(f"attestation after the run: {json.dumps(model.attestation())}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, default=float) + "\n")
+    write(report)
+    del model
+
+    if "served" not in skip:
+        print("4. the served layer: SGLang's routed decoder layer, s=0 (the control) against s, one layer")
+        with tempfile.TemporaryDirectory(prefix="mixed-bench-") as tmp:
+            report["served"] = bench_served(size, device, dtype, rows_grid, contexts, prefill, args.s, use_graph,
+                                            reps, max(3, reps // 4), Path(tmp),
+                                            execution="triton" if args.smoke else "auto")
+        write(report)
     return 0
 
 

@@ -121,7 +121,8 @@ def test_kernels_stage_writes_a_tile_table_and_the_bench_figures(dry_run):
     kernels = json.loads((out / "kernels.json").read_text())
     assert {k: v["exit"] for k, v in kernels["runs"].items()} == {"tune-tiles": 0, "mixed_depth_bench": 0}
     assert json.loads((out / "kernels" / "tiles-CPU.json").read_text())
-    assert json.loads((out / "kernels" / "mixed_depth_bench.json").read_text())
+    bench = json.loads((out / "kernels" / "mixed_depth_bench.json").read_text())
+    assert {"kernels", "decode", "prefill", "served"} <= set(bench)  # every section ran, the served layer's too
 
 
 def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
@@ -132,6 +133,8 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     assert results["dry_run"] and results["serve-ab"] and results["sweep"] and results["kernels"]
     summary = (out / "summary.md").read_text()
     assert "Dry run on CPU" in summary and "## Matched-work A/B" in summary and "tau =" in summary
+    served = summary[summary.index("### The served layer alone"):]
+    assert "decode with the triton execution, eager" in served and "| 4 | 16 |" in served and "| 32 |" in served
 
 
 def test_device_plan_server_commands_parse_with_sglangs_own_flags(tmp_path):

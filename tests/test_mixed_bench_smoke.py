@@ -18,4 +18,26 @@ def test_benchmark_smoke_run_executes_every_section(cli_env, tmp_path):
         "mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down"}
     assert len(report["decode"]["cells"]) == 4 and "tau_ms" in report["decode"]
     assert [p["tokens"] for p in report["prefill"]] == [16, 32]
-    assert '"cohort_passes": 0' not in res.stdout.splitlines()[-1]  # routed layers really ran cohorts
+    attested = [line for line in res.stdout.splitlines() if line.startswith("attestation after the run")]
+    assert attested and '"cohort_passes": 0' not in attested[0]  # routed layers really ran cohorts
+
+
+def test_benchmark_smoke_run_times_the_served_layer(cli_env, tmp_path):
+    """Section 4 runs SGLang's routed decoder layer as the server builds it; the smoke run asks for the triton
+    execution (in the interpreter), the one a GPU decodes with, so the GPU's code path runs here up to the graphs."""
+    out = tmp_path / "bench.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mixed_depth_bench.py"), "--smoke",
+                          "--skip", "kernels,decode,prefill", "--json", str(out)], env=cli_env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    served = json.loads(out.read_text())["served"]
+    assert served["execution"]["decode"] == "triton" and served["decode_graphs"] is False
+    cells = served["decode"]["cells"]
+    assert [(c["rows"], c["context"]) for c in cells] == [(2, 8), (2, 16), (4, 8), (4, 16)]
+    for c in cells:
+        assert min(c["dense_ms"], c["s=0_ms"], c["s=0.5_ms"]) > 0 and 0.0 <= c["project_only_share"] <= 1.0
+        assert c["bandwidth_limit"] >= 1.0
+    assert any(c["project_only_share"] > 0 for c in cells)  # some rows really took the Project-Only branch
+    prefill = served["prefill"]
+    assert [p["tokens"] for p in prefill] == [16, 32]
+    assert all(0 < p["project_only_share"] < 1 and p["flop_limit"] > 1 for p in prefill)

@@ -158,3 +158,16 @@ def test_llama_mixed_rows_hand_on_the_body_pair_whose_sum_is_the_layer_output(ll
     torch.testing.assert_close(res[1], x[1])  # the Project-Only row's residual is its input
     assert not torch.equal(res[0], x[0])  # the RUN row's is h = x + attention
     torch.testing.assert_close(res + delta, y, rtol=1e-5, atol=1e-5)
+
+
+def test_the_standalone_layer_prepares_cpu_or_cuda_and_one_of_them_per_process():
+    """`StandaloneLayer(device=...)` publishes SGLang's context for its device type; a second type in the same
+    process is refused by name (SGLang picked its platform when first imported), as is a device it has no profile
+    for. (The CUDA path itself runs only on a GPU: `benchmarks/mixed_depth_bench.py`, section 4.)"""
+    from vskipper.sglang.standalone import device_process
+
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'xpu'"):
+        device_process("xpu")
+    init_sglang()
+    with pytest.raises(RuntimeError, match="published for cpu, not cuda"):
+        init_sglang("cuda")

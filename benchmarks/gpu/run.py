@@ -672,7 +672,30 @@ def markdown(results: dict) -> str:
     if kernels:
         lines += ["## Kernels", ""] + [f"- {k}: exit {v['exit']}, {v['output']}" for k, v in kernels["runs"].items()]
         lines.append("")
+        lines += served_layer_lines(kernels)
     return "\n".join(lines)
+
+
+def served_layer_lines(kernels: dict) -> list[str]:
+    """The served layer alone (mixed_depth_bench's section 4), where its JSON holds it."""
+    path = Path((kernels["runs"].get("mixed_depth_bench") or {}).get("output", ""))
+    bench = json.loads(path.read_text()) if path.is_file() else {}
+    served, s = bench.get("served"), bench.get("s")
+    if not served or "decode" not in served:
+        return []
+    execution = served["execution"]
+    lines = [f"### The served layer alone (`mixed_depth_bench.py` section 4: one routed layer, the control s=0 "
+             f"against s={s}; decode with the {execution['decode']} execution, "
+             f"{'replayed from CUDA graphs' if served['decode_graphs'] else 'eager'})", "",
+             f"| rows | context | s=0 ms | s={s} ms | s=0 / s={s} | Project-Only share | bandwidth limit |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {c['rows']} | {c['context']} | {c['s=0_ms']:.3f} | {c[f's={s}_ms']:.3f} | {c['speedup']:.3f} | "
+              f"{c['project_only_share']:.2f} | {c['bandwidth_limit']:.3f} |" for c in served["decode"]["cells"]]
+    lines += ["", f"| prefill tokens | dense ms | s=0 ms | s={s} ms | s=0 / s={s} | FLOP limit |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {p['tokens']} | {p['dense_ms']:.2f} | {p['s=0_ms']:.2f} | {p[f's={s}_ms']:.2f} | "
+              f"{p['speedup']:.3f} | {p['flop_limit']:.3f} |" for p in served.get("prefill", [])]
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,14 +1,15 @@
-"""One served routed decoder layer outside a server, in this process, on CPU: SGLang's real decoder layer (Llama or
-Qwen3) with vSkipper's routed body, SGLang's real KV pool, request-to-token pool and torch-native attention backend.
-The served layer's tests build on it (`tests/sglang_layer_world.py`), and so does the CPU bench's decode profile
-(`benchmarks/bench_cpu.py`).
+"""One served routed decoder layer outside a server, in this process: SGLang's real decoder layer (Llama or Qwen3)
+with vSkipper's routed body, SGLang's real KV pool, request-to-token pool and torch-native attention backend, on CPU
+or on a CUDA device. The served layer's tests build on it (`tests/sglang_layer_world.py`), and so do the CPU bench's
+decode profile (`benchmarks/bench_cpu.py`) and the served-layer section of `benchmarks/mixed_depth_bench.py`.
 
 SGLang's layers need its runtime context and a model-parallel group even at TP = 1: `init_sglang` publishes a
-one-process topology (gloo) once per process, as SGLang's own layer tests do. Before that, `cpu_process` prepares
-the process as the server's CPU profile prepares the server (`vskipper.sglang.spec.serve_profile`): SGLang decides
-its platform from the environment when its modules are first imported, and its CPU engine imports `sgl_kernel`
-(the stand-in). So this module imports no SGLang at import time, and a process that uses it imports SGLang only
-after `cpu_process` (or `init_sglang`) has run. It sets RANK, WORLD_SIZE and MASTER_* in the environment: a process
+one-process topology (gloo) once per process, as SGLang's own layer tests do. Before that, `device_process`
+prepares the process as the server's profile for that platform (`serve_profile`) prepares the server: on CPU
+SGLang's CPU engine and the CPU `sgl_kernel` stand-in, on a GPU without SGLang's kernel wheels the CUDA stand-ins.
+SGLang decides its platform from the environment when its modules are first imported.
+So this module imports no SGLang at import time, and a process that uses it imports SGLang only after
+`device_process` (or `init_sglang`) has run. It sets RANK, WORLD_SIZE and MASTER_* in the environment: a process
 that starts servers runs it in a child process.
 """
 
@@ -23,24 +24,40 @@ import torch
 
 from vskipper.sglang.spec import serve_profile
 
-_READY = False
+_READY: str | None = None  # the device type SGLang's context was published for
 
 
-def cpu_process() -> None:
-    """The server's CPU environment and stand-ins (first on sys.path) in this process; idempotent."""
-    profile = serve_profile("cpu", False)
+def device_process(device: str = "cpu") -> None:
+    """The environment and stand-ins (first on sys.path) of the server's profile for `device` ('cpu' or 'cuda') in
+    this process; idempotent."""
+    if device == "cpu":
+        profile = serve_profile("cpu", False)
+    elif device == "cuda":
+        from vskipper.sglang.cli import real_sgl_kernel_importable
+
+        profile = serve_profile("gpu", real_sgl_kernel_importable())
+    else:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     os.environ.update(profile.environment)
     for path in reversed(profile.path):
         if path not in sys.path:
             sys.path.insert(0, path)
 
 
-def init_sglang() -> None:
-    """SGLang's runtime context and a one-process gloo model-parallel group (idempotent)."""
+def cpu_process() -> None:
+    """The server's CPU environment and stand-ins in this process; idempotent."""
+    device_process("cpu")
+
+
+def init_sglang(device: str = "cpu") -> None:
+    """SGLang's runtime context for `device` ('cpu' or 'cuda') and a one-process gloo model-parallel group
+    (idempotent; one device type per process)."""
     global _READY
-    if _READY:
+    if _READY is not None:
+        if _READY != device:
+            raise RuntimeError(f"SGLang's context in this process is published for {_READY}, not {device}")
         return
-    cpu_process()
+    device_process(device)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -51,11 +68,11 @@ def init_sglang() -> None:
 
     parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     reset_context()
-    publish(ServerArgs(model_path="dummy", tp_size=1, pp_size=1, device="cpu"), role="test",
+    publish(ServerArgs(model_path="dummy", tp_size=1, pp_size=1, device=device), role="test",
             ranks=SpawnRanks(world_rank=0))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     parallel_state.initialize_model_parallel(backend="gloo")
-    _READY = True
+    _READY = device
 
 
 def routed_decoder_layer(config, layer_id: int, slot):
@@ -76,11 +93,13 @@ def routed_decoder_layer(config, layer_id: int, slot):
 class StandaloneLayer:
     """One routed decoder layer (random weights) of `config` over a KV pool of `slots` slots shared by `requests`
     request slots of up to `context` tokens each; request r's positions live at random distinct slots (slot 0,
-    SGLang's padding slot, stays free). `batch` tracks each request's length."""
+    SGLang's padding slot, stays free). `batch` tracks each request's length. Everything lives on `device`
+    (the weights are drawn on the host, so a seed gives the same layer on every device)."""
 
     def __init__(self, config, *, layer_id: int, requests: int, slots: int, context: int,
-                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
-        init_sglang()
+                 dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        init_sglang(self.device.type)
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
@@ -95,14 +114,16 @@ class StandaloneLayer:
         with torch.no_grad():
             for p in layer.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1))
-        self.layer = layer.to(dtype).eval()
+        self.layer = layer.to(dtype).to(self.device).eval()
         attn = layer.self_attn
-        self.pool = MHATokenToKVPool(slots, 1, dtype, attn.num_kv_heads, attn.head_dim, config.num_hidden_layers,
-                                     "cpu", False)
-        self.req_pool = ReqToTokenPool(requests, context, "cpu", False)
+        where = str(self.device)
+        # The pool holds this layer alone (SGLang's pipeline-stage layer range), addressed by its layer id.
+        self.pool = MHATokenToKVPool(slots, 1, dtype, attn.num_kv_heads, attn.head_dim, 1, where, False,
+                                     start_layer=layer_id, end_layer=layer_id)
+        self.req_pool = ReqToTokenPool(requests, context, where, False)
         perm = torch.randperm(slots - 1, generator=gen)[: requests * context] + 1
-        self.req_pool.req_to_token[:requests, :context] = perm.view(requests, context)
-        self.backend = TorchNativeAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=self.req_pool,
+        self.req_pool.req_to_token[:requests, :context] = perm.view(requests, context).to(self.device)
+        self.backend = TorchNativeAttnBackend(SimpleNamespace(device=where, req_to_token_pool=self.req_pool,
                                                               token_to_kv_pool=self.pool))
         self.lengths = [0] * requests
 
@@ -113,7 +134,8 @@ class StandaloneLayer:
         return forward_context(ForwardContext(attn_backend=self.backend))
 
     def batch(self, extend: dict[int, int]) -> SimpleNamespace:
-        """A forward batch: `extend` maps request slot -> new tokens (all 1: a decode batch)."""
+        """A forward batch: `extend` maps request slot -> new tokens (all 1: a decode batch). Its tensors live on
+        the layer's device, `seq_lens_cpu` and `extend_seq_lens_cpu` on the host (as SGLang's batches)."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         decode = all(n == 1 for n in extend.values()) and all(self.lengths[r] for r in extend)
@@ -122,12 +144,14 @@ class StandaloneLayer:
         seq = [self.lengths[r] + extend[r] for r in reqs]
         positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq, strict=True)])
         req_rows = torch.repeat_interleave(torch.tensor(reqs), torch.tensor([extend[r] for r in reqs]))
-        out_loc = self.req_pool.req_to_token[req_rows, positions].to(torch.int64)
+        dev = self.device
+        out_loc = self.req_pool.req_to_token[req_rows.to(dev), positions.to(dev)].to(torch.int64)
         for r in reqs:
             self.lengths[r] += extend[r]
         return SimpleNamespace(
-            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, positions=positions,
-            out_cache_loc=out_loc, req_pool_indices=torch.tensor(reqs, dtype=torch.int64),
-            seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq),
-            extend_seq_lens=torch.tensor([extend[r] for r in reqs]), extend_seq_lens_cpu=[extend[r] for r in reqs],
-            extend_prefix_lens=torch.tensor(prefix), encoder_lens=None, mha_return_lse=False)
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, positions=positions.to(dev),
+            out_cache_loc=out_loc, req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq, device=dev), seq_lens_cpu=torch.tensor(seq),
+            extend_seq_lens=torch.tensor([extend[r] for r in reqs], device=dev),
+            extend_seq_lens_cpu=[extend[r] for r in reqs],
+            extend_prefix_lens=torch.tensor(prefix, device=dev), encoder_lens=None, mha_return_lse=False)
