@@ -234,8 +234,9 @@ def bench_prefill(model: BenchStack, lengths: list[int], s: float, page_size: in
 
 # -- 4. the served layer ------------------------------------------------------------------------------------
 
-def served_config(size: TinySize, dtype: torch.dtype, out: Path):
-    """The FlexiDepth-Llama config of `size` as SGLang's layers take it (a transformers config; no weights)."""
+def served_config(size: TinySize, dtype: torch.dtype, out: Path, longest: int):
+    """The FlexiDepth-Llama config of `size` as SGLang's layers take it (a transformers config; no weights),
+    its rotary table long enough for `longest` positions."""
     from transformers import AutoConfig
 
     from vskipper.sglang.configs import register_configs
@@ -243,6 +244,7 @@ def served_config(size: TinySize, dtype: torch.dtype, out: Path):
     register_configs()
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config("flexidepth-llama", size, dtype=str(dtype).removeprefix("torch."))
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], longest)
     (out / "config.json").write_text(json.dumps(config))
     return AutoConfig.from_pretrained(str(out)), config
 
@@ -318,33 +320,46 @@ def synced(fn, device: torch.device):
     return run
 
 
+ARMS_NOTE = "the control s=0 (always-route RandomSkip r = 0: the routed path, nothing skipped) against r = 1, d = s"
+
+
 def bench_served(size: TinySize, device: torch.device, dtype: torch.dtype, rows_grid: list[int],
                  contexts: list[int], prefill: list[int], s: float, use_graph: bool, reps: int, prefill_reps: int,
-                 tmp: Path, execution: str = "auto") -> dict:
-    """Decode and prefill of one served routed layer: always-route RandomSkip r = 0 (the control: the routed path
-    with nothing skipped) against r = 1, d = s (one routed layer: a share s of its rows project), each beside the
-    limit of what a Project-Only row skips; and upstream's dense forward where SGLang's torch-native backend is
-    the server's (CPU). `execution` 'auto' is the server's choice; the smoke run asks for 'triton' (in the
-    interpreter), the execution a GPU decodes with."""
-    from bench_cpu import token_macs
-
-    from vskipper.roofline import decode_bytes
+                 tmp: Path, report: dict, write, execution: str = "auto") -> None:
+    """Decode, then prefill, of one served routed layer into `report` (`write` after each): the control s=0
+    against r = 1, d = s (one routed layer: about a share s of its rows project), each beside the limit of what
+    the Project-Only rows skip; and upstream's dense forward where SGLang's torch-native backend, the one this
+    layer reads through, is the server's (CPU). `execution` 'auto' is the server's choice; the smoke run asks for
+    'triton' (in the interpreter), the execution a GPU decodes with."""
     from vskipper.sglang.standalone import init_sglang
 
     init_sglang(device.type)
-    hf_config, config = served_config(size, dtype, tmp)
-    layer_cfg = one_layer(config)
-    arms = {"s=0": RandomSkip(r=0.0, d=s, seed=0), f"s={s}": RandomSkip(r=1.0, d=s, seed=0)}
-    dense_too = device.type == "cpu"  # on CUDA the dense layer would read through the torch-native backend
-    report: dict = {}
     torch.set_grad_enabled(False)
+    longest = max(max(contexts) + 2, max(prefill))
+    hf_config, config = served_config(size, dtype, tmp, longest)
+    arms = {"s=0": RandomSkip(r=0.0, d=s, seed=0), f"s={s}": RandomSkip(r=1.0, d=s, seed=0)}
+    timed = ({"dense": None} if device.type == "cpu" else {}) | arms
+    if device.type != "cpu":
+        print("  dense not timed: this layer reads attention through SGLang's torch-native backend, the server's "
+              "is Triton")
+    report["decode"] = served_decode(hf_config, one_layer(config), timed, s, rows_grid, contexts, dtype, device,
+                                     use_graph, reps, report, execution)
+    write()
+    report["prefill"] = served_prefill(hf_config, one_layer(config), timed, s, prefill, dtype, device,
+                                       prefill_reps, execution)
+    write()
+
+
+def served_decode(hf_config, layer_cfg: dict, timed: dict, s: float, rows_grid: list[int], contexts: list[int],
+                  dtype: torch.dtype, device: torch.device, use_graph: bool, reps: int, report: dict,
+                  execution: str) -> dict:
+    from vskipper.modelspec import decode_bytes
 
     rig = ServedRig(hf_config, max(rows_grid), max(contexts) + 1, dtype, device, execution)
     attested = rig.world.slot.execution.attestation()
     graphs = use_graph and rig.graph_blocker is None
     print(f"  execution {json.dumps(attested)}; decode "
-          f"{'replayed from CUDA graphs' if graphs else 'eager (' + (rig.graph_blocker or 'no graphs') + ')'}"
-          f"{'' if dense_too else '; dense not timed: here it would read through the torch-native backend'}")
+          f"{'replayed from CUDA graphs' if graphs else 'eager (' + (rig.graph_blocker or 'no graphs') + ')'}")
     report["execution"], report["decode_graphs"] = attested, graphs
     pool = rig.world.pool
     pool.get_key_buffer(rig.lid).normal_()
@@ -352,19 +367,18 @@ def bench_served(size: TinySize, device: torch.device, dtype: torch.dtype, rows_
     cells = []
     with rig.world.context():
         for rows in rows_grid:
-            x = torch.randn(rows, size.hidden, generator=rig.world.gen).to(device, dtype)
+            x = torch.randn(rows, hf_config.hidden_size, generator=rig.world.gen).to(device, dtype)
             for ctx in contexts:
                 rig.world.lengths = [ctx] * max(rows_grid)
                 fb = rig.world.batch({r: 1 for r in range(rows)})
-                timed = {"dense": None} if dense_too else {}
-                timed.update(arms)
                 ms, fns = {}, {}
                 for arm, skipper in timed.items():
                     fns[arm] = fn = rig.pass_fn(fb, x, skipper)
                     ms[arm] = time_step(fn, True, reps) if graphs else time_step(synced(fn, device), False, reps)
                 share = project_only_share(fns[f"s={s}"])  # RandomSkip's hash: about s of the rows, not exactly
                 v = rows * (ctx + 1)
-                limit = decode_bytes(layer_cfg, v, 0.0) / decode_bytes(layer_cfg, v, share)
+                width = torch.finfo(dtype).bits // 8
+                limit = decode_bytes(layer_cfg, v, 0.0, width) / decode_bytes(layer_cfg, v, share, width)
                 cell = {"rows": rows, "context": ctx, "V": v, **{f"{k}_ms": t for k, t in ms.items()},
                         "project_only_share": share, "speedup": ms["s=0"] / ms[f"s={s}"], "bandwidth_limit": limit}
                 cells.append(cell)
@@ -373,37 +387,47 @@ def bench_served(size: TinySize, device: torch.device, dtype: torch.dtype, rows_
                       f"{ms[f's={s}']:8.3f} ms  s=0/s={s} {cell['speedup']:5.3f} (Project-Only {share:.2f} of the "
                       f"rows; bandwidth limit {limit:5.3f})", flush=True)
     vs = [c["V"] for c in cells]
-    lines = {arm: fit_line(vs, [c[f"{arm}_ms"] for c in cells]) for arm in ("dense", *arms) if f"{arm}_ms" in cells[0]}
+    lines = {arm: fit_line(vs, [c[f"{arm}_ms"] for c in cells]) for arm in timed}
     for arm, (a, b) in lines.items():
         print(f"  {arm:>6} line: {a:.4f} ms + {b * 1e6:.3f} ms per 1M resident tokens")
     ratios = sorted(c["speedup"] / c["bandwidth_limit"] for c in cells)
     print(f"  s=0/s={s} over its bandwidth limit: median {statistics.median(ratios):.3f} "
           f"(min {ratios[0]:.3f}, max {ratios[-1]:.3f}; above 1 is a question, not a win: on a GPU the arms would "
           f"not run the same work; on CPU the decode read is compute-bound and the bytes do not bound it)")
-    report["decode"] = {"cells": cells, "lines": {k: list(v) for k, v in lines.items()}}
-    del rig
+    return {"cells": cells, "lines": {k: list(v) for k, v in lines.items()}}
 
-    rig = ServedRig(hf_config, 1, max(prefill), dtype, device, execution)
+
+def served_prefill(hf_config, layer_cfg: dict, timed: dict, s: float, lengths: list[int], dtype: torch.dtype,
+                   device: torch.device, reps: int, execution: str) -> list[dict]:
+    from bench_cpu import token_macs
+
+    rig = ServedRig(hf_config, 1, max(lengths), dtype, device, execution)
+    # Read through SGLang's backend, Project-Only rows enter the attention read with a zero query (the limit says so).
+    reads = rig.world.slot.execution.prefill_read == "backend"
     out = []
     with rig.world.context():
-        for n in prefill:
+        for n in lengths:
             rig.world.lengths = [0]
             fb = rig.world.batch({0: n})
-            x = torch.randn(n, size.hidden, generator=rig.world.gen).to(device, dtype)
-            fns = {arm: rig.pass_fn(fb, x, sk) for arm, sk in {"dense": None, **arms}.items()}
-            ms = {arm: time_step(synced(fn, device), False, prefill_reps) for arm, fn in fns.items()}
+            x = torch.randn(n, hf_config.hidden_size, generator=rig.world.gen).to(device, dtype)
+            fns = {arm: rig.pass_fn(fb, x, sk) for arm, sk in timed.items()}
+            ms = {arm: time_step(synced(fn, device), False, reps) for arm, fn in fns.items()}
             share = project_only_share(fns[f"s={s}"])
             context = (n + 1) / 2
             limit = token_macs(layer_cfg, context, 0.0, 0.0)["per_token"] / \
-                token_macs(layer_cfg, context, share, 0.0)["per_token"]
+                token_macs(layer_cfg, context, share, 0.0, reads)["per_token"]
             row = {"tokens": n, **{f"{k}_ms": t for k, t in ms.items()}, "project_only_share": share,
-                   "speedup": ms["s=0"] / ms[f"s={s}"], "dense_over_s": ms["dense"] / ms[f"s={s}"], "flop_limit": limit}
+                   "speedup": ms["s=0"] / ms[f"s={s}"], "flop_limit": limit,
+                   "project_only_rows_read": reads}
+            dense = ""
+            if "dense" in ms:
+                row["dense_over_s"] = ms["dense"] / ms[f"s={s}"]
+                dense = f"dense {ms['dense']:9.2f}  "
             out.append(row)
-            print(f"  {n:>6} tokens  dense {ms['dense']:9.2f}  s=0 {ms['s=0']:9.2f}  s={s} {ms[f's={s}']:9.2f} ms  "
-                  f"s=0/s={s} {row['speedup']:5.3f}  dense/s={s} {row['dense_over_s']:5.3f} (Project-Only "
-                  f"{share:.3f} of the tokens; FLOP limit {limit:5.3f})", flush=True)
-    report["prefill"] = out
-    return report
+            print(f"  {n:>6} tokens  {dense}s=0 {ms['s=0']:9.2f}  s={s} {ms[f's={s}']:9.2f} ms  "
+                  f"s=0/s={s} {row['speedup']:5.3f} (Project-Only {share:.3f} of the tokens{', read' if reads else ''}"
+                  f"; FLOP limit {limit:5.3f})", flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,12 +504,14 @@ def main(argv: list[str] | None = None) -> int:
     del model
 
     if "served" not in skip:
-        print("4. the served layer: SGLang's routed decoder layer, s=0 (the control) against s, one layer")
+        print(f"4. the served layer: SGLang's routed decoder layer alone, {ARMS_NOTE}")
+        report["served"] = {}
         with tempfile.TemporaryDirectory(prefix="mixed-bench-") as tmp:
-            report["served"] = bench_served(size, device, dtype, rows_grid, contexts, prefill, args.s, use_graph,
-                                            reps, max(3, reps // 4), Path(tmp),
-                                            execution="triton" if args.smoke else "auto")
-        write(report)
+            bench_served(size, device, dtype, rows_grid, contexts, prefill, args.s, use_graph, reps,
+                         max(3, reps // 4), Path(tmp), report["served"], lambda: write(report),
+                         execution="triton" if args.smoke else "auto")
+    report["complete"] = True
+    write(report)
     return 0
 
 

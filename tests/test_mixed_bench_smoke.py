@@ -34,10 +34,12 @@ def test_benchmark_smoke_run_times_the_served_layer(cli_env, tmp_path):
     assert served["execution"]["decode"] == "triton" and served["decode_graphs"] is False
     cells = served["decode"]["cells"]
     assert [(c["rows"], c["context"]) for c in cells] == [(2, 8), (2, 16), (4, 8), (4, 16)]
-    for c in cells:
+    for c in cells:  # at this size the adapter's weights can outweigh the K/V reads skipped: a limit below 1
         assert min(c["dense_ms"], c["s=0_ms"], c["s=0.5_ms"]) > 0 and 0.0 <= c["project_only_share"] <= 1.0
-        assert c["bandwidth_limit"] >= 1.0
+        assert c["bandwidth_limit"] == 1.0 if c["project_only_share"] == 0 else c["bandwidth_limit"] > 0
     assert any(c["project_only_share"] > 0 for c in cells)  # some rows really took the Project-Only branch
     prefill = served["prefill"]
     assert [p["tokens"] for p in prefill] == [16, 32]
     assert all(0 < p["project_only_share"] < 1 and p["flop_limit"] > 1 for p in prefill)
+    assert not any(p["project_only_rows_read"] for p in prefill)  # on CPU the RUN rows alone read
+    assert json.loads(out.read_text())["complete"]

@@ -3,11 +3,10 @@
 import pytest
 
 from vskipper.constants import CONSTANTS
-from vskipper.modelspec import PRESETS, ModelConfigError, ModelFacts
+from vskipper.modelspec import PRESETS, ModelConfigError, ModelFacts, decode_bytes
 from vskipper.roofline import (
     DEVICES,
     UnknownDeviceError,
-    decode_bytes,
     derive_thresholds,
     find_device,
     lookup_device,
@@ -145,13 +144,18 @@ def test_model_facts_from_config():
 
 
 def test_decode_bytes_reads_every_weight_once_and_the_kv_the_project_only_rows_do_not_skip():
-    """Llama-3-8B's shape: 436 MiB of weights per layer; 128 KiB of K/V per 1k resident tokens per layer (bf16)."""
+    """Llama-3-8B's shape: 436 MiB of weights per layer, 21 MiB of adapter (m = 14336 / 16) read where rows
+    project; 4 KiB of K/V per resident token per layer (bf16)."""
     cfg = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "routing_layers": list(range(16, 32))}
     layer = {**cfg, "num_hidden_layers": 1, "routing_layers": [0], "vocab_size": 0}  # one routed layer alone
-    weights = 4096 * (32 + 16) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336
-    assert decode_bytes(layer, 0, 0.5) == decode_bytes(layer, 0, 0.0) == 2 * weights
+    weights, adapter = 4096 * (32 + 16) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336, 3 * 4096 * 896
+    assert decode_bytes(layer, 0, 0.0) == 2 * weights
+    assert decode_bytes(layer, 0, 0.5) == 2 * (weights + adapter)
     assert decode_bytes(layer, 1000, 0.0) - decode_bytes(layer, 0, 0.0) == 1000 * 4096
-    assert decode_bytes(layer, 1000, 0.5) - decode_bytes(layer, 0, 0.0) == 500 * 4096
+    assert decode_bytes(layer, 1000, 0.5) - decode_bytes(layer, 0, 0.5) == 500 * 4096
     model = decode_bytes(cfg, 1000, 0.5) - decode_bytes(cfg, 0, 0.5)
     assert model == 1000 * 4096 * (32 - 8)  # a quarter of the model's layer reads skipped
+    assert decode_bytes(cfg, 0, 0.5) - decode_bytes(cfg, 0, 0.0) == 16 * 2 * adapter
+    with pytest.raises(ValueError, match="proj_reduction_factor"):
+        decode_bytes(cfg | {"proj_reduction_factor": 5}, 0, 0.5)

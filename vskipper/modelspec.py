@@ -1,4 +1,5 @@
-"""Model facts the rule and the runtime need: depth, routed layers, KV geometry.
+"""Model facts the rule and the runtime need: depth, routed layers, KV geometry, the skipper modules' widths and
+the bytes a decode step reads.
 
 `ModelFacts.from_config(dict)` reads a Hugging Face style config.json (already parsed: no I/O here);
 `load_model_facts(name_or_path)` is the one function that touches the file system.
@@ -21,6 +22,33 @@ DTYPE_BYTES = {
 
 class ModelConfigError(ValueError):
     pass
+
+
+def router_sizes(config: dict) -> tuple[int, int]:
+    """(r, m): the router's and the Project-Only adapter's reduced widths from a skipper checkpoint's config."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    router_factor = config.get("router_reduction_factor", 16)
+    proj_factor = config.get("proj_reduction_factor", 16)
+    for field, factor, dim in (("router_reduction_factor", router_factor, hidden),
+                               ("proj_reduction_factor", proj_factor, inter)):
+        if not isinstance(factor, int) or factor <= 0 or dim % factor:
+            raise ValueError(f"config field {field!r}={factor!r} must be a positive divisor of {dim}")
+    return hidden // router_factor, inter // proj_factor
+
+
+def decode_bytes(config: dict, resident: float, skip: float, dtype_bytes: int = 2) -> float:
+    """Bytes one decode step of a skipper model (its config.json as a dict) reads: every weight once, the adapter's
+    too at every routed layer where rows project (skip > 0), and the KV of the `resident` tokens at every layer,
+    less the attention reads a Project-Only decision skips (share `skip` of the routed layers' rows). One routed
+    layer alone: `num_hidden_layers` 1, one routed layer, `vocab_size` 0."""
+    d, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or d // heads
+    layers, routed = config["num_hidden_layers"], len(config["routing_layers"])
+    per_layer = d * (heads + 2 * kv_heads) * hd + heads * hd * d + 3 * d * i
+    adapter = 3 * d * router_sizes(config)[1] if skip > 0 else 0  # gate and down d -> m, up m -> d
+    weights = (layers * per_layer + routed * adapter + 2 * v * d) * dtype_bytes
+    return weights + resident * kv_bytes_per_token_layer(kv_heads, hd, dtype_bytes) * (layers - skip * routed)
 
 
 @dataclass(frozen=True)

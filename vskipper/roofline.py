@@ -121,19 +121,6 @@ def kv_bytes_per_token_layer(num_kv_heads: int, head_dim: int, dtype_bytes: int)
     return 2 * num_kv_heads * head_dim * dtype_bytes
 
 
-def decode_bytes(config: dict, resident: float, skip: float, dtype_bytes: int = 2) -> float:
-    """Bytes one decode step of a skipper model (its config.json as a dict) reads: every weight once, and the KV of
-    the `resident` tokens at every layer, less the attention reads a Project-Only decision skips (share `skip` of
-    the routed layers' rows). One routed layer alone: `num_hidden_layers` 1, one routed layer, `vocab_size` 0."""
-    d, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    hd = config.get("head_dim") or d // heads
-    layers, routed = config["num_hidden_layers"], len(config["routing_layers"])
-    per_layer = d * (heads + 2 * kv_heads) * hd + heads * hd * d + 3 * d * i
-    weights = (layers * per_layer + 2 * v * d) * dtype_bytes
-    return weights + resident * kv_bytes_per_token_layer(kv_heads, hd, dtype_bytes) * (layers - skip * routed)
-
-
 def tau_seconds(routed_layers: int, constants: SwitchConstants = CONSTANTS) -> float:
     """Routed mode's fixed per-step cost for L_r routed layers (tau scaled by L_r / 16)."""
     return constants.tau_ms_per_16_layers * 1e-3 * routed_layers / constants.tau_reference_routed_layers

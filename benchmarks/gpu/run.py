@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from vskipper.roofline import decode_bytes  # noqa: E402
+from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
 
 STAGES = ("serve-ab", "sweep", "kernels")
@@ -258,6 +258,7 @@ def served(server: Server) -> dict:
     return {"arm": doc["arm"]["name"], "profile": doc["execution"].get("profile"), "passes_total": doc["passes_total"],
             "graph_passes_total": doc.get("graph_passes_total"), "routed_graph_variants": doc.get("routed_graph_variants"),
             "cuda_graphs": doc["execution"].get("cuda_graphs"), "rows_total": doc.get("rows_total"),
+            "routed_layers_backend": doc["execution"].get("routed_layers_backend"),
             "thresholds": doc["thresholds"], "sglang_version": doc.get("sglang_version")}
 
 
@@ -513,8 +514,11 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
         out["control_decode_graphs"] = decode_graphs(control["served"])
         out["decode_over_control"] = decode_ratios(config, routed["decode"], control["decode"],
                                                    "routed_over_control_tok_s", limit=True)
+        # Where the routed arm's prefill reads through SGLang's backend, Project-Only rows enter the read (attested).
+        backend = routed["served"].get("routed_layers_backend") or {}
         out["prefill_over_control"] = prefill_ratios(config, routed["prefill"], control["prefill"],
-                                                     "control_over_routed_time", limit=True)
+                                                     "control_over_routed_time", limit=True,
+                                                     project_only_reads=backend.get("prefill_read") == "backend")
         out["control_over_dense_decode"] = decode_ratios(config, control["decode"], dense["decode"],
                                                          "control_over_dense_tok_s")
     return out
@@ -537,9 +541,11 @@ def decode_ratios(config: dict, treated: list, baseline: list, key: str, limit: 
     return rows
 
 
-def prefill_ratios(config: dict, treated: list, baseline: list, key: str, limit: bool = False) -> list[dict]:
+def prefill_ratios(config: dict, treated: list, baseline: list, key: str, limit: bool = False,
+                   project_only_reads: bool = False) -> list[dict]:
     """Per prompt length: baseline / treated time to first token; with `limit`, the FLOP limit of the skip (a
-    Project-Only row pays its K/V and the projector; `benchmarks/bench_cpu.py`'s accounting)."""
+    Project-Only row pays its K/V and the projector, and with `project_only_reads` the attention read;
+    `benchmarks/bench_cpu.py`'s accounting)."""
     if str(ROOT / "benchmarks") not in sys.path:
         sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_cpu import Load, flop_limit
@@ -551,7 +557,7 @@ def prefill_ratios(config: dict, treated: list, baseline: list, key: str, limit:
             continue
         row = {"tokens": p["tokens"], key: times[p["tokens"]] / p["ttft_s"]}
         if limit:
-            row["flop_limit"] = flop_limit(config, Load(p["tokens"], 1, 1, 1), SKIP_RATIO)
+            row["flop_limit"] = flop_limit(config, Load(p["tokens"], 1, 1, 1), SKIP_RATIO, project_only_reads)
         rows.append(row)
     return rows
 
@@ -566,11 +572,22 @@ def bench_grid(plan: Plan) -> list[str]:
     return [] if memory_gib >= 120 else ["--rows", "32,64,128", "--contexts", "512,1024,2048", "--reps", "10"]
 
 
+BENCH_JSON = "mixed_depth_bench.json"
+
+
+def finished(target: Path) -> bool:
+    """Whether a kernels-stage step's output is whole: the tile table once written, the bench's JSON once its last
+    section is in (it is written after each section)."""
+    if not target.is_file():
+        return False
+    return target.name != BENCH_JSON or bool(json.loads(target.read_text()).get("complete"))
+
+
 def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
     stage = Stage("kernels", out, budget_s)
     device = device_name(plan) or "CPU"
     tiles = stage.out / f"tiles-{device}.json"
-    bench_json = stage.out / "mixed_depth_bench.json"
+    bench_json = stage.out / BENCH_JSON
     runs = {}
     steps = (("tune-tiles", tiles, [sys.executable, "-m", "vskipper.cli", "tune-tiles", "--out", str(tiles),
                                     *(["--interpret"] if plan.dry_run else ["--device", device]),
@@ -579,7 +596,7 @@ def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
              ("mixed_depth_bench", bench_json, [sys.executable, str(ROOT / "benchmarks" / "mixed_depth_bench.py"),
                                                 "--json", str(bench_json), *bench_grid(plan)]))
     for name, target, cmd in steps:
-        if target.is_file():
+        if finished(target):
             runs[name] = {"output": str(target), "exit": 0, "earlier_run": True}
             continue
         if not stage.has_time(5 if plan.dry_run else 120, name):
@@ -596,6 +613,8 @@ def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
         (stage.out / f"{name}.log").write_text(text if isinstance(text, str) else text.decode())
         runs[name] = {"output": str(target), "exit": code}
         log(stage.name, f"{name}: exit {code}")
+        if code != 0 or not finished(target):  # the next run tries it again (the bench writes each section)
+            stage.left.append(name)
     return {"device": device, "runs": runs, "left": stage.left}
 
 
@@ -608,7 +627,7 @@ def summary(plan: Plan, out: Path) -> dict:
         path = out / f"{name}.json"
         results[name] = json.loads(path.read_text()) if path.is_file() else None
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (out / "summary.md").write_text(markdown(results))
+    (out / "summary.md").write_text(markdown(results, out))
     return results
 
 
@@ -616,7 +635,8 @@ def _f(value, fmt: str = ".3g") -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, out: Path | None = None) -> str:
+    """The run's summary; `out`, the run's folder, for what a stage left in files there."""
     env = results.get("environment") or {}
     lines = ["# vSkipper device run", "",
              f"Device: {env.get('gpu', 'none (CPU dry run: no figure here is a GPU measurement)')}; "
@@ -672,14 +692,13 @@ def markdown(results: dict) -> str:
     if kernels:
         lines += ["## Kernels", ""] + [f"- {k}: exit {v['exit']}, {v['output']}" for k, v in kernels["runs"].items()]
         lines.append("")
-        lines += served_layer_lines(kernels)
+        lines += served_layer_lines(out / "kernels" / BENCH_JSON if out else None)
     return "\n".join(lines)
 
 
-def served_layer_lines(kernels: dict) -> list[str]:
-    """The served layer alone (mixed_depth_bench's section 4), where its JSON holds it."""
-    path = Path((kernels["runs"].get("mixed_depth_bench") or {}).get("output", ""))
-    bench = json.loads(path.read_text()) if path.is_file() else {}
+def served_layer_lines(path: Path | None) -> list[str]:
+    """The served layer alone (mixed_depth_bench's section 4), where the bench's JSON in the run's folder holds it."""
+    bench = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     served, s = bench.get("served"), bench.get("s")
     if not served or "decode" not in served:
         return []
@@ -691,10 +710,15 @@ def served_layer_lines(kernels: dict) -> list[str]:
              "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {c['rows']} | {c['context']} | {c['s=0_ms']:.3f} | {c[f's={s}_ms']:.3f} | {c['speedup']:.3f} | "
               f"{c['project_only_share']:.2f} | {c['bandwidth_limit']:.3f} |" for c in served["decode"]["cells"]]
-    lines += ["", f"| prefill tokens | dense ms | s=0 ms | s={s} ms | s=0 / s={s} | FLOP limit |",
-              "|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {p['tokens']} | {p['dense_ms']:.2f} | {p['s=0_ms']:.2f} | {p[f's={s}_ms']:.2f} | "
-              f"{p['speedup']:.3f} | {p['flop_limit']:.3f} |" for p in served.get("prefill", [])]
+    prefill = served.get("prefill") or []
+    if prefill:
+        read = (" (Project-Only rows enter the attention read with a zero query: SGLang's backend read)"
+                if prefill[0].get("project_only_rows_read") else "")
+        lines += ["", f"Prefill, one prompt, eager{read}; dense where its attention backend here is the server's:", "",
+                  f"| prefill tokens | dense ms | s=0 ms | s={s} ms | s=0 / s={s} | Project-Only share | FLOP limit |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {p['tokens']} | {_f(p.get('dense_ms'), '.2f')} | {p['s=0_ms']:.2f} | {p[f's={s}_ms']:.2f} | "
+                  f"{p['speedup']:.3f} | {p['project_only_share']:.3f} | {p['flop_limit']:.3f} |" for p in prefill]
     return lines + [""]
 
 

@@ -24,11 +24,13 @@ Two executions of the same semantics:
           the rest, `nonzero_static`): their sizes are shapes, never values read on the host.
           Each sub-module sees only its cohort's rows. When no row projects, the all-RUN fast path calls the
           host's own dense attention and MLP over the whole batch. (`nonzero` would synchronize on a GPU, where
-          the triton execution is the capture-safe one.) The served layer runs this execution.
-  triton  (GPU decode: the served layer on CUDA and the bench stack) every kernel keeps its launch shape for the capacity: K/V and Q over all
-          rows, the RUN-masked decode read (Project-Only rows read nothing and yield zero by a select), the
-          count-bounded cohort FFNs over the device cohort maps (`vskipper.mixed.cohorts`). No host read. Q and
-          o_proj of Project-Only rows are still computed here (the read is skipped, not the projections).
+          the triton execution is the capture-safe one.) The served layer runs this execution on CPU and in
+          every prefill.
+  triton  (GPU decode: the served layer on CUDA and the bench stack) every kernel keeps its launch shape for the
+          capacity: K/V and Q over all rows, the RUN-masked decode read (Project-Only rows read nothing and
+          yield zero by a select), the count-bounded cohort FFNs over the device cohort maps
+          (`vskipper.mixed.cohorts`). No host read. Q and o_proj of Project-Only rows are still computed here
+          (the read is skipped, not the projections).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Thin glue, all in this package:
   server.py      the launcher `vskipper serve` runs: registers the above, adds `/vskipper/attestation`, starts
                  SGLang's HTTP server
   launch.py      `vskipper serve` as a child process in its own session (the demo and the server tests)
-  standalone.py  one served routed layer outside a server, on CPU (the served layer's tests, the CPU bench's
-                 decode profile)
+  standalone.py  one served routed layer outside a server, on CPU or CUDA (the served layer's tests, the CPU
+                 bench's decode profile, mixed_depth_bench's served-layer section)
   shims/         what the pinned release needs to run on CPU-only machines
 """
 

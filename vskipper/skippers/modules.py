@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vskipper.modelspec import router_sizes  # noqa: F401  (re-exported: the modules' widths)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -69,15 +71,3 @@ ROUTER_MARKERS = (".router.", ".router_proj.")
 def is_router_tensor(name: str) -> bool:
     """Whether a checkpoint tensor belongs to a layer's router or Project-Only adapter."""
     return any(m in name for m in ROUTER_MARKERS)
-
-
-def router_sizes(config: dict) -> tuple[int, int]:
-    """(r, m): the router's and the adapter's reduced widths from a skipper checkpoint's config."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    router_factor = config.get("router_reduction_factor", 16)
-    proj_factor = config.get("proj_reduction_factor", 16)
-    for field, factor, dim in (("router_reduction_factor", router_factor, hidden),
-                               ("proj_reduction_factor", proj_factor, inter)):
-        if not isinstance(factor, int) or factor <= 0 or dim % factor:
-            raise ValueError(f"config field {field!r}={factor!r} must be a positive divisor of {dim}")
-    return hidden // router_factor, inter // proj_factor
