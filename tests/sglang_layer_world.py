@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from vskipper.sglang.standalone import StandaloneLayer, cpu_process, init_sglang
+from vskipper.sglang.standalone import StandaloneLayer, device_process, init_sglang
 
-cpu_process()  # before any test module of this process imports SGLang
+device_process("cpu")  # before any test module of this process imports SGLang
 __all__ = ["ARCHS", "LayerWorld", "init_sglang"]
 ARCHS = ("flexidepth-llama", "qwen3-skipper")  # the two routed model families
 

@@ -97,22 +97,23 @@ def thresholds(arm: Arm, enter: int | None, exit_: int | None, model_dir: str | 
     return t.enter_tokens, t.exit_tokens, f"roofline:{device.name}"
 
 
+def platform_profile(platform: str, jit: bool = False):
+    """The serving profile of a resolved platform on this machine: on a GPU, with the real `sgl_kernel` where one
+    is importable, else the stand-ins."""
+    from vskipper.sglang.spec import serve_profile
+
+    return serve_profile(platform, platform == "gpu" and real_sgl_kernel_importable(), jit)
+
+
 def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    from vskipper.sglang.spec import (
-        ServeSpec,
-        check_arm_for_model,
-        checkpoint_config,
-        serve_environment,
-        serve_profile,
-    )
+    from vskipper.sglang.spec import ServeSpec, check_arm_for_model, checkpoint_config, serve_environment
 
     arm = load_arm(args)
     check_arm_for_model(arm, checkpoint_config(args.model).get("model_type", ""))
     enter, exit_, source = thresholds(arm, args.enter_tokens, args.exit_tokens, args.model,
                                       getattr(args, "gpu", None))
     platform = resolve_platform(getattr(args, "platform", "auto"))
-    profile = serve_profile(platform, platform == "gpu" and real_sgl_kernel_importable(),
-                            getattr(args, "gpu_jit", False))
+    profile = platform_profile(platform, getattr(args, "gpu_jit", False))
     extra = list(args.sglang_args or [])
     state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
     spec = ServeSpec(arm, enter, exit_, state, source, profile.attestation())

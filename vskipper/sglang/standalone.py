@@ -5,7 +5,7 @@ decode profile (`benchmarks/bench_cpu.py`) and the served-layer section of `benc
 
 SGLang's layers need its runtime context and a model-parallel group even at TP = 1: `init_sglang` publishes a
 one-process topology (gloo) once per process, as SGLang's own layer tests do. Before that, `device_process`
-prepares the process as the server's profile for that platform (`serve_profile`) prepares the server: on CPU
+prepares the process as the server's profile for that platform (`platform_profile`) prepares the server: on CPU
 SGLang's CPU engine and the CPU `sgl_kernel` stand-in, on a GPU without SGLang's kernel wheels the CUDA stand-ins.
 SGLang decides its platform from the environment when its modules are first imported.
 So this module imports no SGLang at import time, and a process that uses it imports SGLang only after
@@ -22,31 +22,22 @@ from types import SimpleNamespace
 
 import torch
 
-from vskipper.sglang.spec import serve_profile
-
 _READY: str | None = None  # the device type SGLang's context was published for
+PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}  # device type -> the serving platform whose profile prepares it
 
 
 def device_process(device: str = "cpu") -> None:
     """The environment and stand-ins (first on sys.path) of the server's profile for `device` ('cpu' or 'cuda') in
     this process; idempotent."""
-    if device == "cpu":
-        profile = serve_profile("cpu", False)
-    elif device == "cuda":
-        from vskipper.sglang.cli import real_sgl_kernel_importable
+    from vskipper.sglang.cli import platform_profile
 
-        profile = serve_profile("gpu", real_sgl_kernel_importable())
-    else:
+    if device not in PLATFORMS:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    profile = platform_profile(PLATFORMS[device])
     os.environ.update(profile.environment)
     for path in reversed(profile.path):
         if path not in sys.path:
             sys.path.insert(0, path)
-
-
-def cpu_process() -> None:
-    """The server's CPU environment and stand-ins in this process; idempotent."""
-    device_process("cpu")
 
 
 def init_sglang(device: str = "cpu") -> None:
