@@ -29,7 +29,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -61,12 +60,6 @@ RESOURCES = [
     (CRD, "SkipperDeployment", True, {"status", "scale"}),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout=20.0, what="condition"):

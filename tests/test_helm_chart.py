@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 import monitoring_schemas
 import pytest
 import yaml
+
+from vskipper.sglang.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "vskipper"
@@ -260,18 +261,12 @@ def test_every_value_is_documented_in_the_schema():
     assert not missing, f"values without a `# --` comment in values.yaml: {missing}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_helm_test_hook_script_passes_against_the_real_operator_metrics_endpoint(tmp_path, cli_env):
     pod = by_kind(render(tmp_path), "Pod")[0]
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     command = pod["spec"]["containers"][0]["command"]
     assert command[:2] == ["python3", "-c"]
-    port = _free_port()
+    port = free_port()
     url = "http://vskipper-operator-metrics.vskipper-system.svc:9090/metrics"
     assert url in command[2]
     script = command[2].replace(url, f"http://127.0.0.1:{port}/metrics")

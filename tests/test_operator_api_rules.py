@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from kube_world import Cluster, free_port, operator_process, wait_for
+from kube_world import Cluster, operator_process, wait_for
 from operator_fixtures import A100, H100, node, resource
 from test_operator_handlers import (
     DEPLOYMENTS,
@@ -21,6 +21,7 @@ from test_operator_handlers import (
     status_of,
 )
 
+from vskipper.sglang.launch import free_port
 from vskipper_operator import metrics
 
 pytestmark = pytest.mark.server  # the operator running against a Kubernetes API on loopback

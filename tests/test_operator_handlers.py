@@ -13,9 +13,10 @@ import urllib.request
 import kmock
 import pytest
 from kopf.testing import KopfRunner
-from kube_world import free_port, wait_for
+from kube_world import wait_for
 from operator_fixtures import A100, H100, UNKNOWN, node, resource
 
+from vskipper.sglang.launch import free_port
 from vskipper_operator.plan import plan
 
 pytestmark = pytest.mark.server  # the operator running against a Kubernetes API on loopback

@@ -44,11 +44,12 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
-from kube_world import Cluster, free_port, operator_process, wait_for
+from kube_world import Cluster, operator_process, wait_for
 from operator_fixtures import A100, H100
 
 from vskipper import metrics_names as mn
 from vskipper.metrics_names import GPU_CLASS
+from vskipper.sglang.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "helm" / "vskipper" / "files" / "prometheus-rules.yaml"

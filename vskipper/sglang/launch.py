@@ -3,12 +3,18 @@
 The demo and the server tests both start servers this way. Each server runs in its own session (process group),
 so the terminal's Ctrl-C reaches only the caller, whose `finally` then ends the whole group (SGLang's HTTP
 process, scheduler and detokenizer) with SIGTERM, and SIGKILL if it lingers.
+
+Ports: SGLang picks its own internal port (torch.distributed's store) as "any free port" and binds it seconds later,
+in the scheduler; on a busy host an outgoing connection's source port can take it in between, and the scheduler dies
+with EADDRINUSE. The HTTP port is therefore picked outside the kernel's ephemeral range (no source port lands there),
+and a server that dies of a port collision before it answers is started again (`RELAUNCHES` times).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,11 +31,43 @@ from vskipper.serveargs import serve_argv
 STARTUP_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 20
+RELAUNCHES = 2
+# Below the kernel's ephemeral range; the lowest port `free_port` picks.
+PORT_FLOOR = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_COLLISION = "address already in use"
+_STARTED_AGAIN = "\n--- started again: the start above died of a port collision ---\n"
 # The directory holding the imported `vskipper` package: put on the child's path so it serves this same code.
 _CODE_ROOT = Path(__file__).resolve().parents[2]
 
 
+def ephemeral_floor() -> int:
+    """The lowest port the kernel hands out as an outgoing connection's source port (Linux's default 32768)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
+    """A loopback port free now, drawn at random below the ephemeral range, so that no outgoing connection takes
+    it before the server binds it, and side-by-side callers rarely draw the same one; the kernel's pick where that
+    range leaves no room below it."""
+    top = ephemeral_floor()
+    if top - PORT_FLOOR >= 1000:
+        for _ in range(200):
+            port = random.randrange(PORT_FLOOR, top)
+            if _bindable(port):
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -64,18 +102,31 @@ def serve_command(model: str | Path, port: int, state_file: Path, *, arm: str | 
 class Server:
     """A started `vskipper serve` child process on a loopback port."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path, graceful: bool = True) -> None:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, graceful: bool = True,
+                 relaunch: Callable[[], subprocess.Popen] | None = None) -> None:
         self.proc, self.port, self.log = proc, port, log
         self.url = f"http://127.0.0.1:{port}"
         # graceful: SIGTERM first (SGLang drains its requests, about 5 s); otherwise the group is killed at once
         self.graceful = graceful
+        # Starts the same command again, its output appended to the same log (see the module's note on ports).
+        self.relaunch = relaunch
+        self.relaunches = 0
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
-        """Block until `/health` answers 200; raises with the log's tail if the process exits or time runs out."""
+        """Block until `/health` answers 200; raises with the log's tail if the process exits or time runs out.
+        A server that died of a port collision is started again, up to `RELAUNCHES` times."""
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+                tail = self.log.read_text()[-3000:]
+                this_start = tail.rsplit(_STARTED_AGAIN, 1)[-1]
+                if self.relaunch is not None and self.relaunches < RELAUNCHES and _COLLISION in this_start.lower():
+                    self._signal_group(signal.SIGKILL)  # whatever of the dead start still runs
+                    self.relaunches += 1
+                    self.proc = self.relaunch()
+                    deadline = time.monotonic() + timeout
+                    continue
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{tail}")
             try:
                 if http(self.url + "/health", timeout=5)[0] == 200:
                     return self
@@ -91,10 +142,13 @@ class Server:
 
     def _signal(self, sig: int) -> None:
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+            self._signal_group(sig)
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def stop(self) -> None:
         """End the server's whole process group: SIGTERM, then SIGKILL if it lingers; where not graceful,
@@ -157,10 +211,16 @@ def launched(model: str | Path, workdir: Path, *, arm: str | None = None, arm_fi
     env = dict(os.environ, **(env or {}),
                PYTHONPATH=os.pathsep.join(p for p in (str(_CODE_ROOT), os.environ.get("PYTHONPATH")) if p))
     env.pop("TRITON_INTERPRET", None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-    server = Server(proc, port, log, graceful)
+
+    def spawn(mode: str = "w") -> subprocess.Popen:
+        with open(log, mode) as out:
+            if mode == "a":
+                out.write(_STARTED_AGAIN)
+                out.flush()
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+
+    server = Server(spawn(), port, log, graceful, relaunch=lambda: spawn("a"))
     try:
         yield server
     finally:
