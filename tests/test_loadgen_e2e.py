@@ -138,15 +138,17 @@ def test_mechanism_and_design_gates_read_the_servers_attestation():
 def test_matched_work_ab_against_two_servers_passes_the_gates_and_resolves_the_faster_arm(tmp_path):
     suite = make_suite(30)
     arm = get_arm("always-route")
-    slow = DoubleConfig(decode_base_s=0.008, decode_per_row_s=0.0008)  # 4x: far outside a loaded host's noise
-    fast = DoubleConfig(decode_base_s=0.002, decode_per_row_s=0.0002, arm=arm.as_dict(),
+    # 4x apart, and each step long beside the client's own work per step (a few ms of Python, in this process):
+    # on a loaded two-core host that work can stretch several-fold and once swamped 2 ms steps.
+    slow = DoubleConfig(decode_base_s=0.032, decode_per_row_s=0.0032)
+    fast = DoubleConfig(decode_base_s=0.008, decode_per_row_s=0.0008, arm=arm.as_dict(),
                         routed_phases=("prefill", "decode"))
 
     async def go():
         async with DoubleServer(slow) as a, DoubleServer(fast) as b:
             return await run_ab(ArmTarget("upstream", Endpoint(a.url, attestation_path=None)),
                                 ArmTarget("always-route", Endpoint(b.url), arm), suite, 60.0, repetitions=3,
-                                seed=11, max_new_tokens=64)
+                                seed=11, max_new_tokens=32)
 
     res = run(go())
     assert [r.order for r in res.repetitions] == [("upstream", "always-route"), ("always-route", "upstream"),
