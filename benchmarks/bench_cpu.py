@@ -16,29 +16,35 @@
    ids to every arm in alternating order (`prefill_latency`): the prefill's latency without concurrency.
 3. The FLOP limit of s = 0.5 over s = 0 from the model's shapes: a Project-Only row pays its K/V and the
    projector and skips Q, the attention read, o_proj and the MLP (`flop_limit`).
-4. The decode limit from time (`served_decode_profile`, in a child process before the servers start): one
-   served routed layer of the checkpoint's shape (SGLang's own decoder layer, KV pool and torch-native decode
-   read) at the decode load's batch and mean context. What a Project-Only row skips (Q, the read, o_proj, the
-   MLP) is timed over every row and over the RUN rows only: the saving is the difference, less the projector
-   over the Project-Only rows, at each routed layer; the step is the model's layers, dense (embedding, logits
-   and the scheduler left out, so the limit is an upper bound). On CPU at batch 16 a decode GEMM's time is its
-   weight read, nearly flat in the rows, so the saving is mostly the attention read, not s x the skipped work.
-   The routed-layer body itself is timed too, nothing skipped and at s: what the layer realises of its limit.
+4. The limits from time (`served_layer_profile`, in a child process before the servers start): one served
+   routed layer of the checkpoint's shape (SGLang's own decoder layer, KV pool and torch-native attention), at
+   the decode load's batch and mean context and at one prefill prompt. What a Project-Only row skips (Q, the
+   read, o_proj, the MLP) is timed over every row and over the RUN rows only: the saving is the difference, less
+   the projector over the Project-Only rows, at each routed layer; the step is the model's layers, dense
+   (embedding, logits and the scheduler left out, so the limit is an upper bound). On CPU at batch 16 a decode
+   GEMM's time is its weight read, nearly flat in the rows, so the decode saving is mostly the attention read,
+   not s x the skipped work; at prefill the read costs more time per FLOP than the GEMMs, so the time limit
+   can lie above the FLOP limit. The routed-layer body itself is timed too, nothing skipped and at s: what the
+   layer realises of its limit.
 
 The last line: `prefill <x>x of limit <y>x; decode <x>x of limit <y>x; s=0 overhead <z>%` (s = 0.5 over s = 0,
-the decode limit from the profiled saving; the overhead is the larger of the two phases' dense / s=0 - 1).
+the prefill limit from FLOPs, the decode limit from the profiled saving; both limits are printed above for both
+phases; the overhead is the larger of the two phases' dense / s=0 - 1).
 
     python benchmarks/bench_cpu.py                 # the full size (tens of minutes on two cores)
     python benchmarks/bench_cpu.py --size demo     # 8 layers, s=0 and s=0.5 only (`make demo`'s routing section)
     python benchmarks/bench_cpu.py --quick         # a tiny model, the routed arms: checks the pipeline, figures mean nothing
 
 CPU timings on a machine other processes share are noisy: the repetitions' spread is printed beside each ratio.
+Each server (and each layer profile) runs on every core but one (`--server-threads`, OMP_NUM_THREADS), leaving one
+to the client and SGLang's tokenizer and detokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -144,30 +150,48 @@ def flop_limit(config: dict, phase: Load, skip: float, project_only_reads: bool 
             / token_macs(config, context, skip, lm, project_only_reads)["per_token"])
 
 
-def profile_decode(ckpt: Path, load: Load, skip: float, rounds: int) -> dict:
-    """`served_decode_profile` in a child process (SGLang's one-process topology sets RANK, WORLD_SIZE and
-    MASTER_* in its environment, which the servers started later must not inherit)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--profile-decode", str(ckpt),
-           json.dumps({"rows": load.concurrency, "context": load.input_len + load.output_len // 2, "skip": skip,
-                       "rounds": rounds})]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def default_threads() -> int:
+    """The servers' torch threads: every core this process may use but one, which the client, SGLang's
+    tokenizer and detokenizer processes share. A server whose threads fill every core stalls at each parallel
+    region whenever one of them is preempted: on two cores, the full size's paired prefill ratios spread over
+    0.23-0.28 (max - min of 7) with two threads, over 0.06 with one."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def threads_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads)}
+
+
+def profile_layer(ckpt: Path, phase: str, load: Load, skip: float, rounds: int, threads: int) -> dict:
+    """`served_layer_profile` of `phase` at the load's shape, in a child process (SGLang's one-process topology
+    sets RANK, WORLD_SIZE and MASTER_* in its environment, which the servers started later must not inherit):
+    decode at the load's concurrency and mean context, prefill one of its prompts."""
+    shape = ({"rows": load.concurrency, "context": load.input_len + load.output_len // 2} if phase == "decode"
+             else {"rows": load.input_len, "context": 0})
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--profile-layer", str(ckpt),
+           json.dumps({"phase": phase, **shape, "skip": skip, "rounds": rounds})]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **threads_env(threads)})
     if proc.returncode != 0:
-        raise RuntimeError(f"the decode profile failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"the {phase} profile failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def served_decode_profile(ckpt: Path, rows: int, context: int, skip: float, rounds: int) -> dict:
-    """Where a dense decode step of the served model goes, and what a Project-Only row can save in it, from one
-    served routed layer of the checkpoint's shape (`vskipper.sglang.standalone`: SGLang's own decoder layer,
-    KV pool and torch-native attention backend; random weights), decode rows at `context` tokens.
+def served_layer_profile(ckpt: Path, phase: str, rows: int, context: int, skip: float, rounds: int) -> dict:
+    """Where a dense step of the served model goes, and what a Project-Only row can save in it, from one served
+    routed layer of the checkpoint's shape (`vskipper.sglang.standalone`: SGLang's own decoder layer, KV pool and
+    torch-native attention backend; random weights): decode, `rows` rows at `context` tokens; prefill, one prompt
+    of `rows` tokens (the prefill load's prompt; a pass of several prompts costs about as much per token).
 
     Timed, each the median of `rounds` rounds that take every measurement once in turn:
-      layer       the dense layer (upstream's forward) over all `rows` rows: the step is the model's layers
-                  times that (embedding, logits and the scheduler left out: the limit is an upper bound);
+      layer       the dense layer (upstream's forward) over all rows: the step is the model's layers times that
+                  (embedding, logits and the scheduler left out: the limit is an upper bound);
       q, read, o, mlp   what a Project-Only row skips, over all rows and over the RUN rows only (rows - n_proj,
-                  n_proj = round(skip x rows)): Q (the Q rows of the fused qkv_proj), SGLang's decode read, o_proj,
-                  LN2 + MLP. The saving is the difference, not skip x the time: at decode on CPU a GEMM's time is
-                  the weight read, nearly flat in the row count, while the read scales with the rows;
+                  n_proj = round(skip x rows)): Q (the Q rows of the fused qkv_proj), the read the routed layer
+                  takes (decode: SGLang's decode read over the RUN rows; prefill: the routed layer's own read, the
+                  RUN rows' queries over every token's K/V), o_proj, LN2 + MLP. The saving is the difference, not
+                  skip x the time: at decode on CPU a GEMM's time is the weight read, nearly flat in the row count,
+                  while the read scales with the rows; at prefill the read costs more time per FLOP than the GEMMs,
+                  which the FLOP limit does not see;
       projector   LN2 + the adapter over the n_proj rows;
       routed      the served routed-layer body over all rows with nothing skipped and with n_proj Project-Only
                   rows, with the execution the server picks on CPU (`cohort_execution`): what the layer realises.
@@ -184,54 +208,67 @@ def served_decode_profile(ckpt: Path, rows: int, context: int, skip: float, roun
     from vskipper.sglang.configs import register_configs
     from vskipper.sglang.models.routed import SGLangLayerOps, cohort_execution, plan_pass
 
+    if phase not in ("prefill", "decode"):
+        raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
     register_configs()
     torch.set_grad_enabled(False)
     config = AutoConfig.from_pretrained(str(ckpt))
     routed_ids = list(config.routing_layers)
-    world = StandaloneLayer(config, layer_id=routed_ids[0], requests=rows, slots=rows * (context + 1) + 1,
-                            context=context + 1, dtype=torch.bfloat16)
+    decode = phase == "decode"
+    world = (StandaloneLayer(config, layer_id=routed_ids[0], requests=rows, slots=rows * (context + 1) + 1,
+                             context=context + 1, dtype=torch.bfloat16) if decode else
+             StandaloneLayer(config, layer_id=routed_ids[0], requests=1, slots=rows + 1, context=rows,
+                             dtype=torch.bfloat16))
     layer, attn = world.layer, world.layer.self_attn
     lid = attn.attn.layer_id
     world.pool.get_key_buffer(lid).normal_()
     world.pool.get_value_buffer(lid).normal_()
     n_proj = round(skip * rows)
     n_run = rows - n_proj
-
-    def decode_batch(n: int):
-        world.lengths = [context] * rows
-        return world.batch({r: 1 for r in range(n)})
-
-    batches = {rows: decode_batch(rows), n_run: decode_batch(n_run)}
     gen = world.gen
+    execution = cohort_execution([layer], torch.device("cpu"))
+    run_half = torch.ones(rows, dtype=torch.bool)
+    run_half[torch.randperm(rows, generator=gen)[:n_proj]] = False
+    run_rows = torch.nonzero(run_half).view(-1)
+
+    def make_batch(n: int):
+        world.lengths = [context] * rows if decode else [0]
+        return world.batch({r: 1 for r in range(n)} if decode else {0: rows})
+
+    fb = make_batch(rows)
     x = torch.randn(rows, config.hidden_size, generator=gen).to(torch.bfloat16)
     q = torch.randn(rows, attn.q_size, generator=gen).to(torch.bfloat16)
     kv = torch.randn(rows, attn.num_kv_heads, attn.head_dim, generator=gen).to(torch.bfloat16)
     q_weight = attn.qkv_proj.weight[: attn.q_size]
-    execution = cohort_execution([layer], torch.device("cpu"))
-    run_half = torch.ones(rows, dtype=torch.bool)
-    run_half[torch.randperm(rows, generator=gen)[:n_proj]] = False
     weights = torch.ones(rows)
 
-    def routed(run: torch.Tensor):
-        fb = batches[rows]
-        ops = SGLangLayerOps(layer, fb.positions, fb, plan_pass(fb, rows), prefill_read=execution.prefill_read,
-                             decode_read=execution.decode_read)
-        return routed_layer(ops, x, layer.input_layernorm(x), run, weights)
+    def ops():
+        return SGLangLayerOps(layer, fb.positions, fb, plan_pass(fb, rows), prefill_read=execution.prefill_read,
+                              decode_read=execution.decode_read)
 
-    def parts(n: int) -> dict:
-        fb = batches[n]
-        return {"q": lambda: F.linear(x[:n], q_weight),
-                "read": lambda: world.backend.forward_decode(q[:n], kv[:n], kv[:n], attn.attn, fb,
-                                                            save_kv_cache=False),
+    def routed(run: torch.Tensor):
+        return routed_layer(ops(), x, layer.input_layernorm(x), run, weights)
+
+    if decode:
+        run_fb = make_batch(n_run)
+        reads = {"all": lambda: world.backend.forward_decode(q, kv, kv, attn.attn, fb, save_kv_cache=False),
+                 "run": lambda: world.backend.forward_decode(q[:n_run], kv[:n_run], kv[:n_run], attn.attn, run_fb,
+                                                             save_kv_cache=False)}
+    else:
+        q_run = q.index_select(0, run_rows)
+        reads = {"all": lambda: ops().read(q, None), "run": lambda: ops().read(q_run, run_rows)}
+
+    def parts(n: int, which: str) -> dict:
+        return {"q": lambda: F.linear(x[:n], q_weight), "read": reads[which],
                 "o": lambda: attn.o_proj(q[:n]),
                 "mlp": lambda: layer.mlp(layer.post_attention_layernorm(x[:n]))}
 
-    timed = {"layer": lambda: layer(batches[rows].positions, x, batches[rows], None),
+    timed = {"layer": lambda: layer(fb.positions, x, fb, None),
              "projector": lambda: layer.router_proj(layer.post_attention_layernorm(x[:n_proj])),
              "routed s=0": lambda: routed(torch.ones(rows, dtype=torch.bool)),
              "routed s": lambda: routed(run_half)}
-    timed.update({f"{k} @all": f for k, f in parts(rows).items()})
-    timed.update({f"{k} @run": f for k, f in parts(n_run).items()})
+    timed.update({f"{k} @all": f for k, f in parts(rows, "all").items()})
+    timed.update({f"{k} @run": f for k, f in parts(n_run, "run").items()})
     samples: dict[str, list[float]] = {k: [] for k in timed}
     with world.context():
         for f in timed.values():  # warm-up
@@ -246,7 +283,9 @@ def served_decode_profile(ckpt: Path, rows: int, context: int, skip: float, roun
     layer_saving = sum(saving.values()) - ms["projector"]
     step = config.num_hidden_layers * ms["layer"]
     saved = len(routed_ids) * layer_saving
-    return {"rows": rows, "context": context, "project_only_rows": n_proj, "decode_read": execution.decode_read,
+    return {"phase": phase, "rows": rows, "context": context, "project_only_rows": n_proj,
+            "torch_threads": torch.get_num_threads(),
+            "read": execution.decode_read if decode else execution.prefill_read,
             "layer_ms": ms["layer"], "step_ms": step, "parts_all_ms": {k: ms[f"{k} @all"] for k in saving},
             "parts_run_ms": {k: ms[f"{k} @run"] for k in saving}, "saving_ms": saving,
             "projector_ms": ms["projector"], "layer_saving_ms": layer_saving, "saved_ms": saved,
@@ -391,7 +430,8 @@ def prefill_latency(servers: dict, size: Size) -> dict[str, list[float]]:
     return seconds
 
 
-def run_arms(ckpt: Path, out: Path, size: Size) -> tuple[dict[str, dict[str, list[float]]], dict[str, list[float]]]:
+def run_arms(ckpt: Path, out: Path, size: Size,
+             threads: int) -> tuple[dict[str, dict[str, list[float]]], dict[str, list[float]]]:
     from vskipper.sglang.launch import launched
 
     # The three servers share the machine: an idle SGLang scheduler polls in a busy loop, so the two arms not being
@@ -413,7 +453,8 @@ def run_arms(ckpt: Path, out: Path, size: Size) -> tuple[dict[str, dict[str, lis
             # host's), so servers loading side by side race for it and one can find none left.
             # Killed, not drained, once measured: SGLang's graceful shutdown costs about 5 s a server.
             servers[arm] = stack.enter_context(launched(ckpt, out / f"server-{arm}", dtype="bfloat16", extra=extra,
-                                                        graceful=False, **kwargs)).wait_ready(timeout=900)
+                                                        graceful=False, env=threads_env(threads),
+                                                        **kwargs)).wait_ready(timeout=900)
         order = list(size.arms)
         for rep in range(size.repetitions):
             # Phase by phase, so the runs a ratio pairs are back to back.
@@ -444,41 +485,52 @@ def gain_share(speedup: float, limit: float) -> str:
     return f"{(speedup - 1) / (limit - 1):.0%}" if limit > 1 else "none"
 
 
-def report(results: dict, config: dict, size: Size, profile: dict, latency: dict[str, list[float]]) -> dict:
+def report(results: dict, config: dict, size: Size, profiles: dict[str, dict], latency: dict[str, list[float]]) -> dict:
+    """Print the arms' rates, s=0.5 over s=0 per phase beside its limits, the served layer's profiles; the
+    summary. The goal's limit: the FLOP limit for prefill, the time limit (the profile's) for decode."""
     print("\n  arm     prefill tok/s  decode tok/s   (median of the repetitions)")
     for arm, r in results.items():
         print(f"  {arm:6} {statistics.median(r['prefill']):14.1f} {statistics.median(r['decode']):13.1f}")
     limits = {"prefill": flop_limit(config, size.prefill, SKIP), "decode": flop_limit(config, size.decode, SKIP)}
+    goal = {"prefill": limits["prefill"], "decode": profiles["decode"]["limit"]}
     ratios = {phase: paired(results["s=0.5"][phase], results["s=0"][phase]) for phase in ("prefill", "decode")}
     overhead = ({phase: paired(results["dense"][phase], results["s=0"][phase]) for phase in ("prefill", "decode")}
                 if "dense" in results else None)
     print(f"\n  s=0.5 over s=0 (median, [min, max] of {size.repetitions} paired repetitions):")
     for phase in ("prefill", "decode"):
         m, lo, hi = ratios[phase]
-        limit = limits[phase] if phase == "prefill" else profile["limit"]
-        print(f"  {phase:7} {m:5.3f}x [{lo:.3f}, {hi:.3f}]   FLOP limit {limits[phase]:.3f}x   "
-              f"{gain_share(m, limit)} of the {'FLOP' if phase == 'prefill' else 'time'} limit's gain")
-        if m > limit:
-            print(f"          ABOVE its limit ({limit:.3f}x): a question, not a win. Both arms routed every pass "
-                  f"with the same kernels (passes above); if [{lo:.3f}, {hi:.3f}] straddles the limit, the "
+        timed = profiles[phase]["limit"]
+        print(f"  {phase:7} {m:5.3f}x [{lo:.3f}, {hi:.3f}]   FLOP limit {limits[phase]:.3f}x "
+              f"({gain_share(m, limits[phase])} of its gain)   time limit {timed:.3f}x ({gain_share(m, timed)} of "
+              f"its gain)")
+        if m > timed:
+            print(f"          ABOVE its time limit ({timed:.3f}x): a question, not a win. Both arms routed every "
+                  f"pass with the same kernels (passes above); if [{lo:.3f}, {hi:.3f}] straddles the limit, the "
                   "host's noise is the first suspect: rerun alone with more repetitions")
+        elif m > goal[phase]:
+            print(f"          above its FLOP limit, within its time limit: what a Project-Only row skips takes "
+                  f"{profiles[phase]['skippable_share']:.1%} of the layers' time (the profile below), more than "
+                  "its share of their FLOPs (the attention read costs more time per FLOP than the GEMMs)")
     lat = paired(latency["s=0"], latency["s=0.5"])  # the speed-up: s=0's time over s=0.5's, prompt by prompt
     print(f"  prefill one prompt at a time ({size.latency_prompts} prompts of {size.prefill.input_len} tokens, "
           f"alternating): s=0 {statistics.median(latency['s=0']) * 1e3:.0f} ms, s=0.5 "
           f"{statistics.median(latency['s=0.5']) * 1e3:.0f} ms: {lat[0]:5.3f}x [{lat[1]:.3f}, {lat[2]:.3f}]   "
-          f"{gain_share(lat[0], limits['prefill'])} of the FLOP limit's gain")
-    pr = profile
-    print(f"  decode, the served layer alone ({pr['rows']} rows at context {pr['context']}, {pr['project_only_rows']} "
-          f"Project-Only, decode read {pr['decode_read']!r}): dense layer {pr['layer_ms']:.2f} ms, step (the "
-          f"layers) {pr['step_ms']:.1f} ms")
-    print("    what a Project-Only row skips, ms over all rows -> over the RUN rows: " + ", ".join(
-        f"{k} {pr['parts_all_ms'][k]:.2f} -> {pr['parts_run_ms'][k]:.2f}" for k in pr["saving_ms"])
-        + f"; projector {pr['projector_ms']:.2f}")
-    print(f"    saves {pr['layer_saving_ms']:.2f} ms a routed layer, {pr['saved_ms']:.1f} ms a step "
-          f"({pr['skippable_share']:.1%}) -> time limit {pr['limit']:.3f}x")
-    routed_ms = list(pr["routed_ms"].values())
-    print(f"    the routed layer itself: nothing skipped {routed_ms[0]:.2f} ms, s={SKIP} {routed_ms[1]:.2f} ms: saves "
-          f"{pr['routed_saving_ms']:.2f} ms of the {pr['layer_saving_ms']:.2f} ms limit")
+          f"{gain_share(lat[0], limits['prefill'])} of the FLOP limit's gain, "
+          f"{gain_share(lat[0], profiles['prefill']['limit'])} of the time limit's")
+    for phase in ("prefill", "decode"):
+        pr = profiles[phase]
+        shape = (f"{pr['rows']} rows at context {pr['context']}" if phase == "decode"
+                 else f"one prompt of {pr['rows']} tokens")
+        print(f"  {phase}, the served layer alone ({shape}, {pr['project_only_rows']} Project-Only, read "
+              f"{pr['read']!r}): dense layer {pr['layer_ms']:.2f} ms, step (the layers) {pr['step_ms']:.1f} ms")
+        print("    what a Project-Only row skips, ms over all rows -> over the RUN rows: " + ", ".join(
+            f"{k} {pr['parts_all_ms'][k]:.2f} -> {pr['parts_run_ms'][k]:.2f}" for k in pr["saving_ms"])
+            + f"; projector {pr['projector_ms']:.2f}")
+        print(f"    saves {pr['layer_saving_ms']:.2f} ms a routed layer, {pr['saved_ms']:.1f} ms a step "
+              f"({pr['skippable_share']:.1%}) -> time limit {pr['limit']:.3f}x")
+        routed_ms = list(pr["routed_ms"].values())
+        print(f"    the routed layer itself: nothing skipped {routed_ms[0]:.2f} ms, s={SKIP} {routed_ms[1]:.2f} ms: "
+              f"saves {pr['routed_saving_ms']:.2f} ms of the {pr['layer_saving_ms']:.2f} ms limit")
     if overhead is None:
         tail = "s=0 overhead not measured (no dense arm)"
     else:
@@ -486,11 +538,11 @@ def report(results: dict, config: dict, size: Size, profile: dict, latency: dict
             m, lo, hi = overhead[phase]
             print(f"  dense over s=0 {phase:7} {m:5.3f}x [{lo:.3f}, {hi:.3f}]")
         tail = f"s=0 overhead {(max(overhead[p][0] for p in overhead) - 1) * 100:.1f}%"
-    line = (f"prefill {ratios['prefill'][0]:.2f}x of limit {limits['prefill']:.2f}x; "
-            f"decode {ratios['decode'][0]:.2f}x of limit {profile['limit']:.2f}x; {tail}")
+    line = (f"prefill {ratios['prefill'][0]:.2f}x of limit {goal['prefill']:.2f}x; "
+            f"decode {ratios['decode'][0]:.2f}x of limit {goal['decode']:.2f}x; {tail}")
     return {"results": results, "prefill_latency_s": latency, "prefill_latency_speedup": lat,
-            "flop_limits": limits, "ratios": ratios, "overhead": overhead,
-            "decode_profile": profile, "size": asdict(size), "line": line}
+            "flop_limits": limits, "time_limits": {phase: profiles[phase]["limit"] for phase in profiles},
+            "ratios": ratios, "overhead": overhead, "profiles": profiles, "size": asdict(size), "line": line}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,11 +553,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", dest="size", action="store_const", const="quick", help="the same as --size quick")
     p.add_argument("--out", default="out/bench-cpu", help="checkpoint, server logs, client records, bench.json")
     p.add_argument("--repetitions", type=int, help="alternating repetitions of the arms (default: by size)")
-    p.add_argument("--profile-decode", nargs=2, metavar=("CKPT", "JSON"), help=argparse.SUPPRESS)
+    p.add_argument("--server-threads", type=int, default=default_threads(),
+                   help="torch threads of each server and of the layer profiles (default: the cores but one, %(default)s "
+                        "here)")
+    p.add_argument("--profile-layer", nargs=2, metavar=("CKPT", "JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.profile_decode:  # the child process of `profile_decode`
-        print(json.dumps(served_decode_profile(Path(args.profile_decode[0]), **json.loads(args.profile_decode[1]))))
+    if args.profile_layer:  # the child process of `profile_layer`
+        print(json.dumps(served_layer_profile(Path(args.profile_layer[0]), **json.loads(args.profile_layer[1]))))
         return 0
+    if args.server_threads < 1:
+        raise SystemExit("--server-threads must be at least 1")
     size = SIZES[args.size]
     if args.repetitions is not None:
         if args.repetitions < 1:
@@ -519,9 +576,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{config['intermediate_size']}, heads {config['num_attention_heads']}/{config['num_key_value_heads']} of "
           f"{config['head_dim']}, routed {config['routing_layers'][0]}-{config['routing_layers'][-1]}, bf16 ({ckpt})",
           flush=True)
-    profile = profile_decode(ckpt, size.decode, SKIP, rounds=size.profile_rounds)
-    results, latency = run_arms(ckpt, out, size)
-    summary = report(results, config, size, profile, latency)
+    print(f"servers and profiles: {args.server_threads} torch thread(s) each (OMP_NUM_THREADS)", flush=True)
+    profiles = {phase: profile_layer(ckpt, phase, getattr(size, phase), SKIP, size.profile_rounds, args.server_threads)
+                for phase in ("prefill", "decode")}
+    if any(pr["torch_threads"] != args.server_threads for pr in profiles.values()):
+        raise RuntimeError(f"the layer profiles ran on {[pr['torch_threads'] for pr in profiles.values()]} torch "
+                           f"threads, not {args.server_threads}")
+    results, latency = run_arms(ckpt, out, size, args.server_threads)
+    summary = report(results, config, size, profiles, latency)
+    summary["server_threads"] = args.server_threads
     (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(summary["line"])
     return 0

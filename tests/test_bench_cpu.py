@@ -26,9 +26,12 @@ def check_quick_bench(stdout: str, out: Path, arms: tuple[str, ...] = ("s=0", "s
     assert summary["line"] == lines[-1]
     assert {arm: len(v) for arm, v in summary["prefill_latency_s"].items()} == dict.fromkeys(arms, 2)
     assert "prefill one prompt at a time (2 prompts of 32 tokens, alternating)" in stdout
-    profile = summary["decode_profile"]  # the served layer's, with the read the server picks on CPU
-    assert set(profile["parts_all_ms"]) == set(profile["parts_run_ms"]) == {"q", "read", "o", "mlp"}
-    assert profile["decode_read"] == "backend" and profile["project_only_rows"] == 2
+    profiles = summary["profiles"]  # the served layer's, with the reads the server picks on CPU
+    for phase, read, rows in (("decode", "backend", 4), ("prefill", "rows", 32)):
+        profile = profiles[phase]
+        assert set(profile["parts_all_ms"]) == set(profile["parts_run_ms"]) == {"q", "read", "o", "mlp"}, phase
+        assert (profile["phase"], profile["read"], profile["rows"]) == (phase, read, rows)
+        assert profile["project_only_rows"] == rows // 2 and profile["limit"] == summary["time_limits"][phase]
     # The arms served what they name: the dense server ran no routed pass, both routed servers routed every pass.
     passes = {m.group(1): json.loads(m.group(2)) for m in
               (re.match(r"\s+(\S+)\s+passes (\{.*\})$", line) for line in lines) if m}
@@ -83,10 +86,10 @@ def test_a_run_is_refused_unless_the_server_took_the_tokens_its_load_states():
         bench.check_served(server, "s=0", "decode", load, before, wait_s=0.1)
 
 
-def _profile(limit: float) -> dict:
-    """A decode profile of `served_decode_profile`'s shape (figures made up: the report's arithmetic is checked)."""
+def _profile(limit: float, phase: str = "decode") -> dict:
+    """A profile of `served_layer_profile`'s shape (figures made up: the report's arithmetic is checked)."""
     parts = {"q": 0.2, "read": 3.0, "o": 0.3, "mlp": 1.5}
-    return {"rows": 16, "context": 160, "project_only_rows": 8, "decode_read": "backend", "layer_ms": 6.0,
+    return {"phase": phase, "rows": 16, "context": 160, "project_only_rows": 8, "read": "backend", "layer_ms": 6.0,
             "step_ms": 96.0, "parts_all_ms": parts, "parts_run_ms": {k: v / 2 for k, v in parts.items()},
             "saving_ms": {k: v / 2 for k, v in parts.items()}, "projector_ms": 0.3, "layer_saving_ms": 2.2,
             "saved_ms": 17.6, "skippable_share": 0.18, "limit": limit,
@@ -103,21 +106,35 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
                "dense": {"prefill": [99.0, 101.0, 102.0], "decode": [10.0, 10.0, 10.4]}}
     latency = {"s=0": [1.0, 1.1, 1.2], "s=0.5": [0.8, 1.0, 0.9], "dense": [1.0, 1.0, 1.0]}
     latency = {arm: latency[arm] for arm in arms}
-    summary = bench.report({arm: results[arm] for arm in arms}, config, size, _profile(limit=1.2), latency)
+    profiles = {"prefill": _profile(limit=1.4, phase="prefill"), "decode": _profile(limit=1.2)}
+    summary = bench.report({arm: results[arm] for arm in arms}, config, size, profiles, latency)
     out = capsys.readouterr().out
     assert summary["prefill_latency_speedup"] == pytest.approx((1.25, 1.1, 4 / 3))  # s=0 time over s=0.5's
     assert "s=0 1100 ms, s=0.5 900 ms: 1.250x [1.100, 1.333]" in out
     prefill_limit = summary["flop_limits"]["prefill"]
+    assert summary["time_limits"] == {"prefill": 1.4, "decode": 1.2}
     assert summary["ratios"]["prefill"] == pytest.approx((1.2, 1.1, 1.3))  # median, min, max of the pairs
     assert summary["ratios"]["decode"] == pytest.approx((1.1, 1.05, 1.3))
-    assert f"{(1.2 - 1) / (prefill_limit - 1):.0%} of the FLOP limit's gain" in out
-    assert "50% of the time limit's gain" in out  # (1.1 - 1) / (1.2 - 1)
-    assert "ABOVE" not in out
+    assert f"FLOP limit {prefill_limit:.3f}x ({(1.2 - 1) / (prefill_limit - 1):.0%} of its gain)" in out
+    assert "time limit 1.400x (50% of its gain)" in out  # prefill: (1.2 - 1) / (1.4 - 1)
+    assert "time limit 1.200x (50% of its gain)" in out  # decode: (1.1 - 1) / (1.2 - 1)
+    assert "ABOVE" not in out and "above its FLOP limit" not in out
     assert LAST_LINE.fullmatch(summary["line"])
+    assert summary["line"].startswith(f"prefill 1.20x of limit {prefill_limit:.2f}x; decode 1.10x of limit 1.20x")
     if "dense" in arms:
         assert summary["overhead"]["decode"] == pytest.approx((1.0, 1.0, 1.04))
         assert summary["line"].endswith("s=0 overhead 1.0%")  # the larger phase median: prefill 1.01 (decode 1.0)
     else:
         assert summary["overhead"] is None and summary["line"].endswith("s=0 overhead not measured (no dense arm)")
-    bench.report({arm: results[arm] for arm in arms}, config, size, _profile(limit=1.05), latency)
-    assert "ABOVE its limit (1.050x): a question, not a win" in capsys.readouterr().out
+    # Above the decode time limit: a question; prefill above its FLOP limit but within its time limit: explained.
+    results["s=0.5"]["prefill"] = [100.0 * prefill_limit + 5] * 3
+    bench.report({arm: results[arm] for arm in arms}, config, size, {**profiles, "decode": _profile(limit=1.05)},
+                 latency)
+    out = capsys.readouterr().out
+    assert "ABOVE its time limit (1.050x): a question, not a win" in out
+    assert "above its FLOP limit, within its time limit: what a Project-Only row skips takes 18.0%" in out
+    # Above the prefill time limit too: a question.
+    bench.report({arm: results[arm] for arm in arms}, config, size,
+                 {**profiles, "prefill": _profile(limit=prefill_limit, phase="prefill")}, latency)
+    out = capsys.readouterr().out
+    assert f"ABOVE its time limit ({prefill_limit:.3f}x)" in out and "above its FLOP limit" not in out
