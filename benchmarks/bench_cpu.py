@@ -23,8 +23,9 @@
    the projector over the Project-Only rows, at each routed layer; the step is the model's layers, dense
    (embedding, logits and the scheduler left out, so the limit is an upper bound). On CPU at batch 16 a decode
    GEMM's time is its weight read, nearly flat in the rows, so the decode saving is mostly the attention read,
-   not s x the skipped work; at prefill the read costs more time per FLOP than the GEMMs, so the time limit
-   can lie above the FLOP limit. The routed-layer body itself is timed too, nothing skipped and at s: what the
+   not s x the skipped work; at prefill the parts' time shares differ from their FLOP shares (work a FLOP count
+   barely sees, such as norms, RoPE and the K/V every row pays, takes time), so the time limit may lie on either
+   side of the FLOP limit (below it at the full size: 1.260x against 1.298x). The routed-layer body itself is timed too, nothing skipped and at s: what the
    layer realises of its limit.
 
 The last line: `prefill <x>x of limit <y>x; decode <x>x of limit <y>x; s=0 overhead <z>%` (s = 0.5 over s = 0,
@@ -190,8 +191,8 @@ def served_layer_profile(ckpt: Path, phase: str, rows: int, context: int, skip: 
                   takes (decode: SGLang's decode read over the RUN rows; prefill: the routed layer's own read, the
                   RUN rows' queries over every token's K/V), o_proj, LN2 + MLP. The saving is the difference, not
                   skip x the time: at decode on CPU a GEMM's time is the weight read, nearly flat in the row count,
-                  while the read scales with the rows; at prefill the read costs more time per FLOP than the GEMMs,
-                  which the FLOP limit does not see;
+                  while the read scales with the rows; at prefill each part's time share differs from its FLOP
+                  share, which the FLOP limit does not see;
       projector   LN2 + the adapter over the n_proj rows;
       routed      the served routed-layer body over all rows with nothing skipped and with n_proj Project-Only
                   rows, with the execution the server picks on CPU (`cohort_execution`): what the layer realises.
@@ -215,10 +216,10 @@ def served_layer_profile(ckpt: Path, phase: str, rows: int, context: int, skip: 
     config = AutoConfig.from_pretrained(str(ckpt))
     routed_ids = list(config.routing_layers)
     decode = phase == "decode"
-    world = (StandaloneLayer(config, layer_id=routed_ids[0], requests=rows, slots=rows * (context + 1) + 1,
-                             context=context + 1, dtype=torch.bfloat16) if decode else
-             StandaloneLayer(config, layer_id=routed_ids[0], requests=1, slots=rows + 1, context=rows,
-                             dtype=torch.bfloat16))
+    # decode: `rows` requests of context + 1 tokens; prefill: one request of `rows` tokens
+    requests, tokens = (rows, context + 1) if decode else (1, rows)
+    world = StandaloneLayer(config, layer_id=routed_ids[0], requests=requests, slots=requests * tokens + 1,
+                            context=tokens, dtype=torch.bfloat16)
     layer, attn = world.layer, world.layer.self_attn
     lid = attn.attn.layer_id
     world.pool.get_key_buffer(lid).normal_()
@@ -510,7 +511,7 @@ def report(results: dict, config: dict, size: Size, profiles: dict[str, dict], l
         elif m > goal[phase]:
             print(f"          above its FLOP limit, within its time limit: what a Project-Only row skips takes "
                   f"{profiles[phase]['skippable_share']:.1%} of the layers' time (the profile below), more than "
-                  "its share of their FLOPs (the attention read costs more time per FLOP than the GEMMs)")
+                  "its share of their FLOPs")
     lat = paired(latency["s=0"], latency["s=0.5"])  # the speed-up: s=0's time over s=0.5's, prompt by prompt
     print(f"  prefill one prompt at a time ({size.latency_prompts} prompts of {size.prefill.input_len} tokens, "
           f"alternating): s=0 {statistics.median(latency['s=0']) * 1e3:.0f} ms, s=0.5 "
