@@ -40,6 +40,26 @@ def _routed_and_dense(world: LayerWorld, extend: dict[int, int], run: list[bool]
     return y, y_dense, kv_routed, kv_dense, x, run_t, w
 
 
+def _count_qkv_rows(layer, seen: dict[str, int], monkeypatch) -> None:
+    """Rows that enter the fused qkv_proj's linear method, by the weight rows they meet: 'q' (its Q rows), 'kv'
+    (its K/V rows), 'qkv' (the whole projection, upstream's forward)."""
+    attn = layer.self_attn
+    method = attn.qkv_proj.quant_method
+    assert method is not attn.o_proj.quant_method  # o_proj's calls are not counted here
+    weight = attn.qkv_proj.weight
+    kv_start = weight[attn.q_size:].data_ptr()
+    parts = {(weight.data_ptr(), attn.q_size): "q", (kv_start, 2 * attn.kv_size): "kv",
+             (weight.data_ptr(), weight.shape[0]): "qkv"}
+    apply = method.apply
+
+    def counted(module, x, bias=None):
+        name = parts[module.weight.data_ptr(), module.weight.shape[0]]
+        seen[name] = seen.get(name, 0) + x.shape[0]
+        return apply(module, x, bias)
+
+    monkeypatch.setattr(method, "apply", counted)
+
+
 def _adapter(world: LayerWorld, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     layer = world.layer
     with torch.no_grad():
@@ -71,12 +91,13 @@ def test_a_prefill_read_through_sglangs_backend_gives_the_same_layer_and_skips_q
                                                                                                    monkeypatch):
     """The prefill read of the CUDA execution (`PREFILL_READS['backend']`) on SGLang's torch-native backend: RUN
     rows equal the dense layer, Project-Only rows the adapter, the KV the dense layer's; the backend is called once
-    over every row (Project-Only rows with a zero query), while Q, o_proj and the MLP see the RUN rows only."""
+    over every row (Project-Only rows with a zero query), while Q, o_proj and the MLP see the RUN rows only and
+    K/V every row."""
     layer = world.layer
     seen: dict[str, int] = {}
     queries: list[torch.Tensor] = []
-    modules = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-               "gate_up_proj": layer.mlp.gate_up_proj}
+    modules = {"o_proj": layer.self_attn.o_proj, "gate_up_proj": layer.mlp.gate_up_proj}
+    _count_qkv_rows(layer, seen, monkeypatch)
 
     def count(name):
         def hook(module, args):
@@ -104,8 +125,8 @@ def test_a_prefill_read_through_sglangs_backend_gives_the_same_layer_and_skips_q
     torch.testing.assert_close(kv_routed, kv_dense, rtol=1e-4, atol=1e-4)
     n_run = sum(run)
     # The dense pass that follows the routed one adds its len(run) rows to each module and to the backend.
-    assert seen == {"qkv_proj": n_run + len(run), "o_proj": n_run + len(run), "gate_up_proj": n_run + len(run),
-                    "backend": 2 * len(run)}
+    assert seen == {"q": n_run, "kv": len(run), "qkv": len(run), "o_proj": n_run + len(run),
+                    "gate_up_proj": n_run + len(run), "backend": 2 * len(run)}
     routed_q = queries[0].view(len(run), -1)
     assert (routed_q[~run_t] == 0).all() and (routed_q[run_t] != 0).any()
 
@@ -119,11 +140,13 @@ def test_an_all_project_only_pass_writes_every_rows_kv_and_runs_only_the_adapter
 @pytest.mark.parametrize(("phase", "decode_read"), PHASE_READS)
 def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(world, phase, decode_read,
                                                                              monkeypatch):
-    """Rows each sub-module of the served layer sees in a mixed pass: Q (the fused qkv_proj), the attention read,
-    o_proj and the MLP see the RUN rows only; the adapter the Project-Only rows only. SGLang's own attention
-    backend reads only where the decode read is its own (`backend`), and then the RUN rows only."""
+    """Rows each sub-module of the served layer sees in a mixed pass: Q (the Q rows of the fused qkv_proj), the
+    attention read, o_proj and the MLP see the RUN rows only; K/V (its K/V rows) every row, once; the adapter the
+    Project-Only rows only. SGLang's own attention backend reads only where the decode read is its own
+    (`backend`), and then the RUN rows only."""
     layer = world.layer
     seen: dict[str, int] = {}
+    _count_qkv_rows(layer, seen, monkeypatch)
 
     def count(name):
         def hook(module, args):
@@ -132,7 +155,7 @@ def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(wo
 
     modules = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
                "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj,
-               "adapter": layer.router_proj}
+               "adapter": layer.router_proj}  # qkv_proj's forward: never called by a mixed pass
     handles = [m.register_forward_pre_hook(count(name)) for name, m in modules.items()]
 
     def counted(read, name):
@@ -158,8 +181,32 @@ def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(wo
         world.restore(kv0, lengths0)
     n_run = sum(run)
     read = "backend" if (phase, decode_read) == ("decode", "backend") else "read"
-    assert seen == {"qkv_proj": n_run, read: n_run, "o_proj": n_run, "gate_up_proj": n_run, "down_proj": n_run,
-                    "adapter": len(run) - n_run}
+    assert seen == {"q": n_run, "kv": len(run), read: n_run, "o_proj": n_run, "gate_up_proj": n_run,
+                    "down_proj": n_run, "adapter": len(run) - n_run}
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_without_a_kv_row_view_the_whole_qkv_proj_runs_once_and_run_rows_take_their_q_from_it(world, phase,
+                                                                                               monkeypatch):
+    """A quantized or packed qkv_proj has no view of its K/V rows (`kv_only_supported`): the mixed pass runs the
+    whole projection once over every row, K/V for every row and Q kept for the RUN rows (computed and dropped for
+    Project-Only ones, as attested), never a second projection; the layer computes what it computes with the
+    row view."""
+    seen: dict[str, int] = {}
+    _count_qkv_rows(world.layer, seen, monkeypatch)
+    extend = {0: 1, 1: 1, 2: 1, 3: 1} if phase == "decode" else {0: 3, 2: 4}
+    run = [True, False, False, True] if phase == "decode" else [False, True, True, False, False, True, False]
+    world.gen.manual_seed(0)
+    y_view = _routed_and_dense(world, extend, run)[0]  # with the row view; then the same input and route without
+    seen.clear()
+    world.gen.manual_seed(0)
+    monkeypatch.setattr(served, "kv_only_supported", lambda qkv_proj: False)
+    y, y_dense, kv_routed, kv_dense, x, run_t, w = _routed_and_dense(world, extend, run)
+    assert seen == {"qkv": 2 * len(run)}  # the routed pass's one projection, then the dense pass's
+    torch.testing.assert_close(y[run_t], y_dense[run_t], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y[~run_t], _adapter(world, x[~run_t], w[~run_t]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_routed, kv_dense, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y, y_view, rtol=1e-4, atol=1e-4)
 
 
 def test_a_routed_decode_pass_of_the_served_layer_reads_no_tensor_value_on_the_host(world):

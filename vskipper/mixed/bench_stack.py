@@ -215,6 +215,9 @@ class StackLayerOps:
         k, v = self.attn.project_kv(u, self._positions(rows))
         return k.reshape(u.shape[0], -1), v.reshape(u.shape[0], -1)
 
+    def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.attn.project_q(u, self._positions(rows)).reshape(u.shape[0], -1)
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         b, a = self.batch, self.attn
         self.cache.write(self.layer.layer_id, self.cache.write_slots(b.req_indices, b.positions, b.valid),

@@ -5,6 +5,9 @@ Per layer, x = the layer input, u = LN1 x, w = the tape's branch weight (`vskipp
   RUN row           q, k, v of u;  K/V written;  h = x + o_proj(Attn(q));  y = h + w * MLP(LN2 h)
   Project-Only row  k, v of u;     K/V written;  y = x + w * Proj(LN2 x)
 
+With r = h for a RUN row and r = x for a Project-Only row (the residual the layer hands on), both branches read
+LN2 r: the body normalizes r once over every row, then each cohort takes its rows.
+
 The body hands y on as upstream decoder layers do, as a pair (`Handoff`): the residual (h for a RUN row, x for
 a Project-Only row) and the branch's weighted output, whose sum the next layer's fused add-norm forms (or the
 host, where its layers hand on y itself).
@@ -22,8 +25,10 @@ Two executions of the same semantics:
 
   torch   (CPU; prefill everywhere) the cohorts are packed with one `nonzero` per layer (the RUN cohort takes
           the rest, `nonzero_static`): their sizes are shapes, never values read on the host.
-          Each sub-module sees only its cohort's rows. When no row projects, the all-RUN fast path calls the
-          host's own dense attention and MLP over the whole batch. (`nonzero` would synchronize on a GPU, where
+          K and V are every row's, in one projection over the batch (its weight read once, no cohort
+          reordering before the write); Q, the read, o_proj and the MLP see the RUN rows only, the projector
+          the Project-Only rows only. When no row projects, the all-RUN fast path calls the host's own dense
+          attention and MLP over the whole batch. (`nonzero` would synchronize on a GPU, where
           the triton execution is the capture-safe one.) The served layer runs this execution on CPU and in
           every prefill.
   triton  (GPU decode: the served layer on CUDA and the bench stack) every kernel keeps its launch shape for the
@@ -72,6 +77,9 @@ class LayerOps(Protocol):
     def kv(self, u: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """k and v only (no q) of rows u."""
 
+    def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rotated (Qwen3: normed) q only [n, heads * hd] of rows u, after `kv` of the same pass."""
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write every row's k, v [rows, ...] (batch order) to the host's KV cache at this layer."""
 
@@ -119,30 +127,22 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
     if all_run:  # the fast path: no gather, no scatter; the branch weight still scales the MLP
         h = x + ops.attention(u)
         return Handoff(w * ops.mlp(ops.post_attention_layernorm(h)), h)
+    k, v = ops.kv(u, None)  # every row's, in batch order
+    ops.write_kv(k, v)
     # The RUN cohort's size follows from the Project-Only one: no second wait for the device.
-    run_rows = torch.nonzero_static(run, size=run.shape[0] - proj_rows.shape[0]).view(-1)
-    delta = torch.empty_like(x)
-    xp = x.index_select(0, proj_rows)
-    k_proj, v_proj = ops.kv(u.index_select(0, proj_rows), proj_rows)
-    if run_rows.shape[0] == 0:
-        ops.write_kv(k_proj, v_proj)  # every row projects: cohort order is batch order
-        residual = x
-    else:
-        q, k_run, v_run = ops.qkv(u.index_select(0, run_rows), run_rows)
-        ops.write_kv(_interleave(k_run, run_rows, k_proj, proj_rows), _interleave(v_run, run_rows, v_proj, proj_rows))
+    n_run = run.shape[0] - proj_rows.shape[0]
+    residual = x
+    if n_run:
+        run_rows = torch.nonzero_static(run, size=n_run).view(-1)
+        q = ops.q(u.index_select(0, run_rows), run_rows)
         h = x.index_select(0, run_rows) + ops.o_proj(ops.read(q, run_rows))
-        delta.index_copy_(0, run_rows, w.index_select(0, run_rows) * ops.mlp(ops.post_attention_layernorm(h)))
-        residual = _interleave(h, run_rows, xp, proj_rows)
-    delta.index_copy_(0, proj_rows, w.index_select(0, proj_rows) * ops.projector(ops.post_attention_layernorm(xp)))
-    return Handoff(delta, residual)
-
-
-def _interleave(a: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor) -> torch.Tensor:
-    """Two cohorts' rows back in batch order."""
-    out = a.new_empty(a.shape[0] + b.shape[0], *a.shape[1:])
-    out.index_copy_(0, a_rows, a)
-    out.index_copy_(0, b_rows, b.to(a.dtype))
-    return out
+        residual = x.index_copy(0, run_rows, h)
+    normed = ops.post_attention_layernorm(residual)  # LN2 h (RUN rows), LN2 x (Project-Only rows)
+    delta = torch.empty_like(x)
+    if n_run:
+        delta.index_copy_(0, run_rows, ops.mlp(normed.index_select(0, run_rows)))
+    delta.index_copy_(0, proj_rows, ops.projector(normed.index_select(0, proj_rows)).to(x.dtype))
+    return Handoff(delta.mul_(w), residual)
 
 
 def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,

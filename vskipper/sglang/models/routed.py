@@ -4,12 +4,12 @@ model wrapper that plans each pass, and the router/adapter weight loading.
 A routed layer runs, on a pass with routed rows, the routed-layer body of `vskipper.mixed.routed_layer` over
 SGLang's own modules (`SGLangLayerOps`):
 
-  RUN rows           the layer's `qkv_proj` (Qwen3: q/k norm) and rotary embedding, the RUN-masked attention
-                     read over SGLang's KV pool, `o_proj`, the MLP (`gate_up_proj`/`down_proj` through their
-                     linear methods, so quantization and the tensor-parallel reduction stay SGLang's)
-  Project-Only rows  K and V only (the K/V rows of `qkv_proj`; Qwen3: k_norm, then RoPE), written to the KV
-                     pool with every other row's (`set_kv_buffer`, Invariant 1), then the adapter: no Q, no
-                     attention read, no `o_proj`, no MLP
+  every row          K and V (the K/V rows of `qkv_proj` through its linear method, one projection over the
+                     batch; Qwen3: k_norm, then RoPE), written to the KV pool (`set_kv_buffer`, Invariant 1)
+  RUN rows           Q (the Q rows of `qkv_proj`; Qwen3: q_norm, then RoPE), the RUN-masked attention read over
+                     SGLang's KV pool, `o_proj`, the MLP (`gate_up_proj`/`down_proj` through their linear
+                     methods, so quantization and the tensor-parallel reduction stay SGLang's)
+  Project-Only rows  the adapter: no Q, no attention read, no `o_proj`, no MLP
   every row RUN      upstream's own attention and MLP over the whole batch (the all-RUN fast path)
 
 Rows of dense-mode requests in a routed pass RUN with unit weight (the tape's `dense_rows`), so they compute what
@@ -199,12 +199,11 @@ def kv_only_supported(qkv_proj) -> bool:
     return type(qkv_proj.quant_method) is UnquantizedLinearMethod and not use_intel_amx_backend(qkv_proj)
 
 
-def kv_projection(qkv_proj, q_size: int, u: torch.Tensor) -> torch.Tensor:
-    """The K/V columns [n, 2 * kv_size] of `qkv_proj(u)`, through its own linear method."""
-    if not kv_only_supported(qkv_proj):
-        return qkv_proj(u)[0][:, q_size:]
-    bias = qkv_proj.bias[q_size:] if qkv_proj.bias is not None else None
-    return qkv_proj.quant_method.apply(SimpleNamespace(weight=qkv_proj.weight[q_size:]), u, bias)
+def row_projection(qkv_proj, rows: slice, u: torch.Tensor) -> torch.Tensor:
+    """The output columns `rows` of `qkv_proj(u)` (its Q rows, or its K/V rows) through its own linear method,
+    from a view of those weight rows: only where `kv_only_supported`."""
+    bias = qkv_proj.bias[rows] if qkv_proj.bias is not None else None
+    return qkv_proj.quant_method.apply(SimpleNamespace(weight=qkv_proj.weight[rows]), u, bias)
 
 
 class SGLangLayerOps:
@@ -215,6 +214,8 @@ class SGLangLayerOps:
         self.layer, self.positions, self.fb, self.plan = layer, positions, forward_batch, plan
         self.backend, self.prefill_read, self.decode_read = backend, prefill_read, decode_read
         self.written: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's K/V of this pass, once written
+        # (Q of the rows `kv` ran over, those rows) where `kv` had to run the whole qkv_proj (no K/V row view)
+        self.q_of_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
@@ -230,12 +231,33 @@ class SGLangLayerOps:
 
     def kv(self, u: torch.Tensor, rows: torch.Tensor | None):
         a = self.attn
-        k, v = kv_projection(a.qkv_proj, a.q_size, u).split([a.kv_size, a.kv_size], dim=-1)
+        if kv_only_supported(a.qkv_proj):
+            kv = row_projection(a.qkv_proj, slice(a.q_size, None), u)
+        else:  # no row view: the whole qkv_proj, its Q kept for `q` (computed and dropped for other rows)
+            qkv = a.qkv_proj(u)[0]
+            self.q_of_rows, kv = (qkv[:, : a.q_size], rows), qkv[:, a.q_size:]
+        k, v = kv.split([a.kv_size, a.kv_size], dim=-1)
         if hasattr(a, "k_norm"):  # Qwen3: per-head k_norm before RoPE
             k = a.k_norm(k.reshape(-1, a.head_dim)).view(k.shape)
         # The rotary embedding rotates a query and a key: one head of k stands in for the query it never needs.
         _, k = a.rotary_emb(self._positions(rows), k[:, : a.head_dim].clone(), k.contiguous())
         return k, v
+
+    def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        a = self.attn
+        if self.q_of_rows is None:
+            q = row_projection(a.qkv_proj, slice(None, a.q_size), u)
+        else:  # `kv` ran the whole qkv_proj over every row of the pass (`rows` None)
+            q_all, kv_rows = self.q_of_rows
+            if kv_rows is not None:
+                raise RuntimeError("q after kv of a subset of rows: the Q of a quantized qkv_proj is taken from "
+                                   "kv over every row")
+            q = q_all.index_select(0, rows)
+        if hasattr(a, "q_norm"):  # Qwen3: per-head q_norm before RoPE
+            q = a.q_norm(q.reshape(-1, a.head_dim)).view(q.shape)
+        # One head of q stands in for the key it does not rotate here (`kv` rotated every row's).
+        q, _ = a.rotary_emb(self._positions(rows), q.contiguous(), q[:, : a.head_dim].clone())
+        return q
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         a = self.attn
@@ -411,11 +433,12 @@ class RoutedLayerMixin:
         step.tape.record(self.layer_id, step.skipper.route(self.layer_id, u, step.state, router), step.dense_rows)
         run, weights = step.tape.layer(self.layer_id, step.rows)
         execution = self._slot.execution
-        if step.phase == "decode" and execution.decode == "triton":
-            ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton")
+        triton = step.phase == "decode" and execution.decode == "triton"
+        ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton") if triton else \
+            SGLangLayerOps(self, positions, forward_batch, self._slot.plan, prefill_read=execution.prefill_read,
+                           decode_read=execution.decode_read)
+        if triton:
             return routed_layer(ops, x, u, run, weights, "triton", step.builder.build(run), execution.tiles)
-        ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, prefill_read=execution.prefill_read,
-                             decode_read=execution.decode_read)
         return routed_layer(ops, x, u, run, weights)
 
 
