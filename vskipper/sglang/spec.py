@@ -23,6 +23,7 @@ ENV_EXIT = "VSKIPPER_SERVED_EXIT_TOKENS"
 ENV_THRESHOLDS_SOURCE = "VSKIPPER_THRESHOLDS_SOURCE"  # flags | roofline:<device> | unused (...)
 ENV_STATE = "VSKIPPER_STATE_FILE"  # where the scheduler writes its attestation for the HTTP process
 ENV_PROFILE = "VSKIPPER_PROFILE"  # the serving profile's attestation as JSON (ServeProfile.attestation)
+ENV_PART_CLOCK = "VSKIPPER_PART_CLOCK"  # 1: time each part of each pass in the server (`vskipper.sglang.part_times`)
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
 GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}
@@ -42,6 +43,7 @@ class ServeSpec:
     state_file: Path | None = None
     thresholds_source: str = "flags"
     profile: dict | None = None  # ServeProfile.attestation() of the profile that serves
+    part_clock: bool = False  # time each part of each pass (a measurement mode; off when deployed)
 
     def to_env(self) -> dict[str, str]:
         env = {ENV_ARM: json.dumps(self.arm.fields()), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens),
@@ -50,6 +52,8 @@ class ServeSpec:
             env[ENV_STATE] = str(self.state_file)
         if self.profile is not None:
             env[ENV_PROFILE] = json.dumps(self.profile)
+        if self.part_clock:
+            env[ENV_PART_CLOCK] = "1"
         return env
 
     @classmethod
@@ -73,7 +77,15 @@ class ServeSpec:
         except json.JSONDecodeError as exc:
             raise ServeConfigError(f"{ENV_PROFILE}: not JSON ({exc})") from None
         return cls(arm, thresholds[0], thresholds[1], Path(state) if state else None,
-                   environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile)
+                   environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile, part_clock_from_env(environ))
+
+
+def part_clock_from_env(environ) -> bool:
+    """Whether the environment asks for the part clock (`ENV_PART_CLOCK`: 0, the default, or 1)."""
+    value = environ.get(ENV_PART_CLOCK, "0")
+    if value not in ("0", "1"):
+        raise ServeConfigError(f"{ENV_PART_CLOCK} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def check_arm_for_model(arm: Arm, model_type: str) -> None:

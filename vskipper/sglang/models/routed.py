@@ -51,6 +51,7 @@ from vskipper.mixed.backend import select_backend
 from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.mixed.routed_layer import Handoff, routed_layer
 from vskipper.sglang import active
+from vskipper.sglang.part_times import PartClock
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
 from vskipper.sglang.spec import ROUTED_GRAPH_PHASES, ServeConfigError
@@ -181,6 +182,7 @@ class StepSlot:
         self.prepared: PreparedPass | None = None
         self.runtime = None
         self.execution: CohortExecution = TORCH_EXECUTION
+        self.part_clock: PartClock | None = None  # the measurement mode's clock (`vskipper.sglang.part_times`)
 
 
 def plan_pass(forward_batch, rows: int) -> PassPlan:
@@ -437,6 +439,8 @@ class RoutedLayerMixin:
         ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton") if triton else \
             SGLangLayerOps(self, positions, forward_batch, self._slot.plan, prefill_read=execution.prefill_read,
                            decode_read=execution.decode_read)
+        if self._slot.part_clock is not None:  # the read the body takes, whichever it is, is the clock's `read`
+            ops.read = self._slot.part_clock.timed(ops.read, "read")
         if triton:
             return routed_layer(ops, x, u, run, weights, "triton", step.builder.build(run), execution.tiles)
         return routed_layer(ops, x, u, run, weights)
@@ -551,6 +555,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
         # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
         # which describes what the model and device run and is the same for every arm of one deployment.
+        self.part_clock = self._part_clock() if self.runtime.spec.part_clock else None
         self.runtime.model_counters.update({"graph_passes_total": self.ledger.passes,
                                             "routed_replays_vetoed_total": self.ledger.vetoed,
                                             "plan_writes_total": self.plan_writes,
@@ -563,6 +568,15 @@ class SkipperCausalLM(RouterWeightsMixin):
             "cuda_graphs": {"backends": graphs, "routed_variant": routed_variant},
             "tiles": self.slot.execution.attestation()["tiles"],
             "project_only_q": project_only_q(qkv, self.slot.execution)})
+
+    def _part_clock(self) -> PartClock:
+        """The part clock over this rank's layers, live in the attestation (`part_clock`)."""
+        clock = PartClock()
+        clock.install([(i, self.model.layers[i]) for i in range(self.model.start_layer, self.model.end_layer)],
+                      self.routed_layers)
+        self.slot.part_clock = clock
+        self.runtime.model_counters["part_clock"] = {"passes_total": clock.passes, "seconds_total": clock.seconds}
+        return clock
 
     def decode_graph_variants(self, runner) -> SkipperGraphVariants | None:
         """Before SGLang's decode graph runner captures (the hook around `DecodeCudaGraphRunner.capture`): the

@@ -1,0 +1,140 @@
+"""The part clock (`vskipper.sglang.part_times`): exclusive times per phase, layer kind and part, on a fake clock;
+then on the served routed layer in this process (`tests/sglang_layer_world.py`), the parts a mixed pass and a
+dense pass of SGLang's real layer take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang_layer_world import LayerWorld
+
+from vskipper.sglang.part_times import PARTS, PartClock
+from vskipper.sglang.spec import ENV_PART_CLOCK, ServeConfigError, ServeSpec, part_clock_from_env
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Mode:
+    def __init__(self, decode: bool) -> None:
+        self.decode = decode
+
+    def is_decode(self) -> bool:
+        return self.decode
+
+    def is_extend(self) -> bool:
+        return not self.decode
+
+
+def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a_shared_module_is_wrapped_once():
+    t = FakeClock()
+    clock = PartClock(clock=t)
+
+    class Shared:
+        def forward(self):
+            t.now += 1.0
+
+    shared = Shared()
+
+    class Layer:
+        def forward(self):
+            t.now += 10.0  # the layer's own glue
+            shared.forward()
+
+    routed, dense = Layer(), Layer()
+    clock.wrap(routed, "forward", "glue", "routed")
+    clock.wrap(dense, "forward", "glue", "dense")
+    clock.wrap(shared, "forward", "rope")
+    clock.wrap(shared, "forward", "rope")  # a second layer holding the same module: wrapped once
+
+    def one_pass():
+        t.now += 100.0  # embedding and logits
+        routed.forward()
+        dense.forward()
+        dense.forward()
+
+    clock.around_pass(Mode(True), one_pass)
+    clock.around_pass(Mode(False), lambda: routed.forward())
+    assert clock.attestation() == {
+        "passes_total": {"decode": 1, "prefill": 1},
+        "seconds_total": {"decode": {"outside": {"outside": 100.0}, "routed": {"glue": 10.0, "rope": 1.0},
+                                     "dense": {"glue": 20.0, "rope": 2.0}},
+                          "prefill": {"outside": {"outside": 0.0}, "routed": {"glue": 10.0, "rope": 1.0}}}}
+
+
+def test_a_part_that_raises_is_still_charged_and_the_clock_keeps_counting():
+    t = FakeClock()
+    clock = PartClock(clock=t)
+
+    class Boom:
+        def forward(self):
+            t.now += 3.0
+            raise ValueError("bad row")
+
+    boom = Boom()
+    clock.wrap(boom, "forward", "mlp", "routed")
+    with pytest.raises(ValueError, match="bad row"):
+        clock.around_pass(Mode(True), boom.forward)
+    assert clock.seconds["decode"]["routed"]["mlp"] == 3.0
+    assert clock.passes["decode"] == 1 and clock._children == []
+
+
+def test_the_serve_spec_carries_the_part_clock_through_the_environment_and_refuses_other_values():
+    from vskipper.arms import get_arm
+
+    spec = ServeSpec(get_arm("dense"), 0, 0, part_clock=True)
+    env = spec.to_env()
+    assert env[ENV_PART_CLOCK] == "1" and ServeSpec.from_env(env).part_clock
+    assert ENV_PART_CLOCK not in ServeSpec(get_arm("dense"), 0, 0).to_env()
+    assert not part_clock_from_env({})
+    with pytest.raises(ServeConfigError, match=f"{ENV_PART_CLOCK} must be 0 or 1, got 'yes'"):
+        ServeSpec.from_env({**env, ENV_PART_CLOCK: "yes"})
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return LayerWorld.prefilled("flexidepth-llama", tmp_path_factory.mktemp("clock"), 5, {0: 5, 1: 3, 2: 7, 3: 4})
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_on_sglangs_layer_a_mixed_pass_times_q_and_kv_apart_and_a_dense_pass_the_fused_projection(world, phase,
+                                                                                                  monkeypatch):
+    """A mixed pass of the served layer: Q (RUN rows) and K/V (every row) are told apart by the weight rows they
+    multiply, the K/V write is the pool's, the read is SGLang's attention layer; the rest of the layer is glue. A
+    dense pass runs the fused projection, and its attention layer's K/V write is not charged to the read."""
+    from vskipper.sglang.models import routed as served
+
+    # The server's execution on CPU: decode reads through SGLang's attention layer over the RUN rows.
+    monkeypatch.setattr(world.slot, "execution", served.cohort_execution([world.layer], torch.device("cpu")))
+    clock = PartClock()
+    layer = world.layer
+    clock.install([(layer.layer_id, layer)], (layer.layer_id,))
+    monkeypatch.setattr(world.slot, "part_clock", clock)
+    clock.wrap(world.pool, "set_kv_buffer", "kv_write")
+    # The world runs the routed body by `mixed_depth`, which the layer's forward calls in a server.
+    clock.wrap(layer, "mixed_depth", "glue", "routed")
+    extend = {0: 1, 1: 1, 2: 1, 3: 1} if phase == "decode" else {0: 3, 2: 4}
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    try:
+        fb = world.batch(extend)
+        rows = fb.positions.shape[0]
+        run = torch.arange(rows) % 2 == 0
+        x = world.hidden(rows)
+        clock.around_pass(fb.forward_mode, lambda: world.routed(fb, x, run, torch.ones(rows)))
+        mixed = dict(clock.seconds[phase]["routed"])
+        world.restore(kv0, lengths0)
+        fb = world.batch(extend)
+        with world.context(), torch.no_grad():
+            clock.around_pass(fb.forward_mode, lambda: layer(fb.positions, x, fb, None))
+    finally:
+        world.restore(kv0, lengths0)
+    assert set(mixed) == {"q", "kv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue"}
+    parts = clock.attestation()["seconds_total"][phase]["routed"]
+    assert set(parts) == set(mixed) | {"qkv"} and set(parts) <= set(PARTS)
+    assert all(v > 0 for v in parts.values())
+    assert clock.passes[phase] == 2

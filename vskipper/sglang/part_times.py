@@ -1,0 +1,107 @@
+"""The part clock: where a served pass's time goes, measured inside the server.
+
+With the serve spec's `part_clock` on (`VSKIPPER_PART_CLOCK=1` in the server's environment; off by default, and
+then nothing is wrapped), the model's forward passes are timed part by part: each decoder layer's Q / K/V /
+fused QKV projection (told apart by the weight rows they multiply), rotary embedding, K/V write, attention read
+(SGLang's attention layer, and on a mixed pass the routed body's read around it: narrowing the batch to the RUN
+rows is the read's), o_proj, MLP, norms and adapter, the rest of each layer (`glue`: the routed body's cohort
+packing and scatter, the route and the tape), and the pass outside the layers (`outside`: embedding, final norm,
+logits). Each part's time is exclusive of the parts it calls (SGLang's attention layer writes the K/V of a dense
+pass inside it: that write is `kv_write`, not `read`), summed per phase and per layer kind (`routed`, `dense`),
+with the passes counted, in the attestation (`part_clock`). Shared modules (SGLang caches one rotary embedding
+for every layer; one KV pool) are wrapped once and charged to the layer that calls them.
+
+It answers what a served step spends on the work a Project-Only row skips, at every row (an arm whose rows all
+RUN) and at the RUN rows (a routed arm), which is the time limit of what routing can save in that server
+(`benchmarks/bench_cpu.py`). Its own cost is two clock reads per wrapped call (about 2 us on CPU, some 250 calls
+a pass at 16 layers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+PARTS = ("q", "kv", "qkv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue")
+
+
+class PartClock:
+    """Exclusive wall time per (phase, layer kind, part), summed; passes counted per phase."""
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
+        self.phase = "other"
+        self.where = "outside"  # the layer kind running now ('routed', 'dense'), 'outside' between layers
+        self.seconds: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(
+            lambda: defaultdict(float)))
+        self.passes: dict[str, int] = defaultdict(int)
+        self._children: list[float] = []  # time of timed calls nested in each open call
+        self._wrapped: set[int] = set()
+
+    def timed(self, fn, part, where: str | None = None):
+        """`fn`, timed as `part` (a name, or a function of fn's arguments that returns one) of the layer kind
+        `where` (None: the layer running when it is called; a layer sets it for what it calls)."""
+
+        def call(*args, **kwargs):
+            outer = self.where
+            if where is not None:
+                self.where = where
+            self._children.append(0.0)
+            t0 = self.clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = self.clock() - t0
+                nested = self._children.pop()
+                name = part(*args, **kwargs) if callable(part) else part
+                self.seconds[self.phase][self.where][name] += dt - nested
+                self.where = outer
+                if self._children:
+                    self._children[-1] += dt
+
+        return call
+
+    def wrap(self, obj: Any, attr: str, part, where: str | None = None) -> None:
+        """Replace `obj.attr` by its timed call, once per object and attribute."""
+        key = hash((id(obj), attr))
+        if key in self._wrapped:
+            return
+        self._wrapped.add(key)
+        setattr(obj, attr, self.timed(getattr(obj, attr), part, where))
+
+    def install(self, layers, routed: tuple[int, ...]) -> None:
+        """Wrap the parts of SGLang decoder layers (Llama, Qwen3; `layers`: (layer id, layer)). The KV pool's
+        write is wrapped once the pool exists (`wrap`, from the hook around the runner's forward)."""
+        for i, layer in layers:
+            attn = layer.self_attn
+            self.wrap(layer, "forward", "glue", "routed" if i in routed else "dense")
+            weight = attn.qkv_proj.weight
+            rows = {(weight.data_ptr(), attn.q_size): "q",
+                    (weight[attn.q_size:].data_ptr(), 2 * attn.kv_size): "kv",
+                    (weight.data_ptr(), weight.shape[0]): "qkv"}
+            self.wrap(attn.qkv_proj.quant_method, "apply",
+                      lambda module, *args, _rows=rows, **kwargs: _rows.get(
+                          (module.weight.data_ptr(), module.weight.shape[0]), "glue"))
+            self.wrap(attn.rotary_emb, "forward", "rope")
+            self.wrap(attn.attn, "forward", "read")
+            self.wrap(attn.o_proj, "forward", "o")
+            self.wrap(layer.mlp, "forward", "mlp")
+            self.wrap(layer.input_layernorm, "forward", "ln1")
+            self.wrap(layer.post_attention_layernorm, "forward", "ln2")
+            if hasattr(layer, "router_proj"):
+                self.wrap(layer.router_proj, "forward", "projector")
+
+    def around_pass(self, forward_mode, run):
+        """Time one forward pass (`run()`) of SGLang's batch mode `forward_mode`; what its layers do not take is
+        `outside`."""
+        self.phase = "decode" if forward_mode.is_decode() else "prefill" if forward_mode.is_extend() else "other"
+        try:
+            return self.timed(run, "outside", "outside")()
+        finally:
+            self.passes[self.phase] += 1
+
+    def attestation(self) -> dict[str, Any]:
+        return {"passes_total": dict(self.passes),
+                "seconds_total": {phase: {where: dict(parts) for where, parts in kinds.items()}
+                                  for phase, kinds in self.seconds.items()}}
