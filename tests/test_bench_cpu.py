@@ -96,6 +96,35 @@ def _profile(limit: float, phase: str = "decode") -> dict:
             "routed_ms": {"s=0": 6.1, "s=0.5": 4.2}, "routed_saving_ms": 1.9}
 
 
+def _clocks(read_all: float = 40.0, passes: int = 10) -> tuple[dict, dict]:
+    """The s=0 and s=0.5 servers' part clocks (`vskipper.sglang.part_times`' attestation) after `passes` passes of
+    each phase, from per-pass ms (made up: the arithmetic is checked)."""
+    per_pass = {"s=0": {"outside": {"outside": 2.0}, "dense": {"mlp": 30.0, "read": 30.0},
+                        "routed": {"qkv": 3.0, "read": read_all, "o": 4.0, "mlp": 30.0, "glue": 5.0, "rope": 2.0}},
+                "s=0.5": {"outside": {"outside": 2.0}, "dense": {"mlp": 30.0, "read": 30.0},
+                          "routed": {"q": 1.0, "kv": 1.5, "read": 20.0, "o": 3.0, "mlp": 24.0, "projector": 3.0,
+                                     "glue": 8.0, "rope": 3.0}}}
+    return tuple({"passes_total": {"prefill": passes, "decode": passes},
+                  "seconds_total": {phase: {where: {part: ms * passes / 1e3 for part, ms in parts.items()}
+                                            for where, parts in per_pass[arm].items()}
+                                    for phase in ("prefill", "decode")}} for arm in ("s=0", "s=0.5"))
+
+
+def test_the_time_limit_in_the_servers_is_what_the_skipped_parts_cost_at_every_row_less_at_the_run_rows():
+    """s=0's routed layers at every row against s=0.5's at its RUN rows, Q at every row being the fused
+    projection less the K/V projection, less the adapter; over s=0's model time a pass."""
+    bench = _bench_cpu()
+    served = bench.served_limit(*_clocks(), "decode")
+    assert served["step_ms"] == pytest.approx({"s=0": 146.0, "s=0.5": 125.5})
+    assert served["skipped_all_ms"] == pytest.approx({"q": 1.5, "read": 40.0, "o": 4.0, "mlp": 30.0})
+    assert served["skipped_run_ms"] == pytest.approx({"q": 1.0, "read": 20.0, "o": 3.0, "mlp": 24.0})
+    assert served["saving_ms"] == pytest.approx(75.5 - 48.0 - 3.0)
+    assert served["limit"] == pytest.approx(146.0 / (146.0 - 24.5))
+    assert served["model_ratio"] == pytest.approx(146.0 / 125.5)
+    assert served["layers_ms"]["dense"] == pytest.approx({"s=0": 60.0, "s=0.5": 60.0})
+    assert served["passes"] == {"s=0": 10, "s=0.5": 10}
+
+
 @pytest.mark.parametrize("arms", [("dense", "s=0", "s=0.5"), ("s=0", "s=0.5")], ids=["full", "routed-only"])
 def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms, capsys):
     bench = _bench_cpu()
@@ -107,7 +136,10 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
     latency = {"s=0": [1.0, 1.1, 1.2], "s=0.5": [0.8, 1.0, 0.9], "dense": [1.0, 1.0, 1.0]}
     latency = {arm: latency[arm] for arm in arms}
     profiles = {"prefill": _profile(limit=1.4, phase="prefill"), "decode": _profile(limit=1.2)}
-    summary = bench.report({arm: results[arm] for arm in arms}, config, size, profiles, latency)
+    served = {"prefill": bench.served_limit(*_clocks(read_all=80.0), "prefill"),
+              "decode": bench.served_limit(*_clocks(), "decode")}
+    decode_limit = 146.0 / 121.5
+    summary = bench.report({arm: results[arm] for arm in arms}, config, size, profiles, latency, served)
     out = capsys.readouterr().out
     assert summary["prefill_latency_speedup"] == pytest.approx((1.25, 1.1, 4 / 3))  # s=0 time over s=0.5's
     assert "s=0 1100 ms, s=0.5 900 ms: 1.250x [1.100, 1.333]" in out
@@ -116,11 +148,15 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
     assert summary["ratios"]["prefill"] == pytest.approx((1.2, 1.1, 1.3))  # median, min, max of the pairs
     assert summary["ratios"]["decode"] == pytest.approx((1.1, 1.05, 1.3))
     assert f"FLOP limit {prefill_limit:.3f}x ({(1.2 - 1) / (prefill_limit - 1):.0%} of its gain)" in out
-    assert "time limit 1.400x (50% of its gain)" in out  # prefill: (1.2 - 1) / (1.4 - 1)
-    assert "time limit 1.200x (50% of its gain)" in out  # decode: (1.1 - 1) / (1.2 - 1)
+    assert "the layer alone's 1.400x (50%)" in out  # prefill: (1.2 - 1) / (1.4 - 1)
+    assert "the layer alone's 1.200x (50%)" in out  # decode: (1.1 - 1) / (1.2 - 1)
+    assert f"time limit in the servers {decode_limit:.3f}x ({0.1 / (decode_limit - 1):.0%})" in out
+    assert "saves 24.5 ms a pass (16.8% of s=0's model time) -> time limit 1.202x" in out
     assert "ABOVE" not in out and "above its FLOP limit" not in out
     assert LAST_LINE.fullmatch(summary["line"])
-    assert summary["line"].startswith(f"prefill 1.20x of limit {prefill_limit:.2f}x; decode 1.10x of limit 1.20x")
+    assert summary["line"].startswith(f"prefill 1.20x of limit {prefill_limit:.2f}x; decode 1.10x of limit "
+                                      f"{decode_limit:.2f}x")
+    assert summary["served_limits"]["decode"]["limit"] == pytest.approx(decode_limit)
     if "dense" in arms:
         assert summary["overhead"]["decode"] == pytest.approx((1.0, 1.0, 1.04))
         assert summary["line"].endswith("s=0 overhead 1.0%")  # the larger phase median: prefill 1.01 (decode 1.0)
@@ -129,12 +165,14 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
     # Above the decode time limit: a question; prefill above its FLOP limit but within its time limit: explained.
     results["s=0.5"]["prefill"] = [100.0 * prefill_limit + 5] * 3
     bench.report({arm: results[arm] for arm in arms}, config, size, {**profiles, "decode": _profile(limit=1.05)},
-                 latency)
+                 latency, served)
     out = capsys.readouterr().out
-    assert "ABOVE its time limit (1.050x): a question, not a win" in out
-    assert "above its FLOP limit, within its time limit: what a Project-Only row skips takes 18.0%" in out
+    assert "ABOVE a time limit (1.050x): a question, not a win" in out
+    prefill_share = served["prefill"]["skippable_share"]
+    assert (f"above its FLOP limit, within its time limits: what a Project-Only row skips takes "
+            f"{prefill_share:.1%} of the servers' model time") in out
     # Above the prefill time limit too: a question.
     bench.report({arm: results[arm] for arm in arms}, config, size,
-                 {**profiles, "prefill": _profile(limit=prefill_limit, phase="prefill")}, latency)
+                 {**profiles, "prefill": _profile(limit=prefill_limit, phase="prefill")}, latency, served)
     out = capsys.readouterr().out
-    assert f"ABOVE its time limit ({prefill_limit:.3f}x)" in out and "above its FLOP limit" not in out
+    assert f"ABOVE a time limit ({prefill_limit:.3f}x)" in out and "above its FLOP limit" not in out
