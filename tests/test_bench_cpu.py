@@ -152,6 +152,7 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
     assert "the layer alone's 1.200x (50%)" in out  # decode: (1.1 - 1) / (1.2 - 1)
     assert f"time limit in the servers {decode_limit:.3f}x ({0.1 / (decode_limit - 1):.0%})" in out
     assert "saves 24.5 ms a pass (16.8% of s=0's model time) -> time limit 1.202x" in out
+    assert "the routed layers saved 20.5 ms a pass of the 24.5 ms their skipped parts allow (84%:" in out
     assert "ABOVE" not in out and "above its FLOP limit" not in out
     assert LAST_LINE.fullmatch(summary["line"])
     assert summary["line"].startswith(f"prefill 1.20x of limit {prefill_limit:.2f}x; decode 1.10x of limit "
