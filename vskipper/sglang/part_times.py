@@ -14,7 +14,8 @@ for every layer; one KV pool) are wrapped once and charged to the layer that cal
 It answers what a served step spends on the work a Project-Only row skips, at every row (an arm whose rows all
 RUN) and at the RUN rows (a routed arm), which is the time limit of what routing can save in that server
 (`benchmarks/bench_cpu.py`). Its own cost is two clock reads per wrapped call (about 2 us on CPU, some 250 calls
-a pass at 16 layers).
+a pass at 16 layers). It reads the host's clock: on CPU that is the work; on a GPU, whose kernels run
+asynchronously, it would time their launches, so it is a CPU measurement (a GPU's are the profiler's).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class PartClock:
             lambda: defaultdict(float)))
         self.passes: dict[str, int] = defaultdict(int)
         self._children: list[float] = []  # time of timed calls nested in each open call
-        self._wrapped: set[int] = set()
+        self._wrapped: set[tuple[int, str]] = set()
 
     def timed(self, fn, part, where: str | None = None):
         """`fn`, timed as `part` (a name, or a function of fn's arguments that returns one) of the layer kind
@@ -64,7 +65,7 @@ class PartClock:
 
     def wrap(self, obj: Any, attr: str, part, where: str | None = None) -> None:
         """Replace `obj.attr` by its timed call, once per object and attribute."""
-        key = hash((id(obj), attr))
+        key = (id(obj), attr)  # the objects wrapped (layers, modules, the pool) live as long as the process
         if key in self._wrapped:
             return
         self._wrapped.add(key)
