@@ -211,8 +211,8 @@ class StackLayerOps:
         q = self.attn.project_q(u, pos)
         return q.reshape(u.shape[0], -1), k.reshape(u.shape[0], -1), v.reshape(u.shape[0], -1)
 
-    def kv(self, u: torch.Tensor, rows: torch.Tensor | None):
-        k, v = self.attn.project_kv(u, self._positions(rows))
+    def kv(self, u: torch.Tensor):
+        k, v = self.attn.project_kv(u, self.batch.positions)
         return k.reshape(u.shape[0], -1), v.reshape(u.shape[0], -1)
 
     def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -74,8 +74,8 @@ class LayerOps(Protocol):
     def qkv(self, u: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q [n, heads * hd], rotated (Qwen3: normed) k and v [n, kv_heads * hd] of rows u."""
 
-    def kv(self, u: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """k and v only (no q) of rows u."""
+    def kv(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v only (no q) of every row u of the pass."""
 
     def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rotated (Qwen3: normed) q only [n, heads * hd] of rows u, after `kv` of the same pass."""
@@ -127,7 +127,7 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
     if all_run:  # the fast path: no gather, no scatter; the branch weight still scales the MLP
         h = x + ops.attention(u)
         return Handoff(w * ops.mlp(ops.post_attention_layernorm(h)), h)
-    k, v = ops.kv(u, None)  # every row's, in batch order
+    k, v = ops.kv(u)  # every row's, in batch order
     ops.write_kv(k, v)
     # The RUN cohort's size follows from the Project-Only one: no second wait for the device.
     n_run = run.shape[0] - proj_rows.shape[0]

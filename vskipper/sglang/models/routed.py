@@ -216,8 +216,7 @@ class SGLangLayerOps:
         self.layer, self.positions, self.fb, self.plan = layer, positions, forward_batch, plan
         self.backend, self.prefill_read, self.decode_read = backend, prefill_read, decode_read
         self.written: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's K/V of this pass, once written
-        # (Q of the rows `kv` ran over, those rows) where `kv` had to run the whole qkv_proj (no K/V row view)
-        self.q_of_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.q_all: torch.Tensor | None = None  # every row's Q, where `kv` ran the whole qkv_proj (no row view)
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
@@ -231,30 +230,24 @@ class SGLangLayerOps:
     def qkv(self, u: torch.Tensor, rows: torch.Tensor | None):
         return self.attn.forward_prepare_native(self._positions(rows), u)
 
-    def kv(self, u: torch.Tensor, rows: torch.Tensor | None):
+    def kv(self, u: torch.Tensor):
         a = self.attn
         if kv_only_supported(a.qkv_proj):
             kv = row_projection(a.qkv_proj, slice(a.q_size, None), u)
         else:  # no row view: the whole qkv_proj, its Q kept for `q` (computed and dropped for other rows)
             qkv = a.qkv_proj(u)[0]
-            self.q_of_rows, kv = (qkv[:, : a.q_size], rows), qkv[:, a.q_size:]
+            self.q_all, kv = qkv[:, : a.q_size], qkv[:, a.q_size:]
         k, v = kv.split([a.kv_size, a.kv_size], dim=-1)
         if hasattr(a, "k_norm"):  # Qwen3: per-head k_norm before RoPE
             k = a.k_norm(k.reshape(-1, a.head_dim)).view(k.shape)
         # The rotary embedding rotates a query and a key: one head of k stands in for the query it never needs.
-        _, k = a.rotary_emb(self._positions(rows), k[:, : a.head_dim].clone(), k.contiguous())
+        _, k = a.rotary_emb(self.positions, k[:, : a.head_dim].clone(), k.contiguous())
         return k, v
 
     def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         a = self.attn
-        if self.q_of_rows is None:
-            q = row_projection(a.qkv_proj, slice(None, a.q_size), u)
-        else:  # `kv` ran the whole qkv_proj over every row of the pass (`rows` None)
-            q_all, kv_rows = self.q_of_rows
-            if kv_rows is not None:
-                raise RuntimeError("q after kv of a subset of rows: the Q of a quantized qkv_proj is taken from "
-                                   "kv over every row")
-            q = q_all.index_select(0, rows)
+        q = row_projection(a.qkv_proj, slice(None, a.q_size), u) if self.q_all is None \
+            else self.q_all.index_select(0, rows)
         if hasattr(a, "q_norm"):  # Qwen3: per-head q_norm before RoPE
             q = a.q_norm(q.reshape(-1, a.head_dim)).view(q.shape)
         # One head of q stands in for the key it does not rotate here (`kv` rotated every row's).
