@@ -36,6 +36,13 @@
    pays beyond the skipped work (packing the cohorts, the two projections, the second RoPE) shows as the parts
    that grow. This is the decode goal's limit: a layer alone in a quiet process times its parts otherwise than
    the served step does.
+6. The host's drift between the two runs a ratio pairs (`drift_corrected`): each server's part clock is read
+   before and after each run, so every run has its own ms a pass per layer kind (`run_clock`). The layers before
+   the first routed one are dense in every arm and do the same work on the same batches; their time in one run
+   over the other is the host's speed between the runs. Each pair's ratio is printed again times that factor,
+   beside the raw one, and so is the model time's ratio run by run. The correction takes the host's slowdown to
+   scale the whole step alike (the scheduler's time outside the forward included): a control, not the goal's
+   figure, which stays the raw ratio.
 
 The last line: `prefill <x>x of limit <y>x; decode <x>x of limit <y>x; s=0 overhead <z>%` (s = 0.5 over s = 0,
 the prefill limit from FLOPs, the decode limit from the servers' part clocks; every limit is printed above for
@@ -440,10 +447,27 @@ def prefill_latency(servers: dict, size: Size) -> dict[str, list[float]]:
     return seconds
 
 
-def run_arms(ckpt: Path, out: Path, size: Size,
-             threads: int) -> tuple[dict[str, dict[str, list[float]]], dict[str, list[float]], dict[str, dict]]:
-    """The paired runs, then the prefill prompts one at a time; returns the rates, the latencies and each arm's
-    part clock as it stood after the paired runs."""
+LAYER_KINDS = ("routed", "dense", "outside")
+
+
+def run_clock(before: dict, after: dict, phase: str) -> dict[str, float]:
+    """One run's ms a pass per layer kind (`LAYER_KINDS`) and in all (`model`), and its passes, from a server's
+    part clock (its attestation's `part_clock`) read before and after the run."""
+    passes = after["passes_total"].get(phase, 0) - before["passes_total"].get(phase, 0)
+
+    def seconds(clock: dict, where: str) -> float:
+        return sum(clock["seconds_total"].get(phase, {}).get(where, {}).values())
+
+    ms = {where: (seconds(after, where) - seconds(before, where)) / passes * 1e3 if passes else 0.0
+          for where in LAYER_KINDS}
+    return {**ms, "model": sum(ms.values()), "passes": passes}
+
+
+def run_arms(ckpt: Path, out: Path, size: Size, threads: int) -> tuple[dict[str, dict[str, list[float]]],
+                                                                         dict[str, list[float]], dict[str, dict],
+                                                                         dict[str, dict[str, list[dict]]]]:
+    """The paired runs, then the prefill prompts one at a time; returns the rates, the latencies, each arm's
+    part clock as it stood after the paired runs, and each run's own share of it (`run_clock`)."""
     from vskipper.sglang.launch import launched
     from vskipper.sglang.spec import ENV_PART_CLOCK
 
@@ -451,6 +475,7 @@ def run_arms(ckpt: Path, out: Path, size: Size,
     # driven would take CPU from the one that is; each sleeps while it has no request.
     extra = ["--enable-metrics", "--sleep-on-idle", "--max-total-tokens", str(size.max_total_tokens)]
     results: dict[str, dict[str, list[float]]] = {arm: {"prefill": [], "decode": []} for arm in size.arms}
+    runs: dict[str, dict[str, list[dict]]] = {arm: {"prefill": [], "decode": []} for arm in size.arms}
     with ExitStack() as stack:
         client = BenchServing()
         stack.callback(client.close)
@@ -474,19 +499,24 @@ def run_arms(ckpt: Path, out: Path, size: Size,
             # Phase by phase, so the runs a ratio pairs are back to back.
             for phase, load in (("prefill", size.prefill), ("decode", size.decode)):
                 for arm in order if rep % 2 == 0 else order[::-1]:
-                    url = servers[arm].url
-                    before = served_counts(servers[arm])
-                    record = client.run(url, ckpt, load, out / f"{arm}-{phase}-{rep}.jsonl", seed=rep)
-                    check_served(servers[arm], arm, phase, load, before)
+                    server = servers[arm]
+                    before, clock = served_counts(server), part_clock(server)
+                    record = client.run(server.url, ckpt, load, out / f"{arm}-{phase}-{rep}.jsonl", seed=rep)
+                    check_served(server, arm, phase, load, before)
+                    runs[arm][phase].append(run_clock(clock, part_clock(server), phase))
                     tps = record["input_throughput"] if phase == "prefill" else record["output_throughput"]
                     results[arm][phase].append(tps)
                     print(f"  rep {rep} {arm:6} {phase:7} {tps:9.1f} tok/s", flush=True)
-        clocks = {arm: server.get_json("/vskipper/attestation")["part_clock"] for arm, server in servers.items()}
+        clocks = {arm: part_clock(server) for arm, server in servers.items()}
         latency = prefill_latency(servers, size)
         for arm, server in servers.items():
             passes = server.get_json("/vskipper/attestation")["passes_total"]
             print(f"  {arm:6} passes {json.dumps(passes)}")
-    return results, latency, clocks
+    return results, latency, clocks, runs
+
+
+def part_clock(server) -> dict:
+    return server.get_json("/vskipper/attestation")["part_clock"]
 
 
 # What a Project-Only row skips, as the part clock names it (`vskipper.sglang.part_times`); Q at every row is the
@@ -528,16 +558,35 @@ def paired(num: list[float], den: list[float]) -> tuple[float, float, float]:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
+def drift_corrected(num: list[float], den: list[float], num_runs: list[dict],
+                    den_runs: list[dict]) -> dict[str, tuple[float, float, float] | list[float]]:
+    """The repetitions' ratios num[i] / den[i], each corrected for the host's drift between its two runs: times
+    the dense layers' ms a pass in the numerator's run over the denominator's (layers 0 to the first routed one,
+    dense in every arm: the same work on the same batches, so their ratio is the host's speed between the runs,
+    and it is taken to scale the whole step alike). Also the model time alone from the clocks (den's over num's,
+    the speed-up), raw and corrected: (median, min, max) each; and the factors."""
+    factors = [a["dense"] / b["dense"] for a, b in zip(num_runs, den_runs, strict=True)]
+    model = [b["model"] / a["model"] for a, b in zip(num_runs, den_runs, strict=True)]
+
+    def spread(values: list[float]) -> tuple[float, float, float]:
+        return statistics.median(values), min(values), max(values)
+
+    return {"factors": factors,
+            "ratios": spread([n / d * f for n, d, f in zip(num, den, factors, strict=True)]),
+            "model": spread(model), "model_corrected": spread([m * f for m, f in zip(model, factors, strict=True)])}
+
+
 def gain_share(speedup: float, limit: float) -> str:
     """What share of the limit's gain a speed-up realises: (speedup - 1) / (limit - 1)."""
     return f"{(speedup - 1) / (limit - 1):.0%}" if limit > 1 else "none"
 
 
 def report(results: dict, config: dict, size: Size, profiles: dict[str, dict], latency: dict[str, list[float]],
-           served: dict[str, dict]) -> dict:
-    """Print the arms' rates, s=0.5 over s=0 per phase beside its limits, the servers' part clocks, the served
-    layer's profiles; the summary. The goal's limit: the FLOP limit for prefill, the time limit measured in the
-    servers (`served_limit`) for decode."""
+           served: dict[str, dict], runs: dict[str, dict[str, list[dict]]]) -> dict:
+    """Print the arms' rates, s=0.5 over s=0 per phase beside its limits and corrected for the host's drift
+    (`drift_corrected`, from each run's clock in `runs`), the servers' part clocks, the served layer's profiles;
+    the summary. The goal's limit: the FLOP limit for prefill, the time limit measured in the servers
+    (`served_limit`) for decode."""
     print("\n  arm     prefill tok/s  decode tok/s   (median of the repetitions)")
     for arm, r in results.items():
         print(f"  {arm:6} {statistics.median(r['prefill']):14.1f} {statistics.median(r['decode']):13.1f}")
@@ -546,6 +595,8 @@ def report(results: dict, config: dict, size: Size, profiles: dict[str, dict], l
     ratios = {phase: paired(results["s=0.5"][phase], results["s=0"][phase]) for phase in ("prefill", "decode")}
     overhead = ({phase: paired(results["dense"][phase], results["s=0"][phase]) for phase in ("prefill", "decode")}
                 if "dense" in results else None)
+    drift = {phase: drift_corrected(results["s=0.5"][phase], results["s=0"][phase], runs["s=0.5"][phase],
+                                    runs["s=0"][phase]) for phase in ("prefill", "decode")}
     print(f"\n  s=0.5 over s=0 (median, [min, max] of {size.repetitions} paired repetitions):")
     for phase in ("prefill", "decode"):
         m, lo, hi = ratios[phase]
@@ -561,6 +612,13 @@ def report(results: dict, config: dict, size: Size, profiles: dict[str, dict], l
             print(f"          above its FLOP limit, within its time limits: what a Project-Only row skips takes "
                   f"{served[phase]['skippable_share']:.1%} of the servers' model time (below), more than its share "
                   "of their FLOPs")
+        d = drift[phase]
+        (c, clo, chi), (mm, mlo, mhi), (mc, mclo, mchi) = d["ratios"], d["model"], d["model_corrected"]
+        print(f"          corrected for the host's drift {c:5.3f}x [{clo:.3f}, {chi:.3f}] ({gain_share(c, goal[phase])} "
+              f"of the goal limit's gain; each pair times its dense layers' ms a pass, s={SKIP} run over s=0 run: "
+              + ", ".join(f"{f:.3f}" for f in d["factors"]) + ")")
+        print(f"          the model time alone (the servers' clocks, run by run) {mm:5.3f}x [{mlo:.3f}, {mhi:.3f}], "
+              f"corrected {mc:5.3f}x [{mclo:.3f}, {mchi:.3f}]")
     lat = paired(latency["s=0"], latency["s=0.5"])  # the speed-up: s=0's time over s=0.5's, prompt by prompt
     print(f"  prefill one prompt at a time ({size.latency_prompts} prompts of {size.prefill.input_len} tokens, "
           f"alternating): s=0 {statistics.median(latency['s=0']) * 1e3:.0f} ms, s=0.5 "
@@ -609,13 +667,16 @@ def report(results: dict, config: dict, size: Size, profiles: dict[str, dict], l
     else:
         for phase in ("prefill", "decode"):
             m, lo, hi = overhead[phase]
-            print(f"  dense over s=0 {phase:7} {m:5.3f}x [{lo:.3f}, {hi:.3f}]")
+            c, clo, chi = drift_corrected(results["dense"][phase], results["s=0"][phase], runs["dense"][phase],
+                                          runs["s=0"][phase])["ratios"]
+            print(f"  dense over s=0 {phase:7} {m:5.3f}x [{lo:.3f}, {hi:.3f}]   corrected for the host's drift "
+                  f"{c:5.3f}x [{clo:.3f}, {chi:.3f}]")
         tail = f"s=0 overhead {(max(overhead[p][0] for p in overhead) - 1) * 100:.1f}%"
     line = (f"prefill {ratios['prefill'][0]:.2f}x of limit {goal['prefill']:.2f}x; "
             f"decode {ratios['decode'][0]:.2f}x of limit {goal['decode']:.2f}x; {tail}")
     return {"results": results, "prefill_latency_s": latency, "prefill_latency_speedup": lat,
             "flop_limits": limits, "time_limits": {phase: profiles[phase]["limit"] for phase in profiles},
-            "served_limits": served,
+            "served_limits": served, "drift_corrected": drift, "run_clocks": runs,
             "ratios": ratios, "overhead": overhead, "profiles": profiles, "size": asdict(size), "line": line}
 
 
@@ -656,9 +717,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(pr["torch_threads"] != args.server_threads for pr in profiles.values()):
         raise RuntimeError(f"the layer profiles ran on {[pr['torch_threads'] for pr in profiles.values()]} torch "
                            f"threads, not {args.server_threads}")
-    results, latency, clocks = run_arms(ckpt, out, size, args.server_threads)
+    results, latency, clocks, runs = run_arms(ckpt, out, size, args.server_threads)
     served = {phase: served_limit(clocks["s=0"], clocks[f"s={SKIP}"], phase) for phase in ("prefill", "decode")}
-    summary = report(results, config, size, profiles, latency, served)
+    summary = report(results, config, size, profiles, latency, served, runs)
     summary["part_clocks"] = clocks
     summary["server_threads"] = args.server_threads
     (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -125,6 +125,32 @@ def test_the_time_limit_in_the_servers_is_what_the_skipped_parts_cost_at_every_r
     assert served["passes"] == {"s=0": 10, "s=0.5": 10}
 
 
+def test_a_runs_clock_is_its_share_of_the_servers_part_clock_a_pass():
+    bench = _bench_cpu()
+    before, _ = _clocks(passes=10)
+    after, _ = _clocks(passes=30)  # 20 more passes at the same ms a pass
+    run = bench.run_clock(before, after, "decode")
+    assert run == pytest.approx({"routed": 44.0 + 40.0, "dense": 60.0, "outside": 2.0, "model": 146.0,
+                                 "passes": 20})
+    assert bench.run_clock(after, after, "decode")["model"] == 0.0  # no pass: nothing, not a division by zero
+
+
+def _runs(dense_ms: list[float], model_ms: list[float]) -> list[dict]:
+    return [{"routed": m - d - 2.0, "dense": d, "outside": 2.0, "model": m, "passes": 20}
+            for d, m in zip(dense_ms, model_ms, strict=True)]
+
+
+def test_each_pair_is_corrected_by_its_dense_layers_the_same_work_in_both_runs():
+    """A run whose dense layers took 10% longer ran on a host 10% slower: its rate is scaled up by as much."""
+    bench = _bench_cpu()
+    d = bench.drift_corrected([13.0, 10.5, 11.0], [10.0, 10.0, 10.0],
+                              _runs([60.0, 66.0, 54.0], [120.0, 132.0, 108.0]), _runs([60.0] * 3, [144.0] * 3))
+    assert d["factors"] == pytest.approx([1.0, 1.1, 0.9])
+    assert d["ratios"] == pytest.approx((1.155, 0.99, 1.3))
+    assert d["model"] == pytest.approx((1.2, 144 / 132, 144 / 108))
+    assert d["model_corrected"] == pytest.approx((1.2, 1.2, 1.2))  # the host's drift was the whole spread
+
+
 @pytest.mark.parametrize("arms", [("dense", "s=0", "s=0.5"), ("s=0", "s=0.5")], ids=["full", "routed-only"])
 def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms, capsys):
     bench = _bench_cpu()
@@ -139,7 +165,9 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
     served = {"prefill": bench.served_limit(*_clocks(read_all=80.0), "prefill"),
               "decode": bench.served_limit(*_clocks(), "decode")}
     decode_limit = 146.0 / 121.5
-    summary = bench.report({arm: results[arm] for arm in arms}, config, size, profiles, latency, served)
+    runs = {arm: {phase: _runs([60.0] * 3, [146.0] * 3) for phase in ("prefill", "decode")} for arm in arms}
+    runs["s=0.5"]["decode"] = _runs([60.0, 66.0, 54.0], [125.5] * 3)
+    summary = bench.report({arm: results[arm] for arm in arms}, config, size, profiles, latency, served, runs)
     out = capsys.readouterr().out
     assert summary["prefill_latency_speedup"] == pytest.approx((1.25, 1.1, 4 / 3))  # s=0 time over s=0.5's
     assert "s=0 1100 ms, s=0.5 900 ms: 1.250x [1.100, 1.333]" in out
@@ -154,19 +182,26 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
     assert "saves 24.5 ms a pass (16.8% of s=0's model time) -> time limit 1.202x" in out
     assert "the routed layers saved 20.5 ms a pass of the 24.5 ms their skipped parts allow (84%:" in out
     assert "ABOVE" not in out and "above its FLOP limit" not in out
+    # Decode pairs 1.3, 1.05, 1.1 with dense layers 1.0, 1.1, 0.9 times as long in the s=0.5 run.
+    assert summary["drift_corrected"]["decode"]["ratios"] == pytest.approx((1.155, 0.99, 1.3))
+    assert ("corrected for the host's drift 1.155x [0.990, 1.300] "
+            f"({0.155 / (decode_limit - 1):.0%} of the goal limit's gain; each pair times its dense layers' ms a "
+            "pass, s=0.5 run over s=0 run: 1.000, 1.100, 0.900)") in out
+    assert "the model time alone (the servers' clocks, run by run) 1.163x [1.163, 1.163], corrected 1.163x" in out
     assert LAST_LINE.fullmatch(summary["line"])
     assert summary["line"].startswith(f"prefill 1.20x of limit {prefill_limit:.2f}x; decode 1.10x of limit "
                                       f"{decode_limit:.2f}x")
     assert summary["served_limits"]["decode"]["limit"] == pytest.approx(decode_limit)
     if "dense" in arms:
         assert summary["overhead"]["decode"] == pytest.approx((1.0, 1.0, 1.04))
+        assert "dense over s=0 decode  1.000x [1.000, 1.040]   corrected for the host's drift 1.000x" in out
         assert summary["line"].endswith("s=0 overhead 1.0%")  # the larger phase median: prefill 1.01 (decode 1.0)
     else:
         assert summary["overhead"] is None and summary["line"].endswith("s=0 overhead not measured (no dense arm)")
     # Above the decode time limit: a question; prefill above its FLOP limit but within its time limit: explained.
     results["s=0.5"]["prefill"] = [100.0 * prefill_limit + 5] * 3
     bench.report({arm: results[arm] for arm in arms}, config, size, {**profiles, "decode": _profile(limit=1.05)},
-                 latency, served)
+                 latency, served, runs)
     out = capsys.readouterr().out
     assert "ABOVE a time limit (1.050x): a question, not a win" in out
     prefill_share = served["prefill"]["skippable_share"]
@@ -174,6 +209,6 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
             f"{prefill_share:.1%} of the servers' model time") in out
     # Above the prefill time limit too: a question.
     bench.report({arm: results[arm] for arm in arms}, config, size,
-                 {**profiles, "prefill": _profile(limit=prefill_limit, phase="prefill")}, latency, served)
+                 {**profiles, "prefill": _profile(limit=prefill_limit, phase="prefill")}, latency, served, runs)
     out = capsys.readouterr().out
     assert f"ABOVE a time limit ({prefill_limit:.3f}x)" in out and "above its FLOP limit" not in out
