@@ -29,8 +29,9 @@
    layer realises of its limit.
 5. The limits from time measured in the servers themselves (`served_limit`): every server runs with its part
    clock on (`VSKIPPER_PART_CLOCK=1`, `vskipper.sglang.part_times`: each part of each layer timed in the served
-   pass, about 0.3% of a pass). After the paired runs, what the skipped parts (Q, the read, o_proj, the MLP) of
-   the routed layers took in the s=0 server, at every row, less what they took in the s=0.5 server, at its RUN
+   pass, about 0.3% of a pass), read before and after each run. Over each phase's own runs (`runs_clock`: the
+   decode load's passes alone, not the prefill load's warm-up decode nor the servers' warm-up), what the skipped
+   parts (Q, the read, o_proj, the MLP) of the routed layers took in the s=0 server, at every row, less what they took in the s=0.5 server, at its RUN
    rows, less the adapter there, against the s=0 server's model time (the scheduler's time outside the forward
    left out: an upper bound). Beside it, each part of the routed layers in both servers: what the routed body
    pays beyond the skipped work (packing the cohorts, the two projections, the second RoPE) shows as the parts
@@ -450,24 +451,37 @@ def prefill_latency(servers: dict, size: Size) -> dict[str, list[float]]:
 LAYER_KINDS = ("routed", "dense", "outside")
 
 
-def run_clock(before: dict, after: dict, phase: str) -> dict[str, float]:
-    """One run's ms a pass per layer kind (`LAYER_KINDS`) and in all (`model`), and its passes, from a server's
-    part clock (its attestation's `part_clock`) read before and after the run."""
+def run_clock(before: dict, after: dict, phase: str) -> dict:
+    """One run's ms a pass per layer kind (`LAYER_KINDS`) and in all (`model`), its passes, and its seconds per
+    layer kind and part (`seconds`), from a server's part clock (its attestation's `part_clock`) read before and
+    after the run."""
     passes = after["passes_total"].get(phase, 0) - before["passes_total"].get(phase, 0)
-
-    def seconds(clock: dict, where: str) -> float:
-        return sum(clock["seconds_total"].get(phase, {}).get(where, {}).values())
-
-    ms = {where: (seconds(after, where) - seconds(before, where)) / passes * 1e3 if passes else 0.0
-          for where in LAYER_KINDS}
-    return {**ms, "model": sum(ms.values()), "passes": passes}
+    was, now = before["seconds_total"].get(phase, {}), after["seconds_total"].get(phase, {})
+    seconds = {where: {part: t - was.get(where, {}).get(part, 0.0) for part, t in parts.items()}
+               for where, parts in now.items()}
+    ms = {where: sum(seconds.get(where, {}).values()) / passes * 1e3 if passes else 0.0 for where in LAYER_KINDS}
+    return {**ms, "model": sum(ms.values()), "passes": passes, "seconds": seconds}
 
 
-def run_arms(ckpt: Path, out: Path, size: Size, threads: int) -> tuple[dict[str, dict[str, list[float]]],
-                                                                         dict[str, list[float]], dict[str, dict],
-                                                                         dict[str, dict[str, list[dict]]]]:
+def runs_clock(runs: list[dict], phase: str) -> dict:
+    """A part clock (the attestation's shape) of these runs alone (`run_clock`): one phase's load, without the
+    passes of the other phase's runs (a decode run's short prompts are prefill passes, a prefill run's warm-up
+    request decodes) or of the servers' own warm-up."""
+    seconds: dict[str, dict[str, float]] = {}
+    for run in runs:
+        for where, parts in run["seconds"].items():
+            for part, t in parts.items():
+                seconds.setdefault(where, {})[part] = seconds.get(where, {}).get(part, 0.0) + t
+    return {"passes_total": {phase: sum(run["passes"] for run in runs)}, "seconds_total": {phase: seconds}}
+
+
+def run_arms(ckpt: Path, out: Path, size: Size, threads: int,
+             start_order: tuple[str, ...] | None = None) -> tuple[dict[str, dict[str, list[float]]],
+                                                                  dict[str, list[float]], dict[str, dict],
+                                                                  dict[str, dict[str, list[dict]]]]:
     """The paired runs, then the prefill prompts one at a time; returns the rates, the latencies, each arm's
-    part clock as it stood after the paired runs, and each run's own share of it (`run_clock`)."""
+    part clock as it stood after the paired runs, and each run's own share of it (`run_clock`). The servers
+    start in `start_order` (default: the size's arms), the runs alternate in the size's order."""
     from vskipper.sglang.launch import launched
     from vskipper.sglang.spec import ENV_PART_CLOCK
 
@@ -480,7 +494,7 @@ def run_arms(ckpt: Path, out: Path, size: Size, threads: int) -> tuple[dict[str,
         client = BenchServing()
         stack.callback(client.close)
         servers = {}
-        for arm in size.arms:
+        for arm in start_order or size.arms:
             spec = ARMS[arm]
             kwargs = {"arm": "dense"}
             if spec is not None:
@@ -561,12 +575,16 @@ def paired(num: list[float], den: list[float]) -> tuple[float, float, float]:
 def drift_corrected(num: list[float], den: list[float], num_runs: list[dict],
                     den_runs: list[dict]) -> dict[str, tuple[float, float, float] | list[float]]:
     """The repetitions' ratios num[i] / den[i], each corrected for the host's drift between its two runs: times
-    the dense layers' ms a pass in the numerator's run over the denominator's (layers 0 to the first routed one,
-    dense in every arm: the same work on the same batches, so their ratio is the host's speed between the runs,
-    and it is taken to scale the whole step alike). Also the model time alone from the clocks (den's over num's,
-    the speed-up), raw and corrected: (median, min, max) each; and the factors."""
-    factors = [a["dense"] / b["dense"] for a, b in zip(num_runs, den_runs, strict=True)]
-    model = [b["model"] / a["model"] for a, b in zip(num_runs, den_runs, strict=True)]
+    the dense layers' time in the numerator's run over the denominator's (layers 0 to the first routed one, dense
+    in every arm: the same work on the same load, so their ratio is the host's speed between the runs, and it is
+    taken to scale the whole step alike). Whole runs, not passes: SGLang may cut the same prefill load into
+    passes otherwise from run to run. Also the model time alone from the clocks (den's over num's, the speed-up),
+    raw and corrected: (median, min, max) each; and the factors."""
+    def total(run: dict, kind: str) -> float:
+        return run[kind] * run["passes"]
+
+    factors = [total(a, "dense") / total(b, "dense") for a, b in zip(num_runs, den_runs, strict=True)]
+    model = [total(b, "model") / total(a, "model") for a, b in zip(num_runs, den_runs, strict=True)]
 
     def spread(values: list[float]) -> tuple[float, float, float]:
         return statistics.median(values), min(values), max(values)
@@ -615,7 +633,7 @@ def report(results: dict, config: dict, size: Size, profiles: dict[str, dict], l
         d = drift[phase]
         (c, clo, chi), (mm, mlo, mhi), (mc, mclo, mchi) = d["ratios"], d["model"], d["model_corrected"]
         print(f"          corrected for the host's drift {c:5.3f}x [{clo:.3f}, {chi:.3f}] ({gain_share(c, goal[phase])} "
-              f"of the goal limit's gain; each pair times its dense layers' ms a pass, s={SKIP} run over s=0 run: "
+              f"of the goal limit's gain; each pair times its dense layers' time, s={SKIP} run over s=0 run: "
               + ", ".join(f"{f:.3f}" for f in d["factors"]) + ")")
         print(f"          the model time alone (the servers' clocks, run by run) {mm:5.3f}x [{mlo:.3f}, {mhi:.3f}], "
               f"corrected {mc:5.3f}x [{mclo:.3f}, {mchi:.3f}]")
@@ -625,7 +643,7 @@ def report(results: dict, config: dict, size: Size, profiles: dict[str, dict], l
           f"{statistics.median(latency['s=0.5']) * 1e3:.0f} ms: {lat[0]:5.3f}x [{lat[1]:.3f}, {lat[2]:.3f}]   "
           f"{gain_share(lat[0], limits['prefill'])} of the FLOP limit's gain, "
           f"{gain_share(lat[0], profiles['prefill']['limit'])} of the time limit's")
-    print(f"  in the servers (their part clocks over the paired runs; ms a pass, s=0 -> s={SKIP}):")
+    print(f"  in the servers (their part clocks over each phase's own runs; ms a pass, s=0 -> s={SKIP}):")
     for phase in ("prefill", "decode"):
         sv = served[phase]
         arms = ("s=0", f"s={SKIP}")
@@ -691,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-threads", type=int, default=default_threads(),
                    help="torch threads of each server and of the layer profiles (default: the cores but one, %(default)s "
                         "here)")
+    p.add_argument("--start-order", help="the order the servers start in, comma-separated (default: the size's "
+                   "arms; the runs alternate in that order whatever this is)")
     p.add_argument("--profile-layer", nargs=2, metavar=("CKPT", "JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.profile_layer:  # the child process of `profile_layer`
@@ -703,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.repetitions < 1:
             raise SystemExit("--repetitions must be at least 1")
         size = replace(size, repetitions=args.repetitions)
+    start_order = tuple(args.start_order.split(",")) if args.start_order else None
+    if start_order is not None and sorted(start_order) != sorted(size.arms):
+        raise SystemExit(f"--start-order must name the arms {', '.join(size.arms)} once each, got {args.start_order}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = write_model(out, size)
@@ -717,8 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(pr["torch_threads"] != args.server_threads for pr in profiles.values()):
         raise RuntimeError(f"the layer profiles ran on {[pr['torch_threads'] for pr in profiles.values()]} torch "
                            f"threads, not {args.server_threads}")
-    results, latency, clocks, runs = run_arms(ckpt, out, size, args.server_threads)
-    served = {phase: served_limit(clocks["s=0"], clocks[f"s={SKIP}"], phase) for phase in ("prefill", "decode")}
+    results, latency, clocks, runs = run_arms(ckpt, out, size, args.server_threads, start_order)
+    served = {phase: served_limit(runs_clock(runs["s=0"][phase], phase), runs_clock(runs[f"s={SKIP}"][phase], phase),
+                                  phase) for phase in ("prefill", "decode")}
     summary = report(results, config, size, profiles, latency, served, runs)
     summary["part_clocks"] = clocks
     summary["server_threads"] = args.server_threads

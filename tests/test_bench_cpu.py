@@ -130,9 +130,16 @@ def test_a_runs_clock_is_its_share_of_the_servers_part_clock_a_pass():
     before, _ = _clocks(passes=10)
     after, _ = _clocks(passes=30)  # 20 more passes at the same ms a pass
     run = bench.run_clock(before, after, "decode")
-    assert run == pytest.approx({"routed": 44.0 + 40.0, "dense": 60.0, "outside": 2.0, "model": 146.0,
-                                 "passes": 20})
+    assert {k: run[k] for k in ("routed", "dense", "outside", "model", "passes")} == pytest.approx(
+        {"routed": 44.0 + 40.0, "dense": 60.0, "outside": 2.0, "model": 146.0, "passes": 20})
+    assert run["seconds"]["dense"] == pytest.approx({"mlp": 0.6, "read": 0.6})  # 30 ms a pass, 20 passes
     assert bench.run_clock(after, after, "decode")["model"] == 0.0  # no pass: nothing, not a division by zero
+    # Two such runs make the clock of the phase's runs alone: the limit over them is the limit per pass.
+    s0 = bench.runs_clock([run, run], "decode")
+    assert s0["passes_total"] == {"decode": 40}
+    s05 = bench.runs_clock([bench.run_clock(*[_clocks(passes=n)[1] for n in (10, 30)], "decode")], "decode")
+    assert bench.served_limit(s0, s05, "decode")["limit"] == pytest.approx(
+        bench.served_limit(*_clocks(), "decode")["limit"])
 
 
 def _runs(dense_ms: list[float], model_ms: list[float]) -> list[dict]:
@@ -149,6 +156,11 @@ def test_each_pair_is_corrected_by_its_dense_layers_the_same_work_in_both_runs()
     assert d["ratios"] == pytest.approx((1.155, 0.99, 1.3))
     assert d["model"] == pytest.approx((1.2, 144 / 132, 144 / 108))
     assert d["model_corrected"] == pytest.approx((1.2, 1.2, 1.2))  # the host's drift was the whole spread
+    # The same load in fewer, larger passes: whole runs are compared, not passes.
+    fewer = [{**run, "dense": run["dense"] * 7 / 5, "model": run["model"] * 7 / 5, "passes": run["passes"] * 5 / 7}
+             for run in _runs([60.0] * 3, [144.0] * 3)]
+    assert bench.drift_corrected([10.0] * 3, [10.0] * 3, fewer, _runs([60.0] * 3, [144.0] * 3))["factors"] == \
+        pytest.approx([1.0] * 3)
 
 
 @pytest.mark.parametrize("arms", [("dense", "s=0", "s=0.5"), ("s=0", "s=0.5")], ids=["full", "routed-only"])
@@ -185,8 +197,8 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
     # Decode pairs 1.3, 1.05, 1.1 with dense layers 1.0, 1.1, 0.9 times as long in the s=0.5 run.
     assert summary["drift_corrected"]["decode"]["ratios"] == pytest.approx((1.155, 0.99, 1.3))
     assert ("corrected for the host's drift 1.155x [0.990, 1.300] "
-            f"({0.155 / (decode_limit - 1):.0%} of the goal limit's gain; each pair times its dense layers' ms a "
-            "pass, s=0.5 run over s=0 run: 1.000, 1.100, 0.900)") in out
+            f"({0.155 / (decode_limit - 1):.0%} of the goal limit's gain; each pair times its dense layers' "
+            "time, s=0.5 run over s=0 run: 1.000, 1.100, 0.900)") in out
     assert "the model time alone (the servers' clocks, run by run) 1.163x [1.163, 1.163], corrected 1.163x" in out
     assert LAST_LINE.fullmatch(summary["line"])
     assert summary["line"].startswith(f"prefill 1.20x of limit {prefill_limit:.2f}x; decode 1.10x of limit "
@@ -212,3 +224,10 @@ def test_the_report_pairs_the_repetitions_and_flags_a_ratio_above_its_limit(arms
                  {**profiles, "prefill": _profile(limit=prefill_limit, phase="prefill")}, latency, served, runs)
     out = capsys.readouterr().out
     assert f"ABOVE a time limit ({prefill_limit:.3f}x)" in out and "above its FLOP limit" not in out
+
+
+def test_a_start_order_names_every_arm_once(tmp_path):
+    bench = _bench_cpu()
+    with pytest.raises(SystemExit, match="--start-order must name the arms dense, s=0, s=0.5 once each, got s=0,dense"):
+        bench.main(["--start-order", "s=0,dense", "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
