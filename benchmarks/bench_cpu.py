@@ -31,16 +31,16 @@
    clock on (`VSKIPPER_PART_CLOCK=1`, `vskipper.sglang.part_times`: each part of each layer timed in the served
    pass, about 0.3% of a pass), read before and after each run. Over each phase's own runs (`runs_clock`: the
    decode load's passes alone, not the prefill load's warm-up decode nor the servers' warm-up), what the skipped
-   parts (Q, the read, o_proj, the MLP) of the routed layers took in the s=0 server, at every row, less what they took in the s=0.5 server, at its RUN
-   rows, less the adapter there, against the s=0 server's model time (the scheduler's time outside the forward
-   left out: an upper bound). Beside it, each part of the routed layers in both servers: what the routed body
+   parts (Q, the read, o_proj, the MLP) of the routed layers took in the s=0 server, at every row, less what they
+   took in the s=0.5 server, at its RUN rows, less the adapter there, against the s=0 server's model time (the
+   scheduler's time outside the forward left out: an upper bound). Beside it, each part of the routed layers in both servers: what the routed body
    pays beyond the skipped work (packing the cohorts, the two projections, the second RoPE) shows as the parts
    that grow. This is the decode goal's limit: a layer alone in a quiet process times its parts otherwise than
    the served step does.
 6. The host's drift between the two runs a ratio pairs (`drift_corrected`): each server's part clock is read
-   before and after each run, so every run has its own ms a pass per layer kind (`run_clock`). The layers before
-   the first routed one are dense in every arm and do the same work on the same batches; their time in one run
-   over the other is the host's speed between the runs. Each pair's ratio is printed again times that factor,
+   before and after each run, so every run has its own time per layer kind (`run_clock`). The layers before the
+   first routed one are dense in every arm and do the same work on the same load; their time over one whole run
+   against the other is the host's speed between the runs. Each pair's ratio is printed again times that factor,
    beside the raw one, and so is the model time's ratio run by run. The correction takes the host's slowdown to
    scale the whole step alike (the scheduler's time outside the forward included): a control, not the goal's
    figure, which stays the raw ratio.
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads of each server and of the layer profiles (default: the cores but one, %(default)s "
                         "here)")
     p.add_argument("--start-order", help="the order the servers start in, comma-separated (default: the size's "
-                   "arms; the runs alternate in that order whatever this is)")
+                   "arms; the runs alternate in the size's order whatever this is)")
     p.add_argument("--profile-layer", nargs=2, metavar=("CKPT", "JSON"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.profile_layer:  # the child process of `profile_layer`
