@@ -542,9 +542,13 @@ def served_limit(clock_all: dict, clock_run: dict, phase: str) -> dict:
     """The time limit of s=0.5 over s=0 measured in the servers themselves (their part clocks over the same load):
     what the skipped parts of the routed layers cost in the s=0 server (every row RUN) less what they cost in the
     s=0.5 server (at its RUN rows), less the adapter there, against the s=0 server's model time (the scheduler's
-    own time outside the forward left out: an upper bound). Also each part's time a pass in both arms."""
+    own time outside the forward left out: an upper bound). Also each part's time a pass in both arms.
+
+    Both clocks are over the same load, and both are divided by the s=0 server's passes: SGLang may cut the same
+    prefill load into other passes in the two servers, and the time of the whole load is what compares."""
+    n = clock_all["passes_total"][phase]
+
     def per_pass(clock: dict) -> dict[str, dict[str, float]]:
-        n = clock["passes_total"][phase]
         return {where: {part: t / n * 1e3 for part, t in parts.items()}
                 for where, parts in clock["seconds_total"][phase].items()}
 

@@ -123,6 +123,12 @@ def test_the_time_limit_in_the_servers_is_what_the_skipped_parts_cost_at_every_r
     assert served["model_ratio"] == pytest.approx(146.0 / 125.5)
     assert served["layers_ms"]["dense"] == pytest.approx({"s=0": 60.0, "s=0.5": 60.0})
     assert served["passes"] == {"s=0": 10, "s=0.5": 10}
+    # The same load cut into 8 passes in the s=0.5 server: the load's time compares, not a pass's.
+    s0, s05 = _clocks()
+    s05["passes_total"]["decode"] = 8
+    again = bench.served_limit(s0, s05, "decode")
+    assert again["limit"] == pytest.approx(served["limit"]) and again["step_ms"] == pytest.approx(served["step_ms"])
+    assert again["passes"] == {"s=0": 10, "s=0.5": 8}
 
 
 def test_a_runs_clock_is_its_share_of_the_servers_part_clock_a_pass():
@@ -137,7 +143,7 @@ def test_a_runs_clock_is_its_share_of_the_servers_part_clock_a_pass():
     # Two such runs make the clock of the phase's runs alone: the limit over them is the limit per pass.
     s0 = bench.runs_clock([run, run], "decode")
     assert s0["passes_total"] == {"decode": 40}
-    s05 = bench.runs_clock([bench.run_clock(*[_clocks(passes=n)[1] for n in (10, 30)], "decode")], "decode")
+    s05 = bench.runs_clock([bench.run_clock(*[_clocks(passes=n)[1] for n in (10, 30)], "decode")] * 2, "decode")
     assert bench.served_limit(s0, s05, "decode")["limit"] == pytest.approx(
         bench.served_limit(*_clocks(), "decode")["limit"])
 
