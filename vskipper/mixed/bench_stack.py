@@ -205,8 +205,8 @@ class StackLayerOps:
     def attention(self, u: torch.Tensor) -> torch.Tensor:
         return self.attn(u, self.batch, self.cache, self.layer.layer_id, impl=self.impl)
 
-    def qkv(self, u: torch.Tensor, rows: torch.Tensor | None):
-        pos = self._positions(rows)
+    def qkv(self, u: torch.Tensor):
+        pos = self.batch.positions
         k, v = self.attn.project_kv(u, pos)
         q = self.attn.project_q(u, pos)
         return q.reshape(u.shape[0], -1), k.reshape(u.shape[0], -1), v.reshape(u.shape[0], -1)

@@ -71,8 +71,9 @@ class LayerOps(Protocol):
     def attention(self, u: torch.Tensor) -> torch.Tensor:
         """The host's dense attention over every row (K/V write, read, o_proj): the all-RUN fast path."""
 
-    def qkv(self, u: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q [n, heads * hd], rotated (Qwen3: normed) k and v [n, kv_heads * hd] of rows u."""
+    def qkv(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q [n, heads * hd], rotated (Qwen3: normed) k and v [n, kv_heads * hd] of every row u of the
+        pass (the triton execution's, whose kernels keep every row's launch slot)."""
 
     def kv(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k and v only (no q) of every row u of the pass."""
@@ -147,7 +148,7 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
 
 def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
                    cohorts: Cohorts, tiles: Any) -> Handoff:
-    q, k, v = ops.qkv(u, None)
+    q, k, v = ops.qkv(u)
     ops.write_kv(k, v)
     h = x + ops.o_proj(ops.read(q, None, reads=run))  # Project-Only rows read nothing: h = x
     delta = torch.zeros_like(h)  # each row's branch adds into it (count-bounded scatter)

@@ -227,8 +227,8 @@ class SGLangLayerOps:
     def attention(self, u: torch.Tensor) -> torch.Tensor:
         return self.attn(positions=self.positions, hidden_states=u, forward_batch=self.fb)
 
-    def qkv(self, u: torch.Tensor, rows: torch.Tensor | None):
-        return self.attn.forward_prepare_native(self._positions(rows), u)
+    def qkv(self, u: torch.Tensor):
+        return self.attn.forward_prepare_native(self.positions, u)
 
     def kv(self, u: torch.Tensor):
         a = self.attn
