@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from vskipper.checkpoint import TinySize, tiny_config  # noqa: E402
 from vskipper.mixed.bench_stack import BenchStack, ForwardBatch  # noqa: E402
 from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS  # noqa: E402
-from vskipper.mixed.tuner import op_dims, representative_rows, time_call  # noqa: E402
+from vskipper.mixed.tuner import op_dims, representative_rows, shape_calls, time_call  # noqa: E402
 from vskipper.roofline import derive_thresholds, find_device, kv_bytes_per_token_layer  # noqa: E402
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 
@@ -65,48 +65,24 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 # -- 1. cohort GEMMs vs torch -------------------------------------------------------------------------------
 
 def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smoke: bool) -> list[dict]:
-    from torch.nn import functional as F
-
-    from vskipper.mixed.kernels import (
-        INTERPRETER_TILE,
-        cohort_down_scatter,
-        cohort_gate_up,
-        device_tile_table,
-    )
+    from vskipper.mixed.kernels import INTERPRETER_TILE, device_tile_table
 
     table = device_tile_table(device) if device.type == "cuda" else None
     g = torch.Generator().manual_seed(0)
     results = []
     ranges = COUNT_RANGES[:1] if smoke else COUNT_RANGES
     for op in OPERATIONS:
-        k_dim, n_dim = op_dims(op, size.hidden, size.intermediate, size.intermediate // size.reduction)
+        k_dim, n_dim = op_dims(op, size.hidden, size.intermediate, size.intermediate // size.reduction,
+                               size.heads * size.head_dim)
         w1 = (torch.randn(n_dim, k_dim, generator=g) / k_dim**0.5).to(device, dtype)
         w2 = (torch.randn(n_dim, k_dim, generator=g) / k_dim**0.5).to(device, dtype)
         for lo, hi in ranges:
             rows = representative_rows(lo, hi)
             tile = table.lookup(op, rows) if table else INTERPRETER_TILE
-            x = torch.randn(2 * rows, k_dim, generator=g).to(device, dtype)
-            idx = torch.randperm(2 * rows, generator=g)[:rows].to(device)
-            count = torch.tensor([rows], device=device)
-            w = torch.rand(2 * rows, generator=g).to(device, dtype)
-            if op.endswith("gate_up"):
-                def ref(x=x, idx=idx, w1=w1, w2=w2):
-                    a = x.index_select(0, idx)
-                    return F.silu(a @ w1.t()) * (a @ w2.t())
-
-                def ker(x=x, idx=idx, count=count, w1=w1, w2=w2, tile=tile):
-                    return cohort_gate_up(x, idx, count, w1, w2, tile=tile)
-            else:
-                packed = torch.randn(rows, k_dim, generator=g).to(device, dtype)
-                y = torch.zeros(2 * rows, n_dim, device=device, dtype=dtype)
-
-                def ref(packed=packed, idx=idx, w1=w1, w=w, y=y):
-                    y.index_add_(0, idx, (packed @ w1.t()) * w.index_select(0, idx)[:, None])
-
-                def ker(packed=packed, idx=idx, count=count, w1=w1, w=w, y=y, tile=tile):
-                    cohort_down_scatter(packed, idx, count, w, w1, y, tile=tile)
+            ref, kernel = shape_calls(op, rows, w1, w2, g, device, dtype)
             interpret = device.type != "cuda"
-            t_ref, t_ker = time_call(ref, interpret), time_call(ker, interpret)
+            t_ref = time_call(ref, interpret)
+            t_ker = time_call(lambda kernel=kernel, tile=tile: kernel(tile), interpret)
             results.append({"op": op, "rows": [lo, hi], "K": k_dim, "N": n_dim, "kernel_ms": t_ker,
                             "torch_ms": t_ref, "ratio": t_ker / t_ref})
             print(f"  {op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} kernel "

@@ -14,8 +14,9 @@ def test_benchmark_smoke_run_executes_every_section(cli_env, tmp_path):
                           "--json", str(out)], env=cli_env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert len(report["kernels"]) == 4 and {k["op"] for k in report["kernels"]} == {
-        "mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down"}
+    assert [k["op"] for k in report["kernels"]] == [
+        "mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down", "attn_q", "attn_o"]
+    assert [(k["K"], k["N"]) for k in report["kernels"][-2:]] == [(64, 64), (64, 64)]  # hidden, heads x head_dim
     assert len(report["decode"]["cells"]) == 4 and "tau_ms" in report["decode"]
     assert [p["tokens"] for p in report["prefill"]] == [16, 32]
     attested = [line for line in res.stdout.splitlines() if line.startswith("attestation after the run")]

@@ -18,6 +18,8 @@ from vskipper.mixed.kernels import (
     cohort_down_scatter,
     cohort_ffn_triton,
     cohort_gate_up,
+    cohort_gemm,
+    cohort_scatter_add,
     masked_decode_attention,
 )
 from vskipper.mixed.reference import reference_forward
@@ -74,6 +76,31 @@ def test_tiles_past_the_device_count_write_nothing():
     untouched[rows] = False
     assert torch.equal(y[untouched], before[untouched])
     torch.testing.assert_close(y[rows], before[rows] + w[rows, None] * (a[:5] @ wd.t()))
+
+
+@pytest.mark.parametrize("count", [0, 5, 17, 40])
+def test_the_attention_cohort_gemms_touch_the_counted_rows_alone(count):
+    """Q of the gathered cohort rows, packed (slots at and past the count left alone), and o_proj of packed rows
+    added onto their batch rows (every other row left alone), with a width that is no multiple of the tile."""
+    g = torch.Generator().manual_seed(count)
+    capacity, d, q_width = 40, 48, 80
+    u = torch.randn(capacity, d, generator=g)
+    w_q, w_o = torch.randn(q_width, d, generator=g) / d**0.5, torch.randn(d, q_width, generator=g) / q_width**0.5
+    idx = torch.randperm(capacity, generator=g)
+    rows = idx[:count]
+    q = torch.full((capacity, q_width), 7.0)
+    cohort_gemm(u, idx, torch.tensor([count]), w_q, out=q, tile=SMALL)
+    assert (q[count:] == 7.0).all()
+    torch.testing.assert_close(q[:count], u[rows] @ w_q.t())
+    assert torch.equal(cohort_gemm(u, idx, torch.tensor([count]), w_q, tile=SMALL)[count:],
+                       torch.zeros(capacity - count, q_width))  # a fresh output is zeros past the count
+    h = torch.randn(capacity, d, generator=g)
+    before = h.clone()
+    cohort_scatter_add(q, idx, torch.tensor([count]), w_o, h, tile=SMALL)
+    untouched = torch.ones(capacity, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(h[untouched], before[untouched])
+    torch.testing.assert_close(h[rows], before[rows] + q[:count] @ w_o.t())
 
 
 def test_a_zero_count_launches_a_full_grid_that_does_nothing():

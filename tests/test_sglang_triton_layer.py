@@ -66,6 +66,65 @@ def test_the_triton_execution_of_a_decode_pass_equals_the_torch_execution(world,
     torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("run", [[True, False, False, True], [False, True, True, True], [False] * 4])
+def test_project_only_rows_never_enter_q_the_read_or_o_proj_of_the_triton_execution(world, run, monkeypatch):
+    """The rows each kernel of a mixed decode pass covers (the batch rows idx[m], m < count, of a count-bounded
+    GEMM; the reading slots of the masked read): Q, the read and o_proj the RUN rows alone, at their own
+    positions and requests; the MLP the RUN rows, the adapter the Project-Only rows. K/V goes through the K/V
+    rows of qkv_proj for every row; no module of SGLang's attention or MLP runs its own forward."""
+    layer = world.layer
+    seen: dict[str, object] = {}
+
+    def rows_of(idx, count):
+        return sorted(idx[: int(count)].tolist())
+
+    def gemm(u, idx, count, w, *args, **kwargs):
+        seen["q"] = rows_of(idx, count)
+        return real["gemm"](u, idx, count, w, *args, **kwargs)
+
+    def scatter(a, idx, count, w, y, *args, **kwargs):
+        seen["o_proj"] = rows_of(idx, count)
+        return real["scatter"](a, idx, count, w, y, *args, **kwargs)
+
+    def read(q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs):
+        seen["read"] = (req[reads].tolist(), positions[reads].tolist())
+        return real["read"](q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs)
+
+    def ffn(backend, x, idx, count, *args, **kwargs):
+        seen[kwargs["op"]] = rows_of(idx, count)
+        return real["ffn"](backend, x, idx, count, *args, **kwargs)
+
+    def projection(qkv_proj, rows, u):
+        seen["kv" if rows.start == layer.self_attn.q_size else "qkv_rows"] = u.shape[0]
+        return real["projection"](qkv_proj, rows, u)
+
+    real = {"gemm": kernels.cohort_gemm, "scatter": kernels.cohort_scatter_add, "ffn": body.cohort_ffn,
+            "read": kernels.masked_decode_attention, "projection": served.row_projection}
+    monkeypatch.setattr(kernels, "cohort_gemm", gemm)
+    monkeypatch.setattr(kernels, "cohort_scatter_add", scatter)
+    monkeypatch.setattr(kernels, "masked_decode_attention", read)
+    monkeypatch.setattr(body, "cohort_ffn", ffn)
+    monkeypatch.setattr(served, "row_projection", projection)
+    modules = (layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp,
+               layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    handles = [m.register_forward_pre_hook(lambda m, args: seen.setdefault("forwards", []).append(type(m)))
+               for m in modules]
+    run_t = torch.tensor(run)
+    w = torch.where(run_t, torch.ones(4), torch.full((4,), 0.5))
+    reqs = [2, 0, 3, 1]  # batch row i decodes request reqs[i], at its length
+    positions = [world.lengths[r] for r in reqs]
+    try:
+        _pass(world, dict.fromkeys(reqs, 1), world.hidden(4), run_t, w,
+              served.cohort_execution([layer], torch.device("cpu"), "triton"))
+    finally:
+        for h in handles:
+            h.remove()
+    run_rows = [i for i, r in enumerate(run) if r]
+    proj_rows = [i for i, r in enumerate(run) if not r]
+    assert seen == {"kv": 4, "q": run_rows, "read": ([reqs[i] for i in run_rows], [positions[i] for i in run_rows]),
+                    "o_proj": run_rows, "mlp": run_rows, "proj": proj_rows}
+
+
 def test_a_prefill_pass_runs_the_torch_execution_whatever_the_decode_execution(world, monkeypatch):
     calls = []
     monkeypatch.setattr(body, "cohort_ffn", lambda *a, **k: calls.append(a))
@@ -102,3 +161,19 @@ def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_w
     monkeypatch.setattr(world.layer.mlp.gate_up_proj, "quant_method", object())
     assert served.cohort_execution([world.layer], cpu, "triton").reason == \
         "layer 2: mlp.gate_up_proj is quantized or packed"
+    monkeypatch.undo()
+    # The attention cohort GEMMs read o_proj and the Q rows of qkv_proj as plain weights, with no o_proj bias.
+    attn = world.layer.self_attn
+    assert served.project_only_q([attn.qkv_proj], served.cohort_execution([world.layer], cpu, "triton")) == \
+        "decode: skipped (the RUN cohort's count-bounded Q GEMM); prefill: skipped: K/V rows of qkv_proj"
+    monkeypatch.setattr(attn.o_proj, "bias", torch.nn.Parameter(torch.zeros(attn.o_proj.weight.shape[0])))
+    assert served.cohort_execution([world.layer], cpu, "triton").reason == \
+        "layer 2: self_attn.o_proj has a bias (the scattered o_proj adds none)"
+    monkeypatch.undo()
+    monkeypatch.setattr(attn.o_proj, "quant_method", object())
+    assert served.cohort_execution([world.layer], cpu, "triton").reason == \
+        "layer 2: self_attn.o_proj is quantized or packed"
+    monkeypatch.undo()
+    monkeypatch.setattr(attn.o_proj, "tp_size", 2, raising=False)
+    assert served.cohort_execution([world.layer], cpu, "triton").reason == \
+        "layer 2: the attention is split over 2 tensor-parallel ranks"

@@ -37,7 +37,7 @@ def test_loader_rejects_tiles_over_the_devices_shared_memory_with_a_clear_messag
 
 
 @pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.name)
-def test_default_table_fits_every_catalogued_device_and_covers_all_twenty_shapes(device):
+def test_default_table_fits_every_catalogued_device_and_covers_all_thirty_shapes(device):
     t = default_tile_table(device.shared_mem_per_block, device.name)
     for op in OPERATIONS:
         for lo, hi in COUNT_RANGES:
@@ -75,6 +75,28 @@ def test_malformed_tables_are_refused_naming_the_field(mutate, message):
     mutate(data)
     with pytest.raises(TileTableError, match=message):
         parse_tile_table(data, 99 * 1024)
+
+
+def test_a_table_measured_before_the_attention_cohort_gemms_takes_their_default_tiles_and_says_so():
+    data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2})
+    data["source"] = "measured"
+    for op in ("attn_q", "attn_o"):
+        data["tiles"].pop(op)
+    t = parse_tile_table(data, 227 * 1024)
+    default = default_tile_table(227 * 1024)
+    assert t.entries["attn_q"] == default.entries["attn_q"] and t.entries["attn_o"] == default.entries["attn_o"]
+    assert t.lookup("mlp_down", 8) == Tile(16, 32, 32, 4, 2)  # the measured operations keep their tiles
+    assert t.source == "measured; attn_q, attn_o: default tiles (not in the table)"
+    assert list(t.entries) == list(OPERATIONS)
+    data["tiles"]["attn_q"] = table({"block_m": 16, "block_n": 32, "block_k": 32})["tiles"]["attn_q"]
+    assert parse_tile_table(data, 227 * 1024).source == "measured; attn_o: default tiles (not in the table)"
+
+
+def test_the_shipped_h100_table_loads_with_the_attention_tiles_defaulted():
+    t = tile_table_for("NVIDIA H100 80GB HBM3")
+    assert t.device == "H100-SXM" and t.source.startswith("vskipper tune-tiles")
+    assert t.source.endswith("attn_q, attn_o: default tiles (not in the table)")
+    assert t.lookup("attn_q", 16).shared_mem_bytes("attn_q") <= lookup_device("H100-SXM").shared_mem_per_block
 
 
 def test_table_round_trips_through_its_json_form():

@@ -100,7 +100,11 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def project_q(self, u: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(u).view(-1, self.heads, self.head_dim)
+        return self.rotate_q(self.q_proj(u), positions)
+
+    def rotate_q(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q_norm (Qwen3), then RoPE, of projected queries q [n, heads * hd]: [n, heads, hd]."""
+        q = q.view(-1, self.heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, q.dtype)
@@ -205,18 +209,15 @@ class StackLayerOps:
     def attention(self, u: torch.Tensor) -> torch.Tensor:
         return self.attn(u, self.batch, self.cache, self.layer.layer_id, impl=self.impl)
 
-    def qkv(self, u: torch.Tensor):
-        pos = self.batch.positions
-        k, v = self.attn.project_kv(u, pos)
-        q = self.attn.project_q(u, pos)
-        return q.reshape(u.shape[0], -1), k.reshape(u.shape[0], -1), v.reshape(u.shape[0], -1)
-
     def kv(self, u: torch.Tensor):
         k, v = self.attn.project_kv(u, self.batch.positions)
         return k.reshape(u.shape[0], -1), v.reshape(u.shape[0], -1)
 
     def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return self.attn.project_q(u, self._positions(rows)).reshape(u.shape[0], -1)
+
+    def rotate_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.attn.rotate_q(q, self._positions(rows)).reshape(q.shape[0], -1)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         b, a = self.batch, self.attn
@@ -240,6 +241,10 @@ class StackLayerOps:
     def mlp_weights(self):
         m = self.layer.mlp
         return m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
+
+    def attention_weights(self):
+        a = self.attn
+        return a.q_proj.weight, a.q_proj.bias, a.o_proj.weight  # o_proj has no bias here
 
 
 class Backbone(nn.Module):

@@ -1,7 +1,7 @@
 """Count-bounded cohort GEMMs in Triton: one captured graph serves every cohort size.
 
 A cohort is given by an index map `idx` [C] (cohort position -> batch row) and a device-side count `count` [1];
-C is the captured batch size. Both kernels launch a static grid sized for C rows; a program whose row tile
+C is the captured batch size. The GEMM kernels launch a static grid sized for C rows; a program whose row tile
 starts at or past `count` returns at once, so the work is bounded by the cohort, not the batch.
 
 `cohort_gate_up_kernel`
@@ -17,10 +17,16 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
             repeated rows below count, and K is not split, so no atomics are needed.
     Grid    (cdiv(C, BLOCK_M), cdiv(D, BLOCK_N))
 
+`cohort_gemm_kernel`
+    Reads   X[idx[m], :] for m < count, W [N, K]
+    Writes  A[m, :] = X[idx[m]] @ W^T for m < count, packed; rows >= count are not written
+    Grid    (cdiv(C, BLOCK_M), cdiv(N, BLOCK_N))
+    (the RUN cohort's Q projection; with the down kernel unweighted, its o_proj scatters h[idx[m]] += A[m] @ W_o^T)
+
 `masked_decode_split_kernel` and `masked_decode_merge_kernel` (at the end) are the decode attention read with the
 RUN mask, split over the context.
 
-Both GEMMs accumulate in fp32. For the FlexiDepth projector pass (gate_proj, down_proj, up_proj) as
+The GEMMs accumulate in fp32. For the FlexiDepth projector pass (gate_proj, down_proj, up_proj) as
 (W_gate, W_up, W_down). Tests run these kernels under TRITON_INTERPRET=1 against torch.
 """
 
@@ -74,7 +80,8 @@ def cohort_gate_up_kernel(x_ptr, idx_ptr, count_ptr, wg_ptr, wu_ptr, out_ptr, N,
 @triton.jit
 def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, D, N,
                                stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               WEIGHTED: tl.constexpr = True):
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     count = tl.load(count_ptr)
@@ -96,11 +103,42 @@ def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, 
         a_ptrs += BLOCK_K * stride_an
         b_ptrs += BLOCK_K * stride_wn
     rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
-    w = tl.load(w_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)
+    if WEIGHTED:
+        w = tl.load(w_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)
+        acc = w[:, None] * acc
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_d[None, :] * stride_yd
     mask = m_mask[:, None] & d_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + w[:, None] * acc).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def cohort_gemm_kernel(x_ptr, idx_ptr, count_ptr, w_ptr, out_ptr, N, K,
+                       stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    count = tl.load(count_ptr)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def _grid_tile(op: str, capacity: int, x: torch.Tensor, tiles: TileTable | Tile | None) -> Tile:
@@ -152,6 +190,32 @@ def cohort_down_scatter(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
                                      num_warps=t.num_warps, num_stages=t.num_stages)
 
 
+def cohort_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torch.Tensor,
+                out: torch.Tensor | None = None, tile: TileTable | Tile | None = None) -> torch.Tensor:
+    """A [C, N] with rows m < count set to x[idx[m]] @ W^T (packed), rows >= count untouched (zeros when
+    `out` is not given)."""
+    capacity, (n, k) = idx.shape[0], w.shape
+    out = torch.zeros(capacity, n, dtype=x.dtype, device=x.device) if out is None else out
+    t = _grid_tile("attn_q", capacity, x, tile)
+    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(n, t.block_n))
+    cohort_gemm_kernel[grid](x, idx, count, w, out, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                             out.stride(0), out.stride(1), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                             BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
+
+
+def cohort_scatter_add(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+                       tile: TileTable | Tile | None = None) -> None:
+    """y[idx[m]] += a[m] @ W^T for m < count, in place (the down kernel, unweighted)."""
+    capacity, (d, n) = idx.shape[0], w.shape
+    t = _grid_tile("attn_o", capacity, a, tile)
+    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(d, t.block_n))
+    cohort_down_scatter_kernel[grid](a, idx, count, idx, w, y, d, n, a.stride(0), a.stride(1),
+                                     w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+                                     BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, WEIGHTED=False,
+                                     num_warps=t.num_warps, num_stages=t.num_stages)
+
+
 def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
                       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
                       op: str = "mlp", tiles: TileTable | Tile | None = None) -> None:
@@ -164,8 +228,6 @@ def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w
         weights = weights.contiguous()
     a = cohort_gate_up(x, idx, count, w_gate, w_up, tile=_grid_tile(f"{op}_gate_up", capacity, x, tiles))
     cohort_down_scatter(a, idx, count, weights, w_down, y, tile=_grid_tile(f"{op}_down", capacity, x, tiles))
-
-
 
 
 @triton.jit

@@ -32,10 +32,11 @@ Two executions of the same semantics:
           the triton execution is the capture-safe one.) The served layer runs this execution on CPU and in
           every prefill.
   triton  (GPU decode: the served layer on CUDA and the bench stack) every kernel keeps its launch shape for the
-          capacity: K/V and Q over all rows, the RUN-masked decode read (Project-Only rows read nothing and
-          yield zero by a select), the count-bounded cohort FFNs over the device cohort maps
-          (`vskipper.mixed.cohorts`). No host read. Q and o_proj of Project-Only rows are still computed here
-          (the read is skipped, not the projections).
+          capacity and bounds its work by a device count (`vskipper.mixed.cohorts`): K/V over every row; the
+          RUN cohort's Q as a count-bounded GEMM over its gathered rows, q_norm and RoPE over the packed slots,
+          the masked decode read (slots past the count read nothing and yield zero by a select), o_proj as a
+          count-bounded GEMM scattered onto the RUN rows' residual; the cohort FFNs. No host read; a
+          Project-Only row computes no Q, reads nothing and runs no o_proj here either.
 """
 
 from __future__ import annotations
@@ -71,15 +72,15 @@ class LayerOps(Protocol):
     def attention(self, u: torch.Tensor) -> torch.Tensor:
         """The host's dense attention over every row (K/V write, read, o_proj): the all-RUN fast path."""
 
-    def qkv(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q [n, heads * hd], rotated (Qwen3: normed) k and v [n, kv_heads * hd] of every row u of the
-        pass (the triton execution's, whose kernels keep every row's launch slot)."""
-
     def kv(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k and v only (no q) of every row u of the pass."""
 
     def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rotated (Qwen3: normed) q only [n, heads * hd] of rows u, after `kv` of the same pass."""
+
+    def rotate_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """q_norm (Qwen3) and RoPE of projected queries q [n, heads * hd] at the positions of batch rows `rows`
+        (the triton execution's, after its cohort Q GEMM)."""
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write every row's k, v [rows, ...] (batch order) to the host's KV cache at this layer."""
@@ -95,8 +96,12 @@ class LayerOps(Protocol):
         """The layer's MLP, reduced across the host's tensor-parallel group."""
 
     def mlp_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate, up, down) weights for the count-bounded kernels: needed by the triton execution only (the
-        served layer runs the torch execution and has none: its MLP stays behind SGLang's linear methods)."""
+        """(gate, up, down) weights for the count-bounded kernels: the triton execution only (where the host
+        found plain weights on one rank; elsewhere its MLP stays behind its own linear methods)."""
+
+    def attention_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(W_q [heads * hd, d], Q's bias or None, W_o [d, heads * hd]) for the count-bounded kernels: the triton
+        execution only, under the same conditions as `mlp_weights` (and no o_proj bias)."""
 
 
 def routed_layer(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
@@ -148,9 +153,19 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
 
 def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
                    cohorts: Cohorts, tiles: Any) -> Handoff:
-    q, k, v = ops.qkv(u)
+    from vskipper.mixed.kernels import cohort_gemm, cohort_scatter_add
+
+    k, v = ops.kv(u)  # every row's, in batch order
     ops.write_kv(k, v)
-    h = x + ops.o_proj(ops.read(q, None, reads=run))  # Project-Only rows read nothing: h = x
+    w_q, b_q, w_o = ops.attention_weights()
+    idx, n_run = cohorts.run_idx, cohorts.n_run
+    q = cohort_gemm(u, idx, n_run, w_q, tile=tiles)  # packed: slot m < n_run holds RUN row idx[m], zeros after
+    if b_q is not None:
+        q += b_q
+    live = torch.arange(idx.shape[0], device=idx.device) < n_run  # the slots that hold a RUN row
+    a = ops.read(ops.rotate_q(q, idx), idx, reads=live)
+    h = x.clone()  # Project-Only rows: h = x
+    cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)
     delta = torch.zeros_like(h)  # each row's branch adds into it (count-bounded scatter)
     v = ops.post_attention_layernorm(h)
     gate, up, down = ops.mlp_weights()

@@ -8,11 +8,13 @@ sized for C rows, so C picks the tile, never the device-side count):
                                "num_warps": 4, "num_stages": 4, "ratio_vs_torch": 0.93}, ...],
              "mlp_down": [...], "proj_gate_up": [...], "proj_down": [...]}}
 
-`rows` ranges must cover 1.. without gaps (the last one open: [129, null]). The four operations are the gate-up
-(two operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector); with
-the five count ranges of `COUNT_RANGES` that is 20 shapes. A table is validated against the device's shared
-memory per block (`vskipper.roofline.DEVICES`): a tile whose pipelined operand buffers exceed it is refused
-with the operation, the range and both byte counts.
+`rows` ranges must cover 1.. without gaps (the last one open: [129, null]). The six operations are the gate-up
+(two operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the
+RUN cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered); with the five count ranges of
+`COUNT_RANGES` that is 30 shapes. A table measured before the attention cohort GEMMs existed has no `attn_q` or
+`attn_o`: it takes their tiles from `default_tile_table` for its shared-memory limit, and its `source` says so.
+A table is validated against the device's shared memory per block (`vskipper.roofline.DEVICES`): a tile whose
+pipelined operand buffers exceed it is refused with the operation, the range and both byte counts.
 
 Tables ship only for devices where they were measured (`vskipper/mixed/tile_tables/<device>.json`). Any other
 device gets `default_tile_table`: a conservative configuration chosen by its shared-memory limit (fewer
@@ -28,7 +30,8 @@ from pathlib import Path
 from vskipper.modelspec import DTYPE_BYTES
 from vskipper.roofline import Device, find_device
 
-OPERATIONS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down")
+OPERATIONS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down", "attn_q", "attn_o")
+DEFAULTED_OPERATIONS = ("attn_q", "attn_o")  # a table without them takes the default's tiles
 COUNT_RANGES: tuple[tuple[int, int | None], ...] = ((1, 16), (17, 32), (33, 64), (65, 128), (129, None))
 TABLE_DIR = Path(__file__).with_name("tile_tables")
 TABLE_DTYPES = ("float16", "bfloat16", "float32")  # the canonical names a table may be measured in
@@ -94,7 +97,15 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
     if unknown:
         raise TileTableError(f"{where}: unknown operation(s) {unknown}; operations are {list(OPERATIONS)}")
     entries: dict[str, list[tuple[int, int | None, Tile]]] = {}
+    source = str(data.get("source", where))
+    defaulted = [op for op in DEFAULTED_OPERATIONS if op not in tiles]
+    if defaulted:
+        fallback = default_tile_table(shared_mem_per_block, str(data.get("device", "unknown")), dtype)
+        entries.update({op: fallback.entries[op] for op in defaulted})
+        source += f"; {', '.join(defaulted)}: default tiles (not in the table)"
     for op in OPERATIONS:
+        if op in defaulted:
+            continue
         if op not in tiles:
             raise TileTableError(f"{where}: field 'tiles.{op}' is missing")
         rows_out = []
@@ -133,7 +144,8 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
         if not rows_out or rows_out[-1][1] is not None:
             raise TileTableError(f"{where}: tiles.{op} must end with an open-ended range [first, null]")
         entries[op] = rows_out
-    return TileTable(str(data.get("device", "unknown")), dtype, entries, str(data.get("source", where)))
+    entries = {op: entries[op] for op in OPERATIONS}
+    return TileTable(str(data.get("device", "unknown")), dtype, entries, source)
 
 
 def load_tile_table(path: str | Path, device: Device | None = None, shared_mem_per_block: int | None = None

@@ -31,7 +31,7 @@ def _run(args: argparse.Namespace) -> int:
     from vskipper.mixed.tuner import TunerError, tune
 
     if args.interpret:
-        hidden, intermediate, proj = 32, 64, 16  # tiny smoke widths
+        hidden, intermediate, proj, q_width = 32, 64, 16, 32  # tiny smoke widths
         name = args.device or "interpreter-smoke"
         limit = lookup_device(args.device).shared_mem_per_block if args.device else 99 * 1024
     else:
@@ -41,12 +41,14 @@ def _run(args: argparse.Namespace) -> int:
         facts = load_model_facts(args.model)
         hidden, intermediate = facts.hidden_size, facts.intermediate_size
         proj = intermediate // 16
+        q_width = facts.num_attention_heads * facts.head_dim
         props = torch.cuda.get_device_properties(0)
         device = lookup_device(args.device or props.name)
         name = device.name
         limit = min(device.shared_mem_per_block,
                     getattr(props, "shared_memory_per_block_optin", None) or device.shared_mem_per_block)
-    table = tune(name, limit, hidden, intermediate, proj, args.dtype, args.interpret, args.max_candidates)
+    table = tune(name, limit, hidden, intermediate, proj, args.dtype, args.interpret, args.max_candidates,
+                 q_width=q_width)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=2) + "\n")

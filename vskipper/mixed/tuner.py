@@ -1,10 +1,10 @@
 """The tile tuner behind `vskipper tune-tiles`: time candidate tiles against torch on the same packed rows.
 
-For each of the 20 shapes (4 operations x 5 count ranges, `vskipper.mixed.tiles`) it builds a cohort of a
+For each of the 30 shapes (6 operations x 5 count ranges, `vskipper.mixed.tiles`) it builds a cohort of a
 representative size for the range (the range's upper end; 256 for the open one) over a batch twice that size
 with a random row map, times every candidate tile that fits the device's shared memory, and times the torch
 equivalent on the same packed rows (gather, matmul(s) on cuBLAS, SiLU-and-multiply; for down, the matmul
-and the weighted index_add). The best candidate goes in the table with its time ratio to torch.
+and the weighted index_add; for Q, the gather and the matmul; for o_proj, the matmul and the index_add). The best candidate goes in the table with its time ratio to torch.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny
 widths, fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table, whose times
@@ -65,18 +65,47 @@ def time_call(fn: Callable[[], object], interpret: bool, reps: int = 20) -> floa
     return (time.perf_counter() - t0) * 1e3
 
 
-def op_dims(op: str, hidden: int, intermediate: int, proj_width: int) -> tuple[int, int]:
-    """(K, N) of an operation: the gate-up GEMMs map hidden -> width, the down GEMMs width -> hidden."""
-    width = intermediate if op.startswith("mlp") else proj_width
-    return (hidden, width) if op.endswith("gate_up") else (width, hidden)
+def op_dims(op: str, hidden: int, intermediate: int, proj_width: int, q_width: int | None = None
+            ) -> tuple[int, int]:
+    """(K, N) of an operation: the gate-up GEMMs and Q map hidden -> width, the down GEMMs and o_proj
+    width -> hidden (Q's width: heads x head_dim, by default hidden)."""
+    width = {"mlp": intermediate, "proj": proj_width, "attn": q_width or hidden}[op.split("_")[0]]
+    return (hidden, width) if op.endswith(("gate_up", "_q")) else (width, hidden)
+
+
+def shape_calls(op: str, rows: int, w1: torch.Tensor, w2: torch.Tensor, g: torch.Generator,
+                device: torch.device, dtype: torch.dtype) -> tuple[Callable[[], object], Callable[[Tile], object]]:
+    """The torch equivalent and the kernel (given a tile) of operation `op` over a cohort of `rows` rows in a
+    batch twice that size, with a random row map: what the tuner and `benchmarks/mixed_depth_bench.py` time side
+    by side. w1 [N, K] is the weight (gate-up: the gate; down: W_down), w2 the gate-up's up weight."""
+    from vskipper.mixed.kernels import cohort_down_scatter, cohort_gate_up, cohort_gemm, cohort_scatter_add
+
+    batch, k_dim, n_dim = 2 * rows, w1.shape[1], w1.shape[0]
+    x = torch.randn(batch, k_dim, generator=g).to(device, dtype)
+    idx = torch.randperm(batch, generator=g)[:rows].to(device)
+    count = torch.tensor([rows], device=device)
+    if op.endswith("gate_up"):
+        def reference():
+            a = x.index_select(0, idx)
+            return F.silu(a @ w1.t()) * (a @ w2.t())
+
+        return reference, lambda tile: cohort_gate_up(x, idx, count, w1, w2, tile=tile)
+    if op == "attn_q":
+        return (lambda: x.index_select(0, idx) @ w1.t()), lambda tile: cohort_gemm(x, idx, count, w1, tile=tile)
+    packed = torch.randn(rows, k_dim, generator=g).to(device, dtype)
+    y = torch.zeros(batch, n_dim, device=device, dtype=dtype)
+    if op == "attn_o":
+        return (lambda: y.index_add_(0, idx, packed @ w1.t()),
+                lambda tile: cohort_scatter_add(packed, idx, count, w1, y, tile=tile))
+    weights = torch.rand(batch, generator=g).to(device, dtype)
+    return (lambda: y.index_add_(0, idx, (packed @ w1.t()) * weights.index_select(0, idx)[:, None]),
+            lambda tile: cohort_down_scatter(packed, idx, count, weights, w1, y, tile=tile))
 
 
 def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate: int, proj_width: int,
          dtype: str = "bfloat16", interpret: bool = False, max_candidates: int | None = None,
-         log: Callable[[str], None] = print) -> dict:
-    """Tune all 20 shapes; returns the table as a dict (validated), each entry with its ratio to torch."""
-    from vskipper.mixed.kernels import cohort_down_scatter, cohort_gate_up
-
+         log: Callable[[str], None] = print, q_width: int | None = None) -> dict:
+    """Tune all 30 shapes; returns the table as a dict (validated), each entry with its ratio to torch."""
     if interpret:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise TunerError("interpreter smoke run needs TRITON_INTERPRET=1 set before triton is imported")
@@ -90,38 +119,18 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
     g = torch.Generator(device="cpu").manual_seed(0)
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:
-        k_dim, n_dim = op_dims(op, hidden, intermediate, proj_width)
+        k_dim, n_dim = op_dims(op, hidden, intermediate, proj_width, q_width)
         w1 = (torch.randn(n_dim, k_dim, generator=g) / k_dim**0.5).to(device, tdtype)
         w2 = (torch.randn(n_dim, k_dim, generator=g) / k_dim**0.5).to(device, tdtype)
         entries = []
         for lo, hi in COUNT_RANGES:
             rows = representative_rows(lo, hi)
-            batch = 2 * rows
-            x = torch.randn(batch, k_dim, generator=g).to(device, tdtype)
-            idx = torch.randperm(batch, generator=g)[:rows].to(device)
-            count = torch.tensor([rows], device=device)
-            weights = torch.rand(batch, generator=g).to(device, tdtype)
-            y = torch.zeros(batch, n_dim, device=device, dtype=tdtype)
-            if op.endswith("gate_up"):
-                def reference(x=x, idx=idx, w1=w1, w2=w2):
-                    a = x.index_select(0, idx)
-                    return F.silu(a @ w1.t()) * (a @ w2.t())
-
-                def kernel(tile, x=x, idx=idx, count=count, w1=w1, w2=w2):
-                    return cohort_gate_up(x, idx, count, w1, w2, tile=tile)
-            else:
-                packed = torch.randn(rows, k_dim, generator=g).to(device, tdtype)
-
-                def reference(packed=packed, idx=idx, w1=w1, weights=weights, y=y):
-                    y.index_add_(0, idx, (packed @ w1.t()) * weights.index_select(0, idx)[:, None])
-
-                def kernel(tile, packed=packed, idx=idx, count=count, w1=w1, weights=weights, y=y):
-                    cohort_down_scatter(packed, idx, count, weights, w1, y, tile=tile)
+            reference, kernel = shape_calls(op, rows, w1, w2, g, device, tdtype)
             torch_ms = time_call(reference, interpret)
             best: tuple[float, Tile] | None = None
             for tile in candidate_tiles(op, rows, shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates):
                 try:
-                    ms = time_call(lambda tile=tile: kernel(tile), interpret)
+                    ms = time_call(lambda tile=tile, kernel=kernel: kernel(tile), interpret)
                 except Exception as exc:  # a candidate the compiler rejects (e.g. out of registers) is skipped
                     log(f"  {op} rows {lo}..{hi}: skip {tile}: {type(exc).__name__}")
                     continue
@@ -138,7 +147,8 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
         tiles[op] = entries
     data = {"device": device_name, "dtype": dtype,
             "source": ("interpreter smoke run (not a measurement)" if interpret else
-                       f"vskipper tune-tiles: hidden {hidden}, intermediate {intermediate}, projector {proj_width}"),
+                       f"vskipper tune-tiles: hidden {hidden}, intermediate {intermediate}, projector {proj_width}, "
+                       f"q {q_width or hidden}"),
             "tiles": tiles}
     parse_tile_table(data, shared_mem_per_block, where="tuned table")  # what we write must load
     return data

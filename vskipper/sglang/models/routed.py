@@ -124,14 +124,19 @@ TORCH_EXECUTION = CohortExecution("torch")
 
 def triton_blocker(layer) -> str | None:
     """Why the triton execution cannot run this routed layer, or None. The kernels read the MLP's gate/up/down
-    weights directly, so they need unquantized, unpacked weights and the whole MLP on this rank (a TP rank's
-    partial sum would need a reduction the kernels' in-place scatter does not do)."""
-    mlp = layer.mlp
-    for name in ("gate_up_proj", "down_proj"):
-        if not kv_only_supported(getattr(mlp, name)):
-            return f"layer {layer.layer_id}: mlp.{name} is quantized or packed"
-    if getattr(mlp.down_proj, "tp_size", 1) > 1:
-        return f"layer {layer.layer_id}: the MLP is split over {mlp.down_proj.tp_size} tensor-parallel ranks"
+    weights and the Q rows of qkv_proj and o_proj directly, so they need unquantized, unpacked weights, no o_proj
+    bias, and the whole MLP and o_proj on this rank (a TP rank's partial sum would need a reduction the kernels'
+    in-place scatter does not do)."""
+    mlp, attn = layer.mlp, layer.self_attn
+    for name, module in (("mlp.gate_up_proj", mlp.gate_up_proj), ("mlp.down_proj", mlp.down_proj),
+                         ("self_attn.qkv_proj", attn.qkv_proj), ("self_attn.o_proj", attn.o_proj)):
+        if not kv_only_supported(module):
+            return f"layer {layer.layer_id}: {name} is quantized or packed"
+    if getattr(attn.o_proj, "bias", None) is not None:
+        return f"layer {layer.layer_id}: self_attn.o_proj has a bias (the scattered o_proj adds none)"
+    for name, module in (("MLP", mlp.down_proj), ("attention", attn.o_proj)):
+        if getattr(module, "tp_size", 1) > 1:
+            return f"layer {layer.layer_id}: the {name} is split over {module.tp_size} tensor-parallel ranks"
     head_dim = layer.self_attn.head_dim
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"layer {layer.layer_id}: head_dim {head_dim} is not a power of two >= 16"
@@ -227,9 +232,6 @@ class SGLangLayerOps:
     def attention(self, u: torch.Tensor) -> torch.Tensor:
         return self.attn(positions=self.positions, hidden_states=u, forward_batch=self.fb)
 
-    def qkv(self, u: torch.Tensor):
-        return self.attn.forward_prepare_native(self.positions, u)
-
     def kv(self, u: torch.Tensor):
         a = self.attn
         if kv_only_supported(a.qkv_proj):
@@ -248,6 +250,10 @@ class SGLangLayerOps:
         a = self.attn
         q = row_projection(a.qkv_proj, slice(None, a.q_size), u) if self.q_all is None \
             else self.q_all.index_select(0, rows)
+        return self.rotate_q(q, rows)
+
+    def rotate_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        a = self.attn
         if hasattr(a, "q_norm"):  # Qwen3: per-head q_norm before RoPE
             q = a.q_norm(q.reshape(-1, a.head_dim)).view(q.shape)
         # One head of q stands in for the key it does not rotate here (`kv` rotated every row's).
@@ -328,6 +334,13 @@ class SGLangLayerOps:
         gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)
         return gate, up, mlp.down_proj.weight
 
+    def attention_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """A view of the Q rows of `qkv_proj` (and of its bias), and `o_proj`'s weight (the triton execution only,
+        where `triton_blocker` found plain weights on one rank and no o_proj bias)."""
+        a = self.attn
+        bias = a.qkv_proj.bias[: a.q_size] if a.qkv_proj.bias is not None else None
+        return a.qkv_proj.weight[: a.q_size], bias, a.o_proj.weight
+
 
 def project_only_q(qkv_projs, execution: CohortExecution) -> str:
     """What a Project-Only row's Q costs, as attested."""
@@ -335,8 +348,7 @@ def project_only_q(qkv_projs, execution: CohortExecution) -> str:
         else "computed and dropped: a quantized or packed qkv_proj has no K/V row view"
     if execution.decode != "triton":
         return torch_path
-    return (f"decode: computed with every row's (the triton execution keeps each kernel's launch shape; the "
-            f"attention read is skipped); prefill: {torch_path}")
+    return f"decode: skipped (the RUN cohort's count-bounded Q GEMM); prefill: {torch_path}"
 
 
 def graph_backends() -> dict[str, str]:
