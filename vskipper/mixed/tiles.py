@@ -12,7 +12,8 @@ sized for C rows, so C picks the tile, never the device-side count):
 (two operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the
 RUN cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered); with the five count ranges of
 `COUNT_RANGES` that is 30 shapes. A table measured before the attention cohort GEMMs existed has no `attn_q` or
-`attn_o`: it takes their tiles from `default_tile_table` for its shared-memory limit, and its `source` says so.
+`attn_o`: it takes their tiles from `default_tile_table` for its shared-memory limit, and its `source` says so
+(a table with one of them and not the other is refused).
 A table is validated against the device's shared memory per block (`vskipper.roofline.DEVICES`): a tile whose
 pipelined operand buffers exceed it is refused with the operation, the range and both byte counts.
 
@@ -99,6 +100,9 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
     entries: dict[str, list[tuple[int, int | None, Tile]]] = {}
     source = str(data.get("source", where))
     defaulted = [op for op in DEFAULTED_OPERATIONS if op not in tiles]
+    if defaulted and len(defaulted) < len(DEFAULTED_OPERATIONS):  # the tuner writes both or (before them) neither
+        raise TileTableError(f"{where}: field 'tiles.{defaulted[0]}' is missing (a table with any of "
+                             f"{list(DEFAULTED_OPERATIONS)} needs all of them)")
     if defaulted:
         fallback = default_tile_table(shared_mem_per_block, str(data.get("device", "unknown")), dtype)
         entries.update({op: fallback.entries[op] for op in defaulted})

@@ -272,7 +272,8 @@ class SGLangLayerOps:
         lid = a.attn.layer_id
         req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
         qh = q.view(q.shape[0], a.num_heads, a.head_dim)
-        if self.backend == "triton":  # decode, every row keeps its launch slot; rows outside `reads` read nothing
+        if self.backend == "triton":  # decode over the packed cohort slots (launch shape: the capacity); slots
+            # outside `reads` read nothing
             from vskipper.mixed.kernels import masked_decode_attention
 
             out = masked_decode_attention(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid),
