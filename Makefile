@@ -7,6 +7,7 @@ DEMO_OUT ?= out/demo
 DEMO_ARGS ?=
 LOADGEN_DEMO_OUT ?= out/loadgen-demo
 BENCH_CPU_OUT ?= out/bench-cpu
+BENCH_INTERLEAVED_OUT ?= out/bench-interleaved
 BENCH_CPU_ARGS ?=
 GPU_BUNDLE ?= .gpu-bundle
 SGLANG_SPEC ?= sglang==0.5.21
@@ -22,7 +23,7 @@ HELM := $(TOOLS)/node_modules/.bin/helm
 PROM_OPERATOR_SCHEMAS := $(TOOLS)/node_modules/@kubernetes-models/prometheus-operator/package.json
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install tools test test-fast demo loadgen-demo bench-cpu lint crd chart images gpu-bundle clean help
+.PHONY: install tools test test-fast demo loadgen-demo bench-cpu bench-interleaved lint crd chart images gpu-bundle clean help
 
 help:
 	@echo "make install  create $(VENV) with the CPU torch, the project (runtime, loadgen, operator, dev extras) and SGLang 0.5.21 for CPU"
@@ -32,6 +33,8 @@ help:
 	@echo "make bench-cpu  dense vs always-route s=0 vs s=0.5 on a 16-layer d=1024 bf16 model served by SGLang on CPU,"
 	@echo "              with the FLOP and profiled decode limits (tens of minutes; BENCH_CPU_ARGS=--quick: a smoke run,"
 	@echo "              --size demo: 8 layers, the routed arms, what make demo runs)"
+	@echo "make bench-interleaved  decode s=0.5 over s=0 in one server, its decode passes alternating between the"
+	@echo "              two (drift-free on a shared host), next to the limit its part clock measures (~10 min)"
 	@echo "make loadgen-demo  a small matched-work A/B run against two local stand-in servers: report and plots"
 	@echo "make test     the test suite"
 	@echo "make test-fast  the suite without the tests that start real SGLang servers or other heavy processes"
@@ -83,6 +86,9 @@ demo: install
 
 bench-cpu: install
 	$(PY) benchmarks/bench_cpu.py --out $(BENCH_CPU_OUT) $(BENCH_CPU_ARGS)
+
+bench-interleaved: install
+	$(PY) benchmarks/bench_interleaved.py --out $(BENCH_INTERLEAVED_OUT) $(BENCH_INTERLEAVED_ARGS)
 
 loadgen-demo: install
 	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)

@@ -8,8 +8,14 @@ import pytest
 import torch
 from sglang_layer_world import LayerWorld
 
-from vskipper.sglang.part_times import PARTS, PartClock
-from vskipper.sglang.spec import ENV_PART_CLOCK, ServeConfigError, ServeSpec, part_clock_from_env
+from vskipper.sglang.part_times import CONTROL_PHASE, PARTS, PartClock, PassClock
+from vskipper.sglang.spec import (
+    ENV_INTERLEAVE_CONTROL,
+    ENV_PART_CLOCK,
+    ServeConfigError,
+    ServeSpec,
+    part_clock_from_env,
+)
 
 
 class FakeClock:
@@ -94,6 +100,44 @@ def test_the_serve_spec_carries_the_part_clock_through_the_environment_and_refus
     assert not part_clock_from_env({})
     with pytest.raises(ServeConfigError, match=f"{ENV_PART_CLOCK} must be 0 or 1, got 'yes'"):
         ServeSpec.from_env({**env, ENV_PART_CLOCK: "yes"})
+
+
+def test_the_serve_spec_carries_the_interleaved_control_through_the_environment():
+    from vskipper.arms import get_arm
+
+    env = ServeSpec(get_arm("always-route"), 0, 0, interleave_control=True).to_env()
+    assert env[ENV_INTERLEAVE_CONTROL] == "1" and ServeSpec.from_env(env).interleave_control
+    assert not ServeSpec.from_env(ServeSpec(get_arm("always-route"), 0, 0).to_env()).interleave_control
+    with pytest.raises(ServeConfigError, match=f"{ENV_INTERLEAVE_CONTROL} must be 0 or 1, got 'on'"):
+        ServeSpec.from_env({**env, ENV_INTERLEAVE_CONTROL: "on"})
+
+
+def test_a_step_runs_from_a_pass_start_to_the_next_and_counts_only_where_the_next_decodes_the_same_rows():
+    t = FakeClock()
+    clock = PassClock(clock=t)
+    for kind, rows, seconds in [("decode", 16, 0.25), (CONTROL_PHASE, 16, 0.5), ("decode", 16, 0.25),
+                                (CONTROL_PHASE, 15, 7.0),  # a request left: the routed step before it is not kept
+                                ("decode", 15, 0.25), (None, 0, 9.0),  # a prefill pass: neither step is kept
+                                (CONTROL_PHASE, 15, 1.0), ("decode", 15, 0.0)]:
+        clock.start(kind, rows)
+        t.now += seconds
+    assert clock.attestation() == {"passes_total": {"decode": 1, CONTROL_PHASE: 3},
+                                   "seconds_total": {"decode": 0.25, CONTROL_PHASE: 8.5}}
+
+
+def test_an_interleaved_control_pass_is_a_phase_of_its_own_in_the_part_clock():
+    t = FakeClock()
+    clock = PartClock(clock=t)
+
+    def run():
+        t.now += 2.0
+
+    clock.around_pass(Mode(True), run, control=True)
+    clock.around_pass(Mode(True), run)
+    clock.around_pass(Mode(False), run, control=True)  # only decode passes interleave
+    assert clock.attestation() == {"passes_total": {CONTROL_PHASE: 1, "decode": 1, "prefill": 1},
+                                   "seconds_total": {phase: {"outside": {"outside": 2.0}}
+                                                     for phase in (CONTROL_PHASE, "decode", "prefill")}}
 
 
 @pytest.fixture(scope="module")

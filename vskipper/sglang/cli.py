@@ -107,11 +107,13 @@ def platform_profile(platform: str, jit: bool = False):
 
 def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     from vskipper.sglang.spec import (
+        ENV_INTERLEAVE_CONTROL,
         ServeSpec,
         check_arm_for_model,
         checkpoint_config,
         part_clock_from_env,
         serve_environment,
+        switch_from_env,
     )
 
     arm = load_arm(args)
@@ -122,7 +124,8 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     profile = platform_profile(platform, getattr(args, "gpu_jit", False))
     extra = list(args.sglang_args or [])
     state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
-    spec = ServeSpec(arm, enter, exit_, state, source, profile.attestation(), part_clock_from_env(os.environ))
+    spec = ServeSpec(arm, enter, exit_, state, source, profile.attestation(), part_clock_from_env(os.environ),
+                     switch_from_env(os.environ, ENV_INTERLEAVE_CONTROL))
     cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *profile.flags,
            "--host", args.host, "--port", str(args.port), *extra,
            *(eager_routed_phases(arm) if platform == "gpu" else ())]

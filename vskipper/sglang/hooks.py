@@ -147,7 +147,8 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
         else:  # the measurement mode: the pass timed part by part (its K/V writes through the runner's pool)
             model.part_clock.wrap(runner.token_to_kv_pool, "set_kv_buffer", "kv_write")
             output = model.part_clock.around_pass(forward_batch.forward_mode,
-                                                  lambda: original(runner, forward_batch, *args, **kwargs))
+                                                  lambda: original(runner, forward_batch, *args, **kwargs),
+                                                  model.control_pass())
     except BaseException:
         model.slot.prepared = None
         raise

@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+CONTROL_PHASE = "decode_control"  # the interleaved control passes' phase in both clocks
 PARTS = ("q", "kv", "qkv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue")
 
 
@@ -93,10 +94,12 @@ class PartClock:
             if hasattr(layer, "router_proj"):
                 self.wrap(layer.router_proj, "forward", "projector")
 
-    def around_pass(self, forward_mode, run):
+    def around_pass(self, forward_mode, run, control: bool = False):
         """Time one forward pass (`run()`) of SGLang's batch mode `forward_mode`; what its layers do not take is
-        `outside`."""
+        `outside`. An interleaved control pass (`PassClock`) is a phase of its own, `decode_control`."""
         self.phase = "decode" if forward_mode.is_decode() else "prefill" if forward_mode.is_extend() else "other"
+        if control and self.phase == "decode":
+            self.phase = CONTROL_PHASE
         try:
             return self.timed(run, "outside", "outside")()
         finally:
@@ -106,3 +109,30 @@ class PartClock:
         return {"passes_total": dict(self.passes),
                 "seconds_total": {phase: {where: dict(parts) for where, parts in kinds.items()}
                                   for phase, kinds in self.seconds.items()}}
+
+
+class PassClock:
+    """Decode step time by kind of pass, for a server that interleaves its routed decode passes with all-RUN
+    control passes (`vskipper.sglang.spec.ENV_INTERLEAVE_CONTROL`).
+
+    A pass's step is the time from its start to the next pass's start: its forward, the scheduler's handling of
+    its output and the planning of the next batch, everything a throughput counts. A step is kept only where the
+    next pass decodes the same number of rows (the same batch, a token later), so the two kinds of pass compare
+    the same work, seconds apart, on a host whose speed drifts over minutes."""
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.passes: dict[str, int] = defaultdict(int)
+        self._open: tuple[str, int, float] | None = None  # the pass running now: its kind, rows and start
+
+    def start(self, kind: str | None, rows: int) -> None:
+        """A pass starts: `kind` 'decode' (routed) or `CONTROL_PHASE`; None for any other pass (prefill, dense)."""
+        now = self.clock()
+        if self._open is not None and kind is not None and self._open[1] == rows:
+            self.seconds[self._open[0]] += now - self._open[2]
+            self.passes[self._open[0]] += 1
+        self._open = (kind, rows, now) if kind is not None else None
+
+    def attestation(self) -> dict[str, Any]:
+        return {"passes_total": dict(self.passes), "seconds_total": dict(self.seconds)}

@@ -50,7 +50,7 @@ from vskipper.mixed.tape import RouteTape
 from vskipper.sglang import active, executed
 from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
 from vskipper.sglang.replicas import ENV_RUN_ID, Placement, read_state_request
-from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
+from vskipper.sglang.spec import ENV_INTERLEAVE_CONTROL, ServeConfigError, ServeSpec, check_arm_for_model
 from vskipper.skippers.base import BatchContext, Skipper
 from vskipper.skippers.registry import SkipperConfigError, build_skipper
 from vskipper.switch import Mode, ModeSwitch, Policy, PrefillDecision
@@ -115,6 +115,7 @@ class Step:
     dense_count: int = 0  # rows of dense-mode requests (host)
     health_check: bool = False  # every row belongs to /health_generate's probe: not counted as traffic
     keys: torch.Tensor | None = None  # int64 [rows]: each row's request key (RandomSkip hashes it)
+    control: bool = False  # an interleaved control pass: every row RUN through the routed layers (`ServeSpec`)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,10 @@ class Runtime:
         if arm.skipper is not None and placement.pp_size > 1:
             raise ServeConfigError(f"arm {arm.name!r} routes, and routed layers do not run under pipeline "
                                    f"parallelism (--pp-size {placement.pp_size}): serve it with --pp-size 1")
+        if spec.interleave_control and arm.skipper is None:
+            raise ServeConfigError(f"{ENV_INTERLEAVE_CONTROL}=1 interleaves a routed arm's decode passes with "
+                                   f"all-RUN ones, and arm {arm.name!r} does not route")
+        self._control_next = False  # the next routed decode pass is an interleaved control pass
         self.placement = placement
         self.spec = spec
         self.arm = arm
@@ -453,9 +458,14 @@ class Runtime:
                 self._tape = RouteTape(max(rows, 64), self.routed_layers, dtype, device)
                 self._builder = CohortBuilder(max(rows, 64), device)
             tape, builder = self._tape, self._builder
+        control = False
+        if self.spec.interleave_control and phase == "decode":
+            control, self._control_next = self._control_next, not self._control_next
+            if control:  # every row RUN, as a dense-mode row: the s = 0 control's work through the routed layers
+                n_routed, row_routed = 0, torch.zeros_like(row_routed)
         dense_rows = None if n_routed == rows else (~row_routed).to(device)
         return Step(phase, True, self.skipper, None, tape, builder, dense_rows, rows, probe,
-                    rows - n_routed, keys=keys.to(device))
+                    rows - n_routed, keys=keys.to(device), control=control)
 
     def reserve_graph_tape(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> None:
         """Static storage for decode passes of up to `capacity` rows, which captured routed graphs replay: their

@@ -24,6 +24,9 @@ ENV_THRESHOLDS_SOURCE = "VSKIPPER_THRESHOLDS_SOURCE"  # flags | roofline:<device
 ENV_STATE = "VSKIPPER_STATE_FILE"  # where the scheduler writes its attestation for the HTTP process
 ENV_PROFILE = "VSKIPPER_PROFILE"  # the serving profile's attestation as JSON (ServeProfile.attestation)
 ENV_PART_CLOCK = "VSKIPPER_PART_CLOCK"  # 1: time each part of each pass in the server (`vskipper.sglang.part_times`)
+# 1: a routed arm's decode passes alternate between its routes and every row RUN through the routed layers (the
+# s = 0 control), each timed to the next pass (`vskipper.sglang.part_times.PassClock`): a measurement mode
+ENV_INTERLEAVE_CONTROL = "VSKIPPER_INTERLEAVE_CONTROL"
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
 GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}
@@ -44,6 +47,7 @@ class ServeSpec:
     thresholds_source: str = "flags"
     profile: dict | None = None  # ServeProfile.attestation() of the profile that serves
     part_clock: bool = False  # time each part of each pass (a measurement mode; off when deployed)
+    interleave_control: bool = False  # every other decode pass all-RUN (`ENV_INTERLEAVE_CONTROL`; measurement)
 
     def to_env(self) -> dict[str, str]:
         env = {ENV_ARM: json.dumps(self.arm.fields()), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens),
@@ -54,6 +58,8 @@ class ServeSpec:
             env[ENV_PROFILE] = json.dumps(self.profile)
         if self.part_clock:
             env[ENV_PART_CLOCK] = "1"
+        if self.interleave_control:
+            env[ENV_INTERLEAVE_CONTROL] = "1"
         return env
 
     @classmethod
@@ -77,15 +83,21 @@ class ServeSpec:
         except json.JSONDecodeError as exc:
             raise ServeConfigError(f"{ENV_PROFILE}: not JSON ({exc})") from None
         return cls(arm, thresholds[0], thresholds[1], Path(state) if state else None,
-                   environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile, part_clock_from_env(environ))
+                   environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile, part_clock_from_env(environ),
+                   switch_from_env(environ, ENV_INTERLEAVE_CONTROL))
+
+
+def switch_from_env(environ, name: str) -> bool:
+    """Whether the environment turns a measurement mode on (`name`: 0, the default, or 1)."""
+    value = environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise ServeConfigError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def part_clock_from_env(environ) -> bool:
-    """Whether the environment asks for the part clock (`ENV_PART_CLOCK`: 0, the default, or 1)."""
-    value = environ.get(ENV_PART_CLOCK, "0")
-    if value not in ("0", "1"):
-        raise ServeConfigError(f"{ENV_PART_CLOCK} must be 0 or 1, got {value!r}")
-    return value == "1"
+    """Whether the environment asks for the part clock (`ENV_PART_CLOCK`)."""
+    return switch_from_env(environ, ENV_PART_CLOCK)
 
 
 def check_arm_for_model(arm: Arm, model_type: str) -> None:

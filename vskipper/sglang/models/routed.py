@@ -51,7 +51,7 @@ from vskipper.mixed.backend import select_backend
 from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.mixed.routed_layer import Handoff, routed_layer
 from vskipper.sglang import active
-from vskipper.sglang.part_times import PartClock
+from vskipper.sglang.part_times import CONTROL_PHASE, PartClock, PassClock
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
 from vskipper.sglang.spec import ROUTED_GRAPH_PHASES, ServeConfigError
@@ -562,6 +562,10 @@ class SkipperCausalLM(RouterWeightsMixin):
         # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
         # which describes what the model and device run and is the same for every arm of one deployment.
         self.part_clock = self._part_clock() if self.runtime.spec.part_clock else None
+        self.pass_clock = PassClock() if self.runtime.spec.interleave_control else None
+        if self.pass_clock is not None:
+            self.runtime.model_counters["pass_clock"] = {"passes_total": self.pass_clock.passes,
+                                                         "seconds_total": self.pass_clock.seconds}
         self.runtime.model_counters.update({"graph_passes_total": self.ledger.passes,
                                             "routed_replays_vetoed_total": self.ledger.vetoed,
                                             "plan_writes_total": self.plan_writes,
@@ -646,6 +650,16 @@ class SkipperCausalLM(RouterWeightsMixin):
         """Before SGLang's forward of this batch (the hook around `ModelRunner.forward`)."""
         self.slot.prepared = self._decide(forward_batch)
         self.plan_writes["before_forward"] += 1
+        if self.pass_clock is not None:
+            step = self.slot.prepared.step
+            timed = step is not None and step.routed and step.phase == "decode" and not step.health_check
+            self.pass_clock.start((CONTROL_PHASE if step.control else "decode") if timed else None,
+                                  step.rows if timed else 0)
+
+    def control_pass(self) -> bool:
+        """Whether the pass prepared now is an interleaved control pass (`ENV_INTERLEAVE_CONTROL`)."""
+        prepared = self.slot.prepared
+        return prepared is not None and prepared.step is not None and prepared.step.control
 
     def graph_veto(self, forward_batch, graph_can_run: bool) -> bool:
         """SGLang's graph runner's answer for this batch after the replay veto (a routed pass runs eagerly)."""

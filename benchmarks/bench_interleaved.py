@@ -1,0 +1,177 @@
+"""`make bench-interleaved`: decode, s = 0.5 over s = 0, measured in one server pass against pass.
+
+bench-cpu compares servers run one after another, and on a shared host their speed drifts between the runs a
+ratio pairs (its dense layers, the same work in every arm, moved by up to 11% from run to run). Here one server
+serves both: the s = 0.5 arm (always-route RandomSkip r = 1, d = 0.5) with `VSKIPPER_INTERLEAVE_CONTROL=1`, so its
+decode passes alternate between the skipper's routes and every row RUN through the routed layers (the s = 0
+control's work; `vskipper.sglang.runtime`). The pass clock (`vskipper.sglang.part_times.PassClock`) times each
+decode pass to the start of the next where the next decodes the same rows: the same batch a token later, so the
+two kinds of pass do the same work a fraction of a second apart, and a step is what throughput counts (the
+forward, the scheduler's handling of its output and the planning of the next batch).
+
+bench-cpu's checkpoint and decode load (32-token prompts, 256 output tokens, 16 concurrent, SGLang's
+`sglang.bench_serving`, `--enable-metrics`) are driven `--repetitions` times. Per run it prints both kinds of
+step in ms and their ratio, control over routed: the throughput ratio of s = 0.5 over s = 0 at equal batch. Beside
+it, from the same server's part clock (its control passes are a phase of their own, `decode_control`):
+
+  limit      what the skipped parts (Q, the read, o_proj, the MLP) of the routed layers took in the control
+             passes, less what they took in the routed passes, less the adapter, against the control passes'
+             model time (`bench_cpu.served_limit`; the scheduler's time left out: an upper bound)
+  model      the model time's ratio, control over routed passes
+  dense      the dense layers' ratio (layers before the first routed one, the same work in both kinds of pass):
+             1.00 when nothing but the routing differs between them
+
+Where it differs from two servers: the control pass computes the skipper's r = 1 routes and then runs every row
+as a dense-mode row (the s = 0 arm hashes with r = 0: the same host work, other values); the steps are decode
+steps of a full batch only (the load's ramp and tail, where the batch changes every pass, are left out).
+
+    python benchmarks/bench_interleaved.py               # the full size (about 10 minutes on two cores)
+    python benchmarks/bench_interleaved.py --size quick  # a tiny model: checks the pipeline, figures mean nothing
+
+The last line: `interleaved decode <x>x [<lo>, <hi>] of limit <y>x (<z>% of its gain)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cpu import (  # noqa: E402
+    ARCH,
+    ARMS,
+    SIZES,
+    SKIP,
+    BenchServing,
+    Size,
+    check_served,
+    default_threads,
+    gain_share,
+    run_clock,
+    runs_clock,
+    served_counts,
+    served_limit,
+    threads_env,
+    write_model,
+)
+
+from vskipper.checkpoint import tiny_config  # noqa: E402
+from vskipper.sglang.part_times import CONTROL_PHASE  # noqa: E402
+
+KINDS = {"control": CONTROL_PHASE, "routed": "decode"}  # each kind of pass, by its phase in both clocks
+
+
+def interleaved_run(before: dict, after: dict) -> dict:
+    """One run's steps (the pass clock) and model time (the part clock, `run_clock`) per kind of pass, from the
+    server's attestation read before and after the run; the step ratio, control over routed."""
+    out: dict = {}
+    for kind, phase in KINDS.items():
+        passes = after["pass_clock"]["passes_total"].get(phase, 0) - before["pass_clock"]["passes_total"].get(phase, 0)
+        seconds = (after["pass_clock"]["seconds_total"].get(phase, 0.0)
+                   - before["pass_clock"]["seconds_total"].get(phase, 0.0))
+        if not passes:
+            raise RuntimeError(f"no {kind} decode step was timed in this run: is the server interleaving "
+                               f"(VSKIPPER_INTERLEAVE_CONTROL=1, a routed arm)?")
+        out[kind] = {"steps": passes, "step_ms": seconds / passes * 1e3,
+                     "clock": run_clock(before["part_clock"], after["part_clock"], phase)}
+    out["ratio"] = out["control"]["step_ms"] / out["routed"]["step_ms"]
+    out["model_ratio"] = out["control"]["clock"]["model"] / out["routed"]["clock"]["model"]
+    out["dense_ratio"] = out["control"]["clock"]["dense"] / out["routed"]["clock"]["dense"]
+    return out
+
+
+def interleaved_limit(runs: list[dict]) -> dict:
+    """`served_limit` of the control passes against the routed ones, over all runs, each kind a pass of its own
+    (both are divided by their own passes: the same batch in both, so a pass compares with a pass)."""
+    clocks = {kind: runs_clock([run[kind]["clock"] for run in runs], "decode") for kind in KINDS}
+    n_control, n_routed = (clocks[k]["passes_total"]["decode"] for k in KINDS)
+    routed = clocks["routed"]
+    scaled = {"passes_total": {"decode": n_control},
+              "seconds_total": {"decode": {where: {part: t * n_control / n_routed for part, t in parts.items()}
+                                           for where, parts in routed["seconds_total"]["decode"].items()}}}
+    return served_limit(clocks["control"], scaled, "decode")
+
+
+def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> list[dict]:
+    from vskipper.sglang.launch import launched
+    from vskipper.sglang.spec import ENV_INTERLEAVE_CONTROL, ENV_PART_CLOCK
+
+    arm_file = out / "arm-interleaved.json"
+    arm_file.write_text(json.dumps({"name": "bench-interleaved", **ARMS[f"s={SKIP}"]}))
+    extra = ["--enable-metrics", "--sleep-on-idle", "--max-total-tokens", str(size.max_total_tokens)]
+    env = {**threads_env(threads), ENV_PART_CLOCK: "1", ENV_INTERLEAVE_CONTROL: "1"}
+    client = BenchServing()
+    runs = []
+    try:
+        with launched(ckpt, out / "server-interleaved", dtype="bfloat16", extra=extra, graceful=False, env=env,
+                      arm_file=arm_file) as launch:
+            server = launch.wait_ready(timeout=900)
+            for rep in range(size.repetitions):
+                counts, before = served_counts(server), server.get_json("/vskipper/attestation")
+                client.run(server.url, ckpt, size.decode, out / f"interleaved-decode-{rep}.jsonl", seed=rep)
+                check_served(server, "interleaved", "decode", size.decode, counts)
+                run = interleaved_run(before, server.get_json("/vskipper/attestation"))
+                runs.append(run)
+                print(f"  rep {rep} steps control {run['control']['steps']} x {run['control']['step_ms']:.1f} ms, "
+                      f"routed {run['routed']['steps']} x {run['routed']['step_ms']:.1f} ms: {run['ratio']:.3f}x "
+                      f"(model {run['model_ratio']:.3f}x, dense layers {run['dense_ratio']:.3f})", flush=True)
+    finally:
+        client.close()
+    return runs
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def report(runs: list[dict]) -> dict:
+    limit = interleaved_limit(runs)
+    ratio, model, dense = (spread([run[key] for run in runs]) for key in ("ratio", "model_ratio", "dense_ratio"))
+    print(f"decode, s={SKIP} over s=0 in one server (control over routed step, {len(runs)} runs):")
+    print(f"  step ratio      {ratio[0]:.3f}x [{ratio[1]:.3f}, {ratio[2]:.3f}]  "
+          f"({gain_share(ratio[0], limit['limit'])} of the limit's gain)")
+    print(f"  model ratio     {model[0]:.3f}x [{model[1]:.3f}, {model[2]:.3f}]")
+    print(f"  dense layers    {dense[0]:.3f} [{dense[1]:.3f}, {dense[2]:.3f}]  (the same work in both kinds of pass)")
+    print(f"  limit           {limit['limit']:.3f}x  (the skipped parts {limit['skippable_share']:.1%} of the "
+          f"control's model time; saving {limit['saving_ms']:.1f} ms a pass, adapter {limit['projector_ms']:.1f} ms)")
+    line = (f"interleaved decode {ratio[0]:.3f}x [{ratio[1]:.3f}, {ratio[2]:.3f}] of limit {limit['limit']:.3f}x "
+            f"({gain_share(ratio[0], limit['limit'])} of its gain)")
+    return {"runs": runs, "ratio": ratio, "model_ratio": model, "dense_ratio": dense, "limit": limit, "line": line}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=SIZES, default="full", help="bench-cpu's sizes (its model and decode load)")
+    p.add_argument("--out", default="out/bench-interleaved", help="checkpoint, server log, client records, JSON")
+    p.add_argument("--repetitions", type=int, help="decode runs (default: the size's repetitions)")
+    p.add_argument("--server-threads", type=int, default=default_threads(),
+                   help="the server's torch threads (default: the cores but one, %(default)s here)")
+    args = p.parse_args(argv)
+    if args.server_threads < 1:
+        raise SystemExit("--server-threads must be at least 1")
+    size = SIZES[args.size]
+    if args.repetitions is not None:
+        if args.repetitions < 1:
+            raise SystemExit("--repetitions must be at least 1")
+        size = replace(size, repetitions=args.repetitions)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = write_model(out, size)
+    config = tiny_config(ARCH, size.model, "bfloat16")
+    print(f"model: {config['num_hidden_layers']} layers, d={config['hidden_size']}, routed "
+          f"{config['routing_layers'][0]}-{config['routing_layers'][-1]}, bf16 ({ckpt}); decode load "
+          f"{size.decode}; {args.server_threads} torch thread(s)", flush=True)
+    summary = report(run_interleaved(ckpt, out, size, args.server_threads))
+    summary["server_threads"] = args.server_threads
+    (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(summary["line"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
