@@ -1,0 +1,82 @@
+"""`benchmarks/bench_interleaved.py`: s = 0.5 over s = 0 from one server whose decode passes alternate between
+the two. Its arithmetic on made-up attestations, then one run against a real SGLang server on CPU (the quick size:
+the figures mean nothing, the server's interleaving and both clocks are real)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from vskipper.sglang.part_times import CONTROL_PHASE
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_interleaved", ROOT / "benchmarks" / "bench_interleaved.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_interleaved"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+PER_PASS = {CONTROL_PHASE: {"outside": {"outside": 2.0}, "dense": {"mlp": 30.0, "read": 30.0},
+                            "routed": {"qkv": 3.0, "read": 40.0, "o": 4.0, "mlp": 30.0, "glue": 5.0}},
+            "decode": {"outside": {"outside": 2.0}, "dense": {"mlp": 30.0, "read": 30.0},
+                       "routed": {"q": 1.0, "kv": 1.5, "read": 20.0, "o": 3.0, "mlp": 24.0, "projector": 3.0,
+                                  "glue": 8.0}}}
+
+
+def _attestation(control: int, routed: int, control_ms: float = 200.0, routed_ms: float = 180.0) -> dict:
+    """The server's pass and part clocks after `control` and `routed` passes (made-up ms a pass and step)."""
+    passes = {CONTROL_PHASE: control, "decode": routed}
+    return {"pass_clock": {"passes_total": dict(passes),
+                           "seconds_total": {CONTROL_PHASE: control * control_ms / 1e3,
+                                             "decode": routed * routed_ms / 1e3}},
+            "part_clock": {"passes_total": dict(passes),
+                           "seconds_total": {phase: {where: {part: ms * passes[phase] / 1e3 for part, ms in parts.items()}
+                                                     for where, parts in PER_PASS[phase].items()}
+                                             for phase in passes}}}
+
+
+def test_a_run_compares_the_control_step_with_the_routed_step_and_the_limit_each_pass_with_its_own_kind():
+    bench = _bench()
+    run = bench.interleaved_run(_attestation(10, 10), _attestation(60, 50))  # 50 control, 40 routed steps
+    assert run["control"]["steps"] == 50 and run["routed"]["steps"] == 40
+    assert run["control"]["step_ms"] == pytest.approx(200.0) and run["routed"]["step_ms"] == pytest.approx(180.0)
+    assert run["ratio"] == pytest.approx(200.0 / 180.0)
+    assert run["model_ratio"] == pytest.approx(144.0 / 122.5) and run["dense_ratio"] == pytest.approx(1.0)
+    # Over two runs with unequal counts of each kind, the limit is the limit a pass (each kind by its own passes).
+    limit = bench.interleaved_limit([run, bench.interleaved_run(_attestation(60, 50), _attestation(61, 80))])
+    assert limit["saving_ms"] == pytest.approx(75.5 - 48.0 - 3.0)
+    assert limit["limit"] == pytest.approx(144.0 / (144.0 - 24.5))
+    assert limit["step_ms"] == pytest.approx({"s=0": 144.0, "s=0.5": 122.5})
+
+
+def test_a_server_that_timed_no_control_step_is_refused_naming_the_switch():
+    bench = _bench()
+    with pytest.raises(RuntimeError, match="no control decode step was timed in this run: is the server "
+                                           r"interleaving \(VSKIPPER_INTERLEAVE_CONTROL=1"):
+        bench.interleaved_run(_attestation(10, 10), _attestation(10, 30))
+
+
+@pytest.mark.server
+def test_a_quick_run_against_a_real_server_times_both_kinds_of_decode_step(cli_env, tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_interleaved.py"), "--size", "quick",
+                           "--repetitions", "1", "--server-threads", "1", "--out", str(out)], env=cli_env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "bench.json").read_text())
+    (run,) = summary["runs"]
+    # The quick load decodes 4 requests of 8 tokens together: both kinds of step, a few each, at one batch.
+    assert run["control"]["steps"] >= 2 and run["routed"]["steps"] >= 2
+    assert run["control"]["clock"]["passes"] >= run["control"]["steps"]
+    assert run["routed"]["clock"]["routed"] > 0 and summary["limit"]["projector_ms"] > 0  # routed passes projected
+    assert summary["limit"]["routed_parts_ms"]["s=0"].get("projector", 0.0) == 0.0  # control passes never did
+    assert proc.stdout.strip().splitlines()[-1] == summary["line"]
+    assert summary["line"].startswith("interleaved decode ")
