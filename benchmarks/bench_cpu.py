@@ -570,10 +570,14 @@ def served_limit(clock_all: dict, clock_run: dict, phase: str) -> dict:
             "model_ratio": step_all / step_run}
 
 
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
 def paired(num: list[float], den: list[float]) -> tuple[float, float, float]:
     """(median, min, max) of the repetitions' ratios num[i] / den[i] (each pair measured back to back)."""
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    return statistics.median(ratios), min(ratios), max(ratios)
+    return spread([a / b for a, b in zip(num, den, strict=True)])
 
 
 def drift_corrected(num: list[float], den: list[float], num_runs: list[dict],
@@ -589,10 +593,6 @@ def drift_corrected(num: list[float], den: list[float], num_runs: list[dict],
 
     factors = [total(a, "dense") / total(b, "dense") for a, b in zip(num_runs, den_runs, strict=True)]
     model = [total(b, "model") / total(a, "model") for a, b in zip(num_runs, den_runs, strict=True)]
-
-    def spread(values: list[float]) -> tuple[float, float, float]:
-        return statistics.median(values), min(values), max(values)
-
     return {"factors": factors,
             "ratios": spread([n / d * f for n, d, f in zip(num, den, factors, strict=True)]),
             "model": spread(model), "model_corrected": spread([m * f for m, f in zip(model, factors, strict=True)])}

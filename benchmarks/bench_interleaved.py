@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -56,6 +55,7 @@ from bench_cpu import (  # noqa: E402
     runs_clock,
     served_counts,
     served_limit,
+    spread,
     threads_env,
     write_model,
 )
@@ -123,10 +123,6 @@ def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> list[dic
     finally:
         client.close()
     return runs
-
-
-def spread(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
 
 
 def report(runs: list[dict]) -> dict:

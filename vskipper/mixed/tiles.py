@@ -100,7 +100,7 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
     entries: dict[str, list[tuple[int, int | None, Tile]]] = {}
     source = str(data.get("source", where))
     defaulted = [op for op in DEFAULTED_OPERATIONS if op not in tiles]
-    if defaulted and len(defaulted) < len(DEFAULTED_OPERATIONS):  # the tuner writes both or (before them) neither
+    if 0 < len(defaulted) < len(DEFAULTED_OPERATIONS):  # the tuner writes both or (before them) neither
         raise TileTableError(f"{where}: field 'tiles.{defaulted[0]}' is missing (a table with any of "
                              f"{list(DEFAULTED_OPERATIONS)} needs all of them)")
     if defaulted:

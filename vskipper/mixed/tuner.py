@@ -4,7 +4,8 @@ For each of the 30 shapes (6 operations x 5 count ranges, `vskipper.mixed.tiles`
 representative size for the range (the range's upper end; 256 for the open one) over a batch twice that size
 with a random row map, times every candidate tile that fits the device's shared memory, and times the torch
 equivalent on the same packed rows (gather, matmul(s) on cuBLAS, SiLU-and-multiply; for down, the matmul
-and the weighted index_add; for Q, the gather and the matmul; for o_proj, the matmul and the index_add). The best candidate goes in the table with its time ratio to torch.
+and the weighted index_add; for Q, the gather and the matmul; for o_proj, the matmul and the index_add). The
+best candidate goes in the table with its time ratio to torch.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny
 widths, fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table, whose times

@@ -25,6 +25,12 @@ from collections import defaultdict
 from typing import Any
 
 CONTROL_PHASE = "decode_control"  # the interleaved control passes' phase in both clocks
+
+
+def clock_phase(phase: str, control: bool) -> str:
+    """A pass's phase in both clocks: an interleaved control pass's decode is `CONTROL_PHASE`."""
+    return CONTROL_PHASE if control and phase == "decode" else phase
+
 PARTS = ("q", "kv", "qkv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue")
 
 
@@ -97,9 +103,8 @@ class PartClock:
     def around_pass(self, forward_mode, run, control: bool = False):
         """Time one forward pass (`run()`) of SGLang's batch mode `forward_mode`; what its layers do not take is
         `outside`. An interleaved control pass (`PassClock`) is a phase of its own, `decode_control`."""
-        self.phase = "decode" if forward_mode.is_decode() else "prefill" if forward_mode.is_extend() else "other"
-        if control and self.phase == "decode":
-            self.phase = CONTROL_PHASE
+        self.phase = clock_phase("decode" if forward_mode.is_decode() else "prefill" if forward_mode.is_extend()
+                                 else "other", control)
         try:
             return self.timed(run, "outside", "outside")()
         finally:
@@ -135,4 +140,5 @@ class PassClock:
         self._open = (kind, rows, now) if kind is not None else None
 
     def attestation(self) -> dict[str, Any]:
-        return {"passes_total": dict(self.passes), "seconds_total": dict(self.seconds)}
+        """The clock's own dicts, live: the runtime's attestation reads them whenever it is written."""
+        return {"passes_total": self.passes, "seconds_total": self.seconds}

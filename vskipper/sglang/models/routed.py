@@ -51,7 +51,7 @@ from vskipper.mixed.backend import select_backend
 from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.mixed.routed_layer import Handoff, routed_layer
 from vskipper.sglang import active
-from vskipper.sglang.part_times import CONTROL_PHASE, PartClock, PassClock
+from vskipper.sglang.part_times import PartClock, PassClock, clock_phase
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
 from vskipper.sglang.spec import ROUTED_GRAPH_PHASES, ServeConfigError
@@ -137,7 +137,7 @@ def triton_blocker(layer) -> str | None:
     for name, module in (("MLP", mlp.down_proj), ("attention", attn.o_proj)):
         if getattr(module, "tp_size", 1) > 1:
             return f"layer {layer.layer_id}: the {name} is split over {module.tp_size} tensor-parallel ranks"
-    head_dim = layer.self_attn.head_dim
+    head_dim = attn.head_dim
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"layer {layer.layer_id}: head_dim {head_dim} is not a power of two >= 16"
     return None
@@ -564,8 +564,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         self.part_clock = self._part_clock() if self.runtime.spec.part_clock else None
         self.pass_clock = PassClock() if self.runtime.spec.interleave_control else None
         if self.pass_clock is not None:
-            self.runtime.model_counters["pass_clock"] = {"passes_total": self.pass_clock.passes,
-                                                         "seconds_total": self.pass_clock.seconds}
+            self.runtime.model_counters["pass_clock"] = self.pass_clock.attestation()
         self.runtime.model_counters.update({"graph_passes_total": self.ledger.passes,
                                             "routed_replays_vetoed_total": self.ledger.vetoed,
                                             "plan_writes_total": self.plan_writes,
@@ -653,7 +652,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         if self.pass_clock is not None:
             step = self.slot.prepared.step
             timed = step is not None and step.routed and step.phase == "decode" and not step.health_check
-            self.pass_clock.start((CONTROL_PHASE if step.control else "decode") if timed else None,
+            self.pass_clock.start(clock_phase(step.phase, step.control) if timed else None,
                                   step.rows if timed else 0)
 
     def control_pass(self) -> bool:
