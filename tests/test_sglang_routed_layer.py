@@ -143,10 +143,12 @@ def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(wo
     """Rows each sub-module of the served layer sees in a mixed pass: Q (the Q rows of the fused qkv_proj), the
     attention read, o_proj and the MLP see the RUN rows only; K/V (its K/V rows) every row, once; the adapter the
     Project-Only rows only. SGLang's own attention backend reads only where the decode read is its own
-    (`backend`), and then the RUN rows only."""
+    (`backend`), and then the RUN rows only. The RUN rows' queries and every row's keys take one rotary call."""
     layer = world.layer
     seen: dict[str, int] = {}
     _count_qkv_rows(layer, seen, monkeypatch)
+    rotary_calls = []
+    rope = layer.self_attn.rotary_emb.register_forward_pre_hook(lambda module, args: rotary_calls.append(args))
 
     def count(name):
         def hook(module, args):
@@ -176,10 +178,12 @@ def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(wo
         fb = world.batch(extend)
         world.routed(fb, world.hidden(len(run)), *_route(run, world.gen))
     finally:
-        for h in handles:
+        for h in (*handles, rope):
             h.remove()
         world.restore(kv0, lengths0)
     n_run = sum(run)
+    assert len(rotary_calls) == 1
+    assert rotary_calls[0][1].shape[0] == len(run) and rotary_calls[0][2].shape[0] == len(run)
     read = "backend" if (phase, decode_read) == ("decode", "backend") else "read"
     assert seen == {"q": n_run, "kv": len(run), read: n_run, "o_proj": n_run, "gate_up_proj": n_run,
                     "down_proj": n_run, "adapter": len(run) - n_run}

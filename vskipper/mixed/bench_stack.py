@@ -213,8 +213,9 @@ class StackLayerOps:
         k, v = self.attn.project_kv(u, self.batch.positions)
         return k.reshape(u.shape[0], -1), v.reshape(u.shape[0], -1)
 
-    def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self.attn.project_q(u, self._positions(rows)).reshape(u.shape[0], -1)
+    def q_kv(self, u: torch.Tensor, rows: torch.Tensor):
+        q = self.attn.project_q(u.index_select(0, rows), self._positions(rows)).reshape(rows.shape[0], -1)
+        return (q, *self.kv(u))
 
     def rotate_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return self.attn.rotate_q(q, self._positions(rows)).reshape(q.shape[0], -1)

@@ -27,7 +27,8 @@ Two executions of the same semantics:
           the rest, `nonzero_static`): their sizes are shapes, never values read on the host.
           K and V are every row's, in one projection over the batch (its weight read once, no cohort
           reordering before the write); Q, the read, o_proj and the MLP see the RUN rows only, the projector
-          the Project-Only rows only. When no row projects, the all-RUN fast path calls the host's own dense
+          the Project-Only rows only. The host may rotate the RUN rows' Q and every row's K in one call
+          (`LayerOps.q_kv`); o_proj's output is added onto x at the RUN rows in one `index_add`. When no row projects, the all-RUN fast path calls the host's own dense
           attention and MLP over the whole batch. (`nonzero` would synchronize on a GPU, where
           the triton execution is the capture-safe one.) The served layer runs this execution on CPU and in
           every prefill.
@@ -75,8 +76,9 @@ class LayerOps(Protocol):
     def kv(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k and v only (no q) of every row u of the pass."""
 
-    def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Rotated (Qwen3: normed) q only [n, heads * hd] of rows u, after `kv` of the same pass."""
+    def q_kv(self, u: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [n, heads * hd] of the batch rows `rows` alone, k, v of every row u of the pass), rotated (Qwen3:
+        normed) like `kv` and `rotate_q`, where the host may rotate both in one call."""
 
     def rotate_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """q_norm (Qwen3) and RoPE of projected queries q [n, heads * hd] at the positions of batch rows `rows`
@@ -133,16 +135,16 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
     if all_run:  # the fast path: no gather, no scatter; the branch weight still scales the MLP
         h = x + ops.attention(u)
         return Handoff(w * ops.mlp(ops.post_attention_layernorm(h)), h)
-    k, v = ops.kv(u)  # every row's, in batch order
-    ops.write_kv(k, v)
     # The RUN cohort's size follows from the Project-Only one: no second wait for the device.
     n_run = run.shape[0] - proj_rows.shape[0]
     residual = x
     if n_run:
         run_rows = torch.nonzero_static(run, size=n_run).view(-1)
-        q = ops.q(u.index_select(0, run_rows), run_rows)
-        h = x.index_select(0, run_rows) + ops.o_proj(ops.read(q, run_rows))
-        residual = x.index_copy(0, run_rows, h)
+        q, k, v = ops.q_kv(u, run_rows)  # q: the RUN rows'; k, v: every row's, in batch order
+        ops.write_kv(k, v)
+        residual = x.index_add(0, run_rows, ops.o_proj(ops.read(q, run_rows)))  # h at the RUN rows
+    else:
+        ops.write_kv(*ops.kv(u))
     normed = ops.post_attention_layernorm(residual)  # LN2 h (RUN rows), LN2 x (Project-Only rows)
     delta = torch.empty_like(x)
     if n_run:

@@ -6,7 +6,8 @@ SGLang's own modules (`SGLangLayerOps`):
 
   every row          K and V (the K/V rows of `qkv_proj` through its linear method, one projection over the
                      batch; Qwen3: k_norm, then RoPE), written to the KV pool (`set_kv_buffer`, Invariant 1)
-  RUN rows           Q (the Q rows of `qkv_proj`; Qwen3: q_norm, then RoPE), the RUN-masked attention read over
+  RUN rows           Q (the Q rows of `qkv_proj`; Qwen3: q_norm, then RoPE: on CPU, and in prefill, in one
+                     rotary call with every row's K, their queries in batch slots), the RUN-masked attention read over
                      SGLang's KV pool, `o_proj`, the MLP (`gate_up_proj`/`down_proj` through their linear
                      methods, so quantization and the tensor-parallel reduction stay SGLang's)
   Project-Only rows  the adapter: no Q, no attention read, no `o_proj`, no MLP
@@ -233,32 +234,45 @@ class SGLangLayerOps:
         return self.attn(positions=self.positions, hidden_states=u, forward_batch=self.fb)
 
     def kv(self, u: torch.Tensor):
+        k, v = self._kv(u)
+        # The rotary embedding rotates a query and a key: one head of k stands in for the query it never needs.
+        _, k = self.attn.rotary_emb(self.positions, k[:, : self.attn.head_dim].clone(), k)
+        return k, v
+
+    def _kv(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's k (Qwen3: normed; not rotated), contiguous, and v."""
         a = self.attn
         if kv_only_supported(a.qkv_proj):
             kv = row_projection(a.qkv_proj, slice(a.q_size, None), u)
-        else:  # no row view: the whole qkv_proj, its Q kept for `q` (computed and dropped for other rows)
+        else:  # no row view: the whole qkv_proj, its Q kept for `q_kv` (computed and dropped for other rows)
             qkv = a.qkv_proj(u)[0]
             self.q_all, kv = qkv[:, : a.q_size], qkv[:, a.q_size:]
         k, v = kv.split([a.kv_size, a.kv_size], dim=-1)
         if hasattr(a, "k_norm"):  # Qwen3: per-head k_norm before RoPE
-            k = a.k_norm(k.reshape(-1, a.head_dim)).view(k.shape)
-        # The rotary embedding rotates a query and a key: one head of k stands in for the query it never needs.
-        _, k = a.rotary_emb(self.positions, k[:, : a.head_dim].clone(), k.contiguous())
-        return k, v
+            return a.k_norm(k.reshape(-1, a.head_dim)).view(k.shape), v
+        return k.contiguous(), v
 
-    def q(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def q_kv(self, u: torch.Tensor, rows: torch.Tensor):
         a = self.attn
-        q = row_projection(a.qkv_proj, slice(None, a.q_size), u) if self.q_all is None \
+        k, v = self._kv(u)
+        q = row_projection(a.qkv_proj, slice(None, a.q_size), u.index_select(0, rows)) if self.q_all is None \
             else self.q_all.index_select(0, rows)
-        return self.rotate_q(q, rows)
+        # One rotary call for both: the rows' queries in their batch slots (zeros in the others, rotated to zeros
+        # and never read) beside every row's key.
+        q = u.new_zeros(u.shape[0], a.q_size).index_copy_(0, rows, self._q_norm(q))
+        q, k = a.rotary_emb(self.positions, q, k)
+        return q.index_select(0, rows), k, v
 
     def rotate_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        a = self.attn
-        if hasattr(a, "q_norm"):  # Qwen3: per-head q_norm before RoPE
-            q = a.q_norm(q.reshape(-1, a.head_dim)).view(q.shape)
+        q = self._q_norm(q).contiguous()
         # One head of q stands in for the key it does not rotate here (`kv` rotated every row's).
-        q, _ = a.rotary_emb(self._positions(rows), q.contiguous(), q[:, : a.head_dim].clone())
+        q, _ = self.attn.rotary_emb(self._positions(rows), q, q[:, : self.attn.head_dim].clone())
         return q
+
+    def _q_norm(self, q: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head q_norm (before RoPE); other families' q as it is."""
+        a = self.attn
+        return a.q_norm(q.reshape(-1, a.head_dim)).view(q.shape) if hasattr(a, "q_norm") else q
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         a = self.attn
