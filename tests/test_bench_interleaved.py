@@ -57,6 +57,22 @@ def test_a_run_compares_the_control_step_with_the_routed_step_and_the_limit_each
     assert limit["step_ms"] == pytest.approx({"s=0": 144.0, "s=0.5": 122.5})
 
 
+def test_the_report_divides_each_run_by_its_dense_layers_and_names_a_run_above_the_limit(capsys):
+    bench = _bench()
+    base = bench.interleaved_run(_attestation(10, 10), _attestation(60, 50))  # limit 144 / 119.5 = 1.205x
+    runs = [{**base, "ratio": ratio, "dense_ratio": dense} for ratio, dense in ((1.15, 0.99), (1.22, 1.02),
+                                                                                 (1.18, 1.00))]
+    summary = bench.report(runs)
+    assert summary["ratio"] == pytest.approx((1.18, 1.15, 1.22))
+    assert summary["ratio_over_dense"] == pytest.approx((1.18, 1.15 / 0.99, 1.22 / 1.02))
+    assert summary["above_limit"] == ["run 1 1.220x (dense layers 1.020)"]
+    out = capsys.readouterr().out
+    assert "over dense      1.180x [1.162, 1.196]  (each run's step ratio over its dense layers' ratio; 88% of" in out
+    assert "above the limit: run 1 1.220x (dense layers 1.020)" in out
+    assert bench.report([runs[0]])["above_limit"] == []
+    assert "above the limit" not in capsys.readouterr().out
+
+
 def test_a_server_that_timed_no_control_step_is_refused_naming_the_switch():
     bench = _bench()
     with pytest.raises(RuntimeError, match="no control decode step was timed in this run: is the server "
