@@ -1,4 +1,4 @@
-"""`make bench-interleaved`: decode, s = 0.5 over s = 0, measured in one server pass against pass.
+"""`make bench-interleaved`: decode and prefill, s = 0.5 over s = 0, measured in one server pass against pass.
 
 bench-cpu compares servers run one after another, and on a shared host their speed drifts between the runs a
 ratio pairs (its dense layers, the same work in every arm, moved by up to 11% from run to run). Here one server
@@ -22,6 +22,13 @@ it, from the same server's part clock (its control passes are a phase of their o
              1.00 when nothing but the routing differs between them; each run's step ratio over it is printed
              beside (`over dense`), and a run whose step ratio is above the limit is named with it
 
+Prefill the same way: the server's prefill passes alternate too (each phase on its own), and after each decode
+run bench-cpu's prefill prompts, twice as many, go one at a time (`prefill_load`), so that every pass prefills one
+whole prompt (a run whose prompts took more passes, chunked, is refused). A prefill pass lasts seconds and its
+step is mostly the forward, so the prefill figure is the model time's ratio, control over routed pass, beside the
+FLOP limit (the goal's, `bench_cpu.flop_limit`) and the limit the part clock measures; the dense layers' ratio
+and each run's ratio over it as for decode.
+
 Where it differs from two servers: the control pass computes the skipper's r = 1 routes and then runs every row
 as a dense-mode row (the s = 0 arm hashes with r = 0: the same host work, other values); the steps are decode
 steps of a full batch only (the load's ramp and tail, where the batch changes every pass, are left out).
@@ -29,7 +36,8 @@ steps of a full batch only (the load's ramp and tail, where the batch changes ev
     python benchmarks/bench_interleaved.py               # the full size (about 10 minutes on two cores)
     python benchmarks/bench_interleaved.py --size quick  # a tiny model: checks the pipeline, figures mean nothing
 
-The last line: `interleaved decode <x>x [<lo>, <hi>] of limit <y>x (<z>% of its gain)`.
+The last line: `interleaved decode <x>x [<lo>, <hi>] of limit <y>x (<z>% of its gain); prefill <x>x [<lo>, <hi>]
+of FLOP limit <y>x (<z>% of its gain)`.
 """
 
 from __future__ import annotations
@@ -48,9 +56,11 @@ from bench_cpu import (  # noqa: E402
     SIZES,
     SKIP,
     BenchServing,
+    Load,
     Size,
     check_served,
     default_threads,
+    flop_limit,
     gain_share,
     run_clock,
     runs_clock,
@@ -62,16 +72,23 @@ from bench_cpu import (  # noqa: E402
 )
 
 from vskipper.checkpoint import tiny_config  # noqa: E402
-from vskipper.sglang.part_times import CONTROL_PHASE  # noqa: E402
+from vskipper.sglang.part_times import CONTROL_PHASES  # noqa: E402
 
-KINDS = {"control": CONTROL_PHASE, "routed": "decode"}  # each kind of pass, by its phase in both clocks
+# Each kind of pass, by its phase in the clocks, per phase.
+KINDS = {phase: {"control": CONTROL_PHASES[phase], "routed": phase} for phase in ("decode", "prefill")}
+
+
+def prefill_load(size: Size) -> Load:
+    """bench-cpu's prefill prompts, twice as many, one at a time: each prompt one pass of the same tokens, and the
+    passes alternate between the two kinds."""
+    return replace(size.prefill, prompts=2 * size.prefill.prompts, concurrency=1)
 
 
 def interleaved_run(before: dict, after: dict) -> dict:
     """One run's steps (the pass clock) and model time (the part clock, `run_clock`) per kind of pass, from the
     server's attestation read before and after the run; the step ratio, control over routed."""
     out: dict = {}
-    for kind, phase in KINDS.items():
+    for kind, phase in KINDS["decode"].items():
         passes = after["pass_clock"]["passes_total"].get(phase, 0) - before["pass_clock"]["passes_total"].get(phase, 0)
         seconds = (after["pass_clock"]["seconds_total"].get(phase, 0.0)
                    - before["pass_clock"]["seconds_total"].get(phase, 0.0))
@@ -86,19 +103,40 @@ def interleaved_run(before: dict, after: dict) -> dict:
     return out
 
 
-def interleaved_limit(runs: list[dict]) -> dict:
+def prefill_run(before: dict, after: dict, load: Load) -> dict:
+    """One prefill run's model time a pass per kind of pass (the part clock, `run_clock`) from the server's
+    attestation read before and after the run, and their ratio, control over routed. Every pass must be one whole
+    prompt (the load's prompts and bench_serving's warm-up), or the two kinds would not prefill the same tokens."""
+    out: dict = {}
+    for kind, phase in KINDS["prefill"].items():
+        out[kind] = {"clock": run_clock(before["part_clock"], after["part_clock"], phase)}
+        if not out[kind]["clock"]["passes"]:
+            raise RuntimeError(f"no {kind} prefill pass ran in this run: is the server interleaving "
+                               f"(VSKIPPER_INTERLEAVE_CONTROL=1, a routed arm)?")
+    passes = out["control"]["clock"]["passes"] + out["routed"]["clock"]["passes"]
+    if passes != load.prompts + 1:
+        raise RuntimeError(f"the prefill load's {load.prompts} prompts and its warm-up ran as {passes} passes, not "
+                           f"one pass each (chunked prefill below {load.input_len} tokens?): the two kinds of pass "
+                           f"would not prefill the same tokens")
+    out["model_ratio"] = out["control"]["clock"]["model"] / out["routed"]["clock"]["model"]
+    out["dense_ratio"] = out["control"]["clock"]["dense"] / out["routed"]["clock"]["dense"]
+    return out
+
+
+def interleaved_limit(runs: list[dict], phase: str = "decode") -> dict:
     """`served_limit` of the control passes against the routed ones, over all runs, each kind a pass of its own
     (both are divided by their own passes: the same batch in both, so a pass compares with a pass)."""
-    clocks = {kind: runs_clock([run[kind]["clock"] for run in runs], "decode") for kind in KINDS}
-    n_control, n_routed = (clocks[k]["passes_total"]["decode"] for k in KINDS)
+    clocks = {kind: runs_clock([run[kind]["clock"] for run in runs], phase) for kind in KINDS[phase]}
+    n_control, n_routed = (clocks[k]["passes_total"][phase] for k in KINDS[phase])
     routed = clocks["routed"]
-    scaled = {"passes_total": {"decode": n_control},
-              "seconds_total": {"decode": {where: {part: t * n_control / n_routed for part, t in parts.items()}
-                                           for where, parts in routed["seconds_total"]["decode"].items()}}}
-    return served_limit(clocks["control"], scaled, "decode")
+    scaled = {"passes_total": {phase: n_control},
+              "seconds_total": {phase: {where: {part: t * n_control / n_routed for part, t in parts.items()}
+                                        for where, parts in routed["seconds_total"][phase].items()}}}
+    return served_limit(clocks["control"], scaled, phase)
 
 
-def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> list[dict]:
+def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> tuple[list[dict], list[dict]]:
+    """Each repetition's decode run, then its prefill run (`prefill_load`), against one interleaving server."""
     from vskipper.sglang.launch import launched
     from vskipper.sglang.spec import ENV_INTERLEAVE_CONTROL, ENV_PART_CLOCK
 
@@ -107,7 +145,8 @@ def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> list[dic
     extra = ["--enable-metrics", "--sleep-on-idle", "--max-total-tokens", str(size.max_total_tokens)]
     env = {**threads_env(threads), ENV_PART_CLOCK: "1", ENV_INTERLEAVE_CONTROL: "1"}
     client = BenchServing()
-    runs = []
+    runs, prefill_runs = [], []
+    prefill = prefill_load(size)
     try:
         with launched(ckpt, out / "server-interleaved", dtype="bfloat16", extra=extra, graceful=False, env=env,
                       arm_file=arm_file) as launch:
@@ -121,9 +160,18 @@ def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> list[dic
                 print(f"  rep {rep} steps control {run['control']['steps']} x {run['control']['step_ms']:.1f} ms, "
                       f"routed {run['routed']['steps']} x {run['routed']['step_ms']:.1f} ms: {run['ratio']:.3f}x "
                       f"(model {run['model_ratio']:.3f}x, dense layers {run['dense_ratio']:.3f})", flush=True)
+                counts, before = served_counts(server), server.get_json("/vskipper/attestation")
+                client.run(server.url, ckpt, prefill, out / f"interleaved-prefill-{rep}.jsonl", seed=rep)
+                check_served(server, "interleaved", "prefill", prefill, counts)
+                run = prefill_run(before, server.get_json("/vskipper/attestation"), prefill)
+                prefill_runs.append(run)
+                print(f"  rep {rep} prefill passes control {run['control']['clock']['passes']} x "
+                      f"{run['control']['clock']['model']:.0f} ms, routed {run['routed']['clock']['passes']} x "
+                      f"{run['routed']['clock']['model']:.0f} ms: model {run['model_ratio']:.3f}x (dense layers "
+                      f"{run['dense_ratio']:.3f})", flush=True)
     finally:
         client.close()
-    return runs
+    return runs, prefill_runs
 
 
 def above_limit(runs: list[dict], limit: float) -> list[str]:
@@ -131,6 +179,28 @@ def above_limit(runs: list[dict], limit: float) -> list[str]:
     pass, whose distance from 1.00 is what the two kinds of pass differed by besides the routing."""
     return [f"run {i} {run['ratio']:.3f}x (dense layers {run['dense_ratio']:.3f})"
             for i, run in enumerate(runs) if run["ratio"] > limit]
+
+
+def report_prefill(runs: list[dict], flop: float) -> dict:
+    """The prefill block of the report: the model time's ratio (a prefill pass is seconds long, the scheduler's
+    share of its step a few ms), beside the FLOP limit (the goal's) and the limit the part clock measures."""
+    limit = interleaved_limit(runs, "prefill")
+    for run in runs:
+        run["ratio_over_dense"] = run["model_ratio"] / run["dense_ratio"]
+    model, dense, over_dense = (spread([run[key] for run in runs])
+                                for key in ("model_ratio", "dense_ratio", "ratio_over_dense"))
+    print(f"prefill, s={SKIP} over s=0 in one server (control over routed pass, model time, {len(runs)} runs):")
+    print(f"  model ratio     {model[0]:.3f}x [{model[1]:.3f}, {model[2]:.3f}]  ({gain_share(model[0], flop)} of the "
+          f"FLOP limit's gain)")
+    print(f"  dense layers    {dense[0]:.3f} [{dense[1]:.3f}, {dense[2]:.3f}]  (the same work in both kinds of pass)")
+    print(f"  over dense      {over_dense[0]:.3f}x [{over_dense[1]:.3f}, {over_dense[2]:.3f}]  "
+          f"({gain_share(over_dense[0], flop)} of the FLOP limit's gain)")
+    print(f"  FLOP limit      {flop:.3f}x; the part clock's {limit['limit']:.3f}x (the skipped parts "
+          f"{limit['skippable_share']:.1%} of the control's model time)")
+    return {"runs": runs, "model_ratio": model, "dense_ratio": dense, "ratio_over_dense": over_dense,
+            "flop_limit": flop, "limit": limit,
+            "line": f"prefill {model[0]:.3f}x [{model[1]:.3f}, {model[2]:.3f}] of FLOP limit {flop:.3f}x "
+                    f"({gain_share(model[0], flop)} of its gain)"}
 
 
 def report(runs: list[dict]) -> dict:
@@ -180,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {config['num_hidden_layers']} layers, d={config['hidden_size']}, routed "
           f"{config['routing_layers'][0]}-{config['routing_layers'][-1]}, bf16 ({ckpt}); decode load "
           f"{size.decode}; {args.server_threads} torch thread(s)", flush=True)
-    summary = report(run_interleaved(ckpt, out, size, args.server_threads))
+    runs, prefill_runs = run_interleaved(ckpt, out, size, args.server_threads)
+    summary = report(runs)
+    summary["prefill"] = report_prefill(prefill_runs, flop_limit(config, prefill_load(size), SKIP))
+    summary["line"] += f"; {summary['prefill']['line']}"
     summary["server_threads"] = args.server_threads
     (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(summary["line"])

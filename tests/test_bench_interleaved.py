@@ -1,5 +1,5 @@
-"""`benchmarks/bench_interleaved.py`: s = 0.5 over s = 0 from one server whose decode passes alternate between
-the two. Its arithmetic on made-up attestations, then one run against a real SGLang server on CPU (the quick size:
+"""`benchmarks/bench_interleaved.py`: s = 0.5 over s = 0 from one server whose decode passes, and prefill passes,
+alternate between the two. Its arithmetic on made-up attestations, then one run against a real SGLang server on CPU (the quick size:
 the figures mean nothing, the server's interleaving and both clocks are real)."""
 
 from __future__ import annotations
@@ -73,6 +73,36 @@ def test_the_report_divides_each_run_by_its_dense_layers_and_names_a_run_above_t
     assert "above the limit" not in capsys.readouterr().out
 
 
+def _prefill_attestation(control: int, routed: int) -> dict:
+    """The part clock after `control` and `routed` prefill passes: the decode figures' parts, 10 times longer."""
+    passes = {"prefill_control": control, "prefill": routed}
+    per_pass = {"prefill_control": PER_PASS[CONTROL_PHASE], "prefill": PER_PASS["decode"]}
+    return {"part_clock": {"passes_total": dict(passes),
+                           "seconds_total": {phase: {where: {part: 10 * ms * passes[phase] / 1e3
+                                                             for part, ms in parts.items()}
+                                                     for where, parts in per_pass[phase].items()}
+                                             for phase in passes}}}
+
+
+def test_a_prefill_run_compares_the_kinds_model_time_a_pass_and_refuses_prompts_cut_into_chunks(capsys):
+    bench = _bench()
+    load = bench.Load(1024, 1, 16, 1)
+    run = bench.prefill_run(_prefill_attestation(3, 4), _prefill_attestation(12, 12), load)  # 9 + 8 passes
+    assert run["control"]["clock"]["passes"] == 9 and run["routed"]["clock"]["passes"] == 8
+    assert run["model_ratio"] == pytest.approx(1440.0 / 1225.0) and run["dense_ratio"] == pytest.approx(1.0)
+    with pytest.raises(RuntimeError, match="the prefill load's 16 prompts and its warm-up ran as 34 passes, not one "
+                                           "pass each .chunked prefill below 1024 tokens"):
+        bench.prefill_run(_prefill_attestation(3, 4), _prefill_attestation(20, 21), load)
+    with pytest.raises(RuntimeError, match="no control prefill pass ran in this run"):
+        bench.prefill_run(_prefill_attestation(3, 4), _prefill_attestation(3, 21), load)
+    summary = bench.report_prefill([run, {**run, "model_ratio": 1.10, "dense_ratio": 0.98}], 1.3)
+    assert summary["model_ratio"] == pytest.approx(((1440 / 1225 + 1.10) / 2, 1.10, 1440 / 1225))
+    assert summary["limit"]["limit"] == pytest.approx(1440.0 / (1440.0 - 245.0))
+    assert summary["line"].startswith(f"prefill {(1440 / 1225 + 1.10) / 2:.3f}x [1.100, 1.176] of FLOP limit 1.300x")
+    assert "the part clock's 1.205x" in capsys.readouterr().out
+    assert bench.prefill_load(bench.SIZES["full"]) == load
+
+
 def test_a_server_that_timed_no_control_step_is_refused_naming_the_switch():
     bench = _bench()
     with pytest.raises(RuntimeError, match="no control decode step was timed in this run: is the server "
@@ -81,7 +111,7 @@ def test_a_server_that_timed_no_control_step_is_refused_naming_the_switch():
 
 
 @pytest.mark.server
-def test_a_quick_run_against_a_real_server_times_both_kinds_of_decode_step(cli_env, tmp_path):
+def test_a_quick_run_against_a_real_server_times_both_kinds_of_decode_step_and_of_prefill_pass(cli_env, tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_interleaved.py"), "--size", "quick",
                            "--repetitions", "1", "--server-threads", "1", "--out", str(out)], env=cli_env,
@@ -95,4 +125,7 @@ def test_a_quick_run_against_a_real_server_times_both_kinds_of_decode_step(cli_e
     assert run["routed"]["clock"]["routed"] > 0 and summary["limit"]["projector_ms"] > 0  # routed passes projected
     assert summary["limit"]["routed_parts_ms"]["s=0"].get("projector", 0.0) == 0.0  # control passes never did
     assert proc.stdout.strip().splitlines()[-1] == summary["line"]
-    assert summary["line"].startswith("interleaved decode ")
+    assert summary["line"].startswith("interleaved decode ") and "; prefill " in summary["line"]
+    (prefill,) = summary["prefill"]["runs"]  # its prompts one pass each (else refused), both kinds of pass
+    assert prefill["control"]["clock"]["passes"] >= 1 and prefill["routed"]["clock"]["passes"] >= 1
+    assert summary["prefill"]["limit"]["routed_parts_ms"]["s=0"].get("projector", 0.0) == 0.0

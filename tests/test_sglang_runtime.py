@@ -129,10 +129,12 @@ def test_no_promotion_arm_keeps_running_dense_requests_dense_in_a_routed_pass(tm
     assert rt.attestation()["rows_total"]["decode"] == {"run": 0, "project_only": 2}  # only b's rows count
 
 
-def test_an_interleaving_server_runs_every_other_routed_decode_pass_all_run_and_counts_only_its_routed_rows(tmp_path):
+def test_an_interleaving_server_runs_every_other_routed_pass_of_a_phase_all_run_and_counts_only_its_routed_rows(
+        tmp_path):
     """`VSKIPPER_INTERLEAVE_CONTROL=1` (a measurement mode): the routed arm's decode passes alternate between the
     skipper's routes and every row RUN through the routed layers (a dense-mode row each: the s = 0 control's
-    work); prefill passes keep the arm's routes. The control passes' rows are not counted as routed rows."""
+    work), and so do its prefill passes, each phase apart from the other. The control passes' rows are not
+    counted as routed rows."""
     arm = Arm.from_dict({"skipper": "random_skip", "params": {"r": 1.0, "d": 0.5}, "prefill": "routed",
                          "decode": "routed"})
     rt = Runtime(ServeSpec(arm, 0, 0, tmp_path / "state.json", interleave_control=True), "ddllama", (2, 3),
@@ -144,13 +146,17 @@ def test_an_interleaving_server_runs_every_other_routed_decode_pass_all_run_and_
     assert all(s.routed for s in steps)
     assert [s.dense_rows is None for s in steps] == [True, False, True, False]
     assert all(s.dense_rows.tolist() == [True, True] and s.dense_count == 2 for s in steps[1::2])
-    assert not run_pass(rt, prefill(["c"], [4])).control  # prefill keeps the arm's routes, the alternation goes on
-    assert run_pass(rt, decode(["a", "b", "c"], [11, 11, 5])).control is False
+    second = run_pass(rt, prefill(["c"], [4]))  # prefill's own alternation: its second routed pass is a control
+    assert second.routed and second.control and second.dense_rows.tolist() == [True] * 4
+    assert run_pass(rt, decode(["a", "b", "c"], [11, 11, 5])).control is False  # decode's goes on where it was
+    assert not run_pass(rt, prefill(["d"], [3])).control
     att = rt.attestation()
     assert att["passes_total"]["decode"] == {"dense": 0, "routed": 5}
+    assert att["passes_total"]["prefill"] == {"dense": 0, "routed": 3}
     # 2 layers x 2 rows x the 2 routed passes of two rows, and 2 x 3 of the last: the control passes count no row
     assert sum(att["rows_total"]["decode"].values()) == 2 * 2 * 2 + 2 * 3
-    with pytest.raises(ServeConfigError, match="VSKIPPER_INTERLEAVE_CONTROL=1 interleaves a routed arm's decode "
+    assert sum(att["rows_total"]["prefill"].values()) == 2 * 12 + 2 * 3  # the prefill control's 4 rows: none
+    with pytest.raises(ServeConfigError, match="VSKIPPER_INTERLEAVE_CONTROL=1 interleaves a routed arm's "
                                                "passes with all-RUN ones, and arm 'dense' does not route"):
         Runtime(ServeSpec(get_arm("dense"), 0, 0, None, interleave_control=True), "ddllama", (2, 3),
                 "DDLlamaForCausalLM")

@@ -24,12 +24,15 @@ import time
 from collections import defaultdict
 from typing import Any
 
-CONTROL_PHASE = "decode_control"  # the interleaved control passes' phase in both clocks
+# The interleaved control passes' phases (`vskipper.sglang.spec.ENV_INTERLEAVE_CONTROL`), apart from the routed
+# passes of the same phase in both clocks.
+CONTROL_PHASES = {"decode": "decode_control", "prefill": "prefill_control"}
+CONTROL_PHASE = CONTROL_PHASES["decode"]
 
 
 def clock_phase(phase: str, control: bool) -> str:
-    """A pass's phase in both clocks: an interleaved control pass's decode is `CONTROL_PHASE`."""
-    return CONTROL_PHASE if control and phase == "decode" else phase
+    """A pass's phase in both clocks: an interleaved control pass's is its phase's `CONTROL_PHASES` entry."""
+    return CONTROL_PHASES.get(phase, phase) if control else phase
 
 PARTS = ("q", "kv", "qkv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue")
 
@@ -102,7 +105,7 @@ class PartClock:
 
     def around_pass(self, forward_mode, run, control: bool = False):
         """Time one forward pass (`run()`) of SGLang's batch mode `forward_mode`; what its layers do not take is
-        `outside`. An interleaved control pass (`PassClock`) is a phase of its own, `decode_control`."""
+        `outside`. An interleaved control pass is a phase of its own (`CONTROL_PHASES`)."""
         self.phase = clock_phase("decode" if forward_mode.is_decode() else "prefill" if forward_mode.is_extend()
                                  else "other", control)
         try:

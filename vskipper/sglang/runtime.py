@@ -198,9 +198,10 @@ class Runtime:
             raise ServeConfigError(f"arm {arm.name!r} routes, and routed layers do not run under pipeline "
                                    f"parallelism (--pp-size {placement.pp_size}): serve it with --pp-size 1")
         if spec.interleave_control and arm.skipper is None:
-            raise ServeConfigError(f"{ENV_INTERLEAVE_CONTROL}=1 interleaves a routed arm's decode passes with "
-                                   f"all-RUN ones, and arm {arm.name!r} does not route")
-        self._control_next = False  # the next routed decode pass is an interleaved control pass
+            raise ServeConfigError(f"{ENV_INTERLEAVE_CONTROL}=1 interleaves a routed arm's passes with all-RUN "
+                                   f"ones, and arm {arm.name!r} does not route")
+        # Per phase: whether its next routed pass is an interleaved control pass.
+        self._control_next = {"prefill": False, "decode": False}
         self.placement = placement
         self.spec = spec
         self.arm = arm
@@ -459,8 +460,9 @@ class Runtime:
                 self._builder = CohortBuilder(max(rows, 64), device)
             tape, builder = self._tape, self._builder
         control = False
-        if self.spec.interleave_control and phase == "decode":
-            control, self._control_next = self._control_next, not self._control_next
+        if self.spec.interleave_control and phase in self._control_next:
+            control = self._control_next[phase]
+            self._control_next[phase] = not control
             if control:  # every row RUN, as a dense-mode row: the s = 0 control's work through the routed layers
                 n_routed, row_routed = 0, torch.zeros_like(row_routed)
         dense_rows = None if n_routed == rows else (~row_routed).to(device)

@@ -24,8 +24,9 @@ ENV_THRESHOLDS_SOURCE = "VSKIPPER_THRESHOLDS_SOURCE"  # flags | roofline:<device
 ENV_STATE = "VSKIPPER_STATE_FILE"  # where the scheduler writes its attestation for the HTTP process
 ENV_PROFILE = "VSKIPPER_PROFILE"  # the serving profile's attestation as JSON (ServeProfile.attestation)
 ENV_PART_CLOCK = "VSKIPPER_PART_CLOCK"  # 1: time each part of each pass in the server (`vskipper.sglang.part_times`)
-# 1: a routed arm's decode passes alternate between its routes and every row RUN through the routed layers (the
-# s = 0 control), each timed to the next pass (`vskipper.sglang.part_times.PassClock`): a measurement mode
+# 1: a routed arm's decode passes, and apart from them its prefill passes, alternate between its routes and every
+# row RUN through the routed layers (the s = 0 control); each control pass is a phase of its own in the part clock,
+# and each decode pass is timed to the next (`vskipper.sglang.part_times.PassClock`): a measurement mode
 ENV_INTERLEAVE_CONTROL = "VSKIPPER_INTERLEAVE_CONTROL"
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
@@ -47,7 +48,7 @@ class ServeSpec:
     thresholds_source: str = "flags"
     profile: dict | None = None  # ServeProfile.attestation() of the profile that serves
     part_clock: bool = False  # time each part of each pass (a measurement mode; off when deployed)
-    interleave_control: bool = False  # every other decode pass all-RUN (`ENV_INTERLEAVE_CONTROL`; measurement)
+    interleave_control: bool = False  # every other decode and prefill pass all-RUN (`ENV_INTERLEAVE_CONTROL`)
 
     def to_env(self) -> dict[str, str]:
         env = {ENV_ARM: json.dumps(self.arm.fields()), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens),
