@@ -27,17 +27,18 @@ run bench-cpu's prefill prompts, twice as many, go one at a time (`prefill_load`
 whole prompt (a run whose prompts took more passes, chunked, is refused). A prefill pass lasts seconds and its
 step is mostly the forward, so the prefill figure is the model time's ratio, control over routed pass, beside the
 FLOP limit (the goal's, `bench_cpu.flop_limit`) and the limit the part clock measures; the dense layers' ratio
-and each run's ratio over it as for decode.
+and each run's ratio over it as for decode. bench_serving's warm-up request is one more prompt of the same length,
+and its pass counts with its kind.
 
 Where it differs from two servers: the control pass computes the skipper's r = 1 routes and then runs every row
 as a dense-mode row (the s = 0 arm hashes with r = 0: the same host work, other values); the steps are decode
 steps of a full batch only (the load's ramp and tail, where the batch changes every pass, are left out).
 
-    python benchmarks/bench_interleaved.py               # the full size (about 10 minutes on two cores)
+    python benchmarks/bench_interleaved.py               # the full size (about 16 minutes on two cores)
     python benchmarks/bench_interleaved.py --size quick  # a tiny model: checks the pipeline, figures mean nothing
 
-The last line: `interleaved decode <x>x [<lo>, <hi>] of limit <y>x (<z>% of its gain); prefill <x>x [<lo>, <hi>]
-of FLOP limit <y>x (<z>% of its gain)`.
+The last line: `interleaved decode <x>x [<lo>, <hi>] of limit <y>x (<z>% of its gain); prefill <x>x [<lo>, <hi>],
+over dense <x>x [<lo>, <hi>] of FLOP limit <y>x (<z>%, <z>% of its gain)`.
 """
 
 from __future__ import annotations
@@ -174,11 +175,15 @@ def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> tuple[li
     return runs, prefill_runs
 
 
-def above_limit(runs: list[dict], limit: float) -> list[str]:
-    """Each run whose step ratio is above the limit, with its dense layers' ratio: the same work in both kinds of
+def above_limit(runs: list[dict], limit: float, key: str = "ratio") -> list[str]:
+    """Each run whose ratio `key` is above the limit, with its dense layers' ratio: the same work in both kinds of
     pass, whose distance from 1.00 is what the two kinds of pass differed by besides the routing."""
-    return [f"run {i} {run['ratio']:.3f}x (dense layers {run['dense_ratio']:.3f})"
-            for i, run in enumerate(runs) if run["ratio"] > limit]
+    return [f"run {i} {run[key]:.3f}x (dense layers {run['dense_ratio']:.3f})"
+            for i, run in enumerate(runs) if run[key] > limit]
+
+
+ABOVE = ("the arms run the same kernels, so such a run measures the two kinds of pass apart by more than the "
+         "routing (see its dense layers)")
 
 
 def report_prefill(runs: list[dict], flop: float) -> dict:
@@ -197,10 +202,14 @@ def report_prefill(runs: list[dict], flop: float) -> dict:
           f"({gain_share(over_dense[0], flop)} of the FLOP limit's gain)")
     print(f"  FLOP limit      {flop:.3f}x; the part clock's {limit['limit']:.3f}x (the skipped parts "
           f"{limit['skippable_share']:.1%} of the control's model time)")
+    above = above_limit(runs, flop, "model_ratio")
+    if above:
+        print(f"  above the FLOP limit: {'; '.join(above)}: {ABOVE}")
     return {"runs": runs, "model_ratio": model, "dense_ratio": dense, "ratio_over_dense": over_dense,
-            "flop_limit": flop, "limit": limit,
-            "line": f"prefill {model[0]:.3f}x [{model[1]:.3f}, {model[2]:.3f}] of FLOP limit {flop:.3f}x "
-                    f"({gain_share(model[0], flop)} of its gain)"}
+            "flop_limit": flop, "limit": limit, "above_limit": above,
+            "line": f"prefill {model[0]:.3f}x [{model[1]:.3f}, {model[2]:.3f}], over dense {over_dense[0]:.3f}x "
+                    f"[{over_dense[1]:.3f}, {over_dense[2]:.3f}] of FLOP limit {flop:.3f}x "
+                    f"({gain_share(model[0], flop)}, {gain_share(over_dense[0], flop)} of its gain)"}
 
 
 def report(runs: list[dict]) -> dict:
@@ -220,8 +229,7 @@ def report(runs: list[dict]) -> dict:
           f"control's model time; saving {limit['saving_ms']:.1f} ms a pass, adapter {limit['projector_ms']:.1f} ms)")
     above = above_limit(runs, limit["limit"])
     if above:
-        print(f"  above the limit: {'; '.join(above)}: the arms run the same kernels, so such a run measures the "
-              f"two kinds of pass apart by more than the routing (see its dense layers)")
+        print(f"  above the limit: {'; '.join(above)}: {ABOVE}")
     line = (f"interleaved decode {ratio[0]:.3f}x [{ratio[1]:.3f}, {ratio[2]:.3f}] of limit {limit['limit']:.3f}x "
             f"({gain_share(ratio[0], limit['limit'])} of its gain)")
     return {"runs": runs, "ratio": ratio, "model_ratio": model, "dense_ratio": dense, "ratio_over_dense": over_dense,

@@ -98,8 +98,12 @@ def test_a_prefill_run_compares_the_kinds_model_time_a_pass_and_refuses_prompts_
     summary = bench.report_prefill([run, {**run, "model_ratio": 1.10, "dense_ratio": 0.98}], 1.3)
     assert summary["model_ratio"] == pytest.approx(((1440 / 1225 + 1.10) / 2, 1.10, 1440 / 1225))
     assert summary["limit"]["limit"] == pytest.approx(1440.0 / (1440.0 - 245.0))
-    assert summary["line"].startswith(f"prefill {(1440 / 1225 + 1.10) / 2:.3f}x [1.100, 1.176] of FLOP limit 1.300x")
+    assert summary["line"].startswith(f"prefill {(1440 / 1225 + 1.10) / 2:.3f}x [1.100, 1.176], over dense ")
+    assert "of FLOP limit 1.300x" in summary["line"] and summary["above_limit"] == []
     assert "the part clock's 1.205x" in capsys.readouterr().out
+    above = bench.report_prefill([run, {**run, "model_ratio": 1.35, "dense_ratio": 1.12}], 1.3)
+    assert above["above_limit"] == ["run 1 1.350x (dense layers 1.120)"]
+    assert "above the FLOP limit: run 1 1.350x (dense layers 1.120)" in capsys.readouterr().out
     assert bench.prefill_load(bench.SIZES["full"]) == load
 
 

@@ -485,3 +485,20 @@ def test_state_files_of_another_run_are_never_merged(tmp_path, monkeypatch):
     assert len(parts) == 2 and [p["run_id"] for p in of_run(parts, "now")] == ["now"]
     remove_state_files(tmp_path / "state.json")  # what a new server does before its schedulers start
     assert not any(f.exists() for f in replica_state_files(tmp_path / "state.json"))
+
+
+def test_an_interleaving_server_keeps_a_share_probe_routed_and_its_alternation_skips_the_probe(tmp_path):
+    """A hybrid prefill arm's share probe measures the skipper's share: under `VSKIPPER_INTERLEAVE_CONTROL=1` its
+    pass keeps the routes (and its share is recorded), and the alternation goes on from the next routed pass."""
+    rt = Runtime(ServeSpec(Arm.from_dict(PREFILL_SWITCHED), 0, 0, tmp_path / "state.json", interleave_control=True),
+                 "ddllama", (2, 3), "DDLlamaForCausalLM")
+    kinds = []
+    for rid in ("a", "b", "c"):
+        req = waiting(rid, 2000)
+        rt.key_candidates([req], OPEN)
+        decision = rt.admit([req])
+        step = run_pass(rt, prefill([rid], [2000]))
+        kinds.append((decision.probe, step.routed, step.control))
+    assert kinds == [(True, True, False), (False, True, False), (False, True, True)]
+    decisions = [d["kind"] for d in rt.attestation()["switch"]["recent_decisions"]]
+    assert "probe" in decisions

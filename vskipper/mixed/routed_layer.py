@@ -28,10 +28,10 @@ Two executions of the same semantics:
           K and V are every row's, in one projection over the batch (its weight read once, no cohort
           reordering before the write); Q, the read, o_proj and the MLP see the RUN rows only, the projector
           the Project-Only rows only. The host may rotate the RUN rows' Q and every row's K in one call
-          (`LayerOps.q_kv`); o_proj's output is added onto x at the RUN rows in one `index_add`. When no row projects, the all-RUN fast path calls the host's own dense
-          attention and MLP over the whole batch. (`nonzero` would synchronize on a GPU, where
-          the triton execution is the capture-safe one.) The served layer runs this execution on CPU and in
-          every prefill.
+          (`LayerOps.q_kv`); o_proj's output is added onto x at the RUN rows in one `index_add`. When no row
+          projects, the all-RUN fast path calls the host's own dense attention and MLP over the whole batch.
+          (`nonzero` would synchronize on a GPU, where the triton execution is the capture-safe one.) The
+          served layer runs this execution on CPU and in every prefill.
   triton  (GPU decode: the served layer on CUDA and the bench stack) every kernel keeps its launch shape for the
           capacity and bounds its work by a device count (`vskipper.mixed.cohorts`): K/V over every row; the
           RUN cohort's Q as a count-bounded GEMM over its gathered rows, q_norm and RoPE over the packed slots,

@@ -25,13 +25,13 @@ from collections import defaultdict
 from typing import Any
 
 # The interleaved control passes' phases (`vskipper.sglang.spec.ENV_INTERLEAVE_CONTROL`), apart from the routed
-# passes of the same phase in both clocks.
+# passes of the same phase: in the part clock, and (decode alone) in the pass clock.
 CONTROL_PHASES = {"decode": "decode_control", "prefill": "prefill_control"}
 CONTROL_PHASE = CONTROL_PHASES["decode"]
 
 
 def clock_phase(phase: str, control: bool) -> str:
-    """A pass's phase in both clocks: an interleaved control pass's is its phase's `CONTROL_PHASES` entry."""
+    """A pass's phase in the clocks: an interleaved control pass's is its phase's `CONTROL_PHASES` entry."""
     return CONTROL_PHASES.get(phase, phase) if control else phase
 
 PARTS = ("q", "kv", "qkv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue")

@@ -460,7 +460,8 @@ class Runtime:
                 self._builder = CohortBuilder(max(rows, 64), device)
             tape, builder = self._tape, self._builder
         control = False
-        if self.spec.interleave_control and phase in self._control_next:
+        # A probe pass keeps the skipper's routes (its share is what it measures), and the alternation skips it.
+        if self.spec.interleave_control and phase in self._control_next and not probe:
             control = self._control_next[phase]
             self._control_next[phase] = not control
             if control:  # every row RUN, as a dense-mode row: the s = 0 control's work through the routed layers

@@ -48,7 +48,7 @@ class ServeSpec:
     thresholds_source: str = "flags"
     profile: dict | None = None  # ServeProfile.attestation() of the profile that serves
     part_clock: bool = False  # time each part of each pass (a measurement mode; off when deployed)
-    interleave_control: bool = False  # every other decode and prefill pass all-RUN (`ENV_INTERLEAVE_CONTROL`)
+    interleave_control: bool = False  # every other routed pass of each phase all-RUN (`ENV_INTERLEAVE_CONTROL`)
 
     def to_env(self) -> dict[str, str]:
         env = {ENV_ARM: json.dumps(self.arm.fields()), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens),

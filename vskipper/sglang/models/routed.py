@@ -6,8 +6,8 @@ SGLang's own modules (`SGLangLayerOps`):
 
   every row          K and V (the K/V rows of `qkv_proj` through its linear method, one projection over the
                      batch; Qwen3: k_norm, then RoPE), written to the KV pool (`set_kv_buffer`, Invariant 1)
-  RUN rows           Q (the Q rows of `qkv_proj`; Qwen3: q_norm, then RoPE: on CPU, and in prefill, in one
-                     rotary call with every row's K, their queries in batch slots), the RUN-masked attention read over
+  RUN rows           Q (the Q rows of `qkv_proj`; Qwen3: q_norm, then RoPE: the torch execution rotates them in
+                     one call with every row's K, their queries in batch slots), the RUN-masked attention read over
                      SGLang's KV pool, `o_proj`, the MLP (`gate_up_proj`/`down_proj` through their linear
                      methods, so quantization and the tensor-parallel reduction stay SGLang's)
   Project-Only rows  the adapter: no Q, no attention read, no `o_proj`, no MLP
@@ -259,7 +259,8 @@ class SGLangLayerOps:
             else self.q_all.index_select(0, rows)
         # One rotary call for both: the rows' queries in their batch slots (zeros in the others, rotated to zeros
         # and never read) beside every row's key.
-        q = u.new_zeros(u.shape[0], a.q_size).index_copy_(0, rows, self._q_norm(q))
+        q = self._q_norm(q)
+        q = q.new_zeros(u.shape[0], q.shape[1]).index_copy_(0, rows, q)
         q, k = a.rotary_emb(self.positions, q, k)
         return q.index_select(0, rows), k, v
 
