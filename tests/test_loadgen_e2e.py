@@ -90,8 +90,11 @@ def test_open_loop_has_no_concurrency_cap_and_serves_every_request():
             return await run_cell(Endpoint(srv.url, attestation_path=None), plan, "upstream")
 
     cell = run(go())
-    # arrivals keep their schedule even though the server is far behind: injection is not throttled
-    assert max(abs(r.submit_s - r.scheduled_s) for r in cell.records) < 0.05
+    # Arrivals keep their schedule even though the server is far behind: injection is not throttled. A throttled
+    # injector would lag by a request's service time (30 tokens of 10 ms); the bound is half of it, so that the
+    # event loop's own lag on a loaded host (tens of ms) is not mistaken for throttling.
+    service_s = 30 * slow.decode_base_s
+    assert max(abs(r.submit_s - r.scheduled_s) for r in cell.records) < service_s / 2
     in_flight = max(sum(1 for o in cell.records if o.submit_s <= r.submit_s < o.finish_s) for r in cell.records)
     assert in_flight >= 30
     assert cell.completed == 40 and cell.summary["drain_s"] > 0.2
