@@ -182,6 +182,13 @@ def above_limit(runs: list[dict], limit: float, key: str = "ratio") -> list[str]
             for i, run in enumerate(runs) if run[key] > limit]
 
 
+def over_dense(runs: list[dict], key: str) -> tuple[float, float, float]:
+    """Each run's ratio `key` over its dense layers' ratio (kept as the run's `ratio_over_dense`), spread."""
+    for run in runs:
+        run["ratio_over_dense"] = run[key] / run["dense_ratio"]
+    return spread([run["ratio_over_dense"] for run in runs])
+
+
 ABOVE = ("the arms run the same kernels, so such a run measures the two kinds of pass apart by more than the "
          "routing (see its dense layers)")
 
@@ -190,41 +197,37 @@ def report_prefill(runs: list[dict], flop: float) -> dict:
     """The prefill block of the report: the model time's ratio (a prefill pass is seconds long, the scheduler's
     share of its step a few ms), beside the FLOP limit (the goal's) and the limit the part clock measures."""
     limit = interleaved_limit(runs, "prefill")
-    for run in runs:
-        run["ratio_over_dense"] = run["model_ratio"] / run["dense_ratio"]
-    model, dense, over_dense = (spread([run[key] for run in runs])
-                                for key in ("model_ratio", "dense_ratio", "ratio_over_dense"))
+    model, dense = (spread([run[key] for run in runs]) for key in ("model_ratio", "dense_ratio"))
+    corrected = over_dense(runs, "model_ratio")
     print(f"prefill, s={SKIP} over s=0 in one server (control over routed pass, model time, {len(runs)} runs):")
     print(f"  model ratio     {model[0]:.3f}x [{model[1]:.3f}, {model[2]:.3f}]  ({gain_share(model[0], flop)} of the "
           f"FLOP limit's gain)")
     print(f"  dense layers    {dense[0]:.3f} [{dense[1]:.3f}, {dense[2]:.3f}]  (the same work in both kinds of pass)")
-    print(f"  over dense      {over_dense[0]:.3f}x [{over_dense[1]:.3f}, {over_dense[2]:.3f}]  "
-          f"({gain_share(over_dense[0], flop)} of the FLOP limit's gain)")
+    print(f"  over dense      {corrected[0]:.3f}x [{corrected[1]:.3f}, {corrected[2]:.3f}]  "
+          f"({gain_share(corrected[0], flop)} of the FLOP limit's gain)")
     print(f"  FLOP limit      {flop:.3f}x; the part clock's {limit['limit']:.3f}x (the skipped parts "
           f"{limit['skippable_share']:.1%} of the control's model time)")
     above = above_limit(runs, flop, "model_ratio")
     if above:
         print(f"  above the FLOP limit: {'; '.join(above)}: {ABOVE}")
-    return {"runs": runs, "model_ratio": model, "dense_ratio": dense, "ratio_over_dense": over_dense,
+    return {"runs": runs, "model_ratio": model, "dense_ratio": dense, "ratio_over_dense": corrected,
             "flop_limit": flop, "limit": limit, "above_limit": above,
-            "line": f"prefill {model[0]:.3f}x [{model[1]:.3f}, {model[2]:.3f}], over dense {over_dense[0]:.3f}x "
-                    f"[{over_dense[1]:.3f}, {over_dense[2]:.3f}] of FLOP limit {flop:.3f}x "
-                    f"({gain_share(model[0], flop)}, {gain_share(over_dense[0], flop)} of its gain)"}
+            "line": f"prefill {model[0]:.3f}x [{model[1]:.3f}, {model[2]:.3f}], over dense {corrected[0]:.3f}x "
+                    f"[{corrected[1]:.3f}, {corrected[2]:.3f}] of FLOP limit {flop:.3f}x "
+                    f"({gain_share(model[0], flop)}, {gain_share(corrected[0], flop)} of its gain)"}
 
 
 def report(runs: list[dict]) -> dict:
     limit = interleaved_limit(runs)
-    for run in runs:
-        run["ratio_over_dense"] = run["ratio"] / run["dense_ratio"]
-    ratio, model, dense, over_dense = (spread([run[key] for run in runs])
-                                       for key in ("ratio", "model_ratio", "dense_ratio", "ratio_over_dense"))
+    ratio, model, dense = (spread([run[key] for run in runs]) for key in ("ratio", "model_ratio", "dense_ratio"))
+    corrected = over_dense(runs, "ratio")
     print(f"decode, s={SKIP} over s=0 in one server (control over routed step, {len(runs)} runs):")
     print(f"  step ratio      {ratio[0]:.3f}x [{ratio[1]:.3f}, {ratio[2]:.3f}]  "
           f"({gain_share(ratio[0], limit['limit'])} of the limit's gain)")
     print(f"  model ratio     {model[0]:.3f}x [{model[1]:.3f}, {model[2]:.3f}]")
     print(f"  dense layers    {dense[0]:.3f} [{dense[1]:.3f}, {dense[2]:.3f}]  (the same work in both kinds of pass)")
-    print(f"  over dense      {over_dense[0]:.3f}x [{over_dense[1]:.3f}, {over_dense[2]:.3f}]  (each run's step ratio over "
-          f"its dense layers' ratio; {gain_share(over_dense[0], limit['limit'])} of the limit's gain)")
+    print(f"  over dense      {corrected[0]:.3f}x [{corrected[1]:.3f}, {corrected[2]:.3f}]  (each run's step ratio over "
+          f"its dense layers' ratio; {gain_share(corrected[0], limit['limit'])} of the limit's gain)")
     print(f"  limit           {limit['limit']:.3f}x  (the skipped parts {limit['skippable_share']:.1%} of the "
           f"control's model time; saving {limit['saving_ms']:.1f} ms a pass, adapter {limit['projector_ms']:.1f} ms)")
     above = above_limit(runs, limit["limit"])
@@ -232,7 +235,7 @@ def report(runs: list[dict]) -> dict:
         print(f"  above the limit: {'; '.join(above)}: {ABOVE}")
     line = (f"interleaved decode {ratio[0]:.3f}x [{ratio[1]:.3f}, {ratio[2]:.3f}] of limit {limit['limit']:.3f}x "
             f"({gain_share(ratio[0], limit['limit'])} of its gain)")
-    return {"runs": runs, "ratio": ratio, "model_ratio": model, "dense_ratio": dense, "ratio_over_dense": over_dense,
+    return {"runs": runs, "ratio": ratio, "model_ratio": model, "dense_ratio": dense, "ratio_over_dense": corrected,
             "above_limit": above, "limit": limit, "line": line}
 
 

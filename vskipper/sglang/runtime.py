@@ -49,6 +49,7 @@ from vskipper.mixed.deferred import DeferredReads
 from vskipper.mixed.tape import RouteTape
 from vskipper.sglang import active, executed
 from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
+from vskipper.sglang.part_times import CONTROL_PHASES
 from vskipper.sglang.replicas import ENV_RUN_ID, Placement, read_state_request
 from vskipper.sglang.spec import ENV_INTERLEAVE_CONTROL, ServeConfigError, ServeSpec, check_arm_for_model
 from vskipper.skippers.base import BatchContext, Skipper
@@ -201,7 +202,7 @@ class Runtime:
             raise ServeConfigError(f"{ENV_INTERLEAVE_CONTROL}=1 interleaves a routed arm's passes with all-RUN "
                                    f"ones, and arm {arm.name!r} does not route")
         # Per phase: whether its next routed pass is an interleaved control pass.
-        self._control_next = {"prefill": False, "decode": False}
+        self._control_next = dict.fromkeys(CONTROL_PHASES, False)
         self.placement = placement
         self.spec = spec
         self.arm = arm
