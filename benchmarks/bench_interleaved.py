@@ -106,8 +106,10 @@ def interleaved_run(before: dict, after: dict) -> dict:
 
 def prefill_run(before: dict, after: dict, load: Load) -> dict:
     """One prefill run's model time a pass per kind of pass (the part clock, `run_clock`) from the server's
-    attestation read before and after the run, and their ratio, control over routed. Every pass must be one whole
-    prompt (the load's prompts and bench_serving's warm-up), or the two kinds would not prefill the same tokens."""
+    attestation read before and after the run, and their ratio, control over routed. Every pass must prefill one
+    whole prompt (the load's prompts and bench_serving's warm-up), or the two kinds would not prefill the same
+    tokens: a prompt cut into chunks takes more passes, and one a repeated prompt left in SGLang's radix cache
+    prefills a token or two (the server runs `--disable-radix-cache`)."""
     out: dict = {}
     for kind, phase in KINDS["prefill"].items():
         out[kind] = {"clock": run_clock(before["part_clock"], after["part_clock"], phase)}
@@ -119,6 +121,13 @@ def prefill_run(before: dict, after: dict, load: Load) -> dict:
         raise RuntimeError(f"the prefill load's {load.prompts} prompts and its warm-up ran as {passes} passes, not "
                            f"one pass each (chunked prefill below {load.input_len} tokens?): the two kinds of pass "
                            f"would not prefill the same tokens")
+    for kind in KINDS["prefill"]:
+        clock = out[kind]["clock"]
+        if clock["tokens"] != clock["passes"] * load.input_len:
+            raise RuntimeError(f"the {kind} prefill passes ran {clock['tokens']} tokens in {clock['passes']} "
+                               f"passes, not {load.input_len} each: a prompt was served in part from SGLang's "
+                               f"radix cache (serve with --disable-radix-cache); the two kinds of pass would not "
+                               f"prefill the same tokens")
     out["model_ratio"] = out["control"]["clock"]["model"] / out["routed"]["clock"]["model"]
     out["dense_ratio"] = out["control"]["clock"]["dense"] / out["routed"]["clock"]["dense"]
     return out
@@ -143,7 +152,10 @@ def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> tuple[li
 
     arm_file = out / "arm-interleaved.json"
     arm_file.write_text(json.dumps({"name": "bench-interleaved", **ARMS[f"s={SKIP}"]}))
-    extra = ["--enable-metrics", "--sleep-on-idle", "--max-total-tokens", str(size.max_total_tokens)]
+    # Without the radix cache: bench_serving's random prompts repeat now and then, and a repeated prompt would
+    # prefill one token in whichever kind of pass it fell to.
+    extra = ["--enable-metrics", "--sleep-on-idle", "--disable-radix-cache", "--max-total-tokens",
+             str(size.max_total_tokens)]
     env = {**threads_env(threads), ENV_PART_CLOCK: "1", ENV_INTERLEAVE_CONTROL: "1"}
     client = BenchServing()
     runs, prefill_runs = [], []

@@ -73,11 +73,13 @@ def test_the_report_divides_each_run_by_its_dense_layers_and_names_a_run_above_t
     assert "above the limit" not in capsys.readouterr().out
 
 
-def _prefill_attestation(control: int, routed: int) -> dict:
-    """The part clock after `control` and `routed` prefill passes: the decode figures' parts, 10 times longer."""
+def _prefill_attestation(control: int, routed: int, short: int = 0) -> dict:
+    """The part clock after `control` and `routed` prefill passes of 1024 tokens (`short` of the routed ones 1
+    token: a prompt the radix cache held): the decode figures' parts, 10 times longer."""
     passes = {"prefill_control": control, "prefill": routed}
     per_pass = {"prefill_control": PER_PASS[CONTROL_PHASE], "prefill": PER_PASS["decode"]}
     return {"part_clock": {"passes_total": dict(passes),
+                           "tokens_total": {"prefill_control": 1024 * control, "prefill": 1024 * routed - 1023 * short},
                            "seconds_total": {phase: {where: {part: 10 * ms * passes[phase] / 1e3
                                                              for part, ms in parts.items()}
                                                      for where, parts in per_pass[phase].items()}
@@ -93,6 +95,9 @@ def test_a_prefill_run_compares_the_kinds_model_time_a_pass_and_refuses_prompts_
     with pytest.raises(RuntimeError, match="the prefill load's 16 prompts and its warm-up ran as 34 passes, not one "
                                            "pass each .chunked prefill below 1024 tokens"):
         bench.prefill_run(_prefill_attestation(3, 4), _prefill_attestation(20, 21), load)
+    with pytest.raises(RuntimeError, match="the routed prefill passes ran 8193 tokens in 9 passes, not 1024 each: a "
+                                           "prompt was served in part from SGLang's radix cache"):
+        bench.prefill_run(_prefill_attestation(3, 4), _prefill_attestation(11, 13, short=1), load)
     with pytest.raises(RuntimeError, match="no control prefill pass ran in this run"):
         bench.prefill_run(_prefill_attestation(3, 4), _prefill_attestation(3, 21), load)
     summary = bench.report_prefill([run, {**run, "model_ratio": 1.10, "dense_ratio": 0.98}], 1.3)

@@ -64,10 +64,10 @@ def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a
         dense.forward()
         dense.forward()
 
-    clock.around_pass(Mode(True), one_pass)
-    clock.around_pass(Mode(False), lambda: routed.forward())
+    clock.around_pass(Mode(True), one_pass, tokens=4)
+    clock.around_pass(Mode(False), lambda: routed.forward(), tokens=9)
     assert clock.attestation() == {
-        "passes_total": {"decode": 1, "prefill": 1},
+        "passes_total": {"decode": 1, "prefill": 1}, "tokens_total": {"decode": 4, "prefill": 9},
         "seconds_total": {"decode": {"outside": {"outside": 100.0}, "routed": {"glue": 10.0, "rope": 1.0},
                                      "dense": {"glue": 20.0, "rope": 2.0}},
                           "prefill": {"outside": {"outside": 0.0}, "routed": {"glue": 10.0, "rope": 1.0}}}}
@@ -132,12 +132,13 @@ def test_an_interleaved_control_pass_is_a_phase_of_its_own_in_the_part_clock():
     def run():
         t.now += 2.0
 
-    clock.around_pass(Mode(True), run, control=True)
-    clock.around_pass(Mode(True), run)
-    clock.around_pass(Mode(False), run, control=True)
-    clock.around_pass(Mode(False), run)
+    clock.around_pass(Mode(True), run, control=True, tokens=16)
+    clock.around_pass(Mode(True), run, tokens=16)
+    clock.around_pass(Mode(False), run, control=True, tokens=1024)
+    clock.around_pass(Mode(False), run, tokens=1)  # a prompt the radix cache held but for its last token
     phases = (CONTROL_PHASE, "decode", "prefill_control", "prefill")
     assert clock.attestation() == {"passes_total": dict.fromkeys(phases, 1),
+                                   "tokens_total": dict(zip(phases, (16, 16, 1024, 1), strict=True)),
                                    "seconds_total": {phase: {"outside": {"outside": 2.0}} for phase in phases}}
 
 

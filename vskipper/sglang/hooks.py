@@ -35,6 +35,7 @@ from typing import Any
 
 from vskipper.sglang import active, executed
 from vskipper.sglang.admission import AdmissionLimits
+from vskipper.sglang.part_times import pass_tokens
 from vskipper.sglang.spec import ENV_ARM, ServeConfigError
 
 ADMISSION_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
@@ -148,7 +149,7 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
             model.part_clock.wrap(runner.token_to_kv_pool, "set_kv_buffer", "kv_write")
             output = model.part_clock.around_pass(forward_batch.forward_mode,
                                                   lambda: original(runner, forward_batch, *args, **kwargs),
-                                                  model.control_pass())
+                                                  model.control_pass(), pass_tokens(forward_batch))
     except BaseException:
         model.slot.prepared = None
         raise

@@ -34,6 +34,13 @@ def clock_phase(phase: str, control: bool) -> str:
     """A pass's phase in the clocks: an interleaved control pass's is its phase's `CONTROL_PHASES` entry."""
     return CONTROL_PHASES.get(phase, phase) if control else phase
 
+def pass_tokens(forward_batch) -> int:
+    """The rows an SGLang forward batch runs: its tokens (prefill: the tokens it extends, without those a
+    request took from the radix cache)."""
+    ids = getattr(forward_batch, "input_ids", None)
+    return int(ids.shape[0]) if ids is not None else int(forward_batch.batch_size)
+
+
 PARTS = ("q", "kv", "qkv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue")
 
 
@@ -47,6 +54,7 @@ class PartClock:
         self.seconds: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(
             lambda: defaultdict(float)))
         self.passes: dict[str, int] = defaultdict(int)
+        self.tokens: dict[str, int] = defaultdict(int)  # the rows the passes of each phase ran (prefill: tokens)
         self._children: list[float] = []  # time of timed calls nested in each open call
         self._wrapped: set[tuple[int, str]] = set()
 
@@ -103,18 +111,19 @@ class PartClock:
             if hasattr(layer, "router_proj"):
                 self.wrap(layer.router_proj, "forward", "projector")
 
-    def around_pass(self, forward_mode, run, control: bool = False):
-        """Time one forward pass (`run()`) of SGLang's batch mode `forward_mode`; what its layers do not take is
-        `outside`. An interleaved control pass is a phase of its own (`CONTROL_PHASES`)."""
+    def around_pass(self, forward_mode, run, control: bool = False, tokens: int = 0):
+        """Time one forward pass (`run()`) of SGLang's batch mode `forward_mode` over `tokens` rows; what its
+        layers do not take is `outside`. An interleaved control pass is a phase of its own (`CONTROL_PHASES`)."""
         self.phase = clock_phase("decode" if forward_mode.is_decode() else "prefill" if forward_mode.is_extend()
                                  else "other", control)
         try:
             return self.timed(run, "outside", "outside")()
         finally:
             self.passes[self.phase] += 1
+            self.tokens[self.phase] += tokens
 
     def attestation(self) -> dict[str, Any]:
-        return {"passes_total": dict(self.passes),
+        return {"passes_total": dict(self.passes), "tokens_total": dict(self.tokens),
                 "seconds_total": {phase: {where: dict(parts) for where, parts in kinds.items()}
                                   for phase, kinds in self.seconds.items()}}
 
