@@ -24,7 +24,9 @@ it, from the same server's part clock (its control passes are a phase of their o
 
 Prefill the same way: the server's prefill passes alternate too (each phase on its own), and after each decode
 run bench-cpu's prefill prompts, twice as many, go one at a time (`prefill_load`), so that every pass prefills one
-whole prompt (a run whose prompts took more passes, chunked, is refused). A prefill pass lasts seconds and its
+whole prompt (a run whose prompts took more passes, chunked, is refused; so is one whose passes prefilled fewer
+tokens than that, a repeated prompt served from SGLang's radix cache, which the server runs without: the part
+clock counts each phase's tokens). A prefill pass lasts seconds and its
 step is mostly the forward, so the prefill figure is the model time's ratio, control over routed pass, beside the
 FLOP limit (the goal's, `bench_cpu.flop_limit`) and the limit the part clock measures; the dense layers' ratio
 and each run's ratio over it as for decode. bench_serving's warm-up request is one more prompt of the same length,
@@ -108,8 +110,8 @@ def prefill_run(before: dict, after: dict, load: Load) -> dict:
     """One prefill run's model time a pass per kind of pass (the part clock, `run_clock`) from the server's
     attestation read before and after the run, and their ratio, control over routed. Every pass must prefill one
     whole prompt (the load's prompts and bench_serving's warm-up), or the two kinds would not prefill the same
-    tokens: a prompt cut into chunks takes more passes, and one a repeated prompt left in SGLang's radix cache
-    prefills a token or two (the server runs `--disable-radix-cache`)."""
+    tokens: a prompt cut into chunks takes more passes, and a repeated prompt that SGLang's radix cache still
+    holds prefills a token or two (the server runs `--disable-radix-cache`)."""
     out: dict = {}
     for kind, phase in KINDS["prefill"].items():
         out[kind] = {"clock": run_clock(before["part_clock"], after["part_clock"], phase)}
