@@ -71,6 +71,9 @@ def test_the_report_divides_each_run_by_its_dense_layers_and_names_a_run_above_t
     assert "above the limit: run 1 1.220x (dense layers 1.020)" in out
     assert bench.report([runs[0]])["above_limit"] == []
     assert "above the limit" not in capsys.readouterr().out
+    # Within the limit raw, above it once divided by dense layers that ran faster in the control passes.
+    low = {**base, "ratio": 1.19, "dense_ratio": 0.98}
+    assert bench.report([low])["above_limit"] == ["run 0 1.190x, over dense 1.214x (dense layers 0.980)"]
 
 
 def _prefill_attestation(control: int, routed: int, short: int = 0) -> dict:
