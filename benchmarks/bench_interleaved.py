@@ -128,8 +128,9 @@ def prefill_run(before: dict, after: dict, load: Load) -> dict:
         if clock["tokens"] != clock["passes"] * load.input_len:
             raise RuntimeError(f"the {kind} prefill passes ran {clock['tokens']} tokens in {clock['passes']} "
                                f"passes, not {load.input_len} each: a prompt was served in part from SGLang's "
-                               f"radix cache (serve with --disable-radix-cache); the two kinds of pass would not "
-                               f"prefill the same tokens")
+                               f"radix cache (serve with --disable-radix-cache), its prompts are not "
+                               f"{load.input_len} tokens long, or the server's part clock counts no tokens; the "
+                               f"two kinds of pass would not prefill the same tokens")
     out["model_ratio"] = out["control"]["clock"]["model"] / out["routed"]["clock"]["model"]
     out["dense_ratio"] = out["control"]["clock"]["dense"] / out["routed"]["clock"]["dense"]
     return out
@@ -194,8 +195,8 @@ def above_limit(runs: list[dict], limit: float, key: str = "ratio") -> list[str]
     its dense layers' ratio: the same work in both kinds of pass, whose distance from 1.00 is what the two kinds of
     pass differed by besides the routing (and the division by it assumes the whole pass drifted alike)."""
     def name(i: int, run: dict) -> str:
-        corrected = run.get("ratio_over_dense", run[key])
-        over = f", over dense {corrected:.3f}x" if corrected > limit else ""
+        corrected = run.get("ratio_over_dense")
+        over = f", over dense {corrected:.3f}x" if corrected is not None and corrected > limit else ""
         return f"run {i} {run[key]:.3f}x{over} (dense layers {run['dense_ratio']:.3f})"
 
     return [name(i, run) for i, run in enumerate(runs) if max(run[key], run.get("ratio_over_dense", 0.0)) > limit]
