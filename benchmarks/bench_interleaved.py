@@ -191,15 +191,16 @@ def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> tuple[li
 
 
 def above_limit(runs: list[dict], limit: float, key: str = "ratio") -> list[str]:
-    """Each run whose ratio `key`, or that ratio over its dense layers' (`over_dense`), is above the limit, with
-    its dense layers' ratio: the same work in both kinds of pass, whose distance from 1.00 is what the two kinds of
-    pass differed by besides the routing (and the division by it assumes the whole pass drifted alike)."""
+    """Each run whose ratio `key`, or that ratio over its dense layers' (`over_dense`, computed first), is above
+    the limit, with its dense layers' ratio: the same work in both kinds of pass, whose distance from 1.00 is what
+    the two kinds of pass differed by besides the routing (and the division by it assumes the whole pass drifted
+    alike)."""
     def name(i: int, run: dict) -> str:
-        corrected = run.get("ratio_over_dense")
-        over = f", over dense {corrected:.3f}x" if corrected is not None and corrected > limit else ""
+        corrected = run["ratio_over_dense"]
+        over = f", over dense {corrected:.3f}x" if corrected > limit else ""
         return f"run {i} {run[key]:.3f}x{over} (dense layers {run['dense_ratio']:.3f})"
 
-    return [name(i, run) for i, run in enumerate(runs) if max(run[key], run.get("ratio_over_dense", 0.0)) > limit]
+    return [name(i, run) for i, run in enumerate(runs) if max(run[key], run["ratio_over_dense"]) > limit]
 
 
 def over_dense(runs: list[dict], key: str) -> tuple[float, float, float]:

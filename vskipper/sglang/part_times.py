@@ -34,6 +34,7 @@ def clock_phase(phase: str, control: bool) -> str:
     """A pass's phase in the clocks: an interleaved control pass's is its phase's `CONTROL_PHASES` entry."""
     return CONTROL_PHASES.get(phase, phase) if control else phase
 
+
 def pass_tokens(forward_batch) -> int:
     """The rows an SGLang forward batch runs: its tokens (prefill: the tokens it extends, without those a
     request took from the radix cache)."""
