@@ -12,7 +12,8 @@
      prefill 1024-token prompts, 1 output token, 4 concurrent     -> input tok/s
      decode  32-token prompts, 256 output tokens, 16 concurrent   -> output tok/s
    repeated in alternating arm order (ABC, CBA, ...) phase by phase, so drift on a shared machine lands on every
-   arm alike and the runs a ratio pairs are back to back. Then the prefill load's prompts one at a time, the same
+   arm alike and the runs a ratio pairs are back to back; a repetition whose arms computed different tokens (the
+   servers' part clocks count them) is refused (`same_work`). Then the prefill load's prompts one at a time, the same
    ids to every arm in alternating order (`prefill_latency`): the prefill's latency without concurrency.
 3. The FLOP limit of s = 0.5 over s = 0 from the model's shapes: a Project-Only row pays its K/V and the
    projector and skips Q, the attention read, o_proj and the MLP (`flop_limit`).
@@ -476,6 +477,19 @@ def runs_clock(runs: list[dict], phase: str) -> dict:
     return {"passes_total": {phase: sum(run["passes"] for run in runs)}, "seconds_total": {phase: seconds}}
 
 
+def same_work(runs: dict[str, dict[str, list[dict]]], phase: str, rep: int) -> None:
+    """The arms' runs of one repetition computed the same tokens (their servers' part clocks, `run_clock`), or
+    their rates would compare different work. Each arm gets the same prompts, but a prompt that repeats within a
+    run is served from SGLang's radix cache (as deployed), and where its twin is still in flight in one arm and
+    already cached in another, the two arms prefill different tokens."""
+    tokens = {arm: phases[phase][rep]["tokens"] for arm, phases in runs.items() if len(phases[phase]) > rep}
+    if len(set(tokens.values())) > 1:
+        raise RuntimeError(f"repetition {rep}, {phase}: the arms computed different tokens "
+                           f"({', '.join(f'{arm} {n}' for arm, n in tokens.items())}): a repeated prompt was served "
+                           "from the radix cache in some arms and not in others, so their rates would not compare "
+                           "the same work: rerun")
+
+
 def run_arms(ckpt: Path, out: Path, size: Size, threads: int,
              start_order: tuple[str, ...] | None = None) -> tuple[dict[str, dict[str, list[float]]],
                                                                   dict[str, list[float]], dict[str, dict],
@@ -522,6 +536,7 @@ def run_arms(ckpt: Path, out: Path, size: Size, threads: int,
                     tps = record["input_throughput"] if phase == "prefill" else record["output_throughput"]
                     results[arm][phase].append(tps)
                     print(f"  rep {rep} {arm:6} {phase:7} {tps:9.1f} tok/s", flush=True)
+                same_work(runs, phase, rep)
         clocks = {arm: part_clock(server) for arm, server in servers.items()}
         latency = prefill_latency(servers, size)
         for arm, server in servers.items():

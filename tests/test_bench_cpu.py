@@ -237,3 +237,17 @@ def test_a_start_order_names_every_arm_once(tmp_path):
     with pytest.raises(SystemExit, match="--start-order must name the arms dense, s=0, s=0.5 once each, got s=0,dense"):
         bench.main(["--start-order", "s=0,dense", "--out", str(tmp_path / "never")])
     assert not (tmp_path / "never").exists()
+
+
+def test_a_repetition_whose_arms_computed_different_tokens_is_refused():
+    """Each arm gets the same prompts; a repeated prompt served from the radix cache in one arm and prefilled
+    whole in another would make the arms' rates compare different work."""
+    bench = _bench_cpu()
+    runs = {arm: {"prefill": [{"tokens": 9216}, {"tokens": 8193}], "decode": []} for arm in ("dense", "s=0", "s=0.5")}
+    for rep in (0, 1):
+        bench.same_work(runs, "prefill", rep)  # a prompt cached alike in every arm is the same work
+    runs["s=0.5"]["prefill"][1]["tokens"] = 9216
+    with pytest.raises(RuntimeError, match=r"repetition 1, prefill: .*dense 8193, s=0 8193, s=0.5 9216.*radix"):
+        bench.same_work(runs, "prefill", 1)
+    del runs["s=0.5"]["prefill"][1]  # an arm yet to run this repetition is not compared
+    bench.same_work(runs, "prefill", 1)
