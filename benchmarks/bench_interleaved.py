@@ -29,7 +29,9 @@ tokens than that, a repeated prompt served from SGLang's radix cache, which the 
 clock counts each phase's tokens). A prefill pass lasts seconds and its
 step is mostly the forward, so the prefill figure is the model time's ratio, control over routed pass, beside the
 FLOP limit (the goal's, `bench_cpu.flop_limit`) and the limit the part clock measures; the dense layers' ratio
-and each run's ratio over it as for decode. bench_serving's warm-up request is one more prompt of the same length,
+and each run's ratio over it as for decode. A run above the FLOP limit is named, and so, apart, is one above the
+part clock's limit alone; for both phases each kind of pass's parts are printed (`parts_line`), which tell what
+else moved between the kinds of pass. bench_serving's warm-up request is one more prompt of the same length,
 and its pass counts with its kind.
 
 Where it differs from two servers: the control pass computes the skipper's r = 1 routes and then runs every row
@@ -190,17 +192,19 @@ def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> tuple[li
     return runs, prefill_runs
 
 
-def above_limit(runs: list[dict], limit: float, key: str = "ratio") -> list[str]:
+def above_limit(runs: list[dict], limit: float, key: str = "ratio", ceiling: float | None = None) -> list[str]:
     """Each run whose ratio `key`, or that ratio over its dense layers' (`over_dense`, computed first), is above
     the limit, with its dense layers' ratio: the same work in both kinds of pass, whose distance from 1.00 is what
     the two kinds of pass differed by besides the routing (and the division by it assumes the whole pass drifted
-    alike)."""
+    alike). With a `ceiling`, only the runs above the limit but not above the ceiling (a higher limit named
+    apart)."""
     def name(i: int, run: dict) -> str:
         corrected = run["ratio_over_dense"]
         over = f", over dense {corrected:.3f}x" if corrected > limit else ""
         return f"run {i} {run[key]:.3f}x{over} (dense layers {run['dense_ratio']:.3f})"
 
-    return [name(i, run) for i, run in enumerate(runs) if max(run[key], run["ratio_over_dense"]) > limit]
+    return [name(i, run) for i, run in enumerate(runs)
+            if limit < max(run[key], run["ratio_over_dense"]) <= (ceiling if ceiling is not None else float("inf"))]
 
 
 def over_dense(runs: list[dict], key: str) -> tuple[float, float, float]:
@@ -212,6 +216,18 @@ def over_dense(runs: list[dict], key: str) -> tuple[float, float, float]:
 
 ABOVE = ("the arms run the same kernels, so such a run measures the two kinds of pass apart by more than the "
          "routing (see its dense layers)")
+
+
+def parts_line(limit: dict) -> str:
+    """The routed layers' parts, ms a pass, control -> routed pass (`served_limit`'s), and both kinds' layers: where
+    the two kinds of pass differ, the routing's own parts (Q, the read, o_proj, the MLP, the adapter) and any other
+    part that moved between them."""
+    control, routed = limit["routed_parts_ms"].values()
+    layers = ", ".join(f"{kind} {control_ms:.1f} -> {routed_ms:.1f}"
+                       for kind, (control_ms, routed_ms) in ((k, v.values()) for k, v in limit["layers_ms"].items()))
+    return (f"  parts, control -> routed pass (ms a pass): layers {layers}; the routed layers' "
+            + ", ".join(f"{k} {control.get(k, 0.0):.2f} -> {routed.get(k, 0.0):.2f}"
+                        for k in sorted(set(control) | set(routed))))
 
 
 def report_prefill(runs: list[dict], flop: float) -> dict:
@@ -228,11 +244,18 @@ def report_prefill(runs: list[dict], flop: float) -> dict:
           f"({gain_share(corrected[0], flop)} of the FLOP limit's gain)")
     print(f"  FLOP limit      {flop:.3f}x; the part clock's {limit['limit']:.3f}x (the skipped parts "
           f"{limit['skippable_share']:.1%} of the control's model time)")
+    print(parts_line(limit))
     above = above_limit(runs, flop, "model_ratio")
     if above:
         print(f"  above the FLOP limit: {'; '.join(above)}: {ABOVE}")
+    # The part clock's limit counts only the parts a Project-Only row skips; a run above it is a question whose
+    # answer is in the parts that moved between the kinds of pass (printed above).
+    above_time = above_limit(runs, limit["limit"], "model_ratio", ceiling=flop)
+    if above_time:
+        print(f"  above the part clock's limit ({limit['limit']:.3f}x): {'; '.join(above_time)}: a question; the "
+              "parts above show what else moved between the two kinds of pass")
     return {"runs": runs, "model_ratio": model, "dense_ratio": dense, "ratio_over_dense": corrected,
-            "flop_limit": flop, "limit": limit, "above_limit": above,
+            "flop_limit": flop, "limit": limit, "above_limit": above, "above_time_limit": above_time,
             "line": f"prefill {model[0]:.3f}x [{model[1]:.3f}, {model[2]:.3f}], over dense {corrected[0]:.3f}x "
                     f"[{corrected[1]:.3f}, {corrected[2]:.3f}] of FLOP limit {flop:.3f}x "
                     f"({gain_share(model[0], flop)}, {gain_share(corrected[0], flop)} of its gain)"}
@@ -251,6 +274,7 @@ def report(runs: list[dict]) -> dict:
           f"its dense layers' ratio; {gain_share(corrected[0], limit['limit'])} of the limit's gain)")
     print(f"  limit           {limit['limit']:.3f}x  (the skipped parts {limit['skippable_share']:.1%} of the "
           f"control's model time; saving {limit['saving_ms']:.1f} ms a pass, adapter {limit['projector_ms']:.1f} ms)")
+    print(parts_line(limit))
     above = above_limit(runs, limit["limit"])
     if above:
         print(f"  above the limit: {'; '.join(above)}: {ABOVE}")

@@ -108,9 +108,18 @@ def test_a_prefill_run_compares_the_kinds_model_time_a_pass_and_refuses_prompts_
     assert summary["limit"]["limit"] == pytest.approx(1440.0 / (1440.0 - 245.0))
     assert summary["line"].startswith(f"prefill {(1440 / 1225 + 1.10) / 2:.3f}x [1.100, 1.176], over dense ")
     assert "of FLOP limit 1.300x" in summary["line"] and summary["above_limit"] == []
-    assert "the part clock's 1.205x" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the part clock's 1.205x" in out and "above the part clock's limit" not in out
+    # Each kind's parts, to tell what moved between the kinds of pass besides the routing.
+    assert "parts, control -> routed pass (ms a pass): layers routed 820.0 -> 605.0, dense 600.0 -> 600.0; the " \
+           "routed layers' glue 50.00 -> 80.00, kv 0.00 -> 15.00" in out
+    # Within the FLOP limit, above the part clock's: named as a question, apart from the FLOP limit's runs.
+    time = bench.report_prefill([run, {**run, "model_ratio": 1.25, "dense_ratio": 1.0}], 1.3)
+    assert time["above_limit"] == [] and time["above_time_limit"] == ["run 1 1.250x, over dense 1.250x (dense "
+                                                                      "layers 1.000)"]
+    assert "above the part clock's limit (1.205x): run 1 1.250x" in capsys.readouterr().out
     above = bench.report_prefill([run, {**run, "model_ratio": 1.35, "dense_ratio": 1.12}], 1.3)
-    assert above["above_limit"] == ["run 1 1.350x (dense layers 1.120)"]
+    assert above["above_limit"] == ["run 1 1.350x (dense layers 1.120)"] and above["above_time_limit"] == []
     assert "above the FLOP limit: run 1 1.350x (dense layers 1.120)" in capsys.readouterr().out
     assert bench.prefill_load(bench.SIZES["full"]) == load
 
