@@ -483,11 +483,15 @@ def same_work(runs: dict[str, dict[str, list[dict]]], phase: str, rep: int) -> N
     run is served from SGLang's radix cache (as deployed), and where its twin is still in flight in one arm and
     already cached in another, the two arms prefill different tokens."""
     tokens = {arm: phases[phase][rep]["tokens"] for arm, phases in runs.items() if len(phases[phase]) > rep}
+    counts = ", ".join(f"{arm} {n}" for arm, n in tokens.items())
+    if tokens and min(tokens.values()) == 0:
+        raise RuntimeError(f"repetition {rep}, {phase}: a server's part clock counted no tokens ({counts}): is "
+                           "every server's part clock on, and does its hook pass the batch's tokens?")
     if len(set(tokens.values())) > 1:
-        raise RuntimeError(f"repetition {rep}, {phase}: the arms computed different tokens "
-                           f"({', '.join(f'{arm} {n}' for arm, n in tokens.items())}): a repeated prompt was served "
-                           "from the radix cache in some arms and not in others, so their rates would not compare "
-                           "the same work: rerun")
+        raise RuntimeError(f"repetition {rep}, {phase}: the arms computed different tokens ({counts}), so their "
+                           "rates would not compare the same work: a repeated prompt served from the radix cache in "
+                           "some arms and not in others, or a request retracted and computed again in one arm; "
+                           "rerun")
 
 
 def run_arms(ckpt: Path, out: Path, size: Size, threads: int,

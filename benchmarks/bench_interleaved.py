@@ -222,9 +222,9 @@ def parts_line(limit: dict) -> str:
     """The routed layers' parts, ms a pass, control -> routed pass (`served_limit`'s), and both kinds' layers: where
     the two kinds of pass differ, the routing's own parts (Q, the read, o_proj, the MLP, the adapter) and any other
     part that moved between them."""
-    control, routed = limit["routed_parts_ms"].values()
-    layers = ", ".join(f"{kind} {control_ms:.1f} -> {routed_ms:.1f}"
-                       for kind, (control_ms, routed_ms) in ((k, v.values()) for k, v in limit["layers_ms"].items()))
+    arms = ("s=0", f"s={SKIP}")  # `served_limit`'s names: the control passes, the routed ones
+    control, routed = (limit["routed_parts_ms"][arm] for arm in arms)
+    layers = ", ".join(f"{kind} {ms[arms[0]]:.1f} -> {ms[arms[1]]:.1f}" for kind, ms in limit["layers_ms"].items())
     return (f"  parts, control -> routed pass (ms a pass): layers {layers}; the routed layers' "
             + ", ".join(f"{k} {control.get(k, 0.0):.2f} -> {routed.get(k, 0.0):.2f}"
                         for k in sorted(set(control) | set(routed))))

@@ -247,7 +247,10 @@ def test_a_repetition_whose_arms_computed_different_tokens_is_refused():
     for rep in (0, 1):
         bench.same_work(runs, "prefill", rep)  # a prompt cached alike in every arm is the same work
     runs["s=0.5"]["prefill"][1]["tokens"] = 9216
-    with pytest.raises(RuntimeError, match=r"repetition 1, prefill: .*dense 8193, s=0 8193, s=0.5 9216.*radix"):
+    with pytest.raises(RuntimeError, match=r"repetition 1, prefill: the arms computed different tokens \(dense 8193, s=0 8193, s=0.5 9216\).*radix"):
         bench.same_work(runs, "prefill", 1)
     del runs["s=0.5"]["prefill"][1]  # an arm yet to run this repetition is not compared
     bench.same_work(runs, "prefill", 1)
+    runs["s=0"]["prefill"][0]["tokens"] = 0  # a server whose part clock counts no tokens is not the radix cache
+    with pytest.raises(RuntimeError, match=r"repetition 0, prefill: a server's part clock counted no tokens"):
+        bench.same_work(runs, "prefill", 0)
