@@ -590,6 +590,12 @@ def served_limit(clock_all: dict, clock_run: dict, phase: str) -> dict:
             "model_ratio": step_all / step_run}
 
 
+def routed_parts(served: dict) -> str:
+    """Each part of the routed layers, ms a pass, s=0 -> s=0.5 (`served_limit`'s `routed_parts_ms`)."""
+    before, after = (served["routed_parts_ms"][arm] for arm in ("s=0", f"s={SKIP}"))
+    return ", ".join(f"{k} {before.get(k, 0.0):.2f} -> {after.get(k, 0.0):.2f}" for k in sorted(set(before) | set(after)))
+
+
 def spread(values: list[float]) -> tuple[float, float, float]:
     """(median, min, max)."""
     return statistics.median(values), min(values), max(values)
@@ -686,10 +692,7 @@ def report(results: dict, config: dict, size: Size, profiles: dict[str, dict], l
               f"allow ({saved / sv['saving_ms']:.0%}: what the body pays beyond the skipped work, and the host's "
               "drift between the arms, which the dense layers show)" if sv["saving_ms"] > 0 else
               f"    the routed layers saved {saved:.1f} ms a pass; their skipped parts allow none")
-        other = sorted(set(sv["routed_parts_ms"][arms[0]]) | set(sv["routed_parts_ms"][arms[1]]))
-        print("    the routed layers' parts, s=0 -> s=0.5: " + ", ".join(
-            f"{k} {sv['routed_parts_ms'][arms[0]].get(k, 0.0):.2f} -> {sv['routed_parts_ms'][arms[1]].get(k, 0.0):.2f}"
-            for k in other))
+        print(f"    the routed layers' parts, s=0 -> s={SKIP}: {routed_parts(sv)}")
     for phase in ("prefill", "decode"):
         pr = profiles[phase]
         shape = (f"{pr['rows']} rows at context {pr['context']}" if phase == "decode"

@@ -67,6 +67,7 @@ from bench_cpu import (  # noqa: E402
     default_threads,
     flop_limit,
     gain_share,
+    routed_parts,
     run_clock,
     runs_clock,
     served_counts,
@@ -192,7 +193,7 @@ def run_interleaved(ckpt: Path, out: Path, size: Size, threads: int) -> tuple[li
     return runs, prefill_runs
 
 
-def above_limit(runs: list[dict], limit: float, key: str = "ratio", ceiling: float | None = None) -> list[str]:
+def above_limit(runs: list[dict], limit: float, key: str = "ratio", ceiling: float = float("inf")) -> list[str]:
     """Each run whose ratio `key`, or that ratio over its dense layers' (`over_dense`, computed first), is above
     the limit, with its dense layers' ratio: the same work in both kinds of pass, whose distance from 1.00 is what
     the two kinds of pass differed by besides the routing (and the division by it assumes the whole pass drifted
@@ -204,7 +205,7 @@ def above_limit(runs: list[dict], limit: float, key: str = "ratio", ceiling: flo
         return f"run {i} {run[key]:.3f}x{over} (dense layers {run['dense_ratio']:.3f})"
 
     return [name(i, run) for i, run in enumerate(runs)
-            if limit < max(run[key], run["ratio_over_dense"]) <= (ceiling if ceiling is not None else float("inf"))]
+            if limit < max(run[key], run["ratio_over_dense"]) <= ceiling]
 
 
 def over_dense(runs: list[dict], key: str) -> tuple[float, float, float]:
@@ -222,12 +223,8 @@ def parts_line(limit: dict) -> str:
     """The routed layers' parts, ms a pass, control -> routed pass (`served_limit`'s), and both kinds' layers: where
     the two kinds of pass differ, the routing's own parts (Q, the read, o_proj, the MLP, the adapter) and any other
     part that moved between them."""
-    arms = ("s=0", f"s={SKIP}")  # `served_limit`'s names: the control passes, the routed ones
-    control, routed = (limit["routed_parts_ms"][arm] for arm in arms)
-    layers = ", ".join(f"{kind} {ms[arms[0]]:.1f} -> {ms[arms[1]]:.1f}" for kind, ms in limit["layers_ms"].items())
-    return (f"  parts, control -> routed pass (ms a pass): layers {layers}; the routed layers' "
-            + ", ".join(f"{k} {control.get(k, 0.0):.2f} -> {routed.get(k, 0.0):.2f}"
-                        for k in sorted(set(control) | set(routed))))
+    layers = ", ".join(f"{kind} {ms['s=0']:.1f} -> {ms[f's={SKIP}']:.1f}" for kind, ms in limit["layers_ms"].items())
+    return f"  parts, control -> routed pass (ms a pass): layers {layers}; the routed layers' {routed_parts(limit)}"
 
 
 def report_prefill(runs: list[dict], flop: float) -> dict:
