@@ -112,6 +112,48 @@ class HostReadDetector(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class HostWaitDetector(TorchDispatchMode):
+    """Records every operator that makes the host wait for a device value: a scalar read
+    (`aten._local_scalar_dense`) and the operators whose output shape is a device value (`nonzero`, `unique`,
+    `masked_select`, a boolean index, `repeat_interleave` without its output size). On CPU none of them waits, so
+    the recorded names stand for the waits the same pass would make on a GPU. Within `exempt()` nothing is
+    recorded: a call the host makes for a dense pass too (its attention backend's read)."""
+
+    SHAPE_FROM_VALUES = ("nonzero", "unique", "_unique", "unique_dim", "_unique2", "unique_consecutive",
+                         "masked_select")
+
+    def __init__(self):
+        super().__init__()
+        self.waits: list[str] = []
+        self._exempt = 0
+
+    def exempt(self, fn):
+        def call(*args, **kwargs):
+            self._exempt += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._exempt -= 1
+        return call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self._exempt and self._waits(func, args, kwargs):
+            self.waits.append(str(func))
+        return func(*args, **kwargs)
+
+    def _waits(self, func, args, kwargs) -> bool:
+        name = func._schema.name.split("::")[-1]
+        if func is torch.ops.aten._local_scalar_dense.default or name in self.SHAPE_FROM_VALUES:
+            return True
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            return any(t is not None and t.dtype == torch.bool for t in indices)
+        if name == "repeat_interleave":  # repeats given as a tensor: the output's length is their sum
+            return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
+        return False
+
+
 class ScalarReadDetector(TorchDispatchMode):
     """Records every scalar read that reaches the dispatcher (`aten._local_scalar_dense`), including those an
     operator makes inside C++ (a host read a Python-level detector cannot see)."""

@@ -26,7 +26,7 @@ from loadgen.attestation import Attestation, pass_delta  # noqa: E402
 from tests.sglang_world import ROOT, greedy_reference, serve  # noqa: E402
 from vskipper.arms import get_arm  # noqa: E402
 from vskipper.checkpoint import TinySize  # noqa: E402
-from vskipper.sglang.spec import ENV_ARM, ENV_ENTER, ENV_EXIT  # noqa: E402
+from vskipper.sglang.spec import ENV_ARM, ENV_ENTER, ENV_EXECUTION, ENV_EXIT  # noqa: E402
 from vskipper.skippers.registry import build_skipper  # noqa: E402
 
 pytestmark = pytest.mark.server  # real SGLang servers, and `vskipper serve` processes that refuse to start
@@ -105,6 +105,15 @@ def hybrid_server(served_model, tmp_path_factory):
 @pytest.fixture(scope="class")
 def routed_server(shared_servers):
     return shared_servers.get("always-route")["always-route"]
+
+
+@pytest.fixture(scope="class")
+def triton_server(served_model, tmp_path_factory):
+    """The always-route arm with the triton execution asked for (`ENV_EXECUTION`), its kernels run by Triton's
+    interpreter on CPU: the execution a GPU serves, in both phases."""
+    with serve(served_model, tmp_path_factory.mktemp("triton-execution"), arm="always-route",
+               env={ENV_EXECUTION: "triton", "TRITON_INTERPRET": "1"}) as server:
+        yield server
 
 
 VOCAB = TinySize().vocab  # the tiny checkpoints' vocabulary
@@ -371,6 +380,7 @@ class TestAlwaysRouteFlexiDepth:
         assert att["execution"]["cuda_graphs"]["backends"] == {"decode": "disabled", "prefill": "disabled"}
 
 
+
     def test_loadgen_cells_against_the_real_server_pass_every_gate(self, routed_server):
         """loadgen end to end against the real server (not a stand-in): an open-loop natural cell, then its
         matched-work replay, each gated on accounting, cell size, zero-empty generations, work identity,
@@ -418,6 +428,24 @@ class TestAlwaysRouteFlexiDepth:
                 att["passes_total"][phase]["routed"]
         assert att["skipper"]["name"] == "flexidepth"
         assert att["switch"]["settings"] == {"prefill": "routed", "decode": "routed", "promotion": True}
+
+
+class TestTritonExecution:
+    """The always-route FlexiDepth arm served with the triton execution (Triton's interpreter on CPU): the count-
+    bounded cohort GEMMs in prefill and decode, the masked decode read, the prefill read through SGLang's backend."""
+
+    def test_the_triton_execution_serves_the_torch_routed_forward_token_for_token(self, triton_server, served_model):
+        outputs = _generate_all(triton_server)
+        skipper = build_skipper("flexidepth", {})
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out == greedy_reference(served_model, list(prompt), NEW_TOKENS, skipper)
+        att = triton_server.get_json("/vskipper/attestation")
+        assert att["execution"]["routed_layers_backend"] == {"decode": "triton", "prefill": "triton",
+                                                            "prefill_read": "backend", "tiles": "interpreter tile"}
+        assert att["execution"]["project_only_q"] == "skipped: the RUN cohort's count-bounded Q GEMM"
+        for phase in ("prefill", "decode"):
+            assert att["rows_total"][phase]["project_only"] > 0 and att["rows_total"][phase]["run"] > 0
+            assert att["passes_total"][phase]["dense"] == 0
 
 
 class TestHybridArm:

@@ -125,19 +125,151 @@ def test_project_only_rows_never_enter_q_the_read_or_o_proj_of_the_triton_execut
                     "o_proj": run_rows, "mlp": run_rows, "proj": proj_rows}
 
 
-def test_a_prefill_pass_runs_the_torch_execution_whatever_the_decode_execution(world, monkeypatch):
-    calls = []
-    monkeypatch.setattr(body, "cohort_ffn", lambda *a, **k: calls.append(a))
-    extend = {1: 3, 3: 2}
-    x = world.hidden(5)
-    run = torch.tensor([True, False, True, False, True])
-    w = torch.where(run, torch.ones(5), torch.full((5,), 0.4))
-    y_triton, kv_triton = _pass(world, extend, x, run, w,
-                                served.cohort_execution([world.layer], torch.device("cpu"), "triton"))
-    y_torch, kv_torch = _pass(world, extend, x, run, w, served.TORCH_EXECUTION)
-    assert calls == []
-    torch.testing.assert_close(y_triton, y_torch, rtol=0, atol=0)
-    torch.testing.assert_close(kv_triton, kv_torch, rtol=0, atol=0)
+# Prefill routes over two requests extending their prompts (three and two new tokens): both cohorts, all RUN, all
+# Project-Only, and a request whose tokens all project beside one whose tokens all RUN.
+PREFILL_EXTEND = {1: 3, 3: 2}
+PREFILL_RUNS = [[True, False, True, False, True], [True] * 5, [False] * 5, [False, False, False, True, True]]
+
+
+def _prefill_route(world: LayerWorld, run: list[bool]):
+    run_t = torch.tensor(run)
+    return run_t, torch.where(run_t, torch.ones(len(run)), torch.rand(len(run), generator=world.gen) * 0.8 + 0.1)
+
+
+@pytest.mark.parametrize("run", PREFILL_RUNS)
+def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world, run, monkeypatch):
+    """Outputs and the KV written against the torch execution (its per-request read), whatever the route; the
+    pass ran the cohort GEMMs (one MLP and one projector launch) and read through SGLang's attention backend once,
+    never the masked decode read."""
+    calls = {"cohort_ffn": [], "extend": 0, "masked_read": 0}
+
+    def cohort_ffn(backend, *args, **kwargs):
+        calls["cohort_ffn"].append((backend, kwargs["op"]))
+        return real_ffn(backend, *args, **kwargs)
+
+    def extend(*args, **kwargs):
+        calls["extend"] += 1
+        return real_extend(*args, **kwargs)
+
+    def masked_read(*args, **kwargs):
+        calls["masked_read"] += 1
+        return real_read(*args, **kwargs)
+
+    real_ffn, real_extend, real_read = body.cohort_ffn, world.backend.forward_extend, kernels.masked_decode_attention
+    monkeypatch.setattr(body, "cohort_ffn", cohort_ffn)
+    monkeypatch.setattr(world.backend, "forward_extend", extend)
+    monkeypatch.setattr(kernels, "masked_decode_attention", masked_read)
+    x = world.hidden(len(run))
+    run_t, w = _prefill_route(world, run)
+    triton = served.cohort_execution([world.layer], torch.device("cpu"), "triton")
+    assert (triton.phase("prefill"), triton.prefill_read) == ("triton", "backend")
+    y_triton, kv_triton = _pass(world, PREFILL_EXTEND, x, run_t, w, triton)
+    assert calls == {"cohort_ffn": [("triton", "mlp"), ("triton", "proj")], "extend": 1, "masked_read": 0}
+    y_torch, kv_torch = _pass(world, PREFILL_EXTEND, x, run_t, w, served.TORCH_EXECUTION)
+    torch.testing.assert_close(y_triton, y_torch, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("run", PREFILL_RUNS[:1] + PREFILL_RUNS[3:])
+def test_project_only_tokens_of_a_triton_prefill_compute_only_their_kv_and_the_adapter(world, run, monkeypatch):
+    """The rows each kernel of a mixed prefill pass covers: K/V every token (the K/V rows of qkv_proj), Q, o_proj
+    and the MLP the RUN tokens alone, the adapter the Project-Only tokens; SGLang's backend reads a query for the
+    RUN tokens only (a Project-Only token's slot holds zeros). No module of SGLang's attention or MLP runs its own
+    forward."""
+    layer = world.layer
+    seen: dict[str, object] = {}
+
+    def rows_of(idx, count):
+        return sorted(idx[: int(count)].tolist())
+
+    def gemm(u, idx, count, w, *args, **kwargs):
+        seen["q"] = rows_of(idx, count)
+        return real["gemm"](u, idx, count, w, *args, **kwargs)
+
+    def scatter(a, idx, count, w, y, *args, **kwargs):
+        seen["o_proj"] = rows_of(idx, count)
+        return real["scatter"](a, idx, count, w, y, *args, **kwargs)
+
+    def ffn(backend, x, idx, count, *args, **kwargs):
+        seen[kwargs["op"]] = rows_of(idx, count)
+        return real["ffn"](backend, x, idx, count, *args, **kwargs)
+
+    def projection(qkv_proj, rows, u):
+        seen["kv" if rows.start == layer.self_attn.q_size else "qkv_rows"] = u.shape[0]
+        return real["projection"](qkv_proj, rows, u)
+
+    def extend(q, *args, **kwargs):
+        seen["queries"] = q.reshape(q.shape[0], -1).abs().sum(-1).nonzero().view(-1).tolist()
+        return real["extend"](q, *args, **kwargs)
+
+    real = {"gemm": kernels.cohort_gemm, "scatter": kernels.cohort_scatter_add, "ffn": body.cohort_ffn,
+            "projection": served.row_projection, "extend": world.backend.forward_extend}
+    monkeypatch.setattr(kernels, "cohort_gemm", gemm)
+    monkeypatch.setattr(kernels, "cohort_scatter_add", scatter)
+    monkeypatch.setattr(body, "cohort_ffn", ffn)
+    monkeypatch.setattr(served, "row_projection", projection)
+    monkeypatch.setattr(world.backend, "forward_extend", extend)
+    modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj)
+    handles = [m.register_forward_pre_hook(lambda m, args: seen.setdefault("forwards", []).append(type(m)))
+               for m in modules]
+    run_t, w = _prefill_route(world, run)
+    try:
+        _pass(world, PREFILL_EXTEND, world.hidden(len(run)), run_t, w,
+              served.cohort_execution([layer], torch.device("cpu"), "triton"))
+    finally:
+        for h in handles:
+            h.remove()
+    run_rows = [i for i, r in enumerate(run) if r]
+    proj_rows = [i for i, r in enumerate(run) if not r]
+    assert seen == {"kv": len(run), "q": run_rows, "queries": run_rows, "o_proj": run_rows, "mlp": run_rows,
+                    "proj": proj_rows}
+
+
+@pytest.mark.parametrize("execution", ["triton", "torch"])
+def test_a_routed_prefill_pass_of_the_triton_execution_makes_the_host_wait_for_no_device_value(world, execution):
+    """The sync-free prefill: RandomSkip routes the pass (its per-pass state included), the tape records it, the
+    cohorts are packed, and the layer runs, with no operator that would make the host wait for the device (a
+    scalar read, or an output shaped by device values), outside SGLang's attention backend, which a dense pass
+    calls alike. The torch execution packs its cohorts with `nonzero`, which the detector sees: it would see a
+    wait in the triton execution too."""
+    from mixed_world import HostWaitDetector
+
+    from vskipper.mixed.cohorts import CohortBuilder
+    from vskipper.mixed.tape import RouteTape
+    from vskipper.sglang.models.routed import plan_pass
+    from vskipper.sglang.runtime import Step
+    from vskipper.skippers.base import BatchContext
+    from vskipper.skippers.random_skip import RandomSkip
+
+    rows, lid = sum(PREFILL_EXTEND.values()), world.layer.layer_id
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    fb = world.batch(PREFILL_EXTEND)
+    x = world.hidden(rows)
+    skipper = RandomSkip(r=1.0, d=0.5, seed=5)
+    keys = torch.tensor([7, 7, 7, 9, 9])
+    step = Step("prefill", True, skipper, None, RouteTape(rows, (lid,)), CohortBuilder(rows), None, rows, keys=keys)
+    world.slot.step, world.slot.plan = step, plan_pass(fb, rows)
+    world.slot.execution = served.cohort_execution([world.layer], torch.device("cpu"), execution)
+    detector = HostWaitDetector()
+    backend_extend = world.backend.forward_extend
+    world.backend.forward_extend = detector.exempt(backend_extend)
+    try:
+        with world.context(), torch.no_grad(), detector:
+            step.state = skipper.prepare_batch(BatchContext(x, torch.ones(rows, dtype=torch.bool), (lid,),
+                                                            "prefill", keys, fb.positions))
+            world.layer.mixed_depth(step, fb.positions, x, fb)
+    finally:
+        del world.backend.forward_extend
+        world.slot.step = world.slot.plan = None
+        world.slot.execution = served.TORCH_EXECUTION
+        world.restore(kv0, lengths0)
+    run = step.tape.run[0, :rows]
+    assert run.any() and (~run).any(), "the route should hold both cohorts"
+    if execution == "triton":
+        assert detector.waits == []
+    else:
+        assert "aten.nonzero.default" in detector.waits
 
 
 def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_weights(world, monkeypatch):
@@ -150,7 +282,9 @@ def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_w
     with pytest.raises(ValueError, match="decode_read must be one of"):
         served.CohortExecution("torch", decode_read="padded")
     assert served.cohort_execution([world.layer], cpu, "triton").attestation() == {
-        "decode": "triton", "prefill": "torch", "prefill_read": "rows", "tiles": "interpreter tile"}
+        "decode": "triton", "prefill": "triton", "prefill_read": "backend", "tiles": "interpreter tile"}
+    with pytest.raises(ValueError, match="the triton execution prefills with prefill_read 'backend'"):
+        served.CohortExecution("triton", prefill_read="rows")
     # On CUDA prefill reads through SGLang's attention backend, whichever execution decodes.
     assert served.cohort_execution([world.layer], torch.device("cuda"), "torch").prefill_read == "backend"
     monkeypatch.setattr(world.layer.mlp.down_proj, "tp_size", 2, raising=False)
@@ -165,7 +299,7 @@ def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_w
     # The attention cohort GEMMs read o_proj and the Q rows of qkv_proj as plain weights, with no o_proj bias.
     attn = world.layer.self_attn
     assert served.project_only_q([attn.qkv_proj], served.cohort_execution([world.layer], cpu, "triton")) == \
-        "decode: skipped (the RUN cohort's count-bounded Q GEMM); prefill: skipped: K/V rows of qkv_proj"
+        "skipped: the RUN cohort's count-bounded Q GEMM"
     monkeypatch.setattr(attn.o_proj, "bias", torch.nn.Parameter(torch.zeros(attn.o_proj.weight.shape[0])))
     assert served.cohort_execution([world.layer], cpu, "triton").reason == \
         "layer 2: self_attn.o_proj has a bias (the scattered o_proj adds none)"
@@ -177,3 +311,15 @@ def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_w
     monkeypatch.setattr(attn.o_proj, "tp_size", 2, raising=False)
     assert served.cohort_execution([world.layer], cpu, "triton").reason == \
         "layer 2: the attention is split over 2 tensor-parallel ranks"
+
+
+def test_the_serve_spec_carries_the_execution_asked_for_and_refuses_another_naming_the_variable():
+    from vskipper.arms import get_arm
+    from vskipper.sglang.spec import ENV_EXECUTION, ServeConfigError, ServeSpec
+
+    env = ServeSpec(get_arm("always-route"), 0, 0, execution="triton").to_env()
+    assert env[ENV_EXECUTION] == "triton" and ServeSpec.from_env(env).execution == "triton"
+    assert ENV_EXECUTION not in ServeSpec(get_arm("always-route"), 0, 0).to_env()
+    assert ServeSpec.from_env(ServeSpec(get_arm("always-route"), 0, 0).to_env()).execution == "auto"
+    with pytest.raises(ServeConfigError, match="VSKIPPER_COHORT_EXECUTION must be one of auto, torch, triton, got 'cuda'"):
+        ServeSpec.from_env({**env, ENV_EXECUTION: "cuda"})

@@ -23,21 +23,25 @@ of each projection (quantization, tensor-parallel reductions, RoPE variants).
 
 Two executions of the same semantics:
 
-  torch   (CPU; prefill everywhere) the cohorts are packed with one `nonzero` per layer (the RUN cohort takes
+  torch   (CPU; layers without plain weights) the cohorts are packed with one `nonzero` per layer (the RUN cohort takes
           the rest, `nonzero_static`): their sizes are shapes, never values read on the host.
           K and V are every row's, in one projection over the batch (its weight read once, no cohort
           reordering before the write); Q, the read, o_proj and the MLP see the RUN rows only, the projector
           the Project-Only rows only. The host may rotate the RUN rows' Q and every row's K in one call
           (`LayerOps.q_kv`); o_proj's output is added onto x at the RUN rows in one `index_add`. When no row
           projects, the all-RUN fast path calls the host's own dense attention and MLP over the whole batch.
-          (`nonzero` would synchronize on a GPU, where the triton execution is the capture-safe one.) The
-          served layer runs this execution on CPU and in every prefill.
-  triton  (GPU decode: the served layer on CUDA and the bench stack) every kernel keeps its launch shape for the
-          capacity and bounds its work by a device count (`vskipper.mixed.cohorts`): K/V over every row; the
-          RUN cohort's Q as a count-bounded GEMM over its gathered rows, q_norm and RoPE over the packed slots,
-          the masked decode read (slots past the count read nothing and yield zero by a select), o_proj as a
-          count-bounded GEMM scattered onto the RUN rows' residual; the cohort FFNs. No host read; a
-          Project-Only row computes no Q, reads nothing and runs no o_proj here either.
+          (`nonzero` synchronizes on a GPU, once per routed layer, where the triton execution is the one that
+          does not.) The served layer runs this execution on CPU and wherever a layer has no plain weights.
+  triton  (GPU decode and prefill: the served layer on CUDA and the bench stack's decode) every kernel keeps its
+          launch shape for the pass's rows and bounds its work by a device count (`vskipper.mixed.cohorts`,
+          packed by a device prefix sum): K/V over every row; the RUN cohort's Q as a count-bounded GEMM over its
+          gathered rows, q_norm and RoPE over the packed slots, the host's read over the packed slots (`reads`
+          marks the live ones; decode: the masked read, where slots past the count read nothing; prefill: the
+          host's attention backend, which the RUN rows' queries enter in their batch slots), o_proj as a
+          count-bounded GEMM scattered onto the RUN rows' residual; the cohort FFNs. No host read, no all-RUN
+          test (a pass with every row RUN runs the same kernels at the full count); a Project-Only row computes
+          no Q and runs no o_proj or MLP here either (in prefill its slot enters the backend's read with a zero
+          query, and that output is dropped).
 """
 
 from __future__ import annotations

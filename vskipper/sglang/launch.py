@@ -201,16 +201,19 @@ def launched(model: str | Path, workdir: Path, *, arm: str | None = None, arm_fi
              platform: str | None = None, graceful: bool = True) -> Iterator[Server]:
     """Start `vskipper serve` on a free port (log and state file in `workdir`) without waiting for it; the
     server is stopped when the block exits, however it exits (`graceful`: see `Server`). `env` adds variables
-    to the server's environment."""
+    to the server's environment (TRITON_INTERPRET only where `env` sets it: a test serving the triton execution on
+    CPU)."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"server-{port}.log"
     cmd = serve_command(model, port, workdir / f"state-{port}.json", arm=arm, arm_file=arm_file,
                         enter_tokens=enter_tokens, exit_tokens=exit_tokens, dtype=dtype, extra=extra,
                         platform=platform)
-    env = dict(os.environ, **(env or {}),
+    asked = dict(env or {})
+    env = dict(os.environ, **asked,
                PYTHONPATH=os.pathsep.join(p for p in (str(_CODE_ROOT), os.environ.get("PYTHONPATH")) if p))
-    env.pop("TRITON_INTERPRET", None)
+    if "TRITON_INTERPRET" not in asked:
+        env.pop("TRITON_INTERPRET", None)
 
     def spawn(mode: str = "w") -> subprocess.Popen:
         with open(log, mode) as out:

@@ -28,6 +28,11 @@ ENV_PART_CLOCK = "VSKIPPER_PART_CLOCK"  # 1: time each part of each pass in the 
 # row RUN through the routed layers (the s = 0 control); each control pass is a phase of its own in the part clock,
 # and each decode pass is timed to the next (`vskipper.sglang.part_times.PassClock`): a measurement mode
 ENV_INTERLEAVE_CONTROL = "VSKIPPER_INTERLEAVE_CONTROL"
+# The routed layers' cohort execution (`vskipper.sglang.models.routed.cohort_execution`): auto (the default: triton
+# on CUDA where every routed layer allows it, torch elsewhere), torch, or triton (off CUDA only under
+# TRITON_INTERPRET=1, which the server's environment then keeps: tests). The same served semantics either way.
+ENV_EXECUTION = "VSKIPPER_COHORT_EXECUTION"
+EXECUTIONS = ("auto", "torch", "triton")
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
 GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}
@@ -49,6 +54,11 @@ class ServeSpec:
     profile: dict | None = None  # ServeProfile.attestation() of the profile that serves
     part_clock: bool = False  # time each part of each pass (a measurement mode; off when deployed)
     interleave_control: bool = False  # every other routed pass of each phase all-RUN (`ENV_INTERLEAVE_CONTROL`)
+    execution: str = "auto"  # the routed layers' cohort execution asked for (`ENV_EXECUTION`)
+
+    def __post_init__(self) -> None:
+        if self.execution not in EXECUTIONS:
+            raise ServeConfigError(f"{ENV_EXECUTION} must be one of {', '.join(EXECUTIONS)}, got {self.execution!r}")
 
     def to_env(self) -> dict[str, str]:
         env = {ENV_ARM: json.dumps(self.arm.fields()), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens),
@@ -61,6 +71,8 @@ class ServeSpec:
             env[ENV_PART_CLOCK] = "1"
         if self.interleave_control:
             env[ENV_INTERLEAVE_CONTROL] = "1"
+        if self.execution != "auto":
+            env[ENV_EXECUTION] = self.execution
         return env
 
     @classmethod
@@ -85,7 +97,7 @@ class ServeSpec:
             raise ServeConfigError(f"{ENV_PROFILE}: not JSON ({exc})") from None
         return cls(arm, thresholds[0], thresholds[1], Path(state) if state else None,
                    environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile, part_clock_from_env(environ),
-                   switch_from_env(environ, ENV_INTERLEAVE_CONTROL))
+                   switch_from_env(environ, ENV_INTERLEAVE_CONTROL), environ.get(ENV_EXECUTION, "auto"))
 
 
 def switch_from_env(environ, name: str) -> bool:

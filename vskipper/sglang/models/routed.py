@@ -11,15 +11,18 @@ SGLang's own modules (`SGLangLayerOps`):
                      SGLang's KV pool, `o_proj`, the MLP (`gate_up_proj`/`down_proj` through their linear
                      methods, so quantization and the tensor-parallel reduction stay SGLang's)
   Project-Only rows  the adapter: no Q, no attention read, no `o_proj`, no MLP
-  every row RUN      upstream's own attention and MLP over the whole batch (the all-RUN fast path)
+  every row RUN      the torch execution: upstream's own attention and MLP over the whole batch (the all-RUN fast
+                     path); the triton execution has no such test (it would read the device): its count-bounded
+                     kernels run at the full count and the Project-Only ones return at once
 
 Rows of dense-mode requests in a routed pass RUN with unit weight (the tape's `dense_rows`), so they compute what
 the dense forward computes. The attention read is `vskipper.mixed.attention`'s over SGLang's token-level page
 table (`req_to_token`): on CPU only RUN rows read (decode: SGLang's torch-native decode read over the RUN rows
-alone, `DECODE_READS`; prefill: SDPA per request over every token's K/V); on CUDA decode reads with the masked split-KV kernel and
-prefill through SGLang's attention backend (`PREFILL_READS`). Off CPU the routed decode pass reads no tensor
-value on the host: cohort sizes are device counts, and the counters are read from the
-tape after the forward without waiting for the device (`Runtime.finish`).
+alone, `DECODE_READS`; prefill: SDPA per request over every token's K/V); on CUDA decode reads with the masked
+split-KV kernel and prefill through SGLang's attention backend (`PREFILL_READS`). Off CPU a routed pass, decode or
+prefill, reads no tensor value on the host (the triton execution, `CohortExecution`): cohort sizes are device
+counts, and the counters are read from the tape after the forward without waiting for the device
+(`Runtime.finish`).
 
 The model files add only how their upstream layer hands the residual across the layer boundary.
 
@@ -55,7 +58,7 @@ from vskipper.sglang import active
 from vskipper.sglang.part_times import PartClock, PassClock, clock_phase
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
-from vskipper.sglang.spec import ROUTED_GRAPH_PHASES, ServeConfigError
+from vskipper.sglang.spec import ENV_EXECUTION, ROUTED_GRAPH_PHASES, ServeConfigError
 from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, is_router_tensor, router_sizes
 
 
@@ -89,15 +92,19 @@ DECODE_READS = {
 
 @dataclass(frozen=True)
 class CohortExecution:
-    """How this process's routed layers run a mixed pass.
+    """How this process's routed layers run a mixed pass, in both phases.
 
     decode   triton: on CUDA (or under TRITON_INTERPRET=1, for tests): the count-bounded cohort GEMMs of
              `vskipper.mixed.kernels` with tiles from the device's table, the RUN-masked decode read
              (`masked_decode_attention`) over SGLang's KV pool; every kernel keeps its launch shape, no host read
              torch: the cohort execution over packed rows (CPU; and wherever a layer's MLP has no plain weight view)
-    prefill  always the torch execution (packed cohorts); its attention read is one of `PREFILL_READS`: `rows`
-             on CPU, `backend` on CUDA (the per-request SDPA with an explicit mask is far slower there than
-             SGLang's extend kernel, whose wasted reads of Project-Only rows cost a few percent of a prefill)
+    prefill  the same execution as decode. triton: the same count-bounded GEMMs over the pass's tokens (cohort
+             sizes stay device values, cohorts packed by a device prefix sum, no all-RUN test on the host), the
+             attention read through SGLang's backend (`PREFILL_READS['backend']`, the only read that needs no host
+             value). torch: packed cohorts by `nonzero` (a host wait per layer on a GPU), its read one of
+             `PREFILL_READS`: `rows` on CPU, `backend` on CUDA (the per-request SDPA with an explicit mask is far
+             slower there than SGLang's extend kernel, whose wasted reads of Project-Only rows cost a few percent
+             of a prefill)
     """
 
     decode: str
@@ -111,12 +118,23 @@ class CohortExecution:
             raise ValueError(f"prefill_read must be one of {sorted(PREFILL_READS)}, got {self.prefill_read!r}")
         if self.decode_read not in DECODE_READS:
             raise ValueError(f"decode_read must be one of {sorted(DECODE_READS)}, got {self.decode_read!r}")
+        if self.decode == "triton" and self.prefill_read != "backend":
+            raise ValueError("the triton execution prefills with prefill_read 'backend' (the 'rows' read groups "
+                             f"rows by request on the host), got {self.prefill_read!r}")
+
+    @property
+    def prefill(self) -> str:
+        return self.decode
+
+    def phase(self, phase: str) -> str:
+        """The execution a pass of `phase` runs ('decode', or any extend: 'prefill')."""
+        return self.decode if phase == "decode" else self.prefill
 
     def attestation(self) -> dict[str, Any]:
         tiles = getattr(self.tiles, "source", None) if self.tiles is not None else (
             "interpreter tile" if self.decode == "triton" else None)
         read = {"decode_read": self.decode_read} if self.decode == "torch" else {}
-        return {"decode": self.decode, **read, "prefill": "torch", "prefill_read": self.prefill_read,
+        return {"decode": self.decode, **read, "prefill": self.prefill, "prefill_read": self.prefill_read,
                 "tiles": tiles, **({"why": self.reason} if self.reason else {})}
 
 
@@ -145,12 +163,13 @@ def triton_blocker(layer) -> str | None:
 
 
 def cohort_execution(layers, device: torch.device, requested: str = "auto") -> CohortExecution:
-    """The execution for these routed layers on `device`: `auto` takes triton decode on CUDA where every layer
-    allows it (`triton_blocker`), torch elsewhere; prefill reads through SGLang's attention backend on CUDA; the
-    torch execution's decode read is SGLang's torch-native one over the RUN rows on CPU, masked elsewhere."""
-    return replace(_decode_execution(layers, device, requested),
-                   prefill_read="backend" if device.type == "cuda" else "rows",
-                   decode_read="backend" if device.type == "cpu" else "masked")
+    """The execution for these routed layers on `device`: `auto` takes triton on CUDA where every layer allows it
+    (`triton_blocker`), torch elsewhere; prefill reads through SGLang's attention backend on CUDA and wherever the
+    execution is triton; the torch execution's decode read is SGLang's torch-native one over the RUN rows on CPU,
+    masked elsewhere."""
+    execution = _decode_execution(layers, device, requested)
+    return replace(execution, prefill_read="backend" if device.type == "cuda" or execution.decode == "triton"
+                   else "rows", decode_read="backend" if device.type == "cpu" else "masked")
 
 
 def _decode_execution(layers, device: torch.device, requested: str) -> CohortExecution:
@@ -161,10 +180,10 @@ def _decode_execution(layers, device: torch.device, requested: str) -> CohortExe
         if why is not None:
             return CohortExecution("torch", reason=why)
     if device.type != "cuda":
-        return CohortExecution("triton")
+        return CohortExecution("triton", prefill_read="backend")
     from vskipper.mixed.kernels import device_tile_table
 
-    return CohortExecution("triton", device_tile_table(device))
+    return CohortExecution("triton", device_tile_table(device), prefill_read="backend")
 
 
 @dataclass
@@ -287,6 +306,8 @@ class SGLangLayerOps:
         lid = a.attn.layer_id
         req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
         qh = q.view(q.shape[0], a.num_heads, a.head_dim)
+        if self.backend == "triton" and not self.fb.forward_mode.is_decode():
+            return self._backend_read(q, rows, reads)  # prefill over the packed cohort slots
         if self.backend == "triton":  # decode over the packed cohort slots (launch shape: the capacity); slots
             # outside `reads` read nothing
             from vskipper.mixed.kernels import masked_decode_attention
@@ -324,18 +345,24 @@ class SGLangLayerOps:
                 fb.seq_lens_cpu = self.fb.seq_lens_cpu.index_select(0, rows.cpu())
         return self.attn.attn(q, None, None, fb, save_kv_cache=False)
 
-    def _backend_read(self, q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The prefill read through SGLang's attention backend (`PREFILL_READS['backend']`): the RUN rows' queries
-        in their batch slots, zeros elsewhere (a zero query's softmax is uniform, never 0/0), over the K/V this
-        pass wrote; the RUN rows' outputs."""
+    def _backend_read(self, q: torch.Tensor, rows: torch.Tensor | None,
+                      reads: torch.Tensor | None = None) -> torch.Tensor:
+        """The prefill read through SGLang's attention backend (`PREFILL_READS['backend']`): the queries `q` of batch
+        rows `rows` placed in their batch slots, zeros elsewhere (a zero query's softmax is uniform, never 0/0),
+        over the K/V this pass wrote; their outputs, in the order of `rows`.
+
+        With `reads` (the triton execution's packed cohort slots, bool [n]) a slot outside it is placed nowhere
+        (one row past the batch takes it, then is dropped) and reads zeros: no value is read on the host."""
         if self.written is None:
             raise RuntimeError("the backend read runs after the pass's K/V is written (write_kv)")
         k, v = self.written
-        if rows is not None:
-            full = q.new_zeros(k.shape[0], q.shape[1])
-            q = full.index_copy_(0, rows, q)
-        out = self.attn.attn(q, k, v, self.fb, save_kv_cache=False)
-        return out if rows is None else out.index_select(0, rows)
+        if rows is None:
+            return self.attn.attn(q, k, v, self.fb, save_kv_cache=False)
+        n = k.shape[0]
+        to = rows if reads is None else torch.where(reads, rows, n)
+        q = q.new_zeros(n + 1, q.shape[1]).index_copy_(0, to, q)[:n]
+        out = self.attn.attn(q, k, v, self.fb, save_kv_cache=False).index_select(0, rows)
+        return out if reads is None else out.masked_fill_(~reads.view(-1, 1), 0)
 
     def o_proj(self, a: torch.Tensor) -> torch.Tensor:
         return self.attn.o_proj(a)[0]
@@ -362,9 +389,7 @@ def project_only_q(qkv_projs, execution: CohortExecution) -> str:
     """What a Project-Only row's Q costs, as attested."""
     torch_path = "skipped: K/V rows of qkv_proj" if all(kv_only_supported(q) for q in qkv_projs) \
         else "computed and dropped: a quantized or packed qkv_proj has no K/V row view"
-    if execution.decode != "triton":
-        return torch_path
-    return f"decode: skipped (the RUN cohort's count-bounded Q GEMM); prefill: {torch_path}"
+    return "skipped: the RUN cohort's count-bounded Q GEMM" if execution.decode == "triton" else torch_path
 
 
 def graph_backends() -> dict[str, str]:
@@ -456,7 +481,7 @@ class RoutedLayerMixin:
         step.tape.record(self.layer_id, step.skipper.route(self.layer_id, u, step.state, router), step.dense_rows)
         run, weights = step.tape.layer(self.layer_id, step.rows)
         execution = self._slot.execution
-        triton = step.phase == "decode" and execution.decode == "triton"
+        triton = execution.phase(step.phase) == "triton"
         ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton") if triton else \
             SGLangLayerOps(self, positions, forward_batch, self._slot.plan, prefill_read=execution.prefill_read,
                            decode_read=execution.decode_read)
@@ -570,7 +595,10 @@ class SkipperCausalLM(RouterWeightsMixin):
         layers = [self.model.layers[i] for i in self.routed_layers
                   if self.model.start_layer <= i < self.model.end_layer]
         qkv = [layer.self_attn.qkv_proj for layer in layers]
-        self.slot.execution = cohort_execution(layers, device)
+        try:
+            self.slot.execution = cohort_execution(layers, device, self.runtime.spec.execution)
+        except ValueError as exc:
+            raise ServeConfigError(f"{ENV_EXECUTION}={self.runtime.spec.execution}: {exc}") from None
         self.graph_blocker = routed_graph_blocker(self.slot.execution, device)
         active.register(self)  # for the SGLang hooks around the forward and the graph runners
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
