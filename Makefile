@@ -23,7 +23,7 @@ HELM := $(TOOLS)/node_modules/.bin/helm
 PROM_OPERATOR_SCHEMAS := $(TOOLS)/node_modules/@kubernetes-models/prometheus-operator/package.json
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install tools test test-fast demo loadgen-demo bench-cpu bench-interleaved lint crd chart images gpu-bundle clean help
+.PHONY: install tools test test-fast demo loadgen-demo bench-cpu bench-interleaved bench-host lint crd chart images gpu-bundle clean help
 
 help:
 	@echo "make install  create $(VENV) with the CPU torch, the project (runtime, loadgen, operator, dev extras) and SGLang 0.5.21 for CPU"
@@ -35,6 +35,8 @@ help:
 	@echo "              --size demo: 8 layers, the routed arms, what make demo runs)"
 	@echo "make bench-interleaved  decode and prefill s=0.5 over s=0 in one server, its passes alternating between"
 	@echo "              the two (drift-free on a shared host), next to the FLOP limit and its part clock's (~16 min)"
+	@echo "make bench-host  the host time of a routed pass against a dense one, in one process on a tiny model:"
+	@echo "              the hooks around the forward alone and the whole eager pass, ratios beside the 10% goal (~2 min)"
 	@echo "make loadgen-demo  a small matched-work A/B run against two local stand-in servers: report and plots"
 	@echo "make test     the test suite"
 	@echo "make test-fast  the suite without the tests that start real SGLang servers or other heavy processes"
@@ -89,6 +91,9 @@ bench-cpu: install
 
 bench-interleaved: install
 	$(PY) benchmarks/bench_interleaved.py --out $(BENCH_INTERLEAVED_OUT) $(BENCH_INTERLEAVED_ARGS)
+
+bench-host: install
+	$(PY) benchmarks/host_time_bench.py $(BENCH_HOST_ARGS)
 
 loadgen-demo: install
 	$(VENV)/bin/vskipper-loadgen demo --out $(LOADGEN_DEMO_OUT)

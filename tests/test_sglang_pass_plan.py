@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from sglang_layer_world import ARCHS, LayerWorld
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.sglang.replay import ReplayLedger, RoutedReplayError
@@ -71,6 +72,53 @@ def test_plan_buffers_keep_their_storage_pad_past_the_rows_and_refuse_growth_onc
     buffers.frozen = True
     with pytest.raises(ValueError, match="9 rows exceeds the plan buffers' capacity 8"):
         buffers.write(torch.arange(9), torch.arange(9))
+
+
+class _Writes(TorchDispatchMode):
+    """The copies and fills that land in `storage` (a byte tensor), by the op's name."""
+
+    def __init__(self, storage: torch.Tensor) -> None:
+        super().__init__()
+        self.lo, self.hi = storage.data_ptr(), storage.data_ptr() + storage.numel()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("copy_", "fill_") and self.lo <= args[0].data_ptr() < self.hi:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_staged_plan_reaches_the_device_storage_in_one_copy_and_equals_the_plan_written_in_place():
+    """Off the host the plan is staged on the host and copied once into the storage the fields view; a field
+    handed over on the device adds its own copy. Any sequence of passes leaves the same fields, padding
+    included, as writing in place, and the fields' addresses never move once frozen."""
+    gen = torch.Generator().manual_seed(0)
+    staged, in_place = PlanBuffers(8, staged=True), PlanBuffers(8, staged=False)
+    staged.frozen = True
+    ptrs = [getattr(staged, f).data_ptr() for f in ("req_rows", "request_keys", "dense_rows", "valid")]
+    for rows in (5, 5, 2, 8, 1, 1, 7, 3):
+        req = torch.randint(0, 50, (rows,), generator=gen)
+        keys = torch.randint(0, 2**40, (rows,), generator=gen)
+        dense = None if rows % 2 else torch.rand(rows, generator=gen) < 0.5
+        with _Writes(staged.storage) as writes:
+            staged.write(req, keys, dense)
+        assert writes.ops == ["copy_"]
+        in_place.write(req, keys, dense)
+        for field in ("req_rows", "request_keys", "dense_rows", "valid"):
+            assert torch.equal(getattr(staged, field), getattr(in_place, field)), (rows, field)
+    assert [getattr(staged, f).data_ptr() for f in ("req_rows", "request_keys", "dense_rows", "valid")] == ptrs
+    device_rows = torch.tensor([4, 5, 6]).as_subclass(_DeviceTensor)  # stands in for a tensor off the host
+    with _Writes(staged.storage) as writes:
+        staged.write(device_rows, torch.tensor([1, 2, 3]))
+    assert writes.ops == ["copy_", "copy_"]  # the staged copy, then the device field into its view
+    assert staged.req_rows.tolist() == [4, 5, 6, 0, 0, 0, 0, 0] and staged.valid.sum() == 3
+
+
+class _DeviceTensor(torch.Tensor):
+    @property
+    def device(self):
+        return torch.device("meta")
 
 
 # -- two routed decode passes through the same buffers ---------------------------------------------------------

@@ -502,3 +502,29 @@ def test_an_interleaving_server_keeps_a_share_probe_routed_and_its_alternation_s
     assert kinds == [(True, True, False), (False, True, False), (False, True, True)]
     decisions = [d["kind"] for d in rt.attestation()["switch"]["recent_decisions"]]
     assert "probe" in decisions
+
+
+def test_a_decode_batch_of_the_same_requests_keeps_its_rows_until_a_promotion_or_a_request_change_moves_them(
+        tmp_path):
+    """The runtime reuses a decode batch's per-row flags and keys while the same requests decode: a promotion,
+    a request joining and a request leaving each give the rows they would get decided afresh."""
+    from vskipper.sglang.runtime import request_key
+
+    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}}), tmp_path, enter=100,
+                 exit_=50)
+    run_pass(rt, prefill(["a", "b"], [40, 40]))
+    assert not run_pass(rt, decode(["a", "b"], [41, 41])).routed
+    assert not run_pass(rt, decode(["a", "b"], [42, 42])).routed  # the same requests, still dense
+    step = run_pass(rt, decode(["a", "b"], [50, 50]))  # V 100 >= enter: both promoted, the same requests
+    assert step.routed and step.dense_rows is None and step.dense_count == 0
+    assert step.keys.tolist() == [request_key("a"), request_key("b")]
+    run_pass(rt, prefill(["c"], [9]))
+    step = run_pass(rt, decode(["a", "b", "c"], [51, 51, 10]))
+    assert step.routed and step.keys.tolist() == [request_key(r) for r in "abc"]
+    step = run_pass(rt, decode(["a", "c"], [52, 11]))  # b left the batch
+    assert step.rows == 2 and step.keys.tolist() == [request_key("a"), request_key("c")]
+    assert rt.resident_tokens() == 63
+    rt.release("c", finished=True)
+    step = run_pass(rt, decode(["a", "c"], [53, 12]))  # a request released while SGLang still ran it decodes anew
+    assert step.keys.tolist() == [request_key("a"), request_key("c")]
+    assert rt.attestation()["requests_total"]["decode"] == {"dense": 2, "routed": 2}

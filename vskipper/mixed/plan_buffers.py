@@ -12,27 +12,89 @@ only views of them:
 Rows past the pass's row count are padding: request slot 0, key 0, dense (RUN), not valid. Writing never
 reallocates within the capacity; a pass larger than the capacity (an eager prefill) grows the buffers first,
 which is refused once the buffers are `frozen` (a graph holds their addresses).
+
+The four fields are views of one byte tensor on the device (`storage`: the int64 fields first, so every view is
+aligned). Off the host a pass's plan is staged in a host copy of that tensor (pinned on CUDA) and reaches the
+device in one non-blocking copy of the whole tensor; on the host the fields are written in place. Either way only
+what changed is written: the pass's rows, and the padding of rows the previous write used that this one does
+not. Two staging tensors take turns, and one is written again only once its copy has left it (a CUDA event). A
+field handed over on the device (SGLang's request slots where its batch has no host mirror) is copied into its
+view after the staged copy, on the same stream.
 """
 
 from __future__ import annotations
 
 import torch
 
+# (field, dtype, padding), in storage order: the 8-byte fields first, so each field's offset is a multiple of its
+# element size.
+FIELDS = (("req_rows", torch.int64, 0), ("request_keys", torch.int64, 0), ("dense_rows", torch.bool, True),
+          ("valid", torch.bool, False))
+STAGES = 2  # staging tensors taking turns off the host
+
+
+def _field_views(storage: torch.Tensor, capacity: int) -> dict[str, torch.Tensor]:
+    views, offset = {}, 0
+    for name, dtype, _ in FIELDS:
+        size = capacity * dtype.itemsize
+        views[name] = storage[offset:offset + size].view(dtype)
+        offset += size
+    return views
+
+
+class _Stage:
+    """A host tensor laid out as the device storage, its field views, and how many rows its last write used."""
+
+    def __init__(self, storage: torch.Tensor, capacity: int) -> None:
+        self.storage = storage
+        self.fields = _field_views(storage, capacity)
+        self.rows = 0
+        self.event = None  # CUDA: recorded after the copy out of this stage
+        for name, _, pad in FIELDS:
+            self.fields[name].fill_(pad)
+
+    def write(self, rows: int, values: dict[str, torch.Tensor | None]) -> None:
+        """The fields in `values` (None: dense_rows all False) over the first `rows` rows, and the padding."""
+        f = self.fields
+        for name, value in values.items():
+            if value is not None:
+                f[name][:rows].copy_(value)
+            else:
+                f[name][:rows].fill_(False)
+        if rows > self.rows:
+            f["valid"][self.rows:rows].fill_(True)
+        elif rows < self.rows:  # rows the previous write used become padding again
+            for name, _, pad in FIELDS:
+                f[name][rows:self.rows].fill_(pad)
+        self.rows = rows
+
 
 class PlanBuffers:
-    def __init__(self, capacity: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, capacity: int, device: str | torch.device = "cpu", staged: bool | None = None) -> None:
+        """`staged` (default: off the host) writes through host staging tensors and one copy per pass."""
         if not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
         self.device = torch.device(device)
+        self.staged = self.device.type != "cpu" if staged is None else staged
         self.frozen = False
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
-        self.req_rows = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-        self.request_keys = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-        self.dense_rows = torch.ones(capacity, dtype=torch.bool, device=self.device)
-        self.valid = torch.zeros(capacity, dtype=torch.bool, device=self.device)
+        nbytes = capacity * sum(dtype.itemsize for _, dtype, _ in FIELDS)
+        self.storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        fields = _field_views(self.storage, capacity)
+        self.req_rows, self.request_keys = fields["req_rows"], fields["request_keys"]
+        self.dense_rows, self.valid = fields["dense_rows"], fields["valid"]
+        if self.staged:
+            pin = self.device.type == "cuda"
+            self._stages = [_Stage(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin), capacity)
+                            for _ in range(STAGES)]
+            self.storage.copy_(self._stages[0].storage)
+        else:
+            self._stages = [_Stage(self.storage, capacity)]
+        self._turn = 0
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
         self.rows = 0
 
     def write(self, req_rows: torch.Tensor, request_keys: torch.Tensor,
@@ -47,23 +109,31 @@ class PlanBuffers:
                 raise ValueError(f"a pass of {rows} rows exceeds the plan buffers' capacity {self.capacity}, "
                                  "which a captured graph holds")
             self._allocate(rows)
-        self.req_rows[:rows].copy_(req_rows, non_blocking=True)
-        self.request_keys[:rows].copy_(request_keys, non_blocking=True)
-        if dense_rows is None:
-            self.dense_rows[:rows].fill_(False)
-        else:
-            self.dense_rows[:rows].copy_(dense_rows, non_blocking=True)
-        self.valid[:rows].fill_(True)
-        if rows < self.capacity:
-            self.req_rows[rows:].fill_(0)
-            self.request_keys[rows:].fill_(0)
-            self.dense_rows[rows:].fill_(True)
-            self.valid[rows:].fill_(False)
+        values = {"req_rows": req_rows, "request_keys": request_keys, "dense_rows": dense_rows}
+        if not self.staged:
+            self._stages[0].write(rows, values)
+            self.rows = rows
+            return rows
+        stage = self._stages[self._turn]
+        self._turn = (self._turn + 1) % len(self._stages)
+        if stage.event is not None:
+            stage.event.synchronize()  # its previous copy has left it (long since, unless the device lags)
+        on_device = {name: v for name, v in values.items() if v is not None and v.device.type != "cpu"}
+        stage.write(rows, {name: v for name, v in values.items() if name not in on_device})
+        self.storage.copy_(stage.storage, non_blocking=True)
+        if self.device.type == "cuda":
+            stage.event = stage.event or torch.cuda.Event()
+            stage.event.record()
+        for name, value in on_device.items():  # after the staged copy, which wrote their padding
+            getattr(self, name)[:rows].copy_(value, non_blocking=True)
         self.rows = rows
         return rows
 
     def views(self, rows: int | None = None) -> dict[str, torch.Tensor]:
         """Views (no copy) of the first `rows` rows (default: the last pass's)."""
         rows = self.rows if rows is None else rows
-        return {"req_rows": self.req_rows[:rows], "request_keys": self.request_keys[:rows],
-                "dense_rows": self.dense_rows[:rows], "valid": self.valid[:rows]}
+        views = self._views.get(rows)
+        if views is None:
+            views = self._views[rows] = (self.req_rows[:rows], self.request_keys[:rows], self.dense_rows[:rows],
+                                         self.valid[:rows])
+        return dict(zip(("req_rows", "request_keys", "dense_rows", "valid"), views, strict=True))

@@ -39,6 +39,7 @@ import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -67,8 +68,10 @@ NAMESPACE_PREFIX = "vsk:"
 MAX_TRACKED_REQUESTS = 65536
 
 
+@lru_cache(maxsize=MAX_TRACKED_REQUESTS)
 def request_key(rid: str) -> int:
-    """A stable int64 key per request id (RandomSkip hashes it with the position)."""
+    """A stable int64 key per request id (RandomSkip hashes it with the position); cached, as every pass of a
+    request asks for it again."""
     return zlib.crc32(str(rid).encode())
 
 
@@ -110,7 +113,9 @@ class Step:
     state: Any = None
     tape: RouteTape | None = None
     builder: CohortBuilder | None = None
-    dense_rows: torch.Tensor | None = None  # bool [rows]: rows of dense-mode requests (RUN, unit weight)
+    # bool [rows]: rows of dense-mode requests (RUN, unit weight). `keys` and `dense_rows` are decided on the
+    # host; the model writes them into its plan buffers and the step then reads their views on the device.
+    dense_rows: torch.Tensor | None = None
     rows: int = 0
     probe: bool = False
     dense_count: int = 0  # rows of dense-mode requests (host)
@@ -220,6 +225,9 @@ class Runtime:
         self._requests: OrderedDict[str, RequestRecord] = OrderedDict()
         self._candidates: PrefillDecision | None = None
         self._decoding: dict[str, int] = {}  # decoding request -> its resident KV tokens at its last decode pass
+        # The last decode pass's request ids and their per-row routed flags and keys (host tensors): the next pass
+        # of the same requests, with no promotion and no request ended in between, reuses them.
+        self._decode_rows: tuple[list, torch.Tensor, torch.Tensor, int] | None = None
         self._tape: RouteTape | None = None
         self._builder: CohortBuilder | None = None
         # Decode passes a captured graph replays: a tape and cohort builder that never reallocate.
@@ -247,8 +255,13 @@ class Runtime:
     # -- per pass -------------------------------------------------------------------------------------------
 
     def plan(self, forward_batch: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Step:
-        """Decide this pass's rows and prepare the skipper's state (`decide`, then `prepare_state`)."""
+        """Decide this pass's rows and prepare the skipper's state (`decide`, then `prepare_state`), the per-row
+        plan on the hidden states' device (a served model writes it into its plan buffers instead)."""
         step = self.decide(forward_batch, hidden.shape[0], hidden.dtype, hidden.device)
+        if step.keys is not None:
+            step.keys = step.keys.to(hidden.device)
+        if step.dense_rows is not None:
+            step.dense_rows = step.dense_rows.to(hidden.device)
         self.prepare_state(step, hidden, positions)
         return step
 
@@ -396,60 +409,75 @@ class Runtime:
         probe = any(r.probe for r in records)
         for r in records:
             r.probe = False
+        if self.skipper is None:
+            return Step("prefill", False, rows=rows)
         routed_req = [r.prefill_mode is Mode.ROUTED for r in records]
-        extend = fb.extend_seq_lens_cpu or [rows]
-        row_routed = torch.repeat_interleave(torch.tensor(routed_req, dtype=torch.bool),
-                                             torch.tensor(list(extend), dtype=torch.int64))
-        keys = torch.repeat_interleave(torch.tensor([request_key(r) for r in rids], dtype=torch.int64),
-                                       torch.tensor(list(extend), dtype=torch.int64))
+        extend = torch.tensor(list(fb.extend_seq_lens_cpu or [rows]), dtype=torch.int64)
+        row_routed = torch.repeat_interleave(torch.tensor(routed_req, dtype=torch.bool), extend)
+        keys = torch.repeat_interleave(torch.tensor(list(map(request_key, rids)), dtype=torch.int64), extend)
         return self._step("prefill", rows, dtype, device, row_routed, keys, probe)
 
     def _plan_decode(self, fb: Any, rows: int, dtype: torch.dtype, device: torch.device | str) -> Step:
         now = time.time()
         rids = list(fb.rids or [])
-        present = set(rids)
-        for rid in [r for r in self._decoding if r not in present]:  # left the batch (its release ends it too)
-            self._end(rid)
+        last = self._decode_rows
+        same = last is not None and last[0] == rids  # the last decode pass's requests, none ended since
+        if not same:
+            present = set(rids)
+            for rid in [r for r in self._decoding if r not in present]:  # left the batch (its release ends it too)
+                self._end(rid)
         seq_lens = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens
         lengths = [int(n) for n in seq_lens.tolist()]
         resident = sum(lengths)
-        for rid in self.switch.observe(resident, now):
+        promoted = self.switch.observe(resident, now)
+        for rid in promoted:
             if rid in self._requests:
                 self._requests[rid].promoted = True
-        for rid, length in zip(rids, lengths, strict=True):
-            if rid not in self._decoding:
-                mode = self.switch.start_decode(rid)
-                record = self._requests.get(rid)
-                if record is None:  # admitted before this runtime tracked it: nothing known of its prefill
-                    record = self._requests[rid] = RequestRecord(mode, length)
-                record.decode_mode = mode
-                if not record.decoded and not is_health_check(rid):
-                    record.decoded = True
-                    self.counters.requests["decode"][mode.value] += 1
-            self._decoding[rid] = length
-        self._publish_resident()
-        row_routed = torch.tensor([self.switch.decode_mode(r) is Mode.ROUTED for r in rids], dtype=torch.bool)
-        keys = torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
-        return self._step("decode", rows, dtype, device, row_routed, keys, False)
+        if same:  # every request already decoding: only their lengths move
+            self._decoding.update(zip(rids, lengths, strict=True))
+        else:
+            for rid, length in zip(rids, lengths, strict=True):
+                if rid not in self._decoding:
+                    mode = self.switch.start_decode(rid)
+                    record = self._requests.get(rid)
+                    if record is None:  # admitted before this runtime tracked it: nothing known of its prefill
+                        record = self._requests[rid] = RequestRecord(mode, length)
+                    record.decode_mode = mode
+                    if not record.decoded and not is_health_check(rid):
+                        record.decoded = True
+                        self.counters.requests["decode"][mode.value] += 1
+                self._decoding[rid] = length
+        self._publish_resident(resident)  # the decoding requests are this batch's now
+        if self.skipper is None:
+            self._decode_rows = (rids, None, None, 0)
+            return Step("decode", False, rows=rows)
+        if not same or promoted:
+            routed = [self.switch.decode_mode(r) is Mode.ROUTED for r in rids]
+            last = self._decode_rows = (rids, torch.tensor(routed, dtype=torch.bool),
+                                        torch.tensor(list(map(request_key, rids)), dtype=torch.int64), sum(routed))
+        _, row_routed, keys, n_routed = last
+        return self._step("decode", rows, dtype, device, row_routed, keys, False, n_routed)
 
     def _end(self, rid: str) -> None:
         """The request stopped decoding (it left the batch: finished, aborted or retracted)."""
         self.switch.finish(rid)
         self._decoding.pop(rid, None)
+        self._decode_rows = None
 
     def resident_tokens(self) -> int:
         """The KV tokens of the requests decoding now (as of their last decode pass, less those that left)."""
         return sum(self._decoding.values())
 
-    def _publish_resident(self) -> None:
+    def _publish_resident(self, resident: int | None = None) -> None:
         if self.prometheus is not None:
-            self.prometheus.resident.set(self.resident_tokens())
+            self.prometheus.resident.set(self.resident_tokens() if resident is None else resident)
 
     def _step(self, phase: str, rows: int, dtype: torch.dtype, device: torch.device | str,
-              row_routed: torch.Tensor, keys: torch.Tensor, probe: bool) -> Step:
-        """`row_routed` and `keys` are host tensors (built from the request records): the decisions made on them
-        here read no device value."""
-        n_routed = int(row_routed.sum())
+              row_routed: torch.Tensor, keys: torch.Tensor, probe: bool, n_routed: int | None = None) -> Step:
+        """`row_routed` and `keys` are host tensors (built from the request records; `n_routed` their routed
+        rows, where known): the decisions made on them here read no device value, and the step keeps its keys
+        and dense-mode rows on the host for the model's plan buffers (`Runtime.plan`: on the device)."""
+        n_routed = int(row_routed.sum()) if n_routed is None else n_routed
         if self.skipper is None or rows == 0 or n_routed == 0:
             return Step(phase, False, rows=rows)
         if phase == "decode" and self._graph_tape is not None and rows <= self._graph_tape.capacity:
@@ -467,9 +495,9 @@ class Runtime:
             self._control_next[phase] = not control
             if control:  # every row RUN, as a dense-mode row: the s = 0 control's work through the routed layers
                 n_routed, row_routed = 0, torch.zeros_like(row_routed)
-        dense_rows = None if n_routed == rows else (~row_routed).to(device)
+        dense_rows = None if n_routed == rows else ~row_routed
         return Step(phase, True, self.skipper, None, tape, builder, dense_rows, rows, probe,
-                    rows - n_routed, keys=keys.to(device), control=control)
+                    rows - n_routed, keys=keys, control=control)
 
     def reserve_graph_tape(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> None:
         """Static storage for decode passes of up to `capacity` rows, which captured routed graphs replay: their

@@ -679,10 +679,16 @@ class SkipperCausalLM(RouterWeightsMixin):
     def write_plan(self, forward_batch, step: Step) -> PassPlan:
         """Write the routed pass's per-row plan into the static buffers; the step and the plan read their views.
         A decode pass on the graph tape writes the graph buffers (a replay reads them), every other pass the
-        eager ones."""
+        eager ones. The step's keys and dense-mode rows are host tensors, and so are a decode pass's request
+        slots where SGLang's batch has their host mirror: the buffers then take the whole plan in one copy."""
         plan = plan_pass(forward_batch, step.rows)
+        req_rows = plan.req_rows
+        mirror = getattr(forward_batch, "req_pool_indices_cpu", None)
+        if req_rows.device.type != "cpu" and mirror is not None and forward_batch.forward_mode.is_decode() \
+                and mirror.shape[0] >= step.rows:
+            req_rows = mirror[: step.rows]
         buffers = self.graph_buffers if self.runtime.on_graph_tape(step) else self.buffers
-        buffers.write(plan.req_rows, step.keys, step.dense_rows)
+        buffers.write(req_rows, step.keys, step.dense_rows)
         views = buffers.views(step.rows)
         step.keys = views["request_keys"]
         if step.dense_rows is not None:

@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""`make bench-host`: the host time of a routed pass against a dense one, in one process on CPU.
+
+A served pass goes through the model's hooks around SGLang's forward: `SkipperCausalLM.prepare_pass` (the
+runtime's host decisions, `Runtime.decide`, then the routed pass's plan written into the static `PlanBuffers`),
+the forward (on a GPU a decode pass replays a captured graph: no per-layer Python on the host's path), then
+`finish_pass` (the pass counted: the tape's counts on their way to the host, the counters, Prometheus). A dense
+arm's pass goes through the same hooks with a non-routed step. Here the real skipper model class
+(`DDLlamaForCausalLM`: SGLang's `LlamaForCausalLM` with vSkipper's routed layers), with SGLang's real KV pool,
+request-to-token pool and torch-native attention backend (`vskipper.sglang.standalone`'s context), is built once
+per arm from one tiny checkpoint (hidden 64, 8 layers, layers 4-7 routed), each arm with its own runtime:
+
+  dense   the dense arm (a non-routed step through the same hooks)
+  s=0     always-route RandomSkip r = 0, d = 0.5: every row RUN through the routed path (the control)
+  s=0.5   always-route RandomSkip r = 1, d = 0.5: half of each routed layer's rows Project-Only
+
+Two measurements, each at decode batches of 8, 64 and 256 requests (32 tokens of context each) and one prefill
+pass (4 prompts of 64 tokens); within every repetition the arms take turns pass by pass (ABC, CBA, ...), each
+pass timed on its own, and a repetition's figure per arm is the median of its passes:
+
+  hooks   `prepare_pass` + `finish_pass` alone, no forward: the per-pass host work outside the forward, which a
+          captured decode graph cannot hold (its time over a dense pass's is what routing adds to the host's
+          critical path on a GPU, whatever the graph replays)
+  pass    the whole eager pass: `prepare_pass`, the model's forward (embedding, every layer, logits), then
+          `finish_pass`. The model is so small that compute is negligible: the time is the host's (Python,
+          dispatch, SGLang's per-request decode read); on a GPU a routed decode pass replays a graph instead, so
+          this is the eager bound (prefill, CPU)
+
+Printed per phase and batch: each arm's microseconds per pass (the median over repetitions, with their [min,
+max]), each routed arm over dense (the median of the repetitions' ratios, [min, max]) beside the goal (within
+10%: 1.10x), and what the hooks add to a pass over dense's hooks, in microseconds and as a share of the dense
+eager pass.
+Last line: `host: hooks s=0.5/dense <x>x .. <y>x; pass s=0.5/dense <x>x .. <y>x (goal <= 1.10x)` over the shapes.
+
+One torch thread. Timings on a shared machine are noisy: the spread is printed, the arms alternate, and each
+figure is a median over repetitions of many passes each.
+
+    python benchmarks/host_time_bench.py                 # about two minutes on two cores
+    python benchmarks/host_time_bench.py --quick         # tiny batches, two repetitions: checks the pipeline
+    python benchmarks/host_time_bench.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from vskipper.arms import Arm, get_arm  # noqa: E402
+from vskipper.checkpoint import TinySize, make_tiny_model  # noqa: E402
+from vskipper.sglang.standalone import init_sglang  # noqa: E402
+
+SKIP = 0.5
+ARMS = {
+    "dense": get_arm("dense"),
+    "s=0": Arm.from_dict({"skipper": "random_skip", "params": {"r": 0.0, "d": SKIP}, "prefill": "routed",
+                          "decode": "routed"}, name="random-r0-always"),
+    "s=0.5": Arm.from_dict({"skipper": "random_skip", "params": {"r": 1.0, "d": SKIP}, "prefill": "routed",
+                            "decode": "routed"}, name="random-r100-d50-always"),
+}
+ROUTED_ARMS = ("s=0", "s=0.5")
+GOAL = 1.10  # a routed pass's host time within 10% of a dense pass's
+CONTEXT = 32  # tokens of context per decode request
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One kind of pass: `batch` decode requests of `CONTEXT` tokens, or `prompts` prompts of `tokens` tokens."""
+
+    phase: str
+    batch: int  # requests in the pass
+    tokens: int = 1  # new tokens per request (decode: 1)
+
+    @property
+    def label(self) -> str:
+        return f"decode b={self.batch}" if self.phase == "decode" else f"prefill {self.batch}x{self.tokens}"
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.tokens
+
+
+FULL = (Shape("decode", 8), Shape("decode", 64), Shape("decode", 256), Shape("prefill", 4, 64))
+QUICK = (Shape("decode", 4), Shape("prefill", 2, 8))
+
+
+class ServedModel:
+    """The skipper model class of one arm, built in this process as a server's scheduler builds it (its own
+    runtime, its weights loaded by its own loader), over SGLang's KV pool, request-to-token pool and torch-native
+    attention backend; `batch` builds SGLang's ForwardBatch of a pass."""
+
+    def __init__(self, arm: Arm, checkpoint: Path, requests: int, slots: int) -> None:
+        from safetensors.torch import load_file
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from transformers import AutoConfig
+
+        from vskipper.sglang import active
+        from vskipper.sglang.models.ddllama import DDLlamaForCausalLM
+        from vskipper.sglang.runtime import Runtime
+        from vskipper.sglang.spec import ServeSpec
+
+        config = AutoConfig.from_pretrained(str(checkpoint))
+        routed = tuple(config.routing_layers)
+        # The model asks for the process's runtime (`get_runtime`): this arm's, built without a state file.
+        active.set_runtime(Runtime(ServeSpec(arm, 0, 0, None), config.model_type, routed, "DDLlamaForCausalLM"))
+        model = DDLlamaForCausalLM(config)
+        model.load_weights(load_file(str(checkpoint / "model.safetensors")).items())
+        self.model = model.eval()
+        self.runtime = model.runtime
+        attn = model.model.layers[0].self_attn
+        layers = config.num_hidden_layers
+        self.pool = MHATokenToKVPool(slots, 1, torch.float32, attn.num_kv_heads, attn.head_dim, layers, "cpu",
+                                     False, start_layer=0, end_layer=layers - 1)
+        self.req_pool = ReqToTokenPool(requests, CONTEXT + 64, "cpu", False)
+        per = CONTEXT + 64
+        self.req_pool.req_to_token[:requests, :per] = (torch.arange(requests * per) + 1).view(requests, per)
+        self.backend = TorchNativeAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=self.req_pool,
+                                                              token_to_kv_pool=self.pool))
+
+    def context(self):
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        return forward_context(ForwardContext(attn_backend=self.backend))
+
+    def batch(self, shape: Shape, first_slot: int):
+        """SGLang's ForwardBatch of a pass of `shape` over request slots from `first_slot`: a decode pass of
+        requests holding `CONTEXT` tokens each, or a prefill pass of whole prompts."""
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+        reqs = list(range(first_slot, first_slot + shape.batch))
+        decode = shape.phase == "decode"
+        prefix = [CONTEXT - 1 if decode else 0] * shape.batch
+        seq = [p + shape.tokens for p in prefix]
+        positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq, strict=True)])
+        req_rows = torch.repeat_interleave(torch.tensor(reqs), shape.tokens)
+        extend = torch.tensor([shape.tokens] * shape.batch)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, batch_size=shape.batch,
+            input_ids=torch.randint(3, 500, (shape.rows,)), req_pool_indices=torch.tensor(reqs),
+            seq_lens=torch.tensor(seq), out_cache_loc=self.req_pool.req_to_token[req_rows, positions].to(torch.int64),
+            seq_lens_sum=sum(seq), seq_lens_cpu=torch.tensor(seq), positions=positions,
+            rids=[f"{shape.phase}-{r}" for r in reqs], capture_hidden_mode=CaptureHiddenMode.NULL)
+        if not decode:
+            fb.extend_seq_lens, fb.extend_seq_lens_cpu = extend, extend.tolist()
+            fb.extend_prefix_lens = torch.tensor(prefix)
+            fb.extend_start_loc = torch.cumsum(extend, 0) - extend
+            fb.extend_num_tokens = shape.rows
+            fb.extend_logprob_start_lens_cpu = [shape.tokens] * shape.batch
+        return fb
+
+    def hooks(self, fb) -> None:
+        """The host work around a pass, without its forward."""
+        self.model.prepare_pass(fb)
+        self.model.finish_pass(fb, False)
+
+    def whole(self, fb) -> None:
+        """The whole eager pass, as SGLang's model runner runs it with vSkipper's hooks around it."""
+        self.model.prepare_pass(fb)
+        with self.context():
+            self.model.forward(fb.input_ids, fb.positions, fb)
+        self.model.finish_pass(fb, False)
+
+
+def passes_for(kind: str, shape: Shape, quick: bool) -> int:
+    """Passes of each arm per repetition: enough for a stable median, in a few seconds."""
+    if quick:
+        return 3
+    if kind == "hooks":
+        return 200 if shape.phase == "decode" and shape.batch <= 64 else 100
+    return max(5, min(40, 2000 // shape.rows))
+
+
+def measure(models: dict[str, ServedModel], shapes, repetitions: int, quick: bool) -> dict:
+    """For each kind and shape: per arm, each repetition's median microseconds per pass. Within a repetition the
+    arms take turns pass by pass (ABC, CBA, ...), so a load that comes and goes on a shared machine lands on every
+    arm alike; each pass is timed on its own."""
+    results: dict = {}
+    order = list(models)
+    prefill_slots = max(s.batch for s in shapes if s.phase == "decode")
+    for kind in ("hooks", "pass"):
+        for shape in shapes:
+            batches = {name: m.batch(shape, 0 if shape.phase == "decode" else prefill_slots)
+                       for name, m in models.items()}
+            fns = {name: m.hooks if kind == "hooks" else m.whole for name, m in models.items()}
+            for name in order:  # warm-up: the runtime's records, the tape and the plan buffers' sizes
+                fns[name](batches[name])
+                fns[name](batches[name])
+            n = passes_for(kind, shape, quick)
+            times: dict[str, list[float]] = {name: [] for name in order}
+            for _ in range(repetitions):
+                per: dict[str, list[float]] = {name: [] for name in order}
+                for i in range(n):
+                    for name in order if i % 2 == 0 else reversed(order):
+                        fn, fb = fns[name], batches[name]
+                        t0 = time.perf_counter()
+                        fn(fb)
+                        per[name].append(time.perf_counter() - t0)
+                for name in order:
+                    times[name].append(statistics.median(per[name]) * 1e6)
+            results.setdefault(kind, {})[shape.label] = {"passes": n, "us": times}
+    return results
+
+
+def summary(times: dict[str, list[float]]) -> dict:
+    """Medians with their [min, max], and each routed arm over dense repetition by repetition."""
+    out = {"arms": {name: {"median": statistics.median(t), "min": min(t), "max": max(t)} for name, t in times.items()},
+           "ratios": {}}
+    for name in ROUTED_ARMS:
+        ratios = [r / d for r, d in zip(times[name], times["dense"], strict=True)]
+        out["ratios"][f"{name}/dense"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                          "max": max(ratios), "within_goal": statistics.median(ratios) <= GOAL}
+    return out
+
+
+def report(results: dict, repetitions: int) -> dict:
+    what = {"hooks": "prepare_pass + finish_pass (the host work outside the forward a graph cannot hold)",
+            "pass": "the whole eager pass (prepare_pass, forward, finish_pass; compute negligible)"}
+    summaries: dict = {}
+    for kind, shapes in results.items():
+        print(f"\n{kind}: {what[kind]}, microseconds per pass, median [min, max] over {repetitions} repetitions")
+        print(f"  {'pass':<16}" + "".join(f"{name:>28}" for name in ARMS) + "".join(
+            f"{name + '/dense':>26}" for name in ROUTED_ARMS))
+        for label, data in shapes.items():
+            s = summary(data["us"])
+            summaries.setdefault(kind, {})[label] = {**s, "passes_per_repetition": data["passes"]}
+            cells = [f"{a['median']:9.1f} [{a['min']:8.1f}, {a['max']:8.1f}]" for a in s["arms"].values()]
+            cells += [f"{r['median']:7.3f}x [{r['min']:.3f}, {r['max']:.3f}]" for r in s["ratios"].values()]
+            print(f"  {label:<16}" + "".join(f"{c:>28}" for c in cells[:len(ARMS)])
+                  + "".join(f"{c:>26}" for c in cells[len(ARMS):]))
+    hooks, passes = summaries.get("hooks", {}), summaries.get("pass", {})
+    if hooks and passes:
+        print("\nwhat the routed arms' hooks add over dense's, microseconds per pass and share of the dense eager pass")
+        for label, s in hooks.items():
+            dense = s["arms"]["dense"]["median"]
+            whole = passes[label]["arms"]["dense"]["median"]
+            added = {name: s["arms"][name]["median"] - dense for name in ROUTED_ARMS}
+            for name, us in added.items():
+                s["ratios"][f"{name}/dense"]["added_us"] = us
+                s["ratios"][f"{name}/dense"]["added_share_of_dense_pass"] = us / whole
+            print(f"  {label:<16}" + "".join(f"   {name} +{us:7.1f} us ({us / whole:6.2%})" for name, us in added.items()))
+    print(f"\ngoal: a routed pass's host time within {GOAL - 1:.0%} of a dense pass's ({GOAL:.2f}x)")
+    parts = []
+    for kind, shapes in summaries.items():
+        ratios = [s["ratios"]["s=0.5/dense"]["median"] for s in shapes.values()]
+        parts.append(f"{kind} s=0.5/dense {min(ratios):.3f}x .. {max(ratios):.3f}x")
+    print(f"host: {'; '.join(parts)} (goal <= {GOAL:.2f}x)")
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repetitions", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="tiny batches, two repetitions (checks the pipeline)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (the deeper half routed)")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    repetitions = 2 if args.quick else args.repetitions
+    if repetitions < 1:
+        parser.error("--repetitions must be at least 1")
+    shapes = QUICK if args.quick else FULL
+    torch.set_num_threads(1)
+    init_sglang("cpu")
+    from vskipper.sglang.configs import register_configs
+
+    register_configs()
+    size = TinySize(layers=args.layers, hidden=args.hidden, intermediate=2 * args.hidden)
+    requests = max(s.batch for s in shapes) + max(s.batch for s in shapes if s.phase == "prefill")
+    slots = requests * (CONTEXT + 64) + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = make_tiny_model("flexidepth-llama", Path(tmp) / "tiny", size)
+        models = {name: ServedModel(arm, checkpoint, requests, slots) for name, arm in ARMS.items()}
+    config = models["dense"].model.config
+    print(f"model: DDLlamaForCausalLM, hidden {config.hidden_size}, {config.num_hidden_layers} layers, routed "
+          f"{list(config.routing_layers)}; decode context {CONTEXT} tokens; one torch thread; arms "
+          + ", ".join(f"{n} ({a.name})" for n, a in ARMS.items()))
+    t0 = time.perf_counter()
+    results = measure(models, shapes, repetitions, args.quick)
+    summaries = report(results, repetitions)
+    print(f"({time.perf_counter() - t0:.0f} s; a shared machine's timings are noisy: compare within one run)")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"repetitions": repetitions, "goal": GOAL, "results": results,
+                                         "summary": summaries}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

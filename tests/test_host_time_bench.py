@@ -1,0 +1,37 @@
+"""`benchmarks/host_time_bench.py` at its quick size, in a child process (SGLang's context is published there):
+the report's structure, every arm and ratio of both measurements; its figures mean nothing here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_the_host_time_bench_reports_each_arm_and_the_routed_over_dense_ratios_of_both_measurements(tmp_path):
+    out = tmp_path / "host.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_time_bench.py"), "--quick", "--json",
+                          str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = run.stdout
+    for heading in ("hooks: prepare_pass + finish_pass", "pass: the whole eager pass",
+                    "what the routed arms' hooks add over dense's"):
+        assert heading in text
+    lines = text.splitlines()
+    assert lines[-2].startswith("host: hooks s=0.5/dense ") and "; pass s=0.5/dense " in lines[-2]
+    assert lines[-2].endswith("(goal <= 1.10x)")
+    report = json.loads(out.read_text())
+    assert report["repetitions"] == 2 and report["goal"] == 1.10
+    for kind in ("hooks", "pass"):
+        shapes = report["summary"][kind]
+        assert set(shapes) == {"decode b=4", "prefill 2x8"}
+        for label, s in shapes.items():
+            assert set(s["arms"]) == {"dense", "s=0", "s=0.5"}
+            assert set(s["ratios"]) == {"s=0/dense", "s=0.5/dense"}
+            for arm in s["arms"].values():
+                assert 0 < arm["min"] <= arm["median"] <= arm["max"]
+            assert all(len(us) == 2 for us in report["results"][kind][label]["us"].values())
+            assert f"  {label}" in text
+    assert "added_us" in report["summary"]["hooks"]["decode b=4"]["ratios"]["s=0.5/dense"]
