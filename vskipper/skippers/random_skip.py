@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vskipper.skippers.base import BatchContext, LayerRoute, Skipper, unit_route
+from vskipper.skippers.base import BatchContext, LayerRoute, Skipper
 
 MOD = 1 << 31
 MASK = MOD - 1
@@ -72,21 +72,23 @@ class RandomSkip(Skipper):
         return {"r": self.r, "d": self.d, "seed": self.seed, "skip_ratio": self.r * self.d}
 
     def prepare_batch(self, batch: BatchContext) -> dict[str, Any]:
+        """Every routed layer's routes of the pass at once (one [L_r, rows] chain of tensor ops over the pass's
+        rows): `route` then hands a layer its row of them, with no work per layer."""
         if batch.request_keys is None or batch.positions is None:
             raise ValueError("random_skip needs per-row request_keys and positions in the batch context")
         keys = batch.request_keys.to(torch.int64).view(-1)
         pos = batch.positions.to(torch.int64).view(-1)
+        valid = batch.valid_rows.view(-1)
         k = _row_phase(self.seed, keys)
-        selected = ((k + pos * PHI) % MOD) < _threshold(self.r)
+        selected = (((k + pos * PHI) % MOD) < _threshold(self.r)) & valid
         offset = _mix(k ^ _mix(pos))
-        index = {layer: j for j, layer in enumerate(batch.routed_layers)}
-        return {"selected": selected & batch.valid_rows.view(-1), "offset": offset, "index": index,
-                "layers": len(batch.routed_layers), "valid": batch.valid_rows.view(-1),
-                "dtype": batch.hidden_states.dtype}
+        layers = len(batch.routed_layers)
+        strides = torch.tensor([j * MOD // layers for j in range(layers)], dtype=torch.int64, device=offset.device)
+        run = ~(selected & (((offset + strides.view(-1, 1)) % MOD) < _threshold(self.d)))  # [L_r, rows]
+        weights = torch.ones(run.shape[1], 1, dtype=batch.hidden_states.dtype, device=run.device)
+        return {"run": run.unsqueeze(-1), "weights": weights,
+                "index": {layer: j for j, layer in enumerate(batch.routed_layers)}}
 
     def route(self, layer_id: int, normed_hidden: torch.Tensor, state: dict[str, Any],
               router: torch.nn.Module | None = None) -> LayerRoute:
-        j = state["index"][layer_id]
-        stride = j * MOD // state["layers"]
-        project = state["selected"] & (((state["offset"] + stride) % MOD) < _threshold(self.d))
-        return unit_route(state["valid"], project, state["dtype"])
+        return LayerRoute(state["run"][state["index"][layer_id]], state["weights"])
