@@ -1,12 +1,14 @@
 """benchmarks/gpu/run.sh on CPU (`--dry-run`: the CPU platform, a tiny FlexiDepth model with `--load-format dummy`),
 so that device minutes are not spent on typos: every stage end to end against the real SGLang server, with the
-three arms started once for all stages (the script's own launcher, `VSKIPPER_GPU_RUN_SERVERS`); and the device
-plan's server commands parsed by SGLang's own launch-flag parser. The numbers of a dry run mean nothing."""
+four arms started once for all stages (the script's own launcher, `VSKIPPER_GPU_RUN_SERVERS`; the headline stage
+starts the hybrid arm at the sweep's tau itself); and the device plan's server commands parsed by SGLang's own
+launch-flag parser. The numbers of a dry run mean nothing."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from contextlib import ExitStack
@@ -15,11 +17,13 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from benchmarks.gpu import run  # noqa: E402
+from benchmarks.gpu import headline, run  # noqa: E402
+from loadgen.qstar import CELL_FACTORS  # noqa: E402
+from loadgen.suite import load_suite  # noqa: E402
 from tests.sglang_world import ROOT  # noqa: E402
 from tests.test_serve_contract import sglang_parser  # noqa: E402
 
-pytestmark = pytest.mark.server  # the device run's stages against three real SGLang servers
+pytestmark = pytest.mark.server  # the device run's stages against real SGLang servers
 
 SCRIPT = ROOT / "benchmarks" / "gpu" / "run.sh"
 
@@ -36,8 +40,8 @@ def _finish(proc: subprocess.Popen, stage: str, logs: dict) -> None:
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """`run.sh` install, then serve-ab and sweep against the four arms started once (the kernels stage, which
-    needs no server, runs beside them), then `all`, which finds every stage done, into one folder."""
+    """`run.sh` install, then ladder, sweep and headline against the four arms started once (the kernels stage,
+    which needs no server, runs beside them), then `all`, which finds every stage done, into one folder."""
     out = tmp_path_factory.mktemp("gpu-run")
     plan = run.Plan.dry()
     model = run.write_model(plan, out)
@@ -56,7 +60,7 @@ def dry_run(tmp_path_factory):
             given = out / "servers.json"
             given.write_text(json.dumps({name: s.url for name, s in servers.items()}))
             env[run.ENV_SERVERS] = str(given)
-            for stage in ("serve-ab", "sweep"):
+            for stage in ("ladder", "sweep", "headline"):
                 _finish(_stage(stage, out, env), stage, logs)
         _finish(kernels, "kernels", logs)
         _finish(_stage("all", out, env), "all", logs)
@@ -72,22 +76,115 @@ def test_install_reports_the_platform_torch_and_triton(dry_run):
     assert "no bundle installed" in logs["install"]
 
 
-def test_serve_ab_runs_both_routed_arms_against_dense_and_every_gate_passes(dry_run):
+def test_ladder_finds_q_star_on_dense_and_serves_dense_every_headline_cell(dry_run):
+    out, logs = dry_run
+    plan = run.Plan.dry()
+    ladder = json.loads((out / "ladder.json").read_text())
+    assert ladder["left"] == [] and "dense up and warm" in logs["ladder"]
+    q = ladder["q_star"]
+    assert q["rates"] == list(range(q["rates"][0], q["rates"][0] + len(q["rates"])))  # contiguous, step 1
+    assert len(q["rates"]) <= plan.ladder_max_rates and q["q_star"] in q["rates"]
+    assert q["rates"][0] <= ladder["calibration"]["ladder_start"] <= q["rates"][-1]
+    assert all(t > 0 for t in q["tok_s"])
+    cells = [headline.Cell.from_dict(c) for c in ladder["cells"]]
+    assert [(c.load, c.repetition) for c in cells] == [(load, r) for load in headline.LOADS
+                                                       for r in range(plan.repetitions)]
+    for c in cells:
+        assert c.rate == pytest.approx(CELL_FACTORS[c.load] * q["q_star"])
+        dense = ladder["dense"][c.key]  # dense served the cell: the suite's every request at the cell's rate
+        assert dense["requests"] == c.requests and dense["rate"] == c.rate and dense["seed"] == c.seed
+        assert dense["suite"]["digest"] == ladder["suites"][c.load]["digest"]
+        assert dense["e2e"]["n"] == c.requests and dense["window_s"] > 0 and dense["window_req_s"] >= 0
+    for suite in ladder["suites"].values():  # GSM8K-shaped, forced lengths from the plan's ranges
+        assert load_suite(out / suite["path"]).digest == suite["digest"]
+        assert plan.prompt_tokens[0] <= suite["prompt_tokens"]["min"] <= suite["prompt_tokens"]["max"] <= \
+            plan.prompt_tokens[1]
+        assert plan.output_tokens[0] <= suite["output_tokens"]["min"] <= suite["output_tokens"]["max"] <= \
+            plan.output_tokens[1]
+    assert ladder["served"]["arm"] == "dense"
+
+
+def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_gate_passes(dry_run):
+    out, logs = dry_run
+    plan = run.Plan.dry()
+    result = json.loads((out / "headline.json").read_text())
+    assert result["left"] == [] and set(result["arms"]) == set(run.HEADLINE_ARMS)
+    rule = result["thresholds"]["rule"]
+    assert (rule["enter_tokens"], rule["exit_tokens"]) == plan.dry_thresholds
+    hybrid = result["arms"]["hybrid-rule"]
+    assert hybrid["served"]["thresholds"]["enter_tokens"] == rule["enter_tokens"]  # attested
+    assert hybrid["thresholds"]["source"] == "dry-run (CPU)"
+    assert hybrid["served"]["arm"] == run.HYBRID
+    tau = result["arms"]["hybrid-tau"]
+    if tau.get("skipped"):  # the sweep's tau on a CPU is noise: it may give no thresholds (and says why)
+        assert "tau" in tau["skipped"] and result["thresholds"]["tau"] == {"skipped": tau["skipped"]}
+    else:
+        assert tau["thresholds"]["source"].startswith("measured tau")
+        assert tau["served"]["thresholds"]["enter_tokens"] == tau["thresholds"]["enter_tokens"]
+        assert tau["served"]["thresholds"]["source"] == "flags"
+        assert "hybrid-tau up and warm" in logs["headline"]
+    for key, (name, _role, _variant, loads) in run.HEADLINE_ARMS.items():
+        arm = result["arms"][key]
+        if arm.get("skipped"):
+            continue
+        assert arm["gates_passed"] and set(arm["loads"]) == set(loads), key
+        assert arm["served"]["arm"] == name and arm["table"].count("| " + key + " |") == len(loads)
+        for load, cell in arm["loads"].items():
+            assert cell["repetitions_accepted"] == cell["repetitions_run"] == plan.repetitions
+            for gates in cell["gates"]:
+                assert gates["passed"] and {"work_identity", "mechanism_evidence", "served_design",
+                                            "cross_arm_identity"} <= set(gates["checked"])
+            assert {"e2e_mean", "e2e_p99", "ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99", "window_req_s"} <= \
+                set(cell["comparison"])
+            assert cell["comparison"]["e2e_mean"]["n"] == plan.repetitions
+            assert cell["comparison"]["e2e_mean"]["half_width"] is None  # one repetition: no interval
+            assert cell["dense"]["e2e_mean_s"] > 0 and cell["arm"]["e2e_mean_s"] > 0
+            cells = [c for c in json.loads((out / "ladder.json").read_text())["cells"] if c["load"] == load]
+            for c in cells:  # the arm served the very cell dense served: suite, rate, arrival seed
+                mine = json.loads((out / "headline" / key / f"{load}-rep{c['repetition']}.json").read_text())
+                dense = json.loads((out / "ladder" / "dense" / f"{load}-rep{c['repetition']}.json").read_text())
+                assert (mine["suite"], mine["rate"], mine["seed"]) == (dense["suite"], dense["rate"], dense["seed"])
+                assert [r["scheduled_s"] for r in mine["records"]] == [r["scheduled_s"] for r in dense["records"]]
+    always = result["arms"]["always"]["loads"][headline.KNEE]["routed_share"]
+    assert always == {"prefill": 1.0, "decode": 1.0}
+    figures = {(r["arm"], r["figure"]): r for r in result["figures"]}
+    knee = figures["hybrid-rule", "mean E2E change at 0.95 Q*"]
+    assert knee["limit"] == "below -36.8% (the paper's)" and knee["paper_a100"] == [-36.8, 2.0]
+    assert knee["verdict"] == "n = 1: no interval"
+    rps = figures["hybrid-rule", "request throughput in the injection window at 1.25 Q*"]
+    assert rps["paper_a100"] == [11.3, 0.2] and rps["measured"]["n"] == plan.repetitions
+
+
+def test_headline_serves_the_hybrid_arm_at_the_thresholds_a_measured_tau_gives(dry_run, tmp_path):
+    """The tau arm's path where this CPU's sweep measured no positive tau (its tau is noise here, often below 0;
+    where it is positive, the dry run's own headline served the tau arm): the headline stage again on a copy of
+    the run with a sweep whose tau is given (50 x the rule's), so V* = 50 x 40 tokens; the arms already served are
+    read from their files, the tau arm is started with its thresholds as flags."""
     out, _ = dry_run
-    ab = json.loads((out / "serve-ab.json").read_text())
-    assert ab["left"] == [] and set(ab["pairs"]) == {run.ALWAYS, run.HYBRID}
-    for name, pair in ab["pairs"].items():
-        assert pair["gates_passed"], pair
-        for cell in pair["cells"].values():
-            assert cell["table"] and "| dense |" in cell["table"] or cell["table"]
-            assert (out / "serve-ab" / name / f"ab-{next(iter(pair['cells']))}" / "table.md").is_file()
-        served = pair["served"][name]
-        assert served["arm"] == name
-        assert served["profile"]["name"] == "cpu" and served["profile"]["decode_graphs"] == "disabled"
-        assert pair["served"]["dense"]["arm"] == "dense"
-    assert ab["pairs"][run.HYBRID]["cells"]["below"]["below_engagement_accepted"]
-    always = ab["pairs"][run.ALWAYS]["served"][run.ALWAYS]["passes_total"]
-    assert always["decode"]["routed"] > 0 and always["decode"]["dense"] == 0
+    if not json.loads((out / "headline.json").read_text())["arms"]["hybrid-tau"].get("skipped"):
+        pytest.skip("this dry run's sweep measured a positive tau: its own headline served the tau arm")
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("servers", "server", "kernels"))
+    (copy / "headline.json").unlink()
+    rule = json.loads((out / "headline.json").read_text())["thresholds"]["rule"]
+    sweep = json.loads((out / "sweep.json").read_text())
+    sweep["comparison"]["tau_ms"] = 50 * rule["tau_ms"]
+    (copy / "sweep.json").write_text(json.dumps(sweep))
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", run.ENV_SERVERS)}
+    proc = _stage("headline", copy, env)
+    logs: dict[str, str] = {}
+    _finish(proc, "headline", logs)
+    assert "hybrid-tau up and warm" in logs["headline"] and "hybrid-rule up" not in logs["headline"]
+    result = json.loads((copy / "headline.json").read_text())
+    tau = result["arms"]["hybrid-tau"]
+    assert (tau["thresholds"]["enter_tokens"], tau["thresholds"]["exit_tokens"]) == (2500, 2000)
+    assert tau["thresholds"]["source"].startswith(f"measured tau {50 * rule['tau_ms']:.3g} ms (sweep")
+    attested = tau["served"]["thresholds"]
+    assert (attested["enter_tokens"], attested["exit_tokens"], attested["source"]) == (2500, 2000, "flags")
+    assert tau["gates_passed"] and set(tau["loads"]) == set(headline.LOADS)
+    summary = (copy / "summary.md").read_text()
+    assert "- hybrid-tau: enter 2500 / exit 2000 resident KV tokens served (attested source: flags; from measured " \
+           "tau" in summary and "### hybrid-tau (random-r1-d0.5-hybrid) against dense" in summary
 
 
 def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(dry_run):
@@ -132,12 +229,22 @@ def test_kernels_stage_writes_a_tile_table_and_the_bench_figures(dry_run):
 
 def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     out, logs = dry_run
-    for stage in ("serve-ab", "sweep", "kernels"):
+    for stage in run.STAGES:
         assert f"[{stage}] complete in an earlier run" in logs["all"]
     results = json.loads((out / "results.json").read_text())
-    assert results["dry_run"] and results["serve-ab"] and results["sweep"] and results["kernels"]
+    assert results["dry_run"] and all(results[stage] for stage in run.STAGES)
     summary = (out / "summary.md").read_text()
-    assert "Dry run on CPU" in summary and "## Matched-work A/B" in summary and "tau =" in summary
+    assert "Dry run on CPU" in summary and "tau =" in summary
+    q_star = results["ladder"]["q_star"]["q_star"]
+    assert "## Headline A/B: GSM8K-shaped load, one server at a time" in summary
+    assert f"Q* = {q_star} req/s" in summary and "13 on the A100, 14 on the H100" in summary
+    assert "- hybrid-rule: enter 60 / exit 40 resident KV tokens served (attested source: flags; from dry-run (CPU))" \
+        in summary
+    assert "| hybrid-rule | mean E2E change at 0.95 Q* |" in summary and "| below -36.8% (the paper's) | -36.8 ± 2.0 |" \
+        in summary
+    assert "| always | mean E2E change at 0.95 Q* |" in summary and "| -46.5 (n = 1) |" in summary
+    assert "### hybrid-rule (random-r1-d0.5-hybrid) against dense" in summary
+    assert "| A100 | 0.95 Q* | 6 | -36.8 ± 2.0 |" in summary
     served = summary[summary.index("### The served layer alone"):]
     assert "decode with the triton execution, eager" in served and "| 4 | 16 |" in served and "| 32 |" in served
 
@@ -154,7 +261,7 @@ def test_device_plan_server_commands_parse_with_sglangs_own_flags(tmp_path):
                 ["--arm-file", str(arms[run.HYBRID]), "--gpu", "H100-SXM"]):
         r = subprocess.run([sys.executable, "-m", "vskipper.cli", "serve", "--model", str(model), *arm,
                             "--platform", "gpu", "--dry-run", "--", *plan.sglang_flags, "--mem-fraction-static",
-                            plan.ab_mem_fraction], capture_output=True, text=True, cwd=ROOT, timeout=120)
+                            plan.solo_mem_fraction], capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert r.returncode == 0, r.stderr
         shown = json.loads(r.stdout)
         args = parser.parse_args(shown["command"][3:])
@@ -188,13 +295,6 @@ def test_decode_step_falls_back_to_each_requests_own_pace_where_the_batch_barely
 def test_decode_step_refuses_requests_that_never_decoded_two_tokens_apart():
     with pytest.raises(RuntimeError, match="no request decoded two tokens apart"):
         run.decode_step([_record(0.0, 0.0, 4), _record(1.0, 0.0, 4)])
-
-
-def test_hybrid_arm_is_not_served_where_no_cell_can_reach_its_enter_threshold():
-    thresholds = {"enter_tokens": 340000, "exit_tokens": 270000, "source": "roofline:H100-SXM"}
-    why = run.unreachable_threshold(thresholds, 128000)
-    assert "340000" in why and "128000" in why and "roofline:H100-SXM" in why
-    assert run.unreachable_threshold(thresholds, 400000) is None  # 90% of 400k is above 340k
 
 
 def test_profile_summary_sums_kernels_ops_and_host_waits():

@@ -61,7 +61,7 @@ def profile_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm:
     traces.mkdir(exist_ok=True)
     prompts = [run.prompt(args.prompt, 2 + i, vocab) for i in range(args.batch)]
     with ExitStack() as stack:
-        server = run.server_for(plan, stack, model, args.out / f"server-{arm}", arm, arms, plan.sweep_mem_fraction)
+        server = run.server_for(plan, stack, model, args.out / f"server-{arm}", arm, arms, plan.solo_mem_fraction)
         run.ready(plan, [server])
         warm = [run.prompt(args.prompt, 10_000 + i, vocab) for i in range(args.batch)]
         asyncio.run(run.burst(server, warm, 2))  # compiles and captures what the burst will run

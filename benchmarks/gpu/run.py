@@ -1,21 +1,27 @@
 """The device run's stages (benchmarks/gpu/run.sh calls this): dense against routed, served by the real SGLang.
 
-    python benchmarks/gpu/run.py serve-ab|sweep|kernels|summary OUTDIR [--dry-run]
+    python benchmarks/gpu/run.py ladder|sweep|headline|kernels|summary OUTDIR [--dry-run]
 
 Each stage writes `OUTDIR/<stage>.json` when it completes and skips work already there (a fresh machine reruns
 only what is missing); a stage stops starting new work when its time budget (`--budget-s`, under nine minutes)
 would be exceeded and says what it left for the next run. `--dry-run` runs every step on the CPU platform with a
 tiny model and tiny sizes (the same code path; its numbers mean nothing).
 
-serve-ab  a Llama-3-8B-shaped FlexiDepth configuration (32 layers, routed 16-31, random weights: `--load-format
-          dummy`) in three arms: dense, always-route RandomSkip r = 1 d = 0.5, hybrid (the same skipper, decode
-          thresholds from the roofline rule for the detected device); loadgen's matched-work A/B of each routed
-          arm against dense at loads whose resident KV tokens are below, near and above the enter threshold.
+Every stage serves a Llama-3-8B-shaped FlexiDepth configuration (32 layers, routed 16-31, random weights:
+`--load-format dummy`), one server at a time with the device's memory to itself.
+
+ladder    the headline A/B's dense half (`benchmarks/gpu/headline.py`): on GSM8K-shaped suites with forced output
+          lengths, upstream's Q* ladder on dense (loadgen's Q* rule), then dense's side of every headline cell
+          (0.75 / 0.95 / 1.25 x Q*, paired repetitions), on the same server.
 sweep     fixed-batch decode (batch x context, each cell's prompts prefilled first so the timed burst decodes
           together; cells that do not fit the KV pool are skipped and named) and
           prefill at 1k/2k/4k tokens, dense, the control (always-route RandomSkip r = 0: nothing skipped) and
           always-route r = 1 d = 0.5, one server at a time: step time, tokens/s, TPOT,
           the latency lines in V (tau, the measured crossover V_x beside the rule's V*), prefill ratios.
+headline  the routed half: the hybrid arm (RandomSkip r = 1 d = 0.5; thresholds from the roofline rule for the
+          device, then from the sweep's measured tau where it differs) on every cell, always-route and the s = 0
+          control at the knee, each alone; then each arm against dense per load: loadgen's gates and paired 95%
+          intervals, beside the paper's figures.
 kernels   benchmarks/mixed_depth_bench.py and `vskipper tune-tiles` for the device.
 summary   results.json and summary.md from whatever the stages wrote.
 
@@ -43,10 +49,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu import headline  # noqa: E402
+from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
 
-STAGES = ("serve-ab", "sweep", "kernels")
+STAGES = ("ladder", "sweep", "headline", "kernels")  # the order `run.sh all` runs them in
 SKIP_RATIO = 0.5  # RandomSkip r = 1, d = 0.5: half of the routed decisions project
 ARM_FILES = {name: {"name": name, "skipper": "random_skip", "params": {"r": r, "d": 0.5}, "prefill": policy,
                     "decode": policy}
@@ -54,9 +62,15 @@ ARM_FILES = {name: {"name": name, "skipper": "random_skip", "params": {"r": r, "
                                      ("random-r0-always", 0.0, "routed"))}
 # The control arm: the routed path with nothing skipped (every row RUN), the same kernels as ALWAYS.
 ALWAYS, HYBRID, CONTROL = ARM_FILES
-LOAD_CELLS = {"below": 0.5, "near": 1.0, "above": 1.5}  # target resident KV tokens as a multiple of enter
+# The headline's routed arms in the order they are served (one server start each): key -> (arm, role, thresholds
+# variant, loads). The hybrid arm runs every load twice over, with the rule's thresholds and with the sweep's tau.
+HEADLINE_ARMS = {"hybrid-rule": (HYBRID, "hybrid", "rule", headline.LOADS),
+                 "hybrid-tau": (HYBRID, "hybrid", "tau", headline.LOADS),
+                 "always": (ALWAYS, "always", None, (headline.KNEE,)),
+                 "control": (CONTROL, "control", None, (headline.KNEE,))}
 # A JSON file {arm: URL} of servers already serving OUTDIR/model with `Plan` flags (`start`), used instead of
-# starting them: the CI dry run starts each arm once for every stage.
+# starting them: the CI dry run starts each arm once for every stage (the hybrid arm at the thresholds of the
+# sweep's tau would be `<arm>@tau`).
 ENV_SERVERS = "VSKIPPER_GPU_RUN_SERVERS"
 
 
@@ -68,49 +82,64 @@ class Plan:
     platform: str
     dtype: str
     sglang_flags: tuple[str, ...]
-    ab_mem_fraction: str | None  # two servers share the device during an A/B
-    sweep_mem_fraction: str | None
-    ab_max_total_tokens: int | None  # each A/B server's KV pool, the same for both (None: SGLang profiles it)
+    solo_mem_fraction: str | None  # one server alone on the device (every stage)
     tune_max_candidates: int | None  # tiles tried per shape by tune-tiles (None: all of them)
-    prompt_tokens: int
-    output_tokens: int
-    ab_window_s: float  # declared duration of one A/B lane
-    ab_min_requests: int
-    ab_repetitions: int
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
     sweep_new_tokens: int
     prefill_lengths: tuple[int, ...]
     prefill_reps: int
     startup_timeout_s: float
-    pair_estimate_s: float  # what one routed arm's A/B takes, to stop before the stage's budget
-    load_cells: dict = field(default_factory=dict)  # arm -> the LOAD_CELLS it runs (default: all)
+    # the headline A/B (ladder and headline stages)
+    prompt_tokens: tuple[int, int]  # GSM8K-shaped prompt lengths, drawn uniformly (inclusive)
+    output_tokens: tuple[int, int]  # forced output lengths, drawn uniformly (inclusive)
+    warmup_requests: int  # a burst each server serves before its cells (compiles what they run)
+    calibration_requests: int  # dense's closed burst whose request rate starts the ladder
+    ladder_window_s: float  # declared duration of one ladder rate
+    ladder_max_rates: int
+    window_s: float  # declared duration of one headline cell
+    min_requests: int
+    repetitions: int
+    start_estimate_s: float  # what one server start takes, to stop before the stage's budget
+    cell_overhead_s: float  # flush, attestations and the client beside a cell's makespan
+    engagement_optional: bool  # whether a hybrid cell may run no routed pass (loadgen's below-engagement)
+    threshold_step: int  # the rounding of thresholds derived from a measured tau
     dry_thresholds: tuple[int, int] | None = None  # (enter, exit) on CPU, where no device has a roofline
     model_size: dict = field(default_factory=dict)
 
     @classmethod
     def gpu(cls) -> Plan:
+        # GSM8K-shaped: prompts of 700-1,100 tokens (the paper gives none; see headline.py) and outputs of 58-174
+        # tokens (mean 116, upstream's mean at the paper's knee). Cells of about 15 s (the paper's hold 3,600
+        # requests, about 290 s at its knee), sized so that the whole A/B fits one session's device time.
         return cls(False, "gpu", "bfloat16",
                    ("--load-format", "dummy", "--skip-tokenizer-init", "--context-length", "8192",
                     "--cuda-graph-max-bs-decode", "256", "--max-running-requests", "256"),
-                   "0.88", "0.85", ab_max_total_tokens=128000, tune_max_candidates=24, prompt_tokens=1024, output_tokens=256, ab_window_s=15.0, ab_min_requests=24,
-                   ab_repetitions=2, batches=(32, 64, 128), contexts=(1024, 2048, 4096), sweep_new_tokens=48,
-                   prefill_lengths=(1024, 2048, 4096), prefill_reps=3, startup_timeout_s=420.0, pair_estimate_s=300,
+                   "0.85", tune_max_candidates=24, batches=(32, 64, 128), contexts=(1024, 2048, 4096),
+                   sweep_new_tokens=48, prefill_lengths=(1024, 2048, 4096), prefill_reps=3, startup_timeout_s=420.0,
+                   prompt_tokens=(700, 1100), output_tokens=(58, 174), warmup_requests=64, calibration_requests=128,
+                   ladder_window_s=10.0, ladder_max_rates=14, window_s=15.0, min_requests=24, repetitions=3,
+                   start_estimate_s=100.0, cell_overhead_s=3.0, engagement_optional=False,
+                   threshold_step=CONSTANTS.threshold_rounding_tokens,
                    model_size={"layers": 32, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8,
                                "head_dim": 128, "vocab": 128256, "reduction": 16})
 
     @classmethod
     def dry(cls) -> Plan:
         # On CPU an idle SGLang scheduler polls in a busy loop: the dry run's servers sleep while idle, so the
-        # three of them and the kernels stage share the cores with the one being driven.
+        # four of them and the kernels stage share the cores with the one being driven. The tiny prompts never
+        # reach the prefill floor and a cell of a second and a half may keep the decode switch below its enter
+        # threshold: the hybrid arm's cells may run no routed pass.
         return cls(True, "cpu", "float32", ("--load-format", "dummy", "--skip-tokenizer-init", "--sleep-on-idle"),
-                   None, None, None, None,
-                   prompt_tokens=24, output_tokens=6, ab_window_s=1.5, ab_min_requests=4, ab_repetitions=1,
-                   batches=(2, 3), contexts=(16,), sweep_new_tokens=6, prefill_lengths=(32, 64), prefill_reps=1,
-                   startup_timeout_s=240.0, pair_estimate_s=1, dry_thresholds=(60, 40), model_size={"layers": 4},
-                   # one cell per arm (the loop over cells is the same): engaged for always-route, and below
-                   # engagement for hybrid
-                   load_cells={ALWAYS: ("above",), HYBRID: ("below",)})
+                   None, None, batches=(2, 3), contexts=(16,), sweep_new_tokens=6, prefill_lengths=(32, 64),
+                   prefill_reps=1, startup_timeout_s=240.0, prompt_tokens=(16, 32), output_tokens=(3, 9),
+                   warmup_requests=2, calibration_requests=4, ladder_window_s=1.0, ladder_max_rates=3, window_s=1.5,
+                   min_requests=4, repetitions=1, start_estimate_s=1.0, cell_overhead_s=0.5,
+                   engagement_optional=True, threshold_step=10, dry_thresholds=(60, 40), model_size={"layers": 4})
+
+    def max_running(self) -> int | None:
+        flags = list(self.sglang_flags)
+        return int(flags[flags.index("--max-running-requests") + 1]) if "--max-running-requests" in flags else None
 
 
 class Stage:
@@ -170,10 +199,14 @@ def device_name(plan: Plan) -> str | None:
 
 
 def rule(plan: Plan, model: Path) -> dict:
-    """The roofline rule for the device (V*, enter, exit), or the dry run's tiny thresholds."""
+    """The roofline rule for the device (V*, enter, exit, tau), or the dry run's tiny thresholds."""
     if plan.dry_thresholds is not None:
+        from vskipper.roofline import tau_seconds
+
         enter, exit_ = plan.dry_thresholds
-        return {"enter_tokens": enter, "exit_tokens": exit_, "v_star_tokens": exit_, "source": "dry-run (CPU)"}
+        routed = len(json.loads((model / "config.json").read_text())["routing_layers"])
+        return {"enter_tokens": enter, "exit_tokens": exit_, "v_star_tokens": exit_,
+                "tau_ms": tau_seconds(routed) * 1e3, "source": "dry-run (CPU)"}
     from vskipper.modelspec import load_model_facts
     from vskipper.roofline import derive_thresholds, lookup_device
 
@@ -185,12 +218,12 @@ def rule(plan: Plan, model: Path) -> dict:
 
 
 def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
-          arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None,
-          tokens: int | None = None) -> Server:
-    extra = (list(plan.sglang_flags) + (["--mem-fraction-static", mem] if mem else [])
-             + (["--max-total-tokens", str(tokens)] if tokens else []))
+          arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None) -> Server:
+    """`vskipper serve` with the plan's flags; `thresholds` as its --enter-tokens / --exit-tokens (else the arm's
+    from the roofline rule for the detected GPU)."""
+    extra = list(plan.sglang_flags) + (["--mem-fraction-static", mem] if mem else [])
     kw = {}
-    if thresholds is not None and plan.dry_thresholds is not None:
+    if thresholds is not None:
         kw = {"enter_tokens": thresholds["enter_tokens"], "exit_tokens": thresholds["exit_tokens"]}
     # Killed, not drained, when the stage is done with it: SGLang's graceful shutdown costs about 5 s a server.
     return stack.enter_context(launched(model, workdir, arm=arm, arm_file=arm_file, dtype=plan.dtype,
@@ -216,15 +249,16 @@ class Attached:
 
 
 def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: str, arm_files: dict[str, Path],
-               mem: str | None = None, thresholds: dict | None = None, tokens: int | None = None):
-    """The arm's server: attached from ENV_SERVERS when it names the arm, else started (stopped with `stack`)."""
+               mem: str | None = None, thresholds: dict | None = None, key: str | None = None):
+    """The arm's server: attached from ENV_SERVERS when it names `key` (default: the arm), else started (stopped
+    with `stack`); `thresholds` go to the hybrid arm only."""
     given = json.loads(Path(os.environ[ENV_SERVERS]).read_text()) if os.environ.get(ENV_SERVERS) else {}
-    if name in given:
-        return Attached(given[name])
+    if (key or name) in given:
+        return Attached(given[key or name])
     if name == "dense":
-        return start(plan, stack, model, workdir, arm="dense", mem=mem, tokens=tokens)
+        return start(plan, stack, model, workdir, arm="dense", mem=mem)
     return start(plan, stack, model, workdir, arm_file=arm_files[name], mem=mem,
-                 thresholds=thresholds if name == HYBRID else None, tokens=tokens)
+                 thresholds=thresholds if name == HYBRID else None)
 
 
 def ready(plan: Plan, servers: list[Server]) -> None:
@@ -330,118 +364,289 @@ def fit_line(points: list[tuple[float, float]]) -> dict | None:
 
 # -- stages ------------------------------------------------------------------------------------------------------------
 
-def stage_serve_ab(plan: Plan, out: Path, budget_s: float) -> dict:
-    """The dense server stays up while each routed arm in turn is served beside it (two on the device at once)."""
-    stage = Stage("serve-ab", out, budget_s)
+# -- the headline A/B: GSM8K-shaped cells, one server at a time --------------------------------------------------------
+
+def flush(server: Server) -> None:
+    """Empty the server's prefix cache, so that every cell starts cold on every arm (SGLang flushes only when idle:
+    the requests of the cell before may take a moment to leave its batch)."""
+    status, text = 0, ""
+    for _ in range(40):
+        status, text = http(server.url + "/flush_cache")
+        if status == 200:
+            return
+        time.sleep(0.25)
+    raise RuntimeError(f"{server.url}/flush_cache: HTTP {status} {text[:300]}")
+
+
+def warm_up(plan: Plan, server: Server, vocab: int) -> None:
+    """A burst of the longest prompts, so that what the cells run is compiled before they are timed."""
+    asyncio.run(burst(server, [prompt(plan.prompt_tokens[1], 50_000 + i, vocab)
+                               for i in range(plan.warmup_requests)], 8))
+    flush(server)
+
+
+def calibrate(plan: Plan, server: Server, vocab: int) -> dict:
+    """A closed burst of GSM8K-shaped requests on dense: the request rate it sustained starts the ladder."""
+    suite = headline.gsm8k_suite("calibration", plan.calibration_requests, 7, vocab, plan.prompt_tokens,
+                                 plan.output_tokens)
+    new_tokens = round(sum(plan.output_tokens) / 2)
+    records = asyncio.run(burst(server, [list(r.input_ids) for r in suite.requests], new_tokens))
+    flush(server)
+    seconds = max(r.finish_s for r in records) - min(r.submit_s for r in records)
+    rate = len(records) / seconds
+    return {"requests": len(records), "new_tokens": new_tokens, "seconds": seconds, "req_s": rate,
+            "ladder_start": headline.ladder_start(rate)}
+
+
+def serve_cell(server: Server, suite, rate: float, seed: int, repetition: int, arm_name: str, path: Path):
+    """One cell on a cold prefix cache: the suite at `rate` on the seeded schedule, every request's output length
+    forced (loadgen's matched lane), attested before and after; written to `path` whole."""
+    from loadgen.client import Endpoint
+    from loadgen.driver import client_session, matched_plan, run_cell
+
+    flush(server)
+    plan = matched_plan(suite, rate, seed, headline.forced_lengths(suite), repetition=repetition)
+
+    async def go():
+        async with client_session() as session:
+            return await run_cell(Endpoint(server.url), plan, arm_name, session=session)
+
+    cell = asyncio.run(go())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cell.as_dict()) + "\n")
+    return cell
+
+
+def read_cell(path: Path):
+    from loadgen.records import CellResult
+
+    return CellResult.from_dict(json.loads(path.read_text()))
+
+
+def cell_estimate(plan: Plan, dense_summary: dict | None, window_s: float) -> float:
+    """What serving a cell takes: dense's makespan of the same cell where it ran, else twice its window."""
+    makespan = (dense_summary or {}).get("makespan_s")
+    return (1.2 * makespan if makespan else 2 * window_s) + plan.cell_overhead_s
+
+
+def stage_ladder(plan: Plan, out: Path, budget_s: float) -> dict:
+    """Dense alone: upstream's Q* ladder, then dense's side of every headline cell, on one server start."""
+    from loadgen.qstar import find_q_star
+
+    stage = Stage("ladder", out, budget_s)
     model = write_model(plan, out)
     arms = write_arms(out)
-    thresholds = rule(plan, model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    result = {"thresholds": thresholds, "pairs": {}}
-    todo = []
-    for name in (ALWAYS, HYBRID):
-        done = stage.out / name / "pair.json"
-        if done.is_file():
-            result["pairs"][name] = json.loads(done.read_text())
-            log(stage.name, f"{name}: done in an earlier run ({done})")
-        else:
-            todo.append(name)
-    if todo:
+    calibration_path, rates_dir = stage.out / "calibration.json", stage.out / "rates"
+    tok = {int(p.stem[1:]): read_cell(p).summary["window_output_tok_s"] for p in sorted(rates_dir.glob("r*.json"))}
+    calibration = json.loads(calibration_path.read_text()) if calibration_path.is_file() else None
+
+    def next_rate() -> int | None:
+        return headline.next_ladder_rate(tok, calibration["ladder_start"], plan.ladder_max_rates)
+
+    def cells() -> list:
+        q = find_q_star(tok).q_star
+        return headline.schedule(q, plan.window_s, plan.min_requests, plan.repetitions)
+
+    suites = {}
+
+    def suite_for(load: str, requests: int):
+        """The load's suite: its file where an earlier run wrote it, else drawn (from the load's seed) and written."""
+        if load not in suites:
+            path = out / suite_path(load)
+            if path.is_file():
+                suites[load] = load_headline_suite(path)
+            else:
+                suites[load] = headline.gsm8k_suite(f"gsm8k-shaped-{load}", requests, headline.suite_seed(load),
+                                                    vocab, plan.prompt_tokens, plan.output_tokens)
+                suites[load].save(path)
+        return suites[load]
+
+    ladder_done = calibration is not None and next_rate() is None
+    todo = [c for c in cells() if not (stage.out / "dense" / f"{c.key}.json").is_file()] if ladder_done else None
+    served_doc = json.loads((stage.out / "served.json").read_text()) if (stage.out / "served.json").is_file() else None
+    if (not ladder_done or todo) and stage.has_time(plan.start_estimate_s, "dense (ladder and cells)"):
         with ExitStack() as stack:
             t0 = time.monotonic()
-            dense = server_for(plan, stack, model, stage.out / "dense", "dense", arms, plan.ab_mem_fraction,
-                               tokens=plan.ab_max_total_tokens)
-            # One at a time: SGLang sizes its KV pool from the memory free when it starts, so a routed server
-            # started beside a loading dense one would race it for the device.
+            dense = server_for(plan, stack, model, stage.out / "server", "dense", arms, plan.solo_mem_fraction)
             ready(plan, [dense])
-            for name in todo:
-                unreachable = unreachable_threshold(thresholds, kv_capacity(dense)) if name == HYBRID else None
-                if unreachable:
-                    log(stage.name, f"{name}: not served: {unreachable}")
-                    pair = {"arm": name, "skipped": unreachable, "cells": {}, "gates_passed": None}
-                    (stage.out / name).mkdir(parents=True, exist_ok=True)
-                    (stage.out / name / "pair.json").write_text(json.dumps(pair, indent=1) + "\n")
-                    result["pairs"][name] = pair
-                    continue
-                if not stage.has_time(plan.pair_estimate_s, f"A/B dense vs {name}"):
+            warm_up(plan, dense, vocab)
+            log(stage.name, f"dense up and warm after {time.monotonic() - t0:.0f} s; KV pool {kv_capacity(dense)}")
+            if calibration is None:
+                calibration = calibrate(plan, dense, vocab)
+                calibration_path.write_text(json.dumps(calibration, indent=1) + "\n")
+                log(stage.name, f"calibration: {calibration['req_s']:.3g} req/s; the ladder starts at "
+                                f"{calibration['ladder_start']} req/s")
+            while (rate := next_rate()) is not None:
+                if not stage.has_time(plan.ladder_window_s * 1.5 + plan.cell_overhead_s, f"ladder rate {rate}"):
                     break
-                with ExitStack() as pair_stack:
-                    routed = server_for(plan, pair_stack, model, stage.out / name / "server", name, arms,
-                                        plan.ab_mem_fraction, thresholds, tokens=plan.ab_max_total_tokens)
-                    ready(plan, [dense, routed])
-                    log(stage.name, f"dense and {name} up after {time.monotonic() - t0:.0f} s")
-                    pair = ab_pair(plan, stage, name, arms[name], thresholds, vocab, dense, routed)
-                (stage.out / name / "pair.json").write_text(json.dumps(pair, indent=1) + "\n")
-                result["pairs"][name] = pair
-                t0 = time.monotonic()
+                requests = headline.cell_requests(rate, plan.ladder_window_s, plan.min_requests)
+                suite = headline.gsm8k_suite(f"ladder-r{rate}", requests, rate, vocab, plan.prompt_tokens,
+                                             plan.output_tokens)
+                cell = serve_cell(dense, suite, rate, rate, 0, "dense", rates_dir / f"r{rate}.json")
+                tok[rate] = cell.summary["window_output_tok_s"]
+                log(stage.name, f"ladder {rate} req/s: {tok[rate]:.4g} output tok/s in the window")
+            if next_rate() is None:
+                for c in cells():
+                    path = stage.out / "dense" / f"{c.key}.json"
+                    if path.is_file():
+                        continue
+                    if not stage.has_time(cell_estimate(plan, None, plan.window_s), f"dense {c.key}"):
+                        break
+                    cell = serve_cell(dense, suite_for(c.load, c.requests), c.rate, c.seed, c.repetition, "dense",
+                                      path)
+                    log(stage.name, f"dense {c.key} ({c.rate:g} req/s, {c.requests} requests): makespan "
+                                    f"{cell.summary['makespan_s']:.1f} s")
+            served_doc = served(dense)
+            (stage.out / "served.json").write_text(json.dumps(served_doc, indent=1) + "\n")
+    result = {"calibration": calibration, "served": served_doc, "left": stage.left}
+    if calibration is None or next_rate() is not None:
+        result["left"] = stage.left or ["the ladder"]
+        return result
+    q = find_q_star(tok)
+    schedule = cells()
+    for c in schedule:
+        suite_for(c.load, c.requests)
+    result.update(q_star=q.as_dict(), cells=[c.as_dict() for c in schedule],
+                  suites={load: {"path": suite_path(load), **headline.suite_shape(s)} for load, s in suites.items()},
+                  shape=headline.suite_shape(suites[headline.KNEE]),
+                  dense={c.key: _summary(stage.out / "dense" / f"{c.key}.json") for c in schedule})
+    missing = [c.key for c in schedule if result["dense"][c.key] is None]
+    if missing and not stage.left:
+        stage.left.append(f"dense cells {', '.join(missing)}")
     result["left"] = stage.left
     return result
 
 
-def unreachable_threshold(thresholds: dict, capacity: int) -> str | None:
-    """Why the hybrid arm cannot engage on this device's A/B pool, or None: its switch routes only once the
-    resident KV tokens pass the enter threshold, and a cell is capped at 90% of the pool."""
-    if thresholds["enter_tokens"] <= 0.9 * capacity:
+def suite_path(load: str) -> str:
+    """Where the ladder stage writes a load's suite, relative to OUTDIR (the folder may move between stages)."""
+    return f"ladder/suites/{load}.jsonl"
+
+
+def load_headline_suite(path: Path):
+    from loadgen.suite import load_suite
+
+    return load_suite(path, name=f"gsm8k-shaped-{path.stem}")
+
+
+def _summary(path: Path) -> dict | None:
+    """A cell's summary without its records (None where the cell has not run)."""
+    if not path.is_file():
         return None
-    return (f"the enter threshold ({thresholds['enter_tokens']} resident tokens, {thresholds['source']}) is above "
-            f"90% of the KV pool each of the two A/B servers holds ({capacity} tokens): no cell could engage routing")
+    doc = json.loads(path.read_text())
+    return {"rate": doc["rate"], "requests": doc["reported"], "seed": doc["seed"], "suite": doc["suite"],
+            **{k: doc["summary"][k] for k in ("e2e", "ttft", "tpot", "makespan_s", "drain_s", "window_s",
+                                              "window_req_s", "window_output_tok_s")}}
 
 
-def ab_pair(plan: Plan, stage: Stage, name: str, arm_file: Path, thresholds: dict, vocab: int, dense: Server,
-            routed: Server) -> dict:
-    from loadgen.suite import Suite, SuiteRequest
-
-    work = stage.out / name
-    capacity = kv_capacity(dense)
-    per_request = plan.prompt_tokens + plan.output_tokens / 2
-    calib_batch = max(1, min(64, int(thresholds["enter_tokens"] / per_request)))
-    records = asyncio.run(burst(dense, [prompt(plan.prompt_tokens, i, vocab) for i in range(calib_batch)],
-                                max(32, plan.output_tokens // 8)))  # long enough that the burst decodes together
-    step_s, _ = decode_step(records)
-    ttft = statistics.median(r.ttft_s for r in records)
-    cells = {}
-    for label in plan.load_cells.get(name, tuple(LOAD_CELLS)):
-        target = LOAD_CELLS[label] * thresholds["enter_tokens"]
-        capped = target > 0.9 * capacity
-        target = min(target, 0.9 * capacity)
-        if capped and any(c["capped_by_kv_pool"] for c in cells.values()):
-            log(stage.name, f"{name} {label}: same capped load as a cell before it (KV pool {capacity}), not run")
+def stage_headline(plan: Plan, out: Path, budget_s: float) -> dict:
+    """Each routed arm alone on the ladder's cells (one server start each), then every arm against dense."""
+    ladder_path = out / "ladder.json"
+    ladder = json.loads(ladder_path.read_text()) if ladder_path.is_file() else None
+    if not ladder or ladder.get("left") or not ladder.get("cells"):
+        raise RuntimeError(f"{ladder_path}: the ladder stage has not completed (Q* and dense's cells); run "
+                           "`run.sh ladder OUTDIR` first")
+    stage = Stage("headline", out, budget_s)
+    model = write_model(plan, out)
+    arm_files = write_arms(out)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    cells = [headline.Cell.from_dict(c) for c in ladder["cells"]]
+    suites = {}
+    for load, doc in ladder["suites"].items():
+        suites[load] = load_headline_suite(out / doc["path"])
+        if suites[load].digest != doc["digest"]:
+            raise RuntimeError(f"{doc['path']}: digest {suites[load].digest[:12]} is not the ladder's "
+                               f"suites.{load}.digest {doc['digest'][:12]}")
+    th_rule = rule(plan, model)
+    sweep_path = out / "sweep.json"
+    th_tau, tau_source = headline.thresholds_from_tau(
+        th_rule, json.loads(sweep_path.read_text()) if sweep_path.is_file() else None, plan.threshold_step)
+    result: dict = {"thresholds": {"rule": th_rule, "tau": th_tau or {"skipped": tau_source}}, "arms": {}}
+    started = False
+    for key, (name, role, variant, loads) in HEADLINE_ARMS.items():
+        thresholds = {"rule": th_rule, "tau": th_tau}.get(variant)
+        doc = {"arm": name, "role": role, "loads": {}, "thresholds": thresholds}
+        result["arms"][key] = doc
+        if variant == "tau" and th_tau is None:
+            doc["skipped"] = tau_source
+            log(stage.name, f"{key}: not served: {tau_source}")
             continue
-        concurrency = max(1.0, target / per_request)
-        rate = concurrency / (ttft + plan.output_tokens * step_s)  # Little's law with the calibrated latency
-        requests = max(plan.ab_min_requests, round(rate * plan.ab_window_s))
-        if plan.dry_run:  # the pipeline only: a short cell whatever the CPU's speed
-            rate = requests / plan.ab_window_s
-        cells[label] = {"target_resident_tokens": round(target), "capped_by_kv_pool": capped,
-                        "rate": round(rate, 3), "requests": requests}
-    n = max(c["requests"] for c in cells.values())
-    suite = Suite(f"gpu-{plan.prompt_tokens}", tuple(
-        SuiteRequest(f"gpu:{i}", tuple(prompt(plan.prompt_tokens, 1000 + i, vocab)),
-                     max_new_tokens=plan.output_tokens) for i in range(n)))
-    suite_path = suite.save(work / "suite.jsonl")
-    log(stage.name, f"{name}: KV pool {capacity} tokens; cells {json.dumps(cells)}")
-    runs = {}
-    for label, cell in cells.items():
-        # The hybrid arm routes only above its enter threshold: below and near it, a cell where the switch never
-        # routes is accepted (loadgen's --below-engagement); above it, routing must engage.
-        below = name == HYBRID and label != "above"
-        cmd = [sys.executable, "-m", "loadgen.cli", "ab", "--suite", str(suite_path), "--baseline-url", dense.url,
-               "--baseline-name", "dense", "--baseline-attested", "--arm-url", routed.url, "--arm-json",
-               str(arm_file), "--rates", str(cell["rate"]), "--repetitions", str(plan.ab_repetitions),
-               "--max-new-tokens", str(plan.output_tokens), "--out", str(work / f"ab-{label}"),
-               *(["--below-engagement"] if below else [])]
-        t_cell = time.monotonic()
-        ab = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        (work / f"loadgen-{label}.log").write_text(ab.stdout + ab.stderr)
-        table = work / f"ab-{label}" / "table.md"
-        runs[label] = {**cell, "loadgen_exit": ab.returncode, "gates_passed": ab.returncode == 0,
-                       "below_engagement_accepted": below, "seconds": round(time.monotonic() - t_cell, 1),
-                       "table": table.read_text() if table.is_file() else None, "report": str(work / f"ab-{label}")}
-        log(stage.name, f"{name} {label}: loadgen exit {ab.returncode} ({runs[label]['seconds']} s)")
-    return {"arm": name, "kv_pool_tokens": capacity, "calibration": {"batch": calib_batch, "decode_step_s": step_s,
-            "ttft_s": ttft}, "cells": runs, "gates_passed": all(c["gates_passed"] for c in runs.values()),
-            "served": {"dense": served(dense), name: served(routed)}}
+        work = stage.out / key
+        mine = [c for c in cells if c.load in loads]
+        todo = [c for c in mine if not (work / f"{c.key}.json").is_file()]
+        estimates = {c.key: cell_estimate(plan, ladder["dense"][c.key], plan.window_s) for c in todo}
+        if todo:
+            # An arm starts where all its cells fit what is left of the budget; the first arm of a run where one
+            # of them does (an arm longer than a whole budget goes on in the next run).
+            needed = plan.start_estimate_s + (sum(estimates.values()) if started else estimates[todo[0].key])
+            if not stage.has_time(needed, f"{key}: {len(todo)} cells"):
+                todo = []
+        if todo:
+            started = True
+            # The rule's thresholds on a GPU are the ones `vskipper serve` derives for the detected device.
+            flags = thresholds if variant == "tau" or plan.dry_run else None
+            with ExitStack() as stack:
+                t0 = time.monotonic()
+                # ENV_SERVERS names a server by its arm; the hybrid arm at the tau's thresholds is another server.
+                server = server_for(plan, stack, model, work / "server", name, arm_files, plan.solo_mem_fraction,
+                                    thresholds=flags, key=f"{name}@tau" if variant == "tau" else None)
+                ready(plan, [server])
+                warm_up(plan, server, vocab)
+                log(stage.name, f"{key} up and warm after {time.monotonic() - t0:.0f} s")
+                check_thresholds(key, served(server), thresholds)
+                for c in todo:
+                    if not stage.has_time(estimates[c.key], f"{key} {c.key}"):
+                        break
+                    cell = serve_cell(server, suites[c.load], c.rate, c.seed, c.repetition, name,
+                                      work / f"{c.key}.json")
+                    log(stage.name, f"{key} {c.key}: makespan {cell.summary['makespan_s']:.1f} s")
+                served_doc = served(server)
+                served_doc["kv_pool_tokens"] = kv_capacity(server)
+                (work / "served.json").write_text(json.dumps(served_doc, indent=1) + "\n")
+        doc.update(compare_arm(plan, out, key, name, role, mine, suites))
+    result["figures"] = headline.figure_rows(result)
+    result["left"] = stage.left
+    return result
 
+
+def check_thresholds(key: str, served_doc: dict, thresholds: dict | None) -> None:
+    """The hybrid arm must serve the thresholds the stage means it to (attested, whichever way they were passed)."""
+    if thresholds is None:
+        return
+    attested = served_doc["thresholds"]
+    for field_name in ("enter_tokens", "exit_tokens"):
+        if attested.get(field_name) != thresholds[field_name]:
+            raise RuntimeError(f"{key}: the server attests thresholds.{field_name} {attested.get(field_name)}, the "
+                               f"stage means {thresholds[field_name]} ({thresholds['source']})")
+
+
+def compare_arm(plan: Plan, out: Path, key: str, name: str, role: str, cells: list, suites: dict) -> dict:
+    """The arm's cells against dense's, per load (from the cells' files): gates, paired intervals, routed shares."""
+    from loadgen.report import markdown_table
+    from vskipper.arms import Arm
+
+    work = out / "headline" / key
+    served_path = work / "served.json"
+    served_doc = json.loads(served_path.read_text()) if served_path.is_file() else None
+    arm = Arm.from_dict(ARM_FILES[name])
+    results, loads, longest = [], {}, plan.prompt_tokens[1] + plan.output_tokens[1]
+    for load in dict.fromkeys(c.load for c in cells):
+        pairs = [(c.repetition, read_cell(out / "ladder" / "dense" / f"{c.key}.json"),
+                  read_cell(work / f"{c.key}.json")) for c in cells
+                 if c.load == load and (work / f"{c.key}.json").is_file()]
+        if not pairs:
+            continue
+        first = next(c for c in cells if c.load == load)
+        ab = headline.pair_load(load, arm, key, suites[load], first.rate, pairs,
+                                expect_engaged=not (role == "hybrid" and plan.engagement_optional))
+        results.append(ab)
+        loads[load] = headline.load_doc(ab, first.requests)
+    pool = (served_doc or {}).get("kv_pool_tokens")
+    return {"served": served_doc, "kv_pool_tokens": pool,
+            "resident_ceiling_tokens": headline.resident_ceiling(pool, plan.max_running(), longest) if pool else None,
+            "loads": loads, "gates_passed": bool(loads) and all(
+                g["passed"] for d in loads.values() for g in d["gates"]),
+            "table": markdown_table(results, f"{key} ({name}) against dense") if results else None}
 
 def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
     stage = Stage("sweep", out, budget_s)
@@ -457,7 +662,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
         if not stage.has_time(0.3 * budget_s if not plan.dry_run else 1, f"sweep of {name}"):
             continue
         with ExitStack() as stack:
-            server = server_for(plan, stack, model, stage.out / name, name, arms, plan.sweep_mem_fraction)
+            server = server_for(plan, stack, model, stage.out / name, name, arms, plan.solo_mem_fraction)
             ready(plan, [server])
             capacity = kv_capacity(server)
             decode, prefill, skipped = [], [], []
@@ -643,24 +848,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
              f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, driver {env.get('driver', '?')}.", ""]
     if results["dry_run"]:
         lines += ["**Dry run on CPU with a tiny model: the pipeline, not performance.**", ""]
-    ab = results.get("serve-ab")
-    if ab:
-        th = ab["thresholds"]
-        lines += ["## Matched-work A/B", "", f"Thresholds ({th['source']}): enter {th['enter_tokens']} / exit "
-                  f"{th['exit_tokens']} resident KV tokens.", ""]
-        for name, pair in ab["pairs"].items():
-            if pair.get("skipped"):
-                lines += [f"### dense vs {name}", "", f"Not served: {pair['skipped']}.", ""]
-                continue
-            graphs = decode_graphs(pair["served"][name])
-            lines += [f"### dense vs {name}", "", f"Gates {'passed' if pair['gates_passed'] else 'FAILED'}; "
-                      f"routed decode: {graphs}.", ""]
-            for label, cell in pair["cells"].items():
-                lines += [f"{label} (target V {cell['target_resident_tokens']} tokens"
-                          f"{', capped by the KV pool' if cell['capped_by_kv_pool'] else ''}; {cell['rate']} req/s; "
-                          f"loadgen exit {cell['loadgen_exit']}):", "", cell["table"] or "(no table)", ""]
-        if ab.get("left"):
-            lines += [f"Left for the next run: {', '.join(ab['left'])}", ""]
+    lines += headline.headline_lines(results.get("ladder"), results.get("headline"))
     sweep = results.get("sweep")
     if sweep and sweep.get("comparison"):
         c = sweep["comparison"]
@@ -741,8 +929,8 @@ def main(argv: list[str] | None = None) -> int:
     if path.is_file() and not json.loads(path.read_text()).get("left"):
         print(f"[{args.stage}] complete in an earlier run: {path}")
         return 0
-    run = {"serve-ab": stage_serve_ab, "sweep": stage_sweep, "kernels": stage_kernels}[args.stage]
-    result = run(plan, args.out, args.budget_s)
+    stages = {"ladder": stage_ladder, "sweep": stage_sweep, "headline": stage_headline, "kernels": stage_kernels}
+    result = stages[args.stage](plan, args.out, args.budget_s)
     result["plan"] = asdict(plan)
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     summary(plan, args.out)

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The device run: dense against routed with the real SGLang 0.5.21 on one GPU, in stages of under nine minutes.
 #
-#   benchmarks/gpu/run.sh install|serve-ab|sweep|kernels|all OUTDIR [--dry-run]
+#   benchmarks/gpu/run.sh install|ladder|sweep|headline|kernels|all OUTDIR [--dry-run]
 #
 # install   installs the bundle (.gpu-bundle/, `make gpu-bundle`) into $VSKIPPER_SITE unless it is there already,
 #           and prints the GPU, its memory and driver, torch and triton (OUTDIR/env.json)
-# serve-ab  three arms served (dense, always-route RandomSkip r=1 d=0.5, hybrid at the device's thresholds),
-#           loadgen's matched-work A/B below, near and above the thresholds        (benchmarks/gpu/run.py)
-# sweep     fixed-batch decode (batch x context) and prefill at 1k/2k/4k tokens, dense and routed
+# ladder    dense alone on GSM8K-shaped load: upstream's Q* ladder, then dense's side of the headline cells
+#           (0.75 / 0.95 / 1.25 x Q*, 3 paired repetitions)                          (benchmarks/gpu/run.py)
+# sweep     fixed-batch decode (batch x context) and prefill at 1k/2k/4k tokens, dense and routed: tau
+# headline  each routed arm alone on the same cells (hybrid with the rule's thresholds, then with the sweep's
+#           tau; always-route and the s = 0 control at the knee), each against dense with gates and intervals
 # kernels   benchmarks/mixed_depth_bench.py and `vskipper tune-tiles` for the device
-# all       each in turn (a stage that reached its budget runs once more), then OUTDIR/results.json and
-#           OUTDIR/summary.md
+# all       each in that order (a stage stopped by its budget or limit runs again, up to three runs), then
+#           OUTDIR/results.json and OUTDIR/summary.md
 #
 # Every stage installs what a fresh machine lacks first and skips what OUTDIR already holds, so any stage can be
 # rerun alone. Each runs under `timeout` ($VSKIPPER_STAGE_LIMIT_S, 530 s) and stops starting work at its budget
@@ -18,12 +20,12 @@
 # environment instead of the bundle); its numbers mean nothing.
 set -euo pipefail
 
-usage() { echo "usage: $0 install|serve-ab|sweep|kernels|all OUTDIR [--dry-run]" >&2; exit 2; }
+usage() { echo "usage: $0 install|ladder|sweep|headline|kernels|all OUTDIR [--dry-run]" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 STAGE=$1 OUT=$2 DRY=""
 [ "${3:-}" = "--dry-run" ] && DRY="--dry-run"
 [ $# -le 3 ] || usage
-case $STAGE in install|serve-ab|sweep|kernels|all) ;; *) usage ;; esac
+case $STAGE in install|ladder|sweep|headline|kernels|all) ;; *) usage ;; esac
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUNDLE=${VSKIPPER_BUNDLE:-$ROOT/.gpu-bundle}
@@ -94,10 +96,14 @@ stage() {
 install
 case $STAGE in
     install) ;;
-    all) for s in serve-ab sweep kernels; do
-             # A stage that reached its budget (exit 4) gets one more run to finish what it left.
-             stage "$s" || true
-             grep -q '"left": \[\]' "$OUT/$s.json" 2>/dev/null || stage "$s" || true
+    all) for s in ladder sweep headline kernels; do
+             # A stage that reached its budget (exit 4) or its limit runs again to finish what it left (each
+             # skips what is done), up to three runs; a failed one does not.
+             for _ in 1 2 3; do
+                 rc=0
+                 stage "$s" || rc=$?
+                 case $rc in 4|124|137|143) ;; *) break ;; esac
+             done
          done
          "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY ;;
     *) stage "$STAGE" ;;

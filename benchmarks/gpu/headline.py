@@ -1,0 +1,419 @@
+"""The headline A/B of the device run on GSM8K-shaped load: what it computes without a server.
+
+The `ladder` and `headline` stages of `benchmarks/gpu/run.py` serve one arm at a time with the whole device: dense
+first (upstream's Q* ladder, then its side of every cell), then each routed arm on the same cells. Since no two arms
+run side by side, a pair is the same cell served to each arm in turn: the same suite (the same prompts and forced
+output lengths), the same seeded arrival schedule and rate, the prefix cache flushed before each cell. This module
+holds the arithmetic: the suite's shape, the ladder's next rate, the schedule of cells, the thresholds from a
+measured tau, the pairing of cells into loadgen's A/B results (its gates and paired intervals), and the figures
+beside their limits and the paper's.
+
+The paper's GSM8K workload: 5-shot prompts with the chat template, upstream's mean output of 116 tokens at its knee,
+3,600 requests a cell, Q* = 13 req/s on the A100 (ladder 8-18) and 14 on the H100 (12-22). It gives no prompt
+length: its suites leave 6,171-7,988 tokens of the 8,192-token context, so their prompts hold 204-2,021 tokens,
+and GSM8K's prefix-cache hit share is 1.7%: each prompt is its own. Random weights (`--load-format dummy`) never
+stop on their own, so the output lengths come from the suite and every lane forces them (`ignore_eos`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+from loadgen.attestation import PHASES, Attestation, AttestationError, pass_delta
+from loadgen.experiment import ABResult, Repetition
+from loadgen.gates import gate_pair
+from loadgen.qstar import CELL_FACTORS, find_q_star
+from loadgen.records import CellResult
+from loadgen.suite import Suite, SuiteRequest
+from vskipper.arms import Arm
+from vskipper.constants import CONSTANTS
+from vskipper.roofline import round_to_step
+
+LOADS = tuple(CELL_FACTORS)  # below (0.75 Q*), knee (0.95 Q*), overload (1.25 Q*)
+KNEE = "knee"
+OVERLOAD = "overload"
+BASELINE = "dense"
+LADDER_START_FACTOR = 0.75  # the ladder's first rate, as a share of the calibration burst's request rate
+
+# The paper's GSM8K figures, FlexiDepth on Llama-3-8B against upstream SGLang: mean % change with its 95% half-width
+# over paired repetitions (E2E, TPOT, TTFT mean and p99, makespan) per load, request throughput in the injection
+# window at 1.25 Q*, and always-route's mean E2E change at the knee (the ablation, n = 1).
+PAPER = {
+    "A100": {"n": 6, "q_star": 13, "window_req_s": (11.3, 0.2), "always_e2e_knee": -46.5, "loads": {
+        "below": {"e2e_mean": (-6.6, 1.5), "e2e_p99": (-9.7, 2.8), "tpot_mean": (-6.8, 1.6), "tpot_p99": (-10.0, 3.7),
+                  "ttft_mean": (-7.1, 1.2), "ttft_p99": (-4.4, 4.8), "makespan_s": (-0.5, 0.1)},
+        "knee": {"e2e_mean": (-36.8, 2.0), "e2e_p99": (-37.3, 2.5), "tpot_mean": (-35.6, 1.8), "tpot_p99": (-15.3, 3.8),
+                 "ttft_mean": (-66.0, 6.8), "ttft_p99": (-74.5, 3.0), "makespan_s": (-1.4, 0.1)},
+        "overload": {"e2e_mean": (-25.7, 0.7), "e2e_p99": (-21.2, 0.6), "tpot_mean": (-10.5, 0.2),
+                     "tpot_p99": (-18.9, 1.7), "ttft_mean": (-41.5, 1.1), "ttft_p99": (-40.7, 0.9),
+                     "makespan_s": (-7.2, 0.2)}}},
+    "H100": {"n": 3, "q_star": 14, "window_req_s": (19.3, 3.4), "loads": {
+        "below": {"e2e_mean": (-6.0, 3.2), "e2e_p99": (-8.8, 5.2), "tpot_mean": (-6.3, 3.5), "tpot_p99": (-9.8, 9.1),
+                  "ttft_mean": (-5.2, 0.2), "ttft_p99": (-9.8, 6.4), "makespan_s": (-0.5, 0.3)},
+        "knee": {"e2e_mean": (-39.4, 0.2), "e2e_p99": (-34.2, 9.6), "tpot_mean": (-31.4, 7.6), "tpot_p99": (-11.5, 7.9),
+                 "ttft_mean": (-91.7, 4.8), "ttft_p99": (-93.0, 2.2), "makespan_s": (-2.3, 2.2)},
+        "overload": {"e2e_mean": (-35.8, 3.4), "e2e_p99": (-32.1, 3.0), "tpot_mean": (-15.7, 1.5),
+                     "tpot_p99": (-24.4, 9.3), "ttft_mean": (-51.8, 3.8), "ttft_p99": (-50.8, 2.4),
+                     "makespan_s": (-9.8, 1.1)}}},
+}
+PAPER_KNEE_E2E = PAPER["A100"]["loads"][KNEE]["e2e_mean"][0]  # the figure to beat: -36.8% mean E2E at the knee
+PAPER_OUTPUT_TOKENS = 116
+TABLE_METRICS = ("e2e_mean", "e2e_p99", "tpot_mean", "tpot_p99", "ttft_mean", "ttft_p99", "makespan_s")
+
+
+# -- the suite -------------------------------------------------------------------------------------------------------
+
+def gsm8k_suite(name: str, requests: int, seed: int, vocab: int, prompt_tokens: tuple[int, int],
+                output_tokens: tuple[int, int]) -> Suite:
+    """`requests` token-id prompts of GSM8K's shape: prompt and forced output lengths drawn uniformly from the
+    (inclusive) ranges, random token ids (the weights are random too); the same arguments give the same suite."""
+    for field_name, (lo, hi) in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{field_name}: need 1 <= low <= high, got ({lo}, {hi})")
+    if requests < 1:
+        raise ValueError(f"requests: need at least 1, got {requests}")
+    rng = random.Random(seed)
+    out = []
+    for i in range(requests):
+        length = rng.randint(*prompt_tokens)
+        ids = tuple(rng.randrange(10, vocab - 10) for _ in range(length))
+        out.append(SuiteRequest(f"{name}:{i}", ids, scored=False, max_new_tokens=rng.randint(*output_tokens)))
+    return Suite(name, tuple(out))
+
+
+def forced_lengths(suite: Suite) -> dict[str, int]:
+    """The output length each request is served with (`ignore_eos`): the suite's own."""
+    missing = [r.id for r in suite.requests if r.max_new_tokens is None]
+    if missing:
+        raise ValueError(f"suite {suite.name!r}: request {missing[0]!r} has no max_new_tokens")
+    return {r.id: r.max_new_tokens for r in suite.requests}
+
+
+def suite_shape(suite: Suite) -> dict:
+    prompts = [r.prompt_tokens for r in suite.requests]
+    outputs = [r.max_new_tokens for r in suite.requests]
+    return {"requests": len(suite), "digest": suite.digest,
+            "prompt_tokens": {"min": min(prompts), "max": max(prompts), "mean": sum(prompts) / len(prompts)},
+            "output_tokens": {"min": min(outputs), "max": max(outputs), "mean": sum(outputs) / len(outputs)}}
+
+
+# -- upstream's Q* ladder --------------------------------------------------------------------------------------------
+
+def cell_requests(rate: float, window_s: float, min_requests: int) -> int:
+    """Requests of a cell declared over about `window_s` seconds at `rate` (its duration is requests / rate)."""
+    return max(min_requests, round(rate * window_s))
+
+
+def ladder_start(estimate_req_s: float) -> int:
+    """The ladder's first rate: below the request rate a closed burst sustained, so the ladder climbs to its knee."""
+    if not estimate_req_s > 0:
+        raise ValueError(f"estimate_req_s: must be > 0, got {estimate_req_s!r}")
+    return max(1, math.floor(LADDER_START_FACTOR * estimate_req_s))
+
+
+def next_ladder_rate(tok_s: Mapping[int, float], start: int, max_rates: int) -> int | None:
+    """The next integer rate the ladder runs, or None when it is done: climb by one from `start` until the Q* rule
+    sees two rates past its Q* that no longer grow; step down below `start` while no rate counts as growth (the
+    ladder began at or past the knee); stop at `max_rates` rates whatever the rule says (the result then tells)."""
+    if not tok_s:
+        return start
+    rates = sorted(tok_s)
+    if len(rates) >= max_rates:
+        return None
+    if len(rates) < 3:  # the rule judges a rate by its successor: nothing counts before three rates
+        return rates[-1] + 1
+    q = find_q_star(tok_s)
+    if q.q_star == rates[0] and rates[0] > 1:
+        return rates[0] - 1
+    if q.plateau_reached and q.q_star <= rates[-1] - 2:
+        return None
+    return rates[-1] + 1
+
+
+# -- the cells -------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Cell:
+    """One (load, repetition) cell: every arm serves it with the same suite, rate and arrival seed."""
+
+    load: str
+    repetition: int
+    rate: float
+    requests: int
+    seed: int  # the arrival schedule's
+
+    @property
+    def key(self) -> str:
+        return f"{self.load}-rep{self.repetition}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Cell:
+        return cls(d["load"], d["repetition"], d["rate"], d["requests"], d["seed"])
+
+
+def schedule(q_star: int, window_s: float, min_requests: int, repetitions: int) -> list[Cell]:
+    """The headline cells: 0.75 / 0.95 / 1.25 x Q* (loadgen's cell rates), `repetitions` each, load-major; a load's
+    repetitions share its suite and differ in their arrival seeds."""
+    if repetitions < 1:
+        raise ValueError(f"repetitions: need at least 1, got {repetitions}")
+    if q_star < 1:
+        raise ValueError(f"q_star: must be a positive rate, got {q_star!r}")
+    rates = {load: f * q_star for load, f in CELL_FACTORS.items()}
+    return [Cell(load, rep, round(rate, 6), cell_requests(rate, window_s, min_requests), 100 * (i + 1) + rep)
+            for i, (load, rate) in enumerate(rates.items()) for rep in range(repetitions)]
+
+
+def suite_seed(load: str) -> int:
+    return 1000 + LOADS.index(load)
+
+
+def thresholds_from_tau(rule: Mapping, sweep: Mapping | None, step: int) -> tuple[dict | None, str]:
+    """The hybrid arm's thresholds with the sweep's measured tau in the rule, V* scaling with tau (the device, skip
+    ratio, routed layers and KV width unchanged): (thresholds, where they come from), or (None, why there are none)."""
+    if sweep is None:
+        return None, "the sweep stage has not run: no measured tau"
+    tau = (sweep.get("comparison") or {}).get("tau_ms")
+    if tau is None:
+        return None, "the sweep measured no tau (it needs the dense and always-route latency lines)"
+    if not tau > 0:
+        return None, f"the sweep measured tau = {tau:.3g} ms: no fixed cost for the rule to cover"
+    v_star = rule["v_star_tokens"] * tau / rule["tau_ms"]
+    exit_ = max(step, round_to_step(v_star, step))
+    enter = max(exit_, round_to_step(CONSTANTS.enter_factor * v_star, step))
+    if (enter, exit_) == (rule["enter_tokens"], rule["exit_tokens"]):
+        return None, (f"the measured tau ({tau:.3g} ms) gives the rule's thresholds (enter {enter} / exit {exit_}): "
+                      "the rule's arm serves them")
+    source = f"measured tau {tau:.3g} ms (sweep; the rule's is {rule['tau_ms']:.3g} ms)"
+    return {"enter_tokens": enter, "exit_tokens": exit_, "v_star_tokens": v_star, "tau_ms": tau,
+            "source": source}, source
+
+
+def resident_ceiling(kv_pool_tokens: int, max_running: int | None, longest_request: int) -> int:
+    """The most resident KV tokens the cells can hold: the pool, or the running-request cap times the longest
+    request (prompt and output) where that is less."""
+    if max_running is None:
+        return kv_pool_tokens
+    return min(kv_pool_tokens, max_running * longest_request)
+
+
+# -- pairing ---------------------------------------------------------------------------------------------------------
+
+def pair_load(label: str, arm: Arm, display: str, suite: Suite, rate: float,
+              pairs: Sequence[tuple[int, CellResult, CellResult]], *, expect_engaged: bool) -> ABResult:
+    """One load's cells of one arm against dense's as loadgen's A/B result: every gate per repetition (both cells
+    attested: mechanism evidence, served design, cross-arm identity, work identity, accounting, declared cell size),
+    then the paired % changes with their 95% intervals over the accepted repetitions. Dense always ran first."""
+    designs = {BASELINE: _dense_arm(), arm.name: arm}
+    result = ABResult(BASELINE, display, rate, label, suite.name, suite.digest, forced_lengths(suite), None)
+    for rep, base, treated in pairs:
+        for cell, name in ((base, BASELINE), (treated, arm.name)):
+            if cell.arm_name != name:
+                raise ValueError(f"repetition {rep}: cell.arm is {cell.arm_name!r}, expected {name!r}")
+        gates = gate_pair(base, treated, suite_digest=suite.digest, request_ids=suite.ids, arms=designs,
+                          expect_engaged=expect_engaged)
+        result.repetitions.append(Repetition(rep, (BASELINE, arm.name), base, treated, gates))
+    result.compare()
+    return result
+
+
+def _dense_arm() -> Arm:
+    from vskipper.arms import get_arm
+
+    return get_arm(BASELINE)
+
+
+def routed_share(cells: Sequence[CellResult]) -> dict[str, float | None]:
+    """Per phase, the share of the cells' passes that ran routed (from each cell's attestations)."""
+    routed = dict.fromkeys(PHASES, 0)
+    total = dict.fromkeys(PHASES, 0)
+    for cell in cells:
+        try:
+            delta = pass_delta(Attestation.from_json(cell.attestation_before),
+                               Attestation.from_json(cell.attestation_after))
+        except (AttestationError, TypeError):
+            continue
+        for phase in PHASES:
+            routed[phase] += delta.passes[phase].get("routed", 0)
+            total[phase] += sum(delta.passes[phase].values())
+    return {p: (routed[p] / total[p] if total[p] else None) for p in PHASES}
+
+
+def absolute_means(cells: Sequence[CellResult]) -> dict[str, float | None]:
+    """One arm's absolute figures over repetitions: mean E2E / TTFT / TPOT (s) and requests completed per second of
+    the injection window."""
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    return {"e2e_mean_s": mean(c.summary["e2e"]["mean"] for c in cells),
+            "ttft_mean_s": mean(c.summary["ttft"]["mean"] for c in cells),
+            "tpot_mean_s": mean(c.summary["tpot"]["mean"] for c in cells),
+            "window_req_s": mean(c.summary.get("window_req_s") for c in cells)}
+
+
+def load_doc(result: ABResult, requests: int) -> dict:
+    """What the summary reads of one load of one arm (the cells themselves stay in their files)."""
+    return {"rate": result.rate, "requests": requests, "repetitions_run": len(result.repetitions),
+            "repetitions_accepted": len(result.accepted),
+            "comparison": {k: v.as_dict() for k, v in result.comparison.items()},
+            "gates": [{"repetition": r.index, "passed": r.gates.passed, "checked": list(dict.fromkeys(r.gates.checked)),
+                       "refusals": [str(f) for f in r.gates.refusals]} for r in result.repetitions],
+            "routed_share": routed_share([r.treated for r in result.repetitions]),
+            "dense": absolute_means([r.baseline for r in result.repetitions]),
+            "arm": absolute_means([r.treated for r in result.repetitions])}
+
+
+# -- the figures beside their limits and the paper's ------------------------------------------------------------------
+
+def beats(iv: Mapping | None, target: float) -> str:
+    """Whether a % change is below `target` beyond its 95% interval."""
+    if iv is None:
+        return "not measured"
+    if iv.get("half_width") is None:
+        return f"n = {iv['n']}: no interval"
+    if iv["high"] < target:
+        return "met"
+    return "not met" if iv["low"] > target else "not resolved"
+
+
+def not_worse(iv: Mapping | None) -> str:
+    """Whether a % change (negative is better) stays out of a resolved increase."""
+    if iv is None:
+        return "not measured"
+    if iv.get("half_width") is None:
+        return f"n = {iv['n']}: no interval"
+    return f"fails: resolved increase, low {iv['low']:+.1f}%" if iv["low"] > 0 else "holds"
+
+
+def _iv(iv: Mapping | None) -> str:
+    if iv is None:
+        return "n/a"
+    hw = iv.get("half_width")
+    return f"{iv['mean']:+.1f}" + ("" if hw is None else f" ± {hw:.1f}") + f" (n = {iv['n']})"
+
+
+def _paper(pair: tuple[float, float | None] | None) -> str:
+    if pair is None:
+        return "n/a"
+    return f"{pair[0]:+.1f}" + (" (n = 1)" if pair[1] is None else f" ± {pair[1]:.1f}")
+
+
+def figure_rows(headline: Mapping) -> list[dict]:
+    """The headline's figures, one row each: what was measured, its limit, the paper's on the A100 and the H100, and
+    the verdict. The limits: the hybrid arms' knee beats the paper's -36.8%, and wherever a hybrid arm stayed below
+    V* (it ran no routed decode pass) it is never worse than dense beyond noise."""
+    rows = []
+    for key, arm in headline.get("arms", {}).items():
+        role = arm["role"]
+        for load, cell in (arm.get("loads") or {}).items():
+            e2e = cell["comparison"].get("e2e_mean")
+            what = f"mean E2E change at {CELL_FACTORS[load]} Q*"
+            if role == "hybrid":
+                paper = {dev: PAPER[dev]["loads"][load]["e2e_mean"] for dev in PAPER}
+                below_v_star = cell["routed_share"].get("decode") == 0
+                if load == KNEE:
+                    rows.append(_row(key, what, e2e, f"below {PAPER_KNEE_E2E:+.1f}% (the paper's)", paper,
+                                     beats(e2e, PAPER_KNEE_E2E)))
+                if below_v_star:
+                    rows.append(_row(key, what + " (below V*: no routed decode pass)", e2e,
+                                     "no resolved increase over dense", paper, not_worse(e2e)))
+                elif load != KNEE:
+                    rows.append(_row(key, what, e2e, "none set", paper, ""))
+                if load == OVERLOAD:
+                    rows.append(_row(key, f"request throughput in the injection window at {CELL_FACTORS[load]} Q*",
+                                     cell["comparison"].get("window_req_s"), "none set",
+                                     {dev: PAPER[dev]["window_req_s"] for dev in PAPER}, ""))
+            else:  # always-route (the paper's ablation at the knee, n = 1) and the s = 0 control (not in the paper)
+                paper = {"A100": (PAPER["A100"]["always_e2e_knee"], None)} if role == "always" else {}
+                rows.append(_row(key, what, e2e, "none set", paper, ""))
+    return rows
+
+
+def _row(arm: str, figure: str, iv, limit: str, paper: Mapping, verdict: str) -> dict:
+    return {"arm": arm, "figure": figure, "measured": iv, "limit": limit,
+            "paper_a100": paper.get("A100"), "paper_h100": paper.get("H100"), "verdict": verdict}
+
+
+def figure_lines(rows: Sequence[Mapping]) -> list[str]:
+    lines = ["| arm | figure | measured, % | limit | paper A100 (n = 6) | paper H100 (n = 3) | verdict |",
+             "|---|---|---:|---|---:|---:|---|"]
+    lines += [f"| {r['arm']} | {r['figure']} | {_iv(r['measured'])} | {r['limit']} | {_paper(r['paper_a100'])} | "
+              f"{_paper(r['paper_h100'])} | {r['verdict']} |" for r in rows]
+    return lines
+
+
+def paper_table_lines() -> list[str]:
+    """The paper's GSM8K rows in loadgen's table layout, to read beside each arm's."""
+    head = ["E2E mean", "E2E p99", "TPOT mean", "TPOT p99", "TTFT mean", "TTFT p99", "makespan"]
+    lines = ["| paper | load | n | " + " | ".join(head) + " |", "|---|---|---:|" + "---:|" * len(head)]
+    for dev, doc in PAPER.items():
+        for load in LOADS:
+            values = [_paper(doc["loads"][load][m]) for m in TABLE_METRICS]
+            lines.append(f"| {dev} | {CELL_FACTORS[load]} Q* | {doc['n']} | " + " | ".join(values) + " |")
+    return lines
+
+
+def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str]:
+    """The summary's section: the suite, the ladder and Q*, which thresholds served, the figures beside their limits
+    and the paper's, then each arm's table."""
+    if not ladder:
+        return []
+    lines = ["## Headline A/B: GSM8K-shaped load, one server at a time", ""]
+    shape = ladder.get("shape") or {}
+    if shape:
+        p, o = shape["prompt_tokens"], shape["output_tokens"]
+        lines += [f"Suite per load: prompts of {p['min']}-{p['max']} tokens (mean {p['mean']:.0f}), forced outputs of "
+                  f"{o['min']}-{o['max']} tokens (mean {o['mean']:.0f}; the paper's upstream mean at its knee: "
+                  f"{PAPER_OUTPUT_TOKENS}); the prefix cache flushed before every cell.", ""]
+    q = ladder.get("q_star")
+    if q:
+        rates = q["rates"]
+        lines += [f"Upstream's Q* ladder (dense, in-window output tok/s at {rates[0]}-{rates[-1]} req/s): Q* = "
+                  f"{q['q_star']} req/s ({q['tok_s_at_q_star']:.4g} tok/s; plateau reached: "
+                  f"{'yes' if q['plateau_reached'] else 'no, the ladder stopped at its bound'}); the paper's: "
+                  f"{PAPER['A100']['q_star']} on the A100, {PAPER['H100']['q_star']} on the H100.", ""]
+    if ladder.get("left"):
+        lines += [f"Ladder stage left for the next run: {', '.join(ladder['left'])}", ""]
+    if not headline:
+        return lines
+    lines += ["Thresholds:", ""]
+    for key, arm in headline["arms"].items():
+        if arm["role"] != "hybrid":
+            continue
+        if arm.get("skipped"):
+            lines.append(f"- {key}: not served: {arm['skipped']}")
+            continue
+        served = (arm.get("served") or {}).get("thresholds") or {}
+        ceiling = arm.get("resident_ceiling_tokens")
+        lines.append(f"- {key}: enter {served.get('enter_tokens')} / exit {served.get('exit_tokens')} resident KV "
+                     f"tokens served (attested source: {served.get('source')}; from {arm['thresholds']['source']}); "
+                     f"KV pool {arm.get('kv_pool_tokens')} tokens, at most {ceiling} resident in these cells"
+                     + (" (below the enter threshold: decode cannot route)"
+                        if ceiling is not None and served.get("enter_tokens", 0) > ceiling else ""))
+    lines += ["", *figure_lines(figure_rows(headline)), "",
+              "Mean % change against dense over paired repetitions (the same cell served to each arm in turn, dense "
+              "first), ± the 95% t half-width; negative is better, except request throughput. Verdicts need "
+              "n >= 2. Here the routed arms skip with RandomSkip (r = 1, d = 0.5) on random weights against "
+              "vSkipper's dense arm; the paper's figures are FlexiDepth's trained router against upstream SGLang.",
+              ""]
+    for key, arm in headline["arms"].items():
+        if arm.get("skipped") or not arm.get("table"):
+            continue
+        shares = "; ".join(f"{CELL_FACTORS[load]} Q*: prefill {_share(c['routed_share']['prefill'])}, decode "
+                           f"{_share(c['routed_share']['decode'])}" for load, c in arm["loads"].items())
+        lines += [arm["table"], f"Routed share of {key}'s passes: {shares}.", ""]
+    lines += ["The paper's GSM8K rows (FlexiDepth on Llama-3-8B against upstream SGLang):", "",
+              *paper_table_lines(), ""]
+    if headline.get("left"):
+        lines += [f"Headline stage left for the next run: {', '.join(headline['left'])}", ""]
+    return lines
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"

@@ -1,0 +1,271 @@
+"""The headline A/B's arithmetic (benchmarks/gpu/headline.py), without a server: the GSM8K-shaped suites, the
+ladder's next rate, the schedule of cells, thresholds from a measured tau, the pairing of cells into loadgen's
+gates and intervals, and the figures beside their limits and the paper's."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.gpu import headline
+from benchmarks.gpu.run import Plan
+from loadgen.metrics import flat_metrics, summarize_cell
+from loadgen.qstar import find_q_star
+from loadgen.records import CellResult, RequestRecord
+from loadgen.stats import paired_comparison
+from vskipper.arms import Arm
+
+HYBRID = Arm.from_dict({"name": "random-r1-d0.5-hybrid", "skipper": "random_skip", "params": {"r": 1.0, "d": 0.5},
+                        "prefill": "hybrid", "decode": "hybrid"})
+
+
+def test_gsm8k_suite_draws_the_same_prompts_and_forced_lengths_from_the_same_seed():
+    a = headline.gsm8k_suite("knee", 50, 3, 1000, (700, 1100), (58, 174))
+    assert a.digest == headline.gsm8k_suite("knee", 50, 3, 1000, (700, 1100), (58, 174)).digest
+    assert a.digest != headline.gsm8k_suite("knee", 50, 4, 1000, (700, 1100), (58, 174)).digest
+    assert all(700 <= r.prompt_tokens <= 1100 and 58 <= r.max_new_tokens <= 174 for r in a.requests)
+    assert all(10 <= t < 990 for r in a.requests for t in r.input_ids)
+    assert len({r.input_ids for r in a.requests}) == 50  # each prompt its own: GSM8K's cache share is 1.7%
+    lengths = headline.forced_lengths(a)
+    assert lengths == {r.id: r.max_new_tokens for r in a.requests}
+    shape = headline.suite_shape(a)
+    assert shape["requests"] == 50 and shape["digest"] == a.digest
+    assert shape["output_tokens"]["mean"] == pytest.approx(sum(lengths.values()) / 50)
+
+
+def test_gsm8k_suite_names_the_field_at_fault():
+    with pytest.raises(ValueError, match=r"prompt_tokens: need 1 <= low <= high, got \(9, 8\)"):
+        headline.gsm8k_suite("x", 2, 0, 100, (9, 8), (1, 2))
+    with pytest.raises(ValueError, match="output_tokens"):
+        headline.gsm8k_suite("x", 2, 0, 100, (1, 2), (0, 2))
+    with pytest.raises(ValueError, match="requests: need at least 1"):
+        headline.gsm8k_suite("x", 0, 0, 100, (1, 2), (1, 2))
+
+
+def _ladder(curve, start: int, max_rates: int = 20) -> dict[int, float]:
+    """Run the ladder's rule against a throughput curve: {rate: tok/s} as the stage would measure it."""
+    tok: dict[int, float] = {}
+    while (rate := headline.next_ladder_rate(tok, start, max_rates)) is not None:
+        assert rate not in tok and rate >= 1
+        tok[rate] = curve(rate)
+    return tok
+
+
+def test_ladder_climbs_from_its_start_and_stops_two_rates_past_q_star():
+    tok = _ladder(lambda r: 100.0 * min(r, 13), start=9)  # saturates at 13 req/s
+    assert sorted(tok) == list(range(9, 16))
+    q = find_q_star(tok)
+    assert q.q_star == 13 and q.plateau_reached  # the rule's knee: the last rate whose successor still grew
+
+
+def test_ladder_steps_down_when_it_started_past_the_knee():
+    tok = _ladder(lambda r: 100.0 * min(r, 6), start=9)
+    assert min(tok) == 5 and find_q_star(tok).q_star == 6  # 9, 10, 11 flat: down to 8, 7, 6, 5
+    assert sorted(tok) == list(range(5, 12))
+
+
+def test_ladder_stops_at_its_bound_and_the_rule_says_no_plateau():
+    tok = _ladder(lambda r: 100.0 * r, start=4, max_rates=5)  # never saturates
+    assert sorted(tok) == [4, 5, 6, 7, 8]
+    assert not find_q_star(tok).plateau_reached
+
+
+def test_ladder_start_is_below_the_bursts_rate_and_never_zero():
+    assert headline.ladder_start(20.0) == 15 and headline.ladder_start(0.5) == 1
+    with pytest.raises(ValueError, match="estimate_req_s"):
+        headline.ladder_start(0.0)
+
+
+def test_schedule_runs_every_load_at_its_share_of_q_star_with_paired_repetitions():
+    cells = headline.schedule(13, window_s=15.0, min_requests=24, repetitions=3)
+    assert [(c.load, c.repetition) for c in cells] == [(load, r) for load in ("below", "knee", "overload")
+                                                       for r in range(3)]
+    rates = {c.load: c.rate for c in cells}
+    assert rates == {"below": 9.75, "knee": 12.35, "overload": 16.25}  # the paper's A100 offered rates
+    requests = {c.load: c.requests for c in cells}
+    assert requests == {"below": 146, "knee": 185, "overload": 244}  # about 15 s of arrivals each
+    assert len({c.seed for c in cells}) == 9  # a schedule of its own per (load, repetition)
+    assert len({c.key for c in cells}) == 9
+    assert headline.schedule(1, 1.0, 4, 1)[0].requests == 4  # the floor
+    assert headline.Cell.from_dict(cells[4].as_dict()) == cells[4]
+    with pytest.raises(ValueError, match="repetitions"):
+        headline.schedule(13, 15.0, 24, 0)
+    with pytest.raises(ValueError, match="q_star"):
+        headline.schedule(0, 15.0, 24, 3)
+
+
+RULE = {"enter_tokens": 340_000, "exit_tokens": 270_000, "v_star_tokens": 272_964.0, "tau_ms": 2.67,
+        "source": "roofline:H100-SXM"}
+
+
+def test_thresholds_from_a_measured_tau_scale_v_star_and_round_like_the_rule():
+    th, source = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": 2.295}}, 10_000)
+    v_star = 272_964.0 * 2.295 / 2.67  # 234,622 tokens: the H100 bench's tau (benchmarks/results/H100-SXM)
+    assert th["v_star_tokens"] == pytest.approx(v_star)
+    assert (th["exit_tokens"], th["enter_tokens"]) == (230_000, 290_000)
+    assert th["source"] == source and source.startswith("measured tau 2.29 ms")
+
+
+def test_thresholds_from_tau_say_why_there_are_none():
+    assert headline.thresholds_from_tau(RULE, None, 10_000) == (None, "the sweep stage has not run: no measured tau")
+    assert "measured no tau" in headline.thresholds_from_tau(RULE, {"comparison": None}, 10_000)[1]
+    th, why = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": -1.5}}, 10_000)
+    assert th is None and "tau = -1.5 ms" in why
+    th, why = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": 2.65}}, 10_000)
+    assert th is None and "gives the rule's thresholds (enter 340000 / exit 270000)" in why
+
+
+def test_resident_ceiling_is_the_pool_or_the_running_cap_times_the_longest_request():
+    assert headline.resident_ceiling(420_000, 256, 1274) == 326_144  # below the H100's 340k enter threshold
+    assert headline.resident_ceiling(200_000, 256, 1274) == 200_000
+    assert headline.resident_ceiling(4096, None, 41) == 4096
+
+
+def _cell(arm: str, suite, rate: float, step: float, seed: int) -> CellResult:
+    """A hand-built matched cell of the suite: each request its forced length, `step` seconds a token."""
+    records = []
+    for i, req in enumerate(suite.requests):
+        t0 = i / rate
+        first = t0 + 10 * step
+        times = [first + k * step for k in range(req.max_new_tokens)]
+        records.append(RequestRecord(i, req.id, t0, req.prompt_tokens, req.max_new_tokens, True, submit_s=t0,
+                                     first_token_s=first, token_times_s=times, finish_s=times[-1],
+                                     output_ids=list(range(req.max_new_tokens)), output_tokens=req.max_new_tokens,
+                                     finish_reason="length"))
+    cell = CellResult(arm, "matched", rate, len(suite) / rate, seed, suite.name, suite.digest, len(suite),
+                      records=records, submitted=len(records), started=len(records), completed=len(records))
+    summarize_cell(cell)
+    return cell
+
+
+def test_pair_load_gates_each_repetition_and_takes_loadgens_paired_intervals():
+    suite = headline.gsm8k_suite("gsm8k-shaped-knee", 8, 1, 500, (20, 40), (4, 12))
+    steps = ((0.010, 0.008), (0.011, 0.008), (0.012, 0.009))  # (dense, hybrid) seconds per token per repetition
+    pairs = [(rep, _cell("dense", suite, 4.0, d, 200 + rep), _cell(HYBRID.name, suite, 4.0, h, 200 + rep))
+             for rep, (d, h) in enumerate(steps)]
+    ab = headline.pair_load("knee", HYBRID, "hybrid-rule", suite, 4.0, pairs, expect_engaged=True)
+    assert len(ab.accepted) == 3 and all(r.order == ("dense", HYBRID.name) for r in ab.repetitions)
+    assert {"work_identity", "accounting", "declared_cell_size"} <= set(ab.repetitions[0].gates.checked)
+    expected = paired_comparison([flat_metrics(b.summary) for _, b, _ in pairs],
+                                 [flat_metrics(t.summary) for _, _, t in pairs], ["e2e_mean", "tpot_p99"])
+    for metric, iv in expected.items():
+        assert ab.comparison[metric].mean == pytest.approx(iv.mean)
+        assert ab.comparison[metric].half_width == pytest.approx(iv.half_width)
+    doc = headline.load_doc(ab, len(suite))
+    assert doc["repetitions_accepted"] == 3 and doc["comparison"]["e2e_mean"]["n"] == 3
+    assert doc["comparison"]["e2e_mean"]["mean"] < 0 and doc["comparison"]["e2e_mean"]["resolved"]
+    assert doc["routed_share"] == {"prefill": None, "decode": None}  # no attestation read
+    assert doc["dense"]["e2e_mean_s"] > doc["arm"]["e2e_mean_s"]
+    assert [g["passed"] for g in doc["gates"]] == [True] * 3
+
+
+def test_pair_load_refuses_a_cell_of_another_arm_and_gates_a_changed_length():
+    suite = headline.gsm8k_suite("s", 4, 2, 500, (20, 40), (4, 12))
+    dense = _cell("dense", suite, 4.0, 0.01, 1)
+    with pytest.raises(ValueError, match=r"repetition 0: cell.arm is 'random-r1-d0.5-always'"):
+        headline.pair_load("knee", HYBRID, "h", suite, 4.0, [(0, dense, _cell("random-r1-d0.5-always", suite, 4.0,
+                                                                                0.01, 1))], expect_engaged=True)
+    other = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
+    other.records[0].output_ids.append(7)
+    other.records[0].output_tokens += 1
+    ab = headline.pair_load("knee", HYBRID, "h", suite, 4.0, [(0, dense, other)], expect_engaged=True)
+    assert not ab.accepted and ab.comparison == {}
+    assert any(f.gate == "work_identity" for f in ab.repetitions[0].gates.refusals)
+
+
+def test_routed_share_sums_each_cells_attested_passes():
+    suite = headline.gsm8k_suite("s", 2, 2, 500, (20, 40), (4, 12))
+    cells = []
+    for before, after in (((2, 0, 10, 0), (4, 2, 20, 30)), ((4, 2, 20, 30), (5, 2, 30, 30))):
+        cell = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
+        cell.attestation_before, cell.attestation_after = ({"passes_total": {
+            "prefill": {"dense": p[0], "routed": p[1]}, "decode": {"dense": p[2], "routed": p[3]}}}
+            for p in (before, after))
+        cells.append(cell)
+    assert headline.routed_share(cells) == {"prefill": pytest.approx(2 / 5), "decode": pytest.approx(30 / 50)}
+
+
+def _iv(mean, hw, n=3):
+    return {"mean": mean, "half_width": hw, "low": None if hw is None else mean - hw,
+            "high": None if hw is None else mean + hw, "n": n, "resolved": hw is not None and abs(mean) > hw}
+
+
+def test_verdicts_need_an_interval_and_read_its_bounds():
+    assert headline.beats(_iv(-45.0, 3.0), -36.8) == "met"
+    assert headline.beats(_iv(-38.0, 3.0), -36.8) == "not resolved"
+    assert headline.beats(_iv(-20.0, 3.0), -36.8) == "not met"
+    assert headline.beats(_iv(-45.0, None, 1), -36.8) == "n = 1: no interval"
+    assert headline.beats(None, -36.8) == "not measured"
+    assert headline.not_worse(_iv(1.0, 2.0)) == "holds"
+    assert headline.not_worse(_iv(5.0, 2.0)) == "fails: resolved increase, low +3.0%"
+
+
+def _doc(decode_share: float, loads=("below", "knee", "overload")) -> dict:
+    cell = {"comparison": {"e2e_mean": _iv(-40.0, 2.0), "window_req_s": _iv(12.0, 1.0)},
+            "routed_share": {"prefill": 0.4, "decode": decode_share}}
+    return {"loads": dict.fromkeys(loads, cell)}
+
+
+def test_figures_put_the_knee_beside_the_papers_and_check_never_worse_below_v_star():
+    doc = {"arms": {"hybrid-rule": {"role": "hybrid", **_doc(0.0)}, "hybrid-tau": {"role": "hybrid", "skipped": "x"},
+                    "always": {"role": "always", **_doc(1.0, ("knee",))},
+                    "control": {"role": "control", **_doc(1.0, ("knee",))}}}
+    rows = headline.figure_rows(doc)
+    figures = [(r["arm"], r["figure"], r["limit"], r["verdict"]) for r in rows]
+    below = "(below V*: no routed decode pass)"
+    assert figures == [
+        ("hybrid-rule", f"mean E2E change at 0.75 Q* {below}", "no resolved increase over dense", "holds"),
+        ("hybrid-rule", "mean E2E change at 0.95 Q*", "below -36.8% (the paper's)", "met"),
+        ("hybrid-rule", f"mean E2E change at 0.95 Q* {below}", "no resolved increase over dense", "holds"),
+        ("hybrid-rule", f"mean E2E change at 1.25 Q* {below}", "no resolved increase over dense", "holds"),
+        ("hybrid-rule", "request throughput in the injection window at 1.25 Q*", "none set", ""),
+        ("always", "mean E2E change at 0.95 Q*", "none set", ""),
+        ("control", "mean E2E change at 0.95 Q*", "none set", "")]
+    assert rows[1]["paper_a100"] == (-36.8, 2.0) and rows[1]["paper_h100"] == (-39.4, 0.2)
+    assert rows[4]["paper_a100"] == (11.3, 0.2) and rows[4]["paper_h100"] == (19.3, 3.4)
+    lines = headline.figure_lines(rows)
+    assert lines[3] == ("| hybrid-rule | mean E2E change at 0.95 Q* | -40.0 ± 2.0 (n = 3) | below -36.8% (the "
+                        "paper's) | -36.8 ± 2.0 | -39.4 ± 0.2 | met |")
+    assert "| always | mean E2E change at 0.95 Q* | -40.0 ± 2.0 (n = 3) | none set | -46.5 (n = 1) | n/a |  |" in lines
+    routed = headline.figure_rows({"arms": {"hybrid-rule": {"role": "hybrid", **_doc(0.9)}}})
+    assert [r["limit"] for r in routed] == ["none set", "below -36.8% (the paper's)", "none set", "none set"]
+
+
+def test_summary_section_says_which_thresholds_served_and_what_cannot_route():
+    ladder = {"shape": {"prompt_tokens": {"min": 700, "max": 1100, "mean": 901.2},
+                        "output_tokens": {"min": 58, "max": 174, "mean": 115.6}},
+              "q_star": {"q_star": 14, "rates": [11, 12, 13, 14, 15, 16], "tok_s_at_q_star": 1226.0,
+                         "plateau_reached": True}, "left": []}
+    hybrid = {"role": "hybrid", "thresholds": {"source": "roofline:H100-SXM"}, "kv_pool_tokens": 420_000,
+              "resident_ceiling_tokens": 326_144, "table": "### table", **_doc(0.0),
+              "served": {"thresholds": {"enter_tokens": 340_000, "exit_tokens": 270_000,
+                                        "source": "roofline:H100-SXM"}}}
+    doc = {"arms": {"hybrid-rule": hybrid, "hybrid-tau": {"role": "hybrid", "skipped": "the sweep stage has not "
+                                                                                      "run: no measured tau"}},
+           "left": ["always: 3 cells"]}
+    text = "\n".join(headline.headline_lines(ladder, doc))
+    assert "prompts of 700-1100 tokens (mean 901), forced outputs of 58-174 tokens (mean 116" in text
+    assert "Q* = 14 req/s (1226 tok/s; plateau reached: yes); the paper's: 13 on the A100, 14 on the H100" in text
+    assert ("- hybrid-rule: enter 340000 / exit 270000 resident KV tokens served (attested source: roofline:H100-SXM;"
+            " from roofline:H100-SXM); KV pool 420000 tokens, at most 326144 resident in these cells (below the enter"
+            " threshold: decode cannot route)") in text
+    assert "- hybrid-tau: not served: the sweep stage has not run: no measured tau" in text
+    assert "0.75 Q*: prefill 40%, decode 0%; 0.95 Q*" in text
+    assert "| H100 | 0.95 Q* | 3 | -39.4 ± 0.2 | -34.2 ± 9.6 |" in text
+    assert "Headline stage left for the next run: always: 3 cells" in text
+    assert headline.headline_lines(None, None) == []
+
+
+def test_device_plan_fits_the_headline_in_one_sessions_device_time():
+    """The arithmetic behind the stage sizes: five server starts, the ladder, 33 cells (dense, the hybrid arm twice
+    over three loads and three repetitions, always-route and the control at the knee), all under 30 minutes with
+    the sweep and the kernels beside them (H100 timings: sweep 240 s, kernels 180 s, a start 45-90 s)."""
+    plan = Plan.gpu()
+    assert plan.repetitions >= 3 and plan.prompt_tokens == (700, 1100) and plan.output_tokens == (58, 174)
+    assert sum(plan.output_tokens) / 2 == headline.PAPER_OUTPUT_TOKENS
+    cells = 3 * 3 * 3 + 2 * plan.repetitions
+    per_cell = plan.window_s * 1.3 + plan.cell_overhead_s  # a drain of about a third of the window at overload
+    ladder = plan.ladder_max_rates // 2 * (plan.ladder_window_s * 1.2 + plan.cell_overhead_s)
+    total = 5 * 90 + ladder + cells * per_cell + 240 + 180 + 30
+    assert total < 30 * 60, total
+    dry = Plan.dry()
+    assert dry.repetitions == 1 and dry.engagement_optional and not plan.engagement_optional
