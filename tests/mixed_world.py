@@ -113,10 +113,11 @@ class HostReadDetector(TorchFunctionMode):
 
 
 class HostWaitDetector(TorchDispatchMode):
-    """Records every operator that makes the host wait for a device value: a scalar read
-    (`aten._local_scalar_dense`) and the operators whose output shape is a device value (`nonzero`, `unique`,
-    `masked_select`, a boolean index, `repeat_interleave` without its output size). On CPU none of them waits, so
-    the recorded names stand for the waits the same pass would make on a GPU. Within `exempt()` nothing is
+    """Records every operator that makes the host wait for the device: a scalar read (`aten._local_scalar_dense`),
+    the operators whose output shape is a device value (`nonzero`, `unique`, `masked_select`, a boolean index,
+    `repeat_interleave` without its output size), and a tensor literal (`lift_fresh`: `torch.tensor(...)` in the
+    pass, on a GPU a blocking copy from the host, and illegal while a graph captures). On CPU none of them waits,
+    so the recorded names stand for the waits the same pass would make on a GPU. Within `exempt()` nothing is
     recorded: a call the host makes for a dense pass too (its attention backend's read)."""
 
     SHAPE_FROM_VALUES = ("nonzero", "unique", "_unique", "unique_dim", "_unique2", "unique_consecutive",
@@ -144,7 +145,8 @@ class HostWaitDetector(TorchDispatchMode):
 
     def _waits(self, func, args, kwargs) -> bool:
         name = func._schema.name.split("::")[-1]
-        if func is torch.ops.aten._local_scalar_dense.default or name in self.SHAPE_FROM_VALUES:
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default) \
+                or name in self.SHAPE_FROM_VALUES:
             return True
         if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())

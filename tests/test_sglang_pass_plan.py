@@ -67,11 +67,13 @@ def test_plan_buffers_keep_their_storage_pad_past_the_rows_and_refuse_growth_onc
         "req_rows": [0, 2], "request_keys": [5, 6], "dense_rows": [False, False], "valid": [True, True]}
     with pytest.raises(ValueError, match="'request_keys' has 1 rows, req_rows has 2"):
         buffers.write(torch.tensor([0, 2]), torch.tensor([5]))
-    buffers.write(torch.arange(8), torch.arange(8))  # eager: grows
-    assert buffers.capacity == 8
+    buffers.write(torch.arange(8), torch.arange(8))  # eager: grows, to twice the capacity
+    assert buffers.capacity == 12 and buffers.valid.tolist() == [True] * 8 + [False] * 4
+    buffers.write(torch.arange(30), torch.arange(30))  # or to the pass
+    assert buffers.capacity == 30
     buffers.frozen = True
-    with pytest.raises(ValueError, match="9 rows exceeds the plan buffers' capacity 8"):
-        buffers.write(torch.arange(9), torch.arange(9))
+    with pytest.raises(ValueError, match="31 rows exceeds the plan buffers' capacity 30"):
+        buffers.write(torch.arange(31), torch.arange(31))
 
 
 class _Writes(TorchDispatchMode):
@@ -119,6 +121,32 @@ class _DeviceTensor(torch.Tensor):
     @property
     def device(self):
         return torch.device("meta")
+
+
+def test_a_prefill_plan_takes_its_request_slots_from_the_batchs_host_mirrors_in_the_one_copy(monkeypatch):
+    """Where SGLang's batch has host mirrors of its request slots and extend lengths (a prefill), `write_plan`
+    stages each row's slot from them: the plan reaches the device in the one copy; a decode batch has none, and
+    its slots follow on the device."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from vskipper.sglang.models.routed import PassPlan, SkipperCausalLM
+    from vskipper.sglang.runtime import Step
+
+    model = SimpleNamespace(buffers=PlanBuffers(8, staged=True), graph_buffers=None,
+                            runtime=SimpleNamespace(on_graph_tape=lambda step: False))
+    on_device = torch.tensor([2, 2, 2, 5]).as_subclass(_DeviceTensor)
+    monkeypatch.setattr("vskipper.sglang.models.routed.plan_pass",
+                        lambda fb, rows: PassPlan(on_device, 0))
+    for mirrors, copies in ((True, ["copy_"]), (False, ["copy_", "copy_"])):
+        fb = SimpleNamespace(req_pool_indices_cpu=torch.tensor([2, 5]) if mirrors else None,
+                             extend_seq_lens_cpu=[3, 1] if mirrors else None, forward_mode=ForwardMode.EXTEND)
+        step = Step("prefill", True, rows=4, keys=torch.tensor([7, 7, 7, 9]))
+        with _Writes(model.buffers.storage) as writes:
+            SkipperCausalLM.write_plan(model, fb, step)
+        assert writes.ops == copies
+        assert model.buffers.req_rows.tolist()[:4] == [2, 2, 2, 5] and step.keys.tolist() == [7, 7, 7, 9]
 
 
 # -- two routed decode passes through the same buffers ---------------------------------------------------------

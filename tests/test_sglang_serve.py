@@ -156,6 +156,20 @@ def _generate_all(server) -> list[list[int]]:
         return list(pool.map(lambda p: server.generate_ids(list(p), NEW_TOKENS), PROMPTS))
 
 
+def _serves_the_routed_reference(server, served_model) -> dict:
+    """The always-route FlexiDepth server's greedy tokens on PROMPTS equal the torch routed forward's, with rows
+    routed both ways in both phases (the tiny routers send them so) and no dense pass; its attestation."""
+    outputs = _generate_all(server)
+    skipper = build_skipper("flexidepth", {})
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        assert out == greedy_reference(served_model, list(prompt), NEW_TOKENS, skipper)
+    att = server.get_json("/vskipper/attestation")
+    for phase in ("prefill", "decode"):
+        assert att["rows_total"][phase]["project_only"] > 0 and att["rows_total"][phase]["run"] > 0
+        assert att["passes_total"][phase]["dense"] == 0
+    return att
+
+
 def _metric(text: str, name: str, **labels: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
@@ -366,20 +380,10 @@ class TestAlwaysRouteFlexiDepth:
     """The always-route arm: FlexiDepth's trained routers on every pass, with --enable-metrics."""
 
     def test_always_route_flexidepth_equals_the_torch_routed_forward_token_for_token(self, routed_server, served_model):
-        outputs = _generate_all(routed_server)
-        skipper = build_skipper("flexidepth", {})
-        for prompt, out in zip(PROMPTS, outputs, strict=True):
-            assert out == greedy_reference(served_model, list(prompt), NEW_TOKENS, skipper)
-        # routing is engaged: the tiny routers send rows both ways
-        att = routed_server.get_json("/vskipper/attestation")
-        for phase in ("prefill", "decode"):
-            assert att["rows_total"][phase]["project_only"] > 0 and att["rows_total"][phase]["run"] > 0
-            assert att["passes_total"][phase]["dense"] == 0
+        att = _serves_the_routed_reference(routed_server, served_model)
         # what executed: Project-Only rows skip Q, routed passes run eagerly (no graph replays a dense graph)
         assert att["execution"]["project_only_q"] == "skipped: K/V rows of qkv_proj"
         assert att["execution"]["cuda_graphs"]["backends"] == {"decode": "disabled", "prefill": "disabled"}
-
-
 
     def test_loadgen_cells_against_the_real_server_pass_every_gate(self, routed_server):
         """loadgen end to end against the real server (not a stand-in): an open-loop natural cell, then its
@@ -435,17 +439,10 @@ class TestTritonExecution:
     bounded cohort GEMMs in prefill and decode, the masked decode read, the prefill read through SGLang's backend."""
 
     def test_the_triton_execution_serves_the_torch_routed_forward_token_for_token(self, triton_server, served_model):
-        outputs = _generate_all(triton_server)
-        skipper = build_skipper("flexidepth", {})
-        for prompt, out in zip(PROMPTS, outputs, strict=True):
-            assert out == greedy_reference(served_model, list(prompt), NEW_TOKENS, skipper)
-        att = triton_server.get_json("/vskipper/attestation")
+        att = _serves_the_routed_reference(triton_server, served_model)
         assert att["execution"]["routed_layers_backend"] == {"decode": "triton", "prefill": "triton",
                                                             "prefill_read": "backend", "tiles": "interpreter tile"}
         assert att["execution"]["project_only_q"] == "skipped: the RUN cohort's count-bounded Q GEMM"
-        for phase in ("prefill", "decode"):
-            assert att["rows_total"][phase]["project_only"] > 0 and att["rows_total"][phase]["run"] > 0
-            assert att["passes_total"][phase]["dense"] == 0
 
 
 class TestHybridArm:

@@ -66,12 +66,12 @@ def test_the_triton_execution_of_a_decode_pass_equals_the_torch_execution(world,
     torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("run", [[True, False, False, True], [False, True, True, True], [False] * 4])
-def test_project_only_rows_never_enter_q_the_read_or_o_proj_of_the_triton_execution(world, run, monkeypatch):
-    """The rows each kernel of a mixed decode pass covers (the batch rows idx[m], m < count, of a count-bounded
-    GEMM; the reading slots of the masked read): Q, the read and o_proj the RUN rows alone, at their own
-    positions and requests; the MLP the RUN rows, the adapter the Project-Only rows. K/V goes through the K/V
-    rows of qkv_proj for every row; no module of SGLang's attention or MLP runs its own forward."""
+def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:
+    """Spies on what each kernel of a triton pass covers, filled in as the pass runs: the batch rows idx[m],
+    m < count, of each count-bounded GEMM (`q`, `o_proj`, `mlp`, `proj`); the rows of the K/V projection (`kv`)
+    or of a whole qkv_proj (`qkv_rows`); the masked decode read's (requests, positions) (`read`); the rows whose
+    query SGLang's prefill read receives non-zero (`queries`); and any forward of SGLang's attention or MLP
+    modules (`forwards`: the triton execution runs none)."""
     layer = world.layer
     seen: dict[str, object] = {}
 
@@ -90,6 +90,10 @@ def test_project_only_rows_never_enter_q_the_read_or_o_proj_of_the_triton_execut
         seen["read"] = (req[reads].tolist(), positions[reads].tolist())
         return real["read"](q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs)
 
+    def extend(q, *args, **kwargs):
+        seen["queries"] = q.reshape(q.shape[0], -1).abs().sum(-1).nonzero().view(-1).tolist()
+        return real["extend"](q, *args, **kwargs)
+
     def ffn(backend, x, idx, count, *args, **kwargs):
         seen[kwargs["op"]] = rows_of(idx, count)
         return real["ffn"](backend, x, idx, count, *args, **kwargs)
@@ -99,26 +103,36 @@ def test_project_only_rows_never_enter_q_the_read_or_o_proj_of_the_triton_execut
         return real["projection"](qkv_proj, rows, u)
 
     real = {"gemm": kernels.cohort_gemm, "scatter": kernels.cohort_scatter_add, "ffn": body.cohort_ffn,
-            "read": kernels.masked_decode_attention, "projection": served.row_projection}
+            "read": kernels.masked_decode_attention, "projection": served.row_projection,
+            "extend": world.backend.forward_extend}
     monkeypatch.setattr(kernels, "cohort_gemm", gemm)
     monkeypatch.setattr(kernels, "cohort_scatter_add", scatter)
     monkeypatch.setattr(kernels, "masked_decode_attention", read)
     monkeypatch.setattr(body, "cohort_ffn", ffn)
     monkeypatch.setattr(served, "row_projection", projection)
-    modules = (layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp,
-               layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    handles = [m.register_forward_pre_hook(lambda m, args: seen.setdefault("forwards", []).append(type(m)))
-               for m in modules]
+    monkeypatch.setattr(world.backend, "forward_extend", extend)
+    for m in (layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp, layer.mlp.gate_up_proj,
+              layer.mlp.down_proj):
+        def forward(*args, _m=m, _forward=m.forward, **kwargs):
+            seen.setdefault("forwards", []).append(type(_m))
+            return _forward(*args, **kwargs)
+
+        monkeypatch.setattr(m, "forward", forward)
+    return seen
+
+
+@pytest.mark.parametrize("run", [[True, False, False, True], [False, True, True, True], [False] * 4])
+def test_project_only_rows_never_enter_q_the_read_or_o_proj_of_the_triton_execution(world, run, monkeypatch):
+    """The rows each kernel of a mixed decode pass covers: Q, the read and o_proj the RUN rows alone, at their
+    own positions and requests; the MLP the RUN rows, the adapter the Project-Only rows. K/V goes through the K/V
+    rows of qkv_proj for every row; no module of SGLang's attention or MLP runs its own forward."""
+    seen = _watch_kernels(world, monkeypatch)
     run_t = torch.tensor(run)
     w = torch.where(run_t, torch.ones(4), torch.full((4,), 0.5))
     reqs = [2, 0, 3, 1]  # batch row i decodes request reqs[i], at its length
     positions = [world.lengths[r] for r in reqs]
-    try:
-        _pass(world, dict.fromkeys(reqs, 1), world.hidden(4), run_t, w,
-              served.cohort_execution([layer], torch.device("cpu"), "triton"))
-    finally:
-        for h in handles:
-            h.remove()
+    _pass(world, dict.fromkeys(reqs, 1), world.hidden(4), run_t, w,
+          served.cohort_execution([world.layer], torch.device("cpu"), "triton"))
     run_rows = [i for i, r in enumerate(run) if r]
     proj_rows = [i for i, r in enumerate(run) if not r]
     assert seen == {"kv": 4, "q": run_rows, "read": ([reqs[i] for i in run_rows], [positions[i] for i in run_rows]),
@@ -176,63 +190,29 @@ def test_project_only_tokens_of_a_triton_prefill_compute_only_their_kv_and_the_a
     and the MLP the RUN tokens alone, the adapter the Project-Only tokens; SGLang's backend reads a query for the
     RUN tokens only (a Project-Only token's slot holds zeros). No module of SGLang's attention or MLP runs its own
     forward."""
-    layer = world.layer
-    seen: dict[str, object] = {}
-
-    def rows_of(idx, count):
-        return sorted(idx[: int(count)].tolist())
-
-    def gemm(u, idx, count, w, *args, **kwargs):
-        seen["q"] = rows_of(idx, count)
-        return real["gemm"](u, idx, count, w, *args, **kwargs)
-
-    def scatter(a, idx, count, w, y, *args, **kwargs):
-        seen["o_proj"] = rows_of(idx, count)
-        return real["scatter"](a, idx, count, w, y, *args, **kwargs)
-
-    def ffn(backend, x, idx, count, *args, **kwargs):
-        seen[kwargs["op"]] = rows_of(idx, count)
-        return real["ffn"](backend, x, idx, count, *args, **kwargs)
-
-    def projection(qkv_proj, rows, u):
-        seen["kv" if rows.start == layer.self_attn.q_size else "qkv_rows"] = u.shape[0]
-        return real["projection"](qkv_proj, rows, u)
-
-    def extend(q, *args, **kwargs):
-        seen["queries"] = q.reshape(q.shape[0], -1).abs().sum(-1).nonzero().view(-1).tolist()
-        return real["extend"](q, *args, **kwargs)
-
-    real = {"gemm": kernels.cohort_gemm, "scatter": kernels.cohort_scatter_add, "ffn": body.cohort_ffn,
-            "projection": served.row_projection, "extend": world.backend.forward_extend}
-    monkeypatch.setattr(kernels, "cohort_gemm", gemm)
-    monkeypatch.setattr(kernels, "cohort_scatter_add", scatter)
-    monkeypatch.setattr(body, "cohort_ffn", ffn)
-    monkeypatch.setattr(served, "row_projection", projection)
-    monkeypatch.setattr(world.backend, "forward_extend", extend)
-    modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp, layer.mlp.gate_up_proj,
-               layer.mlp.down_proj)
-    handles = [m.register_forward_pre_hook(lambda m, args: seen.setdefault("forwards", []).append(type(m)))
-               for m in modules]
+    seen = _watch_kernels(world, monkeypatch)
     run_t, w = _prefill_route(world, run)
-    try:
-        _pass(world, PREFILL_EXTEND, world.hidden(len(run)), run_t, w,
-              served.cohort_execution([layer], torch.device("cpu"), "triton"))
-    finally:
-        for h in handles:
-            h.remove()
+    _pass(world, PREFILL_EXTEND, world.hidden(len(run)), run_t, w,
+          served.cohort_execution([world.layer], torch.device("cpu"), "triton"))
     run_rows = [i for i, r in enumerate(run) if r]
     proj_rows = [i for i, r in enumerate(run) if not r]
     assert seen == {"kv": len(run), "q": run_rows, "queries": run_rows, "o_proj": run_rows, "mlp": run_rows,
                     "proj": proj_rows}
 
 
+# (phase, new tokens per request, each row's request key)
+WAIT_PASSES = [("prefill", PREFILL_EXTEND, [7, 7, 7, 9, 9]), ("decode", {0: 1, 1: 1, 2: 1, 3: 1}, [3, 5, 7, 9])]
+
+
 @pytest.mark.parametrize("execution", ["triton", "torch"])
-def test_a_routed_prefill_pass_of_the_triton_execution_makes_the_host_wait_for_no_device_value(world, execution):
-    """The sync-free prefill: RandomSkip routes the pass (its per-pass state included), the tape records it, the
-    cohorts are packed, and the layer runs, with no operator that would make the host wait for the device (a
-    scalar read, or an output shaped by device values), outside SGLang's attention backend, which a dense pass
-    calls alike. The torch execution packs its cohorts with `nonzero`, which the detector sees: it would see a
-    wait in the triton execution too."""
+@pytest.mark.parametrize(("phase", "extend", "keys"), WAIT_PASSES, ids=[p[0] for p in WAIT_PASSES])
+def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device_value(world, execution, phase,
+                                                                                       extend, keys):
+    """The sync-free routed pass, prefill and decode: RandomSkip routes it (its per-pass state included), the tape
+    records it, the cohorts are packed, and the layer runs, with no operator that would make the host wait for
+    the device (a scalar read, an output shaped by device values, a tensor literal copied from the host) outside
+    SGLang's attention backend, which a dense pass calls alike. The torch execution packs its cohorts with
+    `nonzero`, which the detector sees: it would see a wait in the triton execution too."""
     from mixed_world import HostWaitDetector
 
     from vskipper.mixed.cohorts import CohortBuilder
@@ -242,25 +222,25 @@ def test_a_routed_prefill_pass_of_the_triton_execution_makes_the_host_wait_for_n
     from vskipper.skippers.base import BatchContext
     from vskipper.skippers.random_skip import RandomSkip
 
-    rows, lid = sum(PREFILL_EXTEND.values()), world.layer.layer_id
+    rows, lid = sum(extend.values()), world.layer.layer_id
     kv0, lengths0 = world.kv(), list(world.lengths)
-    fb = world.batch(PREFILL_EXTEND)
+    fb = world.batch(extend)
     x = world.hidden(rows)
     skipper = RandomSkip(r=1.0, d=0.5, seed=5)
-    keys = torch.tensor([7, 7, 7, 9, 9])
-    step = Step("prefill", True, skipper, None, RouteTape(rows, (lid,)), CohortBuilder(rows), None, rows, keys=keys)
+    keys = torch.tensor(keys)
+    step = Step(phase, True, skipper, None, RouteTape(rows, (lid,)), CohortBuilder(rows), None, rows, keys=keys)
     world.slot.step, world.slot.plan = step, plan_pass(fb, rows)
     world.slot.execution = served.cohort_execution([world.layer], torch.device("cpu"), execution)
     detector = HostWaitDetector()
-    backend_extend = world.backend.forward_extend
-    world.backend.forward_extend = detector.exempt(backend_extend)
+    for name in ("forward_extend", "forward_decode"):
+        setattr(world.backend, name, detector.exempt(getattr(world.backend, name)))
     try:
         with world.context(), torch.no_grad(), detector:
-            step.state = skipper.prepare_batch(BatchContext(x, torch.ones(rows, dtype=torch.bool), (lid,),
-                                                            "prefill", keys, fb.positions))
+            step.state = skipper.prepare_batch(BatchContext(x, torch.ones(rows, dtype=torch.bool), (lid,), phase,
+                                                            keys, fb.positions))
             world.layer.mixed_depth(step, fb.positions, x, fb)
     finally:
-        del world.backend.forward_extend
+        del world.backend.forward_extend, world.backend.forward_decode
         world.slot.step = world.slot.plan = None
         world.slot.execution = served.TORCH_EXECUTION
         world.restore(kv0, lengths0)

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The device run: dense against routed with the real SGLang 0.5.21 on one GPU, in stages of under nine minutes.
 #
-#   benchmarks/gpu/run.sh install|ladder|sweep|headline|kernels|all OUTDIR [--dry-run]
+#   benchmarks/gpu/run.sh install|sweep|ladder|headline|kernels|all OUTDIR [--dry-run]
 #
 # install   installs the bundle (.gpu-bundle/, `make gpu-bundle`) into $VSKIPPER_SITE unless it is there already,
 #           and prints the GPU, its memory and driver, torch and triton (OUTDIR/env.json)
-# ladder    dense alone on GSM8K-shaped load: upstream's Q* ladder, then dense's side of the headline cells
-#           (0.75 / 0.95 / 1.25 x Q*, 3 paired repetitions)                          (benchmarks/gpu/run.py)
 # sweep     fixed-batch decode (batch x context) and prefill at 1k/2k/4k tokens, dense and routed: tau
-# headline  each routed arm alone on the same cells (hybrid with the rule's thresholds, then with the sweep's
-#           tau; always-route and the s = 0 control at the knee), each against dense with gates and intervals
+#                                                                                     (benchmarks/gpu/run.py)
+# ladder    dense alone on GSM8K-shaped load: upstream's Q* ladder, then dense's side of the headline cells
+#           (0.75 / 0.95 / 1.25 x Q*, 3 paired repetitions)
+# headline  each routed arm alone on the same cells (hybrid with the rule's thresholds; always-route and the
+#           s = 0 control at the knee; then hybrid with the sweep's tau), each against dense with gates and
+#           intervals
 # kernels   benchmarks/mixed_depth_bench.py and `vskipper tune-tiles` for the device
 # all       each in that order (a stage stopped by its budget or limit runs again, up to three runs), then
 #           OUTDIR/results.json and OUTDIR/summary.md
@@ -20,12 +22,12 @@
 # environment instead of the bundle); its numbers mean nothing.
 set -euo pipefail
 
-usage() { echo "usage: $0 install|ladder|sweep|headline|kernels|all OUTDIR [--dry-run]" >&2; exit 2; }
+usage() { echo "usage: $0 install|sweep|ladder|headline|kernels|all OUTDIR [--dry-run]" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 STAGE=$1 OUT=$2 DRY=""
 [ "${3:-}" = "--dry-run" ] && DRY="--dry-run"
 [ $# -le 3 ] || usage
-case $STAGE in install|ladder|sweep|headline|kernels|all) ;; *) usage ;; esac
+case $STAGE in install|sweep|ladder|headline|kernels|all) ;; *) usage ;; esac
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUNDLE=${VSKIPPER_BUNDLE:-$ROOT/.gpu-bundle}
@@ -96,7 +98,7 @@ stage() {
 install
 case $STAGE in
     install) ;;
-    all) for s in ladder sweep headline kernels; do
+    all) for s in $("$PY" benchmarks/gpu/run.py stages "$OUT"); do
              # A stage that reached its budget (exit 4) or its limit runs again to finish what it left (each
              # skips what is done), up to three runs; a failed one does not.
              for _ in 1 2 3; do

@@ -10,8 +10,8 @@ only views of them:
   valid         bool  [C]  True for the pass's rows, False for padding up to the capacity
 
 Rows past the pass's row count are padding: request slot 0, key 0, dense (RUN), not valid. Writing never
-reallocates within the capacity; a pass larger than the capacity (an eager prefill) grows the buffers first,
-which is refused once the buffers are `frozen` (a graph holds their addresses).
+reallocates within the capacity; a pass larger than the capacity (an eager prefill) grows the buffers first (to
+at least twice the capacity), which is refused once the buffers are `frozen` (a graph holds their addresses).
 
 The four fields are views of one byte tensor on the device (`storage`: the int64 fields first, so every view is
 aligned). Off the host a pass's plan is staged in a host copy of that tensor (pinned on CUDA) and reaches the
@@ -90,7 +90,8 @@ class PlanBuffers:
             pin = self.device.type == "cuda"
             self._stages = [_Stage(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin), capacity)
                             for _ in range(STAGES)]
-            self.storage.copy_(self._stages[0].storage)
+            for name, _, pad in FIELDS:  # the device's padding, as the stages hold it (no copy from the host)
+                fields[name].fill_(pad)
         else:
             self._stages = [_Stage(self.storage, capacity)]
         self._turn = 0
@@ -108,7 +109,7 @@ class PlanBuffers:
             if self.frozen:
                 raise ValueError(f"a pass of {rows} rows exceeds the plan buffers' capacity {self.capacity}, "
                                  "which a captured graph holds")
-            self._allocate(rows)
+            self._allocate(max(rows, 2 * self.capacity))  # doubling: a few growths over a server's warm-up
         values = {"req_rows": req_rows, "request_keys": request_keys, "dense_rows": dense_rows}
         if not self.staged:
             self._stages[0].write(rows, values)

@@ -83,7 +83,8 @@ class RandomSkip(Skipper):
         selected = (((k + pos * PHI) % MOD) < _threshold(self.r)) & valid
         offset = _mix(k ^ _mix(pos))
         layers = len(batch.routed_layers)
-        strides = torch.tensor([j * MOD // layers for j in range(layers)], dtype=torch.int64, device=offset.device)
+        # Built on the device (a tensor literal would be a blocking host copy, and illegal while a graph captures).
+        strides = torch.arange(layers, dtype=torch.int64, device=offset.device) * MOD // layers
         run = ~(selected & (((offset + strides.view(-1, 1)) % MOD) < _threshold(self.d)))  # [L_r, rows]
         weights = torch.ones(run.shape[1], 1, dtype=batch.hidden_states.dtype, device=run.device)
         return {"run": run.unsqueeze(-1), "weights": weights,

@@ -304,10 +304,10 @@ class SGLangLayerOps:
         a = self.attn
         pool = get_token_to_kv_pool()
         lid = a.attn.layer_id
-        req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
-        qh = q.view(q.shape[0], a.num_heads, a.head_dim)
         if self.backend == "triton" and not self.fb.forward_mode.is_decode():
             return self._backend_read(q, rows, reads)  # prefill over the packed cohort slots
+        req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
+        qh = q.view(q.shape[0], a.num_heads, a.head_dim)
         if self.backend == "triton":  # decode over the packed cohort slots (launch shape: the capacity); slots
             # outside `reads` read nothing
             from vskipper.mixed.kernels import masked_decode_attention
@@ -599,6 +599,9 @@ class SkipperCausalLM(RouterWeightsMixin):
             self.slot.execution = cohort_execution(layers, device, self.runtime.spec.execution)
         except ValueError as exc:
             raise ServeConfigError(f"{ENV_EXECUTION}={self.runtime.spec.execution}: {exc}") from None
+        if self.runtime.spec.execution == "triton" and self.slot.execution.decode != "triton":
+            raise ServeConfigError(f"{ENV_EXECUTION}=triton, but the routed layers cannot run it: "
+                                   f"{self.slot.execution.reason}")
         self.graph_blocker = routed_graph_blocker(self.slot.execution, device)
         active.register(self)  # for the SGLang hooks around the forward and the graph runners
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
@@ -679,16 +682,18 @@ class SkipperCausalLM(RouterWeightsMixin):
     def write_plan(self, forward_batch, step: Step) -> PassPlan:
         """Write the routed pass's per-row plan into the static buffers; the step and the plan read their views.
         A decode pass on the graph tape writes the graph buffers (a replay reads them), every other pass the
-        eager ones. The step's keys and dense-mode rows are host tensors, and so are a decode pass's request
-        slots where SGLang's batch has their host mirror: the buffers then take the whole plan in one copy."""
-        plan = plan_pass(forward_batch, step.rows)
-        req_rows = plan.req_rows
-        mirror = getattr(forward_batch, "req_pool_indices_cpu", None)
-        if req_rows.device.type != "cpu" and mirror is not None and forward_batch.forward_mode.is_decode() \
-                and mirror.shape[0] >= step.rows:
-            req_rows = mirror[: step.rows]
+        eager ones. The step's keys and dense-mode rows are host tensors, and so are a prefill pass's request
+        slots where SGLang's batch has their host mirrors (`req_pool_indices_cpu`, `extend_seq_lens_cpu`): the
+        buffers then take the whole plan in one copy. A decode batch has no such mirror: its request slots follow
+        on the device, one device-to-device copy."""
+        slots = getattr(forward_batch, "req_pool_indices_cpu", None)
+        extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
+        if slots is not None and extend is not None and not forward_batch.forward_mode.is_decode():
+            plan = PassPlan(torch.repeat_interleave(slots, torch.tensor(list(extend)), output_size=step.rows), 0)
+        else:
+            plan = plan_pass(forward_batch, step.rows)
         buffers = self.graph_buffers if self.runtime.on_graph_tape(step) else self.buffers
-        buffers.write(req_rows, step.keys, step.dense_rows)
+        buffers.write(plan.req_rows, step.keys, step.dense_rows)
         views = buffers.views(step.rows)
         step.keys = views["request_keys"]
         if step.dense_rows is not None:
