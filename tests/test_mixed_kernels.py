@@ -13,7 +13,7 @@ from mixed_world import HostReadDetector, TapeSkipper, World, random_routes
 from vskipper.mixed.attention import paged_attention
 from vskipper.mixed.backend import cohort_ffn_torch
 from vskipper.mixed.bench_stack import BenchStack
-from vskipper.mixed.cohorts import build_cohorts
+from vskipper.mixed.cohorts import CohortBuilder, build_cohorts
 from vskipper.mixed.kernels import (
     cohort_down_scatter,
     cohort_ffn_triton,
@@ -191,3 +191,23 @@ def test_a_routed_decode_step_on_the_triton_backend_reads_no_tensor_value_on_the
         reads[backend] = detector.reads
     assert reads["triton"] == []
     assert reads["torch"]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+def test_the_fused_cohort_maps_equal_the_torch_builders_in_one_launch(rows):
+    """`CohortBuilder.build(fused=True)` (one Triton launch) writes the maps, counts and live slots the torch build
+    implies, for any route (all RUN, all Project-Only, mixed) and any pass below the builder's capacity, and the
+    maps stay views of the builder's storage (a captured graph holds their addresses)."""
+    gen = torch.Generator().manual_seed(rows)
+    builder = CohortBuilder(40)
+    masks = [torch.ones(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.bool),
+             torch.rand(rows, generator=gen) < 0.5]
+    for run in masks:
+        want = build_cohorts(run)
+        got = builder.build(run, fused=True)
+        for field in ("run_idx", "proj_idx", "n_run", "n_proj"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (run.tolist(), field)
+        assert got.live.tolist() == [m < int(want.n_run) for m in range(rows)]
+        assert got.run_idx.data_ptr() == builder.build(run, fused=True).run_idx.data_ptr()
+    assert torch.equal(builder.build(masks[2]).run_idx, want.run_idx)  # the torch build over the same storage
+    assert builder.build(masks[2]).live is None

@@ -373,7 +373,7 @@ class BenchStack(nn.Module):
                 router = layer.router if skipper.requires_router_weights else None
                 tape.record(layer.layer_id, skipper.route(layer.layer_id, u, state, router), batch.dense_rows)
                 run, weights = tape.layer(layer.layer_id, batch.rows)
-                cohorts = builder.build(run)
+                cohorts = builder.build(run, fused=backend == "triton")
                 x = layer.forward_routed(x, u, run, weights, cohorts, batch, kv, backend, self.stats, self.tiles)
             else:
                 x = layer(x, batch, kv, impl)

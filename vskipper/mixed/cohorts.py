@@ -10,6 +10,10 @@ For a run mask over `rows` batch rows, `CohortBuilder.build` writes, on the mask
 Cohort order is batch order (a stable compaction by prefix sums). Entries at and past a count are 0, a valid
 row, so a gather there is harmless; every consumer bounds its work by the count anyway.
 
+`build(run_mask, fused=True)` writes the same maps with one Triton launch (`vskipper.mixed.kernels.cohort_maps`,
+the triton execution's: about nine small kernels fewer per routed layer), and also `live` (bool [rows]: m < n_run,
+the RUN cohort's packed slots that hold a row); the torch build leaves `live` None.
+
 Invariant 2: these maps are derived from the current tape and the current row set at every routed layer of
 every step. Nothing route-dependent is cached: the builder keeps only route-independent buffers (row numbers,
 output storage) that each build overwrites in full.
@@ -28,6 +32,7 @@ class Cohorts:
     proj_idx: torch.Tensor
     n_run: torch.Tensor
     n_proj: torch.Tensor
+    live: torch.Tensor | None = None  # bool [rows]: m < n_run (the fused build's)
 
     @property
     def rows(self) -> int:
@@ -44,14 +49,22 @@ class CohortBuilder:
         self._rows = torch.arange(capacity + 1, dtype=torch.int64, device=device)
         self._run = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
         self._proj = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
+        self._counts = torch.zeros(2, dtype=torch.int64, device=device)  # the fused build's (n_run, n_proj)
+        self._live = torch.zeros(capacity, dtype=torch.bool, device=device)
 
-    def build(self, run_mask: torch.Tensor) -> Cohorts:
+    def build(self, run_mask: torch.Tensor, fused: bool = False) -> Cohorts:
         run = run_mask.reshape(-1)
         rows = run.shape[0]
         if rows > self.capacity:
             raise ValueError(f"{rows} rows exceed the cohort capacity {self.capacity}")
         if rows == 0:
             raise ValueError("a routed layer needs at least one row")
+        if fused:
+            from vskipper.mixed.kernels import cohort_maps
+
+            cohort_maps(run.contiguous(), self._run, self._proj, self._counts, self._live)
+            return Cohorts(self._run[:rows], self._proj[:rows], self._counts[0:1], self._counts[1:2],
+                           self._live[:rows])
         run64 = run.to(torch.int64)
         ends_run = torch.cumsum(run64, 0)
         ends_proj = self._rows[1 : rows + 1] - ends_run

@@ -23,6 +23,13 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
     Grid    (cdiv(C, BLOCK_M), cdiv(N, BLOCK_N))
     (the RUN cohort's Q projection; with the down kernel unweighted, its o_proj scatters h[idx[m]] += A[m] @ W_o^T)
 
+`cohort_maps_kernel`
+    Reads   run[r] for r < rows (bool)
+    Writes  run_idx / proj_idx [rows]: the batch rows of each cohort in batch order, 0 at and past its count;
+            counts [2]: (n_run, n_proj); live [rows]: m < n_run (the RUN cohort's packed slots that hold a row)
+    Grid    (1,): one program over a block of the next power of two >= rows (a prefix sum and two scatters in one
+            launch, where the torch builder of `vskipper.mixed.cohorts` takes about nine)
+
 `masked_decode_split_kernel` and `masked_decode_merge_kernel` (at the end) are the decode attention read with the
 RUN mask, split over the context.
 
@@ -231,6 +238,38 @@ def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w
 
 
 @triton.jit
+def cohort_maps_kernel(run_ptr, rows, run_idx_ptr, proj_idx_ptr, counts_ptr, live_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    in_pass = offs < rows
+    run = tl.load(run_ptr + offs, mask=in_pass, other=0).to(tl.int32)
+    ends_run = tl.cumsum(run, 0)  # RUN rows at or before each row
+    n_run = tl.sum(run, 0)
+    ends_proj = offs + 1 - ends_run
+    # Each cohort's rows land at their packed positions; the positions at and past its count get 0. The two
+    # stores of a map touch disjoint positions (below the count, and at or past it).
+    tl.store(run_idx_ptr + ends_run - 1, offs.to(tl.int64), mask=in_pass & (run == 1))
+    tl.store(proj_idx_ptr + ends_proj - 1, offs.to(tl.int64), mask=in_pass & (run == 0))
+    tl.store(run_idx_ptr + offs, tl.zeros([BLOCK], dtype=tl.int64), mask=in_pass & (offs >= n_run))
+    tl.store(proj_idx_ptr + offs, tl.zeros([BLOCK], dtype=tl.int64), mask=in_pass & (offs >= rows - n_run))
+    tl.store(live_ptr + offs, offs < n_run, mask=in_pass)
+    tl.store(counts_ptr, n_run.to(tl.int64))
+    tl.store(counts_ptr + 1, (rows - n_run).to(tl.int64))
+
+
+COHORT_MAPS_MAX_ROWS = 1 << 16  # one program's block; larger passes keep the torch builder
+
+
+def cohort_maps(run: torch.Tensor, run_idx: torch.Tensor, proj_idx: torch.Tensor, counts: torch.Tensor,
+                live: torch.Tensor) -> None:
+    """The cohort maps of one layer's run mask (bool [rows], contiguous) into the given storage, in one launch
+    (`cohort_maps_kernel`); no host read."""
+    rows = run.shape[0]
+    if not 0 < rows <= COHORT_MAPS_MAX_ROWS:
+        raise ValueError(f"cohort_maps covers 1..{COHORT_MAPS_MAX_ROWS} rows, got {rows}")
+    cohort_maps_kernel[(1,)](run, rows, run_idx, proj_idx, counts, live, BLOCK=triton.next_power_of_2(rows))
+
+
+@triton.jit
 def masked_decode_split_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, mid_o_ptr, mid_ml_ptr,
                                scale, stride_qr, stride_qh, stride_ks, stride_kh, stride_r2t,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -331,7 +370,7 @@ def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         splits = decode_splits(req_to_token.shape[1], block_t)
     q = q.contiguous()
     out = torch.empty_like(q)
-    read = reads.to(torch.int32)
+    read = reads.contiguous() if reads.dtype == torch.bool else reads.to(torch.bool)  # loaded as int1, no cast
     mid_o = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
     mid_ml = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
     masked_decode_split_kernel[(rows, kv_heads, splits)](

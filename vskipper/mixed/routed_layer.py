@@ -168,7 +168,8 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
     q = cohort_gemm(u, idx, n_run, w_q, tile=tiles)  # packed: slot m < n_run holds RUN row idx[m], zeros after
     if b_q is not None:
         q += b_q
-    live = torch.arange(idx.shape[0], device=idx.device) < n_run  # the slots that hold a RUN row
+    live = cohorts.live if cohorts.live is not None else \
+        torch.arange(idx.shape[0], device=idx.device) < n_run  # the slots that hold a RUN row
     a = ops.read(ops.rotate_q(q, idx), idx, reads=live)
     h = x.clone()  # Project-Only rows: h = x
     cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)

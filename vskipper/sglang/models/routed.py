@@ -241,13 +241,20 @@ class SGLangLayerOps:
         self.layer, self.positions, self.fb, self.plan = layer, positions, forward_batch, plan
         self.backend, self.prefill_read, self.decode_read = backend, prefill_read, decode_read
         self.written: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's K/V of this pass, once written
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, their positions), `_positions`
         self.q_all: torch.Tensor | None = None  # every row's Q, where `kv` ran the whole qkv_proj (no row view)
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
 
     def _positions(self, rows: torch.Tensor | None) -> torch.Tensor:
-        return self.positions if rows is None else self.positions.index_select(0, rows)
+        """The positions of batch rows `rows` (gathered once per layer for the same rows: Q's rotation and the
+        decode read both ask for the RUN cohort's)."""
+        if rows is None:
+            return self.positions
+        if self._gathered is None or self._gathered[0] is not rows:
+            self._gathered = (rows, self.positions.index_select(0, rows))
+        return self._gathered[1]
 
     def attention(self, u: torch.Tensor) -> torch.Tensor:
         return self.attn(positions=self.positions, hidden_states=u, forward_batch=self.fb)
@@ -488,7 +495,8 @@ class RoutedLayerMixin:
         if self._slot.part_clock is not None:  # the read the body takes, whichever it is, is the clock's `read`
             ops.read = self._slot.part_clock.timed(ops.read, "read")
         if triton:
-            return routed_layer(ops, x, u, run, weights, "triton", step.builder.build(run), execution.tiles)
+            return routed_layer(ops, x, u, run, weights, "triton", step.builder.build(run, fused=True),
+                                execution.tiles)
         return routed_layer(ops, x, u, run, weights)
 
 
