@@ -47,12 +47,17 @@ def test_cohort_ffn_kernels_match_torch_for_ragged_counts(capacity, d, n, share_
     w = torch.rand(capacity, generator=g)
     mask = torch.rand(capacity, generator=g) < share_run
     c = build_cohorts(mask)
+    stored, from_zero = torch.full((capacity, d), float("nan")), torch.zeros(capacity, d)
     for idx, count in ((c.run_idx, c.n_run), (c.proj_idx, c.n_proj)):
         y = torch.randn(capacity, d, generator=g)
         expected = y.clone()
         cohort_ffn_torch(x, idx, count, w, wg, wu, wd, expected)
         cohort_ffn_triton(x, idx, count, w, wg, wu, wd, y, tiles=SMALL)
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        # Stored, not added: the two cohorts cover every row once, whatever the rows held (NaN here).
+        cohort_ffn_torch(x, idx, count, w, wg, wu, wd, from_zero)
+        cohort_ffn_triton(x, idx, count, w, wg, wu, wd, stored, tiles=SMALL, accumulate=False)
+    torch.testing.assert_close(stored, from_zero, rtol=1e-5, atol=1e-5)
 
 
 def test_tiles_past_the_device_count_write_nothing():

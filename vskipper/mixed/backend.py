@@ -61,12 +61,16 @@ def cohort_ffn_torch(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, we
 
 def cohort_ffn(backend: str, x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
                w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
-               op: str = "mlp", tiles=None) -> None:
+               op: str = "mlp", tiles=None, accumulate: bool = True) -> None:
+    """`accumulate` False (triton only): y's cohort rows hold nothing yet, and get the output stored."""
     if backend == "torch":
+        if not accumulate:
+            raise ValueError("the torch cohort FFN adds into y (accumulate=True)")
         cohort_ffn_torch(x, idx, count, weights, w_gate, w_up, w_down, y)
     elif backend == "triton":
         from vskipper.mixed.kernels import cohort_ffn_triton
 
-        cohort_ffn_triton(x, idx, count, weights, w_gate, w_up, w_down, y, op=op, tiles=tiles)
+        cohort_ffn_triton(x, idx, count, weights, w_gate, w_up, w_down, y, op=op, tiles=tiles,
+                          accumulate=accumulate)
     else:
         raise ValueError(f"unknown cohort backend {backend!r}")

@@ -88,7 +88,7 @@ def cohort_gate_up_kernel(x_ptr, idx_ptr, count_ptr, wg_ptr, wu_ptr, out_ptr, N,
 def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, D, N,
                                stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               WEIGHTED: tl.constexpr = True):
+                               WEIGHTED: tl.constexpr = True, ACCUMULATE: tl.constexpr = True):
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     count = tl.load(count_ptr)
@@ -115,8 +115,9 @@ def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, 
         acc = w[:, None] * acc
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_d[None, :] * stride_yd
     mask = m_mask[:, None] & d_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -186,15 +187,17 @@ def cohort_gate_up(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w_ga
 
 
 def cohort_down_scatter(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
-                        w_down: torch.Tensor, y: torch.Tensor, tile: Tile | None = None) -> None:
-    """y[idx[m]] += weights[idx[m]] * (a[m] @ W_down^T) for m < count, in place."""
+                        w_down: torch.Tensor, y: torch.Tensor, tile: Tile | None = None,
+                        accumulate: bool = True) -> None:
+    """y[idx[m]] += weights[idx[m]] * (a[m] @ W_down^T) for m < count, in place (`accumulate` False: y[idx[m]] =,
+    where y's rows hold nothing yet)."""
     capacity, (d, n) = idx.shape[0], w_down.shape
     t = tile or _grid_tile("mlp_down", capacity, a, None)
     grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(d, t.block_n))
     cohort_down_scatter_kernel[grid](a, idx, count, weights, w_down, y, d, n, a.stride(0), a.stride(1),
                                      w_down.stride(0), w_down.stride(1), y.stride(0), y.stride(1),
                                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                                     num_warps=t.num_warps, num_stages=t.num_stages)
+                                     ACCUMULATE=accumulate, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def cohort_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torch.Tensor,
@@ -225,8 +228,9 @@ def cohort_scatter_add(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, 
 
 def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
                       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
-                      op: str = "mlp", tiles: TileTable | Tile | None = None) -> None:
-    """The cohort FFN of `vskipper.mixed.backend` on the two kernels; `op` is 'mlp' or 'proj'."""
+                      op: str = "mlp", tiles: TileTable | Tile | None = None, accumulate: bool = True) -> None:
+    """The cohort FFN of `vskipper.mixed.backend` on the two kernels; `op` is 'mlp' or 'proj'; `accumulate`
+    False stores each cohort row's output instead of adding it (y's rows hold nothing yet)."""
     if op not in ("mlp", "proj"):
         raise ValueError(f"op must be 'mlp' or 'proj', got {op!r}")
     capacity = idx.shape[0]
@@ -234,7 +238,8 @@ def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w
     if weights.stride(0) != 1:
         weights = weights.contiguous()
     a = cohort_gate_up(x, idx, count, w_gate, w_up, tile=_grid_tile(f"{op}_gate_up", capacity, x, tiles))
-    cohort_down_scatter(a, idx, count, weights, w_down, y, tile=_grid_tile(f"{op}_down", capacity, x, tiles))
+    cohort_down_scatter(a, idx, count, weights, w_down, y, tile=_grid_tile(f"{op}_down", capacity, x, tiles),
+                        accumulate=accumulate)
 
 
 @triton.jit

@@ -173,11 +173,15 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
     a = ops.read(ops.rotate_q(q, idx), idx, reads=live)
     h = x.clone()  # Project-Only rows: h = x
     cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)
-    delta = torch.zeros_like(h)  # each row's branch adds into it (count-bounded scatter)
+    # Every row is in exactly one cohort (n_run + n_proj = rows), so each branch stores its rows of delta: no
+    # zero fill, no read of delta.
+    delta = torch.empty_like(h)
     v = ops.post_attention_layernorm(h)
     gate, up, down = ops.mlp_weights()
     p = ops.projector
-    cohort_ffn("triton", v, cohorts.run_idx, cohorts.n_run, weights, gate, up, down, delta, op="mlp", tiles=tiles)
+    cohort_ffn("triton", v, cohorts.run_idx, cohorts.n_run, weights, gate, up, down, delta, op="mlp", tiles=tiles,
+               accumulate=False)
     cohort_ffn("triton", v, cohorts.proj_idx, cohorts.n_proj, weights,
-               p.gate_proj.weight, p.down_proj.weight, p.up_proj.weight, delta, op="proj", tiles=tiles)
+               p.gate_proj.weight, p.down_proj.weight, p.up_proj.weight, delta, op="proj", tiles=tiles,
+               accumulate=False)
     return Handoff(delta, h)
