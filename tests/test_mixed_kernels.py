@@ -21,6 +21,7 @@ from vskipper.mixed.kernels import (
     cohort_gemm,
     cohort_scatter_add,
     masked_decode_attention,
+    packed_prefill_attention,
 )
 from vskipper.mixed.reference import reference_forward
 from vskipper.mixed.tiles import Tile
@@ -144,6 +145,41 @@ def test_masked_decode_attention_matches_the_reference_and_ignores_foreign_slots
     assert torch.isfinite(out).all()
     assert (out[~reads] == 0).all()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,share", [(4, 2, 0.6), (4, 4, 1.0), (8, 2, 0.3), (4, 2, 0.0)])
+def test_the_packed_prefill_read_matches_the_reference_over_the_run_slots_alone(heads, kv_heads, share):
+    """A prefill pass of four requests (prompt extensions of 1-23 tokens behind prefixes of 0-9), its RUN tokens
+    packed in batch order: tiles of 16 slots span several requests, and each slot reads its own request's keys up
+    to its position. Slots past the reading prefix are zero; keys no reading slot owns hold NaN and never reach
+    an output."""
+    rng = random.Random(heads * 10 + kv_heads)
+    g = torch.Generator().manual_seed(heads + kv_heads)
+    hd, ctx = 16, 40
+    extend = [(3, rng.randrange(10), 23), (1, 0, 1), (0, rng.randrange(10), 7), (2, 4, 12)]  # (slot, prefix, new)
+    slots = 1 + 4 * ctx + 30
+    perm = torch.randperm(slots - 1, generator=g) + 1
+    r2t = perm[: 4 * ctx].view(4, ctx)
+    tokens = [(r, prefix + i) for r, prefix, n in extend for i in range(n)]
+    run = [rng.random() < share for _ in tokens]
+    packed = [t for t, keep in zip(tokens, run, strict=True) if keep]
+    capacity = len(tokens)
+    req = torch.tensor([r for r, _ in packed] + [0] * (capacity - len(packed)))
+    pos = torch.tensor([p for _, p in packed] + [0] * (capacity - len(packed)))
+    reads = torch.arange(capacity) < len(packed)
+    k_pool = torch.randn(slots, kv_heads, hd, generator=g)
+    v_pool = torch.randn(slots, kv_heads, hd, generator=g)
+    owned = {int(r2t[r, t]) for r, p in packed for t in range(p + 1)}
+    foreign = torch.tensor([s for s in range(slots) if s not in owned])
+    k_pool[foreign] = float("nan")
+    v_pool[foreign] = float("nan")
+    q = torch.randn(capacity, heads, hd, generator=g)
+    out = packed_prefill_attention(q, k_pool, v_pool, r2t, req, pos, reads, 0.25, block_m=16, block_n=16)
+    assert torch.isfinite(out).all() and (out[~reads] == 0).all()
+    n = len(packed)
+    if n:
+        expected = paged_attention(q[:n], k_pool, v_pool, r2t, req[:n], pos[:n], 0.25, length=ctx)
+        torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

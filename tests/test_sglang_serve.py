@@ -441,7 +441,7 @@ class TestTritonExecution:
     def test_the_triton_execution_serves_the_torch_routed_forward_token_for_token(self, triton_server, served_model):
         att = _serves_the_routed_reference(triton_server, served_model)
         assert att["execution"]["routed_layers_backend"] == {"decode": "triton", "prefill": "triton",
-                                                            "prefill_read": "backend", "tiles": "interpreter tile"}
+                                                            "prefill_read": "packed", "tiles": "interpreter tile"}
         assert att["execution"]["project_only_q"] == "skipped: the RUN cohort's count-bounded Q GEMM"
 
 

@@ -6,6 +6,7 @@ routed-layer body. Which execution a process takes, and why, is attested."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -69,9 +70,9 @@ def test_the_triton_execution_of_a_decode_pass_equals_the_torch_execution(world,
 def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:
     """Spies on what each kernel of a triton pass covers, filled in as the pass runs: the batch rows idx[m],
     m < count, of each count-bounded GEMM (`q`, `o_proj`, `mlp`, `proj`); the rows of the K/V projection (`kv`)
-    or of a whole qkv_proj (`qkv_rows`); the masked decode read's (requests, positions) (`read`); the rows whose
-    query SGLang's prefill read receives non-zero (`queries`); and any forward of SGLang's attention or MLP
-    modules (`forwards`: the triton execution runs none)."""
+    or of a whole qkv_proj (`qkv_rows`); the (requests, positions) the masked decode read or the packed prefill
+    read reads (`read`); the rows whose query SGLang's prefill read receives non-zero (`queries`); and any forward
+    of SGLang's attention or MLP modules (`forwards`: the triton execution runs none)."""
     layer = world.layer
     seen: dict[str, object] = {}
 
@@ -94,6 +95,10 @@ def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:
         seen["queries"] = q.reshape(q.shape[0], -1).abs().sum(-1).nonzero().view(-1).tolist()
         return real["extend"](q, *args, **kwargs)
 
+    def packed(q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs):
+        seen["read"] = (req[reads].tolist(), positions[reads].tolist())
+        return real["packed"](q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs)
+
     def ffn(backend, x, idx, count, *args, **kwargs):
         seen[kwargs["op"]] = rows_of(idx, count)
         return real["ffn"](backend, x, idx, count, *args, **kwargs)
@@ -104,13 +109,14 @@ def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:
 
     real = {"gemm": kernels.cohort_gemm, "scatter": kernels.cohort_scatter_add, "ffn": body.cohort_ffn,
             "read": kernels.masked_decode_attention, "projection": served.row_projection,
-            "extend": world.backend.forward_extend}
+            "extend": world.backend.forward_extend, "packed": kernels.packed_prefill_attention}
     monkeypatch.setattr(kernels, "cohort_gemm", gemm)
     monkeypatch.setattr(kernels, "cohort_scatter_add", scatter)
     monkeypatch.setattr(kernels, "masked_decode_attention", read)
     monkeypatch.setattr(body, "cohort_ffn", ffn)
     monkeypatch.setattr(served, "row_projection", projection)
     monkeypatch.setattr(world.backend, "forward_extend", extend)
+    monkeypatch.setattr(kernels, "packed_prefill_attention", packed)
     for m in (layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp, layer.mlp.gate_up_proj,
               layer.mlp.down_proj):
         def forward(*args, _m=m, _forward=m.forward, **kwargs):
@@ -150,54 +156,64 @@ def _prefill_route(world: LayerWorld, run: list[bool]):
     return run_t, torch.where(run_t, torch.ones(len(run)), torch.rand(len(run), generator=world.gen) * 0.8 + 0.1)
 
 
+def _triton(world: LayerWorld, prefill_read: str = "packed") -> served.CohortExecution:
+    return replace(served.cohort_execution([world.layer], torch.device("cpu"), "triton"), prefill_read=prefill_read)
+
+
+@pytest.mark.parametrize("prefill_read", ["packed", "backend"])
 @pytest.mark.parametrize("run", PREFILL_RUNS)
-def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world, run, monkeypatch):
+def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world, run, prefill_read, monkeypatch):
     """Outputs and the KV written against the torch execution (its per-request read), whatever the route; the
-    pass ran the cohort GEMMs (one MLP and one projector launch) and read through SGLang's attention backend once,
-    never the masked decode read."""
-    calls = {"cohort_ffn": [], "extend": 0, "masked_read": 0}
+    pass ran the cohort GEMMs (one MLP and one projector launch) and read once, over the packed slots
+    (`packed_prefill_attention`) or through SGLang's attention backend, never the masked decode read."""
+    calls = {"cohort_ffn": [], "packed": 0, "extend": 0, "masked_read": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
 
     def cohort_ffn(backend, *args, **kwargs):
         calls["cohort_ffn"].append((backend, kwargs["op"]))
         return real_ffn(backend, *args, **kwargs)
 
-    def extend(*args, **kwargs):
-        calls["extend"] += 1
-        return real_extend(*args, **kwargs)
-
-    def masked_read(*args, **kwargs):
-        calls["masked_read"] += 1
-        return real_read(*args, **kwargs)
-
-    real_ffn, real_extend, real_read = body.cohort_ffn, world.backend.forward_extend, kernels.masked_decode_attention
+    real_ffn = body.cohort_ffn
     monkeypatch.setattr(body, "cohort_ffn", cohort_ffn)
-    monkeypatch.setattr(world.backend, "forward_extend", extend)
-    monkeypatch.setattr(kernels, "masked_decode_attention", masked_read)
+    monkeypatch.setattr(world.backend, "forward_extend", counted("extend", world.backend.forward_extend))
+    monkeypatch.setattr(kernels, "packed_prefill_attention", counted("packed", kernels.packed_prefill_attention))
+    monkeypatch.setattr(kernels, "masked_decode_attention", counted("masked_read", kernels.masked_decode_attention))
     x = world.hidden(len(run))
     run_t, w = _prefill_route(world, run)
-    triton = served.cohort_execution([world.layer], torch.device("cpu"), "triton")
-    assert (triton.phase("prefill"), triton.prefill_read) == ("triton", "backend")
+    triton = _triton(world, prefill_read)
+    assert triton.phase("prefill") == "triton"
     y_triton, kv_triton = _pass(world, PREFILL_EXTEND, x, run_t, w, triton)
-    assert calls == {"cohort_ffn": [("triton", "mlp"), ("triton", "proj")], "extend": 1, "masked_read": 0}
+    assert calls == {"cohort_ffn": [("triton", "mlp"), ("triton", "proj")], "packed": prefill_read == "packed",
+                     "extend": prefill_read == "backend", "masked_read": 0}
     y_torch, kv_torch = _pass(world, PREFILL_EXTEND, x, run_t, w, served.TORCH_EXECUTION)
     torch.testing.assert_close(y_triton, y_torch, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("prefill_read", ["packed", "backend"])
 @pytest.mark.parametrize("run", PREFILL_RUNS[:1] + PREFILL_RUNS[3:])
-def test_project_only_tokens_of_a_triton_prefill_compute_only_their_kv_and_the_adapter(world, run, monkeypatch):
+def test_project_only_tokens_of_a_triton_prefill_compute_only_their_kv_and_the_adapter(world, run, prefill_read,
+                                                                                       monkeypatch):
     """The rows each kernel of a mixed prefill pass covers: K/V every token (the K/V rows of qkv_proj), Q, o_proj
-    and the MLP the RUN tokens alone, the adapter the Project-Only tokens; SGLang's backend reads a query for the
-    RUN tokens only (a Project-Only token's slot holds zeros). No module of SGLang's attention or MLP runs its own
-    forward."""
+    and the MLP the RUN tokens alone, the adapter the Project-Only tokens. The packed read reads the RUN tokens'
+    slots alone, at their own requests and positions; SGLang's backend reads a query for every token, non-zero for
+    the RUN tokens only (a Project-Only token's slot holds zeros). No module of SGLang's attention or MLP runs its
+    own forward."""
     seen = _watch_kernels(world, monkeypatch)
     run_t, w = _prefill_route(world, run)
-    _pass(world, PREFILL_EXTEND, world.hidden(len(run)), run_t, w,
-          served.cohort_execution([world.layer], torch.device("cpu"), "triton"))
+    lengths = list(world.lengths)
+    _pass(world, PREFILL_EXTEND, world.hidden(len(run)), run_t, w, _triton(world, prefill_read))
     run_rows = [i for i, r in enumerate(run) if r]
     proj_rows = [i for i, r in enumerate(run) if not r]
-    assert seen == {"kv": len(run), "q": run_rows, "queries": run_rows, "o_proj": run_rows, "mlp": run_rows,
-                    "proj": proj_rows}
+    tokens = [(r, lengths[r] + i) for r, n in PREFILL_EXTEND.items() for i in range(n)]  # (request, position)
+    read = {"read": ([tokens[i][0] for i in run_rows], [tokens[i][1] for i in run_rows])} \
+        if prefill_read == "packed" else {"queries": run_rows}
+    assert seen == {"kv": len(run), "q": run_rows, "o_proj": run_rows, "mlp": run_rows, "proj": proj_rows, **read}
 
 
 # (phase, new tokens per request, each row's request key)
@@ -262,8 +278,8 @@ def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_w
     with pytest.raises(ValueError, match="decode_read must be one of"):
         served.CohortExecution("torch", decode_read="padded")
     assert served.cohort_execution([world.layer], cpu, "triton").attestation() == {
-        "decode": "triton", "prefill": "triton", "prefill_read": "backend", "tiles": "interpreter tile"}
-    with pytest.raises(ValueError, match="the triton execution prefills with prefill_read 'backend'"):
+        "decode": "triton", "prefill": "triton", "prefill_read": "packed", "tiles": "interpreter tile"}
+    with pytest.raises(ValueError, match="the triton execution prefills with prefill_read 'packed' or 'backend'"):
         served.CohortExecution("triton", prefill_read="rows")
     # On CUDA prefill reads through SGLang's attention backend, whichever execution decodes.
     assert served.cohort_execution([world.layer], torch.device("cuda"), "torch").prefill_read == "backend"

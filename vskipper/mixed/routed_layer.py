@@ -36,12 +36,13 @@ Two executions of the same semantics:
           launch shape for the pass's rows and bounds its work by a device count (`vskipper.mixed.cohorts`,
           packed by a device prefix sum): K/V over every row; the RUN cohort's Q as a count-bounded GEMM over its
           gathered rows, q_norm and RoPE over the packed slots, the host's read over the packed slots (`reads`
-          marks the live ones; decode: the masked read, where slots past the count read nothing; prefill: the
-          host's attention backend, which the RUN rows' queries enter in their batch slots), o_proj as a
-          count-bounded GEMM scattered onto the RUN rows' residual; the cohort FFNs. No host read, no all-RUN
-          test (a pass with every row RUN runs the same kernels at the full count); a Project-Only row computes
-          no Q and runs no o_proj or MLP here either (in prefill its slot enters the backend's read with a zero
-          query, and that output is dropped).
+          marks the live ones, where slots past the count read nothing: the masked decode read; in prefill the
+          packed flash-attention over each slot's request, or the host's attention backend, which the RUN rows'
+          queries enter in their batch slots), o_proj as a count-bounded GEMM scattered onto the RUN rows'
+          residual; the cohort FFNs, each storing its rows of the branch output. No host read, no all-RUN test (a
+          pass with every row RUN runs the same kernels at the full count); a Project-Only row computes its K/V
+          and the adapter alone: no Q, no read (through the backend, a zero query whose output is dropped), no
+          o_proj, no MLP.
 """
 
 from __future__ import annotations

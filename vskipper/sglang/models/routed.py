@@ -17,9 +17,10 @@ SGLang's own modules (`SGLangLayerOps`):
 
 Rows of dense-mode requests in a routed pass RUN with unit weight (the tape's `dense_rows`), so they compute what
 the dense forward computes. The attention read is `vskipper.mixed.attention`'s over SGLang's token-level page
-table (`req_to_token`): on CPU only RUN rows read (decode: SGLang's torch-native decode read over the RUN rows
-alone, `DECODE_READS`; prefill: SDPA per request over every token's K/V); on CUDA decode reads with the masked
-split-KV kernel and prefill through SGLang's attention backend (`PREFILL_READS`). Off CPU a routed pass, decode or
+table (`req_to_token`): only RUN rows read. On CPU (the torch execution) decode reads with SGLang's torch-native
+decode read over the RUN rows alone (`DECODE_READS`) and prefill with SDPA per request over every token's K/V; the
+triton execution (CUDA) decodes with the masked split-KV kernel and prefills with the packed flash-attention over
+the RUN cohort's slots (`PREFILL_READS`). Off CPU a routed pass, decode or
 prefill, reads no tensor value on the host (the triton execution, `CohortExecution`): cohort sizes are device
 counts, and the counters are read from the tape after the forward without waiting for the device
 (`Runtime.finish`).
@@ -77,6 +78,9 @@ PREFILL_READS = {
     "backend": "SGLang's attention backend over every row (its extend kernel takes a causal prefix of each "
                "request, not a subset of rows): Project-Only rows enter with a zero query and their output is "
                "dropped; they compute no Q, o_proj or MLP",
+    "packed": "the RUN rows alone, one count-bounded Triton flash-attention over their packed cohort slots, each "
+              "over its request's KV pages up to its position (`packed_prefill_attention`): Project-Only rows "
+              "read nothing; no value read on the host (the triton execution's)",
 }
 
 
@@ -100,8 +104,9 @@ class CohortExecution:
              torch: the cohort execution over packed rows (CPU; and wherever a layer's MLP has no plain weight view)
     prefill  the same execution as decode. triton: the same count-bounded GEMMs over the pass's tokens (cohort
              sizes stay device values, cohorts packed by a device prefix sum, no all-RUN test on the host), the
-             attention read through SGLang's backend (`PREFILL_READS['backend']`, the only read that needs no host
-             value). torch: packed cohorts by `nonzero` (a host wait per layer on a GPU), its read one of
+             attention read over the RUN cohort's packed slots alone (`PREFILL_READS['packed']`; 'backend' reads
+             through SGLang's backend instead, Project-Only rows with a zero query: both need no host value).
+             torch: packed cohorts by `nonzero` (a host wait per layer on a GPU), its read one of
              `PREFILL_READS`: `rows` on CPU, `backend` on CUDA (the per-request SDPA with an explicit mask is far
              slower there than SGLang's extend kernel, whose wasted reads of Project-Only rows cost a few percent
              of a prefill)
@@ -118,9 +123,9 @@ class CohortExecution:
             raise ValueError(f"prefill_read must be one of {sorted(PREFILL_READS)}, got {self.prefill_read!r}")
         if self.decode_read not in DECODE_READS:
             raise ValueError(f"decode_read must be one of {sorted(DECODE_READS)}, got {self.decode_read!r}")
-        if self.decode == "triton" and self.prefill_read != "backend":
-            raise ValueError("the triton execution prefills with prefill_read 'backend' (the 'rows' read groups "
-                             f"rows by request on the host), got {self.prefill_read!r}")
+        if self.decode == "triton" and self.prefill_read == "rows":
+            raise ValueError("the triton execution prefills with prefill_read 'packed' or 'backend' (the 'rows' "
+                             "read groups rows by request on the host)")
 
     @property
     def prefill(self) -> str:
@@ -168,8 +173,8 @@ def cohort_execution(layers, device: torch.device, requested: str = "auto") -> C
     execution is triton; the torch execution's decode read is SGLang's torch-native one over the RUN rows on CPU,
     masked elsewhere."""
     execution = _decode_execution(layers, device, requested)
-    return replace(execution, prefill_read="backend" if device.type == "cuda" or execution.decode == "triton"
-                   else "rows", decode_read="backend" if device.type == "cpu" else "masked")
+    prefill_read = "packed" if execution.decode == "triton" else "backend" if device.type == "cuda" else "rows"
+    return replace(execution, prefill_read=prefill_read, decode_read="backend" if device.type == "cpu" else "masked")
 
 
 def _decode_execution(layers, device: torch.device, requested: str) -> CohortExecution:
@@ -180,10 +185,10 @@ def _decode_execution(layers, device: torch.device, requested: str) -> CohortExe
         if why is not None:
             return CohortExecution("torch", reason=why)
     if device.type != "cuda":
-        return CohortExecution("triton", prefill_read="backend")
+        return CohortExecution("triton", prefill_read="packed")
     from vskipper.mixed.kernels import device_tile_table
 
-    return CohortExecution("triton", device_tile_table(device), prefill_read="backend")
+    return CohortExecution("triton", device_tile_table(device), prefill_read="packed")
 
 
 @dataclass
@@ -311,10 +316,17 @@ class SGLangLayerOps:
         a = self.attn
         pool = get_token_to_kv_pool()
         lid = a.attn.layer_id
-        if self.backend == "triton" and not self.fb.forward_mode.is_decode():
+        if self.backend == "triton" and not self.fb.forward_mode.is_decode() and self.prefill_read == "backend":
             return self._backend_read(q, rows, reads)  # prefill over the packed cohort slots
         req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
         qh = q.view(q.shape[0], a.num_heads, a.head_dim)
+        if self.backend == "triton" and not self.fb.forward_mode.is_decode():  # `PREFILL_READS['packed']`
+            from vskipper.mixed.kernels import packed_prefill_attention
+
+            out = packed_prefill_attention(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid),
+                                           get_req_to_token_pool().req_to_token, req, self._positions(rows), reads,
+                                           a.attn.scaling)
+            return out.reshape(q.shape[0], -1)
         if self.backend == "triton":  # decode over the packed cohort slots (launch shape: the capacity); slots
             # outside `reads` read nothing
             from vskipper.mixed.kernels import masked_decode_attention
@@ -489,9 +501,8 @@ class RoutedLayerMixin:
         run, weights = step.tape.layer(self.layer_id, step.rows)
         execution = self._slot.execution
         triton = execution.phase(step.phase) == "triton"
-        ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton") if triton else \
-            SGLangLayerOps(self, positions, forward_batch, self._slot.plan, prefill_read=execution.prefill_read,
-                           decode_read=execution.decode_read)
+        ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton" if triton else "torch",
+                             prefill_read=execution.prefill_read, decode_read=execution.decode_read)
         if self._slot.part_clock is not None:  # the read the body takes, whichever it is, is the clock's `read`
             ops.read = self._slot.part_clock.timed(ops.read, "read")
         if triton:
