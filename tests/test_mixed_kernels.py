@@ -147,11 +147,12 @@ def test_masked_decode_attention_matches_the_reference_and_ignores_foreign_slots
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads,kv_heads,share", [(4, 2, 0.6), (4, 4, 1.0), (8, 2, 0.3), (4, 2, 0.0)])
+@pytest.mark.parametrize("heads,kv_heads,share", [(4, 2, 0.6), (4, 4, 1.0), (8, 2, 0.3), (6, 2, 0.5), (4, 2, 0.0)])
 def test_the_packed_prefill_read_matches_the_reference_over_the_run_slots_alone(heads, kv_heads, share):
     """A prefill pass of four requests (prompt extensions of 1-23 tokens behind prefixes of 0-9), its RUN tokens
-    packed in batch order: tiles of 16 slots span several requests, and each slot reads its own request's keys up
-    to its position. Slots past the reading prefix are zero; keys no reading slot owns hold NaN and never reach
+    packed in batch order: a program's tile (16 query rows: 16 / group slots, the group's heads folded in, padded
+    where the group is no power of two) spans several requests, and each slot reads its own request's keys up to
+    its position. Slots past the reading prefix are zero; keys no reading slot owns hold NaN and never reach
     an output."""
     rng = random.Random(heads * 10 + kv_heads)
     g = torch.Generator().manual_seed(heads + kv_heads)
@@ -174,7 +175,7 @@ def test_the_packed_prefill_read_matches_the_reference_over_the_run_slots_alone(
     k_pool[foreign] = float("nan")
     v_pool[foreign] = float("nan")
     q = torch.randn(capacity, heads, hd, generator=g)
-    out = packed_prefill_attention(q, k_pool, v_pool, r2t, req, pos, reads, 0.25, block_m=16, block_n=16)
+    out = packed_prefill_attention(q, k_pool, v_pool, r2t, req, pos, reads, 0.25, block_n=16)
     assert torch.isfinite(out).all() and (out[~reads] == 0).all()
     n = len(packed)
     if n:

@@ -393,35 +393,37 @@ def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 @triton.jit
 def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, out_ptr, scale, slots_total,
                           stride_qm, stride_qh, stride_ks, stride_kh, stride_r2t, stride_om, stride_oh,
-                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
-    head = tl.program_id(1)
+    kvh = tl.program_id(1)
     start_m = pid_m * BLOCK_M
     if tl.load(read_ptr + start_m) == 0:  # the reading slots are a prefix: none from here on
         return
-    kvh = head // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    # The query rows of one KV head: BLOCK_M slots x the GROUP query heads that share it, (slot, head) in order,
+    # so each key block is loaded once for the whole group.
+    offs_r = tl.arange(0, BLOCK_M * BLOCK_G)
+    slot = start_m + offs_r // BLOCK_G
+    g = offs_r % BLOCK_G
+    head = kvh * GROUP + g
     offs_d = tl.arange(0, HEAD_DIM)
-    live = tl.load(read_ptr + offs_m, mask=offs_m < slots_total, other=0) != 0
-    count = start_m + tl.sum(live.to(tl.int32), 0)  # the tile's reading slots end here
-    req = tl.load(req_ptr + offs_m, mask=live, other=-1)
-    pos = tl.load(pos_ptr + offs_m, mask=live, other=-1)
-    q = tl.load(q_ptr + offs_m[:, None] * stride_qm + head * stride_qh + offs_d[None, :], mask=live[:, None],
+    live = (tl.load(read_ptr + slot, mask=slot < slots_total, other=0) != 0) & (g < GROUP)
+    req = tl.load(req_ptr + slot, mask=live, other=-1)
+    pos = tl.load(pos_ptr + slot, mask=live, other=-1)
+    q = tl.load(q_ptr + slot[:, None] * stride_qm + head[:, None] * stride_qh + offs_d[None, :], mask=live[:, None],
                 other=0.0)
     # A finite floor, not -inf: a row of another request than the one being read keeps alpha = 1.
-    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    # The tile's rows belong to one or a few requests, each a run of consecutive slots (packed in batch order):
+    m_i = tl.full((BLOCK_M * BLOCK_G,), -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M * BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M * BLOCK_G, HEAD_DIM), dtype=tl.float32)
+    # The tile's slots belong to one or a few requests, each a run of consecutive slots (packed in batch order):
     # read each request's keys in turn, for its rows alone.
-    end_m = tl.minimum(start_m + BLOCK_M, count)
+    end_m = tl.max(tl.where(live, slot + 1, start_m), 0)
     cur = start_m
     while cur < end_m:
         r = tl.load(req_ptr + cur)
-        rows = live & (req == r)
-        nxt = tl.min(tl.where((offs_m > cur) & live & (req != r), offs_m, end_m), 0)
-        rows = rows & (offs_m >= cur) & (offs_m < nxt)
+        nxt = tl.min(tl.where((slot > cur) & live & (req != r), slot, end_m), 0)
+        rows = live & (req == r) & (slot >= cur) & (slot < nxt)
         hi = tl.max(tl.where(rows, pos, -1), 0) + 1  # the request's keys up to its last row here
         for start_n in range(0, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -429,7 +431,7 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
             slots = tl.load(r2t_ptr + r * stride_r2t + offs_n, mask=in_kv, other=0)
             kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
             k = tl.load(k_ptr + kv_off, mask=in_kv[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [rows, BLOCK_N]
             see = rows[:, None] & in_kv[None, :] & (offs_n[None, :] <= pos[:, None])
             s = tl.where(see, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -441,7 +443,7 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
             m_i = m_new
         cur = nxt
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + head * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + slot[:, None] * stride_om + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
@@ -456,24 +458,31 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
             pools [slots, kv_heads, hd] (every row's K/V of the pass already written there, Project-Only tokens'
             included)
     Writes  out [C, heads, hd]: each reading slot's causal attention over its request; zeros elsewhere
-    Grid    (cdiv(C, BLOCK_M), heads): a program's tile of consecutive slots reads the keys of each request its
-            slots belong to, up to the last of their positions, flash-attention style (online softmax). Slots of
-            one request must be consecutive with rising positions, as a prefill pass's cohort packs them (batch
-            order); Project-Only tokens are in no slot and read nothing.
+    Grid    (cdiv(C, BLOCK_M), kv_heads): a program's tile of consecutive slots, with the query heads that share
+            its KV head folded into its rows, reads the keys of each request its slots belong to, up to the last
+            of their positions, flash-attention style (online softmax). Slots of one request must be consecutive
+            with rising positions, as a prefill pass's cohort packs them (batch order); Project-Only tokens are in
+            no slot and read nothing.
     """
     slots, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim must be a power of two >= 16 for the packed prefill attention, got {head_dim}")
+    group = heads // kv_heads
+    block_g = triton.next_power_of_2(group)
     interpreted = not q.is_cuda
-    block_m = block_m or (16 if interpreted else 64)
+    # Query rows per program: 64 on a GPU (BLOCK_M slots x the group's heads), at least 16 (tl.dot's least M).
+    block_m = block_m or max(1, (16 if interpreted else 64) // block_g)
+    if block_m * block_g < 16:
+        raise ValueError(f"block_m {block_m} x {block_g} heads a KV head gives {block_m * block_g} query rows a "
+                         "program, fewer than 16")
     block_n = block_n or (16 if interpreted else 64)
     q = q.contiguous()
     out = torch.zeros_like(q)
     read = reads.contiguous() if reads.dtype == torch.bool else reads.to(torch.bool)
-    packed_prefill_kernel[(triton.cdiv(slots, block_m), heads)](
+    packed_prefill_kernel[(triton.cdiv(slots, block_m), kv_heads)](
         q, k_pool, v_pool, req_to_token, req_indices, positions, read, out, scale, slots,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        out.stride(0), out.stride(1), GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        out.stride(0), out.stride(1), GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, num_warps=4, num_stages=2)
     return out
