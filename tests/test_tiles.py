@@ -65,7 +65,7 @@ def test_unmeasured_devices_fall_back_to_the_default_and_unknown_ones_need_a_lim
 @pytest.mark.parametrize("mutate,message", [
     (lambda d: d["tiles"].pop("proj_down"), "'tiles.proj_down' is missing"),
     (lambda d: d["tiles"]["mlp_down"][1]["rows"].__setitem__(0, 18), "expected 17"),
-    (lambda d: d["tiles"]["mlp_down"][4]["rows"].__setitem__(1, 512), "open-ended"),
+    (lambda d: d["tiles"]["mlp_down"][-1]["rows"].__setitem__(1, 4096), "open-ended"),
     (lambda d: d["tiles"]["mlp_gate_up"][0].__setitem__("block_k", 48), "block_k must be a power of two"),
     (lambda d: d["tiles"].__setitem__("attention", []), "unknown operation"),
     (lambda d: d.__setitem__("dtype", "int8"), "field 'dtype'"),

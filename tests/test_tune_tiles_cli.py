@@ -25,11 +25,11 @@ def test_tune_tiles_refuses_clearly_without_a_gpu(cli_env, tmp_path):
     assert not (tmp_path / "t.json").exists()
 
 
-def test_interpreter_smoke_run_writes_a_loadable_table_for_all_thirty_shapes(cli_env, tmp_path):
+def test_interpreter_smoke_run_writes_a_loadable_table_for_all_thirty_six_shapes(cli_env, tmp_path):
     out = tmp_path / "smoke.json"
     res = run_cli(["--interpret", "--device", "RTX-A6000", "--out", str(out)], cli_env)
     assert res.returncode == 0, res.stderr
     table = load_tile_table(out)  # validated against the RTX A6000's 99 KiB
     assert table.device == "RTX-A6000" and "not a measurement" in table.source
-    assert sum(len(table.entries[op]) for op in OPERATIONS) == len(OPERATIONS) * len(COUNT_RANGES) == 30
+    assert sum(len(table.entries[op]) for op in OPERATIONS) == len(OPERATIONS) * len(COUNT_RANGES) == 36
     assert "default tiles" not in table.source  # the tuner measured the attention cohort GEMMs too

@@ -8,12 +8,13 @@ sized for C rows, so C picks the tile, never the device-side count):
                                "num_warps": 4, "num_stages": 4, "ratio_vs_torch": 0.93}, ...],
              "mlp_down": [...], "proj_gate_up": [...], "proj_down": [...]}}
 
-`rows` ranges must cover 1.. without gaps (the last one open: [129, null]). The six operations are the gate-up
+`rows` ranges must cover 1.. without gaps (the last one open: [513, null]). The six operations are the gate-up
 (two operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the
-RUN cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered); with the five count ranges of
-`COUNT_RANGES` that is 30 shapes. A table measured before the attention cohort GEMMs existed has no `attn_q` or
-`attn_o`: it takes their tiles from `default_tile_table` for its shared-memory limit, and its `source` says so
-(a table with one of them and not the other is refused).
+RUN cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered); with the six count ranges of
+`COUNT_RANGES` (the last, 513 rows and up, a prefill pass's) that is 36 shapes. A table measured before the
+prefill range existed ends at [129, null], which then serves prefill too; it still loads. A table measured before
+the attention cohort GEMMs existed has no `attn_q` or `attn_o`: it takes their tiles from `default_tile_table` for
+its shared-memory limit, and its `source` says so (a table with one of them and not the other is refused).
 A table is validated against the device's shared memory per block (`vskipper.roofline.DEVICES`): a tile whose
 pipelined operand buffers exceed it is refused with the operation, the range and both byte counts.
 
@@ -33,7 +34,7 @@ from vskipper.roofline import Device, find_device
 
 OPERATIONS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down", "attn_q", "attn_o")
 DEFAULTED_OPERATIONS = ("attn_q", "attn_o")  # a table without them takes the default's tiles
-COUNT_RANGES: tuple[tuple[int, int | None], ...] = ((1, 16), (17, 32), (33, 64), (65, 128), (129, None))
+COUNT_RANGES: tuple[tuple[int, int | None], ...] = ((1, 16), (17, 32), (33, 64), (65, 128), (129, 512), (513, None))
 TABLE_DIR = Path(__file__).with_name("tile_tables")
 TABLE_DTYPES = ("float16", "bfloat16", "float32")  # the canonical names a table may be measured in
 
@@ -180,12 +181,12 @@ def default_tile_table(shared_mem_per_block: int, device: str = "unmeasured", dt
                        ) -> TileTable:
     """The documented fallback for a device without a measured table.
 
-    >= 160 KiB per block: block_m 16/32/64/64/128 over the count ranges, block_n 64 (gate-up) / 128 (down),
+    >= 160 KiB per block: block_m 16/32/64/64/128/128 over the count ranges, block_n 64 (gate-up) / 128 (down),
     block_k 64, 3 stages (4 warps; 8 from 65 rows). Below that (the 99 KiB Ampere/Ada parts): the same blocks
     with 2 stages. If a configuration still does not fit, stages and then block_n are lowered until it does.
     """
     stages = 3 if shared_mem_per_block >= _LARGE_SMEM else 2
-    block_ms = (16, 32, 64, 64, 128)
+    block_ms = (16, 32, 64, 64, 128, 128)
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:
         rows = []

@@ -1,6 +1,6 @@
 """The tile tuner behind `vskipper tune-tiles`: time candidate tiles against torch on the same packed rows.
 
-For each of the 30 shapes (6 operations x 5 count ranges, `vskipper.mixed.tiles`) it builds a cohort of a
+For each of the 36 shapes (6 operations x 6 count ranges, `vskipper.mixed.tiles`) it builds a cohort of a
 representative size for the range (the range's upper end; 256 for the open one) over a batch twice that size
 with a random row map, times every candidate tile that fits the device's shared memory, and times the torch
 equivalent on the same packed rows (gather, matmul(s) on cuBLAS, SiLU-and-multiply; for down, the matmul
@@ -30,8 +30,14 @@ class TunerError(RuntimeError):
     pass
 
 
-def representative_rows(lo: int, hi: int | None) -> int:
-    return hi if hi is not None else 256
+PREFILL_ROWS = 2048  # the open range's shape: a prefill pass's tokens
+INTERPRETED_PREFILL_ROWS = 600  # under the interpreter (a smoke run), still in the open range
+
+
+def representative_rows(lo: int, hi: int | None, interpret: bool = False) -> int:
+    if hi is not None:
+        return hi
+    return max(lo, INTERPRETED_PREFILL_ROWS if interpret else PREFILL_ROWS)
 
 
 def candidate_tiles(op: str, rows: int, shared_mem_per_block: int, dtype_bytes: int = 2,
@@ -106,7 +112,7 @@ def shape_calls(op: str, rows: int, w1: torch.Tensor, w2: torch.Tensor, g: torch
 def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate: int, proj_width: int,
          dtype: str = "bfloat16", interpret: bool = False, max_candidates: int | None = None,
          log: Callable[[str], None] = print, q_width: int | None = None) -> dict:
-    """Tune all 30 shapes; returns the table as a dict (validated), each entry with its ratio to torch."""
+    """Tune all 36 shapes; returns the table as a dict (validated), each entry with its ratio to torch."""
     if interpret:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise TunerError("interpreter smoke run needs TRITON_INTERPRET=1 set before triton is imported")
@@ -125,7 +131,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
         w2 = (torch.randn(n_dim, k_dim, generator=g) / k_dim**0.5).to(device, tdtype)
         entries = []
         for lo, hi in COUNT_RANGES:
-            rows = representative_rows(lo, hi)
+            rows = representative_rows(lo, hi, interpret)
             reference, kernel = shape_calls(op, rows, w1, w2, g, device, tdtype)
             torch_ms = time_call(reference, interpret)
             best: tuple[float, Tile] | None = None
