@@ -37,14 +37,18 @@ def prefilled_world(model, seed, n_requests=5, skipper=None):
 def test_tape_records_routes_in_place_and_pads_with_unit_run():
     tape = RouteTape(6, (2, 3))
     run_ptr, w_ptr = tape.run.data_ptr(), tape.weights.data_ptr()
+    tape.record(3, LayerRoute(torch.zeros(6, 1, dtype=torch.bool), torch.full((6, 1), 0.5)))
+    tape.record(2, LayerRoute(torch.zeros(6, 1, dtype=torch.bool), torch.full((6, 1), 0.5)))
+    tape.pad(3)  # a pass of three rows: every layer's rows past them RUN with unit weight
     tape.record(3, LayerRoute(torch.tensor([[True], [False], [False]]), torch.tensor([[0.7], [0.2], [0.4]])))
     run, w = tape.layer(3)
     assert run.tolist() == [True, False, False, True, True, True]
     assert w.tolist() == pytest.approx([0.7, 0.2, 0.4, 1, 1, 1])
+    assert tape.layer(2)[0].tolist() == [False] * 3 + [True] * 3  # padded too, its first rows as recorded
+    tape.pad(6)  # a full pass: nothing past it
     tape.record(3, LayerRoute(torch.zeros(6, 1, dtype=torch.bool), torch.full((6, 1), 0.5)))
     assert tape.layer(3, 6)[0].tolist() == [False] * 6
     assert (tape.run.data_ptr(), tape.weights.data_ptr()) == (run_ptr, w_ptr)  # no reallocation
-    assert tape.layer(2)[0].all()
 
 
 def test_tape_rejects_more_rows_than_capacity_and_unknown_layers():

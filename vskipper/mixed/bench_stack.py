@@ -361,6 +361,7 @@ class BenchStack(nn.Module):
                 tape = RouteTape(batch.rows, self.routed_layers, self.dtype, self.device)
                 builder = CohortBuilder(batch.rows, self.device)
             self.last_tape = tape
+            tape.pad(batch.rows)
             backend = self.backend_for(batch.phase)
             self.stats.backends[batch.phase] = backend
             state = skipper.prepare_batch(BatchContext(x, batch.valid, self.routed_layers, batch.phase,

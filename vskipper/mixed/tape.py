@@ -5,8 +5,9 @@ A skipper's `LayerRoute` for layer l is copied into row l of two preallocated bu
   run      bool  [L_r, C]   True: the row runs the layer; False: Project-Only
   weights  dtype [L_r, C]   the multiplier of the branch the row takes (MLP on RUN, projector on Project-Only)
 
-Rows past the batch's row count hold RUN with unit weight (the padding convention of the skipper interface).
-Recording never reads a tensor value on the host and never reallocates, so a decode graph captured at
+Rows past the batch's row count hold RUN with unit weight (the padding convention of the skipper interface):
+`pad(rows)` writes them for every layer at once, once per pass (two fills, where padding each layer's record took
+two a layer). Recording never reads a tensor value on the host and never reallocates, so a decode graph captured at
 capacity C replays with whatever routes the skipper writes at the next step; the cohort maps read the tape
 as data (`vskipper.mixed.cohorts`).
 """
@@ -41,7 +42,8 @@ class RouteTape:
                            f"(routed layers: {list(self.routed_layers)})") from None
 
     def record(self, layer_id: int, route: LayerRoute, dense_rows: torch.Tensor | None = None) -> None:
-        """Copy one layer's route in place. The row count is a shape, never a tensor value.
+        """Copy one layer's route over its first rows in place (the rows past them: `pad`). The row count is a
+        shape, never a tensor value.
 
         `dense_rows` (bool [rows]) marks rows of dense-mode requests in a mixed-mode batch: they RUN with unit
         weight whatever the skipper said, so they compute exactly what the dense forward computes."""
@@ -59,9 +61,12 @@ class RouteTape:
             weights = torch.where(dense_rows, torch.ones((), dtype=weights.dtype, device=weights.device), weights)
         self.run[j, :rows].copy_(run)
         self.weights[j, :rows].copy_(weights)
+
+    def pad(self, rows: int) -> None:
+        """Every layer's rows past `rows`: RUN with unit weight (once per pass, before its layers record)."""
         if rows < self.capacity:
-            self.run[j, rows:].fill_(True)
-            self.weights[j, rows:].fill_(1.0)
+            self.run[:, rows:].fill_(True)
+            self.weights[:, rows:].fill_(1.0)
 
     def layer(self, layer_id: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (run [rows], weights [rows]) of one layer's tape; no copy."""

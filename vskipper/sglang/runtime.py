@@ -283,6 +283,7 @@ class Runtime:
         """The skipper's per-pass state from the pass's inputs (tensor ops on the device, inside the forward)."""
         if not step.routed:
             return
+        step.tape.pad(step.rows)
         valid = torch.ones(step.rows, dtype=torch.bool, device=hidden.device)
         step.state = self.skipper.prepare_batch(BatchContext(hidden, valid, self.routed_layers, step.phase,
                                                              step.keys, positions))
