@@ -272,7 +272,10 @@ def cohort_maps(run: torch.Tensor, run_idx: torch.Tensor, proj_idx: torch.Tensor
     rows = run.shape[0]
     if not 0 < rows <= COHORT_MAPS_MAX_ROWS:
         raise ValueError(f"cohort_maps covers 1..{COHORT_MAPS_MAX_ROWS} rows, got {rows}")
-    cohort_maps_kernel[(1,)](run, rows, run_idx, proj_idx, counts, live, BLOCK=triton.next_power_of_2(rows))
+    block = triton.next_power_of_2(rows)
+    # A prefill pass's block (thousands of rows) spreads over more warps: at most 32 rows a thread.
+    cohort_maps_kernel[(1,)](run, rows, run_idx, proj_idx, counts, live, BLOCK=block,
+                             num_warps=min(32, max(4, block // 1024)))
 
 
 @triton.jit
