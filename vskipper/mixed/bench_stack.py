@@ -217,8 +217,8 @@ class StackLayerOps:
         q = self.attn.project_q(u.index_select(0, rows), self._positions(rows)).reshape(rows.shape[0], -1)
         return (q, *self.kv(u))
 
-    def rotate_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self.attn.rotate_q(q, self._positions(rows)).reshape(q.shape[0], -1)
+    def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor):
+        return (self.attn.rotate_q(q, self._positions(rows)).reshape(q.shape[0], -1), *self.kv(u))
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         b, a = self.batch, self.attn

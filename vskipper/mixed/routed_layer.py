@@ -35,7 +35,8 @@ Two executions of the same semantics:
   triton  (GPU decode and prefill: the served layer on CUDA and the bench stack's decode) every kernel keeps its
           launch shape for the pass's rows and bounds its work by a device count (`vskipper.mixed.cohorts`,
           packed by a device prefix sum): K/V over every row; the RUN cohort's Q as a count-bounded GEMM over its
-          gathered rows, q_norm and RoPE over the packed slots, the host's read over the packed slots (`reads`
+          gathered rows, q_norm, then RoPE with every row's K (`LayerOps.packed_q_kv`: one call where the host
+          can, the queries in their batch slots), the host's read over the packed slots (`reads`
           marks the live ones, where slots past the count read nothing: the masked decode read; in prefill the
           packed flash-attention over each slot's request, or the host's attention backend, which the RUN rows'
           queries enter in their batch slots), o_proj as a count-bounded GEMM scattered onto the RUN rows'
@@ -83,11 +84,13 @@ class LayerOps(Protocol):
 
     def q_kv(self, u: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [n, heads * hd] of the batch rows `rows` alone, k, v of every row u of the pass), rotated (Qwen3:
-        normed) like `kv` and `rotate_q`, where the host may rotate both in one call."""
+        normed) like `kv`, where the host may rotate both in one call."""
 
-    def rotate_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """q_norm (Qwen3) and RoPE of projected queries q [n, heads * hd] at the positions of batch rows `rows`
-        (the triton execution's, after its cohort Q GEMM)."""
+    def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor,
+                    reads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) for the triton execution: its packed queries q [C, heads * hd] (slot m of batch row rows[m],
+        live where `reads`, after its cohort Q GEMM) normed (Qwen3) and rotated, and every row's k, v of u, where
+        the host may rotate both in one call."""
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write every row's k, v [rows, ...] (batch order) to the host's KV cache at this layer."""
@@ -162,8 +165,6 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
                    cohorts: Cohorts, tiles: Any) -> Handoff:
     from vskipper.mixed.kernels import cohort_gemm, cohort_scatter_add
 
-    k, v = ops.kv(u)  # every row's, in batch order
-    ops.write_kv(k, v)
     w_q, b_q, w_o = ops.attention_weights()
     idx, n_run = cohorts.run_idx, cohorts.n_run
     q = cohort_gemm(u, idx, n_run, w_q, tile=tiles)  # packed: slot m < n_run holds RUN row idx[m], zeros after
@@ -171,7 +172,9 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
         q += b_q
     live = cohorts.live if cohorts.live is not None else \
         torch.arange(idx.shape[0], device=idx.device) < n_run  # the slots that hold a RUN row
-    a = ops.read(ops.rotate_q(q, idx), idx, reads=live)
+    q, k, v = ops.packed_q_kv(u, q, idx, live)  # k, v: every row's, in batch order
+    ops.write_kv(k, v)
+    a = ops.read(q, idx, reads=live)
     h = x.clone()  # Project-Only rows: h = x
     cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)
     # Every row is in exactly one cohort (n_run + n_proj = rows), so each branch stores its rows of delta: no

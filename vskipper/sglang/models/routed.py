@@ -295,11 +295,16 @@ class SGLangLayerOps:
         q, k = a.rotary_emb(self.positions, q, k)
         return q.index_select(0, rows), k, v
 
-    def rotate_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        q = self._q_norm(q).contiguous()
-        # One head of q stands in for the key it does not rotate here (`kv` rotated every row's).
-        q, _ = self.attn.rotary_emb(self._positions(rows), q, q[:, : self.attn.head_dim].clone())
-        return q
+    def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor):
+        a = self.attn
+        k, v = self._kv(u)
+        # One rotary call for both, as `q_kv`: the packed queries in their batch slots (a slot outside `reads` in
+        # a row past the pass, dropped), zeros in the other rows, beside every row's key.
+        n = k.shape[0]
+        q = self._q_norm(q)
+        q = q.new_zeros(n + 1, q.shape[1]).index_copy_(0, torch.where(reads, rows, n), q)[:n]
+        q, k = a.rotary_emb(self.positions, q, k)
+        return q.index_select(0, rows), k, v
 
     def _q_norm(self, q: torch.Tensor) -> torch.Tensor:
         """Qwen3's per-head q_norm (before RoPE); other families' q as it is."""
