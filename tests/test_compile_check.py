@@ -29,9 +29,10 @@ def test_every_kernel_compiles_for_hopper_and_a_99_kib_ampere_part_within_its_sh
                          text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     reports = json.loads(out.read_text())
-    # this process runs them in the interpreter (conftest.py), the check's as JIT functions
+    # this process runs them in the interpreter (conftest.py), the check's as JIT functions; `_` marks a helper
+    # the kernels inline
     jitted = {name for name, obj in inspect.getmembers(kernels)
-              if isinstance(obj, (triton.runtime.JITFunction, InterpretedFunction))}
+              if isinstance(obj, (triton.runtime.JITFunction, InterpretedFunction)) and not name.startswith("_")}
     for report, limit in zip(reports, (227 * 1024, 99 * 1024), strict=True):
         assert report["failed"] == []
         assert {r["kernel"] for r in report["launches"]} == jitted  # every kernel of the module, none missed

@@ -279,6 +279,25 @@ def cohort_maps(run: torch.Tensor, run_idx: torch.Tensor, proj_idx: torch.Tensor
 
 
 @triton.jit
+def _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, req, kvh, offs_t, offs_d, t_mask, see, scale, stride_ks, stride_kh,
+                        stride_r2t, m_i, l_i, acc):
+    """One block of a request's keys and values (positions offs_t, those in t_mask; its pages by req_to_token row
+    `req`, KV head `kvh`) into the online softmax of the query rows q; `see` masks the scores. Returns the running
+    (max, sum of exponentials, unnormalised output)."""
+    slots = tl.load(r2t_ptr + req * stride_r2t + offs_t, mask=t_mask, other=0)
+    kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
+    k = tl.load(k_ptr + kv_off, mask=t_mask[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [query rows, keys]
+    s = tl.where(see, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    v = tl.load(v_ptr + kv_off, mask=t_mask[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def masked_decode_split_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, mid_o_ptr, mid_ml_ptr,
                                scale, stride_qr, stride_qh, stride_ks, stride_kh, stride_r2t,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -305,18 +324,8 @@ def masked_decode_split_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, r
     for start in range(lo, hi, BLOCK_T):
         offs_t = start + tl.arange(0, BLOCK_T)
         t_mask = offs_t < hi
-        slots = tl.load(r2t_ptr + req * stride_r2t + offs_t, mask=t_mask, other=0)
-        kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=t_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_G, BLOCK_T]
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_ptr + kv_off, mask=t_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, req, kvh, offs_t, offs_d, t_mask,
+                                            t_mask[None, :], scale, stride_ks, stride_kh, stride_r2t, m_i, l_i, acc)
     # Partials [rows, heads, SPLITS, ...]: the unnormalised sum, and (max, sum of exponentials); an empty split
     # (past its row's length) leaves (-inf, 0) and zeros, which the merge weighs by exp(-inf) = 0.
     head_split = (row * GROUP * tl.num_programs(1) + heads) * SPLITS + split
@@ -431,19 +440,9 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
         for start_n in range(0, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             in_kv = offs_n < hi
-            slots = tl.load(r2t_ptr + r * stride_r2t + offs_n, mask=in_kv, other=0)
-            kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-            k = tl.load(k_ptr + kv_off, mask=in_kv[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [rows, BLOCK_N]
-            see = rows[:, None] & in_kv[None, :] & (offs_n[None, :] <= pos[:, None])
-            s = tl.where(see, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_ptr + kv_off, mask=in_kv[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            see = rows[:, None] & in_kv[None, :] & (offs_n[None, :] <= pos[:, None])  # causal, this request's rows
+            m_i, l_i, acc = _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, r, kvh, offs_n, offs_d, in_kv, see, scale,
+                                                stride_ks, stride_kh, stride_r2t, m_i, l_i, acc)
         cur = nxt
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + slot[:, None] * stride_om + head[:, None] * stride_oh + offs_d[None, :],
