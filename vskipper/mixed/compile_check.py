@@ -6,9 +6,10 @@ Triton's compiler and the ptxas it ships lower each kernel to a cubin for the de
 launch configurations a server uses on it: every tile its tile table holds (the measured table where one ships,
 the shared-memory default elsewhere) for the cohort GEMMs, and the served Llama-3-8B shapes (bf16, head_dim 128,
 four query heads a KV head) for the attention reads and the cohort maps. A kernel that does not compile, or
-whose shared memory exceeds the device's per-block limit, is a failure found here instead of on the device. The
-interpreter (`TRITON_INTERPRET=1`, the tests') checks what the kernels compute; this checks that they build.
-Registers and spills are known only once a driver loads the cubin, on the device.
+whose shared memory exceeds the device's per-block limit, is a failure found here instead of on the device. Each
+launch's registers a thread and spilled bytes are ptxas's own report (`ptxas -v` on the same PTX, with the ptxas
+Triton picks for the architecture): a spill is printed beside the launch. The interpreter (`TRITON_INTERPRET=1`,
+the tests') checks what the kernels compute; this checks that they build, and what they cost in registers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -136,7 +140,24 @@ def compile_launch(launch: Launch, capability: int) -> dict:
                                   options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
     except Exception as exc:  # the compiler's own error, reported with the launch that raised it
         return {"error": f"{type(exc).__name__}: {str(exc).strip()[:800]}"}
-    return {"shared": int(compiled.metadata.shared)}
+    return {"shared": int(compiled.metadata.shared), **ptxas_report(compiled.asm["ptx"], capability)}
+
+
+def ptxas_report(ptx: str, capability: int) -> dict:
+    """Registers a thread and spilled bytes (stores) of the kernel in `ptx`, by ptxas -v (the ptxas Triton uses
+    for the architecture); {} where it reports neither."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([get_ptxas(capability).path, "-v", "--gpu-name", arch, str(src), "-o",
+                              str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, timeout=120)
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", res.stderr)
+    return {**({"registers": int(regs.group(1))} if regs else {}),
+            **({"spill_bytes": int(spills.group(1))} if spills else {})}
 
 
 def check(device_name: str) -> dict:
@@ -167,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{report['device']} (sm_{report['capability']}): {len(report['launches'])} launches, "
               f"{len(report['failed'])} failed")
         for r in report["launches"]:
-            status = f"FAILED: {r['error']}" if "error" in r else f"{r['shared']} B shared"
+            status = f"FAILED: {r['error']}" if "error" in r else \
+                f"{r['shared']} B shared, {r.get('registers', '?')} registers" + \
+                (f", SPILLS {r['spill_bytes']} B" if r.get("spill_bytes") else "")
             print(f"  {r['launch']}: {status}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
