@@ -123,24 +123,23 @@ class _DeviceTensor(torch.Tensor):
         return torch.device("meta")
 
 
-def test_a_prefill_plan_takes_its_request_slots_from_the_batchs_host_mirrors_in_the_one_copy(monkeypatch):
-    """Where SGLang's batch has host mirrors of its request slots and extend lengths (a prefill), `write_plan`
-    stages each row's slot from them: the plan reaches the device in the one copy; a decode batch has none, and
-    its slots follow on the device."""
+def test_a_prefill_plan_takes_its_request_slots_from_the_batchs_host_mirrors_in_the_one_copy():
+    """Where SGLang's batch has host mirrors of its request slots and extend lengths (a prefill), `plan_pass`
+    takes each row's slot from them and `write_plan` stages it: the plan reaches the device in the one copy;
+    without them the slots come from the device tensors and follow in a copy of their own."""
     from types import SimpleNamespace
 
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from vskipper.sglang.models.routed import PassPlan, SkipperCausalLM
+    from vskipper.sglang.models.routed import SkipperCausalLM
     from vskipper.sglang.runtime import Step
 
     model = SimpleNamespace(buffers=PlanBuffers(8, staged=True), graph_buffers=None,
                             runtime=SimpleNamespace(on_graph_tape=lambda step: False))
-    on_device = torch.tensor([2, 2, 2, 5]).as_subclass(_DeviceTensor)
-    monkeypatch.setattr("vskipper.sglang.models.routed.plan_pass",
-                        lambda fb, rows: PassPlan(on_device, 0))
+    on_device = torch.tensor([2, 5]).as_subclass(_DeviceTensor)
     for mirrors, copies in ((True, ["copy_"]), (False, ["copy_", "copy_"])):
-        fb = SimpleNamespace(req_pool_indices_cpu=torch.tensor([2, 5]) if mirrors else None,
+        fb = SimpleNamespace(req_pool_indices=on_device, extend_seq_lens=torch.tensor([3, 1]),
+                             req_pool_indices_cpu=torch.tensor([2, 5]) if mirrors else None,
                              extend_seq_lens_cpu=[3, 1] if mirrors else None, forward_mode=ForwardMode.EXTEND)
         step = Step("prefill", True, rows=4, keys=torch.tensor([7, 7, 7, 9]))
         with _Writes(model.buffers.storage) as writes:

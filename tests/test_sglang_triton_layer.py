@@ -186,7 +186,7 @@ def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world
     x = world.hidden(len(run))
     run_t, w = _prefill_route(world, run)
     triton = _triton(world, prefill_read)
-    assert triton.phase("prefill") == "triton"
+    assert triton.prefill == "triton"
     y_triton, kv_triton = _pass(world, PREFILL_EXTEND, x, run_t, w, triton)
     assert calls == {"cohort_ffn": [("triton", "mlp"), ("triton", "proj")], "packed": prefill_read == "packed",
                      "extend": prefill_read == "backend", "masked_read": 0}

@@ -10,9 +10,10 @@ For a run mask over `rows` batch rows, `CohortBuilder.build` writes, on the mask
 Cohort order is batch order (a stable compaction by prefix sums). Entries at and past a count are 0, a valid
 row, so a gather there is harmless; every consumer bounds its work by the count anyway.
 
+  live      bool  [rows]   m < n_run: the RUN cohort's packed slots that hold a row
+
 `build(run_mask, fused=True)` writes the same maps with one Triton launch (`vskipper.mixed.kernels.cohort_maps`,
-the triton execution's: about nine small kernels fewer per routed layer), and also `live` (bool [rows]: m < n_run,
-the RUN cohort's packed slots that hold a row); the torch build leaves `live` None.
+the triton execution's: about nine small kernels fewer per routed layer).
 
 Invariant 2: these maps are derived from the current tape and the current row set at every routed layer of
 every step. Nothing route-dependent is cached: the builder keeps only route-independent buffers (row numbers,
@@ -32,7 +33,7 @@ class Cohorts:
     proj_idx: torch.Tensor
     n_run: torch.Tensor
     n_proj: torch.Tensor
-    live: torch.Tensor | None = None  # bool [rows]: m < n_run (the fused build's)
+    live: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -77,11 +78,11 @@ class CohortBuilder:
         n_run = ends_run[rows - 1 :]
         n_proj = ends_proj[rows - 1 :]
         # The maps are views of the builder's buffers: the next build (the next routed layer) overwrites them.
-        return Cohorts(self._run[:rows], self._proj[:rows], n_run, n_proj)
+        return Cohorts(self._run[:rows], self._proj[:rows], n_run, n_proj, row_ids < n_run)
 
 
 def build_cohorts(run_mask: torch.Tensor) -> Cohorts:
     """One-off maps with their own storage (tests, prefill)."""
     rows = run_mask.reshape(-1).shape[0]
     c = CohortBuilder(rows, run_mask.device).build(run_mask)
-    return Cohorts(c.run_idx.clone(), c.proj_idx.clone(), c.n_run.clone(), c.n_proj.clone())
+    return Cohorts(c.run_idx.clone(), c.proj_idx.clone(), c.n_run.clone(), c.n_proj.clone(), c.live)

@@ -33,7 +33,6 @@ DEFAULT_DEVICES = ("H100-SXM", "A100-SXM4-80GB", "RTX-A6000")
 HEAD_DIM, GROUP = 128, 4  # Llama-3-8B: 32 query heads over 8 KV heads
 SPLITS, BLOCK_T = 8, 64  # the masked decode read's defaults (`decode_splits`, `masked_decode_attention`)
 COHORT_MAP_ROWS = (256, 8192)  # a captured decode batch, a prefill chunk
-PREFILL_BLOCK_N = 64  # `packed_prefill_attention`'s keys a step on a GPU
 
 _GEMM_OPERANDS = {"x_ptr": "*bf16", "idx_ptr": "*i64", "count_ptr": "*i64"}
 _STRIDES = ("stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_om", "stride_on")
@@ -88,6 +87,8 @@ def _gemm_launches(table) -> list[Launch]:
 def _attention_launches() -> list[Launch]:
     from triton import next_power_of_2
 
+    from vskipper.mixed.kernels import PACKED_PREFILL_BLOCK_N, cohort_maps_warps, packed_prefill_block_m
+
     decode = _sig(("q_ptr", "*bf16"), ("k_ptr", "*bf16"), ("v_ptr", "*bf16"), ("r2t_ptr", "*i32"), ("req_ptr", "*i64"),
                   ("pos_ptr", "*i64"), ("read_ptr", "*i1"), ("mid_o_ptr", "*fp32"), ("mid_ml_ptr", "*fp32"),
                   ("scale", "fp32"), *((s, "i32") for s in ("stride_qr", "stride_qh", "stride_ks", "stride_kh",
@@ -108,12 +109,12 @@ def _attention_launches() -> list[Launch]:
         Launch("masked_decode_merge_kernel", merge, (("HEADS", 32), ("HEAD_DIM", HEAD_DIM), ("SPLITS", SPLITS),
                                                      ("BLOCK_S", next_power_of_2(SPLITS))), 4, 3),
         Launch("packed_prefill_kernel", prefill, (("GROUP", GROUP), ("BLOCK_G", block_g), ("HEAD_DIM", HEAD_DIM),
-                                                  ("BLOCK_M", max(1, 64 // block_g)), ("BLOCK_N", PREFILL_BLOCK_N)),
-               4, 2),
+                                                  ("BLOCK_M", packed_prefill_block_m(block_g)),
+                                                  ("BLOCK_N", PACKED_PREFILL_BLOCK_N)), 4, 2),
     ]
     for rows in COHORT_MAP_ROWS:
         block = next_power_of_2(rows)
-        launches.append(Launch("cohort_maps_kernel", maps, (("BLOCK", block),), min(32, max(4, block // 1024)), 3))
+        launches.append(Launch("cohort_maps_kernel", maps, (("BLOCK", block),), cohort_maps_warps(block), 3))
     return launches
 
 

@@ -273,9 +273,13 @@ def cohort_maps(run: torch.Tensor, run_idx: torch.Tensor, proj_idx: torch.Tensor
     if not 0 < rows <= COHORT_MAPS_MAX_ROWS:
         raise ValueError(f"cohort_maps covers 1..{COHORT_MAPS_MAX_ROWS} rows, got {rows}")
     block = triton.next_power_of_2(rows)
-    # A prefill pass's block (thousands of rows) spreads over more warps: at most 32 rows a thread.
     cohort_maps_kernel[(1,)](run, rows, run_idx, proj_idx, counts, live, BLOCK=block,
-                             num_warps=min(32, max(4, block // 1024)))
+                             num_warps=cohort_maps_warps(block))
+
+
+def cohort_maps_warps(block: int) -> int:
+    """A prefill pass's block (thousands of rows) spreads over more warps: at most 32 rows a thread."""
+    return min(32, max(4, block // 1024))
 
 
 @triton.jit
@@ -449,6 +453,15 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
              out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
+PACKED_PREFILL_BLOCK_N = 64  # keys a step of the packed prefill read on a GPU
+
+
+def packed_prefill_block_m(block_g: int, interpreted: bool = False) -> int:
+    """Slots a program of the packed prefill read: 64 query rows on a GPU (slots x the group's heads, padded to
+    `block_g`), 16 under the interpreter (tl.dot's least M)."""
+    return max(1, (16 if interpreted else 64) // block_g)
+
+
 def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                              req_to_token: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor,
                              reads: torch.Tensor, scale: float, block_m: int | None = None,
@@ -473,12 +486,11 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     group = heads // kv_heads
     block_g = triton.next_power_of_2(group)
     interpreted = not q.is_cuda
-    # Query rows per program: 64 on a GPU (BLOCK_M slots x the group's heads), at least 16 (tl.dot's least M).
-    block_m = block_m or max(1, (16 if interpreted else 64) // block_g)
+    block_m = block_m or packed_prefill_block_m(block_g, interpreted)
     if block_m * block_g < 16:
         raise ValueError(f"block_m {block_m} x {block_g} heads a KV head gives {block_m * block_g} query rows a "
                          "program, fewer than 16")
-    block_n = block_n or (16 if interpreted else 64)
+    block_n = block_n or (16 if interpreted else PACKED_PREFILL_BLOCK_N)
     q = q.contiguous()
     out = torch.zeros_like(q)
     read = reads.contiguous() if reads.dtype == torch.bool else reads.to(torch.bool)

@@ -170,11 +170,9 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
     q = cohort_gemm(u, idx, n_run, w_q, tile=tiles)  # packed: slot m < n_run holds RUN row idx[m], zeros after
     if b_q is not None:
         q += b_q
-    live = cohorts.live if cohorts.live is not None else \
-        torch.arange(idx.shape[0], device=idx.device) < n_run  # the slots that hold a RUN row
-    q, k, v = ops.packed_q_kv(u, q, idx, live)  # k, v: every row's, in batch order
+    q, k, v = ops.packed_q_kv(u, q, idx, cohorts.live)  # k, v: every row's, in batch order
     ops.write_kv(k, v)
-    a = ops.read(q, idx, reads=live)
+    a = ops.read(q, idx, reads=cohorts.live)  # the slots that hold a RUN row read
     h = x.clone()  # Project-Only rows: h = x
     cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)
     # Every row is in exactly one cohort (n_run + n_proj = rows), so each branch stores its rows of delta: no

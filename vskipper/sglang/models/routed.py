@@ -129,11 +129,8 @@ class CohortExecution:
 
     @property
     def prefill(self) -> str:
+        """The same execution as decode's (attested apart)."""
         return self.decode
-
-    def phase(self, phase: str) -> str:
-        """The execution a pass of `phase` runs ('decode', or any extend: 'prefill')."""
-        return self.decode if phase == "decode" else self.prefill
 
     def attestation(self) -> dict[str, Any]:
         tiles = getattr(self.tiles, "source", None) if self.tiles is not None else (
@@ -216,13 +213,27 @@ class StepSlot:
 
 
 def plan_pass(forward_batch, rows: int) -> PassPlan:
-    """Each row's request slot and the decode context bound, from SGLang's batch and its host mirrors."""
+    """Each row's request slot and the decode context bound, from SGLang's batch and its host mirrors. A prefill
+    batch with host mirrors of its request slots and extend lengths (`req_pool_indices_cpu`,
+    `extend_seq_lens_cpu`) gets its slots on the host (the plan buffers then take the whole plan in one copy); a
+    decode batch has none, and its slots stay on the device."""
     if forward_batch.forward_mode.is_decode():
         lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
         return PassPlan(forward_batch.req_pool_indices, int(lens.max()))
-    req_rows = torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
-                                       output_size=rows)
-    return PassPlan(req_rows, 0)
+    slots = getattr(forward_batch, "req_pool_indices_cpu", None)
+    extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
+    if slots is not None and extend is not None:
+        return PassPlan(torch.repeat_interleave(slots, torch.tensor(list(extend)), output_size=rows), 0)
+    return PassPlan(torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
+                                            output_size=rows), 0)
+
+
+def in_batch_slots(q: torch.Tensor, rows: torch.Tensor, n: int, reads: torch.Tensor | None = None) -> torch.Tensor:
+    """The queries q [len(rows), w] of batch rows `rows` placed in their slots of a pass of n rows, zeros elsewhere
+    (a zero query reads uniformly, never 0/0). With `reads` (packed cohort slots, bool) a slot outside it lands in
+    one row past the pass, which is dropped: no value is read on the host."""
+    to = rows if reads is None else torch.where(reads, rows, n)
+    return q.new_zeros(n + 1, q.shape[1]).index_copy_(0, to, q)[:n]
 
 
 def kv_only_supported(qkv_proj) -> bool:
@@ -290,20 +301,14 @@ class SGLangLayerOps:
             else self.q_all.index_select(0, rows)
         # One rotary call for both: the rows' queries in their batch slots (zeros in the others, rotated to zeros
         # and never read) beside every row's key.
-        q = self._q_norm(q)
-        q = q.new_zeros(u.shape[0], q.shape[1]).index_copy_(0, rows, q)
-        q, k = a.rotary_emb(self.positions, q, k)
+        q, k = a.rotary_emb(self.positions, in_batch_slots(self._q_norm(q), rows, u.shape[0]), k)
         return q.index_select(0, rows), k, v
 
     def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor):
         a = self.attn
         k, v = self._kv(u)
-        # One rotary call for both, as `q_kv`: the packed queries in their batch slots (a slot outside `reads` in
-        # a row past the pass, dropped), zeros in the other rows, beside every row's key.
-        n = k.shape[0]
-        q = self._q_norm(q)
-        q = q.new_zeros(n + 1, q.shape[1]).index_copy_(0, torch.where(reads, rows, n), q)[:n]
-        q, k = a.rotary_emb(self.positions, q, k)
+        # One rotary call for both, as `q_kv`: the packed queries in their batch slots beside every row's key.
+        q, k = a.rotary_emb(self.positions, in_batch_slots(self._q_norm(q), rows, k.shape[0], reads), k)
         return q.index_select(0, rows), k, v
 
     def _q_norm(self, q: torch.Tensor) -> torch.Tensor:
@@ -321,11 +326,12 @@ class SGLangLayerOps:
         a = self.attn
         pool = get_token_to_kv_pool()
         lid = a.attn.layer_id
-        if self.backend == "triton" and not self.fb.forward_mode.is_decode() and self.prefill_read == "backend":
+        triton_prefill = self.backend == "triton" and not self.fb.forward_mode.is_decode()
+        if triton_prefill and self.prefill_read == "backend":
             return self._backend_read(q, rows, reads)  # prefill over the packed cohort slots
         req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
         qh = q.view(q.shape[0], a.num_heads, a.head_dim)
-        if self.backend == "triton" and not self.fb.forward_mode.is_decode():  # `PREFILL_READS['packed']`
+        if triton_prefill:  # `PREFILL_READS['packed']`
             from vskipper.mixed.kernels import packed_prefill_attention
 
             out = packed_prefill_attention(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid),
@@ -372,19 +378,14 @@ class SGLangLayerOps:
     def _backend_read(self, q: torch.Tensor, rows: torch.Tensor | None,
                       reads: torch.Tensor | None = None) -> torch.Tensor:
         """The prefill read through SGLang's attention backend (`PREFILL_READS['backend']`): the queries `q` of batch
-        rows `rows` placed in their batch slots, zeros elsewhere (a zero query's softmax is uniform, never 0/0),
-        over the K/V this pass wrote; their outputs, in the order of `rows`.
-
-        With `reads` (the triton execution's packed cohort slots, bool [n]) a slot outside it is placed nowhere
-        (one row past the batch takes it, then is dropped) and reads zeros: no value is read on the host."""
+        rows `rows` in their batch slots (`in_batch_slots`), over the K/V this pass wrote; their outputs, in the
+        order of `rows`, zeros for slots outside `reads`."""
         if self.written is None:
             raise RuntimeError("the backend read runs after the pass's K/V is written (write_kv)")
         k, v = self.written
         if rows is None:
             return self.attn.attn(q, k, v, self.fb, save_kv_cache=False)
-        n = k.shape[0]
-        to = rows if reads is None else torch.where(reads, rows, n)
-        q = q.new_zeros(n + 1, q.shape[1]).index_copy_(0, to, q)[:n]
+        q = in_batch_slots(q, rows, k.shape[0], reads)
         out = self.attn.attn(q, k, v, self.fb, save_kv_cache=False).index_select(0, rows)
         return out if reads is None else out.masked_fill_(~reads.view(-1, 1), 0)
 
@@ -505,7 +506,7 @@ class RoutedLayerMixin:
         step.tape.record(self.layer_id, step.skipper.route(self.layer_id, u, step.state, router), step.dense_rows)
         run, weights = step.tape.layer(self.layer_id, step.rows)
         execution = self._slot.execution
-        triton = execution.phase(step.phase) == "triton"
+        triton = execution.decode == "triton"  # one execution for both phases
         ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton" if triton else "torch",
                              prefill_read=execution.prefill_read, decode_read=execution.decode_read)
         if self._slot.part_clock is not None:  # the read the body takes, whichever it is, is the clock's `read`
@@ -706,16 +707,10 @@ class SkipperCausalLM(RouterWeightsMixin):
     def write_plan(self, forward_batch, step: Step) -> PassPlan:
         """Write the routed pass's per-row plan into the static buffers; the step and the plan read their views.
         A decode pass on the graph tape writes the graph buffers (a replay reads them), every other pass the
-        eager ones. The step's keys and dense-mode rows are host tensors, and so are a prefill pass's request
-        slots where SGLang's batch has their host mirrors (`req_pool_indices_cpu`, `extend_seq_lens_cpu`): the
-        buffers then take the whole plan in one copy. A decode batch has no such mirror: its request slots follow
-        on the device, one device-to-device copy."""
-        slots = getattr(forward_batch, "req_pool_indices_cpu", None)
-        extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
-        if slots is not None and extend is not None and not forward_batch.forward_mode.is_decode():
-            plan = PassPlan(torch.repeat_interleave(slots, torch.tensor(list(extend)), output_size=step.rows), 0)
-        else:
-            plan = plan_pass(forward_batch, step.rows)
+        eager ones. The step's keys and dense-mode rows are host tensors (and a prefill's request slots, where
+        `plan_pass` finds their host mirrors): the buffers take the plan in one copy, plus a device-to-device copy of
+        a decode batch's request slots."""
+        plan = plan_pass(forward_batch, step.rows)
         buffers = self.graph_buffers if self.runtime.on_graph_tape(step) else self.buffers
         buffers.write(plan.req_rows, step.keys, step.dense_rows)
         views = buffers.views(step.rows)
