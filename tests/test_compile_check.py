@@ -15,7 +15,9 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from tests.sglang_world import ROOT
-from vskipper.mixed import kernels
+from vskipper.mixed import compile_check, kernels
+from vskipper.mixed.tiles import Tile
+from vskipper.roofline import lookup_device
 
 pytestmark = pytest.mark.server  # a heavy process: about 30 s of compiling
 
@@ -41,6 +43,55 @@ def test_every_kernel_compiles_for_hopper_and_a_99_kib_ampere_part_within_its_sh
         assert all(0 < r["registers"] <= 255 and r["spill_bytes"] >= 0 for r in report["launches"])
     # the measured H100 table's tiles are among the launches (the 99 KiB part takes the default table)
     assert len(reports[0]["launches"]) > len(reports[1]["launches"])
+    for r in reports[0]["launches"]:
+        if "BLOCK_K" in dict(r["constexprs"]):  # the tile tables' shared-memory estimate bounds what compiled
+            blocks = dict(r["constexprs"])
+            op = {"cohort_gate_up_kernel": "mlp_gate_up"}.get(r["kernel"], "mlp_down")
+            tile = Tile(blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"], r["num_warps"], r["num_stages"])
+            assert r["shared"] <= tile.shared_mem_bytes(op), r["launch"]
+
+
+def test_launches_are_specialized_as_the_jit_specializes_the_served_arguments():
+    """Unit strides folded into constants, 16-byte aligned pointers and multiples of 16 marked divisible, the
+    req_to_token stride (the context length plus 4) not: what Triton's JIT compiles at the server's launch, which
+    decides the vectorized loads, the pipelined shared memory and the registers."""
+    launches = compile_check.launches_for(lookup_device("H100-SXM"))
+    gemm = next(x for x in launches if x.kernel == "cohort_gemm_kernel")
+    assert dict(gemm.specialized) == {"stride_xk": 1, "stride_wk": 1, "stride_on": 1}
+    assert {"x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"} <= set(gemm.divisible)
+    down = next(x for x in launches if x.kernel == "cohort_down_scatter_kernel")
+    assert dict(down.specialized) == {"stride_an": 1, "stride_wn": 1, "stride_yd": 1}
+    prefill = next(x for x in launches if x.kernel == "packed_prefill_kernel")
+    assert dict(prefill.signature)["read_ptr"] == "*u1" and "stride_r2t" not in prefill.divisible
+    assert {"stride_ks", "stride_kh", "stride_qm"} <= set(prefill.divisible)
+
+
+def test_a_launch_naming_other_arguments_than_its_kernels_is_refused():
+    with pytest.raises(ValueError, match="cohort_maps_kernel: the launch names"):
+        compile_check._launch("cohort_maps_kernel", {"rows": 8}, {"BLOCK": 8}, 4, 3)
+
+
+def test_every_kernel_compiles_for_hopper_with_the_device_images_triton(tmp_path):
+    """The GPU machines JIT-compile the kernels with the triton their image holds (`device-packages.txt` pins it),
+    not the one installed here: that version, installed beside this environment (its wheel carries its own
+    compiler and ptxas), compiles every launch for the H100."""
+    from benchmarks.gpu.bundle import device_pins
+
+    version = device_pins()["triton"]
+    assert version, "device-packages.txt pins the device image's triton"
+    site = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
+                          f"triton=={version}"], capture_output=True, text=True, timeout=600)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    out = tmp_path / "compiled.json"
+    res = subprocess.run([sys.executable, "-m", "vskipper.mixed.compile_check", "--device", "H100-SXM", "--json",
+                          str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    (report,) = json.loads(out.read_text())
+    assert report["triton"] == version and report["failed"] == []  # compiled by the device's version, not this one
+    assert all(r["shared"] <= 227 * 1024 and 0 < r["registers"] <= 255 for r in report["launches"])
 
 
 def test_the_check_refuses_the_interpreter_naming_it():

@@ -84,9 +84,18 @@ def read_requirements(path: Path = LIST) -> list[Requirement]:
     return reqs
 
 
+def device_pins(path: Path = DEVICE_PACKAGES) -> dict[str, str | None]:
+    """The device image's distributions, each with the version the list pins (`name==version`) or None."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.strip().partition("==")
+            pins[normalize(name)] = version or None
+    return pins
+
+
 def read_device_packages(path: Path = DEVICE_PACKAGES) -> set[str]:
-    return {normalize(line.strip()) for line in path.read_text().splitlines()
-            if line.strip() and not line.startswith("#")}
+    return set(device_pins(path))
 
 
 def wheel_name(filename: str) -> str:

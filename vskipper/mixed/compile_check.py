@@ -5,7 +5,10 @@
 Triton's compiler and the ptxas it ships lower each kernel to a cubin for the device's compute capability, at the
 launch configurations a server uses on it: every tile its tile table holds (the measured table where one ships,
 the shared-memory default elsewhere) for the cohort GEMMs, and the served Llama-3-8B shapes (bf16, head_dim 128,
-four query heads a KV head) for the attention reads and the cohort maps. A kernel that does not compile, or
+four query heads a KV head) for the attention reads and the cohort maps. Each launch is specialized as Triton's
+JIT specializes it (its own argument specialization applied to example arguments of the served shapes: unit
+strides folded, aligned pointers and multiples of 16 marked divisible), so the shared memory, registers and spills
+are those of the kernel the device compiles, not of a generic one. A kernel that does not compile, or
 whose shared memory exceeds the device's per-block limit, is a failure found here instead of on the device. Each
 launch's registers a thread and spilled bytes are ptxas's own report (`ptxas -v` on the same PTX, with the ptxas
 Triton picks for the architecture): a spill is printed beside the launch. The interpreter (`TRITON_INTERPRET=1`,
@@ -30,21 +33,30 @@ from vskipper.roofline import Device, lookup_device
 CAPABILITY = {"A100-SXM4-80GB": 80, "A100-40GB": 80, "H100-SXM": 90, "H100-PCIe": 90, "H100-NVL": 90, "H200": 90,
               "RTX-A6000": 86, "L40S": 89, "L4": 89, "A10": 86, "A10G": 86, "B200": 100}
 DEFAULT_DEVICES = ("H100-SXM", "A100-SXM4-80GB", "RTX-A6000")
-HEAD_DIM, GROUP = 128, 4  # Llama-3-8B: 32 query heads over 8 KV heads
+# Llama-3-8B as served (bf16): the launches' example arguments.
+HIDDEN, INTERMEDIATE, REDUCTION = 4096, 14336, 16  # the FlexiDepth projector's width is HIDDEN / REDUCTION
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SPLITS, BLOCK_T = 8, 64  # the masked decode read's defaults (`decode_splits`, `masked_decode_attention`)
 COHORT_MAP_ROWS = (256, 8192)  # a captured decode batch, a prefill chunk
-
-_GEMM_OPERANDS = {"x_ptr": "*bf16", "idx_ptr": "*i64", "count_ptr": "*i64"}
-_STRIDES = ("stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_om", "stride_on")
+REQ_TO_TOKEN_WIDTH = 8192 + 4  # SGLang's req_to_token rows: the context length (the device run's) plus 4
+ROWS, POOL_SLOTS, REQUESTS = 256, 4096, 8
+# (N, K) of each tile-table op's GEMM: W is [N, K] (the down GEMMs: [HIDDEN, K], scattered onto the hidden rows).
+OP_SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_o": (HIDDEN, HIDDEN), "mlp_gate_up": (INTERMEDIATE, HIDDEN),
+             "mlp_down": (HIDDEN, INTERMEDIATE), "proj_gate_up": (HIDDEN // REDUCTION, HIDDEN),
+             "proj_down": (HIDDEN, HIDDEN // REDUCTION)}
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel at one launch configuration."""
+    """One kernel at one launch configuration, specialized as Triton's JIT specializes it for the served arguments:
+    an integer equal to 1 becomes a constant, an integer that is a multiple of 16 and a 16-byte aligned pointer
+    are marked divisible by 16 (what lets the compiler vectorize and pipeline the loads)."""
 
     kernel: str
     signature: tuple[tuple[str, str], ...]
-    constexprs: tuple[tuple[str, int | bool], ...]
+    constexprs: tuple[tuple[str, int | bool], ...]  # the launch's own (block sizes, switches)
+    specialized: tuple[tuple[str, int], ...]  # arguments the JIT folds into constants
+    divisible: tuple[str, ...]
     num_warps: int
     num_stages: int
 
@@ -53,68 +65,114 @@ class Launch:
         return f"{self.kernel}({consts}; warps {self.num_warps}, stages {self.num_stages})"
 
 
-def _sig(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(pairs)
+def _t(*shape: int, dtype=None):
+    import torch
+
+    return torch.empty(*shape, dtype=dtype or torch.bfloat16, device="meta")
+
+
+def _launch(kernel: str, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> Launch:
+    """`kernel` called with `args` (meta tensors and scalars of the served shapes), specialized by Triton's own
+    argument specialization, the one its JIT applies at a launch."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from vskipper.mixed import kernels
+
+    names = getattr(kernels, kernel).arg_names
+    if set(names) != set(args) | set(constexprs):
+        raise ValueError(f"{kernel}: the launch names {sorted(set(args) | set(constexprs))}, the kernel {names}")
+    signature, specialized, divisible = [], [], []
+    for name in names:
+        if name in constexprs:
+            continue
+        kind, spec = native_specialize_impl(CUDABackend, args[name], False, True, True)
+        if kind == "constexpr":
+            specialized.append((name, spec))
+            continue
+        signature.append((name, kind))
+        if spec and CUDABackend.parse_attr(spec):
+            divisible.append(name)
+    return Launch(kernel, tuple(signature), tuple(constexprs.items()), tuple(specialized), tuple(divisible),
+                  num_warps, num_stages)
+
+
+def _gemm_args(op: str) -> tuple[str, dict, dict]:
+    """(kernel, example arguments, the launch's switches) of one tile-table op's GEMM, as `kernels.py` calls it."""
+    import torch
+
+    n, k = OP_SHAPES[op]
+    idx, count = _t(ROWS, dtype=torch.int64), _t(1, dtype=torch.int64)
+    if op.endswith("gate_up") or op == "attn_q":
+        x, w, out = _t(ROWS, k), _t(n, k), _t(ROWS, n)
+        args = {"x_ptr": x, "idx_ptr": idx, "count_ptr": count, "out_ptr": out, "N": n, "K": k,
+                "stride_xm": x.stride(0), "stride_xk": x.stride(1), "stride_wn": w.stride(0),
+                "stride_wk": w.stride(1), "stride_om": out.stride(0), "stride_on": out.stride(1)}
+        if op == "attn_q":
+            return "cohort_gemm_kernel", {**args, "w_ptr": w}, {}
+        return "cohort_gate_up_kernel", {**args, "wg_ptr": w, "wu_ptr": w}, {}
+    a, w, y = _t(ROWS, k), _t(n, k), _t(ROWS, n)
+    args = {"a_ptr": a, "idx_ptr": idx, "count_ptr": count, "wd_ptr": w, "y_ptr": y, "D": n, "N": k,
+            "stride_am": a.stride(0), "stride_an": a.stride(1), "stride_wd": w.stride(0), "stride_wn": w.stride(1),
+            "stride_ym": y.stride(0), "stride_yd": y.stride(1)}
+    if op == "attn_o":  # the unweighted scatter onto the residual (the index stands in for the weights)
+        return "cohort_down_scatter_kernel", {**args, "w_ptr": idx}, {"WEIGHTED": False}
+    return "cohort_down_scatter_kernel", {**args, "w_ptr": _t(ROWS)}, {"WEIGHTED": True}
 
 
 def _gemm_launches(table) -> list[Launch]:
     """The cohort GEMM kernels at every tile of the device's table."""
-    gate_up = _sig(*_GEMM_OPERANDS.items(), ("wg_ptr", "*bf16"), ("wu_ptr", "*bf16"), ("out_ptr", "*bf16"),
-                   ("N", "i32"), ("K", "i32"), *((s, "i32") for s in _STRIDES))
-    gemm = _sig(*_GEMM_OPERANDS.items(), ("w_ptr", "*bf16"), ("out_ptr", "*bf16"), ("N", "i32"), ("K", "i32"),
-                *((s, "i32") for s in _STRIDES))
-    down = _sig(("a_ptr", "*bf16"), ("idx_ptr", "*i64"), ("count_ptr", "*i64"), ("w_ptr", "*bf16"),
-                ("wd_ptr", "*bf16"), ("y_ptr", "*bf16"), ("D", "i32"), ("N", "i32"),
-                *((s, "i32") for s in ("stride_am", "stride_an", "stride_wd", "stride_wn", "stride_ym", "stride_yd")))
     out: dict[Launch, None] = {}
     for op, entries in table.entries.items():
+        kernel, args, switches = _gemm_args(op)
+        # the FFNs' down GEMM stores (the served body) or adds (the bench stack, the tuner); attn_o adds
+        modes = (False, True) if switches.get("WEIGHTED") else (True,) if "WEIGHTED" in switches else (None,)
         for _lo, _hi, t in entries:
-            blocks = (("BLOCK_M", t.block_m), ("BLOCK_N", t.block_n), ("BLOCK_K", t.block_k))
-            if op.endswith("gate_up"):
-                launches = [("cohort_gate_up_kernel", gate_up, blocks)]
-            elif op == "attn_q":
-                launches = [("cohort_gemm_kernel", gemm, blocks)]
-            elif op == "attn_o":  # the unweighted scatter onto the residual
-                launches = [("cohort_down_scatter_kernel", down, (*blocks, ("WEIGHTED", False), ("ACCUMULATE", True)))]
-            else:  # the FFNs' down GEMM: weighted, stored (the served body) or added (the bench stack, the tuner)
-                launches = [("cohort_down_scatter_kernel", down, (*blocks, ("WEIGHTED", True), ("ACCUMULATE", acc)))
-                            for acc in (False, True)]
-            for name, sig, consts in launches:
-                out[Launch(name, sig, consts, t.num_warps, t.num_stages)] = None
+            blocks = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
+            for acc in modes:
+                consts = {**blocks, **switches, **({} if acc is None else {"ACCUMULATE": acc})}
+                out[_launch(kernel, args, consts, t.num_warps, t.num_stages)] = None
     return list(out)
 
 
 def _attention_launches() -> list[Launch]:
+    import torch
     from triton import next_power_of_2
 
     from vskipper.mixed.kernels import PACKED_PREFILL_BLOCK_N, cohort_maps_warps, packed_prefill_block_m
 
-    decode = _sig(("q_ptr", "*bf16"), ("k_ptr", "*bf16"), ("v_ptr", "*bf16"), ("r2t_ptr", "*i32"), ("req_ptr", "*i64"),
-                  ("pos_ptr", "*i64"), ("read_ptr", "*i1"), ("mid_o_ptr", "*fp32"), ("mid_ml_ptr", "*fp32"),
-                  ("scale", "fp32"), *((s, "i32") for s in ("stride_qr", "stride_qh", "stride_ks", "stride_kh",
-                                                             "stride_r2t")))
-    merge = _sig(("mid_o_ptr", "*fp32"), ("mid_ml_ptr", "*fp32"), ("read_ptr", "*i1"), ("out_ptr", "*bf16"),
-                 ("stride_or", "i32"), ("stride_oh", "i32"))
-    prefill = _sig(("q_ptr", "*bf16"), ("k_ptr", "*bf16"), ("v_ptr", "*bf16"), ("r2t_ptr", "*i32"), ("req_ptr", "*i64"),
-                   ("pos_ptr", "*i64"), ("read_ptr", "*i1"), ("out_ptr", "*bf16"), ("scale", "fp32"),
-                   ("slots_total", "i32"), *((s, "i32") for s in ("stride_qm", "stride_qh", "stride_ks", "stride_kh",
-                                                                   "stride_r2t", "stride_om", "stride_oh")))
-    maps = _sig(("run_ptr", "*i1"), ("rows", "i32"), ("run_idx_ptr", "*i64"), ("proj_idx_ptr", "*i64"),
-                ("counts_ptr", "*i64"), ("live_ptr", "*i1"))
-    block_g = next_power_of_2(GROUP)
+    group = HEADS // KV_HEADS
+    block_g = next_power_of_2(group)
+    q, k_pool = _t(ROWS, HEADS, HEAD_DIM), _t(POOL_SLOTS, KV_HEADS, HEAD_DIM)
+    r2t = _t(REQUESTS, REQ_TO_TOKEN_WIDTH, dtype=torch.int32)
+    req, pos, read = _t(ROWS, dtype=torch.int64), _t(ROWS, dtype=torch.int64), _t(ROWS, dtype=torch.bool)
+    reads = {"q_ptr": q, "k_ptr": k_pool, "v_ptr": k_pool, "r2t_ptr": r2t, "req_ptr": req, "pos_ptr": pos,
+             "read_ptr": read, "scale": HEAD_DIM ** -0.5, "stride_ks": k_pool.stride(0),
+             "stride_kh": k_pool.stride(1), "stride_r2t": r2t.stride(0)}
+    mid_o = _t(ROWS, HEADS, SPLITS, HEAD_DIM, dtype=torch.float32)
+    mid_ml = _t(ROWS, HEADS, SPLITS, 2, dtype=torch.float32)
     launches = [
-        Launch("masked_decode_split_kernel", decode, (("GROUP", GROUP), ("BLOCK_G", max(16, block_g)),
-                                                      ("HEAD_DIM", HEAD_DIM), ("BLOCK_T", BLOCK_T),
-                                                      ("SPLITS", SPLITS)), 4, 3),
-        Launch("masked_decode_merge_kernel", merge, (("HEADS", 32), ("HEAD_DIM", HEAD_DIM), ("SPLITS", SPLITS),
-                                                     ("BLOCK_S", next_power_of_2(SPLITS))), 4, 3),
-        Launch("packed_prefill_kernel", prefill, (("GROUP", GROUP), ("BLOCK_G", block_g), ("HEAD_DIM", HEAD_DIM),
-                                                  ("BLOCK_M", packed_prefill_block_m(block_g)),
-                                                  ("BLOCK_N", PACKED_PREFILL_BLOCK_N)), 4, 2),
+        _launch("masked_decode_split_kernel",
+                {**reads, "mid_o_ptr": mid_o, "mid_ml_ptr": mid_ml, "stride_qr": q.stride(0), "stride_qh": q.stride(1)},
+                {"GROUP": group, "BLOCK_G": max(16, block_g), "HEAD_DIM": HEAD_DIM, "BLOCK_T": BLOCK_T,
+                 "SPLITS": SPLITS}, 4, 3),
+        _launch("masked_decode_merge_kernel",
+                {"mid_o_ptr": mid_o, "mid_ml_ptr": mid_ml, "read_ptr": read, "out_ptr": q, "stride_or": q.stride(0),
+                 "stride_oh": q.stride(1)},
+                {"HEADS": HEADS, "HEAD_DIM": HEAD_DIM, "SPLITS": SPLITS, "BLOCK_S": next_power_of_2(SPLITS)}, 4, 3),
+        _launch("packed_prefill_kernel",
+                {**reads, "out_ptr": q, "slots_total": ROWS, "stride_qm": q.stride(0), "stride_qh": q.stride(1),
+                 "stride_om": q.stride(0), "stride_oh": q.stride(1)},
+                {"GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": HEAD_DIM, "BLOCK_M": packed_prefill_block_m(block_g),
+                 "BLOCK_N": PACKED_PREFILL_BLOCK_N}, 4, 2),
     ]
     for rows in COHORT_MAP_ROWS:
         block = next_power_of_2(rows)
-        launches.append(Launch("cohort_maps_kernel", maps, (("BLOCK", block),), cohort_maps_warps(block), 3))
+        run, idx = _t(rows, dtype=torch.bool), _t(rows, dtype=torch.int64)
+        launches.append(_launch("cohort_maps_kernel",
+                                {"run_ptr": run, "rows": rows, "run_idx_ptr": idx, "proj_idx_ptr": idx,
+                                 "counts_ptr": _t(2, dtype=torch.int64), "live_ptr": run},
+                                {"BLOCK": block}, cohort_maps_warps(block), 3))
     return launches
 
 
@@ -128,15 +186,17 @@ def compile_launch(launch: Launch, capability: int) -> dict:
     """Compile one launch for `capability`; {'shared': bytes} or {'error': ...}."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
     from vskipper.mixed import kernels
 
     fn = getattr(kernels, launch.kernel)
-    constexprs = dict(launch.constexprs)
+    constexprs = {**dict(launch.constexprs), **dict(launch.specialized)}
     signature = {**dict(launch.signature), **{name: "constexpr" for name in constexprs}}
+    attrs = {(fn.arg_names.index(name),): CUDABackend.parse_attr("D") for name in launch.divisible}
     try:
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", capability, 32),
                                   options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
     except Exception as exc:  # the compiler's own error, reported with the launch that raised it
@@ -162,6 +222,8 @@ def ptxas_report(ptx: str, capability: int) -> dict:
 
 
 def check(device_name: str) -> dict:
+    import triton
+
     device = lookup_device(device_name)
     capability = CAPABILITY.get(device.name)
     if capability is None:
@@ -173,7 +235,7 @@ def check(device_name: str) -> dict:
             result["error"] = (f"needs {result['shared']} bytes of shared memory, more than the "
                                f"{device.shared_mem_per_block} a block of {device.name} may use")
         results.append(result)
-    return {"device": device.name, "capability": capability, "launches": results,
+    return {"device": device.name, "capability": capability, "triton": triton.__version__, "launches": results,
             "failed": [r["launch"] for r in results if "error" in r]}
 
 
@@ -186,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("TRITON_INTERPRET=1 replaces the kernels by the interpreter's: unset it to compile them")
     reports = [check(name) for name in (args.device or DEFAULT_DEVICES)]
     for report in reports:
-        print(f"{report['device']} (sm_{report['capability']}): {len(report['launches'])} launches, "
-              f"{len(report['failed'])} failed")
+        print(f"{report['device']} (sm_{report['capability']}, triton {report['triton']}): "
+              f"{len(report['launches'])} launches, {len(report['failed'])} failed")
         for r in report["launches"]:
             status = f"FAILED: {r['error']}" if "error" in r else \
                 f"{r['shared']} B shared, {r.get('registers', '?')} registers" + \
