@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from contextlib import ExitStack
@@ -196,7 +197,10 @@ def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(d
         assert {(d["batch"], d["context"]) for d in arm["decode"]} == \
             {(b, c) for b in plan.batches for c in plan.contexts}
         assert all(d["decode_tok_s"] > 0 for d in arm["decode"])
+        assert all(len(d["step_s_reps"]) == plan.decode_reps and d["step_s"] == statistics.median(d["step_s_reps"])
+                   for d in arm["decode"])
         assert [p["tokens"] for p in arm["prefill"]] == list(plan.prefill_lengths)
+        assert all(len(p["ttft_s_reps"]) == plan.prefill_reps for p in arm["prefill"])
         assert arm["line"]["points"] == len(arm["decode"])
     comparison = sweep["comparison"]
     assert len(comparison["decode_speedup"]) == len(plan.batches) * len(plan.contexts)
@@ -213,6 +217,12 @@ def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(d
         assert ordered == sorted(ordered) and len(set(ordered)) == len(ordered)
     for row in comparison["prefill_over_control"]:
         assert 1.0 < row["flop_limit"] < 1.5
+    for row in comparison["decode_over_control"] + comparison["control_over_dense_prefill"]:
+        lo, hi = row["range"]
+        ratio = row.get("routed_over_control_tok_s") or row["dense_over_control_time"]
+        assert lo <= ratio <= hi
+    assert [g["goal"] for g in comparison["goals"]] == [g[0] for g in run.SWEEP_GOALS]
+    assert all(g["verdict"] in ("met", "missed", "within spread") for g in comparison["goals"])
     config = json.loads((out / "model" / "config.json").read_text())
     assert run.decode_bytes(config, 1000, 0.5) < run.decode_bytes(config, 1000, 0.0)
     assert run.decode_bytes(config, 0, 0.5) > run.decode_bytes(config, 0, 0.0)  # and the adapters where rows project
@@ -235,6 +245,7 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     assert results["dry_run"] and all(results[stage] for stage in run.STAGES)
     summary = (out / "summary.md").read_text()
     assert "Dry run on CPU" in summary and "tau =" in summary
+    assert "### The routed path's goals" in summary and "| decode s=0 / dense in every cell | 0.97 |" in summary
     q_star = results["ladder"]["q_star"]["q_star"]
     assert "## Headline A/B: GSM8K-shaped load, one server at a time" in summary
     assert f"Q* = {q_star} req/s" in summary and "13 on the A100, 14 on the H100" in summary
@@ -269,6 +280,48 @@ def test_device_plan_server_commands_parse_with_sglangs_own_flags(tmp_path):
         assert args.cuda_graph_backend_decode == "full"  # routed arms replay their routed decode variant
         max_bs = int(plan.sglang_flags[plan.sglang_flags.index("--cuda-graph-max-bs-decode") + 1])
         assert args.cuda_graph_backend_prefill == "disabled" and args.cuda_graph_max_bs_decode == max_bs
+
+
+def test_ratio_range_spans_every_pairing_of_the_arms_repetitions():
+    assert run.ratio_range([2.0, 3.0], [1.0, 4.0]) == [0.5, 3.0]
+    assert run.ratio_range([2.0], None) is None  # results of a sweep without repetitions
+
+
+def _cells(key: str, values: list[tuple[float, list[float] | None]], **extra) -> list[dict]:
+    return [{"batch": 32, "context": 1024 * (i + 1), key: v, "range": r, **extra} for i, (v, r) in enumerate(values)]
+
+
+def test_sweep_goals_judge_every_cell_on_its_range_and_name_the_worst():
+    comparison = {
+        # the longest prompt met, the shortest within its spread
+        "prefill_over_control": [{"tokens": 1024, "control_over_routed_time": 1.02, "range": [0.98, 1.05]},
+                                 {"tokens": 4096, "control_over_routed_time": 1.31, "range": [1.25, 1.33]}],
+        # one cell's whole range short of 0.97
+        "control_over_dense_decode": _cells("control_over_dense_tok_s", [(0.99, [0.98, 1.0]), (0.95, [0.94, 0.96])]),
+        # 1.08 of a limit of 1.2 is 90%: met only where the low end is too
+        "decode_over_control": _cells("routed_over_control_tok_s", [(1.1, [1.09, 1.12]), (1.2, [1.15, 1.25])],
+                                      bandwidth_limit=1.2),
+        # no repetitions: judged on the ratio alone
+        "control_over_dense_prefill": [{"tokens": 1024, "dense_over_control_time": 0.98, "range": None}],
+    }
+    goals = {g["goal"]: g for g in run.sweep_goals(comparison)}
+    longest, shortest, prefill_dense, decode_dense, share = (goals[g[0]] for g in run.SWEEP_GOALS)
+    assert (longest["verdict"], longest["worst_cell"], longest["cells"]) == ("met", {"tokens": 4096}, 1)
+    assert (shortest["verdict"], shortest["worst_cell"]) == ("within spread", {"tokens": 1024})
+    assert prefill_dense["verdict"] == "met" and prefill_dense["worst_range"] == [0.98, 0.98]
+    assert decode_dense["verdict"] == "missed" and decode_dense["worst_cell"] == {"batch": 32, "context": 2048}
+    assert share["verdict"] == "met" and share["worst"] == pytest.approx(1.1 / 1.2)
+    assert share["worst_range"] == pytest.approx([1.09 / 1.2, 1.12 / 1.2])
+    assert run.sweep_goals({})[0] == {"goal": run.SWEEP_GOALS[0][0], "verdict": "not measured"}
+
+
+def test_summary_says_where_the_devices_triton_is_not_the_compile_checked_one():
+    from benchmarks.gpu.bundle import device_pins
+
+    checked = device_pins()["triton"]
+    said = f"The kernels are compile-checked with the device image's triton {checked}"
+    assert said in run.markdown({"dry_run": False, "environment": {"triton": "0.0.1"}})
+    assert said not in run.markdown({"dry_run": False, "environment": {"triton": checked}})
 
 
 def _record(first: float, step: float, tokens: int):

@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu import headline  # noqa: E402
+from benchmarks.gpu.bundle import device_pins  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
@@ -90,6 +91,7 @@ class Plan:
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
     sweep_new_tokens: int
+    decode_reps: int  # timed bursts of each decode cell (the median is the cell's figure, beside their spread)
     prefill_lengths: tuple[int, ...]
     prefill_reps: int
     startup_timeout_s: float
@@ -119,7 +121,7 @@ class Plan:
                    ("--load-format", "dummy", "--skip-tokenizer-init", "--context-length", "8192",
                     "--cuda-graph-max-bs-decode", "256", "--max-running-requests", "256"),
                    "0.85", tune_max_candidates=24, batches=(32, 64, 128), contexts=(1024, 2048, 4096),
-                   sweep_new_tokens=48, prefill_lengths=(1024, 2048, 4096), prefill_reps=3, startup_timeout_s=420.0,
+                   sweep_new_tokens=48, decode_reps=3, prefill_lengths=(1024, 2048, 4096), prefill_reps=3, startup_timeout_s=420.0,
                    prompt_tokens=(700, 1100), output_tokens=(58, 174), warmup_requests=64, calibration_requests=128,
                    ladder_window_s=10.0, ladder_max_rates=14, window_s=15.0, min_requests=24, repetitions=3,
                    start_estimate_s=100.0, cell_overhead_s=3.0, engagement_optional=False,
@@ -134,8 +136,8 @@ class Plan:
         # reach the prefill floor and a cell of a second and a half may keep the decode switch below its enter
         # threshold: the hybrid arm's cells may run no routed pass.
         return cls(True, "cpu", "float32", ("--load-format", "dummy", "--skip-tokenizer-init", "--sleep-on-idle"),
-                   None, None, batches=(2, 3), contexts=(16,), sweep_new_tokens=6, prefill_lengths=(32, 64),
-                   prefill_reps=1, startup_timeout_s=240.0, prompt_tokens=(16, 32), output_tokens=(3, 9),
+                   None, None, batches=(2, 3), contexts=(16,), sweep_new_tokens=6, decode_reps=2,
+                   prefill_lengths=(32, 64), prefill_reps=2, startup_timeout_s=240.0, prompt_tokens=(16, 32), output_tokens=(3, 9),
                    warmup_requests=2, calibration_requests=4, ladder_window_s=1.0, ladder_max_rates=3, window_s=1.5,
                    min_requests=4, repetitions=1, start_estimate_s=1.0, cell_overhead_s=0.5,
                    engagement_optional=True, threshold_step=10, dry_thresholds=(60, 40), model_size={"layers": 4})
@@ -680,15 +682,19 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                     # Prefilled once first (one token each): the timed burst finds the prompts in SGLang's prefix
                     # cache, so its requests decode together instead of beside the chunks of each other's prefill
                     # (whose cost differs per arm and would enter the decode figure).
+                    # Each repetition decodes the same prompts again (found in the cache again).
                     asyncio.run(burst(server, prompts, 1))
-                    records = asyncio.run(burst(server, prompts, plan.sweep_new_tokens))
-                    step_s, steps = decode_step(records)
+                    reps = [decode_step(asyncio.run(burst(server, prompts, plan.sweep_new_tokens)))
+                            for _ in range(plan.decode_reps)]
+                    step_s, steps = statistics.median(s for s, _ in reps), min(n for _, n in reps)
                     decode.append({"batch": batch, "context": ctx, "resident_tokens": batch * (ctx + steps // 2),
-                                   "step_s": step_s, "tpot_s": step_s, "decode_tok_s": batch / step_s})
+                                   "step_s": step_s, "step_s_reps": [s for s, _ in reps], "tpot_s": step_s,
+                                   "decode_tok_s": batch / step_s})
             for length in plan.prefill_lengths:
+                # a fresh prompt each repetition: nothing of it is in the prefix cache
                 ttfts = [asyncio.run(burst(server, [prompt(length, 99 + r, vocab)], 1))[0].ttft_s
                          for r in range(plan.prefill_reps)]
-                prefill.append({"tokens": length, "ttft_s": statistics.median(ttfts),
+                prefill.append({"tokens": length, "ttft_s": statistics.median(ttfts), "ttft_s_reps": ttfts,
                                 "prefill_tok_s": length / statistics.median(ttfts)})
             result["arms"][name] = {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill,
                                     "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"])
@@ -729,19 +735,74 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
                                                      project_only_reads=backend.get("prefill_read") == "backend")
         out["control_over_dense_decode"] = decode_ratios(config, control["decode"], dense["decode"],
                                                          "control_over_dense_tok_s")
+        out["control_over_dense_prefill"] = prefill_ratios(config, control["prefill"], dense["prefill"],
+                                                           "dense_over_control_time")
+        out["goals"] = sweep_goals(out)
     return out
 
 
+# The routed path's goals on a GPU, each judged per cell on the ratio of medians and on its range over the
+# repetitions: (name, comparison table, ratio key, cells, threshold; "limit" scales it by each cell's limit).
+SWEEP_GOALS = (
+    ("prefill s=0.5 / s=0 at the longest prompt", "prefill_over_control", "control_over_routed_time", "longest", 1.20),
+    ("prefill s=0.5 / s=0 at the shortest prompt", "prefill_over_control", "control_over_routed_time", "shortest",
+     1.0),
+    ("prefill s=0 / dense at every length", "control_over_dense_prefill", "dense_over_control_time", "every", 0.97),
+    ("decode s=0 / dense in every cell", "control_over_dense_decode", "control_over_dense_tok_s", "every", 0.97),
+    ("decode s=0.5 / s=0 over the cell's bandwidth limit in every cell", "decode_over_control",
+     "routed_over_control_tok_s", "limit", 0.90),
+)
+
+
+def sweep_goals(comparison: dict) -> list[dict]:
+    """Each goal, with its worst cell (by the ratio of medians): `met` where every cell's whole range over the
+    repetitions reaches the threshold, `missed` where some cell's whole range falls short, `within spread`
+    otherwise (a cell without repetitions counts its ratio alone)."""
+    goals = []
+    for name, table, key, cells, threshold in SWEEP_GOALS:
+        rows = comparison.get(table) or []
+        if cells in ("longest", "shortest") and rows:
+            pick = max if cells == "longest" else min
+            rows = [pick(rows, key=lambda r: r["tokens"])]
+        if not rows:
+            goals.append({"goal": name, "verdict": "not measured"})
+            continue
+        scale = (lambda r: r["bandwidth_limit"]) if cells == "limit" else (lambda r: 1.0)
+        scored = [(r[key] / scale(r), [v / scale(r) for v in r["range"] or (r[key], r[key])], r) for r in rows]
+        value, (lo, hi), worst = min(scored, key=lambda t: t[0])
+        if all(r_lo >= threshold for _, (r_lo, _), _ in scored):
+            verdict = "met"
+        elif any(r_hi < threshold for _, (_, r_hi), _ in scored):
+            verdict = "missed"
+        else:
+            verdict = "within spread"
+        goals.append({"goal": name, "threshold": threshold, "worst": value, "worst_range": [lo, hi],
+                      "worst_cell": {k: worst[k] for k in ("tokens", "batch", "context") if k in worst},
+                      "cells": len(rows), "verdict": verdict})
+    return goals
+
+
+def ratio_range(numerators: list[float] | None, denominators: list[float] | None) -> list[float] | None:
+    """The least and the greatest ratio of one arm's repetitions over the other's: the arms run one after the
+    other, so no repetition of one pairs with a repetition of the other and every pairing is as likely. None
+    where a side kept no repetitions (results of a sweep that ran one)."""
+    if not numerators or not denominators:
+        return None
+    return [min(numerators) / max(denominators), max(numerators) / min(denominators)]
+
+
 def decode_ratios(config: dict, treated: list, baseline: list, key: str, limit: bool = False) -> list[dict]:
-    """Per (batch, context) cell: treated / baseline decode tok/s; with `limit`, beside it the bandwidth limit of
-    the skip (s = SKIP_RATIO over s = 0: bytes read per step at s = 0 over bytes at SKIP_RATIO)."""
+    """Per (batch, context) cell: treated / baseline decode tok/s (of the medians of their repetitions), with the
+    range over the repetitions; with `limit`, beside it the bandwidth limit of the skip (s = SKIP_RATIO over
+    s = 0: bytes read per step at s = 0 over bytes at SKIP_RATIO)."""
     pairs = {(d["batch"], d["context"]): d for d in baseline}
     rows = []
     for r in treated:
         b = pairs.get((r["batch"], r["context"]))
         if b is None:
             continue
-        row = {"batch": r["batch"], "context": r["context"], key: r["decode_tok_s"] / b["decode_tok_s"]}
+        row = {"batch": r["batch"], "context": r["context"], key: r["decode_tok_s"] / b["decode_tok_s"],
+               "range": ratio_range(b.get("step_s_reps"), r.get("step_s_reps"))}
         if limit:
             v = r["resident_tokens"]
             row["bandwidth_limit"] = decode_bytes(config, v, 0.0) / decode_bytes(config, v, SKIP_RATIO)
@@ -751,19 +812,21 @@ def decode_ratios(config: dict, treated: list, baseline: list, key: str, limit: 
 
 def prefill_ratios(config: dict, treated: list, baseline: list, key: str, limit: bool = False,
                    project_only_reads: bool = False) -> list[dict]:
-    """Per prompt length: baseline / treated time to first token; with `limit`, the FLOP limit of the skip (a
-    Project-Only row pays its K/V and the projector, and with `project_only_reads` the attention read;
-    `benchmarks/bench_cpu.py`'s accounting)."""
+    """Per prompt length: baseline / treated time to first token (of the medians of their repetitions), with the
+    range over the repetitions; with `limit`, the FLOP limit of the skip (a Project-Only row pays its K/V and the
+    projector, and with `project_only_reads` the attention read; `benchmarks/bench_cpu.py`'s accounting)."""
     if str(ROOT / "benchmarks") not in sys.path:
         sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_cpu import Load, flop_limit
 
-    times = {p["tokens"]: p["ttft_s"] for p in baseline}
+    base = {p["tokens"]: p for p in baseline}
     rows = []
     for p in treated:
-        if p["tokens"] not in times:
+        b = base.get(p["tokens"])
+        if b is None:
             continue
-        row = {"tokens": p["tokens"], key: times[p["tokens"]] / p["ttft_s"]}
+        row = {"tokens": p["tokens"], key: b["ttft_s"] / p["ttft_s"],
+               "range": ratio_range(b.get("ttft_s_reps"), p.get("ttft_s_reps"))}
         if limit:
             row["flop_limit"] = flop_limit(config, Load(p["tokens"], 1, 1, 1), SKIP_RATIO, project_only_reads)
         rows.append(row)
@@ -843,12 +906,24 @@ def _f(value, fmt: str = ".3g") -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
+def _range(row: dict | None, key: str = "range") -> str:
+    return "n/a" if not row or not row.get(key) else f"{row[key][0]:.3f}-{row[key][1]:.3f}"
+
+
+def _reps(results: dict, key: str) -> str:
+    return str(((results.get("sweep") or {}).get("plan") or {}).get(key, "?"))
+
+
 def markdown(results: dict, out: Path | None = None) -> str:
     """The run's summary; `out`, the run's folder, for what a stage left in files there."""
     env = results.get("environment") or {}
     lines = ["# vSkipper device run", "",
              f"Device: {env.get('gpu', 'none (CPU dry run: no figure here is a GPU measurement)')}; "
              f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, driver {env.get('driver', '?')}.", ""]
+    checked = device_pins().get("triton")
+    if env.get("triton") and checked and env["triton"] != checked:
+        lines += [f"The kernels are compile-checked with the device image's triton {checked} "
+                  f"(`device-packages.txt`), not with this machine's {env['triton']}.", ""]
     if results["dry_run"]:
         lines += ["**Dry run on CPU with a tiny model: the pipeline, not performance.**", ""]
     lines += headline.headline_lines(results.get("ladder"), results.get("headline"))
@@ -859,25 +934,46 @@ def markdown(results: dict, out: Path | None = None) -> str:
                   f"Dense decode: {c['dense_decode_graphs']}; routed decode: {c['routed_decode_graphs']}.", "",
                   f"tau = {_f(c.get('tau_ms'))} ms; V_x = {_f(c.get('v_x_tokens'))} tokens; rule V* = "
                   f"{_f(c.get('v_star_tokens'))} tokens; V_x / V* = {_f(c.get('v_x_over_v_star'))}", "",
-                  "| batch | context | routed / dense decode tok/s |", "|---:|---:|---:|"]
-        lines += [f"| {d['batch']} | {d['context']} | {d['routed_over_dense_tok_s']:.3f} |"
+                  "Each figure is the ratio of the arms' medians over their repetitions (plan: "
+                  f"{_reps(results, 'decode_reps')} bursts a decode cell, {_reps(results, 'prefill_reps')} prompts a "
+                  "prefill length), beside the range of the ratio over every pairing of repetitions.", "",
+                  "| batch | context | routed / dense decode tok/s | range |", "|---:|---:|---:|---|"]
+        lines += [f"| {d['batch']} | {d['context']} | {d['routed_over_dense_tok_s']:.3f} | {_range(d)} |"
                   for d in c["decode_speedup"]]
-        lines += ["", "| prefill tokens | dense / routed time |", "|---:|---:|"]
-        lines += [f"| {p['tokens']} | {p['dense_over_routed_time']:.3f} |" for p in c["prefill_speedup"]]
+        lines += ["", "| prefill tokens | dense / routed time | range |", "|---:|---:|---|"]
+        lines += [f"| {p['tokens']} | {p['dense_over_routed_time']:.3f} | {_range(p)} |" for p in c["prefill_speedup"]]
         lines.append("")
         if c.get("decode_over_control"):
-            dense_ratio = {(d["batch"], d["context"]): d["control_over_dense_tok_s"]
-                           for d in c["control_over_dense_decode"]}
+            dense_ratio = {(d["batch"], d["context"]): d for d in c["control_over_dense_decode"]}
+            dense_prefill = {p["tokens"]: p for p in c.get("control_over_dense_prefill") or []}
             lines += [f"Against the control arm ({CONTROL}: the routed path, nothing skipped; decode "
                       f"{c['control_decode_graphs']}):", "",
-                      "| batch | context | s=0.5 / s=0 decode tok/s | bandwidth limit | s=0 / dense decode tok/s |",
-                      "|---:|---:|---:|---:|---:|"]
-            lines += [f"| {d['batch']} | {d['context']} | {d['routed_over_control_tok_s']:.3f} | "
-                      f"{d['bandwidth_limit']:.3f} | {_f(dense_ratio.get((d['batch'], d['context'])), '.3f')} |"
-                      for d in c["decode_over_control"]]
-            lines += ["", "| prefill tokens | s=0 / s=0.5 time | FLOP limit |", "|---:|---:|---:|"]
-            lines += [f"| {p['tokens']} | {p['control_over_routed_time']:.3f} | {p['flop_limit']:.3f} |"
-                      for p in c["prefill_over_control"]]
+                      "| batch | context | s=0.5 / s=0 decode tok/s | range | bandwidth limit | share of the limit "
+                      "| s=0 / dense decode tok/s | range |", "|---:|---:|---:|---|---:|---:|---:|---|"]
+            for d in c["decode_over_control"]:
+                to_dense = dense_ratio.get((d["batch"], d["context"]))
+                lines.append(f"| {d['batch']} | {d['context']} | {d['routed_over_control_tok_s']:.3f} | {_range(d)} | "
+                             f"{d['bandwidth_limit']:.3f} | {d['routed_over_control_tok_s'] / d['bandwidth_limit']:.0%} "
+                             f"| {_f(to_dense and to_dense['control_over_dense_tok_s'], '.3f')} | {_range(to_dense)} |")
+            lines += ["", "| prefill tokens | s=0 / s=0.5 time | range | FLOP limit | dense / s=0 time | range |",
+                      "|---:|---:|---|---:|---:|---|"]
+            for p in c["prefill_over_control"]:
+                to_dense = dense_prefill.get(p["tokens"])
+                lines.append(f"| {p['tokens']} | {p['control_over_routed_time']:.3f} | {_range(p)} | "
+                             f"{p['flop_limit']:.3f} | {_f(to_dense and to_dense['dense_over_control_time'], '.3f')} "
+                             f"| {_range(to_dense)} |")
+            lines.append("")
+        if c.get("goals"):
+            lines += ["### The routed path's goals", "",
+                      "| goal | threshold | worst cell | its ratio | its range | cells | verdict |",
+                      "|---|---:|---|---:|---|---:|---|"]
+            for g in c["goals"]:
+                if g["verdict"] == "not measured":
+                    lines.append(f"| {g['goal']} | | | | | | not measured |")
+                    continue
+                cell = ", ".join(f"{k} {v}" for k, v in g["worst_cell"].items())
+                lines.append(f"| {g['goal']} | {g['threshold']:.2f} | {cell} | {g['worst']:.3f} | "
+                             f"{_range(g, 'worst_range')} | {g['cells']} | {g['verdict']} |")
             lines.append("")
     kernels = results.get("kernels")
     if kernels:
