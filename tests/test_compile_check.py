@@ -64,6 +64,10 @@ def test_launches_are_specialized_as_the_jit_specializes_the_served_arguments():
     prefill = next(x for x in launches if x.kernel == "packed_prefill_kernel")
     assert dict(prefill.signature)["read_ptr"] == "*u1" and "stride_r2t" not in prefill.divisible
     assert {"stride_ks", "stride_kh", "stride_qm"} <= set(prefill.divisible)
+    # a pass's row count is not specialized (`do_not_specialize`): one kernel for every count
+    maps = next(x for x in launches if x.kernel == "cohort_maps_kernel")
+    assert dict(maps.signature)["rows"] == "i32" and "rows" not in maps.divisible
+    assert "slots_total" not in prefill.divisible
 
 
 def test_a_launch_naming_other_arguments_than_its_kernels_is_refused():

@@ -79,14 +79,18 @@ def _launch(kernel: str, args: dict, constexprs: dict, num_warps: int, num_stage
 
     from vskipper.mixed import kernels
 
-    names = getattr(kernels, kernel).arg_names
+    fn = getattr(kernels, kernel)
+    names = fn.arg_names
+    # a JIT function keeps its `do_not_specialize`, the interpreter's its decorator's keywords
+    kept = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    unspecialized = {names[n] if isinstance(n, int) else n for n in kept}
     if set(names) != set(args) | set(constexprs):
         raise ValueError(f"{kernel}: the launch names {sorted(set(args) | set(constexprs))}, the kernel {names}")
     signature, specialized, divisible = [], [], []
     for name in names:
         if name in constexprs:
             continue
-        kind, spec = native_specialize_impl(CUDABackend, args[name], False, True, True)
+        kind, spec = native_specialize_impl(CUDABackend, args[name], False, name not in unspecialized, True)
         if kind == "constexpr":
             specialized.append((name, spec))
             continue

@@ -243,7 +243,9 @@ def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w
                         accumulate=accumulate)
 
 
-@triton.jit
+# A pass's row count changes from pass to pass: not specialized (one compiled kernel, none compiled while serving
+# when a count first lands on 1 or a multiple of 16).
+@triton.jit(do_not_specialize=["rows"])
 def cohort_maps_kernel(run_ptr, rows, run_idx_ptr, proj_idx_ptr, counts_ptr, live_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     in_pass = offs < rows
@@ -406,7 +408,7 @@ def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots_total"])  # as cohort_maps_kernel's rows
 def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, out_ptr, scale, slots_total,
                           stride_qm, stride_qh, stride_ks, stride_kh, stride_r2t, stride_om, stride_oh,
                           GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
