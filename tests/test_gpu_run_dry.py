@@ -217,10 +217,15 @@ def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(d
         assert ordered == sorted(ordered) and len(set(ordered)) == len(ordered)
     for row in comparison["prefill_over_control"]:
         assert 1.0 < row["flop_limit"] < 1.5
-    for row in comparison["decode_over_control"] + comparison["control_over_dense_prefill"]:
-        lo, hi = row["range"]
-        ratio = row.get("routed_over_control_tok_s") or row["dense_over_control_time"]
-        assert lo <= ratio <= hi
+    steps = {name: {(d["batch"], d["context"]): d["step_s_reps"] for d in sweep["arms"][name]["decode"]}
+             for name in (run.CONTROL, run.ALWAYS)}
+    for row in comparison["decode_over_control"]:  # s=0 step times over s=0.5's: every pairing's least and most
+        cell = (row["batch"], row["context"])
+        assert row["range"] == run.ratio_range(steps[run.CONTROL][cell], steps[run.ALWAYS][cell])
+    ttfts = {name: {p["tokens"]: p["ttft_s_reps"] for p in sweep["arms"][name]["prefill"]}
+             for name in ("dense", run.CONTROL)}
+    for row in comparison["control_over_dense_prefill"]:
+        assert row["range"] == run.ratio_range(ttfts["dense"][row["tokens"]], ttfts[run.CONTROL][row["tokens"]])
     assert [g["goal"] for g in comparison["goals"]] == [g[0] for g in run.SWEEP_GOALS]
     assert all(g["verdict"] in ("met", "missed", "within spread") for g in comparison["goals"])
     config = json.loads((out / "model" / "config.json").read_text())
@@ -282,6 +287,13 @@ def test_device_plan_server_commands_parse_with_sglangs_own_flags(tmp_path):
         assert args.cuda_graph_backend_prefill == "disabled" and args.cuda_graph_max_bs_decode == max_bs
 
 
+def test_no_prefill_prompt_of_the_sweep_is_a_prefix_of_another():
+    """SGLang's prefix cache would hold the shorter one's tokens and the longer would prefill only the rest."""
+    plan = run.Plan.gpu()
+    prompts = [run.prefill_prompt(n, r, 128256) for n in plan.prefill_lengths for r in range(plan.prefill_reps)]
+    assert not any(a[:16] == b[:16] for i, a in enumerate(prompts) for b in prompts[i + 1:])
+
+
 def test_ratio_range_spans_every_pairing_of_the_arms_repetitions():
     assert run.ratio_range([2.0, 3.0], [1.0, 4.0]) == [0.5, 3.0]
     assert run.ratio_range([2.0], None) is None  # results of a sweep without repetitions
@@ -291,13 +303,14 @@ def _cells(key: str, values: list[tuple[float, list[float] | None]], **extra) ->
     return [{"batch": 32, "context": 1024 * (i + 1), key: v, "range": r, **extra} for i, (v, r) in enumerate(values)]
 
 
-def test_sweep_goals_judge_every_cell_on_its_range_and_name_the_worst():
+def test_sweep_goals_judge_every_cell_on_its_range_and_name_the_deciding_cell():
     comparison = {
         # the longest prompt met, the shortest within its spread
         "prefill_over_control": [{"tokens": 1024, "control_over_routed_time": 1.02, "range": [0.98, 1.05]},
                                  {"tokens": 4096, "control_over_routed_time": 1.31, "range": [1.25, 1.33]}],
-        # one cell's whole range short of 0.97
-        "control_over_dense_decode": _cells("control_over_dense_tok_s", [(0.99, [0.98, 1.0]), (0.95, [0.94, 0.96])]),
+        # one cell's whole range short of 0.97; a cell with a lower median straddles it and does not decide
+        "control_over_dense_decode": _cells("control_over_dense_tok_s", [(0.99, [0.98, 1.0]), (0.95, [0.94, 0.96]),
+                                                                          (0.93, [0.80, 0.99])]),
         # 1.08 of a limit of 1.2 is 90%: met only where the low end is too
         "decode_over_control": _cells("routed_over_control_tok_s", [(1.1, [1.09, 1.12]), (1.2, [1.15, 1.25])],
                                       bandwidth_limit=1.2),
@@ -306,12 +319,13 @@ def test_sweep_goals_judge_every_cell_on_its_range_and_name_the_worst():
     }
     goals = {g["goal"]: g for g in run.sweep_goals(comparison)}
     longest, shortest, prefill_dense, decode_dense, share = (goals[g[0]] for g in run.SWEEP_GOALS)
-    assert (longest["verdict"], longest["worst_cell"], longest["cells"]) == ("met", {"tokens": 4096}, 1)
-    assert (shortest["verdict"], shortest["worst_cell"]) == ("within spread", {"tokens": 1024})
-    assert prefill_dense["verdict"] == "met" and prefill_dense["worst_range"] == [0.98, 0.98]
-    assert decode_dense["verdict"] == "missed" and decode_dense["worst_cell"] == {"batch": 32, "context": 2048}
-    assert share["verdict"] == "met" and share["worst"] == pytest.approx(1.1 / 1.2)
-    assert share["worst_range"] == pytest.approx([1.09 / 1.2, 1.12 / 1.2])
+    assert (longest["verdict"], longest["cell"], longest["cells"]) == ("met", {"tokens": 4096}, 1)
+    assert (shortest["verdict"], shortest["cell"]) == ("within spread", {"tokens": 1024})
+    assert prefill_dense["verdict"] == "met" and prefill_dense["range"] == [0.98, 0.98]
+    assert (decode_dense["verdict"], decode_dense["cell"], decode_dense["ratio"], decode_dense["cells"]) == \
+        ("missed", {"batch": 32, "context": 2048}, 0.95, 3)
+    assert share["verdict"] == "met" and share["ratio"] == pytest.approx(1.1 / 1.2)
+    assert share["range"] == pytest.approx([1.09 / 1.2, 1.12 / 1.2])
     assert run.sweep_goals({})[0] == {"goal": run.SWEEP_GOALS[0][0], "verdict": "not measured"}
 
 

@@ -89,8 +89,8 @@ def device_pins(path: Path = DEVICE_PACKAGES) -> dict[str, str | None]:
     pins = {}
     for line in path.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
-            name, _, version = line.strip().partition("==")
-            pins[normalize(name)] = version or None
+            name, _, version = line.partition("==")
+            pins[normalize(name.strip())] = version.strip() or None
     return pins
 
 

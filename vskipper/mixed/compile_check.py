@@ -34,7 +34,7 @@ CAPABILITY = {"A100-SXM4-80GB": 80, "A100-40GB": 80, "H100-SXM": 90, "H100-PCIe"
               "RTX-A6000": 86, "L40S": 89, "L4": 89, "A10": 86, "A10G": 86, "B200": 100}
 DEFAULT_DEVICES = ("H100-SXM", "A100-SXM4-80GB", "RTX-A6000")
 # Llama-3-8B as served (bf16): the launches' example arguments.
-HIDDEN, INTERMEDIATE, REDUCTION = 4096, 14336, 16  # the FlexiDepth projector's width is HIDDEN / REDUCTION
+HIDDEN, INTERMEDIATE, REDUCTION = 4096, 14336, 16  # the FlexiDepth projector's width: INTERMEDIATE / REDUCTION
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SPLITS, BLOCK_T = 8, 64  # the masked decode read's defaults (`decode_splits`, `masked_decode_attention`)
 COHORT_MAP_ROWS = (256, 8192)  # a captured decode batch, a prefill chunk
@@ -42,8 +42,8 @@ REQ_TO_TOKEN_WIDTH = 8192 + 4  # SGLang's req_to_token rows: the context length 
 ROWS, POOL_SLOTS, REQUESTS = 256, 4096, 8
 # (N, K) of each tile-table op's GEMM: W is [N, K] (the down GEMMs: [HIDDEN, K], scattered onto the hidden rows).
 OP_SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_o": (HIDDEN, HIDDEN), "mlp_gate_up": (INTERMEDIATE, HIDDEN),
-             "mlp_down": (HIDDEN, INTERMEDIATE), "proj_gate_up": (HIDDEN // REDUCTION, HIDDEN),
-             "proj_down": (HIDDEN, HIDDEN // REDUCTION)}
+             "mlp_down": (HIDDEN, INTERMEDIATE), "proj_gate_up": (INTERMEDIATE // REDUCTION, HIDDEN),
+             "proj_down": (HIDDEN, INTERMEDIATE // REDUCTION)}
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,9 @@ class Launch:
 
     def label(self) -> str:
         consts = ", ".join(f"{k}={v}" for k, v in self.constexprs)
-        return f"{self.kernel}({consts}; warps {self.num_warps}, stages {self.num_stages})"
+        unaligned = [n for n, kind in self.signature if kind.startswith("*") and n not in self.divisible]
+        return (f"{self.kernel}({consts}; warps {self.num_warps}, stages {self.num_stages}"
+                f"{'; unaligned ' + ', '.join(unaligned) if unaligned else ''})")
 
 
 def _t(*shape: int, dtype=None):
@@ -106,7 +108,10 @@ def _gemm_args(op: str) -> tuple[str, dict, dict]:
     import torch
 
     n, k = OP_SHAPES[op]
-    idx, count = _t(ROWS, dtype=torch.int64), _t(1, dtype=torch.int64)
+    # the cohort counts are one buffer [RUN, Project-Only] (`CohortBuilder`): the projector reads the second, 8 bytes
+    # in, a pointer the JIT does not mark divisible
+    counts = _t(2, dtype=torch.int64)
+    idx, count = _t(ROWS, dtype=torch.int64), counts[1:2] if op.startswith("proj") else counts[0:1]
     if op.endswith("gate_up") or op == "attn_q":
         x, w, out = _t(ROWS, k), _t(n, k), _t(ROWS, n)
         args = {"x_ptr": x, "idx_ptr": idx, "count_ptr": count, "out_ptr": out, "N": n, "K": k,

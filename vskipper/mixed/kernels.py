@@ -243,8 +243,8 @@ def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w
                         accumulate=accumulate)
 
 
-# A pass's row count changes from pass to pass: not specialized (one compiled kernel, none compiled while serving
-# when a count first lands on 1 or a multiple of 16).
+# A pass's row count changes from pass to pass: not specialized, so that no variant is compiled while serving when
+# a count first lands on 1 or a multiple of 16 (a prefill's block, a power of two, still is one per size).
 @triton.jit(do_not_specialize=["rows"])
 def cohort_maps_kernel(run_ptr, rows, run_idx_ptr, proj_idx_ptr, counts_ptr, live_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)

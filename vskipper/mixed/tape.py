@@ -20,6 +20,15 @@ import torch
 
 from vskipper.skippers.base import LayerRoute
 
+MIN_CAPACITY = 64
+
+
+def tape_capacity(rows: int) -> int:
+    """A tape (and cohort builder) capacity for passes of `rows` rows: at least MIN_CAPACITY, a multiple of 16, so
+    every layer's row of the tape starts 16-byte aligned, as the kernels reading it are compiled to expect
+    (Triton marks an aligned pointer divisible; `python -m vskipper.mixed.compile_check`)."""
+    return max(MIN_CAPACITY, -(-rows // 16) * 16)
+
 
 class RouteTape:
     def __init__(self, capacity: int, routed_layers: Sequence[int], dtype: torch.dtype = torch.float32,

@@ -47,7 +47,7 @@ import torch
 from vskipper import constants
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.deferred import DeferredReads
-from vskipper.mixed.tape import RouteTape
+from vskipper.mixed.tape import RouteTape, tape_capacity
 from vskipper.sglang import active, executed
 from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
 from vskipper.sglang.part_times import CONTROL_PHASES
@@ -485,9 +485,10 @@ class Runtime:
             tape, builder = self._graph_tape, self._graph_builder  # a captured routed graph may replay it
         else:
             if self._tape is None or self._tape.capacity < rows:
-                # Eager execution: the tape grows to the largest pass seen and is reused after that.
-                self._tape = RouteTape(max(rows, 64), self.routed_layers, dtype, device)
-                self._builder = CohortBuilder(max(rows, 64), device)
+                # Eager execution: the tape grows to the largest pass seen and is reused after that (its rows
+                # aligned: `tape_capacity`; the graph tape's capacity is the largest captured batch, 256 served).
+                self._tape = RouteTape(tape_capacity(rows), self.routed_layers, dtype, device)
+                self._builder = CohortBuilder(tape_capacity(rows), device)
             tape, builder = self._tape, self._builder
         control = False
         # A probe pass keeps the skipper's routes (its share is what it measures), and the alternation skips it.
