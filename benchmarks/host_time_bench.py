@@ -62,14 +62,13 @@ from vskipper.arms import Arm, get_arm  # noqa: E402
 from vskipper.checkpoint import TinySize, make_tiny_model  # noqa: E402
 from vskipper.sglang.standalone import init_sglang  # noqa: E402
 
-SKIP = 0.5
-ARMS = {
-    "dense": get_arm("dense"),
-    "s=0": Arm.from_dict({"skipper": "random_skip", "params": {"r": 0.0, "d": SKIP}, "prefill": "routed",
-                          "decode": "routed"}, name="random-r0-always"),
-    "s=0.5": Arm.from_dict({"skipper": "random_skip", "params": {"r": 1.0, "d": SKIP}, "prefill": "routed",
-                            "decode": "routed"}, name="random-r100-d50-always"),
-}
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_cpu import ARMS as BENCH_CPU_ARMS  # noqa: E402
+from bench_cpu import paired, spread  # noqa: E402
+
+# bench-cpu's arms: dense, the s = 0 control and s = 0.5 (RandomSkip, every routed layer routed in both phases)
+ARMS = {name: get_arm("dense") if arm is None else Arm.from_dict(arm, name=f"random-r{arm['params']['r']:g}-always")
+        for name, arm in BENCH_CPU_ARMS.items()}
 ROUTED_ARMS = ("s=0", "s=0.5")
 GOAL = 1.10  # a routed pass's host time within 10% of a dense pass's
 CONTEXT = 32  # tokens of context per decode request
@@ -216,12 +215,11 @@ def measure(models: dict[str, ServedModel], shapes, repetitions: int, quick: boo
 
 def summary(times: dict[str, list[float]]) -> dict:
     """Medians with their [min, max], and each routed arm over dense repetition by repetition."""
-    out = {"arms": {name: {"median": statistics.median(t), "min": min(t), "max": max(t)} for name, t in times.items()},
-           "ratios": {}}
+    keys = ("median", "min", "max")
+    out = {"arms": {name: dict(zip(keys, spread(t), strict=True)) for name, t in times.items()}, "ratios": {}}
     for name in ROUTED_ARMS:
-        ratios = [r / d for r, d in zip(times[name], times["dense"], strict=True)]
-        out["ratios"][f"{name}/dense"] = {"median": statistics.median(ratios), "min": min(ratios),
-                                          "max": max(ratios), "within_goal": statistics.median(ratios) <= GOAL}
+        ratio = dict(zip(keys, paired(times[name], times["dense"]), strict=True))
+        out["ratios"][f"{name}/dense"] = {**ratio, "within_goal": ratio["median"] <= GOAL}
     return out
 
 

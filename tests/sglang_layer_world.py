@@ -42,6 +42,12 @@ class LayerWorld(StandaloneLayer):
     def hidden(self, rows: int) -> torch.Tensor:
         return torch.randn(rows, self.config.hidden_size, generator=self.gen)
 
+    def route(self, run: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(run mask, weights): RUN rows with unit weight (so they compare with the dense layer), Project-Only rows
+        with a random one."""
+        run_t = torch.tensor(run)
+        return run_t, torch.where(run_t, torch.ones(len(run)), torch.rand(len(run), generator=self.gen) * 0.8 + 0.1)
+
     def dense(self, fb, x: torch.Tensor) -> torch.Tensor:
         """The dense layer through SGLang's own modules: h = x + Attn(LN1 x); y = h + MLP(LN2 h)."""
         layer = self.layer

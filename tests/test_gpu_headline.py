@@ -242,6 +242,7 @@ def test_summary_section_says_which_thresholds_served_and_what_cannot_route():
     doc = {"arms": {"hybrid-rule": hybrid, "hybrid-tau": {"role": "hybrid", "skipped": "the sweep stage has not "
                                                                                       "run: no measured tau"}},
            "left": ["always: 3 cells"]}
+    doc["figures"] = headline.figure_rows(doc)  # as the stage stores them
     text = "\n".join(headline.headline_lines(ladder, doc))
     assert "prompts of 700-1100 tokens (mean 901), forced outputs of 58-174 tokens (mean 116" in text
     assert "Q* = 14 req/s (1226 tok/s; plateau reached: yes); the paper's: 13 on the A100, 14 on the H100" in text

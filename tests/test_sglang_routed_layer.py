@@ -17,20 +17,13 @@ def world(request, tmp_path_factory):
     return LayerWorld.prefilled(request.param, tmp_path_factory.mktemp("layer"), 3, {0: 5, 1: 3, 2: 7, 3: 4})
 
 
-def _route(run: list[bool], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """RUN rows with unit weight (so they compare with the dense layer), Project-Only rows with a random one."""
-    run_t = torch.tensor(run)
-    w = torch.where(run_t, torch.ones(len(run)), torch.rand(len(run), generator=gen) * 0.8 + 0.1)
-    return run_t, w
-
-
 def _routed_and_dense(world: LayerWorld, extend: dict[int, int], run: list[bool]):
     """The same pass twice from the same KV state: routed with `run`, then dense. Returns the outputs, the KV
     at this layer after each, the input and the route."""
     kv0, lengths0 = world.kv(), list(world.lengths)
     fb = world.batch(extend)
     x = world.hidden(fb.positions.shape[0])
-    run_t, w = _route(run, world.gen)
+    run_t, w = world.route(run)
     y = world.routed(fb, x, run_t, w)
     kv_routed = world.kv()
     world.restore(kv0, lengths0)
@@ -176,7 +169,7 @@ def test_project_only_rows_never_enter_q_the_attention_read_o_proj_or_the_mlp(wo
     kv0, lengths0 = world.kv(), list(world.lengths)
     try:
         fb = world.batch(extend)
-        world.routed(fb, world.hidden(len(run)), *_route(run, world.gen))
+        world.routed(fb, world.hidden(len(run)), *world.route(run))
     finally:
         for h in (*handles, rope):
             h.remove()
@@ -224,7 +217,7 @@ def test_a_routed_decode_pass_of_the_served_layer_reads_no_tensor_value_on_the_h
         fb = world.batch({0: 1, 1: 1, 2: 1, 3: 1})
         x = world.hidden(4)
         detectors = (HostReadDetector(), ScalarReadDetector())
-        world.routed(fb, x, *_route([False, True, True, False], world.gen), watch=_both(*detectors))
+        world.routed(fb, x, *world.route([False, True, True, False]), watch=_both(*detectors))
         assert [d.reads for d in detectors] == [[], []]
         world.restore(kv0, lengths0)
         fb = world.batch({0: 1, 1: 1, 2: 1, 3: 1})

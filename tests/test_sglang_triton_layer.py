@@ -56,8 +56,7 @@ def test_the_triton_execution_of_a_decode_pass_equals_the_torch_execution(world,
     monkeypatch.setattr(kernels, "masked_decode_attention", masked_read)
     extend = {0: 1, 1: 1, 2: 1, 3: 1}
     x = world.hidden(4)
-    run_t = torch.tensor(run)
-    w = torch.where(run_t, torch.ones(4), torch.rand(4, generator=world.gen) * 0.8 + 0.1)
+    run_t, w = world.route(run)
     triton = served.cohort_execution([world.layer], torch.device("cpu"), "triton")
     assert triton.decode == "triton"
     y_triton, kv_triton = _pass(world, extend, x, run_t, w, triton)
@@ -87,17 +86,15 @@ def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:
         seen["o_proj"] = rows_of(idx, count)
         return real["scatter"](a, idx, count, w, y, *args, **kwargs)
 
-    def read(q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs):
-        seen["read"] = (req[reads].tolist(), positions[reads].tolist())
-        return real["read"](q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs)
+    def spy_read(name):  # the masked decode read and the packed prefill read: what each slot of `reads` reads
+        def read(q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs):
+            seen["read"] = (req[reads].tolist(), positions[reads].tolist())
+            return real[name](q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs)
+        return read
 
     def extend(q, *args, **kwargs):
         seen["queries"] = q.reshape(q.shape[0], -1).abs().sum(-1).nonzero().view(-1).tolist()
         return real["extend"](q, *args, **kwargs)
-
-    def packed(q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs):
-        seen["read"] = (req[reads].tolist(), positions[reads].tolist())
-        return real["packed"](q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs)
 
     def ffn(backend, x, idx, count, *args, **kwargs):
         seen[kwargs["op"]] = rows_of(idx, count)
@@ -112,11 +109,11 @@ def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:
             "extend": world.backend.forward_extend, "packed": kernels.packed_prefill_attention}
     monkeypatch.setattr(kernels, "cohort_gemm", gemm)
     monkeypatch.setattr(kernels, "cohort_scatter_add", scatter)
-    monkeypatch.setattr(kernels, "masked_decode_attention", read)
+    monkeypatch.setattr(kernels, "masked_decode_attention", spy_read("read"))
     monkeypatch.setattr(body, "cohort_ffn", ffn)
     monkeypatch.setattr(served, "row_projection", projection)
     monkeypatch.setattr(world.backend, "forward_extend", extend)
-    monkeypatch.setattr(kernels, "packed_prefill_attention", packed)
+    monkeypatch.setattr(kernels, "packed_prefill_attention", spy_read("packed"))
     for m in (layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp, layer.mlp.gate_up_proj,
               layer.mlp.down_proj):
         def forward(*args, _m=m, _forward=m.forward, **kwargs):
@@ -151,11 +148,6 @@ PREFILL_EXTEND = {1: 3, 3: 2}
 PREFILL_RUNS = [[True, False, True, False, True], [True] * 5, [False] * 5, [False, False, False, True, True]]
 
 
-def _prefill_route(world: LayerWorld, run: list[bool]):
-    run_t = torch.tensor(run)
-    return run_t, torch.where(run_t, torch.ones(len(run)), torch.rand(len(run), generator=world.gen) * 0.8 + 0.1)
-
-
 def _triton(world: LayerWorld, prefill_read: str = "packed") -> served.CohortExecution:
     return replace(served.cohort_execution([world.layer], torch.device("cpu"), "triton"), prefill_read=prefill_read)
 
@@ -184,7 +176,7 @@ def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world
     monkeypatch.setattr(kernels, "packed_prefill_attention", counted("packed", kernels.packed_prefill_attention))
     monkeypatch.setattr(kernels, "masked_decode_attention", counted("masked_read", kernels.masked_decode_attention))
     x = world.hidden(len(run))
-    run_t, w = _prefill_route(world, run)
+    run_t, w = world.route(run)
     triton = _triton(world, prefill_read)
     assert triton.prefill == "triton"
     y_triton, kv_triton = _pass(world, PREFILL_EXTEND, x, run_t, w, triton)
@@ -205,7 +197,7 @@ def test_project_only_tokens_of_a_triton_prefill_compute_only_their_kv_and_the_a
     the RUN tokens only (a Project-Only token's slot holds zeros). No module of SGLang's attention or MLP runs its
     own forward."""
     seen = _watch_kernels(world, monkeypatch)
-    run_t, w = _prefill_route(world, run)
+    run_t, w = world.route(run)
     lengths = list(world.lengths)
     _pass(world, PREFILL_EXTEND, world.hidden(len(run)), run_t, w, _triton(world, prefill_read))
     run_rows = [i for i, r in enumerate(run) if r]

@@ -28,8 +28,13 @@ class Device:
     name: str
     bandwidth_gbps: float  # HBM/GDDR bandwidth, GB/s (1e9 bytes/s)
     dense_tflops: float  # dense (no sparsity) FP16/BF16 tensor-core TFLOP/s
-    shared_mem_per_block: int  # bytes a thread block may opt into
+    capability: int  # CUDA compute capability, major * 10 + minor (the architecture kernels compile for)
     gfd_products: tuple[str, ...] = ()  # `nvidia.com/gpu.product` values set by GPU Feature Discovery
+
+    @property
+    def shared_mem_per_block(self) -> int:
+        """Bytes a thread block may opt into, by the compute capability."""
+        return SHARED_MEM_PER_BLOCK[self.capability]
 
     @property
     def ridge_rows(self) -> float:
@@ -37,38 +42,39 @@ class Device:
 
 
 # Sources: the paper's Table "hardware bands" for the three devices it measured (A100-SXM4-80GB, H100 SXM,
-# RTX A6000); NVIDIA's data sheets for the rest. Shared memory per block is the opt-in maximum from the CUDA
-# C++ Programming Guide's per-compute-capability table (8.0: 163 KiB, 8.6/8.9: 99 KiB, 9.0/10.0: 227 KiB).
+# RTX A6000); NVIDIA's data sheets for the rest; compute capabilities from NVIDIA's CUDA GPUs table. Shared
+# memory per block is the opt-in maximum from the CUDA C++ Programming Guide's per-compute-capability table.
 # Product labels are NVML names as GPU Feature Discovery sanitises them (k8s-device-plugin internal/lm).
 KIB = 1024
+SHARED_MEM_PER_BLOCK = {80: 163 * KIB, 86: 99 * KIB, 89: 99 * KIB, 90: 227 * KIB, 100: 227 * KIB}
 DEVICES: tuple[Device, ...] = (
     # Paper, Table hardware bands: 1,935 GB/s and 312 TFLOP/s. (NVIDIA's A100 data sheet gives 1,935 GB/s for
     # the 80GB PCIe card and 2,039 GB/s for SXM4; the paper's figure is kept so its thresholds reproduce, and a
     # SkipperDeployment can override the bandwidth per product.)
-    Device("A100-SXM4-80GB", 1935.0, 312.0, 163 * KIB, ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe")),
+    Device("A100-SXM4-80GB", 1935.0, 312.0, 80, ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe")),
     # NVIDIA A100 data sheet, 40GB columns (SXM4 and PCIe): 1,555 GB/s, 312 TFLOP/s dense BF16.
-    Device("A100-40GB", 1555.0, 312.0, 163 * KIB, ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB")),
+    Device("A100-40GB", 1555.0, 312.0, 80, ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB")),
     # Paper, Table hardware bands: 3,350 GB/s and 990 TFLOP/s (NVIDIA H100 data sheet, SXM: 989.4 dense).
-    Device("H100-SXM", 3350.0, 990.0, 227 * KIB, ("NVIDIA-H100-80GB-HBM3",)),
+    Device("H100-SXM", 3350.0, 990.0, 90, ("NVIDIA-H100-80GB-HBM3",)),
     # NVIDIA H100 product brief (PCIe): 2,000 GB/s, 756 TFLOP/s dense BF16 (1,513 with sparsity).
-    Device("H100-PCIe", 2000.0, 756.0, 227 * KIB, ("NVIDIA-H100-PCIe",)),
+    Device("H100-PCIe", 2000.0, 756.0, 90, ("NVIDIA-H100-PCIe",)),
     # NVIDIA H100 NVL data sheet: 3,900 GB/s, 835 TFLOP/s dense BF16.
-    Device("H100-NVL", 3900.0, 835.0, 227 * KIB, ("NVIDIA-H100-NVL",)),
+    Device("H100-NVL", 3900.0, 835.0, 90, ("NVIDIA-H100-NVL",)),
     # NVIDIA H200 data sheet (SXM): 4.8 TB/s HBM3e, 989 TFLOP/s dense BF16 (1,979 with sparsity).
-    Device("H200", 4800.0, 989.0, 227 * KIB, ("NVIDIA-H200",)),
+    Device("H200", 4800.0, 989.0, 90, ("NVIDIA-H200",)),
     # Paper, Table hardware bands: 768 GB/s, 155 TFLOP/s (data sheet: 309.7 with sparsity); 99 KiB per block.
-    Device("RTX-A6000", 768.0, 155.0, 99 * KIB, ("NVIDIA-RTX-A6000",)),
+    Device("RTX-A6000", 768.0, 155.0, 86, ("NVIDIA-RTX-A6000",)),
     # NVIDIA L40S data sheet: 864 GB/s GDDR6, 362 TFLOP/s dense FP16/BF16 (733 with sparsity).
-    Device("L40S", 864.0, 362.0, 99 * KIB, ("NVIDIA-L40S",)),
+    Device("L40S", 864.0, 362.0, 89, ("NVIDIA-L40S",)),
     # NVIDIA L4 data sheet: 300 GB/s GDDR6, 121 TFLOP/s dense FP16/BF16 (242 with sparsity).
-    Device("L4", 300.0, 121.0, 99 * KIB, ("NVIDIA-L4",)),
+    Device("L4", 300.0, 121.0, 89, ("NVIDIA-L4",)),
     # NVIDIA A10 data sheet: 600 GB/s GDDR6, 125 TFLOP/s dense FP16 (250 with sparsity).
-    Device("A10", 600.0, 125.0, 99 * KIB, ("NVIDIA-A10",)),
+    Device("A10", 600.0, 125.0, 86, ("NVIDIA-A10",)),
     # AWS G5 (A10G): 600 GB/s GDDR6. NVIDIA publishes no tensor figure for the A10G and it is known to be
     # lower than the A10's; the A10's 125 is an upper bound (it only affects the ridge point, not V*).
-    Device("A10G", 600.0, 125.0, 99 * KIB, ("NVIDIA-A10G",)),
+    Device("A10G", 600.0, 125.0, 86, ("NVIDIA-A10G",)),
     # NVIDIA HGX B200 specifications: 8 TB/s HBM3e, 2.25 PFLOP/s dense FP16/BF16 per GPU (4.5 with sparsity).
-    Device("B200", 8000.0, 2250.0, 227 * KIB, ("NVIDIA-B200",)),
+    Device("B200", 8000.0, 2250.0, 100, ("NVIDIA-B200",)),
 )
 
 class UnknownDeviceError(KeyError):
@@ -154,6 +160,13 @@ def round_to_step(value: float, step: int) -> int:
     return int(math.floor(value / step + 0.5)) * step
 
 
+def rounded_thresholds(v_star: float, step: int, enter_factor: float, least: int = 0) -> tuple[int, int]:
+    """(exit, enter) for a V*: exit = V*, enter = enter_factor * V* (never below exit), each rounded to the step;
+    exit at least `least`."""
+    exit_tokens = max(least, round_to_step(v_star, step))
+    return exit_tokens, max(exit_tokens, round_to_step(enter_factor * v_star, step))
+
+
 def ridge_rows(dense_tflops: float, bandwidth_gbps: float) -> float:
     """M* = peak FLOP/s / BW: the decode batch size (rows) above which a 16-bit weight GEMM is compute-bound."""
     if dense_tflops <= 0 or bandwidth_gbps <= 0:
@@ -197,13 +210,12 @@ def derive_thresholds(
 ) -> Thresholds:
     """The served decode thresholds: exit = V*, enter = enter_factor * V*, each rounded to the rounding step."""
     v_star = v_star_tokens(bandwidth_gbps, skip_ratio, routed_layers, kv_bytes, constants)
-    step = constants.threshold_rounding_tokens
-    exit_tokens = round_to_step(v_star, step)
-    enter_tokens = round_to_step(constants.enter_factor * v_star, step)
+    exit_tokens, enter_tokens = rounded_thresholds(v_star, constants.threshold_rounding_tokens,
+                                                   constants.enter_factor)
     return Thresholds(
         v_star_tokens=v_star,
         exit_tokens=exit_tokens,
-        enter_tokens=max(enter_tokens, exit_tokens),
+        enter_tokens=enter_tokens,
         bandwidth_gbps=float(bandwidth_gbps),
         skip_ratio=float(skip_ratio),
         routed_layers=routed_layers,

@@ -25,12 +25,12 @@ from dataclasses import asdict, dataclass
 from loadgen.attestation import PHASES, Attestation, AttestationError, pass_delta
 from loadgen.experiment import ABResult, Repetition
 from loadgen.gates import gate_pair
-from loadgen.qstar import CELL_FACTORS, find_q_star
+from loadgen.qstar import CELL_FACTORS, cell_rates, find_q_star
 from loadgen.records import CellResult
 from loadgen.suite import Suite, SuiteRequest
 from vskipper.arms import Arm
 from vskipper.constants import CONSTANTS
-from vskipper.roofline import round_to_step
+from vskipper.roofline import rounded_thresholds
 
 LOADS = tuple(CELL_FACTORS)  # below (0.75 Q*), knee (0.95 Q*), overload (1.25 Q*)
 KNEE = "knee"
@@ -164,9 +164,8 @@ def schedule(q_star: int, window_s: float, min_requests: int, repetitions: int) 
         raise ValueError(f"repetitions: need at least 1, got {repetitions}")
     if q_star < 1:
         raise ValueError(f"q_star: must be a positive rate, got {q_star!r}")
-    rates = {load: f * q_star for load, f in CELL_FACTORS.items()}
-    return [Cell(load, rep, round(rate, 6), cell_requests(rate, window_s, min_requests), 100 * (i + 1) + rep)
-            for i, (load, rate) in enumerate(rates.items()) for rep in range(repetitions)]
+    return [Cell(load, rep, rate, cell_requests(rate, window_s, min_requests), 100 * (i + 1) + rep)
+            for i, (load, rate) in enumerate(cell_rates(q_star).items()) for rep in range(repetitions)]
 
 
 def suite_seed(load: str) -> int:
@@ -184,8 +183,7 @@ def thresholds_from_tau(rule: Mapping, sweep: Mapping | None, step: int) -> tupl
     if not tau > 0:
         return None, f"the sweep measured tau = {tau:.3g} ms: no fixed cost for the rule to cover"
     v_star = rule["v_star_tokens"] * tau / rule["tau_ms"]
-    exit_ = max(step, round_to_step(v_star, step))
-    enter = max(exit_, round_to_step(CONSTANTS.enter_factor * v_star, step))
+    exit_, enter = rounded_thresholds(v_star, step, CONSTANTS.enter_factor, least=step)  # a served exit is positive
     if (enter, exit_) == (rule["enter_tokens"], rule["exit_tokens"]):
         return None, (f"the measured tau ({tau:.3g} ms) gives the rule's thresholds (enter {enter} / exit {exit_}): "
                       "the rule's arm serves them")
@@ -396,7 +394,7 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
                      f"KV pool {arm.get('kv_pool_tokens')} tokens, at most {ceiling} resident in these cells"
                      + (" (below the enter threshold: decode cannot route)"
                         if ceiling is not None and served.get("enter_tokens", 0) > ceiling else ""))
-    lines += ["", *figure_lines(figure_rows(headline)), "",
+    lines += ["", *figure_lines(headline["figures"]), "",
               "Mean % change against dense over paired repetitions (the same cell served to each arm in turn, dense "
               "first), ± the 95% t half-width; negative is better, except request throughput. Verdicts need "
               "n >= 2. Here the routed arms skip with RandomSkip (r = 1, d = 0.5) on random weights against "

@@ -27,23 +27,17 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vskipper.modelspec import PRESETS
 from vskipper.roofline import Device, lookup_device
 
-# Compute capability of each catalogued device (NVIDIA's CUDA GPUs table).
-CAPABILITY = {"A100-SXM4-80GB": 80, "A100-40GB": 80, "H100-SXM": 90, "H100-PCIe": 90, "H100-NVL": 90, "H200": 90,
-              "RTX-A6000": 86, "L40S": 89, "L4": 89, "A10": 86, "A10G": 86, "B200": 100}
 DEFAULT_DEVICES = ("H100-SXM", "A100-SXM4-80GB", "RTX-A6000")
 # Llama-3-8B as served (bf16): the launches' example arguments.
-HIDDEN, INTERMEDIATE, REDUCTION = 4096, 14336, 16  # the FlexiDepth projector's width: INTERMEDIATE / REDUCTION
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-SPLITS, BLOCK_T = 8, 64  # the masked decode read's defaults (`decode_splits`, `masked_decode_attention`)
+MODEL = PRESETS["llama-3-8b"]
+HEADS, KV_HEADS, HEAD_DIM = MODEL.num_attention_heads, MODEL.num_kv_heads, MODEL.head_dim
+PROJ_REDUCTION = 16  # the FlexiDepth projector's width: intermediate / 16 (the release's proj_reduction_factor)
 COHORT_MAP_ROWS = (256, 8192)  # a captured decode batch, a prefill chunk
 REQ_TO_TOKEN_WIDTH = 8192 + 4  # SGLang's req_to_token rows: the context length (the device run's) plus 4
 ROWS, POOL_SLOTS, REQUESTS = 256, 4096, 8
-# (N, K) of each tile-table op's GEMM: W is [N, K] (the down GEMMs: [HIDDEN, K], scattered onto the hidden rows).
-OP_SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_o": (HIDDEN, HIDDEN), "mlp_gate_up": (INTERMEDIATE, HIDDEN),
-             "mlp_down": (HIDDEN, INTERMEDIATE), "proj_gate_up": (INTERMEDIATE // REDUCTION, HIDDEN),
-             "proj_down": (HIDDEN, INTERMEDIATE // REDUCTION)}
 
 
 @dataclass(frozen=True)
@@ -103,11 +97,15 @@ def _launch(kernel: str, args: dict, constexprs: dict, num_warps: int, num_stage
                   num_warps, num_stages)
 
 
-def _gemm_args(op: str) -> tuple[str, dict, dict]:
-    """(kernel, example arguments, the launch's switches) of one tile-table op's GEMM, as `kernels.py` calls it."""
+def _gemm_args(op: str) -> tuple[str, dict, list[dict]]:
+    """(kernel, example arguments, the switches of each launch) of one tile-table op's GEMM, as `kernels.py` calls
+    it: W is [N, K] (the down GEMMs scatter onto the hidden rows)."""
     import torch
 
-    n, k = OP_SHAPES[op]
+    from vskipper.mixed.tuner import op_dims
+
+    k, n = op_dims(op, MODEL.hidden_size, MODEL.intermediate_size, MODEL.intermediate_size // PROJ_REDUCTION,
+                   HEADS * HEAD_DIM)
     # the cohort counts are one buffer [RUN, Project-Only] (`CohortBuilder`): the projector reads the second, 8 bytes
     # in, a pointer the JIT does not mark divisible
     counts = _t(2, dtype=torch.int64)
@@ -118,29 +116,28 @@ def _gemm_args(op: str) -> tuple[str, dict, dict]:
                 "stride_xm": x.stride(0), "stride_xk": x.stride(1), "stride_wn": w.stride(0),
                 "stride_wk": w.stride(1), "stride_om": out.stride(0), "stride_on": out.stride(1)}
         if op == "attn_q":
-            return "cohort_gemm_kernel", {**args, "w_ptr": w}, {}
-        return "cohort_gate_up_kernel", {**args, "wg_ptr": w, "wu_ptr": w}, {}
+            return "cohort_gemm_kernel", {**args, "w_ptr": w}, [{}]
+        return "cohort_gate_up_kernel", {**args, "wg_ptr": w, "wu_ptr": w}, [{}]
     a, w, y = _t(ROWS, k), _t(n, k), _t(ROWS, n)
     args = {"a_ptr": a, "idx_ptr": idx, "count_ptr": count, "wd_ptr": w, "y_ptr": y, "D": n, "N": k,
             "stride_am": a.stride(0), "stride_an": a.stride(1), "stride_wd": w.stride(0), "stride_wn": w.stride(1),
             "stride_ym": y.stride(0), "stride_yd": y.stride(1)}
     if op == "attn_o":  # the unweighted scatter onto the residual (the index stands in for the weights)
-        return "cohort_down_scatter_kernel", {**args, "w_ptr": idx}, {"WEIGHTED": False}
-    return "cohort_down_scatter_kernel", {**args, "w_ptr": _t(ROWS)}, {"WEIGHTED": True}
+        return "cohort_down_scatter_kernel", {**args, "w_ptr": idx}, [{"WEIGHTED": False, "ACCUMULATE": True}]
+    # the FFNs' down GEMM stores (the served body) or adds (the bench stack, the tuner)
+    return "cohort_down_scatter_kernel", {**args, "w_ptr": _t(ROWS)}, [{"WEIGHTED": True, "ACCUMULATE": acc}
+                                                                        for acc in (False, True)]
 
 
 def _gemm_launches(table) -> list[Launch]:
     """The cohort GEMM kernels at every tile of the device's table."""
     out: dict[Launch, None] = {}
     for op, entries in table.entries.items():
-        kernel, args, switches = _gemm_args(op)
-        # the FFNs' down GEMM stores (the served body) or adds (the bench stack, the tuner); attn_o adds
-        modes = (False, True) if switches.get("WEIGHTED") else (True,) if "WEIGHTED" in switches else (None,)
+        kernel, args, launches = _gemm_args(op)
         for _lo, _hi, t in entries:
             blocks = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
-            for acc in modes:
-                consts = {**blocks, **switches, **({} if acc is None else {"ACCUMULATE": acc})}
-                out[_launch(kernel, args, consts, t.num_warps, t.num_stages)] = None
+            for switches in launches:
+                out[_launch(kernel, args, {**blocks, **switches}, t.num_warps, t.num_stages)] = None
     return list(out)
 
 
@@ -148,9 +145,10 @@ def _attention_launches() -> list[Launch]:
     import torch
     from triton import next_power_of_2
 
-    from vskipper.mixed.kernels import PACKED_PREFILL_BLOCK_N, cohort_maps_warps, packed_prefill_block_m
+    from vskipper.mixed import kernels as kn
 
     group = HEADS // KV_HEADS
+    splits = kn.decode_splits(REQ_TO_TOKEN_WIDTH, kn.MASKED_DECODE_BLOCK_T)  # as `masked_decode_attention` takes
     block_g = next_power_of_2(group)
     q, k_pool = _t(ROWS, HEADS, HEAD_DIM), _t(POOL_SLOTS, KV_HEADS, HEAD_DIM)
     r2t = _t(REQUESTS, REQ_TO_TOKEN_WIDTH, dtype=torch.int32)
@@ -158,22 +156,22 @@ def _attention_launches() -> list[Launch]:
     reads = {"q_ptr": q, "k_ptr": k_pool, "v_ptr": k_pool, "r2t_ptr": r2t, "req_ptr": req, "pos_ptr": pos,
              "read_ptr": read, "scale": HEAD_DIM ** -0.5, "stride_ks": k_pool.stride(0),
              "stride_kh": k_pool.stride(1), "stride_r2t": r2t.stride(0)}
-    mid_o = _t(ROWS, HEADS, SPLITS, HEAD_DIM, dtype=torch.float32)
-    mid_ml = _t(ROWS, HEADS, SPLITS, 2, dtype=torch.float32)
+    mid_o = _t(ROWS, HEADS, splits, HEAD_DIM, dtype=torch.float32)
+    mid_ml = _t(ROWS, HEADS, splits, 2, dtype=torch.float32)
     launches = [
         _launch("masked_decode_split_kernel",
                 {**reads, "mid_o_ptr": mid_o, "mid_ml_ptr": mid_ml, "stride_qr": q.stride(0), "stride_qh": q.stride(1)},
-                {"GROUP": group, "BLOCK_G": max(16, block_g), "HEAD_DIM": HEAD_DIM, "BLOCK_T": BLOCK_T,
-                 "SPLITS": SPLITS}, 4, 3),
+                {"GROUP": group, "BLOCK_G": kn.masked_decode_block_g(group), "HEAD_DIM": HEAD_DIM,
+                 "BLOCK_T": kn.MASKED_DECODE_BLOCK_T, "SPLITS": splits}, 4, 3),
         _launch("masked_decode_merge_kernel",
                 {"mid_o_ptr": mid_o, "mid_ml_ptr": mid_ml, "read_ptr": read, "out_ptr": q, "stride_or": q.stride(0),
                  "stride_oh": q.stride(1)},
-                {"HEADS": HEADS, "HEAD_DIM": HEAD_DIM, "SPLITS": SPLITS, "BLOCK_S": next_power_of_2(SPLITS)}, 4, 3),
+                {"HEADS": HEADS, "HEAD_DIM": HEAD_DIM, "SPLITS": splits, "BLOCK_S": next_power_of_2(splits)}, 4, 3),
         _launch("packed_prefill_kernel",
                 {**reads, "out_ptr": q, "slots_total": ROWS, "stride_qm": q.stride(0), "stride_qh": q.stride(1),
                  "stride_om": q.stride(0), "stride_oh": q.stride(1)},
-                {"GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": HEAD_DIM, "BLOCK_M": packed_prefill_block_m(block_g),
-                 "BLOCK_N": PACKED_PREFILL_BLOCK_N}, 4, 2),
+                {"GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": HEAD_DIM, "BLOCK_M": kn.packed_prefill_block_m(block_g),
+                 "BLOCK_N": kn.PACKED_PREFILL_BLOCK_N}, kn.PACKED_PREFILL_WARPS, kn.PACKED_PREFILL_STAGES),
     ]
     for rows in COHORT_MAP_ROWS:
         block = next_power_of_2(rows)
@@ -181,7 +179,7 @@ def _attention_launches() -> list[Launch]:
         launches.append(_launch("cohort_maps_kernel",
                                 {"run_ptr": run, "rows": rows, "run_idx_ptr": idx, "proj_idx_ptr": idx,
                                  "counts_ptr": _t(2, dtype=torch.int64), "live_ptr": run},
-                                {"BLOCK": block}, cohort_maps_warps(block), 3))
+                                {"BLOCK": block}, kn.cohort_maps_warps(block), 3))
     return launches
 
 
@@ -234,9 +232,7 @@ def check(device_name: str) -> dict:
     import triton
 
     device = lookup_device(device_name)
-    capability = CAPABILITY.get(device.name)
-    if capability is None:
-        raise SystemExit(f"compile_check: no compute capability catalogued for {device.name!r}")
+    capability = device.capability
     results = []
     for launch in launches_for(device):
         result = {"launch": launch.label(), **asdict(launch), **compile_launch(launch, capability)}

@@ -366,6 +366,14 @@ def masked_decode_merge_kernel(mid_o_ptr, mid_ml_ptr, read_ptr, out_ptr, stride_
 DECODE_SPLITS = 8  # the most splits of one row's context (SGLang's Triton decode default, num_kv_splits)
 
 
+MASKED_DECODE_BLOCK_T = 64  # keys a step of the masked decode read
+
+
+def masked_decode_block_g(group: int) -> int:
+    """The query rows of a masked decode program: the group's heads, padded to tl.dot's least M (16)."""
+    return max(16, triton.next_power_of_2(group))
+
+
 def decode_splits(max_context: int, block_t: int) -> int:
     """Splits of the context for the masked decode read: up to DECODE_SPLITS, never more than the tiles of the
     longest context a request slot can hold (a shape, so the choice is the same at capture and replay)."""
@@ -374,7 +382,7 @@ def decode_splits(max_context: int, block_t: int) -> int:
 
 def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             req_to_token: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor,
-                            reads: torch.Tensor, scale: float, block_t: int = 64,
+                            reads: torch.Tensor, scale: float, block_t: int = MASKED_DECODE_BLOCK_T,
                             splits: int | None = None) -> torch.Tensor:
     """Decode attention with a row mask, split over the context (split-KV), capture-safe (no host read).
 
@@ -400,7 +408,7 @@ def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     masked_decode_split_kernel[(rows, kv_heads, splits)](
         q, k_pool, v_pool, req_to_token, req_indices, positions, read, mid_o, mid_ml, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_T=block_t,
+        GROUP=group, BLOCK_G=masked_decode_block_g(group), HEAD_DIM=head_dim, BLOCK_T=block_t,
         SPLITS=splits)
     masked_decode_merge_kernel[(rows, heads)](
         mid_o, mid_ml, read, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits,
@@ -456,6 +464,7 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
 
 
 PACKED_PREFILL_BLOCK_N = 64  # keys a step of the packed prefill read on a GPU
+PACKED_PREFILL_WARPS, PACKED_PREFILL_STAGES = 4, 2
 
 
 def packed_prefill_block_m(block_g: int, interpreted: bool = False) -> int:
@@ -500,5 +509,5 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
         q, k_pool, v_pool, req_to_token, req_indices, positions, read, out, scale, slots,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, num_warps=PACKED_PREFILL_WARPS, num_stages=PACKED_PREFILL_STAGES)
     return out

@@ -487,8 +487,9 @@ class Runtime:
             if self._tape is None or self._tape.capacity < rows:
                 # Eager execution: the tape grows to the largest pass seen and is reused after that (its rows
                 # aligned: `tape_capacity`; the graph tape's capacity is the largest captured batch, 256 served).
-                self._tape = RouteTape(tape_capacity(rows), self.routed_layers, dtype, device)
-                self._builder = CohortBuilder(tape_capacity(rows), device)
+                capacity = tape_capacity(rows)
+                self._tape = RouteTape(capacity, self.routed_layers, dtype, device)
+                self._builder = CohortBuilder(capacity, device)
             tape, builder = self._tape, self._builder
         control = False
         # A probe pass keeps the skipper's routes (its share is what it measures), and the alternation skips it.

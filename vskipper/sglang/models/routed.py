@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -166,26 +166,20 @@ def triton_blocker(layer) -> str | None:
 
 def cohort_execution(layers, device: torch.device, requested: str = "auto") -> CohortExecution:
     """The execution for these routed layers on `device`: `auto` takes triton on CUDA where every layer allows it
-    (`triton_blocker`), torch elsewhere; prefill reads through SGLang's attention backend on CUDA and wherever the
-    execution is triton; the torch execution's decode read is SGLang's torch-native one over the RUN rows on CPU,
-    masked elsewhere."""
-    execution = _decode_execution(layers, device, requested)
-    prefill_read = "packed" if execution.decode == "triton" else "backend" if device.type == "cuda" else "rows"
-    return replace(execution, prefill_read=prefill_read, decode_read="backend" if device.type == "cpu" else "masked")
+    (`triton_blocker`), torch elsewhere. The triton execution prefills with the packed read; the torch one reads
+    through SGLang's attention backend on CUDA and per request on CPU, and decodes with SGLang's torch-native read
+    over the RUN rows on CPU, the masked one elsewhere."""
+    if select_backend(requested, device) == "triton":
+        why = next((why for why in map(triton_blocker, layers) if why is not None), None)
+        if why is None:
+            from vskipper.mixed.kernels import device_tile_table
 
-
-def _decode_execution(layers, device: torch.device, requested: str) -> CohortExecution:
-    if select_backend(requested, device) != "triton":
-        return TORCH_EXECUTION
-    for layer in layers:
-        why = triton_blocker(layer)
-        if why is not None:
-            return CohortExecution("torch", reason=why)
-    if device.type != "cuda":
-        return CohortExecution("triton", prefill_read="packed")
-    from vskipper.mixed.kernels import device_tile_table
-
-    return CohortExecution("triton", device_tile_table(device), prefill_read="packed")
+            return CohortExecution("triton", device_tile_table(device) if device.type == "cuda" else None,
+                                   prefill_read="packed")
+    else:
+        why = ""
+    return CohortExecution("torch", reason=why, prefill_read="backend" if device.type == "cuda" else "rows",
+                           decode_read="backend" if device.type == "cpu" else "masked")
 
 
 @dataclass
