@@ -64,10 +64,11 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 # -- 1. cohort GEMMs vs torch -------------------------------------------------------------------------------
 
-def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smoke: bool) -> list[dict]:
+def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smoke: bool,
+                  tile_table: Path | None = None) -> list[dict]:
     from vskipper.mixed.kernels import INTERPRETER_TILE, device_tile_table
 
-    table = device_tile_table(device) if device.type == "cuda" else None
+    table = device_tile_table(device, tile_table) if device.type == "cuda" else None
     g = torch.Generator().manual_seed(0)
     results = []
     ranges = COUNT_RANGES[:1] if smoke else COUNT_RANGES
@@ -237,7 +238,7 @@ class ServedRig:
     the forward, with the execution the server picks on this device (`cohort_execution`)."""
 
     def __init__(self, config, requests: int, context: int, dtype: torch.dtype, device: torch.device,
-                 execution: str = "auto") -> None:
+                 execution: str = "auto", tile_table: Path | None = None) -> None:
         from vskipper.sglang.models.routed import cohort_execution, routed_graph_blocker
         from vskipper.sglang.standalone import StandaloneLayer
 
@@ -246,7 +247,7 @@ class ServedRig:
         self.layer = self.world.layer
         self.lid = self.layer.layer_id
         self.device = self.world.device
-        self.world.slot.execution = cohort_execution([self.layer], self.device, execution)
+        self.world.slot.execution = cohort_execution([self.layer], self.device, execution, tile_table)
         self.graph_blocker = routed_graph_blocker(self.world.slot.execution, self.device)
 
     def pass_fn(self, fb, x: torch.Tensor, skipper):
@@ -301,7 +302,7 @@ ARMS_NOTE = "the control s=0 (always-route RandomSkip r = 0: the routed path, no
 
 def bench_served(size: TinySize, device: torch.device, dtype: torch.dtype, rows_grid: list[int],
                  contexts: list[int], prefill: list[int], s: float, use_graph: bool, reps: int, prefill_reps: int,
-                 tmp: Path, report: dict, write, execution: str = "auto") -> None:
+                 tmp: Path, report: dict, write, execution: str = "auto", tile_table: Path | None = None) -> None:
     """Decode, then prefill, of one served routed layer into `report` (`write` after each): the control s=0
     against r = 1, d = s (one routed layer: about a share s of its rows project), each beside the limit of what
     the Project-Only rows skip; and upstream's dense forward where SGLang's torch-native backend, the one this
@@ -319,19 +320,19 @@ def bench_served(size: TinySize, device: torch.device, dtype: torch.dtype, rows_
         print("  dense not timed: this layer reads attention through SGLang's torch-native backend, the server's "
               "is Triton")
     report["decode"] = served_decode(hf_config, one_layer(config), timed, s, rows_grid, contexts, dtype, device,
-                                     use_graph, reps, report, execution)
+                                     use_graph, reps, report, execution, tile_table)
     write()
     report["prefill"] = served_prefill(hf_config, one_layer(config), timed, s, prefill, dtype, device,
-                                       prefill_reps, execution)
+                                       prefill_reps, execution, tile_table)
     write()
 
 
 def served_decode(hf_config, layer_cfg: dict, timed: dict, s: float, rows_grid: list[int], contexts: list[int],
                   dtype: torch.dtype, device: torch.device, use_graph: bool, reps: int, report: dict,
-                  execution: str) -> dict:
+                  execution: str, tile_table: Path | None = None) -> dict:
     from vskipper.modelspec import decode_bytes
 
-    rig = ServedRig(hf_config, max(rows_grid), max(contexts) + 1, dtype, device, execution)
+    rig = ServedRig(hf_config, max(rows_grid), max(contexts) + 1, dtype, device, execution, tile_table)
     attested = rig.world.slot.execution.attestation()
     graphs = use_graph and rig.graph_blocker is None
     print(f"  execution {json.dumps(attested)}; decode "
@@ -374,10 +375,10 @@ def served_decode(hf_config, layer_cfg: dict, timed: dict, s: float, rows_grid: 
 
 
 def served_prefill(hf_config, layer_cfg: dict, timed: dict, s: float, lengths: list[int], dtype: torch.dtype,
-                   device: torch.device, reps: int, execution: str) -> list[dict]:
+                   device: torch.device, reps: int, execution: str, tile_table: Path | None = None) -> list[dict]:
     from bench_cpu import token_macs
 
-    rig = ServedRig(hf_config, 1, max(lengths), dtype, device, execution)
+    rig = ServedRig(hf_config, 1, max(lengths), dtype, device, execution, tile_table)
     # Read through SGLang's backend, Project-Only rows enter the attention read with a zero query (the limit says so).
     reads = rig.world.slot.execution.prefill_read == "backend"
     out = []
@@ -417,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--skip", default="", help="comma list of sections to skip: kernels,decode,prefill,served")
     p.add_argument("--json", help="also write every figure to this JSON file")
+    p.add_argument("--tile-table", type=Path, help="a tile table measured on this GPU (`vskipper tune-tiles`) "
+                   "instead of the one shipped for it (on CPU the interpreter's tile serves)")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
 
@@ -446,12 +449,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if "kernels" not in skip:
         print("1. cohort GEMM / torch on packed rows")
-        report["kernels"] = bench_kernels(size, device, dtype, args.smoke)
+        report["kernels"] = bench_kernels(size, device, dtype, args.smoke, args.tile_table)
         write(report)
 
     config = tiny_config("flexidepth-llama", size, dtype=str(dtype).removeprefix("torch."))
+    tiles = None  # the stack's GEMMs: the shipped table of the device, or the one given
+    if device.type == "cuda" and args.tile_table:
+        from vskipper.mixed.kernels import device_tile_table
+
+        tiles = device_tile_table(device, args.tile_table)
     with torch.device(device):
-        model = BenchStack(config, capacity=max(rows_grid)).to(dtype).eval()
+        model = BenchStack(config, capacity=max(rows_grid), tiles=tiles).to(dtype).eval()
     print(f"model: {size.layers} layers, hidden {size.hidden}, routed {len(model.routed_layers)}; "
           f"attestation {json.dumps(model.attestation())}")
 
@@ -485,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="mixed-bench-") as tmp:
             bench_served(size, device, dtype, rows_grid, contexts, prefill, args.s, use_graph, reps,
                          max(3, reps // 4), Path(tmp), report["served"], lambda: write(report),
-                         execution="triton" if args.smoke else "auto")
+                         execution="triton" if args.smoke else "auto", tile_table=args.tile_table)
     report["complete"] = True
     write(report)
     return 0

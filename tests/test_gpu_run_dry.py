@@ -1,6 +1,6 @@
 """benchmarks/gpu/run.sh on CPU (`--dry-run`: the CPU platform, a tiny FlexiDepth model with `--load-format dummy`),
 so that device minutes are not spent on typos: every stage end to end against the real SGLang server, with the
-four arms started once for all stages (the script's own launcher, `VSKIPPER_GPU_RUN_SERVERS`; the headline stage
+four arms started once for all stages after the tiles stage (with its table, as the stages start theirs) (the script's own launcher, `VSKIPPER_GPU_RUN_SERVERS`; the headline stage
 starts the hybrid arm at the sweep's tau itself); and the device plan's server commands parsed by SGLang's own
 launch-flag parser. The numbers of a dry run mean nothing."""
 
@@ -23,6 +23,7 @@ from loadgen.qstar import CELL_FACTORS  # noqa: E402
 from loadgen.suite import load_suite  # noqa: E402
 from tests.sglang_world import ROOT  # noqa: E402
 from tests.test_serve_contract import sglang_parser  # noqa: E402
+from vskipper.mixed.tiles import load_tile_table  # noqa: E402
 
 pytestmark = pytest.mark.server  # the device run's stages against real SGLang servers
 
@@ -41,8 +42,9 @@ def _finish(proc: subprocess.Popen, stage: str, logs: dict) -> None:
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """`run.sh` install, then ladder, sweep and headline against the four arms started once (the kernels stage,
-    which needs no server, runs beside them), then `all`, which finds every stage done, into one folder."""
+    """`run.sh` install and tiles, then ladder, sweep and headline against the four arms started once with the
+    tiles stage's table (the kernels stage, which needs no server, runs beside them), then `all`, which finds every
+    stage done, into one folder."""
     out = tmp_path_factory.mktemp("gpu-run")
     plan = run.Plan.dry()
     model = run.write_model(plan, out)
@@ -51,6 +53,7 @@ def dry_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     logs: dict[str, str] = {}
     _finish(_stage("install", out, env), "install", logs)
+    _finish(_stage("tiles", out, env), "tiles", logs)
     kernels = _stage("kernels", out, env)
     try:
         with ExitStack() as stack:
@@ -160,12 +163,15 @@ def test_headline_serves_the_hybrid_arm_at_the_thresholds_a_measured_tau_gives(d
     """The tau arm's path where this CPU's sweep measured no positive tau (its tau is noise here, often below 0;
     where it is positive, the dry run's own headline served the tau arm): the headline stage again on a copy of
     the run with a sweep whose tau is given (50 x the rule's), so V* = 50 x 40 tokens; the arms already served are
-    read from their files, the tau arm is started with its thresholds as flags."""
+    read from their files, the tau arm is started with its thresholds as flags (and the run's tile table)."""
     out, _ = dry_run
     if not json.loads((out / "headline.json").read_text())["arms"]["hybrid-tau"].get("skipped"):
         pytest.skip("this dry run's sweep measured a positive tau: its own headline served the tau arm")
     copy = tmp_path / "run"
-    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("servers", "server", "kernels"))
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("servers", "server", "kernels", "tiles"))
+    # the tiles stage's table where dense's cells found it: the arms' attestations name the table they served
+    # with (its path), and the cross-arm gate holds them to the same one
+    (copy / "tiles").symlink_to(out / "tiles")
     (copy / "headline.json").unlink()
     rule = json.loads((out / "headline.json").read_text())["thresholds"]["rule"]
     sweep = json.loads((out / "sweep.json").read_text())
@@ -233,11 +239,26 @@ def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(d
     assert run.decode_bytes(config, 0, 0.5) > run.decode_bytes(config, 0, 0.0)  # and the adapters where rows project
 
 
-def test_kernels_stage_writes_a_tile_table_and_the_bench_figures(dry_run):
+def test_tiles_stage_writes_the_table_every_later_server_is_handed(dry_run):
+    """On CPU the routed layers run the torch execution, so each server attests the table it was handed unused;
+    on a GPU the same flag tiles its Triton GEMMs (`tests/test_tiles.py`: the table must name that GPU)."""
+    out, _ = dry_run
+    tiles = json.loads((out / "tiles.json").read_text())
+    assert tiles["runs"]["tune-tiles"]["exit"] == 0 and tiles["runs"]["tune-tiles"]["seconds"] > 0
+    path = out / "tiles" / run.TILES_JSON
+    table = load_tile_table(path)
+    assert table.device == run.DRY_TILES_DEVICE and "not a measurement" in table.source and table.read is not None
+    assert tiles["table"] == json.loads(path.read_text()) and run.tuned_table(out) == path
+    sweep = json.loads((out / "sweep.json").read_text())
+    for name in ("dense", run.CONTROL, run.ALWAYS):
+        assert sweep["arms"][name]["served"]["tiles"] == f"unused by the torch execution ({path} given)"
+
+
+def test_kernels_stage_writes_the_bench_figures_with_the_tuned_table(dry_run):
     out, _ = dry_run
     kernels = json.loads((out / "kernels.json").read_text())
-    assert {k: v["exit"] for k, v in kernels["runs"].items()} == {"tune-tiles": 0, "mixed_depth_bench": 0}
-    assert json.loads((out / "kernels" / "tiles-CPU.json").read_text())
+    assert {k: v["exit"] for k, v in kernels["runs"].items()} == {"mixed_depth_bench": 0}
+    assert kernels["tile_table"] == str(out / "tiles" / run.TILES_JSON)
     bench = json.loads((out / "kernels" / "mixed_depth_bench.json").read_text())
     assert {"kernels", "decode", "prefill", "served"} <= set(bench)  # every section ran, the served layer's too
 
@@ -250,6 +271,7 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     assert results["dry_run"] and all(results[stage] for stage in run.STAGES)
     summary = (out / "summary.md").read_text()
     assert "Dry run on CPU" in summary and "tau =" in summary
+    assert "## Tiles" in summary and "| mlp_gate_up | 513- |" in summary and "unused by the torch execution" in summary
     assert "### The routed path's goals" in summary and "| decode s=0 / dense in every cell | 0.97 |" in summary
     q_star = results["ladder"]["q_star"]["q_star"]
     assert "## Headline A/B: GSM8K-shaped load, one server at a time" in summary

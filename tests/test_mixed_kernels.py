@@ -22,9 +22,11 @@ from vskipper.mixed.kernels import (
     cohort_scatter_add,
     masked_decode_attention,
     packed_prefill_attention,
+    packed_prefill_block_m,
 )
 from vskipper.mixed.reference import reference_forward
 from vskipper.mixed.tiles import Tile
+from vskipper.mixed.tuner import READ_CANDIDATES
 from vskipper.skippers.static_depth import StaticDepth
 from vskipper.skippers.trained_gate import FlexiDepthGate
 
@@ -154,6 +156,18 @@ def test_the_packed_prefill_read_matches_the_reference_over_the_run_slots_alone(
     where the group is no power of two) spans several requests, and each slot reads its own request's keys up to
     its position. Slots past the reading prefix are zero; keys no reading slot owns hold NaN and never reach
     an output."""
+    _check_packed_prefill_read(heads, kv_heads, share, block_n=16)
+
+
+@pytest.mark.parametrize("tile", READ_CANDIDATES, ids=str)
+def test_every_launch_the_tuner_tries_for_the_packed_read_reads_the_same(tile):
+    """The tuner's candidate launches (`READ_CANDIDATES`) differ in slots a program and keys a step (warps and
+    stages do not change what the interpreter computes): with the grouped heads of Llama-3-8B (4 a KV head), a
+    program of 128 query rows spans every request of the pass, and a step of 128 keys all of a request's keys."""
+    _check_packed_prefill_read(8, 2, 0.6, block_m=packed_prefill_block_m(4, tile), block_n=tile.block_n)
+
+
+def _check_packed_prefill_read(heads: int, kv_heads: int, share: float, **blocks) -> None:
     rng = random.Random(heads * 10 + kv_heads)
     g = torch.Generator().manual_seed(heads + kv_heads)
     hd, ctx = 16, 40
@@ -175,7 +189,7 @@ def test_the_packed_prefill_read_matches_the_reference_over_the_run_slots_alone(
     k_pool[foreign] = float("nan")
     v_pool[foreign] = float("nan")
     q = torch.randn(capacity, heads, hd, generator=g)
-    out = packed_prefill_attention(q, k_pool, v_pool, r2t, req, pos, reads, 0.25, block_n=16)
+    out = packed_prefill_attention(q, k_pool, v_pool, r2t, req, pos, reads, 0.25, **blocks)
     assert torch.isfinite(out).all() and (out[~reads] == 0).all()
     n = len(packed)
     if n:

@@ -221,6 +221,9 @@ def test_serve_spec_round_trips_through_the_environment(tmp_path):
     spec = ServeSpec(get_arm("no-promotion"), 200000, 160000, tmp_path / "s.json")
     back = ServeSpec.from_env(spec.to_env())
     assert back.arm == spec.arm and (back.enter_tokens, back.exit_tokens) == (200000, 160000)
+    assert back.tile_table is None
+    tuned = ServeSpec(get_arm("always-route"), 0, 0, None, tile_table=tmp_path / "tiles.json")
+    assert ServeSpec.from_env(tuned.to_env()).tile_table == tmp_path / "tiles.json"
     with pytest.raises(ServeConfigError, match="VSKIPPER_SERVED_ARM is not set"):
         ServeSpec.from_env({})
 

@@ -686,3 +686,29 @@ class TestTensorParallelRanks:
         assert "replicas" not in after
         assert _metric(server.metrics(), "vskipper_passes_total", mode="routed", phase="prefill") == \
             after["passes_total"]["prefill"]["routed"]
+
+
+def test_serve_hands_the_server_a_tile_table_for_its_gpu_and_refuses_one_for_another(served_model, tmp_path):
+    """`--tile-table`: checked before anything starts (it loads; it names the GPU, here given by --gpu), then
+    carried to the scheduler as an absolute path (`ENV_TILE_TABLE`), where the model checks it again on the device."""
+    from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS
+    from vskipper.sglang.spec import ENV_TILE_TABLE
+
+    def table(device: str) -> Path:
+        tile = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+        path = tmp_path / f"{device}.json"
+        path.write_text(json.dumps({"device": device, "dtype": "bfloat16", "tiles": {
+            op: [{"rows": [lo, hi], **tile} for lo, hi in COUNT_RANGES] for op in OPERATIONS}}))
+        return path
+
+    args = ("--model", str(served_model), "--arm", "dense", "--dry-run", "--gpu", "NVIDIA H100 80GB HBM3")
+    r = _serve_cli(*args, "--tile-table", str(table("H100-SXM")))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["environment"][ENV_TILE_TABLE] == str(table("H100-SXM").resolve())
+    r = _serve_cli(*args, "--tile-table", str(table("H200")))
+    assert r.returncode == 2
+    assert "--tile-table" in r.stderr and "field 'device' is 'H200', but this GPU is H100-SXM" in r.stderr
+    r = _serve_cli(*args, "--tile-table", str(tmp_path / "missing.json"))
+    assert r.returncode == 2 and "--tile-table" in r.stderr and "no such tile table file" in r.stderr
+    r = _serve_cli("--model", str(served_model), "--arm", "dense", "--dry-run")
+    assert ENV_TILE_TABLE not in json.loads(r.stdout)["environment"]  # none given: the shipped table serves

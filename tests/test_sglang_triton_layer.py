@@ -14,6 +14,7 @@ from sglang_layer_world import ARCHS, LayerWorld
 
 from vskipper.mixed import kernels
 from vskipper.mixed import routed_layer as body
+from vskipper.mixed.tiles import ReadTile, tile_table_for
 from vskipper.sglang.models import routed as served
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "the triton execution tests need TRITON_INTERPRET=1 (conftest.py)"
@@ -273,6 +274,13 @@ def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_w
         "decode": "triton", "prefill": "triton", "prefill_read": "packed", "tiles": "interpreter tile"}
     with pytest.raises(ValueError, match="the triton execution prefills with prefill_read 'packed' or 'backend'"):
         served.CohortExecution("triton", prefill_read="rows")
+    # On a GPU the attestation names the device table and the packed read's launch, and whether it was measured.
+    table = tile_table_for("H100-SXM")
+    assert served.CohortExecution("triton", table, prefill_read="packed").attestation()["prefill_read_tile"] == {
+        "block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "measured": False}
+    table.read = ReadTile(128, 32, 8, 3)
+    assert served.CohortExecution("triton", table, prefill_read="packed").attestation()["prefill_read_tile"] == {
+        "block_rows": 128, "block_n": 32, "num_warps": 8, "num_stages": 3, "measured": True}
     # On CUDA prefill reads through SGLang's attention backend, whichever execution decodes.
     assert served.cohort_execution([world.layer], torch.device("cuda"), "torch").prefill_read == "backend"
     monkeypatch.setattr(world.layer.mlp.down_proj, "tp_size", 2, raising=False)

@@ -6,7 +6,9 @@ import pytest
 
 from vskipper.mixed.tiles import (
     COUNT_RANGES,
+    DEFAULT_READ_TILE,
     OPERATIONS,
+    ReadTile,
     Tile,
     TileTableError,
     default_tile_table,
@@ -69,6 +71,11 @@ def test_unmeasured_devices_fall_back_to_the_default_and_unknown_ones_need_a_lim
     (lambda d: d["tiles"]["mlp_gate_up"][0].__setitem__("block_k", 48), "block_k must be a power of two"),
     (lambda d: d["tiles"].__setitem__("attention", []), "unknown operation"),
     (lambda d: d.__setitem__("dtype", "int8"), "field 'dtype'"),
+    (lambda d: d.__setitem__("prefill_read", [64, 64]), "prefill_read: expected an object"),
+    (lambda d: d.__setitem__("prefill_read", {"block_rows": 48, "block_n": 64}),
+     "prefill_read: block_rows must be a power of two >= 16"),
+    (lambda d: d.__setitem__("prefill_read", {"block_rows": 64, "block_n": 64, "num_stages": 0}),
+     "prefill_read: num_stages must be an integer in 1..8"),
 ])
 def test_malformed_tables_are_refused_naming_the_field(mutate, message):
     data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2})
@@ -104,3 +111,33 @@ def test_table_round_trips_through_its_json_form():
     t = default_tile_table(163 * 1024, "A100-SXM4-80GB")
     again = parse_tile_table(json.loads(json.dumps(t.as_dict())), 163 * 1024)
     assert again.entries == t.entries
+
+
+def test_a_given_table_serves_the_gpu_it_names_and_its_source_names_the_file(tmp_path):
+    """`vskipper serve --tile-table`: a table measured on this GPU replaces the shipped one; one measured on
+    another GPU, a missing file or an uncatalogued GPU is refused, naming the field or the file."""
+    tile = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({**table(tile, device="H100-SXM"), "source": "vskipper tune-tiles: here"}))
+    given = tile_table_for("NVIDIA H100 80GB HBM3", path=path)
+    assert given.lookup("mlp_gate_up", 4096) == Tile(64, 64, 64, 4, 3)
+    assert given.source == f"vskipper tune-tiles: here ({path})"
+    assert tile_table_for("NVIDIA H100 80GB HBM3").source != given.source  # without the path: the shipped one
+    with pytest.raises(TileTableError, match=r"field 'device' is 'H100-SXM', but this GPU is H200"):
+        tile_table_for("NVIDIA H200", path=path)
+    with pytest.raises(TileTableError, match="no such tile table file"):
+        tile_table_for("NVIDIA H100 80GB HBM3", path=tmp_path / "missing.json")
+    with pytest.raises(TileTableError, match="'Some Future GPU' is not catalogued"):
+        tile_table_for("Some Future GPU", 227 * 1024, path=path)
+
+
+def test_the_packed_reads_tile_is_the_tables_when_measured_and_the_kernels_default_otherwise():
+    data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, device="H100-SXM")
+    assert parse_tile_table(data, 227 * 1024).read is None
+    assert parse_tile_table(data, 227 * 1024).read_tile == DEFAULT_READ_TILE
+    assert tile_table_for("NVIDIA H100 80GB HBM3").read_tile == DEFAULT_READ_TILE  # shipped before the read was tuned
+    data["prefill_read"] = {"block_rows": 128, "block_n": 32, "num_warps": 8, "num_stages": 3, "kernel_ms": 0.5}
+    measured = parse_tile_table(data, 227 * 1024)
+    assert measured.read == measured.read_tile == ReadTile(128, 32, 8, 3)
+    again = parse_tile_table(json.loads(json.dumps(measured.as_dict())), 227 * 1024)
+    assert again.read == measured.read and again.entries == measured.entries

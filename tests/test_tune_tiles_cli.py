@@ -33,3 +33,4 @@ def test_interpreter_smoke_run_writes_a_loadable_table_for_all_thirty_six_shapes
     assert table.device == "RTX-A6000" and "not a measurement" in table.source
     assert sum(len(table.entries[op]) for op in OPERATIONS) == len(OPERATIONS) * len(COUNT_RANGES) == 36
     assert "default tiles" not in table.source  # the tuner measured the attention cohort GEMMs too
+    assert table.read is not None  # and the packed prefill read (on the interpreter: the default launch)

@@ -86,7 +86,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("--enter-tokens", "decode switch: route when resident tokens V >= this", type=int,
               env="VSKIPPER_ENTER_TOKENS", operator_sets=True),
     ServeFlag("--gpu", "GPU product (catalogue name or GFD label) to derive the decode thresholds for when "
-              "--enter/--exit-tokens are not given (default: the GPU nvidia-smi reports)"),
+              "--enter/--exit-tokens are not given, and to check --tile-table against (default: the GPU nvidia-smi "
+              "reports)"),
     ServeFlag("--host", "the address SGLang listens on", default="127.0.0.1", operator_sets=True),
     ServeFlag("--port", "the port SGLang listens on", type=int, default=30000, operator_sets=True),
     ServeFlag("--platform", "cpu: the CPU recipe; gpu: SGLang's kernels if installed, else the CUDA stand-ins with "
@@ -94,6 +95,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               default="auto", choices=PLATFORMS),
     ServeFlag("--gpu-jit", "with the CUDA stand-ins: let SGLang JIT-compile its fused ops (nvcc, ninja) instead of "
               "their torch paths", type=None),
+    ServeFlag("--tile-table", "a tile table measured on this GPU (`vskipper tune-tiles --out FILE`) for the routed "
+              "layers' Triton GEMMs, instead of the one shipped for it; it must name this GPU"),
     ServeFlag("--state-file", "where the scheduler writes its attestation (default: a temp file)"),
     ServeFlag("--dry-run", "print the server command and environment, start nothing", type=None),
 )

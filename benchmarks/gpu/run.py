@@ -1,6 +1,6 @@
 """The device run's stages (benchmarks/gpu/run.sh calls this): dense against routed, served by the real SGLang.
 
-    python benchmarks/gpu/run.py ladder|sweep|headline|kernels|summary OUTDIR [--dry-run]
+    python benchmarks/gpu/run.py tiles|sweep|ladder|headline|kernels|summary OUTDIR [--dry-run]
 
 Each stage writes `OUTDIR/<stage>.json` when it completes and skips work already there (a fresh machine reruns
 only what is missing); a stage stops starting new work when its time budget (`--budget-s`, under nine minutes)
@@ -10,6 +10,9 @@ tiny model and tiny sizes (the same code path; its numbers mean nothing).
 Every stage serves a Llama-3-8B-shaped FlexiDepth configuration (32 layers, routed 16-31, random weights:
 `--load-format dummy`), one server at a time with the device's memory to itself.
 
+tiles     `vskipper tune-tiles` on the device: the routed layers' Triton GEMMs tiled for this device, every
+          range (the prefill one, 513 rows and up, included) and every operation measured here; each later stage's
+          servers take the table (`vskipper serve --tile-table`), as each attests.
 ladder    the headline A/B's dense half (`benchmarks/gpu/headline.py`): on GSM8K-shaped suites with forced output
           lengths, upstream's Q* ladder on dense (loadgen's Q* rule), then dense's side of every headline cell
           (0.75 / 0.95 / 1.25 x Q*, paired repetitions), on the same server.
@@ -22,7 +25,7 @@ headline  the routed half: the hybrid arm (RandomSkip r = 1 d = 0.5; thresholds 
           device, then from the sweep's measured tau where it differs) on every cell, always-route and the s = 0
           control at the knee, each alone; then each arm against dense per load: loadgen's gates and paired 95%
           intervals, beside the paper's figures.
-kernels   benchmarks/mixed_depth_bench.py and `vskipper tune-tiles` for the device.
+kernels   benchmarks/mixed_depth_bench.py with the tuned tiles.
 summary   results.json and summary.md from whatever the stages wrote.
 
 A routed arm's decode passes replay the routed decode graph variant its model captured beside the dense one;
@@ -55,9 +58,10 @@ from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
 
-# The order `run.sh all` runs them in (`run.py stages` prints it): the sweep first, since it measures what the
-# routed passes cost (and the tau the headline's second hybrid arm serves); the tile tuning last.
-STAGES = ("sweep", "ladder", "headline", "kernels")
+# The order `run.sh all` runs them in (`run.py stages` prints it): the tiles first, since every routed server
+# after them serves with the table they measure; then the sweep, which measures what the routed passes cost (and
+# the tau the headline's second hybrid arm serves); the kernel benchmark last.
+STAGES = ("tiles", "sweep", "ladder", "headline", "kernels")
 SKIP_RATIO = 0.5  # RandomSkip r = 1, d = 0.5: half of the routed decisions project
 ARM_FILES = {name: {"name": name, "skipper": "random_skip", "params": {"r": r, "d": 0.5}, "prefill": policy,
                     "decode": policy}
@@ -222,17 +226,26 @@ def rule(plan: Plan, model: Path) -> dict:
     return {**t.as_dict(), "source": f"roofline:{device.name}"}
 
 
+def tuned_table(out: Path) -> Path | None:
+    """The tile table the tiles stage measured on this device, once written whole (None: the servers take the one
+    shipped for the device)."""
+    path = out / "tiles" / TILES_JSON
+    return path if finished(path) else None
+
+
 def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
           arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None) -> Server:
-    """`vskipper serve` with the plan's flags; `thresholds` as its --enter-tokens / --exit-tokens (else the arm's
-    from the roofline rule for the detected GPU)."""
+    """`vskipper serve` with the plan's flags and the tiles stage's table where it wrote one (`model` is
+    OUTDIR/model); `thresholds` as its --enter-tokens / --exit-tokens (else the arm's from the roofline rule for the
+    detected GPU)."""
     extra = list(plan.sglang_flags) + (["--mem-fraction-static", mem] if mem else [])
     kw = {}
     if thresholds is not None:
         kw = {"enter_tokens": thresholds["enter_tokens"], "exit_tokens": thresholds["exit_tokens"]}
     # Killed, not drained, when the stage is done with it: SGLang's graceful shutdown costs about 5 s a server.
     return stack.enter_context(launched(model, workdir, arm=arm, arm_file=arm_file, dtype=plan.dtype,
-                                        extra=extra, platform=plan.platform, graceful=False, **kw))
+                                        extra=extra, platform=plan.platform, graceful=False,
+                                        tile_table=tuned_table(model.parent), **kw))
 
 
 class Attached:
@@ -297,7 +310,7 @@ def served(server: Server) -> dict:
     return {"arm": doc["arm"]["name"], "profile": doc["execution"].get("profile"), "passes_total": doc["passes_total"],
             "graph_passes_total": doc.get("graph_passes_total"), "routed_graph_variants": doc.get("routed_graph_variants"),
             "cuda_graphs": doc["execution"].get("cuda_graphs"), "rows_total": doc.get("rows_total"),
-            "routed_layers_backend": doc["execution"].get("routed_layers_backend"),
+            "routed_layers_backend": doc["execution"].get("routed_layers_backend"), "tiles": doc["execution"].get("tiles"),
             "thresholds": doc["thresholds"], "sglang_version": doc.get("sglang_version")}
 
 
@@ -849,28 +862,22 @@ def bench_grid(plan: Plan) -> list[str]:
 
 
 BENCH_JSON = "mixed_depth_bench.json"
+TILES_JSON = "tile-table.json"  # the tiles stage's table (its field 'device' names the GPU it was measured on)
+DRY_TILES_DEVICE = "H100-SXM"  # the device the dry run's interpreted table is shaped for (no measurement)
 
 
 def finished(target: Path) -> bool:
-    """Whether a kernels-stage step's output is whole: the tile table once written, the bench's JSON once its last
-    section is in (it is written after each section)."""
+    """Whether a step's output is whole: the tile table once written, the bench's JSON once its last section is in
+    (it is written after each section)."""
     if not target.is_file():
         return False
     return target.name != BENCH_JSON or bool(json.loads(target.read_text()).get("complete"))
 
 
-def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
-    stage = Stage("kernels", out, budget_s)
-    device = device_name(plan) or "CPU"
-    tiles = stage.out / f"tiles-{device}.json"
-    bench_json = stage.out / BENCH_JSON
+def run_steps(plan: Plan, stage: Stage, steps) -> dict:
+    """Each (name, output, command) step in a subprocess, within the stage's budget; a step whose output is whole
+    from an earlier run is not run again, one that fails or stops is left for the next run."""
     runs = {}
-    steps = (("tune-tiles", tiles, [sys.executable, "-m", "vskipper.cli", "tune-tiles", "--out", str(tiles),
-                                    *(["--interpret"] if plan.dry_run else ["--device", device]),
-                                    *(["--max-candidates", str(plan.tune_max_candidates)]
-                                      if plan.tune_max_candidates else [])]),
-             ("mixed_depth_bench", bench_json, [sys.executable, str(ROOT / "benchmarks" / "mixed_depth_bench.py"),
-                                                "--json", str(bench_json), *bench_grid(plan)]))
     for name, target, cmd in steps:
         if finished(target):
             runs[name] = {"output": str(target), "exit": 0, "earlier_run": True}
@@ -881,17 +888,44 @@ def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
         if plan.dry_run:
             env["TRITON_INTERPRET"] = "1"
         remaining = max(30.0, stage.deadline - time.monotonic())
+        t0 = time.monotonic()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=remaining)
             code, text = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
             code, text = 124, f"stopped at the stage's time budget\n{exc.stdout or ''}"
         (stage.out / f"{name}.log").write_text(text if isinstance(text, str) else text.decode())
-        runs[name] = {"output": str(target), "exit": code}
+        runs[name] = {"output": str(target), "exit": code, "seconds": round(time.monotonic() - t0, 1)}
         log(stage.name, f"{name}: exit {code}")
         if code != 0 or not finished(target):  # the next run tries it again (the bench writes each section)
             stage.left.append(name)
-    return {"device": device, "runs": runs, "left": stage.left}
+    return runs
+
+
+def stage_tiles(plan: Plan, out: Path, budget_s: float) -> dict:
+    """`vskipper tune-tiles` for the device into OUTDIR/tiles/, which every later server takes (`start`)."""
+    stage = Stage("tiles", out, budget_s)
+    device = device_name(plan) or "CPU"
+    table = stage.out / TILES_JSON
+    cmd = [sys.executable, "-m", "vskipper.cli", "tune-tiles", "--out", str(table),
+           *(["--interpret", "--device", DRY_TILES_DEVICE] if plan.dry_run else ["--device", device]),
+           *(["--max-candidates", str(plan.tune_max_candidates)] if plan.tune_max_candidates else [])]
+    runs = run_steps(plan, stage, (("tune-tiles", table, cmd),))
+    result = {"device": device, "runs": runs, "left": stage.left}
+    if finished(table):
+        result["table"] = json.loads(table.read_text())
+    return result
+
+
+def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
+    stage = Stage("kernels", out, budget_s)
+    device = device_name(plan) or "CPU"
+    bench_json = stage.out / BENCH_JSON
+    table = tuned_table(out)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "mixed_depth_bench.py"), "--json", str(bench_json),
+           *bench_grid(plan), *(["--tile-table", str(table)] if table else [])]
+    runs = run_steps(plan, stage, (("mixed_depth_bench", bench_json, cmd),))
+    return {"device": device, "runs": runs, "left": stage.left, "tile_table": str(table) if table else None}
 
 
 def summary(plan: Plan, out: Path) -> dict:
@@ -931,6 +965,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
                   f"(`device-packages.txt`), not with this machine's {env['triton']}.", ""]
     if results["dry_run"]:
         lines += ["**Dry run on CPU with a tiny model: the pipeline, not performance.**", ""]
+    lines += tiles_lines(results.get("tiles"), results.get("sweep"))
     lines += headline.headline_lines(results.get("ladder"), results.get("headline"))
     sweep = results.get("sweep")
     if sweep and sweep.get("comparison"):
@@ -988,6 +1023,43 @@ def markdown(results: dict, out: Path | None = None) -> str:
     return "\n".join(lines)
 
 
+def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
+    """The tiles stage's table (each shape's kernel against torch on the same packed rows) and the tiles each of
+    the sweep's arms attests it served with."""
+    if not tiles:
+        return []
+    run = tiles["runs"].get("tune-tiles") or {}
+    lines = ["## Tiles", "", f"`vskipper tune-tiles` on {tiles['device']}: exit {run.get('exit', 'not run')}"
+             f"{', ' + str(run['seconds']) + ' s' if run.get('seconds') is not None else ''}"
+             f"{' (an earlier run)' if run.get('earlier_run') else ''}.", ""]
+    table = tiles.get("table")
+    if table:
+        lines += [f"Source: {table['source']}.", "",
+                  "| operation | rows | block m x n x k | warps | stages | kernel ms | torch ms | kernel / torch |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"]
+        for op, entries in table["tiles"].items():
+            for e in entries:
+                lo, hi = e["rows"]
+                lines.append(f"| {op} | {lo}-{hi if hi is not None else ''} | {e['block_m']} x {e['block_n']} x "
+                             f"{e['block_k']} | {e['num_warps']} | {e['num_stages']} | {_f(e.get('kernel_ms'), '.4f')} | "
+                             f"{_f(e.get('torch_ms'), '.4f')} | {_f(e.get('ratio_vs_torch'), '.3f')} |")
+        lines.append("")
+        read = table.get("prefill_read")
+        if read:
+            lines += [f"The packed prefill read ({read['tokens']} tokens, {read['run_share']:.0%} of them RUN): "
+                      f"{read['block_rows']} query rows x {read['block_n']} keys, {read['num_warps']} warps, "
+                      f"{read['num_stages']} stages, {read['kernel_ms']:.4f} ms (the default launch "
+                      f"{read['default_ms']:.4f} ms), against {read['causal_all_rows_ms']:.4f} ms for every row's "
+                      f"causal read (SDPA): {read['kernel_ms'] / read['causal_all_rows_ms']:.3f}x, beside the RUN "
+                      f"rows' share of the query-key pairs, {read['pairs_share']:.3f} (its limit).", ""]
+    served_tiles = {name: (arm.get("served") or {}).get("tiles") for name, arm in ((sweep or {}).get("arms") or {}).items()}
+    if served_tiles:
+        lines += ["Tiles each sweep arm served with (its attestation):", ""]
+        lines += [f"- {name}: {value or 'none (no Triton GEMM in this arm)'}" for name, value in served_tiles.items()]
+        lines.append("")
+    return lines
+
+
 def served_layer_lines(path: Path | None) -> list[str]:
     """The served layer alone (mixed_depth_bench's section 4), where the bench's JSON in the run's folder holds it."""
     bench = json.loads(path.read_text()) if path is not None and path.is_file() else {}
@@ -1036,7 +1108,8 @@ def main(argv: list[str] | None = None) -> int:
     if path.is_file() and not json.loads(path.read_text()).get("left"):
         print(f"[{args.stage}] complete in an earlier run: {path}")
         return 0
-    stages = {"ladder": stage_ladder, "sweep": stage_sweep, "headline": stage_headline, "kernels": stage_kernels}
+    stages = {"tiles": stage_tiles, "ladder": stage_ladder, "sweep": stage_sweep, "headline": stage_headline,
+              "kernels": stage_kernels}
     result = stages[args.stage](plan, args.out, args.budget_s)
     result["plan"] = asdict(plan)
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The device run: dense against routed with the real SGLang 0.5.21 on one GPU, in stages of under nine minutes.
 #
-#   benchmarks/gpu/run.sh install|sweep|ladder|headline|kernels|all OUTDIR [--dry-run]
+#   benchmarks/gpu/run.sh install|tiles|sweep|ladder|headline|kernels|all OUTDIR [--dry-run]
 #
 # install   installs the bundle (.gpu-bundle/, `make gpu-bundle`) into $VSKIPPER_SITE unless it is there already,
 #           and prints the GPU, its memory and driver, torch and triton (OUTDIR/env.json)
+# tiles     `vskipper tune-tiles` for the device (OUTDIR/tiles/tile-table.json): every later server serves with it
 # sweep     fixed-batch decode (batch x context) and prefill at 1k/2k/4k tokens, dense and routed: tau
 #                                                                                     (benchmarks/gpu/run.py)
 # ladder    dense alone on GSM8K-shaped load: upstream's Q* ladder, then dense's side of the headline cells
@@ -12,7 +13,7 @@
 # headline  each routed arm alone on the same cells (hybrid with the rule's thresholds; always-route and the
 #           s = 0 control at the knee; then hybrid with the sweep's tau), each against dense with gates and
 #           intervals
-# kernels   benchmarks/mixed_depth_bench.py and `vskipper tune-tiles` for the device
+# kernels   benchmarks/mixed_depth_bench.py with the tuned tiles
 # all       each in that order (a stage stopped by its budget or limit runs again, up to three runs), then
 #           OUTDIR/results.json and OUTDIR/summary.md
 #
@@ -22,12 +23,12 @@
 # environment instead of the bundle); its numbers mean nothing.
 set -euo pipefail
 
-usage() { echo "usage: $0 install|sweep|ladder|headline|kernels|all OUTDIR [--dry-run]" >&2; exit 2; }
+usage() { echo "usage: $0 install|tiles|sweep|ladder|headline|kernels|all OUTDIR [--dry-run]" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 STAGE=$1 OUT=$2 DRY=""
 [ "${3:-}" = "--dry-run" ] && DRY="--dry-run"
 [ $# -le 3 ] || usage
-case $STAGE in install|sweep|ladder|headline|kernels|all) ;; *) usage ;; esac
+case $STAGE in install|tiles|sweep|ladder|headline|kernels|all) ;; *) usage ;; esac
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUNDLE=${VSKIPPER_BUNDLE:-$ROOT/.gpu-bundle}

@@ -141,7 +141,8 @@ def _gemm_launches(table) -> list[Launch]:
     return list(out)
 
 
-def _attention_launches() -> list[Launch]:
+def _attention_launches(read_tile) -> list[Launch]:
+    """The decode read, the packed prefill read at `read_tile` (the device table's), the cohort maps."""
     import torch
     from triton import next_power_of_2
 
@@ -170,8 +171,9 @@ def _attention_launches() -> list[Launch]:
         _launch("packed_prefill_kernel",
                 {**reads, "out_ptr": q, "slots_total": ROWS, "stride_qm": q.stride(0), "stride_qh": q.stride(1),
                  "stride_om": q.stride(0), "stride_oh": q.stride(1)},
-                {"GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": HEAD_DIM, "BLOCK_M": kn.packed_prefill_block_m(block_g),
-                 "BLOCK_N": kn.PACKED_PREFILL_BLOCK_N}, kn.PACKED_PREFILL_WARPS, kn.PACKED_PREFILL_STAGES),
+                {"GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": HEAD_DIM,
+                 "BLOCK_M": kn.packed_prefill_block_m(block_g, read_tile), "BLOCK_N": read_tile.block_n},
+                read_tile.num_warps, read_tile.num_stages),
     ]
     for rows in COHORT_MAP_ROWS:
         block = next_power_of_2(rows)
@@ -186,7 +188,8 @@ def _attention_launches() -> list[Launch]:
 def launches_for(device: Device) -> list[Launch]:
     from vskipper.mixed.tiles import tile_table_for
 
-    return _gemm_launches(tile_table_for(device.name)) + _attention_launches()
+    table = tile_table_for(device.name)
+    return _gemm_launches(table) + _attention_launches(table.read_tile)
 
 
 def compile_launch(launch: Launch, capability: int) -> dict:

@@ -40,11 +40,13 @@ The GEMMs accumulate in fp32. For the FlexiDepth projector pass (gate_proj, down
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
-from vskipper.mixed.tiles import Tile, TileTable, tile_table_for
+from vskipper.mixed.tiles import DEFAULT_READ_TILE, ReadTile, Tile, TileTable, tile_table_for
 
 # Under the interpreter (tests on CPU) small tiles keep the numpy emulation quick.
 INTERPRETER_TILE = Tile(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
@@ -160,17 +162,20 @@ def _grid_tile(op: str, capacity: int, x: torch.Tensor, tiles: TileTable | Tile 
     return tiles.lookup(op, capacity)
 
 
-_TABLES: dict[int, TileTable] = {}
+_TABLES: dict[tuple[int, str | None], TileTable] = {}
 
 
-def device_tile_table(device: torch.device) -> TileTable:
-    """The measured table of the CUDA device, or the default for its shared-memory limit (cached per index)."""
+def device_tile_table(device: torch.device, path: str | Path | None = None) -> TileTable:
+    """The table the CUDA device serves with: the one at `path` when given (measured on this device:
+    `tiles.given_tile_table`), else its shipped table or the default for its shared-memory limit (cached per
+    index and path)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _TABLES:
+    key = (index, None if path is None else str(path))
+    if key not in _TABLES:
         props = torch.cuda.get_device_properties(index)
         limit = getattr(props, "shared_memory_per_block_optin", None) or 99 * 1024
-        _TABLES[index] = tile_table_for(props.name, limit)
-    return _TABLES[index]
+        _TABLES[key] = tile_table_for(props.name, limit, path=path)
+    return _TABLES[key]
 
 
 def cohort_gate_up(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w_gate: torch.Tensor,
@@ -463,20 +468,19 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
              out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
-PACKED_PREFILL_BLOCK_N = 64  # keys a step of the packed prefill read on a GPU
-PACKED_PREFILL_WARPS, PACKED_PREFILL_STAGES = 4, 2
+INTERPRETED_READ_TILE = ReadTile(16, 16)  # under the interpreter: tl.dot's least M and N
 
 
-def packed_prefill_block_m(block_g: int, interpreted: bool = False) -> int:
-    """Slots a program of the packed prefill read: 64 query rows on a GPU (slots x the group's heads, padded to
-    `block_g`), 16 under the interpreter (tl.dot's least M)."""
-    return max(1, (16 if interpreted else 64) // block_g)
+def packed_prefill_block_m(block_g: int, tile: ReadTile) -> int:
+    """Slots a program of the packed prefill read: the tile's query rows over the group's heads (padded to
+    `block_g`)."""
+    return max(1, tile.block_rows // block_g)
 
 
 def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                              req_to_token: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor,
                              reads: torch.Tensor, scale: float, block_m: int | None = None,
-                             block_n: int | None = None) -> torch.Tensor:
+                             block_n: int | None = None, tile: ReadTile | None = None) -> torch.Tensor:
     """The prefill attention read of the RUN cohort's packed slots alone, bounded by a device mask (no host read).
 
     Reads   q [C, heads, hd] for the slots `reads` marks (bool [C], a prefix: the first n_run slots; slot m:
@@ -489,6 +493,8 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
             of their positions, flash-attention style (online softmax). Slots of one request must be consecutive
             with rising positions, as a prefill pass's cohort packs them (batch order); Project-Only tokens are in
             no slot and read nothing.
+    Tile    `tile` on a GPU (the device table's `prefill_read`; default `DEFAULT_READ_TILE`), the interpreter's
+            16 x 16 elsewhere; `block_m` / `block_n` override its slots a program and keys a step (tests).
     """
     slots, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
@@ -496,12 +502,12 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
         raise ValueError(f"head_dim must be a power of two >= 16 for the packed prefill attention, got {head_dim}")
     group = heads // kv_heads
     block_g = triton.next_power_of_2(group)
-    interpreted = not q.is_cuda
-    block_m = block_m or packed_prefill_block_m(block_g, interpreted)
+    t = (tile or DEFAULT_READ_TILE) if q.is_cuda else INTERPRETED_READ_TILE
+    block_m = block_m or packed_prefill_block_m(block_g, t)
     if block_m * block_g < 16:
         raise ValueError(f"block_m {block_m} x {block_g} heads a KV head gives {block_m * block_g} query rows a "
                          "program, fewer than 16")
-    block_n = block_n or (16 if interpreted else PACKED_PREFILL_BLOCK_N)
+    block_n = block_n or t.block_n
     q = q.contiguous()
     out = torch.zeros_like(q)
     read = reads.contiguous() if reads.dtype == torch.bool else reads.to(torch.bool)
@@ -509,5 +515,5 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
         q, k_pool, v_pool, req_to_token, req_indices, positions, read, out, scale, slots,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=PACKED_PREFILL_WARPS, num_stages=PACKED_PREFILL_STAGES)
+        BLOCK_N=block_n, num_warps=t.num_warps, num_stages=t.num_stages)
     return out

@@ -1,4 +1,4 @@
-"""Per-device tile tables for the count-bounded cohort GEMMs.
+"""Per-device tile tables for the count-bounded cohort GEMMs and the packed prefill read.
 
 A table is a JSON file per device, keyed by operation and by the captured batch size C (the static grid is
 sized for C rows, so C picks the tile, never the device-side count):
@@ -6,7 +6,11 @@ sized for C rows, so C picks the tile, never the device-side count):
   {"device": "H200", "dtype": "bfloat16", "source": "vskipper tune-tiles ...",
    "tiles": {"mlp_gate_up": [{"rows": [1, 16], "block_m": 16, "block_n": 64, "block_k": 64,
                                "num_warps": 4, "num_stages": 4, "ratio_vs_torch": 0.93}, ...],
-             "mlp_down": [...], "proj_gate_up": [...], "proj_down": [...]}}
+             "mlp_down": [...], "proj_gate_up": [...], "proj_down": [...]},
+   "prefill_read": {"block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "kernel_ms": ...}}
+
+`prefill_read` (optional: a table without it reads with `DEFAULT_READ_TILE`) is the packed prefill read's launch,
+timed by the tuner on one prompt of a prefill range's rows with half of them RUN.
 
 `rows` ranges must cover 1.. without gaps (the last one open: [513, null]). The six operations are the gate-up
 (two operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the
@@ -58,12 +62,33 @@ class Tile:
         return self.num_stages * (self.block_m * self.block_k + weights * self.block_k * self.block_n) * dtype_bytes
 
 
+@dataclass(frozen=True)
+class ReadTile:
+    """A launch of the packed prefill read (`kernels.packed_prefill_attention`) on a GPU: `block_rows` query rows a
+    program (its slots times the query heads that share a KV head, padded to a power of two), `block_n` keys a
+    step, and the launch's warps and pipeline stages."""
+
+    block_rows: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_READ_TILE = ReadTile(64, 64, 4, 2)  # a table without `prefill_read` (all before the read was tuned)
+READ_FIELD = "prefill_read"
+
+
 @dataclass
 class TileTable:
     device: str
     dtype: str
     entries: dict[str, list[tuple[int, int | None, Tile]]]
     source: str
+    read: ReadTile | None = None  # the packed prefill read's tile; None: not in the table (`DEFAULT_READ_TILE`)
+
+    @property
+    def read_tile(self) -> ReadTile:
+        return self.read or DEFAULT_READ_TILE
 
     def lookup(self, op: str, capacity: int) -> Tile:
         if op not in self.entries:
@@ -76,7 +101,8 @@ class TileTable:
     def as_dict(self) -> dict:
         return {"device": self.device, "dtype": self.dtype, "source": self.source,
                 "tiles": {op: [{"rows": [lo, hi], **asdict(t)} for lo, hi, t in rows]
-                          for op, rows in self.entries.items()}}
+                          for op, rows in self.entries.items()},
+                **({READ_FIELD: asdict(self.read)} if self.read is not None else {})}
 
 
 def _check_power_of_two(where: str, name: str, value: object, low: int) -> int:
@@ -150,7 +176,22 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
             raise TileTableError(f"{where}: tiles.{op} must end with an open-ended range [first, null]")
         entries[op] = rows_out
     entries = {op: entries[op] for op in OPERATIONS}
-    return TileTable(str(data.get("device", "unknown")), dtype, entries, source)
+    read = _parse_read_tile(data[READ_FIELD], f"{where}: {READ_FIELD}") if READ_FIELD in data else None
+    return TileTable(str(data.get("device", "unknown")), dtype, entries, source, read)
+
+
+def _parse_read_tile(entry: object, where: str) -> ReadTile:
+    """The packed prefill read's tile. Its shared memory depends on the model's head_dim, which a table does not
+    know: the tuner ran it on the device, and `compile_check` compiles it for the served shapes."""
+    if not isinstance(entry, dict):
+        raise TileTableError(f"{where}: expected an object with block_rows, block_n, num_warps, num_stages")
+    tile = ReadTile(_check_power_of_two(where, "block_rows", entry.get("block_rows"), 16),
+                    _check_power_of_two(where, "block_n", entry.get("block_n"), 16),
+                    _check_power_of_two(where, "num_warps", entry.get("num_warps", 4), 1),
+                    entry.get("num_stages", 2))
+    if not isinstance(tile.num_stages, int) or not 1 <= tile.num_stages <= 8:
+        raise TileTableError(f"{where}: num_stages must be an integer in 1..8, got {tile.num_stages!r}")
+    return tile
 
 
 def load_tile_table(path: str | Path, device: Device | None = None, shared_mem_per_block: int | None = None
@@ -210,10 +251,13 @@ def table_path(device: Device) -> Path:
     return TABLE_DIR / f"{device.name}.json"
 
 
-def tile_table_for(product: str, shared_mem_per_block: int | None = None, dtype: str = "bfloat16") -> TileTable:
-    """The table to serve with on a device named `product` (catalogue name or GPU product string): its measured
-    table when one ships, otherwise the default for its shared-memory limit (catalogue value, or the one given
-    for an unknown device)."""
+def tile_table_for(product: str, shared_mem_per_block: int | None = None, dtype: str = "bfloat16",
+                   path: str | Path | None = None) -> TileTable:
+    """The table to serve with on a device named `product` (catalogue name or GPU product string): the table at
+    `path` when one is given (`given_tile_table`), else its measured table when one ships, otherwise the default
+    for its shared-memory limit (catalogue value, or the one given for an unknown device)."""
+    if path is not None:
+        return given_tile_table(path, product)
     device = find_device(product)
     if device is not None and table_path(device).exists():
         return load_tile_table(table_path(device), device)
@@ -221,3 +265,23 @@ def tile_table_for(product: str, shared_mem_per_block: int | None = None, dtype:
     if limit is None:
         raise TileTableError(f"device {product!r} is not catalogued and no shared-memory limit was given")
     return default_tile_table(limit, device.name if device else product, dtype)
+
+
+def given_tile_table(path: str | Path, product: str) -> TileTable:
+    """A table measured on this device and handed to the server (`vskipper serve --tile-table`, e.g. one
+    `vskipper tune-tiles` just wrote on it) instead of the one that ships: it must name the device it serves
+    (field 'device') and fit that device's shared memory. Its source names the file."""
+    path = Path(path)
+    device = find_device(product)
+    if device is None:
+        raise TileTableError(f"{path}: the GPU {product!r} is not catalogued (`vskipper devices`), so no measured "
+                             "table can be checked against it")
+    if not path.is_file():
+        raise TileTableError(f"{path}: no such tile table file")
+    table = load_tile_table(path, device)
+    named = find_device(table.device)
+    if named is None or named.name != device.name:
+        raise TileTableError(f"{path}: field 'device' is {table.device!r}, but this GPU is {device.name}: a tile "
+                             "table serves the device it was measured on")
+    table.source = f"{table.source} ({path})"
+    return table

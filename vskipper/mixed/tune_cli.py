@@ -32,6 +32,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.interpret:
         hidden, intermediate, proj, q_width = 32, 64, 16, 32  # tiny smoke widths
+        read_heads = (4, 2, 16)  # heads, KV heads, head_dim
         name = args.device or "interpreter-smoke"
         limit = lookup_device(args.device).shared_mem_per_block if args.device else 99 * 1024
     else:
@@ -42,13 +43,14 @@ def _run(args: argparse.Namespace) -> int:
         hidden, intermediate = facts.hidden_size, facts.intermediate_size
         proj = intermediate // 16
         q_width = facts.num_attention_heads * facts.head_dim
+        read_heads = (facts.num_attention_heads, facts.num_kv_heads, facts.head_dim)
         props = torch.cuda.get_device_properties(0)
         device = lookup_device(args.device or props.name)
         name = device.name
         limit = min(device.shared_mem_per_block,
                     getattr(props, "shared_memory_per_block_optin", None) or device.shared_mem_per_block)
     table = tune(name, limit, hidden, intermediate, proj, args.dtype, args.interpret, args.max_candidates,
-                 q_width=q_width)
+                 q_width=q_width, read_heads=read_heads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=2) + "\n")

@@ -5,7 +5,9 @@ representative size for the range (the range's upper end; 256 for the open one) 
 with a random row map, times every candidate tile that fits the device's shared memory, and times the torch
 equivalent on the same packed rows (gather, matmul(s) on cuBLAS, SiLU-and-multiply; for down, the matmul
 and the weighted index_add; for Q, the gather and the matmul; for o_proj, the matmul and the index_add). The
-best candidate goes in the table with its time ratio to torch.
+best candidate goes in the table with its time ratio to torch. Then the packed prefill read (`tune_prefill_read`):
+each launch of `READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, beside the causal read of every
+row; the fastest goes in the table's `prefill_read`.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny
 widths, fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table, whose times
@@ -22,7 +24,18 @@ from dataclasses import asdict
 import torch
 from torch.nn import functional as F
 
-from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, Tile, parse_tile_table
+from vskipper.mixed.tiles import (
+    COUNT_RANGES,
+    DEFAULT_READ_TILE,
+    OPERATIONS,
+    READ_FIELD,
+    ReadTile,
+    Tile,
+    TileTable,
+    TileTableError,
+    parse_tile_table,
+    tile_table_for,
+)
 from vskipper.modelspec import DTYPE_BYTES
 
 
@@ -40,8 +53,33 @@ def representative_rows(lo: int, hi: int | None, interpret: bool = False) -> int
     return max(lo, INTERPRETED_PREFILL_ROWS if interpret else PREFILL_ROWS)
 
 
+# Tiles tried first for a prefill pass's rows, whatever the sample (which may hold few tiles of 128 rows): the
+# first five of Triton's matmul tutorial's CUDA configurations, and 128 x 128 x 64 at 8 warps.
+PREFILL_SEED_TILES = (Tile(128, 256, 64, 8, 3), Tile(64, 256, 32, 4, 4), Tile(128, 128, 32, 4, 4),
+                      Tile(128, 128, 64, 8, 3), Tile(128, 64, 32, 4, 4), Tile(64, 128, 32, 4, 4))
+
+
+def current_table(device_name: str, shared_mem_per_block: int, dtype: str) -> TileTable | None:
+    """The table the device serves with before this tuning (shipped, or the default for its shared memory); None
+    where none loads here."""
+    try:
+        return tile_table_for(device_name, shared_mem_per_block, dtype)
+    except TileTableError:
+        return None
+
+
+def seed_tiles(op: str, lo: int, rows: int, current: TileTable | None) -> list[Tile]:
+    """The tiles a shape is tried with before the sample: the `current` table's at that range, so a new table is
+    never measured worse than the one it replaces, and for a prefill range the large tiles of
+    `PREFILL_SEED_TILES`."""
+    return ([current.lookup(op, rows)] if current is not None else []) + (list(PREFILL_SEED_TILES) if lo > 512 else [])
+
+
 def candidate_tiles(op: str, rows: int, shared_mem_per_block: int, dtype_bytes: int = 2,
-                    limit: int | None = None) -> list[Tile]:
+                    limit: int | None = None, seeds: tuple[Tile, ...] | list[Tile] = ()) -> list[Tile]:
+    """The tiles tried for `op` over `rows` rows: `seeds` first (those whose buffers fit), then the grid of block
+    sizes, warps and stages that fits the shared memory, sampled evenly down to `limit` tiles in all."""
+    fits = [t for t in dict.fromkeys(seeds) if t.shared_mem_bytes(op, dtype_bytes) <= shared_mem_per_block]
     top_m = max(16, 1 << (rows - 1).bit_length())
     out = []
     for bm in (16, 32, 64, 128):
@@ -54,11 +92,14 @@ def candidate_tiles(op: str, rows: int, shared_mem_per_block: int, dtype_bytes: 
                         t = Tile(bm, bn, bk, warps, stages)
                         if t.shared_mem_bytes(op, dtype_bytes) <= shared_mem_per_block:
                             out.append(t)
+    out = [t for t in out if t not in fits]
     if limit is not None:
-        # Spread the sample over the list, always keeping the smallest and largest tiles.
-        step = max(1, len(out) // max(1, limit))
-        out = out[::step][:limit]
-    return out
+        # The seeds first, then a sample spread over the list (its smallest tile always in it).
+        fits = fits[:limit]
+        room = limit - len(fits)
+        step = max(1, len(out) // max(1, room))
+        out = out[::step][:room]
+    return fits + out
 
 
 def time_call(fn: Callable[[], object], interpret: bool, reps: int = 20) -> float:
@@ -109,10 +150,78 @@ def shape_calls(op: str, rows: int, w1: torch.Tensor, w2: torch.Tensor, g: torch
             lambda tile: cohort_down_scatter(packed, idx, count, weights, w1, y, tile=tile))
 
 
+# The packed prefill read's launches tried on a GPU, the kernel's default first: query rows a program (the slots
+# times the grouped heads), keys a step, warps, stages.
+READ_CANDIDATES = (DEFAULT_READ_TILE, ReadTile(64, 32, 4, 3), ReadTile(64, 64, 4, 3), ReadTile(64, 128, 8, 2),
+                   ReadTile(128, 32, 8, 3), ReadTile(128, 64, 8, 2), ReadTile(128, 64, 8, 3), ReadTile(128, 128, 8, 2))
+READ_RUN_SHARE = 0.5  # the RUN share of the prompt the read is tuned on (RandomSkip r = 1, d = 0.5)
+INTERPRETED_READ_TOKENS = 64
+
+
+def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.Generator, device: torch.device,
+               dtype: torch.dtype) -> tuple[Callable[[], object], Callable[[ReadTile], object], float]:
+    """The causal read of one prompt of `tokens` tokens by every row (SDPA, as a dense layer reads) and the packed
+    read of its RUN rows alone (a random `READ_RUN_SHARE` of them, packed in position order, their K/V in shuffled
+    pool slots) at a given tile; and the share of query-key pairs the RUN rows have (the read's limit)."""
+    from vskipper.mixed.kernels import packed_prefill_attention
+
+    k_pool = torch.randn(tokens, kv_heads, head_dim, generator=g).to(device, dtype)
+    v_pool = torch.randn(tokens, kv_heads, head_dim, generator=g).to(device, dtype)
+    r2t = torch.randperm(tokens, generator=g).to(torch.int32).view(1, tokens).to(device)
+    n_run = max(1, int(tokens * READ_RUN_SHARE))
+    pos = torch.randperm(tokens, generator=g)[:n_run].sort().values
+    q_all = torch.randn(tokens, heads, head_dim, generator=g).to(device, dtype)
+    q, positions = q_all[pos.to(device)].contiguous(), pos.to(device)
+    req = torch.zeros(n_run, dtype=torch.int64, device=device)
+    reads = torch.ones(n_run, dtype=torch.bool, device=device)
+    scale = head_dim ** -0.5
+    k_seq = k_pool[r2t[0].long()].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, tokens, hd] in position order
+    v_seq = v_pool[r2t[0].long()].transpose(0, 1).unsqueeze(0)
+    q_seq = q_all.transpose(0, 1).unsqueeze(0)
+
+    def causal():
+        return F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=True)
+
+    def packed(tile: ReadTile):
+        return packed_prefill_attention(q, k_pool, v_pool, r2t, req, positions, reads, scale, tile=tile)
+
+    pairs = float((pos + 1).sum()) / (tokens * (tokens + 1) / 2)
+    return causal, packed, pairs
+
+
+def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16", interpret: bool = False,
+                      log: Callable[[str], None] = print) -> dict:
+    """The packed prefill read's best launch (`READ_CANDIDATES`) on one prompt of a prefill range's rows, beside
+    the default's time and the causal read of every row; the table's `prefill_read` entry."""
+    device = torch.device("cpu" if interpret else "cuda")
+    tokens = INTERPRETED_READ_TOKENS if interpret else PREFILL_ROWS
+    tdtype = torch.float32 if interpret else getattr(torch, dtype)
+    causal, packed, pairs = read_calls(tokens, heads, kv_heads, head_dim, torch.Generator().manual_seed(1), device,
+                                       tdtype)
+    causal_ms = time_call(causal, interpret)
+    timed: dict[ReadTile, float] = {}
+    for tile in READ_CANDIDATES[:1] if interpret else READ_CANDIDATES:
+        try:
+            timed[tile] = time_call(lambda tile=tile: packed(tile), interpret)
+        except Exception as exc:  # a launch the compiler rejects (registers, shared memory) is skipped
+            log(f"  prefill_read: skip {tile}: {type(exc).__name__}")
+    if not timed:
+        raise TunerError("prefill_read: no candidate launch ran")
+    tile, ms = min(timed.items(), key=lambda kv: kv[1])
+    log(f"prefill_read  {tokens} tokens, {READ_RUN_SHARE:.0%} RUN, heads {heads}/{kv_heads} x {head_dim}: best {tile} "
+        f"{ms:.4f} ms (default {timed.get(DEFAULT_READ_TILE, float('nan')):.4f} ms) vs every row's causal read "
+        f"{causal_ms:.4f} ms ({ms / causal_ms:.2f}x; the RUN rows' share of the pairs {pairs:.2f})")
+    return {**asdict(tile), "kernel_ms": round(ms, 5), "default_ms": round(timed.get(DEFAULT_READ_TILE, ms), 5),
+            "causal_all_rows_ms": round(causal_ms, 5), "pairs_share": round(pairs, 4), "tokens": tokens,
+            "run_share": READ_RUN_SHARE}
+
+
 def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate: int, proj_width: int,
          dtype: str = "bfloat16", interpret: bool = False, max_candidates: int | None = None,
-         log: Callable[[str], None] = print, q_width: int | None = None) -> dict:
-    """Tune all 36 shapes; returns the table as a dict (validated), each entry with its ratio to torch."""
+         log: Callable[[str], None] = print, q_width: int | None = None,
+         read_heads: tuple[int, int, int] | None = None) -> dict:
+    """Tune all 36 shapes (and, given `read_heads` = (heads, kv_heads, head_dim), the packed prefill read);
+    returns the table as a dict (validated), each entry with its ratio to torch."""
     if interpret:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise TunerError("interpreter smoke run needs TRITON_INTERPRET=1 set before triton is imported")
@@ -124,6 +233,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
         device = torch.device("cuda")
     tdtype = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
+    current = current_table(device_name, shared_mem_per_block, dtype)
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:
         k_dim, n_dim = op_dims(op, hidden, intermediate, proj_width, q_width)
@@ -135,7 +245,8 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
             reference, kernel = shape_calls(op, rows, w1, w2, g, device, tdtype)
             torch_ms = time_call(reference, interpret)
             best: tuple[float, Tile] | None = None
-            for tile in candidate_tiles(op, rows, shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates):
+            seeds = seed_tiles(op, lo, rows, current)
+            for tile in candidate_tiles(op, rows, shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates, seeds):
                 try:
                     ms = time_call(lambda tile=tile, kernel=kernel: kernel(tile), interpret)
                 except Exception as exc:  # a candidate the compiler rejects (e.g. out of registers) is skipped
@@ -157,5 +268,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
                        f"vskipper tune-tiles: hidden {hidden}, intermediate {intermediate}, projector {proj_width}, "
                        f"q {q_width or hidden}"),
             "tiles": tiles}
+    if read_heads is not None:
+        data[READ_FIELD] = tune_prefill_read(*read_heads, dtype=dtype, interpret=interpret, log=log)
     parse_tile_table(data, shared_mem_per_block, where="tuned table")  # what we write must load
     return data

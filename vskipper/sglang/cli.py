@@ -97,6 +97,29 @@ def thresholds(arm: Arm, enter: int | None, exit_: int | None, model_dir: str | 
     return t.enter_tokens, t.exit_tokens, f"roofline:{device.name}"
 
 
+def checked_tile_table(path: str | None, platform: str, product: str | None = None) -> Path | None:
+    """The tile table the server is handed (`--tile-table`, else `ENV_TILE_TABLE` from this environment), checked
+    here before anything heavy starts: it loads, and on a GPU it names that GPU (`product`, else the detected
+    one). The model checks it again against the device it runs on."""
+    from vskipper.mixed.tiles import TileTableError, given_tile_table, load_tile_table
+    from vskipper.sglang.spec import ENV_TILE_TABLE
+
+    path = path or os.environ.get(ENV_TILE_TABLE) or None
+    if path is None:
+        return None
+    try:
+        if not Path(path).is_file():
+            raise TileTableError(f"{path}: no such tile table file")
+        product = product or (detect_gpu_product() if platform == "gpu" else None)
+        if product is not None:
+            given_tile_table(path, product)
+        else:
+            load_tile_table(path)
+    except TileTableError as exc:
+        raise ValueError(f"--tile-table: {exc}") from None
+    return Path(path).resolve()
+
+
 def platform_profile(platform: str, jit: bool = False):
     """The serving profile of a resolved platform on this machine: on a GPU, with the real `sgl_kernel` where one
     is importable, else the stand-ins."""
@@ -124,8 +147,9 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     profile = platform_profile(platform, getattr(args, "gpu_jit", False))
     extra = list(args.sglang_args or [])
     state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
+    tiles = checked_tile_table(getattr(args, "tile_table", None), platform, getattr(args, "gpu", None))
     spec = ServeSpec(arm, enter, exit_, state, source, profile.attestation(), part_clock_from_env(os.environ),
-                     switch_from_env(os.environ, ENV_INTERLEAVE_CONTROL))
+                     switch_from_env(os.environ, ENV_INTERLEAVE_CONTROL), tile_table=tiles)
     cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *profile.flags,
            "--host", args.host, "--port", str(args.port), *extra,
            *(eager_routed_phases(arm) if platform == "gpu" else ())]

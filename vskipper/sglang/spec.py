@@ -33,6 +33,9 @@ ENV_INTERLEAVE_CONTROL = "VSKIPPER_INTERLEAVE_CONTROL"
 # TRITON_INTERPRET=1, which the server's environment then keeps: tests). The same served semantics either way.
 ENV_EXECUTION = "VSKIPPER_COHORT_EXECUTION"
 EXECUTIONS = ("auto", "torch", "triton")
+# A tile table measured on the serving GPU (`vskipper serve --tile-table`), which the triton execution's GEMMs take
+# instead of the one shipped for it (`vskipper.mixed.tiles.given_tile_table`); unset: the shipped one.
+ENV_TILE_TABLE = "VSKIPPER_TILE_TABLE"
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
 GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}
@@ -55,6 +58,7 @@ class ServeSpec:
     part_clock: bool = False  # time each part of each pass (a measurement mode; off when deployed)
     interleave_control: bool = False  # every other routed pass of each phase all-RUN (`ENV_INTERLEAVE_CONTROL`)
     execution: str = "auto"  # the routed layers' cohort execution asked for (`ENV_EXECUTION`)
+    tile_table: Path | None = None  # a table measured on this GPU (`ENV_TILE_TABLE`); None: the shipped one
 
     def __post_init__(self) -> None:
         if self.execution not in EXECUTIONS:
@@ -73,6 +77,8 @@ class ServeSpec:
             env[ENV_INTERLEAVE_CONTROL] = "1"
         if self.execution != "auto":
             env[ENV_EXECUTION] = self.execution
+        if self.tile_table is not None:
+            env[ENV_TILE_TABLE] = str(self.tile_table)
         return env
 
     @classmethod
@@ -97,7 +103,8 @@ class ServeSpec:
             raise ServeConfigError(f"{ENV_PROFILE}: not JSON ({exc})") from None
         return cls(arm, thresholds[0], thresholds[1], Path(state) if state else None,
                    environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile, part_clock_from_env(environ),
-                   switch_from_env(environ, ENV_INTERLEAVE_CONTROL), environ.get(ENV_EXECUTION, "auto"))
+                   switch_from_env(environ, ENV_INTERLEAVE_CONTROL), environ.get(ENV_EXECUTION, "auto"),
+                   Path(environ[ENV_TILE_TABLE]) if environ.get(ENV_TILE_TABLE) else None)
 
 
 def switch_from_env(environ, name: str) -> bool:

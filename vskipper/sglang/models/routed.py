@@ -35,7 +35,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -55,11 +56,12 @@ from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
 from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.mixed.routed_layer import Handoff, routed_layer
+from vskipper.mixed.tiles import ReadTile, TileTableError
 from vskipper.sglang import active
 from vskipper.sglang.part_times import PartClock, PassClock, clock_phase
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
-from vskipper.sglang.spec import ENV_EXECUTION, ROUTED_GRAPH_PHASES, ServeConfigError
+from vskipper.sglang.spec import ENV_EXECUTION, ENV_TILE_TABLE, ROUTED_GRAPH_PHASES, ServeConfigError
 from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, is_router_tensor, router_sizes
 
 
@@ -136,6 +138,8 @@ class CohortExecution:
         tiles = getattr(self.tiles, "source", None) if self.tiles is not None else (
             "interpreter tile" if self.decode == "triton" else None)
         read = {"decode_read": self.decode_read} if self.decode == "torch" else {}
+        if self.tiles is not None:  # the packed read's launch: the table's (measured) or the kernel's default
+            read["prefill_read_tile"] = {**asdict(self.tiles.read_tile), "measured": self.tiles.read is not None}
         return {"decode": self.decode, **read, "prefill": self.prefill, "prefill_read": self.prefill_read,
                 "tiles": tiles, **({"why": self.reason} if self.reason else {})}
 
@@ -164,9 +168,11 @@ def triton_blocker(layer) -> str | None:
     return None
 
 
-def cohort_execution(layers, device: torch.device, requested: str = "auto") -> CohortExecution:
+def cohort_execution(layers, device: torch.device, requested: str = "auto",
+                     tile_table: Path | None = None) -> CohortExecution:
     """The execution for these routed layers on `device`: `auto` takes triton on CUDA where every layer allows it
-    (`triton_blocker`), torch elsewhere. The triton execution prefills with the packed read; the torch one reads
+    (`triton_blocker`), torch elsewhere. The triton execution prefills with the packed read, its GEMMs tiled by
+    the table at `tile_table` (measured on this device) or else the one shipped for it; the torch one reads
     through SGLang's attention backend on CUDA and per request on CPU, and decodes with SGLang's torch-native read
     over the RUN rows on CPU, the masked one elsewhere."""
     if select_backend(requested, device) == "triton":
@@ -174,7 +180,7 @@ def cohort_execution(layers, device: torch.device, requested: str = "auto") -> C
         if why is None:
             from vskipper.mixed.kernels import device_tile_table
 
-            return CohortExecution("triton", device_tile_table(device) if device.type == "cuda" else None,
+            return CohortExecution("triton", device_tile_table(device, tile_table) if device.type == "cuda" else None,
                                    prefill_read="packed")
     else:
         why = ""
@@ -247,9 +253,10 @@ class SGLangLayerOps:
     """`LayerOps` over an SGLang decoder layer (Llama or Qwen3) for one pass (`vskipper.mixed.routed_layer`)."""
 
     def __init__(self, layer, positions: torch.Tensor, forward_batch, plan: PassPlan, backend: str = "torch",
-                 prefill_read: str = "rows", decode_read: str = "masked") -> None:
+                 prefill_read: str = "rows", decode_read: str = "masked", read_tile: ReadTile | None = None) -> None:
         self.layer, self.positions, self.fb, self.plan = layer, positions, forward_batch, plan
         self.backend, self.prefill_read, self.decode_read = backend, prefill_read, decode_read
+        self.read_tile = read_tile  # the packed prefill read's launch on a GPU (the device table's)
         self.written: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's K/V of this pass, once written
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, their positions), `_positions`
         self.q_all: torch.Tensor | None = None  # every row's Q, where `kv` ran the whole qkv_proj (no row view)
@@ -330,7 +337,7 @@ class SGLangLayerOps:
 
             out = packed_prefill_attention(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid),
                                            get_req_to_token_pool().req_to_token, req, self._positions(rows), reads,
-                                           a.attn.scaling)
+                                           a.attn.scaling, tile=self.read_tile)
             return out.reshape(q.shape[0], -1)
         if self.backend == "triton":  # decode over the packed cohort slots (launch shape: the capacity); slots
             # outside `reads` read nothing
@@ -502,7 +509,8 @@ class RoutedLayerMixin:
         execution = self._slot.execution
         triton = execution.decode == "triton"  # one execution for both phases
         ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton" if triton else "torch",
-                             prefill_read=execution.prefill_read, decode_read=execution.decode_read)
+                             prefill_read=execution.prefill_read, decode_read=execution.decode_read,
+                             read_tile=execution.tiles.read_tile if execution.tiles is not None else None)
         if self._slot.part_clock is not None:  # the read the body takes, whichever it is, is the clock's `read`
             ops.read = self._slot.part_clock.timed(ops.read, "read")
         if triton:
@@ -614,10 +622,13 @@ class SkipperCausalLM(RouterWeightsMixin):
         layers = [self.model.layers[i] for i in self.routed_layers
                   if self.model.start_layer <= i < self.model.end_layer]
         qkv = [layer.self_attn.qkv_proj for layer in layers]
+        spec = self.runtime.spec
         try:
-            self.slot.execution = cohort_execution(layers, device, self.runtime.spec.execution)
+            self.slot.execution = cohort_execution(layers, device, spec.execution, spec.tile_table)
+        except TileTableError as exc:
+            raise ServeConfigError(f"{ENV_TILE_TABLE}={spec.tile_table}: {exc}") from None
         except ValueError as exc:
-            raise ServeConfigError(f"{ENV_EXECUTION}={self.runtime.spec.execution}: {exc}") from None
+            raise ServeConfigError(f"{ENV_EXECUTION}={spec.execution}: {exc}") from None
         if self.runtime.spec.execution == "triton" and self.slot.execution.decode != "triton":
             raise ServeConfigError(f"{ENV_EXECUTION}=triton, but the routed layers cannot run it: "
                                    f"{self.slot.execution.reason}")
@@ -640,7 +651,8 @@ class SkipperCausalLM(RouterWeightsMixin):
         self.runtime.execution.update({
             "routed_layers_backend": self.slot.execution.attestation(),
             "cuda_graphs": {"backends": graphs, "routed_variant": routed_variant},
-            "tiles": self.slot.execution.attestation()["tiles"],
+            "tiles": self.slot.execution.attestation()["tiles"] or (
+                f"unused by the torch execution ({spec.tile_table} given)" if spec.tile_table else None),
             "project_only_q": project_only_q(qkv, self.slot.execution)})
 
     def _part_clock(self) -> PartClock:

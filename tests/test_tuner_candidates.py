@@ -1,0 +1,52 @@
+"""The tuner's candidate tiles: the shipped table's tile and, for a prefill range, large GEMM tiles are tried
+before the sample, within the candidate limit and the device's shared memory."""
+
+from vskipper.mixed.tiles import COUNT_RANGES, Tile, tile_table_for
+from vskipper.mixed.tuner import (
+    PREFILL_SEED_TILES,
+    candidate_tiles,
+    current_table,
+    representative_rows,
+    seed_tiles,
+)
+from vskipper.roofline import lookup_device
+
+H100 = lookup_device("H100-SXM")
+
+
+def test_the_shipped_tile_of_each_range_is_a_candidate_so_a_new_table_is_never_measured_worse():
+    shipped = tile_table_for(H100.name)
+    current = current_table(H100.name, H100.shared_mem_per_block, "bfloat16")
+    assert current is not None and current.source == shipped.source
+    for lo, hi in COUNT_RANGES:
+        rows = representative_rows(lo, hi)
+        seeds = seed_tiles("mlp_gate_up", lo, rows, current)
+        assert seeds[0] == shipped.lookup("mlp_gate_up", rows)
+        tiles = candidate_tiles("mlp_gate_up", rows, H100.shared_mem_per_block, 2, 24, seeds)
+        assert len(tiles) <= 24 and len(set(tiles)) == len(tiles)
+        assert tiles[0] == seeds[0]
+
+
+def test_a_prefill_range_tries_the_large_tiles_that_fit_and_a_decode_range_does_not():
+    current = current_table(H100.name, H100.shared_mem_per_block, "bfloat16")
+    prefill = seed_tiles("mlp_down", 513, 2048, current)
+    decode = seed_tiles("mlp_down", 1, 16, current)
+    assert set(PREFILL_SEED_TILES) <= set(prefill) and not set(PREFILL_SEED_TILES) & set(decode)
+    tiles = candidate_tiles("mlp_gate_up", 2048, H100.shared_mem_per_block, 2, 24, prefill)
+    big = Tile(128, 256, 64, 8, 3)  # two weight tiles of 64 x 256 at 3 stages: 240 KiB, over the H100's 227
+    assert big.shared_mem_bytes("mlp_gate_up") > H100.shared_mem_per_block and big not in tiles
+    assert Tile(128, 128, 64, 8, 3) in tiles and len(tiles) == 24
+    # the limit caps the seeds too: a smoke run's single candidate is the shipped tile
+    assert candidate_tiles("mlp_down", 2048, H100.shared_mem_per_block, 2, 1, prefill) == prefill[:1]
+
+
+def test_every_candidate_fits_the_shared_memory_and_the_sample_still_spans_the_grid():
+    a6000 = lookup_device("RTX-A6000")
+    tiles = candidate_tiles("mlp_gate_up", 64, a6000.shared_mem_per_block, 2, None, ())
+    assert all(t.shared_mem_bytes("mlp_gate_up") <= a6000.shared_mem_per_block for t in tiles)
+    assert {t.block_m for t in tiles} == {16, 32, 64} and tiles[0] == Tile(16, 32, 32, 4, 2)
+
+
+def test_a_device_without_a_loadable_table_seeds_only_the_large_prefill_tiles():
+    assert current_table("Some Future GPU", None, "bfloat16") is None  # not catalogued, no limit: nothing loads
+    assert seed_tiles("attn_q", 513, 2048, None) == list(PREFILL_SEED_TILES) and seed_tiles("attn_q", 1, 16, None) == []
