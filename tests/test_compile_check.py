@@ -112,3 +112,30 @@ def test_the_check_refuses_the_interpreter_naming_it():
     res = subprocess.run([sys.executable, "-m", "vskipper.mixed.compile_check"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "TRITON_INTERPRET=1" in res.stderr
+
+
+def test_a_table_measured_on_the_device_is_compiled_as_a_server_would_be_handed_it(tmp_path):
+    """`--tile-table`: the GEMM tiles and the packed read's launch of a table `vskipper tune-tiles` wrote (what
+    `vskipper serve --tile-table` serves), for the one device it names."""
+    from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS
+
+    tile = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"device": "H100-SXM", "dtype": "bfloat16",
+                                "tiles": {op: [{"rows": [lo, hi], **tile} for lo, hi in COUNT_RANGES]
+                                          for op in OPERATIONS},
+                                "prefill_read": {"block_rows": 128, "block_n": 32, "num_warps": 8, "num_stages": 3}}))
+    launches = compile_check.launches_for(lookup_device("H100-SXM"), path)
+    gemms = {(dict(x.constexprs)["BLOCK_M"], x.num_warps, x.num_stages) for x in launches
+             if "BLOCK_K" in dict(x.constexprs)}
+    assert gemms == {(64, 4, 3)}
+    read = next(x for x in launches if x.kernel == "packed_prefill_kernel")
+    assert (dict(read.constexprs)["BLOCK_M"], dict(read.constexprs)["BLOCK_N"], read.num_warps, read.num_stages) == \
+        (128 // 4, 32, 8, 3)  # four query heads a KV head: 32 slots of 4 heads a program
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "vskipper.mixed.compile_check", "--tile-table", str(path)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "pass exactly one --device" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "vskipper.mixed.compile_check", "--device", "H200", "--tile-table",
+                          str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "field 'device' is 'H100-SXM', but this GPU is H200" in res.stderr

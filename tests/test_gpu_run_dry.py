@@ -1,6 +1,6 @@
 """benchmarks/gpu/run.sh on CPU (`--dry-run`: the CPU platform, a tiny FlexiDepth model with `--load-format dummy`),
 so that device minutes are not spent on typos: every stage end to end against the real SGLang server, with the
-four arms started once for all stages after the tiles stage (with its table, as the stages start theirs) (the script's own launcher, `VSKIPPER_GPU_RUN_SERVERS`; the headline stage
+four arms started once for all stages after the tiles stage, with its table as the stages start theirs (the script's own launcher, `VSKIPPER_GPU_RUN_SERVERS`; the headline stage
 starts the hybrid arm at the sweep's tau itself); and the device plan's server commands parsed by SGLang's own
 launch-flag parser. The numbers of a dry run mean nothing."""
 
@@ -23,7 +23,7 @@ from loadgen.qstar import CELL_FACTORS  # noqa: E402
 from loadgen.suite import load_suite  # noqa: E402
 from tests.sglang_world import ROOT  # noqa: E402
 from tests.test_serve_contract import sglang_parser  # noqa: E402
-from vskipper.mixed.tiles import load_tile_table  # noqa: E402
+from vskipper.mixed.tiles import load_tile_table, table_label  # noqa: E402
 
 pytestmark = pytest.mark.server  # the device run's stages against real SGLang servers
 
@@ -168,10 +168,9 @@ def test_headline_serves_the_hybrid_arm_at_the_thresholds_a_measured_tau_gives(d
     if not json.loads((out / "headline.json").read_text())["arms"]["hybrid-tau"].get("skipped"):
         pytest.skip("this dry run's sweep measured a positive tau: its own headline served the tau arm")
     copy = tmp_path / "run"
-    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("servers", "server", "kernels", "tiles"))
-    # the tiles stage's table where dense's cells found it: the arms' attestations name the table they served
-    # with (its path), and the cross-arm gate holds them to the same one
-    (copy / "tiles").symlink_to(out / "tiles")
+    # the tiles stage's table copied too: the arms attest it by name and content, so the tau arm, started here,
+    # and dense's cells, served from the original folder, attest the same table (the cross-arm gate compares them)
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("servers", "server", "kernels"))
     (copy / "headline.json").unlink()
     rule = json.loads((out / "headline.json").read_text())["thresholds"]["rule"]
     sweep = json.loads((out / "sweep.json").read_text())
@@ -250,8 +249,10 @@ def test_tiles_stage_writes_the_table_every_later_server_is_handed(dry_run):
     assert table.device == run.DRY_TILES_DEVICE and "not a measurement" in table.source and table.read is not None
     assert tiles["table"] == json.loads(path.read_text()) and run.tuned_table(out) == path
     sweep = json.loads((out / "sweep.json").read_text())
+    label = table_label(path)
+    assert label.startswith(f"{run.TILES_JSON}, sha256 ")
     for name in ("dense", run.CONTROL, run.ALWAYS):
-        assert sweep["arms"][name]["served"]["tiles"] == f"unused by the torch execution ({path} given)"
+        assert sweep["arms"][name]["served"]["tiles"] == f"{label} given, unused: the torch execution serves"
 
 
 def test_kernels_stage_writes_the_bench_figures_with_the_tuned_table(dry_run):
@@ -271,7 +272,8 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     assert results["dry_run"] and all(results[stage] for stage in run.STAGES)
     summary = (out / "summary.md").read_text()
     assert "Dry run on CPU" in summary and "tau =" in summary
-    assert "## Tiles" in summary and "| mlp_gate_up | 513- |" in summary and "unused by the torch execution" in summary
+    assert "## Tiles" in summary and "| mlp_gate_up | 513- |" in summary and "unused: the torch execution" in summary
+    assert "The packed prefill read (64 tokens, 50% of them RUN)" in summary
     assert "### The routed path's goals" in summary and "| decode s=0 / dense in every cell | 0.97 |" in summary
     q_star = results["ladder"]["q_star"]["q_star"]
     assert "## Headline A/B: GSM8K-shaped load, one server at a time" in summary
@@ -422,3 +424,29 @@ def test_summary_prints_the_served_layer_as_a_gpu_run_writes_it(tmp_path):
     assert not run.finished(bench)  # written after each section: whole only once marked complete
     bench.write_text(json.dumps({"served": {}, "complete": True}))
     assert run.finished(bench)
+
+
+def test_a_step_that_fails_is_not_run_again_and_one_stopped_midway_is(tmp_path):
+    """`run_steps`: a failure (a deterministic one would spend the session on three tries) is named as failed and
+    the stage exits 1; a step stopped at the budget, or exiting with its output partial, is left for the next run
+    (exit 4: run.sh runs it again)."""
+    plan = run.Plan.dry()
+    stage = run.Stage("kernels", tmp_path, budget_s=60)
+    partial = stage.out / run.BENCH_JSON
+    steps = (("fails", tmp_path / "never.json", [sys.executable, "-c", "raise SystemExit(3)"]),
+             ("partial", partial, [sys.executable, "-c", f"open({str(partial)!r}, 'w').write('{{}}')"]),
+             ("whole", tmp_path / "t.json", [sys.executable, "-c", f"open({str(tmp_path / 't.json')!r}, 'w')"]))
+    runs = run.run_steps(plan, stage, steps)
+    assert {k: v["exit"] for k, v in runs.items()} == {"fails": 3, "partial": 0, "whole": 0}
+    assert stage.failed == ["fails"] and stage.left == ["partial"]
+
+
+def test_the_tiles_stage_never_tunes_once_a_serving_stage_took_the_shipped_table(tmp_path):
+    """Resuming a run whose servers started without a tuned table (an earlier failure or a run from before the
+    stage): a table measured now would split dense's cells and the arms' (the headline's gate refuses such pairs),
+    so the run keeps the shipped table and says so."""
+    (tmp_path / "ladder").mkdir()
+    result = run.stage_tiles(run.Plan.dry(), tmp_path, budget_s=60)
+    assert result["runs"] == {} and result["left"] == [] and "ladder already served" in result["skipped"]
+    assert run.tuned_table(tmp_path) is None
+    assert "not tuned: ladder already served with the shipped table" in "\n".join(run.tiles_lines(result, None))

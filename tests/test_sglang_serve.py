@@ -11,6 +11,7 @@ cohort backend and SGLang's torch-native attention.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -709,6 +710,8 @@ def test_serve_hands_the_server_a_tile_table_for_its_gpu_and_refuses_one_for_ano
     assert r.returncode == 2
     assert "--tile-table" in r.stderr and "field 'device' is 'H200', but this GPU is H100-SXM" in r.stderr
     r = _serve_cli(*args, "--tile-table", str(tmp_path / "missing.json"))
-    assert r.returncode == 2 and "--tile-table" in r.stderr and "no such tile table file" in r.stderr
-    r = _serve_cli("--model", str(served_model), "--arm", "dense", "--dry-run")
-    assert ENV_TILE_TABLE not in json.loads(r.stdout)["environment"]  # none given: the shipped table serves
+    assert r.returncode == 2 and "--tile-table" in r.stderr and "missing.json: no tile table can be read" in r.stderr
+    # none given: the shipped table serves, whatever this environment holds (only the checked flag sets it)
+    r = _serve_cli("--model", str(served_model), "--arm", "dense", "--dry-run",
+                   env=dict(os.environ, **{ENV_TILE_TABLE: str(table("H200"))}))
+    assert ENV_TILE_TABLE not in json.loads(r.stdout)["environment"]

@@ -1,6 +1,8 @@
 """Per-device tile tables: validation against the device's shared memory, the documented defaults, lookup."""
 
+import hashlib
 import json
+import shutil
 
 import pytest
 
@@ -73,7 +75,9 @@ def test_unmeasured_devices_fall_back_to_the_default_and_unknown_ones_need_a_lim
     (lambda d: d.__setitem__("dtype", "int8"), "field 'dtype'"),
     (lambda d: d.__setitem__("prefill_read", [64, 64]), "prefill_read: expected an object"),
     (lambda d: d.__setitem__("prefill_read", {"block_rows": 48, "block_n": 64}),
-     "prefill_read: block_rows must be a power of two >= 16"),
+     r"prefill_read: block_rows must be a power of two in 16..256"),
+    (lambda d: d.__setitem__("prefill_read", {"block_rows": 64, "block_n": 512}),
+     r"prefill_read: block_n must be a power of two in 16..256, got 512"),
     (lambda d: d.__setitem__("prefill_read", {"block_rows": 64, "block_n": 64, "num_stages": 0}),
      "prefill_read: num_stages must be an integer in 1..8"),
 ])
@@ -121,11 +125,15 @@ def test_a_given_table_serves_the_gpu_it_names_and_its_source_names_the_file(tmp
     path.write_text(json.dumps({**table(tile, device="H100-SXM"), "source": "vskipper tune-tiles: here"}))
     given = tile_table_for("NVIDIA H100 80GB HBM3", path=path)
     assert given.lookup("mlp_gate_up", 4096) == Tile(64, 64, 64, 4, 3)
-    assert given.source == f"vskipper tune-tiles: here ({path})"
-    assert tile_table_for("NVIDIA H100 80GB HBM3").source != given.source  # without the path: the shipped one
+    # named by file name and content, alike wherever the run's folder lies (the arms' attestations are compared)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    assert given.source == f"vskipper tune-tiles: here (tuned.json, sha256 {digest})" == \
+        tile_table_for("NVIDIA H100 80GB HBM3", path=shutil.copy(path, tmp_path / "elsewhere")).source.replace(
+            "elsewhere", "tuned.json")
+    assert tile_table_for("NVIDIA H100 80GB HBM3").lookup("mlp_gate_up", 4096) == Tile(128, 64, 32, 8, 4)  # shipped
     with pytest.raises(TileTableError, match=r"field 'device' is 'H100-SXM', but this GPU is H200"):
         tile_table_for("NVIDIA H200", path=path)
-    with pytest.raises(TileTableError, match="no such tile table file"):
+    with pytest.raises(TileTableError, match="missing.json: no tile table can be read there"):
         tile_table_for("NVIDIA H100 80GB HBM3", path=tmp_path / "missing.json")
     with pytest.raises(TileTableError, match="'Some Future GPU' is not catalogued"):
         tile_table_for("Some Future GPU", 227 * 1024, path=path)

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, load_tile_table
+from vskipper.mixed.tuner import current_table, representative_rows
+from vskipper.roofline import lookup_device
 
 
 def run_cli(args, env):
@@ -34,3 +36,9 @@ def test_interpreter_smoke_run_writes_a_loadable_table_for_all_thirty_six_shapes
     assert sum(len(table.entries[op]) for op in OPERATIONS) == len(OPERATIONS) * len(COUNT_RANGES) == 36
     assert "default tiles" not in table.source  # the tuner measured the attention cohort GEMMs too
     assert table.read is not None  # and the packed prefill read (on the interpreter: the default launch)
+    # one candidate a shape under the interpreter: the seed, the tile the device's current table holds there
+    a6000 = lookup_device("RTX-A6000")
+    current = current_table(a6000.name, a6000.shared_mem_per_block, "float32")
+    for op in OPERATIONS:
+        for lo, hi, tile in table.entries[op]:
+            assert tile == current.lookup(op, representative_rows(lo, hi, interpret=True)), (op, lo)

@@ -96,7 +96,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("--gpu-jit", "with the CUDA stand-ins: let SGLang JIT-compile its fused ops (nvcc, ninja) instead of "
               "their torch paths", type=None),
     ServeFlag("--tile-table", "a tile table measured on this GPU (`vskipper tune-tiles --out FILE`) for the routed "
-              "layers' Triton GEMMs, instead of the one shipped for it; it must name this GPU"),
+              "layers' Triton GEMMs and packed prefill read, instead of the one shipped for it; it must name this "
+              "GPU"),
     ServeFlag("--state-file", "where the scheduler writes its attestation (default: a temp file)"),
     ServeFlag("--dry-run", "print the server command and environment, start nothing", type=None),
 )

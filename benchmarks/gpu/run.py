@@ -159,6 +159,7 @@ class Stage:
         self.out.mkdir(parents=True, exist_ok=True)
         self.deadline = time.monotonic() + budget_s
         self.left: list[str] = []
+        self.failed: list[str] = []  # steps that failed outright (`run_steps`)
 
     def has_time(self, needed_s: float, what: str) -> bool:
         if time.monotonic() + needed_s <= self.deadline:
@@ -876,7 +877,9 @@ def finished(target: Path) -> bool:
 
 def run_steps(plan: Plan, stage: Stage, steps) -> dict:
     """Each (name, output, command) step in a subprocess, within the stage's budget; a step whose output is whole
-    from an earlier run is not run again, one that fails or stops is left for the next run."""
+    from an earlier run is not run again. One stopped by the budget, or that exits leaving its output partial (the
+    bench writes a section at a time), is left for the next run; one that fails is named in `stage.failed` and not
+    run again by `run.sh all` (a failure that repeats would spend the session)."""
     runs = {}
     for name, target, cmd in steps:
         if finished(target):
@@ -897,21 +900,34 @@ def run_steps(plan: Plan, stage: Stage, steps) -> dict:
         (stage.out / f"{name}.log").write_text(text if isinstance(text, str) else text.decode())
         runs[name] = {"output": str(target), "exit": code, "seconds": round(time.monotonic() - t0, 1)}
         log(stage.name, f"{name}: exit {code}")
-        if code != 0 or not finished(target):  # the next run tries it again (the bench writes each section)
+        if code == 124 or (code == 0 and not finished(target)):  # the next run goes on (the bench's sections)
             stage.left.append(name)
+        elif code != 0:
+            stage.failed.append(name)
     return runs
 
 
+SERVING_STAGES = ("sweep", "ladder", "headline")
+
+
 def stage_tiles(plan: Plan, out: Path, budget_s: float) -> dict:
-    """`vskipper tune-tiles` for the device into OUTDIR/tiles/, which every later server takes (`start`)."""
+    """`vskipper tune-tiles` for the device and the run's model into OUTDIR/tiles/, which every later server takes
+    (`start`). Not once a serving stage has begun without it: its servers took the shipped table, and a table
+    measured now would split the arms the headline compares (its cross-arm gate would refuse every pair)."""
     stage = Stage("tiles", out, budget_s)
-    device = device_name(plan) or "CPU"
+    device = device_name(plan)
     table = stage.out / TILES_JSON
-    cmd = [sys.executable, "-m", "vskipper.cli", "tune-tiles", "--out", str(table),
-           *(["--interpret", "--device", DRY_TILES_DEVICE] if plan.dry_run else ["--device", device]),
+    served = [name for name in SERVING_STAGES if (out / name).is_dir()]
+    if served and not finished(table):
+        log(stage.name, f"not tuned: {', '.join(served)} already served with the shipped table")
+        return {"device": device or "CPU", "runs": {}, "left": [], "skipped": f"{', '.join(served)} already "
+                "served with the shipped table: the run keeps it"}
+    model = write_model(plan, out)
+    where = ["--interpret", "--device", DRY_TILES_DEVICE] if plan.dry_run else (["--device", device] if device else [])
+    cmd = [sys.executable, "-m", "vskipper.cli", "tune-tiles", "--out", str(table), "--model", str(model), *where,
            *(["--max-candidates", str(plan.tune_max_candidates)] if plan.tune_max_candidates else [])]
     runs = run_steps(plan, stage, (("tune-tiles", table, cmd),))
-    result = {"device": device, "runs": runs, "left": stage.left}
+    result = {"device": device or "CPU", "runs": runs, "left": stage.left, "failed": stage.failed}
     if finished(table):
         result["table"] = json.loads(table.read_text())
     return result
@@ -925,7 +941,8 @@ def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "mixed_depth_bench.py"), "--json", str(bench_json),
            *bench_grid(plan), *(["--tile-table", str(table)] if table else [])]
     runs = run_steps(plan, stage, (("mixed_depth_bench", bench_json, cmd),))
-    return {"device": device, "runs": runs, "left": stage.left, "tile_table": str(table) if table else None}
+    return {"device": device, "runs": runs, "left": stage.left, "failed": stage.failed,
+            "tile_table": str(table) if table else None}
 
 
 def summary(plan: Plan, out: Path) -> dict:
@@ -1031,7 +1048,10 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
     run = tiles["runs"].get("tune-tiles") or {}
     lines = ["## Tiles", "", f"`vskipper tune-tiles` on {tiles['device']}: exit {run.get('exit', 'not run')}"
              f"{', ' + str(run['seconds']) + ' s' if run.get('seconds') is not None else ''}"
-             f"{' (an earlier run)' if run.get('earlier_run') else ''}.", ""]
+             f"{' (an earlier run)' if run.get('earlier_run') else ''}"
+             f"{'; not tuned: ' + tiles['skipped'] if tiles.get('skipped') else ''}"
+             f"{'; failed (the servers took the shipped table): see tiles/tune-tiles.log' if tiles.get('failed') else ''}.",
+             ""]
     table = tiles.get("table")
     if table:
         lines += [f"Source: {table['source']}.", "",
@@ -1049,7 +1069,7 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
             lines += [f"The packed prefill read ({read['tokens']} tokens, {read['run_share']:.0%} of them RUN): "
                       f"{read['block_rows']} query rows x {read['block_n']} keys, {read['num_warps']} warps, "
                       f"{read['num_stages']} stages, {read['kernel_ms']:.4f} ms (the default launch "
-                      f"{read['default_ms']:.4f} ms), against {read['causal_all_rows_ms']:.4f} ms for every row's "
+                      f"{_f(read.get('default_ms'), '.4f')} ms), against {read['causal_all_rows_ms']:.4f} ms for every row's "
                       f"causal read (SDPA): {read['kernel_ms'] / read['causal_all_rows_ms']:.3f}x, beside the RUN "
                       f"rows' share of the query-key pairs, {read['pairs_share']:.3f} (its limit).", ""]
     served_tiles = {name: (arm.get("served") or {}).get("tiles") for name, arm in ((sweep or {}).get("arms") or {}).items()}
@@ -1105,7 +1125,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out / 'results.json'} and {args.out / 'summary.md'}")
         return 0
     path = args.out / f"{args.stage}.json"
-    if path.is_file() and not json.loads(path.read_text()).get("left"):
+    done = json.loads(path.read_text()) if path.is_file() else None
+    if done is not None and not done.get("left") and not done.get("failed"):
         print(f"[{args.stage}] complete in an earlier run: {path}")
         return 0
     stages = {"tiles": stage_tiles, "ladder": stage_ladder, "sweep": stage_sweep, "headline": stage_headline,
@@ -1115,7 +1136,9 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     summary(plan, args.out)
     print(f"[{args.stage}] wrote {path}")
-    return 0 if not result.get("left") else 4
+    if result.get("left"):
+        return 4  # run.sh runs the stage again
+    return 1 if result.get("failed") else 0
 
 
 if __name__ == "__main__":

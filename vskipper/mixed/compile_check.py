@@ -1,10 +1,11 @@
 """Every Triton kernel of `vskipper.mixed.kernels`, compiled ahead of time for a GPU's architecture, no GPU needed.
 
-    python -m vskipper.mixed.compile_check [--device NAME ...] [--json FILE]
+    python -m vskipper.mixed.compile_check [--device NAME ...] [--tile-table FILE] [--json FILE]
 
 Triton's compiler and the ptxas it ships lower each kernel to a cubin for the device's compute capability, at the
 launch configurations a server uses on it: every tile its tile table holds (the measured table where one ships,
-the shared-memory default elsewhere) for the cohort GEMMs, and the served Llama-3-8B shapes (bf16, head_dim 128,
+the shared-memory default elsewhere, or the one `--tile-table` gives, as `vskipper serve --tile-table` would serve
+it) for the cohort GEMMs and the packed prefill read, and the served Llama-3-8B shapes (bf16, head_dim 128,
 four query heads a KV head) for the attention reads and the cohort maps. Each launch is specialized as Triton's
 JIT specializes it (its own argument specialization applied to example arguments of the served shapes: unit
 strides folded, aligned pointers and multiples of 16 marked divisible), so the shared memory, registers and spills
@@ -185,10 +186,10 @@ def _attention_launches(read_tile) -> list[Launch]:
     return launches
 
 
-def launches_for(device: Device) -> list[Launch]:
+def launches_for(device: Device, tile_table: Path | None = None) -> list[Launch]:
     from vskipper.mixed.tiles import tile_table_for
 
-    table = tile_table_for(device.name)
+    table = tile_table_for(device.name, path=tile_table)
     return _gemm_launches(table) + _attention_launches(table.read_tile)
 
 
@@ -231,13 +232,13 @@ def ptxas_report(ptx: str, capability: int) -> dict:
             **({"spill_bytes": int(spills.group(1))} if spills else {})}
 
 
-def check(device_name: str) -> dict:
+def check(device_name: str, tile_table: Path | None = None) -> dict:
     import triton
 
     device = lookup_device(device_name)
     capability = device.capability
     results = []
-    for launch in launches_for(device):
+    for launch in launches_for(device, tile_table):
         result = {"launch": launch.label(), **asdict(launch), **compile_launch(launch, capability)}
         if "shared" in result and result["shared"] > device.shared_mem_per_block:
             result["error"] = (f"needs {result['shared']} bytes of shared memory, more than the "
@@ -250,11 +251,20 @@ def check(device_name: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", action="append", help=f"catalogued device (default: {', '.join(DEFAULT_DEVICES)})")
+    parser.add_argument("--tile-table", type=Path, help="a table measured on the device (`vskipper tune-tiles`) "
+                        "instead of the shipped one; with exactly one --device, the one it names")
     parser.add_argument("--json", type=Path, help="write every launch's result here")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("TRITON_INTERPRET=1 replaces the kernels by the interpreter's: unset it to compile them")
-    reports = [check(name) for name in (args.device or DEFAULT_DEVICES)]
+    if args.tile_table is not None and len(args.device or ()) != 1:
+        parser.error("--tile-table is one device's table: pass exactly one --device")
+    from vskipper.mixed.tiles import TileTableError
+
+    try:
+        reports = [check(name, args.tile_table) for name in (args.device or DEFAULT_DEVICES)]
+    except TileTableError as exc:
+        parser.error(f"--tile-table: {exc}")
     for report in reports:
         print(f"{report['device']} (sm_{report['capability']}, triton {report['triton']}): "
               f"{len(report['launches'])} launches, {len(report['failed'])} failed")

@@ -29,6 +29,7 @@ pipeline stages on the 99 KiB parts), checked against that limit like a measured
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -105,9 +106,16 @@ class TileTable:
                 **({READ_FIELD: asdict(self.read)} if self.read is not None else {})}
 
 
-def _check_power_of_two(where: str, name: str, value: object, low: int) -> int:
-    if not isinstance(value, int) or value < low or value & (value - 1):
-        raise TileTableError(f"{where}: {name} must be a power of two >= {low}, got {value!r}")
+def _check_power_of_two(where: str, name: str, value: object, low: int, high: int | None = None) -> int:
+    if not isinstance(value, int) or value < low or value & (value - 1) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in {low}..{high}"
+        raise TileTableError(f"{where}: {name} must be a power of two {bounds}, got {value!r}")
+    return value
+
+
+def _check_stages(where: str, value: object) -> int:
+    if not isinstance(value, int) or not 1 <= value <= 8:
+        raise TileTableError(f"{where}: num_stages must be an integer in 1..8, got {value!r}")
     return value
 
 
@@ -156,10 +164,8 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
                 _check_power_of_two(here, "block_n", entry.get("block_n"), 16),
                 _check_power_of_two(here, "block_k", entry.get("block_k"), 16),
                 _check_power_of_two(here, "num_warps", entry.get("num_warps", 4), 1),
-                entry.get("num_stages", 2),
+                _check_stages(here, entry.get("num_stages", 2)),
             )
-            if not isinstance(tile.num_stages, int) or not 1 <= tile.num_stages <= 8:
-                raise TileTableError(f"{here}: num_stages must be an integer in 1..8, got {tile.num_stages!r}")
             need = tile.shared_mem_bytes(op, DTYPE_BYTES[dtype])
             if need > shared_mem_per_block:
                 raise TileTableError(
@@ -181,17 +187,15 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
 
 
 def _parse_read_tile(entry: object, where: str) -> ReadTile:
-    """The packed prefill read's tile. Its shared memory depends on the model's head_dim, which a table does not
-    know: the tuner ran it on the device, and `compile_check` compiles it for the served shapes."""
+    """The packed prefill read's tile, bounded as the tuner's launches are. Its shared memory depends on the
+    model's head_dim, which a table does not know: the tuner ran it on the device, and `compile_check` compiles a
+    table's read (shipped, or given with --tile-table) at Llama-3-8B's shapes."""
     if not isinstance(entry, dict):
         raise TileTableError(f"{where}: expected an object with block_rows, block_n, num_warps, num_stages")
-    tile = ReadTile(_check_power_of_two(where, "block_rows", entry.get("block_rows"), 16),
-                    _check_power_of_two(where, "block_n", entry.get("block_n"), 16),
-                    _check_power_of_two(where, "num_warps", entry.get("num_warps", 4), 1),
-                    entry.get("num_stages", 2))
-    if not isinstance(tile.num_stages, int) or not 1 <= tile.num_stages <= 8:
-        raise TileTableError(f"{where}: num_stages must be an integer in 1..8, got {tile.num_stages!r}")
-    return tile
+    return ReadTile(_check_power_of_two(where, "block_rows", entry.get("block_rows"), 16, 256),
+                    _check_power_of_two(where, "block_n", entry.get("block_n"), 16, 256),
+                    _check_power_of_two(where, "num_warps", entry.get("num_warps", 4), 1, 16),
+                    _check_stages(where, entry.get("num_stages", 2)))
 
 
 def load_tile_table(path: str | Path, device: Device | None = None, shared_mem_per_block: int | None = None
@@ -203,6 +207,8 @@ def load_tile_table(path: str | Path, device: Device | None = None, shared_mem_p
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise TileTableError(f"{path}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise TileTableError(f"{path}: no tile table can be read there ({exc.strerror or exc})") from None
     if shared_mem_per_block is None:
         if device is None:
             device = find_device(str(data.get("device", "")))
@@ -267,21 +273,30 @@ def tile_table_for(product: str, shared_mem_per_block: int | None = None, dtype:
     return default_tile_table(limit, device.name if device else product, dtype)
 
 
+def table_label(path: str | Path) -> str:
+    """A given table file as attested: its name and the start of its sha256, the same for each server handed
+    the same table wherever the run's folder lies (the headline's cross-arm gate compares what arms attest)."""
+    path = Path(path)
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return f"{path.name}, unreadable"
+    return f"{path.name}, sha256 {digest}"
+
+
 def given_tile_table(path: str | Path, product: str) -> TileTable:
     """A table measured on this device and handed to the server (`vskipper serve --tile-table`, e.g. one
     `vskipper tune-tiles` just wrote on it) instead of the one that ships: it must name the device it serves
-    (field 'device') and fit that device's shared memory. Its source names the file."""
+    (field 'device') and fit that device's shared memory. Its source names the file (`table_label`)."""
     path = Path(path)
     device = find_device(product)
     if device is None:
         raise TileTableError(f"{path}: the GPU {product!r} is not catalogued (`vskipper devices`), so no measured "
                              "table can be checked against it")
-    if not path.is_file():
-        raise TileTableError(f"{path}: no such tile table file")
     table = load_tile_table(path, device)
     named = find_device(table.device)
     if named is None or named.name != device.name:
         raise TileTableError(f"{path}: field 'device' is {table.device!r}, but this GPU is {device.name}: a tile "
                              "table serves the device it was measured on")
-    table.source = f"{table.source} ({path})"
+    table.source = f"{table.source} ({table_label(path)})"
     return table

@@ -98,18 +98,14 @@ def thresholds(arm: Arm, enter: int | None, exit_: int | None, model_dir: str | 
 
 
 def checked_tile_table(path: str | None, platform: str, product: str | None = None) -> Path | None:
-    """The tile table the server is handed (`--tile-table`, else `ENV_TILE_TABLE` from this environment), checked
-    here before anything heavy starts: it loads, and on a GPU it names that GPU (`product`, else the detected
-    one). The model checks it again against the device it runs on."""
+    """The tile table the server is handed (`--tile-table`), checked here before anything heavy starts: it loads,
+    and on a GPU it names that GPU (`product`, else the detected one). The model checks it again against the
+    device it runs on."""
     from vskipper.mixed.tiles import TileTableError, given_tile_table, load_tile_table
-    from vskipper.sglang.spec import ENV_TILE_TABLE
 
-    path = path or os.environ.get(ENV_TILE_TABLE) or None
     if path is None:
         return None
     try:
-        if not Path(path).is_file():
-            raise TileTableError(f"{path}: no such tile table file")
         product = product or (detect_gpu_product() if platform == "gpu" else None)
         if product is not None:
             given_tile_table(path, product)

@@ -33,8 +33,9 @@ ENV_INTERLEAVE_CONTROL = "VSKIPPER_INTERLEAVE_CONTROL"
 # TRITON_INTERPRET=1, which the server's environment then keeps: tests). The same served semantics either way.
 ENV_EXECUTION = "VSKIPPER_COHORT_EXECUTION"
 EXECUTIONS = ("auto", "torch", "triton")
-# A tile table measured on the serving GPU (`vskipper serve --tile-table`), which the triton execution's GEMMs take
-# instead of the one shipped for it (`vskipper.mixed.tiles.given_tile_table`); unset: the shipped one.
+# A tile table measured on the serving GPU (`vskipper serve --tile-table`), which the triton execution's GEMMs and
+# packed prefill read take instead of the one shipped for it (`vskipper.mixed.tiles.given_tile_table`); unset: the
+# shipped one. Only the flag sets it: `serve_environment` never passes one inherited from the caller.
 ENV_TILE_TABLE = "VSKIPPER_TILE_TABLE"
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
@@ -215,6 +216,7 @@ def serve_environment(spec: ServeSpec, base: dict[str, str] | None = None,
     profile's stand-ins first on this process tree's PYTHONPATH only, and the served configuration."""
     profile = profile or serve_profile("cpu", False)
     env = dict(os.environ if base is None else base)
+    env.pop(ENV_TILE_TABLE, None)  # the spec's own (checked) or none
     env.update(spec.to_env())
     env.update(profile.environment)
     env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = MODEL_PACKAGE

@@ -56,7 +56,7 @@ from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
 from vskipper.mixed.plan_buffers import PlanBuffers
 from vskipper.mixed.routed_layer import Handoff, routed_layer
-from vskipper.mixed.tiles import ReadTile, TileTableError
+from vskipper.mixed.tiles import ReadTile, TileTableError, table_label
 from vskipper.sglang import active
 from vskipper.sglang.part_times import PartClock, PassClock, clock_phase
 from vskipper.sglang.replay import PHASES, ReplayLedger
@@ -168,11 +168,20 @@ def triton_blocker(layer) -> str | None:
     return None
 
 
+def given_table_unused(execution: CohortExecution, tile_table: Path | None) -> str | None:
+    """What the attestation says of a tile table handed to a server whose execution holds none (the torch
+    execution, or the interpreter's tile): that it went unused; None where it serves or none was given."""
+    if tile_table is None or execution.tiles is not None:
+        return None
+    why = "the torch execution" if execution.decode == "torch" else "the interpreter's tile"
+    return f"{table_label(tile_table)} given, unused: {why} serves"
+
+
 def cohort_execution(layers, device: torch.device, requested: str = "auto",
                      tile_table: Path | None = None) -> CohortExecution:
     """The execution for these routed layers on `device`: `auto` takes triton on CUDA where every layer allows it
-    (`triton_blocker`), torch elsewhere. The triton execution prefills with the packed read, its GEMMs tiled by
-    the table at `tile_table` (measured on this device) or else the one shipped for it; the torch one reads
+    (`triton_blocker`), torch elsewhere. The triton execution prefills with the packed read, its GEMMs and that
+    read tiled by the table at `tile_table` (measured on this device) or else the one shipped for it; the torch one reads
     through SGLang's attention backend on CUDA and per request on CPU, and decodes with SGLang's torch-native read
     over the RUN rows on CPU, the masked one elsewhere."""
     if select_backend(requested, device) == "triton":
@@ -626,7 +635,9 @@ class SkipperCausalLM(RouterWeightsMixin):
         try:
             self.slot.execution = cohort_execution(layers, device, spec.execution, spec.tile_table)
         except TileTableError as exc:
-            raise ServeConfigError(f"{ENV_TILE_TABLE}={spec.tile_table}: {exc}") from None
+            if spec.tile_table is None:
+                raise ServeConfigError(f"{ENV_EXECUTION}={spec.execution}: {exc}") from None
+            raise ServeConfigError(f"{ENV_TILE_TABLE}: {exc}") from None  # the message starts with the file
         except ValueError as exc:
             raise ServeConfigError(f"{ENV_EXECUTION}={spec.execution}: {exc}") from None
         if self.runtime.spec.execution == "triton" and self.slot.execution.decode != "triton":
@@ -651,8 +662,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         self.runtime.execution.update({
             "routed_layers_backend": self.slot.execution.attestation(),
             "cuda_graphs": {"backends": graphs, "routed_variant": routed_variant},
-            "tiles": self.slot.execution.attestation()["tiles"] or (
-                f"unused by the torch execution ({spec.tile_table} given)" if spec.tile_table else None),
+            "tiles": given_table_unused(self.slot.execution, spec.tile_table) or self.slot.execution.attestation()["tiles"],
             "project_only_q": project_only_q(qkv, self.slot.execution)})
 
     def _part_clock(self) -> PartClock:
