@@ -1,6 +1,7 @@
 """`vskipper tune-tiles`: refuses without a GPU, and its interpreter smoke run writes a table that loads.
 (The measured tuning itself needs a GPU; the smoke run exercises the same code path on the interpreter.)"""
 
+import json
 import subprocess
 import sys
 
@@ -36,6 +37,8 @@ def test_interpreter_smoke_run_writes_a_loadable_table_for_all_thirty_six_shapes
     assert sum(len(table.entries[op]) for op in OPERATIONS) == len(OPERATIONS) * len(COUNT_RANGES) == 36
     assert "default tiles" not in table.source  # the tuner measured the attention cohort GEMMs too
     assert table.read is not None  # and the packed prefill read (on the interpreter: the default launch)
+    raw = json.loads(out.read_text())
+    assert {e["tried"] for entries in raw["tiles"].values() for e in entries} == {1} == {raw["prefill_read"]["tried"]}
     # one candidate a shape under the interpreter: the seed, the tile the device's current table holds there
     a6000 = lookup_device("RTX-A6000")
     current = current_table(a6000.name, a6000.shared_mem_per_block, "float32")

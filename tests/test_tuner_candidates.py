@@ -50,3 +50,27 @@ def test_a_device_without_a_loadable_table_seeds_only_the_large_prefill_tiles():
     assert current_table("Some Future GPU", None, "bfloat16") is None  # not catalogued, no limit: nothing loads
     assert seed_tiles("attn_q", None, 2048, None) == list(PREFILL_SEED_TILES)
     assert seed_tiles("attn_q", 16, 16, None) == []
+
+
+def test_the_tuners_clock_shares_what_is_left_of_its_budget_and_never_stops_a_shape_before_its_first_tile(
+        monkeypatch):
+    """`tune-tiles --budget-s`: each shape gets an even share of what is left, so the table is always written
+    (a slow device times fewer tiles on its later shapes, the seeds first); unbounded, nothing stops."""
+    from vskipper.mixed import tuner
+
+    now = [100.0]
+    monkeypatch.setattr(tuner.time, "monotonic", lambda: now[0])
+    clock = tuner.Clock(30.0, 3)
+    clock.start_shape()  # 30 s left over 3 shapes: until 110
+    assert not clock.spent(0) and not clock.spent(1)
+    now[0] = 111.0
+    assert clock.spent(1) and not clock.spent(0)  # over its share, but a shape always times one tile
+    clock.start_shape()  # 19 s left over 2 shapes: until 120.5
+    now[0] = 120.0
+    assert not clock.spent(3)
+    now[0] = 121.0
+    assert clock.spent(3)
+    unbounded = tuner.Clock(None, 2)
+    unbounded.start_shape()
+    now[0] = 1e9
+    assert not unbounded.spent(24)

@@ -908,6 +908,7 @@ def run_steps(plan: Plan, stage: Stage, steps) -> dict:
 
 
 SERVING_STAGES = ("sweep", "ladder", "headline")
+TILES_MARGIN_S = 60.0  # the stage's budget less the tuner's: its start (CUDA, triton) and the table's writing
 
 
 def stage_tiles(plan: Plan, out: Path, budget_s: float) -> dict:
@@ -924,7 +925,10 @@ def stage_tiles(plan: Plan, out: Path, budget_s: float) -> dict:
                 "served with the shipped table: the run keeps it"}
     model = write_model(plan, out)
     where = ["--interpret", "--device", DRY_TILES_DEVICE] if plan.dry_run else (["--device", device] if device else [])
+    # the tuner's own budget within the stage's (the table is written at its end): a slow device times fewer tiles
+    tune_budget = max(30.0, budget_s - TILES_MARGIN_S)
     cmd = [sys.executable, "-m", "vskipper.cli", "tune-tiles", "--out", str(table), "--model", str(model), *where,
+           "--budget-s", f"{tune_budget:.0f}",
            *(["--max-candidates", str(plan.tune_max_candidates)] if plan.tune_max_candidates else [])]
     runs = run_steps(plan, stage, (("tune-tiles", table, cmd),))
     result = {"device": device or "CPU", "runs": runs, "left": stage.left, "failed": stage.failed}
@@ -1055,20 +1059,22 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
     table = tiles.get("table")
     if table:
         lines += [f"Source: {table['source']}.", "",
-                  "| operation | rows | block m x n x k | warps | stages | kernel ms | torch ms | kernel / torch |",
-                  "|---|---|---|---:|---:|---:|---:|---:|"]
+                  "| operation | rows | block m x n x k | warps | stages | kernel ms | torch ms | kernel / torch "
+                  "| tiles timed |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for op, entries in table["tiles"].items():
             for e in entries:
                 lo, hi = e["rows"]
                 lines.append(f"| {op} | {lo}-{hi if hi is not None else ''} | {e['block_m']} x {e['block_n']} x "
                              f"{e['block_k']} | {e['num_warps']} | {e['num_stages']} | {_f(e.get('kernel_ms'), '.4f')} | "
-                             f"{_f(e.get('torch_ms'), '.4f')} | {_f(e.get('ratio_vs_torch'), '.3f')} |")
+                             f"{_f(e.get('torch_ms'), '.4f')} | {_f(e.get('ratio_vs_torch'), '.3f')} | "
+                             f"{e.get('tried', '?')} |")
         lines.append("")
         read = table.get("prefill_read")
         if read:
             lines += [f"The packed prefill read ({read['tokens']} tokens, {read['run_share']:.0%} of them RUN): "
                       f"{read['block_rows']} query rows x {read['block_n']} keys, {read['num_warps']} warps, "
-                      f"{read['num_stages']} stages, {read['kernel_ms']:.4f} ms (the default launch "
+                      f"{read['num_stages']} stages (best of {read.get('tried', '?')} launches), "
+                      f"{read['kernel_ms']:.4f} ms (the default launch "
                       f"{_f(read.get('default_ms'), '.4f')} ms), against {read['causal_all_rows_ms']:.4f} ms for every row's "
                       f"causal read (SDPA): {read['kernel_ms'] / read['causal_all_rows_ms']:.3f}x, beside the RUN "
                       f"rows' share of the query-key pairs, {read['pairs_share']:.3f} (its limit).", ""]

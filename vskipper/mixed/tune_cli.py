@@ -50,7 +50,7 @@ def _run(args: argparse.Namespace) -> int:
         limit = min(device.shared_mem_per_block,
                     getattr(props, "shared_memory_per_block_optin", None) or device.shared_mem_per_block)
     table = tune(name, limit, hidden, intermediate, proj, args.dtype, args.interpret, args.max_candidates,
-                 q_width=q_width, read_heads=read_heads)
+                 q_width=q_width, read_heads=read_heads, budget_s=args.budget_s)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=2) + "\n")

@@ -189,10 +189,32 @@ def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.G
     return causal, packed, pairs
 
 
+class Clock:
+    """The tuner's time budget (None: unbounded), shared evenly by the shapes still to tune: a shape stops trying
+    candidates once its share is spent (after its first), so a table is always written, its later shapes timed
+    on fewer candidates (the seeds come first) when the compiles and timings run slower than planned."""
+
+    def __init__(self, budget_s: float | None, shapes: int) -> None:
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+        self.left = shapes
+        self.shape_deadline: float | None = None
+
+    def start_shape(self) -> None:
+        if self.deadline is not None:
+            now = time.monotonic()
+            self.shape_deadline = now + max(0.0, self.deadline - now) / max(1, self.left)
+        self.left -= 1
+
+    def spent(self, tried: int) -> bool:
+        return tried > 0 and self.shape_deadline is not None and time.monotonic() > self.shape_deadline
+
+
 def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16", interpret: bool = False,
-                      log: Callable[[str], None] = print) -> dict:
+                      log: Callable[[str], None] = print, clock: Clock | None = None) -> dict:
     """The packed prefill read's best launch (`READ_CANDIDATES`) on one prompt of a prefill range's rows, beside
     the default's time and the causal read of every row; the table's `prefill_read` entry."""
+    clock = clock or Clock(None, 1)
+    clock.start_shape()
     device = torch.device("cpu" if interpret else "cuda")
     tokens = INTERPRETED_READ_TOKENS if interpret else PREFILL_ROWS
     tdtype = torch.float32 if interpret else getattr(torch, dtype)
@@ -201,6 +223,8 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
     causal_ms = time_call(causal, interpret)
     timed: dict[ReadTile, float] = {}
     for tile in READ_CANDIDATES[:1] if interpret else READ_CANDIDATES:
+        if clock.spent(len(timed)):
+            break
         try:
             timed[tile] = time_call(lambda tile=tile: packed(tile), interpret)
         except Exception as exc:  # a launch the compiler rejects (registers, shared memory) is skipped
@@ -214,15 +238,16 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
         f"read {causal_ms:.4f} ms ({ms / causal_ms:.2f}x; the RUN rows' share of the pairs {pairs:.2f})")
     return {**asdict(tile), "kernel_ms": round(ms, 5), "default_ms": None if default is None else round(default, 5),
             "causal_all_rows_ms": round(causal_ms, 5), "pairs_share": round(pairs, 4), "tokens": tokens,
-            "run_share": READ_RUN_SHARE}
+            "run_share": READ_RUN_SHARE, "tried": len(timed)}
 
 
 def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate: int, proj_width: int,
          dtype: str = "bfloat16", interpret: bool = False, max_candidates: int | None = None,
          log: Callable[[str], None] = print, q_width: int | None = None,
-         read_heads: tuple[int, int, int] | None = None) -> dict:
-    """Tune all 36 shapes (and, given `read_heads` = (heads, kv_heads, head_dim), the packed prefill read);
-    returns the table as a dict (validated), each entry with its ratio to torch."""
+         read_heads: tuple[int, int, int] | None = None, budget_s: float | None = None) -> dict:
+    """Tune all 36 shapes (and, given `read_heads` = (heads, kv_heads, head_dim), the packed prefill read) within
+    `budget_s` (`Clock`); returns the table as a dict (validated), each entry with its ratio to torch and the
+    candidates it tried."""
     if interpret:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise TunerError("interpreter smoke run needs TRITON_INTERPRET=1 set before triton is imported")
@@ -235,6 +260,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
     tdtype = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     current = current_table(device_name, shared_mem_per_block, dtype)
+    clock = Clock(budget_s, len(OPERATIONS) * len(COUNT_RANGES) + (read_heads is not None))
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:
         k_dim, n_dim = op_dims(op, hidden, intermediate, proj_width, q_width)
@@ -242,17 +268,22 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
         w2 = (torch.randn(n_dim, k_dim, generator=g) / k_dim**0.5).to(device, tdtype)
         entries = []
         for lo, hi in COUNT_RANGES:
+            clock.start_shape()
             rows = representative_rows(lo, hi, interpret)
             reference, kernel = shape_calls(op, rows, w1, w2, g, device, tdtype)
             torch_ms = time_call(reference, interpret)
             best: tuple[float, Tile] | None = None
             seeds = seed_tiles(op, hi, rows, current)
+            tried = 0
             for tile in candidate_tiles(op, rows, shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates, seeds):
+                if clock.spent(tried):
+                    break
                 try:
                     ms = time_call(lambda tile=tile, kernel=kernel: kernel(tile), interpret)
                 except Exception as exc:  # a candidate the compiler rejects (e.g. out of registers) is skipped
                     log(f"  {op} rows {lo}..{hi}: skip {tile}: {type(exc).__name__}")
                     continue
+                tried += 1
                 if best is None or ms < best[0]:
                     best = (ms, tile)
             if best is None:
@@ -260,9 +291,9 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
             ms, tile = best
             ratio = ms / torch_ms
             log(f"{op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} best {tile} "
-                f"{ms:.4f} ms vs torch {torch_ms:.4f} ms ({ratio:.2f}x)")
+                f"{ms:.4f} ms vs torch {torch_ms:.4f} ms ({ratio:.2f}x; {tried} tiles timed)")
             entries.append({"rows": [lo, hi], **asdict(tile), "ratio_vs_torch": round(ratio, 3),
-                            "kernel_ms": round(ms, 5), "torch_ms": round(torch_ms, 5)})
+                            "kernel_ms": round(ms, 5), "torch_ms": round(torch_ms, 5), "tried": tried})
         tiles[op] = entries
     data = {"device": device_name, "dtype": dtype,
             "source": ("interpreter smoke run (not a measurement)" if interpret else
@@ -271,7 +302,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
             "tiles": tiles}
     if read_heads is not None:
         try:
-            data[READ_FIELD] = tune_prefill_read(*read_heads, dtype=dtype, interpret=interpret, log=log)
+            data[READ_FIELD] = tune_prefill_read(*read_heads, dtype=dtype, interpret=interpret, log=log, clock=clock)
         except Exception as exc:  # optional: the GEMMs' measurements stand, the read keeps its default launch
             log(f"prefill_read: not tuned ({type(exc).__name__}: {exc}); the table keeps no `{READ_FIELD}`")
     parse_tile_table(data, shared_mem_per_block, where="tuned table")  # what we write must load
