@@ -450,3 +450,16 @@ def test_the_tiles_stage_never_tunes_once_a_serving_stage_took_the_shipped_table
     assert result["runs"] == {} and result["left"] == [] and "ladder already served" in result["skipped"]
     assert run.tuned_table(tmp_path) is None
     assert "not tuned: ladder already served with the shipped table" in "\n".join(run.tiles_lines(result, None))
+
+
+def test_a_stage_that_failed_runs_again_in_a_later_run_and_the_tiles_stage_then_keeps_the_shipped_table(tmp_path):
+    """A stage whose JSON records a failure is not complete: a later `run.py` runs it again (here the tiles stage,
+    which finds the ladder already served and keeps the shipped table, the earlier failure kept beside)."""
+    (tmp_path / "tiles.json").write_text(json.dumps({"device": "CPU", "runs": {"tune-tiles": {"exit": 2}},
+                                                      "left": [], "failed": ["tune-tiles"]}))
+    (tmp_path / "ladder").mkdir()
+    assert run.main(["tiles", str(tmp_path), "--dry-run"]) == 0
+    result = json.loads((tmp_path / "tiles.json").read_text())
+    assert "ladder already served" in result["skipped"] and result["earlier"]["failed"] == ["tune-tiles"]
+    assert run.main(["tiles", str(tmp_path), "--dry-run"]) == 0  # now complete: not run again
+

@@ -150,3 +150,11 @@ def test_the_packed_reads_tile_is_the_tables_when_measured_and_the_kernels_defau
     assert measured.read == measured.read_tile == ReadTile(128, 32, 8, 3)
     again = parse_tile_table(json.loads(json.dumps(measured.as_dict())), 227 * 1024)
     assert again.read == measured.read and again.entries == measured.entries
+
+
+def test_a_table_file_that_is_not_a_json_object_is_refused_naming_the_file(tmp_path):
+    for name, content in (("list.json", b"[1, 2]"), ("binary.json", b"\xff\xfe\x00")):
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(TileTableError, match=name):
+            load_tile_table(path)

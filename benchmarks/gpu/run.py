@@ -877,9 +877,9 @@ def finished(target: Path) -> bool:
 
 def run_steps(plan: Plan, stage: Stage, steps) -> dict:
     """Each (name, output, command) step in a subprocess, within the stage's budget; a step whose output is whole
-    from an earlier run is not run again. One stopped by the budget, or that exits leaving its output partial (the
-    bench writes a section at a time), is left for the next run; one that fails is named in `stage.failed` and not
-    run again by `run.sh all` (a failure that repeats would spend the session)."""
+    from an earlier run is not run again. One stopped by the budget, or that exits without its whole output, is
+    left for the next run (which starts it again); one that fails is named in `stage.failed` and not run again by
+    the same `run.sh all` (a failure that repeats would spend the session)."""
     runs = {}
     for name, target, cmd in steps:
         if finished(target):
@@ -900,7 +900,7 @@ def run_steps(plan: Plan, stage: Stage, steps) -> dict:
         (stage.out / f"{name}.log").write_text(text if isinstance(text, str) else text.decode())
         runs[name] = {"output": str(target), "exit": code, "seconds": round(time.monotonic() - t0, 1)}
         log(stage.name, f"{name}: exit {code}")
-        if code == 124 or (code == 0 and not finished(target)):  # the next run goes on (the bench's sections)
+        if code == 124 or (code == 0 and not finished(target)):  # stopped: the next run starts the step again
             stage.left.append(name)
         elif code != 0:
             stage.failed.append(name)
@@ -921,8 +921,10 @@ def stage_tiles(plan: Plan, out: Path, budget_s: float) -> dict:
     served = [name for name in SERVING_STAGES if (out / name).is_dir()]
     if served and not finished(table):
         log(stage.name, f"not tuned: {', '.join(served)} already served with the shipped table")
+        earlier = out / "tiles.json"  # what an earlier run of this stage did (a failure, a budget stop)
         return {"device": device or "CPU", "runs": {}, "left": [], "skipped": f"{', '.join(served)} already "
-                "served with the shipped table: the run keeps it"}
+                "served with the shipped table: the run keeps it",
+                **({"earlier": json.loads(earlier.read_text())} if earlier.is_file() else {})}
     model = write_model(plan, out)
     where = ["--interpret", "--device", DRY_TILES_DEVICE] if plan.dry_run else (["--device", device] if device else [])
     # the tuner's own budget within the stage's (the table is written at its end): a slow device times fewer tiles
@@ -1054,7 +1056,8 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
              f"{', ' + str(run['seconds']) + ' s' if run.get('seconds') is not None else ''}"
              f"{' (an earlier run)' if run.get('earlier_run') else ''}"
              f"{'; not tuned: ' + tiles['skipped'] if tiles.get('skipped') else ''}"
-             f"{'; failed (the servers took the shipped table): see tiles/tune-tiles.log' if tiles.get('failed') else ''}.",
+             f"{'; failed (the servers took the shipped table): see tiles/tune-tiles.log' if tiles.get('failed') else ''}"
+             f"{'; left by its budget (the servers took the shipped table)' if tiles.get('left') else ''}.",
              ""]
     table = tiles.get("table")
     if table:

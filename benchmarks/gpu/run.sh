@@ -14,8 +14,8 @@
 #           s = 0 control at the knee; then hybrid with the sweep's tau), each against dense with gates and
 #           intervals
 # kernels   benchmarks/mixed_depth_bench.py with the tuned tiles
-# all       each in that order (a stage stopped by its budget or limit runs again, up to three runs), then
-#           OUTDIR/results.json and OUTDIR/summary.md
+# all       each in that order (a stage stopped by its budget or limit runs again, up to three runs; a failed
+#           one does not), then OUTDIR/results.json and OUTDIR/summary.md
 #
 # Every stage installs what a fresh machine lacks first and skips what OUTDIR already holds, so any stage can be
 # rerun alone. Each runs under `timeout` ($VSKIPPER_STAGE_LIMIT_S, 530 s) and stops starting work at its budget

@@ -205,10 +205,12 @@ def load_tile_table(path: str | Path, device: Device | None = None, shared_mem_p
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TileTableError(f"{path}: not valid JSON ({exc})") from None
     except OSError as exc:
         raise TileTableError(f"{path}: no tile table can be read there ({exc.strerror or exc})") from None
+    if not isinstance(data, dict):
+        raise TileTableError(f"{path}: expected a JSON object")
     if shared_mem_per_block is None:
         if device is None:
             device = find_device(str(data.get("device", "")))
