@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the JSON table")
     p.add_argument("--max-candidates", type=int, help="sample at most this many tiles per shape")
     p.add_argument("--budget-s", type=float, help="spread this many seconds over the shapes: a shape whose share "
-                   "is spent stops trying tiles (the current table's first), so the table is always written")
+                   "is spent stops trying tiles (the current table's first), so the tuner ends within it")
     p.add_argument("--interpret", action="store_true",
                    help="tiny smoke run on the Triton interpreter (CPU); the table is not a measurement")
     p.set_defaults(func=_tune_tiles)

@@ -191,8 +191,8 @@ def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.G
 
 class Clock:
     """The tuner's time budget (None: unbounded), shared evenly by the shapes still to tune: a shape stops trying
-    candidates once its share is spent (after its first), so a table is always written, its later shapes timed
-    on fewer candidates (the seeds come first) when the compiles and timings run slower than planned."""
+    candidates once its share is spent (after its first), so the tuner ends about when its budget does, its later
+    shapes timed on fewer candidates (the seeds come first) when compiles and timings run slower than planned."""
 
     def __init__(self, budget_s: float | None, shapes: int) -> None:
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
