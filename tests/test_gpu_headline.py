@@ -77,7 +77,8 @@ def test_ladder_start_is_below_the_bursts_rate_and_never_zero():
 
 def test_schedule_runs_every_load_at_its_share_of_q_star_with_paired_repetitions():
     cells = headline.schedule(13, window_s=15.0, min_requests=24, repetitions=3)
-    assert [(c.load, c.repetition) for c in cells] == [(load, r) for load in ("below", "knee", "overload")
+    # served knee first (a run stopped by its time keeps the paper's headline figure), then overload, then below
+    assert [(c.load, c.repetition) for c in cells] == [(load, r) for load in ("knee", "overload", "below")
                                                        for r in range(3)]
     rates = {c.load: c.rate for c in cells}
     assert rates == {"below": 9.75, "knee": 12.35, "overload": 16.25}  # the paper's A100 offered rates

@@ -12,6 +12,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 from contextlib import ExitStack
 
 import pytest
@@ -30,9 +31,14 @@ pytestmark = pytest.mark.server  # the device run's stages against real SGLang s
 SCRIPT = ROOT / "benchmarks" / "gpu" / "run.sh"
 
 
-def _stage(stage: str, out, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([str(SCRIPT), stage, str(out), "--dry-run"], stdout=subprocess.PIPE,
+def _stage(stage: str, out, env: dict, *options: str) -> subprocess.Popen:
+    return subprocess.Popen([str(SCRIPT), stage, str(out), "--dry-run", *options], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+
+
+def lease_out(out, lease: str):
+    """The folder the dry run's fixture runs `lease` into, beside the stages' own."""
+    return out.with_name(f"{out.name}-{lease}")
 
 
 def _finish(proc: subprocess.Popen, stage: str, logs: dict) -> None:
@@ -44,7 +50,8 @@ def _finish(proc: subprocess.Popen, stage: str, logs: dict) -> None:
 def dry_run(tmp_path_factory):
     """`run.sh` install and tiles, then ladder, sweep and headline against the four arms started once with the
     tiles stage's table (the kernels stage, which needs no server, runs beside them), then `all`, which finds every
-    stage done, into one folder."""
+    stage done, into one folder; beside it, against the same servers, lease-2 (packed) and then lease-3, which
+    takes lease-2's Q* (`--earlier`), each into a folder of its own (`lease_out`)."""
     out = tmp_path_factory.mktemp("gpu-run")
     plan = run.Plan.dry()
     model = run.write_model(plan, out)
@@ -66,6 +73,9 @@ def dry_run(tmp_path_factory):
             env[run.ENV_SERVERS] = str(given)
             for stage in ("ladder", "sweep", "headline"):
                 _finish(_stage(stage, out, env), stage, logs)
+            two, three = lease_out(out, "lease-2"), lease_out(out, "lease-3")
+            _finish(_stage("lease-2", two, env, "--within", "400", "--pack", f"{two}.tar.gz"), "lease-2", logs)
+            _finish(_stage("lease-3", three, env, "--earlier", str(two)), "lease-3", logs)
         _finish(kernels, "kernels", logs)
         _finish(_stage("all", out, env), "all", logs)
     finally:
@@ -91,7 +101,7 @@ def test_ladder_finds_q_star_on_dense_and_serves_dense_every_headline_cell(dry_r
     assert q["rates"][0] <= ladder["calibration"]["ladder_start"] <= q["rates"][-1]
     assert all(t > 0 for t in q["tok_s"])
     cells = [headline.Cell.from_dict(c) for c in ladder["cells"]]
-    assert [(c.load, c.repetition) for c in cells] == [(load, r) for load in headline.LOADS
+    assert [(c.load, c.repetition) for c in cells] == [(load, r) for load in headline.SERVE_ORDER
                                                        for r in range(plan.repetitions)]
     for c in cells:
         assert c.rate == pytest.approx(CELL_FACTORS[c.load] * q["q_star"])
@@ -247,7 +257,7 @@ def test_tiles_stage_writes_the_table_every_later_server_is_handed(dry_run):
     path = out / "tiles" / run.TILES_JSON
     table = load_tile_table(path)
     assert table.device == run.DRY_TILES_DEVICE and "not a measurement" in table.source and table.read is not None
-    assert tiles["table"] == json.loads(path.read_text()) and run.tuned_table(out) == path
+    assert tiles["table"] == json.loads(path.read_text()) and run.tuned_table(run.Plan.dry(), out) == path
     sweep = json.loads((out / "sweep.json").read_text())
     label = table_label(path)
     assert label.startswith(f"{run.TILES_JSON}, sha256 ")
@@ -309,6 +319,10 @@ def test_device_plan_server_commands_parse_with_sglangs_own_flags(tmp_path):
         assert args.cuda_graph_backend_decode == "full"  # routed arms replay their routed decode variant
         max_bs = int(plan.sglang_flags[plan.sglang_flags.index("--cuda-graph-max-bs-decode") + 1])
         assert args.cuda_graph_backend_prefill == "disabled" and args.cuda_graph_max_bs_decode == max_bs
+    # the sweep's servers capture decode graphs at its batches alone
+    sweep = parser.parse_args(["--model-path", str(model), *run.graph_flags(plan.sglang_flags, plan.batches)])
+    assert sweep.cuda_graph_bs_decode == list(plan.batches) and sweep.cuda_graph_max_bs_decode is None
+    assert run.graph_flags(plan.sglang_flags, None) == list(plan.sglang_flags)
 
 
 def test_no_prefill_prompt_of_the_sweep_is_a_prefix_of_another():
@@ -448,7 +462,7 @@ def test_the_tiles_stage_never_tunes_once_a_serving_stage_took_the_shipped_table
     (tmp_path / "ladder").mkdir()
     result = run.stage_tiles(run.Plan.dry(), tmp_path, budget_s=60)
     assert result["runs"] == {} and result["left"] == [] and "ladder already served" in result["skipped"]
-    assert run.tuned_table(tmp_path) is None
+    assert run.tuned_table(run.Plan.dry(), tmp_path) is None
     assert "not tuned: ladder already served with the shipped table" in "\n".join(run.tiles_lines(result, None))
 
 
@@ -463,3 +477,104 @@ def test_a_stage_that_failed_runs_again_in_a_later_run_and_the_tiles_stage_then_
     assert "ladder already served" in result["skipped"] and result["earlier"]["failed"] == ["tune-tiles"]
     assert run.main(["tiles", str(tmp_path), "--dry-run"]) == 0  # now complete: not run again
 
+
+
+def test_a_lease_serves_its_arms_knee_first_and_packs_its_folder(dry_run):
+    """lease-2: the ladder and dense's cells at every load, then the hybrid arm at the rule's thresholds alone,
+    each arm's cells knee first; the folder packed whole after the summary."""
+    out, logs = dry_run
+    two = lease_out(out, "lease-2")
+    ladder = json.loads((two / "ladder.json").read_text())
+    assert ladder["loads"] == list(headline.LOADS) and ladder["q_star_from"] == "this run's ladder"
+    result = json.loads((two / "headline.json").read_text())
+    assert list(result["arms"]) == ["hybrid-rule"] and result["arms_requested"] == ["hybrid-rule"]
+    assert result["arms"]["hybrid-rule"]["gates_passed"]
+    text = logs["lease-2"]
+    served = [text.index(f"[headline] hybrid-rule {load}-rep0") for load in headline.SERVE_ORDER]
+    assert served == sorted(served) and "[run] lease-2 done in" in text
+    with tarfile.open(f"{two}.tar.gz") as archive:
+        names = set(archive.getnames())
+    assert {f"{two.name}/{name}" for name in ("headline.json", "ladder.json", "summary.md", "env.json")} <= names
+
+
+def test_a_later_lease_serves_dense_at_an_earlier_runs_q_star_and_only_where_its_arms_serve(dry_run):
+    """lease-3 with lease-2's folder as --earlier: the same GPU (both dry runs name none), so dense does not climb
+    the ladder again and serves the knee's cells alone, where always-route and the control serve theirs."""
+    out, logs = dry_run
+    two, three = lease_out(out, "lease-2"), lease_out(out, "lease-3")
+    ladder = json.loads((three / "ladder.json").read_text())
+    assert ladder["q_star"] == json.loads((two / "ladder.json").read_text())["q_star"]
+    assert str(two) in ladder["q_star_from"] and not (three / "ladder" / "rates").exists()
+    assert ladder["loads"] == ["knee"] and not ladder["left"]
+    assert {key for key, cell in ladder["dense"].items() if cell} == {f"knee-rep{r}" for r in range(run.Plan.dry().repetitions)}
+    result = json.loads((three / "headline.json").read_text())
+    assert list(result["arms"]) == ["always", "control"] and all(a["gates_passed"] for a in result["arms"].values())
+    assert "not climbed again" in (three / "summary.md").read_text() and "ladder does not climb again" in \
+        logs["lease-3"]
+    # the hybrid arm needs dense's side at every load: this folder's ladder served the knee's alone
+    with pytest.raises(RuntimeError, match="hybrid-rule: dense has not served overload-rep0, below-rep0"):
+        run.main(["headline", str(three), "--dry-run", "--arms", "hybrid-rule"])
+
+
+def test_within_starts_no_stage_that_cannot_finish_and_still_writes_the_summary(tmp_path):
+    """--within: what is left of the call's seconds, less the summary's margin, under a stage's least: not
+    started, the lease exits 4 (its stages left for a later call) and the summary is written."""
+    r = subprocess.run([str(SCRIPT), "lease-1", str(tmp_path / "out"), "--dry-run", "--within", "40"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "[tiles] not started: " in r.stdout and "[sweep]" not in r.stdout
+    assert (tmp_path / "out" / "summary.md").is_file() and not (tmp_path / "out" / "tiles.json").exists()
+    bad = subprocess.run([str(SCRIPT), "lease-1", str(tmp_path / "out"), "--within", "soon"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "--within: a whole number of seconds" in bad.stderr
+
+
+def test_a_stage_covers_a_later_run_only_with_the_arms_and_loads_it_asks_for():
+    hybrid, knee_only = ("hybrid-rule",), ("always", "control")
+    assert run.arm_loads(knee_only) == ("knee",) and run.arm_loads(hybrid) == headline.LOADS
+    ladder = {"loads": ["knee"], "left": []}
+    assert run.covers("ladder", ladder, knee_only) and not run.covers("ladder", ladder, hybrid)
+    done = {"arms_requested": ["hybrid-rule"], "left": []}
+    assert run.covers("headline", done, hybrid) and not run.covers("headline", done, knee_only)
+    assert not run.covers("headline", {**done, "left": ["always: 3 cells"]}, hybrid)
+    assert run.covers("headline", {"left": []}, knee_only)  # a run before leases served every arm
+    with pytest.raises(SystemExit):
+        run.main(["headline", "/nonexistent", "--dry-run", "--arms", "hybrid-rule,fastest"])
+    assert {lease.name for lease in run.LEASES} == {f"lease-{n}" for n in range(1, 5)}
+    for lease in run.LEASES:  # every stage and arm a lease names exists, in `run.sh all`'s order
+        assert list(lease.stages) == [s for s in run.STAGES if s in lease.stages]
+        assert set(lease.headline_arms) <= set(run.HEADLINE_ARMS) and set(dict(lease.caps)) <= set(lease.stages)
+        assert lease.estimate_s <= 900 - 60  # a lease's device time, less the machine's start
+    readme = (ROOT / "benchmarks" / "gpu" / "README.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in readme.splitlines() if line.startswith("| `lease-")}
+    assert {name: row.rstrip(" |").endswith(f"| {lease.estimate_s} s") for name, row in rows.items()
+            for lease in run.LEASES if lease.name == name} == {lease.name: True for lease in run.LEASES}
+
+
+def test_an_earlier_runs_table_and_tau_serve_only_on_the_gpu_they_were_measured_on(tmp_path, monkeypatch):
+    plan = run.Plan.dry()
+    this, before = tmp_path / "this", tmp_path / "before"
+    for folder, gpu in ((this, "NVIDIA H100 80GB HBM3"), (before, "NVIDIA H100 80GB HBM3")):
+        folder.mkdir()
+        (folder / "env.json").write_text(json.dumps({"gpu": gpu}))
+    (before / "tiles").mkdir()
+    table = before / "tiles" / run.TILES_JSON
+    table.write_text(json.dumps({"device": run.DRY_TILES_DEVICE, "tiles": {}}))
+    (before / "sweep.json").write_text(json.dumps({"comparison": {"tau_ms": 1.5}}))
+    monkeypatch.delenv(run.ENV_EARLIER, raising=False)
+    assert run.tuned_table(plan, this) is None and run.sweep_for_tau(this)[0] is None  # none given
+    monkeypatch.setenv(run.ENV_EARLIER, str(before))
+    assert run.tuned_table(plan, this) == table
+    sweep, where = run.sweep_for_tau(this)
+    assert sweep["comparison"]["tau_ms"] == 1.5 and str(before) in where
+    table.write_text(json.dumps({"device": "H200", "tiles": {}}))  # measured for another device
+    assert run.tuned_table(plan, this) is None
+    (before / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200"}))
+    sweep, why = run.sweep_for_tau(this)
+    assert sweep is None and "measured on NVIDIA H200, this run on NVIDIA H100 80GB HBM3" in why
+    (this / "sweep.json").write_text(json.dumps({"comparison": {"tau_ms": 2.0}}))
+    assert run.sweep_for_tau(this) == ({"comparison": {"tau_ms": 2.0}}, "this run's sweep")
+    monkeypatch.setenv(run.ENV_EARLIER, str(tmp_path / "gone"))
+    with pytest.raises(RuntimeError, match="gone: no such folder"):
+        run.earlier_runs()

@@ -36,6 +36,9 @@ LOADS = tuple(CELL_FACTORS)  # below (0.75 Q*), knee (0.95 Q*), overload (1.25 Q
 KNEE = "knee"
 OVERLOAD = "overload"
 BASELINE = "dense"
+# The order the cells are served in: the knee (the paper's headline figure) first, then overload (its throughput
+# figure), then below the knee.
+SERVE_ORDER = (KNEE, OVERLOAD, "below")
 LADDER_START_FACTOR = 0.75  # the ladder's first rate, as a share of the calibration burst's request rate
 
 # The paper's GSM8K figures, FlexiDepth on Llama-3-8B against upstream SGLang: mean % change with its 95% half-width
@@ -158,14 +161,16 @@ class Cell:
 
 
 def schedule(q_star: int, window_s: float, min_requests: int, repetitions: int) -> list[Cell]:
-    """The headline cells: 0.75 / 0.95 / 1.25 x Q* (loadgen's cell rates), `repetitions` each, load-major; a load's
-    repetitions share its suite and differ in their arrival seeds."""
+    """The headline cells: 0.75 / 0.95 / 1.25 x Q* (loadgen's cell rates), `repetitions` each, load-major in the
+    order they are served (`SERVE_ORDER`: a run stopped by its time keeps the knee); a load's repetitions share its
+    suite and differ in their arrival seeds."""
     if repetitions < 1:
         raise ValueError(f"repetitions: need at least 1, got {repetitions}")
     if q_star < 1:
         raise ValueError(f"q_star: must be a positive rate, got {q_star!r}")
-    return [Cell(load, rep, rate, cell_requests(rate, window_s, min_requests), 100 * (i + 1) + rep)
-            for i, (load, rate) in enumerate(cell_rates(q_star).items()) for rep in range(repetitions)]
+    rates = cell_rates(q_star)
+    return [Cell(load, rep, rates[load], cell_requests(rates[load], window_s, min_requests),
+                 100 * (LOADS.index(load) + 1) + rep) for load in SERVE_ORDER for rep in range(repetitions)]
 
 
 def suite_seed(load: str) -> int:
@@ -375,7 +380,9 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
         lines += [f"Upstream's Q* ladder (dense, in-window output tok/s at {rates[0]}-{rates[-1]} req/s): Q* = "
                   f"{q['q_star']} req/s ({q['tok_s_at_q_star']:.4g} tok/s; plateau reached: "
                   f"{'yes' if q['plateau_reached'] else 'no, the ladder stopped at its bound'}); the paper's: "
-                  f"{PAPER['A100']['q_star']} on the A100, {PAPER['H100']['q_star']} on the H100.", ""]
+                  f"{PAPER['A100']['q_star']} on the A100, {PAPER['H100']['q_star']} on the H100."
+                  + (f" The rates are those of {ladder['q_star_from']}: dense's cells here ran at its Q*, not climbed "
+                     "again." if ladder.get("q_star_from", "this run's ladder") != "this run's ladder" else ""), ""]
     if ladder.get("left"):
         lines += [f"Ladder stage left for the next run: {', '.join(ladder['left'])}", ""]
     if not headline:

@@ -80,6 +80,44 @@ HEADLINE_ARMS = {"hybrid-rule": (HYBRID, "hybrid", "rule", headline.LOADS),
 # starting them: the CI dry run starts each arm once for every stage (the hybrid arm at the thresholds of the
 # sweep's tau would be `<arm>@tau`).
 ENV_SERVERS = "VSKIPPER_GPU_RUN_SERVERS"
+# Folders of earlier runs' results (`run.sh --earlier DIR`, os.pathsep between them): a lease that does not tune,
+# sweep or climb the ladder itself takes the tile table, the tau and the Q* of the first one measured on this GPU.
+ENV_EARLIER = "VSKIPPER_GPU_RUN_EARLIER"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What one device lease measures: 15 minutes of device time, the machine's start (a minute or more) and the
+    transfers included, in at most two calls of ten minutes. `run.sh lease-N OUTDIR --within S` runs its stages in
+    order within S seconds; a stage's `caps` bound its budget, so that the stages after it keep their time."""
+
+    name: str
+    stages: tuple[str, ...]
+    what: str
+    estimate_s: int  # device seconds its stages likely take, the starts of its servers included (not measured)
+    caps: tuple[tuple[str, int], ...] = ()  # (stage, the most seconds of budget it takes in this lease)
+    headline_arms: tuple[str, ...] = ()  # the headline's arms this lease serves (HEADLINE_ARMS keys)
+
+
+# The device work in leases, what matters most first. A lease serves its own dense side: no arm is compared with a
+# dense arm served on another machine. Not yet measured on a GPU; the estimates take a server ready in 45-90 s
+# (measured on the H100 with every decode graph captured), a sweep arm about 80 s of cells, the ladder's climb
+# about 150 s (warm-up, calibration, about 8 rates of 10 s) and a headline cell about 20 s (12 s of arrivals, the
+# drain, the flush and attestations): a lease's second call finishes what its first left.
+LEASES = (
+    Lease("lease-1", ("tiles", "sweep"), "the routed path on the device (items 1-2): the tile table measured first, "
+          "then dense, the s = 0 control and always-route s = 0.5 on decode cells and prefill lengths, their goals, "
+          "tau and V_x", 610, caps=(("tiles", 180),)),
+    Lease("lease-2", ("ladder", "headline"), "the headline (item 3): upstream's Q* ladder on dense and dense's "
+          "cells, then the hybrid arm at the rule's thresholds against dense at 0.75 / 0.95 / 1.25 Q*, knee first",
+          700, headline_arms=("hybrid-rule",)),
+    Lease("lease-3", ("ladder", "headline"), "the knee's ablations: dense's knee cells at an earlier lease's Q* on "
+          "this GPU (`--earlier`; else the ladder climbs again), always-route and the s = 0 control at the knee", 490,
+          headline_arms=("always", "control")),
+    Lease("lease-4", ("ladder", "headline", "kernels"), "the hybrid arm at lease-1's measured tau (`--earlier`: the "
+          "sweep and the Q* of earlier leases on this GPU) against dense at every load, then the kernel benchmark",
+          640, headline_arms=("hybrid-tau",)),
+)
 
 
 @dataclass(frozen=True)
@@ -119,15 +157,16 @@ class Plan:
     @classmethod
     def gpu(cls) -> Plan:
         # GSM8K-shaped: prompts of 700-1,100 tokens (the paper gives none; see headline.py) and outputs of 58-174
-        # tokens (mean 116, upstream's mean at the paper's knee). Cells of about 15 s (the paper's hold 3,600
-        # requests, about 290 s at its knee), sized so that the whole A/B fits one session's device time.
+        # tokens (mean 116, upstream's mean at the paper's knee). Cells of about 12 s of arrivals (the paper's hold
+        # 3,600 requests, about 290 s at its knee), sized so that a lease's dense and routed sides fit its device
+        # time (`LEASES`).
         return cls(False, "gpu", "bfloat16",
                    ("--load-format", "dummy", "--skip-tokenizer-init", "--context-length", "8192",
                     "--cuda-graph-max-bs-decode", "256", "--max-running-requests", "256"),
                    "0.85", tune_max_candidates=24, batches=(32, 64, 128), contexts=(1024, 2048, 4096),
                    sweep_new_tokens=48, decode_reps=3, prefill_lengths=(1024, 2048, 4096), prefill_reps=3, startup_timeout_s=420.0,
                    prompt_tokens=(700, 1100), output_tokens=(58, 174), warmup_requests=64, calibration_requests=128,
-                   ladder_window_s=10.0, ladder_max_rates=14, window_s=15.0, min_requests=24, repetitions=3,
+                   ladder_window_s=10.0, ladder_max_rates=14, window_s=12.0, min_requests=24, repetitions=3,
                    start_estimate_s=100.0, cell_overhead_s=3.0, engagement_optional=False,
                    threshold_step=CONSTANTS.threshold_rounding_tokens,
                    model_size={"layers": 32, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8,
@@ -227,26 +266,86 @@ def rule(plan: Plan, model: Path) -> dict:
     return {**t.as_dict(), "source": f"roofline:{device.name}"}
 
 
-def tuned_table(out: Path) -> Path | None:
-    """The tile table the tiles stage measured on this device, once written whole (None: the servers take the one
-    shipped for the device)."""
+def earlier_runs() -> list[Path]:
+    """The folders of earlier runs' results (ENV_EARLIER, `run.sh --earlier DIR`, each given once), in order."""
+    given = [Path(p) for p in os.environ.get(ENV_EARLIER, "").split(os.pathsep) if p]
+    for path in given:
+        if not path.is_dir():
+            raise RuntimeError(f"{ENV_EARLIER}: {path}: no such folder (an earlier run's results)")
+    return given
+
+
+def gpu_of(folder: Path) -> str | None:
+    """The GPU a run measured on (its env.json), or None where it names none."""
+    env = folder / "env.json"
+    return json.loads(env.read_text()).get("gpu") if env.is_file() else None
+
+
+def earlier(out: Path, name: str, usable) -> tuple[Path | None, str]:
+    """The first earlier run (ENV_EARLIER) on this run's GPU whose file `name` is `usable`: (its path, where it comes
+    from), or (None, why none is)."""
+    runs = earlier_runs()
+    if not runs:
+        return None, "no earlier run was given (--earlier)"
+    mine, why = gpu_of(out), []
+    for run in runs:
+        path = run / name
+        if not path.is_file() or not usable(path):
+            why.append(f"{run} holds no whole {name}")
+        elif mine is None or gpu_of(run) != mine:
+            why.append(f"{run} measured on {gpu_of(run)}, this run on {mine}")
+        else:
+            return path, f"an earlier run on this GPU ({run})"
+    return None, "; ".join(why)
+
+
+def tuned_table(plan: Plan, out: Path) -> Path | None:
+    """The tile table the tiles stage measured on this device, once written whole; else an earlier run's on this GPU
+    (ENV_EARLIER; a table for another GPU would stop every server); else None: the servers take the one shipped for
+    the device."""
     path = out / "tiles" / TILES_JSON
-    return path if finished(path) else None
+    if finished(path):
+        return path
+    device = DRY_TILES_DEVICE if plan.dry_run else device_name(plan)
+    return earlier(out, f"tiles/{TILES_JSON}",
+                   lambda p: finished(p) and json.loads(p.read_text()).get("device") == device)[0]
+
+
+def sweep_for_tau(out: Path) -> tuple[dict | None, str]:
+    """The sweep whose tau the headline's second hybrid arm serves: this run's, else an earlier run's on this GPU:
+    (sweep, where it comes from), or (None, why there is none)."""
+    if (out / "sweep.json").is_file():
+        return json.loads((out / "sweep.json").read_text()), "this run's sweep"
+    path, where = earlier(out, "sweep.json", lambda p: (json.loads(p.read_text()).get("comparison") or {})
+                          .get("tau_ms") is not None)
+    return (json.loads(path.read_text()), f"the sweep of {where}") if path else (None, where)
+
+
+def graph_flags(flags: tuple[str, ...], batches: tuple[int, ...] | None) -> list[str]:
+    """The plan's SGLang flags, with the decode graphs captured at `batches` alone instead of every size up to the
+    plan's largest (the sweep decodes at its own batches only: each size captured costs every start time, twice
+    over for a routed arm's two variants)."""
+    flags = list(flags)
+    if batches and "--cuda-graph-max-bs-decode" in flags:
+        i = flags.index("--cuda-graph-max-bs-decode")
+        flags[i:i + 2] = ["--cuda-graph-bs-decode", *(str(b) for b in sorted(batches))]
+    return flags
 
 
 def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
-          arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None) -> Server:
+          arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None,
+          graph_batches: tuple[int, ...] | None = None) -> Server:
     """`vskipper serve` with the plan's flags and the tiles stage's table where it wrote one (`model` is
     OUTDIR/model); `thresholds` as its --enter-tokens / --exit-tokens (else the arm's from the roofline rule for the
-    detected GPU)."""
-    extra = list(plan.sglang_flags) + (["--mem-fraction-static", mem] if mem else [])
+    detected GPU); `graph_batches`, the only decode batch sizes captured (`graph_flags`)."""
+    extra = graph_flags(plan.sglang_flags, graph_batches) + (["--mem-fraction-static", mem] if mem else [])
     kw = {}
     if thresholds is not None:
         kw = {"enter_tokens": thresholds["enter_tokens"], "exit_tokens": thresholds["exit_tokens"]}
     # Killed, not drained, when the stage is done with it: SGLang's graceful shutdown costs about 5 s a server.
     return stack.enter_context(launched(model, workdir, arm=arm, arm_file=arm_file, dtype=plan.dtype,
                                         extra=extra, platform=plan.platform, graceful=False,
-                                        tile_table=tuned_table(model.parent), **kw))
+                                        tile_table=tuned_table(plan, model.parent), **kw))
 
 
 class Attached:
@@ -268,16 +367,17 @@ class Attached:
 
 
 def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: str, arm_files: dict[str, Path],
-               mem: str | None = None, thresholds: dict | None = None, key: str | None = None):
+               mem: str | None = None, thresholds: dict | None = None, key: str | None = None,
+               graph_batches: tuple[int, ...] | None = None):
     """The arm's server: attached from ENV_SERVERS when it names `key` (default: the arm), else started (stopped
     with `stack`); `thresholds` go to the hybrid arm only."""
     given = json.loads(Path(os.environ[ENV_SERVERS]).read_text()) if os.environ.get(ENV_SERVERS) else {}
     if (key or name) in given:
         return Attached(given[key or name])
     if name == "dense":
-        return start(plan, stack, model, workdir, arm="dense", mem=mem)
+        return start(plan, stack, model, workdir, arm="dense", mem=mem, graph_batches=graph_batches)
     return start(plan, stack, model, workdir, arm_file=arm_files[name], mem=mem,
-                 thresholds=thresholds if name == HYBRID else None)
+                 thresholds=thresholds if name == HYBRID else None, graph_batches=graph_batches)
 
 
 def ready(plan: Plan, servers: list[Server]) -> None:
@@ -455,24 +555,46 @@ def cell_estimate(plan: Plan, dense_summary: dict | None, window_s: float) -> fl
     return (1.2 * makespan if makespan else 2 * window_s) + plan.cell_overhead_s
 
 
-def stage_ladder(plan: Plan, out: Path, budget_s: float) -> dict:
-    """Dense alone: upstream's Q* ladder, then dense's side of every headline cell, on one server start."""
+def arm_loads(arms: tuple[str, ...]) -> tuple[str, ...]:
+    """The loads the headline's `arms` serve (dense serves the same), in the order of `headline.LOADS`."""
+    wanted = {load for key in arms for load in HEADLINE_ARMS[key][3]}
+    return tuple(load for load in headline.LOADS if load in wanted)
+
+
+def complete_ladder(path: Path) -> bool:
+    doc = json.loads(path.read_text())
+    return bool(doc.get("q_star")) and not doc.get("left") and not doc.get("failed")
+
+
+def stage_ladder(plan: Plan, out: Path, budget_s: float, loads: tuple[str, ...] = headline.LOADS) -> dict:
+    """Dense alone: upstream's Q* ladder (or the Q* an earlier run climbed to on this GPU, ENV_EARLIER), then
+    dense's side of the headline cells at `loads` (those of the arms a lease serves), on one server start."""
     from loadgen.qstar import find_q_star
 
     stage = Stage("ladder", out, budget_s)
     model = write_model(plan, out)
-    arms = write_arms(out)
+    arm_files = write_arms(out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     calibration_path, rates_dir = stage.out / "calibration.json", stage.out / "rates"
     tok = {int(p.stem[1:]): read_cell(p).summary["window_output_tok_s"] for p in sorted(rates_dir.glob("r*.json"))}
     calibration = json.loads(calibration_path.read_text()) if calibration_path.is_file() else None
+    q_star_from = "this run's ladder"
+    if calibration is None and not tok:
+        path, where = earlier(out, "ladder.json", complete_ladder)
+        if path is not None:  # the climb is the same on the same GPU: its rates, not climbed again
+            doc = json.loads(path.read_text())
+            calibration, q_star_from = doc["calibration"], where
+            tok = dict(zip(doc["q_star"]["rates"], doc["q_star"]["tok_s"], strict=True))
+            log(stage.name, f"Q* {doc['q_star']['q_star']} req/s from {where}: the ladder does not climb again")
 
     def next_rate() -> int | None:
         return headline.next_ladder_rate(tok, calibration["ladder_start"], plan.ladder_max_rates)
 
-    def cells() -> list:
-        q = find_q_star(tok).q_star
-        return headline.schedule(q, plan.window_s, plan.min_requests, plan.repetitions)
+    def every_cell() -> list:
+        return headline.schedule(find_q_star(tok).q_star, plan.window_s, plan.min_requests, plan.repetitions)
+
+    def cells() -> list:  # those dense serves in this run
+        return [c for c in every_cell() if c.load in loads]
 
     suites = {}
 
@@ -494,7 +616,7 @@ def stage_ladder(plan: Plan, out: Path, budget_s: float) -> dict:
     if (not ladder_done or todo) and stage.has_time(plan.start_estimate_s, "dense (ladder and cells)"):
         with ExitStack() as stack:
             t0 = time.monotonic()
-            dense = server_for(plan, stack, model, stage.out / "server", "dense", arms, plan.solo_mem_fraction)
+            dense = server_for(plan, stack, model, stage.out / "server", "dense", arm_files, plan.solo_mem_fraction)
             ready(plan, [dense])
             warm_up(plan, dense, vocab)
             log(stage.name, f"dense up and warm after {time.monotonic() - t0:.0f} s; KV pool {kv_capacity(dense)}")
@@ -525,19 +647,20 @@ def stage_ladder(plan: Plan, out: Path, budget_s: float) -> dict:
                                     f"{cell.summary['makespan_s']:.1f} s")
             served_doc = served(dense)
             (stage.out / "served.json").write_text(json.dumps(served_doc, indent=1) + "\n")
-    result = {"calibration": calibration, "served": served_doc, "left": stage.left}
+    result = {"calibration": calibration, "served": served_doc, "left": stage.left, "loads": list(loads),
+              "q_star_from": q_star_from}
     if calibration is None or next_rate() is not None:
         result["left"] = stage.left or ["the ladder"]
         return result
     q = find_q_star(tok)
-    schedule = cells()
+    schedule = every_cell()  # the headline's cells, dense's side None at the loads it did not serve here
     for c in schedule:
         suite_for(c.load, c.requests)
     result.update(q_star=q.as_dict(), cells=[c.as_dict() for c in schedule],
                   suites={load: {"path": suite_path(load), **headline.suite_shape(s)} for load, s in suites.items()},
                   shape=headline.suite_shape(suites[headline.KNEE]),
                   dense={c.key: _summary(stage.out / "dense" / f"{c.key}.json") for c in schedule})
-    missing = [c.key for c in schedule if result["dense"][c.key] is None]
+    missing = [c.key for c in cells() if result["dense"][c.key] is None]
     if missing and not stage.left:
         stage.left.append(f"dense cells {', '.join(missing)}")
     result["left"] = stage.left
@@ -565,8 +688,9 @@ def _summary(path: Path) -> dict | None:
                                               "window_req_s", "window_output_tok_s")}}
 
 
-def stage_headline(plan: Plan, out: Path, budget_s: float) -> dict:
-    """Each routed arm alone on the ladder's cells (one server start each), then every arm against dense."""
+def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...] = tuple(HEADLINE_ARMS)) -> dict:
+    """Each routed arm of `arms` (HEADLINE_ARMS keys) alone on the ladder's cells (one server start each), then
+    every arm against dense."""
     ladder_path = out / "ladder.json"
     ladder = json.loads(ladder_path.read_text()) if ladder_path.is_file() else None
     if not ladder or ladder.get("left") or not ladder.get("cells"):
@@ -584,12 +708,18 @@ def stage_headline(plan: Plan, out: Path, budget_s: float) -> dict:
             raise RuntimeError(f"{doc['path']}: digest {suites[load].digest[:12]} is not the ladder's "
                                f"suites.{load}.digest {doc['digest'][:12]}")
     th_rule = rule(plan, model)
-    sweep_path = out / "sweep.json"
-    th_tau, tau_source = headline.thresholds_from_tau(
-        th_rule, json.loads(sweep_path.read_text()) if sweep_path.is_file() else None, plan.threshold_step)
-    result: dict = {"thresholds": {"rule": th_rule, "tau": th_tau or {"skipped": tau_source}}, "arms": {}}
+    sweep, sweep_source = sweep_for_tau(out)
+    th_tau, tau_source = headline.thresholds_from_tau(th_rule, sweep, plan.threshold_step)
+    if sweep is None:
+        tau_source = f"no measured tau: {sweep_source}"
+    elif th_tau is not None and sweep_source != "this run's sweep":
+        th_tau["source"] = tau_source = f"{th_tau['source']}, {sweep_source}"
+    result: dict = {"thresholds": {"rule": th_rule, "tau": th_tau or {"skipped": tau_source}}, "arms": {},
+                    "arms_requested": list(arms)}
     started = False
     for key, (name, role, variant, loads) in HEADLINE_ARMS.items():
+        if key not in arms:
+            continue
         thresholds = {"rule": th_rule, "tau": th_tau}.get(variant)
         doc = {"arm": name, "role": role, "loads": {}, "thresholds": thresholds}
         result["arms"][key] = doc
@@ -599,6 +729,10 @@ def stage_headline(plan: Plan, out: Path, budget_s: float) -> dict:
             continue
         work = stage.out / key
         mine = [c for c in cells if c.load in loads]
+        unpaired = [c.key for c in mine if ladder["dense"].get(c.key) is None]
+        if unpaired:  # the ladder served dense for other arms' loads only
+            raise RuntimeError(f"{key}: dense has not served {', '.join(unpaired)} in this run; run `run.py ladder "
+                               f"OUTDIR --arms {key}` first")
         todo = [c for c in mine if not (work / f"{c.key}.json").is_file()]
         estimates = {c.key: cell_estimate(plan, ladder["dense"][c.key], plan.window_s) for c in todo}
         if todo:
@@ -656,7 +790,7 @@ def compare_arm(plan: Plan, out: Path, key: str, name: str, role: str, cells: li
     served_doc = json.loads(served_path.read_text()) if served_path.is_file() else None
     arm = Arm.from_dict(ARM_FILES[name])
     results, loads, longest = [], {}, plan.prompt_tokens[1] + plan.output_tokens[1]
-    for load in dict.fromkeys(c.load for c in cells):
+    for load in (load for load in headline.LOADS if any(c.load == load for c in cells)):
         pairs = [(c.repetition, read_cell(out / "ladder" / "dense" / f"{c.key}.json"),
                   read_cell(work / f"{c.key}.json")) for c in cells
                  if c.load == load and (work / f"{c.key}.json").is_file()]
@@ -688,7 +822,8 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
         if not stage.has_time(0.3 * budget_s if not plan.dry_run else 1, f"sweep of {name}"):
             continue
         with ExitStack() as stack:
-            server = server_for(plan, stack, model, stage.out / name, name, arms, plan.solo_mem_fraction)
+            server = server_for(plan, stack, model, stage.out / name, name, arms, plan.solo_mem_fraction,
+                                graph_batches=plan.batches)
             ready(plan, [server])
             capacity = kv_capacity(server)
             decode, prefill, skipped = [], [], []
@@ -943,7 +1078,7 @@ def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
     stage = Stage("kernels", out, budget_s)
     device = device_name(plan) or "CPU"
     bench_json = stage.out / BENCH_JSON
-    table = tuned_table(out)
+    table = tuned_table(plan, out)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "mixed_depth_bench.py"), "--json", str(bench_json),
            *bench_grid(plan), *(["--tile-table", str(table)] if table else [])]
     runs = run_steps(plan, stage, (("mixed_depth_bench", bench_json, cmd),))
@@ -1117,13 +1252,22 @@ def served_layer_lines(path: Path | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=[*STAGES, "summary", "stages"])
+    parser.add_argument("stage", choices=[*STAGES, "summary", "stages", "leases"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="CPU platform, tiny model, tiny sizes")
     parser.add_argument("--budget-s", type=float, default=500.0, help="the stage's time budget")
+    parser.add_argument("--arms", type=_arms, default=tuple(HEADLINE_ARMS),
+                        help="ladder, headline: the headline's arms to serve (and dense's cells for them), comma "
+                             f"separated, of {', '.join(HEADLINE_ARMS)} (default: all)")
     args = parser.parse_args(argv)
     if args.stage == "stages":  # `run.sh all`'s order
         print(" ".join(STAGES))
+        return 0
+    if args.stage == "leases":  # `run.sh lease-N`: one line a stage, "LEASE STAGE BUDGET_CAP ARMS" (0: no cap)
+        for lease in LEASES:
+            caps = dict(lease.caps)
+            for name in lease.stages:
+                print(lease.name, name, caps.get(name, 0), ",".join(lease.headline_arms) or "-")
         return 0
     # A stage stopped at its time limit (SIGTERM) unwinds: its servers are stopped, never left holding the device.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -1135,12 +1279,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     path = args.out / f"{args.stage}.json"
     done = json.loads(path.read_text()) if path.is_file() else None
-    if done is not None and not done.get("left") and not done.get("failed"):
+    if done is not None and covers(args.stage, done, args.arms):
         print(f"[{args.stage}] complete in an earlier run: {path}")
         return 0
     stages = {"tiles": stage_tiles, "ladder": stage_ladder, "sweep": stage_sweep, "headline": stage_headline,
               "kernels": stage_kernels}
-    result = stages[args.stage](plan, args.out, args.budget_s)
+    kwargs = {}
+    if args.stage == "headline":  # the arms an earlier run served stay in the result
+        kwargs["arms"] = tuple(k for k in HEADLINE_ARMS
+                               if k in args.arms or k in ((done or {}).get("arms_requested") or ()))
+    elif args.stage == "ladder":  # and the loads dense served for them
+        wanted = set(arm_loads(args.arms)) | set((done or {}).get("loads") or ())
+        kwargs["loads"] = tuple(load for load in headline.LOADS if load in wanted)
+    result = stages[args.stage](plan, args.out, args.budget_s, **kwargs)
     result["plan"] = asdict(plan)
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     summary(plan, args.out)
@@ -1148,6 +1299,27 @@ def main(argv: list[str] | None = None) -> int:
     if result.get("left"):
         return 4  # run.sh runs the stage again
     return 1 if result.get("failed") else 0
+
+
+def _arms(text: str) -> tuple[str, ...]:
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in keys if k not in HEADLINE_ARMS]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(f"--arms: {', '.join(unknown) or 'none given'}: not a headline arm (of "
+                                         f"{', '.join(HEADLINE_ARMS)})")
+    return keys
+
+
+def covers(stage: str, done: dict, arms: tuple[str, ...]) -> bool:
+    """Whether a stage's earlier result holds all this run asks of it: nothing left or failed, and for the ladder
+    and the headline the loads and arms of `arms` (a lease serves some of them)."""
+    if done.get("left") or done.get("failed"):
+        return False
+    if stage == "ladder":
+        return set(arm_loads(arms)) <= set(done.get("loads") or headline.LOADS)
+    if stage == "headline":
+        return set(arms) <= set(done.get("arms_requested") or HEADLINE_ARMS)
+    return True
 
 
 if __name__ == "__main__":

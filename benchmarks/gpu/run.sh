@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device run: dense against routed with the real SGLang 0.5.21 on one GPU, in stages of under nine minutes.
 #
-#   benchmarks/gpu/run.sh install|tiles|sweep|ladder|headline|kernels|all OUTDIR [--dry-run]
+#   benchmarks/gpu/run.sh install|tiles|sweep|ladder|headline|kernels|all|lease-1..lease-4|pack OUTDIR
+#                         [--dry-run] [--within SECONDS] [--earlier DIR]... [--pack FILE]
 #
 # install   installs the bundle (.gpu-bundle/, `make gpu-bundle`) into $VSKIPPER_SITE unless it is there already,
 #           and prints the GPU, its memory and driver, torch and triton (OUTDIR/env.json)
@@ -16,6 +17,15 @@
 # kernels   benchmarks/mixed_depth_bench.py with the tuned tiles
 # all       each in that order (a stage stopped by its budget or limit runs again, up to three runs; a failed
 #           one does not), then OUTDIR/results.json and OUTDIR/summary.md
+# lease-N   the stages (and headline arms) of one device lease (`run.py leases`; benchmarks/gpu/README.md), in
+#           order, then the summary: what one lease of device time measures
+# pack      OUTDIR as one .tar.gz (--pack FILE), to keep or to carry into a later call
+#
+# --within S    this call's stages share S seconds: each stage's budget and limit shrink to what is left (less a
+#               margin for the summary and the pack), and a stage with too little left is not started
+# --earlier DIR an earlier run's results on the same GPU (repeatable): its tile table, tau and Q* serve where this
+#               run has none of its own (a lease that does not tune, sweep or climb)
+# --pack FILE   after the stages, OUTDIR packed into FILE (also when a stage stopped or failed)
 #
 # Every stage installs what a fresh machine lacks first and skips what OUTDIR already holds, so any stage can be
 # rerun alone. Each runs under `timeout` ($VSKIPPER_STAGE_LIMIT_S, 530 s) and stops starting work at its budget
@@ -23,13 +33,29 @@
 # environment instead of the bundle); its numbers mean nothing.
 set -euo pipefail
 
-usage() { echo "usage: $0 install|tiles|sweep|ladder|headline|kernels|all OUTDIR [--dry-run]" >&2; exit 2; }
+usage() {
+    echo "usage: $0 install|tiles|sweep|ladder|headline|kernels|all|lease-N|pack OUTDIR [--dry-run]" \
+         "[--within SECONDS] [--earlier DIR]... [--pack FILE]" >&2
+    exit 2
+}
 [ $# -ge 2 ] || usage
-STAGE=$1 OUT=$2 DRY=""
-[ "${3:-}" = "--dry-run" ] && DRY="--dry-run"
-[ $# -le 3 ] || usage
-case $STAGE in install|tiles|sweep|ladder|headline|kernels|all) ;; *) usage ;; esac
-
+STAGE=$1 OUT=$2 DRY="" WITHIN="" PACK="" EARLIER=""
+shift 2
+while [ $# -gt 0 ]; do
+    case $1 in
+        --dry-run) DRY="--dry-run"; shift ;;
+        --within) [ $# -ge 2 ] && [[ $2 =~ ^[0-9]+$ ]] || { echo "--within: a whole number of seconds" >&2; usage; }
+                  WITHIN=$2; shift 2 ;;
+        --earlier) [ $# -ge 2 ] && [ -d "$2" ] || { echo "--earlier: ${2:-}: no such folder" >&2; usage; }
+                   EARLIER="${EARLIER:+$EARLIER:}$(cd "$2" && pwd)"; shift 2 ;;
+        --pack) [ $# -ge 2 ] || usage; PACK=$2; shift 2 ;;
+        *) usage ;;
+    esac
+done
+case $STAGE in install|tiles|sweep|ladder|headline|kernels|all|pack|lease-[0-9]*) ;; *) usage ;; esac
+[ "$STAGE" != pack ] || [ -n "$PACK" ] || { echo "pack: --pack FILE names the archive" >&2; usage; }
+START_S=$SECONDS
+[ -z "$PACK" ] || PACK=$(cd "$(dirname "$PACK")" && pwd)/$(basename "$PACK")
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUNDLE=${VSKIPPER_BUNDLE:-$ROOT/.gpu-bundle}
 SITE=${VSKIPPER_SITE:-/tmp/vskipper-site}
@@ -46,6 +72,9 @@ else
     unset TRITON_INTERPRET
 fi
 export PYTHONUNBUFFERED=1
+[ -z "$EARLIER" ] || export VSKIPPER_GPU_RUN_EARLIER="$EARLIER"
+END_MARGIN_S=${VSKIPPER_END_MARGIN_S:-25}  # what the summary and the pack take at the end of a --within call
+MIN_STAGE_S=60  # a stage with less than this left of --within is not started
 
 install() {
     if [ -n "$DRY" ]; then
@@ -84,30 +113,75 @@ print("[install] " + ", ".join(f"{k} {v}" for k, v in env.items()))
 PYEOF
 }
 
+# stage NAME [CAP [ARMS]]: one stage under its limit and budget, both cut to what is left of --within (less the
+# end margin) and the budget to CAP where one is given (0: none); ARMS, the headline's arms to serve.
 stage() {
-    local rc=0
-    timeout --signal=TERM --kill-after=30 "$LIMIT_S" "$PY" benchmarks/gpu/run.py "$1" "$OUT" $DRY \
-        --budget-s "$BUDGET_S" || rc=$?
+    local rc=0 limit=$LIMIT_S budget=$BUDGET_S cap=${2:-0} arms=${3:-}
+    if [ -n "$WITHIN" ]; then
+        local left=$(( WITHIN - (SECONDS - START_S) - END_MARGIN_S ))
+        if [ "$left" -lt "$MIN_STAGE_S" ]; then
+            echo "[$1] not started: ${left} s left of --within $WITHIN (less ${END_MARGIN_S} s for the summary)"
+            return 4
+        fi
+        [ "$left" -ge "$limit" ] || limit=$left
+        budget=$(( limit - (LIMIT_S - BUDGET_S) ))  # the limit's margin over the budget kept
+        [ "$budget" -ge 30 ] || budget=30
+    fi
+    if [ "$cap" -gt 0 ] && [ "$budget" -gt "$cap" ]; then
+        limit=$(( limit - budget + cap )); budget=$cap
+    fi
+    timeout --signal=TERM --kill-after=30 "$limit" "$PY" benchmarks/gpu/run.py "$1" "$OUT" $DRY \
+        --budget-s "$budget" ${arms:+--arms "$arms"} < /dev/null || rc=$?
     case $rc in
         0) ;;
         4) echo "[$1] time budget reached: rerun '$0 $1 $OUT${DRY:+ $DRY}' to finish it"; return 4 ;;
-        124|137|143) echo "[$1] stopped at its ${LIMIT_S} s limit: rerun '$0 $1 $OUT${DRY:+ $DRY}'"; return $rc ;;
+        124|137|143) echo "[$1] stopped at its ${limit} s limit: rerun '$0 $1 $OUT${DRY:+ $DRY}'"; return $rc ;;
         *) echo "[$1] failed with exit $rc"; return $rc ;;
     esac
 }
 
+# A stage that reached its budget (exit 4) or its limit runs again to finish what it left (each skips what is
+# done), up to three runs; a failed one does not. Returns the last run's code.
+stage_runs() {
+    local rc=0
+    for _ in 1 2 3; do
+        rc=0
+        stage "$@" || rc=$?
+        case $rc in 4|124|137|143) [ -z "$WITHIN" ] || [ $(( WITHIN - (SECONDS - START_S) - END_MARGIN_S )) \
+                                                           -ge "$MIN_STAGE_S" ] || break ;;
+                    *) break ;; esac
+    done
+    return $rc
+}
+
+pack() {
+    [ -n "$PACK" ] || return 0
+    tar -czf "$PACK" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+    echo "[pack] $OUT -> $PACK ($(du -h "$PACK" | cut -f1))"
+}
+
+if [ "$STAGE" = pack ]; then pack; exit 0; fi
 install
+RC=0
 case $STAGE in
     install) ;;
     all) for s in $("$PY" benchmarks/gpu/run.py stages "$OUT"); do
-             # A stage that reached its budget (exit 4) or its limit runs again to finish what it left (each
-             # skips what is done), up to three runs; a failed one does not.
-             for _ in 1 2 3; do
-                 rc=0
-                 stage "$s" || rc=$?
-                 case $rc in 4|124|137|143) ;; *) break ;; esac
-             done
+             stage_runs "$s" || RC=$?
          done
          "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY ;;
-    *) stage "$STAGE" ;;
+    lease-*) lines=$("$PY" benchmarks/gpu/run.py leases "$OUT" | awk -v l="$STAGE" '$1 == l')
+             [ -n "$lines" ] || { echo "$STAGE: no such lease (run.py leases)" >&2; exit 2; }
+             while read -r _ s cap arms; do
+                 [ "$arms" != - ] || arms=""
+                 rc=0
+                 stage_runs "$s" "$cap" "$arms" || rc=$?
+                 [ $rc = 0 ] || RC=$rc
+                 # a stage that failed leaves what depends on it undone; one left by the time does too
+                 case $rc in 0) ;; *) break ;; esac
+             done <<< "$lines"
+             "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY ;;
+    *) stage "$STAGE" || RC=$? ;;
 esac
+pack
+echo "[run] $STAGE done in $(( SECONDS - START_S )) s (exit $RC)"
+exit $RC
