@@ -505,15 +505,23 @@ def test_a_later_lease_serves_dense_at_an_earlier_runs_q_star_and_only_where_its
     ladder = json.loads((three / "ladder.json").read_text())
     assert ladder["q_star"] == json.loads((two / "ladder.json").read_text())["q_star"]
     assert str(two) in ladder["q_star_from"] and not (three / "ladder" / "rates").exists()
+    # the rates taken are kept: a later call on this folder serves at the same Q*, --earlier given or not
+    assert json.loads((three / "ladder" / "earlier-q-star.json").read_text())["from"] == ladder["q_star_from"]
     assert ladder["loads"] == ["knee"] and not ladder["left"]
     assert {key for key, cell in ladder["dense"].items() if cell} == {f"knee-rep{r}" for r in range(run.Plan.dry().repetitions)}
     result = json.loads((three / "headline.json").read_text())
     assert list(result["arms"]) == ["always", "control"] and all(a["gates_passed"] for a in result["arms"].values())
     assert "not climbed again" in (three / "summary.md").read_text() and "ladder does not climb again" in \
         logs["lease-3"]
-    # the hybrid arm needs dense's side at every load: this folder's ladder served the knee's alone
-    with pytest.raises(RuntimeError, match="hybrid-rule: dense has not served overload-rep0, below-rep0"):
-        run.main(["headline", str(three), "--dry-run", "--arms", "hybrid-rule"])
+    # the hybrid arm needs dense's side at every load: this folder's ladder served the knee's alone, so the call
+    # fails naming it (no server started) and keeps the arms served before
+    copy = three.with_name(f"{three.name}-copy")
+    shutil.copytree(three, copy)
+    assert run.main(["headline", str(copy), "--dry-run", "--arms", "hybrid-rule"]) == 1
+    again = json.loads((copy / "headline.json").read_text())
+    assert again["failed"] == ["hybrid-rule"] and list(again["arms"]) == ["hybrid-rule", "always", "control"]
+    assert again["arms"]["hybrid-rule"]["skipped"].startswith("dense has not served overload-rep0, below-rep0")
+    assert again["arms"]["always"]["gates_passed"]
 
 
 def test_within_starts_no_stage_that_cannot_finish_and_still_writes_the_summary(tmp_path):
@@ -530,15 +538,36 @@ def test_within_starts_no_stage_that_cannot_finish_and_still_writes_the_summary(
     assert bad.returncode == 2 and "--within: a whole number of seconds" in bad.stderr
 
 
-def test_a_stage_covers_a_later_run_only_with_the_arms_and_loads_it_asks_for():
-    hybrid, knee_only = ("hybrid-rule",), ("always", "control")
+def test_install_refuses_a_folder_that_holds_a_run_on_another_gpu(tmp_path):
+    """A second call that lands on another machine kind must not pair its cells with the first's (nor hand the
+    first's table to its servers): the folder's env.json says what it ran on."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "env.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "mode": "device"}))
+    r = subprocess.run([str(SCRIPT), "install", str(out), "--dry-run"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert r.returncode == 2 and "holds a run on NVIDIA H100 80GB HBM3 (device), this machine is none (--dry-run)" \
+        in r.stderr and "give this one as --earlier" in r.stderr
+    assert json.loads((out / "env.json").read_text())["mode"] == "device"  # kept
+
+
+def test_a_stage_covers_a_later_run_only_with_the_arms_and_loads_it_asks_for(tmp_path, monkeypatch):
+    monkeypatch.delenv(run.ENV_EARLIER, raising=False)
+    hybrid, knee_only, tau = ("hybrid-rule",), ("always", "control"), ("hybrid-tau",)
     assert run.arm_loads(knee_only) == ("knee",) and run.arm_loads(hybrid) == headline.LOADS
     ladder = {"loads": ["knee"], "left": []}
-    assert run.covers("ladder", ladder, knee_only) and not run.covers("ladder", ladder, hybrid)
+    assert run.covers("ladder", ladder, knee_only, tmp_path) and not run.covers("ladder", ladder, hybrid, tmp_path)
     done = {"arms_requested": ["hybrid-rule"], "left": []}
-    assert run.covers("headline", done, hybrid) and not run.covers("headline", done, knee_only)
-    assert not run.covers("headline", {**done, "left": ["always: 3 cells"]}, hybrid)
-    assert run.covers("headline", {"left": []}, knee_only)  # a run before leases served every arm
+    assert run.covers("headline", done, hybrid, tmp_path) and not run.covers("headline", done, knee_only, tmp_path)
+    assert not run.covers("headline", {**done, "left": ["always: 3 cells"]}, hybrid, tmp_path)
+    assert not run.covers("headline", {**done, "failed": ["hybrid-rule"]}, hybrid, tmp_path)
+    assert run.covers("headline", {"left": []}, knee_only, tmp_path)  # a run before leases served every arm
+    # the tau arm, not served for want of a sweep, is done until a sweep comes (an earlier run's, or this run's)
+    waiting = {"arms_requested": ["hybrid-tau"], "left": [], "arms": {"hybrid-tau": {"skipped": "no measured tau",
+                                                                                    "wants_sweep": True}}}
+    assert run.covers("headline", waiting, tau, tmp_path)
+    (tmp_path / "sweep.json").write_text(json.dumps({"comparison": {"tau_ms": 2.0}}))
+    assert not run.covers("headline", waiting, tau, tmp_path)
     with pytest.raises(SystemExit):
         run.main(["headline", "/nonexistent", "--dry-run", "--arms", "hybrid-rule,fastest"])
     assert {lease.name for lease in run.LEASES} == {f"lease-{n}" for n in range(1, 5)}
@@ -572,7 +601,14 @@ def test_an_earlier_runs_table_and_tau_serve_only_on_the_gpu_they_were_measured_
     assert run.tuned_table(plan, this) is None
     (before / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200"}))
     sweep, why = run.sweep_for_tau(this)
-    assert sweep is None and "measured on NVIDIA H200, this run on NVIDIA H100 80GB HBM3" in why
+    assert sweep is None and "measured on NVIDIA H200 (None), this run on NVIDIA H100 80GB HBM3 (None)" in why
+    # a dry run on the device names its GPU too: its mode keeps its figures out of a device run
+    (before / "env.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "mode": "--dry-run"}))
+    (this / "env.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "mode": "device"}))
+    assert run.sweep_for_tau(this)[0] is None
+    assert run.earlier(this, "sweep.json", lambda p: True)[0] is None
+    (before / "env.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "mode": "device"}))
+    assert run.earlier(this, "sweep.json", lambda p: True)[0] == before / "sweep.json"
     (this / "sweep.json").write_text(json.dumps({"comparison": {"tau_ms": 2.0}}))
     assert run.sweep_for_tau(this) == ({"comparison": {"tau_ms": 2.0}}, "this run's sweep")
     monkeypatch.setenv(run.ENV_EARLIER, str(tmp_path / "gone"))

@@ -276,9 +276,13 @@ def earlier_runs() -> list[Path]:
 
 
 def gpu_of(folder: Path) -> str | None:
-    """The GPU a run measured on (its env.json), or None where it names none."""
+    """What a run measured on (its env.json): the GPU and the mode (a device run or a CPU dry run), or None where
+    it names none. A run's folder measures on one GPU in one mode: `run.sh install` refuses another."""
     env = folder / "env.json"
-    return json.loads(env.read_text()).get("gpu") if env.is_file() else None
+    if not env.is_file():
+        return None
+    doc = json.loads(env.read_text())
+    return f"{doc.get('gpu')} ({doc.get('mode')})"
 
 
 def earlier(out: Path, name: str, usable) -> tuple[Path | None, str]:
@@ -303,12 +307,15 @@ def tuned_table(plan: Plan, out: Path) -> Path | None:
     """The tile table the tiles stage measured on this device, once written whole; else an earlier run's on this GPU
     (ENV_EARLIER; a table for another GPU would stop every server); else None: the servers take the one shipped for
     the device."""
-    path = out / "tiles" / TILES_JSON
-    if finished(path):
-        return path
     device = DRY_TILES_DEVICE if plan.dry_run else device_name(plan)
-    return earlier(out, f"tiles/{TILES_JSON}",
-                   lambda p: finished(p) and json.loads(p.read_text()).get("device") == device)[0]
+
+    def usable(path: Path) -> bool:
+        return finished(path) and json.loads(path.read_text()).get("device") == device
+
+    path = out / "tiles" / TILES_JSON
+    if usable(path):
+        return path
+    return earlier(out, f"tiles/{TILES_JSON}", usable)[0]
 
 
 def sweep_for_tau(out: Path) -> tuple[dict | None, str]:
@@ -579,13 +586,18 @@ def stage_ladder(plan: Plan, out: Path, budget_s: float, loads: tuple[str, ...] 
     tok = {int(p.stem[1:]): read_cell(p).summary["window_output_tok_s"] for p in sorted(rates_dir.glob("r*.json"))}
     calibration = json.loads(calibration_path.read_text()) if calibration_path.is_file() else None
     q_star_from = "this run's ladder"
-    if calibration is None and not tok:
+    pinned = stage.out / "earlier-q-star.json"  # an earlier run's climb, once taken: every later call keeps it
+    if calibration is None and not tok and not pinned.is_file():
         path, where = earlier(out, "ladder.json", complete_ladder)
         if path is not None:  # the climb is the same on the same GPU: its rates, not climbed again
             doc = json.loads(path.read_text())
-            calibration, q_star_from = doc["calibration"], where
-            tok = dict(zip(doc["q_star"]["rates"], doc["q_star"]["tok_s"], strict=True))
-            log(stage.name, f"Q* {doc['q_star']['q_star']} req/s from {where}: the ladder does not climb again")
+            pinned.write_text(json.dumps({"from": where, "calibration": doc["calibration"],
+                                          "rates": doc["q_star"]["rates"], "tok_s": doc["q_star"]["tok_s"]}) + "\n")
+    if pinned.is_file():
+        doc = json.loads(pinned.read_text())
+        calibration, q_star_from = doc["calibration"], doc["from"]
+        tok = dict(zip(doc["rates"], doc["tok_s"], strict=True))
+        log(stage.name, f"the rates of {q_star_from}: the ladder does not climb again")
 
     def next_rate() -> int | None:
         return headline.next_ladder_rate(tok, calibration["ladder_start"], plan.ladder_max_rates)
@@ -725,14 +737,18 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
         result["arms"][key] = doc
         if variant == "tau" and th_tau is None:
             doc["skipped"] = tau_source
+            doc["wants_sweep"] = sweep is None  # a later call given a sweep (--earlier) serves it
             log(stage.name, f"{key}: not served: {tau_source}")
             continue
         work = stage.out / key
         mine = [c for c in cells if c.load in loads]
         unpaired = [c.key for c in mine if ladder["dense"].get(c.key) is None]
-        if unpaired:  # the ladder served dense for other arms' loads only
-            raise RuntimeError(f"{key}: dense has not served {', '.join(unpaired)} in this run; run `run.py ladder "
-                               f"OUTDIR --arms {key}` first")
+        if unpaired:  # the ladder served dense for other arms' loads only: an error of the call, the others serve
+            doc["skipped"] = (f"dense has not served {', '.join(unpaired)} in this run: run the ladder stage with "
+                              f"--arms {key} first")
+            stage.failed.append(key)
+            log(stage.name, f"{key}: not served: {doc['skipped']}")
+            continue
         todo = [c for c in mine if not (work / f"{c.key}.json").is_file()]
         estimates = {c.key: cell_estimate(plan, ladder["dense"][c.key], plan.window_s) for c in todo}
         if todo:
@@ -765,7 +781,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
                 (work / "served.json").write_text(json.dumps(served_doc, indent=1) + "\n")
         doc.update(compare_arm(plan, out, key, name, role, mine, suites))
     result["figures"] = headline.figure_rows(result)
-    result["left"] = stage.left
+    result["left"], result["failed"] = stage.left, stage.failed
     return result
 
 
@@ -1279,7 +1295,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     path = args.out / f"{args.stage}.json"
     done = json.loads(path.read_text()) if path.is_file() else None
-    if done is not None and covers(args.stage, done, args.arms):
+    if done is not None and covers(args.stage, done, args.arms, args.out):
         print(f"[{args.stage}] complete in an earlier run: {path}")
         return 0
     stages = {"tiles": stage_tiles, "ladder": stage_ladder, "sweep": stage_sweep, "headline": stage_headline,
@@ -1310,15 +1326,19 @@ def _arms(text: str) -> tuple[str, ...]:
     return keys
 
 
-def covers(stage: str, done: dict, arms: tuple[str, ...]) -> bool:
-    """Whether a stage's earlier result holds all this run asks of it: nothing left or failed, and for the ladder
-    and the headline the loads and arms of `arms` (a lease serves some of them)."""
+def covers(stage: str, done: dict, arms: tuple[str, ...], out: Path) -> bool:
+    """Whether a stage's earlier result in `out` holds all this run asks of it: nothing left or failed, and for the
+    ladder and the headline the loads and arms of `arms` (a lease serves some of them)."""
     if done.get("left") or done.get("failed"):
         return False
     if stage == "ladder":
         return set(arm_loads(arms)) <= set(done.get("loads") or headline.LOADS)
     if stage == "headline":
-        return set(arms) <= set(done.get("arms_requested") or HEADLINE_ARMS)
+        if not set(arms) <= set(done.get("arms_requested") or HEADLINE_ARMS):
+            return False
+        # an arm not served for want of a sweep (no tau) serves in a later call that has one (--earlier)
+        waiting = [k for k in arms if ((done.get("arms") or {}).get(k) or {}).get("wants_sweep")]
+        return not (waiting and sweep_for_tau(out)[0] is not None)
     return True
 
 

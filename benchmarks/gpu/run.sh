@@ -21,8 +21,8 @@
 #           order, then the summary: what one lease of device time measures
 # pack      OUTDIR as one .tar.gz (--pack FILE), to keep or to carry into a later call
 #
-# --within S    this call's stages share S seconds: each stage's budget and limit shrink to what is left (less a
-#               margin for the summary and the pack), and a stage with too little left is not started
+# --within S    this call's stages share S seconds: each stage's budget and limit shrink to what is left (less 45 s
+#               to stop a stage, write the summary and pack), and a stage with under 140 s left is not started
 # --earlier DIR an earlier run's results on the same GPU (repeatable): its tile table, tau and Q* serve where this
 #               run has none of its own (a lease that does not tune, sweep or climb)
 # --pack FILE   after the stages, OUTDIR packed into FILE (also when a stage stopped or failed)
@@ -39,6 +39,7 @@ usage() {
     exit 2
 }
 [ $# -ge 2 ] || usage
+CALL="$0 $*"  # what a stopped call reruns
 STAGE=$1 OUT=$2 DRY="" WITHIN="" PACK="" EARLIER=""
 shift 2
 while [ $# -gt 0 ]; do
@@ -73,8 +74,9 @@ else
 fi
 export PYTHONUNBUFFERED=1
 [ -z "$EARLIER" ] || export VSKIPPER_GPU_RUN_EARLIER="$EARLIER"
-END_MARGIN_S=${VSKIPPER_END_MARGIN_S:-25}  # what the summary and the pack take at the end of a --within call
-MIN_STAGE_S=60  # a stage with less than this left of --within is not started
+# What a --within call keeps at its end: a stage's 30 s to stop after TERM, then the summary and the pack.
+END_MARGIN_S=${VSKIPPER_END_MARGIN_S:-45}
+MIN_STAGE_S=140  # a stage with less than this left of --within is not started (its budget would be under 60 s)
 
 install() {
     if [ -n "$DRY" ]; then
@@ -102,12 +104,19 @@ install() {
             --format=csv,noheader | head -1)
     fi
     "$PY" - "$OUT/env.json" "$gpu" "$memory" "$driver" "${DRY:-device}" <<'PYEOF'
-import json, sys, platform
+import json, os, sys, platform
 import torch, triton
 out, gpu, memory, driver, mode = sys.argv[1:6]
 env = {"gpu": gpu.strip(), "memory": memory.strip(), "driver": driver.strip(), "torch": torch.__version__,
        "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
        "cuda_available": torch.cuda.is_available(), "mode": mode}
+if os.path.isfile(out):  # a run's folder measures on one GPU in one mode: its cells pair, its table serves
+    before = json.load(open(out))
+    if (before.get("gpu"), before.get("mode")) != (env["gpu"], env["mode"]):
+        print(f"[install] {os.path.dirname(out)} holds a run on {before.get('gpu')} ({before.get('mode')}), "
+              f"this machine is {env['gpu']} ({env['mode']}): start a new OUTDIR and give this one as --earlier",
+              file=sys.stderr)
+        sys.exit(2)
 open(out, "w").write(json.dumps(env, indent=1) + "\n")
 print("[install] " + ", ".join(f"{k} {v}" for k, v in env.items()))
 PYEOF
@@ -120,7 +129,7 @@ stage() {
     if [ -n "$WITHIN" ]; then
         local left=$(( WITHIN - (SECONDS - START_S) - END_MARGIN_S ))
         if [ "$left" -lt "$MIN_STAGE_S" ]; then
-            echo "[$1] not started: ${left} s left of --within $WITHIN (less ${END_MARGIN_S} s for the summary)"
+            echo "[$1] not started: under ${MIN_STAGE_S} s left of --within $WITHIN (${END_MARGIN_S} s kept for the end)"
             return 4
         fi
         [ "$left" -ge "$limit" ] || limit=$left
@@ -134,20 +143,22 @@ stage() {
         --budget-s "$budget" ${arms:+--arms "$arms"} < /dev/null || rc=$?
     case $rc in
         0) ;;
-        4) echo "[$1] time budget reached: rerun '$0 $1 $OUT${DRY:+ $DRY}' to finish it"; return 4 ;;
-        124|137|143) echo "[$1] stopped at its ${limit} s limit: rerun '$0 $1 $OUT${DRY:+ $DRY}'"; return $rc ;;
+        4) echo "[$1] time budget reached: rerun '$CALL' to finish it"; return 4 ;;
+        124|137|143) echo "[$1] stopped at its ${limit} s limit: rerun '$CALL'"; return $rc ;;
         *) echo "[$1] failed with exit $rc"; return $rc ;;
     esac
 }
 
 # A stage that reached its budget (exit 4) or its limit runs again to finish what it left (each skips what is
-# done), up to three runs; a failed one does not. Returns the last run's code.
+# done), up to three runs, where --within leaves it time; a failed one does not, nor one whose budget a lease
+# caps (the cap bounds all its runs: the tuner would start again). Returns the last run's code.
 stage_runs() {
     local rc=0
     for _ in 1 2 3; do
         rc=0
         stage "$@" || rc=$?
-        case $rc in 4|124|137|143) [ -z "$WITHIN" ] || [ $(( WITHIN - (SECONDS - START_S) - END_MARGIN_S )) \
+        case $rc in 4|124|137|143) [ "${2:-0}" = 0 ] || break
+                                   [ -z "$WITHIN" ] || [ $(( WITHIN - (SECONDS - START_S) - END_MARGIN_S )) \
                                                            -ge "$MIN_STAGE_S" ] || break ;;
                     *) break ;; esac
     done
@@ -168,7 +179,7 @@ case $STAGE in
     all) for s in $("$PY" benchmarks/gpu/run.py stages "$OUT"); do
              stage_runs "$s" || RC=$?
          done
-         "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY ;;
+         "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY || RC=$? ;;
     lease-*) lines=$("$PY" benchmarks/gpu/run.py leases "$OUT" | awk -v l="$STAGE" '$1 == l')
              [ -n "$lines" ] || { echo "$STAGE: no such lease (run.py leases)" >&2; exit 2; }
              while read -r _ s cap arms; do
@@ -179,9 +190,12 @@ case $STAGE in
                  # a stage that failed leaves what depends on it undone; one left by the time does too
                  case $rc in 0) ;; *) break ;; esac
              done <<< "$lines"
-             "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY ;;
+             "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY || RC=$? ;;
     *) stage "$STAGE" || RC=$? ;;
 esac
-pack
+pack || RC=$?
+# A stage stopped at its limit left work for a later call, as one stopped by its budget: exit 4 (a caller's own
+# timeout reads 124 and 137 as this call's own).
+case $RC in 124|137|143) RC=4 ;; esac
 echo "[run] $STAGE done in $(( SECONDS - START_S )) s (exit $RC)"
 exit $RC
