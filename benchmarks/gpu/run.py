@@ -164,7 +164,7 @@ class Plan:
                    ("--load-format", "dummy", "--skip-tokenizer-init", "--context-length", "8192",
                     "--cuda-graph-max-bs-decode", "256", "--max-running-requests", "256"),
                    "0.85", tune_max_candidates=24, batches=(32, 64, 128), contexts=(1024, 2048, 4096),
-                   sweep_new_tokens=48, decode_reps=3, prefill_lengths=(1024, 2048, 4096), prefill_reps=3, startup_timeout_s=420.0,
+                   sweep_new_tokens=48, decode_reps=3, prefill_lengths=(1024, 2048, 4096), prefill_reps=3, startup_timeout_s=300.0,
                    prompt_tokens=(700, 1100), output_tokens=(58, 174), warmup_requests=64, calibration_requests=128,
                    ladder_window_s=10.0, ladder_max_rates=14, window_s=12.0, min_requests=24, repetitions=3,
                    start_estimate_s=100.0, cell_overhead_s=3.0, engagement_optional=False,

@@ -20,6 +20,12 @@ from torch.nn import functional as F
 
 NULL_SLOT = 0
 PREFILL_READ_BLOCK = 128  # positions per block of a request's reading rows (`prefill_attention`)
+# `prefill_attention` reads every request in one masked SDPA call where that call's query-key products (reading
+# rows x every request's keys x heads x head_dim) stay under this many per request, else request by request in
+# causal blocks. Each request the one call spares saves about two dozen small ops, 100-250 us on a CPU core: at
+# one core the one call read 4 x 64 tokens (half of them reading) in 0.50x the time, 8 x 64 in 0.79x, and lost
+# above (4 x 128: 1.26x; 16 x 64: 1.16x).
+BATCHED_READ_MACS_PER_REQUEST = 1 << 20
 
 
 class PagedKVCache:
@@ -109,6 +115,30 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out.reshape(rows, heads, head_dim).to(q.dtype)
 
 
+def _batched_read(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
+                  requests: torch.Tensor, which: torch.Tensor, pos: torch.Tensor, lengths: torch.Tensor, span: int,
+                  scale: float) -> torch.Tensor:
+    """The reading rows q [n, heads, head_dim] of several requests in one SDPA call over every request's keys
+    (request j's slots req_to_token[requests[j], 0..span), `which` the row's request among them), each row masked
+    to its own request's positions up to its own: [n, heads, head_dim]. A few small requests read in a handful of
+    ops instead of a handful per request. Keys past a request's length gather its first slot (its own, written,
+    and masked), so no slot it does not own is read."""
+    n, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    j = torch.arange(span, device=q.device)
+    slots = req_to_token.index_select(0, requests)[:, :span]
+    slots = torch.where(j[None, :] < lengths[:, None], slots, slots[:, :1])  # [R, span]
+    k, v = _own_kv(k_pool, v_pool, slots.reshape(-1), q.dtype)  # [1, kv_heads, R * span, head_dim]
+    key_request = torch.arange(requests.shape[0], device=q.device).repeat_interleave(span)
+    allowed = (which[:, None] == key_request[None, :]) & (j.repeat(requests.shape[0])[None, :] <= pos[:, None])
+    mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+    mask = mask[:, None, :].expand(n, group, mask.shape[1]).reshape(n * group, mask.shape[1])
+    qf = q.view(n, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, n * group, head_dim)
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    return o.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, heads, head_dim)
+
+
 def _own_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's K and V at `slots`, as SDPA takes them: [1, kv_heads, len(slots), head_dim], contiguous."""
@@ -124,7 +154,7 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     Rows are grouped by request on the host (prefill runs outside graph capture); each request's own slots
     req_to_token[r, 0..max position] are gathered once, so memory grows with rows x context per request, not
     with the square of the batch. Only slots the request owns are read; rows outside `reads` read nothing and
-    get zeros.
+    get zeros. Several small requests are read in one masked call instead (`BATCHED_READ_MACS_PER_REQUEST`).
 
     A request's reading rows are read in blocks of `block` positions, each over the keys up to its last row's
     position only: a causal SDPA skips the key blocks above the diagonal, an SDPA with an explicit mask computes
@@ -143,7 +173,20 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
     live = torch.ones_like(req_indices, dtype=torch.bool) if reads is None else reads
-    for r in torch.unique(req_indices[live]).tolist():
+    sel = live.nonzero().view(-1)
+    if sel.numel() == 0:
+        return out
+    req, pos = req_indices.index_select(0, sel), positions.index_select(0, sel)
+    requests, which = torch.unique(req, return_inverse=True)
+    if requests.shape[0] > 1:
+        # one request's keys span its largest reading position + 1; in one call every row meets every request's
+        lengths = torch.zeros_like(requests).scatter_reduce(0, which, pos + 1, "amax", include_self=False)
+        span = int(lengths.max())
+        if sel.shape[0] * span * heads * head_dim <= BATCHED_READ_MACS_PER_REQUEST:
+            o = _batched_read(q.index_select(0, sel), k_pool, v_pool, req_to_token, requests, which, pos, lengths,
+                              span, scale)
+            return out.index_copy_(0, sel, o)
+    for r in requests.tolist():
         sel = ((req_indices == r) & live).nonzero().view(-1)
         pos, order = positions.index_select(0, sel).sort()
         sel = sel.index_select(0, order)
