@@ -7,19 +7,25 @@ from vskipper.mixed import attention
 from vskipper.mixed.attention import paged_attention, prefill_attention
 
 
+@pytest.fixture
+def calls(monkeypatch) -> list:
+    """One entry per SDPA call the reads make."""
+    made: list = []
+    sdpa = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: made.append(1) or sdpa(*a, **k))
+    return made
+
+
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("block", [1, 3, 8, 128])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
 def test_the_blocked_prefill_read_equals_the_reference_and_reads_only_owned_slots(block, heads, kv_heads, batched,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, calls):
     """Two requests' prefill rows, interleaved and out of position order, a subset of them reading: each reading
     row attends causally to its own request's slots, whichever block it falls in, or in the one masked call over
     both requests (`batched`); the other rows get zeros. Every slot no request owns holds NaN, so any read of one
     would show."""
     monkeypatch.setattr(attention, "BATCHED_READ_MACS_PER_REQUEST", 1 << 40 if batched else 0)
-    calls = []
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
-                        lambda *a, _sdpa=attention.F.scaled_dot_product_attention, **k: calls.append(1) or _sdpa(*a, **k))
     gen = torch.Generator().manual_seed(block)
     head_dim, slots = 16, 64
     k_pool = torch.full((slots, kv_heads, head_dim), float("nan"))
@@ -46,12 +52,9 @@ def test_the_blocked_prefill_read_equals_the_reference_and_reads_only_owned_slot
         assert len(calls) >= 2
 
 
-def test_small_requests_are_read_in_one_call_and_larger_ones_request_by_request(monkeypatch):
+def test_small_requests_are_read_in_one_call_and_larger_ones_request_by_request(calls):
     """The default choice: four prompts of 16 tokens at the tiny model's heads fit one call's budget; two of 512
     do not (the call would multiply every row by both requests' keys)."""
-    calls = []
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
-                        lambda *a, _sdpa=attention.F.scaled_dot_product_attention, **k: calls.append(1) or _sdpa(*a, **k))
     for requests, length, expected in ((4, 16, 1), (2, 512, 2 * 512 // attention.PREFILL_READ_BLOCK)):
         calls.clear()
         r2t = (torch.arange(requests * length) + 1).view(requests, length)

@@ -36,6 +36,7 @@ LOADS = tuple(CELL_FACTORS)  # below (0.75 Q*), knee (0.95 Q*), overload (1.25 Q
 KNEE = "knee"
 OVERLOAD = "overload"
 BASELINE = "dense"
+OWN_LADDER = "this run's ladder"  # a ladder's `q_star_from` where it climbed itself (`run.py --earlier` otherwise)
 # The order the cells are served in: the knee (the paper's headline figure) first, then overload (its throughput
 # figure), then below the knee.
 SERVE_ORDER = (KNEE, OVERLOAD, "below")
@@ -382,7 +383,7 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
                   f"{'yes' if q['plateau_reached'] else 'no, the ladder stopped at its bound'}); the paper's: "
                   f"{PAPER['A100']['q_star']} on the A100, {PAPER['H100']['q_star']} on the H100."
                   + (f" The rates are those of {ladder['q_star_from']}: dense's cells here ran at its Q*, not climbed "
-                     "again." if ladder.get("q_star_from", "this run's ladder") != "this run's ladder" else ""), ""]
+                     "again." if ladder.get("q_star_from", OWN_LADDER) != OWN_LADDER else ""), ""]
     if ladder.get("left"):
         lines += [f"Ladder stage left for the next run: {', '.join(ladder['left'])}", ""]
     if not headline:

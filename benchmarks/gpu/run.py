@@ -93,7 +93,6 @@ class Lease:
 
     name: str
     stages: tuple[str, ...]
-    what: str
     estimate_s: int  # device seconds its stages likely take, the starts of its servers included (not measured)
     caps: tuple[tuple[str, int], ...] = ()  # (stage, the most seconds of budget it takes in this lease)
     headline_arms: tuple[str, ...] = ()  # the headline's arms this lease serves (HEADLINE_ARMS keys)
@@ -104,19 +103,11 @@ class Lease:
 # (measured on the H100 with every decode graph captured), a sweep arm about 80 s of cells, the ladder's climb
 # about 150 s (warm-up, calibration, about 8 rates of 10 s) and a headline cell about 20 s (12 s of arrivals, the
 # drain, the flush and attestations): a lease's second call finishes what its first left.
-LEASES = (
-    Lease("lease-1", ("tiles", "sweep"), "the routed path on the device (items 1-2): the tile table measured first, "
-          "then dense, the s = 0 control and always-route s = 0.5 on decode cells and prefill lengths, their goals, "
-          "tau and V_x", 610, caps=(("tiles", 180),)),
-    Lease("lease-2", ("ladder", "headline"), "the headline (item 3): upstream's Q* ladder on dense and dense's "
-          "cells, then the hybrid arm at the rule's thresholds against dense at 0.75 / 0.95 / 1.25 Q*, knee first",
-          700, headline_arms=("hybrid-rule",)),
-    Lease("lease-3", ("ladder", "headline"), "the knee's ablations: dense's knee cells at an earlier lease's Q* on "
-          "this GPU (`--earlier`; else the ladder climbs again), always-route and the s = 0 control at the knee", 490,
-          headline_arms=("always", "control")),
-    Lease("lease-4", ("ladder", "headline", "kernels"), "the hybrid arm at lease-1's measured tau (`--earlier`: the "
-          "sweep and the Q* of earlier leases on this GPU) against dense at every load, then the kernel benchmark",
-          640, headline_arms=("hybrid-tau",)),
+LEASES = (  # what each measures: benchmarks/gpu/README.md's table
+    Lease("lease-1", ("tiles", "sweep"), 610, caps=(("tiles", 180),)),  # items 1-2: the routed path's goals, tau
+    Lease("lease-2", ("ladder", "headline"), 700, headline_arms=("hybrid-rule",)),  # item 3: Q*, the hybrid arm
+    Lease("lease-3", ("ladder", "headline"), 490, headline_arms=("always", "control")),  # the knee's ablations
+    Lease("lease-4", ("ladder", "headline", "kernels"), 640, headline_arms=("hybrid-tau",)),  # tau's hybrid arm
 )
 
 
@@ -275,7 +266,7 @@ def earlier_runs() -> list[Path]:
     return given
 
 
-def gpu_of(folder: Path) -> str | None:
+def measured_on(folder: Path) -> str | None:
     """What a run measured on (its env.json): the GPU and the mode (a device run or a CPU dry run), or None where
     it names none. A run's folder measures on one GPU in one mode: `run.sh install` refuses another."""
     env = folder / "env.json"
@@ -291,13 +282,13 @@ def earlier(out: Path, name: str, usable) -> tuple[Path | None, str]:
     runs = earlier_runs()
     if not runs:
         return None, "no earlier run was given (--earlier)"
-    mine, why = gpu_of(out), []
+    mine, why = measured_on(out), []
     for run in runs:
         path = run / name
         if not path.is_file() or not usable(path):
             why.append(f"{run} holds no whole {name}")
-        elif mine is None or gpu_of(run) != mine:
-            why.append(f"{run} measured on {gpu_of(run)}, this run on {mine}")
+        elif mine is None or measured_on(run) != mine:
+            why.append(f"{run} measured on {measured_on(run)}, this run on {mine}")
         else:
             return path, f"an earlier run on this GPU ({run})"
     return None, "; ".join(why)
@@ -318,11 +309,14 @@ def tuned_table(plan: Plan, out: Path) -> Path | None:
     return earlier(out, f"tiles/{TILES_JSON}", usable)[0]
 
 
+OWN_SWEEP = "this run's sweep"
+
+
 def sweep_for_tau(out: Path) -> tuple[dict | None, str]:
     """The sweep whose tau the headline's second hybrid arm serves: this run's, else an earlier run's on this GPU:
-    (sweep, where it comes from), or (None, why there is none)."""
+    (sweep, where it comes from: OWN_SWEEP for this run's), or (None, why there is none)."""
     if (out / "sweep.json").is_file():
-        return json.loads((out / "sweep.json").read_text()), "this run's sweep"
+        return json.loads((out / "sweep.json").read_text()), OWN_SWEEP
     path, where = earlier(out, "sweep.json", lambda p: (json.loads(p.read_text()).get("comparison") or {})
                           .get("tau_ms") is not None)
     return (json.loads(path.read_text()), f"the sweep of {where}") if path else (None, where)
@@ -585,7 +579,7 @@ def stage_ladder(plan: Plan, out: Path, budget_s: float, loads: tuple[str, ...] 
     calibration_path, rates_dir = stage.out / "calibration.json", stage.out / "rates"
     tok = {int(p.stem[1:]): read_cell(p).summary["window_output_tok_s"] for p in sorted(rates_dir.glob("r*.json"))}
     calibration = json.loads(calibration_path.read_text()) if calibration_path.is_file() else None
-    q_star_from = "this run's ladder"
+    q_star_from = headline.OWN_LADDER
     pinned = stage.out / "earlier-q-star.json"  # an earlier run's climb, once taken: every later call keeps it
     if calibration is None and not tok and not pinned.is_file():
         path, where = earlier(out, "ladder.json", complete_ladder)
@@ -724,7 +718,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     th_tau, tau_source = headline.thresholds_from_tau(th_rule, sweep, plan.threshold_step)
     if sweep is None:
         tau_source = f"no measured tau: {sweep_source}"
-    elif th_tau is not None and sweep_source != "this run's sweep":
+    elif th_tau is not None and sweep_source != OWN_SWEEP:
         th_tau["source"] = tau_source = f"{th_tau['source']}, {sweep_source}"
     result: dict = {"thresholds": {"rule": th_rule, "tau": th_tau or {"skipped": tau_source}}, "arms": {},
                     "arms_requested": list(arms)}
