@@ -265,9 +265,10 @@ def test_qwen3_project_only_rows_write_k_normed_per_head_before_rope(tiny_qwen3)
     assert (cached - wrong_order).abs().max() > 1e-3  # the order is observable with these norm weights
 
 
-def test_dense_mode_rows_in_a_routed_batch_compute_exactly_the_dense_forward(model):
+def test_dense_mode_rows_in_a_routed_batch_compute_the_dense_forward(model):
     """A mixed-mode batch takes the routed path with dense-mode rows forced to RUN with unit weight; those rows'
-    outputs equal a dense step of the same batch (rows are independent), while routed rows do differ."""
+    outputs equal a dense step of the same batch (rows are independent; to a few float32 ulps, since the routed
+    path multiplies a subset of rows, whose sums a GEMM may block differently), while routed rows do differ."""
     outs = []
     for skipper in (None, StaticDepth(1.0)):
         world = prefilled_world(model, seed=31)
@@ -275,7 +276,7 @@ def test_dense_mode_rows_in_a_routed_batch_compute_exactly_the_dense_forward(mod
         batch.dense_rows = torch.tensor([True, False, True, False, True])
         outs.append(model(ids, batch, world.kv, skipper))
     dense, mixed = outs
-    torch.testing.assert_close(mixed[batch.dense_rows], dense[batch.dense_rows], rtol=0, atol=1e-6)
+    torch.testing.assert_close(mixed[batch.dense_rows], dense[batch.dense_rows], rtol=1e-6, atol=1e-6)
     assert (mixed[~batch.dense_rows] - dense[~batch.dense_rows]).abs().max() > 1e-3
     run, weights = model.last_tape.layer(model.routed_layers[0], 5)
     assert run.tolist() == batch.dense_rows.tolist() and (weights[batch.dense_rows] == 1).all()

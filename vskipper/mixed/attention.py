@@ -20,12 +20,14 @@ from torch.nn import functional as F
 
 NULL_SLOT = 0
 PREFILL_READ_BLOCK = 128  # positions per block of a request's reading rows (`prefill_attention`)
-# `prefill_attention` reads every request in one masked SDPA call where that call's query-key products (reading
-# rows x every request's keys x heads x head_dim) stay under this many per request, else request by request in
-# causal blocks. Each request the one call spares saves about two dozen small ops, 100-250 us on a CPU core: at
-# one core the one call read 4 x 64 tokens (half of them reading) in 0.50x the time, 8 x 64 in 0.79x, and lost
-# above (4 x 128: 1.26x; 16 x 64: 1.16x).
-BATCHED_READ_MACS_PER_REQUEST = 1 << 20
+# `prefill_attention` reads several requests in one SDPA call, each request an entry of the call's batch with its
+# reading rows padded to the most any request has (`_batched_read`), where no request's keys span more than
+# BATCHED_READ_MAX_SPAN positions and the call's query-key products (requests x padded rows x span x heads x
+# head_dim) stay within BATCHED_READ_MACS; else request by request in causal blocks. The one call spares about two
+# dozen small ops a request but computes every key of its span for every row (no causal skip), which outweighs the
+# ops it spares once spans grow long.
+BATCHED_READ_MAX_SPAN = 256
+BATCHED_READ_MACS = 1 << 27
 
 
 class PagedKVCache:
@@ -116,27 +118,46 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 
 def _batched_read(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
-                  requests: torch.Tensor, which: torch.Tensor, pos: torch.Tensor, lengths: torch.Tensor, span: int,
-                  scale: float) -> torch.Tensor:
-    """The reading rows q [n, heads, head_dim] of several requests in one SDPA call over every request's keys
-    (request j's slots req_to_token[requests[j], 0..span), `which` the row's request among them), each row masked
-    to its own request's positions up to its own: [n, heads, head_dim]. A few small requests read in a handful of
-    ops instead of a handful per request. Keys past a request's length gather its first slot (its own, written,
-    and masked), so no slot it does not own is read."""
+                  req: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The reading rows q [n, heads, head_dim] (their requests `req` and positions `pos`, in batch order) of
+    several requests in one SDPA call, or None where that call would cost more than the per-request read
+    (`BATCHED_READ_MAX_SPAN`, `BATCHED_READ_MACS`).
+
+    Each run of consecutive rows of one request (a prefill batch holds a request's rows together: one run a
+    request) is one entry of the call's batch: its rows padded to the longest run's, over its request's slots
+    req_to_token[r, 0..span), each row masked to its own positions up to its own. Keys past a run's largest
+    position gather its request's first slot and padding rows read that slot alone: no slot a request does not own
+    is read, and padding rows' outputs are dropped."""
     n, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
+    requests, which, counts = torch.unique_consecutive(req, return_inverse=True, return_counts=True)
+    runs = requests.shape[0]
+    if runs < 2:
+        return None
+    lengths = torch.zeros_like(requests).scatter_reduce(0, which, pos + 1, "amax", include_self=False)
+    span, width = torch.stack([lengths.max(), counts.max()]).tolist()
+    if span > BATCHED_READ_MAX_SPAN or runs * width * span * heads * head_dim > BATCHED_READ_MACS:
+        return None
     j = torch.arange(span, device=q.device)
     slots = req_to_token.index_select(0, requests)[:, :span]
-    slots = torch.where(j[None, :] < lengths[:, None], slots, slots[:, :1])  # [R, span]
-    k, v = _own_kv(k_pool, v_pool, slots.reshape(-1), q.dtype)  # [1, kv_heads, R * span, head_dim]
-    key_request = torch.arange(requests.shape[0], device=q.device).repeat_interleave(span)
-    allowed = (which[:, None] == key_request[None, :]) & (j.repeat(requests.shape[0])[None, :] <= pos[:, None])
-    mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-    mask = mask[:, None, :].expand(n, group, mask.shape[1]).reshape(n * group, mask.shape[1])
-    qf = q.view(n, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, n * group, head_dim)
-    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
-    return o.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, heads, head_dim)
+    slots = torch.where(j[None, :] < lengths[:, None], slots, slots[:, :1]).reshape(-1)  # [runs * span]
+    k = k_pool.index_select(0, slots).to(q.dtype).view(runs, span, kv_heads, head_dim).transpose(1, 2)
+    v = v_pool.index_select(0, slots).to(q.dtype).view(runs, span, kv_heads, head_dim).transpose(1, 2)
+    # row i's place among the runs' padded rows: its run's first place plus its rank within the run
+    first = torch.cumsum(counts, 0) - counts
+    place = which * width + torch.arange(n, device=q.device) - first.index_select(0, which)
+    padded = q.new_zeros(runs * width, heads, head_dim).index_copy_(0, place, q)
+    padded_pos = pos.new_zeros(runs * width).index_copy_(0, place, pos)  # padding rows: position 0
+    mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(j[None, :] > padded_pos[:, None],
+                                                                         float("-inf"))
+    # grouped-query heads folded into the query rows, as the per-request read folds them
+    mask = mask.view(runs, width, 1, span).expand(runs, width, group, span).reshape(runs, 1, width * group, span)
+    qf = padded.view(runs, width, kv_heads, group, head_dim).transpose(1, 2).reshape(runs, kv_heads, width * group,
+                                                                                     head_dim)
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)  # [runs, kv_heads, width * group, hd]
+    o = o.view(runs, kv_heads, width, group, head_dim).transpose(1, 2).reshape(runs * width, heads, head_dim)
+    return o.index_select(0, place)
 
 
 def _own_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
@@ -154,7 +175,7 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     Rows are grouped by request on the host (prefill runs outside graph capture); each request's own slots
     req_to_token[r, 0..max position] are gathered once, so memory grows with rows x context per request, not
     with the square of the batch. Only slots the request owns are read; rows outside `reads` read nothing and
-    get zeros. Several small requests are read in one masked call instead (`BATCHED_READ_MACS_PER_REQUEST`).
+    get zeros. Several requests of short spans are read in one masked call instead (`_batched_read`).
 
     A request's reading rows are read in blocks of `block` positions, each over the keys up to its last row's
     position only: a causal SDPA skips the key blocks above the diagonal, an SDPA with an explicit mask computes
@@ -177,16 +198,10 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     if sel.numel() == 0:
         return out
     req, pos = req_indices.index_select(0, sel), positions.index_select(0, sel)
-    requests, which = torch.unique(req, return_inverse=True)
-    if requests.shape[0] > 1:
-        # one request's keys span its largest reading position + 1; in one call every row meets every request's
-        lengths = torch.zeros_like(requests).scatter_reduce(0, which, pos + 1, "amax", include_self=False)
-        span = int(lengths.max())
-        if sel.shape[0] * span * heads * head_dim <= BATCHED_READ_MACS_PER_REQUEST:
-            o = _batched_read(q.index_select(0, sel), k_pool, v_pool, req_to_token, requests, which, pos, lengths,
-                              span, scale)
-            return out.index_copy_(0, sel, o)
-    for r in requests.tolist():
+    o = _batched_read(q.index_select(0, sel), k_pool, v_pool, req_to_token, req, pos, scale)
+    if o is not None:
+        return out.index_copy_(0, sel, o)
+    for r in torch.unique(req).tolist():
         sel = ((req_indices == r) & live).nonzero().view(-1)
         pos, order = positions.index_select(0, sel).sort()
         sel = sel.index_select(0, order)
