@@ -76,7 +76,8 @@ class PassPlan:
 # How RUN tokens of a mixed prefill pass read attention (each still attends to every token's K/V).
 PREFILL_READS = {
     "rows": "the RUN rows alone, SDPA per request in blocks of positions, each over the request's KV pages up to "
-            "its last position (`prefill_attention`); Project-Only rows read nothing",
+            "its last position, or where no request spans many keys one SDPA call over every request, each padded "
+            "to the most reading rows (`prefill_attention`); Project-Only rows read nothing",
     "backend": "SGLang's attention backend over every row (its extend kernel takes a causal prefix of each "
                "request, not a subset of rows): Project-Only rows enter with a zero query and their output is "
                "dropped; they compute no Q, o_proj or MLP",
