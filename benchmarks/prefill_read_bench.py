@@ -1,21 +1,27 @@
 #!/usr/bin/env python3
 """The prefill read of the RUN rows alone, against the causal read of every row, in one process (CPU).
 
-One request's prompt of `--tokens` positions in a KV pool of shuffled slots; a random `--run` share of its rows
-RUN (the rest Project-Only, reading nothing). Three reads, alternated round by round, each round's best of a few
+`--requests` prompts of `--tokens` positions each in a KV pool of shuffled slots; a random `--run` share of their
+rows RUN (the rest Project-Only, reading nothing). The reads, alternated round by round, each round's best of a few
 calls, one torch thread:
 
-  folded    `vskipper.mixed.attention.prefill_attention`: the RUN rows in blocks of positions, grouped-query
-            heads folded into the query rows (what a routed layer runs on CPU)
-  sdpa-gqa  the same blocks with SDPA's own grouped query (`enable_gqa`) over [1, heads, rows, head_dim]: the
-            form before the fold
-  causal    every row, SDPA's causal kernel with `enable_gqa`, as SGLang's torch-native backend calls it for a
-            dense layer's prefill
+  folded    `vskipper.mixed.attention.prefill_attention` as a routed layer runs it on CPU: the RUN rows of several
+            short prompts in one SDPA call (each padded to the most reading rows), else per request in blocks of
+            positions, grouped-query heads folded into the query rows
+  loop      (several requests) the same read held to its per-request blocks
+  one-call  (several requests) the same read held to its one padded call, whatever the spans
+  sdpa-gqa  the per-request blocks with SDPA's own grouped query (`enable_gqa`) over [1, heads, rows, head_dim]:
+            the form before the fold
+  causal    every row, SDPA's causal kernel with `enable_gqa` per request, as SGLang's torch-native backend calls
+            it for a dense layer's prefill
 
 Printed: each read's median ms, folded over causal beside the share of query-key pairs the RUN rows have (the
-limit: a read whose cost per pair equals the causal kernel's costs that share), and folded over sdpa-gqa.
+limit: a read whose cost per pair equals the causal kernel's costs that share), folded over sdpa-gqa, and with
+several requests one-call over loop.
 
-Run:  python benchmarks/prefill_read_bench.py [--tokens 1024] [--run 0.5] [--rounds 11]
+Run:  python benchmarks/prefill_read_bench.py [--tokens 1024] [--requests 1] [--run 0.5] [--rounds 11]
+      python benchmarks/prefill_read_bench.py --requests 8 --tokens 128 --heads 4,2,16 --dtype float32
+      (the host benchmark's tiny model)
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vskipper.mixed import attention  # noqa: E402
 from vskipper.mixed.attention import PREFILL_READ_BLOCK, prefill_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 64  # bench-cpu's full size (GQA 16/4, heads of 64)
@@ -64,37 +71,66 @@ def best_ms(fn, calls: int = 3) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--tokens", type=int, default=1024, help="positions of each prompt")
+    p.add_argument("--requests", type=int, default=1, help="prompts in the pass")
     p.add_argument("--run", type=float, default=0.5, help="the share of rows that RUN")
     p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--heads", default=f"{HEADS},{KV_HEADS},{HEAD_DIM}", help="heads,kv_heads,head_dim")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = p.parse_args(argv)
-    if args.tokens < 2 or not 0.0 < args.run <= 1.0 or args.rounds < 1:
-        raise SystemExit("--tokens must be at least 2, --run in (0, 1], --rounds at least 1")
+    if args.tokens < 2 or args.requests < 1 or not 0.0 < args.run <= 1.0 or args.rounds < 1:
+        raise SystemExit("--tokens must be at least 2, --requests at least 1, --run in (0, 1], --rounds at least 1")
+    try:
+        heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
+    except ValueError:
+        raise SystemExit(f"--heads takes heads,kv_heads,head_dim, got {args.heads!r}") from None
+    if min(heads, kv_heads, head_dim) < 1 or heads % kv_heads:
+        raise SystemExit(f"--heads {args.heads}: each at least 1, and heads a multiple of kv_heads")
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
-    n, dt, scale = args.tokens, torch.bfloat16, HEAD_DIM ** -0.5
-    slots = 4 * n
-    k_pool = torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen).to(dt)
-    v_pool = torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen).to(dt)
-    req_to_token = torch.zeros(1, n, dtype=torch.int64)
-    req_to_token[0] = torch.randperm(slots - 1, generator=gen)[:n] + 1
-    rows = (torch.rand(n, generator=gen) < args.run).nonzero().view(-1)
-    if rows.numel() == 0:
-        raise SystemExit("no row runs at this --run")
-    q_all = torch.randn(n, HEADS, HEAD_DIM, generator=gen).to(dt)
-    q = q_all.index_select(0, rows)
-    req = torch.zeros(rows.shape[0], dtype=torch.int64)
-    k = k_pool[req_to_token[0]].transpose(0, 1).unsqueeze(0).contiguous()
-    v = v_pool[req_to_token[0]].transpose(0, 1).unsqueeze(0).contiguous()
-    q_causal = q_all.transpose(0, 1).unsqueeze(0).contiguous()
+    n, reqs, dt, scale = args.tokens, args.requests, getattr(torch, args.dtype), head_dim ** -0.5
+    slots = 4 * n * reqs
+    k_pool = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dt)
+    v_pool = torch.randn(slots, kv_heads, head_dim, generator=gen).to(dt)
+    req_to_token = (torch.randperm(slots - 1, generator=gen)[:n * reqs] + 1).view(reqs, n)
+    running = [(torch.rand(n, generator=gen) < args.run).nonzero().view(-1) for _ in range(reqs)]
+    if any(r.numel() == 0 for r in running):
+        raise SystemExit("a prompt has no row that runs at this --run")
+    q_all = torch.randn(reqs, n, heads, head_dim, generator=gen).to(dt)
+    # the RUN rows of every request in batch order (request by request, in position order, as a prefill pass holds
+    # them), their request slots and positions
+    q = torch.cat([q_all[r].index_select(0, rows) for r, rows in enumerate(running)])
+    req = torch.cat([torch.full((rows.shape[0],), r) for r, rows in enumerate(running)])
+    pos = torch.cat(running)
+    kv = [(k_pool[req_to_token[r]].transpose(0, 1).unsqueeze(0).contiguous(),
+           v_pool[req_to_token[r]].transpose(0, 1).unsqueeze(0).contiguous()) for r in range(reqs)]
+    q_causal = [q_all[r].transpose(0, 1).unsqueeze(0).contiguous() for r in range(reqs)]
 
-    reads = {
-        "folded": lambda: prefill_attention(q, k_pool, v_pool, req_to_token, req, rows, scale),
-        "sdpa-gqa": lambda: sdpa_gqa_read(q, k, v, rows, scale),
-        "causal": lambda: F.scaled_dot_product_attention(q_causal, k, v, is_causal=True, scale=scale,
-                                                         enable_gqa=True),
-    }
-    torch.testing.assert_close(reads["folded"](), reads["sdpa-gqa"](), rtol=0.02, atol=0.02)
+    def folded(**bounds):
+        saved = {name: getattr(attention, name) for name in bounds}
+        for name, value in bounds.items():
+            setattr(attention, name, value)
+        try:
+            return prefill_attention(q, k_pool, v_pool, req_to_token, req, pos, scale)
+        finally:
+            for name, value in saved.items():
+                setattr(attention, name, value)
+
+    def sdpa_gqa():
+        return torch.cat([sdpa_gqa_read(q[req == r], *kv[r], running[r], scale) for r in range(reqs)])
+
+    def causal():
+        return [F.scaled_dot_product_attention(q_causal[r], *kv[r], is_causal=True, scale=scale, enable_gqa=True)
+                for r in range(reqs)]
+
+    reads = {"folded": folded}
+    if reqs > 1:
+        reads["loop"] = lambda: folded(BATCHED_READ_MACS=0)
+        reads["one-call"] = lambda: folded(BATCHED_READ_MACS=1 << 62, BATCHED_READ_MAX_SPAN=1 << 62)
+    reads.update({"sdpa-gqa": sdpa_gqa, "causal": causal})
+    tol = 0.02 if dt == torch.bfloat16 else 1e-4
+    for name in reads.keys() - {"folded", "causal"}:
+        torch.testing.assert_close(reads[name](), reads["folded"](), rtol=tol, atol=tol)
     for fn in reads.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in reads}
@@ -102,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in reads.items():
             times[name].append(best_ms(fn))
     med = {name: statistics.median(t) for name, t in times.items()}
-    pairs = float((rows + 1).sum()) / (n * (n + 1) / 2)
-    print(f"{n} tokens, {rows.shape[0]} RUN rows ({pairs:.3f} of the causal pairs); heads {HEADS}/{KV_HEADS} of "
-          f"{HEAD_DIM}, bf16, one thread, medians of {args.rounds} rounds")
+    pairs = float(sum((rows + 1).sum() for rows in running)) / (reqs * n * (n + 1) / 2)
+    print(f"{reqs} x {n} tokens, {q.shape[0]} RUN rows ({pairs:.3f} of the causal pairs); heads {heads}/{kv_heads} "
+          f"of {head_dim}, {args.dtype}, one thread, medians of {args.rounds} rounds")
     for name, ms in med.items():
         print(f"  {name:9s} {ms:7.2f} ms")
     print(f"folded over causal {med['folded'] / med['causal']:.3f} (limit: the pairs' share {pairs:.3f}); "
-          f"folded over sdpa-gqa {med['folded'] / med['sdpa-gqa']:.3f}")
+          f"folded over sdpa-gqa {med['folded'] / med['sdpa-gqa']:.3f}"
+          + (f"; one-call over loop {med['one-call'] / med['loop']:.3f}" if reqs > 1 else ""))
     return 0
 
 
