@@ -21,12 +21,14 @@ from torch.nn import functional as F
 NULL_SLOT = 0
 PREFILL_READ_BLOCK = 128  # positions per block of a request's reading rows (`prefill_attention`)
 # `prefill_attention` reads several requests in one SDPA call, each request an entry of the call's batch with its
-# reading rows padded to the most any request has (`_batched_read`), where no request's keys span more than
-# BATCHED_READ_MAX_SPAN positions and the call's query-key products (requests x padded rows x span x heads x
-# head_dim) stay within BATCHED_READ_MACS; else request by request in causal blocks. The one call spares about two
-# dozen small ops a request but computes every key of its span for every row (no causal skip), which outweighs the
-# ops it spares once spans grow long.
-BATCHED_READ_MAX_SPAN = 256
+# reading rows padded to the most any request has (`_batched_read`), where no request's keys span more than one
+# block of positions (BATCHED_READ_MAX_SPAN: the per-request read would take each request in one block too, so the
+# one call computes what it computes, plus the padding) and the call's query-key products (requests x padded rows x
+# span x heads x head_dim) stay within BATCHED_READ_MACS (its mask's and scores' memory); else request by request in
+# causal blocks. The one call spares about two dozen small ops a request; over longer spans it computes every key
+# for every row where the blocks skip those above the diagonal, which costs more than the ops it spares
+# (`benchmarks/prefill_read_bench.py --requests`).
+BATCHED_READ_MAX_SPAN = PREFILL_READ_BLOCK
 BATCHED_READ_MACS = 1 << 27
 
 
