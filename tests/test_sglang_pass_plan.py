@@ -117,6 +117,17 @@ def test_a_staged_plan_reaches_the_device_storage_in_one_copy_and_equals_the_pla
     assert staged.req_rows.tolist() == [4, 5, 6, 0, 0, 0, 0, 0] and staged.valid.sum() == 3
 
 
+def test_the_host_staging_stays_on_the_host_when_the_model_is_built_under_a_default_device():
+    """SGLang's loader builds the model with its device as torch's default device (`with torch.device(...)`): on a
+    GPU, staging tensors allocated without a device went to the GPU, where torch refuses to pin them ("Only dense
+    CPU tensors can be pinned", the server's start failed). The staging is placed on the host explicitly. ('meta'
+    stands in for the GPU: no GPU runs here.)"""
+    with torch.device("meta"):
+        buffers = PlanBuffers(8, "meta", staged=True)
+    assert buffers.storage.device.type == "meta"
+    assert [stage.storage.device.type for stage in buffers._stages] == ["cpu"] * len(buffers._stages)
+
+
 class _DeviceTensor(torch.Tensor):
     @property
     def device(self):

@@ -42,7 +42,7 @@ class DeferredReads:
         if value.device.type != "cuda":
             return value.to("cpu", copy=True).reshape(-1), None
         spare = self._free.get((value.numel(), value.dtype))
-        host = spare.pop() if spare else torch.empty(value.numel(), dtype=value.dtype, pin_memory=True)
+        host = spare.pop() if spare else torch.empty(value.numel(), dtype=value.dtype, device="cpu", pin_memory=True)
         host.copy_(value.reshape(-1), non_blocking=True)
         event = torch.cuda.Event()
         event.record()

@@ -88,7 +88,7 @@ class PlanBuffers:
         self.dense_rows, self.valid = fields["dense_rows"], fields["valid"]
         if self.staged:
             pin = self.device.type == "cuda"
-            self._stages = [_Stage(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin), capacity)
+            self._stages = [_Stage(torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin), capacity)
                             for _ in range(STAGES)]
             for name, _, pad in FIELDS:  # the device's padding, as the stages hold it (no copy from the host)
                 fields[name].fill_(pad)
