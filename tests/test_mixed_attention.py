@@ -94,3 +94,18 @@ def test_the_one_call_pads_each_request_to_the_longest_and_drops_the_padding(cal
                                atol=1e-5)
     assert len(calls) == 1
     assert (got[~reads] == 0).all() and not got.isnan().any()
+
+
+@pytest.mark.parametrize(("req_dtype", "pos_dtype"), [(torch.int32, torch.int64), (torch.int64, torch.int32),
+                                                      (torch.int32, torch.int32)])
+def test_the_one_call_takes_request_slots_and_positions_of_any_integer_dtype(req_dtype, pos_dtype, calls):
+    """SGLang's own tensors are int64, but the read is a library function: int32 slots or positions (or both) read
+    the same, in one call."""
+    r2t = (torch.arange(3 * 8) + 1).view(3, 8).to(torch.int32)
+    pool = torch.randn(3 * 8 + 1, 2, 16)
+    req, pos = torch.arange(3).repeat_interleave(8), torch.arange(8).repeat(3)
+    q = torch.randn(24, 4, 16)
+    expected = paged_attention(q, pool, pool, r2t.long(), req, pos, 0.25)
+    got = prefill_attention(q, pool, pool, r2t, req.to(req_dtype), pos.to(pos_dtype), 0.25)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1

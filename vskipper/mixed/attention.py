@@ -137,7 +137,7 @@ def _batched_read(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, r
     runs = requests.shape[0]
     if runs < 2:
         return None
-    lengths = torch.zeros_like(requests).scatter_reduce(0, which, pos + 1, "amax", include_self=False)
+    lengths = counts.new_zeros(runs).scatter_reduce(0, which, (pos + 1).to(counts.dtype), "amax", include_self=False)
     span, width = torch.stack([lengths.max(), counts.max()]).tolist()
     if span > BATCHED_READ_MAX_SPAN or runs * width * span * heads * head_dim > BATCHED_READ_MACS:
         return None
