@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 from torch.nn import functional as F
@@ -106,15 +107,12 @@ def main(argv: list[str] | None = None) -> int:
            v_pool[req_to_token[r]].transpose(0, 1).unsqueeze(0).contiguous()) for r in range(reqs)]
     q_causal = [q_all[r].transpose(0, 1).unsqueeze(0).contiguous() for r in range(reqs)]
 
-    def folded(**bounds):
-        saved = {name: getattr(attention, name) for name in bounds}
-        for name, value in bounds.items():
-            setattr(attention, name, value)
-        try:
-            return prefill_attention(q, k_pool, v_pool, req_to_token, req, pos, scale)
-        finally:
-            for name, value in saved.items():
-                setattr(attention, name, value)
+    def folded():
+        return prefill_attention(q, k_pool, v_pool, req_to_token, req, pos, scale)
+
+    def held(**bounds):  # the read under other bounds of its one call (`attention.BATCHED_READ_*`)
+        with patch.multiple(attention, **bounds):
+            return folded()
 
     def sdpa_gqa():
         return torch.cat([sdpa_gqa_read(q[req == r], *kv[r], running[r], scale) for r in range(reqs)])
@@ -125,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
     reads = {"folded": folded}
     if reqs > 1:
-        reads["loop"] = lambda: folded(BATCHED_READ_MACS=0)
-        reads["one-call"] = lambda: folded(BATCHED_READ_MACS=1 << 62, BATCHED_READ_MAX_SPAN=1 << 62)
+        reads["loop"] = lambda: held(BATCHED_READ_MACS=0)
+        reads["one-call"] = lambda: held(BATCHED_READ_MACS=1 << 62, BATCHED_READ_MAX_SPAN=1 << 62)
     reads.update({"sdpa-gqa": sdpa_gqa, "causal": causal})
     tol = 0.02 if dt == torch.bfloat16 else 1e-4
     for name in reads.keys() - {"folded", "causal"}:
