@@ -1,5 +1,5 @@
-"""Ports of a launched server: the HTTP port is drawn below the kernel's ephemeral range, and a server whose start
-dies of a port collision is started again.
+"""Ports of a launched server: the HTTP port is drawn below the kernel's ephemeral range, a server whose start
+dies of a port collision is started again, and a request the server drops says what became of it.
 
 The collision is real: the test holds the port SGLang's scheduler binds for torch.distributed's store (pinned with
 SGLang's own `--nccl-port`), so the real scheduler dies with EADDRINUSE as it did when an outgoing connection took
@@ -9,6 +9,9 @@ the port SGLang had picked; the port is let go once that start has died.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -64,3 +67,33 @@ def test_a_start_that_dies_of_anything_else_is_not_started_again(served_flexidep
         with pytest.raises(RuntimeError, match="server exited"):
             server.wait_ready()
         assert server.relaunches == 0
+
+
+def _drop_one_connection(listener: socket.socket) -> None:
+    conn, _ = listener.accept()
+    conn.recv(65536)
+    conn.close()  # closed without a response, as a server's process that dies mid-request leaves it
+
+
+def test_a_request_the_server_drops_raises_server_gone_with_its_state_and_log_tail(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("... loaded\nScheduler hit an exception: the cause\n")
+    port = launch.free_port()
+    listener = _hold(port)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        server = launch.Server(alive, port, log, graceful=False)
+        threading.Thread(target=_drop_one_connection, args=(listener,), daemon=True).start()
+        with pytest.raises(launch.ServerGone, match="(?s)POST /generate on port .*RemoteDisconnected.*the server "
+                                                    "still runs.*Scheduler hit an exception: the cause") as gone:
+            server.generate_ids([1, 2], 2)
+        assert isinstance(gone.value, OSError)  # callers that catch OSError still catch it
+    finally:
+        listener.close()
+        alive.kill()
+        alive.wait()
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    exited.wait()
+    with pytest.raises(launch.ServerGone, match="(?s)GET /vskipper/attestation on port .*the server exited with 3"
+                                                ".*the cause"):
+        launch.Server(exited, port, log).get_json("/vskipper/attestation")

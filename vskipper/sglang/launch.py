@@ -36,6 +36,7 @@ RELAUNCHES = 2
 PORT_FLOOR = 10000
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _COLLISION = "address already in use"
+LOG_TAIL_CHARS = 3000  # how much of a server's log an error shows
 _STARTED_AGAIN = "\n--- started again: the start above died of a port collision ---\n"
 # The directory holding the imported `vskipper` package: put on the child's path so it serves this same code.
 _CODE_ROOT = Path(__file__).resolve().parents[2]
@@ -101,6 +102,11 @@ def serve_command(model: str | Path, port: int, state_file: Path, *, arm: str | 
             *extra]
 
 
+class ServerGone(ConnectionError):
+    """A request the server dropped or refused (its connection reset, closed without a response, refused): the
+    message says whether the server's process still runs and ends with its log's tail, where the cause is."""
+
+
 class Server:
     """A started `vskipper serve` child process on a loopback port."""
 
@@ -120,7 +126,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                tail = self.log.read_text()[-3000:]
+                tail = self.log_tail()
                 this_start = tail.rsplit(_STARTED_AGAIN, 1)[-1]
                 if self.relaunch is not None and self.relaunches < RELAUNCHES and _COLLISION in this_start.lower():
                     self._signal_group(signal.SIGKILL)  # whatever of the dead start still runs
@@ -135,7 +141,7 @@ class Server:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server not up in {timeout:g} s:\n{self.log.read_text()[-3000:]}")
+                raise TimeoutError(f"server not up in {timeout:g} s:\n{self.log_tail()}")
             time.sleep(1)
 
     def terminate(self) -> None:
@@ -164,14 +170,32 @@ class Server:
             self._signal(signal.SIGKILL)
             self.proc.wait(timeout=STOP_TIMEOUT_S)
 
+    def request(self, path: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, str]:
+        """`http` on this server: GET (no body) or POST; (status, text). A request the server drops or refuses
+        raises `ServerGone`, which says whether the process still runs and ends with its log's tail."""
+        try:
+            return http(self.url + path, body, timeout)
+        except OSError as exc:
+            method = "GET" if body is None else "POST"
+            exit_code = self.proc.poll()
+            state = "still runs" if exit_code is None else f"exited with {exit_code}"
+            raise ServerGone(f"{method} {path} on port {self.port}: {exc!r}; the server {state}; "
+                             f"its log ({self.log}) ends:\n{self.log_tail()}") from exc
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            return f"(unreadable: {exc})"
+
     def get_json(self, path: str) -> dict:
-        status, text = http(self.url + path)
+        status, text = self.request(path)
         if status != 200:
             raise RuntimeError(f"GET {path}: HTTP {status} {text[:300]}")
         return json.loads(text)
 
     def post_json(self, path: str, body: dict) -> dict:
-        status, text = http(self.url + path, body)
+        status, text = self.request(path, body)
         if status != 200:
             raise RuntimeError(f"POST {path}: HTTP {status} {text[:300]}")
         return json.loads(text)
@@ -182,7 +206,7 @@ class Server:
         return out["output_ids"]
 
     def metrics(self) -> str:
-        status, text = http(self.url + "/metrics")
+        status, text = self.request("/metrics")
         if status != 200:
             raise RuntimeError(f"GET /metrics: HTTP {status} {text[:300]}")
         return text
