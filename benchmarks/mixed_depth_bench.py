@@ -80,14 +80,17 @@ def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smok
         for lo, hi in ranges:
             rows = representative_rows(lo, hi)
             tile = table.lookup(op, rows) if table else INTERPRETER_TILE
-            ref, kernel = shape_calls(op, rows, w1, w2, g, device, dtype)
+            ref, kernel, half = shape_calls(op, rows, w1, w2, g, device, dtype)
             interpret = device.type != "cuda"
             t_ref = time_call(ref, interpret)
             t_ker = time_call(lambda kernel=kernel, tile=tile: kernel(tile), interpret)
+            t_half = time_call(lambda kernel=kernel, tile=tile, half=half: kernel(tile, half), interpret)
+            serves = "gathered" if table is not None and table.gathers(op, rows) else "kernel"
             results.append({"op": op, "rows": [lo, hi], "K": k_dim, "N": n_dim, "kernel_ms": t_ker,
-                            "torch_ms": t_ref, "ratio": t_ker / t_ref})
+                            "kernel_half_ms": t_half, "torch_ms": t_ref, "ratio": t_ker / t_ref, "serves": serves})
             print(f"  {op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} kernel "
-                  f"{t_ker:8.4f} ms  torch {t_ref:8.4f} ms  ratio {t_ker / t_ref:5.2f}x", flush=True)
+                  f"{t_ker:8.4f} ms (half live {t_half:8.4f})  gathered torch {t_ref:8.4f} ms  ratio "
+                  f"{t_ker / t_ref:5.2f}x  serves {serves}", flush=True)
     ratios = sorted(r["ratio"] for r in results)
     print(f"  median ratio over {len(ratios)} shapes: {statistics.median(ratios):.2f}x "
           f"(min {ratios[0]:.2f}, max {ratios[-1]:.2f})")

@@ -290,6 +290,10 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     summary = (out / "summary.md").read_text()
     assert "Dry run on CPU" in summary and "tau =" in summary
     assert "## Tiles" in summary and "| mlp_gate_up | 513- |" in summary and "unused: the torch execution" in summary
+    table = results["tiles"]["table"]  # each shape's half-count timing beside the full one, and what it decides
+    assert all(e["kernel_half_ms"] > 0 for entries in table["tiles"].values() for e in entries)
+    assert "Served in the gathered cuBLAS form (`TileTable.gathers`: " in summary
+    assert f"at or below the ridge): {run.gathered_summary(table)}." in summary
     assert "The packed prefill read (64 tokens, 50% of them RUN)" in summary
     assert "### The routed path's goals" in summary and "| decode s=0 / dense in every cell | 0.97 |" in summary
     q_star = results["ladder"]["q_star"]["q_star"]

@@ -13,6 +13,7 @@ from vskipper.mixed.tiles import (
     ReadTile,
     Tile,
     TileTableError,
+    Timing,
     default_tile_table,
     load_tile_table,
     parse_tile_table,
@@ -80,6 +81,10 @@ def test_unmeasured_devices_fall_back_to_the_default_and_unknown_ones_need_a_lim
      r"prefill_read: block_n must be a power of two in 16..256, got 512"),
     (lambda d: d.__setitem__("prefill_read", {"block_rows": 64, "block_n": 64, "num_stages": 0}),
      "prefill_read: num_stages must be an integer in 1..8"),
+    (lambda d: d["tiles"]["attn_q"][2].update(kernel_ms=0.1, torch_ms=-1),
+     r"tiles.attn_q\[2\]: field 'torch_ms' must be a positive number of milliseconds, got -1"),
+    (lambda d: d["tiles"]["attn_o"][0].update(kernel_half_ms=0.1),
+     r"tiles.attn_o\[0\]: fields 'kernel_ms' and 'torch_ms' go together \(got only \['kernel_half_ms'\]\)"),
 ])
 def test_malformed_tables_are_refused_naming_the_field(mutate, message):
     data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2})
@@ -158,3 +163,43 @@ def test_a_table_file_that_is_not_a_json_object_is_refused_naming_the_file(tmp_p
         path.write_bytes(content)
         with pytest.raises(TileTableError, match=name):
             load_tile_table(path)
+
+
+def timed(data: dict, op: str, n: int, kernel: float, torch_ms: float, half: float | None = None) -> None:
+    data["tiles"][op][n].update(kernel_ms=kernel, torch_ms=torch_ms, ratio_vs_torch=round(kernel / torch_ms, 3),
+                                **({} if half is None else {"kernel_half_ms": half}))
+
+
+def test_an_operation_serves_gathered_where_torch_beat_its_tile_at_full_and_half_count_below_the_ridge():
+    """`TileTable.gathers`: the measured torch form replaces the tile only where it was faster at the full count
+    and (where timed) at half of it, and only while the capacity is at or below the device's ridge rows (H200:
+    989 TFLOP/s over 4.8 TB/s, 206 rows); a table without timings never gathers."""
+    data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, device="H200")
+    assert not parse_tile_table(data, 227 * 1024).gathers("mlp_down", 100)  # no timings: the tiles serve
+    timed(data, "mlp_down", 3, kernel=0.12, torch_ms=0.06)  # 65-128: torch faster (no half-count timing)
+    timed(data, "attn_q", 3, kernel=0.03, torch_ms=0.02, half=0.015)  # torch loses once half the rows skip
+    timed(data, "attn_o", 4, kernel=0.05, torch_ms=0.04, half=0.045)  # 129-512: torch faster at both counts
+    timed(data, "mlp_gate_up", 5, kernel=0.9, torch_ms=0.7, half=0.8)  # prefill: torch faster, above the ridge
+    timed(data, "proj_down", 3, kernel=0.01, torch_ms=0.02)  # the tile faster
+    t = parse_tile_table(data, 227 * 1024)
+    assert t.timing("mlp_down", 100) == Timing(0.12, 0.06) and t.timing("mlp_down", 10) is None
+    ridge = int(lookup_device("H200").ridge_rows)
+    assert ridge == 206
+    assert t.gathers("mlp_down", 65) and t.gathers("mlp_down", 128) and not t.gathers("mlp_down", 129)
+    assert not t.gathers("attn_q", 128)
+    assert t.gathers("attn_o", 129) and t.gathers("attn_o", ridge) and not t.gathers("attn_o", ridge + 1)
+    assert not t.gathers("mlp_gate_up", 2048) and not t.gathers("proj_down", 100)
+    assert t.gathered_ranges() == {"mlp_down": [[65, 128]], "attn_o": [[129, ridge]]}
+    again = parse_tile_table(json.loads(json.dumps(t.as_dict())), 227 * 1024)
+    assert again.timings == t.timings and again.gathered_ranges() == t.gathered_ranges()
+    data["device"] = "Some Future GPU"  # no ridge to hold the capacity against: the tiles serve
+    assert parse_tile_table(data, 227 * 1024).gathered_ranges() == {}
+
+
+def test_the_shipped_h200_table_serves_its_memory_bound_losers_gathered():
+    """The H200 table's own timings (tuned before the half-count timing): the decode ranges where cuBLAS beat the
+    tile at the full count gather; the projector's GEMMs, which beat cuBLAS everywhere, and prefill keep tiles."""
+    ranges = tile_table_for("NVIDIA H200").gathered_ranges()
+    assert ranges["mlp_down"] == [[17, 32], [33, 64], [65, 128], [129, 206]]
+    assert ranges["attn_q"][0] == [17, 32] and [65, 128] in ranges["attn_o"]
+    assert "proj_gate_up" not in ranges and "proj_down" not in ranges

@@ -1207,16 +1207,19 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
     table = tiles.get("table")
     if table:
         lines += [f"Source: {table['source']}.", "",
-                  "| operation | rows | block m x n x k | warps | stages | kernel ms | torch ms | kernel / torch "
-                  "| tiles timed |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "| operation | rows | block m x n x k | warps | stages | kernel ms | kernel ms, half live | "
+                  "gathered torch ms | kernel / torch | tiles timed |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for op, entries in table["tiles"].items():
             for e in entries:
                 lo, hi = e["rows"]
                 lines.append(f"| {op} | {lo}-{hi if hi is not None else ''} | {e['block_m']} x {e['block_n']} x "
                              f"{e['block_k']} | {e['num_warps']} | {e['num_stages']} | {_f(e.get('kernel_ms'), '.4f')} | "
+                             f"{_f(e.get('kernel_half_ms'), '.4f')} | "
                              f"{_f(e.get('torch_ms'), '.4f')} | {_f(e.get('ratio_vs_torch'), '.3f')} | "
                              f"{e.get('tried', '?')} |")
-        lines.append("")
+        lines += ["", f"Served in the gathered cuBLAS form (`TileTable.gathers`: torch faster than the tile at the full "
+                      f"and the half count, at or below the ridge): {gathered_summary(table)}.", ""]
         read = table.get("prefill_read")
         if read:
             lines += [f"The packed prefill read ({read['tokens']} tokens, {read['run_share']:.0%} of them RUN): "
@@ -1232,6 +1235,18 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
         lines += [f"- {name}: {value or 'none (no Triton GEMM in this arm)'}" for name, value in served_tiles.items()]
         lines.append("")
     return lines
+
+
+def gathered_summary(table: dict) -> str:
+    """The slot counts each operation of a tuned table serves in the gathered form, in words."""
+    from vskipper.mixed.tiles import TileTableError, parse_tile_table
+
+    try:
+        ranges = parse_tile_table(table, 1 << 30).gathered_ranges()  # its shared memory was checked when tuned
+    except TileTableError as exc:
+        return f"unknown ({exc})"
+    return "; ".join(f"{op} at {', '.join(f'{lo}-{hi}' for lo, hi in spans)} slots"
+                     for op, spans in ranges.items()) or "none"
 
 
 def served_layer_lines(path: Path | None) -> list[str]:

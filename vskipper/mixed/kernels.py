@@ -34,6 +34,10 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
 split over the context; `packed_prefill_kernel` (at the end) is the prefill read of the RUN cohort's packed slots
 alone.
 
+Where a measured table found cuBLAS faster at a memory-bound capacity (`TileTable.gathers`), `cohort_gemm`,
+`cohort_scatter_add` and `cohort_ffn_triton` run that operation in the gathered form of `vskipper.mixed.gathered`
+instead: the same contract over every slot of the map, no host read either.
+
 The GEMMs accumulate in fp32. For the FlexiDepth projector pass (gate_proj, down_proj, up_proj) as
 (W_gate, W_up, W_down). Tests run these kernels under TRITON_INTERPRET=1 against torch.
 """
@@ -46,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vskipper.mixed.gathered import gathered_down, gathered_gate_up, gathered_gemm, gathered_scatter_add
 from vskipper.mixed.tiles import DEFAULT_READ_TILE, ReadTile, Tile, TileTable, tile_table_for
 
 # Under the interpreter (tests on CPU) small tiles keep the numpy emulation quick.
@@ -206,11 +211,18 @@ def cohort_down_scatter(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
                                      ACCUMULATE=accumulate, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
+def _gathers(tiles: TileTable | Tile | None, op: str, capacity: int) -> bool:
+    """Whether a table serves `op` at `capacity` slots in the gathered cuBLAS form (`TileTable.gathers`)."""
+    return isinstance(tiles, TileTable) and tiles.gathers(op, capacity)
+
+
 def cohort_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torch.Tensor,
                 out: torch.Tensor | None = None, tile: TileTable | Tile | None = None) -> torch.Tensor:
     """A [C, N] with rows m < count set to x[idx[m]] @ W^T (packed), rows >= count untouched (zeros when
-    `out` is not given)."""
+    `out` is not given). A table may serve it in the gathered form (`vskipper.mixed.gathered`)."""
     capacity, (n, k) = idx.shape[0], w.shape
+    if _gathers(tile, "attn_q", capacity):
+        return gathered_gemm(x, idx, count, w, out)
     out = torch.zeros(capacity, n, dtype=x.dtype, device=x.device) if out is None else out
     t = _grid_tile("attn_q", capacity, x, tile)
     grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(n, t.block_n))
@@ -222,8 +234,12 @@ def cohort_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torc
 
 def cohort_scatter_add(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
                        tile: TileTable | Tile | None = None) -> None:
-    """y[idx[m]] += a[m] @ W^T for m < count, in place (the down kernel, unweighted)."""
+    """y[idx[m]] += a[m] @ W^T for m < count, in place (the down kernel, unweighted; or, as a table says, the
+    gathered form)."""
     capacity, (d, n) = idx.shape[0], w.shape
+    if _gathers(tile, "attn_o", capacity):
+        gathered_scatter_add(a, idx, count, w, y)
+        return
     t = _grid_tile("attn_o", capacity, a, tile)
     grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(d, t.block_n))
     cohort_down_scatter_kernel[grid](a, idx, count, idx, w, y, d, n, a.stride(0), a.stride(1),
@@ -235,17 +251,33 @@ def cohort_scatter_add(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, 
 def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
                       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
                       op: str = "mlp", tiles: TileTable | Tile | None = None, accumulate: bool = True) -> None:
-    """The cohort FFN of `vskipper.mixed.backend` on the two kernels; `op` is 'mlp' or 'proj'; `accumulate`
-    False stores each cohort row's output instead of adding it (y's rows hold nothing yet)."""
+    """The cohort FFN of `vskipper.mixed.backend` on the two kernels, or either in the gathered form where a
+    table says so (`cohort_ffn_gathers`); `op` is 'mlp' or 'proj'; `accumulate` False stores each cohort row's
+    output instead of adding it (y's rows hold nothing yet: not with a gathered down, which adds)."""
     if op not in ("mlp", "proj"):
         raise ValueError(f"op must be 'mlp' or 'proj', got {op!r}")
     capacity = idx.shape[0]
     weights = weights.reshape(-1)
     if weights.stride(0) != 1:
         weights = weights.contiguous()
-    a = cohort_gate_up(x, idx, count, w_gate, w_up, tile=_grid_tile(f"{op}_gate_up", capacity, x, tiles))
-    cohort_down_scatter(a, idx, count, weights, w_down, y, tile=_grid_tile(f"{op}_down", capacity, x, tiles),
-                        accumulate=accumulate)
+    if _gathers(tiles, f"{op}_gate_up", capacity):
+        a = gathered_gate_up(x, idx, count, w_gate, w_up)
+    else:
+        a = cohort_gate_up(x, idx, count, w_gate, w_up, tile=_grid_tile(f"{op}_gate_up", capacity, x, tiles))
+    if _gathers(tiles, f"{op}_down", capacity):
+        if not accumulate:
+            raise ValueError(f"{op}_down serves in the gathered form here, which adds into y: zero y's rows and "
+                             "pass accumulate=True (`cohort_ffn_gathers`)")
+        gathered_down(a, idx, count, weights, w_down, y)
+    else:
+        cohort_down_scatter(a, idx, count, weights, w_down, y, tile=_grid_tile(f"{op}_down", capacity, x, tiles),
+                            accumulate=accumulate)
+
+
+def cohort_ffn_gathers(tiles: TileTable | Tile | None, op: str, capacity: int) -> bool:
+    """Whether the cohort FFN `op` ('mlp' or 'proj') adds its down GEMM's output in the gathered form at
+    `capacity` slots, so that a caller storing into an empty y must zero it first."""
+    return _gathers(tiles, f"{op}_down", capacity)
 
 
 # A pass's row count changes from pass to pass: not specialized, so that no variant is compiled while serving when

@@ -43,7 +43,9 @@ Two executions of the same semantics:
           residual; the cohort FFNs, each storing its rows of the branch output. No host read, no all-RUN test (a
           pass with every row RUN runs the same kernels at the full count); a Project-Only row computes its K/V
           and the adapter alone: no Q, no read (through the backend, a zero query whose output is dropped), no
-          o_proj, no MLP.
+          o_proj, no MLP. Where the tile table measured cuBLAS faster than an operation's tile at a memory-bound
+          capacity, that GEMM runs in the gathered form over every slot, its slots past the count masked
+          (`vskipper.mixed.gathered`): the same values, no host read either.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
 
 def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
                    cohorts: Cohorts, tiles: Any) -> Handoff:
-    from vskipper.mixed.kernels import cohort_gemm, cohort_scatter_add
+    from vskipper.mixed.kernels import cohort_ffn_gathers, cohort_gemm, cohort_scatter_add
 
     w_q, b_q, w_o = ops.attention_weights()
     idx, n_run = cohorts.run_idx, cohorts.n_run
@@ -176,14 +178,16 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
     h = x.clone()  # Project-Only rows: h = x
     cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)
     # Every row is in exactly one cohort (n_run + n_proj = rows), so each branch stores its rows of delta: no
-    # zero fill, no read of delta.
-    delta = torch.empty_like(h)
+    # zero fill, no read of delta; unless a branch's down GEMM serves in the gathered form, which adds (its
+    # slots past the count add zeros): then delta starts at zero and both branches add.
+    adds = cohort_ffn_gathers(tiles, "mlp", cohorts.rows) or cohort_ffn_gathers(tiles, "proj", cohorts.rows)
+    delta = torch.zeros_like(h) if adds else torch.empty_like(h)
     v = ops.post_attention_layernorm(h)
     gate, up, down = ops.mlp_weights()
     p = ops.projector
     cohort_ffn("triton", v, cohorts.run_idx, cohorts.n_run, weights, gate, up, down, delta, op="mlp", tiles=tiles,
-               accumulate=False)
+               accumulate=adds)
     cohort_ffn("triton", v, cohorts.proj_idx, cohorts.n_proj, weights,
                p.gate_proj.weight, p.down_proj.weight, p.up_proj.weight, delta, op="proj", tiles=tiles,
-               accumulate=False)
+               accumulate=adds)
     return Handoff(delta, h)

@@ -12,6 +12,11 @@ sized for C rows, so C picks the tile, never the device-side count):
 `prefill_read` (optional: a table without it reads with `DEFAULT_READ_TILE`) is the packed prefill read's launch,
 timed by the tuner on one prompt of a prefill range's rows with half of them RUN.
 
+An entry's timings (`kernel_ms`, `torch_ms`, and `kernel_half_ms` in tables tuned since the half-count timing:
+its tile with half the range's rows live) are kept (`Timing`): where the torch form beat the tile even at half
+the count and the pass is memory-bound (its rows at or below the device's ridge, `vskipper.roofline`), that
+operation serves in the gathered cuBLAS form (`TileTable.gathers`, `vskipper.mixed.gathered`) instead of the tile.
+
 `rows` ranges must cover 1.. without gaps (the last one open: [513, null]). The six operations are the gate-up
 (two operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the
 RUN cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered); with the six count ranges of
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vskipper.modelspec import DTYPE_BYTES
@@ -75,6 +80,26 @@ class ReadTile:
     num_stages: int = 2
 
 
+@dataclass(frozen=True)
+class Timing:
+    """What the tuner measured for one operation at a range's representative rows: its tile with every row live
+    (`kernel_ms`) and with half of them (`kernel_half_ms`; None in a table tuned before that timing), and the
+    gathered cuBLAS form on the same rows (`torch_ms`), which costs the same whatever the count."""
+
+    kernel_ms: float
+    torch_ms: float
+    kernel_half_ms: float | None = None
+
+    @property
+    def torch_wins(self) -> bool:
+        """The torch form is faster than the tile at the full count, and at half of it where that was timed."""
+        kernel = self.kernel_ms if self.kernel_half_ms is None else min(self.kernel_ms, self.kernel_half_ms)
+        return self.torch_ms < kernel
+
+
+TIMING_FIELDS = ("kernel_ms", "torch_ms", "kernel_half_ms")
+
+
 DEFAULT_READ_TILE = ReadTile(64, 64, 4, 2)  # a table without `prefill_read` (all before the read was tuned)
 READ_FIELD = "prefill_read"
 
@@ -86,22 +111,63 @@ class TileTable:
     entries: dict[str, list[tuple[int, int | None, Tile]]]
     source: str
     read: ReadTile | None = None  # the packed prefill read's tile; None: not in the table (`DEFAULT_READ_TILE`)
+    # per operation, aligned with `entries`: what the tuner measured at each range (None: not timed)
+    timings: dict[str, list[Timing | None]] = field(default_factory=dict)
 
     @property
     def read_tile(self) -> ReadTile:
         return self.read or DEFAULT_READ_TILE
 
-    def lookup(self, op: str, capacity: int) -> Tile:
+    def _index(self, op: str, capacity: int) -> int:
         if op not in self.entries:
             raise KeyError(f"tile table for {self.device} has no operation {op!r}")
-        for lo, hi, tile in self.entries[op]:
+        for n, (lo, hi, _) in enumerate(self.entries[op]):
             if capacity >= lo and (hi is None or capacity <= hi):
-                return tile
+                return n
         raise KeyError(f"tile table for {self.device}: no {op} tile for {capacity} rows")
 
+    def lookup(self, op: str, capacity: int) -> Tile:
+        return self.entries[op][self._index(op, capacity)][2]
+
+    def timing(self, op: str, capacity: int) -> Timing | None:
+        timings = self.timings.get(op)
+        return timings[self._index(op, capacity)] if timings else None
+
+    def gathers(self, op: str, capacity: int) -> bool:
+        """Whether `op` over a cohort map of `capacity` slots serves in the gathered cuBLAS form instead of its
+        tile: the table measured the torch form faster (`Timing.torch_wins`) and the pass is memory-bound on the
+        table's device (capacity at or below its ridge rows), where the form, like the tile, reads each weight
+        once however many slots are live. Above the ridge the tile's count bound saves compute the form spends
+        on every slot. A table without timings, or for an uncatalogued device, never gathers."""
+        timing = self.timing(op, capacity)
+        if timing is None or not timing.torch_wins:
+            return False
+        device = find_device(self.device)
+        return device is not None and capacity <= device.ridge_rows
+
+    def gathered_ranges(self) -> dict[str, list[list[int]]]:
+        """The slot counts each operation serves in the gathered form, as [first, last] ranges (the attestation's
+        record of which GEMMs ran on cuBLAS)."""
+        device = find_device(self.device)
+        if device is None:
+            return {}
+        ridge = int(device.ridge_rows)
+        out: dict[str, list[list[int]]] = {}
+        for op, rows in self.entries.items():
+            for (lo, hi, _), timing in zip(rows, self.timings.get(op, [None] * len(rows)), strict=True):
+                last = ridge if hi is None else min(hi, ridge)
+                if timing is not None and timing.torch_wins and lo <= last:
+                    out.setdefault(op, []).append([lo, last])
+        return out
+
     def as_dict(self) -> dict:
+        def entry(op: str, n: int, lo: int, hi: int | None, tile: Tile) -> dict:
+            timing = self.timings[op][n] if self.timings.get(op) else None
+            times = {k: v for k, v in asdict(timing).items() if v is not None} if timing is not None else {}
+            return {"rows": [lo, hi], **asdict(tile), **times}
+
         return {"device": self.device, "dtype": self.dtype, "source": self.source,
-                "tiles": {op: [{"rows": [lo, hi], **asdict(t)} for lo, hi, t in rows]
+                "tiles": {op: [entry(op, n, lo, hi, t) for n, (lo, hi, t) in enumerate(rows)]
                           for op, rows in self.entries.items()},
                 **({READ_FIELD: asdict(self.read)} if self.read is not None else {})}
 
@@ -133,6 +199,7 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
     if unknown:
         raise TileTableError(f"{where}: unknown operation(s) {unknown}; operations are {list(OPERATIONS)}")
     entries: dict[str, list[tuple[int, int | None, Tile]]] = {}
+    timings: dict[str, list[Timing | None]] = {}
     source = str(data.get("source", where))
     defaulted = [op for op in DEFAULTED_OPERATIONS if op not in tiles]
     if 0 < len(defaulted) < len(DEFAULTED_OPERATIONS):  # the tuner writes both or (before them) neither
@@ -141,6 +208,7 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
     if defaulted:
         fallback = default_tile_table(shared_mem_per_block, str(data.get("device", "unknown")), dtype)
         entries.update({op: fallback.entries[op] for op in defaulted})
+        timings.update({op: [None] * len(fallback.entries[op]) for op in defaulted})
         source += f"; {', '.join(defaulted)}: default tiles (not in the table)"
     for op in OPERATIONS:
         if op in defaulted:
@@ -148,6 +216,7 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
         if op not in tiles:
             raise TileTableError(f"{where}: field 'tiles.{op}' is missing")
         rows_out = []
+        timings_out: list[Timing | None] = []
         expect = 1
         for n, entry in enumerate(tiles[op]):
             here = f"{where}: tiles.{op}[{n}]"
@@ -173,6 +242,7 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
                     f"memory, more than the device's {shared_mem_per_block} bytes per block; lower "
                     "num_stages or the block sizes")
             rows_out.append((lo, hi, tile))
+            timings_out.append(_parse_timing(here, entry))
             if hi is None:
                 if n != len(tiles[op]) - 1:
                     raise TileTableError(f"{here}: only the last range may be open-ended")
@@ -181,9 +251,26 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
         if not rows_out or rows_out[-1][1] is not None:
             raise TileTableError(f"{where}: tiles.{op} must end with an open-ended range [first, null]")
         entries[op] = rows_out
+        timings[op] = timings_out
     entries = {op: entries[op] for op in OPERATIONS}
     read = _parse_read_tile(data[READ_FIELD], f"{where}: {READ_FIELD}") if READ_FIELD in data else None
-    return TileTable(str(data.get("device", "unknown")), dtype, entries, source, read)
+    return TileTable(str(data.get("device", "unknown")), dtype, entries, source, read, timings)
+
+
+def _parse_timing(where: str, entry: dict) -> Timing | None:
+    """An entry's timings: None where the tuner recorded none (a hand-written or default table); every time
+    given must be a positive number of milliseconds."""
+    given = {name: entry[name] for name in TIMING_FIELDS if entry.get(name) is not None}
+    for name, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise TileTableError(f"{where}: field '{name}' must be a positive number of milliseconds, got {value!r}")
+    if "kernel_ms" not in given or "torch_ms" not in given:
+        if given:
+            raise TileTableError(f"{where}: fields 'kernel_ms' and 'torch_ms' go together (got only "
+                                 f"{sorted(given)})")
+        return None
+    return Timing(float(given["kernel_ms"]), float(given["torch_ms"]),
+                  None if "kernel_half_ms" not in given else float(given["kernel_half_ms"]))
 
 
 def _parse_read_tile(entry: object, where: str) -> ReadTile:

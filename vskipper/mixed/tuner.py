@@ -1,13 +1,14 @@
 """The tile tuner behind `vskipper tune-tiles`: time candidate tiles against torch on the same packed rows.
 
 For each of the 36 shapes (6 operations x 6 count ranges, `vskipper.mixed.tiles`) it builds a cohort of a
-representative size for the range (the range's upper end; 256 for the open one) over a batch twice that size
-with a random row map, times every candidate tile that fits the device's shared memory, and times the torch
-equivalent on the same packed rows (gather, matmul(s) on cuBLAS, SiLU-and-multiply; for down, the matmul
-and the weighted index_add; for Q, the gather and the matmul; for o_proj, the matmul and the index_add). The
-best candidate goes in the table with its time ratio to torch. Then the packed prefill read (`tune_prefill_read`):
-each launch of `READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, beside the causal read of every
-row; the fastest goes in the table's `prefill_read`.
+representative size for the range (the range's upper end; 2,048 for the open one) over a batch twice that size
+with a random row map, times every candidate tile that fits the device's shared memory, and times the gathered
+cuBLAS form on the same slots (`vskipper.mixed.gathered`: gather, matmul(s), SiLU-and-multiply; for down, the
+matmul and the weighted, masked index_add; for Q, the gather, the matmul and the mask; for o_proj, the matmul and
+the masked index_add). The best candidate goes in the table with its time ratio to torch, and its time with half
+the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. Then the
+packed prefill read (`tune_prefill_read`): each launch of `READ_CANDIDATES` over the RUN half of one prompt of
+2,048 tokens, beside the causal read of every row; the fastest goes in the table's `prefill_read`.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny
 widths, fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table, whose times
@@ -122,32 +123,35 @@ def op_dims(op: str, hidden: int, intermediate: int, proj_width: int, q_width: i
 
 
 def shape_calls(op: str, rows: int, w1: torch.Tensor, w2: torch.Tensor, g: torch.Generator,
-                device: torch.device, dtype: torch.dtype) -> tuple[Callable[[], object], Callable[[Tile], object]]:
-    """The torch equivalent and the kernel (given a tile) of operation `op` over a cohort of `rows` rows in a
-    batch twice that size, with a random row map: what the tuner and `benchmarks/mixed_depth_bench.py` time side
-    by side. w1 [N, K] is the weight (gate-up: the gate; down: W_down), w2 the gate-up's up weight."""
+                device: torch.device, dtype: torch.dtype
+                ) -> tuple[Callable[[], object], Callable[..., object], torch.Tensor]:
+    """The gathered cuBLAS form (`vskipper.mixed.gathered`, what serves where it wins) and the kernel of operation
+    `op` over a cohort map of `rows` slots in a batch twice that size, with a random row map: what the tuner and
+    `benchmarks/mixed_depth_bench.py` time side by side. The kernel takes a tile and optionally a device count
+    (every slot live by default); the third value is the count of half the slots. w1 [N, K] is the weight
+    (gate-up: the gate; down: W_down), w2 the gate-up's up weight."""
+    from vskipper.mixed.gathered import gathered_down, gathered_gate_up, gathered_gemm, gathered_scatter_add
     from vskipper.mixed.kernels import cohort_down_scatter, cohort_gate_up, cohort_gemm, cohort_scatter_add
 
     batch, k_dim, n_dim = 2 * rows, w1.shape[1], w1.shape[0]
     x = torch.randn(batch, k_dim, generator=g).to(device, dtype)
     idx = torch.randperm(batch, generator=g)[:rows].to(device)
     count = torch.tensor([rows], device=device)
+    half = torch.tensor([max(1, rows // 2)], device=device)
     if op.endswith("gate_up"):
-        def reference():
-            a = x.index_select(0, idx)
-            return F.silu(a @ w1.t()) * (a @ w2.t())
-
-        return reference, lambda tile: cohort_gate_up(x, idx, count, w1, w2, tile=tile)
+        return (lambda: gathered_gate_up(x, idx, count, w1, w2),
+                lambda tile, n=count: cohort_gate_up(x, idx, n, w1, w2, tile=tile), half)
     if op == "attn_q":
-        return (lambda: x.index_select(0, idx) @ w1.t()), lambda tile: cohort_gemm(x, idx, count, w1, tile=tile)
+        return (lambda: gathered_gemm(x, idx, count, w1),
+                lambda tile, n=count: cohort_gemm(x, idx, n, w1, tile=tile), half)
     packed = torch.randn(rows, k_dim, generator=g).to(device, dtype)
     y = torch.zeros(batch, n_dim, device=device, dtype=dtype)
     if op == "attn_o":
-        return (lambda: y.index_add_(0, idx, packed @ w1.t()),
-                lambda tile: cohort_scatter_add(packed, idx, count, w1, y, tile=tile))
+        return (lambda: gathered_scatter_add(packed, idx, count, w1, y),
+                lambda tile, n=count: cohort_scatter_add(packed, idx, n, w1, y, tile=tile), half)
     weights = torch.rand(batch, generator=g).to(device, dtype)
-    return (lambda: y.index_add_(0, idx, (packed @ w1.t()) * weights.index_select(0, idx)[:, None]),
-            lambda tile: cohort_down_scatter(packed, idx, count, weights, w1, y, tile=tile))
+    return (lambda: gathered_down(packed, idx, count, weights, w1, y),
+            lambda tile, n=count: cohort_down_scatter(packed, idx, n, weights, w1, y, tile=tile), half)
 
 
 # The packed prefill read's launches tried on a GPU, the kernel's default first: query rows a program (the slots
@@ -270,7 +274,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
         for lo, hi in COUNT_RANGES:
             clock.start_shape()
             rows = representative_rows(lo, hi, interpret)
-            reference, kernel = shape_calls(op, rows, w1, w2, g, device, tdtype)
+            reference, kernel, half = shape_calls(op, rows, w1, w2, g, device, tdtype)
             torch_ms = time_call(reference, interpret)
             best: tuple[float, Tile] | None = None
             seeds = seed_tiles(op, hi, rows, current)
@@ -289,11 +293,14 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
             if best is None:
                 raise TunerError(f"{op} rows {lo}..{hi}: no candidate tile ran")
             ms, tile = best
+            half_ms = time_call(lambda tile=tile, kernel=kernel, half=half: kernel(tile, half), interpret)
             ratio = ms / torch_ms
             log(f"{op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} best {tile} "
-                f"{ms:.4f} ms vs torch {torch_ms:.4f} ms ({ratio:.2f}x; {tried} tiles timed)")
+                f"{ms:.4f} ms (half live {half_ms:.4f}) vs torch {torch_ms:.4f} ms ({ratio:.2f}x; "
+                f"{tried} tiles timed)")
             entries.append({"rows": [lo, hi], **asdict(tile), "ratio_vs_torch": round(ratio, 3),
-                            "kernel_ms": round(ms, 5), "torch_ms": round(torch_ms, 5), "tried": tried})
+                            "kernel_ms": round(ms, 5), "kernel_half_ms": round(half_ms, 5),
+                            "torch_ms": round(torch_ms, 5), "tried": tried})
         tiles[op] = entries
     data = {"device": device_name, "dtype": dtype,
             "source": ("interpreter smoke run (not a measurement)" if interpret else

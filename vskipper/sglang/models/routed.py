@@ -102,8 +102,10 @@ class CohortExecution:
     """How this process's routed layers run a mixed pass, in both phases.
 
     decode   triton: on CUDA (or under TRITON_INTERPRET=1, for tests): the count-bounded cohort GEMMs of
-             `vskipper.mixed.kernels` with tiles from the device's table, the RUN-masked decode read
-             (`masked_decode_attention`) over SGLang's KV pool; every kernel keeps its launch shape, no host read
+             `vskipper.mixed.kernels` with tiles from the device's table (or, where the table measured cuBLAS
+             faster at a memory-bound capacity, their gathered form: attested as `gathered`), the RUN-masked
+             decode read (`masked_decode_attention`) over SGLang's KV pool; every kernel keeps its launch shape,
+             no host read
              torch: the cohort execution over packed rows (CPU; and wherever a layer's MLP has no plain weight view)
     prefill  the same execution as decode. triton: the same count-bounded GEMMs over the pass's tokens (cohort
              sizes stay device values, cohorts packed by a device prefix sum, no all-RUN test on the host), the
@@ -141,6 +143,8 @@ class CohortExecution:
         read = {"decode_read": self.decode_read} if self.decode == "torch" else {}
         if self.tiles is not None:  # the packed read's launch: the table's (measured) or the kernel's default
             read["prefill_read_tile"] = {**asdict(self.tiles.read_tile), "measured": self.tiles.read is not None}
+            # the slot counts at which an operation runs in the gathered cuBLAS form instead of its tile
+            read["gathered"] = self.tiles.gathered_ranges()
         return {"decode": self.decode, **read, "prefill": self.prefill, "prefill_read": self.prefill_read,
                 "tiles": tiles, **({"why": self.reason} if self.reason else {})}
 

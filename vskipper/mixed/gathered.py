@@ -1,0 +1,64 @@
+"""The gathered cuBLAS forms of the count-bounded cohort GEMMs: what a tile table serves where torch beat its tile.
+
+Each form takes the arguments of its kernel in `vskipper.mixed.kernels` and runs over every slot of the cohort map
+(its capacity C, the captured batch), not over the count: it gathers the C rows `idx` names (slots at and past the
+count name row 0), multiplies them on cuBLAS, and drops the slots at and past the count with `torch.where` (so
+whatever those rows computed, NaN included, never lands) before anything is stored or added. Every shape is C's
+and the count stays a device value: no host read, so a captured graph replays these as it replays the kernels.
+
+In the memory-bound regime (C at or below the device's ridge rows) a GEMM reads each weight once whatever the
+count, as the tile does, so the form costs cuBLAS's time over C rows: the tuner's `torch_ms` (`vskipper.mixed.tuner`
+times these functions). `TileTable.gathers` picks, per operation and capacity, the form or the tile.
+
+Contracts as the kernels', except where noted:
+
+  gathered_gemm        A[m] = X[idx[m]] @ W^T for m < count; rows >= count of `out` untouched (zeros without it)
+  gathered_gate_up     A[m] = silu(X[idx[m]] W_gate^T) * (X[idx[m]] W_up^T) for m < count; without `out`, rows
+                       >= count hold values of no meaning (the kernel leaves them unwritten)
+  gathered_down        Y[idx[m]] += weights[idx[m]] * (A[m] @ W_down^T) for m < count: it adds, so where the
+                       kernel would store (`accumulate` False) the caller zeroes Y first (`routed_layer`)
+  gathered_scatter_add Y[idx[m]] += A[m] @ W^T for m < count
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+
+def live_slots(idx: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """bool [C]: the slots below the device-side count."""
+    return torch.arange(idx.shape[0], device=idx.device) < count
+
+
+def _masked(live: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return torch.where(live[:, None], values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def gathered_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    live = live_slots(idx, count)
+    values = x.index_select(0, idx) @ w.t()
+    if out is None:
+        return _masked(live, values)
+    return out.copy_(torch.where(live[:, None], values, out))
+
+
+def gathered_gate_up(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w_gate: torch.Tensor,
+                     w_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    a = x.index_select(0, idx)
+    act = F.silu(a @ w_gate.t()) * (a @ w_up.t())
+    if out is None:
+        return act
+    return out.copy_(torch.where(live_slots(idx, count)[:, None], act, out))
+
+
+def gathered_down(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
+                  w_down: torch.Tensor, y: torch.Tensor) -> None:
+    values = (a @ w_down.t()) * weights.index_select(0, idx).view(-1, 1).to(a.dtype)
+    y.index_add_(0, idx, _masked(live_slots(idx, count), values).to(y.dtype))
+
+
+def gathered_scatter_add(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torch.Tensor,
+                         y: torch.Tensor) -> None:
+    y.index_add_(0, idx, _masked(live_slots(idx, count), a @ w.t()).to(y.dtype))
