@@ -74,3 +74,15 @@ def test_the_tuners_clock_shares_what_is_left_of_its_budget_and_never_stops_a_sh
     unbounded.start_shape()
     now[0] = 1e9
     assert not unbounded.spent(24)
+    now[0] = 0.0  # the packed read, tuned first, weighs READ_WEIGHT shapes: 6 of 42 s beside 36 GEMM shapes
+    weighted = tuner.Clock(42.0, 36 + tuner.READ_WEIGHT)
+    weighted.start_shape(tuner.READ_WEIGHT)
+    now[0] = 5.9
+    assert not weighted.spent(3)
+    now[0] = 6.1
+    assert weighted.spent(3)
+    weighted.start_shape()  # then 35.9 s over 36 shapes
+    now[0] = 7.05
+    assert not weighted.spent(1)
+    now[0] = 7.2
+    assert weighted.spent(1)

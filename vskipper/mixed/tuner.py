@@ -6,9 +6,10 @@ with a random row map, times every candidate tile that fits the device's shared 
 cuBLAS form on the same slots (`vskipper.mixed.gathered`: gather, matmul(s), SiLU-and-multiply; for down, the
 matmul and the weighted, masked index_add; for Q, the gather, the matmul and the mask; for o_proj, the matmul and
 the masked index_add). The best candidate goes in the table with its time ratio to torch, and its time with half
-the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. Then the
-packed prefill read (`tune_prefill_read`): each launch of `READ_CANDIDATES` over the RUN half of one prompt of
-2,048 tokens, beside the causal read of every row; the fastest goes in the table's `prefill_read`.
+the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. Before them,
+the packed prefill read (`tune_prefill_read`, its budget share `READ_WEIGHT` shapes'): each launch of
+`READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, beside the causal read of every row; the
+fastest goes in the table's `prefill_read`.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny
 widths, fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table, whose times
@@ -193,21 +194,27 @@ def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.G
     return causal, packed, pairs
 
 
-class Clock:
-    """The tuner's time budget (None: unbounded), shared evenly by the shapes still to tune: a shape stops trying
-    candidates once its share is spent (after its first), so the tuner ends about when its budget does, its later
-    shapes timed on fewer candidates (the seeds come first) when compiles and timings run slower than planned."""
+# The packed prefill read's weight in the tuner's budget, against a GEMM shape's 1: it serves every RUN token of
+# every routed prefill layer, and each of its eight launches compiles a kernel of its own.
+READ_WEIGHT = 6
 
-    def __init__(self, budget_s: float | None, shapes: int) -> None:
+
+class Clock:
+    """The tuner's time budget (None: unbounded), shared by the shapes still to tune in proportion to their
+    weights (a GEMM shape 1, the packed read `READ_WEIGHT`): a shape stops trying candidates once its share is
+    spent (after its first), so the tuner ends about when its budget does, its later shapes timed on fewer
+    candidates (the seeds come first) when compiles and timings run slower than planned."""
+
+    def __init__(self, budget_s: float | None, shapes: float) -> None:
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
         self.left = shapes
         self.shape_deadline: float | None = None
 
-    def start_shape(self) -> None:
+    def start_shape(self, weight: float = 1) -> None:
         if self.deadline is not None:
             now = time.monotonic()
-            self.shape_deadline = now + max(0.0, self.deadline - now) / max(1, self.left)
-        self.left -= 1
+            self.shape_deadline = now + max(0.0, self.deadline - now) * min(1.0, weight / max(weight, self.left))
+        self.left -= weight
 
     def spent(self, tried: int) -> bool:
         return tried > 0 and self.shape_deadline is not None and time.monotonic() > self.shape_deadline
@@ -217,8 +224,8 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
                       log: Callable[[str], None] = print, clock: Clock | None = None) -> dict:
     """The packed prefill read's best launch (`READ_CANDIDATES`) on one prompt of a prefill range's rows, beside
     the default's time and the causal read of every row; the table's `prefill_read` entry."""
-    clock = clock or Clock(None, 1)
-    clock.start_shape()
+    clock = clock or Clock(None, READ_WEIGHT)
+    clock.start_shape(READ_WEIGHT)
     device = torch.device("cpu" if interpret else "cuda")
     tokens = INTERPRETED_READ_TOKENS if interpret else PREFILL_ROWS
     tdtype = torch.float32 if interpret else getattr(torch, dtype)
@@ -264,7 +271,13 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
     tdtype = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     current = current_table(device_name, shared_mem_per_block, dtype)
-    clock = Clock(budget_s, len(OPERATIONS) * len(COUNT_RANGES) + (read_heads is not None))
+    clock = Clock(budget_s, len(OPERATIONS) * len(COUNT_RANGES) + (READ_WEIGHT if read_heads is not None else 0))
+    read = None
+    if read_heads is not None:  # first: the shapes before it would spend its share when they run slow
+        try:
+            read = tune_prefill_read(*read_heads, dtype=dtype, interpret=interpret, log=log, clock=clock)
+        except Exception as exc:  # optional: the GEMMs' measurements stand, the read keeps its default launch
+            log(f"prefill_read: not tuned ({type(exc).__name__}: {exc}); the table keeps no `{READ_FIELD}`")
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:
         k_dim, n_dim = op_dims(op, hidden, intermediate, proj_width, q_width)
@@ -307,10 +320,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
                        f"vskipper tune-tiles: hidden {hidden}, intermediate {intermediate}, projector {proj_width}, "
                        f"q {q_width or hidden}"),
             "tiles": tiles}
-    if read_heads is not None:
-        try:
-            data[READ_FIELD] = tune_prefill_read(*read_heads, dtype=dtype, interpret=interpret, log=log, clock=clock)
-        except Exception as exc:  # optional: the GEMMs' measurements stand, the read keeps its default launch
-            log(f"prefill_read: not tuned ({type(exc).__name__}: {exc}); the table keeps no `{READ_FIELD}`")
+    if read is not None:
+        data[READ_FIELD] = read
     parse_tile_table(data, shared_mem_per_block, where="tuned table")  # what we write must load
     return data
