@@ -82,9 +82,10 @@ def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smok
             tile = table.lookup(op, rows) if table else INTERPRETER_TILE
             ref, kernel, half = shape_calls(op, rows, w1, w2, g, device, dtype)
             interpret = device.type != "cuda"
-            t_ref = time_call(ref, interpret)
-            t_ker = time_call(lambda kernel=kernel, tile=tile: kernel(tile), interpret)
-            t_half = time_call(lambda kernel=kernel, tile=tile, half=half: kernel(tile, half), interpret)
+            graph = hi is not None and not interpret  # as the tuner times them: decode ranges replay graphs
+            t_ref = time_call(ref, interpret, graph=graph)
+            t_ker = time_call(lambda kernel=kernel, tile=tile: kernel(tile), interpret, graph=graph)
+            t_half = time_call(lambda kernel=kernel, tile=tile, half=half: kernel(tile, half), interpret, graph=graph)
             serves = "gathered" if table is not None and table.gathers(op, rows) else "kernel"
             results.append({"op": op, "rows": [lo, hi], "K": k_dim, "N": n_dim, "kernel_ms": t_ker,
                             "kernel_half_ms": t_half, "torch_ms": t_ref, "ratio": t_ker / t_ref, "serves": serves})

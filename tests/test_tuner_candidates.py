@@ -86,3 +86,19 @@ def test_the_tuners_clock_shares_what_is_left_of_its_budget_and_never_stops_a_sh
     assert not weighted.spent(1)
     now[0] = 7.2
     assert weighted.spent(1)
+
+
+def test_a_decode_shape_is_timed_as_cuda_graph_replays_and_a_prefill_shape_eagerly(monkeypatch):
+    """`time_call(graph=True)` times the replay of a CUDA graph holding the calls (triton's do_bench_cudagraph), as
+    a served decode pass replays them; otherwise do_bench. (No GPU here: triton's two timers are stood in for, to
+    see which the tuner asks for; the GPU's tiles stage runs them.)"""
+    import triton.testing
+
+    from vskipper.mixed import tuner
+
+    asked = []
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, rep: asked.append(("graph", rep)) or 0.5)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep: asked.append(("eager", rep)) or 0.7)
+    assert tuner.time_call(lambda: None, interpret=False, graph=True) == 0.5
+    assert tuner.time_call(lambda: None, interpret=False) == 0.7
+    assert asked == [("graph", 20), ("eager", 100)]

@@ -1208,8 +1208,8 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
     if table:
         lines += [f"Source: {table['source']}.", "",
                   "| operation | rows | block m x n x k | warps | stages | kernel ms | kernel ms, half live | "
-                  "gathered torch ms | kernel / torch | tiles timed |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "gathered torch ms | kernel / torch | tiles timed | timed as |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for op, entries in table["tiles"].items():
             for e in entries:
                 lo, hi = e["rows"]
@@ -1217,7 +1217,7 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
                              f"{e['block_k']} | {e['num_warps']} | {e['num_stages']} | {_f(e.get('kernel_ms'), '.4f')} | "
                              f"{_f(e.get('kernel_half_ms'), '.4f')} | "
                              f"{_f(e.get('torch_ms'), '.4f')} | {_f(e.get('ratio_vs_torch'), '.3f')} | "
-                             f"{e.get('tried', '?')} |")
+                             f"{e.get('tried', '?')} | {e.get('timed', 'eager')} |")
         lines += ["", f"Served in the gathered cuBLAS form (`TileTable.gathers`: torch faster than the tile at the full "
                       f"and the half count, at or below the ridge): {gathered_summary(table)}.", ""]
         read = table.get("prefill_read")

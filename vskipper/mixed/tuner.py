@@ -6,10 +6,12 @@ with a random row map, times every candidate tile that fits the device's shared 
 cuBLAS form on the same slots (`vskipper.mixed.gathered`: gather, matmul(s), SiLU-and-multiply; for down, the
 matmul and the weighted, masked index_add; for Q, the gather, the matmul and the mask; for o_proj, the matmul and
 the masked index_add). The best candidate goes in the table with its time ratio to torch, and its time with half
-the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. Before them,
-the packed prefill read (`tune_prefill_read`, its budget share `READ_WEIGHT` shapes'): each launch of
-`READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, beside the causal read of every row; the
-fastest goes in the table's `prefill_read`.
+the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. A decode
+range's shapes are timed as replays of a CUDA graph (their kernels take tens of microseconds, the host's launches
+as long), the prefill range's eagerly, as each is served. Before them, the packed prefill read
+(`tune_prefill_read`, its budget share `READ_WEIGHT` shapes'): each launch of `READ_CANDIDATES` over the RUN
+half of one prompt of 2,048 tokens, beside the causal read of every row; the fastest goes in the table's
+`prefill_read`.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny
 widths, fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table, whose times
@@ -104,11 +106,16 @@ def candidate_tiles(op: str, rows: int, shared_mem_per_block: int, dtype_bytes: 
     return fits + out
 
 
-def time_call(fn: Callable[[], object], interpret: bool, reps: int = 20) -> float:
-    """Median milliseconds per call: triton's do_bench on a GPU, wall clock under the interpreter."""
+def time_call(fn: Callable[[], object], interpret: bool, reps: int = 20, graph: bool = False) -> float:
+    """Milliseconds per call: on a GPU triton's do_bench, or with `graph` the replay of a CUDA graph holding the
+    calls (do_bench_cudagraph), as a decode pass replays its kernels: no launch overhead on either side, where a
+    decode shape's kernels (tens of microseconds) would otherwise time the host's launches. Wall clock under the
+    interpreter."""
     if not interpret:
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
+        if graph:  # replays vary little: a fifth of do_bench's time, which also bounds the graph's unrolled calls
+            return float(do_bench_cudagraph(fn, rep=reps))
         return float(do_bench(fn, warmup=10, rep=reps * 5))
     t0 = time.perf_counter()
     fn()
@@ -288,7 +295,13 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
             clock.start_shape()
             rows = representative_rows(lo, hi, interpret)
             reference, kernel, half = shape_calls(op, rows, w1, w2, g, device, tdtype)
-            torch_ms = time_call(reference, interpret)
+            graph = hi is not None and not interpret  # a decode range: replayed from CUDA graphs when served
+            try:
+                torch_ms = time_call(reference, interpret, graph=graph)
+            except Exception as exc:  # capture refused here: every time of this shape is taken eagerly
+                log(f"  {op} rows {lo}..{hi}: timed eagerly, the CUDA graph failed: {type(exc).__name__}: {exc}")
+                graph = False
+                torch_ms = time_call(reference, interpret)
             best: tuple[float, Tile] | None = None
             seeds = seed_tiles(op, hi, rows, current)
             tried = 0
@@ -296,7 +309,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
                 if clock.spent(tried):
                     break
                 try:
-                    ms = time_call(lambda tile=tile, kernel=kernel: kernel(tile), interpret)
+                    ms = time_call(lambda tile=tile, kernel=kernel: kernel(tile), interpret, graph=graph)
                 except Exception as exc:  # a candidate the compiler rejects (e.g. out of registers) is skipped
                     log(f"  {op} rows {lo}..{hi}: skip {tile}: {type(exc).__name__}")
                     continue
@@ -306,14 +319,15 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
             if best is None:
                 raise TunerError(f"{op} rows {lo}..{hi}: no candidate tile ran")
             ms, tile = best
-            half_ms = time_call(lambda tile=tile, kernel=kernel, half=half: kernel(tile, half), interpret)
+            half_ms = time_call(lambda tile=tile, kernel=kernel, half=half: kernel(tile, half), interpret, graph=graph)
             ratio = ms / torch_ms
             log(f"{op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} best {tile} "
                 f"{ms:.4f} ms (half live {half_ms:.4f}) vs torch {torch_ms:.4f} ms ({ratio:.2f}x; "
-                f"{tried} tiles timed)")
+                f"{tried} tiles timed{' in CUDA graphs' if graph else ''})")
             entries.append({"rows": [lo, hi], **asdict(tile), "ratio_vs_torch": round(ratio, 3),
                             "kernel_ms": round(ms, 5), "kernel_half_ms": round(half_ms, 5),
-                            "torch_ms": round(torch_ms, 5), "tried": tried})
+                            "torch_ms": round(torch_ms, 5), "tried": tried,
+                            "timed": "cuda graph" if graph else ("interpreter" if interpret else "eager")})
         tiles[op] = entries
     data = {"device": device_name, "dtype": dtype,
             "source": ("interpreter smoke run (not a measurement)" if interpret else
