@@ -74,18 +74,22 @@ def test_the_tuners_clock_shares_what_is_left_of_its_budget_and_never_stops_a_sh
     unbounded.start_shape()
     now[0] = 1e9
     assert not unbounded.spent(24)
-    now[0] = 0.0  # the packed read, tuned first, weighs READ_WEIGHT shapes: 6 of 42 s beside 36 GEMM shapes
-    weighted = tuner.Clock(42.0, 36 + tuner.READ_WEIGHT)
-    weighted.start_shape(tuner.READ_WEIGHT)
-    now[0] = 5.9
-    assert not weighted.spent(3)
-    now[0] = 6.1
-    assert weighted.spent(3)
-    weighted.start_shape()  # then 35.9 s over 36 shapes
-    now[0] = 7.05
-    assert not weighted.spent(1)
-    now[0] = 7.2
-    assert weighted.spent(1)
+    now[0] = 0.0  # the packed read, timed last, has its share (6 of 42 s beside 36 GEMM shapes) set aside
+    reserving = tuner.Clock(42.0, 36, tuner.READ_WEIGHT)
+    reserving.start_shape()  # 36 s free over 36 shapes
+    now[0] = 0.9
+    assert not reserving.spent(1)
+    now[0] = 1.1
+    assert reserving.spent(1)
+    now[0] = 40.0  # the GEMM shapes ran slow: each later one gets what is free, none of the reserve
+    reserving.start_shape()
+    now[0] = 40.01
+    assert reserving.spent(1) and not reserving.spent(0)
+    reserving.start_reserved()  # the read: everything left, until the budget's end
+    now[0] = 41.9
+    assert not reserving.spent(3)
+    now[0] = 42.1
+    assert reserving.spent(3)
 
 
 def test_a_decode_shape_is_timed_as_cuda_graph_replays_and_a_prefill_shape_eagerly(monkeypatch):

@@ -55,7 +55,8 @@ def gathered_gate_up(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w_
 
 def gathered_down(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
                   w_down: torch.Tensor, y: torch.Tensor) -> None:
-    values = (a @ w_down.t()) * weights.index_select(0, idx).view(-1, 1).to(a.dtype)
+    # scaled in fp32, as the kernel's epilogue scales its fp32 accumulator (one rounding to y's dtype after)
+    values = (a @ w_down.t()).float() * weights.index_select(0, idx).view(-1, 1).float()
     y.index_add_(0, idx, _masked(live_slots(idx, count), values).to(y.dtype))
 
 

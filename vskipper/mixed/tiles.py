@@ -13,8 +13,8 @@ sized for C rows, so C picks the tile, never the device-side count):
 timed by the tuner on one prompt of a prefill range's rows with half of them RUN.
 
 An entry's timings (`kernel_ms`, `torch_ms`, and `kernel_half_ms` in tables tuned since the half-count timing:
-its tile with half the range's rows live) are kept (`Timing`): where the torch form beat the tile even at half
-the count and the pass is memory-bound (its rows at or below the device's ridge, `vskipper.roofline`), that
+its tile with half the range's rows live) are kept (`Timing`): where the torch form beat the tile at the full and
+at half the count (a table without the half-count timing never gathers) and the pass is memory-bound (its rows at or below the device's ridge, `vskipper.roofline`), that
 operation serves in the gathered cuBLAS form (`TileTable.gathers`, `vskipper.mixed.gathered`) instead of the tile.
 
 `rows` ranges must cover 1.. without gaps (the last one open: [513, null]). The six operations are the gate-up
@@ -92,9 +92,10 @@ class Timing:
 
     @property
     def torch_wins(self) -> bool:
-        """The torch form is faster than the tile at the full count, and at half of it where that was timed."""
-        kernel = self.kernel_ms if self.kernel_half_ms is None else min(self.kernel_ms, self.kernel_half_ms)
-        return self.torch_ms < kernel
+        """The torch form is faster than the tile at the full count and at half of it. A table tuned before the
+        half-count timing never says so: its torch side was another reference (no mask), timed eagerly, where a
+        decode shape's times mostly measure the host's launches."""
+        return self.kernel_half_ms is not None and self.torch_ms < min(self.kernel_ms, self.kernel_half_ms)
 
 
 TIMING_FIELDS = ("kernel_ms", "torch_ms", "kernel_half_ms")

@@ -8,8 +8,8 @@ matmul and the weighted, masked index_add; for Q, the gather, the matmul and the
 the masked index_add). The best candidate goes in the table with its time ratio to torch, and its time with half
 the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. A decode
 range's shapes are timed as replays of a CUDA graph (their kernels take tens of microseconds, the host's launches
-as long), the prefill range's eagerly, as each is served. Before them, the packed prefill read
-(`tune_prefill_read`, its budget share `READ_WEIGHT` shapes'): each launch of `READ_CANDIDATES` over the RUN
+as long), the prefill range's eagerly, as each is served. After them, the packed prefill read
+(`tune_prefill_read`, in a share of `READ_WEIGHT` shapes set aside from the start): each launch of `READ_CANDIDATES` over the RUN
 half of one prompt of 2,048 tokens, beside the causal read of every row; the fastest goes in the table's
 `prefill_read`.
 
@@ -104,6 +104,11 @@ def candidate_tiles(op: str, rows: int, shared_mem_per_block: int, dtype_bytes: 
         step = max(1, len(out) // max(1, room))
         out = out[::step][:room]
     return fits + out
+
+
+def _ms(value: float) -> float:
+    """A time as the table keeps it: five significant digits (never rounded to zero, which a table refuses)."""
+    return float(f"{value:.5g}")
 
 
 def time_call(fn: Callable[[], object], interpret: bool, reps: int = 20, graph: bool = False) -> float:
@@ -208,20 +213,29 @@ READ_WEIGHT = 6
 
 class Clock:
     """The tuner's time budget (None: unbounded), shared by the shapes still to tune in proportion to their
-    weights (a GEMM shape 1, the packed read `READ_WEIGHT`): a shape stops trying candidates once its share is
-    spent (after its first), so the tuner ends about when its budget does, its later shapes timed on fewer
-    candidates (the seeds come first) when compiles and timings run slower than planned."""
+    weights (a GEMM shape 1): a shape stops trying candidates once its share is spent (after its first), so the
+    tuner ends about when its budget does, its later shapes timed on fewer candidates (the seeds come first) when
+    compiles and timings run slower than planned. `reserved` weighs a shape timed last (the packed read,
+    `READ_WEIGHT`): its share of the whole budget is set aside from the start, so the shapes before it cannot
+    spend it however slowly they run."""
 
-    def __init__(self, budget_s: float | None, shapes: float) -> None:
+    def __init__(self, budget_s: float | None, shapes: float, reserved: float = 0) -> None:
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
         self.left = shapes
+        self.reserve_s = 0.0 if budget_s is None else budget_s * reserved / max(1e-9, shapes + reserved)
         self.shape_deadline: float | None = None
 
     def start_shape(self, weight: float = 1) -> None:
         if self.deadline is not None:
             now = time.monotonic()
-            self.shape_deadline = now + max(0.0, self.deadline - now) * min(1.0, weight / max(weight, self.left))
+            free = max(0.0, self.deadline - self.reserve_s - now)
+            self.shape_deadline = now + free * min(1.0, weight / max(weight, self.left))
         self.left -= weight
+
+    def start_reserved(self) -> None:
+        """The reserved shape: whatever is left of the budget, its set-aside share included."""
+        self.reserve_s, self.left = 0.0, 0
+        self.shape_deadline = self.deadline
 
     def spent(self, tried: int) -> bool:
         return tried > 0 and self.shape_deadline is not None and time.monotonic() > self.shape_deadline
@@ -231,8 +245,8 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
                       log: Callable[[str], None] = print, clock: Clock | None = None) -> dict:
     """The packed prefill read's best launch (`READ_CANDIDATES`) on one prompt of a prefill range's rows, beside
     the default's time and the causal read of every row; the table's `prefill_read` entry."""
-    clock = clock or Clock(None, READ_WEIGHT)
-    clock.start_shape(READ_WEIGHT)
+    clock = clock or Clock(None, 0)
+    clock.start_reserved()
     device = torch.device("cpu" if interpret else "cuda")
     tokens = INTERPRETED_READ_TOKENS if interpret else PREFILL_ROWS
     tdtype = torch.float32 if interpret else getattr(torch, dtype)
@@ -254,8 +268,8 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
     log(f"prefill_read  {tokens} tokens, {READ_RUN_SHARE:.0%} RUN, heads {heads}/{kv_heads} x {head_dim}: best {tile} "
         f"{ms:.4f} ms (default {'did not run' if default is None else f'{default:.4f} ms'}) vs every row's causal "
         f"read {causal_ms:.4f} ms ({ms / causal_ms:.2f}x; the RUN rows' share of the pairs {pairs:.2f})")
-    return {**asdict(tile), "kernel_ms": round(ms, 5), "default_ms": None if default is None else round(default, 5),
-            "causal_all_rows_ms": round(causal_ms, 5), "pairs_share": round(pairs, 4), "tokens": tokens,
+    return {**asdict(tile), "kernel_ms": _ms(ms), "default_ms": None if default is None else _ms(default),
+            "causal_all_rows_ms": _ms(causal_ms), "pairs_share": round(pairs, 4), "tokens": tokens,
             "run_share": READ_RUN_SHARE, "tried": len(timed)}
 
 
@@ -278,13 +292,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
     tdtype = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     current = current_table(device_name, shared_mem_per_block, dtype)
-    clock = Clock(budget_s, len(OPERATIONS) * len(COUNT_RANGES) + (READ_WEIGHT if read_heads is not None else 0))
-    read = None
-    if read_heads is not None:  # first: the shapes before it would spend its share when they run slow
-        try:
-            read = tune_prefill_read(*read_heads, dtype=dtype, interpret=interpret, log=log, clock=clock)
-        except Exception as exc:  # optional: the GEMMs' measurements stand, the read keeps its default launch
-            log(f"prefill_read: not tuned ({type(exc).__name__}: {exc}); the table keeps no `{READ_FIELD}`")
+    clock = Clock(budget_s, len(OPERATIONS) * len(COUNT_RANGES), READ_WEIGHT if read_heads is not None else 0)
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:
         k_dim, n_dim = op_dims(op, hidden, intermediate, proj_width, q_width)
@@ -325,8 +333,8 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
                 f"{ms:.4f} ms (half live {half_ms:.4f}) vs torch {torch_ms:.4f} ms ({ratio:.2f}x; "
                 f"{tried} tiles timed{' in CUDA graphs' if graph else ''})")
             entries.append({"rows": [lo, hi], **asdict(tile), "ratio_vs_torch": round(ratio, 3),
-                            "kernel_ms": round(ms, 5), "kernel_half_ms": round(half_ms, 5),
-                            "torch_ms": round(torch_ms, 5), "tried": tried,
+                            "kernel_ms": _ms(ms), "kernel_half_ms": _ms(half_ms), "torch_ms": _ms(torch_ms),
+                            "tried": tried,
                             "timed": "cuda graph" if graph else ("interpreter" if interpret else "eager")})
         tiles[op] = entries
     data = {"device": device_name, "dtype": dtype,
@@ -334,7 +342,10 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
                        f"vskipper tune-tiles: hidden {hidden}, intermediate {intermediate}, projector {proj_width}, "
                        f"q {q_width or hidden}"),
             "tiles": tiles}
-    if read is not None:
-        data[READ_FIELD] = read
+    if read_heads is not None:  # last, in the share set aside for it: a launch that broke the device loses no GEMM
+        try:
+            data[READ_FIELD] = tune_prefill_read(*read_heads, dtype=dtype, interpret=interpret, log=log, clock=clock)
+        except Exception as exc:  # optional: the GEMMs' measurements stand, the read keeps its default launch
+            log(f"prefill_read: not tuned ({type(exc).__name__}: {exc}); the table keeps no `{READ_FIELD}`")
     parse_tile_table(data, shared_mem_per_block, where="tuned table")  # what we write must load
     return data
