@@ -14,8 +14,9 @@ timed by the tuner on one prompt of a prefill range's rows with half of them RUN
 
 An entry's timings (`kernel_ms`, `torch_ms`, and `kernel_half_ms` in tables tuned since the half-count timing:
 its tile with half the range's rows live) are kept (`Timing`): where the torch form beat the tile at the full and
-at half the count (a table without the half-count timing never gathers) and the pass is memory-bound (its rows at or below the device's ridge, `vskipper.roofline`), that
-operation serves in the gathered cuBLAS form (`TileTable.gathers`, `vskipper.mixed.gathered`) instead of the tile.
+at half the count (a table without the half-count timing never gathers) and the pass is memory-bound (its rows at
+or below the device's ridge, `vskipper.roofline`), that operation serves in the gathered cuBLAS form
+(`TileTable.gathers`, `vskipper.mixed.gathered`) instead of the tile.
 
 `rows` ranges must cover 1.. without gaps (the last one open: [513, null]). The six operations are the gate-up
 (two operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the
