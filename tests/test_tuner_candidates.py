@@ -1,7 +1,8 @@
-"""The tuner's candidate tiles: the shipped table's tile and, for a prefill range, large GEMM tiles are tried
-before the sample, within the candidate limit and the device's shared memory."""
+"""The tuner's candidate tiles, clock and timings: the shipped table's tile and, for a prefill range, large GEMM
+tiles are tried before the sample, within the candidate limit and the device's shared memory; the budget is
+shared out; decode shapes are timed as CUDA graph replays."""
 
-from vskipper.mixed.tiles import COUNT_RANGES, Tile, tile_table_for
+from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, Tile, parse_tile_table, tile_table_for
 from vskipper.mixed.tuner import (
     PREFILL_SEED_TILES,
     candidate_tiles,
@@ -106,3 +107,43 @@ def test_a_decode_shape_is_timed_as_cuda_graph_replays_and_a_prefill_shape_eager
     assert tuner.time_call(lambda: None, interpret=False, graph=True) == 0.5
     assert tuner.time_call(lambda: None, interpret=False) == 0.7
     assert asked == [("graph", 20), ("eager", 100)]
+
+
+def test_a_shape_whose_gathered_form_cannot_be_captured_is_timed_eagerly_and_never_gathers(monkeypatch):
+    """`time_shape`: a decode shape is timed in CUDA graphs, tile and torch side alike; where the gathered form's
+    capture fails, the whole shape is timed eagerly and its entry keeps no half-count time, so the table never
+    serves that form there (a decode pass would capture it). (No GPU here: the timer is stood in for, the
+    kernels and the forms are the tuner's own callables.)"""
+    from vskipper.mixed import tuner
+
+    def reference():
+        return None
+
+    def kernel(tile, count=None):
+        return None
+
+    asked = []
+
+    def fake_time(fn, interpret, reps=20, graph=False):
+        asked.append(graph)
+        if graph and fn is reference and refuse:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 0.05 if fn is reference else 0.1
+
+    monkeypatch.setattr(tuner, "time_call", fake_time)
+    candidates = [Tile(16, 32, 64, 4, 2), Tile(32, 64, 64, 4, 3)]
+    rows = {}
+    for refuse in (False, True):
+        asked.clear()
+        entry = tuner.time_shape("mlp_down rows 65..128", reference, kernel, None, candidates,
+                                 tuner.Clock(None, 1), interpret=False, graph=True, log=lambda line: None)
+        assert entry.pop("line").startswith("best Tile(block_m=16")
+        rows[refuse] = entry
+        # the reference, each candidate, then the best tile at half the count
+        assert asked == ([True] * 4 if not refuse else [True, False, False, False, False])
+    assert rows[False]["timed"] == "cuda graph" and rows[False]["kernel_half_ms"] == 0.1
+    assert rows[True]["timed"] == "eager" and "kernel_half_ms" not in rows[True]
+    for refuse, entry in rows.items():
+        data = {"device": "H200", "dtype": "bfloat16", "tiles": {
+            op: [{"rows": [lo, hi], **entry} for lo, hi in COUNT_RANGES] for op in OPERATIONS}}
+        assert parse_tile_table(data, 227 * 1024).gathers("mlp_down", 100) is not refuse

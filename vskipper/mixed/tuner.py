@@ -273,6 +273,46 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
             "run_share": READ_RUN_SHARE, "tried": len(timed)}
 
 
+def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[..., object], half: torch.Tensor,
+               candidates: list[Tile], clock: Clock, interpret: bool, graph: bool,
+               log: Callable[[str], None] = print) -> dict:
+    """One shape's table entry: the gathered form's time, the best candidate tile's (every slot live) and that
+    tile's with `half` the slots live, and what was tried; 'line' is the log's summary. With `graph`, as CUDA
+    graph replays; where the gathered form cannot be captured, every time of the shape is taken eagerly and the
+    entry keeps no half-count time, so the form never serves there (a decode pass captures it)."""
+    capturable = True
+    try:
+        torch_ms = time_call(reference, interpret, graph=graph)
+    except Exception as exc:  # capture refused: eager times, and the gathered form is ruled out
+        log(f"  {shape}: timed eagerly, the gathered form's CUDA graph failed ({type(exc).__name__}: {exc}); "
+            "it will not serve here")
+        graph = capturable = False
+        torch_ms = time_call(reference, interpret)
+    best: tuple[float, Tile] | None = None
+    tried = 0
+    for tile in candidates:
+        if clock.spent(tried):
+            break
+        try:
+            ms = time_call(lambda tile=tile: kernel(tile), interpret, graph=graph)
+        except Exception as exc:  # a candidate the compiler rejects (e.g. out of registers) is skipped
+            log(f"  {shape}: skip {tile}: {type(exc).__name__}")
+            continue
+        tried += 1
+        if best is None or ms < best[0]:
+            best = (ms, tile)
+    if best is None:
+        raise TunerError(f"{shape}: no candidate tile ran")
+    ms, tile = best
+    half_ms = time_call(lambda: kernel(tile, half), interpret, graph=graph)
+    ratio = ms / torch_ms
+    line = (f"best {tile} {ms:.4f} ms (half live {half_ms:.4f}) vs torch {torch_ms:.4f} ms ({ratio:.2f}x; "
+            f"{tried} tiles timed{' in CUDA graphs' if graph else ''})")
+    return {**asdict(tile), "ratio_vs_torch": round(ratio, 3), "kernel_ms": _ms(ms),
+            **({"kernel_half_ms": _ms(half_ms)} if capturable else {}), "torch_ms": _ms(torch_ms), "tried": tried,
+            "timed": "cuda graph" if graph else ("interpreter" if interpret else "eager"), "line": line}
+
+
 def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate: int, proj_width: int,
          dtype: str = "bfloat16", interpret: bool = False, max_candidates: int | None = None,
          log: Callable[[str], None] = print, q_width: int | None = None,
@@ -303,39 +343,12 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
             clock.start_shape()
             rows = representative_rows(lo, hi, interpret)
             reference, kernel, half = shape_calls(op, rows, w1, w2, g, device, tdtype)
-            graph = hi is not None and not interpret  # a decode range: replayed from CUDA graphs when served
-            try:
-                torch_ms = time_call(reference, interpret, graph=graph)
-            except Exception as exc:  # capture refused here: every time of this shape is taken eagerly
-                log(f"  {op} rows {lo}..{hi}: timed eagerly, the CUDA graph failed: {type(exc).__name__}: {exc}")
-                graph = False
-                torch_ms = time_call(reference, interpret)
-            best: tuple[float, Tile] | None = None
-            seeds = seed_tiles(op, hi, rows, current)
-            tried = 0
-            for tile in candidate_tiles(op, rows, shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates, seeds):
-                if clock.spent(tried):
-                    break
-                try:
-                    ms = time_call(lambda tile=tile, kernel=kernel: kernel(tile), interpret, graph=graph)
-                except Exception as exc:  # a candidate the compiler rejects (e.g. out of registers) is skipped
-                    log(f"  {op} rows {lo}..{hi}: skip {tile}: {type(exc).__name__}")
-                    continue
-                tried += 1
-                if best is None or ms < best[0]:
-                    best = (ms, tile)
-            if best is None:
-                raise TunerError(f"{op} rows {lo}..{hi}: no candidate tile ran")
-            ms, tile = best
-            half_ms = time_call(lambda tile=tile, kernel=kernel, half=half: kernel(tile, half), interpret, graph=graph)
-            ratio = ms / torch_ms
-            log(f"{op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} best {tile} "
-                f"{ms:.4f} ms (half live {half_ms:.4f}) vs torch {torch_ms:.4f} ms ({ratio:.2f}x; "
-                f"{tried} tiles timed{' in CUDA graphs' if graph else ''})")
-            entries.append({"rows": [lo, hi], **asdict(tile), "ratio_vs_torch": round(ratio, 3),
-                            "kernel_ms": _ms(ms), "kernel_half_ms": _ms(half_ms), "torch_ms": _ms(torch_ms),
-                            "tried": tried,
-                            "timed": "cuda graph" if graph else ("interpreter" if interpret else "eager")})
+            candidates = candidate_tiles(op, rows, shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates,
+                                         seed_tiles(op, hi, rows, current))
+            entry = time_shape(f"{op} rows {lo}..{hi}", reference, kernel, half, candidates, clock, interpret,
+                               graph=hi is not None and not interpret, log=log)  # decode: served from graphs
+            log(f"{op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} {entry.pop('line')}")
+            entries.append({"rows": [lo, hi], **entry})
         tiles[op] = entries
     data = {"device": device_name, "dtype": dtype,
             "source": ("interpreter smoke run (not a measurement)" if interpret else
