@@ -1,5 +1,5 @@
-"""Shared set-ups for the mixed-depth tests: paged caches with shuffled pages, prompts, decode batches, and a
-skipper that replays a given tape."""
+"""Shared set-ups for the mixed-depth tests: paged caches with shuffled pages, prompts, decode batches, a skipper
+that replays a given tape, and a tile table that serves chosen operations in the gathered form."""
 
 from __future__ import annotations
 
@@ -11,7 +11,19 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vskipper.mixed.bench_stack import BenchStack, ForwardBatch
+from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, TileTable, parse_tile_table
 from vskipper.skippers.base import LayerRoute, Skipper
+
+INTERPRETER_ENTRY = {"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 1}
+
+
+def gathering_table(gathered: set[str] | frozenset[str] = frozenset(OPERATIONS), device: str = "H200") -> TileTable:
+    """A tile table with the interpreter's small tile everywhere, timed so that the gathered cuBLAS form won (at
+    the full and the half count) for the operations in `gathered` and lost for the others: with a catalogued
+    `device`, those operations serve gathered at every capacity up to its ridge rows."""
+    tiles = {op: [{"rows": [lo, hi], **INTERPRETER_ENTRY, "kernel_ms": 1.0, "kernel_half_ms": 0.8,
+                   "torch_ms": 0.5 if op in gathered else 2.0} for lo, hi in COUNT_RANGES] for op in OPERATIONS}
+    return parse_tile_table({"device": device, "dtype": "float32", "source": "test", "tiles": tiles}, 227 * 1024)
 
 
 class TapeSkipper(Skipper):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from mixed_world import HostReadDetector, World
+from mixed_world import HostReadDetector, World, gathering_table
 
 from vskipper.mixed import kernels
 from vskipper.mixed.backend import cohort_ffn_torch
@@ -14,21 +14,10 @@ from vskipper.mixed.bench_stack import BenchStack
 from vskipper.mixed.cohorts import build_cohorts
 from vskipper.mixed.gathered import gathered_down, gathered_gate_up, gathered_gemm, gathered_scatter_add
 from vskipper.mixed.kernels import cohort_ffn_triton, cohort_gemm, cohort_scatter_add
-from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, parse_tile_table
+from vskipper.mixed.tiles import OPERATIONS
 from vskipper.skippers.trained_gate import FlexiDepthGate
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "the kernel tests need TRITON_INTERPRET=1 (see conftest.py)"
-
-SMALL = {"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 1}
-
-
-def table(gathered: set[str], device: str = "H200"):
-    """A table with the interpreter's small tile everywhere, timed so that the torch form won (at the full and
-    the half count) for the operations in `gathered` and lost for the others."""
-    tiles = {op: [{"rows": [lo, hi], **SMALL, "kernel_ms": 1.0, "kernel_half_ms": 0.8,
-                   "torch_ms": 0.5 if op in gathered else 2.0} for lo, hi in COUNT_RANGES] for op in OPERATIONS}
-    return parse_tile_table({"device": device, "dtype": "float32", "source": "test", "tiles": tiles}, 227 * 1024)
-
 
 def _map(capacity: int, count: int, g: torch.Generator) -> torch.Tensor:
     """A cohort map as `build_cohorts` writes it: `count` distinct rows, then row 0 in every slot past them."""
@@ -97,20 +86,21 @@ def test_a_table_that_prefers_torch_runs_the_gathered_forms_and_refuses_a_store_
     cohort_ffn_torch(x, c.run_idx, c.n_run, w, wg, wu, wd, expected)
 
     y = torch.zeros(capacity, d)
-    cohort_ffn_triton(x, c.run_idx, c.n_run, w, wg, wu, wd, y, tiles=table({"mlp_down"}))
+    cohort_ffn_triton(x, c.run_idx, c.n_run, w, wg, wu, wd, y, tiles=gathering_table({"mlp_down"}))
     assert calls == ["gathered_down"]  # the gate-up kept its tile
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="mlp_down serves in the gathered form here"):
-        cohort_ffn_triton(x, c.run_idx, c.n_run, w, wg, wu, wd, y, tiles=table({"mlp_down"}), accumulate=False)
+        cohort_ffn_triton(x, c.run_idx, c.n_run, w, wg, wu, wd, y, tiles=gathering_table({"mlp_down"}),
+                          accumulate=False)
 
     calls.clear()
-    every = table(set(OPERATIONS))
+    every = gathering_table(set(OPERATIONS))
     q = cohort_gemm(x, c.run_idx, c.n_run, wg, tile=every)
     h = torch.zeros(capacity, d)
     cohort_scatter_add(q, c.run_idx, c.n_run, wd, h, tile=every)
     assert calls == ["gathered_gemm", "gathered_scatter_add"]
     calls.clear()
-    cohort_gemm(x, c.run_idx, c.n_run, wg, tile=table(set(OPERATIONS), device="Some Future GPU"))
+    cohort_gemm(x, c.run_idx, c.n_run, wg, tile=gathering_table(set(OPERATIONS), device="Some Future GPU"))
     assert calls == []  # no ridge to hold the capacity against: the tile
 
 
@@ -123,7 +113,7 @@ def test_a_routed_decode_step_with_every_gemm_gathered_equals_the_tiled_one_and_
     real = kernels.gathered_down
     monkeypatch.setattr(kernels, "gathered_down", lambda *a, **k: calls.append("down") or real(*a, **k))
     outs = {}
-    for name, tiles in (("tiled", table(set())), ("gathered", table(set(OPERATIONS)))):
+    for name, tiles in (("tiled", gathering_table(set())), ("gathered", gathering_table(set(OPERATIONS)))):
         model = BenchStack.from_pretrained(tiny_flexidepth, capacity=8, backend="triton", tiles=tiles)
         world = World(model, 4, seed=9)
         model(*world.prefill_batch({0: 2, 1: 3, 2: 1, 3: 2}), world.kv)

@@ -14,7 +14,7 @@ from sglang_layer_world import ARCHS, LayerWorld
 
 from vskipper.mixed import kernels
 from vskipper.mixed import routed_layer as body
-from vskipper.mixed.tiles import ReadTile, tile_table_for
+from vskipper.mixed.tiles import OPERATIONS, ReadTile, tile_table_for
 from vskipper.sglang.models import routed as served
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "the triton execution tests need TRITON_INTERPRET=1 (conftest.py)"
@@ -188,6 +188,34 @@ def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world
     torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
 
 
+GATHERED_FORMS = ("gathered_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add")
+
+
+@pytest.mark.parametrize(("extend", "run"), [({0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False]),
+                                             (PREFILL_EXTEND, PREFILL_RUNS[0])], ids=["decode", "prefill"])
+def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution(world, extend, run, monkeypatch):
+    """The served layer's GEMMs in the gathered cuBLAS form, as a table that measured cuBLAS faster on a catalogued
+    GPU serves them: SGLang's own weight views (qkv_proj's Q rows, gate_up_proj's halves, o_proj, down_proj, the
+    adapter's) feed the four forms, the pass equals the torch execution, and the attestation lists the slot
+    counts each operation serves gathered (up to the H200's ridge, 206 rows)."""
+    from mixed_world import gathering_table
+
+    calls = []
+    for name in GATHERED_FORMS:
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    x = world.hidden(len(run))
+    run_t, w = world.route(run)
+    execution = served.CohortExecution("triton", gathering_table(), prefill_read="packed")
+    y_gathered, kv_gathered = _pass(world, extend, x, run_t, w, execution)
+    assert set(calls) == set(GATHERED_FORMS)
+    y_torch, kv_torch = _pass(world, extend, x, run_t, w, served.TORCH_EXECUTION)
+    torch.testing.assert_close(y_gathered, y_torch, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_gathered, kv_torch, rtol=1e-4, atol=1e-4)
+    ranges = [[1, 16], [17, 32], [33, 64], [65, 128], [129, 206]]
+    assert execution.attestation()["gathered"] == {op: ranges for op in OPERATIONS}
+
+
 @pytest.mark.parametrize("prefill_read", ["packed", "backend"])
 @pytest.mark.parametrize("run", PREFILL_RUNS[:1] + PREFILL_RUNS[3:])
 def test_project_only_tokens_of_a_triton_prefill_compute_only_their_kv_and_the_adapter(world, run, prefill_read,
@@ -213,7 +241,7 @@ def test_project_only_tokens_of_a_triton_prefill_compute_only_their_kv_and_the_a
 WAIT_PASSES = [("prefill", PREFILL_EXTEND, [7, 7, 7, 9, 9]), ("decode", {0: 1, 1: 1, 2: 1, 3: 1}, [3, 5, 7, 9])]
 
 
-@pytest.mark.parametrize("execution", ["triton", "torch"])
+@pytest.mark.parametrize("execution", ["triton", "gathered", "torch"])
 @pytest.mark.parametrize(("phase", "extend", "keys"), WAIT_PASSES, ids=[p[0] for p in WAIT_PASSES])
 def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device_value(world, execution, phase,
                                                                                        extend, keys):
@@ -221,8 +249,9 @@ def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device
     records it, the cohorts are packed, and the layer runs, with no operator that would make the host wait for
     the device (a scalar read, an output shaped by device values, a tensor literal copied from the host) outside
     SGLang's attention backend, which a dense pass calls alike. The torch execution packs its cohorts with
-    `nonzero`, which the detector sees: it would see a wait in the triton execution too."""
-    from mixed_world import HostWaitDetector
+    `nonzero`, which the detector sees: it would see a wait in the triton execution too. 'gathered' is the triton
+    execution with every GEMM in the gathered cuBLAS form (a table that measured cuBLAS faster)."""
+    from mixed_world import HostWaitDetector, gathering_table
 
     from vskipper.mixed.cohorts import CohortBuilder
     from vskipper.mixed.tape import RouteTape
@@ -239,7 +268,9 @@ def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device
     keys = torch.tensor(keys)
     step = Step(phase, True, skipper, None, RouteTape(rows, (lid,)), CohortBuilder(rows), None, rows, keys=keys)
     world.slot.step, world.slot.plan = step, plan_pass(fb, rows)
-    world.slot.execution = served.cohort_execution([world.layer], torch.device("cpu"), execution)
+    world.slot.execution = (served.CohortExecution("triton", gathering_table(), prefill_read="packed")
+                            if execution == "gathered" else
+                            served.cohort_execution([world.layer], torch.device("cpu"), execution))
     detector = HostWaitDetector()
     for name in ("forward_extend", "forward_decode"):
         setattr(world.backend, name, detector.exempt(getattr(world.backend, name)))
@@ -255,7 +286,7 @@ def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device
         world.restore(kv0, lengths0)
     run = step.tape.run[0, :rows]
     assert run.any() and (~run).any(), "the route should hold both cohorts"
-    if execution == "triton":
+    if execution != "torch":
         assert detector.waits == []
     else:
         assert "aten.nonzero.default" in detector.waits

@@ -172,8 +172,9 @@ def timed(data: dict, op: str, n: int, kernel: float, torch_ms: float, half: flo
 
 def test_an_operation_serves_gathered_where_torch_beat_its_tile_at_full_and_half_count_below_the_ridge():
     """`TileTable.gathers`: the measured torch form replaces the tile only where it was faster at the full count
-    and at half of it (a table without the half-count timing keeps its tiles), and only while the capacity is at or below the device's ridge rows (H200:
-    989 TFLOP/s over 4.8 TB/s, 206 rows); a table without timings never gathers."""
+    and at half of it (a table without the half-count timing keeps its tiles), and only while the capacity is at
+    or below the device's ridge rows (H200: 989 TFLOP/s over 4.8 TB/s, 206 rows); a table without timings never
+    gathers."""
     data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, device="H200")
     assert not parse_tile_table(data, 227 * 1024).gathers("mlp_down", 100)  # no timings: the tiles serve
     timed(data, "mlp_down", 3, kernel=0.12, torch_ms=0.06, half=0.1)  # 65-128: torch faster at both counts
