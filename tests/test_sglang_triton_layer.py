@@ -314,6 +314,17 @@ def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_w
         "block_rows": 128, "block_n": 32, "num_warps": 8, "num_stages": 3, "measured": True}
     # On CUDA prefill reads through SGLang's attention backend, whichever execution decodes.
     assert served.cohort_execution([world.layer], torch.device("cuda"), "torch").prefill_read == "backend"
+    # The triton execution on CUDA reads packed, unless the device's table measured that slower than every row's
+    # causal read (the H200's), and says so. (No GPU here: the device's table is handed in.)
+    for product, read in (("NVIDIA H200", "backend"), ("NVIDIA H100 80GB HBM3", "packed")):
+        monkeypatch.setattr(kernels, "device_tile_table", lambda device, path=None, p=product: tile_table_for(p))
+        on_gpu = served.cohort_execution([world.layer], torch.device("cuda"), "triton")
+        assert (on_gpu.decode, on_gpu.prefill_read) == ("triton", read)
+        assert ("prefill_read_why" in on_gpu.attestation()) == (read == "backend")
+    assert on_gpu.attestation().get("prefill_read_why") is None
+    monkeypatch.setattr(kernels, "device_tile_table", lambda device, path=None: tile_table_for("NVIDIA H200"))
+    assert served.cohort_execution([world.layer], torch.device("cuda"), "triton").attestation()[
+        "prefill_read_why"].startswith("the table measured the packed read of half a prompt's rows at 0.13791 ms")
     monkeypatch.setattr(world.layer.mlp.down_proj, "tp_size", 2, raising=False)
     split = served.cohort_execution([world.layer], cpu, "triton")
     assert split.decode == "torch"

@@ -10,7 +10,9 @@ sized for C rows, so C picks the tile, never the device-side count):
    "prefill_read": {"block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "kernel_ms": ...}}
 
 `prefill_read` (optional: a table without it reads with `DEFAULT_READ_TILE`) is the packed prefill read's launch,
-timed by the tuner on one prompt of a prefill range's rows with half of them RUN.
+timed by the tuner on one prompt of a prefill range's rows with half of them RUN, beside every row's causal read:
+where the packed read of half the rows took at least as long (`ReadTiming`), the triton execution prefills through
+the host's attention backend instead (`TileTable.prefill_read`).
 
 An entry's timings (`kernel_ms`, `torch_ms`, and `kernel_half_ms` in tables tuned since the half-count timing:
 its tile with half the range's rows live) are kept (`Timing`): where the torch form beat the tile at the full and
@@ -102,6 +104,21 @@ class Timing:
 TIMING_FIELDS = ("kernel_ms", "torch_ms", "kernel_half_ms")
 
 
+@dataclass(frozen=True)
+class ReadTiming:
+    """What the tuner measured for the packed prefill read: its best launch over the RUN half of one prompt
+    (`kernel_ms`) and every row's causal read of the same prompt (`causal_ms`, SDPA, as a dense layer reads)."""
+
+    kernel_ms: float
+    causal_ms: float
+
+    @property
+    def packed_loses(self) -> bool:
+        """Reading half the rows packed took at least as long as reading every row causally: a prefill reads
+        faster through the host's own attention backend, Project-Only rows with a zero query."""
+        return self.kernel_ms >= self.causal_ms
+
+
 DEFAULT_READ_TILE = ReadTile(64, 64, 4, 2)  # a table without `prefill_read` (all before the read was tuned)
 READ_FIELD = "prefill_read"
 
@@ -115,6 +132,17 @@ class TileTable:
     read: ReadTile | None = None  # the packed prefill read's tile; None: not in the table (`DEFAULT_READ_TILE`)
     # per operation, aligned with `entries`: what the tuner measured at each range (None: not timed)
     timings: dict[str, list[Timing | None]] = field(default_factory=dict)
+    read_timing: ReadTiming | None = None  # the packed read against every row's causal read (None: not timed)
+
+    def prefill_read(self) -> tuple[str, str]:
+        """The prefill read the triton execution serves with on this table's device, and why: the packed read of
+        the RUN rows, unless the table measured it slower than every row's causal read (`ReadTiming`), where the
+        host's backend reads instead."""
+        t = self.read_timing
+        if t is not None and t.packed_loses:
+            return "backend", (f"the table measured the packed read of half a prompt's rows at {t.kernel_ms:g} ms, "
+                               f"every row's causal read at {t.causal_ms:g} ms")
+        return "packed", ""
 
     @property
     def read_tile(self) -> ReadTile:
@@ -171,7 +199,11 @@ class TileTable:
         return {"device": self.device, "dtype": self.dtype, "source": self.source,
                 "tiles": {op: [entry(op, n, lo, hi, t) for n, (lo, hi, t) in enumerate(rows)]
                           for op, rows in self.entries.items()},
-                **({READ_FIELD: asdict(self.read)} if self.read is not None else {})}
+                **({READ_FIELD: {**asdict(self.read), **self._read_times()}} if self.read is not None else {})}
+
+    def _read_times(self) -> dict:
+        t = self.read_timing
+        return {} if t is None else {"kernel_ms": t.kernel_ms, "causal_all_rows_ms": t.causal_ms}
 
 
 def _check_power_of_two(where: str, name: str, value: object, low: int, high: int | None = None) -> int:
@@ -256,7 +288,19 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
         timings[op] = timings_out
     entries = {op: entries[op] for op in OPERATIONS}
     read = _parse_read_tile(data[READ_FIELD], f"{where}: {READ_FIELD}") if READ_FIELD in data else None
-    return TileTable(str(data.get("device", "unknown")), dtype, entries, source, read, timings)
+    read_timing = _parse_read_timing(data[READ_FIELD], f"{where}: {READ_FIELD}") if READ_FIELD in data else None
+    return TileTable(str(data.get("device", "unknown")), dtype, entries, source, read, timings, read_timing)
+
+
+def _parse_read_timing(entry: dict, where: str) -> ReadTiming | None:
+    """The read's timings where the tuner recorded both (`kernel_ms`, `causal_all_rows_ms`), else None."""
+    times = {name: entry.get(name) for name in ("kernel_ms", "causal_all_rows_ms")}
+    for name, value in times.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise TileTableError(f"{where}: field '{name}' must be a positive number of milliseconds, got {value!r}")
+    if None in times.values():
+        return None
+    return ReadTiming(float(times["kernel_ms"]), float(times["causal_all_rows_ms"]))
 
 
 def _parse_timing(where: str, entry: dict) -> Timing | None:

@@ -9,9 +9,9 @@ the masked index_add). The best candidate goes in the table with its time ratio 
 the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. A decode
 range's shapes are timed as replays of a CUDA graph (their kernels take tens of microseconds, the host's launches
 as long), the prefill range's eagerly, as each is served. After them, the packed prefill read
-(`tune_prefill_read`, in a share of `READ_WEIGHT` shapes set aside from the start): each launch of `READ_CANDIDATES` over the RUN
-half of one prompt of 2,048 tokens, beside the causal read of every row; the fastest goes in the table's
-`prefill_read`.
+(`tune_prefill_read`, in a share of `READ_WEIGHT` shapes set aside from the start): each launch of
+`READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, beside the causal read of every row; the
+fastest goes in the table's `prefill_read`.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny
 widths, fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table, whose times

@@ -110,7 +110,8 @@ class CohortExecution:
     prefill  the same execution as decode. triton: the same count-bounded GEMMs over the pass's tokens (cohort
              sizes stay device values, cohorts packed by a device prefix sum, no all-RUN test on the host), the
              attention read over the RUN cohort's packed slots alone (`PREFILL_READS['packed']`; 'backend' reads
-             through SGLang's backend instead, Project-Only rows with a zero query: both need no host value).
+             through SGLang's backend instead, Project-Only rows with a zero query: both need no host value; the
+             backend where the device's table measured the packed read slower, `prefill_read_why` says so).
              torch: packed cohorts by `nonzero` (a host wait per layer on a GPU), its read one of
              `PREFILL_READS`: `rows` on CPU, `backend` on CUDA (the per-request SDPA with an explicit mask is far
              slower there than SGLang's extend kernel, whose wasted reads of Project-Only rows cost a few percent
@@ -121,6 +122,7 @@ class CohortExecution:
     tiles: Any = None  # a TileTable (CUDA), None: the interpreter's tile
     reason: str = ""  # why the triton execution was not taken, where it was not
     prefill_read: str = "rows"
+    prefill_read_why: str = ""  # why the triton execution reads through the backend, where the table says so
     decode_read: str = "masked"  # the torch execution's decode read (`DECODE_READS`)
 
     def __post_init__(self) -> None:
@@ -146,6 +148,7 @@ class CohortExecution:
             # the slot counts at which an operation runs in the gathered cuBLAS form instead of its tile
             read["gathered"] = self.tiles.gathered_ranges()
         return {"decode": self.decode, **read, "prefill": self.prefill, "prefill_read": self.prefill_read,
+                **({"prefill_read_why": self.prefill_read_why} if self.prefill_read_why else {}),
                 "tiles": tiles, **({"why": self.reason} if self.reason else {})}
 
 
@@ -185,17 +188,21 @@ def given_table_unused(execution: CohortExecution, tile_table: Path | None) -> s
 def cohort_execution(layers, device: torch.device, requested: str = "auto",
                      tile_table: Path | None = None) -> CohortExecution:
     """The execution for these routed layers on `device`: `auto` takes triton on CUDA where every layer allows it
-    (`triton_blocker`), torch elsewhere. The triton execution prefills with the packed read, its GEMMs and that
-    read tiled by the table at `tile_table` (measured on this device) or else the one shipped for it; the torch one reads
-    through SGLang's attention backend on CUDA and per request on CPU, and decodes with SGLang's torch-native read
-    over the RUN rows on CPU, the masked one elsewhere."""
+    (`triton_blocker`), torch elsewhere. The triton execution prefills with the packed read (through the backend
+    where the table measured the packed read slower than every row's causal read: `TileTable.prefill_read`), its
+    GEMMs and that read tiled by the table at `tile_table` (measured on this device) or else the one shipped for
+    it; the torch one reads through SGLang's attention backend on CUDA and per request on CPU, and decodes with
+    SGLang's torch-native read over the RUN rows on CPU, the masked one elsewhere."""
     if select_backend(requested, device) == "triton":
         why = next((why for why in map(triton_blocker, layers) if why is not None), None)
         if why is None:
             from vskipper.mixed.kernels import device_tile_table
 
-            return CohortExecution("triton", device_tile_table(device, tile_table) if device.type == "cuda" else None,
-                                   prefill_read="packed")
+            if device.type != "cuda":  # the interpreter (tests): the packed read
+                return CohortExecution("triton", None, prefill_read="packed")
+            table = device_tile_table(device, tile_table)
+            read, read_why = table.prefill_read()
+            return CohortExecution("triton", table, prefill_read=read, prefill_read_why=read_why)
     else:
         why = ""
     return CohortExecution("torch", reason=why, prefill_read="backend" if device.type == "cuda" else "rows",
