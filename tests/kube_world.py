@@ -62,7 +62,10 @@ RESOURCES = [
 ]
 
 
-def wait_for(predicate, timeout=20.0, what="condition"):
+def wait_for(predicate, timeout=60.0, what="condition"):
+    """Poll `predicate` until it holds (its value) or `timeout` passes. The cap is generous: on a loaded machine the
+    operator can take over 20 s to reach a change queued behind its handling of the one before (CI once saw it
+    re-handle a generation-2 diff for 20 s before the generation-3 change), and a wait that holds returns at once."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
