@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from vskipper.checkpoint import TinySize, tiny_config  # noqa: E402
 from vskipper.mixed.bench_stack import BenchStack, ForwardBatch  # noqa: E402
 from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS  # noqa: E402
-from vskipper.mixed.tuner import op_dims, representative_rows, shape_calls, time_call  # noqa: E402
+from vskipper.mixed.tuner import Clock, op_dims, representative_rows, shape_calls, time_shape  # noqa: E402
 from vskipper.roofline import derive_thresholds, find_device, kv_bytes_per_token_layer  # noqa: E402
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 
@@ -82,21 +82,17 @@ def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smok
             tile = table.lookup(op, rows) if table else INTERPRETER_TILE
             ref, kernel, half = shape_calls(op, rows, w1, w2, g, device, dtype)
             interpret = device.type != "cuda"
-            calls = (ref, lambda kernel=kernel, tile=tile: kernel(tile),
-                     lambda kernel=kernel, tile=tile, half=half: kernel(tile, half))
-            graph = hi is not None and not interpret  # as the tuner times them: decode ranges replay graphs
-            try:
-                t_ref, t_ker, t_half = (time_call(fn, interpret, graph=graph) for fn in calls)
-            except Exception as exc:  # capture refused here: this shape is timed eagerly, and says so
-                print(f"  {op} rows {lo}..{hi}: timed eagerly, the CUDA graph failed: {type(exc).__name__}: {exc}")
-                graph = False
-                t_ref, t_ker, t_half = (time_call(fn, interpret) for fn in calls)
+            # as the tuner times them (decode ranges in CUDA graphs, eager where capture fails)
+            timed = time_shape(f"{op} rows {lo}..{hi}", ref, kernel, half, [tile], Clock(None, 1), interpret,
+                               graph=hi is not None and not interpret, log=print)
+            t_ref, t_ker = timed["torch_ms"], timed["kernel_ms"]
+            t_half = timed.get("kernel_half_ms")  # None where the gathered form could not be captured
             serves = "gathered" if table is not None and table.gathers(op, rows) else "kernel"
             results.append({"op": op, "rows": [lo, hi], "K": k_dim, "N": n_dim, "kernel_ms": t_ker,
                             "kernel_half_ms": t_half, "torch_ms": t_ref, "ratio": t_ker / t_ref, "serves": serves,
-                            "timed": "cuda graph" if graph else "eager"})
+                            "timed": timed["timed"]})
             print(f"  {op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} kernel "
-                  f"{t_ker:8.4f} ms (half live {t_half:8.4f})  gathered torch {t_ref:8.4f} ms  ratio "
+                  f"{t_ker:8.4f} ms (half live {'not timed' if t_half is None else f'{t_half:8.4f}'})  gathered torch {t_ref:8.4f} ms  ratio "
                   f"{t_ker / t_ref:5.2f}x  serves {serves}", flush=True)
     ratios = sorted(r["ratio"] for r in results)
     print(f"  median ratio over {len(ratios)} shapes: {statistics.median(ratios):.2f}x "

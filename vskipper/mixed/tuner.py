@@ -212,25 +212,23 @@ READ_WEIGHT = 6
 
 
 class Clock:
-    """The tuner's time budget (None: unbounded), shared by the shapes still to tune in proportion to their
-    weights (a GEMM shape 1): a shape stops trying candidates once its share is spent (after its first), so the
+    """The tuner's time budget (None: unbounded), shared evenly by the shapes still to tune: a shape stops trying candidates once its share is spent (after its first), so the
     tuner ends about when its budget does, its later shapes timed on fewer candidates (the seeds come first) when
     compiles and timings run slower than planned. `reserved` weighs a shape timed last (the packed read,
     `READ_WEIGHT`): its share of the whole budget is set aside from the start, so the shapes before it cannot
     spend it however slowly they run."""
 
-    def __init__(self, budget_s: float | None, shapes: float, reserved: float = 0) -> None:
+    def __init__(self, budget_s: float | None, shapes: int, reserved: float = 0) -> None:
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
         self.left = shapes
         self.reserve_s = 0.0 if budget_s is None else budget_s * reserved / max(1e-9, shapes + reserved)
         self.shape_deadline: float | None = None
 
-    def start_shape(self, weight: float = 1) -> None:
+    def start_shape(self) -> None:
         if self.deadline is not None:
             now = time.monotonic()
-            free = max(0.0, self.deadline - self.reserve_s - now)
-            self.shape_deadline = now + free * min(1.0, weight / max(weight, self.left))
-        self.left -= weight
+            self.shape_deadline = now + max(0.0, self.deadline - self.reserve_s - now) / max(1, self.left)
+        self.left -= 1
 
     def start_reserved(self) -> None:
         """The reserved shape: whatever is left of the budget, its set-aside share included."""
