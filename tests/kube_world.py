@@ -13,6 +13,16 @@ semantics (a PATCH merges JSON). Faults are injected with kmock's own DSL, e.g.
   `resource.Quantity` serializes them;
 - a bearer token in `expired_tokens` gets 401 on every request (short-lived credentials that ran out);
 - a create of a name that exists is 409 AlreadyExists (kmock's own), whoever holds the name;
+- every write stamps the object with the next `metadata.resourceVersion` of one counter, as etcd's revision
+  does (kmock stores whatever the client sent); a write naming a `resourceVersion` other than the stored one
+  is 409 Conflict, and a JSON patch whose `test` operation fails (Kopf tests the resourceVersion it read
+  before it adds its finalizer) is 422 Invalid, unapplied (optimistic concurrency). Kopf's consistency wait
+  rests on these versions: after its own patch it waits for the watch event that carries the patch's version
+  before it handles the object again; with one constant version it took the stale event before its patch for
+  the current state and handled the same change again;
+- `metadata.generation` is the API server's, whatever the client sends: 1 on create, one more on each write
+  that changes anything outside `metadata` and `status` (a spec change, a scale), none on a status or
+  metadata write;
 - `fail(...)` makes matching writes fail without changing anything (kmock's own reactions answer with a status
   but still apply the write);
 - with `admission=True`, SkipperDeployments are admitted against the generated CRD (tests/admission.py), 422
@@ -26,6 +36,7 @@ cluster-scoped `namespaces` resource, as the API server does.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import re
@@ -40,7 +51,9 @@ from decimal import Decimal
 from pathlib import Path
 
 import attrs
+import jsonpatch
 import kmock
+import kmock._internal.dicts as kmock_dicts
 import kmock._internal.parsing as kmock_parsing
 from admission import admit
 
@@ -113,6 +126,11 @@ def _merge(old, patch):
     return out
 
 
+def _desired(obj):
+    """What a generation counts changes of: everything but `metadata` and `status`."""
+    return {key: value for key, value in obj.items() if key not in ("metadata", "status")}
+
+
 def _pod_specs(obj):
     spec = (obj or {}).get("spec") or {}
     template = spec.get("template") or {}
@@ -157,6 +175,8 @@ class ApiServer(kmock.KubernetesEmulator):
         if refusal is not None:
             self.refused.append(request)
             return await self._render_error(refusal)
+        if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, (dict, list)):
+            self._stamp(request)
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             for pod in _pod_specs(request.data):
                 for container in pod.get("containers") or []:
@@ -167,6 +187,37 @@ class ApiServer(kmock.KubernetesEmulator):
         return await super()._handle(request)
 
     refused: list = attrs.field(factory=list)
+    revision: int = 0  # the last resourceVersion handed out
+
+    def _stored(self, request):
+        """The object a write to a named object meets, as stored (None: absent or deleted)."""
+        key = (request.resource, request.namespace, request.name)
+        if request.name is None or key not in self._objects or self._objects[key].deleted:
+            return None
+        return self._objects[key].last.raw
+
+    def _stamp(self, request) -> None:
+        """The write's resourceVersion and generation, set in its body (a merge patch's metadata, a JSON patch's
+        last operations) before kmock stores it."""
+        self.revision += 1
+        version = str(self.revision)
+        if request.action == kmock.action.CREATE:
+            meta = request.data.get("metadata")
+            request.data["metadata"] = {**(meta if isinstance(meta, dict) else {}), "resourceVersion": version,
+                                        "generation": 1}
+            return
+        stored = self._stored(request)
+        if stored is None:
+            return
+        after = kmock_dicts.patch_dict(copy.deepcopy(stored), copy.deepcopy(request.data))
+        generation = int((stored.get("metadata") or {}).get("generation") or 1) + (_desired(after) != _desired(stored))
+        if isinstance(request.data, list):
+            request.data.extend({"op": "add", "path": f"/metadata/{key}", "value": value}
+                                for key, value in (("resourceVersion", version), ("generation", generation)))
+            return
+        meta = request.data.get("metadata")
+        request.data["metadata"] = {**(meta if isinstance(meta, dict) else {}), "resourceVersion": version,
+                                    "generation": generation}
 
     def _refusal(self, request):
         auth = (request.headers or {}).get("Authorization", "")
@@ -179,8 +230,23 @@ class ApiServer(kmock.KubernetesEmulator):
                 fault["left"] -= 1
                 fault["hits"] += 1
                 return Refused(status=fault["status"], reason="InternalError", message="injected fault")
+        if request.resource is not None and request.action == kmock.action.UPDATE and isinstance(request.data, list):
+            stored = self._stored(request)
+            try:  # its `test` operations (Kopf tests the resourceVersion it read) hold, or nothing applies
+                if stored is not None:
+                    jsonpatch.apply_patch(copy.deepcopy(stored), request.data)
+            except jsonpatch.JsonPatchException as exc:
+                return Refused(status=422, reason="Invalid", message="the server rejected our request due to an "
+                               f"error in our request: {exc}")
         if request.resource is None or not isinstance(request.data, dict):
             return None
+        sent = (request.data.get("metadata") or {}).get("resourceVersion")
+        if request.action == kmock.action.UPDATE and sent is not None:
+            stored = self._stored(request)
+            if stored is not None and str(sent) != (stored.get("metadata") or {}).get("resourceVersion"):
+                return Refused(status=409, reason="Conflict", message=f"Operation cannot be fulfilled on "
+                               f"{request.resource.plural} {request.name!r}: the object has been modified; please "
+                               "apply your changes to the latest version and try again")
         plural = request.resource.plural
         if (request.action == kmock.action.UPDATE and plural == "jobs" and request.name
                 and request.subresource is None and "template" in (request.data.get("spec") or {})):
@@ -257,9 +323,9 @@ class Cluster:
         return json.loads(text) if text else None
 
     def add_resource(self, obj: dict, uid: str) -> None:
-        """A SkipperDeployment with the metadata the API server would give it (kmock assigns none)."""
-        obj = {**obj, "metadata": {**obj["metadata"], "uid": uid, "generation": 1, "resourceVersion": "1",
-                                   "creationTimestamp": "2026-01-01T00:00:00Z"}}
+        """A SkipperDeployment with the uid and creation time the API server would give it (kmock assigns
+        neither; `ApiServer` stamps its resourceVersion and generation)."""
+        obj = {**obj, "metadata": {**obj["metadata"], "uid": uid, "creationTimestamp": "2026-01-01T00:00:00Z"}}
         self.http("POST", f"/apis/vskipper.io/v1alpha1/namespaces/{obj['metadata']['namespace']}/skipperdeployments",
                   obj)
 

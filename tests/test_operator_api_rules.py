@@ -70,8 +70,7 @@ def test_a_probe_job_whose_template_changes_is_replaced_not_patched(cluster):
     with operator() as runner:
         wait_for(lambda: cluster.http("GET", job_path), what="probe job")
         new_image = "ghcr.io/vskipper/vskipper-runtime:0.2.0"
-        cluster.http("PATCH", f"{SKD_PATH}/llama", {"metadata": {"generation": 2},
-                                                    "spec": {"serving": {"image": new_image}}},
+        cluster.http("PATCH", f"{SKD_PATH}/llama", {"spec": {"serving": {"image": new_image}}},
                      "application/merge-patch+json")
         wait_for(lambda: (j := cluster.http("GET", job_path)) and
                  j["spec"]["template"]["spec"]["containers"][0]["image"] == new_image, what="replaced job")
@@ -120,7 +119,7 @@ def test_the_client_rereads_its_credentials_after_a_401(cluster, tmp_path):
         # The token rotates: the file holds a new one, the old one is refused from now on.
         kubeconfig.write_text(kubeconfig.read_text().replace('"token": "token"', '"token": "rotated"'))
         cluster.api.expired_tokens.add("token")
-        cluster.http("PATCH", f"{SKD_PATH}/llama", {"metadata": {"generation": 2}, "spec": {"replicas": 5}},
+        cluster.http("PATCH", f"{SKD_PATH}/llama", {"spec": {"replicas": 5}},
                      "application/merge-patch+json")
         wait_for(lambda: deployment(cluster, "nvidia-h100-80gb-hbm3")["spec"]["replicas"] == 3, what="H100 x3")
         wait_for(lambda: status_of(cluster).get("observedGeneration") == 2, what="status")

@@ -101,8 +101,7 @@ def test_every_request_is_granted_by_the_scoped_role_and_every_grant_is_used(clu
         cluster.http("PATCH", pdb, {"spec": {"maxUnavailable": 3}}, "application/merge-patch+json")
         wait_for(lambda: cluster.http("GET", pdb)["spec"]["maxUnavailable"] == 1, what="PDB drift corrected")
         # A spec change: the Service, the Deployments and the ServiceMonitor are applied anew.
-        cluster.http("PATCH", f"{SKD_PATH}/llama", {"metadata": {"generation": 2},
-                                                   "spec": {"serving": {"port": 31000}, "metrics": {"interval": "15s"}}},
+        cluster.http("PATCH", f"{SKD_PATH}/llama", {"spec": {"serving": {"port": 31000}, "metrics": {"interval": "15s"}}},
                      "application/merge-patch+json")
         wait_for(lambda: cluster.http("GET", "/api/v1/namespaces/llm/services/llama")["spec"]["ports"][0]["port"]
                  == 31000, what="Service applied")
@@ -111,9 +110,8 @@ def test_every_request_is_granted_by_the_scoped_role_and_every_grant_is_used(clu
         policy = "/apis/networking.k8s.io/v1/namespaces/llm/networkpolicies/llama"
         wait_for(lambda: (cluster.http("GET", policy) or {}).get("spec", {}).get("ingress", [{}])[0].get("ports")
                  == [{"protocol": "TCP", "port": 31000}], what="NetworkPolicy applied")
-        cluster.http("PATCH", f"{SKD_PATH}/llama", {"metadata": {"generation": 3},
-                                                   "spec": {"metrics": {"serviceMonitor": False},
-                                                            "serving": {"networkPolicy": {"enabled": False}}}},
+        cluster.http("PATCH", f"{SKD_PATH}/llama", {"spec": {"metrics": {"serviceMonitor": False},
+                                                             "serving": {"networkPolicy": {"enabled": False}}}},
                      "application/merge-patch+json")
         wait_for(lambda: cluster.http("GET", "/apis/monitoring.coreos.com/v1/namespaces/llm/servicemonitors/llama")
                  is None, what="ServiceMonitor deleted")
