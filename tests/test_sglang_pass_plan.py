@@ -117,6 +117,31 @@ def test_a_staged_plan_reaches_the_device_storage_in_one_copy_and_equals_the_pla
     assert staged.req_rows.tolist() == [4, 5, 6, 0, 0, 0, 0, 0] and staged.valid.sum() == 3
 
 
+def test_a_plan_whose_keys_and_dense_rows_are_the_last_writes_tensors_rewrites_only_its_request_slots():
+    """A decode batch whose requests did not change hands the runtime's same host tensors again: the buffers
+    then write only the request slots (off the host, from the device: no staging, no host-to-device copy), and
+    the fields equal a full write's. A new tensor, equal or not, or another row count writes in full."""
+    keys, dense = torch.tensor([7, 8, 9]), torch.tensor([False, True, False])
+    for staged in (False, True):
+        buffers, fresh = PlanBuffers(6, staged=staged), PlanBuffers(6, staged=staged)
+        slots = torch.tensor([3, 1, 2])
+        buffers.write(slots if not staged else slots.as_subclass(_DeviceTensor), keys, dense)
+        for req in ([4, 0, 5], [1, 1, 1]):
+            req = torch.tensor(req)
+            with _Writes(buffers.storage) as writes:
+                buffers.write(req if not staged else req.as_subclass(_DeviceTensor), keys, dense)
+            assert writes.ops == ["copy_"], (staged, writes.ops)  # the request slots alone
+            fresh.write(req, keys.clone(), dense.clone())
+            for field in ("req_rows", "request_keys", "dense_rows", "valid"):
+                assert torch.equal(getattr(buffers, field), getattr(fresh, field)), (staged, field)
+        with _Writes(buffers.storage) as writes:
+            buffers.write(torch.tensor([0, 1, 2]), keys.clone(), dense)  # new keys, though equal: written
+        assert len(writes.ops) == (1 if staged else 3), (staged, writes.ops)  # the staged copy, or each field
+        with _Writes(buffers.storage) as writes:
+            buffers.write(torch.tensor([0, 1]), keys[:2], None)
+        assert buffers.request_keys.tolist()[:3] == [7, 8, 0] and buffers.valid.tolist()[:3] == [True, True, False]
+
+
 def test_the_host_staging_stays_on_the_host_when_the_model_is_built_under_a_default_device():
     """SGLang's loader builds the model with its device as torch's default device (`with torch.device(...)`): on a
     GPU, staging tensors allocated without a device went to the GPU, where torch refuses to pin them ("Only dense
@@ -275,7 +300,7 @@ def test_a_routed_decode_graph_captured_from_static_storage_replays_each_later_p
         torch.testing.assert_close(y_replay, y_eager, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(kv_replay, kv_eager, rtol=1e-4, atol=1e-4)
         assert torch.equal(step.tape.run[0, :rows], run_eager)
-        assert step.tape.projected_counts(rows=rows).tolist() == [int((~run_eager).sum())]
+        assert step.tape.run_counts(rows).tolist() == [int(run_eager.sum())]
         runs.append(run_eager)
     assert not torch.equal(runs[0], runs[1]) and (~runs[0]).any() and (~runs[1]).any()
     with pytest.raises(ValueError, match="which a captured graph holds"):

@@ -84,6 +84,22 @@ def test_hybrid_decode_routes_from_the_enter_crossing_and_promotes_running_reque
     assert att["rows_per_layer_total"] == {"2": {"run": 2, "project_only": 0}, "3": {"run": 0, "project_only": 2}}
 
 
+def test_a_steady_decode_batch_hands_the_same_plan_tensors_until_its_requests_change(tmp_path):
+    """While a decode batch's requests stand, its steps carry the same host tensors of request keys and
+    dense-mode rows (the plan buffers then rewrite only the request slots) and the longest request's tokens,
+    read once; a request joining builds new ones."""
+    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}}), tmp_path)
+    first = run_pass(rt, decode(["a", "b"], [60, 45]))
+    again = run_pass(rt, decode(["a", "b"], [61, 46]))
+    assert first.routed and again.keys is first.keys and (again.context, first.context) == (61, 60)
+    joined = run_pass(rt, decode(["a", "b", "c"], [62, 47, 9]))
+    assert joined.keys is not first.keys and joined.keys.tolist()[:2] == first.keys.tolist()
+    routed = torch.tensor([True, False, True])
+    dense = rt._dense_rows(routed)
+    assert dense.tolist() == [False, True, False] and rt._dense_rows(routed) is dense
+    assert rt._dense_rows(routed.clone()) is not dense
+
+
 def test_a_routed_pass_is_counted_once_its_tape_counts_reach_the_host_and_the_state_file_waits_for_them(tmp_path):
     """The forward's pass never waits for its own counts: they are counted at a later pass once copied, and a
     state document counts every pass still in flight first (`Runtime.state_document`)."""

@@ -17,7 +17,9 @@ The four fields are views of one byte tensor on the device (`storage`: the int64
 aligned). Off the host a pass's plan is staged in a host copy of that tensor (pinned on CUDA) and reaches the
 device in one non-blocking copy of the whole tensor; on the host the fields are written in place. Either way only
 what changed is written: the pass's rows, and the padding of rows the previous write used that this one does
-not. Two staging tensors take turns, and one is written again only once its copy has left it (a CUDA event). A
+not; and a pass that hands the very tensors of the last write's request keys and dense-mode rows (a decode batch
+whose requests did not change: the runtime keeps its host tensors until they do, and never writes them in place)
+rewrites only its request slots, with no staging and no host-to-device copy. Two staging tensors take turns, and one is written again only once its copy has left it (a CUDA event). A
 field handed over on the device (SGLang's request slots where its batch has no host mirror) is copied into its
 view after the staged copy, on the same stream.
 """
@@ -97,10 +99,13 @@ class PlanBuffers:
         self._turn = 0
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}
         self.rows = 0
+        self._last: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (keys, dense) last written
 
     def write(self, req_rows: torch.Tensor, request_keys: torch.Tensor,
               dense_rows: torch.Tensor | None = None) -> int:
-        """Write a pass's plan (each [rows]; `dense_rows` None: no dense-mode row) and pad the rest. Returns rows."""
+        """Write a pass's plan (each [rows]; `dense_rows` None: no dense-mode row) and pad the rest. Returns rows.
+        `request_keys` and `dense_rows` that are the objects of the last write, over as many rows, are taken as
+        unchanged: the caller hands a tensor again only while its values stand."""
         rows = req_rows.shape[0]
         for name, t in (("request_keys", request_keys), ("dense_rows", dense_rows)):
             if t is not None and t.shape[0] != rows:
@@ -110,6 +115,12 @@ class PlanBuffers:
                 raise ValueError(f"a pass of {rows} rows exceeds the plan buffers' capacity {self.capacity}, "
                                  "which a captured graph holds")
             self._allocate(max(rows, 2 * self.capacity))  # doubling: a few growths over a server's warm-up
+        last_keys, last_dense = self._last
+        if rows == self.rows and request_keys is last_keys and dense_rows is last_dense and (
+                not self.staged or req_rows.device.type != "cpu"):
+            self.req_rows[:rows].copy_(req_rows, non_blocking=self.staged)  # the rest stands as last written
+            return rows
+        self._last = (request_keys, dense_rows)
         values = {"req_rows": req_rows, "request_keys": request_keys, "dense_rows": dense_rows}
         if not self.staged:
             self._stages[0].write(rows, values)

@@ -83,13 +83,9 @@ class RouteTape:
         rows = self.capacity if rows is None else rows
         return self.run[j, :rows], self.weights[j, :rows]
 
-    def projected_counts(self, valid: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
-        """Project-Only rows per routed layer over the first `rows` rows (or the rows `valid` marks), as a
-        device tensor [L_r] (for counters: read once per pass after the forward, through `DeferredReads`, never by
-        waiting for the device)."""
-        proj = ~self.run
-        if valid is not None:
-            proj = proj[:, : valid.shape[0]] & valid.view(1, -1)
-        elif rows is not None:
-            proj = proj[:, :rows]
-        return proj.sum(dim=1)
+    def run_counts(self, rows: int) -> torch.Tensor:
+        """RUN rows per routed layer over the first `rows` rows (dense-mode rows count: they RUN), as a device
+        tensor [L_r]; a layer's Project-Only rows are `rows` less its count. For counters: read once per pass
+        after the forward, through `DeferredReads`, never by waiting for the device; one reduction, no complement
+        of the tape."""
+        return self.run[:, :rows].sum(dim=1)

@@ -122,6 +122,7 @@ class Step:
     health_check: bool = False  # every row belongs to /health_generate's probe: not counted as traffic
     keys: torch.Tensor | None = None  # int64 [rows]: each row's request key (RandomSkip hashes it)
     control: bool = False  # an interleaved control pass: every row RUN through the routed layers (`ServeSpec`)
+    context: int | None = None  # decode: the longest request's tokens, read on the host once (the read's bound)
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,7 @@ class Runtime:
         # The last decode pass's request ids and their per-row routed flags and keys (host tensors): the next pass
         # of the same requests, with no promotion and no request ended in between, reuses them.
         self._decode_rows: tuple[list, torch.Tensor, torch.Tensor, int] | None = None
+        self._dense_of: tuple[torch.Tensor, torch.Tensor] | None = None  # (row_routed, its dense-mode rows)
         self._tape: RouteTape | None = None
         self._builder: CohortBuilder | None = None
         # Decode passes a captured graph replays: a tape and cohort builder that never reallocate.
@@ -457,7 +459,16 @@ class Runtime:
             last = self._decode_rows = (rids, torch.tensor(routed, dtype=torch.bool),
                                         torch.tensor(list(map(request_key, rids)), dtype=torch.int64), sum(routed))
         _, row_routed, keys, n_routed = last
-        return self._step("decode", rows, dtype, device, row_routed, keys, False, n_routed)
+        step = self._step("decode", rows, dtype, device, row_routed, keys, False, n_routed)
+        step.context = max(lengths, default=0)
+        return step
+
+    def _dense_rows(self, row_routed: torch.Tensor) -> torch.Tensor:
+        """The dense-mode rows, ~row_routed: the same tensor while `row_routed` is (a decode batch's requests
+        unchanged), which the plan buffers take as an unchanged plan."""
+        if self._dense_of is None or self._dense_of[0] is not row_routed:
+            self._dense_of = (row_routed, ~row_routed)
+        return self._dense_of[1]
 
     def _end(self, rid: str) -> None:
         """The request stopped decoding (it left the batch: finished, aborted or retracted)."""
@@ -498,7 +509,7 @@ class Runtime:
             self._control_next[phase] = not control
             if control:  # every row RUN, as a dense-mode row: the s = 0 control's work through the routed layers
                 n_routed, row_routed = 0, torch.zeros_like(row_routed)
-        dense_rows = None if n_routed == rows else ~row_routed
+        dense_rows = None if n_routed == rows else self._dense_rows(row_routed)
         return Step(phase, True, self.skipper, None, tape, builder, dense_rows, rows, probe,
                     rows - n_routed, keys=keys, control=control)
 
@@ -537,7 +548,7 @@ class Runtime:
             if step.routed:
                 routes = PassRoutes(step.phase, tuple(step.tape.routed_layers), step.rows, step.dense_count, step.probe,
                                     time.time())
-                self._route_reads.push(step.tape.projected_counts(rows=step.rows), routes)
+                self._route_reads.push(step.tape.run_counts(step.rows), routes)
             self._settle(block=step.probe)
         if self.prometheus is not None:
             p = self.prometheus
@@ -555,12 +566,13 @@ class Runtime:
 
     def _settle(self, block: bool) -> None:
         """Count the routed passes whose decisions reached the host (with `block`: every one, waiting for them)."""
-        for projected, routes in self._route_reads.ready(block):
-            self._count_routes(routes, projected)
+        for run, routes in self._route_reads.ready(block):
+            self._count_routes(routes, [routes.rows - n for n in run])
 
     def _count_routes(self, routes: PassRoutes, projected: list[int]) -> None:
         """Count one routed pass's decisions over the rows of routed-mode requests (dense-mode rows are RUN on
-        the tape): per routed layer its Project-Only rows, `projected`."""
+        the tape): per routed layer its Project-Only rows, `projected` (the pass's rows less the tape's RUN
+        rows)."""
         routed_rows = routes.rows - routes.dense_count
         for layer, n_proj in zip(routes.layers, projected, strict=True):
             per = self.counters.rows_per_layer.setdefault(layer, {"run": 0, "project_only": 0})

@@ -233,14 +233,16 @@ class StepSlot:
         self.part_clock: PartClock | None = None  # the measurement mode's clock (`vskipper.sglang.part_times`)
 
 
-def plan_pass(forward_batch, rows: int) -> PassPlan:
-    """Each row's request slot and the decode context bound, from SGLang's batch and its host mirrors. A prefill
-    batch with host mirrors of its request slots and extend lengths (`req_pool_indices_cpu`,
-    `extend_seq_lens_cpu`) gets its slots on the host (the plan buffers then take the whole plan in one copy); a
-    decode batch has none, and its slots stay on the device."""
+def plan_pass(forward_batch, rows: int, context: int | None = None) -> PassPlan:
+    """Each row's request slot and the decode context bound (`context` where the caller read it already), from
+    SGLang's batch and its host mirrors. A prefill batch with host mirrors of its request slots and extend lengths
+    (`req_pool_indices_cpu`, `extend_seq_lens_cpu`) gets its slots on the host (the plan buffers then take the
+    whole plan in one copy); a decode batch has none, and its slots stay on the device."""
     if forward_batch.forward_mode.is_decode():
-        lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
-        return PassPlan(forward_batch.req_pool_indices, int(lens.max()))
+        if context is None:
+            lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
+            context = int(lens.max())
+        return PassPlan(forward_batch.req_pool_indices, context)
     slots = getattr(forward_batch, "req_pool_indices_cpu", None)
     extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
     if slots is not None and extend is not None:
@@ -738,7 +740,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         eager ones. The step's keys and dense-mode rows are host tensors (and a prefill's request slots, where
         `plan_pass` finds their host mirrors): the buffers take the plan in one copy, plus a device-to-device copy of
         a decode batch's request slots."""
-        plan = plan_pass(forward_batch, step.rows)
+        plan = plan_pass(forward_batch, step.rows, step.context)
         buffers = self.graph_buffers if self.runtime.on_graph_tape(step) else self.buffers
         buffers.write(plan.req_rows, step.keys, step.dense_rows)
         views = buffers.views(step.rows)
