@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from vskipper.checkpoint import TinySize, tiny_config  # noqa: E402
 from vskipper.mixed.bench_stack import BenchStack, ForwardBatch  # noqa: E402
 from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS  # noqa: E402
-from vskipper.mixed.tuner import Clock, op_dims, representative_rows, shape_calls, time_shape  # noqa: E402
+from vskipper.mixed.tuner import Clock, op_dims, op_weights, representative_rows, shape_calls, time_shape  # noqa: E402
 from vskipper.roofline import derive_thresholds, find_device, kv_bytes_per_token_layer  # noqa: E402
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 
@@ -75,8 +75,7 @@ def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smok
     for op in OPERATIONS:
         k_dim, n_dim = op_dims(op, size.hidden, size.intermediate, size.intermediate // size.reduction,
                                size.heads * size.head_dim)
-        w1 = (torch.randn(n_dim, k_dim, generator=g) / k_dim**0.5).to(device, dtype)
-        w2 = (torch.randn(n_dim, k_dim, generator=g) / k_dim**0.5).to(device, dtype)
+        w1, w2 = op_weights(op, n_dim, k_dim, g, device, dtype)
         for lo, hi in ranges:
             rows = representative_rows(lo, hi)
             tile = table.lookup(op, rows) if table else INTERPRETER_TILE

@@ -7,12 +7,19 @@ import os
 import pytest
 import torch
 from mixed_world import HostReadDetector, World, gathering_table
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vskipper.mixed import kernels
 from vskipper.mixed.backend import cohort_ffn_torch
 from vskipper.mixed.bench_stack import BenchStack
 from vskipper.mixed.cohorts import build_cohorts
-from vskipper.mixed.gathered import gathered_down, gathered_gate_up, gathered_gemm, gathered_scatter_add
+from vskipper.mixed.gathered import (
+    gathered_down,
+    gathered_gate_up,
+    gathered_gemm,
+    gathered_scatter_add,
+    merged_rows,
+)
 from vskipper.mixed.kernels import cohort_ffn_triton, cohort_gemm, cohort_scatter_add
 from vskipper.mixed.tiles import OPERATIONS
 from vskipper.skippers.trained_gate import FlexiDepthGate
@@ -66,6 +73,37 @@ def test_the_gathered_forms_touch_the_counted_rows_alone_whatever_the_other_slot
         untouched[rows] = False
         assert torch.equal(y[untouched], before[untouched])
         torch.testing.assert_close(y[rows], before[rows] + expect_rows)
+
+
+class _Matmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket.__name__ in ("mm", "addmm", "bmm")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_gate_and_up_halves_of_a_merged_weight_are_multiplied_in_one_gemm_with_the_same_values():
+    """SGLang's MLP holds gate and up as one `gate_up_proj` weight, whose halves the routed layer hands over as
+    views: the gathered form multiplies both in one GEMM; weights of their own (the projector's) take two."""
+    g = torch.Generator().manual_seed(3)
+    capacity, count, d, n = 24, 9, 32, 40
+    x, idx, c = torch.randn(capacity, d, generator=g), _map(capacity, count, g), torch.tensor([count])
+    merged = torch.randn(2 * n, d, generator=g)
+    gate, up = merged.chunk(2, dim=0)
+    assert torch.equal(merged_rows(gate, up), merged)
+    apart = (gate.clone(), up.clone())
+    assert torch.equal(merged_rows(merged[:n, :16], merged[n:, :16]), merged[:, :16])  # column slices: one view
+    for w1, w2 in (apart, (up, gate), (gate, up.t().contiguous().t()), (merged[: n - 1], merged[n:])):
+        assert merged_rows(w1, w2) is None  # apart, out of order, other strides, a gap
+    for (w1, w2), gemms in (((gate, up), 1), (apart, 2)):
+        with _Matmuls() as mm:
+            got = gathered_gate_up(x, idx, c, w1, w2)
+        assert mm.n == gemms
+        torch.testing.assert_close(got[:count], torch.nn.functional.silu(x[idx[:count]] @ gate.t())
+                                   * (x[idx[:count]] @ up.t()))
 
 
 def test_a_table_that_prefers_torch_runs_the_gathered_forms_and_refuses_a_store_it_cannot_do(monkeypatch):

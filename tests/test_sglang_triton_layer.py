@@ -196,19 +196,25 @@ GATHERED_FORMS = ("gathered_gemm", "gathered_gate_up", "gathered_down", "gathere
 def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution(world, extend, run, monkeypatch):
     """The served layer's GEMMs in the gathered cuBLAS form, as a table that measured cuBLAS faster on a catalogued
     GPU serves them: SGLang's own weight views (qkv_proj's Q rows, gate_up_proj's halves, o_proj, down_proj, the
-    adapter's) feed the four forms, the pass equals the torch execution, and the attestation lists the slot
-    counts each operation serves gathered (up to the H200's ridge, 206 rows)."""
+    adapter's) feed the four forms (the MLP's gate and up in one GEMM), the pass equals the torch execution, and the
+    attestation lists the slot counts each operation serves gathered (up to the H200's ridge, 206 rows)."""
     from mixed_world import gathering_table
 
-    calls = []
+    from vskipper.mixed import gathered
+
+    calls, merges = [], []
     for name in GATHERED_FORMS:
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    monkeypatch.setattr(gathered, "merged_rows", lambda *a, real=gathered.merged_rows: merges.append(real(*a))
+                        or merges[-1])
     x = world.hidden(len(run))
     run_t, w = world.route(run)
     execution = served.CohortExecution("triton", gathering_table(), prefill_read="packed")
     y_gathered, kv_gathered = _pass(world, extend, x, run_t, w, execution)
     assert set(calls) == set(GATHERED_FORMS)
+    # The MLP's gate and up (gate_up_proj's halves) in one GEMM; the adapter's, weights of their own, in two.
+    assert [m is not None for m in merges] == [True, False]
     y_torch, kv_torch = _pass(world, extend, x, run_t, w, served.TORCH_EXECUTION)
     torch.testing.assert_close(y_gathered, y_torch, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kv_gathered, kv_torch, rtol=1e-4, atol=1e-4)

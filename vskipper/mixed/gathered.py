@@ -14,7 +14,9 @@ Contracts as the kernels', except where noted:
 
   gathered_gemm        A[m] = X[idx[m]] @ W^T for m < count; rows >= count of `out` untouched (zeros without it)
   gathered_gate_up     A[m] = silu(X[idx[m]] W_gate^T) * (X[idx[m]] W_up^T) for m < count; without `out`, rows
-                       >= count hold values of no meaning (the kernel leaves them unwritten)
+                       >= count hold values of no meaning (the kernel leaves them unwritten). Where W_up's rows
+                       follow W_gate's in memory (the halves of SGLang's merged `gate_up_proj`), one GEMM over
+                       both (`merged_rows`): the gathered rows are read once and one launch serves both halves
   gathered_down        Y[idx[m]] += weights[idx[m]] * (A[m] @ W_down^T) for m < count: it adds, so where the
                        kernel would store (`accumulate` False) the caller zeroes Y first (`routed_layer`)
   gathered_scatter_add Y[idx[m]] += A[m] @ W^T for m < count
@@ -44,10 +46,27 @@ def gathered_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: to
     return out.copy_(torch.where(live[:, None], values, out))
 
 
+def merged_rows(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor | None:
+    """[top; bottom] as one view of their storage where `bottom`'s rows follow `top`'s in memory (the two halves of
+    a merged weight), else None. Reads metadata only: nothing on the device."""
+    if (top.dim() != 2 or top.shape[1:] != bottom.shape[1:] or top.stride() != bottom.stride()
+            or top.dtype != bottom.dtype or top.device != bottom.device
+            or top.untyped_storage().data_ptr() != bottom.untyped_storage().data_ptr()
+            or bottom.storage_offset() != top.storage_offset() + top.shape[0] * top.stride(0)):
+        return None
+    return top.as_strided((top.shape[0] + bottom.shape[0], top.shape[1]), top.stride())
+
+
 def gathered_gate_up(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w_gate: torch.Tensor,
                      w_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     a = x.index_select(0, idx)
-    act = F.silu(a @ w_gate.t()) * (a @ w_up.t())
+    merged = merged_rows(w_gate, w_up)
+    if merged is None:
+        act = F.silu(a @ w_gate.t()) * (a @ w_up.t())
+    else:
+        both = a @ merged.t()
+        n = w_gate.shape[0]
+        act = F.silu(both[:, :n]) * both[:, n:]
     if out is None:
         return act
     return out.copy_(torch.where(live_slots(idx, count)[:, None], act, out))

@@ -3,7 +3,8 @@
 For each of the 36 shapes (6 operations x 6 count ranges, `vskipper.mixed.tiles`) it builds a cohort of a
 representative size for the range (the range's upper end; 2,048 for the open one) over a batch twice that size
 with a random row map, times every candidate tile that fits the device's shared memory, and times the gathered
-cuBLAS form on the same slots (`vskipper.mixed.gathered`: gather, matmul(s), SiLU-and-multiply; for down, the
+cuBLAS form on the same slots (`vskipper.mixed.gathered`: gather, matmul(s) (the MLP's gate and up as halves of
+one merged weight, as served: one GEMM, `op_weights`), SiLU-and-multiply; for down, the
 matmul and the weighted, masked index_add; for Q, the gather, the matmul and the mask; for o_proj, the matmul and
 the masked index_add). The best candidate goes in the table with its time ratio to torch, and its time with half
 the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. A decode
@@ -133,6 +134,17 @@ def op_dims(op: str, hidden: int, intermediate: int, proj_width: int, q_width: i
     width -> hidden (Q's width: heads x head_dim, by default hidden)."""
     width = {"mlp": intermediate, "proj": proj_width, "attn": q_width or hidden}[op.split("_")[0]]
     return (hidden, width) if op.endswith(("gate_up", "_q")) else (width, hidden)
+
+
+def op_weights(op: str, n_dim: int, k_dim: int, g: torch.Generator, device: torch.device, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random [N, K] weights of an operation as served: the MLP's gate and up as the halves of one merged
+    weight (SGLang's `gate_up_proj`, which the gathered form multiplies in one GEMM), any other operation's apart
+    (the projector's gate and up are weights of their own; other operations take the first alone)."""
+    both = (torch.randn(2 * n_dim, k_dim, generator=g) / k_dim**0.5).to(device, dtype)
+    if op == "mlp_gate_up":
+        return both[:n_dim], both[n_dim:]
+    return both[:n_dim].clone(), both[n_dim:].clone()
 
 
 def shape_calls(op: str, rows: int, w1: torch.Tensor, w2: torch.Tensor, g: torch.Generator,
@@ -334,8 +346,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:
         k_dim, n_dim = op_dims(op, hidden, intermediate, proj_width, q_width)
-        w1 = (torch.randn(n_dim, k_dim, generator=g) / k_dim**0.5).to(device, tdtype)
-        w2 = (torch.randn(n_dim, k_dim, generator=g) / k_dim**0.5).to(device, tdtype)
+        w1, w2 = op_weights(op, n_dim, k_dim, g, device, tdtype)
         entries = []
         for lo, hi in COUNT_RANGES:
             clock.start_shape()
