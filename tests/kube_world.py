@@ -21,8 +21,11 @@ semantics (a PATCH merges JSON). Faults are injected with kmock's own DSL, e.g.
   before it handles the object again; with one constant version it took the stale event before its patch for
   the current state and handled the same change again;
 - `metadata.generation` is the API server's, whatever the client sends: 1 on create, one more on each write
-  that changes anything outside `metadata` and `status` (a spec change, a scale), none on a status or
-  metadata write;
+  that changes anything outside `metadata` and `status` (a spec change, a scale) and on a delete that
+  finalizers hold (`deletionTimestamp` set), none on a status or metadata write. A write that changes nothing
+  keeps both (the API server stores nothing; kmock still sends a MODIFIED event for it). Not modelled: kinds
+  that carry no generation (Events, Nodes) get one here, a `status` write applies whatever else it holds, a
+  list's `resourceVersion` is kmock's placeholder and a DELETED event carries the last stored version;
 - `fail(...)` makes matching writes fail without changing anything (kmock's own reactions answer with a status
   but still apply the write);
 - with `admission=True`, SkipperDeployments are admitted against the generated CRD (tests/admission.py), 422
@@ -52,6 +55,7 @@ from pathlib import Path
 
 import attrs
 import jsonpatch
+import jsonpointer
 import kmock
 import kmock._internal.dicts as kmock_dicts
 import kmock._internal.parsing as kmock_parsing
@@ -126,6 +130,12 @@ def _merge(old, patch):
     return out
 
 
+def _versioned_away(obj):
+    """`obj` without the fields a write stamps."""
+    meta = {k: v for k, v in (obj.get("metadata") or {}).items() if k not in ("resourceVersion", "generation")}
+    return {**obj, "metadata": meta}
+
+
 def _desired(obj):
     """What a generation counts changes of: everything but `metadata` and `status`."""
     return {key: value for key, value in obj.items() if key not in ("metadata", "status")}
@@ -177,6 +187,8 @@ class ApiServer(kmock.KubernetesEmulator):
             return await self._render_error(refusal)
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, (dict, list)):
             self._stamp(request)
+        if request.action == kmock.action.DELETE:
+            self._stamp_deletion(request)
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             for pod in _pod_specs(request.data):
                 for container in pod.get("containers") or []:
@@ -210,7 +222,10 @@ class ApiServer(kmock.KubernetesEmulator):
         if stored is None:
             return
         after = kmock_dicts.patch_dict(copy.deepcopy(stored), copy.deepcopy(request.data))
-        generation = int((stored.get("metadata") or {}).get("generation") or 1) + (_desired(after) != _desired(stored))
+        meta = stored.get("metadata") or {}
+        generation = int(meta.get("generation") or 1) + (_desired(after) != _desired(stored))
+        if _versioned_away(after) == _versioned_away(stored):  # a no-op write: nothing is stored anew
+            version, generation = meta.get("resourceVersion", version), meta.get("generation", generation)
         if isinstance(request.data, list):
             request.data.extend({"op": "add", "path": f"/metadata/{key}", "value": value}
                                 for key, value in (("resourceVersion", version), ("generation", generation)))
@@ -218,6 +233,17 @@ class ApiServer(kmock.KubernetesEmulator):
         meta = request.data.get("metadata")
         request.data["metadata"] = {**(meta if isinstance(meta, dict) else {}), "resourceVersion": version,
                                     "generation": generation}
+
+    def _stamp_deletion(self, request) -> None:
+        """A delete that finalizers hold sets `deletionTimestamp` (kmock's own patch): a write of its own, with its
+        version and one more generation, stamped here first."""
+        stored = self._stored(request)
+        meta = (stored or {}).get("metadata") or {}
+        if stored is None or not meta.get("finalizers") or meta.get("deletionTimestamp"):
+            return
+        self.revision += 1
+        self._objects[(request.resource, request.namespace, request.name)].patch(
+            {"metadata": {"resourceVersion": str(self.revision), "generation": int(meta.get("generation") or 1) + 1}})
 
     def _refusal(self, request):
         auth = (request.headers or {}).get("Authorization", "")
@@ -235,7 +261,7 @@ class ApiServer(kmock.KubernetesEmulator):
             try:  # its `test` operations (Kopf tests the resourceVersion it read) hold, or nothing applies
                 if stored is not None:
                     jsonpatch.apply_patch(copy.deepcopy(stored), request.data)
-            except jsonpatch.JsonPatchException as exc:
+            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
                 return Refused(status=422, reason="Invalid", message="the server rejected our request due to an "
                                f"error in our request: {exc}")
         if request.resource is None or not isinstance(request.data, dict):

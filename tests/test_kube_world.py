@@ -35,8 +35,8 @@ def test_every_write_has_a_new_version_and_only_a_desired_state_change_a_new_gen
     assert generation == 1
     seen = {version}
 
-    def write(path, body, content_type=MERGE):
-        obj = cluster.http("PATCH", path, body, content_type)
+    def write(path, body, content_type=MERGE, method="PATCH"):
+        obj = cluster.http(method, path, body, content_type)
         assert obj["metadata"]["resourceVersion"] not in seen, "a write kept an earlier version"
         seen.add(obj["metadata"]["resourceVersion"])
         assert cluster.http("GET", f"{SKD}/llama")["metadata"] == obj["metadata"]
@@ -46,10 +46,17 @@ def test_every_write_has_a_new_version_and_only_a_desired_state_change_a_new_gen
     assert write(f"{SKD}/llama/scale", {"spec": {"replicas": 6}}) == 3  # `kubectl scale`
     assert write(f"{SKD}/llama/status", {"status": {"observedGeneration": 3}}) == 3
     assert write(f"{SKD}/llama", {"metadata": {"labels": {"team": "a"}}}) == 3
-    assert write(f"{SKD}/llama", {"spec": {"replicas": 6}}) == 3  # the same desired state
     # The generation is the server's: a client's is overwritten.
     assert write(f"{SKD}/llama", {"metadata": {"generation": 9}, "spec": {"replicas": 7}}) == 4
     assert write(f"{SKD}/llama", [{"op": "replace", "path": "/spec/replicas", "value": 8}], JSON_PATCH) == 5
+    # A write that changes nothing stores nothing: version and generation stand.
+    before = cluster.http("GET", f"{SKD}/llama")["metadata"]
+    for body in ({"spec": {"replicas": 8}}, {"metadata": {"generation": 1, "resourceVersion": None}}):
+        assert cluster.http("PATCH", f"{SKD}/llama", body, MERGE)["metadata"] == before
+    # A delete that a finalizer holds marks the object: a write with one more generation.
+    write(f"{SKD}/llama", {"metadata": {"finalizers": ["x"]}})
+    assert write(f"{SKD}/llama", None, method="DELETE") == 6
+    assert cluster.http("GET", f"{SKD}/llama")["metadata"]["deletionTimestamp"]
     # Other kinds share the one counter.
     node = cluster.http("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n"}})
     assert node["metadata"]["resourceVersion"] not in seen
