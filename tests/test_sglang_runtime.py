@@ -94,10 +94,12 @@ def test_a_steady_decode_batch_hands_the_same_plan_tensors_until_its_requests_ch
     assert first.routed and again.keys is first.keys and (again.context, first.context) == (61, 60)
     joined = run_pass(rt, decode(["a", "b", "c"], [62, 47, 9]))
     assert joined.keys is not first.keys and joined.keys.tolist()[:2] == first.keys.tolist()
-    routed = torch.tensor([True, False, True])
-    dense = rt._dense_rows(routed)
-    assert dense.tolist() == [False, True, False] and rt._dense_rows(routed) is dense
-    assert rt._dense_rows(routed.clone()) is not dense
+    # A batch with dense-mode rows: its dense rows are built once while its routed flags stand.
+    routed, keys = torch.tensor([True, False, True]), torch.tensor([1, 2, 3])
+    steps = [rt._step("decode", 3, torch.float32, "cpu", flags, keys, False) for flags in (routed, routed)]
+    assert steps[0].dense_rows.tolist() == [False, True, False] and steps[1].dense_rows is steps[0].dense_rows
+    assert rt._step("decode", 3, torch.float32, "cpu", routed.clone(), keys, False).dense_rows is not \
+        steps[0].dense_rows
 
 
 def test_a_routed_pass_is_counted_once_its_tape_counts_reach_the_host_and_the_state_file_waits_for_them(tmp_path):

@@ -17,9 +17,10 @@ The four fields are views of one byte tensor on the device (`storage`: the int64
 aligned). Off the host a pass's plan is staged in a host copy of that tensor (pinned on CUDA) and reaches the
 device in one non-blocking copy of the whole tensor; on the host the fields are written in place. Either way only
 what changed is written: the pass's rows, and the padding of rows the previous write used that this one does
-not; and a pass that hands the very tensors of the last write's request keys and dense-mode rows (a decode batch
-whose requests did not change: the runtime keeps its host tensors until they do, and never writes them in place)
-rewrites only its request slots, with no staging and no host-to-device copy. Two staging tensors take turns, and one is written again only once its copy has left it (a CUDA event). A
+not. A pass that hands the very tensors of the last write's request keys and dense-mode rows over as many rows
+(a decode batch whose requests did not change: the runtime keeps its host tensors until they do, and never
+writes them in place) rewrites only its request slots: on the host one copy, off it (where the slots are on the
+device, as a decode batch's are) no staging and no host-to-device copy. Two staging tensors take turns, and one is written again only once its copy has left it (a CUDA event). A
 field handed over on the device (SGLang's request slots where its batch has no host mirror) is copied into its
 view after the staged copy, on the same stream.
 """
@@ -120,11 +121,11 @@ class PlanBuffers:
                 not self.staged or req_rows.device.type != "cpu"):
             self.req_rows[:rows].copy_(req_rows, non_blocking=self.staged)  # the rest stands as last written
             return rows
-        self._last = (request_keys, dense_rows)
+        self._last = (None, None)  # until this write is whole
         values = {"req_rows": req_rows, "request_keys": request_keys, "dense_rows": dense_rows}
         if not self.staged:
             self._stages[0].write(rows, values)
-            self.rows = rows
+            self.rows, self._last = rows, (request_keys, dense_rows)
             return rows
         stage = self._stages[self._turn]
         self._turn = (self._turn + 1) % len(self._stages)
@@ -138,7 +139,7 @@ class PlanBuffers:
             stage.event.record()
         for name, value in on_device.items():  # after the staged copy, which wrote their padding
             getattr(self, name)[:rows].copy_(value, non_blocking=True)
-        self.rows = rows
+        self.rows, self._last = rows, (request_keys, dense_rows)
         return rows
 
     def views(self, rows: int | None = None) -> dict[str, torch.Tensor]:

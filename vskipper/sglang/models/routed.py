@@ -739,7 +739,8 @@ class SkipperCausalLM(RouterWeightsMixin):
         A decode pass on the graph tape writes the graph buffers (a replay reads them), every other pass the
         eager ones. The step's keys and dense-mode rows are host tensors (and a prefill's request slots, where
         `plan_pass` finds their host mirrors): the buffers take the plan in one copy, plus a device-to-device copy of
-        a decode batch's request slots."""
+        a decode batch's request slots; a decode batch whose requests stand hands the same keys and dense-mode rows
+        again, and only its request slots are copied (`PlanBuffers.write`)."""
         plan = plan_pass(forward_batch, step.rows, step.context)
         buffers = self.graph_buffers if self.runtime.on_graph_tape(step) else self.buffers
         buffers.write(plan.req_rows, step.keys, step.dense_rows)
