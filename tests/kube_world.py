@@ -185,17 +185,16 @@ class ApiServer(kmock.KubernetesEmulator):
         if refusal is not None:
             self.refused.append(request)
             return await self._render_error(refusal)
-        if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, (dict, list)):
-            self._stamp(request)
         if request.action == kmock.action.DELETE:
             self._stamp_deletion(request)
-        if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
-            for pod in _pod_specs(request.data):
+        if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, (dict, list)):
+            for pod in _pod_specs(request.data) if isinstance(request.data, dict) else ():
                 for container in pod.get("containers") or []:
                     for kind in ("requests", "limits"):
                         amounts = (container.get("resources") or {}).get(kind) or {}
                         for key, value in amounts.items():
                             amounts[key] = canonical_quantity(value)
+            self._stamp(request)  # on the canonical body: a write of `1000m` over a stored `1` changes nothing
         return await super()._handle(request)
 
     refused: list = attrs.field(factory=list)
@@ -212,20 +211,16 @@ class ApiServer(kmock.KubernetesEmulator):
         """The write's resourceVersion and generation, set in its body (a merge patch's metadata, a JSON patch's
         last operations) before kmock stores it."""
         self.revision += 1
-        version = str(self.revision)
-        if request.action == kmock.action.CREATE:
-            meta = request.data.get("metadata")
-            request.data["metadata"] = {**(meta if isinstance(meta, dict) else {}), "resourceVersion": version,
-                                        "generation": 1}
-            return
-        stored = self._stored(request)
-        if stored is None:
-            return
-        after = kmock_dicts.patch_dict(copy.deepcopy(stored), copy.deepcopy(request.data))
-        meta = stored.get("metadata") or {}
-        generation = int(meta.get("generation") or 1) + (_desired(after) != _desired(stored))
-        if _versioned_away(after) == _versioned_away(stored):  # a no-op write: nothing is stored anew
-            version, generation = meta.get("resourceVersion", version), meta.get("generation", generation)
+        version, generation = str(self.revision), 1
+        if request.action != kmock.action.CREATE:
+            stored = self._stored(request)
+            if stored is None:
+                return
+            after = kmock_dicts.patch_dict(copy.deepcopy(stored), copy.deepcopy(request.data))
+            meta = stored.get("metadata") or {}
+            generation = int(meta.get("generation") or 1) + (_desired(after) != _desired(stored))
+            if _versioned_away(after) == _versioned_away(stored):  # a no-op write: nothing is stored anew
+                version, generation = meta.get("resourceVersion", version), meta.get("generation", generation)
         if isinstance(request.data, list):
             request.data.extend({"op": "add", "path": f"/metadata/{key}", "value": value}
                                 for key, value in (("resourceVersion", version), ("generation", generation)))
