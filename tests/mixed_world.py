@@ -1,10 +1,14 @@
 """Shared set-ups for the mixed-depth tests: paged caches with shuffled pages, prompts, decode batches, a skipper
-that replays a given tape, and a tile table that serves chosen operations in the gathered form."""
+that replays a given tape, a tile table that serves chosen operations in the gathered form, and detectors of what a
+pass makes the host do (reads, waits) and what it launches."""
 
 from __future__ import annotations
 
 import copy
+import os
 import random
+import traceback
+from contextlib import contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -180,3 +184,59 @@ class ScalarReadDetector(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.reads.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+class OwnLaunches(TorchDispatchMode):
+    """Records the device work vSkipper's own code launches in a pass: each operator called from a frame of
+    `vskipper/` with no SGLang frame nearer (SGLang's modules launch what they launch in a dense pass too) that
+    computes or copies data, and each Triton kernel launch (`triton()`, by kernel name). Views, metadata and
+    uninitialized allocations launch nothing on a GPU and are not recorded."""
+
+    FREE = {"view", "_unsafe_view", "slice", "select", "as_strided", "t", "transpose", "expand", "unsqueeze",
+            "squeeze", "reshape", "alias", "detach", "permute", "split", "split_with_sizes", "unbind", "narrow",
+            "empty", "empty_like", "new_empty", "empty_strided", "_reshape_alias", "view_as", "scalar_tensor",
+            "sym_size", "sym_stride", "sym_numel", "is_same_size"}
+
+    def __init__(self):
+        super().__init__()
+        self.launches: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self.FREE and self._own():
+            self.launches.append(name)
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _own() -> bool:
+        import sglang
+
+        import vskipper
+
+        own, host = os.path.dirname(vskipper.__file__) + os.sep, os.path.dirname(sglang.__file__) + os.sep
+        for frame in reversed(traceback.extract_stack()):
+            if frame.filename.startswith(host):
+                return False
+            if frame.filename.startswith(own):
+                return True
+        return False
+
+    @contextmanager
+    def triton(self):
+        """Record the Triton kernels launched meanwhile (under the interpreter: what runs inside one is its own)."""
+        import triton.runtime.interpreter as interpreter
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        real = interpreter.InterpretedFunction.run
+
+        def run(fn, *args, **kwargs):
+            self.launches.append(fn.fn.__name__)
+            with _disable_current_modes():
+                return real(fn, *args, **kwargs)
+
+        interpreter.InterpretedFunction.run = run
+        try:
+            with self:
+                yield self
+        finally:
+            interpreter.InterpretedFunction.run = real

@@ -111,6 +111,30 @@ def test_the_attention_cohort_gemms_touch_the_counted_rows_alone(count):
     torch.testing.assert_close(h[rows], before[rows] + q[:count] @ w_o.t())
 
 
+@pytest.mark.parametrize("share", [0.0, 0.3, 1.0])
+def test_the_q_gemm_in_batch_rows_stores_each_cohort_row_in_its_own_row(share):
+    """`batch_rows`: row idx[m] of the output holds u[idx[m]] @ W_q^T for m < count, in its batch row (where the
+    decode rotation and read find it). The map's slots past the count name row 0, a RUN row here: a slot past the
+    count stores nothing there. A gathered table's form multiplies every row: the cohort's rows agree."""
+    from mixed_world import gathering_table
+
+    g = torch.Generator().manual_seed(int(100 * share))
+    capacity, d, q_width = 40, 48, 80
+    u = torch.randn(capacity, d, generator=g)
+    w_q = torch.randn(q_width, d, generator=g) / d**0.5
+    mask = torch.rand(capacity, generator=g) < share
+    mask[0] = share > 0
+    c = build_cohorts(mask)
+    rows = c.run_idx[: int(c.n_run)]
+    q = cohort_gemm(u, c.run_idx, c.n_run, w_q, tile=SMALL, batch_rows=True)
+    assert q.shape == (capacity, q_width)
+    torch.testing.assert_close(q[rows], u[rows] @ w_q.t())
+    gathered = cohort_gemm(u, c.run_idx, c.n_run, w_q, batch_rows=True, tile=gathering_table({"attn_q"}))
+    torch.testing.assert_close(gathered[rows], q[rows])
+    with pytest.raises(ValueError, match="no `out` with batch_rows"):
+        cohort_gemm(u, c.run_idx, c.n_run, w_q, out=q, tile=SMALL, batch_rows=True)
+
+
 def test_a_zero_count_launches_a_full_grid_that_does_nothing():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(32, 32, generator=g)
@@ -147,6 +171,18 @@ def test_masked_decode_attention_matches_the_reference_and_ignores_foreign_slots
     assert torch.isfinite(out).all()
     assert (out[~reads] == 0).all()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # A cohort's packed slots over the batch rows, as a cohort map holds them: slot m < count reads for row idx[m]
+    # (its query, request and position gathered by the kernel), the slots past the count name row 0 and read
+    # nothing; out is packed (a row a slot, however many batch rows there are), zeros past the count.
+    reading = torch.nonzero(reads).view(-1)  # rows whose keys are not NaN
+    count = reading.shape[0]
+    past = torch.zeros(max(1, rows - count - 1), dtype=torch.int64)
+    idx = torch.cat([reading[torch.randperm(count, generator=g)], past])
+    slot_reads = torch.arange(idx.shape[0]) < count
+    packed = masked_decode_attention(q, k_pool, v_pool, r2t, req, positions, slot_reads, 0.25, block_t=16,
+                                     splits=splits, idx=idx)
+    assert packed.shape == (idx.shape[0], heads, hd) and (packed[count:] == 0).all()
+    torch.testing.assert_close(packed[:count], expected[idx[:count]], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads,share", [(4, 2, 0.6), (4, 4, 1.0), (8, 2, 0.3), (6, 2, 0.5), (4, 2, 0.0)])

@@ -67,6 +67,32 @@ def test_the_triton_execution_of_a_decode_pass_equals_the_torch_execution(world,
     torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
 
 
+def test_a_triton_decode_layer_launches_no_gather_scatter_or_fill_of_its_own(world):
+    """What vSkipper's own code launches in a routed decode layer of the triton execution, in order (SGLang's
+    modules launch what they launch in a dense layer: the K/V rows' GEMM, RoPE, the KV write, the norms): the
+    tape's two records, the cohort maps, the count-bounded Q GEMM storing each RUN row's query in its batch row, the
+    copy of K (Llama: made contiguous; Qwen3: reshaped for k_norm), the masked read (split and merge: each slot's query, request and position
+    gathered by the kernel), the residual's copy that o_proj's scatter adds onto, the MLP's and the adapter's
+    kernel pairs; then the world's own sum of the hand-off. No gather of queries, requests or positions, no scatter
+    into batch slots, no zero fill: on a GPU each of those is a launch of its own in every routed layer's step."""
+    from mixed_world import OwnLaunches
+
+    launches = OwnLaunches()
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    world.slot.execution = served.cohort_execution([world.layer], torch.device("cpu"), "triton")
+    try:
+        world.routed(world.batch({0: 1, 1: 1, 2: 1, 3: 1}), world.hidden(4), *world.route([True, False, True, False]),
+                     watch=launches.triton())
+    finally:
+        world.slot.execution = served.TORCH_EXECUTION
+        world.restore(kv0, lengths0)
+    assert launches.launches == [
+        "copy_", "copy_", "cohort_maps_kernel", "cohort_gemm_kernel", "clone", "masked_decode_split_kernel",
+        "masked_decode_merge_kernel", "clone", "cohort_down_scatter_kernel",
+        "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel",
+        "add"]
+
+
 def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:
     """Spies on what each kernel of a triton pass covers, filled in as the pass runs: the batch rows idx[m],
     m < count, of each count-bounded GEMM (`q`, `o_proj`, `mlp`, `proj`); the rows of the K/V projection (`kv`)
@@ -89,7 +115,9 @@ def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:
 
     def spy_read(name):  # the masked decode read and the packed prefill read: what each slot of `reads` reads
         def read(q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs):
-            seen["read"] = (req[reads].tolist(), positions[reads].tolist())
+            idx = kwargs.get("idx")  # the decode read gathers each slot's row from the batch rows
+            rows = (req, positions) if idx is None else (req[idx], positions[idx])
+            seen["read"] = (rows[0][reads].tolist(), rows[1][reads].tolist())
             return real[name](q, k_pool, v_pool, req_to_token, req, positions, reads, *args, **kwargs)
         return read
 
@@ -188,22 +216,26 @@ def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world
     torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
 
 
-GATHERED_FORMS = ("gathered_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add")
+# Q's form: packed in prefill, in its batch rows in decode (`cohort_gemm(batch_rows=True)`)
+GATHERED_FORMS = {"decode": ("batch_rows_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add"),
+                  "prefill": ("gathered_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add")}
 
 
-@pytest.mark.parametrize(("extend", "run"), [({0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False]),
-                                             (PREFILL_EXTEND, PREFILL_RUNS[0])], ids=["decode", "prefill"])
-def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution(world, extend, run, monkeypatch):
+@pytest.mark.parametrize(("phase", "extend", "run"), [("decode", {0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False]),
+                                                      ("prefill", PREFILL_EXTEND, PREFILL_RUNS[0])],
+                         ids=["decode", "prefill"])
+def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution(world, phase, extend, run,
+                                                                                 monkeypatch):
     """The served layer's GEMMs in the gathered cuBLAS form, as a table that measured cuBLAS faster on a catalogued
     GPU serves them: SGLang's own weight views (qkv_proj's Q rows, gate_up_proj's halves, o_proj, down_proj, the
-    adapter's) feed the four forms (the MLP's gate and up in one GEMM), the pass equals the torch execution, and the
-    attestation lists the slot counts each operation serves gathered (up to the H200's ridge, 206 rows)."""
+    adapter's) feed the four forms (Q's in its batch rows in decode; the MLP's gate and up in one GEMM), the pass
+    equals the torch execution, and the attestation lists the slot counts each operation serves gathered (up to the H200's ridge, 206 rows)."""
     from mixed_world import gathering_table
 
     from vskipper.mixed import gathered
 
     calls, merges = [], []
-    for name in GATHERED_FORMS:
+    for name in {*GATHERED_FORMS["decode"], *GATHERED_FORMS["prefill"]}:
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     monkeypatch.setattr(gathered, "merged_rows", lambda *a, real=gathered.merged_rows: merges.append(real(*a))
@@ -212,7 +244,7 @@ def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution
     run_t, w = world.route(run)
     execution = served.CohortExecution("triton", gathering_table(), prefill_read="packed")
     y_gathered, kv_gathered = _pass(world, extend, x, run_t, w, execution)
-    assert set(calls) == set(GATHERED_FORMS)
+    assert set(calls) == set(GATHERED_FORMS[phase])
     # The MLP's gate and up (gate_up_proj's halves) in one GEMM; the adapter's, weights of their own, in two.
     assert [m is not None for m in merges] == [True, False]
     y_torch, kv_torch = _pass(world, extend, x, run_t, w, served.TORCH_EXECUTION)

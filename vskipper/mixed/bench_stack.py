@@ -202,6 +202,7 @@ class StackLayerOps:
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
+        self.decoding = batch.phase == "decode"
 
     def _positions(self, rows: torch.Tensor | None) -> torch.Tensor:
         return self.batch.positions if rows is None else self.batch.positions.index_select(0, rows)
@@ -220,6 +221,9 @@ class StackLayerOps:
     def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor):
         return (self.attn.rotate_q(q, self._positions(rows)).reshape(q.shape[0], -1), *self.kv(u))
 
+    def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor):
+        return (self.attn.rotate_q(q, self.batch.positions).reshape(q.shape[0], -1), *self.kv(u))
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         b, a = self.batch, self.attn
         self.cache.write(self.layer.layer_id, self.cache.write_slots(b.req_indices, b.positions, b.valid),
@@ -232,6 +236,18 @@ class StackLayerOps:
         out = a._read(q.view(q.shape[0], a.heads, a.head_dim), self.cache, self.layer.layer_id, req,
                       self._positions(rows), valid if reads is None else valid & reads, b.phase, self.impl)
         return out.reshape(q.shape[0], -1)
+
+    def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
+        b, a = self.batch, self.attn
+        if self.impl != "triton":  # the torch reads take their queries packed
+            return self.read(q.index_select(0, rows), rows, reads)
+        from vskipper.mixed.kernels import masked_decode_attention
+
+        out = masked_decode_attention(q.view(q.shape[0], a.heads, a.head_dim), self.cache.k[self.layer.layer_id],
+                                      self.cache.v[self.layer.layer_id], self.cache.req_to_token, b.req_indices,
+                                      b.positions, reads & b.valid.index_select(0, rows),
+                                      1.0 / math.sqrt(a.head_dim), idx=rows)
+        return out.reshape(rows.shape[0], -1)
 
     def o_proj(self, a: torch.Tensor) -> torch.Tensor:
         return self.attn.o_proj(a)

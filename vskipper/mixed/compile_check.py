@@ -116,8 +116,8 @@ def _gemm_args(op: str) -> tuple[str, dict, list[dict]]:
         args = {"x_ptr": x, "idx_ptr": idx, "count_ptr": count, "out_ptr": out, "N": n, "K": k,
                 "stride_xm": x.stride(0), "stride_xk": x.stride(1), "stride_wn": w.stride(0),
                 "stride_wk": w.stride(1), "stride_om": out.stride(0), "stride_on": out.stride(1)}
-        if op == "attn_q":
-            return "cohort_gemm_kernel", {**args, "w_ptr": w}, [{}]
+        if op == "attn_q":  # packed (prefill), and into the RUN rows' batch rows (decode)
+            return "cohort_gemm_kernel", {**args, "w_ptr": w}, [{"SCATTER": False}, {"SCATTER": True}]
         return "cohort_gate_up_kernel", {**args, "wg_ptr": w, "wu_ptr": w}, [{}]
     a, w, y = _t(ROWS, k), _t(n, k), _t(ROWS, n)
     args = {"a_ptr": a, "idx_ptr": idx, "count_ptr": count, "wd_ptr": w, "y_ptr": y, "D": n, "N": k,
@@ -160,11 +160,14 @@ def _attention_launches(read_tile) -> list[Launch]:
              "stride_kh": k_pool.stride(1), "stride_r2t": r2t.stride(0)}
     mid_o = _t(ROWS, HEADS, splits, HEAD_DIM, dtype=torch.float32)
     mid_ml = _t(ROWS, HEADS, splits, 2, dtype=torch.float32)
-    launches = [
-        _launch("masked_decode_split_kernel",
-                {**reads, "mid_o_ptr": mid_o, "mid_ml_ptr": mid_ml, "stride_qr": q.stride(0), "stride_qh": q.stride(1)},
+    slots = _t(ROWS, dtype=torch.int64)  # the cohort's packed slots (the run map)
+    split = {**reads, "mid_o_ptr": mid_o, "mid_ml_ptr": mid_ml, "stride_qr": q.stride(0), "stride_qh": q.stride(1)}
+    launches = [  # the served decode read gathers its slots' rows (GATHER); the bench stack's dense one does not
+        _launch("masked_decode_split_kernel", {**split, "idx_ptr": slots if gather else read},
                 {"GROUP": group, "BLOCK_G": kn.masked_decode_block_g(group), "HEAD_DIM": HEAD_DIM,
-                 "BLOCK_T": kn.MASKED_DECODE_BLOCK_T, "SPLITS": splits}, 4, 3),
+                 "BLOCK_T": kn.MASKED_DECODE_BLOCK_T, "SPLITS": splits, "GATHER": gather}, 4, 3)
+        for gather in (True, False)
+    ] + [
         _launch("masked_decode_merge_kernel",
                 {"mid_o_ptr": mid_o, "mid_ml_ptr": mid_ml, "read_ptr": read, "out_ptr": q, "stride_or": q.stride(0),
                  "stride_oh": q.stride(1)},

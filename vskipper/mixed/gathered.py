@@ -13,6 +13,9 @@ times these functions). `TileTable.gathers` picks, per operation and capacity, t
 Contracts as the kernels', except where noted:
 
   gathered_gemm        A[m] = X[idx[m]] @ W^T for m < count; rows >= count of `out` untouched (zeros without it)
+  batch_rows_gemm      A[r] = X[r] @ W^T for every row r of X: the form of `cohort_gemm(batch_rows=True)`, whose
+                       cohort rows land in their batch rows and whose other rows hold no meaning, so nothing is
+                       gathered or masked (where X has C rows, the same cuBLAS GEMM over C rows)
   gathered_gate_up     A[m] = silu(X[idx[m]] W_gate^T) * (X[idx[m]] W_up^T) for m < count; without `out`, rows
                        >= count hold values of no meaning (the kernel leaves them unwritten). Where W_up's rows
                        follow W_gate's in memory (the halves of SGLang's merged `gate_up_proj`), one GEMM over
@@ -44,6 +47,10 @@ def gathered_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: to
     if out is None:
         return _masked(live, values)
     return out.copy_(torch.where(live[:, None], values, out))
+
+
+def batch_rows_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.t()
 
 
 def merged_rows(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor | None:

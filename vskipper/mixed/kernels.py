@@ -20,6 +20,7 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
 `cohort_gemm_kernel`
     Reads   X[idx[m], :] for m < count, W [N, K]
     Writes  A[m, :] = X[idx[m]] @ W^T for m < count, packed; rows >= count are not written
+            (SCATTER: A[idx[m], :] instead, in the cohort's batch rows; rows outside the cohort are not written)
     Grid    (cdiv(C, BLOCK_M), cdiv(N, BLOCK_N))
     (the RUN cohort's Q projection; with the down kernel unweighted, its o_proj scatters h[idx[m]] += A[m] @ W_o^T)
 
@@ -50,7 +51,13 @@ import torch
 import triton
 import triton.language as tl
 
-from vskipper.mixed.gathered import gathered_down, gathered_gate_up, gathered_gemm, gathered_scatter_add
+from vskipper.mixed.gathered import (
+    batch_rows_gemm,
+    gathered_down,
+    gathered_gate_up,
+    gathered_gemm,
+    gathered_scatter_add,
+)
 from vskipper.mixed.tiles import DEFAULT_READ_TILE, ReadTile, Tile, TileTable, tile_table_for
 
 # Under the interpreter (tests on CPU) small tiles keep the numpy emulation quick.
@@ -131,7 +138,8 @@ def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, 
 @triton.jit
 def cohort_gemm_kernel(x_ptr, idx_ptr, count_ptr, w_ptr, out_ptr, N, K,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SCATTER: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     count = tl.load(count_ptr)
@@ -153,7 +161,10 @@ def cohort_gemm_kernel(x_ptr, idx_ptr, count_ptr, w_ptr, out_ptr, N, K,
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if SCATTER:  # each cohort row's result in its batch row
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    else:
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -217,18 +228,29 @@ def _gathers(tiles: TileTable | Tile | None, op: str, capacity: int) -> bool:
 
 
 def cohort_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torch.Tensor,
-                out: torch.Tensor | None = None, tile: TileTable | Tile | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, tile: TileTable | Tile | None = None,
+                batch_rows: bool = False) -> torch.Tensor:
     """A [C, N] with rows m < count set to x[idx[m]] @ W^T (packed), rows >= count untouched (zeros when
-    `out` is not given). A table may serve it in the gathered form (`vskipper.mixed.gathered`)."""
+    `out` is not given). A table may serve it in the gathered form (`vskipper.mixed.gathered`).
+
+    `batch_rows`: A [len(x), N] in x's rows instead, row idx[m] set to x[idx[m]] @ W^T for m < count; the rows
+    outside the cohort hold values of no meaning (nothing zeroes them: their readers skip them). Its gathered form
+    multiplies every row of x (`batch_rows_gemm`)."""
     capacity, (n, k) = idx.shape[0], w.shape
+    if batch_rows and out is not None:
+        raise ValueError("cohort_gemm stores its batch rows into storage of its own: no `out` with batch_rows")
     if _gathers(tile, "attn_q", capacity):
-        return gathered_gemm(x, idx, count, w, out)
-    out = torch.zeros(capacity, n, dtype=x.dtype, device=x.device) if out is None else out
+        return batch_rows_gemm(x, w) if batch_rows else gathered_gemm(x, idx, count, w, out)
+    if batch_rows:
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    elif out is None:
+        out = torch.zeros(capacity, n, dtype=x.dtype, device=x.device)
     t = _grid_tile("attn_q", capacity, x, tile)
     grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(n, t.block_n))
     cohort_gemm_kernel[grid](x, idx, count, w, out, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                              out.stride(0), out.stride(1), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                             BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
+                             BLOCK_K=t.block_k, SCATTER=batch_rows, num_warps=t.num_warps,
+                             num_stages=t.num_stages)
     return out
 
 
@@ -341,10 +363,10 @@ def _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, req, kvh, offs_t, offs_d, t_ma
 
 
 @triton.jit
-def masked_decode_split_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, mid_o_ptr, mid_ml_ptr,
-                               scale, stride_qr, stride_qh, stride_ks, stride_kh, stride_r2t,
+def masked_decode_split_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, idx_ptr, mid_o_ptr,
+                               mid_ml_ptr, scale, stride_qr, stride_qh, stride_ks, stride_kh, stride_r2t,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               BLOCK_T: tl.constexpr, SPLITS: tl.constexpr):
+                               BLOCK_T: tl.constexpr, SPLITS: tl.constexpr, GATHER: tl.constexpr = False):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -354,12 +376,16 @@ def masked_decode_split_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, r
     offs_d = tl.arange(0, HEAD_DIM)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
-    req = tl.load(req_ptr + row)
-    length = tl.load(pos_ptr + row) + 1
+    if GATHER:  # slot `row` reads for batch row idx[row]: its query, request and position are that row's
+        src = tl.load(idx_ptr + row)
+    else:
+        src = row
+    req = tl.load(req_ptr + src)
+    length = tl.load(pos_ptr + src) + 1
     span = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_T) * BLOCK_T  # this row's span per split, whole tiles
     lo = split * span
     hi = tl.minimum(lo + span, length)
-    q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
+    q = tl.load(q_ptr + src * stride_qr + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
                 other=0.0)
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -420,7 +446,7 @@ def decode_splits(max_context: int, block_t: int) -> int:
 def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             req_to_token: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor,
                             reads: torch.Tensor, scale: float, block_t: int = MASKED_DECODE_BLOCK_T,
-                            splits: int | None = None) -> torch.Tensor:
+                            splits: int | None = None, idx: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention with a row mask, split over the context (split-KV), capture-safe (no host read).
 
     Reads   q [rows, heads, hd]; for each row with reads[row]: the slots req_to_token[req, 0..pos] of the K/V
@@ -429,8 +455,13 @@ def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     Grid    split: (rows, kv_heads, splits), each program one split of its row's context (whole tiles of
             `block_t`), the query heads of one KV head sharing its loads (grouped-query attention);
             merge: (rows, heads), the splits' partials weighed by their maxima
+
+    With `idx` (int64 [C], a cohort's packed slots): slot m reads for batch row idx[m], its query q[idx[m]], request
+    req_indices[idx[m]] and position positions[idx[m]] (q, req_indices and positions in batch rows), where
+    reads[m]; out is [C, heads, hd], packed. The kernel gathers them itself: no gathers launched before it.
     """
-    rows, heads, head_dim = q.shape
+    heads, head_dim = q.shape[1:]
+    rows = q.shape[0] if idx is None else idx.shape[0]
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
     if head_dim & (head_dim - 1) or head_dim < 16:
@@ -438,15 +469,15 @@ def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     if splits is None:
         splits = decode_splits(req_to_token.shape[1], block_t)
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     read = reads.contiguous() if reads.dtype == torch.bool else reads.to(torch.bool)  # loaded as int1, no cast
     mid_o = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
     mid_ml = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
     masked_decode_split_kernel[(rows, kv_heads, splits)](
-        q, k_pool, v_pool, req_to_token, req_indices, positions, read, mid_o, mid_ml, scale,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        q, k_pool, v_pool, req_to_token, req_indices, positions, read, read if idx is None else idx, mid_o, mid_ml,
+        scale, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         GROUP=group, BLOCK_G=masked_decode_block_g(group), HEAD_DIM=head_dim, BLOCK_T=block_t,
-        SPLITS=splits)
+        SPLITS=splits, GATHER=idx is not None)
     masked_decode_merge_kernel[(rows, heads)](
         mid_o, mid_ml, read, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits))

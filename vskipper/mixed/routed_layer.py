@@ -35,11 +35,14 @@ Two executions of the same semantics:
   triton  (GPU decode and prefill: the served layer on CUDA and the bench stack's decode) every kernel keeps its
           launch shape for the pass's rows and bounds its work by a device count (`vskipper.mixed.cohorts`,
           packed by a device prefix sum): K/V over every row; the RUN cohort's Q as a count-bounded GEMM over its
-          gathered rows, q_norm, then RoPE with every row's K (`LayerOps.packed_q_kv`: one call where the host
-          can, the queries in their batch slots), the host's read over the packed slots (`reads`
-          marks the live ones, where slots past the count read nothing: the masked decode read; in prefill the
-          packed flash-attention over each slot's request, or the host's attention backend, which the RUN rows'
-          queries enter in their batch slots), o_proj as a count-bounded GEMM scattered onto the RUN rows'
+          gathered rows, q_norm, then RoPE with every row's K in one call where the host can, then the read over
+          the cohort's packed slots (`reads` marks the live ones; slots past the count read nothing). In decode the
+          Q GEMM stores each RUN row's query in its batch row, which RoPE rotates beside every row's key
+          (`LayerOps.batch_q_kv`), and the masked decode read gathers each slot's query, request and position
+          itself (`LayerOps.read_cohort`): no gather or scatter launched around them. In prefill the queries are
+          packed (`LayerOps.packed_q_kv` rotates them in their batch slots) for the packed flash-attention over
+          each slot's request, or the host's attention backend, which the RUN rows' queries enter in their batch
+          slots. Then o_proj as a count-bounded GEMM scattered onto the RUN rows'
           residual; the cohort FFNs, each storing its rows of the branch output. No host read, no all-RUN test (a
           pass with every row RUN runs the same kernels at the full count); a Project-Only row computes its K/V
           and the adapter alone: no Q, no read (through the backend, a zero query whose output is dropped), no
@@ -77,6 +80,7 @@ class LayerOps(Protocol):
 
     post_attention_layernorm: nn.Module
     projector: nn.Module  # the FlexiDepth adapter (`ProjectorAdapter`): d -> m -> d
+    decoding: bool  # a decode pass (one new token a request): the triton execution's queries stay in batch rows
 
     def attention(self, u: torch.Tensor) -> torch.Tensor:
         """The host's dense attention over every row (K/V write, read, o_proj): the all-RUN fast path."""
@@ -90,9 +94,14 @@ class LayerOps(Protocol):
 
     def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor,
                     reads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, k, v) for the triton execution: its packed queries q [C, heads * hd] (slot m of batch row rows[m],
-        live where `reads`, after its cohort Q GEMM) normed (Qwen3) and rotated, and every row's k, v of u, where
-        the host may rotate both in one call."""
+        """(q, k, v) for the triton execution's prefill: its packed queries q [C, heads * hd] (slot m of batch row
+        rows[m], live where `reads`, after its cohort Q GEMM) normed (Qwen3) and rotated, and every row's k, v of u,
+        where the host may rotate both in one call."""
+
+    def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) for the triton execution's decode: its queries q [rows, heads * hd] in batch rows (the RUN
+        rows' from the cohort Q GEMM, the other rows' of no meaning) normed (Qwen3) and rotated with every row's
+        k, v of u, in one call where the host can; nothing gathered or scattered."""
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write every row's k, v [rows, ...] (batch order) to the host's KV cache at this layer."""
@@ -100,6 +109,12 @@ class LayerOps(Protocol):
     def read(self, q: torch.Tensor, rows: torch.Tensor | None, reads: torch.Tensor | None = None) -> torch.Tensor:
         """The attention read [n, heads * hd] of query rows q over the KV cache. `reads` (bool [n]): rows outside
         it read nothing and yield zero."""
+
+    def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
+        """The triton execution's decode read over a cohort's packed slots: slot m, where reads[m], reads for
+        batch row rows[m] with its query q[rows[m]] (q [n, heads * hd] in batch rows, `batch_q_kv`); [len(rows),
+        heads * hd], packed, zeros for slots outside `reads`. The read gathers the rows' queries, requests and
+        positions itself: no gather launched before it."""
 
     def o_proj(self, a: torch.Tensor) -> torch.Tensor:
         """The output projection, reduced across the host's tensor-parallel group."""
@@ -169,12 +184,21 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
 
     w_q, b_q, w_o = ops.attention_weights()
     idx, n_run = cohorts.run_idx, cohorts.n_run
-    q = cohort_gemm(u, idx, n_run, w_q, tile=tiles)  # packed: slot m < n_run holds RUN row idx[m], zeros after
+    decoding = ops.decoding
+    # decode: the RUN rows' queries in their batch rows (the others' of no meaning), rotated beside every row's key
+    # and gathered by the read itself; prefill: packed, slot m < n_run holding RUN row idx[m] (zeros after), as the
+    # packed prefill read takes them
+    q = cohort_gemm(u, idx, n_run, w_q, tile=tiles, batch_rows=decoding)
     if b_q is not None:
         q += b_q
-    q, k, v = ops.packed_q_kv(u, q, idx, cohorts.live)  # k, v: every row's, in batch order
-    ops.write_kv(k, v)
-    a = ops.read(q, idx, reads=cohorts.live)  # the slots that hold a RUN row read
+    if decoding:
+        q, k, v = ops.batch_q_kv(u, q)  # k, v: every row's, in batch order
+        ops.write_kv(k, v)
+        a = ops.read_cohort(q, idx, cohorts.live)  # packed: the slots that hold a RUN row read
+    else:
+        q, k, v = ops.packed_q_kv(u, q, idx, cohorts.live)
+        ops.write_kv(k, v)
+        a = ops.read(q, idx, reads=cohorts.live)
     h = x.clone()  # Project-Only rows: h = x
     cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)
     # Every row is in exactly one cohort (n_run + n_proj = rows), so each branch stores its rows of delta: no

@@ -154,8 +154,10 @@ def shape_calls(op: str, rows: int, w1: torch.Tensor, w2: torch.Tensor, g: torch
     `op` over a cohort map of `rows` slots in a batch twice that size, with a random row map: what the tuner and
     `benchmarks/mixed_depth_bench.py` time side by side. The kernel takes a tile and optionally a device count
     (every slot live by default); the third value is the count of half the slots. w1 [N, K] is the weight
-    (gate-up: the gate; down: W_down), w2 the gate-up's up weight."""
-    from vskipper.mixed.gathered import gathered_down, gathered_gate_up, gathered_gemm, gathered_scatter_add
+    (gate-up: the gate; down: W_down), w2 the gate-up's up weight. Q (`attn_q`) is timed in its decode forms,
+    which a captured decode graph serves: into the batch rows of a batch of `rows` rows (`batch_rows`; a prefill's
+    packed form costs the kernel the same, its gathered form a gather and a mask more)."""
+    from vskipper.mixed.gathered import batch_rows_gemm, gathered_down, gathered_gate_up, gathered_scatter_add
     from vskipper.mixed.kernels import cohort_down_scatter, cohort_gate_up, cohort_gemm, cohort_scatter_add
 
     batch, k_dim, n_dim = 2 * rows, w1.shape[1], w1.shape[0]
@@ -167,8 +169,9 @@ def shape_calls(op: str, rows: int, w1: torch.Tensor, w2: torch.Tensor, g: torch
         return (lambda: gathered_gate_up(x, idx, count, w1, w2),
                 lambda tile, n=count: cohort_gate_up(x, idx, n, w1, w2, tile=tile), half)
     if op == "attn_q":
-        return (lambda: gathered_gemm(x, idx, count, w1),
-                lambda tile, n=count: cohort_gemm(x, idx, n, w1, tile=tile), half)
+        x_rows, rows_idx = x[:rows], torch.randperm(rows, generator=g).to(device)
+        return (lambda: batch_rows_gemm(x_rows, w1),
+                lambda tile, n=count: cohort_gemm(x_rows, rows_idx, n, w1, tile=tile, batch_rows=True), half)
     packed = torch.randn(rows, k_dim, generator=g).to(device, dtype)
     y = torch.zeros(batch, n_dim, device=device, dtype=dtype)
     if op == "attn_o":

@@ -6,8 +6,8 @@ SGLang's own modules (`SGLangLayerOps`):
 
   every row          K and V (the K/V rows of `qkv_proj` through its linear method, one projection over the
                      batch; Qwen3: k_norm, then RoPE), written to the KV pool (`set_kv_buffer`, Invariant 1)
-  RUN rows           Q (the Q rows of `qkv_proj`; Qwen3: q_norm, then RoPE: the torch execution rotates them in
-                     one call with every row's K, their queries in batch slots), the RUN-masked attention read over
+  RUN rows           Q (the Q rows of `qkv_proj`; Qwen3: q_norm, then RoPE, in one call with every row's K, the
+                     queries in their batch rows), the RUN-masked attention read over
                      SGLang's KV pool, `o_proj`, the MLP (`gate_up_proj`/`down_proj` through their linear
                      methods, so quantization and the tensor-parallel reduction stay SGLang's)
   Project-Only rows  the adapter: no Q, no attention read, no `o_proj`, no MLP
@@ -19,8 +19,9 @@ Rows of dense-mode requests in a routed pass RUN with unit weight (the tape's `d
 the dense forward computes. The attention read is `vskipper.mixed.attention`'s over SGLang's token-level page
 table (`req_to_token`): only RUN rows read. On CPU (the torch execution) decode reads with SGLang's torch-native
 decode read over the RUN rows alone (`DECODE_READS`) and prefill with SDPA per request over every token's K/V; the
-triton execution (CUDA) decodes with the masked split-KV kernel and prefills with the packed flash-attention over
-the RUN cohort's slots (`PREFILL_READS`). Off CPU a routed pass, decode or
+triton execution (CUDA) decodes with the masked split-KV kernel, which gathers each RUN slot's query, request and
+position from the batch rows itself, and prefills with the packed flash-attention over the RUN cohort's slots
+(`PREFILL_READS`). Off CPU a routed pass, decode or
 prefill, reads no tensor value on the host (the triton execution, `CohortExecution`): cohort sizes are device
 counts, and the counters are read from the tape after the forward without waiting for the device
 (`Runtime.finish`).
@@ -286,10 +287,11 @@ class SGLangLayerOps:
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
+        self.decoding = forward_batch.forward_mode.is_decode()
 
     def _positions(self, rows: torch.Tensor | None) -> torch.Tensor:
-        """The positions of batch rows `rows` (gathered once per layer for the same rows: Q's rotation and the
-        decode read both ask for the RUN cohort's)."""
+        """The positions of batch rows `rows`, for the reads of packed rows (gathered once per layer for the same
+        rows)."""
         if rows is None:
             return self.positions
         if self._gathered is None or self._gathered[0] is not rows:
@@ -335,6 +337,11 @@ class SGLangLayerOps:
         q, k = a.rotary_emb(self.positions, in_batch_slots(self._q_norm(q), rows, k.shape[0], reads), k)
         return q.index_select(0, rows), k, v
 
+    def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor):
+        k, v = self._kv(u)
+        q, k = self.attn.rotary_emb(self.positions, self._q_norm(q), k)
+        return q, k, v
+
     def _q_norm(self, q: torch.Tensor) -> torch.Tensor:
         """Qwen3's per-head q_norm (before RoPE); other families' q as it is."""
         a = self.attn
@@ -362,14 +369,6 @@ class SGLangLayerOps:
                                            get_req_to_token_pool().req_to_token, req, self._positions(rows), reads,
                                            a.attn.scaling, tile=self.read_tile)
             return out.reshape(q.shape[0], -1)
-        if self.backend == "triton":  # decode over the packed cohort slots (launch shape: the capacity); slots
-            # outside `reads` read nothing
-            from vskipper.mixed.kernels import masked_decode_attention
-
-            out = masked_decode_attention(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid),
-                                          get_req_to_token_pool().req_to_token, req, self._positions(rows),
-                                          reads, a.attn.scaling)
-            return out.reshape(q.shape[0], -1)
         if self.prefill_read == "backend" and not self.fb.forward_mode.is_decode():
             return self._backend_read(q, rows)
         if self.fb.forward_mode.is_decode():  # `DECODE_READS`
@@ -381,6 +380,20 @@ class SGLangLayerOps:
         out = read(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
                    req, self._positions(rows), a.attn.scaling, reads, **kwargs)
         return out.reshape(q.shape[0], -1)
+
+    def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
+        """The masked decode read over the cohort's packed slots (launch shape: the capacity), each slot's query,
+        request slot and position gathered by the kernel from the batch rows; slots outside `reads` read
+        nothing."""
+        from vskipper.mixed.kernels import masked_decode_attention
+
+        a = self.attn
+        pool = get_token_to_kv_pool()
+        lid = a.attn.layer_id
+        out = masked_decode_attention(q.view(q.shape[0], a.num_heads, a.head_dim), pool.get_key_buffer(lid),
+                                      pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
+                                      self.plan.req_rows, self.positions, reads, a.attn.scaling, idx=rows)
+        return out.reshape(rows.shape[0], -1)
 
     def _backend_decode_read(self, q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """The decode read of `DECODE_READS['backend']`: SGLang's attention layer and torch-native backend over the
@@ -536,6 +549,7 @@ class RoutedLayerMixin:
                              read_tile=execution.tiles.read_tile if execution.tiles is not None else None)
         if self._slot.part_clock is not None:  # the read the body takes, whichever it is, is the clock's `read`
             ops.read = self._slot.part_clock.timed(ops.read, "read")
+            ops.read_cohort = self._slot.part_clock.timed(ops.read_cohort, "read")
         if triton:
             return routed_layer(ops, x, u, run, weights, "triton", step.builder.build(run, fused=True),
                                 execution.tiles)
