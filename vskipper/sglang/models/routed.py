@@ -308,7 +308,8 @@ class SGLangLayerOps:
         return k, v
 
     def _kv(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's k (Qwen3: normed; not rotated), contiguous, and v."""
+        """Every row's k (Qwen3: normed; not rotated) and v: Llama's k and v are views of the K/V projection's rows,
+        strided as upstream's views of `qkv_proj`'s output are (RoPE and the KV write take them so): no copy."""
         a = self.attn
         if kv_only_supported(a.qkv_proj):
             kv = row_projection(a.qkv_proj, slice(a.q_size, None), u)
@@ -318,7 +319,7 @@ class SGLangLayerOps:
         k, v = kv.split([a.kv_size, a.kv_size], dim=-1)
         if hasattr(a, "k_norm"):  # Qwen3: per-head k_norm before RoPE
             return a.k_norm(k.reshape(-1, a.head_dim)).view(k.shape), v
-        return k.contiguous(), v
+        return k, v
 
     def q_kv(self, u: torch.Tensor, rows: torch.Tensor):
         a = self.attn
