@@ -51,6 +51,7 @@ from sglang.srt.model_executor.forward_context import (
     get_token_to_kv_pool,
 )
 from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
+from sglang.srt.models.utils import apply_qk_norm
 from sglang.srt.utils.common import use_intel_amx_backend
 
 from vskipper.mixed.attention import paged_attention, prefill_attention
@@ -307,9 +308,10 @@ class SGLangLayerOps:
         _, k = self.attn.rotary_emb(self.positions, k[:, : self.attn.head_dim].clone(), k)
         return k, v
 
-    def _kv(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's k (Qwen3: normed; not rotated) and v: Llama's k and v are views of the K/V projection's rows,
-        strided as upstream's views of `qkv_proj`'s output are (RoPE and the KV write take them so): no copy."""
+    def _kv(self, u: torch.Tensor, normed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's k (Qwen3: normed, unless `normed` is False; not rotated) and v: views of the K/V
+        projection's rows, strided as upstream's views of `qkv_proj`'s output are (RoPE, k_norm and the KV write
+        take them so): no copy."""
         a = self.attn
         if kv_only_supported(a.qkv_proj):
             kv = row_projection(a.qkv_proj, slice(a.q_size, None), u)
@@ -317,7 +319,7 @@ class SGLangLayerOps:
             qkv = a.qkv_proj(u)[0]
             self.q_all, kv = qkv[:, : a.q_size], qkv[:, a.q_size:]
         k, v = kv.split([a.kv_size, a.kv_size], dim=-1)
-        if hasattr(a, "k_norm"):  # Qwen3: per-head k_norm before RoPE
+        if normed and hasattr(a, "k_norm"):  # Qwen3: per-head k_norm before RoPE
             return a.k_norm(k.reshape(-1, a.head_dim)).view(k.shape), v
         return k, v
 
@@ -333,14 +335,24 @@ class SGLangLayerOps:
 
     def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor):
         a = self.attn
-        k, v = self._kv(u)
+        q, k, v = self._qk_normed(u, q)  # q packed, as many slots as k has rows
         # One rotary call for both, as `q_kv`: the packed queries in their batch slots beside every row's key.
-        q, k = a.rotary_emb(self.positions, in_batch_slots(self._q_norm(q), rows, k.shape[0], reads), k)
+        q, k = a.rotary_emb(self.positions, in_batch_slots(q, rows, k.shape[0], reads), k)
         return q.index_select(0, rows), k, v
 
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor):
-        k, v = self._kv(u)
-        q, k = self.attn.rotary_emb(self.positions, self._q_norm(q), k)
+        q, k, v = self._qk_normed(u, q)
+        q, k = self.attn.rotary_emb(self.positions, q, k)
+        return q, k, v
+
+    def _qk_normed(self, u: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) before RoPE, q with as many rows as the pass: Qwen3's q_norm and k_norm as upstream's layer
+        applies them (`apply_qk_norm`: on CUDA one fused launch, in place, with no copy of k), other families' q
+        and k as they are."""
+        a = self.attn
+        k, v = self._kv(u, normed=False)
+        if hasattr(a, "k_norm"):
+            q, k = apply_qk_norm(q, k, a.q_norm, a.k_norm, a.head_dim)
         return q, k, v
 
     def _q_norm(self, q: torch.Tensor) -> torch.Tensor:
