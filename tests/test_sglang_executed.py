@@ -130,17 +130,15 @@ def test_a_routed_arm_launched_with_a_larger_pool_another_chunk_size_and_attenti
     assert reasons["executed.kv_pool.tokens"] == (
         "executed.kv_pool.tokens: arm 'always-route' 8192 is larger than baseline 'dense' 4096 (the arm's KV pool "
         "may not exceed the baseline's)")
-    # The dense server's chunk size is SGLang's default for the host (2048 or 4096, by the memory of its first NUMA
-    # node), the mismatched one's the flag's.
-    chunk = dense["executed"]["chunked_prefill_size"]
-    assert chunk in (2048, 4096)
-    assert f"baseline 'dense' {chunk}, arm 'always-route' 1024" in reasons["executed.chunked_prefill_size"]
+    # The dense server's chunk size is the CPU recipe's, the mismatched one's the flag's.
+    assert "baseline 'dense' 2048, arm 'always-route' 1024" in reasons["executed.chunked_prefill_size"]
     assert "baseline 'dense' 'torch_native', arm 'always-route' 'flex_attention'" in \
         reasons["executed.attention_backend.decode"]
-    (decode, prefill) = sorted(r.reason for r in execution_difference("always-route", declared, mismatched))
+    (decode, prefill, chunk) = sorted(r.reason for r in execution_difference("always-route", declared, mismatched))
     assert decode == ("arm 'always-route': executed.attention_backend.decode executed 'flex_attention', "
                       "declared 'torch_native'")
     assert "executed.attention_backend.prefill" in prefill
+    assert chunk == "arm 'always-route': executed.chunked_prefill_size executed 1024, declared 2048"
 
 
 @pytest.mark.server

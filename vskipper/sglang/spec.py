@@ -148,11 +148,13 @@ def checkpoint_config(model_dir: str | Path) -> dict:
 ROUTED_GRAPH_PHASES = ("decode",)
 
 # SGLang's CPU recipe: the CPU engine (environment), torch-native attention and sampling, no grammar backend,
-# no CUDA graphs, a small KV pool. Flags after `--` are appended and override these (SGLang keeps the last).
+# no CUDA graphs, a small KV pool, a fixed prefill chunk (left to SGLang, servers started on one machine in one run
+# resolved 2048 and 4096 tokens, which the A/B's cross-arm identity gate refuses). Flags after `--` are appended and
+# override these (SGLang keeps the last).
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
              "--grammar-backend", "none", "--cuda-graph-backend-decode", "disabled",
              "--cuda-graph-backend-prefill", "disabled", "--mem-fraction-static", "0.1",
-             "--max-total-tokens", "4096")
+             "--max-total-tokens", "4096", "--chunked-prefill-size", "2048")
 # SGLang on CUDA without its kernel wheels: the pure-Triton attention backend (else it picks fa3 on Hopper), torch
 # sampling, no grammar backend, full decode graphs (torch.cuda.CUDAGraph only), no prefill graphs (piecewise
 # prefill graphs need sgl_kernel.weak_ref_tensor).
