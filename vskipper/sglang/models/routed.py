@@ -283,7 +283,6 @@ class SGLangLayerOps:
         self.backend, self.prefill_read, self.decode_read = backend, prefill_read, decode_read
         self.read_tile = read_tile  # the packed prefill read's launch on a GPU (the device table's)
         self.written: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's K/V of this pass, once written
-        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, their positions), `_positions`
         self.q_all: torch.Tensor | None = None  # every row's Q, where `kv` ran the whole qkv_proj (no row view)
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
@@ -291,13 +290,8 @@ class SGLangLayerOps:
         self.decoding = forward_batch.forward_mode.is_decode()
 
     def _positions(self, rows: torch.Tensor | None) -> torch.Tensor:
-        """The positions of batch rows `rows`, for the reads of packed rows (gathered once per layer for the same
-        rows)."""
-        if rows is None:
-            return self.positions
-        if self._gathered is None or self._gathered[0] is not rows:
-            self._gathered = (rows, self.positions.index_select(0, rows))
-        return self._gathered[1]
+        """The positions of batch rows `rows`, for the reads of packed rows (one read a layer asks for them)."""
+        return self.positions if rows is None else self.positions.index_select(0, rows)
 
     def attention(self, u: torch.Tensor) -> torch.Tensor:
         return self.attn(positions=self.positions, hidden_states=u, forward_batch=self.fb)
@@ -347,8 +341,8 @@ class SGLangLayerOps:
 
     def _qk_normed(self, u: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) before RoPE, q with as many rows as the pass: Qwen3's q_norm and k_norm as upstream's layer
-        applies them (`apply_qk_norm`: on CUDA one fused launch, in place, with no copy of k), other families' q
-        and k as they are."""
+        applies them (`apply_qk_norm`: in place, with no copy of k, where SGLang's fused kernel serves), other
+        families' q and k as they are."""
         a = self.attn
         k, v = self._kv(u, normed=False)
         if hasattr(a, "k_norm"):
