@@ -38,6 +38,7 @@ class LayerWorld(StandaloneLayer):
         register_configs()
         config = AutoConfig.from_pretrained(str(make_tiny_model(arch, tmp / arch)))
         super().__init__(config, layer_id=layer_id, requests=requests, slots=slots, context=context, seed=seed)
+        self.arch = arch
 
     def hidden(self, rows: int) -> torch.Tensor:
         return torch.randn(rows, self.config.hidden_size, generator=self.gen)
@@ -55,9 +56,11 @@ class LayerWorld(StandaloneLayer):
             h = x + layer.self_attn(positions=fb.positions, hidden_states=layer.input_layernorm(x), forward_batch=fb)
             return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def routed(self, fb, x: torch.Tensor, run: torch.Tensor, weights: torch.Tensor, watch=None) -> torch.Tensor:
+    def routed(self, fb, x: torch.Tensor, run: torch.Tensor, weights: torch.Tensor, watch=None,
+               x_owned: bool = False) -> torch.Tensor:
         """The routed layer's body on this pass, with the given route; `watch` (a context manager) wraps the
-        layer's forward alone (the pass is planned outside it)."""
+        layer's forward alone (the pass is planned outside it); `x_owned`: x handed over as the Llama layer hands
+        over its add-norm's residual (the body may update it in place)."""
         from contextlib import nullcontext
 
         from mixed_world import TapeSkipper
@@ -74,7 +77,7 @@ class LayerWorld(StandaloneLayer):
         self.slot.step, self.slot.plan = step, plan_pass(fb, rows)
         try:
             with self.context(), torch.no_grad(), watch or nullcontext():
-                return self.layer.mixed_depth(step, fb.positions, x, fb).output()
+                return self.layer.mixed_depth(step, fb.positions, x, fb, x_owned=x_owned).output()
         finally:
             self.slot.step = self.slot.plan = None
 

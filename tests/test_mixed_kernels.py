@@ -25,8 +25,10 @@ from vskipper.mixed.kernels import (
     packed_prefill_block_m,
 )
 from vskipper.mixed.reference import reference_forward
+from vskipper.mixed.tape import RouteTape
 from vskipper.mixed.tiles import Tile
 from vskipper.mixed.tuner import READ_CANDIDATES
+from vskipper.skippers.base import LayerRoute
 from vskipper.skippers.static_depth import StaticDepth
 from vskipper.skippers.trained_gate import FlexiDepthGate
 
@@ -303,3 +305,48 @@ def test_the_fused_cohort_maps_equal_the_torch_builders_in_one_launch(rows):
         assert got.run_idx.data_ptr() == builder.build(run, fused=True).run_idx.data_ptr()
     torch_build = builder.build(masks[2])  # the torch build over the same storage: the same maps and live slots
     assert torch.equal(torch_build.run_idx, want.run_idx) and torch.equal(torch_build.live, got.live)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recording_a_route_in_the_maps_launch_writes_what_the_tape_records_and_its_maps(rows, dense, dtype):
+    """`record_and_build` (one launch) leaves the tape as `RouteTape.record` leaves it and returns the fused maps of
+    the recorded row: for a route read through strided views (a [rows, 2] skipper output's column), fp32 weights
+    into the tape's dtype, with dense-mode rows (RUN, unit weight) and without; the other layers' rows and the
+    padding stay untouched, and the maps are the builder's storage. Into a bf16 tape the interpreter's cast
+    truncates where torch's copy (and a GPU's store) rounds to nearest: one bf16 step apart at most."""
+    gen = torch.Generator().manual_seed(rows)
+    run = torch.rand(rows, 2, generator=gen) < 0.5
+    weights = torch.rand(rows, 2, generator=gen) + 0.25
+    route = LayerRoute(run[:, :1], weights[:, 1:])  # columns of wider tensors: strides 2
+    dense_rows = (torch.rand(rows, generator=gen) < 0.4) if dense else None
+    want_tape, got_tape = (RouteTape(40, (3, 5), dtype=dtype) for _ in range(2))
+    for tape in (want_tape, got_tape):
+        tape.pad(rows)
+        tape.record(3, LayerRoute(torch.zeros(rows, 1, dtype=torch.bool), torch.full((rows, 1), 0.5)))
+    want_tape.record(5, route, dense_rows)
+    builder = CohortBuilder(40)
+    got = builder.record_and_build(got_tape, 5, route, dense_rows)
+    assert torch.equal(got_tape.run, want_tape.run)
+    if dtype == torch.float32:
+        assert torch.equal(got_tape.weights, want_tape.weights)
+    else:
+        torch.testing.assert_close(got_tape.weights, want_tape.weights, rtol=2**-7, atol=0)
+    want = build_cohorts(want_tape.layer(5, rows)[0])
+    for field in ("run_idx", "proj_idx", "n_run", "n_proj", "live"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert got.run_idx.data_ptr() == builder.build(want_tape.layer(5, rows)[0], fused=True).run_idx.data_ptr()
+
+
+def test_recording_in_the_maps_launch_refuses_what_the_tape_refuses():
+    builder, tape = CohortBuilder(4), RouteTape(8, (2,))
+    with pytest.raises(ValueError, match="exceed the cohort capacity 4"):
+        builder.record_and_build(tape, 2, LayerRoute(torch.ones(6, 1, dtype=torch.bool), torch.ones(6, 1)))
+    with pytest.raises(KeyError, match="layer 1 is not a routed layer"):
+        builder.record_and_build(tape, 1, LayerRoute(torch.ones(2, 1, dtype=torch.bool), torch.ones(2, 1)))
+    with pytest.raises(ValueError, match="weights have 3 rows, run_mask has 2"):
+        builder.record_and_build(tape, 2, LayerRoute(torch.ones(2, 1, dtype=torch.bool), torch.ones(3, 1)))
+    with pytest.raises(ValueError, match="dense_rows has shape"):
+        builder.record_and_build(tape, 2, LayerRoute(torch.ones(2, 1, dtype=torch.bool), torch.ones(2, 1)),
+                                 torch.ones(3, dtype=torch.bool))

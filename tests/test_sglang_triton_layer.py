@@ -70,12 +70,13 @@ def test_the_triton_execution_of_a_decode_pass_equals_the_torch_execution(world,
 def test_a_triton_decode_layer_launches_no_gather_scatter_or_fill_of_its_own(world):
     """What vSkipper's own code launches in a routed decode layer of the triton execution, in order (SGLang's
     modules launch what they launch in a dense layer: the K/V rows' GEMM, RoPE, the KV write, the norms): the
-    tape's two records, the cohort maps, the count-bounded Q GEMM storing each RUN row's query in its batch row
-    (K stays a view of the projection; Qwen3's q_norm and k_norm are SGLang's `apply_qk_norm`, as its own layer
-    calls it), the masked read (split and merge: each slot's query, request and position gathered by the kernel),
-    the residual's copy that o_proj's scatter adds onto, the MLP's and the adapter's kernel pairs; then the world's
-    own sum of the hand-off. No gather of queries, requests or positions, no scatter into batch slots, no zero
-    fill: on a GPU each of those is a launch of its own in every routed layer's step."""
+    cohort maps, which record the skipper's route into the tape in the same launch (no copy of their own), the
+    count-bounded Q GEMM storing each RUN row's query in its batch row (K stays a view of the projection; Qwen3's
+    q_norm and k_norm are SGLang's `apply_qk_norm`, as its own layer calls it), the masked read (split and merge: each slot's query, request and position gathered by the kernel),
+    o_proj's scatter onto the residual the host handed over (no copy of it first), the MLP's and the adapter's
+    kernel pairs; then the world's own sum of the hand-off. No gather of queries, requests or positions, no scatter
+    into batch slots, no zero fill, no copy of the route or of the residual: on a GPU each of those is a launch of
+    its own in every routed layer's step."""
     from mixed_world import OwnLaunches
 
     launches = OwnLaunches()
@@ -83,15 +84,64 @@ def test_a_triton_decode_layer_launches_no_gather_scatter_or_fill_of_its_own(wor
     world.slot.execution = served.cohort_execution([world.layer], torch.device("cpu"), "triton")
     try:
         world.routed(world.batch({0: 1, 1: 1, 2: 1, 3: 1}), world.hidden(4), *world.route([True, False, True, False]),
-                     watch=launches.triton())
+                     watch=launches.triton(), x_owned=world.arch == "flexidepth-llama")
     finally:
         world.slot.execution = served.TORCH_EXECUTION
         world.restore(kv0, lengths0)
+    residual_copy = [] if world.arch == "flexidepth-llama" else ["clone"]
     assert launches.launches == [
-        "copy_", "copy_", "cohort_maps_kernel", "cohort_gemm_kernel", "masked_decode_split_kernel",
-        "masked_decode_merge_kernel", "clone", "cohort_down_scatter_kernel",
+        "cohort_maps_kernel", "cohort_gemm_kernel", "masked_decode_split_kernel",
+        "masked_decode_merge_kernel", *residual_copy, "cohort_down_scatter_kernel",
         "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel",
         "add"]
+
+
+def test_the_llama_layer_hands_over_the_residual_its_add_norm_formed_never_the_embeddings(tmp_path, monkeypatch):
+    """The Llama layer hands the body the residual its fused add-norm formed (upstream's own layer updates that
+    buffer in place), never the embeddings a first layer reads. (The Qwen3 layer hands over nothing: its layer
+    boundary keeps what it folds; the launch list above pins its copy.)"""
+    from vskipper.mixed.routed_layer import Handoff
+
+    world = LayerWorld("flexidepth-llama", tmp_path)
+    owned = []
+
+    def mixed_depth(step, positions, x, forward_batch, u=None, x_owned=False):
+        owned.append(x_owned)
+        return Handoff(torch.zeros_like(x), x)
+
+    monkeypatch.setattr(world.layer, "mixed_depth", mixed_depth)
+    monkeypatch.setattr(world.layer, "routed_step", lambda: object())
+    fb, x = world.batch({0: 1, 1: 1}), world.hidden(2)
+    with world.context(), torch.no_grad():
+        world.layer.forward(fb.positions, x, fb, None)  # a first layer: x is the embeddings
+        world.layer.forward(fb.positions, x, fb, torch.zeros_like(x))
+    assert owned == [False, True]
+
+
+@pytest.mark.parametrize("execution", ["triton", "torch"])
+@pytest.mark.parametrize("run", [[True, False, True, False], [True] * 4, [False] * 4])
+def test_a_residual_handed_over_holds_the_layers_residual_and_one_kept_is_left_as_it_came(world, execution, run):
+    """With x handed over (the Llama layer's add-norm residual) the body adds o_proj's output onto x in place: the
+    layer's output is the one a kept x gives, and x then holds the hand-off's residual (h at RUN rows, x at
+    Project-Only rows); a kept x (the embeddings at a first layer, the hosts that read it again) is untouched.
+    Both executions, with both cohorts, all-RUN (the torch execution's fast path) and all-Project-Only."""
+    chosen = served.TORCH_EXECUTION if execution == "torch" else served.cohort_execution(
+        [world.layer], torch.device("cpu"), "triton")
+    extend, x, route = {0: 1, 1: 1, 2: 1, 3: 1}, world.hidden(4), world.route(run)
+    kept = x.clone()
+    y_kept, _ = _pass(world, extend, x, *route, chosen)
+    assert torch.equal(x, kept)
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    world.slot.execution = chosen
+    try:
+        y_owned = world.routed(world.batch(extend), x, *route, x_owned=True)
+    finally:
+        world.slot.execution = served.TORCH_EXECUTION
+        world.restore(kv0, lengths0)
+    torch.testing.assert_close(y_owned, y_kept, rtol=1e-5, atol=1e-5)
+    runs, proj = ([i for i, r in enumerate(run) if r == flag] for flag in (True, False))
+    assert not torch.isclose(x[runs], kept[runs]).all(dim=1).any()  # RUN rows: h = x + o_proj(...)
+    assert torch.equal(x[proj], kept[proj])  # Project-Only rows: h = x
 
 
 def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:

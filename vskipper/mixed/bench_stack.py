@@ -186,12 +186,12 @@ class DecoderLayer(nn.Module):
 
     def forward_routed(self, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
                        cohorts: Cohorts, batch: ForwardBatch, kv: PagedKVCache, backend: str,
-                       stats: LayerStats, tiles: Any = None) -> torch.Tensor:
+                       stats: LayerStats, tiles: Any = None, x_owned: bool = False) -> torch.Tensor:
         """One routed layer over the tape's run mask `run` [rows] and branch weights `weights` [rows]: the
-        shared routed-layer body over this stack's own modules."""
+        shared routed-layer body over this stack's own modules (`x_owned`: it may update x in place)."""
         stats.routed_layer_passes += 1
         return routed_layer(StackLayerOps(self, batch, kv, backend), x, u, run, weights, backend, cohorts, tiles,
-                            note=stats.note).output()
+                            note=stats.note, x_owned=x_owned).output()
 
 
 class StackLayerOps:
@@ -382,18 +382,25 @@ class BenchStack(nn.Module):
             self.stats.backends[batch.phase] = backend
             state = skipper.prepare_batch(BatchContext(x, batch.valid, self.routed_layers, batch.phase,
                                                        batch.request_keys, batch.positions))
+        owned = False  # x is a layer's output, which no one else reads (not the embeddings, nor a kept input)
         for layer in self.model.layers:
             if layer_inputs is not None:
                 layer_inputs.append(x)
             if routed and layer.routed:
                 u = layer.input_layernorm(x)
                 router = layer.router if skipper.requires_router_weights else None
-                tape.record(layer.layer_id, skipper.route(layer.layer_id, u, state, router), batch.dense_rows)
+                route = skipper.route(layer.layer_id, u, state, router)
+                if backend == "triton":  # the tape's record and the cohort maps in one launch
+                    cohorts = builder.record_and_build(tape, layer.layer_id, route, batch.dense_rows)
+                else:
+                    tape.record(layer.layer_id, route, batch.dense_rows)
+                    cohorts = builder.build(tape.layer(layer.layer_id, batch.rows)[0])
                 run, weights = tape.layer(layer.layer_id, batch.rows)
-                cohorts = builder.build(run, fused=backend == "triton")
-                x = layer.forward_routed(x, u, run, weights, cohorts, batch, kv, backend, self.stats, self.tiles)
+                x = layer.forward_routed(x, u, run, weights, cohorts, batch, kv, backend, self.stats, self.tiles,
+                                         x_owned=owned)
             else:
                 x = layer(x, batch, kv, impl)
+            owned = layer_inputs is None
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

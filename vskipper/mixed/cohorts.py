@@ -15,6 +15,9 @@ row, so a gather there is harmless; every consumer bounds its work by the count 
 `build(run_mask, fused=True)` writes the same maps with one Triton launch (`vskipper.mixed.kernels.cohort_maps`,
 the triton execution's: about nine small kernels fewer per routed layer).
 
+`record_and_build(tape, layer_id, route, dense_rows)` is `tape.record` followed by the fused build over the
+recorded row, in that one launch: the skipper's route read once, the tape's row and the maps written from it.
+
 Invariant 2: these maps are derived from the current tape and the current row set at every routed layer of
 every step. Nothing route-dependent is cached: the builder keeps only route-independent buffers (row numbers,
 output storage) that each build overwrites in full.
@@ -25,6 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vskipper.mixed.tape import RouteTape
+from vskipper.skippers.base import LayerRoute
 
 
 @dataclass
@@ -79,6 +85,27 @@ class CohortBuilder:
         n_proj = ends_proj[rows - 1 :]
         # The maps are views of the builder's buffers: the next build (the next routed layer) overwrites them.
         return Cohorts(self._run[:rows], self._proj[:rows], n_run, n_proj, row_ids < n_run)
+
+
+    def record_and_build(self, tape: RouteTape, layer_id: int, route: LayerRoute,
+                         dense_rows: torch.Tensor | None = None) -> Cohorts:
+        """`tape.record(layer_id, route, dense_rows)`, then `build(<the recorded run>, fused=True)`, in one Triton
+        launch: the tape's row holds what `record` writes (dense-mode rows RUN with unit weight), the maps are
+        those of that row."""
+        j, run, weights = tape.checked(layer_id, route)
+        rows = run.shape[0]
+        if rows > self.capacity:
+            raise ValueError(f"{rows} rows exceed the cohort capacity {self.capacity}")
+        if rows == 0:
+            raise ValueError("a routed layer needs at least one row")
+        if dense_rows is not None and dense_rows.shape != (rows,):
+            raise ValueError(f"dense_rows has shape {tuple(dense_rows.shape)}, the route {rows} rows")
+        from vskipper.mixed.kernels import cohort_maps
+
+        cohort_maps(run, self._run, self._proj, self._counts, self._live,
+                    record=(tape.run[j, :rows], tape.weights[j, :rows], weights,
+                            None if dense_rows is None else dense_rows.contiguous()))
+        return Cohorts(self._run[:rows], self._proj[:rows], self._counts[0:1], self._counts[1:2], self._live[:rows])
 
 
 def build_cohorts(run_mask: torch.Tensor) -> Cohorts:

@@ -179,13 +179,17 @@ def _attention_launches(read_tile) -> list[Launch]:
                  "BLOCK_M": kn.packed_prefill_block_m(block_g, read_tile), "BLOCK_N": read_tile.block_n},
                 read_tile.num_warps, read_tile.num_stages),
     ]
-    for rows in COHORT_MAP_ROWS:
+    for rows in COHORT_MAP_ROWS:  # as a served layer launches it: the route recorded into the tape on the way
         block = next_power_of_2(rows)
         run, idx = _t(rows, dtype=torch.bool), _t(rows, dtype=torch.int64)
-        launches.append(_launch("cohort_maps_kernel",
-                                {"run_ptr": run, "rows": rows, "run_idx_ptr": idx, "proj_idx_ptr": idx,
-                                 "counts_ptr": _t(2, dtype=torch.int64), "live_ptr": run},
-                                {"BLOCK": block}, kn.cohort_maps_warps(block), 3))
+        route_w, tape_w = _t(rows, dtype=torch.float32), _t(rows)  # a skipper's fp32 weights, the tape's dtype
+        for dense in (False, True):  # a pass with dense-mode rows, and without
+            launches.append(_launch("cohort_maps_kernel",
+                                    {"run_ptr": run, "rows": rows, "run_idx_ptr": idx, "proj_idx_ptr": idx,
+                                     "counts_ptr": _t(2, dtype=torch.int64), "live_ptr": run, "w_ptr": route_w,
+                                     "dense_ptr": run, "tape_run_ptr": run, "tape_w_ptr": tape_w, "stride_run": 1,
+                                     "stride_w": 1},
+                                    {"BLOCK": block, "RECORD": True, "DENSE": dense}, kn.cohort_maps_warps(block), 3))
     return launches
 
 

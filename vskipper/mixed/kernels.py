@@ -26,8 +26,11 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
 
 `cohort_maps_kernel`
     Reads   run[r] for r < rows (bool)
+            (RECORD: a skipper's route instead, run[r * stride_run] and weights[r * stride_w], with DENSE its
+            dense-mode rows, which RUN with unit weight whatever the route says)
     Writes  run_idx / proj_idx [rows]: the batch rows of each cohort in batch order, 0 at and past its count;
             counts [2]: (n_run, n_proj); live [rows]: m < n_run (the RUN cohort's packed slots that hold a row)
+            (RECORD: also the layer's row of the route tape, tape_run[r] and tape_w[r], from what it read)
     Grid    (1,): one program over a block of the next power of two >= rows (a prefix sum and two scatters in one
             launch, where the torch builder of `vskipper.mixed.cohorts` takes about nine)
 
@@ -305,10 +308,22 @@ def cohort_ffn_gathers(tiles: TileTable | Tile | None, op: str, capacity: int) -
 # A pass's row count changes from pass to pass: not specialized, so that no variant is compiled while serving when
 # a count first lands on 1 or a multiple of 16 (a prefill's block, a power of two, still is one per size).
 @triton.jit(do_not_specialize=["rows"])
-def cohort_maps_kernel(run_ptr, rows, run_idx_ptr, proj_idx_ptr, counts_ptr, live_ptr, BLOCK: tl.constexpr):
+def cohort_maps_kernel(run_ptr, rows, run_idx_ptr, proj_idx_ptr, counts_ptr, live_ptr,
+                       w_ptr, dense_ptr, tape_run_ptr, tape_w_ptr, stride_run, stride_w,
+                       BLOCK: tl.constexpr, RECORD: tl.constexpr, DENSE: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     in_pass = offs < rows
-    run = tl.load(run_ptr + offs, mask=in_pass, other=0).to(tl.int32)
+    if RECORD:  # the skipper's route, recorded into the tape on the way (the copies the tape would launch)
+        run = tl.load(run_ptr + offs * stride_run, mask=in_pass, other=0).to(tl.int32)
+        w = tl.load(w_ptr + offs * stride_w, mask=in_pass, other=1.0)
+        if DENSE:
+            dense = tl.load(dense_ptr + offs, mask=in_pass, other=0).to(tl.int32)
+            run = tl.maximum(run, dense)
+            w = tl.where(dense == 1, 1.0, w)
+        tl.store(tape_run_ptr + offs, run != 0, mask=in_pass)
+        tl.store(tape_w_ptr + offs, w, mask=in_pass)  # cast to the tape's dtype (on a GPU rounded to nearest)
+    else:
+        run = tl.load(run_ptr + offs, mask=in_pass, other=0).to(tl.int32)
     ends_run = tl.cumsum(run, 0)  # RUN rows at or before each row
     n_run = tl.sum(run, 0)
     ends_proj = offs + 1 - ends_run
@@ -327,15 +342,25 @@ COHORT_MAPS_MAX_ROWS = 1 << 16  # one program's block; larger passes keep the to
 
 
 def cohort_maps(run: torch.Tensor, run_idx: torch.Tensor, proj_idx: torch.Tensor, counts: torch.Tensor,
-                live: torch.Tensor) -> None:
+                live: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+                | None = None) -> None:
     """The cohort maps of one layer's run mask (bool [rows], contiguous) into the given storage, in one launch
-    (`cohort_maps_kernel`); no host read."""
+    (`cohort_maps_kernel`); no host read.
+
+    `record` = (tape_run [rows], tape_w [rows], weights [rows], dense_rows [rows] or None): `run` and `weights`
+    are then a skipper's route (any stride), which the same launch writes into the tape's row (tape_run,
+    tape_w: contiguous), the dense-mode rows RUN with unit weight, and the maps follow from what it wrote."""
     rows = run.shape[0]
     if not 0 < rows <= COHORT_MAPS_MAX_ROWS:
         raise ValueError(f"cohort_maps covers 1..{COHORT_MAPS_MAX_ROWS} rows, got {rows}")
     block = triton.next_power_of_2(rows)
-    cohort_maps_kernel[(1,)](run, rows, run_idx, proj_idx, counts, live, BLOCK=block,
-                             num_warps=cohort_maps_warps(block))
+    if record is None:
+        tape_run, tape_w, weights, dense = run, run, run, None
+    else:
+        tape_run, tape_w, weights, dense = record
+    cohort_maps_kernel[(1,)](run, rows, run_idx, proj_idx, counts, live, weights, run if dense is None else dense,
+                             tape_run, tape_w, run.stride(0), weights.stride(0), BLOCK=block, RECORD=record is not None,
+                             DENSE=dense is not None, num_warps=cohort_maps_warps(block))
 
 
 def cohort_maps_warps(block: int) -> int:

@@ -43,7 +43,8 @@ Two executions of the same semantics:
           packed (`LayerOps.packed_q_kv` rotates them in their batch slots) for the packed flash-attention over
           each slot's request, or the host's attention backend, which the RUN rows' queries enter in their batch
           slots. Then o_proj as a count-bounded GEMM scattered onto the RUN rows'
-          residual; the cohort FFNs, each storing its rows of the branch output. No host read, no all-RUN test (a
+          residual (onto x itself where the host hands x over, `x_owned`: the Llama layer's add-norm residual,
+          which upstream's own layer updates in place too; elsewhere onto a copy); the cohort FFNs, each storing its rows of the branch output. No host read, no all-RUN test (a
           pass with every row RUN runs the same kernels at the full count); a Project-Only row computes its K/V
           and the adapter alone: no Q, no read (through the backend, a zero query whose output is dropped), no
           o_proj, no MLP. Where the tile table measured cuBLAS faster than an operation's tile at a memory-bound
@@ -133,32 +134,37 @@ class LayerOps(Protocol):
 
 def routed_layer(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
                  backend: str = "torch", cohorts: Cohorts | None = None, tiles: Any = None,
-                 note: Callable[[str], None] | None = None) -> Handoff:
+                 note: Callable[[str], None] | None = None, x_owned: bool = False) -> Handoff:
     """The layer output y (as a `Handoff`) from its input x, u = LN1 x, the tape's run mask and branch weights
     [rows].
+
+    `x_owned`: the host hands x over, as upstream's fused add-norm owns the residual it updates in place; the
+    body then adds o_proj's output onto x itself, and the hand-off's residual is x (no copy of x first). Otherwise
+    x is left as it came.
 
     `note`, when given, hears the path the torch execution took ('all_run' or 'cohorts'); the triton execution
     has one path ('cohorts')."""
     if backend == "torch":
-        return _routed_torch(ops, x, u, run, weights, note)
+        return _routed_torch(ops, x, u, run, weights, note, x_owned)
     if backend == "triton":
         if cohorts is None:
             raise ValueError("backend 'triton' needs the layer's device cohort maps ('cohorts')")
         if note is not None:
             note("cohorts")
-        return _routed_triton(ops, x, u, run, weights, cohorts, tiles)
+        return _routed_triton(ops, x, u, run, weights, cohorts, tiles, x_owned)
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
 
 
 def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
-                  note: Callable[[str], None] | None) -> Handoff:
+                  note: Callable[[str], None] | None, x_owned: bool) -> Handoff:
     w = weights.view(-1, 1).to(x.dtype)
     proj_rows = torch.nonzero(~run).view(-1)
     all_run = proj_rows.shape[0] == 0
     if note is not None:
         note("all_run" if all_run else "cohorts")
     if all_run:  # the fast path: no gather, no scatter; the branch weight still scales the MLP
-        h = x + ops.attention(u)
+        a = ops.attention(u)
+        h = x.add_(a) if x_owned else x + a
         return Handoff(w * ops.mlp(ops.post_attention_layernorm(h)), h)
     # The RUN cohort's size follows from the Project-Only one: no second wait for the device.
     n_run = run.shape[0] - proj_rows.shape[0]
@@ -167,7 +173,8 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
         run_rows = torch.nonzero_static(run, size=n_run).view(-1)
         q, k, v = ops.q_kv(u, run_rows)  # q: the RUN rows'; k, v: every row's, in batch order
         ops.write_kv(k, v)
-        residual = x.index_add(0, run_rows, ops.o_proj(ops.read(q, run_rows)))  # h at the RUN rows
+        a = ops.o_proj(ops.read(q, run_rows))
+        residual = x.index_add_(0, run_rows, a) if x_owned else x.index_add(0, run_rows, a)  # h at the RUN rows
     else:
         ops.write_kv(*ops.kv(u))
     normed = ops.post_attention_layernorm(residual)  # LN2 h (RUN rows), LN2 x (Project-Only rows)
@@ -179,7 +186,7 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
 
 
 def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
-                   cohorts: Cohorts, tiles: Any) -> Handoff:
+                   cohorts: Cohorts, tiles: Any, x_owned: bool) -> Handoff:
     from vskipper.mixed.kernels import cohort_ffn_gathers, cohort_gemm, cohort_scatter_add
 
     w_q, b_q, w_o = ops.attention_weights()
@@ -199,7 +206,7 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
         q, k, v = ops.packed_q_kv(u, q, idx, cohorts.live)
         ops.write_kv(k, v)
         a = ops.read(q, idx, reads=cohorts.live)
-    h = x.clone()  # Project-Only rows: h = x
+    h = x if x_owned else x.clone()  # Project-Only rows: h = x
     cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)
     # Every row is in exactly one cohort (n_run + n_proj = rows), so each branch stores its rows of delta: no
     # zero fill, no read of delta; unless a branch's down GEMM serves in the gathered form, which adds (its

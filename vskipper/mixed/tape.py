@@ -9,7 +9,8 @@ Rows past the batch's row count hold RUN with unit weight (the padding conventio
 `pad(rows)` writes them for every layer at once, once per pass (two fills, where padding each layer's record took
 two a layer). Recording never reads a tensor value on the host and never reallocates, so a decode graph captured at
 capacity C replays with whatever routes the skipper writes at the next step; the cohort maps read the tape
-as data (`vskipper.mixed.cohorts`).
+as data (`vskipper.mixed.cohorts`). The triton execution records a layer's route in the launch that builds its
+cohort maps (`CohortBuilder.record_and_build`): the same rows written, no copy launched of their own.
 """
 
 from __future__ import annotations
@@ -56,6 +57,17 @@ class RouteTape:
 
         `dense_rows` (bool [rows]) marks rows of dense-mode requests in a mixed-mode batch: they RUN with unit
         weight whatever the skipper said, so they compute exactly what the dense forward computes."""
+        j, run, weights = self.checked(layer_id, route)
+        rows = run.shape[0]
+        if dense_rows is not None:
+            run = run | dense_rows
+            weights = torch.where(dense_rows, torch.ones((), dtype=weights.dtype, device=weights.device), weights)
+        self.run[j, :rows].copy_(run)
+        self.weights[j, :rows].copy_(weights)
+
+    def checked(self, layer_id: int, route: LayerRoute) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(the layer's tape row, run [rows], weights [rows]) of a route this tape can record: its rows within
+        the capacity, as many weights as run flags. The flat views may be strided (no copy)."""
         j = self.slot(layer_id)
         rows = route.run_mask.shape[0]
         if rows > self.capacity:
@@ -64,12 +76,7 @@ class RouteTape:
         if route.weights.shape[0] != rows:
             raise ValueError(f"route of layer {layer_id}: weights have {route.weights.shape[0]} rows, "
                              f"run_mask has {rows}")
-        run, weights = route.run_mask.reshape(-1), route.weights.reshape(-1)
-        if dense_rows is not None:
-            run = run | dense_rows
-            weights = torch.where(dense_rows, torch.ones((), dtype=weights.dtype, device=weights.device), weights)
-        self.run[j, :rows].copy_(run)
-        self.weights[j, :rows].copy_(weights)
+        return j, route.run_mask.reshape(-1), route.weights.reshape(-1)
 
     def pad(self, rows: int) -> None:
         """Every layer's rows past `rows`: RUN with unit weight (once per pass, before its layers record)."""

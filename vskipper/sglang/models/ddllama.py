@@ -23,11 +23,11 @@ class RoutedLlamaDecoderLayer(RoutedLayerMixin, LlamaDecoderLayer):
         step = self.routed_step()
         if step is None:
             return super().forward(positions, hidden_states, forward_batch, residual)
-        if residual is None:  # the first layer: its input is the embeddings
+        if residual is None:  # the first layer: its input is the embeddings, left as they are
             x, u = hidden_states, self.input_layernorm(hidden_states)
-        else:
+        else:  # x is the residual buffer the add-norm formed (on CUDA, `residual` updated in place): the layer's own
             u, x = self.input_layernorm(hidden_states, residual)
-        return tuple(self.mixed_depth(step, positions, x, forward_batch, u))
+        return tuple(self.mixed_depth(step, positions, x, forward_batch, u, x_owned=residual is not None))
 
 
 class DDLlamaForCausalLM(SkipperCausalLM, LlamaForCausalLM):

@@ -541,16 +541,21 @@ class RoutedLayerMixin:
         return step if step is not None and step.routed else None
 
     def mixed_depth(self, step: Step, positions: torch.Tensor, x: torch.Tensor, forward_batch,
-                    u: torch.Tensor | None = None) -> Handoff:
+                    u: torch.Tensor | None = None, x_owned: bool = False) -> Handoff:
         """The layer output y [rows, d], as the body's `Handoff`, from its complete input x (the residual stream
-        at the layer) and u = LN1 x (computed here when not given)."""
+        at the layer) and u = LN1 x (computed here when not given). `x_owned`: x is the residual buffer the
+        layer's add-norm formed, which the body may update in place (`routed_layer`)."""
         if u is None:
             u = self.input_layernorm(x)
         router = self.router if step.skipper.requires_router_weights else None
-        step.tape.record(self.layer_id, step.skipper.route(self.layer_id, u, step.state, router), step.dense_rows)
-        run, weights = step.tape.layer(self.layer_id, step.rows)
+        route = step.skipper.route(self.layer_id, u, step.state, router)
         execution = self._slot.execution
         triton = execution.decode == "triton"  # one execution for both phases
+        if triton:  # the tape's record and the cohort maps in one launch
+            cohorts = step.builder.record_and_build(step.tape, self.layer_id, route, step.dense_rows)
+        else:
+            step.tape.record(self.layer_id, route, step.dense_rows)
+        run, weights = step.tape.layer(self.layer_id, step.rows)
         ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton" if triton else "torch",
                              prefill_read=execution.prefill_read, decode_read=execution.decode_read,
                              read_tile=execution.tiles.read_tile if execution.tiles is not None else None)
@@ -558,9 +563,8 @@ class RoutedLayerMixin:
             ops.read = self._slot.part_clock.timed(ops.read, "read")
             ops.read_cohort = self._slot.part_clock.timed(ops.read_cohort, "read")
         if triton:
-            return routed_layer(ops, x, u, run, weights, "triton", step.builder.build(run, fused=True),
-                                execution.tiles)
-        return routed_layer(ops, x, u, run, weights)
+            return routed_layer(ops, x, u, run, weights, "triton", cohorts, execution.tiles, x_owned=x_owned)
+        return routed_layer(ops, x, u, run, weights, x_owned=x_owned)
 
 
 def split_router_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
