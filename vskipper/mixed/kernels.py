@@ -314,13 +314,13 @@ def cohort_maps_kernel(run_ptr, rows, run_idx_ptr, proj_idx_ptr, counts_ptr, liv
     offs = tl.arange(0, BLOCK)
     in_pass = offs < rows
     if RECORD:  # the skipper's route, recorded into the tape on the way (the copies the tape would launch)
-        run = tl.load(run_ptr + offs * stride_run, mask=in_pass, other=0).to(tl.int32)
+        run = (tl.load(run_ptr + offs * stride_run, mask=in_pass, other=0) != 0).to(tl.int32)  # any dtype: 0/1
         w = tl.load(w_ptr + offs * stride_w, mask=in_pass, other=1.0)
         if DENSE:
-            dense = tl.load(dense_ptr + offs, mask=in_pass, other=0).to(tl.int32)
-            run = tl.maximum(run, dense)
-            w = tl.where(dense == 1, 1.0, w)
-        tl.store(tape_run_ptr + offs, run != 0, mask=in_pass)
+            dense = tl.load(dense_ptr + offs, mask=in_pass, other=0) != 0
+            run = tl.where(dense, 1, run)
+            w = tl.where(dense, 1.0, w)
+        tl.store(tape_run_ptr + offs, run == 1, mask=in_pass)
         tl.store(tape_w_ptr + offs, w, mask=in_pass)  # cast to the tape's dtype (on a GPU rounded to nearest)
     else:
         run = tl.load(run_ptr + offs, mask=in_pass, other=0).to(tl.int32)
