@@ -233,6 +233,15 @@ def _check_packed_prefill_read(heads: int, kv_heads: int, share: float, **blocks
     if n:
         expected = paged_attention(q[:n], k_pool, v_pool, r2t, req[:n], pos[:n], 0.25, length=ctx)
         torch.testing.assert_close(out[:n], expected, rtol=1e-5, atol=1e-5)
+    # The gathering form, as a served layer launches it: queries, requests and positions in batch rows (every
+    # token's; a Project-Only row's query of no meaning, NaN here), slot m reading for batch row idx[m] (the RUN
+    # map: batch order, 0 past the count): the same packed output.
+    idx = torch.tensor([i for i, keep in enumerate(run) if keep] + [0] * (capacity - n))
+    q_rows = torch.full((capacity, heads, hd), float("nan"))
+    q_rows[idx[:n]] = q[:n]
+    gathered = packed_prefill_attention(q_rows, k_pool, v_pool, r2t, torch.tensor([r for r, _ in tokens]),
+                                        torch.tensor([p for _, p in tokens]), reads, 0.25, idx=idx, **blocks)
+    torch.testing.assert_close(gathered, out, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")

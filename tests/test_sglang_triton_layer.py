@@ -232,6 +232,29 @@ def _triton(world: LayerWorld, prefill_read: str = "packed") -> served.CohortExe
     return replace(served.cohort_execution([world.layer], torch.device("cpu"), "triton"), prefill_read=prefill_read)
 
 
+def test_a_triton_prefill_layer_with_the_packed_read_launches_no_gather_or_scatter_of_queries(world):
+    """A routed prefill layer with the packed prefill read launches what a decode layer launches (the read's zero
+    output and its one kernel in place of the split and merge): Q stored in the RUN tokens' batch rows, rotated
+    beside every token's key, and gathered by the read with each slot's request and position. No placing of packed
+    queries in batch slots and no gathers of queries, requests or positions."""
+    from mixed_world import OwnLaunches
+
+    launches = OwnLaunches()
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    world.slot.execution = _triton(world, "packed")
+    try:
+        world.routed(world.batch(PREFILL_EXTEND), world.hidden(5), *world.route(PREFILL_RUNS[0]),
+                     watch=launches.triton(), x_owned=world.arch == "flexidepth-llama")
+    finally:
+        world.slot.execution = served.TORCH_EXECUTION
+        world.restore(kv0, lengths0)
+    residual_copy = [] if world.arch == "flexidepth-llama" else ["clone"]
+    assert launches.launches == [
+        "cohort_maps_kernel", "cohort_gemm_kernel", "zeros", "packed_prefill_kernel", *residual_copy,
+        "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel",
+        "cohort_down_scatter_kernel", "add"]
+
+
 @pytest.mark.parametrize("prefill_read", ["packed", "backend"])
 @pytest.mark.parametrize("run", PREFILL_RUNS)
 def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world, run, prefill_read, monkeypatch):
@@ -267,35 +290,39 @@ def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world
     torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
 
 
-# Q's form: packed in prefill, in its batch rows in decode (`cohort_gemm(batch_rows=True)`)
-GATHERED_FORMS = {"decode": ("batch_rows_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add"),
-                  "prefill": ("gathered_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add")}
+# Q's form: in its batch rows for the masked decode read and the packed prefill read (`cohort_gemm(batch_rows=True)`),
+# packed for a prefill read through SGLang's backend
+GATHERED_FORMS = {"batch rows": ("batch_rows_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add"),
+                  "packed": ("gathered_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add")}
 
 
-@pytest.mark.parametrize(("phase", "extend", "run"), [("decode", {0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False]),
-                                                      ("prefill", PREFILL_EXTEND, PREFILL_RUNS[0])],
-                         ids=["decode", "prefill"])
-def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution(world, phase, extend, run,
-                                                                                 monkeypatch):
+@pytest.mark.parametrize(("extend", "run", "prefill_read", "form"),
+                         [({0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False], "packed", "batch rows"),
+                          (PREFILL_EXTEND, PREFILL_RUNS[0], "packed", "batch rows"),
+                          (PREFILL_EXTEND, PREFILL_RUNS[0], "backend", "packed")],
+                         ids=["decode", "prefill-packed", "prefill-backend"])
+def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution(world, extend, run, prefill_read,
+                                                                                 form, monkeypatch):
     """The served layer's GEMMs in the gathered cuBLAS form, as a table that measured cuBLAS faster on a catalogued
     GPU serves them: SGLang's own weight views (qkv_proj's Q rows, gate_up_proj's halves, o_proj, down_proj, the
-    adapter's) feed the four forms (Q's in its batch rows in decode; the MLP's gate and up in one GEMM), the pass
+    adapter's) feed the four forms (Q's in its batch rows where the read gathers, packed for SGLang's prefill
+    backend; the MLP's gate and up in one GEMM), the pass
     equals the torch execution, and the attestation lists the slot counts each operation serves gathered (up to the H200's ridge, 206 rows)."""
     from mixed_world import gathering_table
 
     from vskipper.mixed import gathered
 
     calls, merges = [], []
-    for name in {*GATHERED_FORMS["decode"], *GATHERED_FORMS["prefill"]}:
+    for name in {*GATHERED_FORMS["batch rows"], *GATHERED_FORMS["packed"]}:
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     monkeypatch.setattr(gathered, "merged_rows", lambda *a, real=gathered.merged_rows: merges.append(real(*a))
                         or merges[-1])
     x = world.hidden(len(run))
     run_t, w = world.route(run)
-    execution = served.CohortExecution("triton", gathering_table(), prefill_read="packed")
+    execution = served.CohortExecution("triton", gathering_table(), prefill_read=prefill_read)
     y_gathered, kv_gathered = _pass(world, extend, x, run_t, w, execution)
-    assert set(calls) == set(GATHERED_FORMS[phase])
+    assert set(calls) == set(GATHERED_FORMS[form])
     # The MLP's gate and up (gate_up_proj's halves) in one GEMM; the adapter's, weights of their own, in two.
     assert [m is not None for m in merges] == [True, False]
     y_torch, kv_torch = _pass(world, extend, x, run_t, w, served.TORCH_EXECUTION)

@@ -202,7 +202,7 @@ class StackLayerOps:
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
-        self.decoding = batch.phase == "decode"
+        self.batch_row_queries = batch.phase == "decode"  # the masked decode read (the stack prefills with torch)
 
     def _positions(self, rows: torch.Tensor | None) -> torch.Tensor:
         return self.batch.positions if rows is None else self.batch.positions.index_select(0, rows)

@@ -172,11 +172,12 @@ def _attention_launches(read_tile) -> list[Launch]:
                 {"mid_o_ptr": mid_o, "mid_ml_ptr": mid_ml, "read_ptr": read, "out_ptr": q, "stride_or": q.stride(0),
                  "stride_oh": q.stride(1)},
                 {"HEADS": HEADS, "HEAD_DIM": HEAD_DIM, "SPLITS": splits, "BLOCK_S": next_power_of_2(splits)}, 4, 3),
-        _launch("packed_prefill_kernel",
-                {**reads, "out_ptr": q, "slots_total": ROWS, "stride_qm": q.stride(0), "stride_qh": q.stride(1),
-                 "stride_om": q.stride(0), "stride_oh": q.stride(1)},
+        _launch("packed_prefill_kernel",  # the served prefill read gathers its slots' rows, as the decode read
+                {**reads, "idx_ptr": slots, "out_ptr": q, "slots_total": ROWS, "stride_qm": q.stride(0),
+                 "stride_qh": q.stride(1), "stride_om": q.stride(0), "stride_oh": q.stride(1)},
                 {"GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": HEAD_DIM,
-                 "BLOCK_M": kn.packed_prefill_block_m(block_g, read_tile), "BLOCK_N": read_tile.block_n},
+                 "BLOCK_M": kn.packed_prefill_block_m(block_g, read_tile), "BLOCK_N": read_tile.block_n,
+                 "GATHER": True},
                 read_tile.num_warps, read_tile.num_stages),
     ]
     for rows in COHORT_MAP_ROWS:  # as a served layer launches it: the route recorded into the tape on the way

@@ -510,10 +510,10 @@ def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 
 
 @triton.jit(do_not_specialize=["slots_total"])  # as cohort_maps_kernel's rows
-def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, out_ptr, scale, slots_total,
-                          stride_qm, stride_qh, stride_ks, stride_kh, stride_r2t, stride_om, stride_oh,
+def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, idx_ptr, out_ptr, scale,
+                          slots_total, stride_qm, stride_qh, stride_ks, stride_kh, stride_r2t, stride_om, stride_oh,
                           GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr):
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     start_m = pid_m * BLOCK_M
@@ -527,9 +527,13 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
     head = kvh * GROUP + g
     offs_d = tl.arange(0, HEAD_DIM)
     live = (tl.load(read_ptr + slot, mask=slot < slots_total, other=0) != 0) & (g < GROUP)
-    req = tl.load(req_ptr + slot, mask=live, other=-1)
-    pos = tl.load(pos_ptr + slot, mask=live, other=-1)
-    q = tl.load(q_ptr + slot[:, None] * stride_qm + head[:, None] * stride_qh + offs_d[None, :], mask=live[:, None],
+    if GATHER:  # slot m reads for batch row idx[m]: its query, request and position in batch rows
+        row = tl.load(idx_ptr + slot, mask=live, other=0)
+    else:
+        row = slot
+    req = tl.load(req_ptr + row, mask=live, other=-1)
+    pos = tl.load(pos_ptr + row, mask=live, other=-1)
+    q = tl.load(q_ptr + row[:, None] * stride_qm + head[:, None] * stride_qh + offs_d[None, :], mask=live[:, None],
                 other=0.0)
     # A finite floor, not -inf: a row of another request than the one being read keeps alpha = 1.
     m_i = tl.full((BLOCK_M * BLOCK_G,), -1.0e30, dtype=tl.float32)
@@ -540,7 +544,10 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
     end_m = tl.max(tl.where(live, slot + 1, start_m), 0)
     cur = start_m
     while cur < end_m:
-        r = tl.load(req_ptr + cur)
+        if GATHER:
+            r = tl.load(req_ptr + tl.load(idx_ptr + cur))
+        else:
+            r = tl.load(req_ptr + cur)
         nxt = tl.min(tl.where((slot > cur) & live & (req != r), slot, end_m), 0)
         rows = live & (req == r) & (slot >= cur) & (slot < nxt)
         hi = tl.max(tl.where(rows, pos, -1), 0) + 1  # the request's keys up to its last row here
@@ -568,7 +575,8 @@ def packed_prefill_block_m(block_g: int, tile: ReadTile) -> int:
 def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                              req_to_token: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor,
                              reads: torch.Tensor, scale: float, block_m: int | None = None,
-                             block_n: int | None = None, tile: ReadTile | None = None) -> torch.Tensor:
+                             block_n: int | None = None, tile: ReadTile | None = None,
+                             idx: torch.Tensor | None = None) -> torch.Tensor:
     """The prefill attention read of the RUN cohort's packed slots alone, bounded by a device mask (no host read).
 
     Reads   q [C, heads, hd] for the slots `reads` marks (bool [C], a prefix: the first n_run slots; slot m:
@@ -583,8 +591,12 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
             no slot and read nothing.
     Tile    `tile` on a GPU (the device table's `prefill_read`; default `DEFAULT_READ_TILE`), the interpreter's
             16 x 16 elsewhere; `block_m` / `block_n` override its slots a program and keys a step (tests).
+
+    With `idx` (int64 [C], the cohort's packed slots, as the decode read's): slot m reads for batch row idx[m], its
+    query q[idx[m]], request req_indices[idx[m]] and position positions[idx[m]] (q, req_indices and positions in
+    batch rows, as many as the slots); out stays packed. The kernel gathers them itself: no gathers launched first.
     """
-    slots, heads, head_dim = q.shape
+    slots, heads, head_dim = q.shape if idx is None else (idx.shape[0], *q.shape[1:])
     kv_heads = k_pool.shape[1]
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim must be a power of two >= 16 for the packed prefill attention, got {head_dim}")
@@ -596,12 +608,13 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
         raise ValueError(f"block_m {block_m} x {block_g} heads a KV head gives {block_m * block_g} query rows a "
                          "program, fewer than 16")
     block_n = block_n or t.block_n
-    q = q.contiguous()
-    out = torch.zeros_like(q)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.zeros(slots, heads, head_dim, dtype=q.dtype, device=q.device)
     read = reads.contiguous() if reads.dtype == torch.bool else reads.to(torch.bool)
     packed_prefill_kernel[(triton.cdiv(slots, block_m), kv_heads)](
-        q, k_pool, v_pool, req_to_token, req_indices, positions, read, out, scale, slots,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        q, k_pool, v_pool, req_to_token, req_indices, positions, read, read if idx is None else idx, out, scale,
+        slots, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=t.num_warps, num_stages=t.num_stages)
+        BLOCK_N=block_n, GATHER=idx is not None, num_warps=t.num_warps, num_stages=t.num_stages)
     return out

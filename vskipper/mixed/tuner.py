@@ -11,8 +11,9 @@ the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form 
 range's shapes are timed as replays of a CUDA graph (their kernels take tens of microseconds, the host's launches
 as long), the prefill range's eagerly, as each is served. After them, the packed prefill read
 (`tune_prefill_read`, in a share of `READ_WEIGHT` shapes set aside from the start): each launch of
-`READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, beside the causal read of every row; the
-fastest goes in the table's `prefill_read`.
+`READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, as a served layer launches it (each slot
+gathering its row's query, request and position), beside the causal read of every row; the fastest goes in the
+table's `prefill_read`.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny
 widths, fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table, whose times
@@ -154,9 +155,10 @@ def shape_calls(op: str, rows: int, w1: torch.Tensor, w2: torch.Tensor, g: torch
     `op` over a cohort map of `rows` slots in a batch twice that size, with a random row map: what the tuner and
     `benchmarks/mixed_depth_bench.py` time side by side. The kernel takes a tile and optionally a device count
     (every slot live by default); the third value is the count of half the slots. w1 [N, K] is the weight
-    (gate-up: the gate; down: W_down), w2 the gate-up's up weight. Q (`attn_q`) is timed in its decode forms,
-    which a captured decode graph serves: into the batch rows of a batch of `rows` rows (`batch_rows`; a prefill's
-    packed form costs the kernel the same, its gathered form a gather and a mask more)."""
+    (gate-up: the gate; down: W_down), w2 the gate-up's up weight. Q (`attn_q`) is timed in the forms the decode
+    read and the packed prefill read take: into the batch rows of a batch of `rows` rows (`batch_rows`; the packed
+    form a prefill through SGLang's backend takes costs the kernel the same, its gathered form a gather and a mask
+    more)."""
     from vskipper.mixed.gathered import batch_rows_gemm, gathered_down, gathered_gate_up, gathered_scatter_add
     from vskipper.mixed.kernels import cohort_down_scatter, cohort_gate_up, cohort_gemm, cohort_scatter_add
 
@@ -193,8 +195,10 @@ INTERPRETED_READ_TOKENS = 64
 def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.Generator, device: torch.device,
                dtype: torch.dtype) -> tuple[Callable[[], object], Callable[[ReadTile], object], float]:
     """The causal read of one prompt of `tokens` tokens by every row (SDPA, as a dense layer reads) and the packed
-    read of its RUN rows alone (a random `READ_RUN_SHARE` of them, packed in position order, their K/V in shuffled
-    pool slots) at a given tile; and the share of query-key pairs the RUN rows have (the read's limit)."""
+    read of its RUN rows alone (a random `READ_RUN_SHARE` of them, their K/V in shuffled pool slots) at a given tile,
+    as a served layer launches it: over the pass's slots, the RUN rows' slots first (in position order), each
+    gathering its row's query, request and position from the batch rows; and the share of query-key pairs the RUN
+    rows have (the read's limit)."""
     from vskipper.mixed.kernels import packed_prefill_attention
 
     k_pool = torch.randn(tokens, kv_heads, head_dim, generator=g).to(device, dtype)
@@ -203,9 +207,11 @@ def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.G
     n_run = max(1, int(tokens * READ_RUN_SHARE))
     pos = torch.randperm(tokens, generator=g)[:n_run].sort().values
     q_all = torch.randn(tokens, heads, head_dim, generator=g).to(device, dtype)
-    q, positions = q_all[pos.to(device)].contiguous(), pos.to(device)
-    req = torch.zeros(n_run, dtype=torch.int64, device=device)
-    reads = torch.ones(n_run, dtype=torch.bool, device=device)
+    idx = torch.zeros(tokens, dtype=torch.int64)
+    idx[:n_run] = pos
+    idx, positions = idx.to(device), torch.arange(tokens, device=device)
+    req = torch.zeros(tokens, dtype=torch.int64, device=device)
+    reads = (torch.arange(tokens) < n_run).to(device)
     scale = head_dim ** -0.5
     k_seq = k_pool[r2t[0].long()].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, tokens, hd] in position order
     v_seq = v_pool[r2t[0].long()].transpose(0, 1).unsqueeze(0)
@@ -215,7 +221,8 @@ def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.G
         return F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=True)
 
     def packed(tile: ReadTile):
-        return packed_prefill_attention(q, k_pool, v_pool, r2t, req, positions, reads, scale, tile=tile)
+        return packed_prefill_attention(q_all, k_pool, v_pool, r2t, req, positions, reads, scale, tile=tile,
+                                        idx=idx)
 
     pairs = float((pos + 1).sum()) / (tokens * (tokens + 1) / 2)
     return causal, packed, pairs

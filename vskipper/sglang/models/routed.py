@@ -287,7 +287,8 @@ class SGLangLayerOps:
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
-        self.decoding = forward_batch.forward_mode.is_decode()
+        # the masked decode read and the packed prefill read gather the RUN rows' queries from their batch rows
+        self.batch_row_queries = forward_batch.forward_mode.is_decode() or prefill_read != "backend"
 
     def _positions(self, rows: torch.Tensor | None) -> torch.Tensor:
         """The positions of batch rows `rows`, for the reads of packed rows (one read a layer asks for them)."""
@@ -364,20 +365,11 @@ class SGLangLayerOps:
         a = self.attn
         pool = get_token_to_kv_pool()
         lid = a.attn.layer_id
-        triton_prefill = self.backend == "triton" and not self.fb.forward_mode.is_decode()
-        if triton_prefill and self.prefill_read == "backend":
-            return self._backend_read(q, rows, reads)  # prefill over the packed cohort slots
+        if self.prefill_read == "backend" and not self.fb.forward_mode.is_decode():
+            return self._backend_read(q, rows, reads)  # the triton execution's: over the packed cohort slots
+        # (the triton execution's packed prefill read and masked decode read: `read_cohort`)
         req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
         qh = q.view(q.shape[0], a.num_heads, a.head_dim)
-        if triton_prefill:  # `PREFILL_READS['packed']`
-            from vskipper.mixed.kernels import packed_prefill_attention
-
-            out = packed_prefill_attention(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid),
-                                           get_req_to_token_pool().req_to_token, req, self._positions(rows), reads,
-                                           a.attn.scaling, tile=self.read_tile)
-            return out.reshape(q.shape[0], -1)
-        if self.prefill_read == "backend" and not self.fb.forward_mode.is_decode():
-            return self._backend_read(q, rows)
         if self.fb.forward_mode.is_decode():  # `DECODE_READS`
             if self.decode_read == "backend":
                 return self._backend_decode_read(q, rows)
@@ -389,17 +381,20 @@ class SGLangLayerOps:
         return out.reshape(q.shape[0], -1)
 
     def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
-        """The masked decode read over the cohort's packed slots (launch shape: the capacity), each slot's query,
-        request slot and position gathered by the kernel from the batch rows; slots outside `reads` read
-        nothing."""
-        from vskipper.mixed.kernels import masked_decode_attention
+        """The masked decode read, or the packed prefill read, over the cohort's packed slots (launch shape: the
+        pass's rows), each slot's query, request slot and position gathered by the kernel from the batch rows;
+        slots outside `reads` read nothing."""
+        from vskipper.mixed.kernels import masked_decode_attention, packed_prefill_attention
 
         a = self.attn
         pool = get_token_to_kv_pool()
         lid = a.attn.layer_id
-        out = masked_decode_attention(q.view(q.shape[0], a.num_heads, a.head_dim), pool.get_key_buffer(lid),
-                                      pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
-                                      self.plan.req_rows, self.positions, reads, a.attn.scaling, idx=rows)
+        args = (q.view(q.shape[0], a.num_heads, a.head_dim), pool.get_key_buffer(lid), pool.get_value_buffer(lid),
+                get_req_to_token_pool().req_to_token, self.plan.req_rows, self.positions, reads, a.attn.scaling)
+        if self.fb.forward_mode.is_decode():
+            out = masked_decode_attention(*args, idx=rows)
+        else:  # `PREFILL_READS['packed']`
+            out = packed_prefill_attention(*args, tile=self.read_tile, idx=rows)
         return out.reshape(rows.shape[0], -1)
 
     def _backend_decode_read(self, q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
