@@ -233,10 +233,10 @@ def _triton(world: LayerWorld, prefill_read: str = "packed") -> served.CohortExe
 
 
 def test_a_triton_prefill_layer_with_the_packed_read_launches_no_gather_or_scatter_of_queries(world):
-    """A routed prefill layer with the packed prefill read launches what a decode layer launches (the read's zero
-    output and its one kernel in place of the split and merge): Q stored in the RUN tokens' batch rows, rotated
-    beside every token's key, and gathered by the read with each slot's request and position. No placing of packed
-    queries in batch slots and no gathers of queries, requests or positions."""
+    """A routed prefill layer with the packed prefill read launches what a decode layer launches (the read's one
+    kernel in place of the split and merge, writing its slots' zeros itself): Q stored in the RUN tokens' batch
+    rows, rotated beside every token's key, and gathered by the read with each slot's request and position. No
+    placing of packed queries in batch slots, no gathers of queries, requests or positions, no zero fill."""
     from mixed_world import OwnLaunches
 
     launches = OwnLaunches()
@@ -250,7 +250,7 @@ def test_a_triton_prefill_layer_with_the_packed_read_launches_no_gather_or_scatt
         world.restore(kv0, lengths0)
     residual_copy = [] if world.arch == "flexidepth-llama" else ["clone"]
     assert launches.launches == [
-        "cohort_maps_kernel", "cohort_gemm_kernel", "zeros", "packed_prefill_kernel", *residual_copy,
+        "cohort_maps_kernel", "cohort_gemm_kernel", "packed_prefill_kernel", *residual_copy,
         "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel",
         "cohort_down_scatter_kernel", "add"]
 

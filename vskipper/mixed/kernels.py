@@ -517,8 +517,6 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     start_m = pid_m * BLOCK_M
-    if tl.load(read_ptr + start_m) == 0:  # the reading slots are a prefix: none from here on
-        return
     # The query rows of one KV head: BLOCK_M slots x the GROUP query heads that share it, (slot, head) in order,
     # so each key block is loaded once for the whole group.
     offs_r = tl.arange(0, BLOCK_M * BLOCK_G)
@@ -526,6 +524,11 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
     g = offs_r % BLOCK_G
     head = kvh * GROUP + g
     offs_d = tl.arange(0, HEAD_DIM)
+    mine = (slot < slots_total) & (g < GROUP)  # the output rows this program writes, reading or not
+    if tl.load(read_ptr + start_m) == 0:  # the reading slots are a prefix: none from here on, their output zero
+        tl.store(out_ptr + slot[:, None] * stride_om + head[:, None] * stride_oh + offs_d[None, :],
+                 tl.zeros((BLOCK_M * BLOCK_G, HEAD_DIM), dtype=out_ptr.dtype.element_ty), mask=mine[:, None])
+        return
     live = (tl.load(read_ptr + slot, mask=slot < slots_total, other=0) != 0) & (g < GROUP)
     if GATHER:  # slot m reads for batch row idx[m]: its query, request and position in batch rows
         row = tl.load(idx_ptr + slot, mask=live, other=0)
@@ -558,9 +561,9 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
             m_i, l_i, acc = _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, r, kvh, offs_n, offs_d, in_kv, see, scale,
                                                 stride_ks, stride_kh, stride_r2t, m_i, l_i, acc)
         cur = nxt
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a slot that reads nothing: zero
     tl.store(out_ptr + slot[:, None] * stride_om + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=mine[:, None])
 
 
 INTERPRETED_READ_TILE = ReadTile(16, 16)  # under the interpreter: tl.dot's least M and N
@@ -583,7 +586,8 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
             request slot req_indices[m], position positions[m]); the slots req_to_token[req, 0..pos] of the K/V
             pools [slots, kv_heads, hd] (every row's K/V of the pass already written there, Project-Only tokens'
             included)
-    Writes  out [C, heads, hd]: each reading slot's causal attention over its request; zeros elsewhere
+    Writes  out [C, heads, hd]: each reading slot's causal attention over its request; zeros elsewhere (every
+            row written by the kernel: no fill launched first)
     Grid    (cdiv(C, BLOCK_M), kv_heads): a program's tile of consecutive slots, with the query heads that share
             its KV head folded into its rows, reads the keys of each request its slots belong to, up to the last
             of their positions, flash-attention style (online softmax). Slots of one request must be consecutive
@@ -610,7 +614,7 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     block_n = block_n or t.block_n
     if q.stride(2) != 1:
         q = q.contiguous()
-    out = torch.zeros(slots, heads, head_dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(slots, heads, head_dim, dtype=q.dtype, device=q.device)  # every row written by the kernel
     read = reads.contiguous() if reads.dtype == torch.bool else reads.to(torch.bool)
     packed_prefill_kernel[(triton.cdiv(slots, block_m), kv_heads)](
         q, k_pool, v_pool, req_to_token, req_indices, positions, read, read if idx is None else idx, out, scale,
