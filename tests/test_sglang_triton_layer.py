@@ -72,28 +72,39 @@ def test_a_triton_decode_layer_launches_no_gather_scatter_or_fill_of_its_own(wor
     modules launch what they launch in a dense layer: the K/V rows' GEMM, RoPE, the KV write, the norms): the
     cohort maps, which record the skipper's route into the tape in the same launch (no copy of their own), the
     count-bounded Q GEMM storing each RUN row's query in its batch row (K stays a view of the projection; Qwen3's
-    q_norm and k_norm are SGLang's `apply_qk_norm`, as its own layer calls it), the masked read (split and merge: each slot's query, request and position gathered by the kernel),
-    o_proj's scatter onto the residual the host handed over (no copy of it first), the MLP's and the adapter's
-    kernel pairs; then the world's own sum of the hand-off. No gather of queries, requests or positions, no scatter
+    q_norm and k_norm are SGLang's `apply_qk_norm`, as its own layer calls it), the masked read (split and merge:
+    each slot's query, request and position gathered by the kernel), o_proj's scatter onto the residual the Llama
+    layer hands over (no copy of it first; Qwen3's layer keeps its copy), the MLP's and the adapter's kernel pairs;
+    then the world's own sum of the hand-off. No gather of queries, requests or positions, no scatter
     into batch slots, no zero fill, no copy of the route or of the residual: on a GPU each of those is a launch of
     its own in every routed layer's step."""
-    from mixed_world import OwnLaunches
-
-    launches = OwnLaunches()
-    kv0, lengths0 = world.kv(), list(world.lengths)
-    world.slot.execution = served.cohort_execution([world.layer], torch.device("cpu"), "triton")
-    try:
-        world.routed(world.batch({0: 1, 1: 1, 2: 1, 3: 1}), world.hidden(4), *world.route([True, False, True, False]),
-                     watch=launches.triton(), x_owned=world.arch == "flexidepth-llama")
-    finally:
-        world.slot.execution = served.TORCH_EXECUTION
-        world.restore(kv0, lengths0)
-    residual_copy = [] if world.arch == "flexidepth-llama" else ["clone"]
-    assert launches.launches == [
+    launches, residual_copy = _own_launches(world, served.cohort_execution([world.layer], torch.device("cpu"),
+                                                                            "triton"),
+                                            {0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False])
+    assert launches == [
         "cohort_maps_kernel", "cohort_gemm_kernel", "masked_decode_split_kernel",
         "masked_decode_merge_kernel", *residual_copy, "cohort_down_scatter_kernel",
         "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel",
         "add"]
+
+
+def _own_launches(world: LayerWorld, execution, extend: dict[int, int], run: list[bool]) -> tuple[list[str], list]:
+    """What vSkipper's own code launches in one routed pass of `execution` (`OwnLaunches`), x handed over as the
+    layer of the world's family hands it (the Llama layer its add-norm's residual); and the residual's copy the
+    list holds for a family that hands nothing over."""
+    from mixed_world import OwnLaunches
+
+    launches = OwnLaunches()
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    world.slot.execution = execution
+    llama = world.arch == "flexidepth-llama"
+    try:
+        world.routed(world.batch(extend), world.hidden(len(run)), *world.route(run), watch=launches.triton(),
+                     x_owned=llama)
+    finally:
+        world.slot.execution = served.TORCH_EXECUTION
+        world.restore(kv0, lengths0)
+    return launches.launches, [] if llama else ["clone"]
 
 
 def test_the_llama_layer_hands_over_the_residual_its_add_norm_formed_never_the_embeddings(tmp_path, monkeypatch):
@@ -237,19 +248,8 @@ def test_a_triton_prefill_layer_with_the_packed_read_launches_no_gather_or_scatt
     kernel in place of the split and merge, writing its slots' zeros itself): Q stored in the RUN tokens' batch
     rows, rotated beside every token's key, and gathered by the read with each slot's request and position. No
     placing of packed queries in batch slots, no gathers of queries, requests or positions, no zero fill."""
-    from mixed_world import OwnLaunches
-
-    launches = OwnLaunches()
-    kv0, lengths0 = world.kv(), list(world.lengths)
-    world.slot.execution = _triton(world, "packed")
-    try:
-        world.routed(world.batch(PREFILL_EXTEND), world.hidden(5), *world.route(PREFILL_RUNS[0]),
-                     watch=launches.triton(), x_owned=world.arch == "flexidepth-llama")
-    finally:
-        world.slot.execution = served.TORCH_EXECUTION
-        world.restore(kv0, lengths0)
-    residual_copy = [] if world.arch == "flexidepth-llama" else ["clone"]
-    assert launches.launches == [
+    launches, residual_copy = _own_launches(world, _triton(world, "packed"), PREFILL_EXTEND, PREFILL_RUNS[0])
+    assert launches == [
         "cohort_maps_kernel", "cohort_gemm_kernel", "packed_prefill_kernel", *residual_copy,
         "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel",
         "cohort_down_scatter_kernel", "add"]
