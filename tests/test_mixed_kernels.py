@@ -257,8 +257,9 @@ def _check_packed_prefill_read(heads: int, kv_heads: int, share: float, **blocks
     idx = torch.tensor([i for i, keep in enumerate(run) if keep] + [0] * (capacity - n))
     q_rows = torch.full((capacity, heads, hd), float("nan"))
     q_rows[idx[:n]] = q[:n]
-    gathered = packed_prefill_attention(q_rows, k_pool, v_pool, r2t, torch.tensor([r for r, _ in tokens]),
-                                        torch.tensor([p for _, p in tokens]), reads, 0.25, idx=idx, **blocks)
+    with _poisoned_empty():
+        gathered = packed_prefill_attention(q_rows, k_pool, v_pool, r2t, torch.tensor([r for r, _ in tokens]),
+                                            torch.tensor([p for _, p in tokens]), reads, 0.25, idx=idx, **blocks)
     torch.testing.assert_close(gathered, out, rtol=0, atol=0)
 
 

@@ -15,6 +15,7 @@ from sglang_layer_world import ARCHS, LayerWorld
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vskipper.mixed.plan_buffers import PlanBuffers
+from vskipper.mixed.tape import tape_capacity
 from vskipper.sglang.replay import ReplayLedger, RoutedReplayError
 
 # -- the replay veto and its counts ----------------------------------------------------------------------------
@@ -271,6 +272,7 @@ def test_a_routed_decode_graph_captured_from_static_storage_replays_each_later_p
     rt = Runtime(ServeSpec(get_arm("random-r75-d50-always"), 0, 0, tmp_path / "state.json"),
                  world.config.model_type, (lid,), "test")
     rt.reserve_graph_tape(8, torch.float32, "cpu")
+    assert rt._graph_tape.capacity % 16 == 0  # each layer's row 16-byte aligned, for the kernels writing it
     graph_buffers = PlanBuffers(8)
     graph_buffers.frozen = True
     views = graph_buffers.views(rows)
@@ -337,7 +339,9 @@ def test_the_decode_graph_runner_gets_a_routed_variant_only_for_an_arm_routing_d
     assert variants.capture_labels == (served.DENSE_VARIANT, served.ROUTED_VARIANT)
     assert routed.graph_buffers.capacity == 8 and routed.graph_buffers.frozen
     assert routed.ledger.routed_graphs == {"prefill": False, "decode": True}
-    assert routed.runtime.capture_step(8, torch.zeros(8, dtype=torch.bool), torch.zeros(8)).tape.capacity == 8
+    capture = routed.runtime.capture_step(8, torch.zeros(8, dtype=torch.bool), torch.zeros(8))
+    assert capture.tape is routed.runtime._graph_tape  # the largest captured batch's, its rows 16-byte aligned
+    assert capture.tape.capacity == tape_capacity(8) and routed.runtime._graph_rows == 8
     fb = object()
     assert variants.select(fb) == served.DENSE_VARIANT  # nothing prepared (a capture or an idle pass)
     for is_routed, label in ((True, served.ROUTED_VARIANT), (False, served.DENSE_VARIANT)):

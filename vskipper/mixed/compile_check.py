@@ -116,7 +116,7 @@ def _gemm_args(op: str) -> tuple[str, dict, list[dict]]:
         args = {"x_ptr": x, "idx_ptr": idx, "count_ptr": count, "out_ptr": out, "N": n, "K": k,
                 "stride_xm": x.stride(0), "stride_xk": x.stride(1), "stride_wn": w.stride(0),
                 "stride_wk": w.stride(1), "stride_om": out.stride(0), "stride_on": out.stride(1)}
-        if op == "attn_q":  # packed (prefill), and into the RUN rows' batch rows (decode)
+        if op == "attn_q":  # packed (a prefill read through SGLang's backend), and into the RUN rows' batch rows
             return "cohort_gemm_kernel", {**args, "w_ptr": w}, [{"SCATTER": False}, {"SCATTER": True}]
         return "cohort_gate_up_kernel", {**args, "wg_ptr": w, "wu_ptr": w}, [{}]
     a, w, y = _t(ROWS, k), _t(n, k), _t(ROWS, n)
@@ -183,7 +183,7 @@ def _attention_launches(read_tile) -> list[Launch]:
     for rows in COHORT_MAP_ROWS:  # as a served layer launches it: the route recorded into the tape on the way
         block = next_power_of_2(rows)
         run, idx = _t(rows, dtype=torch.bool), _t(rows, dtype=torch.int64)
-        route_w, tape_w = _t(rows, dtype=torch.float32), _t(rows)  # a skipper's fp32 weights, the tape's dtype
+        route_w, tape_w = _t(rows), _t(rows)  # the skippers' weights come in the hidden dtype, the tape's
         for dense in (False, True):  # a pass with dense-mode rows, and without
             launches.append(_launch("cohort_maps_kernel",
                                     {"run_ptr": run, "rows": rows, "run_idx_ptr": idx, "proj_idx_ptr": idx,

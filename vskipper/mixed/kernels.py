@@ -338,7 +338,7 @@ def cohort_maps_kernel(run_ptr, rows, run_idx_ptr, proj_idx_ptr, counts_ptr, liv
     tl.store(counts_ptr + 1, (rows - n_run).to(tl.int64))
 
 
-COHORT_MAPS_MAX_ROWS = 1 << 16  # one program's block; larger passes keep the torch builder
+COHORT_MAPS_MAX_ROWS = 1 << 16  # one program's block; a larger pass is refused (a prefill chunk is thousands)
 
 
 def cohort_maps(run: torch.Tensor, run_idx: torch.Tensor, proj_idx: torch.Tensor, counts: torch.Tensor,

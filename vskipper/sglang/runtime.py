@@ -234,6 +234,7 @@ class Runtime:
         self._builder: CohortBuilder | None = None
         # Decode passes a captured graph replays: a tape and cohort builder that never reallocate.
         self._graph_tape: RouteTape | None = None
+        self._graph_rows = 0  # the largest batch a captured routed graph replays (`reserve_graph_tape`)
         self._graph_builder: CohortBuilder | None = None
         self._route_reads = DeferredReads()  # routed passes' tape counts on their way to the host
         self._decisions_seen = Counter()
@@ -492,12 +493,12 @@ class Runtime:
         n_routed = int(row_routed.sum()) if n_routed is None else n_routed
         if self.skipper is None or rows == 0 or n_routed == 0:
             return Step(phase, False, rows=rows)
-        if phase == "decode" and self._graph_tape is not None and rows <= self._graph_tape.capacity:
+        if phase == "decode" and self._graph_tape is not None and rows <= self._graph_rows:
             tape, builder = self._graph_tape, self._graph_builder  # a captured routed graph may replay it
         else:
             if self._tape is None or self._tape.capacity < rows:
                 # Eager execution: the tape grows to the largest pass seen and is reused after that (its rows
-                # aligned: `tape_capacity`; the graph tape's capacity is the largest captured batch, 256 served).
+                # aligned: `tape_capacity`, as the graph tape's, which holds the largest captured batch).
                 capacity = tape_capacity(rows)
                 self._tape = RouteTape(capacity, self.routed_layers, dtype, device)
                 self._builder = CohortBuilder(capacity, device)
@@ -515,9 +516,12 @@ class Runtime:
 
     def reserve_graph_tape(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> None:
         """Static storage for decode passes of up to `capacity` rows, which captured routed graphs replay: their
-        tape and cohort maps live at fixed addresses from now on."""
-        self._graph_tape = RouteTape(capacity, self.routed_layers, dtype, device)
-        self._graph_builder = CohortBuilder(capacity, device)
+        tape and cohort maps live at fixed addresses from now on. Their storage is `tape_capacity(capacity)` rows:
+        each layer's row of the tape starts 16-byte aligned, as the kernels reading and writing it are compiled
+        to expect (the maps' launch records the routes there)."""
+        self._graph_rows = capacity
+        self._graph_tape = RouteTape(tape_capacity(capacity), self.routed_layers, dtype, device)
+        self._graph_builder = CohortBuilder(tape_capacity(capacity), device)
 
     def on_graph_tape(self, step: Step) -> bool:
         """Whether the pass records its routes on the graph tape (a captured routed graph may replay it)."""
@@ -527,7 +531,7 @@ class Runtime:
         """The routed decode step a graph of `rows` rows is captured from: the graph tape, and every row's
         dense-mode flag and request key read from `dense_rows` and `keys` (views of static buffers a replayed
         pass writes first). Never counted."""
-        if self.skipper is None or self._graph_tape is None or rows > self._graph_tape.capacity:
+        if self.skipper is None or self._graph_tape is None or rows > self._graph_rows:
             raise RuntimeError(f"no graph tape holds a routed decode graph of {rows} rows")
         return Step("decode", True, self.skipper, None, self._graph_tape, self._graph_builder, dense_rows, rows,
                     keys=keys)

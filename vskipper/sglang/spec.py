@@ -150,7 +150,7 @@ ROUTED_GRAPH_PHASES = ("decode",)
 # SGLang's CPU recipe: the CPU engine (environment), torch-native attention and sampling, no grammar backend,
 # no CUDA graphs, a small KV pool, a fixed prefill chunk (left to SGLang, servers started on one machine in one run
 # resolved 2048 and 4096 tokens, which the A/B's cross-arm identity gate refuses: SGLang 0.5.21 sizes a CPU's chunk
-# by its NUMA node's MemTotal at boot, 2048 tokens under 20 GiB and 4096 up to 35, and a virtual machine's MemTotal
+# by its NUMA node's MemTotal at boot, 2048 tokens under 20 GiB and 4096 up to 60, and a virtual machine's MemTotal
 # can move while it runs). Flags after `--` are appended and override these (SGLang keeps the last).
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
              "--grammar-backend", "none", "--cuda-graph-backend-decode", "disabled",
