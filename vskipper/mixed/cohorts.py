@@ -86,7 +86,6 @@ class CohortBuilder:
         # The maps are views of the builder's buffers: the next build (the next routed layer) overwrites them.
         return Cohorts(self._run[:rows], self._proj[:rows], n_run, n_proj, row_ids < n_run)
 
-
     def record_and_build(self, tape: RouteTape, layer_id: int, route: LayerRoute,
                          dense_rows: torch.Tensor | None = None) -> Cohorts:
         """`tape.record(layer_id, route, dense_rows)`, then `build(<the recorded run>, fused=True)`, in one Triton

@@ -98,9 +98,9 @@ class LayerOps(Protocol):
 
     def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor,
                     reads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, k, v) for the triton execution's prefill through the host's backend: its packed queries q [C, heads * hd] (slot m of batch row
-        rows[m], live where `reads`, after its cohort Q GEMM) normed (Qwen3) and rotated, and every row's k, v of u,
-        where the host may rotate both in one call."""
+        """(q, k, v) for the triton execution's prefill through the host's backend: its packed queries q [C,
+        heads * hd] (slot m of batch row rows[m], live where `reads`, after its cohort Q GEMM) normed (Qwen3) and
+        rotated, and every row's k, v of u, where the host may rotate both in one call."""
 
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) where `batch_row_queries`: its queries q [rows, heads * hd] in batch rows (the RUN
