@@ -185,7 +185,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_routed(self, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
-                       cohorts: Cohorts, batch: ForwardBatch, kv: PagedKVCache, backend: str,
+                       cohorts: Cohorts | None, batch: ForwardBatch, kv: PagedKVCache, backend: str,
                        stats: LayerStats, tiles: Any = None, x_owned: bool = False) -> torch.Tensor:
         """One routed layer over the tape's run mask `run` [rows] and branch weights `weights` [rows]: the
         shared routed-layer body over this stack's own modules (`x_owned`: it may update x in place)."""
@@ -390,11 +390,11 @@ class BenchStack(nn.Module):
                 u = layer.input_layernorm(x)
                 router = layer.router if skipper.requires_router_weights else None
                 route = skipper.route(layer.layer_id, u, state, router)
+                cohorts = None  # the torch execution packs its cohorts itself
                 if backend == "triton":  # the tape's record and the cohort maps in one launch
                     cohorts = builder.record_and_build(tape, layer.layer_id, route, batch.dense_rows)
                 else:
                     tape.record(layer.layer_id, route, batch.dense_rows)
-                    cohorts = builder.build(tape.layer(layer.layer_id, batch.rows)[0])
                 run, weights = tape.layer(layer.layer_id, batch.rows)
                 x = layer.forward_routed(x, u, run, weights, cohorts, batch, kv, backend, self.stats, self.tiles,
                                          x_owned=owned)

@@ -59,19 +59,26 @@ class CohortBuilder:
         self._counts = torch.zeros(2, dtype=torch.int64, device=device)  # the fused build's (n_run, n_proj)
         self._live = torch.zeros(capacity, dtype=torch.bool, device=device)
 
-    def build(self, run_mask: torch.Tensor, fused: bool = False) -> Cohorts:
-        run = run_mask.reshape(-1)
-        rows = run.shape[0]
+    def _check(self, rows: int) -> None:
         if rows > self.capacity:
             raise ValueError(f"{rows} rows exceed the cohort capacity {self.capacity}")
         if rows == 0:
             raise ValueError("a routed layer needs at least one row")
+
+    def _fused(self, rows: int) -> Cohorts:
+        """The maps the fused launch (`kernels.cohort_maps`) wrote for a pass of `rows` rows: views of the
+        builder's storage."""
+        return Cohorts(self._run[:rows], self._proj[:rows], self._counts[0:1], self._counts[1:2], self._live[:rows])
+
+    def build(self, run_mask: torch.Tensor, fused: bool = False) -> Cohorts:
+        run = run_mask.reshape(-1)
+        rows = run.shape[0]
+        self._check(rows)
         if fused:
             from vskipper.mixed.kernels import cohort_maps
 
             cohort_maps(run.contiguous(), self._run, self._proj, self._counts, self._live)
-            return Cohorts(self._run[:rows], self._proj[:rows], self._counts[0:1], self._counts[1:2],
-                           self._live[:rows])
+            return self._fused(rows)
         run64 = run.to(torch.int64)
         ends_run = torch.cumsum(run64, 0)
         ends_proj = self._rows[1 : rows + 1] - ends_run
@@ -93,10 +100,7 @@ class CohortBuilder:
         those of that row."""
         j, run, weights = tape.checked(layer_id, route)
         rows = run.shape[0]
-        if rows > self.capacity:
-            raise ValueError(f"{rows} rows exceed the cohort capacity {self.capacity}")
-        if rows == 0:
-            raise ValueError("a routed layer needs at least one row")
+        self._check(rows)
         if dense_rows is not None and dense_rows.shape != (rows,):
             raise ValueError(f"dense_rows has shape {tuple(dense_rows.shape)}, the route {rows} rows")
         from vskipper.mixed.kernels import cohort_maps
@@ -104,7 +108,7 @@ class CohortBuilder:
         cohort_maps(run, self._run, self._proj, self._counts, self._live,
                     record=(tape.run[j, :rows], tape.weights[j, :rows], weights,
                             None if dense_rows is None else dense_rows.contiguous()))
-        return Cohorts(self._run[:rows], self._proj[:rows], self._counts[0:1], self._counts[1:2], self._live[:rows])
+        return self._fused(rows)
 
 
 def build_cohorts(run_mask: torch.Tensor) -> Cohorts:
