@@ -57,10 +57,11 @@ class LayerWorld(StandaloneLayer):
             return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def routed(self, fb, x: torch.Tensor, run: torch.Tensor, weights: torch.Tensor, watch=None,
-               x_owned: bool = False) -> torch.Tensor:
+               x_owned: bool = False, handoff: bool = False):
         """The routed layer's body on this pass, with the given route; `watch` (a context manager) wraps the
-        layer's forward alone (the pass is planned outside it); `x_owned`: x handed over as the Llama layer hands
-        over its add-norm's residual (the body may update it in place)."""
+        layer's forward alone (the pass is planned outside it); `x_owned`: x handed over as the layers hand over a
+        residual no one else holds (the body and the hand-off's sum update it in place); `handoff`: the body's
+        `Handoff` rather than its sum."""
         from contextlib import nullcontext
 
         from mixed_world import TapeSkipper
@@ -77,7 +78,8 @@ class LayerWorld(StandaloneLayer):
         self.slot.step, self.slot.plan = step, plan_pass(fb, rows)
         try:
             with self.context(), torch.no_grad(), watch or nullcontext():
-                return self.layer.mixed_depth(step, fb.positions, x, fb, x_owned=x_owned).output()
+                out = self.layer.mixed_depth(step, fb.positions, x, fb, x_owned=x_owned)
+                return out if handoff else out.output(in_place=x_owned)
         finally:
             self.slot.step = self.slot.plan = None
 

@@ -73,44 +73,40 @@ def test_a_triton_decode_layer_launches_no_gather_scatter_or_fill_of_its_own(wor
     cohort maps, which record the skipper's route into the tape in the same launch (no copy of their own), the
     count-bounded Q GEMM storing each RUN row's query in its batch row (K stays a view of the projection; Qwen3's
     q_norm and k_norm are SGLang's `apply_qk_norm`, as its own layer calls it), the masked read (split and merge:
-    each slot's query, request and position gathered by the kernel), o_proj's scatter onto the residual the Llama
-    layer hands over (no copy of it first; Qwen3's layer keeps its copy), the MLP's and the adapter's kernel pairs;
-    then the world's own sum of the hand-off. No gather of queries, requests or positions, no scatter
-    into batch slots, no zero fill, no copy of the route or of the residual: on a GPU each of those is a launch of
-    its own in every routed layer's step."""
-    launches, residual_copy = _own_launches(world, served.cohort_execution([world.layer], torch.device("cpu"),
-                                                                            "triton"),
-                                            {0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False])
+    each slot's query, request and position gathered by the kernel), o_proj's scatter onto the residual the layer
+    hands over (no copy of it first), the MLP's and the adapter's kernel pairs; then the hand-off's sum onto that
+    residual (the Qwen3 layer's; the Llama layer leaves it to the next layer's add-norm). No gather of queries,
+    requests or positions, no scatter into batch slots, no zero fill, no copy of the route or of the residual: on
+    a GPU each of those is a launch of its own in every routed layer's step."""
+    launches = _own_launches(world, served.cohort_execution([world.layer], torch.device("cpu"), "triton"),
+                             {0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False])
     assert launches == [
         "cohort_maps_kernel", "cohort_gemm_kernel", "masked_decode_split_kernel",
-        "masked_decode_merge_kernel", *residual_copy, "cohort_down_scatter_kernel",
+        "masked_decode_merge_kernel", "cohort_down_scatter_kernel",
         "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel",
-        "add"]
+        "add_"]
 
 
-def _own_launches(world: LayerWorld, execution, extend: dict[int, int], run: list[bool]) -> tuple[list[str], list]:
-    """What vSkipper's own code launches in one routed pass of `execution` (`OwnLaunches`), x handed over as the
-    layer of the world's family hands it (the Llama layer its add-norm's residual); and the residual's copy the
-    list holds for a family that hands nothing over."""
+def _own_launches(world: LayerWorld, execution, extend: dict[int, int], run: list[bool]) -> list[str]:
+    """What vSkipper's own code launches in one routed pass of `execution` (`OwnLaunches`), x handed over as both
+    families' layers hand it past a first layer."""
     from mixed_world import OwnLaunches
 
     launches = OwnLaunches()
     kv0, lengths0 = world.kv(), list(world.lengths)
     world.slot.execution = execution
-    llama = world.arch == "flexidepth-llama"
     try:
         world.routed(world.batch(extend), world.hidden(len(run)), *world.route(run), watch=launches.triton(),
-                     x_owned=llama)
+                     x_owned=True)
     finally:
         world.slot.execution = served.TORCH_EXECUTION
         world.restore(kv0, lengths0)
-    return launches.launches, [] if llama else ["clone"]
+    return launches.launches
 
 
 def test_the_llama_layer_hands_over_the_residual_its_add_norm_formed_never_the_embeddings(tmp_path, monkeypatch):
     """The Llama layer hands the body the residual its fused add-norm formed (upstream's own layer updates that
-    buffer in place), never the embeddings a first layer reads. (The Qwen3 layer hands over nothing: its layer
-    boundary keeps what it folds; the launch list above pins its copy.)"""
+    buffer in place), never the embeddings a first layer reads."""
     from vskipper.mixed.routed_layer import Handoff
 
     world = LayerWorld("flexidepth-llama", tmp_path)
@@ -129,13 +125,48 @@ def test_the_llama_layer_hands_over_the_residual_its_add_norm_formed_never_the_e
     assert owned == [False, True]
 
 
+def test_the_qwen3_layer_forms_y_on_a_residual_no_one_else_holds_never_on_the_embeddings(tmp_path, monkeypatch):
+    """Through SGLang's layer-boundary stream, the Qwen3 layer hands the body x and forms y on it where x is a sum
+    the fold formed (a dense layer's pending output added to the residual) or a routed layer's written y; a first
+    layer's embeddings it leaves as they came, y a new tensor."""
+    from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+    from sglang.srt.layers.layer_boundary.residual.add_norm import Add
+
+    from vskipper.mixed.routed_layer import Handoff
+
+    world = LayerWorld("qwen3-skipper", tmp_path)
+    owned = []
+
+    def mixed_depth(step, positions, x, forward_batch, u=None, x_owned=False):
+        owned.append(x_owned)
+        return Handoff(torch.ones_like(x), x)
+
+    monkeypatch.setattr(world.layer, "mixed_depth", mixed_depth)
+    monkeypatch.setattr(world.layer, "routed_step", lambda: object())
+    fb, embeddings = world.batch({0: 1, 1: 1}), world.hidden(2)
+    kept = embeddings.clone()
+    with world.context(), torch.no_grad():
+        residual_batch.start(fb)
+        y_first = world.layer.forward(fb.positions, embeddings, fb)  # a first layer: x is the embeddings
+        assert torch.equal(embeddings, kept) and torch.equal(y_first, kept + 1)
+        y_next = world.layer.forward(fb.positions, y_first, fb)  # after a routed layer: x is its y
+        written = y_next.clone()
+        output = torch.full_like(y_next, 2.0)  # a dense layer's output, left pending as upstream's layer leaves it
+        y_last = world.layer.forward(fb.positions, residual_batch.current(fb).leave(output, Add()), fb)
+    assert owned == [False, True, True]
+    assert y_next is y_first and torch.equal(y_next, kept + 1 + 1)  # formed on the written y
+    assert y_last is not y_next and torch.equal(y_next, written)  # formed on the fold's sum, the residual kept
+    assert torch.equal(y_last, written + 2 + 1)
+
+
 @pytest.mark.parametrize("execution", ["triton", "torch"])
 @pytest.mark.parametrize("run", [[True, False, True, False], [True] * 4, [False] * 4])
 def test_a_residual_handed_over_holds_the_layers_residual_and_one_kept_is_left_as_it_came(world, execution, run):
-    """With x handed over (the Llama layer's add-norm residual) the body adds o_proj's output onto x in place: the
-    layer's output is the one a kept x gives, and x then holds the hand-off's residual (h at RUN rows, x at
-    Project-Only rows); a kept x (the embeddings at a first layer, the hosts that read it again) is untouched.
-    Both executions, with both cohorts, all-RUN (the torch execution's fast path) and all-Project-Only."""
+    """With x handed over (the Llama layer's add-norm residual, the Qwen3 layer's folded one) the body adds
+    o_proj's output onto x in place: x then holds the hand-off's residual (h at RUN rows, x at Project-Only rows),
+    and the hand-off's sum in place forms on x the output a kept x gives; a kept x (the embeddings at a first
+    layer, the hosts that read it again) is untouched. Both executions, with both cohorts, all-RUN (the torch
+    execution's fast path) and all-Project-Only."""
     chosen = served.TORCH_EXECUTION if execution == "torch" else served.cohort_execution(
         [world.layer], torch.device("cpu"), "triton")
     extend, x, route = {0: 1, 1: 1, 2: 1, 3: 1}, world.hidden(4), world.route(run)
@@ -145,14 +176,17 @@ def test_a_residual_handed_over_holds_the_layers_residual_and_one_kept_is_left_a
     kv0, lengths0 = world.kv(), list(world.lengths)
     world.slot.execution = chosen
     try:
-        y_owned = world.routed(world.batch(extend), x, *route, x_owned=True)
+        out = world.routed(world.batch(extend), x, *route, x_owned=True, handoff=True)
     finally:
         world.slot.execution = served.TORCH_EXECUTION
         world.restore(kv0, lengths0)
-    torch.testing.assert_close(y_owned, y_kept, rtol=1e-5, atol=1e-5)
+    assert out.residual is x
     runs, proj = ([i for i, r in enumerate(run) if r == flag] for flag in (True, False))
     assert not torch.isclose(x[runs], kept[runs]).all(dim=1).any()  # RUN rows: h = x + o_proj(...)
     assert torch.equal(x[proj], kept[proj])  # Project-Only rows: h = x
+    y_owned = out.output(in_place=True)  # the Qwen3 layer's sum: y forms on x
+    assert y_owned is x
+    torch.testing.assert_close(y_owned, y_kept, rtol=1e-5, atol=1e-5)
 
 
 def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:
@@ -248,11 +282,10 @@ def test_a_triton_prefill_layer_with_the_packed_read_launches_no_gather_or_scatt
     kernel in place of the split and merge, writing its slots' zeros itself): Q stored in the RUN tokens' batch
     rows, rotated beside every token's key, and gathered by the read with each slot's request and position. No
     placing of packed queries in batch slots, no gathers of queries, requests or positions, no zero fill."""
-    launches, residual_copy = _own_launches(world, _triton(world, "packed"), PREFILL_EXTEND, PREFILL_RUNS[0])
+    launches = _own_launches(world, _triton(world, "packed"), PREFILL_EXTEND, PREFILL_RUNS[0])
     assert launches == [
-        "cohort_maps_kernel", "cohort_gemm_kernel", "packed_prefill_kernel", *residual_copy,
-        "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel",
-        "cohort_down_scatter_kernel", "add"]
+        "cohort_maps_kernel", "cohort_gemm_kernel", "packed_prefill_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel",
+        "cohort_down_scatter_kernel", "add_"]
 
 
 @pytest.mark.parametrize("prefill_read", ["packed", "backend"])

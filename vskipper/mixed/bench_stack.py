@@ -191,7 +191,7 @@ class DecoderLayer(nn.Module):
         shared routed-layer body over this stack's own modules (`x_owned`: it may update x in place)."""
         stats.routed_layer_passes += 1
         return routed_layer(StackLayerOps(self, batch, kv, backend), x, u, run, weights, backend, cohorts, tiles,
-                            note=stats.note, x_owned=x_owned).output()
+                            note=stats.note, x_owned=x_owned).output(in_place=x_owned)
 
 
 class StackLayerOps:

@@ -71,9 +71,10 @@ class Handoff(NamedTuple):
     delta: torch.Tensor  # [rows, d]: w * MLP(LN2 h) (RUN rows), w * Proj(LN2 x) (Project-Only rows)
     residual: torch.Tensor  # [rows, d]: h (RUN rows), x (Project-Only rows)
 
-    def output(self) -> torch.Tensor:
-        """y, for a host whose layers hand on the layer output itself."""
-        return self.residual + self.delta
+    def output(self, in_place: bool = False) -> torch.Tensor:
+        """y, for a host whose layers hand on the layer output itself; `in_place`: y forms on the residual, which
+        the host handed over (`routed_layer`'s `x_owned`: the residual is then x itself)."""
+        return self.residual.add_(self.delta) if in_place else self.residual + self.delta
 
 
 class LayerOps(Protocol):

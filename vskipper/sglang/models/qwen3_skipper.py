@@ -9,7 +9,8 @@ Upstream's Qwen3 layers keep the residual in the forward batch's residual stream
 stages): a layer leaves its output pending there, and the next layer's input boundary (or the final norm) adds
 it to the residual and normalizes. A routed layer folds the pending output into the residual, which gives its
 input x (at the first layer, the embeddings), and hands on y as the written residual, with nothing pending: the
-next layer's boundary reads LN1 y, the final norm reads norm(y).
+next layer's boundary reads LN1 y, the final norm reads norm(y). Where the fold formed x (a sum no one else
+holds) or x is a routed layer's y, the layer forms y on x in place; the embeddings it leaves as they came.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ class RoutedQwen3DecoderLayer(RoutedLayerMixin, Qwen3DecoderLayer):
         if post_residual_addition is not None or capture_output is not None:
             raise NotImplementedError(f"routed layer {self.layer_id}: post_residual_addition and capture_output "
                                       "(multimodal deepstack, speculative capture) are not served routed")
+        stream = residual_batch.current(forward_batch)
+        # The fold forms x afresh where a dense layer left its output pending, and a routed layer's written y is
+        # its own: the body and the hand-off update either in place. A first layer's x is the embeddings: kept.
+        x_owned = stream.pending is not None or stream.residual is not None
         x = residual_batch.fold(hidden_states, forward_batch)
-        y = self.mixed_depth(step, positions, x, forward_batch).output()
+        y = self.mixed_depth(step, positions, x, forward_batch, x_owned=x_owned).output(in_place=x_owned)
         return residual_batch.written(y, forward_batch)
 
 
