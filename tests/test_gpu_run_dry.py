@@ -477,6 +477,18 @@ def test_the_tiles_stage_never_tunes_once_a_serving_stage_took_the_shipped_table
     assert "not tuned: ladder already served with the shipped table" in "\n".join(run.tiles_lines(result, None))
 
 
+def test_the_tiles_summary_puts_the_ffn_pair_grouped_beside_apart_where_the_tuner_timed_it():
+    """A tuned table's `ffn_pair` in the summary: each timed range's grouped and apart times and their ratio; a
+    range the tuner did not time is left out."""
+    from vskipper.mixed.tiles import default_tile_table
+
+    table = default_tile_table(227 * 1024, "H100-SXM").as_dict()
+    table["ffn_pair"] = [{"rows": [1, 16], "grouped_ms": 0.02, "apart_ms": 0.025}, {"rows": [17, None]}]
+    text = "\n".join(run.tiles_lines({"device": "H100-SXM", "runs": {}, "table": table}, None))
+    pair = text[text.index("| rows | grouped ms"):]
+    assert "| 1-16 | 0.0200 | 0.0250 | 0.800 |" in pair and "| 17-" not in pair
+
+
 def test_a_stage_that_failed_runs_again_in_a_later_run_and_the_tiles_stage_then_keeps_the_shipped_table(tmp_path):
     """A stage whose JSON records a failure is not complete: a later `run.py` runs it again (here the tiles stage,
     which finds the ladder already served and keeps the shipped table, the earlier failure kept beside)."""

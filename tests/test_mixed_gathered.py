@@ -141,6 +141,17 @@ def test_a_table_that_prefers_torch_runs_the_gathered_forms_and_refuses_a_store_
     cohort_gemm(x, c.run_idx, c.n_run, wg, tile=gathering_table(set(OPERATIONS), device="Some Future GPU"))
     assert calls == []  # no ridge to hold the capacity against: the tile
 
+    # the pair of cohort FFNs: grouped where every one of their GEMMs keeps its tile, else each as its table says
+    proj = (wg[:16], wu[:16], torch.randn(d, 16, generator=g) / 4)
+    pair = (kernels.CohortFFN(c.run_idx, c.n_run, wg, wu, wd), kernels.CohortFFN(c.proj_idx, c.n_proj, *proj))
+    cohort_ffn_torch(x, c.proj_idx, c.n_proj, w, *proj, expected)
+    for gathered in ({"proj_gate_up"}, set()):
+        calls.clear()
+        y = torch.zeros(capacity, d)
+        kernels.cohort_ffn_pair(x, w, y, *pair, tiles=gathering_table(gathered))
+        assert calls == ["gathered_gate_up" for _ in gathered]
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
 
 def test_a_routed_decode_step_with_every_gemm_gathered_equals_the_tiled_one_and_reads_nothing_on_the_host(
         tiny_flexidepth, monkeypatch):

@@ -9,14 +9,16 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from mixed_world import HostReadDetector, TapeSkipper, World, random_routes
+from mixed_world import HostReadDetector, OwnLaunches, TapeSkipper, World, random_routes
 
 from vskipper.mixed.attention import paged_attention
 from vskipper.mixed.backend import cohort_ffn_torch
 from vskipper.mixed.bench_stack import BenchStack
 from vskipper.mixed.cohorts import CohortBuilder, build_cohorts
 from vskipper.mixed.kernels import (
+    CohortFFN,
     cohort_down_scatter,
+    cohort_ffn_pair,
     cohort_ffn_triton,
     cohort_gate_up,
     cohort_gemm,
@@ -64,6 +66,58 @@ def test_cohort_ffn_kernels_match_torch_for_ragged_counts(capacity, d, n, share_
         cohort_ffn_torch(x, idx, count, w, wg, wu, wd, from_zero)
         cohort_ffn_triton(x, idx, count, w, wg, wu, wd, stored, tiles=SMALL, accumulate=False)
     torch.testing.assert_close(stored, from_zero, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+@pytest.mark.parametrize("share_run", [0.0, 1.0, 0.6])
+def test_the_grouped_ffn_pair_equals_each_cohorts_ffn_on_its_own(share_run, accumulate):
+    """The MLP over the RUN cohort and the projector over the Project-Only cohort in one launch per stage: the
+    same y as the two FFNs launched one after the other (added, or stored into NaN rows), with either cohort
+    empty, widths that are no multiple of the tile, and a projector narrower than one tile. Launched once a
+    stage: two kernels, not four."""
+    g = torch.Generator().manual_seed(7 + int(10 * share_run))
+    capacity, d, n_mlp, n_proj = 40, 48, 80, 24
+    x = torch.randn(capacity, d, generator=g)
+    mlp_w, proj_w = weights(g, d, n_mlp), weights(g, d, n_proj)
+    w = torch.rand(capacity, generator=g)
+    c = build_cohorts(torch.rand(capacity, generator=g) < share_run)
+    y0 = torch.randn(capacity, d, generator=g) if accumulate else torch.full((capacity, d), float("nan"))
+    expected, y = y0.clone(), y0.clone()
+    for (idx, count), ws, op in (((c.run_idx, c.n_run), mlp_w, "mlp"), ((c.proj_idx, c.n_proj), proj_w, "proj")):
+        cohort_ffn_triton(x, idx, count, w, *ws, expected, op=op, tiles=SMALL, accumulate=accumulate)
+    launches = OwnLaunches()
+    with launches.triton():
+        cohort_ffn_pair(x, w, y, CohortFFN(c.run_idx, c.n_run, *mlp_w), CohortFFN(c.proj_idx, c.n_proj, *proj_w),
+                        tiles=SMALL, accumulate=accumulate)
+    assert launches.launches == ["grouped_gate_up_kernel", "grouped_down_scatter_kernel"]
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    assert not y.isnan().any()
+
+
+def test_the_ffn_pair_launches_apart_where_its_table_measured_that_faster_or_gathers():
+    """A table whose `ffn_pair` timed the two FFNs faster apart at this capacity launches each on its own (four
+    kernels, the same y); one that gathers an FFN GEMM there cannot group them, even when asked to."""
+    from mixed_world import gathering_table
+
+    from vskipper.mixed.tiles import PairTiming
+
+    g = torch.Generator().manual_seed(2)
+    capacity, d = 24, 32
+    x, w = torch.randn(capacity, d, generator=g), torch.rand(capacity, generator=g)
+    c = build_cohorts(torch.rand(capacity, generator=g) < 0.5)
+    pair = (CohortFFN(c.run_idx, c.n_run, *weights(g, d, 48)), CohortFFN(c.proj_idx, c.n_proj, *weights(g, d, 16)))
+    table = gathering_table(set())
+    outs = {}
+    for name, timing in (("grouped", PairTiming(1.0, 2.0)), ("apart", PairTiming(2.0, 1.0))):
+        table.ffn_pair = [(1, None, timing)]
+        outs[name] = torch.full((capacity, d), float("nan"))
+        launches = OwnLaunches()
+        with launches.triton():
+            cohort_ffn_pair(x, w, outs[name], *pair, tiles=table, accumulate=False)
+        assert len(launches.launches) == (2 if name == "grouped" else 4), launches.launches
+    torch.testing.assert_close(outs["apart"], outs["grouped"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="the FFNs cannot launch grouped there"):
+        cohort_ffn_pair(x, w, outs["apart"], *pair, tiles=gathering_table({"proj_down"}), grouped=True)
 
 
 def test_tiles_past_the_device_count_write_nothing():

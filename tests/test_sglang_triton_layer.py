@@ -13,7 +13,6 @@ import torch
 from sglang_layer_world import ARCHS, LayerWorld
 
 from vskipper.mixed import kernels
-from vskipper.mixed import routed_layer as body
 from vskipper.mixed.tiles import OPERATIONS, ReadTile, tile_table_for
 from vskipper.sglang.models import routed as served
 
@@ -41,19 +40,19 @@ def _pass(world: LayerWorld, extend: dict[int, int], x, run, w, execution):
                                  [False] * 4])
 def test_the_triton_execution_of_a_decode_pass_equals_the_torch_execution(world, run, monkeypatch):
     """Outputs and the KV written, with both cohorts, all-RUN and all-Project-Only routes; the pass really ran
-    the cohort GEMMs (one MLP and one projector launch) and the masked decode read (once)."""
-    calls = {"cohort_ffn": [], "masked_read": 0}
+    the cohort GEMMs (the MLP and the projector, one pair of launches) and the masked decode read (once)."""
+    calls = {"cohort_ffn_pair": [], "masked_read": 0}
 
-    def cohort_ffn(backend, *args, **kwargs):
-        calls["cohort_ffn"].append((backend, kwargs["op"], kwargs["tiles"]))
-        return real_ffn(backend, *args, **kwargs)
+    def cohort_ffn_pair(*args, **kwargs):
+        calls["cohort_ffn_pair"].append(kwargs["tiles"])
+        return real_ffn(*args, **kwargs)
 
     def masked_read(*args, **kwargs):
         calls["masked_read"] += 1
         return real_read(*args, **kwargs)
 
-    real_ffn, real_read = body.cohort_ffn, kernels.masked_decode_attention
-    monkeypatch.setattr(body, "cohort_ffn", cohort_ffn)
+    real_ffn, real_read = kernels.cohort_ffn_pair, kernels.masked_decode_attention
+    monkeypatch.setattr(kernels, "cohort_ffn_pair", cohort_ffn_pair)
     monkeypatch.setattr(kernels, "masked_decode_attention", masked_read)
     extend = {0: 1, 1: 1, 2: 1, 3: 1}
     x = world.hidden(4)
@@ -61,7 +60,7 @@ def test_the_triton_execution_of_a_decode_pass_equals_the_torch_execution(world,
     triton = served.cohort_execution([world.layer], torch.device("cpu"), "triton")
     assert triton.decode == "triton"
     y_triton, kv_triton = _pass(world, extend, x, run_t, w, triton)
-    assert calls == {"cohort_ffn": [("triton", "mlp", None), ("triton", "proj", None)], "masked_read": 1}
+    assert calls == {"cohort_ffn_pair": [None], "masked_read": 1}
     y_torch, kv_torch = _pass(world, extend, x, run_t, w, served.TORCH_EXECUTION)
     torch.testing.assert_close(y_triton, y_torch, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
@@ -74,17 +73,17 @@ def test_a_triton_decode_layer_launches_no_gather_scatter_or_fill_of_its_own(wor
     count-bounded Q GEMM storing each RUN row's query in its batch row (K stays a view of the projection; Qwen3's
     q_norm and k_norm are SGLang's `apply_qk_norm`, as its own layer calls it), the masked read (split and merge:
     each slot's query, request and position gathered by the kernel), o_proj's scatter onto the residual the layer
-    hands over (no copy of it first), the MLP's and the adapter's kernel pairs; then the hand-off's sum onto that
-    residual (the Qwen3 layer's; the Llama layer leaves it to the next layer's add-norm). No gather of queries,
-    requests or positions, no scatter into batch slots, no zero fill, no copy of the route or of the residual: on
-    a GPU each of those is a launch of its own in every routed layer's step."""
+    hands over (no copy of it first), the MLP's and the adapter's gate-up in one launch and their down GEMMs in
+    another; then the hand-off's sum onto that residual (the Qwen3 layer's; the Llama layer leaves it to the next
+    layer's add-norm). No gather of queries, requests or positions, no scatter into batch slots, no zero fill, no
+    copy of the route or of the residual, no launch of the adapter's own: on a GPU each of those is a launch of
+    its own in every routed layer's step."""
     launches = _own_launches(world, served.cohort_execution([world.layer], torch.device("cpu"), "triton"),
                              {0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False])
     assert launches == [
         "cohort_maps_kernel", "cohort_gemm_kernel", "masked_decode_split_kernel",
-        "masked_decode_merge_kernel", "cohort_down_scatter_kernel",
-        "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel",
-        "add_"]
+        "masked_decode_merge_kernel", "cohort_down_scatter_kernel", "grouped_gate_up_kernel",
+        "grouped_down_scatter_kernel", "add_"]
 
 
 def _own_launches(world: LayerWorld, execution, extend: dict[int, int], run: list[bool]) -> list[str]:
@@ -221,21 +220,21 @@ def _watch_kernels(world: LayerWorld, monkeypatch) -> dict[str, object]:
         seen["queries"] = q.reshape(q.shape[0], -1).abs().sum(-1).nonzero().view(-1).tolist()
         return real["extend"](q, *args, **kwargs)
 
-    def ffn(backend, x, idx, count, *args, **kwargs):
-        seen[kwargs["op"]] = rows_of(idx, count)
-        return real["ffn"](backend, x, idx, count, *args, **kwargs)
+    def ffn(x, weights, y, mlp, proj, **kwargs):
+        seen["mlp"], seen["proj"] = rows_of(mlp.idx, mlp.count), rows_of(proj.idx, proj.count)
+        return real["ffn"](x, weights, y, mlp, proj, **kwargs)
 
     def projection(qkv_proj, rows, u):
         seen["kv" if rows.start == layer.self_attn.q_size else "qkv_rows"] = u.shape[0]
         return real["projection"](qkv_proj, rows, u)
 
-    real = {"gemm": kernels.cohort_gemm, "scatter": kernels.cohort_scatter_add, "ffn": body.cohort_ffn,
+    real = {"gemm": kernels.cohort_gemm, "scatter": kernels.cohort_scatter_add, "ffn": kernels.cohort_ffn_pair,
             "read": kernels.masked_decode_attention, "projection": served.row_projection,
             "extend": world.backend.forward_extend, "packed": kernels.packed_prefill_attention}
     monkeypatch.setattr(kernels, "cohort_gemm", gemm)
     monkeypatch.setattr(kernels, "cohort_scatter_add", scatter)
     monkeypatch.setattr(kernels, "masked_decode_attention", spy_read("read"))
-    monkeypatch.setattr(body, "cohort_ffn", ffn)
+    monkeypatch.setattr(kernels, "cohort_ffn_pair", ffn)
     monkeypatch.setattr(served, "row_projection", projection)
     monkeypatch.setattr(world.backend, "forward_extend", extend)
     monkeypatch.setattr(kernels, "packed_prefill_attention", spy_read("packed"))
@@ -284,17 +283,17 @@ def test_a_triton_prefill_layer_with_the_packed_read_launches_no_gather_or_scatt
     placing of packed queries in batch slots, no gathers of queries, requests or positions, no zero fill."""
     launches = _own_launches(world, _triton(world, "packed"), PREFILL_EXTEND, PREFILL_RUNS[0])
     assert launches == [
-        "cohort_maps_kernel", "cohort_gemm_kernel", "packed_prefill_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel",
-        "cohort_down_scatter_kernel", "add_"]
+        "cohort_maps_kernel", "cohort_gemm_kernel", "packed_prefill_kernel", "cohort_down_scatter_kernel",
+        "grouped_gate_up_kernel", "grouped_down_scatter_kernel", "add_"]
 
 
 @pytest.mark.parametrize("prefill_read", ["packed", "backend"])
 @pytest.mark.parametrize("run", PREFILL_RUNS)
 def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world, run, prefill_read, monkeypatch):
     """Outputs and the KV written against the torch execution (its per-request read), whatever the route; the
-    pass ran the cohort GEMMs (one MLP and one projector launch) and read once, over the packed slots
-    (`packed_prefill_attention`) or through SGLang's attention backend, never the masked decode read."""
-    calls = {"cohort_ffn": [], "packed": 0, "extend": 0, "masked_read": 0}
+    pass ran the cohort GEMMs (the MLP and the projector, one pair of launches) and read once, over the packed
+    slots (`packed_prefill_attention`) or through SGLang's attention backend, never the masked decode read."""
+    calls = {"cohort_ffn_pair": 0, "packed": 0, "extend": 0, "masked_read": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -302,12 +301,7 @@ def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world
             return fn(*args, **kwargs)
         return call
 
-    def cohort_ffn(backend, *args, **kwargs):
-        calls["cohort_ffn"].append((backend, kwargs["op"]))
-        return real_ffn(backend, *args, **kwargs)
-
-    real_ffn = body.cohort_ffn
-    monkeypatch.setattr(body, "cohort_ffn", cohort_ffn)
+    monkeypatch.setattr(kernels, "cohort_ffn_pair", counted("cohort_ffn_pair", kernels.cohort_ffn_pair))
     monkeypatch.setattr(world.backend, "forward_extend", counted("extend", world.backend.forward_extend))
     monkeypatch.setattr(kernels, "packed_prefill_attention", counted("packed", kernels.packed_prefill_attention))
     monkeypatch.setattr(kernels, "masked_decode_attention", counted("masked_read", kernels.masked_decode_attention))
@@ -316,7 +310,7 @@ def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world
     triton = _triton(world, prefill_read)
     assert triton.prefill == "triton"
     y_triton, kv_triton = _pass(world, PREFILL_EXTEND, x, run_t, w, triton)
-    assert calls == {"cohort_ffn": [("triton", "mlp"), ("triton", "proj")], "packed": prefill_read == "packed",
+    assert calls == {"cohort_ffn_pair": 1, "packed": prefill_read == "packed",
                      "extend": prefill_read == "backend", "masked_read": 0}
     y_torch, kv_torch = _pass(world, PREFILL_EXTEND, x, run_t, w, served.TORCH_EXECUTION)
     torch.testing.assert_close(y_triton, y_torch, rtol=1e-4, atol=1e-4)
@@ -363,6 +357,7 @@ def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution
     torch.testing.assert_close(kv_gathered, kv_torch, rtol=1e-4, atol=1e-4)
     ranges = [[1, 16], [17, 32], [33, 64], [65, 128], [129, 206]]
     assert execution.attestation()["gathered"] == {op: ranges for op in OPERATIONS}
+    assert execution.attestation()["ffn_apart"] == []  # the table timed no FFN pair: grouped where not gathered
 
 
 @pytest.mark.parametrize("prefill_read", ["packed", "backend"])

@@ -85,6 +85,13 @@ def test_unmeasured_devices_fall_back_to_the_default_and_unknown_ones_need_a_lim
      r"tiles.attn_q\[2\]: field 'torch_ms' must be a positive number of milliseconds, got -1"),
     (lambda d: d["tiles"]["attn_o"][0].update(kernel_half_ms=0.1),
      r"tiles.attn_o\[0\]: fields 'kernel_ms' and 'torch_ms' go together \(got only \['kernel_half_ms'\]\)"),
+    (lambda d: d.__setitem__("ffn_pair", {}), "ffn_pair: expected a list"),
+    (lambda d: d.__setitem__("ffn_pair", pair_entries()[:3]), "ffn_pair: must end with an open-ended range"),
+    (lambda d: d.__setitem__("ffn_pair", pair_entries()[1:]), r"ffn_pair\[0\]: field 'rows' must be \[1, last\]"),
+    (lambda d: d.__setitem__("ffn_pair", [*pair_entries()[:-1], {"rows": [513, None], "grouped_ms": 1.0}]),
+     r"ffn_pair\[5\]: fields 'grouped_ms' and 'apart_ms' go together"),
+    (lambda d: d.__setitem__("ffn_pair", [{"rows": [1, None], "grouped_ms": 0, "apart_ms": 1.0}]),
+     r"ffn_pair\[0\]: field 'grouped_ms' must be a positive number of milliseconds, got 0"),
 ])
 def test_malformed_tables_are_refused_naming_the_field(mutate, message):
     data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2})
@@ -114,6 +121,25 @@ def test_the_shipped_h100_table_loads_with_the_attention_tiles_defaulted():
     assert t.device == "H100-SXM" and t.source.startswith("vskipper tune-tiles")
     assert t.source.endswith("attn_q, attn_o: default tiles (not in the table)")
     assert t.lookup("attn_q", 16).shared_mem_bytes("attn_q") <= lookup_device("H100-SXM").shared_mem_per_block
+
+
+def pair_entries(apart_faster: tuple[int, ...] = ()) -> list[dict]:
+    """`ffn_pair` over the count ranges, timed: the two FFNs faster apart at the ranges numbered `apart_faster`."""
+    return [{"rows": [lo, hi], "grouped_ms": 2.0 if n in apart_faster else 1.0, "apart_ms": 1.5}
+            for n, (lo, hi) in enumerate(COUNT_RANGES)]
+
+
+def test_the_ffn_pair_launches_grouped_unless_the_table_measured_it_faster_apart():
+    data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2})
+    assert all(parse_tile_table(data, 99 * 1024).groups_ffn(rows) for rows in (1, 64, 4096))  # not timed: grouped
+    data["ffn_pair"] = pair_entries(apart_faster=(1, 5))
+    del data["ffn_pair"][2]["grouped_ms"], data["ffn_pair"][2]["apart_ms"]  # a range not timed
+    t = parse_tile_table(data, 99 * 1024)
+    assert [t.groups_ffn(rows) for rows in (16, 17, 32, 33, 64, 512, 513, 8192)] == [
+        True, False, False, True, True, True, False, False]
+    assert t.apart_ranges() == [[17, 32], [513, None]]
+    again = parse_tile_table(json.loads(json.dumps(t.as_dict())), 99 * 1024)
+    assert again.ffn_pair == t.ffn_pair
 
 
 def test_table_round_trips_through_its_json_form():

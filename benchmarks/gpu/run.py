@@ -1220,6 +1220,14 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
                              f"{e.get('tried', '?')} | {e.get('timed', 'eager')} |")
         lines += ["", f"Served in the gathered cuBLAS form (`TileTable.gathers`: torch faster than the tile at the full "
                       f"and the half count, at or below the ridge): {gathered_summary(table)}.", ""]
+        pair = [e for e in table.get("ffn_pair") or [] if e.get("grouped_ms") is not None]
+        if pair:  # what the served layer's launch of its two FFNs rests on
+            lines += ["A routed layer's two cohort FFNs (half the rows RUN) grouped in one grid a stage against "
+                      "launched apart (`kernels.cohort_ffn_pair`; the served layer groups them where grouped is "
+                      "not slower):", "", "| rows | grouped ms | apart ms | grouped / apart |", "|---|---:|---:|---:|"]
+            lines += [f"| {e['rows'][0]}-{e['rows'][1] if e['rows'][1] is not None else ''} | {e['grouped_ms']:.4f} | "
+                      f"{e['apart_ms']:.4f} | {e['grouped_ms'] / e['apart_ms']:.3f} |" for e in pair]
+            lines.append("")
         read = table.get("prefill_read")
         if read:
             lines += [f"The packed prefill read ({read['tokens']} tokens, {read['run_share']:.0%} of them RUN): "

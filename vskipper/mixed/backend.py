@@ -1,6 +1,6 @@
 """Cohort FFN backends: the same count-bounded math on Triton (GPU decode) or torch ops (CPU, prefill).
 
-`cohort_ffn(x, idx, count, weights, w_gate, w_up, w_down, y, ...)` adds, for cohort positions m < count,
+A cohort FFN over (x, idx, count, weights, w_gate, w_up, w_down, y) adds, for cohort positions m < count,
 
     y[idx[m]] += weights[idx[m]] * w_down @ (silu(w_gate @ x[idx[m]]) * (w_up @ x[idx[m]]))
 
@@ -8,9 +8,10 @@
 gate/up/down projections; the FlexiDepth adapter passes (gate_proj, down_proj, up_proj), its d->m, d->m and
 m->d matrices.
 
-  torch   gather (index_select), matmul, weighted index_add over the first `count` rows; the count is read
-          on the host, so this is the CPU decode path and the prefill path (outside graph capture)
+  torch   `cohort_ffn_torch`: gather (index_select), matmul, weighted index_add over the first `count` rows;
+          the count is read on the host (the kernels' reference in the tests)
   triton  `vskipper.mixed.kernels`: static grid for the capacity, device-side count, no host read
+          (`cohort_ffn_triton`; a routed layer's two cohorts in one launch per stage, `cohort_ffn_pair`)
 """
 
 from __future__ import annotations
@@ -57,20 +58,3 @@ def cohort_ffn_torch(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, we
     act = F.silu(a @ w_gate.t()) * (a @ w_up.t())
     out = (act @ w_down.t()) * weights.index_select(0, rows).view(-1, 1).to(act.dtype)
     y.index_add_(0, rows, out.to(y.dtype))
-
-
-def cohort_ffn(backend: str, x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
-               w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor,
-               op: str = "mlp", tiles=None, accumulate: bool = True) -> None:
-    """`accumulate` False (triton only): y's cohort rows hold nothing yet, and get the output stored."""
-    if backend == "torch":
-        if not accumulate:
-            raise ValueError("the torch cohort FFN adds into y (accumulate=True)")
-        cohort_ffn_torch(x, idx, count, weights, w_gate, w_up, w_down, y)
-    elif backend == "triton":
-        from vskipper.mixed.kernels import cohort_ffn_triton
-
-        cohort_ffn_triton(x, idx, count, weights, w_gate, w_up, w_down, y, op=op, tiles=tiles,
-                          accumulate=accumulate)
-    else:
-        raise ValueError(f"unknown cohort backend {backend!r}")

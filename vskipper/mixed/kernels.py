@@ -17,6 +17,12 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
             repeated rows below count, and K is not split, so no atomics are needed.
     Grid    (cdiv(C, BLOCK_M), cdiv(D, BLOCK_N))
 
+`grouped_gate_up_kernel` and `grouped_down_scatter_kernel`
+    The two kernels above over two cohorts in one launch (a routed layer's MLP over the RUN cohort and projector
+    over the Project-Only one, the same X, branch weights and Y): the second cohort's column tiles follow the
+    first's in the grid, each program one tile of one cohort.
+    Grid    (cdiv(C, BLOCK_M), cdiv(N, BLOCK_N) + cdiv(N2, BLOCK_N)) and (cdiv(C, BLOCK_M), 2 cdiv(D, BLOCK_N))
+
 `cohort_gemm_kernel`
     Reads   X[idx[m], :] for m < count, W [N, K]
     Writes  A[m, :] = X[idx[m]] @ W^T for m < count, packed; rows >= count are not written
@@ -49,6 +55,7 @@ The GEMMs accumulate in fp32. For the FlexiDepth projector pass (gate_proj, down
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -68,14 +75,9 @@ INTERPRETER_TILE = Tile(block_m=16, block_n=32, block_k=32, num_warps=4, num_sta
 
 
 @triton.jit
-def cohort_gate_up_kernel(x_ptr, idx_ptr, count_ptr, wg_ptr, wu_ptr, out_ptr, N, K,
-                          stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    count = tl.load(count_ptr)
-    if pid_m * BLOCK_M >= count:
-        return
+def _gate_up_tile(x_ptr, idx_ptr, count, wg_ptr, wu_ptr, out_ptr, N, K, pid_m, pid_n,
+                  stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
     rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
@@ -103,15 +105,44 @@ def cohort_gate_up_kernel(x_ptr, idx_ptr, count_ptr, wg_ptr, wu_ptr, out_ptr, N,
 
 
 @triton.jit
-def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, D, N,
-                               stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               WEIGHTED: tl.constexpr = True, ACCUMULATE: tl.constexpr = True):
+def cohort_gate_up_kernel(x_ptr, idx_ptr, count_ptr, wg_ptr, wu_ptr, out_ptr, N, K,
+                          stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_d = tl.program_id(1)
     count = tl.load(count_ptr)
     if pid_m * BLOCK_M >= count:
         return
+    _gate_up_tile(x_ptr, idx_ptr, count, wg_ptr, wu_ptr, out_ptr, N, K, pid_m, tl.program_id(1),
+                  stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def grouped_gate_up_kernel(x_ptr, idx_ptr, count_ptr, wg_ptr, wu_ptr, out_ptr, N,
+                           idx2_ptr, count2_ptr, wg2_ptr, wu2_ptr, out2_ptr, N2, K, TILES_N,
+                           stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                           stride_w2n, stride_w2k, stride_o2m, stride_o2n,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # The first cohort's column tiles, then the second's. A program picks its cohort's operands and runs the one
+    # tile loop: one loop compiled, so the launch takes the shared memory of one cohort's tile, not of two.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    first = pid_n < TILES_N
+    count = tl.load(tl.where(first, count_ptr, count2_ptr))
+    if pid_m * BLOCK_M >= count:
+        return
+    _gate_up_tile(x_ptr, tl.where(first, idx_ptr, idx2_ptr), count, tl.where(first, wg_ptr, wg2_ptr),
+                  tl.where(first, wu_ptr, wu2_ptr), tl.where(first, out_ptr, out2_ptr), tl.where(first, N, N2), K,
+                  pid_m, tl.where(first, pid_n, pid_n - TILES_N), stride_xm, stride_xk,
+                  tl.where(first, stride_wn, stride_w2n), tl.where(first, stride_wk, stride_w2k),
+                  tl.where(first, stride_om, stride_o2m), tl.where(first, stride_on, stride_o2n),
+                  BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _down_tile(a_ptr, idx_ptr, count, w_ptr, wd_ptr, y_ptr, D, N, pid_m, pid_d,
+               stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               WEIGHTED: tl.constexpr, ACCUMULATE: tl.constexpr):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
     offs_d = pid_d * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,6 +167,42 @@ def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, 
     if ACCUMULATE:
         acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, D, N,
+                               stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               WEIGHTED: tl.constexpr = True, ACCUMULATE: tl.constexpr = True):
+    pid_m = tl.program_id(0)
+    count = tl.load(count_ptr)
+    if pid_m * BLOCK_M >= count:
+        return
+    _down_tile(a_ptr, idx_ptr, count, w_ptr, wd_ptr, y_ptr, D, N, pid_m, tl.program_id(1),
+               stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd, BLOCK_M, BLOCK_N, BLOCK_K,
+               WEIGHTED, ACCUMULATE)
+
+
+@triton.jit
+def grouped_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, wd_ptr, N, a2_ptr, idx2_ptr, count2_ptr, wd2_ptr, N2,
+                                w_ptr, y_ptr, D, TILES_D,
+                                stride_am, stride_an, stride_wd, stride_wn, stride_a2m, stride_a2n,
+                                stride_wd2, stride_w2n, stride_ym, stride_yd,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                ACCUMULATE: tl.constexpr = True):
+    # As the grouped gate-up: the first cohort's column tiles, then the second's (disjoint rows of y), one loop.
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    first = pid_d < TILES_D
+    count = tl.load(tl.where(first, count_ptr, count2_ptr))
+    if pid_m * BLOCK_M >= count:
+        return
+    _down_tile(tl.where(first, a_ptr, a2_ptr), tl.where(first, idx_ptr, idx2_ptr), count, w_ptr,
+               tl.where(first, wd_ptr, wd2_ptr), y_ptr, D, tl.where(first, N, N2), pid_m,
+               tl.where(first, pid_d, pid_d - TILES_D), tl.where(first, stride_am, stride_a2m),
+               tl.where(first, stride_an, stride_a2n), tl.where(first, stride_wd, stride_wd2),
+               tl.where(first, stride_wn, stride_w2n), stride_ym, stride_yd, BLOCK_M, BLOCK_N, BLOCK_K, True,
+               ACCUMULATE)
 
 
 @triton.jit
@@ -297,6 +364,81 @@ def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w
     else:
         cohort_down_scatter(a, idx, count, weights, w_down, y, tile=_grid_tile(f"{op}_down", capacity, x, tiles),
                             accumulate=accumulate)
+
+
+class CohortFFN(NamedTuple):
+    """One cohort's FFN in a routed layer: its map (`idx` [C], `count` [1]) and its gate, up and down weights (the
+    projector's in the order `cohort_ffn_triton` takes them)."""
+
+    idx: torch.Tensor
+    count: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+FFN_OPS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down")
+
+
+def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp: CohortFFN, proj: CohortFFN,
+                    tiles: TileTable | Tile | None = None, accumulate: bool = True, grouped: bool | None = None
+                    ) -> None:
+    """A routed layer's two cohort FFNs over the same input rows x and branch weights: the RUN cohort's MLP and the
+    Project-Only cohort's projector, each adding (`accumulate` False: storing) weights[r] * FFN(x[r]) into its rows
+    r of y, which no two cohorts share.
+
+    Both in one launch per stage (`grouped_gate_up_kernel`, then `grouped_down_scatter_kernel`), at the MLP's
+    tiles: the projector's column tiles follow the MLP's in one grid, so its few programs fill the MLP's last wave
+    instead of running a wave of their own after it, and each stage launches once. Each FFN runs on its own, as
+    `cohort_ffn_triton` runs it, where the table serves any of the four GEMMs in the gathered form at this capacity
+    or measured the two faster apart there (`TileTable.groups_ffn`); `grouped` (the tuner's) forces either."""
+    capacity = mlp.idx.shape[0]
+    if proj.idx.shape[0] != capacity:
+        raise ValueError(f"the cohort maps hold {capacity} and {proj.idx.shape[0]} slots: one pass's maps have "
+                         "as many slots each")
+    gathered = any(_gathers(tiles, op, capacity) for op in FFN_OPS)
+    if grouped is None:
+        grouped = not gathered and (not isinstance(tiles, TileTable) or tiles.groups_ffn(capacity))
+    elif grouped and gathered:
+        raise ValueError(f"the table serves an FFN GEMM in the gathered form at {capacity} slots: the FFNs cannot "
+                         "launch grouped there")
+    if not grouped:
+        for op, ffn in (("mlp", mlp), ("proj", proj)):
+            cohort_ffn_triton(x, ffn.idx, ffn.count, weights, ffn.w_gate, ffn.w_up, ffn.w_down, y, op=op,
+                              tiles=tiles, accumulate=accumulate)
+        return
+    weights = weights.reshape(-1)
+    if weights.stride(0) != 1:
+        weights = weights.contiguous()
+    (n1, k), (n2, k2) = mlp.w_gate.shape, proj.w_gate.shape
+    if k2 != k or mlp.w_up.stride() != mlp.w_gate.stride() or proj.w_up.stride() != proj.w_gate.stride():
+        raise ValueError("the grouped gate-up reads both FFNs' gate and up weights [N, K] over the same K, each "
+                         "FFN's two with one layout")
+    a1 = torch.empty(capacity, n1, dtype=x.dtype, device=x.device)
+    a2 = torch.empty(capacity, n2, dtype=x.dtype, device=x.device)
+    t = _grid_tile("mlp_gate_up", capacity, x, tiles)
+    tiles_n = triton.cdiv(n1, t.block_n)
+    grid = (triton.cdiv(capacity, t.block_m), tiles_n + triton.cdiv(n2, t.block_n))
+    grouped_gate_up_kernel[grid](x, mlp.idx, mlp.count, mlp.w_gate, mlp.w_up, a1, n1,
+                                 proj.idx, proj.count, proj.w_gate, proj.w_up, a2, n2, k, tiles_n,
+                                 x.stride(0), x.stride(1), mlp.w_gate.stride(0), mlp.w_gate.stride(1),
+                                 a1.stride(0), a1.stride(1), proj.w_gate.stride(0), proj.w_gate.stride(1),
+                                 a2.stride(0), a2.stride(1), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                                 BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
+    d = mlp.w_down.shape[0]
+    if proj.w_down.shape != (d, n2) or mlp.w_down.shape != (d, n1):
+        raise ValueError(f"the down weights are {tuple(mlp.w_down.shape)} and {tuple(proj.w_down.shape)}, "
+                         f"expected ({d}, {n1}) and ({d}, {n2})")
+    t = _grid_tile("mlp_down", capacity, a1, tiles)
+    tiles_d = triton.cdiv(d, t.block_n)
+    grid = (triton.cdiv(capacity, t.block_m), 2 * tiles_d)
+    grouped_down_scatter_kernel[grid](a1, mlp.idx, mlp.count, mlp.w_down, n1, a2, proj.idx, proj.count,
+                                      proj.w_down, n2, weights, y, d, tiles_d,
+                                      a1.stride(0), a1.stride(1), mlp.w_down.stride(0), mlp.w_down.stride(1),
+                                      a2.stride(0), a2.stride(1), proj.w_down.stride(0), proj.w_down.stride(1),
+                                      y.stride(0), y.stride(1), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                                      BLOCK_K=t.block_k, ACCUMULATE=accumulate, num_warps=t.num_warps,
+                                      num_stages=t.num_stages)
 
 
 def cohort_ffn_gathers(tiles: TileTable | Tile | None, op: str, capacity: int) -> bool:

@@ -43,9 +43,10 @@ Two executions of the same semantics:
           (`LayerOps.read_cohort`): no gather or scatter launched around them. A prefill read through the host's
           attention backend takes the queries packed (`LayerOps.packed_q_kv` rotates them in their batch slots,
           which they enter the backend in). Then o_proj as a count-bounded GEMM scattered onto the RUN rows'
-          residual (onto x itself where the host hands x over, `x_owned`: the Llama layer's add-norm residual,
-          which upstream's own layer updates in place too; elsewhere onto a copy); the cohort FFNs, each storing
-          its rows of the branch output. No host read, no all-RUN test (a
+          residual (onto x itself where the host hands x over, `x_owned`: a residual no one else holds, as the
+          Llama layer's add-norm residual, which upstream's own layer updates in place too; elsewhere onto a
+          copy); the two cohort FFNs in one launch per stage (`cohort_ffn_pair`), each storing its rows of the
+          branch output. No host read, no all-RUN test (a
           pass with every row RUN runs the same kernels at the full count); a Project-Only row computes its K/V
           and the adapter alone: no Q, no read (through the backend, a zero query whose output is dropped), no
           o_proj, no MLP. Where the tile table measured cuBLAS faster than an operation's tile at a memory-bound
@@ -61,7 +62,6 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from vskipper.mixed.backend import cohort_ffn
 from vskipper.mixed.cohorts import Cohorts
 
 
@@ -192,7 +192,13 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
 
 def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
                    cohorts: Cohorts, tiles: Any, x_owned: bool) -> Handoff:
-    from vskipper.mixed.kernels import cohort_ffn_gathers, cohort_gemm, cohort_scatter_add
+    from vskipper.mixed.kernels import (
+        CohortFFN,
+        cohort_ffn_gathers,
+        cohort_ffn_pair,
+        cohort_gemm,
+        cohort_scatter_add,
+    )
 
     w_q, b_q, w_o = ops.attention_weights()
     idx, n_run = cohorts.run_idx, cohorts.n_run
@@ -219,11 +225,8 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
     adds = cohort_ffn_gathers(tiles, "mlp", cohorts.rows) or cohort_ffn_gathers(tiles, "proj", cohorts.rows)
     delta = torch.zeros_like(h) if adds else torch.empty_like(h)
     v = ops.post_attention_layernorm(h)
-    gate, up, down = ops.mlp_weights()
     p = ops.projector
-    cohort_ffn("triton", v, cohorts.run_idx, cohorts.n_run, weights, gate, up, down, delta, op="mlp", tiles=tiles,
-               accumulate=adds)
-    cohort_ffn("triton", v, cohorts.proj_idx, cohorts.n_proj, weights,
-               p.gate_proj.weight, p.down_proj.weight, p.up_proj.weight, delta, op="proj", tiles=tiles,
-               accumulate=adds)
+    cohort_ffn_pair(v, weights, delta, CohortFFN(cohorts.run_idx, cohorts.n_run, *ops.mlp_weights()),
+                    CohortFFN(cohorts.proj_idx, cohorts.n_proj, p.gate_proj.weight, p.down_proj.weight,
+                              p.up_proj.weight), tiles=tiles, accumulate=adds)
     return Handoff(delta, h)

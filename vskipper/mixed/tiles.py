@@ -7,7 +7,8 @@ sized for C rows, so C picks the tile, never the device-side count):
    "tiles": {"mlp_gate_up": [{"rows": [1, 16], "block_m": 16, "block_n": 64, "block_k": 64,
                                "num_warps": 4, "num_stages": 4, "ratio_vs_torch": 0.93}, ...],
              "mlp_down": [...], "proj_gate_up": [...], "proj_down": [...]},
-   "prefill_read": {"block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "kernel_ms": ...}}
+   "prefill_read": {"block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "kernel_ms": ...},
+   "ffn_pair": [{"rows": [1, 16], "grouped_ms": 0.021, "apart_ms": 0.034}, ...]}
 
 `prefill_read` (optional: a table without it reads with `DEFAULT_READ_TILE`) is the packed prefill read's launch,
 timed by the tuner on one prompt of a prefill range's rows with half of them RUN, beside every row's causal read:
@@ -23,7 +24,10 @@ or below the device's ridge, `vskipper.roofline`), that operation serves in the 
 `rows` ranges must cover 1.. without gaps (the last one open: [513, null]). The six operations are the gate-up
 (two operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the
 RUN cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered); with the six count ranges of
-`COUNT_RANGES` (the last, 513 rows and up, a prefill pass's) that is 36 shapes. A table measured before the
+`COUNT_RANGES` (the last, 513 rows and up, a prefill pass's) that is 36 shapes. A routed layer launches its MLP
+and its projector together, one grid a stage (`kernels.cohort_ffn_pair`), at the MLP's tiles, unless the table's
+`ffn_pair` (optional: a table without it groups them) measured the two launched apart faster at that range; the
+projector's own tiles serve where each FFN launches alone (there, and where the table gathers one of the four). A table measured before the
 prefill range existed ends at [129, null], which then serves prefill too; it still loads. A table measured before
 the attention cohort GEMMs existed has no `attn_q` or `attn_o`: it takes their tiles from `default_tile_table` for
 its shared-memory limit, and its `source` says so (a table with one of them and not the other is refused).
@@ -121,6 +125,21 @@ class ReadTiming:
 
 DEFAULT_READ_TILE = ReadTile(64, 64, 4, 2)  # a table without `prefill_read` (all before the read was tuned)
 READ_FIELD = "prefill_read"
+PAIR_FIELD = "ffn_pair"
+
+
+@dataclass(frozen=True)
+class PairTiming:
+    """What the tuner measured for a routed layer's two cohort FFNs at a range's representative rows, half of them
+    RUN, at the table's tiles: grouped, one grid a stage for both cohorts (`grouped_ms`), and each FFN launched on
+    its own (`apart_ms`)."""
+
+    grouped_ms: float
+    apart_ms: float
+
+    @property
+    def grouped_wins(self) -> bool:
+        return self.grouped_ms <= self.apart_ms
 
 
 @dataclass
@@ -133,6 +152,21 @@ class TileTable:
     # per operation, aligned with `entries`: what the tuner measured at each range (None: not timed)
     timings: dict[str, list[Timing | None]] = field(default_factory=dict)
     read_timing: ReadTiming | None = None  # the packed read against every row's causal read (None: not timed)
+    # the two cohort FFNs grouped against apart, per count range (`rows` as the tiles'; a timing None: not timed)
+    ffn_pair: list[tuple[int, int | None, PairTiming | None]] = field(default_factory=list)
+
+    def groups_ffn(self, capacity: int) -> bool:
+        """Whether a routed layer's two cohort FFNs launch grouped at `capacity` slots (`kernels.cohort_ffn_pair`):
+        unless the table measured them faster apart there (a table without the timing groups them)."""
+        for lo, hi, timing in self.ffn_pair:
+            if capacity >= lo and (hi is None or capacity <= hi):
+                return timing is None or timing.grouped_wins
+        return True
+
+    def apart_ranges(self) -> list[list[int | None]]:
+        """The slot counts at which the two cohort FFNs launch apart as measured faster, as [first, last] ranges
+        (last None: open); the attestation's record."""
+        return [[lo, hi] for lo, hi, t in self.ffn_pair if t is not None and not t.grouped_wins]
 
     def prefill_read(self) -> tuple[str, str]:
         """The prefill read the triton execution serves with on this table's device, and why: the packed read of
@@ -199,7 +233,9 @@ class TileTable:
         return {"device": self.device, "dtype": self.dtype, "source": self.source,
                 "tiles": {op: [entry(op, n, lo, hi, t) for n, (lo, hi, t) in enumerate(rows)]
                           for op, rows in self.entries.items()},
-                **({READ_FIELD: {**asdict(self.read), **self._read_times()}} if self.read is not None else {})}
+                **({READ_FIELD: {**asdict(self.read), **self._read_times()}} if self.read is not None else {}),
+                **({PAIR_FIELD: [{"rows": [lo, hi], **(asdict(t) if t is not None else {})}
+                                 for lo, hi, t in self.ffn_pair]} if self.ffn_pair else {})}
 
     def _read_times(self) -> dict:
         t = self.read_timing
@@ -289,7 +325,41 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
     entries = {op: entries[op] for op in OPERATIONS}
     read = _parse_read_tile(data[READ_FIELD], f"{where}: {READ_FIELD}") if READ_FIELD in data else None
     read_timing = _parse_read_timing(data[READ_FIELD], f"{where}: {READ_FIELD}") if READ_FIELD in data else None
-    return TileTable(str(data.get("device", "unknown")), dtype, entries, source, read, timings, read_timing)
+    pair = _parse_pair(data[PAIR_FIELD], f"{where}: {PAIR_FIELD}") if PAIR_FIELD in data else []
+    return TileTable(str(data.get("device", "unknown")), dtype, entries, source, read, timings, read_timing, pair)
+
+
+def _parse_pair(entries: object, where: str) -> list[tuple[int, int | None, PairTiming | None]]:
+    """The grouped-against-apart timings of the two cohort FFNs: count ranges as the tiles' (contiguous from 1, the
+    last open), each with both times in milliseconds or neither (not timed)."""
+    if not isinstance(entries, list) or not entries:
+        raise TileTableError(f"{where}: expected a list of {{rows, grouped_ms, apart_ms}} entries")
+    out: list[tuple[int, int | None, PairTiming | None]] = []
+    expect = 1
+    for n, entry in enumerate(entries):
+        here = f"{where}[{n}]"
+        rows = entry.get("rows") if isinstance(entry, dict) else None
+        if not (isinstance(rows, list) and len(rows) == 2) or rows[0] != expect or not (
+                rows[1] is None or (isinstance(rows[1], int) and rows[1] >= rows[0])):
+            raise TileTableError(f"{here}: field 'rows' must be [{expect}, last] (last null for the open range, "
+                                 "which ends the list)")
+        times = {name: entry.get(name) for name in ("grouped_ms", "apart_ms")}
+        for name, value in times.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value > 0):
+                raise TileTableError(f"{here}: field '{name}' must be a positive number of milliseconds, "
+                                     f"got {value!r}")
+        if (times["grouped_ms"] is None) != (times["apart_ms"] is None):
+            raise TileTableError(f"{here}: fields 'grouped_ms' and 'apart_ms' go together")
+        timing = None if times["grouped_ms"] is None else PairTiming(float(times["grouped_ms"]),
+                                                                     float(times["apart_ms"]))
+        out.append((rows[0], rows[1], timing))
+        if rows[1] is None:
+            if n != len(entries) - 1:
+                raise TileTableError(f"{here}: only the last range may be open-ended")
+            return out
+        expect = rows[1] + 1
+    raise TileTableError(f"{where}: must end with an open-ended range [first, null]")
 
 
 def _parse_read_timing(entry: dict, where: str) -> ReadTiming | None:

@@ -13,7 +13,9 @@ as long), the prefill range's eagerly, as each is served. After them, the packed
 (`tune_prefill_read`, in a share of `READ_WEIGHT` shapes set aside from the start): each launch of
 `READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, as a served layer launches it (each slot
 gathering its row's query, request and position), beside the causal read of every row; the fastest goes in the
-table's `prefill_read`.
+table's `prefill_read`. Between the two, at each count range, a routed layer's two cohort FFNs (the MLP over a
+random RUN half of the rows, the projector over the rest) at the tiles just tuned, launched grouped (one grid a stage
+for both) and apart: the table's `ffn_pair`, which decides how the served layer launches them.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny
 widths, fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table, whose times
@@ -34,6 +36,7 @@ from vskipper.mixed.tiles import (
     COUNT_RANGES,
     DEFAULT_READ_TILE,
     OPERATIONS,
+    PAIR_FIELD,
     READ_FIELD,
     ReadTile,
     Tile,
@@ -333,6 +336,60 @@ def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[...
             "timed": "cuda graph" if graph else ("interpreter" if interpret else "eager"), "line": line}
 
 
+def ffn_pair_calls(rows: int, hidden: int, intermediate: int, proj_width: int, table: TileTable,
+                   g: torch.Generator, device: torch.device, dtype: torch.dtype
+                   ) -> tuple[Callable[[], object], Callable[[], object]]:
+    """A routed layer's two cohort FFNs over one pass of `rows` rows, a random half of them RUN, at `table`'s
+    tiles, as `kernels.cohort_ffn_pair` serves them (the branch output stored): (grouped, apart)."""
+    from vskipper.mixed.cohorts import build_cohorts
+    from vskipper.mixed.kernels import CohortFFN, cohort_ffn_pair
+
+    x = torch.randn(rows, hidden, generator=g).to(device, dtype)
+    weights = torch.rand(rows, generator=g).to(device, dtype)
+    c = build_cohorts((torch.rand(rows, generator=g) < 0.5).to(device))
+    (gate, up), (p_gate, p_up) = (op_weights(op, n, hidden, g, device, dtype)
+                                  for op, n in (("mlp_gate_up", intermediate), ("proj_gate_up", proj_width)))
+    down = (torch.randn(hidden, intermediate, generator=g) / intermediate**0.5).to(device, dtype)
+    p_down = (torch.randn(hidden, proj_width, generator=g) / proj_width**0.5).to(device, dtype)
+    mlp, proj = CohortFFN(c.run_idx, c.n_run, gate, up, down), CohortFFN(c.proj_idx, c.n_proj, p_gate, p_up, p_down)
+    y = torch.empty(rows, hidden, device=device, dtype=dtype)
+
+    def pair(grouped: bool) -> Callable[[], object]:
+        return lambda: cohort_ffn_pair(x, weights, y, mlp, proj, tiles=table, accumulate=False, grouped=grouped)
+
+    return pair(True), pair(False)
+
+
+def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width: int, g: torch.Generator,
+                   device: torch.device, dtype: torch.dtype, interpret: bool, clock: Clock,
+                   log: Callable[[str], None] = print) -> list[dict]:
+    """The table's `ffn_pair` entries: at each count range the two cohort FFNs grouped against apart (CUDA graph
+    replays for a decode range, as `time_shape` times them), at the tiles just tuned. A range where the table
+    gathers an FFN GEMM (the two launch apart there whatever), or the budget is spent, keeps no timing: the
+    served layer then groups them wherever it can (`TileTable.groups_ffn`)."""
+    from vskipper.mixed.kernels import FFN_OPS
+
+    entries = []
+    for lo, hi in COUNT_RANGES:
+        clock.start_shape()
+        rows = representative_rows(lo, hi, interpret)
+        entry: dict = {"rows": [lo, hi]}
+        if any(table.gathers(op, rows) for op in FFN_OPS):
+            log(f"ffn pair      rows {lo:>3}..{hi if hi else '':<4} not timed: the table gathers an FFN GEMM there")
+        elif clock.spent(1):
+            log(f"ffn pair      rows {lo:>3}..{hi if hi else '':<4} not timed: the budget is spent")
+        else:
+            grouped, apart = ffn_pair_calls(rows, hidden, intermediate, proj_width, table, g, device, dtype)
+            graph = hi is not None and not interpret
+            entry.update(grouped_ms=_ms(time_call(grouped, interpret, graph=graph)),
+                         apart_ms=_ms(time_call(apart, interpret, graph=graph)))
+            log(f"ffn pair      rows {lo:>3}..{hi if hi else '':<4} grouped {entry['grouped_ms']:.4f} ms, apart "
+                f"{entry['apart_ms']:.4f} ms ({entry['grouped_ms'] / entry['apart_ms']:.2f}x)"
+                f"{' in CUDA graphs' if graph else ''}")
+        entries.append(entry)
+    return entries
+
+
 def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate: int, proj_width: int,
          dtype: str = "bfloat16", interpret: bool = False, max_candidates: int | None = None,
          log: Callable[[str], None] = print, q_width: int | None = None,
@@ -352,7 +409,8 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
     tdtype = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     current = current_table(device_name, shared_mem_per_block, dtype)
-    clock = Clock(budget_s, len(OPERATIONS) * len(COUNT_RANGES), READ_WEIGHT if read_heads is not None else 0)
+    clock = Clock(budget_s, (len(OPERATIONS) + 1) * len(COUNT_RANGES),  # + the FFN pair at each range
+                  READ_WEIGHT if read_heads is not None else 0)
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:
         k_dim, n_dim = op_dims(op, hidden, intermediate, proj_width, q_width)
@@ -374,6 +432,8 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
                        f"vskipper tune-tiles: hidden {hidden}, intermediate {intermediate}, projector {proj_width}, "
                        f"q {q_width or hidden}"),
             "tiles": tiles}
+    data[PAIR_FIELD] = time_ffn_pairs(parse_tile_table(data, shared_mem_per_block, where="tuned table"), hidden,
+                                      intermediate, proj_width, g, device, tdtype, interpret, clock, log)
     if read_heads is not None:  # last, in the share set aside for it: a launch that broke the device loses no GEMM
         try:
             data[READ_FIELD] = tune_prefill_read(*read_heads, dtype=dtype, interpret=interpret, log=log, clock=clock)

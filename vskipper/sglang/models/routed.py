@@ -149,6 +149,8 @@ class CohortExecution:
             read["prefill_read_tile"] = {**asdict(self.tiles.read_tile), "measured": self.tiles.read is not None}
             # the slot counts at which an operation runs in the gathered cuBLAS form instead of its tile
             read["gathered"] = self.tiles.gathered_ranges()
+            # where the two cohort FFNs launch apart, as the table measured them faster (elsewhere: grouped)
+            read["ffn_apart"] = self.tiles.apart_ranges()
         return {"decode": self.decode, **read, "prefill": self.prefill, "prefill_read": self.prefill_read,
                 **({"prefill_read_why": self.prefill_read_why} if self.prefill_read_why else {}),
                 "tiles": tiles, **({"why": self.reason} if self.reason else {})}
