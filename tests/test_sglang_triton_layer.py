@@ -103,20 +103,27 @@ def _own_launches(world: LayerWorld, execution, extend: dict[int, int], run: lis
     return launches.launches
 
 
-def test_the_llama_layer_hands_over_the_residual_its_add_norm_formed_never_the_embeddings(tmp_path, monkeypatch):
-    """The Llama layer hands the body the residual its fused add-norm formed (upstream's own layer updates that
-    buffer in place), never the embeddings a first layer reads."""
+def _handed_over(world: LayerWorld, monkeypatch, delta: float) -> list[bool]:
+    """Every pass of the world's layer routed, its body replaced by one that records whether the layer handed x
+    over (the list returned fills as the layer runs) and hands on (delta everywhere, x)."""
     from vskipper.mixed.routed_layer import Handoff
 
-    world = LayerWorld("flexidepth-llama", tmp_path)
-    owned = []
+    owned: list[bool] = []
 
     def mixed_depth(step, positions, x, forward_batch, u=None, x_owned=False):
         owned.append(x_owned)
-        return Handoff(torch.zeros_like(x), x)
+        return Handoff(torch.full_like(x, delta), x)
 
     monkeypatch.setattr(world.layer, "mixed_depth", mixed_depth)
     monkeypatch.setattr(world.layer, "routed_step", lambda: object())
+    return owned
+
+
+def test_the_llama_layer_hands_over_the_residual_its_add_norm_formed_never_the_embeddings(tmp_path, monkeypatch):
+    """The Llama layer hands the body the residual its fused add-norm formed (upstream's own layer updates that
+    buffer in place), never the embeddings a first layer reads."""
+    world = LayerWorld("flexidepth-llama", tmp_path)
+    owned = _handed_over(world, monkeypatch, delta=0.0)
     fb, x = world.batch({0: 1, 1: 1}), world.hidden(2)
     with world.context(), torch.no_grad():
         world.layer.forward(fb.positions, x, fb, None)  # a first layer: x is the embeddings
@@ -131,17 +138,8 @@ def test_the_qwen3_layer_forms_y_on_a_residual_no_one_else_holds_never_on_the_em
     from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
     from sglang.srt.layers.layer_boundary.residual.add_norm import Add
 
-    from vskipper.mixed.routed_layer import Handoff
-
     world = LayerWorld("qwen3-skipper", tmp_path)
-    owned = []
-
-    def mixed_depth(step, positions, x, forward_batch, u=None, x_owned=False):
-        owned.append(x_owned)
-        return Handoff(torch.ones_like(x), x)
-
-    monkeypatch.setattr(world.layer, "mixed_depth", mixed_depth)
-    monkeypatch.setattr(world.layer, "routed_step", lambda: object())
+    owned = _handed_over(world, monkeypatch, delta=1.0)
     fb, embeddings = world.batch({0: 1, 1: 1}), world.hidden(2)
     kept = embeddings.clone()
     with world.context(), torch.no_grad():
