@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from mixed_world import HostReadDetector, World, gathering_table
+from mixed_world import HostReadDetector, OwnLaunches, World, gathering_table
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vskipper.mixed import kernels
@@ -145,11 +145,16 @@ def test_a_table_that_prefers_torch_runs_the_gathered_forms_and_refuses_a_store_
     proj = (wg[:16], wu[:16], torch.randn(d, 16, generator=g) / 4)
     pair = (kernels.CohortFFN(c.run_idx, c.n_run, wg, wu, wd), kernels.CohortFFN(c.proj_idx, c.n_proj, *proj))
     cohort_ffn_torch(x, c.proj_idx, c.n_proj, w, *proj, expected)
-    for gathered in ({"proj_gate_up"}, set()):
+    for gathered, launched in (({"proj_gate_up"}, ["cohort_gate_up_kernel", "cohort_down_scatter_kernel",
+                                                     "cohort_down_scatter_kernel"]),
+                               (set(), ["grouped_gate_up_kernel", "grouped_down_scatter_kernel"])):
         calls.clear()
         y = torch.zeros(capacity, d)
-        kernels.cohort_ffn_pair(x, w, y, *pair, tiles=gathering_table(gathered))
+        launches = OwnLaunches()
+        with launches.triton():
+            kernels.cohort_ffn_pair(x, w, y, *pair, tiles=gathering_table(gathered))
         assert calls == ["gathered_gate_up" for _ in gathered]
+        assert [name for name in launches.launches if name.endswith("_kernel")] == launched
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 

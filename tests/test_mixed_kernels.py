@@ -96,7 +96,8 @@ def test_the_grouped_ffn_pair_equals_each_cohorts_ffn_on_its_own(share_run, accu
 
 def test_the_ffn_pair_launches_apart_where_its_table_measured_that_faster_or_gathers():
     """A table whose `ffn_pair` timed the two FFNs faster apart at this capacity launches each on its own (four
-    kernels, the same y); one that gathers an FFN GEMM there cannot group them, even when asked to."""
+    kernels, the same y); one that gathers an FFN GEMM there cannot group them, even when asked to, nor can one grid
+    read weights of two dtypes."""
     from mixed_world import gathering_table
 
     from vskipper.mixed.tiles import PairTiming
@@ -116,8 +117,13 @@ def test_the_ffn_pair_launches_apart_where_its_table_measured_that_faster_or_gat
             cohort_ffn_pair(x, w, outs[name], *pair, tiles=table, accumulate=False)
         assert len(launches.launches) == (2 if name == "grouped" else 4), launches.launches
     torch.testing.assert_close(outs["apart"], outs["grouped"], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="the FFNs cannot launch grouped there"):
+    with pytest.raises(ValueError, match="cannot launch grouped at 24 slots: the table serves an FFN GEMM in the "
+                                         "gathered form there"):
         cohort_ffn_pair(x, w, outs["apart"], *pair, tiles=gathering_table({"proj_down"}), grouped=True)
+    # one grid reads both FFNs' weights with one element type
+    other = CohortFFN(*pair[1][:2], *(t.to(torch.float64) for t in pair[1][2:]))
+    with pytest.raises(ValueError, match=r"their weights' dtypes differ \(\['torch.float32', 'torch.float64'\]\)"):
+        cohort_ffn_pair(x, w, outs["apart"], pair[0], other, grouped=True)
 
 
 def test_tiles_past_the_device_count_write_nothing():

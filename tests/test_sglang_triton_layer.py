@@ -86,6 +86,23 @@ def test_a_triton_decode_layer_launches_no_gather_scatter_or_fill_of_its_own(wor
         "grouped_down_scatter_kernel", "add_"]
 
 
+def test_a_layer_whose_table_timed_the_ffns_faster_apart_launches_them_apart_and_attests_it(world):
+    """Where the table's `ffn_pair` measured the two cohort FFNs faster apart, the routed layer launches the MLP's
+    and the adapter's pairs one after the other (four launches where grouped takes two), and its execution attests
+    the range as `ffn_apart`."""
+    from mixed_world import gathering_table
+
+    from vskipper.mixed.tiles import PairTiming
+
+    table = gathering_table(set())
+    table.ffn_pair = [(1, 16, PairTiming(2.0, 1.0)), (17, None, PairTiming(1.0, 2.0))]
+    execution = served.CohortExecution("triton", table, prefill_read="packed")
+    assert execution.attestation()["ffn_apart"] == [[1, 16]]
+    launches = _own_launches(world, execution, {0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False])
+    assert launches[-5:] == ["cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel",
+                             "cohort_down_scatter_kernel", "add_"]
+
+
 def _own_launches(world: LayerWorld, execution, extend: dict[int, int], run: list[bool]) -> list[str]:
     """What vSkipper's own code launches in one routed pass of `execution` (`OwnLaunches`), x handed over as both
     families' layers hand it past a first layer."""

@@ -92,6 +92,8 @@ def test_unmeasured_devices_fall_back_to_the_default_and_unknown_ones_need_a_lim
      r"ffn_pair\[5\]: fields 'grouped_ms' and 'apart_ms' go together"),
     (lambda d: d.__setitem__("ffn_pair", [{"rows": [1, None], "grouped_ms": 0, "apart_ms": 1.0}]),
      r"ffn_pair\[0\]: field 'grouped_ms' must be a positive number of milliseconds, got 0"),
+    (lambda d: d.__setitem__("ffn_pair", [{"rows": [1, None], "grouped_error": "x", "grouped_ms": 1.0}]),
+     r"ffn_pair\[0\]: field 'grouped_error' must be a non-empty string, without 'grouped_ms'"),
 ])
 def test_malformed_tables_are_refused_naming_the_field(mutate, message):
     data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2})
@@ -134,10 +136,11 @@ def test_the_ffn_pair_launches_grouped_unless_the_table_measured_it_faster_apart
     assert all(parse_tile_table(data, 99 * 1024).groups_ffn(rows) for rows in (1, 64, 4096))  # not timed: grouped
     data["ffn_pair"] = pair_entries(apart_faster=(1, 5))
     del data["ffn_pair"][2]["grouped_ms"], data["ffn_pair"][2]["apart_ms"]  # a range not timed
+    data["ffn_pair"][3] = {"rows": [65, 128], "grouped_error": "OutOfResources: shared memory", "apart_ms": 1.0}
     t = parse_tile_table(data, 99 * 1024)
-    assert [t.groups_ffn(rows) for rows in (16, 17, 32, 33, 64, 512, 513, 8192)] == [
-        True, False, False, True, True, True, False, False]
-    assert t.apart_ranges() == [[17, 32], [513, None]]
+    assert [t.groups_ffn(rows) for rows in (16, 17, 32, 33, 64, 65, 128, 129, 512, 513, 8192)] == [
+        True, False, False, True, True, False, False, True, True, False, False]
+    assert t.apart_ranges() == [[17, 32], [65, 128], [513, None]]
     again = parse_tile_table(json.loads(json.dumps(t.as_dict())), 99 * 1024)
     assert again.ffn_pair == t.ffn_pair
 

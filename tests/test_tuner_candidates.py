@@ -91,6 +91,19 @@ def test_the_tuners_clock_shares_what_is_left_of_its_budget_and_never_stops_a_sh
     assert not reserving.spent(3)
     now[0] = 42.1
     assert reserving.spent(3)
+    now[0] = 0.0  # a shape of a quarter's weight (the FFN pair) takes a quarter of a GEMM shape's share
+    weighted = tuner.Clock(10.0, 2 + 2 * tuner.PAIR_WEIGHT)
+    weighted.start_shape(tuner.PAIR_WEIGHT)  # 10 s over 2.5 weights: 1 s for this quarter
+    now[0] = 0.9
+    assert not weighted.spent(1)
+    now[0] = 1.1
+    assert weighted.spent(1)
+    now[0] = 0.0
+    weighted.start_shape()  # 10 s over the 2.25 left: 4.44 s
+    now[0] = 4.4
+    assert not weighted.spent(1)
+    now[0] = 4.5
+    assert weighted.spent(1)
 
 
 def test_a_decode_shape_is_timed_as_cuda_graph_replays_and_a_prefill_shape_eagerly(monkeypatch):
@@ -147,3 +160,38 @@ def test_a_shape_whose_gathered_form_cannot_be_captured_is_timed_eagerly_and_nev
         data = {"device": "H200", "dtype": "bfloat16", "tiles": {
             op: [{"rows": [lo, hi], **entry} for lo, hi in COUNT_RANGES] for op in OPERATIONS}}
         assert parse_tile_table(data, 227 * 1024).gathers("mlp_down", 100) is not refuse
+
+
+def test_a_range_whose_grouped_ffn_pair_fails_keeps_the_error_and_serves_the_two_apart(monkeypatch):
+    """`time_ffn_pairs`: the pair is timed apart, then grouped; where the grouped launch fails (a compiler or a
+    device that refuses it), the range keeps the error and the apart time, and the table launches the two apart
+    there, while a range that timed both keeps the faster. (No GPU here: the timer is stood in for.)"""
+    import torch
+
+    from vskipper.mixed import tuner
+    from vskipper.mixed.tiles import default_tile_table
+
+    def grouped():
+        return None
+
+    def apart():
+        return None
+
+    def fake_time(fn, interpret, reps=20, graph=False):
+        if fn is grouped and not failed:
+            failed.append(fn)
+            raise RuntimeError("out of resources: shared memory")
+        return 0.5 if fn is grouped else 1.0
+
+    failed: list = []
+    monkeypatch.setattr(tuner, "time_call", fake_time)
+    monkeypatch.setattr(tuner, "ffn_pair_calls", lambda *args: (grouped, apart))
+    table = default_tile_table(227 * 1024, "H100-SXM", "float32")
+    entries = tuner.time_ffn_pairs(table, 32, 64, 16, torch.Generator().manual_seed(0), torch.device("cpu"),
+                                   torch.float32, True, tuner.Clock(None, 6), log=lambda line: None)
+    assert entries[0] == {"rows": [1, 16], "apart_ms": 1.0,
+                          "grouped_error": "RuntimeError: out of resources: shared memory"}
+    assert all(e["grouped_ms"] == 0.5 and e["apart_ms"] == 1.0 for e in entries[1:])
+    parsed = parse_tile_table({**table.as_dict(), "ffn_pair": entries}, 227 * 1024)
+    assert [parsed.groups_ffn(rows) for rows in (16, 17, 4096)] == [False, True, True]
+    assert parsed.apart_ranges() == [[1, 16]]

@@ -130,11 +130,13 @@ def _gemm_args(op: str) -> tuple[str, dict, list[dict]]:
                                                                         for acc in (False, True)]
 
 
-def _grouped_args(op: str) -> tuple[str, dict, list[dict]]:
+def _grouped_args(op: str, block_n: int) -> tuple[str, dict, list[dict]]:
     """(kernel, example arguments, switches) of the grouped launch of a routed layer's two cohort FFNs
-    (`kernels.cohort_ffn_pair`) at the tiles of the MLP's `op`: the MLP over the RUN cohort, the projector over the
-    Project-Only one; the down GEMMs store (the served body: a gathered FFN is never grouped)."""
+    (`kernels.cohort_ffn_pair`) at a tile of the MLP's `op` (its `block_n` sets where the projector's column tiles
+    start): the MLP over the RUN cohort, the projector over the Project-Only one; the down GEMMs store (the served
+    body: a gathered FFN is never grouped)."""
     import torch
+    from triton import cdiv
 
     d, n1, n2 = MODEL.hidden_size, MODEL.intermediate_size, MODEL.intermediate_size // PROJ_REDUCTION
     counts, idx = _t(2, dtype=torch.int64), _t(ROWS, dtype=torch.int64)
@@ -143,7 +145,7 @@ def _grouped_args(op: str) -> tuple[str, dict, list[dict]]:
         return "grouped_gate_up_kernel", {
             "x_ptr": x, "idx_ptr": idx, "count_ptr": counts[0:1], "wg_ptr": w1, "wu_ptr": w1, "out_ptr": a1, "N": n1,
             "idx2_ptr": idx, "count2_ptr": counts[1:2], "wg2_ptr": w2, "wu2_ptr": w2, "out2_ptr": a2, "N2": n2,
-            "K": d, "TILES_N": n1 // 64, "stride_xm": x.stride(0), "stride_xk": x.stride(1),
+            "K": d, "TILES_N": cdiv(n1, block_n), "stride_xm": x.stride(0), "stride_xk": x.stride(1),
             "stride_wn": w1.stride(0), "stride_wk": w1.stride(1), "stride_om": a1.stride(0), "stride_on": a1.stride(1),
             "stride_w2n": w2.stride(0), "stride_w2k": w2.stride(1), "stride_o2m": a2.stride(0),
             "stride_o2n": a2.stride(1)}, [{}]
@@ -151,7 +153,7 @@ def _grouped_args(op: str) -> tuple[str, dict, list[dict]]:
     return "grouped_down_scatter_kernel", {
         "a_ptr": a1, "idx_ptr": idx, "count_ptr": counts[0:1], "wd_ptr": w1, "N": n1, "a2_ptr": a2,
         "idx2_ptr": idx, "count2_ptr": counts[1:2], "wd2_ptr": w2, "N2": n2, "w_ptr": _t(ROWS), "y_ptr": y, "D": d,
-        "TILES_D": d // 128, "stride_am": a1.stride(0), "stride_an": a1.stride(1), "stride_wd": w1.stride(0),
+        "TILES_D": cdiv(d, block_n), "stride_am": a1.stride(0), "stride_an": a1.stride(1), "stride_wd": w1.stride(0),
         "stride_wn": w1.stride(1), "stride_a2m": a2.stride(0), "stride_a2n": a2.stride(1),
         "stride_wd2": w2.stride(0), "stride_w2n": w2.stride(1), "stride_ym": y.stride(0),
         "stride_yd": y.stride(1)}, [{"ACCUMULATE": False}]
@@ -161,10 +163,10 @@ def _gemm_launches(table) -> list[Launch]:
     """The cohort GEMM kernels at every tile of the device's table, and the grouped FFN launches at the MLP's."""
     out: dict[Launch, None] = {}
     for op, entries in table.entries.items():
-        forms = [_gemm_args(op)] + ([_grouped_args(op)] if op in ("mlp_gate_up", "mlp_down") else [])
-        for kernel, args, launches in forms:
-            for _lo, _hi, t in entries:
-                blocks = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
+        for _lo, _hi, t in entries:
+            forms = [_gemm_args(op)] + ([_grouped_args(op, t.block_n)] if op in ("mlp_gate_up", "mlp_down") else [])
+            blocks = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
+            for kernel, args, launches in forms:
                 for switches in launches:
                     out[_launch(kernel, args, {**blocks, **switches}, t.num_warps, t.num_stages)] = None
     return list(out)

@@ -349,9 +349,7 @@ def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w
     if op not in ("mlp", "proj"):
         raise ValueError(f"op must be 'mlp' or 'proj', got {op!r}")
     capacity = idx.shape[0]
-    weights = weights.reshape(-1)
-    if weights.stride(0) != 1:
-        weights = weights.contiguous()
+    weights = _flat(weights)
     if _gathers(tiles, f"{op}_gate_up", capacity):
         a = gathered_gate_up(x, idx, count, w_gate, w_up)
     else:
@@ -380,6 +378,29 @@ class CohortFFN(NamedTuple):
 FFN_OPS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down")
 
 
+def _flat(weights: torch.Tensor) -> torch.Tensor:
+    """The branch weights as the down kernels read them: one per batch row, contiguous."""
+    weights = weights.reshape(-1)
+    return weights if weights.stride(0) == 1 else weights.contiguous()
+
+
+def _apart_because(mlp: CohortFFN, proj: CohortFFN, tiles: TileTable | Tile | None, capacity: int) -> str | None:
+    """Why the two FFNs cannot launch grouped (one grid reads both FFNs' weights with one element type, gate and up
+    of each with one layout, over the same hidden width), or None."""
+    if any(_gathers(tiles, op, capacity) for op in FFN_OPS):
+        return "the table serves an FFN GEMM in the gathered form there"
+    weights = (mlp.w_gate, mlp.w_up, mlp.w_down, proj.w_gate, proj.w_up, proj.w_down)
+    if len({w.dtype for w in weights}) > 1:
+        return f"their weights' dtypes differ ({sorted({str(w.dtype) for w in weights})})"
+    (n1, k), (n2, k2), d = mlp.w_gate.shape, proj.w_gate.shape, mlp.w_down.shape[0]
+    if k2 != k or mlp.w_up.stride() != mlp.w_gate.stride() or proj.w_up.stride() != proj.w_gate.stride():
+        return "their gate and up weights differ in width or layout"
+    if tuple(mlp.w_down.shape) != (d, n1) or tuple(proj.w_down.shape) != (d, n2) or d != k:
+        return (f"their down weights are {tuple(mlp.w_down.shape)} and {tuple(proj.w_down.shape)}, not ({k}, {n1}) "
+                f"and ({k}, {n2})")
+    return None
+
+
 def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp: CohortFFN, proj: CohortFFN,
                     tiles: TileTable | Tile | None = None, accumulate: bool = True, grouped: bool | None = None
                     ) -> None:
@@ -391,29 +412,24 @@ def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp
     tiles: the projector's column tiles follow the MLP's in one grid, so its few programs fill the MLP's last wave
     instead of running a wave of their own after it, and each stage launches once. Each FFN runs on its own, as
     `cohort_ffn_triton` runs it, where the table serves any of the four GEMMs in the gathered form at this capacity
-    or measured the two faster apart there (`TileTable.groups_ffn`); `grouped` (the tuner's) forces either."""
+    or measured the two faster apart there (`TileTable.groups_ffn`), and where one grid cannot read both
+    (`_apart_because`); `grouped` (the tuner's) forces either, grouped only where one grid can."""
     capacity = mlp.idx.shape[0]
     if proj.idx.shape[0] != capacity:
         raise ValueError(f"the cohort maps hold {capacity} and {proj.idx.shape[0]} slots: one pass's maps have "
                          "as many slots each")
-    gathered = any(_gathers(tiles, op, capacity) for op in FFN_OPS)
+    why_apart = _apart_because(mlp, proj, tiles, capacity)
     if grouped is None:
-        grouped = not gathered and (not isinstance(tiles, TileTable) or tiles.groups_ffn(capacity))
-    elif grouped and gathered:
-        raise ValueError(f"the table serves an FFN GEMM in the gathered form at {capacity} slots: the FFNs cannot "
-                         "launch grouped there")
+        grouped = why_apart is None and (not isinstance(tiles, TileTable) or tiles.groups_ffn(capacity))
+    elif grouped and why_apart is not None:
+        raise ValueError(f"the FFNs cannot launch grouped at {capacity} slots: {why_apart}")
     if not grouped:
         for op, ffn in (("mlp", mlp), ("proj", proj)):
             cohort_ffn_triton(x, ffn.idx, ffn.count, weights, ffn.w_gate, ffn.w_up, ffn.w_down, y, op=op,
                               tiles=tiles, accumulate=accumulate)
         return
-    weights = weights.reshape(-1)
-    if weights.stride(0) != 1:
-        weights = weights.contiguous()
-    (n1, k), (n2, k2) = mlp.w_gate.shape, proj.w_gate.shape
-    if k2 != k or mlp.w_up.stride() != mlp.w_gate.stride() or proj.w_up.stride() != proj.w_gate.stride():
-        raise ValueError("the grouped gate-up reads both FFNs' gate and up weights [N, K] over the same K, each "
-                         "FFN's two with one layout")
+    weights = _flat(weights)
+    (n1, k), n2, d = mlp.w_gate.shape, proj.w_gate.shape[0], mlp.w_down.shape[0]
     a1 = torch.empty(capacity, n1, dtype=x.dtype, device=x.device)
     a2 = torch.empty(capacity, n2, dtype=x.dtype, device=x.device)
     t = _grid_tile("mlp_gate_up", capacity, x, tiles)
@@ -425,10 +441,6 @@ def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp
                                  a1.stride(0), a1.stride(1), proj.w_gate.stride(0), proj.w_gate.stride(1),
                                  a2.stride(0), a2.stride(1), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                                  BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
-    d = mlp.w_down.shape[0]
-    if proj.w_down.shape != (d, n2) or mlp.w_down.shape != (d, n1):
-        raise ValueError(f"the down weights are {tuple(mlp.w_down.shape)} and {tuple(proj.w_down.shape)}, "
-                         f"expected ({d}, {n1}) and ({d}, {n2})")
     t = _grid_tile("mlp_down", capacity, a1, tiles)
     tiles_d = triton.cdiv(d, t.block_n)
     grid = (triton.cdiv(capacity, t.block_m), 2 * tiles_d)

@@ -27,8 +27,8 @@ RUN cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered);
 `COUNT_RANGES` (the last, 513 rows and up, a prefill pass's) that is 36 shapes. A routed layer launches its MLP
 and its projector together, one grid a stage (`kernels.cohort_ffn_pair`), at the MLP's tiles, unless the table's
 `ffn_pair` (optional: a table without it groups them) measured the two launched apart faster at that range; the
-projector's own tiles serve where each FFN launches alone (there, and where the table gathers one of the four). A table measured before the
-prefill range existed ends at [129, null], which then serves prefill too; it still loads. A table measured before
+projector's own tiles serve where each FFN launches alone (there, and where the table gathers one of the four).
+A table measured before the prefill range existed ends at [129, null], which then serves prefill too; it still loads. A table measured before
 the attention cohort GEMMs existed has no `attn_q` or `attn_o`: it takes their tiles from `default_tile_table` for
 its shared-memory limit, and its `source` says so (a table with one of them and not the other is refused).
 A table is validated against the device's shared memory per block (`vskipper.roofline.DEVICES`): a tile whose
@@ -132,14 +132,16 @@ PAIR_FIELD = "ffn_pair"
 class PairTiming:
     """What the tuner measured for a routed layer's two cohort FFNs at a range's representative rows, half of them
     RUN, at the table's tiles: grouped, one grid a stage for both cohorts (`grouped_ms`), and each FFN launched on
-    its own (`apart_ms`)."""
+    its own (`apart_ms`); or why the grouped launch did not run there (`grouped_error`: it is not served there)."""
 
-    grouped_ms: float
-    apart_ms: float
+    grouped_ms: float | None
+    apart_ms: float | None
+    grouped_error: str | None = None
 
     @property
     def grouped_wins(self) -> bool:
-        return self.grouped_ms <= self.apart_ms
+        return (self.grouped_error is None and self.grouped_ms is not None and self.apart_ms is not None
+                and self.grouped_ms <= self.apart_ms)
 
 
 @dataclass
@@ -157,15 +159,16 @@ class TileTable:
 
     def groups_ffn(self, capacity: int) -> bool:
         """Whether a routed layer's two cohort FFNs launch grouped at `capacity` slots (`kernels.cohort_ffn_pair`):
-        unless the table measured them faster apart there (a table without the timing groups them)."""
+        unless the table measured them faster apart there, or the grouped launch failed there when tuned (a table
+        without the timing groups them)."""
         for lo, hi, timing in self.ffn_pair:
             if capacity >= lo and (hi is None or capacity <= hi):
                 return timing is None or timing.grouped_wins
         return True
 
     def apart_ranges(self) -> list[list[int | None]]:
-        """The slot counts at which the two cohort FFNs launch apart as measured faster, as [first, last] ranges
-        (last None: open); the attestation's record."""
+        """The slot counts at which the two cohort FFNs launch apart as the table says (measured faster, or the
+        grouped launch failed when tuned), as [first, last] ranges (last None: open); the attestation's record."""
         return [[lo, hi] for lo, hi, t in self.ffn_pair if t is not None and not t.grouped_wins]
 
     def prefill_read(self) -> tuple[str, str]:
@@ -234,7 +237,8 @@ class TileTable:
                 "tiles": {op: [entry(op, n, lo, hi, t) for n, (lo, hi, t) in enumerate(rows)]
                           for op, rows in self.entries.items()},
                 **({READ_FIELD: {**asdict(self.read), **self._read_times()}} if self.read is not None else {}),
-                **({PAIR_FIELD: [{"rows": [lo, hi], **(asdict(t) if t is not None else {})}
+                **({PAIR_FIELD: [{"rows": [lo, hi], **({k: v for k, v in asdict(t).items() if v is not None}
+                                                        if t is not None else {})}
                                  for lo, hi, t in self.ffn_pair]} if self.ffn_pair else {})}
 
     def _read_times(self) -> dict:
@@ -331,7 +335,8 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
 
 def _parse_pair(entries: object, where: str) -> list[tuple[int, int | None, PairTiming | None]]:
     """The grouped-against-apart timings of the two cohort FFNs: count ranges as the tiles' (contiguous from 1, the
-    last open), each with both times in milliseconds or neither (not timed)."""
+    last open), each with both times in milliseconds, or neither (not timed), or `grouped_error` (the grouped
+    launch failed there: apart, its time where it ran)."""
     if not isinstance(entries, list) or not entries:
         raise TileTableError(f"{where}: expected a list of {{rows, grouped_ms, apart_ms}} entries")
     out: list[tuple[int, int | None, PairTiming | None]] = []
@@ -349,10 +354,15 @@ def _parse_pair(entries: object, where: str) -> list[tuple[int, int | None, Pair
                                       or not value > 0):
                 raise TileTableError(f"{here}: field '{name}' must be a positive number of milliseconds, "
                                      f"got {value!r}")
-        if (times["grouped_ms"] is None) != (times["apart_ms"] is None):
+        error = entry.get("grouped_error")
+        if error is not None:
+            if not isinstance(error, str) or not error or times["grouped_ms"] is not None:
+                raise TileTableError(f"{here}: field 'grouped_error' must be a non-empty string, without "
+                                     "'grouped_ms'")
+        elif (times["grouped_ms"] is None) != (times["apart_ms"] is None):
             raise TileTableError(f"{here}: fields 'grouped_ms' and 'apart_ms' go together")
-        timing = None if times["grouped_ms"] is None else PairTiming(float(times["grouped_ms"]),
-                                                                     float(times["apart_ms"]))
+        timing = None if error is None and times["grouped_ms"] is None else PairTiming(
+            *(None if times[k] is None else float(times[k]) for k in ("grouped_ms", "apart_ms")), error)
         out.append((rows[0], rows[1], timing))
         if rows[1] is None:
             if n != len(entries) - 1:

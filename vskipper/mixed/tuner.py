@@ -243,17 +243,19 @@ class Clock:
     `READ_WEIGHT`): its share of the whole budget is set aside from the start, so the shapes before it cannot
     spend it however slowly they run."""
 
-    def __init__(self, budget_s: float | None, shapes: int, reserved: float = 0) -> None:
+    def __init__(self, budget_s: float | None, shapes: float, reserved: float = 0) -> None:
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
         self.left = shapes
         self.reserve_s = 0.0 if budget_s is None else budget_s * reserved / max(1e-9, shapes + reserved)
         self.shape_deadline: float | None = None
 
-    def start_shape(self) -> None:
+    def start_shape(self, weight: float = 1.0) -> None:
+        """A shape of `weight` (a GEMM shape's 1) takes that share of what is left to the shapes still to tune."""
         if self.deadline is not None:
             now = time.monotonic()
-            self.shape_deadline = now + max(0.0, self.deadline - self.reserve_s - now) / max(1, self.left)
-        self.left -= 1
+            share = weight / max(weight, self.left)
+            self.shape_deadline = now + max(0.0, self.deadline - self.reserve_s - now) * share
+        self.left -= weight
 
     def start_reserved(self) -> None:
         """The reserved shape: whatever is left of the budget, its set-aside share included."""
@@ -336,6 +338,10 @@ def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[...
             "timed": "cuda graph" if graph else ("interpreter" if interpret else "eager"), "line": line}
 
 
+# The FFN pair's weight in the tuner's budget at each range, against a GEMM shape's 1 (up to 24 tiles): two timings.
+PAIR_WEIGHT = 0.25
+
+
 def ffn_pair_calls(rows: int, hidden: int, intermediate: int, proj_width: int, table: TileTable,
                    g: torch.Generator, device: torch.device, dtype: torch.dtype
                    ) -> tuple[Callable[[], object], Callable[[], object]]:
@@ -366,26 +372,33 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
     """The table's `ffn_pair` entries: at each count range the two cohort FFNs grouped against apart (CUDA graph
     replays for a decode range, as `time_shape` times them), at the tiles just tuned. A range where the table
     gathers an FFN GEMM (the two launch apart there whatever), or the budget is spent, keeps no timing: the
-    served layer then groups them wherever it can (`TileTable.groups_ffn`)."""
+    served layer then groups them wherever it can (`TileTable.groups_ffn`). A range whose grouped launch fails
+    keeps the error (`grouped_error`): the served layer launches the two apart there, as the GEMMs' own timings
+    did."""
     from vskipper.mixed.kernels import FFN_OPS
 
     entries = []
     for lo, hi in COUNT_RANGES:
-        clock.start_shape()
+        clock.start_shape(PAIR_WEIGHT)
         rows = representative_rows(lo, hi, interpret)
         entry: dict = {"rows": [lo, hi]}
+        where = f"ffn pair      rows {lo:>3}..{hi if hi else '':<4}"
         if any(table.gathers(op, rows) for op in FFN_OPS):
-            log(f"ffn pair      rows {lo:>3}..{hi if hi else '':<4} not timed: the table gathers an FFN GEMM there")
+            log(f"{where} not timed: the table gathers an FFN GEMM there")
         elif clock.spent(1):
-            log(f"ffn pair      rows {lo:>3}..{hi if hi else '':<4} not timed: the budget is spent")
+            log(f"{where} not timed: the budget is spent")
         else:
             grouped, apart = ffn_pair_calls(rows, hidden, intermediate, proj_width, table, g, device, dtype)
             graph = hi is not None and not interpret
-            entry.update(grouped_ms=_ms(time_call(grouped, interpret, graph=graph)),
-                         apart_ms=_ms(time_call(apart, interpret, graph=graph)))
-            log(f"ffn pair      rows {lo:>3}..{hi if hi else '':<4} grouped {entry['grouped_ms']:.4f} ms, apart "
-                f"{entry['apart_ms']:.4f} ms ({entry['grouped_ms'] / entry['apart_ms']:.2f}x)"
-                f"{' in CUDA graphs' if graph else ''}")
+            entry.update(apart_ms=_ms(time_call(apart, interpret, graph=graph)))
+            try:
+                entry.update(grouped_ms=_ms(time_call(grouped, interpret, graph=graph)))
+            except Exception as exc:  # a launch the compiler or the device refuses: apart serves there
+                entry.update(grouped_error=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+                log(f"{where} grouped failed ({entry['grouped_error']}); apart {entry['apart_ms']:.4f} ms serves")
+            else:
+                log(f"{where} grouped {entry['grouped_ms']:.4f} ms, apart {entry['apart_ms']:.4f} ms "
+                    f"({entry['grouped_ms'] / entry['apart_ms']:.2f}x){' in CUDA graphs' if graph else ''}")
         entries.append(entry)
     return entries
 
@@ -394,9 +407,9 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
          dtype: str = "bfloat16", interpret: bool = False, max_candidates: int | None = None,
          log: Callable[[str], None] = print, q_width: int | None = None,
          read_heads: tuple[int, int, int] | None = None, budget_s: float | None = None) -> dict:
-    """Tune all 36 shapes (and, given `read_heads` = (heads, kv_heads, head_dim), the packed prefill read) within
-    `budget_s` (`Clock`); returns the table as a dict (validated), each entry with its ratio to torch and the
-    candidates it tried."""
+    """Tune all 36 shapes, then time the FFN pair at each count range (`time_ffn_pairs`), and, given `read_heads`
+    = (heads, kv_heads, head_dim), the packed prefill read, within `budget_s` (`Clock`); returns the table as a
+    dict (validated), each entry with its ratio to torch and the candidates it tried."""
     if interpret:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise TunerError("interpreter smoke run needs TRITON_INTERPRET=1 set before triton is imported")
@@ -409,7 +422,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
     tdtype = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     current = current_table(device_name, shared_mem_per_block, dtype)
-    clock = Clock(budget_s, (len(OPERATIONS) + 1) * len(COUNT_RANGES),  # + the FFN pair at each range
+    clock = Clock(budget_s, (len(OPERATIONS) + PAIR_WEIGHT) * len(COUNT_RANGES),  # + the FFN pair at each range
                   READ_WEIGHT if read_heads is not None else 0)
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:

@@ -30,10 +30,11 @@ class RoutedQwen3DecoderLayer(RoutedLayerMixin, Qwen3DecoderLayer):
         if post_residual_addition is not None or capture_output is not None:
             raise NotImplementedError(f"routed layer {self.layer_id}: post_residual_addition and capture_output "
                                       "(multimodal deepstack, speculative capture) are not served routed")
-        stream = residual_batch.current(forward_batch)
-        # The fold forms x afresh where a dense layer left its output pending, and a routed layer's written y is
-        # its own: the body and the hand-off update either in place. A first layer's x is the embeddings: kept.
-        x_owned = stream.pending is not None or stream.residual is not None
+        # Past a first layer the stream holds a residual: the fold adds a dense layer's pending output onto it (a
+        # sum formed afresh), or x is that residual, a routed layer's written y. The body and the hand-off update
+        # either in place. A first layer's x is the embeddings, and a pending output with no residual the
+        # producer's own (possibly borrowed) tensor: kept.
+        x_owned = residual_batch.current(forward_batch).residual is not None
         x = residual_batch.fold(hidden_states, forward_batch)
         y = self.mixed_depth(step, positions, x, forward_batch, x_owned=x_owned).output(in_place=x_owned)
         return residual_batch.written(y, forward_batch)

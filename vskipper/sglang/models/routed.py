@@ -149,7 +149,8 @@ class CohortExecution:
             read["prefill_read_tile"] = {**asdict(self.tiles.read_tile), "measured": self.tiles.read is not None}
             # the slot counts at which an operation runs in the gathered cuBLAS form instead of its tile
             read["gathered"] = self.tiles.gathered_ranges()
-            # where the two cohort FFNs launch apart, as the table measured them faster (elsewhere: grouped)
+            # where the two cohort FFNs launch apart as the table says (measured faster, or the grouped launch
+            # failed when tuned); they launch apart where an FFN GEMM serves gathered too (`gathered`)
             read["ffn_apart"] = self.tiles.apart_ranges()
         return {"decode": self.decode, **read, "prefill": self.prefill, "prefill_read": self.prefill_read,
                 **({"prefill_read_why": self.prefill_read_why} if self.prefill_read_why else {}),
@@ -540,8 +541,9 @@ class RoutedLayerMixin:
     def mixed_depth(self, step: Step, positions: torch.Tensor, x: torch.Tensor, forward_batch,
                     u: torch.Tensor | None = None, x_owned: bool = False) -> Handoff:
         """The layer output y [rows, d], as the body's `Handoff`, from its complete input x (the residual stream
-        at the layer) and u = LN1 x (computed here when not given). `x_owned`: x is the residual buffer the
-        layer's add-norm formed, which the body may update in place (`routed_layer`)."""
+        at the layer) and u = LN1 x (computed here when not given). `x_owned`: no one else holds x (the residual
+        the Llama layer's add-norm formed; the sum the Qwen3 layer's fold formed, or a routed layer's y), so the
+        body may update it in place (`routed_layer`)."""
         if u is None:
             u = self.input_layernorm(x)
         router = self.router if step.skipper.requires_router_weights else None
