@@ -178,12 +178,13 @@ def test_a_range_whose_grouped_ffn_pair_fails_keeps_the_error_and_serves_the_two
         return None
 
     def fake_time(fn, interpret, reps=20, graph=False):
-        if fn is grouped and not failed:
+        if fn is failing[0] and not failed:
             failed.append(fn)
             raise RuntimeError("out of resources: shared memory")
         return 0.5 if fn is grouped else 1.0
 
     failed: list = []
+    failing = [grouped]
     monkeypatch.setattr(tuner, "time_call", fake_time)
     monkeypatch.setattr(tuner, "ffn_pair_calls", lambda *args: (grouped, apart))
     table = default_tile_table(227 * 1024, "H100-SXM", "float32")
@@ -195,3 +196,8 @@ def test_a_range_whose_grouped_ffn_pair_fails_keeps_the_error_and_serves_the_two
     parsed = parse_tile_table({**table.as_dict(), "ffn_pair": entries}, 227 * 1024)
     assert [parsed.groups_ffn(rows) for rows in (16, 17, 4096)] == [False, True, True]
     assert parsed.apart_ranges() == [[1, 16]]
+    failing[0] = apart  # now the launches apart fail at the first range: it keeps no timing
+    failed.clear()
+    entries = tuner.time_ffn_pairs(table, 32, 64, 16, torch.Generator().manual_seed(0), torch.device("cpu"),
+                                   torch.float32, True, tuner.Clock(None, 6), log=lambda line: None)
+    assert entries[0] == {"rows": [1, 16]} and all("grouped_ms" in e for e in entries[1:])

@@ -21,18 +21,18 @@ at half the count (a table without the half-count timing never gathers) and the 
 or below the device's ridge, `vskipper.roofline`), that operation serves in the gathered cuBLAS form
 (`TileTable.gathers`, `vskipper.mixed.gathered`) instead of the tile.
 
-`rows` ranges must cover 1.. without gaps (the last one open: [513, null]). The six operations are the gate-up
-(two operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the
-RUN cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered); with the six count ranges of
-`COUNT_RANGES` (the last, 513 rows and up, a prefill pass's) that is 36 shapes. A routed layer launches its MLP
-and its projector together, one grid a stage (`kernels.cohort_ffn_pair`), at the MLP's tiles, unless the table's
+`rows` ranges must cover 1.. without gaps (the last one open: [513, null]). The six operations are the gate-up (two
+operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the RUN
+cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered); with the six count ranges of
+`COUNT_RANGES` (the last, 513 rows and up, a prefill pass's) that is 36 shapes. A routed layer launches its MLP and
+its projector together, one grid a stage (`kernels.cohort_ffn_pair`), at the MLP's tiles, unless the table's
 `ffn_pair` (optional: a table without it groups them) measured the two launched apart faster at that range; the
-projector's own tiles serve where each FFN launches alone (there, and where the table gathers one of the four).
-A table measured before the prefill range existed ends at [129, null], which then serves prefill too; it still loads. A table measured before
-the attention cohort GEMMs existed has no `attn_q` or `attn_o`: it takes their tiles from `default_tile_table` for
-its shared-memory limit, and its `source` says so (a table with one of them and not the other is refused).
-A table is validated against the device's shared memory per block (`vskipper.roofline.DEVICES`): a tile whose
-pipelined operand buffers exceed it is refused with the operation, the range and both byte counts.
+projector's own tiles serve where each FFN launches alone (there, and where the table gathers one of the four). A
+table measured before the prefill range existed ends at [129, null], which then serves prefill too; it still loads.
+A table measured before the attention cohort GEMMs existed has no `attn_q` or `attn_o`: it takes their tiles from
+`default_tile_table` for its shared-memory limit, and its `source` says so (a table with one of them and not the
+other is refused). A table is validated against the device's shared memory per block (`vskipper.roofline.DEVICES`):
+a tile whose pipelined operand buffers exceed it is refused with the operation, the range and both byte counts.
 
 Tables ship only for devices where they were measured (`vskipper/mixed/tile_tables/<device>.json`). Any other
 device gets `default_tile_table`: a conservative configuration chosen by its shared-memory limit (fewer
