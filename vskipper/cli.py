@@ -142,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also train and save a tiny BPE tokenizer with a chat template (to serve the checkpoint)")
     p.set_defaults(func=_make_tiny)
 
-    p = sub.add_parser("tune-tiles", help="time cohort GEMM tiles against torch and the packed prefill read's "
-                       "launches on this GPU; write a tile table")
+    p = sub.add_parser("tune-tiles", help="time cohort GEMM tiles against torch, a routed layer's two cohort FFNs "
+                       "grouped against apart, and the packed prefill read's launches on this GPU; write a tile "
+                       "table")
     p.add_argument("--model", default="llama-3-8b", help="preset or config.json giving the GEMM widths and heads")
     p.add_argument("--device", help="catalogue name for the table (default: detected from the GPU)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
