@@ -108,7 +108,7 @@ def test_the_gate_and_up_halves_of_a_merged_weight_are_multiplied_in_one_gemm_wi
 
 def test_a_table_that_prefers_torch_runs_the_gathered_forms_and_refuses_a_store_it_cannot_do(monkeypatch):
     """The dispatch: each operation takes the form its table names at this capacity, and a gathered down, which
-    adds, refuses `accumulate=False` naming the operation (the routed layer zeroes its output first)."""
+    adds, refuses `accumulate=False` naming the operation (the FFN pair zeroes its output first)."""
     calls = []
     for name in ("gathered_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add"):
         real = getattr(kernels, name)
@@ -156,6 +156,10 @@ def test_a_table_that_prefers_torch_runs_the_gathered_forms_and_refuses_a_store_
         assert calls == ["gathered_gate_up" for _ in gathered]
         assert [name for name in launches.launches if name.endswith("_kernel")] == launched
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    # storing into an output that holds nothing yet, where a down GEMM adds in the gathered form: the pair zeroes it
+    y = torch.full((capacity, d), float("nan"))
+    kernels.cohort_ffn_pair(x, w, y, *pair, tiles=gathering_table({"mlp_down"}), accumulate=False)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_routed_decode_step_with_every_gemm_gathered_equals_the_tiled_one_and_reads_nothing_on_the_host(

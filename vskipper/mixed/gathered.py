@@ -21,7 +21,7 @@ Contracts as the kernels', except where noted:
                        follow W_gate's in memory (the halves of SGLang's merged `gate_up_proj`), one GEMM over
                        both (`merged_rows`): the gathered rows are read once and one launch serves both halves
   gathered_down        Y[idx[m]] += weights[idx[m]] * (A[m] @ W_down^T) for m < count: it adds, so where the
-                       kernel would store (`accumulate` False) the caller zeroes Y first (`routed_layer`)
+                       kernel would store (`accumulate` False) the caller zeroes Y first (`kernels.cohort_ffn_pair`)
   gathered_scatter_add Y[idx[m]] += A[m] @ W^T for m < count
 """
 

@@ -405,8 +405,9 @@ def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp
                     tiles: TileTable | Tile | None = None, accumulate: bool = True, grouped: bool | None = None
                     ) -> None:
     """A routed layer's two cohort FFNs over the same input rows x and branch weights: the RUN cohort's MLP and the
-    Project-Only cohort's projector, each adding (`accumulate` False: storing) weights[r] * FFN(x[r]) into its rows
-    r of y, which no two cohorts share.
+    Project-Only cohort's projector, each adding weights[r] * FFN(x[r]) into its rows r of y, which no two cohorts
+    share. `accumulate` False: y holds nothing yet, and each cohort row gets its output stored; where a down GEMM
+    serves in the gathered form, which adds, y is zeroed first (a row in neither cohort then holds zero).
 
     Both in one launch per stage (`grouped_gate_up_kernel`, then `grouped_down_scatter_kernel`), at the MLP's
     tiles: the projector's column tiles follow the MLP's in one grid, so its few programs fill the MLP's last wave
@@ -424,6 +425,9 @@ def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp
     elif grouped and why_apart is not None:
         raise ValueError(f"the FFNs cannot launch grouped at {capacity} slots: {why_apart}")
     if not grouped:
+        if not accumulate and any(cohort_ffn_gathers(tiles, op, capacity) for op in ("mlp", "proj")):
+            y.zero_()
+            accumulate = True
         for op, ffn in (("mlp", mlp), ("proj", proj)):
             cohort_ffn_triton(x, ffn.idx, ffn.count, weights, ffn.w_gate, ffn.w_up, ffn.w_down, y, op=op,
                               tiles=tiles, accumulate=accumulate)

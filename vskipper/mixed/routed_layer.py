@@ -192,13 +192,7 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
 
 def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
                    cohorts: Cohorts, tiles: Any, x_owned: bool) -> Handoff:
-    from vskipper.mixed.kernels import (
-        CohortFFN,
-        cohort_ffn_gathers,
-        cohort_ffn_pair,
-        cohort_gemm,
-        cohort_scatter_add,
-    )
+    from vskipper.mixed.kernels import CohortFFN, cohort_ffn_pair, cohort_gemm, cohort_scatter_add
 
     w_q, b_q, w_o = ops.attention_weights()
     idx, n_run = cohorts.run_idx, cohorts.n_run
@@ -220,13 +214,11 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
     h = x if x_owned else x.clone()  # Project-Only rows: h = x
     cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)
     # Every row is in exactly one cohort (n_run + n_proj = rows), so each branch stores its rows of delta: no
-    # zero fill, no read of delta; unless a branch's down GEMM serves in the gathered form, which adds (its
-    # slots past the count add zeros): then delta starts at zero and both branches add.
-    adds = cohort_ffn_gathers(tiles, "mlp", cohorts.rows) or cohort_ffn_gathers(tiles, "proj", cohorts.rows)
-    delta = torch.zeros_like(h) if adds else torch.empty_like(h)
+    # zero fill, no read of delta (where a down GEMM serves in the gathered form, which adds, the pair zeroes it).
+    delta = torch.empty_like(h)
     v = ops.post_attention_layernorm(h)
     p = ops.projector
     cohort_ffn_pair(v, weights, delta, CohortFFN(cohorts.run_idx, cohorts.n_run, *ops.mlp_weights()),
                     CohortFFN(cohorts.proj_idx, cohorts.n_proj, p.gate_proj.weight, p.down_proj.weight,
-                              p.up_proj.weight), tiles=tiles, accumulate=adds)
+                              p.up_proj.weight), tiles=tiles, accumulate=False)
     return Handoff(delta, h)
