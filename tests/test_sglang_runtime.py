@@ -103,8 +103,8 @@ def test_a_steady_decode_batch_hands_the_same_plan_tensors_until_its_requests_ch
 
 
 def test_a_routed_pass_is_counted_once_its_tape_counts_reach_the_host_and_the_state_file_waits_for_them(tmp_path):
-    """The forward's pass never waits for its own counts: they are counted at a later pass once copied, and a
-    state document counts every pass still in flight first (`Runtime.state_document`)."""
+    """The forward's pass never waits for its own counts: the attestation counts those copied by the time it is
+    read, and a state document counts every pass still in flight first (`Runtime.state_document`)."""
     from types import SimpleNamespace
 
     from test_mixed_deferred import ManualReads
@@ -124,6 +124,57 @@ def test_a_routed_pass_is_counted_once_its_tape_counts_reach_the_host_and_the_st
     assert document["rows_total"]["decode"] == {"run": 4, "project_only": 4} and len(reads) == 0
     assert document["rows_per_layer_total"] == {"2": {"run": 4, "project_only": 0},
                                                 "3": {"run": 0, "project_only": 4}}
+
+
+def _counted_pass_by_pass(passes) -> dict:
+    """The counters of routed passes, each pass and layer counted on its own (the obvious reference)."""
+    from collections import Counter
+
+    from vskipper.sglang.runtime import COHORT_BUCKETS
+
+    rows = {p: {"run": 0, "project_only": 0} for p in ("prefill", "decode")}
+    per_layer, sizes = {}, Counter()
+    for run, routes in passes:
+        for layer, n_run in zip(routes.layers, run, strict=True):
+            per = per_layer.setdefault(layer, {"run": 0, "project_only": 0})
+            per["run"] += n_run - routes.dense_count
+            per["project_only"] += routes.rows - n_run
+            rows[routes.phase]["run"] += n_run - routes.dense_count
+            rows[routes.phase]["project_only"] += routes.rows - n_run
+            sizes[next((f"le_{b}" for b in COHORT_BUCKETS if n_run <= b), "gt_1024")] += 1
+    return {"rows": rows, "rows_per_layer": per_layer, "cohort_sizes": dict(sizes)}
+
+
+def test_routed_passes_are_counted_together_as_each_pass_and_layer_counted_alone(tmp_path, monkeypatch):
+    """Passes whose counts reached the host wait and are counted in one reduction: per phase and layer, with
+    dense-mode rows left out of the RUN rows and in the cohort sizes (bucket edges and past the last), exactly
+    as counting each pass and layer alone; probe passes' shares reach the switch in the order they ran."""
+    from vskipper.sglang.runtime import FOLD_PASSES, PassRoutes
+
+    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}}), tmp_path)
+    shares = []
+    monkeypatch.setattr(rt.switch, "record_prefill_share", lambda share, when: shares.append((share, when)))
+    passes = [([4, 0], PassRoutes("decode", (2, 3), 4, 0, False, 1.0)),
+              ([3, 1], PassRoutes("decode", (2, 3), 4, 1, False, 2.0)),  # one dense-mode row (RUN on the tape)
+              ([1025, 2], PassRoutes("prefill", (2, 3), 1030, 2, True, 3.0)),
+              ([8, 9], PassRoutes("prefill", (2, 3), 16, 0, True, 4.0)),
+              ([2, 16], PassRoutes("decode", (2, 3), 16, 0, False, 5.0))]
+    rt._arrived = list(passes)
+    rt._count_arrived()
+    expected = _counted_pass_by_pass(passes)
+    c = rt.counters
+    assert (c.rows, c.rows_per_layer, dict(c.cohort_sizes)) == \
+        (expected["rows"], expected["rows_per_layer"], expected["cohort_sizes"])
+    # a probe's share: its Project-Only rows over its routed-mode rows, every layer ((5 + 1028) of 2 x 1028)
+    assert shares == [((5 + 1028) / (2 * 1028), 3.0), ((8 + 7) / 32, 4.0)] and rt._arrived == []
+    # Without a reader, the scheduler counts them itself once FOLD_PASSES wait; before that they wait.
+    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}}), tmp_path)
+    rt._writer = SimpleNamespace(changed=lambda: None)
+    for i in range(FOLD_PASSES - 1):
+        run_pass(rt, decode(["a", "b"], [60 + i, 45 + i]))
+    assert len(rt._arrived) == FOLD_PASSES - 1 and rt.counters.rows["decode"]["run"] == 0
+    run_pass(rt, decode(["a", "b"], [200, 200]))
+    assert rt._arrived == [] and rt.counters.rows["decode"] == {"run": 2 * FOLD_PASSES, "project_only": 2 * FOLD_PASSES}
 
 
 def test_a_request_that_starts_decoding_after_routing_turned_off_decodes_dense_beside_routed_ones(tmp_path):

@@ -27,7 +27,7 @@ class DeferredReads:
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
         self.depth = depth
-        self._pending: deque[tuple[torch.Tensor, Any, Any]] = deque()  # (host value, event or None, payload)
+        self._pending: deque[tuple[torch.Tensor | list, Any, Any]] = deque()  # (host value, event or None, payload)
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # pinned buffers to reuse
 
     def __len__(self) -> int:
@@ -37,10 +37,11 @@ class DeferredReads:
         """Start reading `value` (a device tensor the current stream is producing)."""
         self._pending.append((*self._start(value.detach()), payload))
 
-    def _start(self, value: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Enqueue the copy of `value` to the host: (host tensor, the event after the copy; None: done)."""
+    def _start(self, value: torch.Tensor) -> tuple[torch.Tensor | list, Any]:
+        """Enqueue the copy of `value` to the host: (host tensor, the event after the copy), or off CUDA (value,
+        None): its values as a list, read now (nothing to wait for)."""
         if value.device.type != "cuda":
-            return value.to("cpu", copy=True).reshape(-1), None
+            return value.reshape(-1).tolist(), None
         spare = self._free.get((value.numel(), value.dtype))
         host = spare.pop() if spare else torch.empty(value.numel(), dtype=value.dtype, device="cpu", pin_memory=True)
         host.copy_(value.reshape(-1), non_blocking=True)
@@ -58,7 +59,9 @@ class DeferredReads:
                     return
                 event.synchronize()
             self._pending.popleft()
+            if event is None:  # read when pushed
+                yield host, payload
+                continue
             values = host.tolist()
-            if event is not None:
-                self._free.setdefault((host.numel(), host.dtype), []).append(host)
+            self._free.setdefault((host.numel(), host.dtype), []).append(host)
             yield values, payload

@@ -36,10 +36,12 @@ import os
 import threading
 import time
 import zlib
+from bisect import bisect_left
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import chain
 from typing import Any
 
 import torch
@@ -58,6 +60,7 @@ from vskipper.skippers.registry import SkipperConfigError, build_skipper
 from vskipper.switch import Mode, ModeSwitch, Policy, PrefillDecision
 
 COHORT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+FOLD_PASSES = 64  # routed passes whose counts wait on the host, at most, before a pass counts them
 STATE_INTERVAL_S = 0.5  # the longest a changed state waits for its write when nobody asks for it
 STATE_POLL_S = 0.01  # how often the writer looks for a request from the HTTP process
 
@@ -153,11 +156,8 @@ class Counters:
     health_check_passes: Counter = field(default_factory=Counter)  # phase -> passes of health probes alone
 
 
-def _bucket(n: int) -> str:
-    for b in COHORT_BUCKETS:
-        if n <= b:
-            return f"le_{b}"
-    return "gt_1024"
+# The RUN cohort size histogram's buckets (a pass-layer lands in the first whose bound it does not exceed).
+COHORT_LABELS = (*(f"le_{b}" for b in COHORT_BUCKETS), f"gt_{COHORT_BUCKETS[-1]}")
 
 
 class _Prometheus:
@@ -237,6 +237,7 @@ class Runtime:
         self._graph_rows = 0  # the largest batch a captured routed graph replays (`reserve_graph_tape`)
         self._graph_builder: CohortBuilder | None = None
         self._route_reads = DeferredReads()  # routed passes' tape counts on their way to the host
+        self._arrived: list[tuple[list[int], PassRoutes]] = []  # counts on the host, not yet counted
         self._decisions_seen = Counter()
         self._promotions_seen = 0
         self.started = time.time()
@@ -403,8 +404,7 @@ class Runtime:
 
     def _plan_prefill(self, fb: Any, rows: int, dtype: torch.dtype, device: torch.device | str) -> Step:
         rids = list(fb.rids or [])
-        seq_lens = [int(n) for n in fb.seq_lens_cpu.tolist()] if fb.seq_lens_cpu is not None \
-            else [int(n) for n in fb.seq_lens.tolist()]
+        seq_lens = (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens).tolist()
         unadmitted = [i for i, rid in enumerate(rids) if rid not in self._requests]
         if unadmitted:  # admitted outside the scheduler hook (no namespace): decided here, counted as unkeyed
             decision = self.switch.admit_prefill(sum(seq_lens[i] for i in unadmitted), time.time())
@@ -416,10 +416,17 @@ class Runtime:
         if self.skipper is None:
             return Step("prefill", False, rows=rows)
         routed_req = [r.prefill_mode is Mode.ROUTED for r in records]
-        extend = torch.tensor(list(fb.extend_seq_lens_cpu or [rows]), dtype=torch.int64)
-        row_routed = torch.repeat_interleave(torch.tensor(routed_req, dtype=torch.bool), extend)
-        keys = torch.repeat_interleave(torch.tensor(list(map(request_key, rids)), dtype=torch.int64), extend)
-        return self._step("prefill", rows, dtype, device, row_routed, keys, probe)
+        extend_rows = list(fb.extend_seq_lens_cpu or [rows])
+        n_routed = sum(n for n, routed in zip(extend_rows, routed_req, strict=True) if routed)
+        if n_routed == 0:
+            return self._step("prefill", rows, dtype, device, None, None, probe, 0)
+        extend = torch.tensor(extend_rows, dtype=torch.int64)
+        keys = torch.repeat_interleave(torch.tensor(list(map(request_key, rids)), dtype=torch.int64), extend,
+                                       output_size=rows)
+        # every row routed (a routed arm's usual round): no per-row flags
+        row_routed = None if n_routed == rows else torch.repeat_interleave(
+            torch.tensor(routed_req, dtype=torch.bool), extend, output_size=rows)
+        return self._step("prefill", rows, dtype, device, row_routed, keys, probe, n_routed)
 
     def _plan_decode(self, fb: Any, rows: int, dtype: torch.dtype, device: torch.device | str) -> Step:
         now = time.time()
@@ -431,7 +438,7 @@ class Runtime:
             for rid in [r for r in self._decoding if r not in present]:  # left the batch (its release ends it too)
                 self._end(rid)
         seq_lens = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens
-        lengths = [int(n) for n in seq_lens.tolist()]
+        lengths = seq_lens.tolist()
         resident = sum(lengths)
         promoted = self.switch.observe(resident, now)
         for rid in promoted:
@@ -486,10 +493,12 @@ class Runtime:
             self.prometheus.resident.set(self.resident_tokens() if resident is None else resident)
 
     def _step(self, phase: str, rows: int, dtype: torch.dtype, device: torch.device | str,
-              row_routed: torch.Tensor, keys: torch.Tensor, probe: bool, n_routed: int | None = None) -> Step:
+              row_routed: torch.Tensor | None, keys: torch.Tensor | None, probe: bool,
+              n_routed: int | None = None) -> Step:
         """`row_routed` and `keys` are host tensors (built from the request records; `n_routed` their routed
-        rows, where known): the decisions made on them here read no device value, and the step keeps its keys
-        and dense-mode rows on the host for the model's plan buffers (`Runtime.plan`: on the device)."""
+        rows, where known; `row_routed` None: every row routed, or none where `n_routed` is 0): the decisions
+        made on them here read no device value, and the step keeps its keys and dense-mode rows on the host for
+        the model's plan buffers (`Runtime.plan`: on the device)."""
         n_routed = int(row_routed.sum()) if n_routed is None else n_routed
         if self.skipper is None or rows == 0 or n_routed == 0:
             return Step(phase, False, rows=rows)
@@ -509,7 +518,7 @@ class Runtime:
             control = self._control_next[phase]
             self._control_next[phase] = not control
             if control:  # every row RUN, as a dense-mode row: the s = 0 control's work through the routed layers
-                n_routed, row_routed = 0, torch.zeros_like(row_routed)
+                n_routed, row_routed = 0, torch.zeros(rows, dtype=torch.bool)
         dense_rows = None if n_routed == rows else self._dense_rows(row_routed)
         return Step(phase, True, self.skipper, None, tape, builder, dense_rows, rows, probe,
                     rows - n_routed, keys=keys, control=control)
@@ -538,8 +547,9 @@ class Runtime:
 
     def finish(self, step: Step) -> None:
         """Count a pass after its forward. A routed pass's decisions are read from its tape without waiting for
-        the device (`DeferredReads`): they are counted at a later pass, or when the state is written, in order
-        (a probe round's share is read at once: the switch needs it now)."""
+        the device (`DeferredReads`), and counted with the others that reached the host when the state is
+        written, or once `FOLD_PASSES` wait, in order (a probe round's share is read at once: the switch needs it
+        now; `_settle`)."""
         if step.phase not in ("prefill", "decode"):
             return
         if step.health_check:
@@ -568,37 +578,57 @@ class Runtime:
                 self._promotions_seen = promoted
         self.state_changed()
 
-    def _settle(self, block: bool) -> None:
-        """Count the routed passes whose decisions reached the host (with `block`: every one, waiting for them)."""
-        for run, routes in self._route_reads.ready(block):
-            self._count_routes(routes, [routes.rows - n for n in run])
+    def _settle(self, block: bool, count: bool = False) -> None:
+        """Take the routed passes' counts that reached the host (with `block`: every one, waiting for them). They
+        are counted together (`_count_arrived`) when the attestation is read (`count`: in a server, the state
+        writer's thread, off the forward path), at a probe pass (`block`: the switch needs its share now), or
+        once `FOLD_PASSES` wait."""
+        self._arrived.extend(self._route_reads.ready(block))
+        if block or count or len(self._arrived) >= FOLD_PASSES:
+            self._count_arrived()
 
-    def _count_routes(self, routes: PassRoutes, projected: list[int]) -> None:
-        """Count one routed pass's decisions over the rows of routed-mode requests (dense-mode rows are RUN on
-        the tape): per routed layer its Project-Only rows, `projected` (the pass's rows less the tape's RUN
-        rows)."""
-        routed_rows = routes.rows - routes.dense_count
-        for layer, n_proj in zip(routes.layers, projected, strict=True):
-            per = self.counters.rows_per_layer.setdefault(layer, {"run": 0, "project_only": 0})
-            per["run"] += routed_rows - n_proj
-            per["project_only"] += n_proj
-            self.counters.cohort_sizes[_bucket(routes.rows - n_proj)] += 1
-        proj_rows = sum(projected)
-        run_rows = routed_rows * len(projected) - proj_rows
-        self.counters.rows[routes.phase]["run"] += run_rows
-        self.counters.rows[routes.phase]["project_only"] += proj_rows
-        if routes.probe and run_rows + proj_rows:
-            self.switch.record_prefill_share(proj_rows / (run_rows + proj_rows), routes.finished)
-        if self.prometheus is not None:
-            p = self.prometheus
-            if run_rows:
-                p.child(p.rows, routes.phase, "run").inc(run_rows)
-            if proj_rows:
-                p.child(p.rows, routes.phase, "project_only").inc(proj_rows)
+    def _count_arrived(self) -> None:
+        """Count the decisions of every routed pass whose tape counts reached the host, in one go: sums and a
+        tally over all of them at once, not a Python step per pass and layer. Per routed layer its Project-Only
+        rows (the pass's rows less the tape's RUN rows) and its RUN rows of routed-mode requests (dense-mode rows
+        are RUN on the tape and not counted), each pass-layer's RUN cohort size in `COHORT_BUCKETS`, and per
+        phase the rows; a probe pass's Project-Only share goes to the switch, in the order the passes ran."""
+        arrived, self._arrived = self._arrived, []
+        groups: dict[tuple[str, tuple[int, ...]], list[tuple[list[int], PassRoutes]]] = {}
+        for run, routes in arrived:
+            groups.setdefault((routes.phase, routes.layers), []).append((run, routes))
+            if routes.probe:
+                run_rows = sum(run) - routes.dense_count * len(run)
+                proj_rows = routes.rows * len(run) - sum(run)
+                if run_rows + proj_rows:
+                    self.switch.record_prefill_share(proj_rows / (run_rows + proj_rows), routes.finished)
+        for (phase, layers), passes in groups.items():
+            runs = [run for run, _ in passes]  # each pass's RUN rows per layer on its tape
+            rows = sum(routes.rows for _, routes in passes)
+            dense = sum(routes.dense_count for _, routes in passes)
+            per_layer = list(map(sum, zip(*runs, strict=True)))
+            for layer, n_run in zip(layers, per_layer, strict=True):
+                per = self.counters.rows_per_layer.setdefault(layer, {"run": 0, "project_only": 0})
+                per["run"] += n_run - dense
+                per["project_only"] += rows - n_run
+            for size, n in Counter(chain.from_iterable(runs)).items():  # the pass-layers of each cohort size
+                self.counters.cohort_sizes[COHORT_LABELS[bisect_left(COHORT_BUCKETS, size)]] += n
+            run_rows = sum(per_layer) - dense * len(layers)
+            proj_rows = rows * len(layers) - sum(per_layer)
+            self.counters.rows[phase]["run"] += run_rows
+            self.counters.rows[phase]["project_only"] += proj_rows
+            if self.prometheus is not None:
+                p = self.prometheus
+                if run_rows:
+                    p.child(p.rows, phase, "run").inc(run_rows)
+                if proj_rows:
+                    p.child(p.rows, phase, "project_only").inc(proj_rows)
 
     # -- attestation ----------------------------------------------------------------------------------------
 
     def attestation(self) -> dict[str, Any]:
+        """The served design and the counters, every routed pass whose counts reached the host counted."""
+        self._settle(block=False, count=True)
         c = self.counters
         return {
             "passes_total": c.passes,
