@@ -35,13 +35,13 @@ class DeferredReads:
 
     def push(self, value: torch.Tensor, payload: Any) -> None:
         """Start reading `value` (a device tensor the current stream is producing)."""
-        self._pending.append((*self._start(value.detach()), payload))
+        self._pending.append((*self._start(value.detach() if value.requires_grad else value), payload))
 
     def _start(self, value: torch.Tensor) -> tuple[torch.Tensor | list, Any]:
         """Enqueue the copy of `value` to the host: (host tensor, the event after the copy), or off CUDA (value,
         None): its values as a list, read now (nothing to wait for)."""
         if value.device.type != "cuda":
-            return value.reshape(-1).tolist(), None
+            return (value if value.dim() == 1 else value.reshape(-1)).tolist(), None
         spare = self._free.get((value.numel(), value.dtype))
         host = spare.pop() if spare else torch.empty(value.numel(), dtype=value.dtype, device="cpu", pin_memory=True)
         host.copy_(value.reshape(-1), non_blocking=True)

@@ -43,6 +43,7 @@ class RouteTape:
         self._slot = {layer: j for j, layer in enumerate(self.routed_layers)}
         self.run = torch.ones(len(self.routed_layers), capacity, dtype=torch.bool, device=device)
         self.weights = torch.ones(len(self.routed_layers), capacity, dtype=dtype, device=device)
+        self._count_views: dict[int, torch.Tensor] = {}
 
     def slot(self, layer_id: int) -> int:
         try:
@@ -95,4 +96,7 @@ class RouteTape:
         tensor [L_r]; a layer's Project-Only rows are `rows` less its count. For counters: read once per pass
         after the forward, through `DeferredReads`, never by waiting for the device; one reduction, no complement
         of the tape."""
-        return self.run[:, :rows].sum(dim=1)
+        run = self._count_views.get(rows)
+        if run is None:  # a view per row count, kept (the tape never reallocates)
+            run = self._count_views[rows] = self.run[:, :rows]
+        return run.sum(dim=1)
