@@ -302,6 +302,18 @@ def test_a_triton_prefill_layer_with_the_packed_read_launches_no_gather_or_scatt
         "grouped_gate_up_kernel", "grouped_down_scatter_kernel", "add_"]
 
 
+def test_a_triton_prefill_layer_reading_through_sglangs_backend_places_its_queries_once(world):
+    """A routed prefill layer whose table reads through SGLang's attention backend: the Q GEMM stores each RUN
+    token's query in its batch row, as for the packed read, and one select zeroes the Project-Only tokens'
+    queries (they enter the backend's read with a zero query). RoPE rotates them beside every token's key, the
+    backend reads every batch row, and one gather packs the RUN tokens' outputs for o_proj, their slots past the
+    count zeroed. No placing of packed queries in batch slots, no gather of them back."""
+    launches = _own_launches(world, _triton(world, "backend"), PREFILL_EXTEND, PREFILL_RUNS[0])
+    assert launches == [
+        "cohort_maps_kernel", "cohort_gemm_kernel", "where", "index_select", "where",
+        "cohort_down_scatter_kernel", "grouped_gate_up_kernel", "grouped_down_scatter_kernel", "add_"]
+
+
 @pytest.mark.parametrize("prefill_read", ["packed", "backend"])
 @pytest.mark.parametrize("run", PREFILL_RUNS)
 def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world, run, prefill_read, monkeypatch):
@@ -332,30 +344,29 @@ def test_the_triton_execution_of_a_prefill_pass_equals_the_torch_execution(world
     torch.testing.assert_close(kv_triton, kv_torch, rtol=1e-4, atol=1e-4)
 
 
-# Q's form: in its batch rows for the masked decode read and the packed prefill read (`cohort_gemm(batch_rows=True)`),
-# packed for a prefill read through SGLang's backend
-GATHERED_FORMS = {"batch rows": ("batch_rows_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add"),
-                  "packed": ("gathered_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add")}
+# Q's form: in its batch rows (`cohort_gemm(batch_rows=True)`), whichever read
+GATHERED_FORMS = ("batch_rows_gemm", "gathered_gate_up", "gathered_down", "gathered_scatter_add")
 
 
-@pytest.mark.parametrize(("extend", "run", "prefill_read", "form"),
-                         [({0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False], "packed", "batch rows"),
-                          (PREFILL_EXTEND, PREFILL_RUNS[0], "packed", "batch rows"),
-                          (PREFILL_EXTEND, PREFILL_RUNS[0], "backend", "packed")],
+@pytest.mark.parametrize(("extend", "run", "prefill_read"),
+                         [({0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False], "packed"),
+                          (PREFILL_EXTEND, PREFILL_RUNS[0], "packed"),
+                          (PREFILL_EXTEND, PREFILL_RUNS[0], "backend")],
                          ids=["decode", "prefill-packed", "prefill-backend"])
 def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution(world, extend, run, prefill_read,
-                                                                                 form, monkeypatch):
+                                                                                 monkeypatch):
     """The served layer's GEMMs in the gathered cuBLAS form, as a table that measured cuBLAS faster on a catalogued
     GPU serves them: SGLang's own weight views (qkv_proj's Q rows, gate_up_proj's halves, o_proj, down_proj, the
-    adapter's) feed the four forms (Q's in its batch rows where the read gathers, packed for SGLang's prefill
-    backend; the MLP's gate and up in one GEMM), the pass
-    equals the torch execution, and the attestation lists the slot counts each operation serves gathered (up to the H200's ridge, 206 rows)."""
+    adapter's) feed the four forms (Q's in its batch rows, whichever read: through SGLang's prefill backend the
+    Project-Only rows' real queries are zeroed before it; the MLP's gate and up in one GEMM), the pass equals the
+    torch execution, and the attestation lists the slot counts each operation serves gathered (up to the H200's
+    ridge, 206 rows)."""
     from mixed_world import gathering_table
 
     from vskipper.mixed import gathered
 
     calls, merges = [], []
-    for name in {*GATHERED_FORMS["batch rows"], *GATHERED_FORMS["packed"]}:
+    for name in {*GATHERED_FORMS, "gathered_gemm"}:
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     monkeypatch.setattr(gathered, "merged_rows", lambda *a, real=gathered.merged_rows: merges.append(real(*a))
@@ -364,7 +375,7 @@ def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution
     run_t, w = world.route(run)
     execution = served.CohortExecution("triton", gathering_table(), prefill_read=prefill_read)
     y_gathered, kv_gathered = _pass(world, extend, x, run_t, w, execution)
-    assert set(calls) == set(GATHERED_FORMS[form])
+    assert set(calls) == set(GATHERED_FORMS)
     # The MLP's gate and up (gate_up_proj's halves) in one GEMM; the adapter's, weights of their own, in two.
     assert [m is not None for m in merges] == [True, False]
     y_torch, kv_torch = _pass(world, extend, x, run_t, w, served.TORCH_EXECUTION)

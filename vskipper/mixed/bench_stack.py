@@ -202,7 +202,7 @@ class StackLayerOps:
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
-        self.batch_row_queries = batch.phase == "decode"  # the masked decode read (the stack prefills with torch)
+        self.reads_every_query = False  # the masked decode read (the stack prefills with torch)
 
     def _positions(self, rows: torch.Tensor | None) -> torch.Tensor:
         return self.batch.positions if rows is None else self.batch.positions.index_select(0, rows)
@@ -217,9 +217,6 @@ class StackLayerOps:
     def q_kv(self, u: torch.Tensor, rows: torch.Tensor):
         q = self.attn.project_q(u.index_select(0, rows), self._positions(rows)).reshape(rows.shape[0], -1)
         return (q, *self.kv(u))
-
-    def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor):
-        return (self.attn.rotate_q(q, self._positions(rows)).reshape(q.shape[0], -1), *self.kv(u))
 
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor):
         return (self.attn.rotate_q(q, self.batch.positions).reshape(q.shape[0], -1), *self.kv(u))

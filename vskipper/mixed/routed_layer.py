@@ -36,18 +36,18 @@ Two executions of the same semantics:
           launch shape for the pass's rows and bounds its work by a device count (`vskipper.mixed.cohorts`,
           packed by a device prefix sum): K/V over every row; the RUN cohort's Q as a count-bounded GEMM over its
           gathered rows, q_norm, then RoPE with every row's K in one call where the host can, then the read over
-          the cohort's packed slots (`reads` marks the live ones; slots past the count read nothing). For the
-          masked decode read and the packed prefill read (flash-attention over each slot's request) the Q GEMM
+          the cohort's packed slots (`reads` marks the live ones; slots past the count read nothing). The Q GEMM
           stores each RUN row's query in its batch row, which RoPE rotates beside every row's key
-          (`LayerOps.batch_q_kv`), and the read gathers each slot's query, request and position itself
-          (`LayerOps.read_cohort`): no gather or scatter launched around them. A prefill read through the host's
-          attention backend takes the queries packed (`LayerOps.packed_q_kv` rotates them in their batch slots,
-          which they enter the backend in). Then o_proj as a count-bounded GEMM scattered onto the RUN rows'
-          residual (onto x itself where the host hands x over, `x_owned`: a residual no one else holds, as the
-          Llama layer's add-norm residual, which upstream's own layer updates in place too; elsewhere onto a
-          copy); the two cohort FFNs in one launch per stage (`cohort_ffn_pair`), each storing its rows of the
-          branch output. No host read, no all-RUN test (a
-          pass with every row RUN runs the same kernels at the full count); a Project-Only row computes its K/V
+          (`LayerOps.batch_q_kv`); the masked decode read and the packed prefill read (flash-attention over each
+          slot's request) gather each slot's query, request and position themselves (`LayerOps.read_cohort`): no
+          gather or scatter launched around them. A prefill read through the host's attention backend reads every
+          batch row's query (`LayerOps.reads_every_query`: the Project-Only rows' zeroed first, in one select)
+          and gathers the RUN rows' outputs into their slots. Then o_proj as a count-bounded GEMM scattered onto
+          the RUN rows' residual (onto x itself where the host hands x over, `x_owned`: a residual no one else
+          holds, as the Llama layer's add-norm residual, which upstream's own layer updates in place too;
+          elsewhere onto a copy); the two cohort FFNs in one launch per stage (`cohort_ffn_pair`), each storing
+          its rows of the branch output. No host read, no all-RUN test (a pass with every row RUN runs the same
+          kernels at the full count); a Project-Only row computes its K/V
           and the adapter alone: no Q, no read (through the backend, a zero query whose output is dropped), no
           o_proj, no MLP. Where the tile table measured cuBLAS faster than an operation's tile at a memory-bound
           capacity, that GEMM runs in the gathered form over every slot, its slots past the count masked
@@ -83,9 +83,9 @@ class LayerOps(Protocol):
 
     post_attention_layernorm: nn.Module
     projector: nn.Module  # the FlexiDepth adapter (`ProjectorAdapter`): d -> m -> d
-    # the triton execution's read takes the RUN rows' queries in their batch rows (`batch_q_kv`, `read_cohort`): the
-    # masked decode read and the packed prefill read; SGLang's prefill backend takes them packed (`packed_q_kv`, `read`)
-    batch_row_queries: bool
+    # the triton execution's read takes the RUN rows' queries in their batch rows (`batch_q_kv`, `read_cohort`); where
+    # it reads every batch row's query (SGLang's prefill backend), the Project-Only rows' are zeroed first
+    reads_every_query: bool
 
     def attention(self, u: torch.Tensor) -> torch.Tensor:
         """The host's dense attention over every row (K/V write, read, o_proj): the all-RUN fast path."""
@@ -97,16 +97,10 @@ class LayerOps(Protocol):
         """(q [n, heads * hd] of the batch rows `rows` alone, k, v of every row u of the pass), rotated (Qwen3:
         normed) like `kv`, where the host may rotate both in one call."""
 
-    def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor,
-                    reads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, k, v) for the triton execution's prefill through the host's backend: its packed queries q [C,
-        heads * hd] (slot m of batch row rows[m], live where `reads`, after its cohort Q GEMM) normed (Qwen3) and
-        rotated, and every row's k, v of u, where the host may rotate both in one call."""
-
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, k, v) where `batch_row_queries`: its queries q [rows, heads * hd] in batch rows (the RUN
-        rows' from the cohort Q GEMM, the other rows' of no meaning) normed (Qwen3) and rotated with every row's
-        k, v of u, in one call where the host can; nothing gathered or scattered."""
+        """(q, k, v) for the triton execution: its queries q [rows, heads * hd] in batch rows (the RUN rows' from
+        the cohort Q GEMM; the other rows' of no meaning, or zeros where `reads_every_query`) normed (Qwen3) and
+        rotated with every row's k, v of u, in one call where the host can; nothing gathered or scattered."""
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write every row's k, v [rows, ...] (batch order) to the host's KV cache at this layer."""
@@ -116,11 +110,11 @@ class LayerOps(Protocol):
         it read nothing and yield zero."""
 
     def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
-        """The triton execution's read over a cohort's packed slots where `batch_row_queries` (the masked decode
-        read, the packed prefill read): slot m, where reads[m], reads for batch row rows[m] with its query
-        q[rows[m]] (q [n, heads * hd] in batch rows, `batch_q_kv`); [len(rows), heads * hd], packed, zeros for
-        slots outside `reads`. The read gathers the rows' queries, requests and positions itself: no gather
-        launched before it."""
+        """The triton execution's read over a cohort's packed slots: slot m, where reads[m], reads for batch row
+        rows[m] with its query q[rows[m]] (q [n, heads * hd] in batch rows, `batch_q_kv`); [len(rows), heads *
+        hd], packed, zeros for slots outside `reads`. The masked decode read and the packed prefill read gather
+        the rows' queries, requests and positions themselves (no gather launched before them); a read of every
+        batch row (`reads_every_query`) gathers its outputs after it."""
 
     def o_proj(self, a: torch.Tensor) -> torch.Tensor:
         """The output projection, reduced across the host's tensor-parallel group."""
@@ -196,21 +190,15 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.T
 
     w_q, b_q, w_o = ops.attention_weights()
     idx, n_run = cohorts.run_idx, cohorts.n_run
-    batch_rows = ops.batch_row_queries
-    # the masked decode read and the packed prefill read: the RUN rows' queries in their batch rows (the others' of
-    # no meaning), rotated beside every row's key and gathered by the read itself; SGLang's prefill backend: packed,
-    # slot m < n_run holding RUN row idx[m] (zeros after)
-    q = cohort_gemm(u, idx, n_run, w_q, tile=tiles, batch_rows=batch_rows)
+    # the RUN rows' queries in their batch rows (the others' of no meaning), rotated beside every row's key
+    q = cohort_gemm(u, idx, n_run, w_q, tile=tiles, batch_rows=True)
     if b_q is not None:
         q += b_q
-    if batch_rows:
-        q, k, v = ops.batch_q_kv(u, q)  # k, v: every row's, in batch order
-        ops.write_kv(k, v)
-        a = ops.read_cohort(q, idx, cohorts.live)  # packed: the slots that hold a RUN row read
-    else:
-        q, k, v = ops.packed_q_kv(u, q, idx, cohorts.live)
-        ops.write_kv(k, v)
-        a = ops.read(q, idx, reads=cohorts.live)
+    if ops.reads_every_query:  # a Project-Only row enters the read with a zero query (its output is dropped)
+        q = torch.where(run.view(-1, 1), q, 0)
+    q, k, v = ops.batch_q_kv(u, q)  # k, v: every row's, in batch order
+    ops.write_kv(k, v)
+    a = ops.read_cohort(q, idx, cohorts.live)  # packed: the slots that hold a RUN row read
     h = x if x_owned else x.clone()  # Project-Only rows: h = x
     cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)
     # Every row is in exactly one cohort (n_run + n_proj = rows), so each branch stores its rows of delta: no

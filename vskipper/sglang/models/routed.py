@@ -290,8 +290,8 @@ class SGLangLayerOps:
         self.attn = layer.self_attn
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.projector = layer.router_proj
-        # the masked decode read and the packed prefill read gather the RUN rows' queries from their batch rows
-        self.batch_row_queries = forward_batch.forward_mode.is_decode() or prefill_read != "backend"
+        # a prefill read through SGLang's backend reads every batch row's query (the others gather the RUN rows')
+        self.reads_every_query = not forward_batch.forward_mode.is_decode() and prefill_read == "backend"
 
     def _positions(self, rows: torch.Tensor | None) -> torch.Tensor:
         """The positions of batch rows `rows`, for the reads of packed rows (one read a layer asks for them)."""
@@ -331,13 +331,6 @@ class SGLangLayerOps:
         q, k = a.rotary_emb(self.positions, in_batch_slots(self._q_norm(q), rows, u.shape[0]), k)
         return q.index_select(0, rows), k, v
 
-    def packed_q_kv(self, u: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor):
-        a = self.attn
-        q, k, v = self._qk_normed(u, q)  # q packed, as many slots as k has rows
-        # One rotary call for both, as `q_kv`: the packed queries in their batch slots beside every row's key.
-        q, k = a.rotary_emb(self.positions, in_batch_slots(q, rows, k.shape[0], reads), k)
-        return q.index_select(0, rows), k, v
-
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor):
         q, k, v = self._qk_normed(u, q)
         q, k = self.attn.rotary_emb(self.positions, q, k)
@@ -368,9 +361,9 @@ class SGLangLayerOps:
         a = self.attn
         pool = get_token_to_kv_pool()
         lid = a.attn.layer_id
-        if self.prefill_read == "backend" and not self.fb.forward_mode.is_decode():
-            return self._backend_read(q, rows, reads)  # the triton execution's: over the packed cohort slots
-        # (the triton execution's packed prefill read and masked decode read: `read_cohort`)
+        if self.prefill_read == "backend" and not self.fb.forward_mode.is_decode():  # q packed: in batch slots
+            n = self.positions.shape[0]
+            return self._backend_read(q if rows is None else in_batch_slots(q, rows, n, reads), rows, reads)
         req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
         qh = q.view(q.shape[0], a.num_heads, a.head_dim)
         if self.fb.forward_mode.is_decode():  # `DECODE_READS`
@@ -386,9 +379,12 @@ class SGLangLayerOps:
     def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
         """The masked decode read, or the packed prefill read, over the cohort's packed slots (launch shape: the
         pass's rows), each slot's query, request slot and position gathered by the kernel from the batch rows;
-        slots outside `reads` read nothing."""
+        slots outside `reads` read nothing. Or the prefill read through SGLang's backend (`reads_every_query`),
+        over every batch row's query."""
         from vskipper.mixed.kernels import masked_decode_attention, packed_prefill_attention
 
+        if self.reads_every_query:
+            return self._backend_read(q, rows, reads)
         a = self.attn
         pool = get_token_to_kv_pool()
         lid = a.attn.layer_id
@@ -419,17 +415,17 @@ class SGLangLayerOps:
 
     def _backend_read(self, q: torch.Tensor, rows: torch.Tensor | None,
                       reads: torch.Tensor | None = None) -> torch.Tensor:
-        """The prefill read through SGLang's attention backend (`PREFILL_READS['backend']`): the queries `q` of batch
-        rows `rows` in their batch slots (`in_batch_slots`), over the K/V this pass wrote; their outputs, in the
-        order of `rows`, zeros for slots outside `reads`."""
+        """The prefill read through SGLang's attention backend (`PREFILL_READS['backend']`): every batch row's query
+        q [n, heads * hd] (rows outside `rows` zero) over the K/V this pass wrote; the outputs of batch rows
+        `rows`, in their order, zeros for slots outside `reads` (every row's outputs where `rows` is None)."""
         if self.written is None:
             raise RuntimeError("the backend read runs after the pass's K/V is written (write_kv)")
         k, v = self.written
+        out = self.attn.attn(q, k, v, self.fb, save_kv_cache=False)
         if rows is None:
-            return self.attn.attn(q, k, v, self.fb, save_kv_cache=False)
-        q = in_batch_slots(q, rows, k.shape[0], reads)
-        out = self.attn.attn(q, k, v, self.fb, save_kv_cache=False).index_select(0, rows)
-        return out if reads is None else out.masked_fill_(~reads.view(-1, 1), 0)
+            return out
+        out = out.index_select(0, rows)
+        return out if reads is None else torch.where(reads.view(-1, 1), out, 0)
 
     def o_proj(self, a: torch.Tensor) -> torch.Tensor:
         return self.attn.o_proj(a)[0]
