@@ -38,6 +38,7 @@ figure is a median over repetitions of many passes each.
     python benchmarks/host_time_bench.py                 # about two minutes on two cores
     python benchmarks/host_time_bench.py --quick         # tiny batches, two repetitions: checks the pipeline
     python benchmarks/host_time_bench.py --json out.json
+    python benchmarks/host_time_bench.py --layers 32 --only hooks   # 16 routed layers, as Llama-3-8B's
 """
 
 from __future__ import annotations
@@ -182,14 +183,15 @@ def passes_for(kind: str, shape: Shape, quick: bool) -> int:
     return max(5, min(40, 2000 // shape.rows))
 
 
-def measure(models: dict[str, ServedModel], shapes, repetitions: int, quick: bool) -> dict:
+def measure(models: dict[str, ServedModel], shapes, repetitions: int, quick: bool,
+            kinds: tuple[str, ...] = ("hooks", "pass")) -> dict:
     """For each kind and shape: per arm, each repetition's median microseconds per pass. Within a repetition the
     arms take turns pass by pass (ABC, CBA, ...), so a load that comes and goes on a shared machine lands on every
     arm alike; each pass is timed on its own."""
     results: dict = {}
     order = list(models)
     prefill_slots = max(s.batch for s in shapes if s.phase == "decode")
-    for kind in ("hooks", "pass"):
+    for kind in kinds:
         for shape in shapes:
             batches = {name: m.batch(shape, 0 if shape.phase == "decode" else prefill_slots)
                        for name, m in models.items()}
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny batches, two repetitions (checks the pipeline)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (the deeper half routed)")
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--only", choices=("hooks", "pass"), help="one measurement (default: both)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     repetitions = 2 if args.quick else args.repetitions
@@ -286,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{list(config.routing_layers)}; decode context {CONTEXT} tokens; one torch thread; arms "
           + ", ".join(f"{n} ({a.name})" for n, a in ARMS.items()))
     t0 = time.perf_counter()
-    results = measure(models, shapes, repetitions, args.quick)
+    results = measure(models, shapes, repetitions, args.quick, (args.only,) if args.only else ("hooks", "pass"))
     summaries = report(results, repetitions)
     print(f"({time.perf_counter() - t0:.0f} s; a shared machine's timings are noisy: compare within one run)")
     if args.json is not None:
