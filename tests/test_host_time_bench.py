@@ -35,3 +35,13 @@ def test_the_host_time_bench_reports_each_arm_and_the_routed_over_dense_ratios_o
             assert all(len(us) == 2 for us in report["results"][kind][label]["us"].values())
             assert f"  {label}" in text
     assert "added_us" in report["summary"]["hooks"]["decode b=4"]["ratios"]["s=0.5/dense"]
+
+
+def test_the_host_time_bench_takes_one_measurement_where_asked(tmp_path):
+    out = tmp_path / "hooks.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_time_bench.py"), "--quick", "--only",
+                          "hooks", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "hooks: prepare_pass + finish_pass" in run.stdout and "pass: the whole eager pass" not in run.stdout
+    assert run.stdout.splitlines()[-2].startswith("host: hooks s=0.5/dense ") and "; pass" not in run.stdout
+    assert set(json.loads(out.read_text())["results"]) == {"hooks"}
