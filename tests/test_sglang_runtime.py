@@ -118,7 +118,7 @@ def test_a_routed_pass_is_counted_once_its_tape_counts_reach_the_host_and_the_st
     assert att["passes_total"]["decode"]["routed"] == 1
     assert att["rows_total"]["decode"] == {"run": 0, "project_only": 0} and len(reads) == 1
     reads.events[0].done = True
-    run_pass(rt, decode(["a", "b"], [61, 46]))  # counts the first pass; its own counts are on their way
+    run_pass(rt, decode(["a", "b"], [61, 46]))  # takes the first pass's counts; its own are on their way
     assert rt.attestation()["rows_total"]["decode"] == {"run": 2, "project_only": 2} and len(reads) == 1
     document = json.loads(rt.state_document())
     assert document["rows_total"]["decode"] == {"run": 4, "project_only": 4} and len(reads) == 0
@@ -241,6 +241,26 @@ def test_prefill_mode_is_fixed_at_admission_and_kept_across_chunks(tmp_path):
     assert att["requests_total"]["prefill"] == {"dense": 2}
     assert att["switch"]["admitted_prefill_rounds"] == 2
     assert run_pass(rt, decode(["a", "b"], [1201, 31])).routed
+
+
+def test_a_prefill_pass_plans_each_token_by_its_requests_prefill_mode(tmp_path):
+    """A prefill pass's tokens take their request's key and mode: every token routed (a routed arm's usual
+    round) needs no per-row flags, a round of both modes marks its dense-mode tokens, and a round with none
+    routed is not routed at all."""
+    from vskipper.sglang.runtime import request_key
+    from vskipper.switch import Mode
+
+    rt = runtime(Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "prefill": "routed",
+                                "decode": "routed"}), tmp_path)
+    batch = prefill(["a", "b"], [3, 2])
+    step = rt.decide(batch, 5, torch.float32, "cpu")
+    assert step.routed and step.dense_rows is None and step.dense_count == 0
+    assert step.keys.tolist() == [request_key("a")] * 3 + [request_key("b")] * 2
+    rt._requests["a"].prefill_mode = Mode.DENSE  # a round of both modes (a's chunk admitted dense)
+    step = rt.decide(batch, 5, torch.float32, "cpu")
+    assert step.routed and step.dense_rows.tolist() == [True] * 3 + [False] * 2 and step.dense_count == 3
+    rt._requests["b"].prefill_mode = Mode.DENSE
+    assert not rt.decide(batch, 5, torch.float32, "cpu").routed
 
 
 def test_counters_are_written_to_the_state_file_after_every_pass(tmp_path):

@@ -116,8 +116,8 @@ def _gemm_args(op: str) -> tuple[str, dict, list[dict]]:
         args = {"x_ptr": x, "idx_ptr": idx, "count_ptr": count, "out_ptr": out, "N": n, "K": k,
                 "stride_xm": x.stride(0), "stride_xk": x.stride(1), "stride_wn": w.stride(0),
                 "stride_wk": w.stride(1), "stride_om": out.stride(0), "stride_on": out.stride(1)}
-        if op == "attn_q":  # packed (a prefill read through SGLang's backend), and into the RUN rows' batch rows
-            return "cohort_gemm_kernel", {**args, "w_ptr": w}, [{"SCATTER": False}, {"SCATTER": True}]
+        if op == "attn_q":  # into the RUN rows' batch rows, whichever read serves (the packed form serves none)
+            return "cohort_gemm_kernel", {**args, "w_ptr": w}, [{"SCATTER": True}]
         return "cohort_gate_up_kernel", {**args, "wg_ptr": w, "wu_ptr": w}, [{}]
     a, w, y = _t(ROWS, k), _t(n, k), _t(ROWS, n)
     args = {"a_ptr": a, "idx_ptr": idx, "count_ptr": count, "wd_ptr": w, "y_ptr": y, "D": n, "N": k,

@@ -304,8 +304,8 @@ def cohort_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torc
     `out` is not given). A table may serve it in the gathered form (`vskipper.mixed.gathered`).
 
     `batch_rows`: A [len(x), N] in x's rows instead, row idx[m] set to x[idx[m]] @ W^T for m < count; the rows
-    outside the cohort hold values of no meaning (nothing zeroes them: their readers skip them). Its gathered form
-    multiplies every row of x (`batch_rows_gemm`)."""
+    outside the cohort hold values of no meaning (nothing here zeroes them: the masked and packed reads skip them,
+    a read of every row zeroes them first). Its gathered form multiplies every row of x (`batch_rows_gemm`)."""
     capacity, (n, k) = idx.shape[0], w.shape
     if batch_rows and out is not None:
         raise ValueError("cohort_gemm stores its batch rows into storage of its own: no `out` with batch_rows")

@@ -243,7 +243,7 @@ class Runtime:
         self.started = time.time()
         self.hooks_applied = False  # set by the model class once it checked vskipper.sglang.hooks
         self.state_request = 0  # the latest read request of the HTTP process the state file answers
-        self._state_lock = threading.Lock()
+        self._state_lock = threading.RLock()  # the state document reads the attestation under it
         self._writer: StateWriter | None = None
         self.execution: dict[str, Any] = {}  # what the model class reports of its routed execution
         # The model class's own `*_total` counters (live dicts with fixed keys), beside the runtime's.
@@ -547,9 +547,10 @@ class Runtime:
 
     def finish(self, step: Step) -> None:
         """Count a pass after its forward. A routed pass's decisions are read from its tape without waiting for
-        the device (`DeferredReads`), and counted with the others that reached the host when the state is
-        written, or once `FOLD_PASSES` wait, in order (a probe round's share is read at once: the switch needs it
-        now; `_settle`)."""
+        the device (`DeferredReads`), and counted with the others that reached the host when the attestation is
+        read (a server's state writer reads it at most `STATE_INTERVAL_S` after a change), or once `FOLD_PASSES`
+        wait, in order (a probe round's share is read at once: the switch needs it now; `_settle`). Without a
+        state writer the counters and Prometheus' rows lag until one of those."""
         if step.phase not in ("prefill", "decode"):
             return
         if step.health_check:
@@ -627,8 +628,10 @@ class Runtime:
     # -- attestation ----------------------------------------------------------------------------------------
 
     def attestation(self) -> dict[str, Any]:
-        """The served design and the counters, every routed pass whose counts reached the host counted."""
-        self._settle(block=False, count=True)
+        """The served design and the counters, every routed pass whose counts reached the host counted (under the
+        state lock: the scheduler's passes count beside it)."""
+        with self._state_lock:
+            self._settle(block=False, count=True)
         c = self.counters
         return {
             "passes_total": c.passes,
