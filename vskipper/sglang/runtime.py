@@ -599,10 +599,10 @@ class Runtime:
         for run, routes in arrived:
             groups.setdefault((routes.phase, routes.layers), []).append((run, routes))
             if routes.probe:
-                run_rows = sum(run) - routes.dense_count * len(run)
-                proj_rows = routes.rows * len(run) - sum(run)
-                if run_rows + proj_rows:
-                    self.switch.record_prefill_share(proj_rows / (run_rows + proj_rows), routes.finished)
+                n_run = sum(run)
+                routed_rows = (routes.rows - routes.dense_count) * len(run)  # RUN and Project-Only, every layer
+                if routed_rows:
+                    self.switch.record_prefill_share((routes.rows * len(run) - n_run) / routed_rows, routes.finished)
         for (phase, layers), passes in groups.items():
             runs = [run for run, _ in passes]  # each pass's RUN rows per layer on its tape
             rows = sum(routes.rows for _, routes in passes)
@@ -614,8 +614,8 @@ class Runtime:
                 per["project_only"] += rows - n_run
             for size, n in Counter(chain.from_iterable(runs)).items():  # the pass-layers of each cohort size
                 self.counters.cohort_sizes[COHORT_LABELS[bisect_left(COHORT_BUCKETS, size)]] += n
-            run_rows = sum(per_layer) - dense * len(layers)
-            proj_rows = rows * len(layers) - sum(per_layer)
+            n_run = sum(per_layer)
+            run_rows, proj_rows = n_run - dense * len(layers), rows * len(layers) - n_run
             self.counters.rows[phase]["run"] += run_rows
             self.counters.rows[phase]["project_only"] += proj_rows
             if self.prometheus is not None:
