@@ -66,7 +66,7 @@ def test_plan_buffers_keep_their_storage_pad_past_the_rows_and_refuse_growth_onc
     assert buffers.valid.tolist() == [True, True, False, False, False, False]
     assert {k: v.tolist() for k, v in buffers.views().items()} == {
         "req_rows": [0, 2], "request_keys": [5, 6], "dense_rows": [False, False], "valid": [True, True]}
-    with pytest.raises(ValueError, match="'request_keys' has 1 rows, req_rows has 2"):
+    with pytest.raises(ValueError, match="'req_rows' has 2 rows, request_keys has 1"):
         buffers.write(torch.tensor([0, 2]), torch.tensor([5]))
     buffers.write(torch.arange(8), torch.arange(8))  # eager: grows, to twice the capacity
     assert buffers.capacity == 12 and buffers.valid.tolist() == [True] * 8 + [False] * 4
@@ -95,21 +95,25 @@ class _Writes(TorchDispatchMode):
 def test_a_staged_plan_reaches_the_device_storage_in_one_copy_and_equals_the_plan_written_in_place():
     """Off the host the plan is staged on the host and copied once into the storage the fields view; a field
     handed over on the device adds its own copy. Any sequence of passes leaves the same fields, padding
-    included, as writing in place, and the fields' addresses never move once frozen."""
+    included, as writing in place, and as one write into fresh buffers (a write without request slots: every
+    other field), and the fields' addresses never move once frozen."""
     gen = torch.Generator().manual_seed(0)
     staged, in_place = PlanBuffers(8, staged=True), PlanBuffers(8, staged=False)
     staged.frozen = True
     ptrs = [getattr(staged, f).data_ptr() for f in ("req_rows", "request_keys", "dense_rows", "valid")]
-    for rows in (5, 5, 2, 8, 1, 1, 7, 3):
-        req = torch.randint(0, 50, (rows,), generator=gen)
+    for i, rows in enumerate((5, 5, 2, 8, 1, 1, 7, 3, 6, 6, 2, 4)):
+        req = None if i in (3, 5, 6, 9) else torch.randint(0, 50, (rows,), generator=gen)
         keys = torch.randint(0, 2**40, (rows,), generator=gen)
-        dense = None if rows % 2 else torch.rand(rows, generator=gen) < 0.5
+        dense = None if rows % 2 or i in (8, 9) else torch.rand(rows, generator=gen) < 0.5
         with _Writes(staged.storage) as writes:
             staged.write(req, keys, dense)
         assert writes.ops == ["copy_"]
         in_place.write(req, keys, dense)
-        for field in ("req_rows", "request_keys", "dense_rows", "valid"):
+        fresh = PlanBuffers(8)
+        fresh.write(req, keys, dense)
+        for field in ("request_keys", "dense_rows", "valid") + (("req_rows",) if req is not None else ()):
             assert torch.equal(getattr(staged, field), getattr(in_place, field)), (rows, field)
+            assert torch.equal(getattr(in_place, field), getattr(fresh, field)), (rows, field)
     assert [getattr(staged, f).data_ptr() for f in ("req_rows", "request_keys", "dense_rows", "valid")] == ptrs
     device_rows = torch.tensor([4, 5, 6]).as_subclass(_DeviceTensor)  # stands in for a tensor off the host
     with _Writes(staged.storage) as writes:
@@ -161,10 +165,10 @@ class _DeviceTensor(torch.Tensor):
         return torch.device("meta")
 
 
-def test_a_prefill_plan_takes_its_request_slots_from_the_batchs_host_mirrors_in_the_one_copy():
-    """Where SGLang's batch has host mirrors of its request slots and extend lengths (a prefill), `plan_pass`
-    takes each row's slot from them and `write_plan` stages it: the plan reaches the device in the one copy;
-    without them the slots come from the device tensors and follow in a copy of their own."""
+def test_an_eager_plan_writes_no_request_slots_and_only_what_changed():
+    """Without request slots a standing plan writes nothing, and a plan without dense-mode rows fills none of
+    the rows already False (only those the padding had set). An eager decode pass whose requests stand reads
+    SGLang's slots where they lie and writes nothing at all."""
     from types import SimpleNamespace
 
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -172,18 +176,69 @@ def test_a_prefill_plan_takes_its_request_slots_from_the_batchs_host_mirrors_in_
     from vskipper.sglang.models.routed import SkipperCausalLM
     from vskipper.sglang.runtime import Step
 
-    model = SimpleNamespace(buffers=PlanBuffers(8, staged=True), graph_buffers=None,
+    buffers = PlanBuffers(6)
+    keys = torch.tensor([7, 8, 9])
+    for expected, write in ((["copy_", "fill_", "fill_"], keys),  # keys, dense-mode rows False, valid rows
+                            ([], keys),  # standing
+                            (["copy_"], torch.tensor([1, 2, 3])),  # new keys; the dense-mode rows stay False
+                            (["copy_"] + ["fill_"] * 4, torch.tensor([1, 2])),  # fewer rows: row 2's padding
+                            (["copy_", "fill_", "fill_"], torch.tensor([1, 2, 3]))):  # row 2 False, valid again
+        with _Writes(buffers.storage) as writes:
+            buffers.write(None, write)
+        assert writes.ops == expected, (write.tolist(), writes.ops)
+    assert buffers.dense_rows.tolist() == [False] * 3 + [True] * 3 and buffers.valid.sum() == 3
+    model = SimpleNamespace(buffers=PlanBuffers(8), graph_buffers=None,
                             runtime=SimpleNamespace(on_graph_tape=lambda step: False))
+    slots, dense = torch.tensor([4, 1, 6]), torch.tensor([False, True, False])
+    fb = SimpleNamespace(req_pool_indices=slots, forward_mode=ForwardMode.DECODE)
+    for expected in (["copy_", "copy_", "fill_"], []):  # keys, dense-mode rows, valid rows; then nothing
+        step = Step("decode", True, rows=3, keys=keys, dense_rows=dense, context=5)
+        with _Writes(model.buffers.storage) as writes:
+            plan = SkipperCausalLM.write_plan(model, fb, step)
+        assert writes.ops == expected and plan.req_rows is slots and plan.context == 5
+        assert step.keys.tolist() == [7, 8, 9] and step.dense_rows.tolist() == [False, True, False]
+
+
+def test_an_eager_prefill_plan_reads_its_request_slots_where_they_lie_on_the_models_device():
+    """An eager pass needs no fixed address: where its request slots are on the buffers' device (SGLang's own,
+    expanded on the device; or a CPU batch's, expanded on the host), `write_plan` hands them to the pass as they
+    are and the buffers take only the keys (and dense-mode rows) in the one staged copy. Where `plan_pass` expands
+    them on the host off the device (SGLang's host mirrors), they ride in that one copy. (The staged buffers stand
+    for a GPU's: their device says 'meta', their storage stays on the host, so that the test reads it.)"""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from vskipper.sglang.models.routed import SkipperCausalLM
+    from vskipper.sglang.runtime import Step
+
     on_device = torch.tensor([2, 5]).as_subclass(_DeviceTensor)
-    for mirrors, copies in ((True, ["copy_"]), (False, ["copy_", "copy_"])):
+    for mirrors in (True, False):
+        buffers = PlanBuffers(8, staged=True)
+        buffers.device = torch.device("meta")
+        model = SimpleNamespace(buffers=buffers, graph_buffers=None,
+                                runtime=SimpleNamespace(on_graph_tape=lambda step: False))
         fb = SimpleNamespace(req_pool_indices=on_device, extend_seq_lens=torch.tensor([3, 1]),
                              req_pool_indices_cpu=torch.tensor([2, 5]) if mirrors else None,
                              extend_seq_lens_cpu=[3, 1] if mirrors else None, forward_mode=ForwardMode.EXTEND)
         step = Step("prefill", True, rows=4, keys=torch.tensor([7, 7, 7, 9]))
-        with _Writes(model.buffers.storage) as writes:
-            SkipperCausalLM.write_plan(model, fb, step)
-        assert writes.ops == copies
-        assert model.buffers.req_rows.tolist()[:4] == [2, 2, 2, 5] and step.keys.tolist() == [7, 7, 7, 9]
+        with _Writes(buffers.storage) as writes:
+            plan = SkipperCausalLM.write_plan(model, fb, step)
+        assert writes.ops == ["copy_"]  # the staged copy alone
+        assert plan.req_rows.tolist() == [2, 2, 2, 5] and step.keys.tolist() == [7, 7, 7, 9]
+        assert buffers.req_rows.tolist()[:4] == ([2, 2, 2, 5] if mirrors else [0] * 4)
+        assert (plan.req_rows.data_ptr() == buffers.req_rows.data_ptr()) is mirrors
+    # a CPU batch on CPU buffers (written in place): the slots expanded on the host, read where they lie
+    model = SimpleNamespace(buffers=PlanBuffers(8), graph_buffers=None,
+                            runtime=SimpleNamespace(on_graph_tape=lambda step: False))
+    fb = SimpleNamespace(req_pool_indices=torch.tensor([2, 5]), extend_seq_lens=torch.tensor([3, 1]),
+                         extend_seq_lens_cpu=[3, 1], forward_mode=ForwardMode.EXTEND)
+    step = Step("prefill", True, rows=4, keys=torch.tensor([7, 7, 7, 9]), dense_rows=torch.tensor([0, 0, 0, 1]) > 0)
+    with _Writes(model.buffers.storage) as writes:
+        plan = SkipperCausalLM.write_plan(model, fb, step)
+    assert writes.ops == ["copy_", "copy_", "fill_"]  # keys, dense-mode rows, the valid rows
+    assert plan.req_rows.tolist() == [2, 2, 2, 5] and model.buffers.req_rows.tolist()[:4] == [0] * 4
+    assert step.dense_rows.tolist() == [False, False, False, True]
 
 
 # -- two routed decode passes through the same buffers ---------------------------------------------------------

@@ -20,13 +20,21 @@ what changed is written: the pass's rows, and the padding of rows the previous w
 not. A pass that hands the very tensors of the last write's request keys and dense-mode rows over as many rows
 (a decode batch whose requests did not change: the runtime keeps its host tensors until they do, and never
 writes them in place) rewrites only its request slots: on the host one copy, off it (where the slots are on the
-device, as a decode batch's are) no staging and no host-to-device copy. Two staging tensors take turns, and one is written again only once its copy has left it (a CUDA event). A
-field handed over on the device (SGLang's request slots where its batch has no host mirror) is copied into its
-view after the staged copy, on the same stream.
+device, as a decode batch's are) no staging and no host-to-device copy. Two staging tensors take turns, and one
+is written again only once its copy has left it (a CUDA event). A field handed over on the device (SGLang's
+request slots where its batch has no host mirror) is copied into its view after the staged copy, on the same
+stream.
+
+Only a replayed graph needs the request slots at a fixed address. A write without them (`req_rows` None) is for
+a pass that reads SGLang's slots where they already lie on the device (an eager one): that field is left
+unspecified over its rows, and a standing plan then costs no copy at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 # (field, dtype, padding), in storage order: the 8-byte fields first, so each field's offset is a multiple of its
@@ -34,6 +42,16 @@ import torch
 FIELDS = (("req_rows", torch.int64, 0), ("request_keys", torch.int64, 0), ("dense_rows", torch.bool, True),
           ("valid", torch.bool, False))
 STAGES = 2  # staging tensors taking turns off the host
+
+
+def expand_rows(values: Sequence | np.ndarray, counts: Sequence[int], rows: int) -> torch.Tensor:
+    """Each request's value in `values` repeated over its `counts` rows: a host tensor [rows] (a prefill pass's
+    per-row plan from its requests'). One numpy repeat: on the host a fraction of `torch.repeat_interleave`'s
+    cost per call, and no intermediate tensors."""
+    out = np.repeat(np.asarray(values), counts)
+    if out.shape[0] != rows:
+        raise ValueError(f"the requests' rows sum to {out.shape[0]}, the pass has {rows}")
+    return torch.from_numpy(out)
 
 
 def _field_views(storage: torch.Tensor, capacity: int) -> dict[str, torch.Tensor]:
@@ -46,12 +64,14 @@ def _field_views(storage: torch.Tensor, capacity: int) -> dict[str, torch.Tensor
 
 
 class _Stage:
-    """A host tensor laid out as the device storage, its field views, and how many rows its last write used."""
+    """A host tensor laid out as the device storage, its field views, how many rows its last write used, and how
+    many leading rows of its dense-mode field are False (a pass without dense-mode rows rewrites none of them)."""
 
     def __init__(self, storage: torch.Tensor, capacity: int) -> None:
         self.storage = storage
         self.fields = _field_views(storage, capacity)
         self.rows = 0
+        self.clear = 0  # dense_rows[:clear] is False
         self.event = None  # CUDA: recorded after the copy out of this stage
         for name, _, pad in FIELDS:
             self.fields[name].fill_(pad)
@@ -62,13 +82,17 @@ class _Stage:
         for name, value in values.items():
             if value is not None:
                 f[name][:rows].copy_(value)
-            else:
-                f[name][:rows].fill_(False)
+                if name == "dense_rows":
+                    self.clear = 0
+            elif self.clear < rows:
+                f[name][self.clear:rows].fill_(False)
+                self.clear = rows
         if rows > self.rows:
             f["valid"][self.rows:rows].fill_(True)
         elif rows < self.rows:  # rows the previous write used become padding again
             for name, _, pad in FIELDS:
                 f[name][rows:self.rows].fill_(pad)
+            self.clear = min(self.clear, rows)
         self.rows = rows
 
 
@@ -102,15 +126,17 @@ class PlanBuffers:
         self.rows = 0
         self._last: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (keys, dense) last written
 
-    def write(self, req_rows: torch.Tensor, request_keys: torch.Tensor,
+    def write(self, req_rows: torch.Tensor | None, request_keys: torch.Tensor,
               dense_rows: torch.Tensor | None = None) -> int:
         """Write a pass's plan (each [rows]; `dense_rows` None: no dense-mode row) and pad the rest. Returns rows.
         `request_keys` and `dense_rows` that are the objects of the last write, over as many rows, are taken as
-        unchanged: the caller hands a tensor again only while its values stand."""
-        rows = req_rows.shape[0]
-        for name, t in (("request_keys", request_keys), ("dense_rows", dense_rows)):
+        unchanged: the caller hands a tensor again only while its values stand. `req_rows` None: the pass
+        does not read the buffers' request slots (an eager pass reads its own where they lie, on the buffers'
+        device), and they are left unspecified over its rows."""
+        rows = request_keys.shape[0]
+        for name, t in (("req_rows", req_rows), ("dense_rows", dense_rows)):
             if t is not None and t.shape[0] != rows:
-                raise ValueError(f"plan field {name!r} has {t.shape[0]} rows, req_rows has {rows}")
+                raise ValueError(f"plan field {name!r} has {t.shape[0]} rows, request_keys has {rows}")
         if rows > self.capacity:
             if self.frozen:
                 raise ValueError(f"a pass of {rows} rows exceeds the plan buffers' capacity {self.capacity}, "
@@ -118,11 +144,14 @@ class PlanBuffers:
             self._allocate(max(rows, 2 * self.capacity))  # doubling: a few growths over a server's warm-up
         last_keys, last_dense = self._last
         if rows == self.rows and request_keys is last_keys and dense_rows is last_dense and (
-                not self.staged or req_rows.device.type != "cpu"):
-            self.req_rows[:rows].copy_(req_rows, non_blocking=self.staged)  # the rest stands as last written
+                req_rows is None or not self.staged or req_rows.device.type != "cpu"):
+            if req_rows is not None:
+                self.req_rows[:rows].copy_(req_rows, non_blocking=self.staged)  # the rest stands as last written
             return rows
         self._last = (None, None)  # until this write is whole
-        values = {"req_rows": req_rows, "request_keys": request_keys, "dense_rows": dense_rows}
+        values = {"request_keys": request_keys, "dense_rows": dense_rows}
+        if req_rows is not None:
+            values["req_rows"] = req_rows
         if not self.staged:
             self._stages[0].write(rows, values)
             self.rows, self._last = rows, (request_keys, dense_rows)

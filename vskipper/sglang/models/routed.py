@@ -56,7 +56,7 @@ from sglang.srt.utils.common import use_intel_amx_backend
 
 from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
-from vskipper.mixed.plan_buffers import PlanBuffers
+from vskipper.mixed.plan_buffers import PlanBuffers, expand_rows
 from vskipper.mixed.routed_layer import Handoff, routed_layer
 from vskipper.mixed.tiles import ReadTile, TileTableError, table_label
 from vskipper.sglang import active
@@ -240,18 +240,21 @@ class StepSlot:
 
 def plan_pass(forward_batch, rows: int, context: int | None = None) -> PassPlan:
     """Each row's request slot and the decode context bound (`context` where the caller read it already), from
-    SGLang's batch and its host mirrors. A prefill batch with host mirrors of its request slots and extend lengths
-    (`req_pool_indices_cpu`, `extend_seq_lens_cpu`) gets its slots on the host (the plan buffers then take the
-    whole plan in one copy); a decode batch has none, and its slots stay on the device."""
+    SGLang's batch and its host mirrors. A prefill batch whose request slots are on the host (a host mirror,
+    `req_pool_indices_cpu`, or a CPU batch) and has its extend lengths there (`extend_seq_lens_cpu`) gets its
+    slots expanded on the host (off it, the plan buffers then take the whole plan in one copy); elsewhere they are
+    expanded on the device. A decode batch's slots are SGLang's own."""
     if forward_batch.forward_mode.is_decode():
         if context is None:
             lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
             context = int(lens.max())
         return PassPlan(forward_batch.req_pool_indices, context)
     slots = getattr(forward_batch, "req_pool_indices_cpu", None)
+    if slots is None and forward_batch.req_pool_indices.device.type == "cpu":
+        slots = forward_batch.req_pool_indices
     extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
     if slots is not None and extend is not None:
-        return PassPlan(torch.repeat_interleave(slots, torch.tensor(list(extend)), output_size=rows), 0)
+        return PassPlan(expand_rows(slots.numpy(), extend, rows), 0)
     return PassPlan(torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
                                             output_size=rows), 0)
 
@@ -757,18 +760,22 @@ class SkipperCausalLM(RouterWeightsMixin):
     def write_plan(self, forward_batch, step: Step) -> PassPlan:
         """Write the routed pass's per-row plan into the static buffers; the step and the plan read their views.
         A decode pass on the graph tape writes the graph buffers (a replay reads them), every other pass the
-        eager ones. The step's keys and dense-mode rows are host tensors (and a prefill's request slots, where
-        `plan_pass` finds their host mirrors): the buffers take the plan in one copy, plus a device-to-device copy of
-        a decode batch's request slots; a decode batch whose requests stand hands the same keys and dense-mode rows
-        again, and only its request slots are copied (`PlanBuffers.write`)."""
+        eager ones. The step's keys and dense-mode rows are host tensors: the buffers take them in one copy. A
+        graph's request slots go into its buffers too (a device-to-device copy of a decode batch's); an eager
+        pass reads its slots where they lie when they are on the model's device already (SGLang's, or their
+        expansion in prefill), and the buffers take them in the one copy where `plan_pass` found them on the
+        host off it. A decode batch whose requests stand hands the same keys and dense-mode rows again, and
+        only a graph's request slots are copied (`PlanBuffers.write`)."""
         plan = plan_pass(forward_batch, step.rows, step.context)
-        buffers = self.graph_buffers if self.runtime.on_graph_tape(step) else self.buffers
-        buffers.write(plan.req_rows, step.keys, step.dense_rows)
+        graph = self.runtime.on_graph_tape(step)
+        buffers = self.graph_buffers if graph else self.buffers
+        in_place = not graph and plan.req_rows.device == buffers.device
+        buffers.write(None if in_place else plan.req_rows, step.keys, step.dense_rows)
         views = buffers.views(step.rows)
         step.keys = views["request_keys"]
         if step.dense_rows is not None:
             step.dense_rows = views["dense_rows"]
-        return PassPlan(views["req_rows"], plan.context)
+        return PassPlan(plan.req_rows if in_place else views["req_rows"], plan.context)
 
     def prepare_pass(self, forward_batch) -> None:
         """Before SGLang's forward of this batch (the hook around `ModelRunner.forward`)."""
