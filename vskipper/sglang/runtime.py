@@ -42,13 +42,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from vskipper import constants
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.deferred import DeferredReads
+from vskipper.mixed.plan_buffers import expand_rows
 from vskipper.mixed.tape import RouteTape, tape_capacity
 from vskipper.sglang import active, executed
 from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
@@ -128,9 +130,9 @@ class Step:
     context: int | None = None  # decode: the longest request's tokens, read on the host once (the read's bound)
 
 
-@dataclass(frozen=True)
-class PassRoutes:
-    """What counting a routed pass's decisions needs besides its tape's counts, kept while they are read."""
+class PassRoutes(NamedTuple):
+    """What counting a routed pass's decisions needs besides its tape's counts, kept while they are read (a
+    tuple: built at every routed pass, a third of a frozen dataclass's cost)."""
 
     phase: str
     layers: tuple[int, ...]  # the tape's routed layers, in the order of its counts
@@ -420,12 +422,9 @@ class Runtime:
         n_routed = sum(n for n, routed in zip(extend_rows, routed_req, strict=True) if routed)
         if n_routed == 0:
             return self._step("prefill", rows, dtype, device, None, None, probe, 0)
-        extend = torch.tensor(extend_rows, dtype=torch.int64)
-        keys = torch.repeat_interleave(torch.tensor(list(map(request_key, rids)), dtype=torch.int64), extend,
-                                       output_size=rows)
+        keys = expand_rows(np.fromiter(map(request_key, rids), np.int64, len(rids)), extend_rows, rows)
         # every row routed (a routed arm's usual round): no per-row flags
-        row_routed = None if n_routed == rows else torch.repeat_interleave(
-            torch.tensor(routed_req, dtype=torch.bool), extend, output_size=rows)
+        row_routed = None if n_routed == rows else expand_rows(np.array(routed_req, dtype=bool), extend_rows, rows)
         return self._step("prefill", rows, dtype, device, row_routed, keys, probe, n_routed)
 
     def _plan_decode(self, fb: Any, rows: int, dtype: torch.dtype, device: torch.device | str) -> Step:
@@ -561,7 +560,7 @@ class Runtime:
         with self._state_lock:
             self.counters.passes[step.phase][mode] += 1
             if step.routed:
-                routes = PassRoutes(step.phase, tuple(step.tape.routed_layers), step.rows, step.dense_count, step.probe,
+                routes = PassRoutes(step.phase, step.tape.routed_layers, step.rows, step.dense_count, step.probe,
                                     time.time())
                 self._route_reads.push(step.tape.run_counts(step.rows), routes)
             self._settle(block=step.probe)
