@@ -32,7 +32,8 @@ unspecified over its rows, and a standing plan then costs no copy at all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -122,7 +123,7 @@ class PlanBuffers:
         else:
             self._stages = [_Stage(self.storage, capacity)]
         self._turn = 0
-        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._views: dict[int, Mapping[str, torch.Tensor]] = {}
         self.rows = 0
         self._last: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (keys, dense) last written
 
@@ -171,11 +172,13 @@ class PlanBuffers:
         self.rows, self._last = rows, (request_keys, dense_rows)
         return rows
 
-    def views(self, rows: int | None = None) -> dict[str, torch.Tensor]:
-        """Views (no copy) of the first `rows` rows (default: the last pass's)."""
+    def views(self, rows: int | None = None) -> Mapping[str, torch.Tensor]:
+        """Views (no copy) of the first `rows` rows (default: the last pass's), by field: one read-only mapping
+        per row count, kept (every routed pass asks for it)."""
         rows = self.rows if rows is None else rows
         views = self._views.get(rows)
         if views is None:
-            views = self._views[rows] = (self.req_rows[:rows], self.request_keys[:rows], self.dense_rows[:rows],
-                                         self.valid[:rows])
-        return dict(zip(("req_rows", "request_keys", "dense_rows", "valid"), views, strict=True))
+            views = self._views[rows] = MappingProxyType({
+                "req_rows": self.req_rows[:rows], "request_keys": self.request_keys[:rows],
+                "dense_rows": self.dense_rows[:rows], "valid": self.valid[:rows]})
+        return views
