@@ -17,6 +17,7 @@ from vskipper.arms import Arm, get_arm
 from vskipper.sglang.admission import AdmissionLimits
 from vskipper.sglang.runtime import Runtime
 from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
+from vskipper.skippers.base import LayerRoute
 
 
 @dataclass
@@ -54,15 +55,24 @@ def decode(rids, lens):
     return Batch(_Mode(True), list(rids), torch.tensor(lens))
 
 
-def run_pass(rt: Runtime, batch: Batch, layers=(2, 3)):
+def run_pass(rt: Runtime, batch: Batch, layers=(2, 3), on_tape: bool = False, padding: int = 0):
+    """One pass through the runtime, its routes recorded as the torch execution records them, or (`on_tape`)
+    by the triton execution's maps launches, which also write each layer's counts into the tape; `padding` rows
+    past the pass as a replayed graph's (dense: RUN), covered by the maps."""
     rows = sum(batch.extend_seq_lens_cpu) if not batch.forward_mode.is_decode() else len(batch.rids)
     hidden = torch.randn(rows, 8)
     step = rt.plan(batch, hidden, torch.arange(rows))
     if step.routed:
         for layer in layers:
             route = step.skipper.route(layer, hidden, step.state, None)
-            step.tape.record(layer, route, step.dense_rows)
-    rt.finish(step)
+            if not on_tape:
+                step.tape.record(layer, route, step.dense_rows)
+                continue
+            dense = step.dense_rows if step.dense_rows is not None else torch.zeros(rows, dtype=torch.bool)
+            padded = LayerRoute(torch.cat([route.run_mask.reshape(-1), torch.zeros(padding, dtype=torch.bool)]),
+                                torch.cat([route.weights.reshape(-1), torch.ones(padding)]))
+            step.builder.record_and_build(step.tape, layer, padded, torch.cat([dense, torch.ones(padding) > 0]))
+    rt.finish(step, on_tape=on_tape)
     return step
 
 
@@ -175,6 +185,32 @@ def test_routed_passes_are_counted_together_as_each_pass_and_layer_counted_alone
     assert len(rt._arrived) == FOLD_PASSES - 1 and rt.counters.rows["decode"]["run"] == 0
     run_pass(rt, decode(["a", "b"], [200, 200]))
     assert rt._arrived == [] and rt.counters.rows["decode"] == {"run": 2 * FOLD_PASSES, "project_only": 2 * FOLD_PASSES}
+
+
+def test_a_pass_counted_from_the_counts_its_maps_wrote_on_the_tape_counts_as_one_counted_from_its_run_mask(
+        tmp_path):
+    """The triton execution's maps launches write each layer's (RUN, Project-Only) rows into the tape, and its
+    passes are counted from them with no launch of their own (`finish(on_tape=True)`): the same counters, cohort
+    sizes and probe shares as counting the run mask, dense-mode rows included, and where a replayed graph's
+    maps also covered padding rows past the pass (RUN)."""
+    counted = {}
+    for on_tape in (False, True):
+        (tmp_path / str(on_tape)).mkdir()
+        always = runtime(get_arm("random-r50-d50-always"), tmp_path / str(on_tape))
+        run_pass(always, prefill(["a", "b"], [9, 7]), on_tape=on_tape)
+        for i in range(3):
+            run_pass(always, decode(["a", "b"], [10 + i, 8 + i]), on_tape=on_tape, padding=5)
+        # a running request stays dense when routing turns on (no promotion): a dense-mode row in a routed pass
+        mixed = runtime(Arm.from_dict({"skipper": "random_skip", "params": {"r": 0.5, "d": 0.5}, "promotion": False}),
+                        tmp_path / str(on_tape), enter=100, exit_=50)
+        run_pass(mixed, decode(["a"], [20]), on_tape=on_tape)
+        step = run_pass(mixed, decode(["a", "b"], [21, 90]), on_tape=on_tape, padding=5)
+        assert step.routed and step.dense_count == 1
+        counted[on_tape] = [(att["rows_total"], att["rows_per_layer_total"], att["run_cohort_size_passes_total"])
+                            for att in (always.attestation(), mixed.attestation())]
+    assert counted[True] == counted[False]
+    rows = counted[True][0][0]
+    assert all(rows[phase][action] > 0 for phase in ("prefill", "decode") for action in ("run", "project_only"))
 
 
 def test_a_request_that_starts_decoding_after_routing_turned_off_decodes_dense_beside_routed_ones(tmp_path):

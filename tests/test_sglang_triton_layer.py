@@ -420,7 +420,8 @@ def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device
     the device (a scalar read, an output shaped by device values, a tensor literal copied from the host) outside
     SGLang's attention backend, which a dense pass calls alike. The torch execution packs its cohorts with
     `nonzero`, which the detector sees: it would see a wait in the triton execution too. 'gathered' is the triton
-    execution with every GEMM in the gathered cuBLAS form (a table that measured cuBLAS faster)."""
+    execution with every GEMM in the gathered cuBLAS form (a table that measured cuBLAS faster). The triton
+    execution's maps leave the layer's counts on the tape, where the pass is counted from."""
     from mixed_world import HostWaitDetector, gathering_table
 
     from vskipper.mixed.cohorts import CohortBuilder
@@ -458,6 +459,8 @@ def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device
     assert run.any() and (~run).any(), "the route should hold both cohorts"
     if execution != "torch":
         assert detector.waits == []
+        # the maps' launch left the layer's counts on the tape: the pass is counted from them, no launch
+        assert step.tape.counts[0].tolist() == [int(run.sum()), rows - int(run.sum())]
     else:
         assert "aten.nonzero.default" in detector.waits
 

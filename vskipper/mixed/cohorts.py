@@ -16,7 +16,8 @@ row, so a gather there is harmless; every consumer bounds its work by the count 
 the triton execution's: about nine small kernels fewer per routed layer).
 
 `record_and_build(tape, layer_id, route, dense_rows)` is `tape.record` followed by the fused build over the
-recorded row, in that one launch: the skipper's route read once, the tape's row and the maps written from it.
+recorded row, in that one launch: the skipper's route read once, the tape's row and the maps written from it,
+and the counts into the layer's row of the tape's `counts` (the pass is counted from them, no launch of its own).
 
 Invariant 2: these maps are derived from the current tape and the current row set at every routed layer of
 every step. Nothing route-dependent is cached: the builder keeps only route-independent buffers (row numbers,
@@ -105,10 +106,11 @@ class CohortBuilder:
             raise ValueError(f"dense_rows has shape {tuple(dense_rows.shape)}, the route {rows} rows")
         from vskipper.mixed.kernels import cohort_maps
 
-        cohort_maps(run, self._run, self._proj, self._counts, self._live,
+        counts = tape.counts[j]  # the layer's counts stay on the tape: the pass is counted from them
+        cohort_maps(run, self._run, self._proj, counts, self._live,
                     record=(tape.run[j, :rows], tape.weights[j, :rows], weights,
                             None if dense_rows is None else dense_rows.contiguous()))
-        return self._fused(rows)
+        return Cohorts(self._run[:rows], self._proj[:rows], counts[0:1], counts[1:2], self._live[:rows])
 
 
 def build_cohorts(run_mask: torch.Tensor) -> Cohorts:

@@ -11,6 +11,13 @@ two a layer). Recording never reads a tensor value on the host and never realloc
 capacity C replays with whatever routes the skipper writes at the next step; the cohort maps read the tape
 as data (`vskipper.mixed.cohorts`). The triton execution records a layer's route in the launch that builds its
 cohort maps (`CohortBuilder.record_and_build`): the same rows written, no copy launched of their own.
+
+  counts   int64 [L_r, 2]  each layer's (RUN, Project-Only) rows in its last pass, where that launch wrote them
+
+A pass's decisions are counted from the tape after its forward: `run_counts` reduces the run mask (one launch),
+while the triton execution's maps launches have already written `counts` (inside a replayed graph too), so its
+passes are counted from it with no launch of their own (every other value from the second: Project-Only rows;
+a replayed graph's maps also cover its padding rows, which RUN, so these are the pass's own).
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ class RouteTape:
         self._slot = {layer: j for j, layer in enumerate(self.routed_layers)}
         self.run = torch.ones(len(self.routed_layers), capacity, dtype=torch.bool, device=device)
         self.weights = torch.ones(len(self.routed_layers), capacity, dtype=dtype, device=device)
+        # Each layer's (n_run, n_proj) as the cohort maps store them: a layer's pair 16-byte aligned, as the
+        # builder's own (the kernels reading the counts are compiled for that alignment).
+        self.counts = torch.zeros(len(self.routed_layers), 2, dtype=torch.int64, device=device)
         self._count_views: dict[int, torch.Tensor] = {}
 
     def slot(self, layer_id: int) -> int:

@@ -140,6 +140,7 @@ class PassRoutes(NamedTuple):
     dense_count: int
     probe: bool
     finished: float  # time.time() after the forward
+    on_tape: bool = False  # read from the tape's `counts` (n_run, n_proj per layer), not its RUN rows per layer
 
 
 @dataclass
@@ -544,12 +545,14 @@ class Runtime:
         return Step("decode", True, self.skipper, None, self._graph_tape, self._graph_builder, dense_rows, rows,
                     keys=keys)
 
-    def finish(self, step: Step) -> None:
+    def finish(self, step: Step, on_tape: bool = False) -> None:
         """Count a pass after its forward. A routed pass's decisions are read from its tape without waiting for
         the device (`DeferredReads`), and counted with the others that reached the host when the attestation is
         read (a server's state writer reads it at most `STATE_INTERVAL_S` after a change), or once `FOLD_PASSES`
         wait, in order (a probe round's share is read at once: the switch needs it now; `_settle`). Without a
-        state writer the counters and Prometheus' rows lag until one of those."""
+        state writer the counters and Prometheus' rows lag until one of those. `on_tape`: the routed layers'
+        cohort maps wrote each layer's counts into the tape (the triton execution's do), and the pass is read
+        from them with no launch of its own; otherwise its run mask is reduced (`RouteTape.run_counts`)."""
         if step.phase not in ("prefill", "decode"):
             return
         if step.health_check:
@@ -560,9 +563,10 @@ class Runtime:
         with self._state_lock:
             self.counters.passes[step.phase][mode] += 1
             if step.routed:
-                routes = PassRoutes(step.phase, step.tape.routed_layers, step.rows, step.dense_count, step.probe,
-                                    time.time())
-                self._route_reads.push(step.tape.run_counts(step.rows), routes)
+                tape = step.tape
+                routes = PassRoutes(step.phase, tape.routed_layers, step.rows, step.dense_count, step.probe,
+                                    time.time(), on_tape)
+                self._route_reads.push(tape.counts if on_tape else tape.run_counts(step.rows), routes)
             self._settle(block=step.probe)
         if self.prometheus is not None:
             p = self.prometheus
@@ -595,7 +599,9 @@ class Runtime:
         phase the rows; a probe pass's Project-Only share goes to the switch, in the order the passes ran."""
         arrived, self._arrived = self._arrived, []
         groups: dict[tuple[str, tuple[int, ...]], list[tuple[list[int], PassRoutes]]] = {}
-        for run, routes in arrived:
+        for counts, routes in arrived:
+            # the tape's (n_run, n_proj) pairs: the pass's RUN rows are its rows less the Project-Only ones
+            run = [routes.rows - n for n in counts[1::2]] if routes.on_tape else counts
             groups.setdefault((routes.phase, routes.layers), []).append((run, routes))
             if routes.probe:
                 n_run = sum(run)

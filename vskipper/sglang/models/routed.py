@@ -811,7 +811,8 @@ class SkipperCausalLM(RouterWeightsMixin):
         """The ledger counts what the runtime counts: health probes' passes are not traffic."""
         if step.phase in PHASES and not step.health_check:
             self.ledger.record(step.phase, step.routed, replayed)
-        self.runtime.finish(step)
+        # the triton execution's maps launches wrote each routed layer's counts into the tape (`mixed_depth`)
+        self.runtime.finish(step, on_tape=self.slot.execution.decode == "triton")
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False,
