@@ -168,7 +168,8 @@ class _DeviceTensor(torch.Tensor):
 def test_an_eager_plan_writes_no_request_slots_and_only_what_changed():
     """Without request slots a standing plan writes nothing, and a plan without dense-mode rows fills none of
     the rows already False (only those the padding had set). An eager decode pass whose requests stand reads
-    SGLang's slots where they lie and writes nothing at all."""
+    SGLang's slots where they lie and writes nothing at all; slots the kernels could not read as the buffers'
+    field would hold them are written there."""
     from types import SimpleNamespace
 
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -197,6 +198,12 @@ def test_an_eager_plan_writes_no_request_slots_and_only_what_changed():
             plan = SkipperCausalLM.write_plan(model, fb, step)
         assert writes.ops == expected and plan.req_rows is slots and plan.context == 5
         assert step.keys.tolist() == [7, 8, 9] and step.dense_rows.tolist() == [False, True, False]
+    # slots the kernels could not read as the buffers' field (int32, strided, unaligned): the buffers take them
+    for odd in (slots.to(torch.int32), torch.tensor([4, 0, 1, 0, 6])[::2], torch.tensor([0, 4, 1, 6])[1:]):
+        fb = SimpleNamespace(req_pool_indices=odd, forward_mode=ForwardMode.DECODE)
+        step = Step("decode", True, rows=3, keys=keys, dense_rows=dense, context=5)
+        plan = SkipperCausalLM.write_plan(model, fb, step)
+        assert plan.req_rows.data_ptr() == model.buffers.req_rows.data_ptr() and plan.req_rows.tolist() == [4, 1, 6]
 
 
 def test_an_eager_prefill_plan_reads_its_request_slots_where_they_lie_on_the_models_device():

@@ -21,9 +21,8 @@ not. A pass that hands the very tensors of the last write's request keys and den
 (a decode batch whose requests did not change: the runtime keeps its host tensors until they do, and never
 writes them in place) rewrites only its request slots: on the host one copy, off it (where the slots are on the
 device, as a decode batch's are) no staging and no host-to-device copy. Two staging tensors take turns, and one
-is written again only once its copy has left it (a CUDA event). A field handed over on the device (SGLang's
-request slots where its batch has no host mirror) is copied into its view after the staged copy, on the same
-stream.
+is written again only once its copy has left it (a CUDA event). A field handed over on the device (a replayed
+graph's request slots, SGLang's) is copied into its view after the staged copy, on the same stream.
 
 Only a replayed graph needs the request slots at a fixed address. A write without them (`req_rows` None) is for
 a pass that reads SGLang's slots where they already lie on the device (an eager one): that field is left
@@ -85,7 +84,7 @@ class _Stage:
                 f[name][:rows].copy_(value)
                 if name == "dense_rows":
                     self.clear = 0
-            elif self.clear < rows:
+            elif name == "dense_rows" and self.clear < rows:
                 f[name][self.clear:rows].fill_(False)
                 self.clear = rows
         if rows > self.rows:

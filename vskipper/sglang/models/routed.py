@@ -217,7 +217,8 @@ def cohort_execution(layers, device: torch.device, requested: str = "auto",
 @dataclass
 class PreparedPass:
     """A pass decided before its forward: SGLang's batch it belongs to, the step (None: not planned, e.g. a
-    graph-capture batch), and where routed, the plan whose per-row fields live in the model's `PlanBuffers`."""
+    graph-capture batch), and where routed, the plan whose per-row fields live in the model's `PlanBuffers`
+    (an eager pass's request slots: where SGLang's lie, `reads_in_place`)."""
 
     forward_batch: Any
     step: Step | None
@@ -257,6 +258,14 @@ def plan_pass(forward_batch, rows: int, context: int | None = None) -> PassPlan:
         return PassPlan(expand_rows(slots.numpy(), extend, rows), 0)
     return PassPlan(torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
                                             output_size=rows), 0)
+
+
+def reads_in_place(req_rows: torch.Tensor, device: torch.device, rows: int) -> bool:
+    """Whether an eager pass's kernels can read these request slots where they lie, as the plan buffers' field
+    would hold them: on the buffers' device, int64, contiguous, 16-byte aligned (as the kernels reading the
+    slots are compiled to expect), one a row. Otherwise the buffers take them."""
+    return (req_rows.device == device and req_rows.dtype == torch.int64 and req_rows.shape == (rows,)
+            and req_rows.is_contiguous() and req_rows.data_ptr() % 16 == 0)
 
 
 def in_batch_slots(q: torch.Tensor, rows: torch.Tensor, n: int, reads: torch.Tensor | None = None) -> torch.Tensor:
@@ -632,8 +641,9 @@ class SkipperCausalLM(RouterWeightsMixin):
     forward pass is planned by the runtime (the step its routed layers read) and counted after.
 
     In a server every pass is decided before SGLang's forward (`prepare_pass`, from the hook around
-    `ModelRunner.forward`): the runtime's host decisions, then the per-row plan (request slots, request keys,
-    dense-mode rows) written into the model's static `PlanBuffers`, which the forward only reads. Before SGLang's
+    `ModelRunner.forward`): the runtime's host decisions, then the per-row plan (request keys, dense-mode rows,
+    and a replayed graph's request slots; an eager pass reads SGLang's where they lie) written into the model's
+    static `PlanBuffers`, which the forward only reads. Before SGLang's
     graph runner answers whether it replays the pass, the replay veto refuses a routed pass (`graph_veto`);
     after the pass, SGLang's report of whether it replayed is counted per phase and mode (`finish_pass`,
     `graph_passes_total`) and the runtime counts the pass. A forward called directly (outside
@@ -769,7 +779,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         plan = plan_pass(forward_batch, step.rows, step.context)
         graph = self.runtime.on_graph_tape(step)
         buffers = self.graph_buffers if graph else self.buffers
-        in_place = not graph and plan.req_rows.device == buffers.device
+        in_place = not graph and reads_in_place(plan.req_rows, buffers.device, step.rows)
         buffers.write(None if in_place else plan.req_rows, step.keys, step.dense_rows)
         views = buffers.views(step.rows)
         step.keys = views["request_keys"]
