@@ -66,10 +66,10 @@ class CohortBuilder:
         if rows == 0:
             raise ValueError("a routed layer needs at least one row")
 
-    def _fused(self, rows: int) -> Cohorts:
-        """The maps the fused launch (`kernels.cohort_maps`) wrote for a pass of `rows` rows: views of the
-        builder's storage."""
-        return Cohorts(self._run[:rows], self._proj[:rows], self._counts[0:1], self._counts[1:2], self._live[:rows])
+    def _fused(self, rows: int, counts: torch.Tensor) -> Cohorts:
+        """The maps the fused launch (`kernels.cohort_maps`) wrote for a pass of `rows` rows, with the counts it
+        stored in `counts` (int64 [2]): views of the builder's storage and of `counts`."""
+        return Cohorts(self._run[:rows], self._proj[:rows], counts[0:1], counts[1:2], self._live[:rows])
 
     def build(self, run_mask: torch.Tensor, fused: bool = False) -> Cohorts:
         run = run_mask.reshape(-1)
@@ -79,7 +79,7 @@ class CohortBuilder:
             from vskipper.mixed.kernels import cohort_maps
 
             cohort_maps(run.contiguous(), self._run, self._proj, self._counts, self._live)
-            return self._fused(rows)
+            return self._fused(rows, self._counts)
         run64 = run.to(torch.int64)
         ends_run = torch.cumsum(run64, 0)
         ends_proj = self._rows[1 : rows + 1] - ends_run
@@ -110,7 +110,7 @@ class CohortBuilder:
         cohort_maps(run, self._run, self._proj, counts, self._live,
                     record=(tape.run[j, :rows], tape.weights[j, :rows], weights,
                             None if dense_rows is None else dense_rows.contiguous()))
-        return Cohorts(self._run[:rows], self._proj[:rows], counts[0:1], counts[1:2], self._live[:rows])
+        return self._fused(rows, counts)
 
 
 def build_cohorts(run_mask: torch.Tensor) -> Cohorts:
