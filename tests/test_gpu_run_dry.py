@@ -413,7 +413,7 @@ def test_decode_step_refuses_requests_that_never_decoded_two_tokens_apart():
         run.decode_step([_record(0.0, 0.0, 4), _record(1.0, 0.0, 4)])
 
 
-def test_profile_summary_sums_kernels_ops_and_host_waits():
+def test_profile_summary_sums_kernels_ops_and_host_waits_and_counts_the_steps_its_trace_holds():
     from benchmarks.gpu.profile_routed import summarise
 
     trace = {"traceEvents": [
@@ -422,10 +422,13 @@ def test_profile_summary_sums_kernels_ops_and_host_waits():
         {"ph": "X", "cat": "kernel", "name": "Memcpy DtoH (Device -> Pinned)", "dur": 2.0},
         {"ph": "X", "cat": "cpu_op", "name": "aten::item", "dur": 5.0},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "dur": 7.0},
+        {"ph": "X", "cat": "user_annotation", "name": "step[EXTEND bs=1 toks=8]", "dur": 60.0},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "step[EXTEND bs=1 toks=8]", "dur": 55.0},
         {"ph": "i", "cat": "kernel", "name": "instant", "dur": 99.0}]}
     s = summarise(trace, top=5)
     assert s["gpu_kernel_us_total"] == 52.0 and s["gpu_kernels_us"][0] == ("gemm", 50.0)
-    assert s["cpu_ops_us"] == [("aten::item", 5.0)]
+    assert s["cpu_ops_us"] == [("step[EXTEND bs=1 toks=8]", 60.0), ("aten::item", 5.0)]
+    assert s["steps"] == 1  # the one pass the trace holds (its GPU-side annotation is not a second)
     assert dict((name, (us, n)) for name, us, n in s["host_waits_us"]) == {
         "cudaStreamSynchronize": (7.0, 1), "aten::item": (5.0, 1), "Memcpy DtoH (Device -> Pinned)": (2.0, 1)}
 
@@ -559,6 +562,35 @@ def test_within_starts_no_stage_that_cannot_finish_and_still_writes_the_summary(
     bad = subprocess.run([str(SCRIPT), "lease-1", str(tmp_path / "out"), "--within", "soon"], capture_output=True,
                          text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 2 and "--within: a whole number of seconds" in bad.stderr
+
+
+def _stopping_python(tmp_path, stops: int):
+    """An interpreter for run.sh whose `run.py kernels` stops at its budget (exit 4) in its first `stops` runs and
+    finishes after; everything else runs on this interpreter. It counts the stage's runs in a file beside it."""
+    stub, runs = tmp_path / "python", tmp_path / "kernels-runs"
+    stub.write_text(f"""#!/bin/sh
+if [ "$1" = benchmarks/gpu/run.py ] && [ "$2" = kernels ]; then
+    echo run >> {runs}
+    [ "$(wc -l < {runs})" -gt {stops} ] || exit 4
+    exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+    return stub, runs
+
+
+@pytest.mark.parametrize("stops, code, runs", [(1, 0, 2), (5, 4, 3)])
+def test_a_stage_named_alone_runs_again_when_its_budget_stopped_it(tmp_path, stops, code, runs):
+    """A stage called on its own that stops at its budget runs again while the call has time, as in a lease, up to
+    three runs (one device call once swept two arms of three and left the third to a second call)."""
+    stub, counted = _stopping_python(tmp_path, stops)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([str(SCRIPT), "kernels", str(tmp_path / "out"), "--dry-run", "--within", "1000"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120, env={**env, "PYTHON": str(stub)})
+    assert r.returncode == code, r.stdout + r.stderr
+    assert len(counted.read_text().split()) == runs
+    assert r.stdout.count("[kernels] time budget reached") == min(stops, 3)
 
 
 def test_install_refuses_a_folder_that_holds_a_run_on_another_gpu(tmp_path):

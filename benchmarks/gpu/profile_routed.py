@@ -34,8 +34,12 @@ HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 
 def summarise(trace: dict, top: int) -> dict:
+    """A trace's GPU kernels, CPU ops and host waits by total time, and the forward steps it holds (SGLang's
+    `step[...]` annotations: a stage's trace may hold fewer than the steps asked for, one prefill pass for one
+    prompt)."""
     kernels, ops, waits = collections.Counter(), collections.Counter(), collections.Counter()
     counts = collections.Counter()
+    steps = 0
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X":
             continue
@@ -44,10 +48,11 @@ def summarise(trace: dict, top: int) -> dict:
             kernels[name[:90]] += dur
         elif cat in ("cpu_op", "user_annotation"):
             ops[name[:90]] += dur
+            steps += cat == "user_annotation" and name.startswith("step[")
         if any(w in name for w in HOST_WAITS):
             waits[name[:90]] += dur
             counts[name[:90]] += 1
-    return {"gpu_kernel_us_total": sum(kernels.values()),
+    return {"steps": steps, "gpu_kernel_us_total": sum(kernels.values()),
             "gpu_kernels_us": kernels.most_common(top), "cpu_ops_us": ops.most_common(top),
             "host_waits_us": [(k, v, counts[k]) for k, v in waits.most_common(top)]}
 
@@ -91,10 +96,13 @@ def profile_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm:
 
 
 def report(result: dict) -> None:
-    steps = result["profiled_steps"]
-    print(f"== {result['arm']}: batch {result['batch']} x {result['prompt_tokens']} tokens, {steps} steps per stage")
+    """Each stage's figures per step of its own trace (the steps it holds, not the steps asked for)."""
+    print(f"== {result['arm']}: batch {result['batch']} x {result['prompt_tokens']} tokens, "
+          f"{result['profiled_steps']} steps asked per stage")
     for stage, summary in result["stages"].items():
-        print(f"-- {stage}: GPU kernels {summary['gpu_kernel_us_total'] / 1e3 / steps:.2f} ms per step")
+        steps = summary.get("steps") or result["profiled_steps"]
+        print(f"-- {stage}: {steps} steps traced; GPU kernels {summary['gpu_kernel_us_total'] / 1e3 / steps:.2f} ms "
+              "per step")
         for title, rows in (("GPU kernels", summary["gpu_kernels_us"]), ("CPU ops", summary["cpu_ops_us"])):
             print(f"   {title} (ms per step)")
             for name, us in rows:

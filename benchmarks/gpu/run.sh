@@ -15,8 +15,7 @@
 #           s = 0 control at the knee; then hybrid with the sweep's tau), each against dense with gates and
 #           intervals
 # kernels   benchmarks/mixed_depth_bench.py with the tuned tiles
-# all       each in that order (a stage stopped by its budget or limit runs again, up to three runs; a failed
-#           one does not), then OUTDIR/results.json and OUTDIR/summary.md
+# all       each in that order, then OUTDIR/results.json and OUTDIR/summary.md
 # lease-N   the stages (and headline arms) of one device lease (`run.py leases`; benchmarks/gpu/README.md), in
 #           order, then the summary: what one lease of device time measures
 # pack      OUTDIR as one .tar.gz (--pack FILE), to keep or to carry into a later call
@@ -27,6 +26,8 @@
 #               run has none of its own (a lease that does not tune, sweep or climb)
 # --pack FILE   after the stages, OUTDIR packed into FILE (also when a stage stopped or failed)
 #
+# A stage stopped by its budget or limit runs again while the call has time (up to three runs; a failed one does
+# not, nor one whose budget a lease caps), whether named alone, in a lease or in `all`.
 # Every stage installs what a fresh machine lacks first and skips what OUTDIR already holds, so any stage can be
 # rerun alone. Each runs under `timeout` ($VSKIPPER_STAGE_LIMIT_S, 530 s) and stops starting work at its budget
 # ($VSKIPPER_STAGE_BUDGET_S, 450 s). --dry-run: the same steps on the CPU platform with a tiny model (the local
@@ -191,7 +192,7 @@ case $STAGE in
                  case $rc in 0) ;; *) break ;; esac
              done <<< "$lines"
              "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY || RC=$? ;;
-    *) stage "$STAGE" || RC=$? ;;
+    *) stage_runs "$STAGE" || RC=$? ;;
 esac
 pack || RC=$?
 # A stage stopped at its limit left work for a later call, as one stopped by its budget: exit 4 (a caller's own
