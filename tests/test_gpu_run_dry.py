@@ -292,6 +292,10 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     assert "## Tiles" in summary and "| mlp_gate_up | 513- |" in summary and "unused: the torch execution" in summary
     table = results["tiles"]["table"]  # each shape's half-count timing beside the full one, and what it decides
     assert all(e["kernel_half_ms"] > 0 for entries in table["tiles"].values() for e in entries)
+    # the prefill range's tiles chosen over both counts (a routed prefill layer serves about half its rows RUN)
+    assert {e["chosen_by"] for entries in table["tiles"].values() for e in entries if e["rows"][1] is None} == {
+        "full and half live"}
+    assert "| interpreter, chosen over both counts |" in summary
     assert "Served in the gathered cuBLAS form (`TileTable.gathers`: " in summary
     assert f"at or below the ridge): {run.gathered_summary(table)}." in summary
     assert "The packed prefill read (64 tokens, 50% of them RUN)" in summary

@@ -162,6 +162,44 @@ def test_a_shape_whose_gathered_form_cannot_be_captured_is_timed_eagerly_and_nev
         assert parse_tile_table(data, 227 * 1024).gathers("mlp_down", 100) is not refuse
 
 
+def test_a_prefill_shape_takes_the_tile_fastest_over_the_full_and_half_count(monkeypatch):
+    """`time_shape` with `by_half` (the prefill range): every candidate is timed with every slot live and with half
+    of them, and the tile with the least sum wins, where the full count alone would pick one whose grid fills the
+    device only when every slot is live (at half it runs half its programs, each as long). Without it (the decode
+    ranges) the full count decides and only the winner is timed at half. (No GPU here: the timer is stood in for.)"""
+    from vskipper.mixed import tuner
+
+    wide, narrow = Tile(128, 256, 64, 8, 3), Tile(64, 128, 64, 4, 3)
+    times = {(wide, "full"): 1.00, (wide, "half"): 0.96, (narrow, "full"): 1.05, (narrow, "half"): 0.55}
+    asked = []
+
+    def reference():
+        return None
+
+    def kernel(tile, count=None):
+        return tile, "half" if count is not None else "full"
+
+    def fake_time(fn, interpret, reps=20, graph=False):
+        if fn is reference:
+            return 2.0
+        asked.append(fn())
+        return times[fn()]
+
+    monkeypatch.setattr(tuner, "time_call", fake_time)
+    half = object()
+    for by_half, chosen, timed in ((True, narrow, [(wide, "full"), (wide, "half"), (narrow, "full"),
+                                                   (narrow, "half")]),
+                                   (False, wide, [(wide, "full"), (narrow, "full"), (wide, "half")])):
+        asked.clear()
+        entry = tuner.time_shape("mlp_down rows 513..None", reference, kernel, half, [wide, narrow],
+                                 tuner.Clock(None, 1), interpret=False, graph=False, log=lambda line: None,
+                                 by_half=by_half)
+        assert (entry["block_m"], entry["block_n"]) == (chosen.block_m, chosen.block_n) and asked == timed
+        assert (entry["kernel_ms"], entry["kernel_half_ms"]) == (times[chosen, "full"], times[chosen, "half"])
+        assert entry["chosen_by"] == ("full and half live" if by_half else "full live")
+        assert ("over full and half live" in entry["line"]) is by_half
+
+
 def test_a_range_whose_grouped_ffn_pair_fails_keeps_the_error_and_serves_the_two_apart(monkeypatch):
     """`time_ffn_pairs`: the pair is timed apart, then grouped; where the grouped launch fails (a compiler or a
     device that refuses it), the range keeps the error and the apart time, and the table launches the two apart

@@ -1217,7 +1217,8 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
                              f"{e['block_k']} | {e['num_warps']} | {e['num_stages']} | {_f(e.get('kernel_ms'), '.4f')} | "
                              f"{_f(e.get('kernel_half_ms'), '.4f')} | "
                              f"{_f(e.get('torch_ms'), '.4f')} | {_f(e.get('ratio_vs_torch'), '.3f')} | "
-                             f"{e.get('tried', '?')} | {e.get('timed', 'eager')} |")
+                             f"{e.get('tried', '?')} | {e.get('timed', 'eager')}"
+                             f"{', chosen over both counts' if e.get('chosen_by') == 'full and half live' else ''} |")
         lines += ["", f"Served in the gathered cuBLAS form (`TileTable.gathers`: torch faster than the tile at the full "
                       f"and the half count, at or below the ridge): {gathered_summary(table)}.", ""]
         pair = [e for e in table.get("ffn_pair") or [] if e.get("grouped_ms") is not None]
