@@ -437,6 +437,32 @@ def test_profile_summary_sums_kernels_ops_and_host_waits_and_counts_the_steps_it
         "cudaStreamSynchronize": (7.0, 1), "aten::item": (5.0, 1), "Memcpy DtoH (Device -> Pinned)": (2.0, 1)}
 
 
+def test_profile_summary_puts_each_steps_host_span_beside_its_device_span_and_busy_time():
+    """A step's device side may carry nested annotations (one span); its busy time is the union of the kernels
+    inside that span, so overlapping kernels count once and a gap the device waited through not at all."""
+    from benchmarks.gpu.profile_routed import summarise
+
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        x("user_annotation", "step[EXTEND bs=1 toks=8]", 0.0, 40.0),
+        x("gpu_user_annotation", "step[EXTEND bs=1 toks=8]", 10.0, 100.0),
+        x("gpu_user_annotation", "step[EXTEND bs=1 toks=8]", 12.0, 90.0),  # nested in the first
+        x("kernel", "a", 10.0, 20.0), x("kernel", "b", 20.0, 20.0),  # overlapping: 10..40
+        x("kernel", "c", 80.0, 40.0),  # runs past the span's end (110): 80..110 counts
+        x("user_annotation", "step[DECODE bs=1]", 120.0, 5.0),
+        x("gpu_user_annotation", "step[DECODE bs=1]", 130.0, 10.0),
+        x("kernel", "d", 131.0, 8.0)]}
+    s = summarise(trace, top=5)
+    assert s["steps"] == 2
+    assert s["step_clocks"] == [
+        {"step": "step[EXTEND bs=1 toks=8]", "cpu_us": 40.0, "gpu_span_us": 100.0, "gpu_busy_us": 60.0},
+        {"step": "step[DECODE bs=1]", "cpu_us": 5.0, "gpu_span_us": 10.0, "gpu_busy_us": 8.0}]
+    one = summarise({"traceEvents": trace["traceEvents"][:2]}, top=5)  # no kernels: a span, nothing busy
+    assert one["step_clocks"][0]["gpu_busy_us"] == 0.0
+
+
 def test_summary_prints_the_served_layer_as_a_gpu_run_writes_it(tmp_path):
     """On CUDA the bench's served section has no dense prefill figure and reads prefill through SGLang's backend
     (Project-Only rows enter the read): the summary says so instead of failing on the missing column."""

@@ -1,14 +1,16 @@
 """Where a served arm's time goes: SGLang's own torch profiler over a burst's prefill steps and decode steps.
 
     python benchmarks/gpu/profile_routed.py OUTDIR [--arm NAME ...] [--prompt 2048] [--batch 1] [--steps 3]
-                                           [--new-tokens 64] [--dry-run]
+                                           [--new-tokens 64] [--with-stack] [--dry-run]
 
 For each arm in turn (dense, the always-route arm, the always-route s = 0 control): starts its server with the
 device run's model and flags (benchmarks/gpu/run.py), sends a warm-up burst, asks `/start_profile` to trace
 `--steps` prefill steps and, once every request of the burst is admitted, `--steps` decode steps (SGLang's
-profile by stage), sends the burst of `--batch` prompts, and sums each trace: GPU kernels and CPU ops by total
-time per step, and the host waits (device-to-host copies, synchronisations) that stall the scheduler. Prints the
-tables and writes OUTDIR/profile-<arm>.json; the traces stay on the machine.
+profile by stage, without Python stacks unless `--with-stack`), sends the burst of `--batch` prompts, and sums
+each trace: GPU kernels and CPU ops by total time per step of the trace (a prompt's prefill is one step), the host
+waits (device-to-host copies, synchronisations) that stall the scheduler, and each step's host span beside its
+device span and the device's busy time in it (a span well beyond its busy time waited on the host: a host-bound
+step). Prints the tables and writes OUTDIR/profile-<arm>.json; the traces stay on the machine.
 """
 
 from __future__ import annotations
@@ -33,26 +35,58 @@ HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "aten::item", "aten::_local_scalar_dense")
 
 
+def busy_us(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """How long within [start, end] at least one of the (start, end) intervals runs: their union, clipped."""
+    busy, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            busy += b - a
+            reach = b
+    return busy
+
+
 def summarise(trace: dict, top: int) -> dict:
-    """A trace's GPU kernels, CPU ops and host waits by total time, and the forward steps it holds (SGLang's
+    """A trace's GPU kernels, CPU ops and host waits by total time, the forward steps it holds (SGLang's
     `step[...]` annotations: a stage's trace may hold fewer than the steps asked for, one prefill pass for one
-    prompt)."""
+    prompt), and each step's clocks: the host's span of the step (`cpu_us`), the device's (`gpu_span_us`, its
+    GPU-side annotation) and the time within that a kernel ran (`gpu_busy_us`). A device span much longer than its
+    busy time waited on the host's launches: the step is host-bound (the trace's own overhead inflates the host's
+    time, the more so with Python stacks recorded)."""
     kernels, ops, waits = collections.Counter(), collections.Counter(), collections.Counter()
     counts = collections.Counter()
-    steps = 0
+    host_steps, device_steps, intervals = [], [], []
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X":
             continue
         name, dur, cat = event.get("name", ""), float(event.get("dur", 0.0)), event.get("cat", "")
         if cat == "kernel":
             kernels[name[:90]] += dur
+            intervals.append((float(event.get("ts", 0.0)), float(event.get("ts", 0.0)) + dur))
         elif cat in ("cpu_op", "user_annotation"):
             ops[name[:90]] += dur
-            steps += cat == "user_annotation" and name.startswith("step[")
+        if name.startswith("step[") and cat in ("user_annotation", "gpu_user_annotation"):
+            (host_steps if cat == "user_annotation" else device_steps).append(event)
         if any(w in name for w in HOST_WAITS):
             waits[name[:90]] += dur
             counts[name[:90]] += 1
-    return {"steps": steps, "gpu_kernel_us_total": sum(kernels.values()),
+    host_steps.sort(key=lambda e: float(e.get("ts", 0.0)))
+    spans: list[list[float]] = []  # each step's device side: its GPU annotations (nested ones overlap) as one span
+    for e in sorted(device_steps, key=lambda e: float(e.get("ts", 0.0))):
+        start = float(e.get("ts", 0.0))
+        end = start + float(e.get("dur", 0.0))
+        if spans and start < spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    clocks = []
+    for i, host in enumerate(host_steps):
+        clock = {"step": host["name"], "cpu_us": float(host.get("dur", 0.0))}
+        if len(spans) == len(host_steps):  # the i-th step's device side (none paired where the counts differ)
+            start, end = spans[i]
+            clock.update(gpu_span_us=end - start, gpu_busy_us=busy_us(intervals, start, end))
+        clocks.append(clock)
+    return {"steps": len(host_steps), "step_clocks": clocks, "gpu_kernel_us_total": sum(kernels.values()),
             "gpu_kernels_us": kernels.most_common(top), "cpu_ops_us": ops.most_common(top),
             "host_waits_us": [(k, v, counts[k]) for k, v in waits.most_common(top)]}
 
@@ -72,7 +106,8 @@ def profile_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm:
         asyncio.run(run.burst(server, warm, 2))  # compiles and captures what the burst will run
         activities = ["CPU"] if args.dry_run else ["CPU", "GPU"]
         status, text = http(server.url + "/start_profile", {"output_dir": str(traces), "num_steps": args.steps,
-                                                            "activities": activities, "profile_by_stage": True},
+                                                            "activities": activities, "profile_by_stage": True,
+                                                            "with_stack": args.with_stack, "record_shapes": False},
                             timeout=60)
         if status != 200:
             raise RuntimeError(f"/start_profile: HTTP {status} {text[:300]}")
@@ -103,6 +138,10 @@ def report(result: dict) -> None:
         steps = summary.get("steps") or result["profiled_steps"]
         print(f"-- {stage}: {steps} steps traced; GPU kernels {summary['gpu_kernel_us_total'] / 1e3 / steps:.2f} ms "
               "per step")
+        for c in summary.get("step_clocks", []):
+            device = (f"device span {c['gpu_span_us'] / 1e3:.2f} ms, busy {c['gpu_busy_us'] / 1e3:.2f} ms "
+                      f"({c['gpu_busy_us'] / c['gpu_span_us']:.0%})" if c.get("gpu_span_us") else "no device side")
+            print(f"   {c['step']}: host {c['cpu_us'] / 1e3:.2f} ms, {device}")
         for title, rows in (("GPU kernels", summary["gpu_kernels_us"]), ("CPU ops", summary["cpu_ops_us"])):
             print(f"   {title} (ms per step)")
             for name, us in rows:
@@ -122,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="prefill steps, then decode steps, traced")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens each request generates")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--with-stack", action="store_true",
+                   help="record Python stacks (SGLang's default; they slow the host several-fold, so each step's "
+                        "host and device spans mostly measure the trace)")
     p.add_argument("--dry-run", action="store_true", help="CPU platform, tiny model")
     args = p.parse_args(argv)
     plan = run.Plan.dry() if args.dry_run else run.Plan.gpu()
