@@ -522,6 +522,25 @@ def test_the_tiles_summary_puts_the_ffn_pair_grouped_beside_apart_where_the_tune
     assert "| 1-16 | 0.0200 | 0.0250 | 0.800 |" in pair and "| 17-" not in pair
 
 
+def test_the_summary_names_the_tiles_the_sweep_served_and_what_their_table_lacks_with_or_without_a_tiles_stage():
+    """The sweep's servers attest their table and what of the tuner's measurements it lacks (`tiles_lack`): the
+    summary lists both, under the tiles stage's table or, where no tiles stage ran in the folder (a sweep on an
+    earlier run's table), on its own."""
+    from vskipper.mixed.tiles import default_tile_table
+
+    lack = ["half-count times: no GEMM serves in the gathered cuBLAS form where torch is faster"]
+    sweep = {"arms": {"dense": {"served": {"tiles": "t.json, sha256 ab", "routed_layers_backend": {
+        "tiles_lack": lack}}}, run.CONTROL: {"served": {"tiles": None}}}}
+    alone = "\n".join(run.tiles_lines(None, sweep))
+    assert alone.startswith("## Tiles the sweep served with")
+    assert f"- dense: t.json, sha256 ab; the table lacks {lack[0]}" in alone
+    assert f"- {run.CONTROL}: none (no Triton GEMM in this arm)" in alone
+    table = default_tile_table(227 * 1024, "H100-SXM").as_dict()
+    staged = "\n".join(run.tiles_lines({"device": "H100-SXM", "runs": {}, "table": table}, sweep))
+    assert staged.startswith("## Tiles\n") and f"the table lacks {lack[0]}" in staged
+    assert run.tiles_lines(None, None) == []
+
+
 def test_a_stage_that_failed_runs_again_in_a_later_run_and_the_tiles_stage_then_keeps_the_shipped_table(tmp_path):
     """A stage whose JSON records a failure is not complete: a later `run.py` runs it again (here the tiles stage,
     which finds the ladder already served and keeps the shipped table, the earlier failure kept beside)."""

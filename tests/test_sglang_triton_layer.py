@@ -98,6 +98,7 @@ def test_a_layer_whose_table_timed_the_ffns_faster_apart_launches_them_apart_and
     table.ffn_pair = [(1, 16, PairTiming(2.0, 1.0)), (17, None, PairTiming(1.0, 2.0))]
     execution = served.CohortExecution("triton", table, prefill_read="packed")
     assert execution.attestation()["ffn_apart"] == [[1, 16]]
+    assert not any(line.startswith("FFN pair") for line in execution.attestation()["tiles_lack"])
     launches = _own_launches(world, execution, {0: 1, 1: 1, 2: 1, 3: 1}, [True, False, True, False])
     assert launches[-5:] == ["cohort_gate_up_kernel", "cohort_down_scatter_kernel", "cohort_gate_up_kernel",
                              "cohort_down_scatter_kernel", "add_"]
@@ -384,6 +385,7 @@ def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution
     ranges = [[1, 16], [17, 32], [33, 64], [65, 128], [129, 206]]
     assert execution.attestation()["gathered"] == {op: ranges for op in OPERATIONS}
     assert execution.attestation()["ffn_apart"] == []  # the table timed no FFN pair: grouped where not gathered
+    assert any(line.startswith("FFN pair timings") for line in execution.attestation()["tiles_lack"])  # it says so
 
 
 @pytest.mark.parametrize("prefill_read", ["packed", "backend"])

@@ -10,6 +10,8 @@ from vskipper.mixed.tiles import (
     COUNT_RANGES,
     DEFAULT_READ_TILE,
     OPERATIONS,
+    PAIR_FIELD,
+    READ_FIELD,
     ReadTile,
     Tile,
     TileTableError,
@@ -252,4 +254,34 @@ def test_the_prefill_read_is_the_backends_where_the_table_measured_the_packed_re
     assert again.read_timing == faster.read_timing and again.read == faster.read
     data["prefill_read"]["causal_all_rows_ms"] = 0
     with pytest.raises(TileTableError, match="prefill_read: field 'causal_all_rows_ms' must be a positive number"):
+        parse_tile_table(data, 227 * 1024)
+
+
+def test_a_table_says_which_of_the_tuners_measurements_it_was_tuned_without():
+    """`TileTable.lacks`: a table the current tuner wrote lacks nothing; one an older tuner wrote (the shipped H200
+    and H100 tables: no half-count times, no note of how each shape was timed or what chose its tile, no FFN pair)
+    names each gap with what serving without it means; a table with no timings says that alone. A note the
+    tuner does not write is refused, naming its field."""
+    data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, device="H200")
+    assert parse_tile_table(data, 227 * 1024).lacks() == [
+        "every timing: tiles neither measured against torch nor on this device's counts"]
+    for op in OPERATIONS:
+        for n in range(len(COUNT_RANGES)):
+            timed(data, op, n, kernel=0.1, torch_ms=0.2)  # an older tuner's entry: two times and nothing else
+    old = parse_tile_table(data, 227 * 1024).lacks()
+    assert [line.split(":")[0] for line in old] == [
+        "half-count times", "how each shape was timed", "prefill tiles chosen over the full and the half count",
+        "FFN pair timings", "a packed prefill read timing"]
+    for op in OPERATIONS:
+        for n, (_, hi) in enumerate(COUNT_RANGES):
+            data["tiles"][op][n].update(kernel_half_ms=0.07, timed="cuda graph" if hi else "eager",
+                                        chosen_by="full live" if hi else "full and half live")
+    data[PAIR_FIELD] = [{"rows": [lo, hi], "grouped_ms": 0.1, "apart_ms": 0.2} for lo, hi in COUNT_RANGES]
+    data[READ_FIELD] = {"block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "kernel_ms": 0.1,
+                        "causal_all_rows_ms": 0.2}
+    current = parse_tile_table(data, 227 * 1024)
+    assert current.lacks() == [] and current.timing("mlp_down", 600).chosen_by == "full and half live"
+    assert parse_tile_table(current.as_dict(), 227 * 1024).lacks() == []  # its notes survive a round trip
+    data["tiles"]["attn_o"][2]["timed"] = "by hand"
+    with pytest.raises(TileTableError, match=r"tiles.attn_o\[2\]: field 'timed' must be one of"):
         parse_tile_table(data, 227 * 1024)

@@ -1193,9 +1193,11 @@ def markdown(results: dict, out: Path | None = None) -> str:
 
 def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
     """The tiles stage's table (each shape's kernel against torch on the same packed rows) and the tiles each of
-    the sweep's arms attests it served with."""
+    the sweep's arms attests it served with, and what of the tuner's measurements that table lacks (the sweep's
+    servers alone where the stage did not run in this folder: they took an earlier run's table or the shipped
+    one)."""
     if not tiles:
-        return []
+        return served_tiles_lines(sweep, "## Tiles the sweep served with")
     run = tiles["runs"].get("tune-tiles") or {}
     lines = ["## Tiles", "", f"`vskipper tune-tiles` on {tiles['device']}: exit {run.get('exit', 'not run')}"
              f"{', ' + str(run['seconds']) + ' s' if run.get('seconds') is not None else ''}"
@@ -1238,12 +1240,23 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
                       f"{_f(read.get('default_ms'), '.4f')} ms), against {read['causal_all_rows_ms']:.4f} ms for every row's "
                       f"causal read (SDPA): {read['kernel_ms'] / read['causal_all_rows_ms']:.3f}x, beside the RUN "
                       f"rows' share of the query-key pairs, {read['pairs_share']:.3f} (its limit).", ""]
-    served_tiles = {name: (arm.get("served") or {}).get("tiles") for name, arm in ((sweep or {}).get("arms") or {}).items()}
-    if served_tiles:
-        lines += ["Tiles each sweep arm served with (its attestation):", ""]
-        lines += [f"- {name}: {value or 'none (no Triton GEMM in this arm)'}" for name, value in served_tiles.items()]
-        lines.append("")
-    return lines
+    return lines + served_tiles_lines(sweep)
+
+
+def served_tiles_lines(sweep: dict | None, title: str | None = None) -> list[str]:
+    """The tiles each of the sweep's arms attests it served with, and what of the tuner's measurements its table
+    lacks (`TileTable.lacks`: a table an older tuner wrote serves without them)."""
+    arms = ((sweep or {}).get("arms") or {}).items()
+    served = {name: arm.get("served") or {} for name, arm in arms}
+    if not served:
+        return []
+    lines = [title, ""] if title else []
+    lines += ["Tiles each sweep arm served with (its attestation):", ""]
+    for name, doc in served.items():
+        lack = (doc.get("routed_layers_backend") or {}).get("tiles_lack")
+        lines.append(f"- {name}: {doc.get('tiles') or 'none (no Triton GEMM in this arm)'}"
+                     f"{'; the table lacks ' + '; '.join(lack) if lack else ''}")
+    return lines + [""]
 
 
 def gathered_summary(table: dict) -> str:

@@ -29,6 +29,10 @@ its projector together, one grid a stage (`kernels.cohort_ffn_pair`), at the MLP
 `ffn_pair` (optional: a table without it groups them) measured the two launched apart faster at that range; the
 projector's own tiles serve where each FFN launches alone (there, and where the table gathers one of the four). A
 table measured before the prefill range existed ends at [129, null], which then serves prefill too; it still loads.
+Each entry may also note how it was timed (`timed`: 'cuda graph', 'eager' or 'interpreter') and what chose its tile
+(`chosen_by`: 'full live', or 'full and half live' in the prefill range). A table an older tuner wrote lacks some
+of these measurements and still loads; `TileTable.lacks` names each gap with what serving without it means, and
+the serving execution attests that list (`tiles_lack`).
 A table measured before the attention cohort GEMMs existed has no `attn_q` or `attn_o`: it takes their tiles from
 `default_tile_table` for its shared-memory limit, and its `source` says so (a table with one of them and not the
 other is refused). A table is validated against the device's shared memory per block (`vskipper.roofline.DEVICES`):
@@ -96,6 +100,8 @@ class Timing:
     kernel_ms: float
     torch_ms: float
     kernel_half_ms: float | None = None
+    timed: str | None = None  # how: 'cuda graph', 'eager' or 'interpreter' (None: a tuner from before the field)
+    chosen_by: str | None = None  # 'full live' or 'full and half live' (None: a tuner from before the field)
 
     @property
     def torch_wins(self) -> bool:
@@ -106,6 +112,8 @@ class Timing:
 
 
 TIMING_FIELDS = ("kernel_ms", "torch_ms", "kernel_half_ms")
+TIMED = ("cuda graph", "eager", "interpreter")  # how the tuner timed a shape (field 'timed')
+CHOSEN_BY = ("full live", "full and half live")  # what picked its tile (field 'chosen_by')
 
 
 @dataclass(frozen=True)
@@ -225,6 +233,30 @@ class TileTable:
                 last = ridge if hi is None else min(hi, ridge)
                 if timing is not None and timing.torch_wins and lo <= last:
                     out.setdefault(op, []).append([lo, last])
+        return out
+
+    def lacks(self) -> list[str]:
+        """What the tuner measures that this table holds no measurement of, each with what serving without it
+        means: empty for a table the current tuner wrote, the older tuners' gaps for a table one of them wrote (a
+        shipped table tuned before a measurement existed), one line for a table with no timings at all."""
+        timed = [(hi, timing) for op, rows in self.entries.items()
+                 for (_, hi, _), timing in zip(rows, self.timings.get(op) or [None] * len(rows), strict=True)]
+        if all(timing is None for _, timing in timed):
+            return ["every timing: tiles neither measured against torch nor on this device's counts"]
+        out = []
+        if any(timing is None or timing.kernel_half_ms is None for _, timing in timed):
+            out.append("half-count times: no GEMM serves in the gathered cuBLAS form where torch is faster")
+        if any(timing is None or timing.timed is None for _, timing in timed):
+            out.append("how each shape was timed: a tuner from before decode shapes were timed as CUDA graph "
+                       "replays timed them eagerly, mostly the host's launches")
+        if any(timing is None or timing.chosen_by is None for hi, timing in timed if hi is None):
+            out.append("prefill tiles chosen over the full and the half count: chosen with every row live, they "
+                       "may idle half the device when half the rows are RUN")
+        if not any(t is not None for _, _, t in self.ffn_pair):
+            out.append("FFN pair timings: every routed layer launches its two cohort FFNs grouped")
+        if self.read_timing is None:
+            out.append("a packed prefill read timing: the packed read serves, untimed against every row's causal "
+                       "read")
         return out
 
     def as_dict(self) -> dict:
@@ -395,8 +427,14 @@ def _parse_timing(where: str, entry: dict) -> Timing | None:
             raise TileTableError(f"{where}: fields 'kernel_ms' and 'torch_ms' go together (got only "
                                  f"{sorted(given)})")
         return None
+    notes = {}
+    for name, allowed in (("timed", TIMED), ("chosen_by", CHOSEN_BY)):
+        value = entry.get(name)
+        if value is not None and value not in allowed:
+            raise TileTableError(f"{where}: field '{name}' must be one of {list(allowed)}, got {value!r}")
+        notes[name] = value
     return Timing(float(given["kernel_ms"]), float(given["torch_ms"]),
-                  None if "kernel_half_ms" not in given else float(given["kernel_half_ms"]))
+                  None if "kernel_half_ms" not in given else float(given["kernel_half_ms"]), **notes)
 
 
 def _parse_read_tile(entry: object, where: str) -> ReadTile:
