@@ -18,8 +18,8 @@ ladder    the headline A/B's dense half (`benchmarks/gpu/headline.py`): on GSM8K
           (0.75 / 0.95 / 1.25 x Q*, paired repetitions), on the same server.
 sweep     fixed-batch decode (batch x context, each cell's prompts prefilled first so the timed burst decodes
           together; cells that do not fit the KV pool are skipped and named) and
-          prefill at 1k/2k/4k tokens, dense, the control (always-route RandomSkip r = 0: nothing skipped) and
-          always-route r = 1 d = 0.5, one server at a time: step time, tokens/s, TPOT,
+          prefill at 1k/2k/4k tokens, dense, always-route r = 1 d = 0.5 and the control (always-route
+          RandomSkip r = 0: nothing skipped), one server at a time in that order: step time, tokens/s, TPOT,
           the latency lines in V (tau, the measured crossover V_x beside the rule's V*), prefill ratios.
 headline  the routed half: the hybrid arm (RandomSkip r = 1 d = 0.5; thresholds from the roofline rule for the
           device, then from the sweep's measured tau where it differs) on every cell, always-route and the s = 0
@@ -824,7 +824,9 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
     arms = write_arms(out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     result = {"arms": {}}
-    for name in ("dense", CONTROL, ALWAYS):
+    # dense and always-route first, so that a sweep cut short still holds the two latency lines tau and V_x come
+    # from (the headline's measured-tau arm needs them) and the skip against dense; the s = 0 control after
+    for name in ("dense", ALWAYS, CONTROL):
         done = stage.out / f"{name}.result.json"
         if done.is_file():
             result["arms"][name] = json.loads(done.read_text())
