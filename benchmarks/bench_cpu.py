@@ -455,14 +455,20 @@ LAYER_KINDS = ("routed", "dense", "outside")
 def run_clock(before: dict, after: dict, phase: str) -> dict:
     """One run's ms a pass per layer kind (`LAYER_KINDS`) and in all (`model`), its passes and the tokens they
     ran, and its seconds per layer kind and part (`seconds`), from a server's part clock (its attestation's
-    `part_clock`) read before and after the run."""
-    passes = after["passes_total"].get(phase, 0) - before["passes_total"].get(phase, 0)
-    tokens = after.get("tokens_total", {}).get(phase, 0) - before.get("tokens_total", {}).get(phase, 0)
+    `part_clock`) read before and after the run; on a GPU (where `model` is the host's launches) also the device's
+    span of a pass (`device`, ms; None where no pass of the run reached the device's clock) over `device_passes`."""
+    def delta(field: str) -> float:
+        return after.get(field, {}).get(phase, 0) - before.get(field, {}).get(phase, 0)
+
+    passes, tokens = delta("passes_total"), delta("tokens_total")
     was, now = before["seconds_total"].get(phase, {}), after["seconds_total"].get(phase, {})
     seconds = {where: {part: t - was.get(where, {}).get(part, 0.0) for part, t in parts.items()}
                for where, parts in now.items()}
     ms = {where: sum(seconds.get(where, {}).values()) / passes * 1e3 if passes else 0.0 for where in LAYER_KINDS}
-    return {**ms, "model": sum(ms.values()), "passes": passes, "tokens": tokens, "seconds": seconds}
+    device_passes = delta("device_passes_total")
+    device = delta("device_seconds_total") / device_passes * 1e3 if device_passes else None
+    return {**ms, "model": sum(ms.values()), "passes": passes, "tokens": tokens, "seconds": seconds,
+            "device": device, "device_passes": device_passes}
 
 
 def runs_clock(runs: list[dict], phase: str) -> dict:

@@ -140,6 +140,12 @@ def test_a_runs_clock_is_its_share_of_the_servers_part_clock_a_pass():
         {"routed": 44.0 + 40.0, "dense": 60.0, "outside": 2.0, "model": 146.0, "passes": 20})
     assert run["seconds"]["dense"] == pytest.approx({"mlp": 0.6, "read": 0.6})  # 30 ms a pass, 20 passes
     assert bench.run_clock(after, after, "decode")["model"] == 0.0  # no pass: nothing, not a division by zero
+    assert (run["device"], run["device_passes"]) == (None, 0)  # a CPU's clock: no device span
+    # On a GPU: the device's span of the passes whose end it reached (here 19 of the 20), a pass on average
+    gpu_before = {**before, "device_seconds_total": {"decode": 1.0}, "device_passes_total": {"decode": 9}}
+    gpu_after = {**after, "device_seconds_total": {"decode": 1.0 + 19 * 0.2}, "device_passes_total": {"decode": 28}}
+    gpu = bench.run_clock(gpu_before, gpu_after, "decode")
+    assert gpu["device"] == pytest.approx(200.0) and gpu["device_passes"] == 19 and gpu["passes"] == 20
     # Two such runs make the clock of the phase's runs alone: the limit over them is the limit per pass.
     s0 = bench.runs_clock([run, run], "decode")
     assert s0["passes_total"] == {"decode": 40}

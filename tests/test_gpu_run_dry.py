@@ -437,6 +437,33 @@ def test_profile_summary_sums_kernels_ops_and_host_waits_and_counts_the_steps_it
         "cudaStreamSynchronize": (7.0, 1), "aten::item": (5.0, 1), "Memcpy DtoH (Device -> Pinned)": (2.0, 1)}
 
 
+def test_profile_routed_with_the_part_clock_reads_the_bursts_passes_from_a_real_servers_clock(tmp_path, capsys):
+    """`profile_routed.py --part-clock --dry-run`: the always-route arm's real SGLang server (CPU) started with
+    its part clock on and no profiler; the burst's one prefill pass and its decode passes, each phase's host ms a
+    pass by layer kind, and no device span on a CPU."""
+    from benchmarks.gpu import profile_routed
+    from vskipper.sglang.spec import ENV_PART_CLOCK
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k in set(os.environ) - set(env):
+            mp.delenv(k)
+        mp.setenv(ENV_PART_CLOCK, "0")  # the tool turns it on for its servers: restored (unset) after
+        assert profile_routed.main([str(tmp_path), "--dry-run", "--part-clock", "--arm", run.ALWAYS,
+                                    "--prompt", "48", "--new-tokens", "4"]) == 0
+    result = json.loads((tmp_path / f"clock-{run.ALWAYS}.json").read_text())
+    prefill, decode = result["phases"]["prefill"], result["phases"]["decode"]
+    assert (prefill["passes"], prefill["tokens"]) == (1, 48) and decode["passes"] >= 3
+    for phase in (prefill, decode):
+        assert phase["routed"] > 0 and phase["dense"] > 0 and phase["outside"] > 0
+        assert phase["model"] == pytest.approx(phase["routed"] + phase["dense"] + phase["outside"])
+        assert (phase["device"], phase["device_passes"]) == (None, 0)
+    assert set(prefill["seconds"]["routed"]) >= {"read", "glue", "mlp", "projector"}
+    out = capsys.readouterr().out
+    assert "-- prefill: 1 passes, 48 tokens; host " in out and "no device span (a CPU's clock)" in out
+    assert ENV_PART_CLOCK not in os.environ
+
+
 def test_profile_summary_puts_each_steps_host_span_beside_its_device_span_and_busy_time():
     """A step's device side may carry nested annotations (one span); its busy time is the union of the kernels
     inside that span, so overlapping kernels count once and a gap the device waited through not at all."""

@@ -70,7 +70,8 @@ def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a
         "passes_total": {"decode": 1, "prefill": 1}, "tokens_total": {"decode": 4, "prefill": 9},
         "seconds_total": {"decode": {"outside": {"outside": 100.0}, "routed": {"glue": 10.0, "rope": 1.0},
                                      "dense": {"glue": 20.0, "rope": 2.0}},
-                          "prefill": {"outside": {"outside": 0.0}, "routed": {"glue": 10.0, "rope": 1.0}}}}
+                          "prefill": {"outside": {"outside": 0.0}, "routed": {"glue": 10.0, "rope": 1.0}}},
+        "device_seconds_total": {}, "device_passes_total": {}}  # no device here (no timing events)
 
 
 def test_a_part_that_raises_is_still_charged_and_the_clock_keeps_counting():
@@ -139,7 +140,8 @@ def test_an_interleaved_control_pass_is_a_phase_of_its_own_in_the_part_clock():
     phases = (CONTROL_PHASE, "decode", "prefill_control", "prefill")
     assert clock.attestation() == {"passes_total": dict.fromkeys(phases, 1),
                                    "tokens_total": dict(zip(phases, (16, 16, 1024, 1), strict=True)),
-                                   "seconds_total": {phase: {"outside": {"outside": 2.0}} for phase in phases}}
+                                   "seconds_total": {phase: {"outside": {"outside": 2.0}} for phase in phases},
+                                   "device_seconds_total": {}, "device_passes_total": {}}
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +186,60 @@ def test_on_sglangs_layer_a_mixed_pass_times_q_and_kv_apart_and_a_dense_pass_the
     assert set(parts) == set(mixed) | {"qkv"} and set(parts) <= set(PARTS)
     assert all(v > 0 for v in parts.values())
     assert clock.passes[phase] == 2
+
+
+class FakeEvent:
+    """A CUDA timing event stood in for: recorded at the fake clock's time, complete once `done` says so."""
+
+    def __init__(self, t: FakeClock, done) -> None:
+        self.t, self.done, self.at = t, done, None
+
+    def record(self) -> None:
+        self.at = self.t.now
+
+    def query(self) -> bool:
+        return self.done(self)
+
+    def elapsed_time(self, end: FakeEvent) -> float:  # milliseconds, as torch's
+        return (end.at - self.at) * 1e3 + 5.0  # the device took 5 ms longer than the host's launches
+
+
+def test_each_pass_is_timed_on_the_device_once_its_end_event_completes_and_never_in_a_graph_capture():
+    """On a GPU the part clock records timing events around each pass and counts a pass's device time once its end
+    event has completed, in order and without waiting (a pass still running is counted at a later pass); no event
+    is recorded while a CUDA graph is captured. On CPU (no events) it keeps no device time."""
+    t = FakeClock()
+    complete: set[int] = set()
+    made: list[FakeEvent] = []
+    capture = [False]
+
+    def event():
+        made.append(FakeEvent(t, lambda e: id(e) in complete))
+        return made[-1]
+
+    clock = PartClock(clock=t, events=event, capturing=lambda: capture[0])
+
+    def work(seconds):
+        def run():
+            t.now += seconds
+        return run
+
+    clock.around_pass(Mode(decode=False), work(0.010))  # a prefill of 10 ms on the host, still on the device
+    assert clock.device_passes == {} and len(made) == 2
+    capture[0] = True
+    clock.around_pass(Mode(decode=True), work(0.001))  # captured: no events
+    capture[0] = False
+    assert len(made) == 2
+    complete.add(id(made[1]))  # the prefill's end reached
+    clock.around_pass(Mode(decode=True), work(0.002))  # settles the prefill; this decode still runs
+    assert clock.device_passes == {"prefill": 1}
+    assert clock.device_seconds["prefill"] == pytest.approx(0.015)
+    complete.add(id(made[3]))
+    clock.settle()
+    att = clock.attestation()
+    assert att["device_passes_total"] == {"prefill": 1, "decode": 1}
+    assert att["device_seconds_total"]["decode"] == pytest.approx(0.007)
+    assert att["passes_total"] == {"prefill": 1, "decode": 2}  # the captured pass counted on the host alone
+    cpu = PartClock(clock=t)
+    cpu.around_pass(Mode(decode=True), work(0.001))
+    assert cpu.attestation()["device_passes_total"] == {}

@@ -1,7 +1,7 @@
 """Where a served arm's time goes: SGLang's own torch profiler over a burst's prefill steps and decode steps.
 
     python benchmarks/gpu/profile_routed.py OUTDIR [--arm NAME ...] [--prompt 2048] [--batch 1] [--steps 3]
-                                           [--new-tokens 64] [--with-stack] [--dry-run]
+                                           [--new-tokens 64] [--with-stack] [--part-clock] [--dry-run]
 
 For each arm in turn (dense, the always-route arm, the always-route s = 0 control): starts its server with the
 device run's model and flags (benchmarks/gpu/run.py), sends a warm-up burst, asks `/start_profile` to trace
@@ -11,6 +11,11 @@ each trace: GPU kernels and CPU ops by total time per step of the trace (a promp
 waits (device-to-host copies, synchronisations) that stall the scheduler, and each step's host span beside its
 device span and the device's busy time in it (a span well beyond its busy time waited on the host: a host-bound
 step). Prints the tables and writes OUTDIR/profile-<arm>.json; the traces stay on the machine.
+
+`--part-clock` measures without the profiler's cost: each server runs with its part clock on
+(`vskipper.sglang.part_times`), and the burst's passes are read from it: the host's ms a pass per layer kind and
+part (on a GPU the launches, the host's own cost) beside the device's span of a pass (CUDA events), per phase
+(OUTDIR/clock-<arm>.json). A pass whose device span is no longer than its host time is host-bound.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import collections
 import gzip
 import json
+import os
 import sys
 import time
 from contextlib import ExitStack
@@ -28,8 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_cpu import run_clock  # noqa: E402
 from benchmarks.gpu import run  # noqa: E402
 from vskipper.sglang.launch import http  # noqa: E402
+from vskipper.sglang.spec import ENV_PART_CLOCK  # noqa: E402
 
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "Memcpy DtoH",
               "aten::item", "aten::_local_scalar_dense")
@@ -93,6 +101,45 @@ def summarise(trace: dict, top: int) -> dict:
 
 def _trace_stage(path: Path) -> str:
     return "decode" if "DECODE" in path.name else "prefill" if "EXTEND" in path.name else "all"
+
+
+def clock_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm: str) -> dict:
+    """`--part-clock`: the arm's server with its part clock on (`VSKIPPER_PART_CLOCK`, set by `main`) and no
+    profiler: after the warm-up burst, the burst's passes per phase as the clock read before and after it counts
+    them (`bench_cpu.run_clock`): the host's ms a pass per layer kind (its launches, on a GPU) beside the device's
+    span of a pass. With two tokens or more generated, every prefill pass of the burst reaches the device's clock
+    before the burst ends (a pass is read at a later one); its last decode passes may not."""
+    prompts = [run.prompt(args.prompt, 2 + i, vocab) for i in range(args.batch)]
+    with ExitStack() as stack:
+        server = run.server_for(plan, stack, model, args.out / f"server-{arm}", arm, arms, plan.solo_mem_fraction)
+        run.ready(plan, [server])
+        warm = [run.prompt(args.prompt, 10_000 + i, vocab) for i in range(args.batch)]
+        asyncio.run(run.burst(server, warm, 2))  # compiles and captures what the burst will run
+        before = server.get_json("/vskipper/attestation").get("part_clock")
+        if before is None:
+            raise RuntimeError(f"{arm}: the server attests no part clock (was {ENV_PART_CLOCK} passed to it?)")
+        records = asyncio.run(run.burst(server, prompts, args.new_tokens))
+        after = server.get_json("/vskipper/attestation")["part_clock"]
+    phases = {phase: run_clock(before, after, phase) for phase in ("prefill", "decode")}
+    result = {"arm": arm, "prompt_tokens": args.prompt, "batch": args.batch, "new_tokens": args.new_tokens,
+              "ttft_s": [r.ttft_s for r in records], "phases": phases}
+    (args.out / f"clock-{arm}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def report_clock(result: dict) -> None:
+    """Each phase's host ms a pass by layer kind, its parts by host time, and the device's span of a pass."""
+    print(f"== {result['arm']}: batch {result['batch']} x {result['prompt_tokens']} tokens, "
+          f"{result['new_tokens']} new tokens each, part clock")
+    for phase, c in result["phases"].items():
+        device = (f"device span {c['device']:.2f} ms a pass ({c['device_passes']} passes)" if c["device"] is not None
+                  else "no device span (a CPU's clock)")
+        print(f"-- {phase}: {c['passes']} passes, {c['tokens']} tokens; host {c['model']:.2f} ms a pass (routed "
+              f"layers {c['routed']:.2f}, dense layers {c['dense']:.2f}, outside {c['outside']:.2f}); {device}")
+        parts = sorted(((where, part, s) for where, ps in c["seconds"].items() for part, s in ps.items()),
+                       key=lambda row: -row[2])
+        for where, part, s in parts[:12]:
+            print(f"{s / max(1, c['passes']) * 1e3:9.3f}  {where} {part}")
 
 
 def profile_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm: str) -> dict:
@@ -164,15 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--with-stack", action="store_true",
                    help="record Python stacks (SGLang's default; they slow the host several-fold, so each step's "
                         "host and device spans mostly measure the trace)")
+    p.add_argument("--part-clock", action="store_true",
+                   help="instead of the profiler, the servers' part clocks: host ms a pass by layer kind and part "
+                        "(on a GPU, the launches) beside the device's span of a pass")
     p.add_argument("--dry-run", action="store_true", help="CPU platform, tiny model")
     args = p.parse_args(argv)
+    if args.part_clock:
+        os.environ[ENV_PART_CLOCK] = "1"  # the servers started below inherit it
     plan = run.Plan.dry() if args.dry_run else run.Plan.gpu()
     args.out.mkdir(parents=True, exist_ok=True)
     model = run.write_model(plan, args.out)
     arms = run.write_arms(args.out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     for arm in args.arm or [run.ALWAYS]:
-        report(profile_arm(plan, args, model, arms, vocab, arm))
+        if args.part_clock:
+            report_clock(clock_arm(plan, args, model, arms, vocab, arm))
+        else:
+            report(profile_arm(plan, args, model, arms, vocab, arm))
     return 0
 
 

@@ -15,13 +15,18 @@ It answers what a served step spends on the work a Project-Only row skips, at ev
 RUN) and at the RUN rows (a routed arm), which is the time limit of what routing can save in that server
 (`benchmarks/bench_cpu.py`). Its own cost is two clock reads per wrapped call (about 2 us on CPU, some 250 calls
 a pass at 16 layers). It reads the host's clock: on CPU that is the work; on a GPU, whose kernels run
-asynchronously, it would time their launches, so it is a CPU measurement (a GPU's are the profiler's).
+asynchronously, it times their launches: what the host spends on each part, not the device. There it also times
+each pass's span on the device (CUDA events recorded before and after the forward, read once they complete, a
+pass or more later, never waited for; none in a CUDA graph capture): `device_seconds_total` and
+`device_passes_total` per phase. The span includes any wait of the device for the host's launches: where the host
+runs ahead it is the pass's device time, and a span no longer than the pass's host time marks a host-bound pass.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Callable
 from typing import Any
 
 # The interleaved control passes' phases (`vskipper.sglang.spec.ENV_INTERLEAVE_CONTROL`), apart from the routed
@@ -45,11 +50,34 @@ def pass_tokens(forward_batch) -> int:
 PARTS = ("q", "kv", "qkv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue")
 
 
-class PartClock:
-    """Exclusive wall time per (phase, layer kind, part), summed; passes counted per phase."""
+def cuda_events() -> Callable[[], Any] | None:
+    """A maker of timing events for the device's passes where CUDA runs, else None (a CPU's passes are the host's
+    time)."""
+    import torch
 
-    def __init__(self, clock=time.perf_counter) -> None:
+    if not torch.cuda.is_available():
+        return None
+    return lambda: torch.cuda.Event(enable_timing=True)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no timing event may be recorded into it)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class PartClock:
+    """Exclusive wall time per (phase, layer kind, part), summed; passes counted per phase; and where `events`
+    makes timing events (CUDA: `cuda_events`), each pass's device time per phase."""
+
+    def __init__(self, clock=time.perf_counter, events: Callable[[], Any] | None = None,
+                 capturing: Callable[[], bool] = capturing) -> None:
         self.clock = clock
+        self.events, self.capturing = events, capturing
+        self.device_seconds: dict[str, float] = defaultdict(float)
+        self.device_passes: dict[str, int] = defaultdict(int)
+        self._pending: deque[tuple[str, Any, Any]] = deque()  # (phase, start, end) of passes the device runs
         self.phase = "other"
         self.where = "outside"  # the layer kind running now ('routed', 'dense'), 'outside' between layers
         self.seconds: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(
@@ -117,14 +145,30 @@ class PartClock:
         layers do not take is `outside`. An interleaved control pass is a phase of its own (`CONTROL_PHASES`)."""
         self.phase = clock_phase("decode" if forward_mode.is_decode() else "prefill" if forward_mode.is_extend()
                                  else "other", control)
+        marks = None
+        if self.events is not None and not self.capturing():
+            marks = (self.events(), self.events())
+            marks[0].record()
         try:
             return self.timed(run, "outside", "outside")()
         finally:
+            if marks is not None:
+                marks[1].record()
+                self._pending.append((self.phase, *marks))
+            self.settle()
             self.passes[self.phase] += 1
             self.tokens[self.phase] += tokens
 
+    def settle(self) -> None:
+        """Count the device time of each pass whose end the device has reached, in order, without waiting."""
+        while self._pending and self._pending[0][2].query():
+            phase, start, end = self._pending.popleft()
+            self.device_seconds[phase] += start.elapsed_time(end) / 1e3
+            self.device_passes[phase] += 1
+
     def attestation(self) -> dict[str, Any]:
         return {"passes_total": dict(self.passes), "tokens_total": dict(self.tokens),
+                "device_seconds_total": dict(self.device_seconds), "device_passes_total": dict(self.device_passes),
                 "seconds_total": {phase: {where: dict(parts) for where, parts in kinds.items()}
                                   for phase, kinds in self.seconds.items()}}
 

@@ -60,7 +60,7 @@ from vskipper.mixed.plan_buffers import PlanBuffers, expand_rows
 from vskipper.mixed.routed_layer import Handoff, routed_layer
 from vskipper.mixed.tiles import ReadTile, TileTableError, table_label
 from vskipper.sglang import active
-from vskipper.sglang.part_times import PartClock, PassClock, clock_phase
+from vskipper.sglang.part_times import PartClock, PassClock, clock_phase, cuda_events
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
 from vskipper.sglang.spec import ENV_EXECUTION, ENV_TILE_TABLE, ROUTED_GRAPH_PHASES, ServeConfigError
@@ -716,12 +716,14 @@ class SkipperCausalLM(RouterWeightsMixin):
 
     def _part_clock(self) -> PartClock:
         """The part clock over this rank's layers, live in the attestation (`part_clock`)."""
-        clock = PartClock()
+        clock = PartClock(events=cuda_events())  # on a GPU each pass's device time too
         clock.install([(i, self.model.layers[i]) for i in range(self.model.start_layer, self.model.end_layer)],
                       self.routed_layers)
         self.slot.part_clock = clock
         self.runtime.model_counters["part_clock"] = {"passes_total": clock.passes, "tokens_total": clock.tokens,
-                                                    "seconds_total": clock.seconds}
+                                                    "seconds_total": clock.seconds,
+                                                    "device_seconds_total": clock.device_seconds,
+                                                    "device_passes_total": clock.device_passes}
         return clock
 
     def decode_graph_variants(self, runner) -> SkipperGraphVariants | None:
