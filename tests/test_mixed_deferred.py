@@ -65,6 +65,17 @@ def test_values_past_the_depth_are_waited_for():
     assert reads.events[0].waited and not reads.events[1].waited and len(reads) == 2
 
 
+def test_waiting_for_the_values_pushed_takes_none_of_them():
+    """`wait_pushed` waits for every copy in flight and leaves them queued, for the reader that takes them."""
+    reads = ManualReads()
+    for i in range(2):
+        reads.push(torch.tensor([i]), i)
+    reads.wait_pushed()
+    assert all(e.waited for e in reads.events) and len(reads) == 2
+    assert list(reads.ready()) == [([0], 0), ([1], 1)]
+    reads.wait_pushed()  # nothing in flight: nothing to wait for
+
+
 def test_depth_must_be_positive():
     with pytest.raises(ValueError, match="depth must be at least 1"):
         DeferredReads(0)

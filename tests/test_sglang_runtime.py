@@ -130,8 +130,14 @@ def test_a_routed_pass_is_counted_once_its_tape_counts_reach_the_host_and_the_st
     reads.events[0].done = True
     run_pass(rt, decode(["a", "b"], [61, 46]))  # takes the first pass's counts; its own are on their way
     assert rt.attestation()["rows_total"]["decode"] == {"run": 2, "project_only": 2} and len(reads) == 1
+    lock_held = []
+    for event in reads.events[1:]:  # the second pass's copy, still in flight: the document waits for it
+        event.synchronize = lambda event=event: (lock_held.append(rt._state_lock._is_owned()),
+                                                 setattr(event, "done", True))
     document = json.loads(rt.state_document())
     assert document["rows_total"]["decode"] == {"run": 4, "project_only": 4} and len(reads) == 0
+    # waited for outside the lock the forward's thread takes to count each pass (it would stall that thread)
+    assert lock_held == [False]
     assert document["rows_per_layer_total"] == {"2": {"run": 4, "project_only": 0},
                                                 "3": {"run": 0, "project_only": 4}}
 

@@ -49,6 +49,14 @@ class DeferredReads:
         event.record()
         return host, event
 
+    def wait_pushed(self) -> None:
+        """Wait until the device has copied every value pushed so far, taking none of them: a reader on another
+        thread waits here, outside the lock its `ready` needs, so that the thread pushing never waits on the device
+        behind it. Only reads the queue (a snapshot, which the pushing thread's appends and pops leave whole)."""
+        for _, event, _ in list(self._pending):
+            if event is not None:
+                event.synchronize()
+
     def ready(self, block: bool = False) -> Iterator[tuple[list, Any]]:
         """(value as a list, payload) for each value the device has copied, oldest first; with `block`, every
         pending value (waiting for each). Values past `depth` are waited for whatever `block` says."""

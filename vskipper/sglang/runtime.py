@@ -685,6 +685,10 @@ class Runtime:
         """The attestation as JSON, or None where this replica writes no state file."""
         if self.spec.state_file is None or not self.placement.reports:
             return None
+        # The device's copies of the passes in flight are waited for outside the lock: the forward's thread takes
+        # it to count each pass (`finish`), and waiting inside it would stall that thread until the device drained,
+        # its next batch unprepared. Under the lock only passes pushed since then can still wait.
+        self._route_reads.wait_pushed()
         with self._state_lock:
             self._settle(block=True)
             return json.dumps(self.attestation(), default=str)
