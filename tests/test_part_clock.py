@@ -191,13 +191,14 @@ def test_on_sglangs_layer_a_mixed_pass_times_q_and_kv_apart_and_a_dense_pass_the
 class FakeEvent:
     """A CUDA timing event stood in for: recorded at the fake clock's time, complete once `done` says so."""
 
-    def __init__(self, t: FakeClock, done) -> None:
-        self.t, self.done, self.at = t, done, None
+    def __init__(self, t: FakeClock, done, capture: list[bool]) -> None:
+        self.t, self.done, self.at, self.capture = t, done, None, capture
 
     def record(self) -> None:
         self.at = self.t.now
 
     def query(self) -> bool:
+        assert not self.capture[0], "an event queried while a graph is captured (illegal in CUDA)"
         return self.done(self)
 
     def elapsed_time(self, end: FakeEvent) -> float:  # milliseconds, as torch's
@@ -214,7 +215,7 @@ def test_each_pass_is_timed_on_the_device_once_its_end_event_completes_and_never
     capture = [False]
 
     def event():
-        made.append(FakeEvent(t, lambda e: id(e) in complete))
+        made.append(FakeEvent(t, lambda e: id(e) in complete, capture))
         return made[-1]
 
     clock = PartClock(clock=t, events=event, capturing=lambda: capture[0])
@@ -227,7 +228,7 @@ def test_each_pass_is_timed_on_the_device_once_its_end_event_completes_and_never
     clock.around_pass(Mode(decode=False), work(0.010))  # a prefill of 10 ms on the host, still on the device
     assert clock.device_passes == {} and len(made) == 2
     capture[0] = True
-    clock.around_pass(Mode(decode=True), work(0.001))  # captured: no events
+    clock.around_pass(Mode(decode=True), work(0.001))  # captured: no event recorded, none queried
     capture[0] = False
     assert len(made) == 2
     complete.add(id(made[1]))  # the prefill's end reached

@@ -15,7 +15,8 @@ step). Prints the tables and writes OUTDIR/profile-<arm>.json; the traces stay o
 `--part-clock` measures without the profiler's cost: each server runs with its part clock on
 (`vskipper.sglang.part_times`), and the burst's passes are read from it: the host's ms a pass per layer kind and
 part (on a GPU the launches, the host's own cost) beside the device's span of a pass (CUDA events), per phase
-(OUTDIR/clock-<arm>.json). A pass whose device span is no longer than its host time is host-bound.
+(OUTDIR/clock-<arm>.json). A pass whose device span is about as long as its host time (the device waited on the
+launches) is host-bound; the clock's own wrapped calls add a little to the host's time.
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ def clock_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm: s
     """`--part-clock`: the arm's server with its part clock on (`VSKIPPER_PART_CLOCK`, set by `main`) and no
     profiler: after the warm-up burst, the burst's passes per phase as the clock read before and after it counts
     them (`bench_cpu.run_clock`): the host's ms a pass per layer kind (its launches, on a GPU) beside the device's
-    span of a pass. With two tokens or more generated, every prefill pass of the burst reaches the device's clock
-    before the burst ends (a pass is read at a later one); its last decode passes may not."""
+    span of a pass. A pass's span is read at a later pass, so the device's average runs one pass or so behind the
+    host's: with two tokens or more generated every prefill pass of the burst is read within it, its last decode
+    passes may not be, and the warm-up's last decode pass (the burst's shape: the same batch and prompts) is."""
     prompts = [run.prompt(args.prompt, 2 + i, vocab) for i in range(args.batch)]
     with ExitStack() as stack:
         server = run.server_for(plan, stack, model, args.out / f"server-{arm}", arm, arms, plan.solo_mem_fraction)

@@ -416,6 +416,13 @@ def served(server: Server) -> dict:
             "thresholds": doc["thresholds"], "sglang_version": doc.get("sglang_version")}
 
 
+def execution_of(served_doc: dict) -> dict:
+    """The routed layers' execution a served arm attests (`routed_layers_backend`): a dict where the skipper model
+    installed, else {} (the runtime's default there is a sentence, not a record)."""
+    backend = served_doc.get("routed_layers_backend")
+    return backend if isinstance(backend, dict) else {}
+
+
 def decode_graphs(served_doc: dict) -> str:
     """What a served arm's decode passes ran: its routed decode passes replayed / eager, else the profile's word."""
     passes = (served_doc.get("graph_passes_total") or {}).get("decode", {})
@@ -896,7 +903,7 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
         out["decode_over_control"] = decode_ratios(config, routed["decode"], control["decode"],
                                                    "routed_over_control_tok_s", limit=True)
         # Where the routed arm's prefill reads through SGLang's backend, Project-Only rows enter the read (attested).
-        backend = routed["served"].get("routed_layers_backend") or {}
+        backend = execution_of(routed["served"])
         out["prefill_over_control"] = prefill_ratios(config, routed["prefill"], control["prefill"],
                                                      "control_over_routed_time", limit=True,
                                                      project_only_reads=backend.get("prefill_read") == "backend")
@@ -1255,7 +1262,7 @@ def served_tiles_lines(sweep: dict | None, title: str | None = None) -> list[str
     lines = [title, ""] if title else []
     lines += ["Tiles each sweep arm served with (its attestation):", ""]
     for name, doc in served.items():
-        lack = (doc.get("routed_layers_backend") or {}).get("tiles_lack")
+        lack = execution_of(doc).get("tiles_lack")
         lines.append(f"- {name}: {doc.get('tiles') or 'none (no Triton GEMM in this arm)'}"
                      f"{'; the table lacks ' + '; '.join(lack) if lack else ''}")
     return lines + [""]

@@ -27,7 +27,8 @@
 # --pack FILE   after the stages, OUTDIR packed into FILE (also when a stage stopped or failed)
 #
 # A stage stopped by its budget or limit runs again while the call has time (up to three runs; a failed one does
-# not, nor one whose budget a lease caps), whether named alone, in a lease or in `all`.
+# not, nor one whose budget a lease caps): in a lease, in `all`, and named alone with --within (without it, a stage
+# named alone runs once: three runs could outlast a device call).
 # Every stage installs what a fresh machine lacks first and skips what OUTDIR already holds, so any stage can be
 # rerun alone. Each runs under `timeout` ($VSKIPPER_STAGE_LIMIT_S, 530 s) and stops starting work at its budget
 # ($VSKIPPER_STAGE_BUDGET_S, 450 s). --dry-run: the same steps on the CPU platform with a tiny model (the local
@@ -192,7 +193,7 @@ case $STAGE in
                  case $rc in 0) ;; *) break ;; esac
              done <<< "$lines"
              "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY || RC=$? ;;
-    *) stage_runs "$STAGE" || RC=$? ;;
+    *) if [ -n "$WITHIN" ]; then stage_runs "$STAGE" || RC=$?; else stage "$STAGE" || RC=$?; fi ;;
 esac
 pack || RC=$?
 # A stage stopped at its limit left work for a later call, as one stopped by its budget: exit 4 (a caller's own

@@ -312,7 +312,11 @@ def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[...
     summed: each candidate is timed at half the count too). A served routed layer has about half its slots live, and
     a tile whose grid fills the device once at the full count runs half its programs, each as long, at half: on an
     H200 a 1,024-token prefill's routed down GEMMs (the MLP's at 128 x 256 tiles, 128 programs on 132 SMs, with
-    the projector's in one grid) took 0.96 of their all-RUN time with half the rows RUN."""
+    the projector's in one grid) took 0.96 of their all-RUN time with half the rows RUN. The sum may pick a tile a
+    little slower with every slot live (an all-RUN prefill, the s = 0 control's) for one much faster at half; the
+    operation is timed alone, where a served layer may launch the projector's programs in the same grid (the
+    FFN pair, timed after at the tiles chosen). Each candidate costs two timings: the shape's share of the budget
+    reaches about half as many."""
     capturable = True
     try:
         torch_ms = time_call(reference, interpret, graph=graph)
