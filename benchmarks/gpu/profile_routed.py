@@ -104,6 +104,16 @@ def _trace_stage(path: Path) -> str:
     return "decode" if "DECODE" in path.name else "prefill" if "EXTEND" in path.name else "all"
 
 
+def warm_server(plan, args, stack: ExitStack, model: Path, arms: dict[str, Path], vocab: int, arm: str):
+    """The arm's server, started with the device run's model and flags and warmed by a burst of the measured
+    burst's shape (compiles and captures what it will run): (server, the measured burst's prompts)."""
+    server = run.server_for(plan, stack, model, args.out / f"server-{arm}", arm, arms, plan.solo_mem_fraction)
+    run.ready(plan, [server])
+    warm = [run.prompt(args.prompt, 10_000 + i, vocab) for i in range(args.batch)]
+    asyncio.run(run.burst(server, warm, 2))
+    return server, [run.prompt(args.prompt, 2 + i, vocab) for i in range(args.batch)]
+
+
 def clock_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm: str) -> dict:
     """`--part-clock`: the arm's server with its part clock on (`VSKIPPER_PART_CLOCK`, set by `main`) and no
     profiler: after the warm-up burst, the burst's passes per phase as the clock read before and after it counts
@@ -111,12 +121,8 @@ def clock_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm: s
     span of a pass. A pass's span is read at a later pass, so the device's average runs one pass or so behind the
     host's: with two tokens or more generated every prefill pass of the burst is read within it, its last decode
     passes may not be, and the warm-up's last decode pass (the burst's shape: the same batch and prompts) is."""
-    prompts = [run.prompt(args.prompt, 2 + i, vocab) for i in range(args.batch)]
     with ExitStack() as stack:
-        server = run.server_for(plan, stack, model, args.out / f"server-{arm}", arm, arms, plan.solo_mem_fraction)
-        run.ready(plan, [server])
-        warm = [run.prompt(args.prompt, 10_000 + i, vocab) for i in range(args.batch)]
-        asyncio.run(run.burst(server, warm, 2))  # compiles and captures what the burst will run
+        server, prompts = warm_server(plan, args, stack, model, arms, vocab, arm)
         before = server.get_json("/vskipper/attestation").get("part_clock")
         if before is None:
             raise RuntimeError(f"{arm}: the server attests no part clock (was {ENV_PART_CLOCK} passed to it?)")
@@ -147,12 +153,8 @@ def report_clock(result: dict) -> None:
 def profile_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm: str) -> dict:
     traces = args.out / f"trace-{arm}"
     traces.mkdir(exist_ok=True)
-    prompts = [run.prompt(args.prompt, 2 + i, vocab) for i in range(args.batch)]
     with ExitStack() as stack:
-        server = run.server_for(plan, stack, model, args.out / f"server-{arm}", arm, arms, plan.solo_mem_fraction)
-        run.ready(plan, [server])
-        warm = [run.prompt(args.prompt, 10_000 + i, vocab) for i in range(args.batch)]
-        asyncio.run(run.burst(server, warm, 2))  # compiles and captures what the burst will run
+        server, prompts = warm_server(plan, args, stack, model, arms, vocab, arm)
         activities = ["CPU"] if args.dry_run else ["CPU", "GPU"]
         status, text = http(server.url + "/start_profile", {"output_dir": str(traces), "num_steps": args.steps,
                                                             "activities": activities, "profile_by_stage": True,
