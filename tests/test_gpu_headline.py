@@ -106,11 +106,18 @@ def test_thresholds_from_a_measured_tau_scale_v_star_and_round_like_the_rule():
     assert th["source"] == source and source.startswith("measured tau 2.29 ms")
 
 
+def test_a_measured_tau_at_or_below_zero_serves_the_least_thresholds():
+    """No fixed cost for the rule to cover (the H200's sweep: tau -0.046 ms): V* = 0, exit one step (a served exit
+    is positive) and enter the same (1.25 steps rounds to one)."""
+    for tau in (-0.046, 0.0):
+        th, source = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": tau}}, 10_000)
+        assert (th["exit_tokens"], th["enter_tokens"], th["v_star_tokens"]) == (10_000, 10_000, 0.0)
+        assert th["source"] == source and source.startswith(f"measured tau {tau:.3g} ms <= 0 (sweep)")
+
+
 def test_thresholds_from_tau_say_why_there_are_none():
     assert headline.thresholds_from_tau(RULE, None, 10_000) == (None, "the sweep stage has not run: no measured tau")
     assert "measured no tau" in headline.thresholds_from_tau(RULE, {"comparison": None}, 10_000)[1]
-    th, why = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": -1.5}}, 10_000)
-    assert th is None and "tau = -1.5 ms" in why
     th, why = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": 2.65}}, 10_000)
     assert th is None and "gives the rule's thresholds (enter 340000 / exit 270000)" in why
 

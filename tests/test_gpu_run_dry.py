@@ -130,9 +130,12 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
     assert hybrid["thresholds"]["source"] == "dry-run (CPU)"
     assert hybrid["served"]["arm"] == run.HYBRID
     tau = result["arms"]["hybrid-tau"]
-    if tau.get("skipped"):  # the sweep's tau on a CPU is noise: it may give no thresholds (and says why)
+    if tau.get("skipped"):  # the sweep's tau on a CPU is noise: it may give the rule's thresholds (and says so)
         assert "tau" in tau["skipped"] and result["thresholds"]["tau"] == {"skipped": tau["skipped"]}
-    else:
+    else:  # a positive tau scales V*; one at or below 0 serves the least thresholds (10 / 10 here)
+        sweep_tau = json.loads((out / "sweep.json").read_text())["comparison"]["tau_ms"]
+        if sweep_tau <= 0:
+            assert (tau["thresholds"]["enter_tokens"], tau["thresholds"]["exit_tokens"]) == (10, 10)
         assert tau["thresholds"]["source"].startswith("measured tau")
         assert tau["served"]["thresholds"]["enter_tokens"] == tau["thresholds"]["enter_tokens"]
         assert tau["served"]["thresholds"]["source"] == "flags"
@@ -177,13 +180,11 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
 
 
 def test_headline_serves_the_hybrid_arm_at_the_thresholds_a_measured_tau_gives(dry_run, tmp_path):
-    """The tau arm's path where this CPU's sweep measured no positive tau (its tau is noise here, often below 0;
-    where it is positive, the dry run's own headline served the tau arm): the headline stage again on a copy of
-    the run with a sweep whose tau is given (50 x the rule's), so V* = 50 x 40 tokens; the arms already served are
-    read from their files, the tau arm is started with its thresholds as flags (and the run's tile table)."""
+    """The tau arm's path from a positive tau (this CPU's own tau is noise, often at or below 0, which serves the
+    least thresholds): the headline stage again on a copy of the run with a sweep whose tau is given (50 x the
+    rule's), so V* = 50 x 40 tokens; the arms already served are read from their files, the tau arm is started
+    with its thresholds as flags (and the run's tile table)."""
     out, _ = dry_run
-    if not json.loads((out / "headline.json").read_text())["arms"]["hybrid-tau"].get("skipped"):
-        pytest.skip("this dry run's sweep measured a positive tau: its own headline served the tau arm")
     copy = tmp_path / "run"
     # the tiles stage's table copied too: the arms attest it by name and content, so the tau arm, started here,
     # and dense's cells, served from the original folder, attest the same table (the cross-arm gate compares them)
@@ -198,6 +199,11 @@ def test_headline_serves_the_hybrid_arm_at_the_thresholds_a_measured_tau_gives(d
     logs: dict[str, str] = {}
     _finish(proc, "headline", logs)
     assert "hybrid-tau up and warm" in logs["headline"] and "hybrid-rule up" not in logs["headline"]
+    original = json.loads((out / "headline.json").read_text())["arms"]["hybrid-tau"]
+    if not original.get("skipped"):  # the run's own tau arm, served at its own thresholds: set aside, not reused
+        was = original["thresholds"]
+        aside = copy / "headline" / f"hybrid-tau-enter{was['enter_tokens']}-exit{was['exit_tokens']}"
+        assert f"set aside as {aside.name}" in logs["headline"] and (aside / "served.json").is_file()
     result = json.loads((copy / "headline.json").read_text())
     tau = result["arms"]["hybrid-tau"]
     assert (tau["thresholds"]["enter_tokens"], tau["thresholds"]["exit_tokens"]) == (2500, 2000)

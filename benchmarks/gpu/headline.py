@@ -180,14 +180,21 @@ def suite_seed(load: str) -> int:
 
 def thresholds_from_tau(rule: Mapping, sweep: Mapping | None, step: int) -> tuple[dict | None, str]:
     """The hybrid arm's thresholds with the sweep's measured tau in the rule, V* scaling with tau (the device, skip
-    ratio, routed layers and KV width unchanged): (thresholds, where they come from), or (None, why there are none)."""
+    ratio, routed layers and KV width unchanged): (thresholds, where they come from), or (None, why there are none).
+    A tau at or below zero (the routed step costs no more than dense's at any resident load: the H200's sweep
+    measured -0.046 ms) leaves the rule no fixed cost to cover: V* is zero, and the arm serves at the least
+    thresholds the step expresses (exit one step, a served exit being positive), routing at nearly every load."""
     if sweep is None:
         return None, "the sweep stage has not run: no measured tau"
     tau = (sweep.get("comparison") or {}).get("tau_ms")
     if tau is None:
         return None, "the sweep measured no tau (it needs the dense and always-route latency lines)"
     if not tau > 0:
-        return None, f"the sweep measured tau = {tau:.3g} ms: no fixed cost for the rule to cover"
+        exit_, enter = rounded_thresholds(0.0, step, CONSTANTS.enter_factor, least=step)
+        source = (f"measured tau {tau:.3g} ms <= 0 (sweep): no fixed cost for the rule to cover, V* = 0, the least "
+                  f"thresholds")
+        return {"enter_tokens": enter, "exit_tokens": exit_, "v_star_tokens": 0.0, "tau_ms": tau,
+                "source": source}, source
     v_star = rule["v_star_tokens"] * tau / rule["tau_ms"]
     exit_, enter = rounded_thresholds(v_star, step, CONSTANTS.enter_factor, least=step)  # a served exit is positive
     if (enter, exit_) == (rule["enter_tokens"], rule["exit_tokens"]):

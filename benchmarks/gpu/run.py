@@ -39,6 +39,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -750,6 +751,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
             stage.failed.append(key)
             log(stage.name, f"{key}: not served: {doc['skipped']}")
             continue
+        set_aside_other_thresholds(stage, key, work, thresholds)
         todo = [c for c in mine if not (work / f"{c.key}.json").is_file()]
         estimates = {c.key: cell_estimate(plan, ladder["dense"][c.key], plan.window_s) for c in todo}
         if todo:
@@ -784,6 +786,26 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     result["figures"] = headline.figure_rows(result)
     result["left"], result["failed"] = stage.left, stage.failed
     return result
+
+
+def set_aside_other_thresholds(stage: Stage, key: str, work: Path, thresholds: dict | None) -> None:
+    """An arm's cells served at other thresholds than this run means (a tau arm served from another sweep's tau,
+    given since with --earlier) are not this arm's: its folder is set aside beside it, named by the thresholds its
+    server attested, and the arm serves again."""
+    served_path = work / "served.json"
+    if thresholds is None or not served_path.is_file():
+        return
+    was = json.loads(served_path.read_text()).get("thresholds") or {}
+    pair = (was.get("enter_tokens"), was.get("exit_tokens"))
+    if pair == (thresholds["enter_tokens"], thresholds["exit_tokens"]):
+        return
+    aside = work.with_name(f"{work.name}-enter{pair[0]}-exit{pair[1]}")
+    if aside.exists():
+        shutil.rmtree(aside)
+    work.rename(aside)
+    log(stage.name, f"{key}: the cells served at enter {pair[0]} / exit {pair[1]} set aside as {aside.name}: this "
+                    f"run serves enter {thresholds['enter_tokens']} / exit {thresholds['exit_tokens']} "
+                    f"({thresholds.get('source')})")
 
 
 def check_thresholds(key: str, served_doc: dict, thresholds: dict | None) -> None:
