@@ -113,6 +113,9 @@ def test_a_measured_tau_at_or_below_zero_serves_the_least_thresholds():
         th, source = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": tau}}, 10_000)
         assert (th["exit_tokens"], th["enter_tokens"], th["v_star_tokens"]) == (10_000, 10_000, 0.0)
         assert th["source"] == source and source.startswith(f"measured tau {tau:.3g} ms <= 0 (sweep)")
+    th, source = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": -0.046,
+                                                                    "tau_ms_interval": [-0.31, 0.22]}}, 10_000)
+    assert source.startswith("measured tau -0.046 ms, 95% [-0.31, 0.22] <= 0 (sweep)")  # its interval beside it
 
 
 def test_thresholds_from_tau_say_why_there_are_none():

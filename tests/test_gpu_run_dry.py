@@ -193,6 +193,7 @@ def test_headline_serves_the_hybrid_arm_at_the_thresholds_a_measured_tau_gives(d
     rule = json.loads((out / "headline.json").read_text())["thresholds"]["rule"]
     sweep = json.loads((out / "sweep.json").read_text())
     sweep["comparison"]["tau_ms"] = 50 * rule["tau_ms"]
+    sweep["comparison"].pop("tau_ms_interval", None)  # a tau given, not measured: no interval
     (copy / "sweep.json").write_text(json.dumps(sweep))
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", run.ENV_SERVERS)}
     proc = _stage("headline", copy, env)
@@ -410,6 +411,27 @@ def test_decode_step_reads_the_window_where_the_whole_batch_decodes():
     # two requests decoding together from t = 1.0 to t = 1.3 at 10 ms a step
     step_s, steps = run.decode_step([_record(0.8, 0.01, 51), _record(1.0, 0.01, 31)])
     assert steps == 31 and step_s == pytest.approx(0.01)
+
+
+def test_taus_interval_resamples_the_repetitions_behind_both_lines():
+    """`tau_interval`: with every repetition alike the interval is the point (the lines' intercepts' difference);
+    with spread repetitions it holds the point and widens; fewer than two cells fit no line. Seeded: the same
+    figures give the same interval. The landed H200 sweep's tau (-0.046 ms) is told from zero or not by it."""
+    def cells(intercept, slope, noise):
+        return [{"resident_tokens": v, "step_s": intercept + slope * v,
+                 "step_s_reps": [intercept + slope * v + e for e in noise]} for v in (1000, 2000, 4000, 8000)]
+
+    dense, routed = cells(0.010, 1e-6, (0.0, 0.0, 0.0)), cells(0.0105, 0.8e-6, (0.0, 0.0, 0.0))
+    lo, hi = run.tau_interval(dense, routed, resamples=200)
+    assert lo == pytest.approx(0.0005) and hi == pytest.approx(0.0005)
+    noisy = cells(0.0105, 0.8e-6, (-0.0004, 0.0, 0.0004))
+    lo, hi = run.tau_interval(dense, noisy, resamples=400)
+    assert lo < 0.0005 < hi and hi - lo > 0.0002
+    assert run.tau_interval(dense, noisy, resamples=400) == (lo, hi)
+    assert run.tau_interval(dense[:1], routed[:1]) is None
+    landed = json.loads((ROOT / "benchmarks/results/H200/host-lean-sweep/sweep.json").read_text())["arms"]
+    lo, hi = run.tau_interval(landed["dense"]["decode"], landed[run.ALWAYS]["decode"])
+    assert lo < -0.0000458 < hi
 
 
 def test_decode_step_falls_back_to_each_requests_own_pace_where_the_batch_barely_overlaps():

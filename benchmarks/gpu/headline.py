@@ -189,10 +189,12 @@ def thresholds_from_tau(rule: Mapping, sweep: Mapping | None, step: int) -> tupl
     tau = (sweep.get("comparison") or {}).get("tau_ms")
     if tau is None:
         return None, "the sweep measured no tau (it needs the dense and always-route latency lines)"
+    interval = (sweep.get("comparison") or {}).get("tau_ms_interval")
+    spread = f", 95% [{interval[0]:.3g}, {interval[1]:.3g}]" if interval else ""
     if not tau > 0:
         exit_, enter = rounded_thresholds(0.0, step, CONSTANTS.enter_factor, least=step)
-        source = (f"measured tau {tau:.3g} ms <= 0 (sweep): no fixed cost for the rule to cover, V* = 0, the least "
-                  f"thresholds")
+        source = (f"measured tau {tau:.3g} ms{spread} <= 0 (sweep): no fixed cost for the rule to cover, V* = 0, the "
+                  f"least thresholds")
         return {"enter_tokens": enter, "exit_tokens": exit_, "v_star_tokens": 0.0, "tau_ms": tau,
                 "source": source}, source
     v_star = rule["v_star_tokens"] * tau / rule["tau_ms"]
@@ -200,7 +202,7 @@ def thresholds_from_tau(rule: Mapping, sweep: Mapping | None, step: int) -> tupl
     if (enter, exit_) == (rule["enter_tokens"], rule["exit_tokens"]):
         return None, (f"the measured tau ({tau:.3g} ms) gives the rule's thresholds (enter {enter} / exit {exit_}): "
                       "the rule's arm serves them")
-    source = f"measured tau {tau:.3g} ms (sweep; the rule's is {rule['tau_ms']:.3g} ms)"
+    source = f"measured tau {tau:.3g} ms{spread} (sweep; the rule's is {rule['tau_ms']:.3g} ms)"
     return {"enter_tokens": enter, "exit_tokens": exit_, "v_star_tokens": v_star, "tau_ms": tau,
             "source": source}, source
 

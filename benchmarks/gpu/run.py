@@ -497,6 +497,29 @@ def fit_line(points: list[tuple[float, float]]) -> dict | None:
     return {"intercept_s": my - b * mx, "slope_s_per_token": b, "points": len(points)}
 
 
+TAU_RESAMPLES = 2000  # bootstrap resamples of the sweep's repetitions behind tau's interval
+
+
+def tau_interval(dense: list[dict], routed: list[dict], resamples: int = TAU_RESAMPLES,
+                 seed: int = 0) -> tuple[float, float] | None:
+    """tau's 95% interval (seconds) over the repetitions behind it: each resample draws every cell's repetitions
+    with replacement in both arms, takes their median as the cell's step, fits both latency lines again and keeps
+    the intercepts' difference; the 2.5th and 97.5th percentiles of those (seeded: the same figures give the same
+    interval). None where a line cannot be fitted (fewer than two cells with repetitions)."""
+    cells = [(d["resident_tokens"], d.get("step_s_reps") or [d["step_s"]]) for d in dense]
+    other = [(r["resident_tokens"], r.get("step_s_reps") or [r["step_s"]]) for r in routed]
+    rng = random.Random(seed)
+    taus = []
+    for _ in range(resamples):
+        lines = [fit_line([(v, statistics.median(rng.choices(reps, k=len(reps)))) for v, reps in arm])
+                 for arm in (cells, other)]
+        if lines[0] is None or lines[1] is None:
+            return None
+        taus.append(lines[1]["intercept_s"] - lines[0]["intercept_s"])
+    taus.sort()
+    return taus[int(0.025 * (len(taus) - 1))], taus[int(0.975 * (len(taus) - 1))]
+
+
 # -- stages ------------------------------------------------------------------------------------------------------------
 
 # -- the headline A/B: GSM8K-shaped cells, one server at a time --------------------------------------------------------
@@ -916,6 +939,9 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
         v_x = tau / gap if gap > 0 else None
         out.update(tau_ms=tau * 1e3, v_x_tokens=v_x, v_star_tokens=v_star,
                    v_x_over_v_star=(v_x / v_star) if v_x and v_star else None)
+        interval = tau_interval(dense["decode"], routed["decode"])
+        if interval is not None:
+            out["tau_ms_interval"] = [round(s * 1e3, 4) for s in interval]
     config = json.loads((model / "config.json").read_text())
     out["decode_speedup"] = decode_ratios(config, routed["decode"], dense["decode"], "routed_over_dense_tok_s")
     out["prefill_speedup"] = prefill_ratios(config, routed["prefill"], dense["prefill"], "dense_over_routed_time")
@@ -1144,6 +1170,11 @@ def _f(value, fmt: str = ".3g") -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
+def _interval(interval: list | None) -> str:
+    """' [lo, hi] (95%, resampled repetitions)' after a figure, or nothing where none was computed."""
+    return "" if not interval else f" [{interval[0]:.3g}, {interval[1]:.3g}] (95%, resampled repetitions)"
+
+
 def _range(row: dict | None, key: str = "range") -> str:
     return "n/a" if not row or not row.get(key) else f"{row[key][0]:.3f}-{row[key][1]:.3f}"
 
@@ -1171,7 +1202,8 @@ def markdown(results: dict, out: Path | None = None) -> str:
         c = sweep["comparison"]
         lines += ["## Decode sweep and prefill", "",
                   f"Dense decode: {c['dense_decode_graphs']}; routed decode: {c['routed_decode_graphs']}.", "",
-                  f"tau = {_f(c.get('tau_ms'))} ms; V_x = {_f(c.get('v_x_tokens'))} tokens; rule V* = "
+                  f"tau = {_f(c.get('tau_ms'))} ms{_interval(c.get('tau_ms_interval'))}; V_x = "
+                  f"{_f(c.get('v_x_tokens'))} tokens; rule V* = "
                   f"{_f(c.get('v_star_tokens'))} tokens; V_x / V* = {_f(c.get('v_x_over_v_star'))}", "",
                   "Each figure is the ratio of the arms' medians over their repetitions (plan: "
                   f"{_reps(results, 'decode_reps')} bursts a decode cell, {_reps(results, 'prefill_reps')} prompts a "
