@@ -1259,6 +1259,8 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
     the sweep's arms attests it served with, and what of the tuner's measurements that table lacks (the sweep's
     servers alone where the stage did not run in this folder: they took an earlier run's table or the shipped
     one)."""
+    from vskipper.mixed.tiles import CHOSEN_BOTH
+
     if not tiles:
         return served_tiles_lines(sweep, "## Tiles the sweep served with")
     run = tiles["runs"].get("tune-tiles") or {}
@@ -1283,7 +1285,7 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
                              f"{_f(e.get('kernel_half_ms'), '.4f')} | "
                              f"{_f(e.get('torch_ms'), '.4f')} | {_f(e.get('ratio_vs_torch'), '.3f')} | "
                              f"{e.get('tried', '?')} | {e.get('timed', 'eager')}"
-                             f"{', chosen over both counts' if e.get('chosen_by') == 'full and half live' else ''} |")
+                             f"{', chosen over both counts' if e.get('chosen_by') == CHOSEN_BOTH else ''} |")
         lines += ["", f"Served in the gathered cuBLAS form (`TileTable.gathers`: torch faster than the tile at the full "
                       f"and the half count, at or below the ridge): {gathered_summary(table)}.", ""]
         pair = [e for e in table.get("ffn_pair") or [] if e.get("grouped_ms") is not None]

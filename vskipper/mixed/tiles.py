@@ -113,7 +113,7 @@ class Timing:
 
 TIMING_FIELDS = ("kernel_ms", "torch_ms", "kernel_half_ms")
 TIMED = ("cuda graph", "eager", "interpreter")  # how the tuner timed a shape (field 'timed')
-CHOSEN_BY = ("full live", "full and half live")  # what picked its tile (field 'chosen_by')
+CHOSEN_FULL, CHOSEN_BOTH = CHOSEN_BY = ("full live", "full and half live")  # what picked a tile (field 'chosen_by')
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ import torch
 from torch.nn import functional as F
 
 from vskipper.mixed.tiles import (
+    CHOSEN_BOTH,
+    CHOSEN_FULL,
     COUNT_RANGES,
     DEFAULT_READ_TILE,
     OPERATIONS,
@@ -351,7 +353,7 @@ def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[...
     return {**asdict(tile), "ratio_vs_torch": round(ratio, 3), "kernel_ms": _ms(ms),
             **({"kernel_half_ms": _ms(half_ms)} if capturable else {}), "torch_ms": _ms(torch_ms), "tried": tried,
             "timed": "cuda graph" if graph else ("interpreter" if interpret else "eager"),
-            "chosen_by": "full and half live" if by_half else "full live", "line": line}
+            "chosen_by": CHOSEN_BOTH if by_half else CHOSEN_FULL, "line": line}
 
 
 # The FFN pair's weight in the tuner's budget at each range, against a GEMM shape's 1 (up to 24 tiles): two timings.

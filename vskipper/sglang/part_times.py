@@ -147,9 +147,8 @@ class PartClock:
         layers do not take is `outside`. An interleaved control pass is a phase of its own (`CONTROL_PHASES`)."""
         self.phase = clock_phase("decode" if forward_mode.is_decode() else "prefill" if forward_mode.is_extend()
                                  else "other", control)
-        marks = None
-        live = self.events is not None and not self.capturing()  # no event is recorded or queried in a capture
-        if live:
+        marks = None  # no event is recorded or queried in a capture
+        if self.events is not None and not self.capturing():
             marks = (self.events(), self.events())
             marks[0].record()
         try:
@@ -158,7 +157,6 @@ class PartClock:
             if marks is not None:
                 marks[1].record()
                 self._pending.append((self.phase, *marks))
-            if live:
                 self.settle()
             self.passes[self.phase] += 1
             self.tokens[self.phase] += tokens
@@ -170,11 +168,16 @@ class PartClock:
             self.device_seconds[phase] += start.elapsed_time(end) / 1e3
             self.device_passes[phase] += 1
 
+    def live(self) -> dict[str, Any]:
+        """The clock's own dicts under the attestation's fields: a runtime's attestation reads them whenever it is
+        written."""
+        return {"passes_total": self.passes, "tokens_total": self.tokens, "seconds_total": self.seconds,
+                "device_seconds_total": self.device_seconds, "device_passes_total": self.device_passes}
+
     def attestation(self) -> dict[str, Any]:
-        return {"passes_total": dict(self.passes), "tokens_total": dict(self.tokens),
-                "device_seconds_total": dict(self.device_seconds), "device_passes_total": dict(self.device_passes),
-                "seconds_total": {phase: {where: dict(parts) for where, parts in kinds.items()}
-                                  for phase, kinds in self.seconds.items()}}
+        """A copy of `live`, as plain dicts."""
+        return {field: {phase: {where: dict(parts) for where, parts in kinds.items()} for phase, kinds in value.items()}
+                if field == "seconds_total" else dict(value) for field, value in self.live().items()}
 
 
 class PassClock:

@@ -720,10 +720,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         clock.install([(i, self.model.layers[i]) for i in range(self.model.start_layer, self.model.end_layer)],
                       self.routed_layers)
         self.slot.part_clock = clock
-        self.runtime.model_counters["part_clock"] = {"passes_total": clock.passes, "tokens_total": clock.tokens,
-                                                    "seconds_total": clock.seconds,
-                                                    "device_seconds_total": clock.device_seconds,
-                                                    "device_passes_total": clock.device_passes}
+        self.runtime.model_counters["part_clock"] = clock.live()
         return clock
 
     def decode_graph_variants(self, runner) -> SkipperGraphVariants | None:
