@@ -44,7 +44,15 @@ import torch  # noqa: E402
 from vskipper.checkpoint import TinySize, tiny_config  # noqa: E402
 from vskipper.mixed.bench_stack import BenchStack, ForwardBatch  # noqa: E402
 from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS  # noqa: E402
-from vskipper.mixed.tuner import Clock, op_dims, op_weights, representative_rows, shape_calls, time_shape  # noqa: E402
+from vskipper.mixed.tuner import (  # noqa: E402
+    Clock,
+    is_prefill,
+    op_dims,
+    op_weights,
+    representative_rows,
+    shape_calls,
+    time_shape,
+)
 from vskipper.roofline import derive_thresholds, find_device, kv_bytes_per_token_layer  # noqa: E402
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 
@@ -83,7 +91,7 @@ def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smok
             interpret = device.type != "cuda"
             # as the tuner times them (decode ranges in CUDA graphs, eager where capture fails)
             timed = time_shape(f"{op} rows {lo}..{hi}", ref, kernel, half, [tile], Clock(None, 1), interpret,
-                               graph=hi is not None and not interpret, log=print)
+                               graph=not is_prefill(lo) and not interpret, log=print)
             t_ref, t_ker = timed["torch_ms"], timed["kernel_ms"]
             t_half = timed.get("kernel_half_ms")  # None where the gathered form could not be captured
             serves = "gathered" if table is not None and table.gathers(op, rows) else "kernel"

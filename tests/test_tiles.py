@@ -11,6 +11,8 @@ from vskipper.mixed.tiles import (
     DEFAULT_READ_TILE,
     OPERATIONS,
     PAIR_FIELD,
+    PREFILL_FROM,
+    PREFILL_RANGES,
     READ_FIELD,
     ReadTile,
     Tile,
@@ -90,8 +92,8 @@ def test_unmeasured_devices_fall_back_to_the_default_and_unknown_ones_need_a_lim
     (lambda d: d.__setitem__("ffn_pair", {}), "ffn_pair: expected a list"),
     (lambda d: d.__setitem__("ffn_pair", pair_entries()[:3]), "ffn_pair: must end with an open-ended range"),
     (lambda d: d.__setitem__("ffn_pair", pair_entries()[1:]), r"ffn_pair\[0\]: field 'rows' must be \[1, last\]"),
-    (lambda d: d.__setitem__("ffn_pair", [*pair_entries()[:-1], {"rows": [513, None], "grouped_ms": 1.0}]),
-     r"ffn_pair\[5\]: fields 'grouped_ms' and 'apart_ms' go together"),
+    (lambda d: d.__setitem__("ffn_pair", [*pair_entries()[:-1], {"rows": [2049, None], "grouped_ms": 1.0}]),
+     r"ffn_pair\[7\]: fields 'grouped_ms' and 'apart_ms' go together"),
     (lambda d: d.__setitem__("ffn_pair", [{"rows": [1, None], "grouped_ms": 0, "apart_ms": 1.0}]),
      r"ffn_pair\[0\]: field 'grouped_ms' must be a positive number of milliseconds, got 0"),
     (lambda d: d.__setitem__("ffn_pair", [{"rows": [1, None], "grouped_error": "x", "grouped_ms": 1.0}]),
@@ -136,13 +138,13 @@ def pair_entries(apart_faster: tuple[int, ...] = ()) -> list[dict]:
 def test_the_ffn_pair_launches_grouped_unless_the_table_measured_it_faster_apart():
     data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2})
     assert all(parse_tile_table(data, 99 * 1024).groups_ffn(rows) for rows in (1, 64, 4096))  # not timed: grouped
-    data["ffn_pair"] = pair_entries(apart_faster=(1, 5))
+    data["ffn_pair"] = pair_entries(apart_faster=(1, 5))  # 17-32 and a prefill of 513-1,024 tokens
     del data["ffn_pair"][2]["grouped_ms"], data["ffn_pair"][2]["apart_ms"]  # a range not timed
     data["ffn_pair"][3] = {"rows": [65, 128], "grouped_error": "OutOfResources: shared memory", "apart_ms": 1.0}
     t = parse_tile_table(data, 99 * 1024)
-    assert [t.groups_ffn(rows) for rows in (16, 17, 32, 33, 64, 65, 128, 129, 512, 513, 8192)] == [
-        True, False, False, True, True, False, False, True, True, False, False]
-    assert t.apart_ranges() == [[17, 32], [65, 128], [513, None]]
+    assert [t.groups_ffn(rows) for rows in (16, 17, 32, 33, 64, 65, 128, 129, 512, 513, 1024, 1025, 8192)] == [
+        True, False, False, True, True, False, False, True, True, False, False, True, True]
+    assert t.apart_ranges() == [[17, 32], [65, 128], [513, 1024]]
     again = parse_tile_table(json.loads(json.dumps(t.as_dict())), 99 * 1024)
     assert again.ffn_pair == t.ffn_pair
 
@@ -273,15 +275,26 @@ def test_a_table_says_which_of_the_tuners_measurements_it_was_tuned_without():
         "half-count times", "how each shape was timed", "prefill tiles chosen over the full and the half count",
         "FFN pair timings", "a packed prefill read timing"]
     for op in OPERATIONS:
-        for n, (_, hi) in enumerate(COUNT_RANGES):
-            data["tiles"][op][n].update(kernel_half_ms=0.07, timed="cuda graph" if hi else "eager",
-                                        chosen_by="full live" if hi else "full and half live")
+        for n, (lo, _) in enumerate(COUNT_RANGES):
+            prefill = lo >= PREFILL_FROM
+            data["tiles"][op][n].update(kernel_half_ms=0.07, timed="eager" if prefill else "cuda graph",
+                                        chosen_by="full and half live" if prefill else "full live")
     data[PAIR_FIELD] = [{"rows": [lo, hi], "grouped_ms": 0.1, "apart_ms": 0.2} for lo, hi in COUNT_RANGES]
     data[READ_FIELD] = {"block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "kernel_ms": 0.1,
                         "causal_all_rows_ms": 0.2}
     current = parse_tile_table(data, 227 * 1024)
     assert current.lacks() == [] and current.timing("mlp_down", 600).chosen_by == "full and half live"
     assert parse_tile_table(current.as_dict(), 227 * 1024).lacks() == []  # its notes survive a round trip
+    # a table from before the prefill ranges were split by length: one tile, tuned at one length, for every prefill
+    unsplit = json.loads(json.dumps(data))
+    for op in OPERATIONS:
+        unsplit["tiles"][op] = [*unsplit["tiles"][op][:len(COUNT_RANGES) - len(PREFILL_RANGES)],
+                                {**unsplit["tiles"][op][-1], "rows": [PREFILL_FROM, None]}]
+    unsplit[PAIR_FIELD] = [*data[PAIR_FIELD][:len(COUNT_RANGES) - len(PREFILL_RANGES)],
+                           {"rows": [PREFILL_FROM, None], "grouped_ms": 0.1, "apart_ms": 0.2}]
+    older = parse_tile_table(unsplit, 227 * 1024)
+    assert [line.split(":")[0] for line in older.lacks()] == ["prefill tiles by length"]
+    assert older.lookup("mlp_down", 1024) == older.lookup("mlp_down", 8192)  # and it still serves every length
     del data["tiles"]["attn_q"][1]["kernel_half_ms"]  # a decode shape whose gathered form could not be captured
     data["tiles"]["attn_q"][1]["timed"] = "eager"
     assert parse_tile_table(data, 227 * 1024).lacks() == []  # a choice the tuner made, not a gap

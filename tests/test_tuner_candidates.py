@@ -2,7 +2,14 @@
 tiles are tried before the sample, within the candidate limit and the device's shared memory; the budget is
 shared out; decode shapes are timed as CUDA graph replays."""
 
-from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, Tile, parse_tile_table, tile_table_for
+from vskipper.mixed.tiles import (
+    COUNT_RANGES,
+    OPERATIONS,
+    PREFILL_RANGES,
+    Tile,
+    parse_tile_table,
+    tile_table_for,
+)
 from vskipper.mixed.tuner import (
     PREFILL_SEED_TILES,
     candidate_tiles,
@@ -20,17 +27,25 @@ def test_the_shipped_tile_of_each_range_is_a_candidate_so_a_new_table_is_never_m
     current = current_table(H100.name, H100.shared_mem_per_block, "bfloat16")
     for lo, hi in COUNT_RANGES:
         rows = representative_rows(lo, hi)
-        seeds = seed_tiles("mlp_gate_up", hi, rows, current)
+        seeds = seed_tiles("mlp_gate_up", lo, rows, current)
         assert seeds[0] == shipped.lookup("mlp_gate_up", rows)
         tiles = candidate_tiles("mlp_gate_up", rows, H100.shared_mem_per_block, 2, 24, seeds)
         assert len(tiles) <= 24 and len(set(tiles)) == len(tiles)
         assert tiles[0] == seeds[0]
 
 
+def test_each_prefill_length_is_tuned_at_its_own_tokens():
+    """A prefill grid is sized by the pass's tokens: the ranges from 513 are timed at 1,024, 2,048 and 4,096 rows
+    (under the interpreter at their first rows, the fewest it emulates), each decode range at its upper end."""
+    assert [representative_rows(lo, hi) for lo, hi in PREFILL_RANGES] == [1024, 2048, 4096]
+    assert [representative_rows(lo, hi, interpret=True) for lo, hi in PREFILL_RANGES] == [513, 1025, 2049]
+    assert [representative_rows(lo, hi) for lo, hi in COUNT_RANGES[:-len(PREFILL_RANGES)]] == [16, 32, 64, 128, 512]
+
+
 def test_a_prefill_range_tries_the_large_tiles_that_fit_and_a_decode_range_does_not():
     current = current_table(H100.name, H100.shared_mem_per_block, "bfloat16")
-    prefill = seed_tiles("mlp_down", None, 2048, current)
-    decode = seed_tiles("mlp_down", 16, 16, current)
+    prefill = seed_tiles("mlp_down", 1025, 2048, current)
+    decode = seed_tiles("mlp_down", 1, 16, current)
     assert set(PREFILL_SEED_TILES) <= set(prefill) and not set(PREFILL_SEED_TILES) & set(decode)
     tiles = candidate_tiles("mlp_gate_up", 2048, H100.shared_mem_per_block, 2, 24, prefill)
     big = Tile(128, 256, 64, 8, 3)  # two weight tiles of 64 x 256 at 3 stages: 240 KiB, over the H100's 227
@@ -49,8 +64,8 @@ def test_every_candidate_fits_the_shared_memory_and_the_sample_still_spans_the_g
 
 def test_a_device_without_a_loadable_table_seeds_only_the_large_prefill_tiles():
     assert current_table("Some Future GPU", None, "bfloat16") is None  # not catalogued, no limit: nothing loads
-    assert seed_tiles("attn_q", None, 2048, None) == list(PREFILL_SEED_TILES)
-    assert seed_tiles("attn_q", 16, 16, None) == []
+    assert seed_tiles("attn_q", 2049, 4096, None) == list(PREFILL_SEED_TILES)
+    assert seed_tiles("attn_q", 129, 512, None) == []
 
 
 def test_the_tuners_clock_shares_what_is_left_of_its_budget_and_never_stops_a_shape_before_its_first_tile(
@@ -239,3 +254,33 @@ def test_a_range_whose_grouped_ffn_pair_fails_keeps_the_error_and_serves_the_two
     entries = tuner.time_ffn_pairs(table, 32, 64, 16, torch.Generator().manual_seed(0), torch.device("cpu"),
                                    torch.float32, True, tuner.Clock(None, 6), log=lambda line: None)
     assert entries[0] == {"rows": [1, 16]} and all("grouped_ms" in e for e in entries[1:])
+
+
+def test_the_tuner_gives_each_prefill_shape_twice_a_decode_shapes_share_of_its_budget(monkeypatch):
+    """`tune` with a budget: a prefill shape times each candidate at both counts, eagerly, over thousands of rows, so
+    its share of what is left is `PREFILL_WEIGHT` times a decode shape's; the FFN pairs keep theirs. (No GPU here: the interpreter's path with the timing stood in for, the clock read as each shape starts.)"""
+    import time
+
+    from vskipper.mixed import tuner
+
+    shares: list[tuple[int, float]] = []
+
+    def fake_shape(shape, reference, kernel, half, candidates, clock, interpret, graph, log=print, by_half=False):
+        lo = int(shape.split("rows ")[1].split("..")[0])
+        shares.append((lo, clock.shape_deadline - time.monotonic()))
+        return {"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "kernel_ms": 1.0,
+                "torch_ms": 1.0, "line": ""}
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(tuner, "time_shape", fake_shape)
+    tuner.tune("H100-SXM", 227 * 1024, 32, 64, 16, interpret=True, log=lambda line: None, budget_s=1000.0)
+    # nothing is spent here, so each shape takes its weight's part of the whole budget over the weights still left
+    left, expected = sum(len(OPERATIONS) * tuner.shape_weight(lo) + tuner.PAIR_WEIGHT for lo, _ in COUNT_RANGES), []
+    for _ in OPERATIONS:
+        for lo, _ in COUNT_RANGES:
+            expected.append((lo, 1000.0 * tuner.shape_weight(lo) / left))
+            left -= tuner.shape_weight(lo)
+    assert [lo for lo, _ in shares] == [lo for lo, _ in expected]
+    assert all(abs(got - want) < 0.5 for (_, got), (_, want) in zip(shares, expected, strict=True))
+    prefill = [n for n, (lo, _) in enumerate(shares) if lo >= PREFILL_RANGES[0][0]]
+    assert len(prefill) == len(OPERATIONS) * len(PREFILL_RANGES) and tuner.PREFILL_WEIGHT == 2

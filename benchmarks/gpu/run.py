@@ -11,8 +11,8 @@ Every stage serves a Llama-3-8B-shaped FlexiDepth configuration (32 layers, rout
 `--load-format dummy`), one server at a time with the device's memory to itself.
 
 tiles     `vskipper tune-tiles` on the device: the routed layers' Triton GEMMs tiled for this device, every
-          range (the prefill one, 513 rows and up, included) and every operation measured here; each later stage's
-          servers take the table (`vskipper serve --tile-table`), as each attests.
+          range (the prefill ones, by a pass's tokens from 513 up, included) and every operation measured here;
+          each later stage's servers take the table (`vskipper serve --tile-table`), as each attests.
 ladder    the headline A/B's dense half (`benchmarks/gpu/headline.py`): on GSM8K-shaped suites with forced output
           lengths, upstream's Q* ladder on dense (loadgen's Q* rule), then dense's side of every headline cell
           (0.75 / 0.95 / 1.25 x Q*, paired repetitions), on the same server.

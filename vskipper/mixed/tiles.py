@@ -21,18 +21,23 @@ at half the count (a table without the half-count timing never gathers) and the 
 or below the device's ridge, `vskipper.roofline`), that operation serves in the gathered cuBLAS form
 (`TileTable.gathers`, `vskipper.mixed.gathered`) instead of the tile.
 
-`rows` ranges must cover 1.. without gaps (the last one open: [513, null]). The six operations are the gate-up (two
+`rows` ranges must cover 1.. without gaps (the last one open: [2049, null]). The six operations are the gate-up (two
 operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the RUN
-cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered); with the six count ranges of
-`COUNT_RANGES` (the last, 513 rows and up, a prefill pass's) that is 36 shapes. A routed layer launches its MLP and
-its projector together, one grid a stage (`kernels.cohort_ffn_pair`), at the MLP's tiles, unless the table's
-`ffn_pair` (optional: a table without it groups them) measured the two launched apart faster at that range; the
-projector's own tiles serve where each FFN launches alone (there, and where the table gathers one of the four). A
-table measured before the prefill range existed ends at [129, null], which then serves prefill too; it still loads.
-Each entry may also note how it was timed (`timed`: 'cuda graph', 'eager' or 'interpreter') and what chose its tile
-(`chosen_by`: 'full live', or 'full and half live' in the prefill range). A table an older tuner wrote lacks some
-of these measurements and still loads; `TileTable.lacks` names each gap with what serving without it means, and
-the serving execution attests that list (`tiles_lack`).
+cohort's Q projection (`attn_q`, gathered) and o_proj (`attn_o`, scattered); with the eight count ranges of
+`COUNT_RANGES` that is 48 shapes. The last three (`PREFILL_RANGES`, from 513 rows) are a prefill pass's, by its
+tokens (a prefill's cohort maps hold the pass's rows): to 1,024, to 2,048, and above. A prefill grid is sized by the
+pass's tokens, so no one tile fills the device at every length: at 1,024 tokens a tile of 128 x 256 rows x columns
+makes 128 programs of a down GEMM on the H200's 132 SMs, and with half the rows RUN half of them run, each as long
+(its routed down GEMMs took 0.96 of their all-RUN time there), where at 2,048 tokens the same tile fills the device
+with half the rows. A routed layer launches its MLP and its projector together, one grid a stage
+(`kernels.cohort_ffn_pair`), at the MLP's tiles, unless the table's `ffn_pair` (optional: a table without it groups
+them) measured the two launched apart faster at that range; the projector's own tiles serve where each FFN launches
+alone (there, and where the table gathers one of the four). A table measured before the prefill ranges existed ends
+at [129, null], which then serves prefill too, and one measured before they were split by length at [513, null]
+(one tile for every prefill pass); both still load. Each entry may also note how it was timed (`timed`: 'cuda
+graph', 'eager' or 'interpreter') and what chose its tile (`chosen_by`: 'full live', or 'full and half live' in the
+prefill ranges). A table an older tuner wrote lacks some of these measurements and still loads; `TileTable.lacks`
+names each gap with what serving without it means, and the serving execution attests that list (`tiles_lack`).
 A table measured before the attention cohort GEMMs existed has no `attn_q` or `attn_o`: it takes their tiles from
 `default_tile_table` for its shared-memory limit, and its `source` says so (a table with one of them and not the
 other is refused). A table is validated against the device's shared memory per block (`vskipper.roofline.DEVICES`):
@@ -55,7 +60,10 @@ from vskipper.roofline import Device, find_device
 
 OPERATIONS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down", "attn_q", "attn_o")
 DEFAULTED_OPERATIONS = ("attn_q", "attn_o")  # a table without them takes the default's tiles
-COUNT_RANGES: tuple[tuple[int, int | None], ...] = ((1, 16), (17, 32), (33, 64), (65, 128), (129, 512), (513, None))
+PREFILL_FROM = 513  # the count ranges from here on are a prefill pass's tokens (the decode ranges end at 512 rows)
+COUNT_RANGES: tuple[tuple[int, int | None], ...] = ((1, 16), (17, 32), (33, 64), (65, 128), (129, 512),
+                                                    (PREFILL_FROM, 1024), (1025, 2048), (2049, None))
+PREFILL_RANGES = tuple(r for r in COUNT_RANGES if r[0] >= PREFILL_FROM)
 TABLE_DIR = Path(__file__).with_name("tile_tables")
 TABLE_DTYPES = ("float16", "bfloat16", "float32")  # the canonical names a table may be measured in
 
@@ -251,9 +259,14 @@ class TileTable:
         if any(timing is None or timing.timed is None for _, timing in timed):
             out.append("how each shape was timed: a tuner from before decode shapes were timed as CUDA graph "
                        "replays timed them eagerly, mostly the host's launches")
-        if any(timing is None or timing.chosen_by is None for hi, timing in timed if hi is None):
+        if any(timing is None or timing.chosen_by is None for hi, timing in timed
+               if hi is None or hi >= PREFILL_FROM):  # the ranges that serve a prefill pass
             out.append("prefill tiles chosen over the full and the half count: chosen with every row live, they "
                        "may idle half the device when half the rows are RUN")
+        if any([(lo, hi) for lo, hi, _ in rows if lo >= PREFILL_FROM] != list(PREFILL_RANGES)
+               for rows in self.entries.values()):
+            out.append("prefill tiles by length: one tile serves every prefill pass from the table's last range on, "
+                       "tuned at one length: its grid may fill the device there alone")
         if not any(t is not None for _, _, t in self.ffn_pair):
             out.append("FFN pair timings: every routed layer launches its two cohort FFNs grouped")
         if self.read_timing is None:
@@ -483,12 +496,12 @@ def default_tile_table(shared_mem_per_block: int, device: str = "unmeasured", dt
                        ) -> TileTable:
     """The documented fallback for a device without a measured table.
 
-    >= 160 KiB per block: block_m 16/32/64/64/128/128 over the count ranges, block_n 64 (gate-up) / 128 (down),
+    >= 160 KiB per block: block_m 16/32/64/64, then 128, over the count ranges, block_n 64 (gate-up) / 128 (down),
     block_k 64, 3 stages (4 warps; 8 from 65 rows). Below that (the 99 KiB Ampere/Ada parts): the same blocks
     with 2 stages. If a configuration still does not fit, stages and then block_n are lowered until it does.
     """
     stages = 3 if shared_mem_per_block >= _LARGE_SMEM else 2
-    block_ms = (16, 32, 64, 64, 128, 128)
+    block_ms = (16, 32, 64, 64) + (128,) * (len(COUNT_RANGES) - 4)
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:
         rows = []

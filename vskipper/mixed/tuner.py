@@ -1,17 +1,17 @@
 """The tile tuner behind `vskipper tune-tiles`: time candidate tiles against torch on the same packed rows.
 
-For each of the 36 shapes (6 operations x 6 count ranges, `vskipper.mixed.tiles`) it builds a cohort of a
-representative size for the range (the range's upper end; 2,048 for the open one) over a batch twice that size
+For each of the 48 shapes (6 operations x 8 count ranges, `vskipper.mixed.tiles`) it builds a cohort of a
+representative size for the range (the range's upper end; 4,096 for the open one) over a batch twice that size
 with a random row map, times every candidate tile that fits the device's shared memory, and times the gathered
 cuBLAS form on the same slots (`vskipper.mixed.gathered`: gather, matmul(s) (the MLP's gate and up as halves of
 one merged weight, as served: one GEMM, `op_weights`), SiLU-and-multiply; for down, the
 matmul and the weighted, masked index_add; for Q, the gather, the matmul and the mask; for o_proj, the matmul and
 the masked index_add). The best candidate goes in the table with its time ratio to torch, and its time with half
 the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. In the
-prefill range every candidate is timed at both counts and the fastest over both wins (`time_shape`'s `by_half`:
-a routed layer serves about half its rows RUN, where a tile that fills the device at the full count idles). A decode
-range's shapes are timed as replays of a CUDA graph (their kernels take tens of microseconds, the host's launches
-as long), the prefill range's eagerly, as each is served. After them, the packed prefill read
+prefill ranges (a prefill pass's tokens: to 1,024, to 2,048, above; each shape twice a decode shape's share of the
+budget, `PREFILL_WEIGHT`) every candidate is timed at both counts and the fastest over both wins (`time_shape`'s `by_half`: a routed layer serves about half its rows RUN, where a tile that
+fills the device at the full count idles). A decode range's shapes are timed as replays of a CUDA graph (their
+kernels take tens of microseconds, the host's launches as long), the prefill ranges' eagerly, as each is served. After them, the packed prefill read
 (`tune_prefill_read`, in a share of `READ_WEIGHT` shapes set aside from the start): each launch of
 `READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, as a served layer launches it (each slot
 gathering its row's query, request and position), beside the causal read of every row; the fastest goes in the
@@ -41,6 +41,7 @@ from vskipper.mixed.tiles import (
     DEFAULT_READ_TILE,
     OPERATIONS,
     PAIR_FIELD,
+    PREFILL_FROM,
     READ_FIELD,
     ReadTile,
     Tile,
@@ -56,14 +57,22 @@ class TunerError(RuntimeError):
     pass
 
 
-PREFILL_ROWS = 2048  # the open range's shape: a prefill pass's tokens
-INTERPRETED_PREFILL_ROWS = 600  # under the interpreter (a smoke run), still in the open range
+PREFILL_ROWS = 4096  # the open range's shape: a prefill pass's tokens
+READ_TOKENS = 2048  # the one prompt the packed prefill read is tuned on
 
 
 def representative_rows(lo: int, hi: int | None, interpret: bool = False) -> int:
-    if hi is not None:
-        return hi
-    return max(lo, INTERPRETED_PREFILL_ROWS if interpret else PREFILL_ROWS)
+    """The rows a range's shapes are timed at: its upper end (`PREFILL_ROWS` for the open one). Under the
+    interpreter (a smoke run) a prefill range's first rows, the fewest it holds."""
+    if interpret and lo >= PREFILL_FROM:
+        return lo
+    return hi if hi is not None else max(lo, PREFILL_ROWS)
+
+
+def is_prefill(lo: int) -> bool:
+    """A count range from `lo` rows holds a prefill pass's tokens: timed eagerly, as served, and its tiles chosen
+    over the full and the half count."""
+    return lo >= PREFILL_FROM
 
 
 # Tiles tried first for a prefill pass's rows, whatever the sample (which may hold few tiles of 128 rows): the
@@ -81,11 +90,12 @@ def current_table(device_name: str, shared_mem_per_block: int, dtype: str) -> Ti
         return None
 
 
-def seed_tiles(op: str, hi: int | None, rows: int, current: TileTable | None) -> list[Tile]:
+def seed_tiles(op: str, lo: int, rows: int, current: TileTable | None) -> list[Tile]:
     """The tiles a shape is tried with before the sample: the `current` table's at that range, so a new table is
-    never measured worse than the one it replaces, and for the open range (a prefill pass's rows) the large tiles
-    of `PREFILL_SEED_TILES`."""
-    return ([current.lookup(op, rows)] if current is not None else []) + (list(PREFILL_SEED_TILES) if hi is None else [])
+    never measured worse than the one it replaces, and for a prefill range (a prefill pass's tokens) the large
+    tiles of `PREFILL_SEED_TILES`."""
+    shipped = [current.lookup(op, rows)] if current is not None else []
+    return shipped + (list(PREFILL_SEED_TILES) if is_prefill(lo) else [])
 
 
 def candidate_tiles(op: str, rows: int, shared_mem_per_block: int, dtype_bytes: int = 2,
@@ -277,7 +287,7 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
     clock = clock or Clock(None, 0)
     clock.start_reserved()
     device = torch.device("cpu" if interpret else "cuda")
-    tokens = INTERPRETED_READ_TOKENS if interpret else PREFILL_ROWS
+    tokens = INTERPRETED_READ_TOKENS if interpret else READ_TOKENS
     tdtype = torch.float32 if interpret else getattr(torch, dtype)
     causal, packed, pairs = read_calls(tokens, heads, kv_heads, head_dim, torch.Generator().manual_seed(1), device,
                                        tdtype)
@@ -358,6 +368,14 @@ def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[...
 
 # The FFN pair's weight in the tuner's budget at each range, against a GEMM shape's 1 (up to 24 tiles): two timings.
 PAIR_WEIGHT = 0.25
+# A prefill shape's weight against a decode shape's 1: each candidate is timed at both counts, eagerly, over
+# thousands of rows (on the H200 a decode shape timed 9-19 tiles in its share, a prefill shape at one count 4-14).
+PREFILL_WEIGHT = 2.0
+
+
+def shape_weight(lo: int) -> float:
+    """The budget weight of a GEMM shape of the count range from `lo` rows."""
+    return PREFILL_WEIGHT if is_prefill(lo) else 1.0
 
 
 def ffn_pair_calls(rows: int, hidden: int, intermediate: int, proj_width: int, table: TileTable,
@@ -407,7 +425,7 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
             log(f"{where} not timed: the budget is spent")
         else:
             grouped, apart = ffn_pair_calls(rows, hidden, intermediate, proj_width, table, g, device, dtype)
-            graph = hi is not None and not interpret
+            graph = not is_prefill(lo) and not interpret
             try:  # the GEMMs' own launches, each timed at these tiles already
                 entry.update(apart_ms=_ms(time_call(apart, interpret, graph=graph)))
             except Exception as exc:  # the tiles' timings stand; this range keeps none
@@ -430,7 +448,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
          dtype: str = "bfloat16", interpret: bool = False, max_candidates: int | None = None,
          log: Callable[[str], None] = print, q_width: int | None = None,
          read_heads: tuple[int, int, int] | None = None, budget_s: float | None = None) -> dict:
-    """Tune all 36 shapes, then time the FFN pair at each count range (`time_ffn_pairs`), and, given `read_heads`
+    """Tune all 48 shapes, then time the FFN pair at each count range (`time_ffn_pairs`), and, given `read_heads`
     = (heads, kv_heads, head_dim), the packed prefill read, within `budget_s` (`Clock`); returns the table as a
     dict (validated), each entry with its ratio to torch and the candidates it tried."""
     if interpret:
@@ -445,7 +463,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
     tdtype = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     current = current_table(device_name, shared_mem_per_block, dtype)
-    clock = Clock(budget_s, (len(OPERATIONS) + PAIR_WEIGHT) * len(COUNT_RANGES),  # + the FFN pair at each range
+    clock = Clock(budget_s, sum(len(OPERATIONS) * shape_weight(lo) + PAIR_WEIGHT for lo, _ in COUNT_RANGES),
                   READ_WEIGHT if read_heads is not None else 0)
     tiles: dict[str, list[dict]] = {}
     for op in OPERATIONS:
@@ -453,14 +471,14 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
         w1, w2 = op_weights(op, n_dim, k_dim, g, device, tdtype)
         entries = []
         for lo, hi in COUNT_RANGES:
-            clock.start_shape()
+            clock.start_shape(shape_weight(lo))
             rows = representative_rows(lo, hi, interpret)
             reference, kernel, half = shape_calls(op, rows, w1, w2, g, device, tdtype)
             candidates = candidate_tiles(op, rows, shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates,
-                                         seed_tiles(op, hi, rows, current))
-            # decode: served from graphs; prefill (the open range): chosen over the full and half count
+                                         seed_tiles(op, lo, rows, current))
+            # decode: served from graphs; prefill: chosen over the full and half count
             entry = time_shape(f"{op} rows {lo}..{hi}", reference, kernel, half, candidates, clock, interpret,
-                               graph=hi is not None and not interpret, log=log, by_half=hi is None)
+                               graph=not is_prefill(lo) and not interpret, log=log, by_half=is_prefill(lo))
             log(f"{op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} {entry.pop('line')}")
             entries.append({"rows": [lo, hi], **entry})
         tiles[op] = entries
