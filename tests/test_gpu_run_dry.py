@@ -307,6 +307,7 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     assert "Served in the gathered cuBLAS form (`TileTable.gathers`: " in summary
     assert f"at or below the ridge): {run.gathered_summary(table)}." in summary
     assert "The packed prefill read (64 tokens, 50% of them RUN)" in summary
+    assert "for every row's read by SGLang's triton backend, which a routed prefill reads through" in summary
     assert "### The routed path's goals" in summary and "| decode s=0 / dense in every cell | 0.97 |" in summary
     q_star = results["ladder"]["q_star"]["q_star"]
     assert "## Headline A/B: GSM8K-shaped load, one server at a time" in summary

@@ -13,7 +13,7 @@ import torch
 from sglang_layer_world import ARCHS, LayerWorld
 
 from vskipper.mixed import kernels
-from vskipper.mixed.tiles import OPERATIONS, ReadTile, tile_table_for
+from vskipper.mixed.tiles import OPERATIONS, ReadTile, ReadTiming, tile_table_for
 from vskipper.sglang.models import routed as served
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "the triton execution tests need TRITON_INTERPRET=1 (conftest.py)"
@@ -489,17 +489,27 @@ def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_w
         "block_rows": 128, "block_n": 32, "num_warps": 8, "num_stages": 3, "measured": True}
     # On CUDA prefill reads through SGLang's attention backend, whichever execution decodes.
     assert served.cohort_execution([world.layer], torch.device("cuda"), "torch").prefill_read == "backend"
-    # The triton execution on CUDA reads packed, unless the device's table measured that slower than every row's
-    # causal read (the H200's), and says so. (No GPU here: the device's table is handed in.)
+    # The triton execution on CUDA reads packed, unless the device's table measured that no faster than the read
+    # replacing it (the H200's, against SDPA: it has no time of the server's backend), and says what it weighed;
+    # a table that never timed the read says nothing. (No GPU here: the device's table is handed in.)
     for product, read in (("NVIDIA H200", "backend"), ("NVIDIA H100 80GB HBM3", "packed")):
         monkeypatch.setattr(kernels, "device_tile_table", lambda device, path=None, p=product: tile_table_for(p))
-        on_gpu = served.cohort_execution([world.layer], torch.device("cuda"), "triton")
+        on_gpu = served.cohort_execution([world.layer], torch.device("cuda"), "triton", attention_backend="triton")
         assert (on_gpu.decode, on_gpu.prefill_read) == ("triton", read)
         assert ("prefill_read_why" in on_gpu.attestation()) == (read == "backend")
-    assert on_gpu.attestation().get("prefill_read_why") is None
     monkeypatch.setattr(kernels, "device_tile_table", lambda device, path=None: tile_table_for("NVIDIA H200"))
-    assert served.cohort_execution([world.layer], torch.device("cuda"), "triton").attestation()[
-        "prefill_read_why"].startswith("the table measured the packed read of half a prompt's rows at 0.13791 ms")
+    assert served.cohort_execution([world.layer], torch.device("cuda"), "triton", attention_backend="triton"
+                                   ).attestation()["prefill_read_why"] == (
+        "the table measured the packed read of half a prompt's rows at 0.13791 ms, every row's causal read by SDPA "
+        "(the triton backend's own read not timed) at 0.08535 ms")
+    # a table that timed the server's backend weighs the packed read against it
+    timed = tile_table_for("NVIDIA H200")
+    timed.read_timing = ReadTiming(0.138, 0.085, 0.29, "triton")
+    monkeypatch.setattr(kernels, "device_tile_table", lambda device, path=None: timed)
+    on_triton = served.cohort_execution([world.layer], torch.device("cuda"), "triton", attention_backend="triton")
+    assert on_triton.prefill_read == "packed" and "by the triton attention backend at 0.29 ms" in \
+        on_triton.attestation()["prefill_read_why"]
+    assert served.cohort_execution([world.layer], torch.device("cuda"), "triton").prefill_read == "backend"
     monkeypatch.setattr(world.layer.mlp.down_proj, "tp_size", 2, raising=False)
     split = served.cohort_execution([world.layer], cpu, "triton")
     assert split.decode == "torch"

@@ -240,20 +240,36 @@ def test_the_shipped_tables_tuned_before_the_half_count_timing_keep_their_tiles(
         assert t.timing("mlp_down", 128) is not None and t.gathered_ranges() == {}, product
 
 
-def test_the_prefill_read_is_the_backends_where_the_table_measured_the_packed_read_slower_than_every_rows():
+def test_the_prefill_read_is_the_backends_where_the_table_measured_the_packed_read_no_faster_than_its_read():
     """`TileTable.prefill_read`: the packed read of the RUN rows serves unless the tuner timed it (over half a
-    prompt's rows) at or above every row's causal read, as the shipped H200 table did (0.138 against 0.085 ms);
-    a table without both times keeps the packed read. The times round-trip and are validated."""
+    prompt's rows) at or above the read that would replace it: the server's attention backend reading every row,
+    where the table timed that backend, else SDPA's causal read of every row standing in (the shipped H200 table
+    has SDPA's alone: 0.138 against 0.085 ms). A table without the read's times keeps the packed read. The times
+    round-trip and are validated, the backend's named with it."""
     h200 = tile_table_for("NVIDIA H200")
-    assert h200.prefill_read() == ("backend", "the table measured the packed read of half a prompt's rows at "
-                                   "0.13791 ms, every row's causal read at 0.08535 ms")
-    assert tile_table_for("NVIDIA H100 80GB HBM3").prefill_read() == ("packed", "")  # the read was never timed
+    sdpa = ("the table measured the packed read of half a prompt's rows at 0.13791 ms, every row's causal read by "
+            "SDPA ({}) at 0.08535 ms")
+    assert h200.prefill_read() == ("backend", sdpa.format("the served backend not named"))
+    assert h200.prefill_read("triton") == ("backend", sdpa.format("the triton backend's own read not timed"))
+    assert tile_table_for("NVIDIA H100 80GB HBM3").prefill_read("triton") == ("packed", "")  # never timed
     data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, device="H200")
-    data["prefill_read"] = {"block_rows": 64, "block_n": 64, "kernel_ms": 0.05, "causal_all_rows_ms": 0.08}
-    faster = parse_tile_table(data, 227 * 1024)
-    assert faster.prefill_read() == ("packed", "")
-    again = parse_tile_table(json.loads(json.dumps(faster.as_dict())), 227 * 1024)
-    assert again.read_timing == faster.read_timing and again.read == faster.read
+    data["prefill_read"] = {"block_rows": 64, "block_n": 64, "kernel_ms": 0.138, "causal_all_rows_ms": 0.085,
+                            "backend": "triton", "backend_all_rows_ms": 0.29}
+    timed = parse_tile_table(data, 227 * 1024)
+    # slower than SDPA, faster than the Triton extend kernel a server on that backend reads with instead
+    assert timed.prefill_read("triton") == ("packed", "the table measured the packed read of half a prompt's rows "
+                                            "at 0.138 ms, every row's read by the triton attention backend at 0.29 ms")
+    assert timed.prefill_read("fa3")[0] == "backend" and "the fa3 backend's own read not timed" in \
+        timed.prefill_read("fa3")[1]
+    again = parse_tile_table(json.loads(json.dumps(timed.as_dict())), 227 * 1024)
+    assert again.read_timing == timed.read_timing and again.read == timed.read
+    data["prefill_read"]["backend_all_rows_ms"] = 0.1
+    assert parse_tile_table(data, 227 * 1024).prefill_read("triton")[0] == "backend"
+    del data["prefill_read"]["backend"]
+    with pytest.raises(TileTableError, match="prefill_read: fields 'backend' .* and 'backend_all_rows_ms' go together"):
+        parse_tile_table(data, 227 * 1024)
+    del data["prefill_read"]["backend_all_rows_ms"]
+    assert parse_tile_table(data, 227 * 1024).read_timing.backend_ms is None
     data["prefill_read"]["causal_all_rows_ms"] = 0
     with pytest.raises(TileTableError, match="prefill_read: field 'causal_all_rows_ms' must be a positive number"):
         parse_tile_table(data, 227 * 1024)
@@ -282,6 +298,9 @@ def test_a_table_says_which_of_the_tuners_measurements_it_was_tuned_without():
     data[PAIR_FIELD] = [{"rows": [lo, hi], "grouped_ms": 0.1, "apart_ms": 0.2} for lo, hi in COUNT_RANGES]
     data[READ_FIELD] = {"block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "kernel_ms": 0.1,
                         "causal_all_rows_ms": 0.2}
+    assert [line.split(":")[0] for line in parse_tile_table(data, 227 * 1024).lacks()] == [
+        "the attention backend's own prefill read"]  # SDPA's read alone, as the tuner before the backend's timed
+    data[READ_FIELD].update(backend="triton", backend_all_rows_ms=0.3)
     current = parse_tile_table(data, 227 * 1024)
     assert current.lacks() == [] and current.timing("mlp_down", 600).chosen_by == "full and half live"
     assert parse_tile_table(current.as_dict(), 227 * 1024).lacks() == []  # its notes survive a round trip

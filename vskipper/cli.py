@@ -93,7 +93,11 @@ def _make_tiny(args: argparse.Namespace) -> int:
 def _tune_tiles(args: argparse.Namespace) -> int:
     from vskipper.mixed.tune_cli import run_tune_tiles
 
-    return run_tune_tiles(args)
+    if args.attention_backend == "none":
+        return run_tune_tiles(args)
+    from vskipper.sglang.backend_read import BACKEND_READS  # imports SGLang's kernel only when it times it
+
+    return run_tune_tiles(args, BACKEND_READS[args.attention_backend])
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -154,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "is spent stops trying tiles (the current table's first), so the tuner ends within it")
     p.add_argument("--interpret", action="store_true",
                    help="tiny smoke run on the Triton interpreter (CPU); the table is not a measurement")
+    p.add_argument("--attention-backend", default="triton", choices=["triton", "none"],
+                   help="SGLang attention backend whose prefill read of every row is timed beside the packed read "
+                   "(a routed prefill reads through it where the packed read is no faster; default triton, as the "
+                   "stand-in profile serves; none: SDPA's read alone)")
     p.set_defaults(func=_tune_tiles)
 
     p = sub.add_parser("serve", help="serve a skipper checkpoint with SGLang; options it does not know go to SGLang",

@@ -1303,8 +1303,13 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
                       f"{read['num_stages']} stages (best of {read.get('tried', '?')} launches), "
                       f"{read['kernel_ms']:.4f} ms (the default launch "
                       f"{_f(read.get('default_ms'), '.4f')} ms), against {read['causal_all_rows_ms']:.4f} ms for every row's "
-                      f"causal read (SDPA): {read['kernel_ms'] / read['causal_all_rows_ms']:.3f}x, beside the RUN "
-                      f"rows' share of the query-key pairs, {read['pairs_share']:.3f} (its limit).", ""]
+                      f"causal read (SDPA): {read['kernel_ms'] / read['causal_all_rows_ms']:.3f}x"
+                      + (f", and {read['backend_all_rows_ms']:.4f} ms for every row's read by SGLang's "
+                         f"{read['backend']} backend, which a routed prefill reads through where the packed read is "
+                         f"no faster: {read['kernel_ms'] / read['backend_all_rows_ms']:.3f}x"
+                         if read.get("backend_all_rows_ms") else ", SGLang's backend not timed")
+                      + f"; beside the RUN rows' share of the query-key pairs, {read['pairs_share']:.3f} (its "
+                      "limit).", ""]
     return lines + served_tiles_lines(sweep)
 
 

@@ -11,9 +11,11 @@ sized for C rows, so C picks the tile, never the device-side count):
    "ffn_pair": [{"rows": [1, 16], "grouped_ms": 0.021, "apart_ms": 0.034}, ...]}
 
 `prefill_read` (optional: a table without it reads with `DEFAULT_READ_TILE`) is the packed prefill read's launch,
-timed by the tuner on one prompt of a prefill range's rows with half of them RUN, beside every row's causal read:
-where the packed read of half the rows took at least as long (`ReadTiming`), the triton execution prefills through
-the host's attention backend instead (`TileTable.prefill_read`).
+timed by the tuner on one prompt of 2,048 tokens with half of them RUN, beside every row's causal read by SDPA and,
+where the tuner could run it, by the host engine's attention backend (`backend`, `backend_all_rows_ms`: SGLang's
+Triton extend kernel, as `--attention-backend triton` serves): where the packed read of half the rows took at least
+as long as the read that would replace it (the server's backend where the table timed it, else SDPA's), the triton
+execution prefills through the host's attention backend instead (`TileTable.prefill_read`).
 
 An entry's timings (`kernel_ms`, `torch_ms`, and `kernel_half_ms` in tables tuned since the half-count timing:
 its tile with half the range's rows live) are kept (`Timing`): where the torch form beat the tile at the full and
@@ -127,16 +129,23 @@ CHOSEN_FULL, CHOSEN_BOTH = CHOSEN_BY = ("full live", "full and half live")  # wh
 @dataclass(frozen=True)
 class ReadTiming:
     """What the tuner measured for the packed prefill read: its best launch over the RUN half of one prompt
-    (`kernel_ms`) and every row's causal read of the same prompt (`causal_ms`, SDPA, as a dense layer reads)."""
+    (`kernel_ms`), every row's causal read of the same prompt by SDPA (`causal_ms`), and where the tuner could run
+    it, by the host engine's own attention backend (`backend_ms`, the backend named `backend`, as SGLang's
+    `--attention-backend` names it): the read a routed prefill layer takes instead of the packed one."""
 
     kernel_ms: float
     causal_ms: float
+    backend_ms: float | None = None
+    backend: str | None = None
 
-    @property
-    def packed_loses(self) -> bool:
-        """Reading half the rows packed took at least as long as reading every row causally: a prefill reads
-        faster through the host's own attention backend, Project-Only rows with a zero query."""
-        return self.kernel_ms >= self.causal_ms
+    def rival(self, backend: str | None) -> tuple[float, str]:
+        """The time the packed read is weighed against where a server reads through `backend` otherwise, and
+        what it is: that backend's own read where the table timed it, else SDPA's causal read standing in for an
+        untimed backend (which may be slower: SGLang's Triton extend kernel is)."""
+        if backend is not None and backend == self.backend and self.backend_ms is not None:
+            return self.backend_ms, f"every row's read by the {backend} attention backend"
+        untimed = f"the {backend} backend's own read not timed" if backend else "the served backend not named"
+        return self.causal_ms, f"every row's causal read by SDPA ({untimed})"
 
 
 DEFAULT_READ_TILE = ReadTile(64, 64, 4, 2)  # a table without `prefill_read` (all before the read was tuned)
@@ -187,15 +196,19 @@ class TileTable:
         grouped launch failed when tuned), as [first, last] ranges (last None: open); the attestation's record."""
         return [[lo, hi] for lo, hi, t in self.ffn_pair if t is not None and not t.grouped_wins]
 
-    def prefill_read(self) -> tuple[str, str]:
-        """The prefill read the triton execution serves with on this table's device, and why: the packed read of
-        the RUN rows, unless the table measured it slower than every row's causal read (`ReadTiming`), where the
-        host's backend reads instead."""
+    def prefill_read(self, backend: str | None = None) -> tuple[str, str]:
+        """The prefill read the triton execution serves with on this table's device, where the server's prefill
+        attention backend is `backend`, and why: the packed read of the RUN rows, unless the table measured it no
+        faster than the read that would replace it (`ReadTiming.rival`: that backend's over every row where the
+        table timed it, else SDPA's), where the backend reads instead. The why is empty where the read was never
+        timed (the packed read serves)."""
         t = self.read_timing
-        if t is not None and t.packed_loses:
-            return "backend", (f"the table measured the packed read of half a prompt's rows at {t.kernel_ms:g} ms, "
-                               f"every row's causal read at {t.causal_ms:g} ms")
-        return "packed", ""
+        if t is None:
+            return "packed", ""
+        rival_ms, rival = t.rival(backend)
+        why = (f"the table measured the packed read of half a prompt's rows at {t.kernel_ms:g} ms, {rival} at "
+               f"{rival_ms:g} ms")
+        return ("backend" if t.kernel_ms >= rival_ms else "packed"), why
 
     @property
     def read_tile(self) -> ReadTile:
@@ -272,6 +285,9 @@ class TileTable:
         if self.read_timing is None:
             out.append("a packed prefill read timing: the packed read serves, untimed against every row's causal "
                        "read")
+        elif self.read_timing.backend_ms is None:
+            out.append("the attention backend's own prefill read: the packed read was weighed against SDPA's "
+                       "causal read, which may be faster than the backend that reads instead")
         return out
 
     def as_dict(self) -> dict:
@@ -290,7 +306,10 @@ class TileTable:
 
     def _read_times(self) -> dict:
         t = self.read_timing
-        return {} if t is None else {"kernel_ms": t.kernel_ms, "causal_all_rows_ms": t.causal_ms}
+        if t is None:
+            return {}
+        backend = {} if t.backend_ms is None else {"backend": t.backend, "backend_all_rows_ms": t.backend_ms}
+        return {"kernel_ms": t.kernel_ms, "causal_all_rows_ms": t.causal_ms, **backend}
 
 
 def _check_power_of_two(where: str, name: str, value: object, low: int, high: int | None = None) -> int:
@@ -420,14 +439,21 @@ def _parse_pair(entries: object, where: str) -> list[tuple[int, int | None, Pair
 
 
 def _parse_read_timing(entry: dict, where: str) -> ReadTiming | None:
-    """The read's timings where the tuner recorded both (`kernel_ms`, `causal_all_rows_ms`), else None."""
-    times = {name: entry.get(name) for name in ("kernel_ms", "causal_all_rows_ms")}
+    """The read's timings where the tuner recorded both (`kernel_ms`, `causal_all_rows_ms`), else None; with the
+    host backend's own (`backend_all_rows_ms`, the backend named by `backend`) where it timed that too."""
+    times = {name: entry.get(name) for name in ("kernel_ms", "causal_all_rows_ms", "backend_all_rows_ms")}
     for name, value in times.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise TileTableError(f"{where}: field '{name}' must be a positive number of milliseconds, got {value!r}")
-    if None in times.values():
+    backend = entry.get("backend")
+    if (backend is None) != (times["backend_all_rows_ms"] is None) or not (
+            backend is None or (isinstance(backend, str) and backend)):
+        raise TileTableError(f"{where}: fields 'backend' (the attention backend's name) and 'backend_all_rows_ms' "
+                             "go together")
+    if times["kernel_ms"] is None or times["causal_all_rows_ms"] is None:
         return None
-    return ReadTiming(float(times["kernel_ms"]), float(times["causal_all_rows_ms"]))
+    return ReadTiming(float(times["kernel_ms"]), float(times["causal_all_rows_ms"]),
+                      None if backend is None else float(times["backend_all_rows_ms"]), backend)
 
 
 def _parse_timing(where: str, entry: dict) -> Timing | None:

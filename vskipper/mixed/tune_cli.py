@@ -7,25 +7,31 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vskipper.modelspec import load_model_facts
 from vskipper.roofline import lookup_device
 
+if TYPE_CHECKING:
+    from vskipper.mixed.tuner import BackendRead
 
-def run_tune_tiles(args: argparse.Namespace) -> int:
+
+def run_tune_tiles(args: argparse.Namespace, backend: BackendRead | None = None) -> int:
+    """`backend`: the host engine's prefill read to time beside the packed read (the command line passes
+    SGLang's, `vskipper.sglang.backend_read`, unless `--attention-backend none`)."""
     if args.interpret:
         # Must precede the first triton import of this process.
         os.environ["TRITON_INTERPRET"] = "1"
     from vskipper.mixed.tuner import TunerError
 
     try:
-        return _run(args)
+        return _run(args, backend)
     except TunerError as exc:
         print(f"vskipper tune-tiles: error: {exc}", file=sys.stderr)
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, backend: BackendRead | None) -> int:
     import torch
 
     from vskipper.mixed.tuner import TunerError, tune
@@ -50,7 +56,7 @@ def _run(args: argparse.Namespace) -> int:
         limit = min(device.shared_mem_per_block,
                     getattr(props, "shared_memory_per_block_optin", None) or device.shared_mem_per_block)
     table = tune(name, limit, hidden, intermediate, proj, args.dtype, args.interpret, args.max_candidates,
-                 q_width=q_width, read_heads=read_heads, budget_s=args.budget_s)
+                 q_width=q_width, read_heads=read_heads, budget_s=args.budget_s, backend=backend)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=2) + "\n")

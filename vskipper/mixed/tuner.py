@@ -14,8 +14,9 @@ fills the device at the full count idles). A decode range's shapes are timed as 
 kernels take tens of microseconds, the host's launches as long), the prefill ranges' eagerly, as each is served. After them, the packed prefill read
 (`tune_prefill_read`, in a share of `READ_WEIGHT` shapes set aside from the start): each launch of
 `READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, as a served layer launches it (each slot
-gathering its row's query, request and position), beside the causal read of every row; the fastest goes in the
-table's `prefill_read`. Between the two, at each count range, a routed layer's two cohort FFNs (the MLP over a
+gathering its row's query, request and position), beside the causal read of every row by SDPA and, given a
+`BackendRead`, by the host engine's attention backend (the read a routed prefill layer takes instead; `vskipper
+tune-tiles` times SGLang's Triton extend kernel); the fastest goes in the table's `prefill_read`. Between the two, at each count range, a routed layer's two cohort FFNs (the MLP over a
 random RUN half of the rows, the projector over the rest) at the tiles just tuned, launched grouped (one grid a stage
 for both) and apart: the table's `ffn_pair`, which decides how the served layer launches them.
 
@@ -30,6 +31,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -209,13 +211,30 @@ READ_RUN_SHARE = 0.5  # the RUN share of the prompt the read is tuned on (Random
 INTERPRETED_READ_TOKENS = 64
 
 
+class BackendRead(NamedTuple):
+    """The host engine's own prefill read, which a routed prefill layer takes where the packed read is no faster:
+    `build(q, k, v, scale)` over one prompt in position order (q [T, heads, head_dim], k and v [T, kv_heads,
+    head_dim]) returns a call that reads every row causally and returns its output [T, heads, head_dim]; `name` as
+    the engine names that attention backend (`vskipper.sglang.backend_read` holds SGLang's)."""
+
+    name: str
+    build: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], Callable[[], torch.Tensor]]
+
+
+# How far the backend's read may stray from SDPA's on the tuner's prompt and still be timed as the same read (bf16
+# outputs of softmax-weighted means of unit normals; a read of the wrong rows or without the causal mask strays by
+# tenths).
+READ_CHECK_ATOL = 0.05
+
+
 def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.Generator, device: torch.device,
-               dtype: torch.dtype) -> tuple[Callable[[], object], Callable[[ReadTile], object], float]:
+               dtype: torch.dtype
+               ) -> tuple[Callable[[], torch.Tensor], Callable[[ReadTile], object], float, tuple]:
     """The causal read of one prompt of `tokens` tokens by every row (SDPA, as a dense layer reads) and the packed
     read of its RUN rows alone (a random `READ_RUN_SHARE` of them, their K/V in shuffled pool slots) at a given tile,
     as a served layer launches it: over the pass's slots, the RUN rows' slots first (in position order), each
-    gathering its row's query, request and position from the batch rows; and the share of query-key pairs the RUN
-    rows have (the read's limit)."""
+    gathering its row's query, request and position from the batch rows; the share of query-key pairs the RUN
+    rows have (the read's limit); and the prompt in position order, (q, k, v, scale), for a `BackendRead`."""
     from vskipper.mixed.kernels import packed_prefill_attention
 
     k_pool = torch.randn(tokens, kv_heads, head_dim, generator=g).to(device, dtype)
@@ -242,7 +261,28 @@ def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.G
                                         idx=idx)
 
     pairs = float((pos + 1).sum()) / (tokens * (tokens + 1) / 2)
-    return causal, packed, pairs
+    prompt = (q_all, k_seq[0].transpose(0, 1).contiguous(), v_seq[0].transpose(0, 1).contiguous(), scale)
+    return causal, packed, pairs, prompt
+
+
+def time_backend_read(backend: BackendRead, causal: Callable[[], torch.Tensor], prompt: tuple, interpret: bool,
+                      log: Callable[[str], None] = print) -> dict:
+    """The `prefill_read` entry's fields for the host backend's read of every row (`backend`,
+    `backend_all_rows_ms`), once its output matched SDPA's causal read of the same prompt (so what is timed is that
+    read); none where it could not run or did not match, with the reason logged."""
+    try:
+        call = backend.build(*prompt)
+        err = float((call().float() - causal()[0].transpose(0, 1).float()).abs().max())
+        if not err <= READ_CHECK_ATOL:
+            log(f"prefill_read: the {backend.name} backend's read not timed: its output strays {err:.3g} from "
+                f"SDPA's causal read of the same prompt (at most {READ_CHECK_ATOL})")
+            return {}
+        ms = time_call(call, interpret)
+    except Exception as exc:  # the engine's kernel missing or refusing the shape: the table keeps SDPA's alone
+        log(f"prefill_read: the {backend.name} backend's read not timed ({type(exc).__name__}: "
+            f"{str(exc).strip()[:300]})")
+        return {}
+    return {"backend": backend.name, "backend_all_rows_ms": _ms(ms)}
 
 
 # The packed prefill read's weight in the tuner's budget, against a GEMM shape's 1: it serves every RUN token of
@@ -281,17 +321,20 @@ class Clock:
 
 
 def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16", interpret: bool = False,
-                      log: Callable[[str], None] = print, clock: Clock | None = None) -> dict:
-    """The packed prefill read's best launch (`READ_CANDIDATES`) on one prompt of a prefill range's rows, beside
-    the default's time and the causal read of every row; the table's `prefill_read` entry."""
+                      log: Callable[[str], None] = print, clock: Clock | None = None,
+                      backend: BackendRead | None = None) -> dict:
+    """The packed prefill read's best launch (`READ_CANDIDATES`) on one prompt of `READ_TOKENS`, beside the
+    default's time and the causal read of every row by SDPA and, given `backend`, by the host engine's backend
+    (`time_backend_read`); the table's `prefill_read` entry."""
     clock = clock or Clock(None, 0)
     clock.start_reserved()
     device = torch.device("cpu" if interpret else "cuda")
     tokens = INTERPRETED_READ_TOKENS if interpret else READ_TOKENS
     tdtype = torch.float32 if interpret else getattr(torch, dtype)
-    causal, packed, pairs = read_calls(tokens, heads, kv_heads, head_dim, torch.Generator().manual_seed(1), device,
-                                       tdtype)
+    causal, packed, pairs, prompt = read_calls(tokens, heads, kv_heads, head_dim, torch.Generator().manual_seed(1),
+                                               device, tdtype)
     causal_ms = time_call(causal, interpret)
+    backend_times = time_backend_read(backend, causal, prompt, interpret, log) if backend is not None else {}
     timed: dict[ReadTile, float] = {}
     for tile in READ_CANDIDATES[:1] if interpret else READ_CANDIDATES:
         if clock.spent(len(timed)):
@@ -306,9 +349,12 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
     default = timed.get(DEFAULT_READ_TILE)  # None where the default launch did not run
     log(f"prefill_read  {tokens} tokens, {READ_RUN_SHARE:.0%} RUN, heads {heads}/{kv_heads} x {head_dim}: best {tile} "
         f"{ms:.4f} ms (default {'did not run' if default is None else f'{default:.4f} ms'}) vs every row's causal "
-        f"read {causal_ms:.4f} ms ({ms / causal_ms:.2f}x; the RUN rows' share of the pairs {pairs:.2f})")
+        f"read {causal_ms:.4f} ms by SDPA ({ms / causal_ms:.2f}x"
+        + (f"), {backend_times['backend_all_rows_ms']:.4f} ms by the {backend_times['backend']} backend "
+           f"({ms / backend_times['backend_all_rows_ms']:.2f}x" if backend_times else "")
+        + f"; the RUN rows' share of the pairs {pairs:.2f})")
     return {**asdict(tile), "kernel_ms": _ms(ms), "default_ms": None if default is None else _ms(default),
-            "causal_all_rows_ms": _ms(causal_ms), "pairs_share": round(pairs, 4), "tokens": tokens,
+            "causal_all_rows_ms": _ms(causal_ms), **backend_times, "pairs_share": round(pairs, 4), "tokens": tokens,
             "run_share": READ_RUN_SHARE, "tried": len(timed)}
 
 
@@ -447,10 +493,12 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
 def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate: int, proj_width: int,
          dtype: str = "bfloat16", interpret: bool = False, max_candidates: int | None = None,
          log: Callable[[str], None] = print, q_width: int | None = None,
-         read_heads: tuple[int, int, int] | None = None, budget_s: float | None = None) -> dict:
+         read_heads: tuple[int, int, int] | None = None, budget_s: float | None = None,
+         backend: BackendRead | None = None) -> dict:
     """Tune all 48 shapes, then time the FFN pair at each count range (`time_ffn_pairs`), and, given `read_heads`
-    = (heads, kv_heads, head_dim), the packed prefill read, within `budget_s` (`Clock`); returns the table as a
-    dict (validated), each entry with its ratio to torch and the candidates it tried."""
+    = (heads, kv_heads, head_dim), the packed prefill read (beside `backend`'s read of every row, given one), within
+    `budget_s` (`Clock`); returns the table as a dict (validated), each entry with its ratio to torch and the
+    candidates it tried."""
     if interpret:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise TunerError("interpreter smoke run needs TRITON_INTERPRET=1 set before triton is imported")
@@ -491,7 +539,8 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
                                       intermediate, proj_width, g, device, tdtype, interpret, clock, log)
     if read_heads is not None:  # last, in the share set aside for it: a launch that broke the device loses no GEMM
         try:
-            data[READ_FIELD] = tune_prefill_read(*read_heads, dtype=dtype, interpret=interpret, log=log, clock=clock)
+            data[READ_FIELD] = tune_prefill_read(*read_heads, dtype=dtype, interpret=interpret, log=log, clock=clock,
+                                                 backend=backend)
         except Exception as exc:  # optional: the GEMMs' measurements stand, the read keeps its default launch
             log(f"prefill_read: not tuned ({type(exc).__name__}: {exc}); the table keeps no `{READ_FIELD}`")
     parse_tile_table(data, shared_mem_per_block, where="tuned table")  # what we write must load

@@ -113,7 +113,8 @@ class CohortExecution:
              sizes stay device values, cohorts packed by a device prefix sum, no all-RUN test on the host), the
              attention read over the RUN cohort's packed slots alone (`PREFILL_READS['packed']`; 'backend' reads
              through SGLang's backend instead, Project-Only rows with a zero query: both need no host value; the
-             backend where the device's table measured the packed read slower, `prefill_read_why` says so).
+             backend where the device's table measured the packed read no faster than the backend's read of every
+             row, or SDPA's where it did not time the backend's; `prefill_read_why` says what it weighed).
              torch: packed cohorts by `nonzero` (a host wait per layer on a GPU), its read one of
              `PREFILL_READS`: `rows` on CPU, `backend` on CUDA (the per-request SDPA with an explicit mask is far
              slower there than SGLang's extend kernel, whose wasted reads of Project-Only rows cost a few percent
@@ -124,7 +125,7 @@ class CohortExecution:
     tiles: Any = None  # a TileTable (CUDA), None: the interpreter's tile
     reason: str = ""  # why the triton execution was not taken, where it was not
     prefill_read: str = "rows"
-    prefill_read_why: str = ""  # why the triton execution reads through the backend, where the table says so
+    prefill_read_why: str = ""  # what the triton execution's prefill read was chosen on, where the table timed it
     decode_read: str = "masked"  # the torch execution's decode read (`DECODE_READS`)
 
     def __post_init__(self) -> None:
@@ -192,11 +193,24 @@ def given_table_unused(execution: CohortExecution, tile_table: Path | None) -> s
     return f"{table_label(tile_table)} given, unused: {why} serves"
 
 
+def served_prefill_backend() -> str | None:
+    """The prefill attention backend this process's SGLang serves with as configured (`--attention-backend`, or
+    `--prefill-attention-backend`, which wins); None where none was named (SGLang picks one as it builds) or no
+    server configuration is published (a model built outside a server)."""
+    from sglang.srt.runtime_context import attention_backends
+
+    try:
+        return attention_backends()[0]
+    except ValueError:  # "config namespace 'exec' not published"
+        return None
+
+
 def cohort_execution(layers, device: torch.device, requested: str = "auto",
-                     tile_table: Path | None = None) -> CohortExecution:
+                     tile_table: Path | None = None, attention_backend: str | None = None) -> CohortExecution:
     """The execution for these routed layers on `device`: `auto` takes triton on CUDA where every layer allows it
     (`triton_blocker`), torch elsewhere. The triton execution prefills with the packed read (through the backend
-    where the table measured the packed read slower than every row's causal read: `TileTable.prefill_read`), its
+    where the table measured the packed read no faster than every row's read by `attention_backend`, the server's
+    prefill backend, or by SDPA where the table did not time that one: `TileTable.prefill_read`), its
     GEMMs and that read tiled by the table at `tile_table` (measured on this device) or else the one shipped for
     it; the torch one reads through SGLang's attention backend on CUDA and per request on CPU, and decodes with
     SGLang's torch-native read over the RUN rows on CPU, the masked one elsewhere."""
@@ -208,7 +222,7 @@ def cohort_execution(layers, device: torch.device, requested: str = "auto",
             if device.type != "cuda":  # the interpreter (tests): the packed read
                 return CohortExecution("triton", None, prefill_read="packed")
             table = device_tile_table(device, tile_table)
-            read, read_why = table.prefill_read()
+            read, read_why = table.prefill_read(attention_backend)
             return CohortExecution("triton", table, prefill_read=read, prefill_read_why=read_why)
     else:
         why = ""
@@ -682,7 +696,8 @@ class SkipperCausalLM(RouterWeightsMixin):
         qkv = [layer.self_attn.qkv_proj for layer in layers]
         spec = self.runtime.spec
         try:
-            self.slot.execution = cohort_execution(layers, device, spec.execution, spec.tile_table)
+            self.slot.execution = cohort_execution(layers, device, spec.execution, spec.tile_table,
+                                                   served_prefill_backend())
         except TileTableError as exc:
             if spec.tile_table is None:
                 raise ServeConfigError(f"{ENV_EXECUTION}={spec.execution}: {exc}") from None

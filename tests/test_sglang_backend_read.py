@@ -1,0 +1,58 @@
+"""The tuner weighs the packed prefill read against SGLang's own read of every row (`vskipper.sglang.backend_read`):
+SGLang's real Triton extend kernel, run here on the Triton interpreter, reads a prompt as SDPA's causal read does,
+and the tuner times a backend's read only once its output matches that (a read of the wrong rows is refused, a
+kernel that fails is left out, each logged). (No GPU here: no time is a measurement; the device run's tiles stage
+times it on the GPU.)"""
+
+import torch
+
+from vskipper.mixed.tuner import READ_CHECK_ATOL, BackendRead, read_calls, time_backend_read
+from vskipper.sglang.backend_read import BACKEND_READS, TRITON
+
+
+def prompt(tokens=48, heads=4, kv_heads=2, head_dim=16):
+    return read_calls(tokens, heads, kv_heads, head_dim, torch.Generator().manual_seed(3), torch.device("cpu"),
+                      torch.float32)
+
+
+def test_sglangs_extend_kernel_reads_a_fresh_prompt_as_sdpas_causal_read_does():
+    causal, _, _, (q, k, v, scale) = prompt()
+    out = BACKEND_READS[TRITON].build(q, k, v, scale)()
+    want = causal()[0].transpose(0, 1)
+    assert out.shape == want.shape == q.shape
+    assert (out - want).abs().max() < 1e-4
+
+
+def test_the_backends_read_is_timed_only_where_it_matches_sdpas():
+    causal, _, _, args = prompt()
+    lines: list[str] = []
+    entry = time_backend_read(BACKEND_READS[TRITON], causal, args, interpret=True, log=lines.append)
+    assert entry["backend"] == TRITON and entry["backend_all_rows_ms"] > 0 and lines == []
+
+    def no_mask(q, k, v, scale):  # every row reads every key: not the causal read a prefill layer takes
+        kk, vv = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1).transpose(0, 1) for t in (k, v))
+        return lambda: torch.softmax(q.transpose(0, 1) @ kk.transpose(1, 2) * scale, -1).matmul(vv).transpose(0, 1)
+
+    assert time_backend_read(BackendRead(TRITON, no_mask), causal, args, interpret=True, log=lines.append) == {}
+    assert lines[-1].startswith("prefill_read: the triton backend's read not timed: its output strays ")
+    assert f"(at most {READ_CHECK_ATOL})" in lines[-1]
+
+    def broken(q, k, v, scale):
+        raise ImportError("no module named 'sglang.kernels'")
+
+    assert time_backend_read(BackendRead(TRITON, broken), causal, args, interpret=True, log=lines.append) == {}
+    assert lines[-1] == ("prefill_read: the triton backend's read not timed (ImportError: no module named "
+                         "'sglang.kernels')")
+
+
+def test_tune_tiles_times_by_default_the_backend_the_device_runs_serve_with():
+    """`vskipper tune-tiles --attention-backend` offers each read this module can time (or none), and its default
+    is the backend the GPU stand-in profile serves with, so the device run's tiles stage times the read its servers
+    would fall back to."""
+    from vskipper.cli import build_parser
+    from vskipper.sglang.spec import GPU_STAND_IN_FLAGS
+
+    action = next(a for a in build_parser()._subparsers._group_actions[0].choices["tune-tiles"]._actions
+                  if a.dest == "attention_backend")
+    assert set(action.choices) == {*BACKEND_READS, "none"}
+    assert action.default == GPU_STAND_IN_FLAGS[GPU_STAND_IN_FLAGS.index("--attention-backend") + 1] == TRITON
