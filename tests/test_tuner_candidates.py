@@ -258,7 +258,8 @@ def test_a_range_whose_grouped_ffn_pair_fails_keeps_the_error_and_serves_the_two
 
 def test_the_tuner_gives_each_prefill_shape_twice_a_decode_shapes_share_of_its_budget(monkeypatch):
     """`tune` with a budget: a prefill shape times each candidate at both counts, eagerly, over thousands of rows, so
-    its share of what is left is `PREFILL_WEIGHT` times a decode shape's; the FFN pairs keep theirs. (No GPU here: the interpreter's path with the timing stood in for, the clock read as each shape starts.)"""
+    its share of what is left is `PREFILL_WEIGHT` times a decode shape's; the FFN pairs keep theirs. (No GPU here:
+    the interpreter's path with the timing stood in for, the clock read as each shape starts.)"""
     import time
 
     from vskipper.mixed import tuner

@@ -9,20 +9,22 @@ matmul and the weighted, masked index_add; for Q, the gather, the matmul and the
 the masked index_add). The best candidate goes in the table with its time ratio to torch, and its time with half
 the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. In the
 prefill ranges (a prefill pass's tokens: to 1,024, to 2,048, above; each shape twice a decode shape's share of the
-budget, `PREFILL_WEIGHT`) every candidate is timed at both counts and the fastest over both wins (`time_shape`'s `by_half`: a routed layer serves about half its rows RUN, where a tile that
-fills the device at the full count idles). A decode range's shapes are timed as replays of a CUDA graph (their
-kernels take tens of microseconds, the host's launches as long), the prefill ranges' eagerly, as each is served. After them, the packed prefill read
+budget, `PREFILL_WEIGHT`) every candidate is timed at both counts and the fastest over both wins (`time_shape`'s
+`by_half`: a routed layer serves about half its rows RUN, where a tile that fills the device at the full count
+idles). A decode range's shapes are timed as replays of a CUDA graph (their kernels take tens of microseconds, the
+host's launches as long), the prefill ranges' eagerly, as each is served. After them, the packed prefill read
 (`tune_prefill_read`, in a share of `READ_WEIGHT` shapes set aside from the start): each launch of
 `READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, as a served layer launches it (each slot
 gathering its row's query, request and position), beside the causal read of every row by SDPA and, given a
 `BackendRead`, by the host engine's attention backend (the read a routed prefill layer takes instead; `vskipper
-tune-tiles` times SGLang's Triton extend kernel); the fastest goes in the table's `prefill_read`. Between the two, at each count range, a routed layer's two cohort FFNs (the MLP over a
-random RUN half of the rows, the projector over the rest) at the tiles just tuned, launched grouped (one grid a stage
-for both) and apart: the table's `ffn_pair`, which decides how the served layer launches them.
+tune-tiles` times SGLang's Triton extend kernel); the fastest goes in the table's `prefill_read`. Between the two,
+at each count range, a routed layer's two cohort FFNs (the MLP over a random RUN half of the rows, the projector
+over the rest) at the tiles just tuned, launched grouped (one grid a stage for both) and apart: the table's
+`ffn_pair`, which decides how the served layer launches them.
 
-It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny
-widths, fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table, whose times
-mean nothing and which must never be committed as a device's table.
+It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny widths,
+fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table,
+whose times mean nothing and which must never be committed as a device's table.
 """
 
 from __future__ import annotations
@@ -415,7 +417,7 @@ def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[...
 # The FFN pair's weight in the tuner's budget at each range, against a GEMM shape's 1 (up to 24 tiles): two timings.
 PAIR_WEIGHT = 0.25
 # A prefill shape's weight against a decode shape's 1: each candidate is timed at both counts, eagerly, over
-# thousands of rows (on the H200 a decode shape timed 9-19 tiles in its share, a prefill shape at one count 4-14).
+# thousands of rows (on the H200 a decode shape timed 6-19 tiles in its share, a prefill shape at one count 4-14).
 PREFILL_WEIGHT = 2.0
 
 
