@@ -580,19 +580,21 @@ def test_the_tiles_summary_puts_the_ffn_pair_grouped_beside_apart_where_the_tune
 
 
 def test_the_summary_names_the_tiles_the_sweep_served_and_what_their_table_lacks_with_or_without_a_tiles_stage():
-    """The sweep's servers attest their table and what of the tuner's measurements it lacks (`tiles_lack`): the
-    summary lists both, under the tiles stage's table or, where no tiles stage ran in the folder (a sweep on an
+    """The sweep's servers attest their table, what of the tuner's measurements it lacks (`tiles_lack`) and their
+    prefill read with what chose it (`prefill_read_why`): the summary lists them, under the tiles stage's table or, where no tiles stage ran in the folder (a sweep on an
     earlier run's table), on its own."""
     from vskipper.mixed.tiles import default_tile_table
 
     lack = ["half-count times: no GEMM serves in the gathered cuBLAS form where torch is faster"]
+    why = "the table measured the packed read of half a prompt's rows at 0.1 ms, every row's read by ... at 0.2 ms"
     sweep = {"arms": {"dense": {"served": {"tiles": "t.json, sha256 ab", "routed_layers_backend": {
-        "tiles_lack": lack}}}, run.CONTROL: {"served": {"tiles": None}},
+        "tiles_lack": lack, "prefill_read": "packed", "prefill_read_why": why}}},
+        run.CONTROL: {"served": {"tiles": None}},
         # a server whose model never installed attests the runtime's default sentence there, not a record
         run.ALWAYS: {"served": {"tiles": None, "routed_layers_backend": "torch cohorts (the default)"}}}}
     alone = "\n".join(run.tiles_lines(None, sweep))
     assert alone.startswith("## Tiles the sweep served with")
-    assert f"- dense: t.json, sha256 ab; the table lacks {lack[0]}" in alone
+    assert f"- dense: t.json, sha256 ab; the table lacks {lack[0]}; prefill read packed ({why})" in alone
     assert f"- {run.CONTROL}: none (no Triton GEMM in this arm)" in alone
     assert f"- {run.ALWAYS}: none (no Triton GEMM in this arm)" in alone
     table = default_tile_table(227 * 1024, "H100-SXM").as_dict()

@@ -1314,18 +1314,21 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
 
 
 def served_tiles_lines(sweep: dict | None, title: str | None = None) -> list[str]:
-    """The tiles each of the sweep's arms attests it served with, and what of the tuner's measurements its table
-    lacks (`TileTable.lacks`: a table an older tuner wrote serves without them)."""
+    """The tiles each of the sweep's arms attests it served with, what of the tuner's measurements its table lacks
+    (`TileTable.lacks`: a table an older tuner wrote serves without them), and the read its routed prefill layers
+    took (`PREFILL_READS`) with what the table weighed to choose it."""
     arms = ((sweep or {}).get("arms") or {}).items()
     served = {name: arm.get("served") or {} for name, arm in arms}
     if not served:
         return []
     lines = [title, ""] if title else []
-    lines += ["Tiles each sweep arm served with (its attestation):", ""]
+    lines += ["Tiles each sweep arm served with, and its routed prefill's read (its attestation):", ""]
     for name, doc in served.items():
-        lack = execution_of(doc).get("tiles_lack")
+        execution = execution_of(doc)
+        lack, read, why = (execution.get(k) for k in ("tiles_lack", "prefill_read", "prefill_read_why"))
         lines.append(f"- {name}: {doc.get('tiles') or 'none (no Triton GEMM in this arm)'}"
-                     f"{'; the table lacks ' + '; '.join(lack) if lack else ''}")
+                     f"{'; the table lacks ' + '; '.join(lack) if lack else ''}"
+                     f"{f'; prefill read {read}' + (f' ({why})' if why else '') if read else ''}")
     return lines + [""]
 
 
