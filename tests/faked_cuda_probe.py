@@ -2,7 +2,9 @@
 GPU), the stand-ins on PYTHONPATH as the GPU profile puts them, then run SGLang's own CUDA RMSNorm
 (`RMSNorm.forward_cuda`, which calls `sgl_kernel.rmsnorm` / `fused_add_rmsnorm`) on CPU tensors against its
 native torch path. With `--distributions`, also imports vSkipper's server and model modules and lists the installed
-distributions every loaded module belongs to. Prints one JSON object; exits 1 when a module does not import."""
+distributions every loaded module belongs to. With `--tuner`, only what `vskipper tune-tiles` imports to time
+SGLang's extend kernel (no stand-ins on the path there), the kernel wheels it loaded and the distributions. Prints
+one JSON object; exits 1 when a module does not import."""
 
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ def _compare(norm, x: torch.Tensor, residual: torch.Tensor) -> dict:
 
 VSKIPPER_SERVER = ("vskipper.sglang.server", "vskipper.sglang.models.ddllama", "vskipper.sglang.models.qwen3_skipper",
                    "vskipper.sglang.hooks")
+# `vskipper tune-tiles` (`--tuner`): the tuner and SGLang's extend kernel it times, in a process without stand-ins
+TUNER_PATH = ("vskipper.mixed.tuner", "vskipper.sglang.backend_read", "sglang.kernels.ops.attention.extend_attention")
 
 
 def loaded_distributions() -> list[str]:
@@ -64,14 +68,20 @@ def loaded_distributions() -> list[str]:
 def main() -> int:
     fake_cuda()
     failed = {}
-    modules = SERVER_PATH + (VSKIPPER_SERVER if "--distributions" in sys.argv else ())
+    if "--tuner" in sys.argv:
+        modules = TUNER_PATH
+    else:
+        modules = SERVER_PATH + (VSKIPPER_SERVER if "--distributions" in sys.argv else ())
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 (report every failure, by module)
             failed[name] = f"{type(exc).__name__}: {exc}"
     result = {"failed": failed}
-    if not failed:
+    if "--tuner" in sys.argv:
+        result["kernel_wheels"] = sorted(m for m in sys.modules if m.split(".")[0] in ("sgl_kernel", "flashinfer"))
+        result["distributions"] = loaded_distributions()
+    elif not failed:
         import sgl_kernel
 
         result["sgl_kernel"] = sgl_kernel.__file__

@@ -128,10 +128,13 @@ def test_stand_in_has_plain_launches_no_scalar_type_no_ops_and_import_only_names
 
 # -- the import surface, with CUDA faked ---------------------------------------------------------------------------
 
-def _probe(shims, *args: str) -> dict:
+def _probe(shims, *args: str, server: bool = True) -> dict:
+    """The probe's result, with the server's environment (`server`: the stand-ins' settings) or none of it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
-    env.update(GPU_STAND_IN_ENV, PYTHONPATH=os.pathsep.join([str(shims), str(ROOT)]),
-               SGLANG_FORCE_FUSED_OP_BACKEND="torch", SGLANG_EXTERNAL_MODEL_PACKAGE="vskipper.sglang.models")
+    env.update(PYTHONPATH=os.pathsep.join([str(shims), str(ROOT)]))
+    if server:
+        env.update(GPU_STAND_IN_ENV, SGLANG_FORCE_FUSED_OP_BACKEND="torch",
+                   SGLANG_EXTERNAL_MODEL_PACKAGE="vskipper.sglang.models")
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "faked_cuda_probe.py"), *args], capture_output=True,
                        text=True, timeout=240, env=env, cwd=ROOT)
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -161,6 +164,20 @@ def test_every_distribution_the_cuda_server_path_imports_is_on_the_device_or_in_
     lacking = sorted(d for d in cuda_path["distributions"] if normalize(d) not in travels)
     assert lacking == []
     assert "sglang" in {normalize(d) for d in cuda_path["distributions"]}
+
+
+@pytest.mark.server
+def test_tune_tiles_imports_sglangs_extend_kernel_on_a_gpu_without_stand_ins_or_kernel_wheels(tmp_path):
+    """`vskipper tune-tiles` times SGLang's Triton extend kernel (`vskipper.sglang.backend_read`) in a process
+    without the server's stand-ins: with CUDA faked, that import path loads no `sgl_kernel` or `flashinfer`, and every
+    distribution it loads travels to the device."""
+    from benchmarks.gpu.bundle import normalize, read_device_packages, read_requirements
+
+    pytest.importorskip("sglang")
+    tuner = _probe(tmp_path, "--tuner", server=False)  # an empty folder where the stand-ins would be
+    assert tuner["failed"] == {} and tuner["kernel_wheels"] == []
+    travels = {r.key for r in read_requirements()} | read_device_packages() | {"vskipper"}
+    assert sorted(d for d in tuner["distributions"] if normalize(d) not in travels) == []
 
 
 @pytest.mark.server
