@@ -27,7 +27,7 @@ def test_the_shipped_tile_of_each_range_is_a_candidate_so_a_new_table_is_never_m
     current = current_table(H100.name, H100.shared_mem_per_block, "bfloat16")
     for lo, hi in COUNT_RANGES:
         rows = representative_rows(lo, hi)
-        seeds = seed_tiles("mlp_gate_up", lo, rows, current)
+        seeds = seed_tiles("mlp_gate_up", lo, [rows], current)
         assert seeds[0] == shipped.lookup("mlp_gate_up", rows)
         tiles = candidate_tiles("mlp_gate_up", rows, H100.shared_mem_per_block, 2, 24, seeds)
         assert len(tiles) <= 24 and len(set(tiles)) == len(tiles)
@@ -44,8 +44,8 @@ def test_each_prefill_length_is_tuned_at_its_own_tokens():
 
 def test_a_prefill_range_tries_the_large_tiles_that_fit_and_a_decode_range_does_not():
     current = current_table(H100.name, H100.shared_mem_per_block, "bfloat16")
-    prefill = seed_tiles("mlp_down", 1025, 2048, current)
-    decode = seed_tiles("mlp_down", 1, 16, current)
+    prefill = seed_tiles("mlp_down", 1025, [2048], current)
+    decode = seed_tiles("mlp_down", 1, [16], current)
     assert set(PREFILL_SEED_TILES) <= set(prefill) and not set(PREFILL_SEED_TILES) & set(decode)
     tiles = candidate_tiles("mlp_gate_up", 2048, H100.shared_mem_per_block, 2, 24, prefill)
     big = Tile(128, 256, 64, 8, 3)  # two weight tiles of 64 x 256 at 3 stages: 240 KiB, over the H100's 227
@@ -64,8 +64,8 @@ def test_every_candidate_fits_the_shared_memory_and_the_sample_still_spans_the_g
 
 def test_a_device_without_a_loadable_table_seeds_only_the_large_prefill_tiles():
     assert current_table("Some Future GPU", None, "bfloat16") is None  # not catalogued, no limit: nothing loads
-    assert seed_tiles("attn_q", 2049, 4096, None) == list(PREFILL_SEED_TILES)
-    assert seed_tiles("attn_q", 129, 512, None) == []
+    assert seed_tiles("attn_q", 2049, [4096], None) == list(PREFILL_SEED_TILES)
+    assert seed_tiles("attn_q", 129, [512], None) == []
 
 
 def test_the_tuners_clock_shares_what_is_left_of_its_budget_and_never_stops_a_shape_before_its_first_tile(
@@ -256,32 +256,73 @@ def test_a_range_whose_grouped_ffn_pair_fails_keeps_the_error_and_serves_the_two
     assert entries[0] == {"rows": [1, 16]} and all("grouped_ms" in e for e in entries[1:])
 
 
-def test_the_tuner_gives_each_prefill_shape_twice_a_decode_shapes_share_of_its_budget(monkeypatch):
-    """`tune` with a budget: a prefill shape times each candidate at both counts, eagerly, over thousands of rows, so
-    its share of what is left is `PREFILL_WEIGHT` times a decode shape's; the FFN pairs keep theirs. (No GPU here:
-    the interpreter's path with the timing stood in for, the clock read as each shape starts.)"""
+def test_the_tuner_times_the_prefill_lengths_together_on_twice_a_decode_shapes_share_each(monkeypatch):
+    """`tune` with a budget: an operation's decode ranges one by one, then its three prefill lengths as one group on
+    the same candidates (each compiled once), the group's share of what is left `PREFILL_WEIGHT` times a decode
+    shape's for each length (each candidate is timed at both counts, eagerly, over thousands of rows); the FFN pairs
+    keep theirs. The prefill group's seeds are the current table's tile at each length, then the large tiles. (No
+    GPU here: the interpreter's path with the timing stood in for, the clock read as each group starts.)"""
     import time
 
     from vskipper.mixed import tuner
 
-    shares: list[tuple[int, float]] = []
+    groups: list[tuple[list[int], float, list]] = []
 
-    def fake_shape(shape, reference, kernel, half, candidates, clock, interpret, graph, log=print, by_half=False):
-        lo = int(shape.split("rows ")[1].split("..")[0])
-        shares.append((lo, clock.shape_deadline - time.monotonic()))
-        return {"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "kernel_ms": 1.0,
-                "torch_ms": 1.0, "line": ""}
+    def fake_shapes(shapes, candidates, clock, interpret, graph, log=print, by_half=False):
+        los = [int(shape.name.split("rows ")[1].split("..")[0]) for shape in shapes]
+        groups.append((los, clock.shape_deadline - time.monotonic(), candidates, by_half, graph))
+        return [{"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "kernel_ms": 1.0,
+                 "torch_ms": 1.0, "line": ""} for _ in shapes]
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(tuner, "time_shape", fake_shape)
+    monkeypatch.setattr(tuner, "time_shapes", fake_shapes)
     tuner.tune("H100-SXM", 227 * 1024, 32, 64, 16, interpret=True, log=lambda line: None, budget_s=1000.0)
-    # nothing is spent here, so each shape takes its weight's part of the whole budget over the weights still left
-    left, expected = sum(len(OPERATIONS) * tuner.shape_weight(lo) + tuner.PAIR_WEIGHT for lo, _ in COUNT_RANGES), []
-    for _ in OPERATIONS:
-        for lo, _ in COUNT_RANGES:
-            expected.append((lo, 1000.0 * tuner.shape_weight(lo) / left))
-            left -= tuner.shape_weight(lo)
-    assert [lo for lo, _ in shares] == [lo for lo, _ in expected]
-    assert all(abs(got - want) < 0.5 for (_, got), (_, want) in zip(shares, expected, strict=True))
-    prefill = [n for n, (lo, _) in enumerate(shares) if lo >= PREFILL_RANGES[0][0]]
-    assert len(prefill) == len(OPERATIONS) * len(PREFILL_RANGES) and tuner.PREFILL_WEIGHT == 2
+    decode = [[lo] for lo, _ in COUNT_RANGES if lo < PREFILL_RANGES[0][0]]
+    assert [los for los, *_ in groups] == (decode + [[lo for lo, _ in PREFILL_RANGES]]) * len(OPERATIONS)
+    # nothing is spent here, so each group takes its weights' part of the whole budget over the weights still left
+    left = sum(len(OPERATIONS) * tuner.shape_weight(lo) + tuner.PAIR_WEIGHT for lo, _ in COUNT_RANGES)
+    for los, share, _, by_half, graph in groups:
+        weight = sum(tuner.shape_weight(lo) for lo in los)
+        assert abs(share - 1000.0 * weight / left) < 0.5 and by_half == (len(los) > 1) and not graph
+        left -= weight
+    assert tuner.PREFILL_WEIGHT == 2 and sum(tuner.shape_weight(lo) for lo, _ in PREFILL_RANGES) == 6
+    # under the interpreter one candidate: the current table's tile at the first length
+    current = current_table("H100-SXM", 227 * 1024, "float32")
+    assert groups[len(decode)][2] == [current.lookup("mlp_gate_up", 513)]
+
+
+def test_shapes_timed_together_take_each_candidate_in_turn_and_each_keeps_its_own_best(monkeypatch):
+    """`time_shapes` over several shapes (an operation's prefill lengths): each candidate is timed at every shape
+    before the next candidate, each shape's tile is its own fastest over both counts, and the budget stops the
+    candidates only once every shape timed one. (No GPU here: the timer is stood in for.)"""
+    from vskipper.mixed import tuner
+
+    wide, narrow, third = Tile(128, 256, 64, 8, 3), Tile(64, 128, 64, 4, 3), Tile(128, 128, 64, 8, 3)
+    # at 1,024 rows the narrow tile wins at half the count; at 4,096 the wide one fills the device either way
+    times = {("short", wide): (1.0, 0.96), ("short", narrow): (1.05, 0.55),
+             ("long", wide): (4.0, 2.0), ("long", narrow): (4.4, 2.2)}
+    asked = []
+
+    def fake_time(fn, interpret, reps=20, graph=False):
+        name, tile, half = fn()
+        if tile is None:
+            return 1.0
+        asked.append((name, tile, half))
+        return times[name, tile][half]
+
+    def shape(name):
+        return tuner.ShapeCalls(f"mlp_down rows {name}", lambda: (name, None, 0),
+                                lambda tile, count=None: (name, tile, int(count is not None)), object())
+
+    monkeypatch.setattr(tuner, "time_call", fake_time)
+    entries = tuner.time_shapes([shape("short"), shape("long")], [wide, narrow], tuner.Clock(None, 1),
+                                interpret=False, graph=False, log=lambda line: None, by_half=True)
+    assert [(e["block_m"], e["block_n"]) for e in entries] == [(64, 128), (128, 256)]
+    assert [(e["kernel_ms"], e["kernel_half_ms"], e["tried"]) for e in entries] == [(1.05, 0.55, 2), (4.0, 2.0, 2)]
+    assert asked == [(n, t, h) for t in (wide, narrow) for n in ("short", "long") for h in (0, 1)]
+    spent = tuner.Clock(None, 1)
+    spent.shape_deadline = 0.0  # the share long spent: one candidate, timed at every shape, then none
+    asked.clear()
+    tuner.time_shapes([shape("short"), shape("long")], [wide, narrow, third], spent, interpret=False, graph=False,
+                      log=lambda line: None, by_half=True)
+    assert {t for _, t, _ in asked} == {wide} and len(asked) == 4

@@ -8,10 +8,11 @@ one merged weight, as served: one GEMM, `op_weights`), SiLU-and-multiply; for do
 matmul and the weighted, masked index_add; for Q, the gather, the matmul and the mask; for o_proj, the matmul and
 the masked index_add). The best candidate goes in the table with its time ratio to torch, and its time with half
 the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. In the
-prefill ranges (a prefill pass's tokens: to 1,024, to 2,048, above; each shape twice a decode shape's share of the
-budget, `PREFILL_WEIGHT`) every candidate is timed at both counts and the fastest over both wins (`time_shape`'s
-`by_half`: a routed layer serves about half its rows RUN, where a tile that fills the device at the full count
-idles). A decode range's shapes are timed as replays of a CUDA graph (their kernels take tens of microseconds, the
+prefill ranges (a prefill pass's tokens: to 1,024, to 2,048, above; an operation's three timed together, each
+candidate at every length before the next, so it compiles once; each shape twice a decode shape's share of the
+budget, `PREFILL_WEIGHT`) every candidate is timed at both counts and each length takes its fastest over both
+(`time_shapes`' `by_half`: a routed layer serves about half its rows RUN, where a tile that fills the device at the
+full count idles). A decode range's shapes are timed as replays of a CUDA graph (their kernels take tens of microseconds, the
 host's launches as long), the prefill ranges' eagerly, as each is served. After them, the packed prefill read
 (`tune_prefill_read`, in a share of `READ_WEIGHT` shapes set aside from the start): each launch of
 `READ_CANDIDATES` over the RUN half of one prompt of 2,048 tokens, as a served layer launches it (each slot
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import NamedTuple
 
@@ -46,6 +47,7 @@ from vskipper.mixed.tiles import (
     OPERATIONS,
     PAIR_FIELD,
     PREFILL_FROM,
+    PREFILL_RANGES,
     READ_FIELD,
     ReadTile,
     Tile,
@@ -94,11 +96,11 @@ def current_table(device_name: str, shared_mem_per_block: int, dtype: str) -> Ti
         return None
 
 
-def seed_tiles(op: str, lo: int, rows: int, current: TileTable | None) -> list[Tile]:
-    """The tiles a shape is tried with before the sample: the `current` table's at that range, so a new table is
-    never measured worse than the one it replaces, and for a prefill range (a prefill pass's tokens) the large
-    tiles of `PREFILL_SEED_TILES`."""
-    shipped = [current.lookup(op, rows)] if current is not None else []
+def seed_tiles(op: str, lo: int, rows: Sequence[int], current: TileTable | None) -> list[Tile]:
+    """The tiles the shapes of ranges from `lo`, timed at `rows`, are tried with before the sample: the `current`
+    table's at each (once each), so a new table is never measured worse than the one it replaces, and for the
+    prefill ranges (a prefill pass's tokens) the large tiles of `PREFILL_SEED_TILES`."""
+    shipped = list(dict.fromkeys(current.lookup(op, n) for n in rows)) if current is not None else []
     return shipped + (list(PREFILL_SEED_TILES) if is_prefill(lo) else [])
 
 
@@ -362,13 +364,33 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
             "run_share": READ_RUN_SHARE, "tried": len(timed)}
 
 
+class ShapeCalls(NamedTuple):
+    """One shape's calls (`shape_calls`): the gathered form, the kernel (a tile, optionally a device count) and the
+    count of half its slots; `name` as the log says it."""
+
+    name: str
+    reference: Callable[[], object]
+    kernel: Callable[..., object]
+    half: torch.Tensor
+
+
 def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[..., object], half: torch.Tensor,
                candidates: list[Tile], clock: Clock, interpret: bool, graph: bool,
                log: Callable[[str], None] = print, by_half: bool = False) -> dict:
-    """One shape's table entry: the gathered form's time, the best candidate tile's (every slot live) and that
+    """One shape's table entry (`time_shapes` of that shape alone)."""
+    return time_shapes([ShapeCalls(shape, reference, kernel, half)], candidates, clock, interpret, graph, log,
+                       by_half)[0]
+
+
+def time_shapes(shapes: list[ShapeCalls], candidates: list[Tile], clock: Clock, interpret: bool, graph: bool,
+                log: Callable[[str], None] = print, by_half: bool = False) -> list[dict]:
+    """Each shape's table entry: the gathered form's time, the best candidate tile's (every slot live) and that
     tile's with `half` the slots live, and what was tried; 'line' is the log's summary. With `graph`, as CUDA
-    graph replays; where the gathered form cannot be captured, every time of the shape is taken eagerly and the
-    entry keeps no half-count time, so the form never serves there (a decode pass captures it).
+    graph replays; where a shape's gathered form cannot be captured, every time of that shape is taken eagerly and
+    its entry keeps no half-count time, so the form never serves there (a decode pass captures it). Several shapes
+    (one operation's prefill lengths) take the candidates in turn, each candidate timed at every shape before the
+    next: a tile compiles once for all of them, where shape after shape each would compile it again out of its own
+    share (on a GPU a compile takes about as long as several timings).
 
     The best tile is the fastest with every slot live; with `by_half`, the fastest over both counts (its two times
     summed: each candidate is timed at half the count too). A served routed layer has about half its slots live, and
@@ -379,41 +401,53 @@ def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[...
     operation is timed alone, where a served layer may launch the projector's programs in the same grid (the
     FFN pair, timed after at the tiles chosen). Each candidate costs two timings: the shape's share of the budget
     reaches about half as many."""
-    capturable = True
-    try:
-        torch_ms = time_call(reference, interpret, graph=graph)
-    except Exception as exc:  # capture refused: eager times, and the gathered form is ruled out
-        log(f"  {shape}: timed eagerly, the gathered form's CUDA graph failed ({type(exc).__name__}: {exc}); "
-            "it will not serve here")
-        graph = capturable = False
-        torch_ms = time_call(reference, interpret)
-    best: tuple[float, float, float | None, Tile] | None = None  # (score, full-count ms, half-count ms, tile)
-    tried = 0
-    for tile in candidates:
-        if clock.spent(tried):
-            break
+    torch_ms, graphs, capturable = [], [], []
+    for shape in shapes:
         try:
-            ms = time_call(lambda tile=tile: kernel(tile), interpret, graph=graph)
-            half_ms = time_call(lambda tile=tile: kernel(tile, half), interpret, graph=graph) if by_half else None
-        except Exception as exc:  # a candidate the compiler rejects (e.g. out of registers) is skipped
-            log(f"  {shape}: skip {tile}: {type(exc).__name__}")
-            continue
-        tried += 1
-        score = ms + (half_ms or 0.0)
-        if best is None or score < best[0]:
-            best = (score, ms, half_ms, tile)
-    if best is None:
-        raise TunerError(f"{shape}: no candidate tile ran")
-    _, ms, half_ms, tile = best
-    if half_ms is None:
-        half_ms = time_call(lambda: kernel(tile, half), interpret, graph=graph)
-    ratio = ms / torch_ms
-    line = (f"best {tile}{' over full and half live' if by_half else ''} {ms:.4f} ms (half live {half_ms:.4f}) "
-            f"vs torch {torch_ms:.4f} ms ({ratio:.2f}x; {tried} tiles timed{' in CUDA graphs' if graph else ''})")
-    return {**asdict(tile), "ratio_vs_torch": round(ratio, 3), "kernel_ms": _ms(ms),
-            **({"kernel_half_ms": _ms(half_ms)} if capturable else {}), "torch_ms": _ms(torch_ms), "tried": tried,
-            "timed": "cuda graph" if graph else ("interpreter" if interpret else "eager"),
-            "chosen_by": CHOSEN_BOTH if by_half else CHOSEN_FULL, "line": line}
+            torch_ms.append(time_call(shape.reference, interpret, graph=graph))
+            graphs.append(graph)
+            capturable.append(True)
+        except Exception as exc:  # capture refused: eager times, and the gathered form is ruled out
+            log(f"  {shape.name}: timed eagerly, the gathered form's CUDA graph failed ({type(exc).__name__}: "
+                f"{exc}); it will not serve here")
+            torch_ms.append(time_call(shape.reference, interpret))
+            graphs.append(False)
+            capturable.append(False)
+    best: list[tuple[float, float, float | None, Tile] | None] = [None] * len(shapes)  # (score, full, half, tile)
+    tried = [0] * len(shapes)
+    for tile in candidates:
+        if clock.spent(min(tried)):  # never before every shape timed one tile
+            break
+        for n, shape in enumerate(shapes):
+            try:
+                ms = time_call(lambda tile=tile, kernel=shape.kernel: kernel(tile), interpret, graph=graphs[n])
+                half_ms = (time_call(lambda tile=tile, kernel=shape.kernel, half=shape.half: kernel(tile, half),
+                                     interpret, graph=graphs[n]) if by_half else None)
+            except Exception as exc:  # a candidate the compiler rejects (e.g. out of registers) is skipped
+                log(f"  {shape.name}: skip {tile}: {type(exc).__name__}")
+                continue
+            tried[n] += 1
+            score = ms + (half_ms or 0.0)
+            if best[n] is None or score < best[n][0]:
+                best[n] = (score, ms, half_ms, tile)
+    entries = []
+    for n, shape in enumerate(shapes):
+        if best[n] is None:
+            raise TunerError(f"{shape.name}: no candidate tile ran")
+        _, ms, half_ms, tile = best[n]
+        if half_ms is None:
+            half_ms = time_call(lambda tile=tile, kernel=shape.kernel, half=shape.half: kernel(tile, half),
+                                interpret, graph=graphs[n])
+        ratio = ms / torch_ms[n]
+        line = (f"best {tile}{' over full and half live' if by_half else ''} {ms:.4f} ms (half live {half_ms:.4f}) "
+                f"vs torch {torch_ms[n]:.4f} ms ({ratio:.2f}x; {tried[n]} tiles timed"
+                f"{' in CUDA graphs' if graphs[n] else ''})")
+        entries.append({**asdict(tile), "ratio_vs_torch": round(ratio, 3), "kernel_ms": _ms(ms),
+                        **({"kernel_half_ms": _ms(half_ms)} if capturable[n] else {}), "torch_ms": _ms(torch_ms[n]),
+                        "tried": tried[n],
+                        "timed": "cuda graph" if graphs[n] else ("interpreter" if interpret else "eager"),
+                        "chosen_by": CHOSEN_BOTH if by_half else CHOSEN_FULL, "line": line})
+    return entries
 
 
 # The FFN pair's weight in the tuner's budget at each range, against a GEMM shape's 1 (up to 24 tiles): two timings.
@@ -521,18 +555,24 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
     for op in OPERATIONS:
         k_dim, n_dim = op_dims(op, hidden, intermediate, proj_width, q_width)
         w1, w2 = op_weights(op, n_dim, k_dim, g, device, tdtype)
+        # each decode range alone, served from graphs; the prefill lengths together (a tile compiled once for all
+        # of them), each chosen over the full and the half count
+        groups = [[r] for r in COUNT_RANGES if not is_prefill(r[0])] + [list(PREFILL_RANGES)]
         entries = []
-        for lo, hi in COUNT_RANGES:
-            clock.start_shape(shape_weight(lo))
-            rows = representative_rows(lo, hi, interpret)
-            reference, kernel, half = shape_calls(op, rows, w1, w2, g, device, tdtype)
-            candidates = candidate_tiles(op, rows, shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates,
-                                         seed_tiles(op, lo, rows, current))
-            # decode: served from graphs; prefill: chosen over the full and half count
-            entry = time_shape(f"{op} rows {lo}..{hi}", reference, kernel, half, candidates, clock, interpret,
-                               graph=not is_prefill(lo) and not interpret, log=log, by_half=is_prefill(lo))
-            log(f"{op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} {entry.pop('line')}")
-            entries.append({"rows": [lo, hi], **entry})
+        for ranges in groups:
+            clock.start_shape(sum(shape_weight(lo) for lo, _ in ranges))
+            rows = [representative_rows(lo, hi, interpret) for lo, hi in ranges]
+            shapes = [ShapeCalls(f"{op} rows {lo}..{hi}", *shape_calls(op, n, w1, w2, g, device, tdtype))
+                      for (lo, hi), n in zip(ranges, rows, strict=True)]
+            prefill = is_prefill(ranges[0][0])
+            candidates = candidate_tiles(op, rows[0], shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates,
+                                         seed_tiles(op, ranges[0][0], rows, current))
+            timed = time_shapes(shapes, candidates, clock, interpret, graph=not prefill and not interpret, log=log,
+                                by_half=prefill)
+            for (lo, hi), entry in zip(ranges, timed, strict=True):
+                log(f"{op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} {entry.pop('line')}")
+                entries.append({"rows": [lo, hi], **entry})
+            del shapes  # the prefill lengths' operands are the largest; free them before the next operation's
         tiles[op] = entries
     data = {"device": device_name, "dtype": dtype,
             "source": ("interpreter smoke run (not a measurement)" if interpret else
