@@ -57,3 +57,28 @@ def test_tune_tiles_times_by_default_the_backend_the_device_runs_serve_with():
                   if a.dest == "attention_backend")
     assert set(action.choices) == {*BACKEND_READS, "none"}
     assert action.default == GPU_STAND_IN_FLAGS[GPU_STAND_IN_FLAGS.index("--attention-backend") + 1] == TRITON
+
+
+def test_a_server_weighs_the_packed_read_against_the_prefill_backend_sglang_was_configured_with():
+    """`served_prefill_backend` reads SGLang's published configuration as a server's model sees it at build time:
+    `--prefill-attention-backend` over `--attention-backend`, None where neither was named (SGLang picks one as it
+    builds: the table's SDPA time then stands in) or nothing is published. (A process of its own: SGLang's context
+    is one per process.)"""
+    import subprocess
+    import sys
+
+    code = """
+from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+from sglang.srt.server_args import ServerArgs
+
+from vskipper.sglang.models.routed import served_prefill_backend
+
+print(served_prefill_backend())
+for extra in ({}, {"attention_backend": "triton"},
+              {"attention_backend": "triton", "prefill_attention_backend": "torch_native"}):
+    reset_context()
+    publish(ServerArgs(model_path="dummy", device="cpu", **extra), role="test", ranks=SpawnRanks(world_rank=0))
+    print(served_prefill_backend())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=True)
+    assert out.stdout.split() == ["None", "None", "triton", "torch_native"]
