@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Mixed-depth execution, measured side by side in one run (needs a GPU; `--smoke` runs a tiny CPU version).
 
-1. Cohort GEMMs vs torch: for the 36 (operation, count range) shapes of the tile table, the Triton cohort
+1. Cohort GEMMs vs torch: for the 48 (operation, count range) shapes of the tile table, the Triton cohort
    kernels (tiles from the device's table) against torch/cuBLAS on the same packed rows; ratio = kernel / torch.
 2. Decode: per-step latency of a 32-layer Llama-3-8B-sized stack (random weights, routed layers 16..31, paged
    KV), dense vs routed (RandomSkip r=1, d=s: every row projects at a fraction s of the routed layers), over a

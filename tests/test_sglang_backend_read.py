@@ -4,10 +4,17 @@ and the tuner times a backend's read only once its output matches that (a read o
 kernel that fails is left out, each logged). (No GPU here: no time is a measurement; the device run's tiles stage
 times it on the GPU.)"""
 
+import json
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from vskipper.mixed.tuner import READ_CHECK_RTOL, BackendRead, read_calls, time_backend_read
 from vskipper.sglang.backend_read import BACKEND_READS, TRITON
+
+pytest.importorskip("sglang")
 
 
 def prompt(tokens=48, heads=4, kv_heads=2, head_dim=16):
@@ -82,3 +89,24 @@ for extra in ({}, {"attention_backend": "triton"},
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=True)
     assert out.stdout.split() == ["None", "None", "triton", "torch_native"]
+
+
+def test_the_interpreter_smoke_run_of_tune_tiles_times_sglangs_read_by_default(cli_env, tmp_path):
+    """`vskipper tune-tiles` (its default `--attention-backend triton`) writes SGLang's read of every row beside
+    SDPA's into the table's `prefill_read`; `none` leaves it out (the table then weighs the packed read against
+    SDPA's alone, and says so)."""
+    from vskipper.mixed.tiles import load_tile_table
+
+    tables = {}
+    for backend in ("triton", "none"):
+        out = tmp_path / f"{backend}.json"
+        res = subprocess.run([sys.executable, "-m", "vskipper.cli", "tune-tiles", "--interpret", "--device",
+                              "RTX-A6000", "--out", str(out), "--attention-backend", backend], env=cli_env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        tables[backend] = load_tile_table(out)
+    timed = tables["triton"].read_timing
+    assert timed.backend == TRITON and timed.backend_ms > 0
+    assert json.loads((tmp_path / "triton.json").read_text())["prefill_read"]["backend"] == TRITON
+    assert tables["none"].read_timing.backend is None
+    assert any(line.startswith("the attention backend's own prefill read") for line in tables["none"].lacks())

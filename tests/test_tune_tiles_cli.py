@@ -38,8 +38,6 @@ def test_interpreter_smoke_run_writes_a_loadable_table_for_all_forty_eight_shape
     assert sum(len(table.entries[op]) for op in OPERATIONS) == len(OPERATIONS) * len(COUNT_RANGES) == 48
     assert "default tiles" not in table.source  # the tuner measured the attention cohort GEMMs too
     assert table.read is not None  # and the packed prefill read (on the interpreter: the default launch)
-    # beside every row's read by SGLang's Triton extend kernel (`--attention-backend triton`, the default)
-    assert table.read_timing.backend == "triton" and table.read_timing.backend_ms > 0
     # and the two cohort FFNs grouped against apart at every range where the new table gathers none of their GEMMs
     # (the interpreter's times are no measurement: which ranges gather varies)
     assert [(lo, hi) for lo, hi, _ in table.ffn_pair] == list(COUNT_RANGES)

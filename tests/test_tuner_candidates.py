@@ -257,38 +257,55 @@ def test_a_range_whose_grouped_ffn_pair_fails_keeps_the_error_and_serves_the_two
 
 
 def test_the_tuner_times_the_prefill_lengths_together_on_twice_a_decode_shapes_share_each(monkeypatch):
-    """`tune` with a budget: an operation's decode ranges one by one, then its three prefill lengths as one group on
-    the same candidates (each compiled once), the group's share of what is left `PREFILL_WEIGHT` times a decode
-    shape's for each length (each candidate is timed at both counts, eagerly, over thousands of rows); the FFN pairs
-    keep theirs. The prefill group's seeds are the current table's tile at each length, then the large tiles. (No
-    GPU here: the interpreter's path with the timing stood in for, the clock read as each group starts.)"""
+    """`tune` with a budget: an operation's decode ranges one by one in CUDA graphs, then its three prefill lengths
+    eagerly as one group on the same candidates (each compiled once) chosen over both counts, the group's share of
+    what is left `PREFILL_WEIGHT` times a decode shape's for each length (each candidate is timed at both counts,
+    eagerly, over thousands of rows); the FFN pairs keep theirs. The prefill group's candidates start with the
+    current table's tile at each length, all of them timed whatever the budget, then the large tiles. (No GPU here:
+    CUDA, the operands and the timing stood in for; the clock read as each group starts.)"""
     import time
 
+    import torch
+
     from vskipper.mixed import tuner
+    from vskipper.mixed.tiles import default_tile_table
 
-    groups: list[tuple[list[int], float, list]] = []
+    groups: list[tuple] = []
 
-    def fake_shapes(shapes, candidates, clock, interpret, graph, log=print, by_half=False):
+    def fake_shapes(shapes, candidates, clock, interpret, graph, log=print, by_half=False, keep=1):
         los = [int(shape.name.split("rows ")[1].split("..")[0]) for shape in shapes]
-        groups.append((los, clock.shape_deadline - time.monotonic(), candidates, by_half, graph))
+        groups.append((los, clock.shape_deadline - time.monotonic(), candidates, by_half, graph, keep))
         return [{"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "kernel_ms": 1.0,
                  "torch_ms": 1.0, "line": ""} for _ in shapes]
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    own = [Tile(64, 128, 64, 4, 3), Tile(128, 128, 64, 8, 2), Tile(128, 64, 64, 8, 3)]  # one per prefill length
+    data = default_tile_table(H100.shared_mem_per_block, "H100-SXM").as_dict()
+    for entries in data["tiles"].values():
+        for entry, tile in zip(entries[-len(PREFILL_RANGES):], own, strict=True):
+            entry.update(block_m=tile.block_m, block_n=tile.block_n, block_k=tile.block_k,
+                         num_warps=tile.num_warps, num_stages=tile.num_stages)
+    current = parse_tile_table(data, H100.shared_mem_per_block)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner, "current_table", lambda *args: current)
+    monkeypatch.setattr(tuner, "op_weights", lambda *args: (None, None))
+    monkeypatch.setattr(tuner, "shape_calls", lambda *args: (None, None, None))
     monkeypatch.setattr(tuner, "time_shapes", fake_shapes)
-    tuner.tune("H100-SXM", 227 * 1024, 32, 64, 16, interpret=True, log=lambda line: None, budget_s=1000.0)
+    monkeypatch.setattr(tuner, "time_ffn_pairs", lambda *args: [{"rows": [lo, hi]} for lo, hi in COUNT_RANGES])
+    tuner.tune("H100-SXM", H100.shared_mem_per_block, 4096, 14336, 896, max_candidates=24, log=lambda line: None,
+               budget_s=1000.0)
     decode = [[lo] for lo, _ in COUNT_RANGES if lo < PREFILL_RANGES[0][0]]
     assert [los for los, *_ in groups] == (decode + [[lo for lo, _ in PREFILL_RANGES]]) * len(OPERATIONS)
     # nothing is spent here, so each group takes its weights' part of the whole budget over the weights still left
     left = sum(len(OPERATIONS) * tuner.shape_weight(lo) + tuner.PAIR_WEIGHT for lo, _ in COUNT_RANGES)
-    for los, share, _, by_half, graph in groups:
+    for los, share, candidates, by_half, graph, keep in groups:
+        prefill = len(los) > 1
         weight = sum(tuner.shape_weight(lo) for lo in los)
-        assert abs(share - 1000.0 * weight / left) < 0.5 and by_half == (len(los) > 1) and not graph
+        assert abs(share - 1000.0 * weight / left) < 0.5
+        assert (by_half, graph, keep) == ((True, False, 3) if prefill else (False, True, 1))
+        if prefill:
+            assert candidates[:3] == own and set(PREFILL_SEED_TILES) & set(candidates[3:])
         left -= weight
     assert tuner.PREFILL_WEIGHT == 2 and sum(tuner.shape_weight(lo) for lo, _ in PREFILL_RANGES) == 6
-    # under the interpreter one candidate: the current table's tile at the first length
-    current = current_table("H100-SXM", 227 * 1024, "float32")
-    assert groups[len(decode)][2] == [current.lookup("mlp_gate_up", 513)]
 
 
 def test_shapes_timed_together_take_each_candidate_in_turn_and_each_keeps_its_own_best(monkeypatch):
@@ -322,7 +339,8 @@ def test_shapes_timed_together_take_each_candidate_in_turn_and_each_keeps_its_ow
     assert asked == [(n, t, h) for t in (wide, narrow) for n in ("short", "long") for h in (0, 1)]
     spent = tuner.Clock(None, 1)
     spent.shape_deadline = 0.0  # the share long spent: one candidate, timed at every shape, then none
-    asked.clear()
-    tuner.time_shapes([shape("short"), shape("long")], [wide, narrow, third], spent, interpret=False, graph=False,
-                      log=lambda line: None, by_half=True)
-    assert {t for _, t, _ in asked} == {wide} and len(asked) == 4
+    for keep, timed in ((1, [wide]), (2, [wide, narrow])):  # unless told to keep more (the current table's)
+        asked.clear()
+        tuner.time_shapes([shape("short"), shape("long")], [wide, narrow, third], spent, interpret=False,
+                          graph=False, log=lambda line: None, by_half=True, keep=keep)
+        assert [t for _, t, _ in asked] == [t for t in timed for _ in range(4)]

@@ -96,12 +96,16 @@ def current_table(device_name: str, shared_mem_per_block: int, dtype: str) -> Ti
         return None
 
 
+def shipped_tiles(op: str, rows: Sequence[int], current: TileTable | None) -> list[Tile]:
+    """The `current` table's tile for `op` at each of `rows`, once each (none without a table)."""
+    return list(dict.fromkeys(current.lookup(op, n) for n in rows)) if current is not None else []
+
+
 def seed_tiles(op: str, lo: int, rows: Sequence[int], current: TileTable | None) -> list[Tile]:
     """The tiles the shapes of ranges from `lo`, timed at `rows`, are tried with before the sample: the `current`
-    table's at each (once each), so a new table is never measured worse than the one it replaces, and for the
+    table's at each (`shipped_tiles`), so a new table is never measured worse than the one it replaces, and for the
     prefill ranges (a prefill pass's tokens) the large tiles of `PREFILL_SEED_TILES`."""
-    shipped = list(dict.fromkeys(current.lookup(op, n) for n in rows)) if current is not None else []
-    return shipped + (list(PREFILL_SEED_TILES) if is_prefill(lo) else [])
+    return shipped_tiles(op, rows, current) + (list(PREFILL_SEED_TILES) if is_prefill(lo) else [])
 
 
 def candidate_tiles(op: str, rows: int, shared_mem_per_block: int, dtype_bytes: int = 2,
@@ -297,9 +301,10 @@ READ_WEIGHT = 6
 
 
 class Clock:
-    """The tuner's time budget (None: unbounded), shared evenly by the shapes still to tune: a shape stops trying candidates once its share is spent (after its first), so the
-    tuner ends about when its budget does, its later shapes timed on fewer candidates (the seeds come first) when
-    compiles and timings run slower than planned. `reserved` weighs a shape timed last (the packed read,
+    """The tuner's time budget (None: unbounded), shared by the shapes still to tune by their weights (`start_shape`:
+    a prefill shape twice a decode shape): a shape stops trying candidates once its share is spent (after its first),
+    so the tuner ends about when its budget does, its later shapes timed on fewer candidates (the seeds come first)
+    when compiles and timings run slower than planned. `reserved` weighs a shape timed last (the packed read,
     `READ_WEIGHT`): its share of the whole budget is set aside from the start, so the shapes before it cannot
     spend it however slowly they run."""
 
@@ -340,7 +345,6 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
     causal, packed, pairs, prompt = read_calls(tokens, heads, kv_heads, head_dim, torch.Generator().manual_seed(1),
                                                device, tdtype)
     causal_ms = time_call(causal, interpret)
-    backend_times = time_backend_read(backend, causal, prompt, interpret, log) if backend is not None else {}
     timed: dict[ReadTile, float] = {}
     for tile in READ_CANDIDATES[:1] if interpret else READ_CANDIDATES:
         if clock.spent(len(timed)):
@@ -353,6 +357,8 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
         raise TunerError("prefill_read: no candidate launch ran")
     tile, ms = min(timed.items(), key=lambda kv: kv[1])
     default = timed.get(DEFAULT_READ_TILE)  # None where the default launch did not run
+    # the engine's kernel last: one that broke the device would take the packed launches' timings with it
+    backend_times = time_backend_read(backend, causal, prompt, interpret, log) if backend is not None else {}
     log(f"prefill_read  {tokens} tokens, {READ_RUN_SHARE:.0%} RUN, heads {heads}/{kv_heads} x {head_dim}: best {tile} "
         f"{ms:.4f} ms (default {'did not run' if default is None else f'{default:.4f} ms'}) vs every row's causal "
         f"read {causal_ms:.4f} ms by SDPA ({ms / causal_ms:.2f}x"
@@ -383,7 +389,7 @@ def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[...
 
 
 def time_shapes(shapes: list[ShapeCalls], candidates: list[Tile], clock: Clock, interpret: bool, graph: bool,
-                log: Callable[[str], None] = print, by_half: bool = False) -> list[dict]:
+                log: Callable[[str], None] = print, by_half: bool = False, keep: int = 1) -> list[dict]:
     """Each shape's table entry: the gathered form's time, the best candidate tile's (every slot live) and that
     tile's with `half` the slots live, and what was tried; 'line' is the log's summary. With `graph`, as CUDA
     graph replays; where a shape's gathered form cannot be captured, every time of that shape is taken eagerly and
@@ -400,7 +406,8 @@ def time_shapes(shapes: list[ShapeCalls], candidates: list[Tile], clock: Clock, 
     little slower with every slot live (an all-RUN prefill, the s = 0 control's) for one much faster at half; the
     operation is timed alone, where a served layer may launch the projector's programs in the same grid (the
     FFN pair, timed after at the tiles chosen). Each candidate costs two timings: the shape's share of the budget
-    reaches about half as many."""
+    reaches about half as many. The first `keep` candidates run whatever the budget (the current table's tile at
+    each shape's range: a new table is never measured worse than the one it replaces)."""
     torch_ms, graphs, capturable = [], [], []
     for shape in shapes:
         try:
@@ -416,7 +423,7 @@ def time_shapes(shapes: list[ShapeCalls], candidates: list[Tile], clock: Clock, 
     best: list[tuple[float, float, float | None, Tile] | None] = [None] * len(shapes)  # (score, full, half, tile)
     tried = [0] * len(shapes)
     for tile in candidates:
-        if clock.spent(min(tried)):  # never before every shape timed one tile
+        if min(tried) >= keep and clock.spent(min(tried)):  # never before every shape timed the first `keep`
             break
         for n, shape in enumerate(shapes):
             try:
@@ -567,8 +574,10 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
             prefill = is_prefill(ranges[0][0])
             candidates = candidate_tiles(op, rows[0], shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates,
                                          seed_tiles(op, ranges[0][0], rows, current))
+            # the current table's tile at every length is timed whatever the budget (they come first)
+            keep = max(1, len(shipped_tiles(op, rows, current)))
             timed = time_shapes(shapes, candidates, clock, interpret, graph=not prefill and not interpret, log=log,
-                                by_half=prefill)
+                                by_half=prefill, keep=keep)
             for (lo, hi), entry in zip(ranges, timed, strict=True):
                 log(f"{op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} {entry.pop('line')}")
                 entries.append({"rows": [lo, hi], **entry})
