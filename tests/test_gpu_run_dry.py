@@ -356,6 +356,28 @@ def test_no_prefill_prompt_of_the_sweep_is_a_prefix_of_another():
     assert not any(a[:16] == b[:16] for i, a in enumerate(prompts) for b in prompts[i + 1:])
 
 
+def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypatch):
+    """Each repetition serves one fresh prompt at every length before the next repetition, so a drift over an arm's
+    prompts falls on every length alike; each length's figure is the median of its repetitions. (No server: the
+    request is stood in for.)"""
+    from types import SimpleNamespace
+
+    plan = run.Plan.gpu()
+    sent: list[int] = []
+
+    async def fake_burst(server, prompts, new_tokens):
+        sent.append(len(prompts[0]))
+        return [SimpleNamespace(ttft_s=len(prompts[0]) * 1e-5 * (1 + len(sent) / 100))]
+
+    monkeypatch.setattr(run, "burst", fake_burst)
+    cells = run.prefill_cells(plan, None, 128256)
+    assert sent == list(plan.prefill_lengths) * plan.prefill_reps and 1536 in plan.prefill_lengths
+    assert [c["tokens"] for c in cells] == list(plan.prefill_lengths)
+    for cell in cells:
+        assert len(cell["ttft_s_reps"]) == plan.prefill_reps
+        assert cell["ttft_s"] == sorted(cell["ttft_s_reps"])[plan.prefill_reps // 2]
+
+
 def test_ratio_range_spans_every_pairing_of_the_arms_repetitions():
     assert run.ratio_range([2.0, 3.0], [1.0, 4.0]) == [0.5, 3.0]
     assert run.ratio_range([2.0], None) is None  # results of a sweep without repetitions

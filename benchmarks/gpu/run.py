@@ -18,7 +18,7 @@ ladder    the headline A/B's dense half (`benchmarks/gpu/headline.py`): on GSM8K
           (0.75 / 0.95 / 1.25 x Q*, paired repetitions), on the same server.
 sweep     fixed-batch decode (batch x context, each cell's prompts prefilled first so the timed burst decodes
           together; cells that do not fit the KV pool are skipped and named) and
-          prefill at 1k/2k/4k tokens, dense, always-route r = 1 d = 0.5 and the control (always-route
+          prefill at 1k/1.5k/2k/4k tokens, dense, always-route r = 1 d = 0.5 and the control (always-route
           RandomSkip r = 0: nothing skipped), one server at a time in that order: step time, tokens/s, TPOT,
           the latency lines in V (tau, the measured crossover V_x beside the rule's V*), prefill ratios.
 headline  the routed half: the hybrid arm (RandomSkip r = 1 d = 0.5; thresholds from the roofline rule for the
@@ -156,7 +156,8 @@ class Plan:
                    ("--load-format", "dummy", "--skip-tokenizer-init", "--context-length", "8192",
                     "--cuda-graph-max-bs-decode", "256", "--max-running-requests", "256"),
                    "0.85", tune_max_candidates=24, batches=(32, 64, 128), contexts=(1024, 2048, 4096),
-                   sweep_new_tokens=48, decode_reps=3, prefill_lengths=(1024, 2048, 4096), prefill_reps=3, startup_timeout_s=300.0,
+                   sweep_new_tokens=48, decode_reps=3, prefill_lengths=(1024, 1536, 2048, 4096), prefill_reps=5,
+                   startup_timeout_s=300.0,
                    prompt_tokens=(700, 1100), output_tokens=(58, 174), warmup_requests=64, calibration_requests=128,
                    ladder_window_s=10.0, ladder_max_rates=14, window_s=12.0, min_requests=24, repetitions=3,
                    start_estimate_s=100.0, cell_overhead_s=3.0, engagement_optional=False,
@@ -465,6 +466,18 @@ async def burst(server: Server, prompts: list[list[int]], new_tokens: int):
     if errors:
         raise RuntimeError(f"burst against {server.url}: {len(errors)} requests failed, first: {errors[0]}")
     return records
+
+
+def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
+    """The sweep's prefill cells on one server: the TTFT of `prefill_reps` fresh prompts (one request each, one
+    token out) at each of `prefill_lengths`, in rounds of every length, so that a drift of the device or the host
+    over the arm's prompts falls on every length alike."""
+    ttfts: dict[int, list[float]] = {length: [] for length in plan.prefill_lengths}
+    for r in range(plan.prefill_reps):
+        for length in plan.prefill_lengths:
+            ttfts[length].append(asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0].ttft_s)
+    return [{"tokens": length, "ttft_s": statistics.median(reps), "ttft_s_reps": reps,
+             "prefill_tok_s": length / statistics.median(reps)} for length, reps in ttfts.items()]
 
 
 def decode_step(records) -> tuple[float, int]:
@@ -890,7 +903,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                                 graph_batches=plan.batches)
             ready(plan, [server])
             capacity = kv_capacity(server)
-            decode, prefill, skipped = [], [], []
+            decode, skipped = [], []
             for batch in plan.batches:
                 for ctx in plan.contexts:
                     need = batch * (ctx + plan.sweep_new_tokens)
@@ -910,11 +923,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                     decode.append({"batch": batch, "context": ctx, "resident_tokens": batch * (ctx + steps // 2),
                                    "step_s": step_s, "step_s_reps": [s for s, _ in reps], "tpot_s": step_s,
                                    "decode_tok_s": batch / step_s})
-            for length in plan.prefill_lengths:
-                ttfts = [asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0].ttft_s
-                         for r in range(plan.prefill_reps)]
-                prefill.append({"tokens": length, "ttft_s": statistics.median(ttfts), "ttft_s_reps": ttfts,
-                                "prefill_tok_s": length / statistics.median(ttfts)})
+            prefill = prefill_cells(plan, server, vocab)
             result["arms"][name] = {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill,
                                     "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"])
                                                                           for d in decode]),
