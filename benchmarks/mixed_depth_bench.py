@@ -43,16 +43,8 @@ import torch  # noqa: E402
 
 from vskipper.checkpoint import TinySize, tiny_config  # noqa: E402
 from vskipper.mixed.bench_stack import BenchStack, ForwardBatch  # noqa: E402
-from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS  # noqa: E402
-from vskipper.mixed.tuner import (  # noqa: E402
-    Clock,
-    is_prefill,
-    op_dims,
-    op_weights,
-    representative_rows,
-    shape_calls,
-    time_shape,
-)
+from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, is_prefill  # noqa: E402
+from vskipper.mixed.tuner import Clock, op_dims, op_weights, representative_rows, shape_calls, time_shape  # noqa: E402
 from vskipper.roofline import derive_thresholds, find_device, kv_bytes_per_token_layer  # noqa: E402
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 

@@ -65,7 +65,15 @@ DEFAULTED_OPERATIONS = ("attn_q", "attn_o")  # a table without them takes the de
 PREFILL_FROM = 513  # the count ranges from here on are a prefill pass's tokens (the decode ranges end at 512 rows)
 COUNT_RANGES: tuple[tuple[int, int | None], ...] = ((1, 16), (17, 32), (33, 64), (65, 128), (129, 512),
                                                     (PREFILL_FROM, 1024), (1025, 2048), (2049, None))
-PREFILL_RANGES = tuple(r for r in COUNT_RANGES if r[0] >= PREFILL_FROM)
+
+
+def is_prefill(lo: int) -> bool:
+    """A count range from `lo` rows holds a prefill pass's tokens (the tuner times it eagerly, as served, and
+    chooses its tile over the full and the half count)."""
+    return lo >= PREFILL_FROM
+
+
+PREFILL_RANGES = tuple(r for r in COUNT_RANGES if is_prefill(r[0]))
 TABLE_DIR = Path(__file__).with_name("tile_tables")
 TABLE_DTYPES = ("float16", "bfloat16", "float32")  # the canonical names a table may be measured in
 
@@ -276,7 +284,7 @@ class TileTable:
                if hi is None or hi >= PREFILL_FROM):  # the ranges that serve a prefill pass
             out.append("prefill tiles chosen over the full and the half count: chosen with every row live, they "
                        "may idle half the device when half the rows are RUN")
-        if any([(lo, hi) for lo, hi, _ in rows if lo >= PREFILL_FROM] != list(PREFILL_RANGES)
+        if any([(lo, hi) for lo, hi, _ in rows if is_prefill(lo)] != list(PREFILL_RANGES)
                for rows in self.entries.values()):
             out.append("prefill tiles by length: one tile serves every prefill pass from the table's last range on, "
                        "tuned at one length: its grid may fill the device there alone")

@@ -46,13 +46,13 @@ from vskipper.mixed.tiles import (
     DEFAULT_READ_TILE,
     OPERATIONS,
     PAIR_FIELD,
-    PREFILL_FROM,
     PREFILL_RANGES,
     READ_FIELD,
     ReadTile,
     Tile,
     TileTable,
     TileTableError,
+    is_prefill,
     parse_tile_table,
     tile_table_for,
 )
@@ -70,15 +70,9 @@ READ_TOKENS = 2048  # the one prompt the packed prefill read is tuned on
 def representative_rows(lo: int, hi: int | None, interpret: bool = False) -> int:
     """The rows a range's shapes are timed at: its upper end (`PREFILL_ROWS` for the open one). Under the
     interpreter (a smoke run) a prefill range's first rows, the fewest it holds."""
-    if interpret and lo >= PREFILL_FROM:
+    if interpret and is_prefill(lo):
         return lo
     return hi if hi is not None else max(lo, PREFILL_ROWS)
-
-
-def is_prefill(lo: int) -> bool:
-    """A count range from `lo` rows holds a prefill pass's tokens: timed eagerly, as served, and its tiles chosen
-    over the full and the half count."""
-    return lo >= PREFILL_FROM
 
 
 # Tiles tried first for a prefill pass's rows, whatever the sample (which may hold few tiles of 128 rows): the
@@ -411,18 +405,16 @@ def time_shapes(shapes: list[ShapeCalls], candidates: list[Tile], clock: Clock, 
     FFN pair, timed after at the tiles chosen). Each candidate costs two timings: the shape's share of the budget
     reaches about half as many. The first `keep` candidates run whatever the budget (the current table's tile at
     each shape's range: a new table is never measured worse than the one it replaces)."""
-    torch_ms, graphs, capturable = [], [], []
+    torch_ms, graphs = [], []  # graphs[n] False where asked for: the shape's capture failed
     for shape in shapes:
         try:
             torch_ms.append(time_call(shape.reference, interpret, graph=graph))
             graphs.append(graph)
-            capturable.append(True)
         except Exception as exc:  # capture refused: eager times, and the gathered form is ruled out
             log(f"  {shape.name}: timed eagerly, the gathered form's CUDA graph failed ({type(exc).__name__}: "
                 f"{exc}); it will not serve here")
             torch_ms.append(time_call(shape.reference, interpret))
             graphs.append(False)
-            capturable.append(False)
     best: list[tuple[float, float, float | None, Tile] | None] = [None] * len(shapes)  # (score, full, half, tile)
     tried = [0] * len(shapes)
     for tile in candidates:
@@ -453,7 +445,8 @@ def time_shapes(shapes: list[ShapeCalls], candidates: list[Tile], clock: Clock, 
                 f"vs torch {torch_ms[n]:.4f} ms ({ratio:.2f}x; {tried[n]} tiles timed"
                 f"{' in CUDA graphs' if graphs[n] else ''})")
         entries.append({**asdict(tile), "ratio_vs_torch": round(ratio, 3), "kernel_ms": _ms(ms),
-                        **({"kernel_half_ms": _ms(half_ms)} if capturable[n] else {}), "torch_ms": _ms(torch_ms[n]),
+                        **({"kernel_half_ms": _ms(half_ms)} if graphs[n] == graph else {}),
+                        "torch_ms": _ms(torch_ms[n]),
                         "tried": tried[n],
                         "timed": "cuda graph" if graphs[n] else ("interpreter" if interpret else "eager"),
                         "chosen_by": CHOSEN_BOTH if by_half else CHOSEN_FULL, "line": line})
