@@ -591,14 +591,17 @@ def test_the_tiles_stage_never_tunes_once_a_serving_stage_took_the_shipped_table
 
 def test_the_tiles_summary_puts_the_ffn_pair_grouped_beside_apart_where_the_tuner_timed_it():
     """A tuned table's `ffn_pair` in the summary: each timed range's grouped and apart times and their ratio; a
-    range the tuner did not time is left out."""
+    range the tuner did not time is left out. A tile's row names its K split where it splits."""
     from vskipper.mixed.tiles import default_tile_table
 
     table = default_tile_table(227 * 1024, "H100-SXM").as_dict()
     table["ffn_pair"] = [{"rows": [1, 16], "grouped_ms": 0.02, "apart_ms": 0.025}, {"rows": [17, None]}]
+    table["tiles"]["mlp_down"][3]["split_k"] = 4  # and a tile that splits K says so in its row
     text = "\n".join(run.tiles_lines({"device": "H100-SXM", "runs": {}, "table": table}, None))
     pair = text[text.index("| rows | grouped ms"):]
     assert "| 1-16 | 0.0200 | 0.0250 | 0.800 |" in pair and "| 17-" not in pair
+    assert "| mlp_down | 65-128 | 64 x 128 x 64, K split 4 ways | 8 | 3 |" in text
+    assert "| mlp_down | 33-64 | 64 x 128 x 64 | 4 | 3 |" in text
 
 
 def test_the_summary_names_the_tiles_the_sweep_served_and_what_their_table_lacks_with_or_without_a_tiles_stage():

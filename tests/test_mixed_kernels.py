@@ -198,6 +198,78 @@ def test_the_q_gemm_in_batch_rows_stores_each_cohort_row_in_its_own_row(share):
         cohort_gemm(u, c.run_idx, c.n_run, w_q, out=q, tile=SMALL, batch_rows=True)
 
 
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("count", [0, 5, 17, 40])
+def test_a_tile_that_splits_k_computes_what_the_unsplit_tile_does_on_the_counted_rows_alone(count, split_k):
+    """`Tile.split_k`: each split's programs sum their share of K into a plane of an fp32 workspace, and the reduce
+    launch runs the unsplit kernel's epilogue on the planes' sum: Q packed and in batch rows, o_proj's unweighted
+    add and the down GEMM's weighted add or store, each on the counted rows alone. K spans 2 and 3 tiles of 32, so
+    4 splits leave some empty (they add zeros). The sum runs in split order: a launch repeated is bit-equal."""
+    g = torch.Generator().manual_seed(10 * count + split_k)
+    capacity, d, width = 40, 48, 80
+    split = Tile(16, 32, 32, 4, 1, split_k)
+    u = torch.randn(capacity, d, generator=g)
+    w_q, w_o = torch.randn(width, d, generator=g) / d**0.5, torch.randn(d, width, generator=g) / width**0.5
+    idx, n = torch.randperm(capacity, generator=g), torch.tensor([count])
+    rows = idx[:count]
+    untouched = torch.ones(capacity, dtype=torch.bool)
+    untouched[rows] = False
+    q = torch.full((capacity, width), 7.0)
+    cohort_gemm(u, idx, n, w_q, out=q, tile=split)
+    assert (q[count:] == 7.0).all()
+    torch.testing.assert_close(q[:count], u[rows] @ w_q.t())
+    unsplit = torch.full((capacity, width), 7.0)
+    cohort_gemm(u, idx, n, w_q, out=unsplit, tile=SMALL)
+    torch.testing.assert_close(q, unsplit, rtol=1e-6, atol=1e-6)
+    again = torch.full((capacity, width), 7.0)
+    cohort_gemm(u, idx, n, w_q, out=again, tile=split)
+    assert torch.equal(again, q)
+    in_rows = cohort_gemm(u, idx, n, w_q, tile=split, batch_rows=True)
+    torch.testing.assert_close(in_rows[rows], u[rows] @ w_q.t())
+    h = torch.randn(capacity, d, generator=g)
+    before = h.clone()
+    cohort_scatter_add(q, idx, n, w_o, h, tile=split)
+    assert torch.equal(h[untouched], before[untouched])
+    torch.testing.assert_close(h[rows], before[rows] + q[:count] @ w_o.t())
+    w = torch.rand(capacity, generator=g)
+    for accumulate in (True, False):
+        y = torch.randn(capacity, d, generator=g)
+        before = y.clone()
+        cohort_down_scatter(q, idx, n, w, w_o, y, tile=split, accumulate=accumulate)
+        assert torch.equal(y[untouched], before[untouched])
+        torch.testing.assert_close(y[rows], before[rows] * accumulate + w[rows, None] * (q[:count] @ w_o.t()))
+
+
+def test_a_table_whose_mlp_down_splits_k_launches_the_ffn_pair_apart():
+    """The grouped down launch reads one tile and never splits K: where the MLP's down tile splits, the two FFNs
+    launch apart (each down GEMM split as its own tile says, then its reduce), to the same output; asked to group
+    there, the pair refuses, naming why."""
+    from mixed_world import INTERPRETER_ENTRY
+
+    from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, parse_tile_table
+
+    g = torch.Generator().manual_seed(5)
+    capacity, d = 24, 32
+    x, w = torch.randn(capacity, d, generator=g), torch.rand(capacity, generator=g)
+    c = build_cohorts(torch.rand(capacity, generator=g) < 0.5)
+    pair = (CohortFFN(c.run_idx, c.n_run, *weights(g, d, 48)), CohortFFN(c.proj_idx, c.n_proj, *weights(g, d, 16)))
+    tiles = {op: [{"rows": [lo, hi], **INTERPRETER_ENTRY,
+                   **({"split_k": 2} if op.endswith("down") and hi is not None and hi <= 32 else {})}
+                  for lo, hi in COUNT_RANGES] for op in OPERATIONS}
+    table = parse_tile_table({"device": "H200", "dtype": "float32", "tiles": tiles}, 227 * 1024)
+    assert table.lookup("mlp_down", capacity).split_k == 2 and table.lookup("mlp_down", 33).split_k == 1
+    split, grouped = torch.full((capacity, d), float("nan")), torch.full((capacity, d), float("nan"))
+    launches = OwnLaunches()
+    with launches.triton():
+        cohort_ffn_pair(x, w, split, *pair, tiles=table, accumulate=False)
+    assert launches.launches.count("split_k_reduce_kernel") == 2, launches.launches
+    cohort_ffn_pair(x, w, grouped, *pair, tiles=SMALL, accumulate=False, grouped=True)
+    torch.testing.assert_close(split, grouped, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot launch grouped at 24 slots: the MLP's down tile splits K 2 ways "
+                                         "there"):
+        cohort_ffn_pair(x, w, split, *pair, tiles=table, grouped=True)
+
+
 def test_a_zero_count_launches_a_full_grid_that_does_nothing():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(32, 32, generator=g)

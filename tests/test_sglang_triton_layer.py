@@ -104,6 +104,37 @@ def test_a_layer_whose_table_timed_the_ffns_faster_apart_launches_them_apart_and
                              "cohort_down_scatter_kernel", "add_"]
 
 
+def test_a_layer_whose_table_splits_k_at_decode_counts_reduces_after_each_split_gemm_and_attests_it(world):
+    """A table whose Q, o_proj and down tiles split K at the decode counts: each of those GEMMs launches its reduce
+    after it, the two FFNs launch apart (the grouped down launch does not split), the pass's output and KV equal
+    the torch execution's, and the execution attests the split ranges."""
+    from mixed_world import INTERPRETER_ENTRY
+
+    from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, SPLIT_OPERATIONS, parse_tile_table
+
+    tiles = {op: [{"rows": [lo, hi], **INTERPRETER_ENTRY, **({"split_k": 2} if op in SPLIT_OPERATIONS and
+                                                                hi is not None and hi <= 512 else {})}
+                  for lo, hi in COUNT_RANGES] for op in OPERATIONS}
+    table = parse_tile_table({"device": "H200", "dtype": "float32", "source": "test", "tiles": tiles}, 227 * 1024)
+    execution = served.CohortExecution("triton", table, prefill_read="packed")
+    assert execution.attestation()["split_k"] == {
+        op: [[lo, hi, 2] for lo, hi in COUNT_RANGES if hi is not None and hi <= 512] for op in SPLIT_OPERATIONS}
+    run = [True, False, True, False]
+    launches = _own_launches(world, execution, {0: 1, 1: 1, 2: 1, 3: 1}, run)
+    assert launches == [
+        "cohort_maps_kernel", "cohort_gemm_kernel", "split_k_reduce_kernel", "masked_decode_split_kernel",
+        "masked_decode_merge_kernel", "cohort_down_scatter_kernel", "split_k_reduce_kernel",
+        "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "split_k_reduce_kernel", "cohort_gate_up_kernel",
+        "cohort_down_scatter_kernel", "split_k_reduce_kernel", "add_"]
+    extend = {0: 1, 1: 1, 2: 1, 3: 1}
+    x = world.hidden(4)
+    run_t, w = world.route(run)
+    y_split, kv_split = _pass(world, extend, x, run_t, w, execution)
+    y_torch, kv_torch = _pass(world, extend, x, run_t, w, served.TORCH_EXECUTION)
+    torch.testing.assert_close(y_split, y_torch, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_split, kv_torch, rtol=1e-4, atol=1e-4)
+
+
 def _own_launches(world: LayerWorld, execution, extend: dict[int, int], run: list[bool]) -> list[str]:
     """What vSkipper's own code launches in one routed pass of `execution` (`OwnLaunches`), x handed over as both
     families' layers hand it past a first layer."""

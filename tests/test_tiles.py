@@ -98,6 +98,12 @@ def test_unmeasured_devices_fall_back_to_the_default_and_unknown_ones_need_a_lim
      r"ffn_pair\[0\]: field 'grouped_ms' must be a positive number of milliseconds, got 0"),
     (lambda d: d.__setitem__("ffn_pair", [{"rows": [1, None], "grouped_error": "x", "grouped_ms": 1.0}]),
      r"ffn_pair\[0\]: field 'grouped_error' must be a non-empty string, without 'grouped_ms'"),
+    (lambda d: d["tiles"]["mlp_down"][1].update(split_k=3),
+     r"tiles.mlp_down\[1\]: split_k must be a power of two in 1..16, got 3"),
+    (lambda d: d["tiles"]["mlp_gate_up"][0].update(split_k=2),
+     r"tiles.mlp_gate_up\[0\]: field 'split_k' is 2, but the gate-up kernels never split K"),
+    (lambda d: d["tiles"]["attn_q"][5].update(split_k=2),
+     r"tiles.attn_q\[5\]: field 'split_k' is 2 in a prefill range \(from 513 rows\)"),
 ])
 def test_malformed_tables_are_refused_naming_the_field(mutate, message):
     data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2})
@@ -289,12 +295,12 @@ def test_a_table_says_which_of_the_tuners_measurements_it_was_tuned_without():
     old = parse_tile_table(data, 227 * 1024).lacks()
     assert [line.split(":")[0] for line in old] == [
         "half-count times", "how each shape was timed", "prefill tiles chosen over the full and the half count",
-        "FFN pair timings", "a packed prefill read timing"]
+        "split-K tiles", "FFN pair timings", "a packed prefill read timing"]
     for op in OPERATIONS:
         for n, (lo, _) in enumerate(COUNT_RANGES):
             prefill = lo >= PREFILL_FROM
             data["tiles"][op][n].update(kernel_half_ms=0.07, timed="eager" if prefill else "cuda graph",
-                                        chosen_by="full and half live" if prefill else "full live")
+                                        chosen_by="full and half live" if prefill else "full live", split_k=1)
     data[PAIR_FIELD] = [{"rows": [lo, hi], "grouped_ms": 0.1, "apart_ms": 0.2} for lo, hi in COUNT_RANGES]
     data[READ_FIELD] = {"block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "kernel_ms": 0.1,
                         "causal_all_rows_ms": 0.2}

@@ -2,6 +2,8 @@
 tiles are tried before the sample, within the candidate limit and the device's shared memory; the budget is
 shared out; decode shapes are timed as CUDA graph replays."""
 
+from dataclasses import replace
+
 from vskipper.mixed.tiles import (
     COUNT_RANGES,
     OPERATIONS,
@@ -53,6 +55,23 @@ def test_a_prefill_range_tries_the_large_tiles_that_fit_and_a_decode_range_does_
     assert Tile(128, 128, 64, 8, 3) in tiles and len(tiles) == 24
     # the limit caps the seeds too: a smoke run's single candidate is the shipped tile
     assert candidate_tiles("mlp_down", 2048, H100.shared_mem_per_block, 2, 1, prefill) == prefill[:1]
+
+
+def test_a_decode_range_of_an_operation_that_splits_k_tries_the_current_tile_split():
+    """After the current table's tile, a decode shape of the down GEMMs, Q and o_proj tries that tile with K split
+    2 and 4 ways (before the sample, within a smoke run's limit of one the tile alone); a gate-up or a prefill
+    shape never splits, and a current tile that splits already is tried unsplit too."""
+    current = current_table(H100.name, H100.shared_mem_per_block, "bfloat16")
+    for op in ("mlp_down", "proj_down", "attn_q", "attn_o"):
+        shipped = current.lookup(op, 128)
+        seeds = seed_tiles(op, 65, [128], current)
+        assert seeds == [shipped, replace(shipped, split_k=2), replace(shipped, split_k=4)], op
+        assert candidate_tiles(op, 128, H100.shared_mem_per_block, 2, 24, seeds)[:3] == seeds
+        assert candidate_tiles(op, 128, H100.shared_mem_per_block, 2, 1, seeds) == [shipped]
+    assert all(t.split_k == 1 for t in seed_tiles("mlp_gate_up", 65, [128], current))
+    assert all(t.split_k == 1 for t in seed_tiles("mlp_down", 1025, [2048], current))
+    current.entries["attn_o"][0] = (1, 16, replace(current.lookup("attn_o", 16), split_k=2))
+    assert [t.split_k for t in seed_tiles("attn_o", 1, [16], current)] == [2, 1, 4]
 
 
 def test_every_candidate_fits_the_shared_memory_and_the_sample_still_spans_the_grid():

@@ -1289,8 +1289,10 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
         for op, entries in table["tiles"].items():
             for e in entries:
                 lo, hi = e["rows"]
+                split = f", K split {e['split_k']} ways" if e.get("split_k", 1) > 1 else ""
                 lines.append(f"| {op} | {lo}-{hi if hi is not None else ''} | {e['block_m']} x {e['block_n']} x "
-                             f"{e['block_k']} | {e['num_warps']} | {e['num_stages']} | {_f(e.get('kernel_ms'), '.4f')} | "
+                             f"{e['block_k']}{split} | {e['num_warps']} | {e['num_stages']} | "
+                             f"{_f(e.get('kernel_ms'), '.4f')} | "
                              f"{_f(e.get('kernel_half_ms'), '.4f')} | "
                              f"{_f(e.get('torch_ms'), '.4f')} | {_f(e.get('ratio_vs_torch'), '.3f')} | "
                              f"{e.get('tried', '?')} | {e.get('timed', 'eager')}"

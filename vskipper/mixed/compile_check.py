@@ -25,7 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from vskipper.modelspec import PRESETS
@@ -98,9 +98,20 @@ def _launch(kernel: str, args: dict, constexprs: dict, num_warps: int, num_stage
                   num_warps, num_stages)
 
 
-def _gemm_args(op: str) -> tuple[str, dict, list[dict]]:
+def _workspace(out, n: int, split_k: int) -> dict:
+    """The split-K workspace arguments as `kernels.SplitK` passes them: an unsplit launch's output in their place
+    (unread), a split one's fp32 planes [split_k, rows, n]."""
+    import torch
+
+    if split_k == 1:
+        return {"ws_ptr": out, "stride_ws_s": 0, "stride_ws_m": 0}
+    ws = _t(split_k, ROWS, n, dtype=torch.float32)
+    return {"ws_ptr": ws, "stride_ws_s": ws.stride(0), "stride_ws_m": ws.stride(1)}
+
+
+def _gemm_args(op: str, split_k: int = 1) -> tuple[str, dict, list[dict]]:
     """(kernel, example arguments, the switches of each launch) of one tile-table op's GEMM, as `kernels.py` calls
-    it: W is [N, K] (the down GEMMs scatter onto the hidden rows)."""
+    it: W is [N, K] (the down GEMMs scatter onto the hidden rows), K split `split_k` ways (Q and the down GEMMs)."""
     import torch
 
     from vskipper.mixed.tuner import op_dims
@@ -117,17 +128,42 @@ def _gemm_args(op: str) -> tuple[str, dict, list[dict]]:
                 "stride_xm": x.stride(0), "stride_xk": x.stride(1), "stride_wn": w.stride(0),
                 "stride_wk": w.stride(1), "stride_om": out.stride(0), "stride_on": out.stride(1)}
         if op == "attn_q":  # into the RUN rows' batch rows, whichever read serves (the packed form serves none)
-            return "cohort_gemm_kernel", {**args, "w_ptr": w}, [{"SCATTER": True}]
+            return ("cohort_gemm_kernel", {**args, "w_ptr": w, **_workspace(out, n, split_k)},
+                    [{"SCATTER": True, "SPLIT_K": split_k}])
         return "cohort_gate_up_kernel", {**args, "wg_ptr": w, "wu_ptr": w}, [{}]
     a, w, y = _t(ROWS, k), _t(n, k), _t(ROWS, n)
     args = {"a_ptr": a, "idx_ptr": idx, "count_ptr": count, "wd_ptr": w, "y_ptr": y, "D": n, "N": k,
             "stride_am": a.stride(0), "stride_an": a.stride(1), "stride_wd": w.stride(0), "stride_wn": w.stride(1),
-            "stride_ym": y.stride(0), "stride_yd": y.stride(1)}
+            "stride_ym": y.stride(0), "stride_yd": y.stride(1), **_workspace(y, n, split_k)}
     if op == "attn_o":  # the unweighted scatter onto the residual (the index stands in for the weights)
-        return "cohort_down_scatter_kernel", {**args, "w_ptr": idx}, [{"WEIGHTED": False, "ACCUMULATE": True}]
+        return "cohort_down_scatter_kernel", {**args, "w_ptr": idx}, [{"WEIGHTED": False, "ACCUMULATE": True,
+                                                                       "SPLIT_K": split_k}]
     # the FFNs' down GEMM stores (the served body) or adds (the bench stack, the tuner)
-    return "cohort_down_scatter_kernel", {**args, "w_ptr": _t(ROWS)}, [{"WEIGHTED": True, "ACCUMULATE": acc}
-                                                                        for acc in (False, True)]
+    return "cohort_down_scatter_kernel", {**args, "w_ptr": _t(ROWS)}, [{"WEIGHTED": True, "ACCUMULATE": acc,
+                                                                        "SPLIT_K": split_k} for acc in (False, True)]
+
+
+def _reduce_launches(splits: set[int]) -> list[Launch]:
+    """The split GEMMs' epilogue (`split_k_reduce_kernel`) at each of `splits`, in the forms served: the FFNs' down
+    GEMM weighted (stored or added), o_proj's unweighted add, Q stored into its batch rows."""
+    import torch
+
+    from vskipper.mixed import kernels as kn
+
+    n = MODEL.hidden_size
+    idx, count, y = _t(ROWS, dtype=torch.int64), _t(1, dtype=torch.int64), _t(ROWS, n)
+    forms = [(_t(ROWS), True, False), (_t(ROWS), True, True), (idx, False, True), (idx, False, False)]
+    out = []
+    for split_k in sorted(splits):
+        ws = _t(split_k, ROWS, n, dtype=torch.float32)
+        for w, weighted, accumulate in forms:
+            out.append(_launch("split_k_reduce_kernel",
+                               {"ws_ptr": ws, "idx_ptr": idx, "count_ptr": count, "w_ptr": w, "y_ptr": y, "N": n,
+                                "stride_ws_s": ws.stride(0), "stride_ws_m": ws.stride(1), "stride_ym": y.stride(0),
+                                "stride_yn": y.stride(1)},
+                               {"BLOCK_M": kn.REDUCE_BLOCK_M, "BLOCK_N": kn.REDUCE_BLOCK_N, "SPLIT_K": split_k,
+                                "WEIGHTED": weighted, "ACCUMULATE": accumulate, "SCATTER": True}, 4, 3))
+    return out
 
 
 def _grouped_args(op: str, block_n: int) -> tuple[str, dict, list[dict]]:
@@ -160,16 +196,28 @@ def _grouped_args(op: str, block_n: int) -> tuple[str, dict, list[dict]]:
 
 
 def _gemm_launches(table) -> list[Launch]:
-    """The cohort GEMM kernels at every tile of the device's table, and the grouped FFN launches at the MLP's."""
+    """The cohort GEMM kernels at every tile of the device's table, and the grouped FFN launches at the MLP's;
+    each operation that splits K also at its first tile split as the tuner tries it (`SPLIT_SEEDS`), and the
+    split GEMMs' reduce at every split of these."""
+    from vskipper.mixed.tiles import SPLIT_OPERATIONS
+    from vskipper.mixed.tuner import SPLIT_SEEDS
+
     out: dict[Launch, None] = {}
+    splits = set()
     for op, entries in table.entries.items():
-        for _lo, _hi, t in entries:
-            forms = [_gemm_args(op)] + ([_grouped_args(op, t.block_n)] if op in ("mlp_gate_up", "mlp_down") else [])
+        tiles = [t for _lo, _hi, t in entries]
+        if op in SPLIT_OPERATIONS:
+            tiles += [replace(tiles[0], split_k=s) for s in SPLIT_SEEDS]
+        for t in tiles:
+            forms = [_gemm_args(op, t.split_k)]
+            if op in ("mlp_gate_up", "mlp_down") and t.split_k == 1:
+                forms.append(_grouped_args(op, t.block_n))
             blocks = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
             for kernel, args, launches in forms:
                 for switches in launches:
                     out[_launch(kernel, args, {**blocks, **switches}, t.num_warps, t.num_stages)] = None
-    return list(out)
+            splits.add(t.split_k)
+    return list(out) + _reduce_launches(splits - {1})
 
 
 def _attention_launches(read_tile) -> list[Launch]:

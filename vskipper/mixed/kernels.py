@@ -14,8 +14,8 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
     Reads   A[m, :] for m < count, W_down [D, N], weights[idx[m]], Y[idx[m], :]
     Writes  Y[idx[m], :] += weights[idx[m]] * (A[m] @ W_down^T) for m < count (the scatter and the branch
             weight are folded into the epilogue). Each (row, column) of Y belongs to one program: idx has no
-            repeated rows below count, and K is not split, so no atomics are needed.
-    Grid    (cdiv(C, BLOCK_M), cdiv(D, BLOCK_N))
+            repeated rows below count, so no atomics are needed.
+    Grid    (cdiv(C, BLOCK_M), cdiv(D, BLOCK_N), SPLIT_K)
 
 `grouped_gate_up_kernel` and `grouped_down_scatter_kernel`
     The two kernels above over two cohorts in one launch (a routed layer's MLP over the RUN cohort and projector
@@ -27,8 +27,19 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
     Reads   X[idx[m], :] for m < count, W [N, K]
     Writes  A[m, :] = X[idx[m]] @ W^T for m < count, packed; rows >= count are not written
             (SCATTER: A[idx[m], :] instead, in the cohort's batch rows; rows outside the cohort are not written)
-    Grid    (cdiv(C, BLOCK_M), cdiv(N, BLOCK_N))
+    Grid    (cdiv(C, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K)
     (the RUN cohort's Q projection; with the down kernel unweighted, its o_proj scatters h[idx[m]] += A[m] @ W_o^T)
+
+`split_k_reduce_kernel`
+    With SPLIT_K > 1 (a tile's `split_k`), the two kernels above split K: the programs of split s sum their share
+    of K tiles and store the fp32 sums into plane s of a workspace [SPLIT_K, C, N] at the packed slots m < count;
+    this launch then sums the planes in split order (a launch repeated is bit-equal, where atomics would not be)
+    and runs the epilogue the unsplit kernel runs (weighted, added or stored, into the batch rows or packed).
+    A decode pass's grid over few rows holds few output tiles (the MLP's down at 128 rows in tiles of 64 x 128:
+    64 programs on the H200's 132 SMs); split, it fills the device, for a workspace written and read once (at
+    128 rows, 2 MiB a split, mostly in L2) and a second launch. The gate-up kernels never split (their activation
+    needs both sums whole), nor does the grouped down launch.
+    Grid    (cdiv(C, 16), cdiv(N, 128))
 
 `cohort_maps_kernel`
     Reads   run[r] for r < rows (bool)
@@ -139,48 +150,78 @@ def grouped_gate_up_kernel(x_ptr, idx_ptr, count_ptr, wg_ptr, wu_ptr, out_ptr, N
 
 
 @triton.jit
+def _k_tiles(K, pid_s, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K tiles [lo, hi) of split `pid_s` of SPLIT_K: every tile unsplit; else consecutive equal shares, the
+    last ones short or empty (an empty share stores zeros)."""
+    tiles = tl.cdiv(K, BLOCK_K)
+    if SPLIT_K == 1:
+        lo = 0
+        hi = tiles
+    else:
+        share = tl.cdiv(tiles, SPLIT_K)
+        lo = pid_s * share
+        hi = tl.minimum(lo + share, tiles)
+    return lo, hi
+
+
+@triton.jit
+def _store_partial(ws_ptr, acc, offs_m, offs_n, mask, pid_s, stride_ws_s, stride_ws_m):
+    """One split's fp32 partial sums into its plane of the workspace, at the packed slots (`split_k_reduce_kernel`
+    sums the planes and runs the epilogue)."""
+    ws_ptrs = ws_ptr + pid_s * stride_ws_s + offs_m[:, None] * stride_ws_m + offs_n[None, :]
+    tl.store(ws_ptrs, acc, mask=mask)
+
+
+@triton.jit
 def _down_tile(a_ptr, idx_ptr, count, w_ptr, wd_ptr, y_ptr, D, N, pid_m, pid_d,
                stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               WEIGHTED: tl.constexpr, ACCUMULATE: tl.constexpr):
+               WEIGHTED: tl.constexpr, ACCUMULATE: tl.constexpr,
+               ws_ptr, pid_s, stride_ws_s, stride_ws_m, SPLIT_K: tl.constexpr):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
     offs_d = pid_d * BLOCK_N + tl.arange(0, BLOCK_N)
     d_mask = offs_d < D
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_an
-    b_ptrs = wd_ptr + offs_d[None, :] * stride_wd + offs_k[:, None] * stride_wn
+    k_lo, k_hi = _k_tiles(N, pid_s, BLOCK_K, SPLIT_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (offs_k[None, :] + k_lo * BLOCK_K) * stride_an
+    b_ptrs = wd_ptr + offs_d[None, :] * stride_wd + (offs_k[:, None] + k_lo * BLOCK_K) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(N, BLOCK_K)):
+    for k in range(k_lo, k_hi):
         k_mask = offs_k < N - k * BLOCK_K
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & d_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_an
         b_ptrs += BLOCK_K * stride_wn
-    rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
-    if WEIGHTED:
-        w = tl.load(w_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)
-        acc = w[:, None] * acc
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_d[None, :] * stride_yd
     mask = m_mask[:, None] & d_mask[None, :]
-    if ACCUMULATE:
-        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_K > 1:
+        _store_partial(ws_ptr, acc, offs_m, offs_d, mask, pid_s, stride_ws_s, stride_ws_m)
+    else:
+        rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
+        if WEIGHTED:
+            w = tl.load(w_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)
+            acc = w[:, None] * acc
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_d[None, :] * stride_yd
+        if ACCUMULATE:
+            acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, D, N,
                                stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd,
+                               ws_ptr, stride_ws_s, stride_ws_m,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               WEIGHTED: tl.constexpr = True, ACCUMULATE: tl.constexpr = True):
+                               WEIGHTED: tl.constexpr = True, ACCUMULATE: tl.constexpr = True,
+                               SPLIT_K: tl.constexpr = 1):
     pid_m = tl.program_id(0)
     count = tl.load(count_ptr)
     if pid_m * BLOCK_M >= count:
         return
     _down_tile(a_ptr, idx_ptr, count, w_ptr, wd_ptr, y_ptr, D, N, pid_m, tl.program_id(1),
                stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd, BLOCK_M, BLOCK_N, BLOCK_K,
-               WEIGHTED, ACCUMULATE)
+               WEIGHTED, ACCUMULATE, ws_ptr, tl.program_id(2), stride_ws_s, stride_ws_m, SPLIT_K)
 
 
 @triton.jit
@@ -202,14 +243,15 @@ def grouped_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, wd_ptr, N, a2_ptr, id
                tl.where(first, pid_d, pid_d - TILES_D), tl.where(first, stride_am, stride_a2m),
                tl.where(first, stride_an, stride_a2n), tl.where(first, stride_wd, stride_wd2),
                tl.where(first, stride_wn, stride_w2n), stride_ym, stride_yd, BLOCK_M, BLOCK_N, BLOCK_K, True,
-               ACCUMULATE)
+               ACCUMULATE, y_ptr, 0, 0, 0, 1)  # never split: the workspace arguments go unread
 
 
 @triton.jit
 def cohort_gemm_kernel(x_ptr, idx_ptr, count_ptr, w_ptr, out_ptr, N, K,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                       ws_ptr, stride_ws_s, stride_ws_m,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SCATTER: tl.constexpr = False):
+                       SCATTER: tl.constexpr = False, SPLIT_K: tl.constexpr = 1):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     count = tl.load(count_ptr)
@@ -221,21 +263,94 @@ def cohort_gemm_kernel(x_ptr, idx_ptr, count_ptr, w_ptr, out_ptr, N, K,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    pid_s = tl.program_id(2)
+    k_lo, k_hi = _k_tiles(K, pid_s, BLOCK_K, SPLIT_K)
+    a_ptrs = x_ptr + rows[:, None] * stride_xm + (offs_k[None, :] + k_lo * BLOCK_K) * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (offs_k[:, None] + k_lo * BLOCK_K) * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(k_lo, k_hi):
         k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    if SCATTER:  # each cohort row's result in its batch row
-        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        _store_partial(ws_ptr, acc, offs_m, offs_n, mask, pid_s, stride_ws_s, stride_ws_m)
     else:
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        if SCATTER:  # each cohort row's result in its batch row
+            out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+        else:
+            out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def split_k_reduce_kernel(ws_ptr, idx_ptr, count_ptr, w_ptr, y_ptr, N, stride_ws_s, stride_ws_m, stride_ym, stride_yn,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                          WEIGHTED: tl.constexpr, ACCUMULATE: tl.constexpr, SCATTER: tl.constexpr):
+    # The epilogue of a GEMM whose K was split: the planes' sum at each counted slot, weighted, added or stored
+    # into its batch row (SCATTER) or its packed row, as the unsplit kernel's epilogue does.
+    pid_m = tl.program_id(0)
+    count = tl.load(count_ptr)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = m_mask[:, None] & (offs_n < N)[None, :]
+    ws_ptrs = ws_ptr + offs_m[:, None] * stride_ws_m + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(SPLIT_K):  # in split order: the sum is the same from launch to launch
+        acc += tl.load(ws_ptrs + s * stride_ws_s, mask=mask, other=0.0)
+    batch = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
+    if SCATTER:
+        rows = batch
+    else:
+        rows = offs_m
+    if WEIGHTED:
+        w = tl.load(w_ptr + batch, mask=m_mask, other=0.0).to(tl.float32)
+        acc = w[:, None] * acc
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+REDUCE_BLOCK_M, REDUCE_BLOCK_N = 16, 128  # the reduce's tile: an elementwise pass over the counted slots
+
+
+class SplitK(NamedTuple):
+    """A GEMM launch's K split (`Tile.split_k`): the fp32 workspace its splits write, one plane a split ([splits, C,
+    N], allocated at the launch, as a captured graph's other buffers are), and the grid's third dimension. An
+    unsplit launch passes any tensor for the workspace, which it never reads."""
+
+    ws: torch.Tensor
+    splits: int
+
+    @classmethod
+    def of(cls, tile: Tile, capacity: int, n: int, like: torch.Tensor) -> SplitK:
+        if tile.split_k == 1:
+            return cls(like, 1)
+        return cls(torch.empty(tile.split_k, capacity, n, dtype=torch.float32, device=like.device), tile.split_k)
+
+    @property
+    def strides(self) -> tuple[int, int]:
+        return (self.ws.stride(0), self.ws.stride(1)) if self.splits > 1 else (0, 0)
+
+    def reduce(self, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor | None, y: torch.Tensor,
+               accumulate: bool, scatter: bool) -> None:
+        """The split GEMM's epilogue (`split_k_reduce_kernel`): nothing for an unsplit launch, whose own epilogue
+        ran."""
+        if self.splits == 1:
+            return
+        capacity, n = self.ws.shape[1:]
+        grid = (triton.cdiv(capacity, REDUCE_BLOCK_M), triton.cdiv(n, REDUCE_BLOCK_N))
+        split_k_reduce_kernel[grid](self.ws, idx, count, idx if weights is None else weights, y, n, *self.strides,
+                                    y.stride(0), y.stride(1), BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N,
+                                    SPLIT_K=self.splits, WEIGHTED=weights is not None, ACCUMULATE=accumulate,
+                                    SCATTER=scatter)
 
 
 def _grid_tile(op: str, capacity: int, x: torch.Tensor, tiles: TileTable | Tile | None) -> Tile:
@@ -283,13 +398,22 @@ def cohort_down_scatter(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
                         accumulate: bool = True) -> None:
     """y[idx[m]] += weights[idx[m]] * (a[m] @ W_down^T) for m < count, in place (`accumulate` False: y[idx[m]] =,
     where y's rows hold nothing yet)."""
-    capacity, (d, n) = idx.shape[0], w_down.shape
-    t = tile or _grid_tile("mlp_down", capacity, a, None)
-    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(d, t.block_n))
-    cohort_down_scatter_kernel[grid](a, idx, count, weights, w_down, y, d, n, a.stride(0), a.stride(1),
-                                     w_down.stride(0), w_down.stride(1), y.stride(0), y.stride(1),
-                                     BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                                     ACCUMULATE=accumulate, num_warps=t.num_warps, num_stages=t.num_stages)
+    t = tile or _grid_tile("mlp_down", idx.shape[0], a, None)
+    _down_launch(a, idx, count, weights, w_down, y, t, accumulate)
+
+
+def _down_launch(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor | None,
+                 w: torch.Tensor, y: torch.Tensor, t: Tile, accumulate: bool) -> None:
+    """The down kernel's launch (unweighted where `weights` is None: o_proj), its K split as the tile says."""
+    capacity, (d, n) = idx.shape[0], w.shape
+    split = SplitK.of(t, capacity, d, y)
+    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(d, t.block_n), split.splits)
+    cohort_down_scatter_kernel[grid](a, idx, count, idx if weights is None else weights, w, y, d, n, a.stride(0),
+                                     a.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), split.ws,
+                                     *split.strides, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                                     WEIGHTED=weights is not None, ACCUMULATE=accumulate, SPLIT_K=split.splits,
+                                     num_warps=t.num_warps, num_stages=t.num_stages)
+    split.reduce(idx, count, weights, y, accumulate, scatter=True)
 
 
 def _gathers(tiles: TileTable | Tile | None, op: str, capacity: int) -> bool:
@@ -316,11 +440,13 @@ def cohort_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torc
     elif out is None:
         out = torch.zeros(capacity, n, dtype=x.dtype, device=x.device)
     t = _grid_tile("attn_q", capacity, x, tile)
-    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(n, t.block_n))
+    split = SplitK.of(t, capacity, n, out)
+    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(n, t.block_n), split.splits)
     cohort_gemm_kernel[grid](x, idx, count, w, out, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                             out.stride(0), out.stride(1), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                             BLOCK_K=t.block_k, SCATTER=batch_rows, num_warps=t.num_warps,
-                             num_stages=t.num_stages)
+                             out.stride(0), out.stride(1), split.ws, *split.strides, BLOCK_M=t.block_m,
+                             BLOCK_N=t.block_n, BLOCK_K=t.block_k, SCATTER=batch_rows, SPLIT_K=split.splits,
+                             num_warps=t.num_warps, num_stages=t.num_stages)
+    split.reduce(idx, count, None, out, accumulate=False, scatter=batch_rows)
     return out
 
 
@@ -328,16 +454,11 @@ def cohort_scatter_add(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, 
                        tile: TileTable | Tile | None = None) -> None:
     """y[idx[m]] += a[m] @ W^T for m < count, in place (the down kernel, unweighted; or, as a table says, the
     gathered form)."""
-    capacity, (d, n) = idx.shape[0], w.shape
+    capacity = idx.shape[0]
     if _gathers(tile, "attn_o", capacity):
         gathered_scatter_add(a, idx, count, w, y)
         return
-    t = _grid_tile("attn_o", capacity, a, tile)
-    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(d, t.block_n))
-    cohort_down_scatter_kernel[grid](a, idx, count, idx, w, y, d, n, a.stride(0), a.stride(1),
-                                     w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-                                     BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, WEIGHTED=False,
-                                     num_warps=t.num_warps, num_stages=t.num_stages)
+    _down_launch(a, idx, count, None, w, y, _grid_tile("attn_o", capacity, a, tile), accumulate=True)
 
 
 def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,
@@ -384,11 +505,23 @@ def _flat(weights: torch.Tensor) -> torch.Tensor:
     return weights if weights.stride(0) == 1 else weights.contiguous()
 
 
+def tiles_keep_ffns_apart(tiles: TileTable | Tile | None, capacity: int) -> str | None:
+    """Why the tiles at `capacity` slots keep a routed layer's two cohort FFNs apart (a GEMM the table serves in
+    the gathered form; the MLP's down tile splitting K, which the grouped down launch does not), or None."""
+    if any(_gathers(tiles, op, capacity) for op in FFN_OPS):
+        return "the table serves an FFN GEMM in the gathered form there"
+    down = tiles if isinstance(tiles, Tile) else tiles.lookup("mlp_down", capacity) if tiles is not None else None
+    if down is not None and down.split_k > 1:
+        return f"the MLP's down tile splits K {down.split_k} ways there, which the grouped down launch does not"
+    return None
+
+
 def _apart_because(mlp: CohortFFN, proj: CohortFFN, tiles: TileTable | Tile | None, capacity: int) -> str | None:
     """Why the two FFNs cannot launch grouped (one grid reads both FFNs' weights with one element type, gate and up
     of each with one layout, over the same hidden width), or None."""
-    if any(_gathers(tiles, op, capacity) for op in FFN_OPS):
-        return "the table serves an FFN GEMM in the gathered form there"
+    why = tiles_keep_ffns_apart(tiles, capacity)
+    if why is not None:
+        return why
     weights = (mlp.w_gate, mlp.w_up, mlp.w_down, proj.w_gate, proj.w_up, proj.w_down)
     if len({w.dtype for w in weights}) > 1:
         return f"their weights' dtypes differ ({sorted({str(w.dtype) for w in weights})})"

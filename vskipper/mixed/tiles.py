@@ -5,7 +5,7 @@ sized for C rows, so C picks the tile, never the device-side count):
 
   {"device": "H200", "dtype": "bfloat16", "source": "vskipper tune-tiles ...",
    "tiles": {"mlp_gate_up": [{"rows": [1, 16], "block_m": 16, "block_n": 64, "block_k": 64,
-                               "num_warps": 4, "num_stages": 4, "ratio_vs_torch": 0.93}, ...],
+                               "num_warps": 4, "num_stages": 4, "split_k": 1, "ratio_vs_torch": 0.93}, ...],
              "mlp_down": [...], "proj_gate_up": [...], "proj_down": [...]},
    "prefill_read": {"block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "kernel_ms": ...},
    "ffn_pair": [{"rows": [1, 16], "grouped_ms": 0.021, "apart_ms": 0.034}, ...]}
@@ -22,6 +22,11 @@ its tile with half the range's rows live) are kept (`Timing`): where the torch f
 at half the count (a table without the half-count timing never gathers) and the pass is memory-bound (its rows at
 or below the device's ridge, `vskipper.roofline`), that operation serves in the gathered cuBLAS form
 (`TileTable.gathers`, `vskipper.mixed.gathered`) instead of the tile.
+
+`split_k` (absent: 1, as in every table tuned before the tuner split K; `lacks` names the gap) is how many ways
+the tile's programs split K (`Tile`): only for the operations whose kernels split it (`SPLIT_OPERATIONS`: the
+down GEMMs, Q and o_proj; a gate-up's activation needs its sums whole) and only in a decode range (a prefill
+pass's grid fills the device unsplit, and its workspace would hold split_k fp32 copies of its output).
 
 `rows` ranges must cover 1.. without gaps (the last one open: [2049, null]). The six operations are the gate-up (two
 operands) and down GEMMs of the RUN cohort (the MLP) and of the Project-Only cohort (the projector), and the RUN
@@ -61,6 +66,9 @@ from vskipper.modelspec import DTYPE_BYTES
 from vskipper.roofline import Device, find_device
 
 OPERATIONS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down", "attn_q", "attn_o")
+# the operations whose kernels split K (a gate-up's activation needs both sums whole: its tiles never split)
+SPLIT_OPERATIONS = ("mlp_down", "proj_down", "attn_q", "attn_o")
+MAX_SPLIT_K = 16
 DEFAULTED_OPERATIONS = ("attn_q", "attn_o")  # a table without them takes the default's tiles
 PREFILL_FROM = 513  # the count ranges from here on are a prefill pass's tokens (the decode ranges end at 512 rows)
 COUNT_RANGES: tuple[tuple[int, int | None], ...] = ((1, 16), (17, 32), (33, 64), (65, 128), (129, 512),
@@ -84,11 +92,16 @@ class TileTableError(ValueError):
 
 @dataclass(frozen=True)
 class Tile:
+    """A cohort GEMM's launch: its block sizes, warps and pipeline stages, and `split_k`, the programs that share
+    one output tile's K (each writes its fp32 partial sums, a second launch sums them and runs the epilogue: a grid
+    of few output tiles, a decode pass's over few rows, then fills more of the device)."""
+
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    split_k: int = 1
 
     def shared_mem_bytes(self, op: str, dtype_bytes: int = 2) -> int:
         """Shared memory of the pipelined operand tiles: the gathered rows plus one (down) or two (gate-up)
@@ -189,6 +202,8 @@ class TileTable:
     read_timing: ReadTiming | None = None  # the packed read against every row's causal read (None: not timed)
     # the two cohort FFNs grouped against apart, per count range (`rows` as the tiles'; a timing None: not timed)
     ffn_pair: list[tuple[int, int | None, PairTiming | None]] = field(default_factory=list)
+    # whether each tile of the operations that split K says how many ways (False: a tuner from before split K)
+    split_k_tried: bool = True
 
     def groups_ffn(self, capacity: int) -> bool:
         """Whether a routed layer's two cohort FFNs launch grouped at `capacity` slots (`kernels.cohort_ffn_pair`):
@@ -264,6 +279,16 @@ class TileTable:
                     out.setdefault(op, []).append([lo, last])
         return out
 
+    def split_ranges(self) -> dict[str, list[list[int]]]:
+        """The slot counts at which each operation's tile splits K, as [first, last, ways] (the attestation's
+        record of which GEMMs launch a reduce after them)."""
+        out: dict[str, list[list[int]]] = {}
+        for op, rows in self.entries.items():
+            for lo, hi, tile in rows:
+                if tile.split_k > 1:  # never in the open range (a prefill range's tiles do not split)
+                    out.setdefault(op, []).append([lo, hi, tile.split_k])
+        return out
+
     def lacks(self) -> list[str]:
         """What the tuner measures that this table holds no measurement of, each with what serving without it
         means: empty for a table the current tuner wrote, the older tuners' gaps for a table one of them wrote (a
@@ -288,6 +313,9 @@ class TileTable:
                for rows in self.entries.values()):
             out.append("prefill tiles by length: one tile serves every prefill pass from the table's last range on, "
                        "tuned at one length: its grid may fill the device there alone")
+        if not self.split_k_tried:
+            out.append("split-K tiles: every decode GEMM's grid holds one program an output tile, which may fill a "
+                       "fraction of the device at few rows (the H200's MLP down at 128 rows: 64 programs on 132 SMs)")
         if not any(t is not None for _, _, t in self.ffn_pair):
             out.append("FFN pair timings: every routed layer launches its two cohort FFNs grouped")
         if self.read_timing is None:
@@ -382,7 +410,15 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
                 _check_power_of_two(here, "block_k", entry.get("block_k"), 16),
                 _check_power_of_two(here, "num_warps", entry.get("num_warps", 4), 1),
                 _check_stages(here, entry.get("num_stages", 2)),
+                _check_power_of_two(here, "split_k", entry.get("split_k", 1), 1, MAX_SPLIT_K),
             )
+            if tile.split_k > 1 and op not in SPLIT_OPERATIONS:
+                raise TileTableError(f"{here}: field 'split_k' is {tile.split_k}, but the gate-up kernels never split "
+                                     "K (the activation needs both sums whole): 1 or absent")
+            if tile.split_k > 1 and is_prefill(lo):
+                raise TileTableError(f"{here}: field 'split_k' is {tile.split_k} in a prefill range (from "
+                                     f"{PREFILL_FROM} rows), whose grid fills the device unsplit and whose "
+                                     "workspace would hold split_k fp32 copies of the pass's output: 1 or absent")
             need = tile.shared_mem_bytes(op, DTYPE_BYTES[dtype])
             if need > shared_mem_per_block:
                 raise TileTableError(
@@ -404,7 +440,9 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
     read = _parse_read_tile(data[READ_FIELD], f"{where}: {READ_FIELD}") if READ_FIELD in data else None
     read_timing = _parse_read_timing(data[READ_FIELD], f"{where}: {READ_FIELD}") if READ_FIELD in data else None
     pair = _parse_pair(data[PAIR_FIELD], f"{where}: {PAIR_FIELD}") if PAIR_FIELD in data else []
-    return TileTable(str(data.get("device", "unknown")), dtype, entries, source, read, timings, read_timing, pair)
+    split_k_tried = all("split_k" in entry for op in SPLIT_OPERATIONS if op in tiles for entry in tiles[op])
+    return TileTable(str(data.get("device", "unknown")), dtype, entries, source, read, timings, read_timing, pair,
+                     split_k_tried)
 
 
 def _parse_pair(entries: object, where: str) -> list[tuple[int, int | None, PairTiming | None]]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import NamedTuple
 
 import torch
@@ -48,6 +48,7 @@ from vskipper.mixed.tiles import (
     PAIR_FIELD,
     PREFILL_RANGES,
     READ_FIELD,
+    SPLIT_OPERATIONS,
     ReadTile,
     Tile,
     TileTable,
@@ -95,11 +96,22 @@ def shipped_tiles(op: str, rows: Sequence[int], current: TileTable | None) -> li
     return list(dict.fromkeys(current.lookup(op, n) for n in rows)) if current is not None else []
 
 
+# The K splits a decode shape of an operation that splits K tries the current table's tile at, after the tile itself:
+# on the H200 the MLP's down at 128 rows ran 64 programs (64 x 128 tiles) on 132 SMs, at 1.9x cuBLAS's time.
+SPLIT_SEEDS = (1, 2, 4)
+
+
 def seed_tiles(op: str, lo: int, rows: Sequence[int], current: TileTable | None) -> list[Tile]:
     """The tiles the shapes of ranges from `lo`, timed at `rows`, are tried with before the sample: the `current`
-    table's at each (`shipped_tiles`), so a new table is never measured worse than the one it replaces, and for the
-    prefill ranges (a prefill pass's tokens) the large tiles of `PREFILL_SEED_TILES`."""
-    return shipped_tiles(op, rows, current) + (list(PREFILL_SEED_TILES) if is_prefill(lo) else [])
+    table's at each (`shipped_tiles`), so a new table is never measured worse than the one it replaces; for the
+    prefill ranges (a prefill pass's tokens) the large tiles of `PREFILL_SEED_TILES`; for a decode range of an
+    operation that splits K (`SPLIT_OPERATIONS`), the current tile at each split of `SPLIT_SEEDS`."""
+    shipped = shipped_tiles(op, rows, current)
+    if is_prefill(lo):
+        return shipped + list(PREFILL_SEED_TILES)
+    if op not in SPLIT_OPERATIONS:
+        return shipped
+    return shipped + [replace(t, split_k=s) for t in shipped for s in SPLIT_SEEDS if s != t.split_k]
 
 
 def candidate_tiles(op: str, rows: int, shared_mem_per_block: int, dtype_bytes: int = 2,
@@ -493,12 +505,13 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
                    device: torch.device, dtype: torch.dtype, interpret: bool, clock: Clock,
                    log: Callable[[str], None] = print) -> list[dict]:
     """The table's `ffn_pair` entries: at each count range the two cohort FFNs grouped against apart (CUDA graph
-    replays for a decode range, as `time_shape` times them), at the tiles just tuned. A range where the table
-    gathers an FFN GEMM (the two launch apart there whatever), or the budget is spent, keeps no timing: the
+    replays for a decode range, as `time_shape` times them), at the tiles just tuned. A range where the tiles keep
+    the two apart whatever (`kernels.tiles_keep_ffns_apart`: a gathered FFN GEMM, the MLP's down tile splitting K),
+    or where the budget is spent, keeps no timing: the
     served layer then groups them wherever it can (`TileTable.groups_ffn`). A range whose grouped launch fails
     keeps the error (`grouped_error`): the served layer launches the two apart there, as the GEMMs' own timings
     did."""
-    from vskipper.mixed.kernels import FFN_OPS
+    from vskipper.mixed.kernels import tiles_keep_ffns_apart
 
     entries = []
     for lo, hi in COUNT_RANGES:
@@ -506,8 +519,9 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
         rows = representative_rows(lo, hi, interpret)
         entry: dict = {"rows": [lo, hi]}
         where = f"ffn pair      rows {lo:>3}..{hi if hi else '':<4}"
-        if any(table.gathers(op, rows) for op in FFN_OPS):
-            log(f"{where} not timed: the table gathers an FFN GEMM there")
+        apart = tiles_keep_ffns_apart(table, rows)
+        if apart is not None:
+            log(f"{where} not timed: {apart}")
         elif clock.spent(1):
             log(f"{where} not timed: the budget is spent")
         else:
