@@ -240,13 +240,14 @@ def test_a_tile_that_splits_k_computes_what_the_unsplit_tile_does_on_the_counted
         torch.testing.assert_close(y[rows], before[rows] * accumulate + w[rows, None] * (q[:count] @ w_o.t()))
 
 
-def test_a_table_whose_mlp_down_splits_k_launches_the_ffn_pair_apart():
-    """The grouped down launch reads one tile and never splits K: where the MLP's down tile splits, the two FFNs
-    launch apart (each down GEMM split as its own tile says, then its reduce), to the same output; asked to group
-    there, the pair refuses, naming why."""
+def test_where_the_mlps_down_tile_splits_k_the_ffn_pair_timing_decides_between_split_apart_and_grouped():
+    """The grouped down launch never splits K: where the MLP's down tile splits, a table whose `ffn_pair` timed
+    the two FFNs faster apart launches them apart, each down GEMM split as its own tile says (then its reduce); one
+    that timed them faster grouped (or did not time them) launches them grouped at the MLP's blocks, unsplit. The
+    same output either way."""
     from mixed_world import INTERPRETER_ENTRY
 
-    from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, parse_tile_table
+    from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, PairTiming, parse_tile_table
 
     g = torch.Generator().manual_seed(5)
     capacity, d = 24, 32
@@ -258,16 +259,18 @@ def test_a_table_whose_mlp_down_splits_k_launches_the_ffn_pair_apart():
                   for lo, hi in COUNT_RANGES] for op in OPERATIONS}
     table = parse_tile_table({"device": "H200", "dtype": "float32", "tiles": tiles}, 227 * 1024)
     assert table.lookup("mlp_down", capacity).split_k == 2 and table.lookup("mlp_down", 33).split_k == 1
-    split, grouped = torch.full((capacity, d), float("nan")), torch.full((capacity, d), float("nan"))
-    launches = OwnLaunches()
-    with launches.triton():
-        cohort_ffn_pair(x, w, split, *pair, tiles=table, accumulate=False)
-    assert launches.launches.count("split_k_reduce_kernel") == 2, launches.launches
-    cohort_ffn_pair(x, w, grouped, *pair, tiles=SMALL, accumulate=False, grouped=True)
-    torch.testing.assert_close(split, grouped, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="cannot launch grouped at 24 slots: the MLP's down tile splits K 2 ways "
-                                         "there"):
-        cohort_ffn_pair(x, w, split, *pair, tiles=table, grouped=True)
+    outs, seen = {}, {}
+    for name, timing in (("apart", PairTiming(2.0, 1.0)), ("grouped", PairTiming(1.0, 2.0)), ("untimed", None)):
+        table.ffn_pair = [(1, None, timing)]
+        outs[name] = torch.full((capacity, d), float("nan"))
+        launches = OwnLaunches()
+        with launches.triton():
+            cohort_ffn_pair(x, w, outs[name], *pair, tiles=table, accumulate=False)
+        seen[name] = launches.launches
+    assert seen["apart"] == ["cohort_gate_up_kernel", "cohort_down_scatter_kernel", "split_k_reduce_kernel"] * 2
+    assert seen["grouped"] == seen["untimed"] == ["grouped_gate_up_kernel", "grouped_down_scatter_kernel"]
+    torch.testing.assert_close(outs["apart"], outs["grouped"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs["grouped"], outs["untimed"])
 
 
 def test_a_zero_count_launches_a_full_grid_that_does_nothing():

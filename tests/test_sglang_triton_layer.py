@@ -105,20 +105,23 @@ def test_a_layer_whose_table_timed_the_ffns_faster_apart_launches_them_apart_and
 
 
 def test_a_layer_whose_table_splits_k_at_decode_counts_reduces_after_each_split_gemm_and_attests_it(world):
-    """A table whose Q, o_proj and down tiles split K at the decode counts: each of those GEMMs launches its reduce
-    after it, the two FFNs launch apart (the grouped down launch does not split), the pass's output and KV equal
-    the torch execution's, and the execution attests the split ranges."""
+    """A table whose Q, o_proj and down tiles split K at the decode counts, and whose FFN pair timed apart faster:
+    each of those GEMMs launches its reduce after it, the pass's output and KV equal the torch execution's, and the
+    execution attests the split ranges. Where the pair was not timed the FFNs launch grouped, whose down launch
+    never splits: their down GEMMs leave the attested splits."""
     from mixed_world import INTERPRETER_ENTRY
 
-    from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, SPLIT_OPERATIONS, parse_tile_table
+    from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, SPLIT_OPERATIONS, PairTiming, parse_tile_table
 
     tiles = {op: [{"rows": [lo, hi], **INTERPRETER_ENTRY, **({"split_k": 2} if op in SPLIT_OPERATIONS and
                                                                 hi is not None and hi <= 512 else {})}
                   for lo, hi in COUNT_RANGES] for op in OPERATIONS}
     table = parse_tile_table({"device": "H200", "dtype": "float32", "source": "test", "tiles": tiles}, 227 * 1024)
+    assert served.CohortExecution("triton", table, prefill_read="packed").attestation()["split_k"] == {
+        "attn_q": [[1, 512, 2]], "attn_o": [[1, 512, 2]]}
+    table.ffn_pair = [(1, None, PairTiming(2.0, 1.0))]
     execution = served.CohortExecution("triton", table, prefill_read="packed")
-    assert execution.attestation()["split_k"] == {
-        op: [[lo, hi, 2] for lo, hi in COUNT_RANGES if hi is not None and hi <= 512] for op in SPLIT_OPERATIONS}
+    assert execution.attestation()["split_k"] == {op: [[1, 512, 2]] for op in SPLIT_OPERATIONS}
     run = [True, False, True, False]
     launches = _own_launches(world, execution, {0: 1, 1: 1, 2: 1, 3: 1}, run)
     assert launches == [

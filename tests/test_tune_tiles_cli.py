@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from vskipper.mixed.kernels import tiles_keep_ffns_apart
+from vskipper.mixed.kernels import FFN_OPS
 from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, PREFILL_FROM, load_tile_table
 from vskipper.mixed.tuner import current_table, representative_rows
 from vskipper.roofline import lookup_device
@@ -38,12 +38,12 @@ def test_interpreter_smoke_run_writes_a_loadable_table_for_all_forty_eight_shape
     assert sum(len(table.entries[op]) for op in OPERATIONS) == len(OPERATIONS) * len(COUNT_RANGES) == 48
     assert "default tiles" not in table.source  # the tuner measured the attention cohort GEMMs too
     assert table.read is not None  # and the packed prefill read (on the interpreter: the default launch)
-    # and the two cohort FFNs grouped against apart at every range where the new table's tiles can group them (the
-    # interpreter's times are no measurement: which ranges gather varies)
+    # and the two cohort FFNs grouped against apart at every range where the new table gathers none of their GEMMs
+    # (the interpreter's times are no measurement: which ranges gather varies)
     assert [(lo, hi) for lo, hi, _ in table.ffn_pair] == list(COUNT_RANGES)
     for lo, hi, timing in table.ffn_pair:
-        apart = tiles_keep_ffns_apart(table, representative_rows(lo, hi, interpret=True))
-        assert (timing is None) == (apart is not None), (lo, hi)
+        gathers = any(table.gathers(op, representative_rows(lo, hi, interpret=True)) for op in FFN_OPS)
+        assert (timing is None) == gathers, (lo, hi)
     assert any(timing is not None for *_, timing in table.ffn_pair)  # the open range never gathers
     raw = json.loads(out.read_text())
     assert {e["tried"] for entries in raw["tiles"].values() for e in entries} == {1} == {raw["prefill_read"]["tried"]}

@@ -18,6 +18,7 @@ from vskipper.mixed.tuner import (
     current_table,
     representative_rows,
     seed_tiles,
+    whole_rows_split_tile,
 )
 from vskipper.roofline import lookup_device
 
@@ -72,6 +73,12 @@ def test_a_decode_range_of_an_operation_that_splits_k_tries_the_current_tile_spl
     assert all(t.split_k == 1 for t in seed_tiles("mlp_down", 1025, [2048], current))
     current.entries["attn_o"][0] = (1, 16, replace(current.lookup("attn_o", 16), split_k=2))
     assert [t.split_k for t in seed_tiles("attn_o", 1, [16], current)] == [2, 1, 4]
+    # given the output width, also one row tile over every slot, K split until the grid holds a program an SM
+    assert seed_tiles("mlp_down", 65, [128], current, 4096)[3:] == [Tile(128, 64, 64, 8, 4, 4)]  # 64 column tiles
+    assert whole_rows_split_tile(16, 4096) == Tile(16, 64, 128, 4, 4, 4)
+    assert whole_rows_split_tile(512, 4096) == Tile(128, 64, 64, 8, 4, 1)  # 4 x 64 programs: no split needed
+    assert whole_rows_split_tile(1, 64) == Tile(16, 64, 128, 4, 4, 16)  # a tiny width: the most splits
+    assert seed_tiles("mlp_gate_up", 65, [128], current, 14336) == [current.lookup("mlp_gate_up", 128)]
 
 
 def test_every_candidate_fits_the_shared_memory_and_the_sample_still_spans_the_grid():

@@ -145,18 +145,20 @@ def _gemm_args(op: str, split_k: int = 1) -> tuple[str, dict, list[dict]]:
 
 def _reduce_launches(splits: set[int]) -> list[Launch]:
     """The split GEMMs' epilogue (`split_k_reduce_kernel`) at each of `splits`, in the forms served: the FFNs' down
-    GEMM weighted (stored or added), o_proj's unweighted add, Q stored into its batch rows."""
+    GEMM weighted (stored or added; the projector's reading the second of the builder's counts, a pointer the JIT
+    does not mark divisible), o_proj's unweighted add, Q stored into its batch rows."""
     import torch
 
     from vskipper.mixed import kernels as kn
 
     n = MODEL.hidden_size
-    idx, count, y = _t(ROWS, dtype=torch.int64), _t(1, dtype=torch.int64), _t(ROWS, n)
-    forms = [(_t(ROWS), True, False), (_t(ROWS), True, True), (idx, False, True), (idx, False, False)]
+    idx, counts, y = _t(ROWS, dtype=torch.int64), _t(2, dtype=torch.int64), _t(ROWS, n)
+    forms = [(_t(ROWS), counts[c], True, acc) for c in (slice(0, 1), slice(1, 2)) for acc in (False, True)]
+    forms += [(idx, counts[0:1], False, True), (idx, counts[0:1], False, False)]
     out = []
     for split_k in sorted(splits):
         ws = _t(split_k, ROWS, n, dtype=torch.float32)
-        for w, weighted, accumulate in forms:
+        for w, count, weighted, accumulate in forms:
             out.append(_launch("split_k_reduce_kernel",
                                {"ws_ptr": ws, "idx_ptr": idx, "count_ptr": count, "w_ptr": w, "y_ptr": y, "N": n,
                                 "stride_ws_s": ws.stride(0), "stride_ws_m": ws.stride(1), "stride_ym": y.stride(0),

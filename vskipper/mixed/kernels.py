@@ -31,14 +31,16 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
     (the RUN cohort's Q projection; with the down kernel unweighted, its o_proj scatters h[idx[m]] += A[m] @ W_o^T)
 
 `split_k_reduce_kernel`
-    With SPLIT_K > 1 (a tile's `split_k`), the two kernels above split K: the programs of split s sum their share
+    With SPLIT_K > 1 (a tile's `split_k`), `cohort_down_scatter_kernel` and `cohort_gemm_kernel` split K: the
+    programs of split s sum their share
     of K tiles and store the fp32 sums into plane s of a workspace [SPLIT_K, C, N] at the packed slots m < count;
     this launch then sums the planes in split order (a launch repeated is bit-equal, where atomics would not be)
     and runs the epilogue the unsplit kernel runs (weighted, added or stored, into the batch rows or packed).
     A decode pass's grid over few rows holds few output tiles (the MLP's down at 128 rows in tiles of 64 x 128:
     64 programs on the H200's 132 SMs); split, it fills the device, for a workspace written and read once (at
     128 rows, 2 MiB a split, mostly in L2) and a second launch. The gate-up kernels never split (their activation
-    needs both sums whole), nor does the grouped down launch.
+    needs both sums whole), nor does the grouped down launch, which runs the MLP's down tile unsplit: where that
+    tile splits, the table's `ffn_pair` timing (grouped and unsplit against apart and split) decides.
     Grid    (cdiv(C, 16), cdiv(N, 128))
 
 `cohort_maps_kernel`
@@ -79,7 +81,14 @@ from vskipper.mixed.gathered import (
     gathered_gemm,
     gathered_scatter_add,
 )
-from vskipper.mixed.tiles import DEFAULT_READ_TILE, ReadTile, Tile, TileTable, tile_table_for
+from vskipper.mixed.tiles import (
+    DEFAULT_READ_TILE,
+    FFN_OPERATIONS,
+    ReadTile,
+    Tile,
+    TileTable,
+    tile_table_for,
+)
 
 # Under the interpreter (tests on CPU) small tiles keep the numpy emulation quick.
 INTERPRETER_TILE = Tile(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
@@ -496,7 +505,7 @@ class CohortFFN(NamedTuple):
     w_down: torch.Tensor
 
 
-FFN_OPS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down")
+FFN_OPS = FFN_OPERATIONS
 
 
 def _flat(weights: torch.Tensor) -> torch.Tensor:
@@ -505,23 +514,11 @@ def _flat(weights: torch.Tensor) -> torch.Tensor:
     return weights if weights.stride(0) == 1 else weights.contiguous()
 
 
-def tiles_keep_ffns_apart(tiles: TileTable | Tile | None, capacity: int) -> str | None:
-    """Why the tiles at `capacity` slots keep a routed layer's two cohort FFNs apart (a GEMM the table serves in
-    the gathered form; the MLP's down tile splitting K, which the grouped down launch does not), or None."""
-    if any(_gathers(tiles, op, capacity) for op in FFN_OPS):
-        return "the table serves an FFN GEMM in the gathered form there"
-    down = tiles if isinstance(tiles, Tile) else tiles.lookup("mlp_down", capacity) if tiles is not None else None
-    if down is not None and down.split_k > 1:
-        return f"the MLP's down tile splits K {down.split_k} ways there, which the grouped down launch does not"
-    return None
-
-
 def _apart_because(mlp: CohortFFN, proj: CohortFFN, tiles: TileTable | Tile | None, capacity: int) -> str | None:
     """Why the two FFNs cannot launch grouped (one grid reads both FFNs' weights with one element type, gate and up
     of each with one layout, over the same hidden width), or None."""
-    why = tiles_keep_ffns_apart(tiles, capacity)
-    if why is not None:
-        return why
+    if any(_gathers(tiles, op, capacity) for op in FFN_OPS):
+        return "the table serves an FFN GEMM in the gathered form there"
     weights = (mlp.w_gate, mlp.w_up, mlp.w_down, proj.w_gate, proj.w_up, proj.w_down)
     if len({w.dtype for w in weights}) > 1:
         return f"their weights' dtypes differ ({sorted({str(w.dtype) for w in weights})})"
@@ -578,7 +575,7 @@ def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp
                                  a1.stride(0), a1.stride(1), proj.w_gate.stride(0), proj.w_gate.stride(1),
                                  a2.stride(0), a2.stride(1), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                                  BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
-    t = _grid_tile("mlp_down", capacity, a1, tiles)
+    t = _grid_tile("mlp_down", capacity, a1, tiles)  # its blocks, never split: the grouped launch does not
     tiles_d = triton.cdiv(d, t.block_n)
     grid = (triton.cdiv(capacity, t.block_m), 2 * tiles_d)
     grouped_down_scatter_kernel[grid](a1, mlp.idx, mlp.count, mlp.w_down, n1, a2, proj.idx, proj.count,

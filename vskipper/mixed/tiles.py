@@ -37,9 +37,10 @@ pass's tokens, so no one tile fills the device at every length: at 1,024 tokens 
 makes 128 programs of a down GEMM on the H200's 132 SMs, and with half the rows RUN half of them run, each as long
 (its routed down GEMMs took 0.96 of their all-RUN time there), where at 2,048 tokens the same tile fills the device
 with half the rows. A routed layer launches its MLP and its projector together, one grid a stage
-(`kernels.cohort_ffn_pair`), at the MLP's tiles, unless the table's `ffn_pair` (optional: a table without it groups
-them) measured the two launched apart faster at that range; the projector's own tiles serve where each FFN launches
-alone (there, and where the table gathers one of the four). A table measured before the prefill ranges existed ends
+(`kernels.cohort_ffn_pair`), at the MLP's tiles (its down tile unsplit: the grouped launch never splits K), unless
+the table's `ffn_pair` (optional: a table without it groups them) measured the two launched apart faster at that
+range; the projector's own tiles serve where each FFN launches alone (there, and where the table gathers one of the
+four), and each down tile's split there. A table measured before the prefill ranges existed ends
 at [129, null], which then serves prefill too, and one measured before they were split by length at [513, null]
 (one tile for every prefill pass); both still load. Each entry may also note how it was timed (`timed`: 'cuda
 graph', 'eager' or 'interpreter') and what chose its tile (`chosen_by`: 'full live', or 'full and half live' in the
@@ -66,6 +67,7 @@ from vskipper.modelspec import DTYPE_BYTES
 from vskipper.roofline import Device, find_device
 
 OPERATIONS = ("mlp_gate_up", "mlp_down", "proj_gate_up", "proj_down", "attn_q", "attn_o")
+FFN_OPERATIONS = OPERATIONS[:4]  # a routed layer's two cohort FFNs: the MLP's and the projector's GEMMs
 # the operations whose kernels split K (a gate-up's activation needs both sums whole: its tiles never split)
 SPLIT_OPERATIONS = ("mlp_down", "proj_down", "attn_q", "attn_o")
 MAX_SPLIT_K = 16
@@ -279,14 +281,34 @@ class TileTable:
                     out.setdefault(op, []).append([lo, last])
         return out
 
+    def split_at(self, op: str, capacity: int) -> int:
+        """How many ways `op` splits K as served at `capacity` slots: its tile's `split_k`, but 1 where it serves
+        in the gathered form, and for a down GEMM of the two FFNs where they launch grouped (no FFN GEMM gathered
+        and `groups_ffn`: the grouped down launch runs the MLP's down tile unsplit, the projector's unused)."""
+        split = self.lookup(op, capacity).split_k
+        if split == 1 or self.gathers(op, capacity):
+            return 1
+        if op.endswith("_down") and self.groups_ffn(capacity) and not any(
+                self.gathers(other, capacity) for other in FFN_OPERATIONS):
+            return 1
+        return split
+
     def split_ranges(self) -> dict[str, list[list[int]]]:
-        """The slot counts at which each operation's tile splits K, as [first, last, ways] (the attestation's
-        record of which GEMMs launch a reduce after them)."""
+        """The slot counts at which each operation splits K as served (`split_at`), as [first, last, ways]: the
+        attestation's record of which GEMMs launch a reduce after them (splits are a decode range's alone)."""
         out: dict[str, list[list[int]]] = {}
-        for op, rows in self.entries.items():
-            for lo, hi, tile in rows:
-                if tile.split_k > 1:  # never in the open range (a prefill range's tiles do not split)
-                    out.setdefault(op, []).append([lo, hi, tile.split_k])
+        for op in SPLIT_OPERATIONS:
+            spans: list[list[int]] = []
+            for capacity in range(1, PREFILL_FROM):
+                split = self.split_at(op, capacity)
+                if split == 1:
+                    continue
+                if spans and spans[-1][1] == capacity - 1 and spans[-1][2] == split:
+                    spans[-1][1] = capacity
+                else:
+                    spans.append([capacity, capacity, split])
+            if spans:
+                out[op] = spans
         return out
 
     def lacks(self) -> list[str]:
@@ -330,7 +352,10 @@ class TileTable:
         def entry(op: str, n: int, lo: int, hi: int | None, tile: Tile) -> dict:
             timing = self.timings[op][n] if self.timings.get(op) else None
             times = {k: v for k, v in asdict(timing).items() if v is not None} if timing is not None else {}
-            return {"rows": [lo, hi], **asdict(tile), **times}
+            fields = asdict(tile)
+            if not self.split_k_tried and tile.split_k == 1:  # a table from before split K still says so
+                del fields["split_k"]
+            return {"rows": [lo, hi], **fields, **times}
 
         return {"device": self.device, "dtype": self.dtype, "source": self.source,
                 "tiles": {op: [entry(op, n, lo, hi, t) for n, (lo, hi, t) in enumerate(rows)]
@@ -415,10 +440,11 @@ def parse_tile_table(data: dict, shared_mem_per_block: int, where: str = "tile t
             if tile.split_k > 1 and op not in SPLIT_OPERATIONS:
                 raise TileTableError(f"{here}: field 'split_k' is {tile.split_k}, but the gate-up kernels never split "
                                      "K (the activation needs both sums whole): 1 or absent")
-            if tile.split_k > 1 and is_prefill(lo):
-                raise TileTableError(f"{here}: field 'split_k' is {tile.split_k} in a prefill range (from "
-                                     f"{PREFILL_FROM} rows), whose grid fills the device unsplit and whose "
-                                     "workspace would hold split_k fp32 copies of the pass's output: 1 or absent")
+            if tile.split_k > 1 and (hi is None or hi >= PREFILL_FROM):
+                raise TileTableError(f"{here}: field 'split_k' is {tile.split_k} in a range that serves prefill "
+                                     f"passes (rows {lo}..{hi if hi is not None else ''}: from {PREFILL_FROM} rows "
+                                     "on), whose grid fills the device unsplit and whose workspace would hold "
+                                     "split_k fp32 copies of the pass's output: 1 or absent")
             need = tile.shared_mem_bytes(op, DTYPE_BYTES[dtype])
             if need > shared_mem_per_block:
                 raise TileTableError(

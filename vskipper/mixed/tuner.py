@@ -7,7 +7,9 @@ cuBLAS form on the same slots (`vskipper.mixed.gathered`: gather, matmul(s) (the
 one merged weight, as served: one GEMM, `op_weights`), SiLU-and-multiply; for down, the
 matmul and the weighted, masked index_add; for Q, the gather, the matmul and the mask; for o_proj, the matmul and
 the masked index_add). The best candidate goes in the table with its time ratio to torch, and its time with half
-the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. In the
+the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. A decode
+shape of the down GEMMs, Q and o_proj also tries the current table's tile with K split (`SPLIT_SEEDS`) and a tile
+over every slot split to fill the device (`whole_rows_split_tile`). In the
 prefill ranges (a prefill pass's tokens: to 1,024, to 2,048, above; an operation's three timed together, each
 candidate at every length before the next, so it compiles once; each shape twice a decode shape's share of the
 budget, `PREFILL_WEIGHT`) every candidate is timed at both counts and each length takes its fastest over both
@@ -20,8 +22,9 @@ gathering its row's query, request and position), beside the causal read of ever
 `BackendRead`, by the host engine's attention backend (the read a routed prefill layer takes instead; `vskipper
 tune-tiles` times SGLang's Triton extend kernel); the fastest goes in the table's `prefill_read`. Between the two,
 at each count range, a routed layer's two cohort FFNs (the MLP over a random RUN half of the rows, the projector
-over the rest) at the tiles just tuned, launched grouped (one grid a stage for both) and apart: the table's
-`ffn_pair`, which decides how the served layer launches them.
+over the rest) at the tiles just tuned, launched grouped (one grid a stage for both, the MLP's down tile unsplit)
+and apart (each down tile split as tuned): the table's `ffn_pair`, which decides how the served layer launches
+them.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny widths,
 fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table,
@@ -44,6 +47,7 @@ from vskipper.mixed.tiles import (
     CHOSEN_FULL,
     COUNT_RANGES,
     DEFAULT_READ_TILE,
+    MAX_SPLIT_K,
     OPERATIONS,
     PAIR_FIELD,
     PREFILL_RANGES,
@@ -101,17 +105,37 @@ def shipped_tiles(op: str, rows: Sequence[int], current: TileTable | None) -> li
 SPLIT_SEEDS = (1, 2, 4)
 
 
-def seed_tiles(op: str, lo: int, rows: Sequence[int], current: TileTable | None) -> list[Tile]:
+SPLIT_SEED_PROGRAMS = 132  # the least grid a whole-rows split seed aims at: a program on each H100 or H200 SM
+
+
+def whole_rows_split_tile(rows: int, n_dim: int) -> Tile:
+    """A decode shape's tile that reads each weight once and fills the device by splitting K: one row tile over
+    every slot (block_m the rows' power of two, 16..128), 64 output columns a program, block_k 128 (64 at 128 rows),
+    4 warps (8 from 64 rows), 4 stages (a seed whose buffers do not fit is dropped, `candidate_tiles`), and K split
+    the fewest ways (a power of two, to `MAX_SPLIT_K`) whose grid holds `SPLIT_SEED_PROGRAMS` programs."""
+    block_m = min(128, max(16, 1 << (rows - 1).bit_length()))
+    programs = -(-rows // block_m) * -(-n_dim // 64)
+    split = 1
+    while programs * split < SPLIT_SEED_PROGRAMS and split < MAX_SPLIT_K:
+        split *= 2
+    return Tile(block_m, 64, 64 if block_m == 128 else 128, 8 if block_m >= 64 else 4, 4, split)
+
+
+def seed_tiles(op: str, lo: int, rows: Sequence[int], current: TileTable | None, n_dim: int | None = None
+               ) -> list[Tile]:
     """The tiles the shapes of ranges from `lo`, timed at `rows`, are tried with before the sample: the `current`
     table's at each (`shipped_tiles`), so a new table is never measured worse than the one it replaces; for the
     prefill ranges (a prefill pass's tokens) the large tiles of `PREFILL_SEED_TILES`; for a decode range of an
-    operation that splits K (`SPLIT_OPERATIONS`), the current tile at each split of `SPLIT_SEEDS`."""
+    operation that splits K (`SPLIT_OPERATIONS`), the current tile at each split of `SPLIT_SEEDS`, and given the
+    operation's output width `n_dim`, the `whole_rows_split_tile` of each of `rows`."""
     shipped = shipped_tiles(op, rows, current)
     if is_prefill(lo):
         return shipped + list(PREFILL_SEED_TILES)
     if op not in SPLIT_OPERATIONS:
         return shipped
-    return shipped + [replace(t, split_k=s) for t in shipped for s in SPLIT_SEEDS if s != t.split_k]
+    split = [replace(t, split_k=s) for t in shipped for s in SPLIT_SEEDS if s != t.split_k]
+    whole = [whole_rows_split_tile(n, n_dim) for n in rows] if n_dim is not None else []
+    return list(dict.fromkeys(shipped + split + whole))
 
 
 def candidate_tiles(op: str, rows: int, shared_mem_per_block: int, dtype_bytes: int = 2,
@@ -505,13 +529,14 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
                    device: torch.device, dtype: torch.dtype, interpret: bool, clock: Clock,
                    log: Callable[[str], None] = print) -> list[dict]:
     """The table's `ffn_pair` entries: at each count range the two cohort FFNs grouped against apart (CUDA graph
-    replays for a decode range, as `time_shape` times them), at the tiles just tuned. A range where the tiles keep
-    the two apart whatever (`kernels.tiles_keep_ffns_apart`: a gathered FFN GEMM, the MLP's down tile splitting K),
-    or where the budget is spent, keeps no timing: the
+    replays for a decode range, as `time_shape` times them), at the tiles just tuned (where the MLP's down tile
+    splits K, apart runs it split and grouped unsplit, as the grouped launch runs it: the timing weighs the split
+    against grouping). A range where the table gathers an FFN GEMM (the two launch apart there whatever), or the
+    budget is spent, keeps no timing: the
     served layer then groups them wherever it can (`TileTable.groups_ffn`). A range whose grouped launch fails
     keeps the error (`grouped_error`): the served layer launches the two apart there, as the GEMMs' own timings
     did."""
-    from vskipper.mixed.kernels import tiles_keep_ffns_apart
+    from vskipper.mixed.kernels import FFN_OPS
 
     entries = []
     for lo, hi in COUNT_RANGES:
@@ -519,9 +544,8 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
         rows = representative_rows(lo, hi, interpret)
         entry: dict = {"rows": [lo, hi]}
         where = f"ffn pair      rows {lo:>3}..{hi if hi else '':<4}"
-        apart = tiles_keep_ffns_apart(table, rows)
-        if apart is not None:
-            log(f"{where} not timed: {apart}")
+        if any(table.gathers(op, rows) for op in FFN_OPS):
+            log(f"{where} not timed: the table gathers an FFN GEMM there")
         elif clock.spent(1):
             log(f"{where} not timed: the budget is spent")
         else:
@@ -583,7 +607,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
                       for (lo, hi), n in zip(ranges, rows, strict=True)]
             prefill = is_prefill(ranges[0][0])
             candidates = candidate_tiles(op, rows[0], shared_mem_per_block, DTYPE_BYTES[dtype], max_candidates,
-                                         seed_tiles(op, ranges[0][0], rows, current))
+                                         seed_tiles(op, ranges[0][0], rows, current, n_dim))
             # the current table's tile at every length is timed whatever the budget (they come first)
             keep = max(1, len(shipped_tiles(op, rows, current)))
             timed = time_shapes(shapes, candidates, clock, interpret, graph=not prefill and not interpret, log=log,
