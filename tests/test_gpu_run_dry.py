@@ -613,13 +613,15 @@ def test_the_summary_names_the_tiles_the_sweep_served_and_what_their_table_lacks
     lack = ["half-count times: no GEMM serves in the gathered cuBLAS form where torch is faster"]
     why = "the table measured the packed read of half a prompt's rows at 0.1 ms, every row's read by ... at 0.2 ms"
     sweep = {"arms": {"dense": {"served": {"tiles": "t.json, sha256 ab", "routed_layers_backend": {
-        "tiles_lack": lack, "prefill_read": "packed", "prefill_read_why": why}}},
+        "tiles_lack": lack, "prefill_read": "packed", "prefill_read_why": why,
+        "split_k": {"attn_o": [[1, 64, 4], [65, 512, 2]], "mlp_down": [[17, 32, 2]]}}}},
         run.CONTROL: {"served": {"tiles": None}},
         # a server whose model never installed attests the runtime's default sentence there, not a record
         run.ALWAYS: {"served": {"tiles": None, "routed_layers_backend": "torch cohorts (the default)"}}}}
     alone = "\n".join(run.tiles_lines(None, sweep))
     assert alone.startswith("## Tiles the sweep served with")
-    assert f"- dense: t.json, sha256 ab; the table lacks {lack[0]}; prefill read packed ({why})" in alone
+    assert (f"- dense: t.json, sha256 ab; K split: attn_o at 1-64 slots 4 ways, 65-512 slots 2 ways; mlp_down at "
+            f"17-32 slots 2 ways; the table lacks {lack[0]}; prefill read packed ({why})") in alone
     assert f"- {run.CONTROL}: none (no Triton GEMM in this arm)" in alone
     assert f"- {run.ALWAYS}: none (no Triton GEMM in this arm)" in alone
     table = default_tile_table(227 * 1024, "H100-SXM").as_dict()

@@ -1325,9 +1325,9 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
 
 
 def served_tiles_lines(sweep: dict | None, title: str | None = None) -> list[str]:
-    """The tiles each of the sweep's arms attests it served with, what of the tuner's measurements its table lacks
-    (`TileTable.lacks`: a table an older tuner wrote serves without them), and the read its routed prefill layers
-    took (`PREFILL_READS`) with what the table weighed to choose it."""
+    """The tiles each of the sweep's arms attests it served with, where its GEMMs split K (`split_k`), what of the
+    tuner's measurements its table lacks (`TileTable.lacks`: a table an older tuner wrote serves without them), and
+    the read its routed prefill layers took (`PREFILL_READS`) with what the table weighed to choose it."""
     arms = ((sweep or {}).get("arms") or {}).items()
     served = {name: arm.get("served") or {} for name, arm in arms}
     if not served:
@@ -1337,7 +1337,10 @@ def served_tiles_lines(sweep: dict | None, title: str | None = None) -> list[str
     for name, doc in served.items():
         execution = execution_of(doc)
         lack, read, why = (execution.get(k) for k in ("tiles_lack", "prefill_read", "prefill_read_why"))
+        split = "; ".join(f"{op} at {', '.join(f'{lo}-{hi} slots {ways} ways' for lo, hi, ways in spans)}"
+                          for op, spans in (execution.get("split_k") or {}).items())
         lines.append(f"- {name}: {doc.get('tiles') or 'none (no Triton GEMM in this arm)'}"
+                     f"{'; K split: ' + split if split else ''}"
                      f"{'; the table lacks ' + '; '.join(lack) if lack else ''}"
                      f"{f'; prefill read {read}' + (f' ({why})' if why else '') if read else ''}")
     return lines + [""]
