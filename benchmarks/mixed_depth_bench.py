@@ -2,7 +2,9 @@
 """Mixed-depth execution, measured side by side in one run (needs a GPU; `--smoke` runs a tiny CPU version).
 
 1. Cohort GEMMs vs torch: for the 48 (operation, count range) shapes of the tile table, the Triton cohort
-   kernels (tiles from the device's table) against torch/cuBLAS on the same packed rows; ratio = kernel / torch.
+   kernels (tiles from the device's table) against torch/cuBLAS on the same packed rows; ratio = kernel / torch,
+   each beside the shape's roofline floor on a catalogued GPU (`vskipper.roofline.gemm_floor_ms`: its bytes at
+   the bandwidth or its multiply-adds at the peak, whichever is longer).
 2. Decode: per-step latency of a 32-layer Llama-3-8B-sized stack (random weights, routed layers 16..31, paged
    KV), dense vs routed (RandomSkip r=1, d=s: every row projects at a fraction s of the routed layers), over a
    rows x context grid, both replayed from CUDA graphs captured per row count. Each mode's latency is fitted
@@ -45,7 +47,7 @@ from vskipper.checkpoint import TinySize, tiny_config  # noqa: E402
 from vskipper.mixed.bench_stack import BenchStack, ForwardBatch  # noqa: E402
 from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, is_prefill  # noqa: E402
 from vskipper.mixed.tuner import Clock, op_dims, op_weights, representative_rows, shape_calls, time_shape  # noqa: E402
-from vskipper.roofline import derive_thresholds, find_device, kv_bytes_per_token_layer  # noqa: E402
+from vskipper.roofline import derive_thresholds, find_device, gemm_floor_ms, kv_bytes_per_token_layer  # noqa: E402
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 
 LLAMA3_8B = TinySize(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128,
@@ -69,6 +71,8 @@ def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smok
     from vskipper.mixed.kernels import INTERPRETER_TILE, device_tile_table
 
     table = device_tile_table(device, tile_table) if device.type == "cuda" else None
+    # each shape beside its roofline floor on a catalogued GPU (none on CPU, where the interpreter runs)
+    catalogued = find_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     g = torch.Generator().manual_seed(0)
     results = []
     ranges = COUNT_RANGES[:1] if smoke else COUNT_RANGES
@@ -87,12 +91,16 @@ def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smok
             t_ref, t_ker = timed["torch_ms"], timed["kernel_ms"]
             t_half = timed.get("kernel_half_ms")  # None where the gathered form could not be captured
             serves = "gathered" if table is not None and table.gathers(op, rows) else "kernel"
+            floor = None if catalogued is None else gemm_floor_ms(
+                rows, n_dim, k_dim, 2 if op.endswith("gate_up") else 1, torch.finfo(dtype).bits // 8, catalogued)
             results.append({"op": op, "rows": [lo, hi], "K": k_dim, "N": n_dim, "kernel_ms": t_ker,
                             "kernel_half_ms": t_half, "torch_ms": t_ref, "ratio": t_ker / t_ref, "serves": serves,
-                            "timed": timed["timed"]})
+                            "timed": timed["timed"], "tile": str(tile), "floor_ms": floor})
             print(f"  {op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} kernel "
                   f"{t_ker:8.4f} ms (half live {'not timed' if t_half is None else f'{t_half:8.4f}'})  gathered torch {t_ref:8.4f} ms  ratio "
-                  f"{t_ker / t_ref:5.2f}x  serves {serves}", flush=True)
+                  f"{t_ker / t_ref:5.2f}x  serves {serves}"
+                  + ("" if floor is None else f"  floor {floor:8.4f} ms (kernel {t_ker / floor:5.2f}x, torch "
+                                              f"{t_ref / floor:5.2f}x)"), flush=True)
     ratios = sorted(r["ratio"] for r in results)
     print(f"  median ratio over {len(ratios)} shapes: {statistics.median(ratios):.2f}x "
           f"(min {ratios[0]:.2f}, max {ratios[-1]:.2f})")

@@ -32,10 +32,10 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
 
 `split_k_reduce_kernel`
     With SPLIT_K > 1 (a tile's `split_k`), `cohort_down_scatter_kernel` and `cohort_gemm_kernel` split K: the
-    programs of split s sum their share
-    of K tiles and store the fp32 sums into plane s of a workspace [SPLIT_K, C, N] at the packed slots m < count;
-    this launch then sums the planes in split order (a launch repeated is bit-equal, where atomics would not be)
-    and runs the epilogue the unsplit kernel runs (weighted, added or stored, into the batch rows or packed).
+    programs of split s sum their share of K tiles and store the fp32 sums into plane s of a workspace [SPLIT_K,
+    C, N] at the packed slots m < count; this launch then sums the planes in split order (a launch repeated is
+    bit-equal, where atomics would not be) and runs the epilogue the unsplit kernel runs (weighted, added or
+    stored, into the batch rows or packed).
     A decode pass's grid over few rows holds few output tiles (the MLP's down at 128 rows in tiles of 64 x 128:
     64 programs on the H200's 132 SMs); split, it fills the device, for a workspace written and read once (at
     128 rows, 2 MiB a split, mostly in L2) and a second launch. The gate-up kernels never split (their activation
