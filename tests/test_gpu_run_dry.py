@@ -596,11 +596,14 @@ def test_the_tiles_summary_puts_the_ffn_pair_grouped_beside_apart_where_the_tune
 
     table = default_tile_table(227 * 1024, "H100-SXM").as_dict()
     table["ffn_pair"] = [{"rows": [1, 16], "grouped_ms": 0.02, "apart_ms": 0.025}, {"rows": [17, None]}]
-    table["tiles"]["mlp_down"][3]["split_k"] = 4  # and a tile that splits K says so in its row
+    table["tiles"]["mlp_down"][3].update(split_k=4, kernel_ms=0.05, torch_ms=0.04, floor_ms=0.025)
+    # a tile that splits K says so in its row, and a shape beside its roofline floor where the tuner recorded it
     text = "\n".join(run.tiles_lines({"device": "H100-SXM", "runs": {}, "table": table}, None))
     pair = text[text.index("| rows | grouped ms"):]
     assert "| 1-16 | 0.0200 | 0.0250 | 0.800 |" in pair and "| 17-" not in pair
-    assert "| mlp_down | 65-128 | 64 x 128 x 64, K split 4 ways | 8 | 3 |" in text
+    assert "| mlp_down | 65-128 | 64 x 128 x 64, K split 4 ways | 8 | 3 | 0.0500 |" in text
+    assert "| eager | 0.0250 | 2.00 |" in text
+    assert sum(line.endswith("| eager | n/a | n/a |") for line in text.splitlines()) == 47  # no floor recorded
     assert "| mlp_down | 33-64 | 64 x 128 x 64 | 4 | 3 |" in text
 
 

@@ -47,6 +47,8 @@ def test_interpreter_smoke_run_writes_a_loadable_table_for_all_forty_eight_shape
     assert any(timing is not None for *_, timing in table.ffn_pair)  # the open range never gathers
     raw = json.loads(out.read_text())
     assert {e["tried"] for entries in raw["tiles"].values() for e in entries} == {1} == {raw["prefill_read"]["tried"]}
+    # each shape beside its roofline floor on the catalogued device (its timed rows, the smoke run's widths)
+    assert all(e["floor_ms"] > 0 for entries in raw["tiles"].values() for e in entries)
     # each prefill length's tile chosen over the full and the half count, a decode range's over the full one
     assert {(e["rows"][0] >= PREFILL_FROM, e["chosen_by"]) for entries in raw["tiles"].values() for e in entries} == {
         (True, "full and half live"), (False, "full live")}

@@ -1179,6 +1179,11 @@ def _f(value, fmt: str = ".3g") -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
+def _over(value: float | None, limit: float | None) -> float | None:
+    """value / limit, or None where either is missing."""
+    return None if value is None or not limit else value / limit
+
+
 def _interval(interval: list | None) -> str:
     """' [lo, hi] (95%, resampled repetitions)' after a figure, or nothing where none was computed."""
     return "" if not interval else f" [{interval[0]:.3g}, {interval[1]:.3g}] (95%, resampled repetitions)"
@@ -1284,8 +1289,8 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
     if table:
         lines += [f"Source: {table['source']}.", "",
                   "| operation | rows | block m x n x k | warps | stages | kernel ms | kernel ms, half live | "
-                  "gathered torch ms | kernel / torch | tiles timed | timed as |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "gathered torch ms | kernel / torch | tiles timed | timed as | floor ms | kernel / floor |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
         for op, entries in table["tiles"].items():
             for e in entries:
                 lo, hi = e["rows"]
@@ -1296,7 +1301,8 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
                              f"{_f(e.get('kernel_half_ms'), '.4f')} | "
                              f"{_f(e.get('torch_ms'), '.4f')} | {_f(e.get('ratio_vs_torch'), '.3f')} | "
                              f"{e.get('tried', '?')} | {e.get('timed', 'eager')}"
-                             f"{', chosen over both counts' if e.get('chosen_by') == CHOSEN_BOTH else ''} |")
+                             f"{', chosen over both counts' if e.get('chosen_by') == CHOSEN_BOTH else ''} | "
+                             f"{_f(e.get('floor_ms'), '.4f')} | {_f(_over(e.get('kernel_ms'), e.get('floor_ms')), '.2f')} |")
         lines += ["", f"Served in the gathered cuBLAS form (`TileTable.gathers`: torch faster than the tile at the full "
                       f"and the half count, at or below the ridge): {gathered_summary(table)}.", ""]
         pair = [e for e in table.get("ffn_pair") or [] if e.get("grouped_ms") is not None]

@@ -7,7 +7,8 @@ cuBLAS form on the same slots (`vskipper.mixed.gathered`: gather, matmul(s) (the
 one merged weight, as served: one GEMM, `op_weights`), SiLU-and-multiply; for down, the
 matmul and the weighted, masked index_add; for Q, the gather, the matmul and the mask; for o_proj, the matmul and
 the masked index_add). The best candidate goes in the table with its time ratio to torch, and its time with half
-the slots live (`kernel_half_ms`): `TileTable.gathers` serves the gathered form where it beats both. A decode
+the slots live (`kernel_half_ms`), and on a catalogued device its roofline floor at those rows (`floor_ms`,
+`vskipper.roofline.gemm_floor_ms`): `TileTable.gathers` serves the gathered form where it beats both. A decode
 shape of the down GEMMs, Q and o_proj also tries the current table's tile with K split (`SPLIT_SEEDS`) and a tile
 over every slot split to fill the device (`whole_rows_split_tile`). In the
 prefill ranges (a prefill pass's tokens: to 1,024, to 2,048, above; an operation's three timed together, each
@@ -62,6 +63,7 @@ from vskipper.mixed.tiles import (
     tile_table_for,
 )
 from vskipper.modelspec import DTYPE_BYTES
+from vskipper.roofline import find_device, gemm_floor_ms
 
 
 class TunerError(RuntimeError):
@@ -591,6 +593,7 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
     tdtype = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     current = current_table(device_name, shared_mem_per_block, dtype)
+    catalogued = find_device(device_name)
     clock = Clock(budget_s, sum(len(OPERATIONS) * shape_weight(lo) + PAIR_WEIGHT for lo, _ in COUNT_RANGES),
                   READ_WEIGHT if read_heads is not None else 0)
     tiles: dict[str, list[dict]] = {}
@@ -613,8 +616,11 @@ def tune(device_name: str, shared_mem_per_block: int, hidden: int, intermediate:
             keep = max(1, len(shipped_tiles(op, rows, current)))
             timed = time_shapes(shapes, candidates, clock, interpret, graph=not prefill and not interpret, log=log,
                                 by_half=prefill, keep=keep)
-            for (lo, hi), entry in zip(ranges, timed, strict=True):
+            for (lo, hi), n, entry in zip(ranges, rows, timed, strict=True):
                 log(f"{op:13} rows {lo:>3}..{hi if hi else '':<4} K={k_dim:<6} N={n_dim:<6} {entry.pop('line')}")
+                if catalogued is not None:  # the shape's roofline floor at its timed rows, beside its times
+                    entry["floor_ms"] = _ms(gemm_floor_ms(n, n_dim, k_dim, 2 if op.endswith("gate_up") else 1,
+                                                          DTYPE_BYTES[dtype], catalogued))
                 entries.append({"rows": [lo, hi], **entry})
             del shapes  # the prefill lengths' operands are the largest; free them before the next operation's
         tiles[op] = entries
