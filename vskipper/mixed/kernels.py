@@ -182,6 +182,20 @@ def _store_partial(ws_ptr, acc, offs_m, offs_n, mask, pid_s, stride_ws_s, stride
 
 
 @triton.jit
+def _epilogue(acc, y_ptr, w_ptr, batch, rows, m_mask, offs_n, mask, stride_ym, stride_yn,
+              WEIGHTED: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """A GEMM tile's epilogue: its sums weighted by their batch rows' branch weights (WEIGHTED), added onto
+    (ACCUMULATE) or stored into y's `rows`."""
+    if WEIGHTED:
+        w = tl.load(w_ptr + batch, mask=m_mask, other=0.0).to(tl.float32)
+        acc = w[:, None] * acc
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _down_tile(a_ptr, idx_ptr, count, w_ptr, wd_ptr, y_ptr, D, N, pid_m, pid_d,
                stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -208,13 +222,7 @@ def _down_tile(a_ptr, idx_ptr, count, w_ptr, wd_ptr, y_ptr, D, N, pid_m, pid_d,
         _store_partial(ws_ptr, acc, offs_m, offs_d, mask, pid_s, stride_ws_s, stride_ws_m)
     else:
         rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
-        if WEIGHTED:
-            w = tl.load(w_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)
-            acc = w[:, None] * acc
-        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_d[None, :] * stride_yd
-        if ACCUMULATE:
-            acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        _epilogue(acc, y_ptr, w_ptr, rows, rows, m_mask, offs_d, mask, stride_ym, stride_yd, WEIGHTED, ACCUMULATE)
 
 
 @triton.jit
@@ -318,13 +326,7 @@ def split_k_reduce_kernel(ws_ptr, idx_ptr, count_ptr, w_ptr, y_ptr, N, stride_ws
         rows = batch
     else:
         rows = offs_m
-    if WEIGHTED:
-        w = tl.load(w_ptr + batch, mask=m_mask, other=0.0).to(tl.float32)
-        acc = w[:, None] * acc
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    if ACCUMULATE:
-        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    _epilogue(acc, y_ptr, w_ptr, batch, rows, m_mask, offs_n, mask, stride_ym, stride_yn, WEIGHTED, ACCUMULATE)
 
 
 REDUCE_BLOCK_M, REDUCE_BLOCK_N = 16, 128  # the reduce's tile: an elementwise pass over the counted slots
