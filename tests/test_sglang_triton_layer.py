@@ -117,12 +117,16 @@ def test_a_layer_whose_table_splits_k_at_decode_counts_reduces_after_each_split_
                                                                 hi is not None and hi <= 512 else {})}
                   for lo, hi in COUNT_RANGES] for op in OPERATIONS}
     table = parse_tile_table({"device": "H200", "dtype": "float32", "source": "test", "tiles": tiles}, 227 * 1024)
-    assert served.CohortExecution("triton", table, prefill_read="packed").attestation()["split_k"] == {
-        "attn_q": [[1, 512, 2]], "attn_o": [[1, 512, 2]]}
+    grouped = served.CohortExecution("triton", table, prefill_read="packed")
+    assert grouped.attestation()["split_k"] == {"attn_q": [[1, 512, 2]], "attn_o": [[1, 512, 2]]}
+    run = [True, False, True, False]
+    assert _own_launches(world, grouped, {0: 1, 1: 1, 2: 1, 3: 1}, run) == [
+        "cohort_maps_kernel", "cohort_gemm_kernel", "split_k_reduce_kernel", "masked_decode_split_kernel",
+        "masked_decode_merge_kernel", "cohort_down_scatter_kernel", "split_k_reduce_kernel",
+        "grouped_gate_up_kernel", "grouped_down_scatter_kernel", "add_"]
     table.ffn_pair = [(1, None, PairTiming(2.0, 1.0))]
     execution = served.CohortExecution("triton", table, prefill_read="packed")
     assert execution.attestation()["split_k"] == {op: [[1, 512, 2]] for op in SPLIT_OPERATIONS}
-    run = [True, False, True, False]
     launches = _own_launches(world, execution, {0: 1, 1: 1, 2: 1, 3: 1}, run)
     assert launches == [
         "cohort_maps_kernel", "cohort_gemm_kernel", "split_k_reduce_kernel", "masked_decode_split_kernel",

@@ -79,6 +79,11 @@ def test_a_decode_range_of_an_operation_that_splits_k_tries_the_current_tile_spl
     assert whole_rows_split_tile(512, 4096) == Tile(128, 64, 64, 8, 4, 1)  # 4 x 64 programs: no split needed
     assert whole_rows_split_tile(1, 64) == Tile(16, 64, 128, 4, 4, 16)  # a tiny width: the most splits
     assert seed_tiles("mlp_gate_up", 65, [128], current, 14336) == [current.lookup("mlp_gate_up", 128)]
+    # a seed whose buffers overflow the shared memory is dropped: at 64 rows, 128 KiB of a 99 KiB part's
+    seed = whole_rows_split_tile(64, 4096)
+    assert seed.shared_mem_bytes("mlp_down") == 128 * 1024
+    assert seed in candidate_tiles("mlp_down", 64, H100.shared_mem_per_block, 2, 24, [seed])
+    assert seed not in candidate_tiles("mlp_down", 64, 99 * 1024, 2, 24, [seed])
 
 
 def test_every_candidate_fits_the_shared_memory_and_the_sample_still_spans_the_grid():

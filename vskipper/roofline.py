@@ -175,13 +175,13 @@ def ridge_rows(dense_tflops: float, bandwidth_gbps: float) -> float:
 
 
 def gemm_floor_ms(rows: int, n: int, k: int, weights: int, dtype_bytes: int, device: Device) -> float:
-    """The least time a GEMM of `rows` rows by `weights` [n, k] weights (a gate-up reads two) can take on `device`:
-    the longer of its bytes at the HBM bandwidth (every weight, the rows' input and output once each) and its
-    multiply-adds at the dense tensor-core peak. A decode GEMM over few rows sits on the first, a prefill's on the
-    second (`ridge_rows` apart)."""
+    """The least time a GEMM of `rows` rows by `weights` [n, k] weights (a gate-up reads two and writes one fused
+    output) can take on `device`: the longer of its bytes at the HBM bandwidth (every weight, the rows' input [rows,
+    k] and output [rows, n] once each) and its multiply-adds at the dense tensor-core peak. A decode GEMM over few
+    rows sits on the first, a prefill's on the second (`ridge_rows` apart)."""
     if min(rows, n, k, weights, dtype_bytes) <= 0:
         raise ValueError("rows, n, k, weights and dtype_bytes must be positive")
-    moved = (weights * n * k + rows * k + weights * rows * n) * dtype_bytes
+    moved = (weights * n * k + rows * k + rows * n) * dtype_bytes
     flops = 2 * weights * rows * n * k
     return max(moved / (device.bandwidth_gbps * 1e9), flops / (device.dense_tflops * 1e12)) * 1e3
 

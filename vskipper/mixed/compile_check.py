@@ -212,7 +212,7 @@ def _gemm_launches(table) -> list[Launch]:
             tiles += [replace(tiles[0], split_k=s) for s in SPLIT_SEEDS]
         for t in tiles:
             forms = [_gemm_args(op, t.split_k)]
-            if op in ("mlp_gate_up", "mlp_down") and t.split_k == 1:
+            if op in ("mlp_gate_up", "mlp_down"):  # the grouped launch at the MLP's blocks (a down tile unsplit)
                 forms.append(_grouped_args(op, t.block_n))
             blocks = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
             for kernel, args, launches in forms:

@@ -284,7 +284,9 @@ class TileTable:
     def split_at(self, op: str, capacity: int) -> int:
         """How many ways `op` splits K as served at `capacity` slots: its tile's `split_k`, but 1 where it serves
         in the gathered form, and for a down GEMM of the two FFNs where they launch grouped (no FFN GEMM gathered
-        and `groups_ffn`: the grouped down launch runs the MLP's down tile unsplit, the projector's unused)."""
+        and `groups_ffn`: the grouped down launch runs the MLP's down tile unsplit, the projector's unused). A
+        layer whose FFN weights one grid cannot read (`kernels._apart_because`: their dtypes, layouts or widths
+        differ) launches them apart whatever the table, its down GEMMs split: not a served model's layers."""
         split = self.lookup(op, capacity).split_k
         if split == 1 or self.gathers(op, capacity):
             return 1

@@ -112,10 +112,10 @@ SPLIT_SEED_PROGRAMS = 132  # the least grid a whole-rows split seed aims at: a p
 
 def whole_rows_split_tile(rows: int, n_dim: int) -> Tile:
     """A decode shape's tile that reads each weight once (to 128 rows) and fills the device by splitting K: one row
-    tile over every slot (block_m the rows' power of two, 16..128), 64 output columns a program, block_k 128 (64 at
-    128 rows),
-    4 warps (8 from 64 rows), 4 stages (a seed whose buffers do not fit is dropped, `candidate_tiles`), and K split
-    the fewest ways (a power of two, to `MAX_SPLIT_K`) whose grid holds `SPLIT_SEED_PROGRAMS` programs."""
+    tile over every slot (block_m the rows' power of two, 16..128), 64 output columns a program, block_k 128 (64
+    where block_m is 128, from 65 rows), 4 warps (8 where block_m is 64 or more, from 33 rows), 4 stages (a seed
+    whose buffers do not fit is dropped, `candidate_tiles`), and K split the fewest ways (a power of two, to
+    `MAX_SPLIT_K`) whose grid holds `SPLIT_SEED_PROGRAMS` programs."""
     block_m = min(128, max(16, 1 << (rows - 1).bit_length()))
     programs = -(-rows // block_m) * -(-n_dim // 64)
     split = 1
