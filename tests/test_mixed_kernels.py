@@ -240,11 +240,11 @@ def test_a_tile_that_splits_k_computes_what_the_unsplit_tile_does_on_the_counted
         torch.testing.assert_close(y[rows], before[rows] * accumulate + w[rows, None] * (q[:count] @ w_o.t()))
 
 
-def test_where_the_mlps_down_tile_splits_k_the_ffn_pair_timing_decides_between_split_apart_and_grouped():
-    """The grouped down launch never splits K: where the MLP's down tile splits, a table whose `ffn_pair` timed
-    the two FFNs faster apart launches them apart, each down GEMM split as its own tile says (then its reduce); one
-    that timed them faster grouped (or did not time them) launches them grouped at the MLP's blocks, unsplit. The
-    same output either way."""
+def test_where_the_mlps_down_tile_splits_k_the_ffn_pair_splits_grouped_or_apart():
+    """Where the MLP's down tile splits K: a table whose `ffn_pair` timed the two FFNs faster apart launches them
+    apart, each down GEMM split as its own tile says, then its reduce; one that timed them faster grouped (or did not
+    time them) launches them grouped, both down GEMMs in one launch split as the MLP's tile says (each cohort's
+    planes in its half of one workspace), then a reduce each. The same output either way."""
     from mixed_world import INTERPRETER_ENTRY
 
     from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, PairTiming, parse_tile_table
@@ -268,8 +268,12 @@ def test_where_the_mlps_down_tile_splits_k_the_ffn_pair_timing_decides_between_s
             cohort_ffn_pair(x, w, outs[name], *pair, tiles=table, accumulate=False)
         seen[name] = launches.launches
     assert seen["apart"] == ["cohort_gate_up_kernel", "cohort_down_scatter_kernel", "split_k_reduce_kernel"] * 2
-    assert seen["grouped"] == seen["untimed"] == ["grouped_gate_up_kernel", "grouped_down_scatter_kernel"]
+    assert seen["grouped"] == seen["untimed"] == ["grouped_gate_up_kernel", "grouped_down_scatter_kernel",
+                                                  "split_k_reduce_kernel", "split_k_reduce_kernel"]
     torch.testing.assert_close(outs["apart"], outs["grouped"], rtol=1e-5, atol=1e-5)
+    unsplit = torch.full((capacity, d), float("nan"))
+    cohort_ffn_pair(x, w, unsplit, *pair, tiles=SMALL, accumulate=False, grouped=True)
+    torch.testing.assert_close(outs["grouped"], unsplit, rtol=1e-6, atol=1e-6)
     assert torch.equal(outs["grouped"], outs["untimed"])
 
 

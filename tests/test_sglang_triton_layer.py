@@ -105,10 +105,10 @@ def test_a_layer_whose_table_timed_the_ffns_faster_apart_launches_them_apart_and
 
 
 def test_a_layer_whose_table_splits_k_at_decode_counts_reduces_after_each_split_gemm_and_attests_it(world):
-    """A table whose Q, o_proj and down tiles split K at the decode counts, and whose FFN pair timed apart faster:
-    each of those GEMMs launches its reduce after it, the pass's output and KV equal the torch execution's, and the
-    execution attests the split ranges. Where the pair was not timed the FFNs launch grouped, whose down launch
-    never splits: their down GEMMs leave the attested splits."""
+    """A table whose Q, o_proj and down tiles split K at the decode counts: each of those GEMMs launches its reduce
+    after it (the two FFNs' down GEMMs grouped in one split launch, then a reduce each, where the pair was not
+    timed; apart, each with its reduce, where it timed apart faster), the pass's output and KV equal the torch
+    execution's either way, and the execution attests the split ranges."""
     from mixed_world import INTERPRETER_ENTRY
 
     from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, SPLIT_OPERATIONS, PairTiming, parse_tile_table
@@ -118,12 +118,20 @@ def test_a_layer_whose_table_splits_k_at_decode_counts_reduces_after_each_split_
                   for lo, hi in COUNT_RANGES] for op in OPERATIONS}
     table = parse_tile_table({"device": "H200", "dtype": "float32", "source": "test", "tiles": tiles}, 227 * 1024)
     grouped = served.CohortExecution("triton", table, prefill_read="packed")
-    assert grouped.attestation()["split_k"] == {"attn_q": [[1, 512, 2]], "attn_o": [[1, 512, 2]]}
+    assert grouped.attestation()["split_k"] == {op: [[1, 512, 2]] for op in SPLIT_OPERATIONS}
     run = [True, False, True, False]
     assert _own_launches(world, grouped, {0: 1, 1: 1, 2: 1, 3: 1}, run) == [
         "cohort_maps_kernel", "cohort_gemm_kernel", "split_k_reduce_kernel", "masked_decode_split_kernel",
         "masked_decode_merge_kernel", "cohort_down_scatter_kernel", "split_k_reduce_kernel",
-        "grouped_gate_up_kernel", "grouped_down_scatter_kernel", "add_"]
+        "grouped_gate_up_kernel", "grouped_down_scatter_kernel", "split_k_reduce_kernel", "split_k_reduce_kernel",
+        "add_"]
+    extend = {0: 1, 1: 1, 2: 1, 3: 1}
+    x = world.hidden(4)
+    run_t, w = world.route(run)
+    y_torch, kv_torch = _pass(world, extend, x, run_t, w, served.TORCH_EXECUTION)
+    y_grouped, kv_grouped = _pass(world, extend, x, run_t, w, grouped)
+    torch.testing.assert_close(y_grouped, y_torch, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_grouped, kv_torch, rtol=1e-4, atol=1e-4)
     table.ffn_pair = [(1, None, PairTiming(2.0, 1.0))]
     execution = served.CohortExecution("triton", table, prefill_read="packed")
     assert execution.attestation()["split_k"] == {op: [[1, 512, 2]] for op in SPLIT_OPERATIONS}
@@ -133,11 +141,7 @@ def test_a_layer_whose_table_splits_k_at_decode_counts_reduces_after_each_split_
         "masked_decode_merge_kernel", "cohort_down_scatter_kernel", "split_k_reduce_kernel",
         "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "split_k_reduce_kernel", "cohort_gate_up_kernel",
         "cohort_down_scatter_kernel", "split_k_reduce_kernel", "add_"]
-    extend = {0: 1, 1: 1, 2: 1, 3: 1}
-    x = world.hidden(4)
-    run_t, w = world.route(run)
     y_split, kv_split = _pass(world, extend, x, run_t, w, execution)
-    y_torch, kv_torch = _pass(world, extend, x, run_t, w, served.TORCH_EXECUTION)
     torch.testing.assert_close(y_split, y_torch, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kv_split, kv_torch, rtol=1e-4, atol=1e-4)
 

@@ -166,22 +166,23 @@ def test_table_round_trips_through_its_json_form():
 
 def test_a_split_tile_serves_split_where_its_gemm_is_not_gathered_nor_grouped_and_old_tables_never_split():
     """`split_at` / `split_ranges` (attested as `split_k`): Q and o_proj split where their tile says, except where
-    they serve gathered (below the ridge, where torch beat the tile); the FFNs' down GEMMs split only where the
-    two FFNs launch apart (the grouped down launch never splits). The shipped tables were tuned before split K:
-    every tile unsplit, `split_k_tried` False, and written out again they still say so."""
+    they serve gathered (below the ridge, where torch beat the tile); the FFNs' down GEMMs each as its own tile
+    says where the two FFNs launch apart, both as the MLP's down tile says where they launch grouped (one launch at
+    its tile). The shipped tables were tuned before split K: every tile unsplit, `split_k_tried` False, and
+    written out again they still say so."""
     data = table({"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "split_k": 1},
                  device="H200")
     for op in ("attn_q", "attn_o", "mlp_down", "proj_down"):
         for n in range(5):  # every decode range
-            data["tiles"][op][n]["split_k"] = 2 if n < 4 else 4
+            data["tiles"][op][n]["split_k"] = 8 if op == "proj_down" else 2 if n < 4 else 4
     data["tiles"]["attn_o"][4].update(kernel_ms=1.0, kernel_half_ms=0.8, torch_ms=0.5)  # torch wins at 129..512
     data[PAIR_FIELD] = [{"rows": [lo, hi], "grouped_ms": 1.0, "apart_ms": 2.0 if lo == 1 else 0.5}
                         for lo, hi in COUNT_RANGES]  # grouped faster at 1..16 alone
     t = parse_tile_table(data, 227 * 1024)
     ridge = int(lookup_device("H200").ridge_rows)
-    assert t.split_ranges() == {"mlp_down": [[17, 128, 2], [129, 512, 4]], "proj_down": [[17, 128, 2], [129, 512, 4]],
+    assert t.split_ranges() == {"mlp_down": [[1, 128, 2], [129, 512, 4]], "proj_down": [[1, 16, 2], [17, 512, 8]],
                                 "attn_q": [[1, 128, 2], [129, 512, 4]], "attn_o": [[1, 128, 2], [ridge + 1, 512, 4]]}
-    assert t.split_at("mlp_down", 16) == 1 and t.lookup("mlp_down", 16).split_k == 2
+    assert t.split_at("proj_down", 16) == 2 and t.lookup("proj_down", 16).split_k == 8  # grouped: the MLP's
     again = parse_tile_table(json.loads(json.dumps(t.as_dict())), 227 * 1024)
     assert again.split_ranges() == t.split_ranges() and again.split_k_tried
     for device in ("H200", "H100-SXM"):

@@ -168,11 +168,11 @@ def _reduce_launches(splits: set[int]) -> list[Launch]:
     return out
 
 
-def _grouped_args(op: str, block_n: int) -> tuple[str, dict, list[dict]]:
+def _grouped_args(op: str, block_n: int, split_k: int = 1) -> tuple[str, dict, list[dict]]:
     """(kernel, example arguments, switches) of the grouped launch of a routed layer's two cohort FFNs
     (`kernels.cohort_ffn_pair`) at a tile of the MLP's `op` (its `block_n` sets where the projector's column tiles
-    start): the MLP over the RUN cohort, the projector over the Project-Only one; the down GEMMs store (the served
-    body: a gathered FFN is never grouped)."""
+    start, and the down's `split_k` its K split): the MLP over the RUN cohort, the projector over the Project-Only
+    one; the down GEMMs store (the served body: a gathered FFN is never grouped)."""
     import torch
     from triton import cdiv
 
@@ -194,7 +194,18 @@ def _grouped_args(op: str, block_n: int) -> tuple[str, dict, list[dict]]:
         "TILES_D": cdiv(d, block_n), "stride_am": a1.stride(0), "stride_an": a1.stride(1), "stride_wd": w1.stride(0),
         "stride_wn": w1.stride(1), "stride_a2m": a2.stride(0), "stride_a2n": a2.stride(1),
         "stride_wd2": w2.stride(0), "stride_w2n": w2.stride(1), "stride_ym": y.stride(0),
-        "stride_yd": y.stride(1)}, [{"ACCUMULATE": False}]
+        "stride_yd": y.stride(1), **_grouped_workspace(y, d, split_k)}, [{"ACCUMULATE": False, "SPLIT_K": split_k}]
+
+
+def _grouped_workspace(y, d: int, split_k: int) -> dict:
+    """The grouped down launch's workspace arguments as `kernels.cohort_ffn_pair` passes them: y unread where
+    unsplit, else fp32 planes [2, split_k, rows, d] (each cohort's half)."""
+    import torch
+
+    if split_k == 1:
+        return {"ws_ptr": y, "stride_ws_c": 0, "stride_ws_s": 0, "stride_ws_m": 0}
+    ws = _t(2, split_k, ROWS, d, dtype=torch.float32)
+    return {"ws_ptr": ws, "stride_ws_c": ws.stride(0), "stride_ws_s": ws.stride(1), "stride_ws_m": ws.stride(2)}
 
 
 def _gemm_launches(table) -> list[Launch]:
@@ -212,8 +223,8 @@ def _gemm_launches(table) -> list[Launch]:
             tiles += [replace(tiles[0], split_k=s) for s in SPLIT_SEEDS]
         for t in tiles:
             forms = [_gemm_args(op, t.split_k)]
-            if op in ("mlp_gate_up", "mlp_down"):  # the grouped launch at the MLP's blocks (a down tile unsplit)
-                forms.append(_grouped_args(op, t.block_n))
+            if op in ("mlp_gate_up", "mlp_down"):  # the grouped launch at the MLP's tile
+                forms.append(_grouped_args(op, t.block_n, t.split_k))
             blocks = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
             for kernel, args, launches in forms:
                 for switches in launches:

@@ -39,8 +39,8 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
     A decode pass's grid over few rows holds few output tiles (the MLP's down at 128 rows in tiles of 64 x 128:
     64 programs on the H200's 132 SMs); split, it fills the device, for a workspace written and read once (at
     128 rows, 2 MiB a split, mostly in L2) and a second launch. The gate-up kernels never split (their activation
-    needs both sums whole), nor does the grouped down launch, which runs the MLP's down tile unsplit: where that
-    tile splits, the table's `ffn_pair` timing (grouped and unsplit against apart and split) decides.
+    needs both sums whole). `grouped_down_scatter_kernel` splits as the MLP's down tile says, each cohort's planes
+    in its half of one workspace [2, SPLIT_K, C, D], then a reduce each.
     Grid    (cdiv(C, 16), cdiv(N, 128))
 
 `cohort_maps_kernel`
@@ -246,9 +246,11 @@ def grouped_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, wd_ptr, N, a2_ptr, id
                                 w_ptr, y_ptr, D, TILES_D,
                                 stride_am, stride_an, stride_wd, stride_wn, stride_a2m, stride_a2n,
                                 stride_wd2, stride_w2n, stride_ym, stride_yd,
+                                ws_ptr, stride_ws_c, stride_ws_s, stride_ws_m,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                ACCUMULATE: tl.constexpr = True):
-    # As the grouped gate-up: the first cohort's column tiles, then the second's (disjoint rows of y), one loop.
+                                ACCUMULATE: tl.constexpr = True, SPLIT_K: tl.constexpr = 1):
+    # As the grouped gate-up: the first cohort's column tiles, then the second's (disjoint rows of y), one loop;
+    # split, each cohort's partial sums go into its own half of the workspace ([2, SPLIT_K, C, D]).
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     first = pid_d < TILES_D
@@ -260,7 +262,8 @@ def grouped_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, wd_ptr, N, a2_ptr, id
                tl.where(first, pid_d, pid_d - TILES_D), tl.where(first, stride_am, stride_a2m),
                tl.where(first, stride_an, stride_a2n), tl.where(first, stride_wd, stride_wd2),
                tl.where(first, stride_wn, stride_w2n), stride_ym, stride_yd, BLOCK_M, BLOCK_N, BLOCK_K, True,
-               ACCUMULATE, y_ptr, 0, 0, 0, 1)  # never split: the workspace arguments go unread
+               ACCUMULATE, tl.where(first, ws_ptr, ws_ptr + stride_ws_c), tl.program_id(2), stride_ws_s,
+               stride_ws_m, SPLIT_K)
 
 
 @triton.jit
@@ -543,7 +546,8 @@ def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp
 
     Both in one launch per stage (`grouped_gate_up_kernel`, then `grouped_down_scatter_kernel`), at the MLP's
     tiles: the projector's column tiles follow the MLP's in one grid, so its few programs fill the MLP's last wave
-    instead of running a wave of their own after it, and each stage launches once. Each FFN runs on its own, as
+    instead of running a wave of their own after it, and each stage launches once (a down tile that splits K then
+    adds a reduce launch a cohort). Each FFN runs on its own, as
     `cohort_ffn_triton` runs it, where the table serves any of the four GEMMs in the gathered form at this capacity
     or measured the two faster apart there (`TileTable.groups_ffn`), and where one grid cannot read both
     (`_apart_because`); `grouped` (the tuner's) forces either, grouped only where one grid can."""
@@ -577,16 +581,25 @@ def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp
                                  a1.stride(0), a1.stride(1), proj.w_gate.stride(0), proj.w_gate.stride(1),
                                  a2.stride(0), a2.stride(1), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                                  BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
-    t = _grid_tile("mlp_down", capacity, a1, tiles)  # its blocks, never split: the grouped launch does not
+    t = _grid_tile("mlp_down", capacity, a1, tiles)
     tiles_d = triton.cdiv(d, t.block_n)
-    grid = (triton.cdiv(capacity, t.block_m), 2 * tiles_d)
+    # split as the MLP's down tile says: each cohort's planes in its half of one workspace, then a reduce each
+    if t.split_k == 1:
+        ws_args, halves = (y, 0, 0, 0), []
+    else:
+        planes = torch.empty(2, t.split_k, capacity, d, dtype=torch.float32, device=y.device)
+        ws_args = (planes, planes.stride(0), planes.stride(1), planes.stride(2))
+        halves = [(SplitK(planes[0], t.split_k), mlp), (SplitK(planes[1], t.split_k), proj)]
+    grid = (triton.cdiv(capacity, t.block_m), 2 * tiles_d, t.split_k)
     grouped_down_scatter_kernel[grid](a1, mlp.idx, mlp.count, mlp.w_down, n1, a2, proj.idx, proj.count,
                                       proj.w_down, n2, weights, y, d, tiles_d,
                                       a1.stride(0), a1.stride(1), mlp.w_down.stride(0), mlp.w_down.stride(1),
                                       a2.stride(0), a2.stride(1), proj.w_down.stride(0), proj.w_down.stride(1),
-                                      y.stride(0), y.stride(1), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                                      BLOCK_K=t.block_k, ACCUMULATE=accumulate, num_warps=t.num_warps,
-                                      num_stages=t.num_stages)
+                                      y.stride(0), y.stride(1), *ws_args, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                                      BLOCK_K=t.block_k, ACCUMULATE=accumulate, SPLIT_K=t.split_k,
+                                      num_warps=t.num_warps, num_stages=t.num_stages)
+    for half, ffn in halves:
+        half.reduce(ffn.idx, ffn.count, weights, y, accumulate, scatter=True)
 
 
 def cohort_ffn_gathers(tiles: TileTable | Tile | None, op: str, capacity: int) -> bool:

@@ -37,7 +37,7 @@ pass's tokens, so no one tile fills the device at every length: at 1,024 tokens 
 makes 128 programs of a down GEMM on the H200's 132 SMs, and with half the rows RUN half of them run, each as long
 (its routed down GEMMs took 0.96 of their all-RUN time there), where at 2,048 tokens the same tile fills the device
 with half the rows. A routed layer launches its MLP and its projector together, one grid a stage
-(`kernels.cohort_ffn_pair`), at the MLP's tiles (its down tile unsplit: the grouped launch never splits K), unless
+(`kernels.cohort_ffn_pair`), at the MLP's tiles (its down tile's K split included), unless
 the table's `ffn_pair` (optional: a table without it groups them) measured the two launched apart faster at that
 range; the projector's own tiles serve where each FFN launches alone (there, and where the table gathers one of the
 four), and each down tile's split there. A table measured before the prefill ranges existed ends
@@ -283,17 +283,16 @@ class TileTable:
 
     def split_at(self, op: str, capacity: int) -> int:
         """How many ways `op` splits K as served at `capacity` slots: its tile's `split_k`, but 1 where it serves
-        in the gathered form, and for a down GEMM of the two FFNs where they launch grouped (no FFN GEMM gathered
-        and `groups_ffn`: the grouped down launch runs the MLP's down tile unsplit, the projector's unused). A
-        layer whose FFN weights one grid cannot read (`kernels._apart_because`: their dtypes, layouts or widths
-        differ) launches them apart whatever the table, its down GEMMs split: not a served model's layers."""
-        split = self.lookup(op, capacity).split_k
-        if split == 1 or self.gathers(op, capacity):
+        in the gathered form; and a down GEMM of the two FFNs where they launch grouped (no FFN GEMM gathered and
+        `groups_ffn`) splits as the MLP's down tile does (the grouped down launch runs both at its tile). A layer
+        whose FFN weights one grid cannot read (`kernels._apart_because`: their dtypes, layouts or widths differ)
+        launches them apart whatever the table, each down at its own tile: not a served model's layers."""
+        if self.gathers(op, capacity):
             return 1
         if op.endswith("_down") and self.groups_ffn(capacity) and not any(
                 self.gathers(other, capacity) for other in FFN_OPERATIONS):
-            return 1
-        return split
+            return self.lookup("mlp_down", capacity).split_k
+        return self.lookup(op, capacity).split_k
 
     def split_ranges(self) -> dict[str, list[list[int]]]:
         """The slot counts at which each operation splits K as served (`split_at`), as [first, last, ways]: the

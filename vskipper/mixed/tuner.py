@@ -23,8 +23,8 @@ gathering its row's query, request and position), beside the causal read of ever
 `BackendRead`, by the host engine's attention backend (the read a routed prefill layer takes instead; `vskipper
 tune-tiles` times SGLang's Triton extend kernel); the fastest goes in the table's `prefill_read`. Between the two,
 at each count range, a routed layer's two cohort FFNs (the MLP over a random RUN half of the rows, the projector
-over the rest) at the tiles just tuned, launched grouped (one grid a stage for both, the MLP's down tile unsplit)
-and apart (each down tile split as tuned): the table's `ffn_pair`, which decides how the served layer launches
+over the rest) at the tiles just tuned, launched grouped (one grid a stage for both, at the MLP's tiles) and apart
+(each at its own): the table's `ffn_pair`, which decides how the served layer launches
 them.
 
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny widths,
@@ -532,11 +532,9 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
                    device: torch.device, dtype: torch.dtype, interpret: bool, clock: Clock,
                    log: Callable[[str], None] = print) -> list[dict]:
     """The table's `ffn_pair` entries: at each count range the two cohort FFNs grouped against apart (CUDA graph
-    replays for a decode range, as `time_shape` times them), at the tiles just tuned (where the MLP's down tile
-    splits K, apart runs it split and grouped unsplit, as the grouped launch runs it: the timing weighs the split
-    against grouping). A range where the table gathers an FFN GEMM (the two launch apart there whatever), or the
-    budget is spent, keeps no timing: the
-    served layer then groups them wherever it can (`TileTable.groups_ffn`). A range whose grouped launch fails
+    replays for a decode range, as `time_shape` times them), at the tiles just tuned (grouped, both down GEMMs at
+    the MLP's down tile and its split; apart, each at its own). A range where the table gathers an FFN GEMM (the
+    two launch apart there whatever), or the budget is spent, keeps no timing: the served layer then groups them wherever it can (`TileTable.groups_ffn`). A range whose grouped launch fails
     keeps the error (`grouped_error`): the served layer launches the two apart there, as the GEMMs' own timings
     did."""
     from vskipper.mixed.kernels import FFN_OPS

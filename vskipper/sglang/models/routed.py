@@ -153,8 +153,8 @@ class CohortExecution:
             # where the two cohort FFNs launch apart as the table says (measured faster, or the grouped launch
             # failed when tuned); they launch apart where an FFN GEMM serves gathered too (`gathered`)
             read["ffn_apart"] = self.tiles.apart_ranges()
-            # where an operation serves split K (a reduce launch after it): not where it serves gathered, nor the
-            # FFNs' down GEMMs where the two launch grouped (the grouped down launch never splits)
+            # where an operation serves split K (a reduce launch after it): not where it serves gathered; the
+            # FFNs' down GEMMs where the two launch grouped as the MLP's down tile splits
             read["split_k"] = self.tiles.split_ranges()
             # what the tuner measures that this table holds no measurement of (a table an older tuner wrote)
             read["tiles_lack"] = self.tiles.lacks()
