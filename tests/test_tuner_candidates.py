@@ -375,3 +375,46 @@ def test_shapes_timed_together_take_each_candidate_in_turn_and_each_keeps_its_ow
         tuner.time_shapes([shape("short"), shape("long")], [wide, narrow, third], spent, interpret=False,
                           graph=False, log=lambda line: None, by_half=True, keep=keep)
         assert [t for _, t, _ in asked] == [t for t in timed for _ in range(4)]
+
+
+def test_a_split_tile_timed_fastest_goes_in_the_table_and_its_pair_runs_split_grouped_and_apart(monkeypatch):
+    """The tuner's path with split tiles, on the interpreter's real kernels (the timer stood in for: it runs each
+    call and reports a split tile faster): a decode shape of the MLP's down keeps the split seed, the table written
+    from it loads with that split, and `time_ffn_pairs` then times the two FFNs grouped (both down GEMMs split in
+    one launch, then a reduce each) and apart (the MLP's down split with its reduce, the projector's unsplit)."""
+    import torch
+    from mixed_world import INTERPRETER_ENTRY, OwnLaunches
+
+    from vskipper.mixed import tuner
+    from vskipper.mixed.kernels import INTERPRETER_TILE
+
+    def fake_time(fn, interpret, reps=20, graph=False):
+        fn()  # the real launch, on the interpreter
+        tile = (fn.__defaults__ or (None,))[0]  # a candidate's call carries its tile (`time_shapes`)
+        return 0.5 if isinstance(tile, Tile) and tile.split_k > 1 else 1.0
+
+    monkeypatch.setattr(tuner, "time_call", fake_time)
+    g, cpu = torch.Generator().manual_seed(0), torch.device("cpu")
+    w1, w2 = tuner.op_weights("mlp_down", 32, 64, g, cpu, torch.float32)  # hidden 32, intermediate 64
+    shapes = [tuner.ShapeCalls("mlp_down rows 1..16", *tuner.shape_calls("mlp_down", 16, w1, w2, g, cpu,
+                                                                         torch.float32))]
+    split = replace(INTERPRETER_TILE, split_k=2)
+    (entry,) = tuner.time_shapes(shapes, [INTERPRETER_TILE, split], tuner.Clock(None, 1), interpret=True,
+                                 graph=False, log=lambda line: None)
+    assert entry["split_k"] == 2 and entry["tried"] == 2 and (entry["kernel_ms"], entry["torch_ms"]) == (0.5, 1.0)
+    entry.pop("line")
+    tiles = {op: [{"rows": [lo, hi], **INTERPRETER_ENTRY, "split_k": 1} for lo, hi in COUNT_RANGES]
+             for op in OPERATIONS}
+    tiles["mlp_down"][0] = {"rows": [1, 16], **entry}
+    table = parse_tile_table({"device": "H200", "dtype": "float32", "tiles": tiles}, 227 * 1024)
+    assert table.lookup("mlp_down", 16) == split and table.split_k_tried
+    monkeypatch.setattr(tuner, "COUNT_RANGES", COUNT_RANGES[:1])
+    launches = OwnLaunches()
+    with launches.triton():
+        (pair,) = tuner.time_ffn_pairs(table, 32, 64, 16, g, cpu, torch.float32, True, tuner.Clock(None, 1),
+                                       log=lambda line: None)
+    assert pair == {"rows": [1, 16], "apart_ms": 1.0, "grouped_ms": 1.0}
+    assert [name for name in launches.launches if name.endswith("_kernel")] == [  # the Triton launches
+        "cohort_gate_up_kernel", "cohort_down_scatter_kernel", "split_k_reduce_kernel",  # apart: the MLP split
+        "cohort_gate_up_kernel", "cohort_down_scatter_kernel",  # and the projector unsplit
+        "grouped_gate_up_kernel", "grouped_down_scatter_kernel", "split_k_reduce_kernel", "split_k_reduce_kernel"]
