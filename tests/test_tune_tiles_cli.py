@@ -8,8 +8,7 @@ import sys
 import pytest
 import torch
 
-from vskipper.mixed.kernels import FFN_OPS
-from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, PREFILL_FROM, load_tile_table
+from vskipper.mixed.tiles import COUNT_RANGES, FFN_OPERATIONS, OPERATIONS, PREFILL_FROM, load_tile_table
 from vskipper.mixed.tuner import current_table, representative_rows
 from vskipper.roofline import lookup_device
 
@@ -42,7 +41,7 @@ def test_interpreter_smoke_run_writes_a_loadable_table_for_all_forty_eight_shape
     # (the interpreter's times are no measurement: which ranges gather varies)
     assert [(lo, hi) for lo, hi, _ in table.ffn_pair] == list(COUNT_RANGES)
     for lo, hi, timing in table.ffn_pair:
-        gathers = any(table.gathers(op, representative_rows(lo, hi, interpret=True)) for op in FFN_OPS)
+        gathers = any(table.gathers(op, representative_rows(lo, hi, interpret=True)) for op in FFN_OPERATIONS)
         assert (timing is None) == gathers, (lo, hi)
     assert any(timing is not None for *_, timing in table.ffn_pair)  # the open range never gathers
     raw = json.loads(out.read_text())

@@ -98,15 +98,17 @@ def _launch(kernel: str, args: dict, constexprs: dict, num_warps: int, num_stage
                   num_warps, num_stages)
 
 
-def _workspace(out, n: int, split_k: int) -> dict:
-    """The split-K workspace arguments as `kernels.SplitK` passes them: an unsplit launch's output in their place
-    (unread), a split one's fp32 planes [split_k, rows, n]."""
+def _workspace(out, n: int, split_k: int, grouped: bool = False) -> dict:
+    """The split-K workspace arguments as `kernels.py` passes them: an unsplit launch's output in their place
+    (unread), a split one's fp32 planes [split_k, rows, n] (`SplitK`; `grouped`, the grouped down launch's, a
+    half of them per cohort: [2, split_k, rows, n])."""
     import torch
 
+    strides = ("stride_ws_c",) * grouped + ("stride_ws_s", "stride_ws_m")
     if split_k == 1:
-        return {"ws_ptr": out, "stride_ws_s": 0, "stride_ws_m": 0}
-    ws = _t(split_k, ROWS, n, dtype=torch.float32)
-    return {"ws_ptr": ws, "stride_ws_s": ws.stride(0), "stride_ws_m": ws.stride(1)}
+        return {"ws_ptr": out, **dict.fromkeys(strides, 0)}
+    ws = _t(*(2,) * grouped, split_k, ROWS, n, dtype=torch.float32)
+    return {"ws_ptr": ws, **{name: ws.stride(dim) for dim, name in enumerate(strides)}}
 
 
 def _gemm_args(op: str, split_k: int = 1) -> tuple[str, dict, list[dict]]:
@@ -194,18 +196,7 @@ def _grouped_args(op: str, block_n: int, split_k: int = 1) -> tuple[str, dict, l
         "TILES_D": cdiv(d, block_n), "stride_am": a1.stride(0), "stride_an": a1.stride(1), "stride_wd": w1.stride(0),
         "stride_wn": w1.stride(1), "stride_a2m": a2.stride(0), "stride_a2n": a2.stride(1),
         "stride_wd2": w2.stride(0), "stride_w2n": w2.stride(1), "stride_ym": y.stride(0),
-        "stride_yd": y.stride(1), **_grouped_workspace(y, d, split_k)}, [{"ACCUMULATE": False, "SPLIT_K": split_k}]
-
-
-def _grouped_workspace(y, d: int, split_k: int) -> dict:
-    """The grouped down launch's workspace arguments as `kernels.cohort_ffn_pair` passes them: y unread where
-    unsplit, else fp32 planes [2, split_k, rows, d] (each cohort's half)."""
-    import torch
-
-    if split_k == 1:
-        return {"ws_ptr": y, "stride_ws_c": 0, "stride_ws_s": 0, "stride_ws_m": 0}
-    ws = _t(2, split_k, ROWS, d, dtype=torch.float32)
-    return {"ws_ptr": ws, "stride_ws_c": ws.stride(0), "stride_ws_s": ws.stride(1), "stride_ws_m": ws.stride(2)}
+        "stride_yd": y.stride(1), **_workspace(y, d, split_k, grouped=True)}, [{"ACCUMULATE": False, "SPLIT_K": split_k}]
 
 
 def _gemm_launches(table) -> list[Launch]:

@@ -510,7 +510,6 @@ class CohortFFN(NamedTuple):
     w_down: torch.Tensor
 
 
-FFN_OPS = FFN_OPERATIONS
 
 
 def _flat(weights: torch.Tensor) -> torch.Tensor:
@@ -522,7 +521,7 @@ def _flat(weights: torch.Tensor) -> torch.Tensor:
 def _apart_because(mlp: CohortFFN, proj: CohortFFN, tiles: TileTable | Tile | None, capacity: int) -> str | None:
     """Why the two FFNs cannot launch grouped (one grid reads both FFNs' weights with one element type, gate and up
     of each with one layout, over the same hidden width), or None."""
-    if any(_gathers(tiles, op, capacity) for op in FFN_OPS):
+    if any(_gathers(tiles, op, capacity) for op in FFN_OPERATIONS):
         return "the table serves an FFN GEMM in the gathered form there"
     weights = (mlp.w_gate, mlp.w_up, mlp.w_down, proj.w_gate, proj.w_up, proj.w_down)
     if len({w.dtype for w in weights}) > 1:

@@ -48,6 +48,7 @@ from vskipper.mixed.tiles import (
     CHOSEN_FULL,
     COUNT_RANGES,
     DEFAULT_READ_TILE,
+    FFN_OPERATIONS,
     MAX_SPLIT_K,
     OPERATIONS,
     PAIR_FIELD,
@@ -537,15 +538,13 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
     two launch apart there whatever), or the budget is spent, keeps no timing: the served layer then groups them wherever it can (`TileTable.groups_ffn`). A range whose grouped launch fails
     keeps the error (`grouped_error`): the served layer launches the two apart there, as the GEMMs' own timings
     did."""
-    from vskipper.mixed.kernels import FFN_OPS
-
     entries = []
     for lo, hi in COUNT_RANGES:
         clock.start_shape(PAIR_WEIGHT)
         rows = representative_rows(lo, hi, interpret)
         entry: dict = {"rows": [lo, hi]}
         where = f"ffn pair      rows {lo:>3}..{hi if hi else '':<4}"
-        if any(table.gathers(op, rows) for op in FFN_OPS):
+        if any(table.gathers(op, rows) for op in FFN_OPERATIONS):
             log(f"{where} not timed: the table gathers an FFN GEMM there")
         elif clock.spent(1):
             log(f"{where} not timed: the budget is spent")
