@@ -16,6 +16,7 @@ from vskipper.mixed.backend import cohort_ffn_torch
 from vskipper.mixed.bench_stack import BenchStack
 from vskipper.mixed.cohorts import CohortBuilder, build_cohorts
 from vskipper.mixed.kernels import (
+    INTERPRETED_READ_TILE,
     CohortFFN,
     cohort_down_scatter,
     cohort_ffn_pair,
@@ -361,14 +362,19 @@ def _poisoned_empty():
         torch.empty = real
 
 
-def _check_packed_prefill_read(heads: int, kv_heads: int, share: float, **blocks) -> None:
+def _check_packed_prefill_read(heads: int, kv_heads: int, share: float, extend=None, ctx: int = 40,
+                               **blocks) -> list[tuple[int, int]]:
+    """The packed read of a prefill pass over `extend` ((request slot, prefix, new tokens) each) against the
+    reference, gathered and not; returns the packed (request, position) of each reading slot."""
     rng = random.Random(heads * 10 + kv_heads)
     g = torch.Generator().manual_seed(heads + kv_heads)
-    hd, ctx = 16, 40
-    extend = [(3, rng.randrange(10), 23), (1, 0, 1), (0, rng.randrange(10), 7), (2, 4, 12)]  # (slot, prefix, new)
-    slots = 1 + 4 * ctx + 30
+    hd = 16
+    if extend is None:
+        extend = [(3, rng.randrange(10), 23), (1, 0, 1), (0, rng.randrange(10), 7), (2, 4, 12)]
+    requests = max(r for r, _, _ in extend) + 1
+    slots = 1 + requests * ctx + 30
     perm = torch.randperm(slots - 1, generator=g) + 1
-    r2t = perm[: 4 * ctx].view(4, ctx)
+    r2t = perm[: requests * ctx].view(requests, ctx)
     tokens = [(r, prefix + i) for r, prefix, n in extend for i in range(n)]
     run = [rng.random() < share for _ in tokens]
     packed = [t for t, keep in zip(tokens, run, strict=True) if keep]
@@ -400,6 +406,24 @@ def _check_packed_prefill_read(heads: int, kv_heads: int, share: float, **blocks
         gathered = packed_prefill_attention(q_rows, k_pool, v_pool, r2t, torch.tensor([r for r, _ in tokens]),
                                             torch.tensor([p for _, p in tokens]), reads, 0.25, idx=idx, **blocks)
     torch.testing.assert_close(gathered, out, rtol=0, atol=0)
+    return packed
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 2)])
+def test_the_packed_read_takes_the_blocks_every_row_sees_whole_unmasked_and_reads_the_same(heads, kv_heads):
+    """Long prompts (a prompt of 90 tokens behind a prefix of 30, one of 40 with none, a third of 50 behind 7)
+    with half their tokens RUN: most of a program's key blocks lie below the first position of its slots, where
+    the read takes them without masks, and some programs' slots span two requests, where it masks every block.
+    Both equal the reference, gathered and not, with keys no reading slot owns poisoned."""
+    block_n = 16
+    packed = _check_packed_prefill_read(heads, kv_heads, 0.5, extend=[(2, 30, 90), (0, 0, 40), (1, 7, 50)],
+                                        ctx=128, block_n=block_n)
+    group = heads // kv_heads
+    block_m = packed_prefill_block_m(1 << (group - 1).bit_length(), INTERPRETED_READ_TILE)  # group padded
+    tiles = [packed[i:i + block_m] for i in range(0, len(packed), block_m)]
+    whole = [min(p for _, p in t) + 1 for t in tiles if len({r for r, _ in t}) == 1]
+    assert sum(w // block_n for w in whole) > 10  # unmasked blocks the geometry gives
+    assert len(whole) < len(tiles)  # and programs over two requests, which mask every block
 
 
 @pytest.fixture(scope="module")

@@ -238,7 +238,7 @@ def _attention_launches(read_tile) -> list[Launch]:
     r2t = _t(REQUESTS, REQ_TO_TOKEN_WIDTH, dtype=torch.int32)
     req, pos, read = _t(ROWS, dtype=torch.int64), _t(ROWS, dtype=torch.int64), _t(ROWS, dtype=torch.bool)
     reads = {"q_ptr": q, "k_ptr": k_pool, "v_ptr": k_pool, "r2t_ptr": r2t, "req_ptr": req, "pos_ptr": pos,
-             "read_ptr": read, "scale": HEAD_DIM ** -0.5, "stride_ks": k_pool.stride(0),
+             "read_ptr": read, "qk_scale": HEAD_DIM ** -0.5 * kn.LOG2E, "stride_ks": k_pool.stride(0),
              "stride_kh": k_pool.stride(1), "stride_r2t": r2t.stride(0)}
     mid_o = _t(ROWS, HEADS, splits, HEAD_DIM, dtype=torch.float32)
     mid_ml = _t(ROWS, HEADS, splits, 2, dtype=torch.float32)

@@ -67,6 +67,7 @@ The GEMMs accumulate in fp32. For the FlexiDepth projector pass (gate_proj, down
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -670,20 +671,26 @@ def cohort_maps_warps(block: int) -> int:
     return min(32, max(4, block // 1024))
 
 
+LOG2E = math.log2(math.e)  # the reads' scores are in base 2: exp2, the device's own exponential
+
+
 @triton.jit
-def _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, req, kvh, offs_t, offs_d, t_mask, see, scale, stride_ks, stride_kh,
-                        stride_r2t, m_i, l_i, acc):
+def _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, req, kvh, offs_t, offs_d, t_mask, see, qk_scale, stride_ks,
+                        stride_kh, stride_r2t, m_i, l_i, acc, masked=True):
     """One block of a request's keys and values (positions offs_t, those in t_mask; its pages by req_to_token row
-    `req`, KV head `kvh`) into the online softmax of the query rows q; `see` masks the scores. Returns the running
-    (max, sum of exponentials, unnormalised output)."""
+    `req`, KV head `kvh`) into the online softmax of the query rows q; `see` masks the scores. Scores are in base 2
+    (`qk_scale` is the softmax scale times log2(e), `LOG2E`), so the exponentials are exp2. Returns the running
+    (max, sum of exponentials, unnormalised output). Where `masked` is false (a block every row sees whole) the
+    scores are taken as they are: no select over the block."""
     slots = tl.load(r2t_ptr + req * stride_r2t + offs_t, mask=t_mask, other=0)
     kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
     k = tl.load(k_ptr + kv_off, mask=t_mask[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [query rows, keys]
-    s = tl.where(see, s, float("-inf"))
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # [query rows, keys]
+    if masked:
+        s = tl.where(see, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
     v = tl.load(v_ptr + kv_off, mask=t_mask[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
@@ -691,7 +698,7 @@ def _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, req, kvh, offs_t, offs_d, t_ma
 
 @triton.jit
 def masked_decode_split_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, idx_ptr, mid_o_ptr,
-                               mid_ml_ptr, scale, stride_qr, stride_qh, stride_ks, stride_kh, stride_r2t,
+                               mid_ml_ptr, qk_scale, stride_qr, stride_qh, stride_ks, stride_kh, stride_r2t,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_T: tl.constexpr, SPLITS: tl.constexpr, GATHER: tl.constexpr = False):
     row = tl.program_id(0)
@@ -721,7 +728,8 @@ def masked_decode_split_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, r
         offs_t = start + tl.arange(0, BLOCK_T)
         t_mask = offs_t < hi
         m_i, l_i, acc = _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, req, kvh, offs_t, offs_d, t_mask,
-                                            t_mask[None, :], scale, stride_ks, stride_kh, stride_r2t, m_i, l_i, acc)
+                                            t_mask[None, :], qk_scale, stride_ks, stride_kh, stride_r2t, m_i, l_i,
+                                            acc)
     # Partials [rows, heads, SPLITS, ...]: the unnormalised sum, and (max, sum of exponentials); an empty split
     # (past its row's length) leaves (-inf, 0) and zeros, which the merge weighs by exp(-inf) = 0.
     head_split = (row * GROUP * tl.num_programs(1) + heads) * SPLITS + split
@@ -748,7 +756,8 @@ def masked_decode_merge_kernel(mid_o_ptr, mid_ml_ptr, read_ptr, out_ptr, stride_
     m = tl.load(mid_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
     l_s = tl.load(mid_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
     o = tl.load(mid_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    w = tl.exp(m - tl.max(m, 0))  # split 0 always holds the row's first tile: the max is finite
+    w = tl.exp2(m - tl.max(m, 0))  # base 2, as the split's scores; split 0 always holds the row's first
+    # tile: the max is finite
     acc = tl.sum(o * w[:, None], 0)
     tl.store(out_ptrs, (acc / tl.sum(l_s * w, 0)).to(out_ptr.dtype.element_ty))
 
@@ -802,7 +811,7 @@ def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     mid_ml = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
     masked_decode_split_kernel[(rows, kv_heads, splits)](
         q, k_pool, v_pool, req_to_token, req_indices, positions, read, read if idx is None else idx, mid_o, mid_ml,
-        scale, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        scale * LOG2E, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         GROUP=group, BLOCK_G=masked_decode_block_g(group), HEAD_DIM=head_dim, BLOCK_T=block_t,
         SPLITS=splits, GATHER=idx is not None)
     masked_decode_merge_kernel[(rows, heads)](
@@ -812,7 +821,7 @@ def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 
 
 @triton.jit(do_not_specialize=["slots_total"])  # as cohort_maps_kernel's rows
-def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, idx_ptr, out_ptr, scale,
+def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_ptr, idx_ptr, out_ptr, qk_scale,
                           slots_total, stride_qm, stride_qh, stride_ks, stride_kh, stride_r2t, stride_om, stride_oh,
                           GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER: tl.constexpr):
@@ -856,14 +865,23 @@ def packed_prefill_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, read_p
         nxt = tl.min(tl.where((slot > cur) & live & (req != r), slot, end_m), 0)
         rows = live & (req == r) & (slot >= cur) & (slot < nxt)
         hi = tl.max(tl.where(rows, pos, -1), 0) + 1  # the request's keys up to its last row here
+        # Where the tile's reading rows are all this request's, the key blocks below its first row's position are
+        # seen whole by every one of them: read without masks (flash attention's off-diagonal blocks). The rows
+        # that read nothing take those keys too (their query zero), and are zeroed at the store.
+        alone = tl.sum((live & (req != r)).to(tl.int32), 0) == 0
+        lo = tl.min(tl.where(rows, pos, hi), 0)
+        whole = tl.where(alone, (lo + 1) // BLOCK_N * BLOCK_N, 0)
         for start_n in range(0, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             in_kv = offs_n < hi
             see = rows[:, None] & in_kv[None, :] & (offs_n[None, :] <= pos[:, None])  # causal, this request's rows
-            m_i, l_i, acc = _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, r, kvh, offs_n, offs_d, in_kv, see, scale,
-                                                stride_ks, stride_kh, stride_r2t, m_i, l_i, acc)
+            m_i, l_i, acc = _paged_softmax_step(q, k_ptr, v_ptr, r2t_ptr, r, kvh, offs_n, offs_d, in_kv, see,
+                                                qk_scale, stride_ks, stride_kh, stride_r2t, m_i, l_i, acc,
+                                                start_n + BLOCK_N > whole)
         cur = nxt
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a slot that reads nothing: zero
+    # A reading row saw at least its own key (l_i >= 1); a row that reads nothing, or a padded head, writes zero
+    # (scaled, not selected per element).
+    out = acc * tl.where(live, 1.0 / tl.maximum(l_i, 1.0), 0.0)[:, None]
     tl.store(out_ptr + slot[:, None] * stride_om + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mine[:, None])
 
@@ -892,7 +910,10 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
             row written by the kernel: no fill launched first)
     Grid    (cdiv(C, BLOCK_M), kv_heads): a program's tile of consecutive slots, with the query heads that share
             its KV head folded into its rows, reads the keys of each request its slots belong to, up to the last
-            of their positions, flash-attention style (online softmax). Slots of one request must be consecutive
+            of their positions, flash-attention style (online softmax in base 2). Where a tile's reading slots
+            are all one request's, the key blocks below its first slot's position are read without masks (every
+            slot sees them whole); the blocks from there on, and every block of a tile over two requests, are
+            masked per slot. Slots of one request must be consecutive
             with rising positions, as a prefill pass's cohort packs them (batch order); Project-Only tokens are in
             no slot and read nothing.
     Tile    `tile` on a GPU (the device table's `prefill_read`; default `DEFAULT_READ_TILE`), the interpreter's
@@ -919,8 +940,8 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     out = torch.empty(slots, heads, head_dim, dtype=q.dtype, device=q.device)  # every row written by the kernel
     read = reads.contiguous() if reads.dtype == torch.bool else reads.to(torch.bool)
     packed_prefill_kernel[(triton.cdiv(slots, block_m), kv_heads)](
-        q, k_pool, v_pool, req_to_token, req_indices, positions, read, read if idx is None else idx, out, scale,
-        slots, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        q, k_pool, v_pool, req_to_token, req_indices, positions, read, read if idx is None else idx, out,
+        scale * LOG2E, slots, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, GATHER=idx is not None, num_warps=t.num_warps, num_stages=t.num_stages)
     return out
