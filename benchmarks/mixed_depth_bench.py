@@ -83,11 +83,12 @@ def bench_kernels(size: TinySize, device: torch.device, dtype: torch.dtype, smok
         for lo, hi in ranges:
             rows = representative_rows(lo, hi)
             tile = table.lookup(op, rows) if table else INTERPRETER_TILE
-            ref, kernel, half = shape_calls(op, rows, w1, w2, g, device, dtype)
+            ref, kernel, half, check = shape_calls(op, rows, w1, w2, g, device, dtype)
             interpret = device.type != "cuda"
-            # as the tuner times them (decode ranges in CUDA graphs, eager where capture fails)
+            # as the tuner times them (decode ranges in CUDA graphs, eager where capture fails), once the tile's
+            # output matched the gathered form's (a tile that strays is refused: the bench stops, naming it)
             timed = time_shape(f"{op} rows {lo}..{hi}", ref, kernel, half, [tile], Clock(None, 1), interpret,
-                               graph=not is_prefill(lo) and not interpret, log=print)
+                               graph=not is_prefill(lo) and not interpret, log=print, check=check)
             t_ref, t_ker = timed["torch_ms"], timed["kernel_ms"]
             t_half = timed.get("kernel_half_ms")  # None where the gathered form could not be captured
             serves = "gathered" if table is not None and table.gathers(op, rows) else "kernel"

@@ -595,14 +595,23 @@ def test_the_tiles_summary_puts_the_ffn_pair_grouped_beside_apart_where_the_tune
     from vskipper.mixed.tiles import default_tile_table
 
     table = default_tile_table(227 * 1024, "H100-SXM").as_dict()
-    table["ffn_pair"] = [{"rows": [1, 16], "grouped_ms": 0.02, "apart_ms": 0.025}, {"rows": [17, None]}]
-    table["tiles"]["mlp_down"][3].update(split_k=4, kernel_ms=0.05, torch_ms=0.04, floor_ms=0.025)
+    table["ffn_pair"] = [{"rows": [1, 16], "grouped_ms": 0.02, "apart_ms": 0.025},
+                         {"rows": [17, 32], "apart_ms": 0.03, "grouped_error": "TunerError: its output strays 3"},
+                         {"rows": [33, None]}]
+    table["tiles"]["mlp_down"][3].update(split_k=4, kernel_ms=0.05, torch_ms=0.04, floor_ms=0.025, tried=9,
+                                         refused=2)
+    table["prefill_read"] = {"block_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "kernel_ms": 0.1,
+                             "causal_all_rows_ms": 0.08, "pairs_share": 0.49, "tokens": 2048, "run_share": 0.5,
+                             "tried": 7, "refused": 1}
     # a tile that splits K says so in its row, and a shape beside its roofline floor where the tuner recorded it
     text = "\n".join(run.tiles_lines({"device": "H100-SXM", "runs": {}, "table": table}, None))
     pair = text[text.index("| rows | grouped ms"):]
-    assert "| 1-16 | 0.0200 | 0.0250 | 0.800 |" in pair and "| 17-" not in pair
+    assert "| 1-16 | 0.0200 | 0.0250 | 0.800 |" in pair and "| 17-" not in pair and "| 33-" not in pair
+    # where the grouped launch failed or strayed from the two apart, and the tiles and read launches refused
+    assert "launch apart, at: 17-32 rows (TunerError: its output strays 3)." in text
     assert "| mlp_down | 65-128 | 64 x 128 x 64, K split 4 ways | 8 | 3 | 0.0500 |" in text
-    assert "| eager | 0.0250 | 2.00 |" in text
+    assert "| 9 (2 refused) | eager | 0.0250 | 2.00 |" in text
+    assert "(best of 7 launches, 1 refused: their output strayed from SDPA)" in text
     assert sum(line.endswith("| eager | n/a | n/a |") for line in text.splitlines()) == 47  # no floor recorded
     assert "| mlp_down | 33-64 | 64 x 128 x 64 | 4 | 3 |" in text
 

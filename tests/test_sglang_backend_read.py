@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from vskipper.mixed.tuner import READ_CHECK_RTOL, BackendRead, read_calls, time_backend_read
+from vskipper.mixed.tuner import CHECK_RTOL, BackendRead, read_calls, time_backend_read
 from vskipper.sglang.backend_read import BACKEND_READS, TRITON
 
 pytest.importorskip("sglang")
@@ -24,7 +24,7 @@ def prompt(tokens=48, heads=4, kv_heads=2, head_dim=16):
 
 
 def test_sglangs_extend_kernel_reads_a_fresh_prompt_as_sdpas_causal_read_does():
-    causal, _, _, (q, k, v, scale) = prompt()
+    causal, _, _, (q, k, v, scale), _ = prompt()
     out = BACKEND_READS[TRITON].build(q, k, v, scale)()
     want = causal()[0].transpose(0, 1)
     assert out.shape == want.shape == q.shape
@@ -32,7 +32,7 @@ def test_sglangs_extend_kernel_reads_a_fresh_prompt_as_sdpas_causal_read_does():
 
 
 def test_the_backends_read_is_timed_only_where_it_matches_sdpas():
-    causal, _, _, args = prompt()
+    causal, _, _, args, _ = prompt()
     lines: list[str] = []
     entry = time_backend_read(BACKEND_READS[TRITON], causal, args, interpret=True, log=lines.append)
     assert entry["backend"] == TRITON and entry["backend_all_rows_ms"] > 0 and lines == []
@@ -44,7 +44,7 @@ def test_the_backends_read_is_timed_only_where_it_matches_sdpas():
     assert time_backend_read(BackendRead(TRITON, no_mask), causal, args, interpret=True, log=lines.append) == {}
     assert lines[-1].startswith("prefill_read: the triton backend's read not timed: its output strays ")
     assert lines[-1].endswith(f"from SDPA's causal read of the same prompt (at most "
-                              f"{READ_CHECK_RTOL * float(causal()[0].abs().max()):.3g})")
+                              f"{CHECK_RTOL * float(causal()[0].abs().max()):.3g})")
 
     def broken(q, k, v, scale):
         raise ImportError("no module named 'sglang.kernels'")

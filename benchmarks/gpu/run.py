@@ -1300,7 +1300,8 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
                              f"{_f(e.get('kernel_ms'), '.4f')} | "
                              f"{_f(e.get('kernel_half_ms'), '.4f')} | "
                              f"{_f(e.get('torch_ms'), '.4f')} | {_f(e.get('ratio_vs_torch'), '.3f')} | "
-                             f"{e.get('tried', '?')} | {e.get('timed', 'eager')}"
+                             f"{e.get('tried', '?')}{f' ({refused} refused)' if (refused := e.get('refused')) else ''} | "
+                             f"{e.get('timed', 'eager')}"
                              f"{', chosen over both counts' if e.get('chosen_by') == CHOSEN_BOTH else ''} | "
                              f"{_f(e.get('floor_ms'), '.4f')} | {_f(_over(e.get('kernel_ms'), e.get('floor_ms')), '.2f')} |")
         lines += ["", f"Served in the gathered cuBLAS form (`TileTable.gathers`: torch faster than the tile at the full "
@@ -1313,11 +1314,17 @@ def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
             lines += [f"| {e['rows'][0]}-{e['rows'][1] if e['rows'][1] is not None else ''} | {e['grouped_ms']:.4f} | "
                       f"{e['apart_ms']:.4f} | {e['grouped_ms'] / e['apart_ms']:.3f} |" for e in pair]
             lines.append("")
+        wrong = [e for e in table.get("ffn_pair") or [] if e.get("grouped_error")]
+        if wrong:  # the ranges where the grouped launch is not served
+            lines += ["The grouped launch of the two FFNs failed or strayed, so the two launch apart, at: "
+                      + "; ".join(f"{e['rows'][0]}-{e['rows'][1] if e['rows'][1] is not None else ''} rows "
+                                  f"({e['grouped_error']})" for e in wrong) + ".", ""]
         read = table.get("prefill_read")
         if read:
             lines += [f"The packed prefill read ({read['tokens']} tokens, {read['run_share']:.0%} of them RUN): "
                       f"{read['block_rows']} query rows x {read['block_n']} keys, {read['num_warps']} warps, "
-                      f"{read['num_stages']} stages (best of {read.get('tried', '?')} launches), "
+                      f"{read['num_stages']} stages (best of {read.get('tried', '?')} launches"
+                      f"{f', {refused} refused: their output strayed from SDPA' if (refused := read.get('refused')) else ''}), "
                       f"{read['kernel_ms']:.4f} ms (the default launch "
                       f"{_f(read.get('default_ms'), '.4f')} ms), against {read['causal_all_rows_ms']:.4f} ms for every row's "
                       f"causal read (SDPA): {read['kernel_ms'] / read['causal_all_rows_ms']:.3f}x"

@@ -27,6 +27,14 @@ over the rest) at the tiles just tuned, launched grouped (one grid a stage for b
 (each at its own): the table's `ffn_pair`, which decides how the served layer launches
 them.
 
+Nothing is timed before its output is checked (`strays`, within `CHECK_RTOL` of the reference's largest value): a
+candidate tile against the gathered form at the full and the half count (the rows past the count keeping what they
+held), a packed read launch against SDPA's read of the RUN rows (zeros past them), the grouped FFN launch against
+the two launched apart. A launch that strays is refused and logged (a tile's entry counts its `refused`; a grouped
+launch keeps the reason as `grouped_error`, and apart serves): a fault only the device shows (a race in a K split,
+a bound that reads past its rows) is never timed, so never the fastest. A shape whose every tile strays stops the
+tuner, naming it.
+
 It needs a GPU. `interpret=True` runs a tiny smoke configuration on the Triton interpreter instead (tiny widths,
 fp32, one candidate per shape, one call per timing): it exercises the whole path and writes a well-formed table,
 whose times mean nothing and which must never be committed as a device's table.
@@ -34,6 +42,7 @@ whose times mean nothing and which must never be committed as a device's table.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -211,41 +220,88 @@ def op_weights(op: str, n_dim: int, k_dim: int, g: torch.Generator, device: torc
 
 def shape_calls(op: str, rows: int, w1: torch.Tensor, w2: torch.Tensor, g: torch.Generator,
                 device: torch.device, dtype: torch.dtype
-                ) -> tuple[Callable[[], object], Callable[..., object], torch.Tensor]:
+                ) -> tuple[Callable[[], object], Callable[..., object], torch.Tensor,
+                           Callable[[Tile], tuple[float, float]]]:
     """The gathered cuBLAS form (`vskipper.mixed.gathered`, what serves where it wins) and the kernel of operation
     `op` over a cohort map of `rows` slots in a batch twice that size, with a random row map: what the tuner and
     `benchmarks/mixed_depth_bench.py` time side by side. The kernel takes a tile and optionally a device count
-    (every slot live by default); the third value is the count of half the slots. w1 [N, K] is the weight
-    (gate-up: the gate; down: W_down), w2 the gate-up's up weight. Q (`attn_q`) is timed in the forms the decode
-    read and the packed prefill read take: into the batch rows of a batch of `rows` rows (`batch_rows`; the packed
-    form a prefill through SGLang's backend takes costs the kernel the same, its gathered form a gather and a mask
-    more)."""
+    (every slot live by default); the third value is the count of half the slots; the fourth checks a tile
+    (`strays`: the kernel's output against the gathered form's, at the full count and at half, where the rows past
+    the count must keep what they held). w1 [N, K] is the weight (gate-up: the gate; down: W_down), w2 the gate-up's
+    up weight. Q (`attn_q`) is timed in the forms the decode read and the packed prefill read take: into the batch
+    rows of a batch of `rows` rows (`batch_rows`; the packed form a prefill through SGLang's backend takes costs
+    the kernel the same, its gathered form a gather and a mask more)."""
     from vskipper.mixed.gathered import batch_rows_gemm, gathered_down, gathered_gate_up, gathered_scatter_add
     from vskipper.mixed.kernels import cohort_down_scatter, cohort_gate_up, cohort_gemm, cohort_scatter_add
 
     batch, k_dim, n_dim = 2 * rows, w1.shape[1], w1.shape[0]
     idx = torch.randperm(batch, generator=g)[:rows].to(device)
     count = torch.tensor([rows], device=device)
-    half = torch.tensor([max(1, rows // 2)], device=device)
+    h = max(1, rows // 2)
+    half = torch.tensor([h], device=device)
     # each operation draws only the operands it reads (the down GEMMs and o_proj no batch of inputs: at the open
     # prefill range's 4,096 rows the MLP's down would draw 117 M values for nothing)
     if op.endswith("gate_up"):
         x = torch.randn(batch, k_dim, generator=g).to(device, dtype)
-        return (lambda: gathered_gate_up(x, idx, count, w1, w2),
-                lambda tile, n=count: cohort_gate_up(x, idx, n, w1, w2, tile=tile), half)
+
+        def gate_up(tile, n=count):
+            return cohort_gate_up(x, idx, n, w1, w2, tile=tile)
+
+        want_gate_up = functools.cache(lambda: gathered_gate_up(x, idx, count, w1, w2))
+
+        def check_gate_up(tile):  # slot m's row depends on m alone; the half count's rows past it hold nothing
+            want = want_gate_up()
+            return strays([(gate_up(tile), want), (gate_up(tile, half)[:h], want[:h])])
+
+        return lambda: gathered_gate_up(x, idx, count, w1, w2), gate_up, half, check_gate_up
     if op == "attn_q":
         x_rows = torch.randn(rows, k_dim, generator=g).to(device, dtype)
         rows_idx = torch.randperm(rows, generator=g).to(device)
-        return (lambda: batch_rows_gemm(x_rows, w1),
-                lambda tile, n=count: cohort_gemm(x_rows, rows_idx, n, w1, tile=tile, batch_rows=True), half)
+
+        def q(tile, n=count):
+            return cohort_gemm(x_rows, rows_idx, n, w1, tile=tile, batch_rows=True)
+
+        want_q = functools.cache(lambda: batch_rows_gemm(x_rows, w1))
+
+        def check_q(tile):  # the cohort's rows in their batch rows; the others hold no meaning
+            want, live = want_q(), rows_idx[:h]
+            return strays([(q(tile), want), (q(tile, half)[live], want[live])])
+
+        return lambda: batch_rows_gemm(x_rows, w1), q, half, check_q
     packed = torch.randn(rows, k_dim, generator=g).to(device, dtype)
     y = torch.zeros(batch, n_dim, device=device, dtype=dtype)
     if op == "attn_o":
-        return (lambda: gathered_scatter_add(packed, idx, count, w1, y),
-                lambda tile, n=count: cohort_scatter_add(packed, idx, n, w1, y, tile=tile), half)
-    weights = torch.rand(batch, generator=g).to(device, dtype)
-    return (lambda: gathered_down(packed, idx, count, weights, w1, y),
-            lambda tile, n=count: cohort_down_scatter(packed, idx, n, weights, w1, y, tile=tile), half)
+        def reference():
+            gathered_scatter_add(packed, idx, count, w1, y)
+
+        def kernel(tile, n=count):
+            cohort_scatter_add(packed, idx, n, w1, y, tile=tile)
+    else:
+        weights = torch.rand(batch, generator=g).to(device, dtype)
+
+        def reference():
+            gathered_down(packed, idx, count, weights, w1, y)
+
+        def kernel(tile, n=count):
+            cohort_down_scatter(packed, idx, n, weights, w1, y, tile=tile)
+
+    def added(call) -> torch.Tensor:  # what one call adds onto zeroed rows
+        y.zero_()
+        call()
+        return y.clone()
+
+    @functools.cache
+    def wanted() -> tuple[torch.Tensor, torch.Tensor]:  # the half count adds onto its slots' rows alone
+        want = added(reference)
+        want_half = torch.zeros_like(want)
+        want_half[idx[:h]] = want[idx[:h]]
+        return want, want_half
+
+    def check_scatter(tile):
+        want, want_half = wanted()
+        return strays([(added(lambda: kernel(tile)), want), (added(lambda: kernel(tile, half)), want_half)])
+
+    return reference, kernel, half, check_scatter
 
 
 # The packed prefill read's launches tried on a GPU, the kernel's default first: query rows a program (the slots
@@ -266,20 +322,35 @@ class BackendRead(NamedTuple):
     build: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], Callable[[], torch.Tensor]]
 
 
-# How far the backend's read may stray from SDPA's on the tuner's prompt and still be timed as the same read, as a
-# share of SDPA's largest output: two bf16 roundings of the same value differ by an ulp, 1/128 of it; a read of the
-# wrong rows or without the causal mask strays by whole values (the first row reads its own value alone).
-READ_CHECK_RTOL = 0.02
+# How far a timed call's output may stray from its reference's and still be timed as the same computation, as a
+# share of the reference's largest value: a candidate tile's from the gathered cuBLAS form's, a packed read launch's
+# and the backend's read from SDPA's causal read. Two bf16 roundings of the same value differ by an ulp, 1/128 of
+# it; a kernel over the wrong rows, a K split that drops or doubles a part, a count bound that writes past the count
+# or a read without the causal mask strays by whole values (the first row reads its own value alone).
+CHECK_RTOL = 0.02
+
+
+def strays(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    """(the largest deviation of each (got, want) pair's `got` from its `want`, the deviation allowed: `CHECK_RTOL`
+    of the first `want`'s largest value). NaN anywhere in `got` is a deviation past any bound."""
+    err = 0.0
+    for got, want in pairs:
+        diff = (got.float() - want.float()).abs().max()
+        err = max(err, float("inf") if torch.isnan(diff) else float(diff))
+    return err, CHECK_RTOL * float(pairs[0][1].float().abs().max())
 
 
 def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.Generator, device: torch.device,
                dtype: torch.dtype
-               ) -> tuple[Callable[[], torch.Tensor], Callable[[ReadTile], object], float, tuple]:
+               ) -> tuple[Callable[[], torch.Tensor], Callable[[ReadTile], object], float, tuple,
+                          Callable[[ReadTile], tuple[float, float]]]:
     """The causal read of one prompt of `tokens` tokens by every row (SDPA, as a dense layer reads) and the packed
     read of its RUN rows alone (a random `READ_RUN_SHARE` of them, their K/V in shuffled pool slots) at a given tile,
     as a served layer launches it: over the pass's slots, the RUN rows' slots first (in position order), each
     gathering its row's query, request and position from the batch rows; the share of query-key pairs the RUN
-    rows have (the read's limit); and the prompt in position order, (q, k, v, scale), for a `BackendRead`."""
+    rows have (the read's limit); the prompt in position order, (q, k, v, scale), for a `BackendRead`; and the
+    check of a launch (`strays`: its RUN slots against SDPA's rows at their positions, its other slots against
+    zero)."""
     from vskipper.mixed.kernels import packed_prefill_attention
 
     k_pool = torch.randn(tokens, kv_heads, head_dim, generator=g).to(device, dtype)
@@ -305,9 +376,13 @@ def read_calls(tokens: int, heads: int, kv_heads: int, head_dim: int, g: torch.G
         return packed_prefill_attention(q_all, k_pool, v_pool, r2t, req, positions, reads, scale, tile=tile,
                                         idx=idx)
 
+    def check(tile: ReadTile) -> tuple[float, float]:  # the RUN rows' outputs in their slots, zeros past them
+        out, want = packed(tile), causal()[0].transpose(0, 1)
+        return strays([(out[:n_run], want[pos.to(device)]), (out[n_run:], torch.zeros_like(out[n_run:]))])
+
     pairs = float((pos + 1).sum()) / (tokens * (tokens + 1) / 2)
     prompt = (q_all, k_seq[0].transpose(0, 1).contiguous(), v_seq[0].transpose(0, 1).contiguous(), scale)
-    return causal, packed, pairs, prompt
+    return causal, packed, pairs, prompt, check
 
 
 def time_backend_read(backend: BackendRead, causal: Callable[[], torch.Tensor], prompt: tuple, interpret: bool,
@@ -317,9 +392,7 @@ def time_backend_read(backend: BackendRead, causal: Callable[[], torch.Tensor], 
     read); none where it could not run or did not match, with the reason logged."""
     try:
         call = backend.build(*prompt)
-        want = causal()[0].transpose(0, 1).float()
-        err = float((call().float() - want).abs().max())
-        allowed = READ_CHECK_RTOL * float(want.abs().max())
+        err, allowed = strays([(call(), causal()[0].transpose(0, 1))])
         if not err <= allowed:
             log(f"prefill_read: the {backend.name} backend's read not timed: its output strays {err:.3g} from "
                 f"SDPA's causal read of the same prompt (at most {allowed:.3g})")
@@ -379,19 +452,27 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
     device = torch.device("cpu" if interpret else "cuda")
     tokens = INTERPRETED_READ_TOKENS if interpret else READ_TOKENS
     tdtype = torch.float32 if interpret else getattr(torch, dtype)
-    causal, packed, pairs, prompt = read_calls(tokens, heads, kv_heads, head_dim, torch.Generator().manual_seed(1),
-                                               device, tdtype)
+    causal, packed, pairs, prompt, check = read_calls(tokens, heads, kv_heads, head_dim,
+                                                      torch.Generator().manual_seed(1), device, tdtype)
     causal_ms = time_call(causal, interpret)
     timed: dict[ReadTile, float] = {}
+    refused = 0
     for tile in READ_CANDIDATES[:1] if interpret else READ_CANDIDATES:
         if clock.spent(len(timed)):
             break
         try:
+            err, allowed = check(tile)  # once before timing (it compiles the launch, too)
+            if not err <= allowed:
+                log(f"  prefill_read: refuse {tile}: its output strays {err:.3g} from SDPA's causal read "
+                    f"(at most {allowed:.3g})")
+                refused += 1
+                continue
             timed[tile] = time_call(lambda tile=tile: packed(tile), interpret)
         except Exception as exc:  # a launch the compiler rejects (registers, shared memory) is skipped
             log(f"  prefill_read: skip {tile}: {type(exc).__name__}")
     if not timed:
-        raise TunerError("prefill_read: no candidate launch ran")
+        raise TunerError("prefill_read: no candidate launch ran"
+                         + (f" ({refused} refused: their output strayed from SDPA's causal read)" if refused else ""))
     tile, ms = min(timed.items(), key=lambda kv: kv[1])
     default = timed.get(DEFAULT_READ_TILE)  # None where the default launch did not run
     # the engine's kernel last: one that broke the device would take the packed launches' timings with it
@@ -404,24 +485,26 @@ def tune_prefill_read(heads: int, kv_heads: int, head_dim: int, dtype: str = "bf
         + f"; the RUN rows' share of the pairs {pairs:.2f})")
     return {**asdict(tile), "kernel_ms": _ms(ms), "default_ms": None if default is None else _ms(default),
             "causal_all_rows_ms": _ms(causal_ms), **backend_times, "pairs_share": round(pairs, 4), "tokens": tokens,
-            "run_share": READ_RUN_SHARE, "tried": len(timed)}
+            "run_share": READ_RUN_SHARE, "tried": len(timed), **({"refused": refused} if refused else {})}
 
 
 class ShapeCalls(NamedTuple):
-    """One shape's calls (`shape_calls`): the gathered form, the kernel (a tile, optionally a device count) and the
-    count of half its slots; `name` as the log says it."""
+    """One shape's calls (`shape_calls`): the gathered form, the kernel (a tile, optionally a device count), the
+    count of half its slots and the check of a tile's output (None: not checked); `name` as the log says it."""
 
     name: str
     reference: Callable[[], object]
     kernel: Callable[..., object]
     half: torch.Tensor
+    check: Callable[[Tile], tuple[float, float]] | None = None
 
 
 def time_shape(shape: str, reference: Callable[[], object], kernel: Callable[..., object], half: torch.Tensor,
                candidates: list[Tile], clock: Clock, interpret: bool, graph: bool,
-               log: Callable[[str], None] = print, by_half: bool = False) -> dict:
+               log: Callable[[str], None] = print, by_half: bool = False,
+               check: Callable[[Tile], tuple[float, float]] | None = None) -> dict:
     """One shape's table entry (`time_shapes` of that shape alone)."""
-    return time_shapes([ShapeCalls(shape, reference, kernel, half)], candidates, clock, interpret, graph, log,
+    return time_shapes([ShapeCalls(shape, reference, kernel, half, check)], candidates, clock, interpret, graph, log,
                        by_half)[0]
 
 
@@ -456,12 +539,19 @@ def time_shapes(shapes: list[ShapeCalls], candidates: list[Tile], clock: Clock, 
             torch_ms.append(time_call(shape.reference, interpret))
             graphs.append(False)
     best: list[tuple[float, float, float | None, Tile] | None] = [None] * len(shapes)  # (score, full, half, tile)
-    tried = [0] * len(shapes)
+    tried, refused = [0] * len(shapes), [0] * len(shapes)
     for tile in candidates:
         if min(tried) >= keep and clock.spent(min(tried)):  # never before every shape timed the first `keep`
             break
         for n, shape in enumerate(shapes):
             try:
+                if shape.check is not None:  # run once before any timing (it compiles the tile, too)
+                    err, allowed = shape.check(tile)
+                    if not err <= allowed:
+                        log(f"  {shape.name}: refuse {tile}: its output strays {err:.3g} from the gathered form's "
+                            f"(at most {allowed:.3g})")
+                        refused[n] += 1
+                        continue
                 ms = time_call(lambda tile=tile, kernel=shape.kernel: kernel(tile), interpret, graph=graphs[n])
                 half_ms = (time_call(lambda tile=tile, kernel=shape.kernel, half=shape.half: kernel(tile, half),
                                      interpret, graph=graphs[n]) if by_half else None)
@@ -475,7 +565,9 @@ def time_shapes(shapes: list[ShapeCalls], candidates: list[Tile], clock: Clock, 
     entries = []
     for n, shape in enumerate(shapes):
         if best[n] is None:
-            raise TunerError(f"{shape.name}: no candidate tile ran")
+            raise TunerError(f"{shape.name}: no candidate tile ran"
+                             + (f" ({refused[n]} refused: their output strayed from the gathered form's)"
+                                if refused[n] else ""))
         _, ms, half_ms, tile = best[n]
         if half_ms is None:
             half_ms = time_call(lambda tile=tile, kernel=shape.kernel, half=shape.half: kernel(tile, half),
@@ -483,11 +575,11 @@ def time_shapes(shapes: list[ShapeCalls], candidates: list[Tile], clock: Clock, 
         ratio = ms / torch_ms[n]
         line = (f"best {tile}{' over full and half live' if by_half else ''} {ms:.4f} ms (half live {half_ms:.4f}) "
                 f"vs torch {torch_ms[n]:.4f} ms ({ratio:.2f}x; {tried[n]} tiles timed"
-                f"{' in CUDA graphs' if graphs[n] else ''})")
+                f"{' in CUDA graphs' if graphs[n] else ''}{f', {refused[n]} refused' if refused[n] else ''})")
         entries.append({**asdict(tile), "ratio_vs_torch": round(ratio, 3), "kernel_ms": _ms(ms),
                         **({"kernel_half_ms": _ms(half_ms)} if graphs[n] == graph else {}),
                         "torch_ms": _ms(torch_ms[n]),
-                        "tried": tried[n],
+                        "tried": tried[n], **({"refused": refused[n]} if refused[n] else {}),
                         "timed": "cuda graph" if graphs[n] else ("interpreter" if interpret else "eager"),
                         "chosen_by": CHOSEN_BOTH if by_half else CHOSEN_FULL, "line": line})
     return entries
@@ -507,9 +599,10 @@ def shape_weight(lo: int) -> float:
 
 def ffn_pair_calls(rows: int, hidden: int, intermediate: int, proj_width: int, table: TileTable,
                    g: torch.Generator, device: torch.device, dtype: torch.dtype
-                   ) -> tuple[Callable[[], object], Callable[[], object]]:
+                   ) -> tuple[Callable[[], object], Callable[[], object], Callable[[], tuple[float, float]]]:
     """A routed layer's two cohort FFNs over one pass of `rows` rows, a random half of them RUN, at `table`'s
-    tiles, as `kernels.cohort_ffn_pair` serves them (the branch output stored): (grouped, apart)."""
+    tiles, as `kernels.cohort_ffn_pair` serves them (the branch output stored): (grouped, apart, the check of the
+    grouped launch's output against the two launched apart, `strays`, every row of it stored)."""
     from vskipper.mixed.cohorts import build_cohorts
     from vskipper.mixed.kernels import CohortFFN, cohort_ffn_pair
 
@@ -526,7 +619,15 @@ def ffn_pair_calls(rows: int, hidden: int, intermediate: int, proj_width: int, t
     def pair(grouped: bool) -> Callable[[], object]:
         return lambda: cohort_ffn_pair(x, weights, y, mlp, proj, tiles=table, accumulate=False, grouped=grouped)
 
-    return pair(True), pair(False)
+    def stored(call) -> torch.Tensor:  # every row is one cohort's: stored by its FFN
+        y.fill_(float("nan"))
+        call()
+        return y.clone()
+
+    def check() -> tuple[float, float]:
+        return strays([(stored(pair(True)), stored(pair(False)))])
+
+    return pair(True), pair(False), check
 
 
 def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width: int, g: torch.Generator,
@@ -535,9 +636,10 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
     """The table's `ffn_pair` entries: at each count range the two cohort FFNs grouped against apart (CUDA graph
     replays for a decode range, as `time_shape` times them), at the tiles just tuned (grouped, both down GEMMs at
     the MLP's down tile and its split; apart, each at its own). A range where the table gathers an FFN GEMM (the
-    two launch apart there whatever), or the budget is spent, keeps no timing: the served layer then groups them wherever it can (`TileTable.groups_ffn`). A range whose grouped launch fails
-    keeps the error (`grouped_error`): the served layer launches the two apart there, as the GEMMs' own timings
-    did."""
+    two launch apart there whatever), or the budget is spent, keeps no timing: the served layer then groups them
+    wherever it can (`TileTable.groups_ffn`). A range whose grouped launch fails, or whose output strays from the
+    two launched apart, keeps the error (`grouped_error`): the served layer launches the two apart there, as the
+    GEMMs' own timings did."""
     entries = []
     for lo, hi in COUNT_RANGES:
         clock.start_shape(PAIR_WEIGHT)
@@ -549,7 +651,8 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
         elif clock.spent(1):
             log(f"{where} not timed: the budget is spent")
         else:
-            grouped, apart = ffn_pair_calls(rows, hidden, intermediate, proj_width, table, g, device, dtype)
+            grouped, apart, check = ffn_pair_calls(rows, hidden, intermediate, proj_width, table, g, device,
+                                                   dtype)
             graph = not is_prefill(lo) and not interpret
             try:  # the GEMMs' own launches, each timed at these tiles already
                 entry.update(apart_ms=_ms(time_call(apart, interpret, graph=graph)))
@@ -558,8 +661,12 @@ def time_ffn_pairs(table: TileTable, hidden: int, intermediate: int, proj_width:
                 entries.append(entry)
                 continue
             try:
+                err, allowed = check()  # once before timing: a grouped launch that strays is not served
+                if not err <= allowed:
+                    raise TunerError(f"its output strays {err:.3g} from the two launched apart (at most "
+                                     f"{allowed:.3g})")
                 entry.update(grouped_ms=_ms(time_call(grouped, interpret, graph=graph)))
-            except Exception as exc:  # a launch the compiler or the device refuses: apart serves there
+            except Exception as exc:  # a launch the compiler or the device refuses, or a wrong one: apart serves
                 entry.update(grouped_error=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
                 log(f"{where} grouped failed ({entry['grouped_error']}); apart {entry['apart_ms']:.4f} ms serves")
             else:
