@@ -264,8 +264,10 @@ class ServedRig:
         self.world.slot.execution = cohort_execution([self.layer], self.device, execution, tile_table)
         self.graph_blocker = routed_graph_blocker(self.world.slot.execution, self.device)
 
-    def pass_fn(self, fb, x: torch.Tensor, skipper):
-        """One forward of the layer over batch `fb`: upstream's dense forward (skipper None) or the routed pass."""
+    def pass_fn(self, fb, x: torch.Tensor, skipper, residual: torch.Tensor | None = None):
+        """One forward of the layer over batch `fb`: upstream's dense forward (skipper None) or the routed pass;
+        with `residual`, the layer is handed it as a served layer past the first is (its add-norm updates it in
+        place), where without it x is the first layer's input, left as it is."""
         from vskipper.mixed.cohorts import CohortBuilder
         from vskipper.mixed.tape import RouteTape
         from vskipper.sglang.models.routed import plan_pass
@@ -285,7 +287,7 @@ class ServedRig:
                 world.slot.step = Step(phase, True, skipper, state, tape, builder, None, rows, keys=keys)
                 world.slot.plan = plan
             try:
-                return layer(fb.positions, x, fb, None)
+                return layer(fb.positions, x, fb, residual)
             finally:
                 world.slot.step = world.slot.plan = None
 

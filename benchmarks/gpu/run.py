@@ -103,12 +103,13 @@ class Lease:
 # dense arm served on another machine. Not yet measured on a GPU; the estimates take a server ready in 45-90 s
 # (measured on the H100 with every decode graph captured), a sweep arm about 80 s of cells, the ladder's climb
 # about 150 s (warm-up, calibration, about 8 rates of 10 s) and a headline cell about 20 s (12 s of arrivals, the
-# drain, the flush and attestations): a lease's second call finishes what its first left.
+# drain, the flush and attestations) and the check of the served layer before a lease's first routed server about
+# 30 s: a lease's second call finishes what its first left.
 LEASES = (  # what each measures: benchmarks/gpu/README.md's table
-    Lease("lease-1", ("tiles", "sweep"), 610, caps=(("tiles", 180),)),  # items 1-2: the routed path's goals, tau
-    Lease("lease-2", ("ladder", "headline"), 700, headline_arms=("hybrid-rule",)),  # item 3: Q*, the hybrid arm
-    Lease("lease-3", ("ladder", "headline"), 490, headline_arms=("always", "control")),  # the knee's ablations
-    Lease("lease-4", ("ladder", "headline", "kernels"), 640, headline_arms=("hybrid-tau",)),  # tau's hybrid arm
+    Lease("lease-1", ("tiles", "sweep"), 640, caps=(("tiles", 180),)),  # items 1-2: the routed path's goals, tau
+    Lease("lease-2", ("ladder", "headline"), 730, headline_arms=("hybrid-rule",)),  # item 3: Q*, the hybrid arm
+    Lease("lease-3", ("ladder", "headline"), 520, headline_arms=("always", "control")),  # the knee's ablations
+    Lease("lease-4", ("ladder", "headline", "kernels"), 670, headline_arms=("hybrid-tau",)),  # tau's hybrid arm
 )
 
 
@@ -765,7 +766,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     elif th_tau is not None and sweep_source != OWN_SWEEP:
         th_tau["source"] = tau_source = f"{th_tau['source']}, {sweep_source}"
     result: dict = {"thresholds": {"rule": th_rule, "tau": th_tau or {"skipped": tau_source}}, "arms": {},
-                    "arms_requested": list(arms)}
+                    "arms_requested": list(arms), "check": check_served(plan, out, stage)}
     started = False
     for key, (name, role, variant, loads) in HEADLINE_ARMS.items():
         if key not in arms:
@@ -888,7 +889,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
     model = write_model(plan, out)
     arms = write_arms(out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    result = {"arms": {}}
+    result = {"arms": {}, "check": check_served(plan, out, stage)}
     # dense and always-route first, so that a sweep cut short still holds the two latency lines tau and V_x come
     # from (the headline's measured-tau arm needs them) and the skip against dense; the s = 0 control after
     for name in ("dense", ALWAYS, CONTROL):
@@ -1074,6 +1075,7 @@ def bench_grid(plan: Plan) -> list[str]:
 
 
 BENCH_JSON = "mixed_depth_bench.json"
+CHECK_JSON = "check-served.json"  # the served routed layer against its torch execution, once per OUTDIR
 TILES_JSON = "tile-table.json"  # the tiles stage's table (its field 'device' names the GPU it was measured on)
 DRY_TILES_DEVICE = "H100-SXM"  # the device the dry run's interpreted table is shaped for (no measurement)
 
@@ -1150,6 +1152,48 @@ def stage_tiles(plan: Plan, out: Path, budget_s: float) -> dict:
     return result
 
 
+def check_served(plan: Plan, out: Path, stage: Stage) -> dict:
+    """The served routed layer's execution on this device against its torch execution (`check_served.py`), at the
+    table this run's servers take, before the first routed server of the OUTDIR (a report written whole is not run
+    again): {'runs', 'report'}. A case that strays is not fatal here: the summary says which, beside every routed
+    figure it puts in doubt."""
+    target = out / CHECK_JSON
+    table = tuned_table(plan, out)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "check_served.py"), "--json", str(target),
+           *(["--dry-run"] if plan.dry_run else []), *(["--tile-table", str(table)] if table else [])]
+    runs = run_steps(plan, stage, (("check-served", target, cmd),))
+    if runs.get("check-served", {}).get("exit") not in (0, None):
+        log(stage.name, f"check-served: the served layer's execution STRAYS from its torch execution or could not "
+                        f"be checked: {stage.out / 'check-served.log'}")
+    return {"runs": runs, **({"report": json.loads(target.read_text())} if target.is_file() else {})}
+
+
+def check_lines(results: dict) -> list[str]:
+    """What the check of the served layer found (`check_served`), from whichever stage ran it."""
+    checks = [doc["check"] for doc in (results.get(name) for name in ("sweep", "headline"))
+              if isinstance(doc, dict) and doc.get("check")]
+    check = next((c for c in checks if c.get("report")), None)
+    if check is None:  # it ran and wrote nothing, or it did not run: the routed figures are unchecked
+        failed = next((c["runs"]["check-served"] for c in checks if "check-served" in c.get("runs", {})), None)
+        return [] if failed is None else [
+            "## Check", "", f"The check of the served routed layer against its torch execution did not finish (exit "
+            f"{failed['exit']}; its log beside the stage's files): **the routed figures below are unchecked**.", ""]
+    report = check["report"]
+    cases = report["cases"]
+    bad = [c for c in cases if not c["ok"]]
+    replayed = " and replayed from CUDA graphs" if any("CUDA graph" in c["case"] for c in cases) else ""
+    head = (f"The served routed layer ({json.dumps(report['execution'])}) against its torch execution on "
+            f"{report['device']} (`check_served.py`: decode eager{replayed}, prefill with either read; each row "
+            f"within {report['rtol']} of its largest value): ")
+    if not bad:
+        worst = max(max(c["output_error"], c["kv_error"]) for c in cases)
+        return ["## Check", "", head + f"all {len(cases)} cases agree (the worst row {worst:.3g}).", ""]
+    return ["## Check", "", head + f"**{len(bad)} of {len(cases)} cases stray or could not run, and every routed "
+            "figure below measures that execution**:", ""] + [
+        f"- {c['case']}: " + (f"not checked ({c['error']})" if "error" in c else
+                             f"output {c['output_error']:.3g}, K/V {c['kv_error']:.3g}") for c in bad] + [""]
+
+
 def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
     stage = Stage("kernels", out, budget_s)
     device = device_name(plan) or "CPU"
@@ -1209,6 +1253,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
                   f"(`device-packages.txt`), not with this machine's {env['triton']}.", ""]
     if results["dry_run"]:
         lines += ["**Dry run on CPU with a tiny model: the pipeline, not performance.**", ""]
+    lines += check_lines(results)
     lines += tiles_lines(results.get("tiles"), results.get("sweep"))
     lines += headline.headline_lines(results.get("ladder"), results.get("headline"))
     sweep = results.get("sweep")

@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Whether the served routed layer computes, on this device, what its torch execution computes.
+
+    python benchmarks/gpu/check_served.py [--tile-table T] [--json OUT] [--dry-run]
+
+One routed layer of the device run's model (SGLang's Llama decoder layer with vSkipper's routed body, SGLang's KV
+pool; Llama-3-8B's shape, bf16, random weights: `mixed_depth_bench.ServedRig`), the execution a server takes on
+this device (`cohort_execution`: the triton execution at the tile table given, or the one shipped for it), against
+the torch execution of the same body (packed cohorts, cuBLAS, the masked decode read in torch and SDPA per request
+for prefill: none of the Triton kernels), on the same rows, route and KV state:
+
+  decode   batches of 16, 64 and 128 rows (the count ranges the sweep's batches reach) over 1,000 tokens of
+           context, the triton execution eager and replayed from a CUDA graph (as a server replays it)
+  prefill  one prompt of 1,024 tokens, and a pass of two prompts (600 and 424), eager, with the read the
+           execution serves and with the other (the packed read, or SGLang's backend's)
+
+each with RandomSkip r = 1, d = 0.5 (about half the rows Project-Only, as the sweep's routed arm) and r = 0 (every
+row RUN, the control), the layer's input handed over as the served layers hand it (a residual the add-norm
+updates). A case passes where what the layer adds to its input and the K/V it wrote lie, row by row, within
+`LAYER_RTOL` of the torch execution's row's largest value (a chain of bf16 roundings; a wrong row, bound, split or
+read strays by whole values). Prints each case and exits 1 if any strays or could not run;
+`--json` writes them.
+
+Interpreted kernels and the CPU cannot show a fault only the device has (a race, an out-of-bounds read that lands
+on zeros, a compiler's bug at the device's tiles): the device run checks this before it trusts a routed figure.
+`--dry-run` runs the same cases on CPU under the Triton interpreter with a tiny model (fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+if "--dry-run" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
+    os.environ["TRITON_INTERPRET"] = "1"  # the triton execution on CPU: the interpreter
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+from mixed_depth_bench import LLAMA3_8B, SMOKE, ServedRig, project_only_share, served_config  # noqa: E402
+
+from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
+
+# How far a row of the served execution may stray from the torch execution's, as a share of that row's largest
+# value: a layer is a chain of five GEMMs, two norms and a read, each rounding to bf16 (an ulp is 1/128 of a value),
+# where one GEMM's check allows 0.02 (`vskipper.mixed.tuner.CHECK_RTOL`); a wrong row, a dropped K split, a bound
+# past the count or a read of the wrong keys strays by whole values.
+LAYER_RTOL = 0.05
+ROUTES = {"s=0.5": RandomSkip(r=1.0, d=0.5, seed=0), "s=0": RandomSkip(r=0.0, d=0.5, seed=0)}
+DEVICE_CASES = {"decode_rows": (16, 64, 128), "context": 1000, "prompts": ((1024,), (600, 424))}
+DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7))}
+OTHER_READ = {"packed": "backend", "backend": "packed"}
+
+
+def torch_execution(device: torch.device):
+    """The reference: the torch execution with reads of its own (SDPA per request, the masked torch read), no
+    Triton kernel and no attention backend of SGLang's."""
+    from vskipper.sglang.models.routed import CohortExecution
+
+    return CohortExecution("torch", prefill_read="rows", decode_read="masked" if device.type == "cuda" else "backend")
+
+
+class Case:
+    """One pass (`fb`) over one rig's layer from a saved KV state, its input handed over as a served layer past the
+    first is handed it (hidden states and the residual the add-norm updates in place)."""
+
+    def __init__(self, rig: ServedRig, fb, hidden: torch.Tensor, residual: torch.Tensor, route) -> None:
+        self.rig, self.fb, self.hidden, self.residual, self.route = rig, fb, hidden, residual, route
+        pool, lid = rig.world.pool, rig.lid
+        self.kv0 = (pool.get_key_buffer(lid).clone(), pool.get_value_buffer(lid).clone())
+
+    def restore(self) -> None:
+        pool, lid = self.rig.world.pool, self.rig.lid
+        pool.get_key_buffer(lid).copy_(self.kv0[0])
+        pool.get_value_buffer(lid).copy_(self.kv0[1])
+
+    def run(self, execution, graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what the layer adds to its input, in fp32: its output's hidden + residual less the input's; the K/V it
+        wrote at the pass's slots), with `execution`, eager or replayed from a CUDA graph; `share` then holds the
+        pass's Project-Only share."""
+        self.rig.world.slot.execution = execution
+        self.restore()
+        hidden, residual = self.hidden.clone(), self.residual.clone()
+        layer_pass = self.rig.pass_fn(self.fb, hidden, self.route, residual)
+
+        def passed():  # the inputs set again first (the pass updates the residual in place)
+            hidden.copy_(self.hidden)
+            residual.copy_(self.residual)
+            return layer_pass()
+
+        h, r = replayed(passed, self.restore) if graph else passed()
+        pool, lid, loc = self.rig.world.pool, self.rig.lid, self.fb.out_cache_loc
+        written = torch.cat([pool.get_key_buffer(lid)[loc], pool.get_value_buffer(lid)[loc]], dim=1)
+        added = h.float() + r.float() - self.hidden.float() - self.residual.float()  # what the layer adds
+        self.share = project_only_share(layer_pass)  # of the rows, Project-Only in this pass
+        return added, written.flatten(1).float()
+
+
+def replayed(fn, restore):
+    """fn captured in a CUDA graph (after a warm-up on a side stream, which compiles what it launches), replayed
+    once from the KV state `restore` sets: the replay's output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    restore()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def row_strays(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The worst row's largest deviation of `got` from `want`, as a share of that row's largest value in `want`
+    (per row: a Project-Only row's adapter adds far less than a RUN row's MLP, and a wrong one must not hide
+    under the RUN rows' scale). NaN anywhere is a deviation past any bound."""
+    diff = (got - want).abs().amax(dim=1)
+    scale = want.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    worst = (diff / scale).max()
+    return float("inf") if torch.isnan(worst) else float(worst)
+
+
+def verdict(name: str, run) -> dict:
+    """One case: `run()` gives (got, want, the pass's Project-Only share), got and want each (what the layer adds,
+    the K/V it wrote), the served execution's and the torch execution's; each row's deviation beside `LAYER_RTOL`. A case that cannot run (the capture
+    refused, a launch failed) is reported as such: not checked, not passed."""
+    try:
+        got, want, share = run()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        print(f"  {name:58} NOT CHECKED: {error}", flush=True)
+        return {"case": name, "ok": False, "error": error}
+    out_err, kv_err = row_strays(got[0], want[0]), row_strays(got[1], want[1])
+    ok = out_err <= LAYER_RTOL and kv_err <= LAYER_RTOL
+    print(f"  {name:52} Project-Only {share:4.2f}  output {out_err:9.3g}  K/V {kv_err:9.3g} of their rows' "
+          f"largest values  {'ok' if ok else 'STRAYS'}", flush=True)
+    return {"case": name, "ok": ok, "output_error": out_err, "kv_error": kv_err, "project_only_share": share}
+
+
+def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_table: Path | None, tmp: Path
+          ) -> dict:
+    """Every case of `cases` (`DEVICE_CASES` or `DRY_CASES`): the report `--json` writes."""
+    from vskipper.sglang.standalone import init_sglang
+
+    init_sglang(device.type)
+    torch.set_grad_enabled(False)
+    rows_max, context = max(cases["decode_rows"]), cases["context"]
+    longest = max(context + 2, max(sum(p) for p in cases["prompts"]))
+    hf_config, _ = served_config(size, dtype, tmp, longest)
+    reference = torch_execution(device)
+    results, report = [], {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
+
+    def inputs(rig: ServedRig, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen, hidden = rig.world.gen, hf_config.hidden_size
+        return (torch.randn(rows, hidden, generator=gen).to(device, dtype),
+                torch.randn(rows, hidden, generator=gen).to(device, dtype))
+
+    rig = ServedRig(hf_config, rows_max, context + 1, dtype, device, "triton", tile_table)
+    served = rig.world.slot.execution
+    report["execution"] = served.attestation()
+    graphs = device.type == "cuda" and rig.graph_blocker is None  # as a server captures its routed decode graphs
+    if device.type == "cuda" and not graphs:
+        report["decode_graphs"] = f"not replayed: {rig.graph_blocker}"
+    print(f"  the served execution: {json.dumps(report['execution'])}"
+          + (f"; decode {report['decode_graphs']}" if "decode_graphs" in report else ""))
+    pool = rig.world.pool
+    pool.get_key_buffer(rig.lid).normal_()
+    pool.get_value_buffer(rig.lid).normal_()
+    with rig.world.context():
+        for rows in cases["decode_rows"]:
+            rig.world.lengths = [context] * rows_max
+            fb = rig.world.batch({r: 1 for r in range(rows)})
+            hidden, residual = inputs(rig, rows)
+            for arm, route in ROUTES.items():
+                case = Case(rig, fb, hidden, residual, route)
+                want = case.run(reference)
+                results.append(verdict(f"decode {rows} rows, context {context}, {arm}, eager",
+                                       lambda case=case, want=want: (case.run(served), want, case.share)))
+                if graphs:
+                    results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
+                                           lambda case=case, want=want: (case.run(served, graph=True), want,
+                                                                         case.share)))
+    del rig
+    rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table)
+    served = rig.world.slot.execution
+    with rig.world.context():
+        for prompts in cases["prompts"]:
+            rig.world.lengths = [0, 0]
+            fb = rig.world.batch(dict(enumerate(prompts)))
+            hidden, residual = inputs(rig, sum(prompts))
+            for arm, route in ROUTES.items():
+                case = Case(rig, fb, hidden, residual, route)
+                want = case.run(reference)
+                for read in (served.prefill_read, OTHER_READ[served.prefill_read]):
+                    execution = replace(served, prefill_read=read)
+                    results.append(verdict(f"prefill {' + '.join(map(str, prompts))} tokens, {arm}, {read} read",
+                                           lambda case=case, want=want, e=execution: (case.run(e), want,
+                                                                                       case.share)))
+    report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tile-table", type=Path, help="the table the servers take (`vskipper tune-tiles`); default: "
+                   "the one shipped for this device")
+    p.add_argument("--json", type=Path, help="write the cases here")
+    p.add_argument("--dry-run", action="store_true", help="on CPU, the Triton interpreter and a tiny model")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        device, dtype, size, cases = torch.device("cpu"), torch.float32, SMOKE, DRY_CASES
+    else:
+        if not torch.cuda.is_available():
+            print("check_served: no GPU visible; --dry-run checks on CPU", file=sys.stderr)
+            return 2
+        device, dtype, size, cases = torch.device("cuda"), torch.bfloat16, LLAMA3_8B, DEVICE_CASES
+    print(f"the served routed layer against its torch execution ({'dry run, CPU' if args.dry_run else device})")
+    with tempfile.TemporaryDirectory(prefix="check-served-") as tmp:
+        report = check(device, dtype, size, cases, args.tile_table, Path(tmp))
+    failed = [r["case"] for r in report["cases"] if not r["ok"]]
+    print(f"{len(report['cases']) - len(failed)} of {len(report['cases'])} cases within {LAYER_RTOL} of the torch "
+          f"execution's rows" + (f"; STRAYING OR NOT CHECKED: {', '.join(failed)}" if failed else ""))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""`benchmarks/gpu/check_served.py`: the served routed layer's execution against its torch execution, as the device
+run checks it before its first routed server. Here on CPU under the Triton interpreter with a tiny model (the
+device's bf16 shapes and its CUDA graphs need the GPU); a fault injected into one of the triton execution's
+kernels strays in exactly the cases that run it, and the run's summary says so."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.gpu import check_served, run
+from vskipper.mixed import kernels
+
+
+def _check(tmp_path) -> dict:
+    return check_served.check(torch.device("cpu"), torch.float32, check_served.SMOKE, check_served.DRY_CASES, None,
+                              tmp_path)
+
+
+def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path):
+    out = tmp_path / "check.json"
+    assert check_served.main(["--dry-run", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["execution"]["decode"] == "triton"
+    names = [c["case"] for c in report["cases"]]
+    assert len(names) == 12 and sum("decode" in n for n in names) == 4
+    assert {n.rsplit(", ", 1)[1] for n in names if n.startswith("prefill")} == {"packed read", "backend read"}
+    # the s = 0.5 route mixes the cohorts somewhere in each phase; the control's has every row RUN
+    for phase in ("decode", "prefill"):
+        shares = [c["project_only_share"] for c in report["cases"] if c["case"].startswith(phase)]
+        assert any(0 < s < 1 for s in shares)
+    assert all(c["project_only_share"] == 0 for c in report["cases"] if ", s=0," in c["case"])
+
+
+@pytest.mark.parametrize("kernel,strays", [
+    ("masked_decode_attention", lambda name: name.startswith("decode")),
+    ("packed_prefill_attention", lambda name: name.endswith("packed read")),
+])
+def test_a_fault_in_a_read_strays_in_the_cases_that_take_it_and_no_other(tmp_path, monkeypatch, kernel, strays):
+    real = getattr(kernels, kernel)
+    monkeypatch.setattr(kernels, kernel, lambda *args, **kwargs: real(*args, **kwargs) * 1.5)
+    report = _check(tmp_path)
+    assert not report["ok"]
+    for case in report["cases"]:
+        hit = strays(case["case"]) and case["project_only_share"] < 1  # a pass whose rows all project reads nothing
+        assert case["ok"] != hit, case
+
+
+def test_a_case_that_cannot_run_is_reported_not_passed(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("an illegal memory access was encountered")
+
+    monkeypatch.setattr(kernels, "cohort_ffn_pair", broken)
+    report = _check(tmp_path)  # every routed pass launches the FFN pair: no case runs, and none passes
+    assert not report["ok"] and all("illegal memory access" in c["error"] for c in report["cases"])
+
+
+def test_the_summary_puts_the_check_first_and_says_what_a_straying_case_puts_in_doubt():
+    ok = {"device": "NVIDIA H200", "execution": {"decode": "triton"}, "rtol": 0.05, "ok": True,
+          "cases": [{"case": "decode 16 rows", "ok": True, "output_error": 0.004, "kv_error": 0.0}]}
+    text = "\n".join(run.check_lines({"sweep": {"check": {"runs": {}, "report": ok}}}))
+    assert "## Check" in text and "all 1 cases agree (the worst row 0.004)" in text and "replayed" not in text
+    bad = {**ok, "ok": False, "cases": [*ok["cases"], {"case": "prefill 1024 tokens, s=0.5, packed read",
+                                                      "ok": False, "output_error": 0.7, "kv_error": 0.0},
+                                        {"case": "decode 64 rows, CUDA graph", "ok": False,
+                                         "error": "RuntimeError: capture failed"}]}
+    text = "\n".join(run.check_lines({"sweep": None, "headline": {"check": {"runs": {}, "report": bad}}}))
+    assert "decode eager and replayed from CUDA graphs" in text
+    assert "2 of 3 cases stray or could not run, and every routed figure below measures that execution" in text
+    assert "- prefill 1024 tokens, s=0.5, packed read: output 0.7, K/V 0" in text
+    assert "- decode 64 rows, CUDA graph: not checked (RuntimeError: capture failed)" in text
+    assert run.check_lines({"sweep": {"check": {"runs": {}}}}) == []  # the check did not run: nothing said
+    crashed = {"check": {"runs": {"check-served": {"exit": 1, "output": "check-served.json"}}}}
+    text = "\n".join(run.check_lines({"sweep": crashed}))
+    assert "did not finish (exit 1" in text and "the routed figures below are unchecked" in text
