@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from loadgen.attestation import DEFAULT_ATTESTATION_PATH
-from loadgen.records import RequestRecord
+from loadgen.records import SERVER_TIMES, RequestRecord
 
 APIS = ("generate", "completions")
 
@@ -110,6 +110,8 @@ async def _read_generate(response, record: RequestRecord, clock: Callable[[], fl
             record.finish_reason = reason
         if "prompt_tokens" in meta and isinstance(meta["prompt_tokens"], int):
             record.prompt_tokens = meta["prompt_tokens"]
+        record.server_times.update({k: float(meta[k]) for k in SERVER_TIMES
+                                    if isinstance(meta.get(k), (int, float)) and not isinstance(meta[k], bool)})
     record.output_ids = ids if ids or count == 0 else None
     record.output_tokens = count
     return done or record.finish_reason is not None

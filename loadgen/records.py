@@ -8,6 +8,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# The stamps `RequestRecord.ttft_parts` reads from SGLang's meta_info (0.5.21, with --enable-metrics): when the
+# tokenizer received the request, the scheduler first ran it forward and processed its prefill's result (wall
+# clock), and the tokenizer's time to its first token.
+SERVER_TIMES = ("request_received_ts", "forward_entry_time", "prefill_finished_time", "first_token_latency")
+
 
 @dataclass
 class RequestRecord:
@@ -26,6 +31,9 @@ class RequestRecord:
     finish_reason: str | None = None  # "stop" | "length" | ...
     text: str = ""
     error: str | None = None
+    # SGLang's own stamps of the request (`SERVER_TIMES`), from its events' meta_info where the server runs with
+    # --enable-metrics: wall-clock seconds, and the tokenizer's own first-token latency
+    server_times: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -49,6 +57,23 @@ class RequestRecord:
         if not self.ok or self.output_tokens < 2 or not self.token_times_s or self.first_token_s is None:
             return None
         return (self.token_times_s[-1] - self.first_token_s) / (self.output_tokens - 1)
+
+    def ttft_parts(self) -> dict[str, float] | None:
+        """Where the time to the first token went, in seconds, from SGLang's stamps (None without them): from the
+        tokenizer's receipt to the scheduler's first forward of the request (`scheduled`: the hand-over and the
+        queue), from there to the scheduler's processing of the prefill's result (`forward`: the pass's launches,
+        the device, and whatever the scheduler ran before it read the result), from there to the tokenizer's
+        first token (`output`), and the rest of the client's TTFT (`http`: the request's way in and the first
+        token's way out)."""
+        t = self.server_times
+        if self.ttft_s is None or not all(k in t for k in SERVER_TIMES):
+            return None
+        received = t["request_received_ts"]
+        scheduled = t["forward_entry_time"] - received
+        forward = t["prefill_finished_time"] - t["forward_entry_time"]
+        first = t["first_token_latency"]
+        return {"scheduled": scheduled, "forward": forward, "output": first - scheduled - forward,
+                "http": self.ttft_s - first}
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -85,6 +110,23 @@ class CellResult:
     @property
     def reported(self) -> int:
         return len(self.records)
+
+    def ttft_parts(self) -> dict[str, float] | None:
+        """Where the time to the first token went, in seconds, from SGLang's stamps (None without them): from the
+        tokenizer's receipt to the scheduler's first forward of the request (`scheduled`: the hand-over and the
+        queue), from there to the scheduler's processing of the prefill's result (`forward`: the pass's launches,
+        the device, and whatever the scheduler ran before it read the result), from there to the tokenizer's
+        first token (`output`), and the rest of the client's TTFT (`http`: the request's way in and the first
+        token's way out)."""
+        t = self.server_times
+        if self.ttft_s is None or not all(k in t for k in SERVER_TIMES):
+            return None
+        received = t["request_received_ts"]
+        scheduled = t["forward_entry_time"] - received
+        forward = t["prefill_finished_time"] - t["forward_entry_time"]
+        first = t["first_token_latency"]
+        return {"scheduled": scheduled, "forward": forward, "output": first - scheduled - forward,
+                "http": self.ttft_s - first}
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -230,6 +230,12 @@ def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(d
                    for d in arm["decode"])
         assert [p["tokens"] for p in arm["prefill"]] == list(plan.prefill_lengths)
         assert all(len(p["ttft_s_reps"]) == plan.prefill_reps for p in arm["prefill"])
+        # where each prompt's TTFT went, by the real server's own stamps (--enable-metrics): a forward of its own,
+        # every part in order (the server's and the client's clocks agree on one machine)
+        for p in arm["prefill"]:
+            assert len(p["ttft_parts_s_reps"]) == plan.prefill_reps and p["ttft_parts_s"]["forward"] > 0
+            assert all(min(parts.values()) > -1e-3 and abs(sum(parts.values()) - ttft) < 1e-9
+                       for parts, ttft in zip(p["ttft_parts_s_reps"], p["ttft_s_reps"], strict=True))
         assert arm["line"]["points"] == len(arm["decode"])
     comparison = sweep["comparison"]
     assert len(comparison["decode_speedup"]) == len(plan.batches) * len(plan.contexts)
@@ -296,6 +302,7 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     assert results["dry_run"] and all(results[stage] for stage in run.STAGES)
     summary = (out / "summary.md").read_text()
     assert "Dry run on CPU" in summary and "tau =" in summary
+    assert "Where a prefill's time to its first token went" in summary and "## Check" in summary
     assert "## Tiles" in summary and "unused: the torch execution" in summary
     assert "| mlp_gate_up | 513-1024 |" in summary and "| mlp_gate_up | 2049- |" in summary  # prefill by its length
     table = results["tiles"]["table"]  # each shape's half-count timing beside the full one, and what it decides
@@ -367,7 +374,9 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
 
     async def fake_burst(server, prompts, new_tokens):
         sent.append(len(prompts[0]))
-        return [SimpleNamespace(ttft_s=len(prompts[0]) * 1e-5 * (1 + len(sent) / 100))]
+        ttft = len(prompts[0]) * 1e-5 * (1 + len(sent) / 100)
+        parts = {"scheduled": 1e-3, "forward": ttft - 4e-3, "output": 1e-3, "http": 2e-3}
+        return [SimpleNamespace(ttft_s=ttft, ttft_parts=lambda: parts if len(prompts[0]) > 1024 else None)]
 
     monkeypatch.setattr(run, "burst", fake_burst)
     cells = run.prefill_cells(plan, None, 128256)
@@ -376,6 +385,13 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
     for cell in cells:
         assert len(cell["ttft_s_reps"]) == plan.prefill_reps
         assert cell["ttft_s"] == sorted(cell["ttft_s_reps"])[plan.prefill_reps // 2]
+        # the parts where the server stamped the requests (not at 1,024 here), each the median over the prompts
+        assert ("ttft_parts_s" in cell) == (cell["tokens"] > 1024)
+        if cell["tokens"] > 1024:
+            forwards = sorted(p["forward"] for p in cell["ttft_parts_s_reps"])
+            assert cell["ttft_parts_s"]["forward"] == forwards[plan.prefill_reps // 2]
+    lines = "\n".join(run.ttft_parts_lines({"dense": {"prefill": cells}}))
+    assert "| 1024 |" not in lines and f"| 1536 | dense | {cells[1]['ttft_s'] * 1e3:.1f} | 1.0 |" in lines
 
 
 def test_ratio_range_spans_every_pairing_of_the_arms_repetitions():

@@ -171,3 +171,20 @@ def test_served_generations_are_scored_per_scored_document_only():
     assert score_gsm8k_records(records, suite) == {"gsm8k:test:0": 1, "gsm8k:test:1": 1}
     records[1] = rec("gsm8k:test:1", "#### 21", error="HTTP 500")
     assert score_gsm8k_records(records, suite)["gsm8k:test:1"] == 0
+
+
+def test_a_records_ttft_splits_by_sglangs_stamps_where_the_server_gave_them():
+    """SGLang's stamps (with --enable-metrics) split the client's TTFT: the hand-over to the scheduler, its forward
+    up to the prefill's result, the output to the tokenizer's first token, and the HTTP rest; without every stamp,
+    no split."""
+    from loadgen.records import SERVER_TIMES, RequestRecord
+
+    rec = RequestRecord(0, "r0", 0.0, 1024, 1, True, submit_s=10.0, first_token_s=10.060, finish_s=10.061)
+    assert rec.ttft_parts() is None
+    rec.server_times = {"request_received_ts": 1000.002, "forward_entry_time": 1000.005,
+                        "prefill_finished_time": 1000.050, "first_token_latency": 0.052}
+    parts = rec.ttft_parts()
+    assert set(rec.server_times) == set(SERVER_TIMES)
+    assert parts == pytest.approx({"scheduled": 0.003, "forward": 0.045, "output": 0.004, "http": 0.008})
+    assert sum(parts.values()) == pytest.approx(rec.ttft_s)
+    assert RequestRecord.from_dict(rec.as_dict()).ttft_parts() == parts  # kept with the cell's records

@@ -113,6 +113,11 @@ LEASES = (  # what each measures: benchmarks/gpu/README.md's table
 )
 
 
+# Every server serves with its metrics, as deployed: SGLang then stamps each request's way through it in its
+# responses (`loadgen.records.SERVER_TIMES`), which place a prefill's TTFT (`prefill_cells`).
+METRICS_FLAGS = ("--enable-metrics",)
+
+
 @dataclass(frozen=True)
 class Plan:
     """Sizes of one device run (`gpu`) or of its CPU dry run (`dry_run`)."""
@@ -155,7 +160,7 @@ class Plan:
         # time (`LEASES`).
         return cls(False, "gpu", "bfloat16",
                    ("--load-format", "dummy", "--skip-tokenizer-init", "--context-length", "8192",
-                    "--cuda-graph-max-bs-decode", "256", "--max-running-requests", "256"),
+                    "--cuda-graph-max-bs-decode", "256", "--max-running-requests", "256", *METRICS_FLAGS),
                    "0.85", tune_max_candidates=24, batches=(32, 64, 128), contexts=(1024, 2048, 4096),
                    sweep_new_tokens=48, decode_reps=3, prefill_lengths=(1024, 1536, 2048, 4096), prefill_reps=5,
                    startup_timeout_s=300.0,
@@ -172,7 +177,8 @@ class Plan:
         # four of them and the kernels stage share the cores with the one being driven. The tiny prompts never
         # reach the prefill floor and a cell of a second and a half may keep the decode switch below its enter
         # threshold: the hybrid arm's cells may run no routed pass.
-        return cls(True, "cpu", "float32", ("--load-format", "dummy", "--skip-tokenizer-init", "--sleep-on-idle"),
+        return cls(True, "cpu", "float32", ("--load-format", "dummy", "--skip-tokenizer-init", "--sleep-on-idle",
+                                            *METRICS_FLAGS),
                    None, None, batches=(2, 3), contexts=(16,), sweep_new_tokens=6, decode_reps=2,
                    prefill_lengths=(32, 64), prefill_reps=2, startup_timeout_s=240.0, prompt_tokens=(16, 32), output_tokens=(3, 9),
                    warmup_requests=2, calibration_requests=4, ladder_window_s=1.0, ladder_max_rates=3, window_s=1.5,
@@ -472,13 +478,24 @@ async def burst(server: Server, prompts: list[list[int]], new_tokens: int):
 def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
     """The sweep's prefill cells on one server: the TTFT of `prefill_reps` fresh prompts (one request each, one
     token out) at each of `prefill_lengths`, in rounds of every length, so that a drift of the device or the host
-    over the arm's prompts falls on every length alike."""
-    ttfts: dict[int, list[float]] = {length: [] for length in plan.prefill_lengths}
+    over the arm's prompts falls on every length alike. Each length also keeps where its TTFT went by SGLang's own
+    stamps (`RequestRecord.ttft_parts`: the hand-over to the scheduler, the forward to its result, the output, the
+    HTTP rest), each part the median over the prompts, where the server reported them (--enable-metrics)."""
+    records: dict[int, list] = {length: [] for length in plan.prefill_lengths}
     for r in range(plan.prefill_reps):
         for length in plan.prefill_lengths:
-            ttfts[length].append(asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0].ttft_s)
-    return [{"tokens": length, "ttft_s": statistics.median(reps), "ttft_s_reps": reps,
-             "prefill_tok_s": length / statistics.median(reps)} for length, reps in ttfts.items()]
+            records[length].append(asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0])
+    cells = []
+    for length, recs in records.items():
+        reps = [rec.ttft_s for rec in recs]
+        parts = [rec.ttft_parts() for rec in recs]
+        cell = {"tokens": length, "ttft_s": statistics.median(reps), "ttft_s_reps": reps,
+                "prefill_tok_s": length / statistics.median(reps)}
+        if all(parts):
+            cell["ttft_parts_s"] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+            cell["ttft_parts_s_reps"] = parts
+        cells.append(cell)
+    return cells
 
 
 def decode_step(records) -> tuple[float, int]:
@@ -1293,6 +1310,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
                              f"{p['flop_limit']:.3f} | {_f(to_dense and to_dense['dense_over_control_time'], '.3f')} "
                              f"| {_range(to_dense)} |")
             lines.append("")
+        lines += ttft_parts_lines(sweep.get("arms") or {})
         if c.get("goals"):
             lines += ["### The routed path's goals", "",
                       "| goal | threshold | deciding cell | its ratio | its range | cells | verdict |",
@@ -1311,6 +1329,27 @@ def markdown(results: dict, out: Path | None = None) -> str:
         lines.append("")
         lines += served_layer_lines(out / "kernels" / BENCH_JSON if out else None)
     return "\n".join(lines)
+
+
+def ttft_parts_lines(arms: dict) -> list[str]:
+    """Where each arm's prefill TTFT went (`prefill_cells`' parts by SGLang's stamps, medians in ms), at every
+    length: the forward is the pass (its launches and the device) up to the scheduler's reading of its result;
+    the rest is the same server code in every arm."""
+    rows = [(name, cell) for name, arm in arms.items() for cell in arm.get("prefill") or []
+            if cell.get("ttft_parts_s")]
+    if not rows:
+        return []
+    lines = ["Where a prefill's time to its first token went (SGLang's stamps of each request, medians; "
+             "scheduled: the tokenizer's receipt to the scheduler's first forward of the request; forward: from "
+             "there to the scheduler's processing of the prefill's result; output: to the tokenizer's first "
+             "token; HTTP: the rest of the client's TTFT):", "",
+             "| prefill tokens | arm | TTFT ms | scheduled ms | forward ms | output ms | HTTP ms |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for name, cell in sorted(rows, key=lambda r: (r[1]["tokens"], list(arms).index(r[0]))):
+        parts = cell["ttft_parts_s"]
+        lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | " + " | ".join(
+            f"{parts[k] * 1e3:.1f}" for k in ("scheduled", "forward", "output", "http")) + " |")
+    return lines + [""]
 
 
 def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
