@@ -111,23 +111,6 @@ class CellResult:
     def reported(self) -> int:
         return len(self.records)
 
-    def ttft_parts(self) -> dict[str, float] | None:
-        """Where the time to the first token went, in seconds, from SGLang's stamps (None without them): from the
-        tokenizer's receipt to the scheduler's first forward of the request (`scheduled`: the hand-over and the
-        queue), from there to the scheduler's processing of the prefill's result (`forward`: the pass's launches,
-        the device, and whatever the scheduler ran before it read the result), from there to the tokenizer's
-        first token (`output`), and the rest of the client's TTFT (`http`: the request's way in and the first
-        token's way out)."""
-        t = self.server_times
-        if self.ttft_s is None or not all(k in t for k in SERVER_TIMES):
-            return None
-        received = t["request_received_ts"]
-        scheduled = t["forward_entry_time"] - received
-        forward = t["prefill_finished_time"] - t["forward_entry_time"]
-        first = t["first_token_latency"]
-        return {"scheduled": scheduled, "forward": forward, "output": first - scheduled - forward,
-                "http": self.ttft_s - first}
-
     def as_dict(self) -> dict[str, Any]:
         return {
             "arm": self.arm_name, "lane": self.lane, "rate": self.rate, "duration_s": self.duration_s,

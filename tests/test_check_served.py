@@ -69,7 +69,28 @@ def test_the_summary_puts_the_check_first_and_says_what_a_straying_case_puts_in_
     assert "2 of 3 cases stray or could not run, and every routed figure below measures that execution" in text
     assert "- prefill 1024 tokens, s=0.5, packed read: output 0.7, K/V 0" in text
     assert "- decode 64 rows, CUDA graph: not checked (RuntimeError: capture failed)" in text
-    assert run.check_lines({"sweep": {"check": {"runs": {}}}}) == []  # the check did not run: nothing said
+    assert run.check_lines({"sweep": None}) == []  # no stage that checks has run
+    text = "\n".join(run.check_lines({"sweep": {"check": {"runs": {}}}}))  # left by the stage's budget
+    assert "did not run (the stage's time budget)" in text and "the routed figures below are unchecked" in text
     crashed = {"check": {"runs": {"check-served": {"exit": 1, "output": "check-served.json"}}}}
     text = "\n".join(run.check_lines({"sweep": crashed}))
     assert "did not finish (exit 1" in text and "the routed figures below are unchecked" in text
+
+
+def test_a_check_that_strays_leaves_its_stage_going_and_its_verdict_to_the_summary(tmp_path, monkeypatch):
+    """check_served.py exits 1 where a case strays: the stage that ran it neither fails nor stops (a lease's later
+    stages still run; the summary carries the verdict), and a check that wrote nothing runs again in a later
+    stage."""
+    stage = run.Stage("headline", tmp_path, 600)
+    report = {"device": "cpu", "execution": {}, "rtol": 0.05, "ok": False, "cases": []}
+
+    def fake_steps(plan, stage, steps):
+        ((name, target, cmd),) = steps
+        assert name == "check-served" and "--dry-run" in cmd and target == tmp_path / run.CHECK_JSON
+        target.write_text(json.dumps(report))
+        stage.failed.append(name)
+        return {name: {"exit": 1, "output": str(target)}}
+
+    monkeypatch.setattr(run, "run_steps", fake_steps)
+    check = run.check_served(run.Plan.dry(), tmp_path, stage)
+    assert stage.failed == [] and check["report"] == report and check["runs"]["check-served"]["exit"] == 1

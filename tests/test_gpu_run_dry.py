@@ -231,11 +231,10 @@ def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(d
         assert [p["tokens"] for p in arm["prefill"]] == list(plan.prefill_lengths)
         assert all(len(p["ttft_s_reps"]) == plan.prefill_reps for p in arm["prefill"])
         # where each prompt's TTFT went, by the real server's own stamps (--enable-metrics): a forward of its own,
-        # every part in order (the server's and the client's clocks agree on one machine)
+        # every stamp after the one before it (the server's and the client's clocks agree on one machine)
         for p in arm["prefill"]:
             assert len(p["ttft_parts_s_reps"]) == plan.prefill_reps and p["ttft_parts_s"]["forward"] > 0
-            assert all(min(parts.values()) > -1e-3 and abs(sum(parts.values()) - ttft) < 1e-9
-                       for parts, ttft in zip(p["ttft_parts_s_reps"], p["ttft_s_reps"], strict=True))
+            assert all(min(parts.values()) > -1e-3 for parts in p["ttft_parts_s_reps"])
         assert arm["line"]["points"] == len(arm["decode"])
     comparison = sweep["comparison"]
     assert len(comparison["decode_speedup"]) == len(plan.batches) * len(plan.contexts)

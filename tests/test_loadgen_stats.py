@@ -186,5 +186,4 @@ def test_a_records_ttft_splits_by_sglangs_stamps_where_the_server_gave_them():
     parts = rec.ttft_parts()
     assert set(rec.server_times) == set(SERVER_TIMES)
     assert parts == pytest.approx({"scheduled": 0.003, "forward": 0.045, "output": 0.004, "http": 0.008})
-    assert sum(parts.values()) == pytest.approx(rec.ttft_s)
     assert RequestRecord.from_dict(rec.as_dict()).ttft_parts() == parts  # kept with the cell's records

@@ -413,8 +413,11 @@ def _check_packed_prefill_read(heads: int, kv_heads: int, share: float, extend=N
 def test_the_packed_read_takes_the_blocks_every_row_sees_whole_unmasked_and_reads_the_same(heads, kv_heads):
     """Long prompts (a prompt of 90 tokens behind a prefix of 30, one of 40 with none, a third of 50 behind 7)
     with half their tokens RUN: most of a program's key blocks lie below the first position of its slots, where
-    the read takes them without masks, and some programs' slots span two requests, where it masks every block.
-    Both equal the reference, gathered and not, with keys no reading slot owns poisoned."""
+    the read takes them without masks, and some programs' slots span two requests, where it masks every block
+    (the geometry asserted below). Both equal the reference, gathered and not, with keys no reading slot owns
+    poisoned: an unmasked range one block too long, or unmasked blocks over two requests, reads a key a slot must
+    not see and strays. (That the kernel takes the unmasked branch at all is not observable here: it computes the
+    same.)"""
     block_n = 16
     packed = _check_packed_prefill_read(heads, kv_heads, 0.5, extend=[(2, 30, 90), (0, 0, 40), (1, 7, 50)],
                                         ctx=128, block_n=block_n)

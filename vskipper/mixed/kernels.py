@@ -731,7 +731,7 @@ def masked_decode_split_kernel(q_ptr, k_ptr, v_ptr, r2t_ptr, req_ptr, pos_ptr, r
                                             t_mask[None, :], qk_scale, stride_ks, stride_kh, stride_r2t, m_i, l_i,
                                             acc)
     # Partials [rows, heads, SPLITS, ...]: the unnormalised sum, and (max, sum of exponentials); an empty split
-    # (past its row's length) leaves (-inf, 0) and zeros, which the merge weighs by exp(-inf) = 0.
+    # (past its row's length) leaves (-inf, 0) and zeros, which the merge weighs by exp2(-inf) = 0.
     head_split = (row * GROUP * tl.num_programs(1) + heads) * SPLITS + split
     tl.store(mid_o_ptr + head_split[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
     tl.store(mid_ml_ptr + head_split * 2, m_i, mask=g_mask)
@@ -756,8 +756,8 @@ def masked_decode_merge_kernel(mid_o_ptr, mid_ml_ptr, read_ptr, out_ptr, stride_
     m = tl.load(mid_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
     l_s = tl.load(mid_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
     o = tl.load(mid_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))  # base 2, as the split's scores; split 0 always holds the row's first
-    # tile: the max is finite
+    # Base 2, as the splits' scores; split 0 always holds the row's first tile: the max is finite.
+    w = tl.exp2(m - tl.max(m, 0))
     acc = tl.sum(o * w[:, None], 0)
     tl.store(out_ptrs, (acc / tl.sum(l_s * w, 0)).to(out_ptr.dtype.element_ty))
 

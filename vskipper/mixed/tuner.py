@@ -541,7 +541,10 @@ def time_shapes(shapes: list[ShapeCalls], candidates: list[Tile], clock: Clock, 
     best: list[tuple[float, float, float | None, Tile] | None] = [None] * len(shapes)  # (score, full, half, tile)
     tried, refused = [0] * len(shapes), [0] * len(shapes)
     for tile in candidates:
-        if min(tried) >= keep and clock.spent(min(tried)):  # never before every shape timed the first `keep`
+        # never before every shape took the first `keep` (timed, or refused: a shape that refuses every tile spends
+        # the budget as one that times them)
+        taken = min(t + r for t, r in zip(tried, refused, strict=True))
+        if taken >= keep and clock.spent(taken):
             break
         for n, shape in enumerate(shapes):
             try:
