@@ -144,3 +144,18 @@ def test_a_packed_read_launch_that_strays_from_sdpas_read_is_refused(monkeypatch
     monkeypatch.setattr(kernels, "packed_prefill_attention", real)
     entry = tuner.tune_prefill_read(4, 2, 16, interpret=True, log=lines.append)
     assert entry["tried"] == 1 and "refused" not in entry
+
+
+def test_a_shape_refusing_every_tile_spends_its_budget_as_one_that_times_them(monkeypatch):
+    """Timed together (an operation's prefill lengths), a shape whose every tile strays counts its refusals as
+    the tiles it took: once the budget is spent the others stop too, after the first candidate, and the tuner
+    names the shape, instead of timing every candidate of the others until the stage's limit."""
+    timed = _timed_tiles(monkeypatch)
+    good = _shape("mlp_down")
+    wrong = good._replace(name="mlp_down rows 1..16 (wrong)", check=lambda tile: (1.0, 0.02))
+    spent = tuner.Clock(None, 1)
+    spent.shape_deadline = 0.0  # the share long spent
+    candidates = [INTERPRETER_TILE, replace(INTERPRETER_TILE, block_k=64), replace(INTERPRETER_TILE, block_n=64)]
+    with pytest.raises(tuner.TunerError, match=r"\(wrong\): no candidate tile ran \(1 refused"):
+        tuner.time_shapes([good, wrong], candidates, spent, interpret=True, graph=False, log=lambda line: None)
+    assert {t for t in timed if t is not None} == {INTERPRETER_TILE}  # the good shape's first tile alone
