@@ -46,6 +46,22 @@ def test_a_fault_in_a_read_strays_in_the_cases_that_take_it_and_no_other(tmp_pat
         assert case["ok"] != hit, case
 
 
+def test_a_read_one_key_past_its_position_strays_however_little_the_key_weighs(tmp_path, monkeypatch):
+    """Every slot the pass must not read holds NaN (`poisoned`): a packed read that takes one key past each row's
+    position (a future token of its prompt, or past its request's last) turns the last rows to NaN, where one key
+    among many would shift a row by less than the 5% it is allowed; the read through the backend is untouched."""
+    real = kernels.packed_prefill_attention
+
+    def one_past(q, k_pool, v_pool, r2t, req, positions, *args, **kwargs):
+        return real(q, k_pool, v_pool, r2t, req, positions + 1, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "packed_prefill_attention", one_past)
+    report = _check(tmp_path)
+    hits = [c for c in report["cases"] if c["case"].endswith("packed read") and c["project_only_share"] < 1]
+    assert all(c["ok"] != (c in hits) for c in report["cases"])
+    assert sum(c["output_error"] == float("inf") for c in hits) >= 3  # NaN: a poisoned key read, not a drift
+
+
 def test_a_case_that_cannot_run_is_reported_not_passed(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("an illegal memory access was encountered")

@@ -18,7 +18,7 @@ backend, here SGLang's torch-native one), on the same rows, route and KV state:
 
 each with RandomSkip r = 1, d = 0.5 (about half the rows Project-Only, as the sweep's routed arm) and r = 0 (every
 row RUN, the control), the layer's input handed over as the served layers hand it (a residual the add-norm
-updates). A case passes where what the layer adds to its input and the K/V it wrote lie, row by row, within
+updates), and NaN in every KV slot the pass must not read (`poisoned`). A case passes where what the layer adds to its input and the K/V it wrote lie, row by row, within
 `LAYER_RTOL` of the torch execution's row's largest value (a chain of bf16 roundings; a wrong row, bound, split or
 read strays by whole values). Prints each case and exits 1 if any strays or could not run;
 `--json` writes them.
@@ -65,17 +65,17 @@ def torch_execution(device: torch.device):
     Triton kernel and no attention backend of SGLang's."""
     from vskipper.sglang.models.routed import CohortExecution
 
-    return CohortExecution("torch", prefill_read="rows", decode_read="masked" if device.type == "cuda" else "backend")
+    return CohortExecution("torch", prefill_read="rows", decode_read="masked")
 
 
 class Case:
     """One pass (`fb`) over one rig's layer from a saved KV state, its input handed over as a served layer past the
     first is handed it (hidden states and the residual the add-norm updates in place)."""
 
-    def __init__(self, rig: ServedRig, fb, hidden: torch.Tensor, residual: torch.Tensor, route) -> None:
+    def __init__(self, rig: ServedRig, fb, hidden: torch.Tensor, residual: torch.Tensor, route,
+                 kv0: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.rig, self.fb, self.hidden, self.residual, self.route = rig, fb, hidden, residual, route
-        pool, lid = rig.world.pool, rig.lid
-        self.kv0 = (pool.get_key_buffer(lid).clone(), pool.get_value_buffer(lid).clone())
+        self.kv0 = kv0  # the pool's K and V before each run (`poisoned`)
         self._want: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def want(self, reference) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +110,21 @@ class Case:
         added = h.float() + r.float() - self.hidden.float() - self.residual.float()  # what the layer adds
         self.share = project_only_share(layer_pass)  # of the rows, Project-Only in this pass
         return added, written.flatten(1).float()
+
+
+def poisoned(rig: ServedRig, clean: tuple[torch.Tensor, torch.Tensor], readable: dict[int, int]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool's K and V (`clean`) with NaN in every slot the pass must not read: each request slot's positions
+    from `readable[request]` on (its length after the pass; every position of a request outside it). A read past
+    a row's position or of another request's keys then turns its row to NaN, however little one key weighs in a
+    long context, where a row's 5% would hide it."""
+    r2t = rig.world.req_pool.req_to_token
+    k, v = clean[0].clone(), clean[1].clone()
+    for request in range(len(rig.world.lengths)):
+        slots = r2t[request, readable.get(request, 0):].long()
+        k[slots] = float("nan")
+        v[slots] = float("nan")
+    return k, v
 
 
 def replayed(fn, restore):
@@ -184,15 +199,15 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
     print(f"  the served execution: {json.dumps(report['execution'])}"
           + (f"; decode {report['decode_graphs']}" if "decode_graphs" in report else ""))
     pool = rig.world.pool
-    pool.get_key_buffer(rig.lid).normal_()
-    pool.get_value_buffer(rig.lid).normal_()
+    clean = (pool.get_key_buffer(rig.lid).normal_().clone(), pool.get_value_buffer(rig.lid).normal_().clone())
     with rig.world.context():
         for rows in cases["decode_rows"]:
             rig.world.lengths = [context] * rows_max
             fb = rig.world.batch({r: 1 for r in range(rows)})
             hidden, residual = inputs(rig, rows)
+            kv0 = poisoned(rig, clean, {r: context + 1 for r in range(rows)})
             for arm, route in ROUTES.items():
-                case = Case(rig, fb, hidden, residual, route)
+                case = Case(rig, fb, hidden, residual, route, kv0)
                 results.append(verdict(f"decode {rows} rows, context {context}, {arm}, eager",
                                        lambda case=case: (case.run(served), case.want(reference), case.share)))
                 if graphs:
@@ -201,13 +216,16 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                                                               case.share)))
     rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table)
     served = rig.world.slot.execution
+    pool = rig.world.pool
+    clean = (pool.get_key_buffer(rig.lid).normal_().clone(), pool.get_value_buffer(rig.lid).normal_().clone())
     with rig.world.context():
         for prompts in cases["prompts"]:
             rig.world.lengths = [0, 0]
             fb = rig.world.batch(dict(enumerate(prompts)))
             hidden, residual = inputs(rig, sum(prompts))
+            kv0 = poisoned(rig, clean, dict(enumerate(prompts)))
             for arm, route in ROUTES.items():
-                case = Case(rig, fb, hidden, residual, route)
+                case = Case(rig, fb, hidden, residual, route, kv0)
                 for read in ("packed", "backend"):
                     execution = replace(served, prefill_read=read)
                     results.append(verdict(f"prefill {' + '.join(map(str, prompts))} tokens, {arm}, {read} read",
