@@ -61,8 +61,9 @@ DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7))}
 
 
 def torch_execution(device: torch.device):
-    """The reference: the torch execution with reads of its own (SDPA per request, the masked torch read), no
-    Triton kernel and no attention backend of SGLang's."""
+    """The reference: the torch execution with reads of its own (SDPA per request, the masked torch read) and no
+    Triton kernel; a pass with every row RUN takes its fast path, upstream's attention through the layer's
+    backend (SGLang's torch-native one in `ServedRig`)."""
     from vskipper.sglang.models.routed import CohortExecution
 
     return CohortExecution("torch", prefill_read="rows", decode_read="masked")
