@@ -126,6 +126,21 @@ class DecodeRig:
         return self.model(self.ids, self.batch, self.kv, skipper)
 
 
+def captured(fn, warmups: int = 1):
+    """fn captured in a CUDA graph after `warmups` calls on a side stream (which compile what it launches):
+    (the graph, the output the capture returned, which each replay refills)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def time_step(fn, use_graph: bool, reps: int) -> float:
     if not use_graph:
         fn()
@@ -135,15 +150,7 @@ def time_step(fn, use_graph: bool, reps: int) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = captured(fn, warmups=2)
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

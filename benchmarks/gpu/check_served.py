@@ -46,7 +46,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-from mixed_depth_bench import LLAMA3_8B, SMOKE, ServedRig, project_only_share, served_config  # noqa: E402
+from mixed_depth_bench import (  # noqa: E402
+    LLAMA3_8B,
+    SMOKE,
+    ServedRig,
+    captured,
+    project_only_share,
+    served_config,
+)
 
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 
@@ -129,16 +136,9 @@ def poisoned(rig: ServedRig, clean: tuple[torch.Tensor, torch.Tensor], readable:
 
 
 def replayed(fn, restore):
-    """fn captured in a CUDA graph (after a warm-up on a side stream, which compiles what it launches), replayed
-    once from the KV state `restore` sets: the replay's output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    """fn captured in a CUDA graph (`mixed_depth_bench.captured`), replayed once from the KV state `restore` sets:
+    the replay's output."""
+    graph, out = captured(fn)
     restore()
     graph.replay()
     torch.cuda.synchronize()
