@@ -254,21 +254,25 @@ def one_layer(config: dict) -> dict:
 
 class ServedRig:
     """One served routed decoder layer (`vskipper.sglang.standalone`: SGLang's Llama layer with the routed body,
-    SGLang's KV pool and torch-native attention backend; random weights) and its passes as the served model runs
-    them: the skipper's per-pass state, its route into the tape, the cohort maps and the routed body, all inside
-    the forward, with the execution the server picks on this device (`cohort_execution`)."""
+    SGLang's KV pool and attention backend, by default its torch-native one; random weights) and its passes as the
+    served model runs them: the skipper's per-pass state, its route into the tape, the cohort maps and the routed
+    body, all inside the forward, with the execution a server serving with that backend picks on this device
+    (`cohort_execution`)."""
 
     def __init__(self, config, requests: int, context: int, dtype: torch.dtype, device: torch.device,
-                 execution: str = "auto", tile_table: Path | None = None) -> None:
+                 execution: str = "auto", tile_table: Path | None = None,
+                 attention_backend: str = "torch_native") -> None:
         from vskipper.sglang.models.routed import cohort_execution, routed_graph_blocker
         from vskipper.sglang.standalone import StandaloneLayer
 
         self.world = StandaloneLayer(config, layer_id=config.routing_layers[0], requests=requests,
-                                     slots=requests * context + 1, context=context, dtype=dtype, device=device)
+                                     slots=requests * context + 1, context=context, dtype=dtype, device=device,
+                                     attention_backend=attention_backend)
         self.layer = self.world.layer
         self.lid = self.layer.layer_id
         self.device = self.world.device
-        self.world.slot.execution = cohort_execution([self.layer], self.device, execution, tile_table)
+        self.world.slot.execution = cohort_execution([self.layer], self.device, execution, tile_table,
+                                                     attention_backend)
         self.graph_blocker = routed_graph_blocker(self.world.slot.execution, self.device)
 
     def pass_fn(self, fb, x: torch.Tensor, skipper, residual: torch.Tensor | None = None):

@@ -1,6 +1,6 @@
 """The served routed layer in this process (`vskipper.sglang.standalone`): SGLang's real decoder layers (Llama,
-Qwen3) with vSkipper's routed body, SGLang's real KV pool, request-to-token pool and torch-native attention backend,
-on CPU; here with the tiny checkpoints' configs, the dense reference and the routed pass the tests compare.
+Qwen3) with vSkipper's routed body, SGLang's real KV pool, request-to-token pool and attention backend (torch-native
+unless asked), on CPU; here with the tiny checkpoints' configs, the dense reference and the routed pass the tests compare.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class LayerWorld(StandaloneLayer):
         return world
 
     def __init__(self, arch: str, tmp: Path, seed: int = 0, layer_id: int = 2, requests: int = 4,
-                 slots: int = 160, context: int = 32) -> None:
+                 slots: int = 160, context: int = 32, attention_backend: str = "torch_native") -> None:
         init_sglang()
         from transformers import AutoConfig
 
@@ -37,7 +37,8 @@ class LayerWorld(StandaloneLayer):
 
         register_configs()
         config = AutoConfig.from_pretrained(str(make_tiny_model(arch, tmp / arch)))
-        super().__init__(config, layer_id=layer_id, requests=requests, slots=slots, context=context, seed=seed)
+        super().__init__(config, layer_id=layer_id, requests=requests, slots=slots, context=context, seed=seed,
+                         attention_backend=attention_backend)
         self.arch = arch
 
     def hidden(self, rows: int) -> torch.Tensor:
@@ -49,10 +50,11 @@ class LayerWorld(StandaloneLayer):
         run_t = torch.tensor(run)
         return run_t, torch.where(run_t, torch.ones(len(run)), torch.rand(len(run), generator=self.gen) * 0.8 + 0.1)
 
-    def dense(self, fb, x: torch.Tensor) -> torch.Tensor:
-        """The dense layer through SGLang's own modules: h = x + Attn(LN1 x); y = h + MLP(LN2 h)."""
+    def dense(self, fb, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        """The dense layer through SGLang's own modules: h = x + Attn(LN1 x); y = h + MLP(LN2 h), its attention
+        through `backend` (by default the world's)."""
         layer = self.layer
-        with self.context(), torch.no_grad():
+        with self.context(backend), torch.no_grad():
             h = x + layer.self_attn(positions=fb.positions, hidden_states=layer.input_layernorm(x), forward_batch=fb)
             return h + layer.mlp(layer.post_attention_layernorm(h))
 

@@ -10,6 +10,7 @@ import torch
 
 from benchmarks.gpu import check_served, run
 from vskipper.mixed import kernels
+from vskipper.sglang.spec import serve_profile
 
 
 def _check(tmp_path) -> dict:
@@ -22,6 +23,9 @@ def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path
     assert check_served.main(["--dry-run", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["ok"] and report["execution"]["decode"] == "triton"
+    # the servers' attention backend (the device run's profile), against a reference that reads through another
+    assert report["attention_backend"] == check_served.SERVED_PROFILE.attention_backend == "triton"
+    assert report["reference_backend"] == "torch_native" and "attention_backend_unlike_servers" not in report
     names = [c["case"] for c in report["cases"]]
     assert len(names) == 12 and sum("decode" in n for n in names) == 4
     assert {n.rsplit(", ", 1)[1] for n in names if n.startswith("prefill")} == {"packed read", "backend read"}
@@ -44,6 +48,28 @@ def test_a_fault_in_a_read_strays_in_the_cases_that_take_it_and_no_other(tmp_pat
     for case in report["cases"]:
         hit = strays(case["case"]) and case["project_only_share"] < 1  # a pass whose rows all project reads nothing
         assert case["ok"] != hit, case
+
+
+def test_a_fault_in_the_servers_backend_read_strays_in_the_backend_read_cases_and_no_other(tmp_path, monkeypatch):
+    """The served layer reads through SGLang's Triton backend, the reference through its torch-native one: a fault
+    in the Triton backend's extend read (which a server's routed prefill takes where the table chose the backend
+    read) strays there, the control's all-RUN pass included."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    real = TritonAttnBackend.forward_extend
+    monkeypatch.setattr(TritonAttnBackend, "forward_extend", lambda self, *a, **k: real(self, *a, **k) * 1.5)
+    report = _check(tmp_path)
+    assert not report["ok"]
+    for case in report["cases"]:
+        assert case["ok"] != case["case"].endswith("backend read"), case
+
+
+def test_a_servers_backend_the_check_cannot_build_is_named_and_the_reference_backend_read_instead(monkeypatch):
+    monkeypatch.setattr(check_served, "SERVED_PROFILE", serve_profile("gpu", real_sgl_kernel=True))
+    backend, unlike = check_served.rig_backend()
+    assert backend == "torch_native"
+    assert unlike == ("the servers' attention backend (SGLang picks one) is not one a standalone layer builds "
+                      "(torch_native, triton)")
 
 
 def test_a_read_one_key_past_its_position_strays_however_little_the_key_weighs(tmp_path, monkeypatch):
@@ -73,9 +99,14 @@ def test_a_case_that_cannot_run_is_reported_not_passed(tmp_path, monkeypatch):
 
 def test_the_summary_puts_the_check_first_and_says_what_a_straying_case_puts_in_doubt():
     ok = {"device": "NVIDIA H200", "execution": {"decode": "triton"}, "rtol": 0.05, "ok": True,
+          "attention_backend": "triton",
           "cases": [{"case": "decode 16 rows", "ok": True, "output_error": 0.004, "kv_error": 0.0}]}
     text = "\n".join(run.check_lines({"sweep": {"check": {"runs": {}, "report": ok}}}))
     assert "## Check" in text and "all 1 cases agree (the worst row 0.004)" in text and "replayed" not in text
+    assert 'layer ({"decode": "triton"}, reading through SGLang\'s triton attention backend) against' in text
+    unlike = {**ok, "attention_backend": "torch_native", "attention_backend_unlike_servers": "not built here"}
+    text = "\n".join(run.check_lines({"sweep": {"check": {"runs": {}, "report": unlike}}}))
+    assert "reading through SGLang's torch_native attention backend (not built here)) against" in text
     bad = {**ok, "ok": False, "cases": [*ok["cases"], {"case": "prefill 1024 tokens, s=0.5, packed read",
                                                       "ok": False, "output_error": 0.7, "kv_error": 0.0},
                                         {"case": "decode 64 rows, CUDA graph", "ok": False,

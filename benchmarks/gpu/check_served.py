@@ -4,17 +4,18 @@
     python benchmarks/gpu/check_served.py [--tile-table T] [--json OUT] [--dry-run]
 
 One routed layer of the device run's model (SGLang's Llama decoder layer with vSkipper's routed body, SGLang's KV
-pool; Llama-3-8B's shape, bf16, random weights: `mixed_depth_bench.ServedRig`), the execution a server takes on
-this device (`cohort_execution`: the triton execution at the tile table given, or the one shipped for it), against
-the torch execution of the same body (packed cohorts, cuBLAS, the masked decode read in torch and SDPA per request
-for prefill: none of the Triton kernels; where every row is RUN its fast path reads through the layer's attention
-backend, here SGLang's torch-native one), on the same rows, route and KV state:
+pool; Llama-3-8B's shape, bf16, random weights: `mixed_depth_bench.ServedRig`), reading through the attention
+backend the device run's servers serve with (`SERVED_PROFILE`'s `--attention-backend`: SGLang's Triton backend),
+the execution a server takes on this device (`cohort_execution`: the triton execution at the tile table given, or
+the one shipped for it), against the torch execution of the same body (packed cohorts, cuBLAS, the masked decode
+read in torch and SDPA per request for prefill; where every row is RUN its fast path reads through SGLang's
+torch-native backend: none of the Triton kernels, SGLang's or ours), on the same rows, route and KV state:
 
   decode   batches of 16, 64 and 128 rows (the count ranges the sweep's batches reach) over 1,000 tokens of
            context, the triton execution eager and replayed from a CUDA graph (as a server replays it)
   prefill  one prompt of 1,024 tokens, and a pass of two prompts (600 and 424), eager, with the packed read and
-           with the read through the layer's backend (SGLang's torch-native one here: the servers' is its Triton
-           backend, which this does not check; which of the two a server takes, the table and that backend decide)
+           with the read through the servers' backend (SGLang's Triton extend kernel over every row, Project-Only
+           rows with a zero query; which of the two a server takes, the table and that backend decide)
 
 each with RandomSkip r = 1, d = 0.5 (about half the rows Project-Only, as the sweep's routed arm) and r = 0 (every
 row RUN, the control), the layer's input handed over as the served layers hand it (a residual the add-norm
@@ -25,7 +26,8 @@ read strays by whole values). Prints each case and exits 1 if any strays or coul
 
 Interpreted kernels and the CPU cannot show a fault only the device has (a race, an out-of-bounds read that lands
 on zeros, a compiler's bug at the device's tiles): the device run checks this before it trusts a routed figure.
-`--dry-run` runs the same cases on CPU under the Triton interpreter with a tiny model (fp32).
+`--dry-run` runs the same cases on CPU under the Triton interpreter (ours and SGLang's Triton backend's kernels)
+with a tiny model (fp32).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from mixed_depth_bench import (  # noqa: E402
     served_config,
 )
 
+from vskipper.sglang.spec import serve_profile  # noqa: E402
+from vskipper.sglang.standalone import ATTENTION_BACKENDS  # noqa: E402
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 
 # How far a row of the served execution may stray from the torch execution's, as a share of that row's largest
@@ -65,12 +69,16 @@ LAYER_RTOL = 0.05
 ROUTES = {"s=0.5": RandomSkip(r=1.0, d=0.5, seed=0), "s=0": RandomSkip(r=0.0, d=0.5, seed=0)}
 DEVICE_CASES = {"decode_rows": (16, 64, 128), "context": 1000, "prompts": ((1024,), (600, 424))}
 DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7))}
+# The profile the device run's servers take on the device image (no SGLang kernel wheels: the CUDA stand-ins), whose
+# attention backend the served layer reads through; the reference reads through the torch-native one.
+SERVED_PROFILE = serve_profile("gpu", real_sgl_kernel=False)
+REFERENCE_BACKEND = "torch_native"
 
 
 def torch_execution(device: torch.device):
     """The reference: the torch execution with reads of its own (SDPA per request, the masked torch read) and no
-    Triton kernel; a pass with every row RUN takes its fast path, upstream's attention through the layer's
-    backend (SGLang's torch-native one in `ServedRig`)."""
+    Triton kernel; a pass with every row RUN takes its fast path, upstream's attention through the backend it
+    runs in (`REFERENCE_BACKEND`: `Case.want`)."""
     from vskipper.sglang.models.routed import CohortExecution
 
     return CohortExecution("torch", prefill_read="rows", decode_read="masked")
@@ -87,10 +95,10 @@ class Case:
         self._want: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def want(self, reference) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch execution's (what the layer adds, the K/V it wrote), run once for the case's every served run
-        (the same route: the same share)."""
+        """The torch execution's (what the layer adds, the K/V it wrote) through `REFERENCE_BACKEND`, run once for
+        the case's every served run (the same route: the same share)."""
         if self._want is None:
-            self._want = self.run(reference)
+            self._want = self.run(reference, backend=REFERENCE_BACKEND)
         return self._want
 
     def restore(self) -> None:
@@ -98,11 +106,14 @@ class Case:
         pool.get_key_buffer(lid).copy_(self.kv0[0])
         pool.get_value_buffer(lid).copy_(self.kv0[1])
 
-    def run(self, execution, graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, execution, graph: bool = False, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(what the layer adds to its input, in fp32: its output's hidden + residual less the input's; the K/V it
-        wrote at the pass's slots), with `execution`, eager or replayed from a CUDA graph; `share` then holds the
-        pass's Project-Only share."""
-        self.rig.world.slot.execution = execution
+        wrote at the pass's slots), with `execution`, eager or replayed from a CUDA graph, through attention
+        `backend` (by default the rig's: the servers'), its metadata planned for the pass first as a model runner
+        plans it; `share` then holds the pass's Project-Only share."""
+        world = self.rig.world
+        world.slot.execution = execution
+        world.attention_backend(backend or world.backend_name).init_forward_metadata(self.fb)
         self.restore()
         hidden, residual = self.hidden.clone(), self.residual.clone()
         layer_pass = self.rig.pass_fn(self.fb, hidden, self.route, residual)
@@ -112,7 +123,8 @@ class Case:
             residual.copy_(self.residual)
             return layer_pass()
 
-        h, r = replayed(passed, self.restore) if graph else passed()
+        with world.context(backend):
+            h, r = replayed(passed, self.restore) if graph else passed()
         pool, lid, loc = self.rig.world.pool, self.rig.lid, self.fb.out_cache_loc
         written = torch.cat([pool.get_key_buffer(lid)[loc], pool.get_value_buffer(lid)[loc]], dim=1)
         added = h.float() + r.float() - self.hidden.float() - self.residual.float()  # what the layer adds
@@ -173,6 +185,16 @@ def verdict(name: str, run) -> dict:
     return {"case": name, "ok": ok, "output_error": out_err, "kv_error": kv_err, "project_only_share": share}
 
 
+def rig_backend() -> tuple[str, str | None]:
+    """(the attention backend the rig reads through, why it is not the servers' or None): the servers' where a
+    standalone layer builds it (`ATTENTION_BACKENDS`), else the reference's."""
+    served = SERVED_PROFILE.attention_backend
+    if served in ATTENTION_BACKENDS:
+        return served, None
+    return REFERENCE_BACKEND, (f"the servers' attention backend ({served or 'SGLang picks one'}) is not one a "
+                               f"standalone layer builds ({', '.join(ATTENTION_BACKENDS)})")
+
+
 def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_table: Path | None, tmp: Path
           ) -> dict:
     """Every case of `cases` (`DEVICE_CASES` or `DRY_CASES`): the report `--json` writes."""
@@ -184,54 +206,57 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
     longest = max(context + 2, max(sum(p) for p in cases["prompts"]))
     hf_config, _ = served_config(size, dtype, tmp, longest)
     reference = torch_execution(device)
-    results, report = [], {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
+    backend, unlike = rig_backend()
+    results, report = [], {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                           "attention_backend": backend, "reference_backend": REFERENCE_BACKEND}
+    if unlike:
+        report["attention_backend_unlike_servers"] = unlike
 
     def inputs(rig: ServedRig, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen, hidden = rig.world.gen, hf_config.hidden_size
         return (torch.randn(rows, hidden, generator=gen).to(device, dtype),
                 torch.randn(rows, hidden, generator=gen).to(device, dtype))
 
-    rig = ServedRig(hf_config, rows_max, context + 1, dtype, device, "triton", tile_table)
+    rig = ServedRig(hf_config, rows_max, context + 1, dtype, device, "triton", tile_table, backend)
     served = rig.world.slot.execution
     report["execution"] = served.attestation()
     graphs = device.type == "cuda" and rig.graph_blocker is None  # as a server captures its routed decode graphs
     if device.type == "cuda" and not graphs:
         report["decode_graphs"] = f"not replayed: {rig.graph_blocker}"
-    print(f"  the served execution: {json.dumps(report['execution'])}"
+    print(f"  the served execution: {json.dumps(report['execution'])}, reading through SGLang's {backend} "
+          f"attention backend" + (f" ({unlike})" if unlike else "")
           + (f"; decode {report['decode_graphs']}" if "decode_graphs" in report else ""))
     pool = rig.world.pool
     clean = (pool.get_key_buffer(rig.lid).normal_().clone(), pool.get_value_buffer(rig.lid).normal_().clone())
-    with rig.world.context():
-        for rows in cases["decode_rows"]:
-            rig.world.lengths = [context] * rows_max
-            fb = rig.world.batch({r: 1 for r in range(rows)})
-            hidden, residual = inputs(rig, rows)
-            kv0 = poisoned(rig, clean, {r: context + 1 for r in range(rows)})
-            for arm, route in ROUTES.items():
-                case = Case(rig, fb, hidden, residual, route, kv0)
-                results.append(verdict(f"decode {rows} rows, context {context}, {arm}, eager",
-                                       lambda case=case: (case.run(served), case.want(reference), case.share)))
-                if graphs:
-                    results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
-                                           lambda case=case: (case.run(served, graph=True), case.want(reference),
-                                                              case.share)))
-    rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table)
+    for rows in cases["decode_rows"]:
+        rig.world.lengths = [context] * rows_max
+        fb = rig.world.batch({r: 1 for r in range(rows)})
+        hidden, residual = inputs(rig, rows)
+        kv0 = poisoned(rig, clean, {r: context + 1 for r in range(rows)})
+        for arm, route in ROUTES.items():
+            case = Case(rig, fb, hidden, residual, route, kv0)
+            results.append(verdict(f"decode {rows} rows, context {context}, {arm}, eager",
+                                   lambda case=case: (case.run(served), case.want(reference), case.share)))
+            if graphs:
+                results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
+                                       lambda case=case: (case.run(served, graph=True), case.want(reference),
+                                                          case.share)))
+    rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table, backend)
     served = rig.world.slot.execution
     pool = rig.world.pool
     clean = (pool.get_key_buffer(rig.lid).normal_().clone(), pool.get_value_buffer(rig.lid).normal_().clone())
-    with rig.world.context():
-        for prompts in cases["prompts"]:
-            rig.world.lengths = [0, 0]
-            fb = rig.world.batch(dict(enumerate(prompts)))
-            hidden, residual = inputs(rig, sum(prompts))
-            kv0 = poisoned(rig, clean, dict(enumerate(prompts)))
-            for arm, route in ROUTES.items():
-                case = Case(rig, fb, hidden, residual, route, kv0)
-                for read in ("packed", "backend"):
-                    execution = replace(served, prefill_read=read)
-                    results.append(verdict(f"prefill {' + '.join(map(str, prompts))} tokens, {arm}, {read} read",
-                                           lambda case=case, e=execution: (case.run(e), case.want(reference),
-                                                                           case.share)))
+    for prompts in cases["prompts"]:
+        rig.world.lengths = [0, 0]
+        fb = rig.world.batch(dict(enumerate(prompts)))
+        hidden, residual = inputs(rig, sum(prompts))
+        kv0 = poisoned(rig, clean, dict(enumerate(prompts)))
+        for arm, route in ROUTES.items():
+            case = Case(rig, fb, hidden, residual, route, kv0)
+            for read in ("packed", "backend"):
+                execution = replace(served, prefill_read=read)
+                results.append(verdict(f"prefill {' + '.join(map(str, prompts))} tokens, {arm}, {read} read",
+                                       lambda case=case, e=execution: (case.run(e), case.want(reference),
+                                                                       case.share)))
     report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL)
     return report
 

@@ -185,6 +185,12 @@ class ServeProfile:
     flags: tuple[str, ...] = ()
     jit: str | None = None
 
+    @property
+    def attention_backend(self) -> str | None:
+        """The attention backend its flags name (`--attention-backend`); None where SGLang picks one."""
+        flags = list(self.flags)
+        return flags[flags.index("--attention-backend") + 1] if "--attention-backend" in flags else None
+
     def attestation(self) -> dict:
         return {"name": self.name, "platform": self.platform, "kernels": self.kernels, "jit": self.jit,
                 "decode_graphs": self.decode_graphs}

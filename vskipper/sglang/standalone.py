@@ -1,6 +1,6 @@
 """One served routed decoder layer outside a server, in this process: SGLang's real decoder layer (Llama or Qwen3)
-with vSkipper's routed body, SGLang's real KV pool, request-to-token pool and torch-native attention backend, on CPU
-or on a CUDA device. The served layer's tests build on it (`tests/sglang_layer_world.py`), and so do the CPU bench's
+with vSkipper's routed body, SGLang's real KV pool, request-to-token pool and attention backend (its torch-native
+one, or its Triton one, which the device runs' servers read through), on CPU or on a CUDA device. The served layer's tests build on it (`tests/sglang_layer_world.py`), and so do the CPU bench's
 decode profile (`benchmarks/bench_cpu.py`) and the served-layer section of `benchmarks/mixed_depth_bench.py`.
 
 SGLang's layers need its runtime context and a model-parallel group even at TP = 1: `init_sglang` publishes a
@@ -18,12 +18,17 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 _READY: str | None = None  # the device type SGLang's context was published for
 PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}  # device type -> the serving platform whose profile prepares it
+# The attention backends a standalone layer builds (as `--attention-backend` names them): the torch-native one (the
+# CPU servers') and the Triton one (the GPU stand-in servers'; on CPU its kernels run in the Triton interpreter).
+ATTENTION_BACKENDS = ("torch_native", "triton")
 
 
 def device_process(device: str = "cpu") -> None:
@@ -85,13 +90,17 @@ class StandaloneLayer:
     """One routed decoder layer (random weights) of `config` over a KV pool of `slots` slots shared by `requests`
     request slots of up to `context` tokens each; request r's positions live at random distinct slots (slot 0,
     SGLang's padding slot, stays free). `batch` tracks each request's length. Everything lives on `device`
-    (the weights are drawn on the host, so a seed gives the same layer on every device)."""
+    (the weights are drawn on the host, so a seed gives the same layer on every device). Its passes read through
+    `attention_backend` (one of `ATTENTION_BACKENDS`); `backend(name)` builds another over the same pools."""
 
     def __init__(self, config, *, layer_id: int, requests: int, slots: int, context: int,
-                 dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu",
+                 attention_backend: str = "torch_native") -> None:
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
+                             f"{attention_backend!r}")
         self.device = torch.device(device)
         init_sglang(self.device.type)
-        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
         from vskipper.sglang.models.routed import StepSlot
@@ -114,19 +123,60 @@ class StandaloneLayer:
         self.req_pool = ReqToTokenPool(requests, context, where, False)
         perm = torch.randperm(slots - 1, generator=gen)[: requests * context] + 1
         self.req_pool.req_to_token[:requests, :context] = perm.view(requests, context).to(self.device)
-        self.backend = TorchNativeAttnBackend(SimpleNamespace(device=where, req_to_token_pool=self.req_pool,
-                                                              token_to_kv_pool=self.pool))
+        self._backends: dict[str, object] = {}
+        self.backend_name = attention_backend
+        self.backend = self.attention_backend(attention_backend)
         self.lengths = [0] * requests
 
-    def context(self):
-        """SGLang's forward context of this layer's passes (its attention backend, hence its pools)."""
+    def attention_backend(self, name: str):
+        """SGLang's attention backend `name` (one of `ATTENTION_BACKENDS`) over this layer's pools, built once; each
+        batch (`batch`) plans its metadata as a model runner does before a forward."""
+        if name not in self._backends:
+            where = str(self.device)
+            if name == "torch_native":
+                from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+                backend = TorchNativeAttnBackend(SimpleNamespace(device=where, req_to_token_pool=self.req_pool,
+                                                                 token_to_kv_pool=self.pool))
+            elif name == "triton":
+                backend = self._triton_backend()
+            else:
+                raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+            self._backends[name] = backend
+        return self._backends[name]
+
+    def _triton_backend(self):
+        """SGLang's Triton attention backend, built as a model runner builds it: its model config read from this
+        layer's config as SGLang reads a checkpoint's, the runner's pools and KV index translator."""
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+
+        with tempfile.TemporaryDirectory(prefix="vskipper-layer-") as tmp:
+            self.config.to_json_file(str(Path(tmp) / "config.json"))
+            model_config = ModelConfig(tmp)
+        where = str(self.device)
+        translator = KVIndexTranslator(req_to_token=self.req_pool.req_to_token, token_to_kv_pool_allocator=None,
+                                       token_to_kv_pool=self.pool, page_size=1, device=where)
+        runner = SimpleNamespace(
+            req_to_token_pool=self.req_pool, token_to_kv_pool=self.pool, token_to_kv_pool_allocator=None,
+            kv_index_translator=translator, model_config=model_config, sliding_window_size=None, page_size=1,
+            decode_num_tokens_per_req=lambda: 1, is_draft_worker=False, device=where,
+            gpu_id=self.device.index or 0, kv_cache_dtype=self.pool.dtype)
+        return TritonAttnBackend(runner)
+
+    def context(self, backend: str | None = None):
+        """SGLang's forward context of this layer's passes: their attention backend (`backend`, by default the
+        layer's), hence its pools."""
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-        return forward_context(ForwardContext(attn_backend=self.backend))
+        chosen = self.backend if backend is None else self.attention_backend(backend)
+        return forward_context(ForwardContext(attn_backend=chosen))
 
     def batch(self, extend: dict[int, int]) -> SimpleNamespace:
         """A forward batch: `extend` maps request slot -> new tokens (all 1: a decode batch). Its tensors live on
-        the layer's device, `seq_lens_cpu` and `extend_seq_lens_cpu` on the host (as SGLang's batches)."""
+        the layer's device, `seq_lens_cpu` and `extend_seq_lens_cpu` on the host (as SGLang's batches). Every
+        attention backend built so far plans its metadata for it (the batch's passes follow, until the next)."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         decode = all(n == 1 for n in extend.values()) and all(self.lengths[r] for r in extend)
@@ -139,10 +189,14 @@ class StandaloneLayer:
         out_loc = self.req_pool.req_to_token[req_rows.to(dev), positions.to(dev)].to(torch.int64)
         for r in reqs:
             self.lengths[r] += extend[r]
-        return SimpleNamespace(
+        fb = SimpleNamespace(
             forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, positions=positions.to(dev),
             out_cache_loc=out_loc, req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq, device=dev), seq_lens_cpu=torch.tensor(seq),
-            extend_seq_lens=torch.tensor([extend[r] for r in reqs], device=dev),
-            extend_seq_lens_cpu=[extend[r] for r in reqs],
-            extend_prefix_lens=torch.tensor(prefix, device=dev), encoder_lens=None, mha_return_lse=False)
+            batch_size=len(reqs), seq_lens=torch.tensor(seq, device=dev), seq_lens_cpu=torch.tensor(seq),
+            seq_lens_sum=sum(seq), extend_seq_lens=torch.tensor([extend[r] for r in reqs], device=dev),
+            extend_seq_lens_cpu=[extend[r] for r in reqs], extend_prefix_lens=torch.tensor(prefix, device=dev),
+            extend_prefix_lens_cpu=prefix, encoder_lens=None, spec_info=None, mha_return_lse=False,
+            mha_one_shot=False, attn_attend_prefix_cache=False)
+        for backend in self._backends.values():
+            backend.init_forward_metadata(fb)
+        return fb
