@@ -72,6 +72,20 @@ def test_a_servers_backend_the_check_cannot_build_is_named_and_the_reference_bac
                       "(torch_native, triton)")
 
 
+def test_a_servers_backend_that_does_not_build_is_named_and_the_rest_still_checked(tmp_path, monkeypatch):
+    from sglang.srt.layers.attention import triton_backend
+
+    def refuse(self, runner, *args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(triton_backend.TritonAttnBackend, "__init__", refuse)
+    report = _check(tmp_path)
+    assert report["ok"] and report["attention_backend"] == "torch_native" and len(report["cases"]) == 12
+    assert report["attention_backend_unlike_servers"] == (
+        "SGLang's triton backend did not build here (RuntimeError: no kernel image is available for execution on "
+        "the device)")
+
+
 def test_a_read_one_key_past_its_position_strays_however_little_the_key_weighs(tmp_path, monkeypatch):
     """Every slot the pass must not read holds NaN (`poisoned`): a packed read that takes one key past each row's
     position (a future token of its prompt, or past its request's last) turns the last rows to NaN, where one key

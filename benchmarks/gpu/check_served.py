@@ -195,6 +195,19 @@ def rig_backend() -> tuple[str, str | None]:
                                f"standalone layer builds ({', '.join(ATTENTION_BACKENDS)})")
 
 
+def built_rig(backend: str, *args) -> tuple[ServedRig, str, str | None]:
+    """(a `ServedRig(*args)` reading through `backend`, the backend it reads through, why not `backend` or None):
+    where SGLang's `backend` does not build on this device, the rig reads through the reference's, and says why
+    (the other cases are still checked)."""
+    try:
+        return ServedRig(*args, attention_backend=backend), backend, None
+    except Exception as exc:
+        if backend == REFERENCE_BACKEND:
+            raise
+        why = f"SGLang's {backend} backend did not build here ({type(exc).__name__}: {str(exc).strip()[:200]})"
+        return ServedRig(*args, attention_backend=REFERENCE_BACKEND), REFERENCE_BACKEND, why
+
+
 def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_table: Path | None, tmp: Path
           ) -> dict:
     """Every case of `cases` (`DEVICE_CASES` or `DRY_CASES`): the report `--json` writes."""
@@ -207,6 +220,8 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
     hf_config, _ = served_config(size, dtype, tmp, longest)
     reference = torch_execution(device)
     backend, unlike = rig_backend()
+    rig, backend, failed = built_rig(backend, hf_config, rows_max, context + 1, dtype, device, "triton", tile_table)
+    unlike = unlike or failed
     results, report = [], {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                            "attention_backend": backend, "reference_backend": REFERENCE_BACKEND}
     if unlike:
@@ -217,7 +232,6 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
         return (torch.randn(rows, hidden, generator=gen).to(device, dtype),
                 torch.randn(rows, hidden, generator=gen).to(device, dtype))
 
-    rig = ServedRig(hf_config, rows_max, context + 1, dtype, device, "triton", tile_table, backend)
     served = rig.world.slot.execution
     report["execution"] = served.attestation()
     graphs = device.type == "cuda" and rig.graph_blocker is None  # as a server captures its routed decode graphs
@@ -241,7 +255,7 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                 results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
                                        lambda case=case: (case.run(served, graph=True), case.want(reference),
                                                           case.share)))
-    rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table, backend)
+    rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table, attention_backend=backend)
     served = rig.world.slot.execution
     pool = rig.world.pool
     clean = (pool.get_key_buffer(rig.lid).normal_().clone(), pool.get_value_buffer(rig.lid).normal_().clone())
