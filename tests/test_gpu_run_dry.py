@@ -99,6 +99,7 @@ def test_ladder_finds_q_star_on_dense_and_serves_dense_every_headline_cell(dry_r
     assert q["rates"] == list(range(q["rates"][0], q["rates"][0] + len(q["rates"])))  # contiguous, step 1
     assert len(q["rates"]) <= plan.ladder_max_rates and q["q_star"] in q["rates"]
     assert q["rates"][0] <= ladder["calibration"]["ladder_start"] <= q["rates"][-1]
+    assert ladder["calibration"]["ladder_start"] <= ladder["calibration"]["ladder_start_max"] == plan.ladder_start_max
     assert all(t > 0 for t in q["tok_s"])
     cells = [headline.Cell.from_dict(c) for c in ladder["cells"]]
     assert [(c.load, c.repetition) for c in cells] == [(load, r) for load in headline.SERVE_ORDER

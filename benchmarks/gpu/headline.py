@@ -111,11 +111,13 @@ def cell_requests(rate: float, window_s: float, min_requests: int) -> int:
     return max(min_requests, round(rate * window_s))
 
 
-def ladder_start(estimate_req_s: float) -> int:
-    """The ladder's first rate: below the request rate a closed burst sustained, so the ladder climbs to its knee."""
+def ladder_start(estimate_req_s: float, at_most: int | None = None) -> int:
+    """The ladder's first rate: below the request rate a closed burst sustained, so the ladder climbs to its knee;
+    no higher than `at_most` where given (a plan whose burst is too short to measure a rate the server sustains)."""
     if not estimate_req_s > 0:
         raise ValueError(f"estimate_req_s: must be > 0, got {estimate_req_s!r}")
-    return max(1, math.floor(LADDER_START_FACTOR * estimate_req_s))
+    start = max(1, math.floor(LADDER_START_FACTOR * estimate_req_s))
+    return start if at_most is None else min(start, at_most)
 
 
 def next_ladder_rate(tok_s: Mapping[int, float], start: int, max_rates: int) -> int | None:

@@ -150,6 +150,7 @@ class Plan:
     engagement_optional: bool  # whether a hybrid cell may run no routed pass (loadgen's below-engagement)
     threshold_step: int  # the rounding of thresholds derived from a measured tau
     dry_thresholds: tuple[int, int] | None = None  # (enter, exit) on CPU, where no device has a roofline
+    ladder_start_max: int | None = None  # the highest rate the ladder starts at, whatever the calibration says
     model_size: dict = field(default_factory=dict)
 
     @classmethod
@@ -176,14 +177,17 @@ class Plan:
         # On CPU an idle SGLang scheduler polls in a busy loop: the dry run's servers sleep while idle, so the
         # four of them and the kernels stage share the cores with the one being driven. The tiny prompts never
         # reach the prefill floor and a cell of a second and a half may keep the decode switch below its enter
-        # threshold: the hybrid arm's cells may run no routed pass.
+        # threshold: the hybrid arm's cells may run no routed pass. A closed burst of four requests on the shared
+        # cores measures anything from 2 to 110 req/s, and a ladder started far past the knee sees no output
+        # within a one-second window: it starts at 3 req/s at most.
         return cls(True, "cpu", "float32", ("--load-format", "dummy", "--skip-tokenizer-init", "--sleep-on-idle",
                                             *METRICS_FLAGS),
                    None, None, batches=(2, 3), contexts=(16,), sweep_new_tokens=6, decode_reps=2,
                    prefill_lengths=(32, 64), prefill_reps=2, startup_timeout_s=240.0, prompt_tokens=(16, 32), output_tokens=(3, 9),
                    warmup_requests=2, calibration_requests=4, ladder_window_s=1.0, ladder_max_rates=3, window_s=1.5,
                    min_requests=4, repetitions=1, start_estimate_s=1.0, cell_overhead_s=0.5,
-                   engagement_optional=True, threshold_step=10, dry_thresholds=(60, 40), model_size={"layers": 4})
+                   engagement_optional=True, threshold_step=10, dry_thresholds=(60, 40), model_size={"layers": 4},
+                   ladder_start_max=3)
 
     def max_running(self) -> int | None:
         flags = list(self.sglang_flags)
@@ -584,7 +588,8 @@ def calibrate(plan: Plan, server: Server, vocab: int) -> dict:
     seconds = max(r.finish_s for r in records) - min(r.submit_s for r in records)
     rate = len(records) / seconds
     return {"requests": len(records), "new_tokens": new_tokens, "seconds": seconds, "req_s": rate,
-            "ladder_start": headline.ladder_start(rate)}
+            "ladder_start": headline.ladder_start(rate, plan.ladder_start_max),
+            "ladder_start_max": plan.ladder_start_max}
 
 
 def serve_cell(server: Server, suite, rate: float, seed: int, repetition: int, arm_name: str, path: Path):
