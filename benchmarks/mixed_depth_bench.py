@@ -275,10 +275,12 @@ class ServedRig:
                                                      attention_backend)
         self.graph_blocker = routed_graph_blocker(self.world.slot.execution, self.device)
 
-    def pass_fn(self, fb, x: torch.Tensor, skipper, residual: torch.Tensor | None = None):
+    def pass_fn(self, fb, x: torch.Tensor, skipper, residual: torch.Tensor | None = None,
+                dense_rows: torch.Tensor | None = None):
         """One forward of the layer over batch `fb`: upstream's dense forward (skipper None) or the routed pass;
         with `residual`, the layer is handed it as a served layer past the first is (its add-norm updates it in
-        place), where without it x is the first layer's input, left as it is."""
+        place), where without it x is the first layer's input, left as it is. `dense_rows` (bool [rows]) RUN with
+        unit weight whatever the skipper says (dense-mode requests' rows, or a replayed graph's padding rows)."""
         from vskipper.mixed.cohorts import CohortBuilder
         from vskipper.mixed.tape import RouteTape
         from vskipper.sglang.models.routed import plan_pass
@@ -295,7 +297,7 @@ class ServedRig:
         def run():
             if skipper is not None:
                 state = skipper.prepare_batch(BatchContext(x, valid, (self.lid,), phase, keys, fb.positions))
-                world.slot.step = Step(phase, True, skipper, state, tape, builder, None, rows, keys=keys)
+                world.slot.step = Step(phase, True, skipper, state, tape, builder, dense_rows, rows, keys=keys)
                 world.slot.plan = plan
             try:
                 return layer(fb.positions, x, fb, residual)

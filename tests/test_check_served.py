@@ -27,7 +27,8 @@ def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path
     assert report["attention_backend"] == check_served.SERVED_PROFILE.attention_backend == "triton"
     assert report["reference_backend"] == "torch_native" and "attention_backend_unlike_servers" not in report
     names = [c["case"] for c in report["cases"]]
-    assert len(names) == 12 and sum("decode" in n for n in names) == 4
+    assert len(names) == 14 and sum("decode" in n for n in names) == 6
+    assert sum(" rows padded to 5," in n for n in names) == 2  # a batch of 4 replayed as the graph of 5 pads it
     assert {n.rsplit(", ", 1)[1] for n in names if n.startswith("prefill")} == {"packed read", "backend read"}
     # the s = 0.5 route mixes the cohorts somewhere in each phase; the control's has every row RUN
     for phase in ("decode", "prefill"):
@@ -80,7 +81,7 @@ def test_a_servers_backend_that_does_not_build_is_named_and_the_rest_still_check
 
     monkeypatch.setattr(triton_backend.TritonAttnBackend, "__init__", refuse)
     report = _check(tmp_path)
-    assert report["ok"] and report["attention_backend"] == "torch_native" and len(report["cases"]) == 12
+    assert report["ok"] and report["attention_backend"] == "torch_native" and len(report["cases"]) == 14
     assert report["attention_backend_unlike_servers"] == (
         "SGLang's triton backend did not build here (RuntimeError: no kernel image is available for execution on "
         "the device)")

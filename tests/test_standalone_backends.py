@@ -24,3 +24,23 @@ def test_sglangs_triton_backend_reads_as_its_torch_native_one_in_prefill_chunks_
 def test_a_backend_the_standalone_layer_does_not_build_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="attention_backend must be one of torch_native, triton, got 'fa3'"):
         LayerWorld(ARCHS[0], tmp_path, attention_backend="fa3")
+
+
+def test_a_decode_batch_is_padded_as_sglangs_graph_runner_pads_it_and_a_prefill_is_refused(tmp_path):
+    world = LayerWorld(ARCHS[0], tmp_path, attention_backend="triton")
+    world.batch({0: 5, 1: 3})
+    fb = world.batch({0: 1, 1: 1})
+    padded = world.padded(fb, 4)
+    assert padded.batch_size == 4 and fb.batch_size == 2  # the batch itself is left as it was
+    assert padded.req_pool_indices.tolist() == [0, 1, 0, 0] and padded.seq_lens.tolist() == [6, 4, 1, 1]
+    assert padded.out_cache_loc[2:].tolist() == [0, 0] and padded.positions.tolist() == [5, 3, 0, 0]
+    assert padded.seq_lens_sum == 12 and padded.seq_lens_cpu.tolist() == [6, 4, 1, 1]
+    metadata = world.backend.forward_metadata  # the Triton backend planned the padded batch: its four rows' keys
+    assert metadata.kv_indptr.tolist() == [0, 6, 10, 11, 12]
+    x = world.hidden(4)
+    torch.testing.assert_close(world.dense(padded, x)[:2], world.dense(fb, x[:2], backend="torch_native"),
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="pads a decode batch to at least its 2 rows, got 1"):
+        world.padded(fb, 1)
+    with pytest.raises(ValueError, match="pads a decode batch"):
+        world.padded(world.batch({2: 4}), 4)

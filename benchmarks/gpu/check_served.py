@@ -12,7 +12,10 @@ read in torch and SDPA per request for prefill; where every row is RUN its fast 
 torch-native backend: none of the Triton kernels, SGLang's or ours), on the same rows, route and KV state:
 
   decode   batches of 16, 64 and 128 rows (the count ranges the sweep's batches reach) over 1,000 tokens of
-           context, the triton execution eager and replayed from a CUDA graph (as a server replays it)
+           context, the triton execution eager and replayed from a CUDA graph (as a server replays it); and a
+           batch of 121 rows replayed from the graph of 128, padded as SGLang's graph runner pads it (request
+           slot 0, one token of context, KV slot 0; the padding rows RUN, as the plan buffers' padding says),
+           its rows against the torch execution of the batch alone
   prefill  one prompt of 1,024 tokens, and a pass of two prompts (600 and 424), eager, with the packed read and
            with the read through the servers' backend (SGLang's Triton extend kernel over every row, Project-Only
            rows with a zero query; which of the two a server takes, the table and that backend decide)
@@ -38,6 +41,7 @@ import os
 import sys
 import tempfile
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 if "--dry-run" in sys.argv and not os.environ.get("TRITON_INTERPRET"):
@@ -53,7 +57,6 @@ from mixed_depth_bench import (  # noqa: E402
     SMOKE,
     ServedRig,
     captured,
-    project_only_share,
     served_config,
 )
 
@@ -67,8 +70,10 @@ from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 # past the count or a read of the wrong keys strays by whole values.
 LAYER_RTOL = 0.05
 ROUTES = {"s=0.5": RandomSkip(r=1.0, d=0.5, seed=0), "s=0": RandomSkip(r=0.0, d=0.5, seed=0)}
-DEVICE_CASES = {"decode_rows": (16, 64, 128), "context": 1000, "prompts": ((1024,), (600, 424))}
-DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7))}
+# padded: (a decode batch's rows, the captured graph's it replays padded to): SGLang's graph runner captures batch
+# sizes 1, 2, 4, 8 and every 8th from 16 (to the servers' 256), and a batch of 121 replays the graph of 128
+DEVICE_CASES = {"decode_rows": (16, 64, 128), "context": 1000, "prompts": ((1024,), (600, 424)), "padded": (121, 128)}
+DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7)), "padded": (4, 5)}
 # The profile the device run's servers take on the device image (no SGLang kernel wheels: the CUDA stand-ins), whose
 # attention backend the served layer reads through; the reference reads through the torch-native one.
 SERVED_PROFILE = serve_profile("gpu", real_sgl_kernel=False)
@@ -89,9 +94,13 @@ class Case:
     first is handed it (hidden states and the residual the add-norm updates in place)."""
 
     def __init__(self, rig: ServedRig, fb, hidden: torch.Tensor, residual: torch.Tensor, route,
-                 kv0: tuple[torch.Tensor, torch.Tensor]) -> None:
+                 kv0: tuple[torch.Tensor, torch.Tensor], real: int | None = None) -> None:
         self.rig, self.fb, self.hidden, self.residual, self.route = rig, fb, hidden, residual, route
         self.kv0 = kv0  # the pool's K and V before each run (`poisoned`)
+        # the batch's rows; those past them pad it (RUN, as the plan buffers' padding is dense) and are not compared
+        self.real = hidden.shape[0] if real is None else real
+        rows = hidden.shape[0]
+        self.dense_rows = None if self.real == rows else torch.arange(rows, device=hidden.device) >= self.real
         self._want: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def want(self, reference) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +125,7 @@ class Case:
         world.attention_backend(backend or world.backend_name).init_forward_metadata(self.fb)
         self.restore()
         hidden, residual = self.hidden.clone(), self.residual.clone()
-        layer_pass = self.rig.pass_fn(self.fb, hidden, self.route, residual)
+        layer_pass = self.rig.pass_fn(self.fb, hidden, self.route, residual, self.dense_rows)
 
         def passed():  # the inputs set again first (the pass updates the residual in place)
             hidden.copy_(self.hidden)
@@ -125,10 +134,11 @@ class Case:
 
         with world.context(backend):
             h, r = replayed(passed, self.restore) if graph else passed()
-        pool, lid, loc = self.rig.world.pool, self.rig.lid, self.fb.out_cache_loc
+        real, pool, lid = self.real, self.rig.world.pool, self.rig.lid
+        loc = self.fb.out_cache_loc[:real]
         written = torch.cat([pool.get_key_buffer(lid)[loc], pool.get_value_buffer(lid)[loc]], dim=1)
-        added = h.float() + r.float() - self.hidden.float() - self.residual.float()  # what the layer adds
-        self.share = project_only_share(layer_pass)  # of the rows, Project-Only in this pass
+        added = (h.float() + r.float() - self.hidden.float() - self.residual.float())[:real]  # what the layer adds
+        self.share = float((~layer_pass.tape.run[0, :real]).sum()) / real  # of the rows, Project-Only in this pass
         return added, written.flatten(1).float()
 
 
@@ -165,6 +175,12 @@ def row_strays(got: torch.Tensor, want: torch.Tensor) -> float:
     scale = want.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     worst = (diff / scale).max()
     return float("inf") if torch.isnan(worst) else float(worst)
+
+
+def compared(case: Case, base: Case, execution, reference, graph: bool = False):
+    """(`case` run with the served `execution`, eager or replayed; `base` run with the `reference` execution; the
+    served run's Project-Only share): `base` is `case` itself, or the batch a padded case pads."""
+    return case.run(execution, graph=graph), base.want(reference), case.share
 
 
 def verdict(name: str, run) -> dict:
@@ -215,7 +231,7 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
 
     init_sglang(device.type)
     torch.set_grad_enabled(False)
-    rows_max, context = max(cases["decode_rows"]), cases["context"]
+    rows_max, context = max(*cases["decode_rows"], *cases["padded"]), cases["context"]  # request slots
     longest = max(context + 2, max(sum(p) for p in cases["prompts"]))
     hf_config, _ = served_config(size, dtype, tmp, longest)
     reference = torch_execution(device)
@@ -242,19 +258,28 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
           + (f"; decode {report['decode_graphs']}" if "decode_graphs" in report else ""))
     pool = rig.world.pool
     clean = (pool.get_key_buffer(rig.lid).normal_().clone(), pool.get_value_buffer(rig.lid).normal_().clone())
-    for rows in cases["decode_rows"]:
+    real, bucket = cases["padded"]
+    for rows in (*cases["decode_rows"], real):
         rig.world.lengths = [context] * rows_max
         fb = rig.world.batch({r: 1 for r in range(rows)})
         hidden, residual = inputs(rig, rows)
         kv0 = poisoned(rig, clean, {r: context + 1 for r in range(rows)})
+        if rows == real:  # the batch padded to a captured size, as a replay takes it
+            padded_fb, (pad_hidden, pad_residual) = rig.world.padded(fb, bucket), inputs(rig, bucket - rows)
         for arm, route in ROUTES.items():
             case = Case(rig, fb, hidden, residual, route, kv0)
+            if rows == real:  # replayed where graphs are captured, else eager (the dry run), against the batch's
+                padded = Case(rig, padded_fb, torch.cat([hidden, pad_hidden]), torch.cat([residual, pad_residual]),
+                              route, kv0, real=rows)
+                results.append(verdict(f"decode {rows} rows padded to {bucket}, context {context}, {arm}, "
+                                       f"{'CUDA graph' if graphs else 'eager'}",
+                                       partial(compared, padded, case, served, reference, graphs)))
+                continue
             results.append(verdict(f"decode {rows} rows, context {context}, {arm}, eager",
-                                   lambda case=case: (case.run(served), case.want(reference), case.share)))
+                                   partial(compared, case, case, served, reference)))
             if graphs:
                 results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
-                                       lambda case=case: (case.run(served, graph=True), case.want(reference),
-                                                          case.share)))
+                                       partial(compared, case, case, served, reference, True)))
     rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table, attention_backend=backend)
     served = rig.world.slot.execution
     pool = rig.world.pool
@@ -269,8 +294,7 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
             for read in ("packed", "backend"):
                 execution = replace(served, prefill_read=read)
                 results.append(verdict(f"prefill {' + '.join(map(str, prompts))} tokens, {arm}, {read} read",
-                                       lambda case=case, e=execution: (case.run(e), case.want(reference),
-                                                                       case.share)))
+                                       partial(compared, case, case, execution, reference)))
     report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL)
     return report
 

@@ -200,3 +200,28 @@ class StandaloneLayer:
         for backend in self._backends.values():
             backend.init_forward_metadata(fb)
         return fb
+
+    def padded(self, fb: SimpleNamespace, rows: int) -> SimpleNamespace:
+        """Decode batch `fb` padded to `rows` rows as SGLang's decode graph runner pads a batch to the size of the
+        graph it replays: every row past the batch's request slot 0, one token of context (the Triton backend's
+        fill value), KV slot 0 and position 0. (SGLang keeps request slot 0 free for this; here it is request 0's,
+        whose first key the padding rows then read.) Every attention backend built plans its metadata for it."""
+        if not fb.forward_mode.is_decode() or rows < fb.batch_size:
+            raise ValueError(f"pads a decode batch to at least its {fb.batch_size} rows, got {rows}")
+        tail = rows - fb.batch_size
+
+        def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+            return torch.cat([t, t.new_full((tail,), value)])
+
+        out = SimpleNamespace(**vars(fb))
+        out.batch_size = rows
+        out.req_pool_indices, out.out_cache_loc, out.positions = (pad(fb.req_pool_indices, 0),
+                                                                  pad(fb.out_cache_loc, 0), pad(fb.positions, 0))
+        out.seq_lens, out.seq_lens_cpu = pad(fb.seq_lens, 1), pad(fb.seq_lens_cpu, 1)
+        out.seq_lens_sum = fb.seq_lens_sum + tail
+        out.extend_seq_lens, out.extend_prefix_lens = pad(fb.extend_seq_lens, 1), pad(fb.extend_prefix_lens, 0)
+        out.extend_seq_lens_cpu, out.extend_prefix_lens_cpu = (fb.extend_seq_lens_cpu + [1] * tail,
+                                                               fb.extend_prefix_lens_cpu + [0] * tail)
+        for backend in self._backends.values():
+            backend.init_forward_metadata(out)
+        return out
