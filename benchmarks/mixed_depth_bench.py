@@ -256,23 +256,25 @@ class ServedRig:
     """One served routed decoder layer (`vskipper.sglang.standalone`: SGLang's Llama layer with the routed body,
     SGLang's KV pool and attention backend, by default its torch-native one; random weights) and its passes as the
     served model runs them: the skipper's per-pass state, its route into the tape, the cohort maps and the routed
-    body, all inside the forward, with the execution a server serving with that backend picks on this device
-    (`cohort_execution`)."""
+    body, all inside the forward, with the execution the server picks on this device (`cohort_execution`)."""
 
     def __init__(self, config, requests: int, context: int, dtype: torch.dtype, device: torch.device,
-                 execution: str = "auto", tile_table: Path | None = None,
-                 attention_backend: str = "torch_native") -> None:
+                 execution: str = "auto", tile_table: Path | None = None, attention_backend: str | None = None,
+                 serving_backend: str | None = None) -> None:
+        """`attention_backend`: the one the layer reads through (default: the torch-native one);
+        `serving_backend`: the prefill backend of the servers whose execution the rig takes (`cohort_execution`:
+        the table weighs the packed read against that backend's; None, SDPA's)."""
         from vskipper.sglang.models.routed import cohort_execution, routed_graph_blocker
-        from vskipper.sglang.standalone import StandaloneLayer
+        from vskipper.sglang.standalone import TORCH_NATIVE, StandaloneLayer
 
         self.world = StandaloneLayer(config, layer_id=config.routing_layers[0], requests=requests,
                                      slots=requests * context + 1, context=context, dtype=dtype, device=device,
-                                     attention_backend=attention_backend)
+                                     attention_backend=attention_backend or TORCH_NATIVE)
         self.layer = self.world.layer
         self.lid = self.layer.layer_id
         self.device = self.world.device
         self.world.slot.execution = cohort_execution([self.layer], self.device, execution, tile_table,
-                                                     attention_backend)
+                                                     serving_backend)
         self.graph_blocker = routed_graph_blocker(self.world.slot.execution, self.device)
 
     def pass_fn(self, fb, x: torch.Tensor, skipper, residual: torch.Tensor | None = None,
@@ -305,12 +307,14 @@ class ServedRig:
                 world.slot.step = world.slot.plan = None
 
         run.tape = tape  # after a routed pass: its route (`project_only_share`)
+        run.keys = keys  # each row's request key, read by the pass (a graph replayed for another batch: its keys)
         return run
 
 
-def project_only_share(fn) -> float:
-    """The share of rows a routed pass (`ServedRig.pass_fn`, run at least once) sent Project-Only at its layer."""
-    run = fn.tape.run[0, : fn.tape.capacity]
+def project_only_share(fn, rows: int | None = None) -> float:
+    """The share of rows (the first `rows`, by default all) a routed pass (`ServedRig.pass_fn`, run at least
+    once) sent Project-Only at its layer."""
+    run = fn.tape.run[0, : fn.tape.capacity if rows is None else rows]
     return float((~run).sum()) / run.shape[0]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from vskipper.sglang.standalone import StandaloneLayer, device_process, init_sglang
+from vskipper.sglang.standalone import TORCH_NATIVE, StandaloneLayer, device_process, init_sglang
 
 device_process("cpu")  # before any test module of this process imports SGLang
 __all__ = ["ARCHS", "LayerWorld", "init_sglang"]
@@ -28,7 +28,7 @@ class LayerWorld(StandaloneLayer):
         return world
 
     def __init__(self, arch: str, tmp: Path, seed: int = 0, layer_id: int = 2, requests: int = 4,
-                 slots: int = 160, context: int = 32, attention_backend: str = "torch_native") -> None:
+                 slots: int = 160, context: int = 32, attention_backend: str = TORCH_NATIVE) -> None:
         init_sglang()
         from transformers import AutoConfig
 
@@ -52,8 +52,10 @@ class LayerWorld(StandaloneLayer):
 
     def dense(self, fb, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         """The dense layer through SGLang's own modules: h = x + Attn(LN1 x); y = h + MLP(LN2 h), its attention
-        through `backend` (by default the world's)."""
+        through `backend` (by default the world's, which `batch` planned; another is planned here)."""
         layer = self.layer
+        if backend is not None:
+            self.plan(fb, backend)
         with self.context(backend), torch.no_grad():
             h = x + layer.self_attn(positions=fb.positions, hidden_states=layer.input_layernorm(x), forward_batch=fb)
             return h + layer.mlp(layer.post_attention_layernorm(h))

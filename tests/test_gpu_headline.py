@@ -72,6 +72,8 @@ def test_ladder_stops_at_its_bound_and_the_rule_says_no_plateau():
 def test_ladder_start_is_below_the_bursts_rate_and_never_zero():
     assert headline.ladder_start(20.0) == 15 and headline.ladder_start(0.5) == 1
     assert headline.ladder_start(110.0, at_most=3) == 3 and headline.ladder_start(2.0, at_most=3) == 1
+    with pytest.raises(ValueError, match="at_most: must be >= 1 req/s, got 0"):
+        headline.ladder_start(20.0, at_most=0)
     with pytest.raises(ValueError, match="estimate_req_s"):
         headline.ladder_start(0.0)
 

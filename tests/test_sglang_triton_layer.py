@@ -320,8 +320,8 @@ def test_project_only_rows_never_enter_q_the_read_or_o_proj_of_the_triton_execut
           served.cohort_execution([world.layer], torch.device("cpu"), "triton"))
     run_rows = [i for i, r in enumerate(run) if r]
     proj_rows = [i for i, r in enumerate(run) if not r]
-    assert seen == {"kv": 4, "q": run_rows, "read": ([reqs[i] for i in run_rows], [positions[i] for i in run_rows]),
-                    "o_proj": run_rows, "mlp": run_rows, "proj": proj_rows}
+    read = ([world.request_slot(reqs[i]) for i in run_rows], [positions[i] for i in run_rows])
+    assert seen == {"kv": 4, "q": run_rows, "read": read, "o_proj": run_rows, "mlp": run_rows, "proj": proj_rows}
 
 
 # Prefill routes over two requests extending their prompts (three and two new tokens): both cohorts, all RUN, all
@@ -446,7 +446,7 @@ def test_project_only_tokens_of_a_triton_prefill_compute_only_their_kv_and_the_a
     run_rows = [i for i, r in enumerate(run) if r]
     proj_rows = [i for i, r in enumerate(run) if not r]
     tokens = [(r, lengths[r] + i) for r, n in PREFILL_EXTEND.items() for i in range(n)]  # (request, position)
-    read = {"read": ([tokens[i][0] for i in run_rows], [tokens[i][1] for i in run_rows])} \
+    read = {"read": ([world.request_slot(tokens[i][0]) for i in run_rows], [tokens[i][1] for i in run_rows])} \
         if prefill_read == "packed" else {"queries": run_rows}
     assert seen == {"kv": len(run), "q": run_rows, "o_proj": run_rows, "mlp": run_rows, "proj": proj_rows, **read}
 

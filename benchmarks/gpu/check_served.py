@@ -4,28 +4,31 @@
     python benchmarks/gpu/check_served.py [--tile-table T] [--json OUT] [--dry-run]
 
 One routed layer of the device run's model (SGLang's Llama decoder layer with vSkipper's routed body, SGLang's KV
-pool; Llama-3-8B's shape, bf16, random weights: `mixed_depth_bench.ServedRig`), reading through the attention
-backend the device run's servers serve with (`SERVED_PROFILE`'s `--attention-backend`: SGLang's Triton backend),
-the execution a server takes on this device (`cohort_execution`: the triton execution at the tile table given, or
-the one shipped for it), against the torch execution of the same body (packed cohorts, cuBLAS, the masked decode
-read in torch and SDPA per request for prefill; where every row is RUN its fast path reads through SGLang's
-torch-native backend: none of the Triton kernels, SGLang's or ours), on the same rows, route and KV state:
+pool; Llama-3-8B's shape, bf16, random weights: `mixed_depth_bench.ServedRig`), the execution a server takes on
+this device (`cohort_execution`: the triton execution at the tile table given, or the one shipped for it), against
+the torch execution of the same body (packed cohorts, cuBLAS, the masked decode read in torch and SDPA per request
+for prefill; where every row is RUN its fast path reads through SGLang's torch-native backend: none of the Triton
+kernels, SGLang's or ours), on the same rows, route and KV state:
 
   decode   batches of 16, 64 and 128 rows (the count ranges the sweep's batches reach) over 1,000 tokens of
            context, the triton execution eager and replayed from a CUDA graph (as a server replays it); and a
-           batch of 121 rows replayed from the graph of 128, padded as SGLang's graph runner pads it (request
-           slot 0, one token of context, KV slot 0; the padding rows RUN, as the plan buffers' padding says),
-           its rows against the torch execution of the batch alone
+           graph captured for a batch of 128 rows replayed for a batch of 121 copied into its tensors, padded as
+           SGLang's graph runner pads it to the graph's size (`StandaloneLayer.padded`; the padding rows RUN, as
+           the plan buffers pad them), its rows against the torch execution of the 121 alone
   prefill  one prompt of 1,024 tokens, and a pass of two prompts (600 and 424), eager, with the packed read and
-           with the read through the servers' backend (SGLang's Triton extend kernel over every row, Project-Only
-           rows with a zero query; which of the two a server takes, the table and that backend decide)
+           with the read through the attention backend the device run's servers serve with (`servers_backend`:
+           SGLang's Triton extend kernel over every row, Project-Only rows with a zero query; which of the two a
+           server takes, the table and that backend decide)
 
 each with RandomSkip r = 1, d = 0.5 (about half the rows Project-Only, as the sweep's routed arm) and r = 0 (every
 row RUN, the control), the layer's input handed over as the served layers hand it (a residual the add-norm
-updates), and NaN in every KV slot the pass must not read (`poisoned`). A case passes where what the layer adds to its input and the K/V it wrote lie, row by row, within
-`LAYER_RTOL` of the torch execution's row's largest value (a chain of bf16 roundings; a wrong row, bound, split or
-read strays by whole values). Prints each case and exits 1 if any strays or could not run;
-`--json` writes them.
+updates), and NaN in every KV slot the pass must not read (`poisoned`). A case passes where what the layer adds to
+its input and the K/V it wrote lie, row by row, within `LAYER_RTOL` of the torch execution's row's largest value (a
+chain of bf16 roundings; a wrong row, bound, split or read strays by whole values). Where the servers' backend is
+not one a standalone layer builds, or does not build, the cases that need it (the backend reads, and the padded
+replay, whose padding the backend fills) are not checked. The triton execution's decode reads no attention
+backend: SGLang's Triton decode kernel, which dense layers run, is not checked here. Prints each case and exits 1
+if any strays or could not run; `--json` writes them.
 
 Interpreted kernels and the CPU cannot show a fault only the device has (a race, an out-of-bounds read that lands
 on zeros, a compiler's bug at the device's tiles): the device run checks this before it trusts a routed figure.
@@ -57,11 +60,12 @@ from mixed_depth_bench import (  # noqa: E402
     SMOKE,
     ServedRig,
     captured,
+    project_only_share,
     served_config,
 )
 
-from vskipper.sglang.spec import serve_profile  # noqa: E402
-from vskipper.sglang.standalone import ATTENTION_BACKENDS  # noqa: E402
+from vskipper.mixed.plan_buffers import FIELDS  # noqa: E402
+from vskipper.sglang.standalone import ATTENTION_BACKENDS, TORCH_NATIVE  # noqa: E402
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 
 # How far a row of the served execution may stray from the torch execution's, as a share of that row's largest
@@ -70,37 +74,77 @@ from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 # past the count or a read of the wrong keys strays by whole values.
 LAYER_RTOL = 0.05
 ROUTES = {"s=0.5": RandomSkip(r=1.0, d=0.5, seed=0), "s=0": RandomSkip(r=0.0, d=0.5, seed=0)}
-# padded: (a decode batch's rows, the captured graph's it replays padded to): SGLang's graph runner captures batch
-# sizes 1, 2, 4, 8 and every 8th from 16 (to the servers' 256), and a batch of 121 replays the graph of 128
-DEVICE_CASES = {"decode_rows": (16, 64, 128), "context": 1000, "prompts": ((1024,), (600, 424)), "padded": (121, 128)}
-DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7)), "padded": (4, 5)}
-# The profile the device run's servers take on the device image (no SGLang kernel wheels: the CUDA stand-ins), whose
-# attention backend the served layer reads through; the reference reads through the torch-native one.
-SERVED_PROFILE = serve_profile("gpu", real_sgl_kernel=False)
-REFERENCE_BACKEND = "torch_native"
+# padded: the rows of a decode batch replayed from the graph SGLang captured for the next of its capture sizes
+# (`capture_size`: 121 rows replay the graph of 128; 3 the graph of 4)
+DEVICE_CASES = {"decode_rows": (16, 64, 128), "context": 1000, "prompts": ((1024,), (600, 424)), "padded": 121}
+DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7)), "padded": 3}
+REFERENCE_BACKEND = TORCH_NATIVE  # the reference's attention backend (none of its kernels is Triton's)
+# A replayed graph's padding rows: dense-mode (RUN) where the plan buffers pad `dense_rows` so
+PADDING_DENSE = next(padding for name, _, padding in FIELDS if name == "dense_rows")
 
 
 def torch_execution(device: torch.device):
     """The reference: the torch execution with reads of its own (SDPA per request, the masked torch read) and no
     Triton kernel; a pass with every row RUN takes its fast path, upstream's attention through the backend it
-    runs in (`REFERENCE_BACKEND`: `Case.want`)."""
+    runs in (`REFERENCE_BACKEND`)."""
     from vskipper.sglang.models.routed import CohortExecution
 
     return CohortExecution("torch", prefill_read="rows", decode_read="masked")
 
 
+def servers_backend() -> tuple[str | None, str | None]:
+    """(the attention backend the device run's servers serve with where a standalone layer builds it, else None;
+    the one their profile names, None where SGLang picks one): the GPU serving profile of this interpreter's
+    packages (`platform_profile`: the CUDA stand-ins' Triton backend without SGLang's kernel wheels)."""
+    from vskipper.sglang.cli import platform_profile
+
+    named = platform_profile("gpu").attention_backend
+    return (named if named in ATTENTION_BACKENDS else None), named
+
+
+def capture_size(rows: int, max_rows: int, device: torch.device) -> int:
+    """The batch size of the graph SGLang's decode graph runner replays a batch of `rows` from: the least of its
+    capture sizes (up to `max_rows`, at SGLang's defaults on `device`) that holds it."""
+    from sglang.srt.arg_groups.cuda_graph_hook import generate_decode_cuda_graph_batch_sizes
+    from sglang.srt.server_args import ServerArgs
+
+    sizes = generate_decode_cuda_graph_batch_sizes(ServerArgs(model_path="dummy", device=device.type), max_rows)
+    return min(size for size in sizes if size >= rows)
+
+
+class EagerGraph:
+    """A CUDA graph's stand-in where none is captured (CPU): a replay runs the function again and writes its
+    outputs into those the first run returned, as a replay refills the captured outputs."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.out = fn, fn()
+
+    def replay(self) -> None:
+        for held, fresh in zip(self.out, self.fn(), strict=True):
+            held.copy_(fresh)
+
+
+def capture(fn, device: torch.device):
+    """(a graph of fn, the outputs each replay refills): a CUDA graph on CUDA (`captured`), else `EagerGraph`."""
+    if device.type == "cuda":
+        return captured(fn)
+    graph = EagerGraph(fn)
+    return graph, graph.out
+
+
 class Case:
     """One pass (`fb`) over one rig's layer from a saved KV state, its input handed over as a served layer past the
-    first is handed it (hidden states and the residual the add-norm updates in place)."""
+    first is handed it (hidden states and the residual the add-norm updates in place). Of a batch padded to a
+    graph's size, the `real` rows are the batch's and are compared; the padding rows RUN (`PADDING_DENSE`)."""
 
     def __init__(self, rig: ServedRig, fb, hidden: torch.Tensor, residual: torch.Tensor, route,
                  kv0: tuple[torch.Tensor, torch.Tensor], real: int | None = None) -> None:
         self.rig, self.fb, self.hidden, self.residual, self.route = rig, fb, hidden, residual, route
         self.kv0 = kv0  # the pool's K and V before each run (`poisoned`)
-        # the batch's rows; those past them pad it (RUN, as the plan buffers' padding is dense) and are not compared
-        self.real = hidden.shape[0] if real is None else real
         rows = hidden.shape[0]
-        self.dense_rows = None if self.real == rows else torch.arange(rows, device=hidden.device) >= self.real
+        self.real = rows if real is None else real
+        self.dense_rows = None if self.real == rows else (
+            (torch.arange(rows, device=hidden.device) >= self.real) & PADDING_DENSE)
         self._want: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def want(self, reference) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,11 +162,11 @@ class Case:
     def run(self, execution, graph: bool = False, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(what the layer adds to its input, in fp32: its output's hidden + residual less the input's; the K/V it
         wrote at the pass's slots), with `execution`, eager or replayed from a CUDA graph, through attention
-        `backend` (by default the rig's: the servers'), its metadata planned for the pass first as a model runner
-        plans it; `share` then holds the pass's Project-Only share."""
+        `backend` (by default the rig's), its metadata planned for the pass first as a model runner plans it;
+        `share` then holds the pass's Project-Only share."""
         world = self.rig.world
         world.slot.execution = execution
-        world.attention_backend(backend or world.backend_name).init_forward_metadata(self.fb)
+        world.plan(self.fb, backend)
         self.restore()
         hidden, residual = self.hidden.clone(), self.residual.clone()
         layer_pass = self.rig.pass_fn(self.fb, hidden, self.route, residual, self.dense_rows)
@@ -134,24 +178,65 @@ class Case:
 
         with world.context(backend):
             h, r = replayed(passed, self.restore) if graph else passed()
+        return self.outcome(layer_pass, h, r)
+
+    def replayed_as(self, execution, batch: Case) -> tuple[torch.Tensor, torch.Tensor]:
+        """This case's pass captured (a CUDA graph on CUDA, `EagerGraph` elsewhere), then replayed with `batch`'s
+        inputs copied into the tensors it captured, as SGLang's graph runner copies a batch padded to the graph's
+        size into its static buffers: `batch`'s outcome (`run`). This case's batch is spent (its tensors hold
+        `batch`'s after)."""
+        world, rows = self.rig.world, self.hidden.shape[0]
+        world.slot.execution = execution
+        world.plan(self.fb)
+        self.restore()
+        hidden, residual = self.hidden.clone(), self.residual.clone()
+        inputs = (self.hidden.clone(), self.residual.clone())  # what each replay's pass is handed
+        dense = torch.zeros(rows, dtype=torch.bool, device=hidden.device)  # each replay's dense-mode rows
+        layer_pass = self.rig.pass_fn(self.fb, hidden, self.route, residual, dense)
+
+        def passed():
+            hidden.copy_(inputs[0])
+            residual.copy_(inputs[1])
+            return layer_pass()
+
+        with world.context():
+            graph, (h, r) = capture(passed, hidden.device)
+            for name in ("positions", "req_pool_indices", "seq_lens", "out_cache_loc"):
+                getattr(self.fb, name).copy_(getattr(batch.fb, name))
+            layer_pass.keys.copy_(self.rig.pass_fn(batch.fb, batch.hidden, batch.route).keys)
+            if batch.dense_rows is None:
+                dense.fill_(False)
+            else:
+                dense.copy_(batch.dense_rows)
+            inputs[0].copy_(batch.hidden)
+            inputs[1].copy_(batch.residual)
+            batch.restore()
+            graph.replay()
+        if hidden.device.type == "cuda":
+            torch.cuda.synchronize()
+        return batch.outcome(layer_pass, h, r)
+
+    def outcome(self, layer_pass, h: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what the layer adds, the K/V it wrote) at this case's `real` rows, from a pass's output (h, r); `share`
+        then holds the Project-Only share of those rows."""
         real, pool, lid = self.real, self.rig.world.pool, self.rig.lid
         loc = self.fb.out_cache_loc[:real]
         written = torch.cat([pool.get_key_buffer(lid)[loc], pool.get_value_buffer(lid)[loc]], dim=1)
-        added = (h.float() + r.float() - self.hidden.float() - self.residual.float())[:real]  # what the layer adds
-        self.share = float((~layer_pass.tape.run[0, :real]).sum()) / real  # of the rows, Project-Only in this pass
+        added = (h.float() + r.float() - self.hidden.float() - self.residual.float())[:real]
+        self.share = project_only_share(layer_pass, real)
         return added, written.flatten(1).float()
 
 
 def poisoned(rig: ServedRig, clean: tuple[torch.Tensor, torch.Tensor], readable: dict[int, int]
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool's K and V (`clean`) with NaN in every slot the pass must not read: each request slot's positions
-    from `readable[request]` on (its length after the pass; every position of a request outside it). A read past
-    a row's position or of another request's keys then turns its row to NaN, however little one key weighs in a
+    """The pool's K and V (`clean`) with NaN in every slot the pass must not read: each request's positions from
+    `readable[request]` on (its length after the pass; every position of a request outside it). A read past a
+    row's position or of another request's keys then turns its row to NaN, however little one key weighs in a
     long context, where a row's 5% would hide it."""
-    r2t = rig.world.req_pool.req_to_token
+    world = rig.world
     k, v = clean[0].clone(), clean[1].clone()
-    for request in range(len(rig.world.lengths)):
-        slots = r2t[request, readable.get(request, 0):].long()
+    for request in range(len(world.lengths)):
+        slots = world.req_pool.req_to_token[world.request_slot(request), readable.get(request, 0):].long()
         k[slots] = float("nan")
         v[slots] = float("nan")
     return k, v
@@ -177,51 +262,38 @@ def row_strays(got: torch.Tensor, want: torch.Tensor) -> float:
     return float("inf") if torch.isnan(worst) else float(worst)
 
 
-def compared(case: Case, base: Case, execution, reference, graph: bool = False):
-    """(`case` run with the served `execution`, eager or replayed; `base` run with the `reference` execution; the
-    served run's Project-Only share): `base` is `case` itself, or the batch a padded case pads."""
-    return case.run(execution, graph=graph), base.want(reference), case.share
+def compared(case: Case, execution, reference, graph: bool = False, backend: str | None = None):
+    """(`case` run with the served `execution`, eager or replayed, through `backend`; run with the `reference`
+    execution; the served run's Project-Only share)."""
+    return case.run(execution, graph=graph, backend=backend), case.want(reference), case.share
+
+
+def replay_compared(case: Case, batch: Case, base: Case, execution, reference):
+    """(`batch` replayed from `case`'s graph with the served `execution`; `base`, the batch `batch` pads, run
+    with the `reference` execution; the replay's Project-Only share of the batch's rows)."""
+    return case.replayed_as(execution, batch), base.want(reference), batch.share
+
+
+def refused(why: str):
+    raise RuntimeError(why)
 
 
 def verdict(name: str, run) -> dict:
     """One case: `run()` gives (got, want, the pass's Project-Only share), got and want each (what the layer
     adds, the K/V it wrote), the served execution's and the torch execution's; each row's deviation beside
-    `LAYER_RTOL`. A case that cannot run (the capture
-    refused, a launch failed) is reported as such: not checked, not passed."""
+    `LAYER_RTOL`. A case that cannot run (the capture refused, a launch failed, the servers' backend not built)
+    is reported as such: not checked, not passed."""
     try:
         got, want, share = run()
     except Exception as exc:
         error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-        print(f"  {name:52} NOT CHECKED: {error}", flush=True)
+        print(f"  {name:72} NOT CHECKED: {error}", flush=True)
         return {"case": name, "ok": False, "error": error}
     out_err, kv_err = row_strays(got[0], want[0]), row_strays(got[1], want[1])
     ok = out_err <= LAYER_RTOL and kv_err <= LAYER_RTOL
-    print(f"  {name:52} Project-Only {share:4.2f}  output {out_err:9.3g}  K/V {kv_err:9.3g} of their rows' "
+    print(f"  {name:72} Project-Only {share:4.2f}  output {out_err:9.3g}  K/V {kv_err:9.3g} of their rows' "
           f"largest values  {'ok' if ok else 'STRAYS'}", flush=True)
     return {"case": name, "ok": ok, "output_error": out_err, "kv_error": kv_err, "project_only_share": share}
-
-
-def rig_backend() -> tuple[str, str | None]:
-    """(the attention backend the rig reads through, why it is not the servers' or None): the servers' where a
-    standalone layer builds it (`ATTENTION_BACKENDS`), else the reference's."""
-    served = SERVED_PROFILE.attention_backend
-    if served in ATTENTION_BACKENDS:
-        return served, None
-    return REFERENCE_BACKEND, (f"the servers' attention backend ({served or 'SGLang picks one'}) is not one a "
-                               f"standalone layer builds ({', '.join(ATTENTION_BACKENDS)})")
-
-
-def built_rig(backend: str, *args) -> tuple[ServedRig, str, str | None]:
-    """(a `ServedRig(*args)` reading through `backend`, the backend it reads through, why not `backend` or None):
-    where SGLang's `backend` does not build on this device, the rig reads through the reference's, and says why
-    (the other cases are still checked)."""
-    try:
-        return ServedRig(*args, attention_backend=backend), backend, None
-    except Exception as exc:
-        if backend == REFERENCE_BACKEND:
-            raise
-        why = f"SGLang's {backend} backend did not build here ({type(exc).__name__}: {str(exc).strip()[:200]})"
-        return ServedRig(*args, attention_backend=REFERENCE_BACKEND), REFERENCE_BACKEND, why
 
 
 def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_table: Path | None, tmp: Path
@@ -231,56 +303,67 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
 
     init_sglang(device.type)
     torch.set_grad_enabled(False)
-    rows_max, context = max(*cases["decode_rows"], *cases["padded"]), cases["context"]  # request slots
+    context, real = cases["context"], cases["padded"]
+    graph_rows = capture_size(real, max(*cases["decode_rows"], real), device)
+    rows_max = max(*cases["decode_rows"], graph_rows)  # request slots
     longest = max(context + 2, max(sum(p) for p in cases["prompts"]))
     hf_config, _ = served_config(size, dtype, tmp, longest)
     reference = torch_execution(device)
-    backend, unlike = rig_backend()
-    rig, backend, failed = built_rig(backend, hf_config, rows_max, context + 1, dtype, device, "triton", tile_table)
-    unlike = unlike or failed
+    backend, named = servers_backend()
     results, report = [], {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                            "attention_backend": backend, "reference_backend": REFERENCE_BACKEND}
-    if unlike:
-        report["attention_backend_unlike_servers"] = unlike
+    unbuilt = None if backend else (f"the servers' attention backend ({named or 'SGLang picks one'}) is not one a "
+                                    f"standalone layer builds ({', '.join(ATTENTION_BACKENDS)})")
 
     def inputs(rig: ServedRig, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen, hidden = rig.world.gen, hf_config.hidden_size
         return (torch.randn(rows, hidden, generator=gen).to(device, dtype),
                 torch.randn(rows, hidden, generator=gen).to(device, dtype))
 
+    rig = ServedRig(hf_config, rows_max, context + 1, dtype, device, "triton", tile_table, serving_backend=named)
     served = rig.world.slot.execution
     report["execution"] = served.attestation()
     graphs = device.type == "cuda" and rig.graph_blocker is None  # as a server captures its routed decode graphs
     if device.type == "cuda" and not graphs:
         report["decode_graphs"] = f"not replayed: {rig.graph_blocker}"
-    print(f"  the served execution: {json.dumps(report['execution'])}, reading through SGLang's {backend} "
-          f"attention backend" + (f" ({unlike})" if unlike else "")
+    print(f"  the served execution: {json.dumps(report['execution'])}; the backend read through SGLang's "
+          f"{backend or 'no'} attention backend" + (f" ({unbuilt})" if unbuilt else "")
           + (f"; decode {report['decode_graphs']}" if "decode_graphs" in report else ""))
     pool = rig.world.pool
     clean = (pool.get_key_buffer(rig.lid).normal_().clone(), pool.get_value_buffer(rig.lid).normal_().clone())
-    real, bucket = cases["padded"]
-    for rows in (*cases["decode_rows"], real):
+
+    def decode_case(rows: int, route, pad_to: int | None = None) -> Case:
+        """A decode batch of `rows` requests at `context` tokens (padded to `pad_to` rows: the servers' backend
+        fills the padding rows' context); the same draws for the same rows."""
         rig.world.lengths = [context] * rows_max
+        rig.world.gen.manual_seed(rows)
         fb = rig.world.batch({r: 1 for r in range(rows)})
         hidden, residual = inputs(rig, rows)
         kv0 = poisoned(rig, clean, {r: context + 1 for r in range(rows)})
-        if rows == real:  # the batch padded to a captured size, as a replay takes it
-            padded_fb, (pad_hidden, pad_residual) = rig.world.padded(fb, bucket), inputs(rig, bucket - rows)
+        if pad_to is None:
+            return Case(rig, fb, hidden, residual, route, kv0)
+        pad_hidden, pad_residual = inputs(rig, pad_to - rows)
+        return Case(rig, rig.world.padded(fb, pad_to, backend), torch.cat([hidden, pad_hidden]),
+                    torch.cat([residual, pad_residual]), route, kv0, real=rows)
+
+    for rows in cases["decode_rows"]:
         for arm, route in ROUTES.items():
-            case = Case(rig, fb, hidden, residual, route, kv0)
-            if rows == real:  # replayed where graphs are captured, else eager (the dry run), against the batch's
-                padded = Case(rig, padded_fb, torch.cat([hidden, pad_hidden]), torch.cat([residual, pad_residual]),
-                              route, kv0, real=rows)
-                results.append(verdict(f"decode {rows} rows padded to {bucket}, context {context}, {arm}, "
-                                       f"{'CUDA graph' if graphs else 'eager'}",
-                                       partial(compared, padded, case, served, reference, graphs)))
-                continue
+            case = decode_case(rows, route)
             results.append(verdict(f"decode {rows} rows, context {context}, {arm}, eager",
-                                   partial(compared, case, case, served, reference)))
+                                   partial(compared, case, served, reference)))
             if graphs:
                 results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
-                                       partial(compared, case, case, served, reference, True)))
-    rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table, attention_backend=backend)
+                                       partial(compared, case, served, reference, True)))
+    for arm, route in ROUTES.items():  # a graph captured for one batch, replayed for another padded to its size
+        name = (f"decode {real} rows replayed from the graph of {graph_rows}, context {context}, {arm}"
+                + ("" if graphs else ", eager stand-in"))
+        if unbuilt:
+            results.append(verdict(name, partial(refused, unbuilt)))
+            continue
+        results.append(verdict(name, lambda route=route: replay_compared(
+            decode_case(graph_rows, route), decode_case(real, route, graph_rows), decode_case(real, route), served,
+            reference)))
+    rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table, serving_backend=named)
     served = rig.world.slot.execution
     pool = rig.world.pool
     clean = (pool.get_key_buffer(rig.lid).normal_().clone(), pool.get_value_buffer(rig.lid).normal_().clone())
@@ -292,9 +375,13 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
         for arm, route in ROUTES.items():
             case = Case(rig, fb, hidden, residual, route, kv0)
             for read in ("packed", "backend"):
+                name = f"prefill {' + '.join(map(str, prompts))} tokens, {arm}, {read} read"
+                if read == "backend" and unbuilt:
+                    results.append(verdict(name, partial(refused, unbuilt)))
+                    continue
                 execution = replace(served, prefill_read=read)
-                results.append(verdict(f"prefill {' + '.join(map(str, prompts))} tokens, {arm}, {read} read",
-                                       partial(compared, case, case, execution, reference)))
+                results.append(verdict(name, partial(compared, case, execution, reference,
+                                                     backend=backend if read == "backend" else None)))
     report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL)
     return report
 

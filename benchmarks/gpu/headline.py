@@ -116,6 +116,8 @@ def ladder_start(estimate_req_s: float, at_most: int | None = None) -> int:
     no higher than `at_most` where given (a plan whose burst is too short to measure a rate the server sustains)."""
     if not estimate_req_s > 0:
         raise ValueError(f"estimate_req_s: must be > 0, got {estimate_req_s!r}")
+    if at_most is not None and at_most < 1:
+        raise ValueError(f"at_most: must be >= 1 req/s, got {at_most!r}")
     start = max(1, math.floor(LADDER_START_FACTOR * estimate_req_s))
     return start if at_most is None else min(start, at_most)
 

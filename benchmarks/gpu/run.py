@@ -1209,8 +1209,7 @@ def check_lines(results: dict) -> list[str]:
     bad = [c for c in cases if not c["ok"]]
     replayed = " and replayed from CUDA graphs" if any("CUDA graph" in c["case"] for c in cases) else ""
     backend = report.get("attention_backend")
-    through = (f", reading through SGLang's {backend} attention backend" if backend else "") + (
-        f" ({report['attention_backend_unlike_servers']})" if report.get("attention_backend_unlike_servers") else "")
+    through = f", its backend read through SGLang's {backend} attention backend" if backend else ""
     head = (f"The served routed layer ({json.dumps(report['execution'])}{through}) against its torch execution on "
             f"{report['device']} (`check_served.py`: decode eager{replayed}, prefill with either read; each row "
             f"within {report['rtol']} of its largest value): ")

@@ -24,11 +24,14 @@ from types import SimpleNamespace
 
 import torch
 
+from vskipper.sglang.backend_read import TRITON
+
 _READY: str | None = None  # the device type SGLang's context was published for
 PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}  # device type -> the serving platform whose profile prepares it
 # The attention backends a standalone layer builds (as `--attention-backend` names them): the torch-native one (the
 # CPU servers') and the Triton one (the GPU stand-in servers'; on CPU its kernels run in the Triton interpreter).
-ATTENTION_BACKENDS = ("torch_native", "triton")
+TORCH_NATIVE = "torch_native"
+ATTENTION_BACKENDS = (TORCH_NATIVE, TRITON)
 
 
 def device_process(device: str = "cpu") -> None:
@@ -88,17 +91,17 @@ def routed_decoder_layer(config, layer_id: int, slot):
 
 class StandaloneLayer:
     """One routed decoder layer (random weights) of `config` over a KV pool of `slots` slots shared by `requests`
-    request slots of up to `context` tokens each; request r's positions live at random distinct slots (slot 0,
-    SGLang's padding slot, stays free). `batch` tracks each request's length. Everything lives on `device`
-    (the weights are drawn on the host, so a seed gives the same layer on every device). Its passes read through
-    `attention_backend` (one of `ATTENTION_BACKENDS`); `backend(name)` builds another over the same pools."""
+    requests of up to `context` tokens each. Request r lives at SGLang's request slot r + 1 (`request_slot`): as
+    in SGLang's request pool, slot 0 is kept free for the padding rows of a replayed graph (`padded`), and its
+    every position is KV slot 0, SGLang's padding slot. Request r's positions live at random distinct KV slots.
+    `batch` tracks each request's length. Everything lives on `device` (the weights are drawn on the host, so a
+    seed gives the same layer on every device). Its passes read through `attention_backend` (one of
+    `ATTENTION_BACKENDS`); `attention_backend(name)` builds another over the same pools, `plan` plans one for a
+    batch."""
 
     def __init__(self, config, *, layer_id: int, requests: int, slots: int, context: int,
                  dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu",
-                 attention_backend: str = "torch_native") -> None:
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
-                             f"{attention_backend!r}")
+                 attention_backend: str = TORCH_NATIVE) -> None:
         self.device = torch.device(device)
         init_sglang(self.device.type)
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -120,25 +123,29 @@ class StandaloneLayer:
         # The pool holds this layer alone (SGLang's pipeline-stage layer range), addressed by its layer id.
         self.pool = MHATokenToKVPool(slots, 1, dtype, attn.num_kv_heads, attn.head_dim, 1, where, False,
                                      start_layer=layer_id, end_layer=layer_id)
-        self.req_pool = ReqToTokenPool(requests, context, where, False)
+        self.req_pool = ReqToTokenPool(requests, context, where, False)  # slots 0 (free) to `requests`
         perm = torch.randperm(slots - 1, generator=gen)[: requests * context] + 1
-        self.req_pool.req_to_token[:requests, :context] = perm.view(requests, context).to(self.device)
+        self.req_pool.req_to_token[1: requests + 1, :context] = perm.view(requests, context).to(self.device)
         self._backends: dict[str, object] = {}
         self.backend_name = attention_backend
         self.backend = self.attention_backend(attention_backend)
         self.lengths = [0] * requests
 
+    @staticmethod
+    def request_slot(request: int) -> int:
+        """SGLang's request slot of request `request` (its row of the request pool's `req_to_token`)."""
+        return request + 1
+
     def attention_backend(self, name: str):
-        """SGLang's attention backend `name` (one of `ATTENTION_BACKENDS`) over this layer's pools, built once; each
-        batch (`batch`) plans its metadata as a model runner does before a forward."""
+        """SGLang's attention backend `name` (one of `ATTENTION_BACKENDS`) over this layer's pools, built once."""
         if name not in self._backends:
             where = str(self.device)
-            if name == "torch_native":
+            if name == TORCH_NATIVE:
                 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
                 backend = TorchNativeAttnBackend(SimpleNamespace(device=where, req_to_token_pool=self.req_pool,
                                                                  token_to_kv_pool=self.pool))
-            elif name == "triton":
+            elif name == TRITON:
                 backend = self._triton_backend()
             else:
                 raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
@@ -165,6 +172,13 @@ class StandaloneLayer:
             gpu_id=self.device.index or 0, kv_cache_dtype=self.pool.dtype)
         return TritonAttnBackend(runner)
 
+    def plan(self, fb: SimpleNamespace, backend: str | None = None):
+        """Attention backend `backend` (by default the layer's) with its metadata planned for batch `fb`, as a
+        model runner plans it before a forward (the backend's passes over `fb` follow)."""
+        chosen = self.backend if backend is None else self.attention_backend(backend)
+        chosen.init_forward_metadata(fb)
+        return chosen
+
     def context(self, backend: str | None = None):
         """SGLang's forward context of this layer's passes: their attention backend (`backend`, by default the
         layer's), hence its pools."""
@@ -174,54 +188,55 @@ class StandaloneLayer:
         return forward_context(ForwardContext(attn_backend=chosen))
 
     def batch(self, extend: dict[int, int]) -> SimpleNamespace:
-        """A forward batch: `extend` maps request slot -> new tokens (all 1: a decode batch). Its tensors live on
-        the layer's device, `seq_lens_cpu` and `extend_seq_lens_cpu` on the host (as SGLang's batches). Every
-        attention backend built so far plans its metadata for it (the batch's passes follow, until the next)."""
+        """A forward batch: `extend` maps request -> new tokens (all 1: a decode batch). Its tensors live on the
+        layer's device, `seq_lens_cpu` and `extend_seq_lens_cpu` on the host (as SGLang's batches). The layer's
+        attention backend plans its metadata for it (`plan`: another backend's passes over it plan their own)."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         decode = all(n == 1 for n in extend.values()) and all(self.lengths[r] for r in extend)
         reqs = list(extend)
+        slots = [self.request_slot(r) for r in reqs]
         prefix = [self.lengths[r] for r in reqs]
         seq = [self.lengths[r] + extend[r] for r in reqs]
         positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq, strict=True)])
-        req_rows = torch.repeat_interleave(torch.tensor(reqs), torch.tensor([extend[r] for r in reqs]))
+        req_rows = torch.repeat_interleave(torch.tensor(slots), torch.tensor([extend[r] for r in reqs]))
         dev = self.device
         out_loc = self.req_pool.req_to_token[req_rows.to(dev), positions.to(dev)].to(torch.int64)
         for r in reqs:
             self.lengths[r] += extend[r]
         fb = SimpleNamespace(
             forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND, positions=positions.to(dev),
-            out_cache_loc=out_loc, req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=dev),
+            out_cache_loc=out_loc, req_pool_indices=torch.tensor(slots, dtype=torch.int64, device=dev),
             batch_size=len(reqs), seq_lens=torch.tensor(seq, device=dev), seq_lens_cpu=torch.tensor(seq),
             seq_lens_sum=sum(seq), extend_seq_lens=torch.tensor([extend[r] for r in reqs], device=dev),
             extend_seq_lens_cpu=[extend[r] for r in reqs], extend_prefix_lens=torch.tensor(prefix, device=dev),
             extend_prefix_lens_cpu=prefix, encoder_lens=None, spec_info=None, mha_return_lse=False,
             mha_one_shot=False, attn_attend_prefix_cache=False)
-        for backend in self._backends.values():
-            backend.init_forward_metadata(fb)
+        self.plan(fb)
         return fb
 
-    def padded(self, fb: SimpleNamespace, rows: int) -> SimpleNamespace:
+    def padded(self, fb: SimpleNamespace, rows: int, backend: str = TRITON) -> SimpleNamespace:
         """Decode batch `fb` padded to `rows` rows as SGLang's decode graph runner pads a batch to the size of the
-        graph it replays: every row past the batch's request slot 0, one token of context (the Triton backend's
-        fill value), KV slot 0 and position 0. (SGLang keeps request slot 0 free for this; here it is request 0's,
-        whose first key the padding rows then read.) Every attention backend built plans its metadata for it."""
-        if not fb.forward_mode.is_decode() or rows < fb.batch_size:
-            raise ValueError(f"pads a decode batch to at least its {fb.batch_size} rows, got {rows}")
+        graph it replays (`ForwardBatch`'s padding): every row past the batch's request slot 0, KV slot 0 and
+        position 0, and as many tokens of context as attention `backend`, whose graph it replays, fills in (the
+        Triton backend: one). The layer's attention backend plans its metadata for it."""
+        if not fb.forward_mode.is_decode() or not fb.batch_size <= rows <= self.req_pool.size:
+            raise ValueError(f"pads a decode batch to at least its {fb.batch_size} rows and at most the request "
+                             f"pool's {self.req_pool.size}, got {rows}")
         tail = rows - fb.batch_size
+        fill = self.attention_backend(backend).get_cuda_graph_seq_len_fill_value()
 
-        def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        def pad(t: torch.Tensor, value: int = 0) -> torch.Tensor:
             return torch.cat([t, t.new_full((tail,), value)])
 
         out = SimpleNamespace(**vars(fb))
         out.batch_size = rows
-        out.req_pool_indices, out.out_cache_loc, out.positions = (pad(fb.req_pool_indices, 0),
-                                                                  pad(fb.out_cache_loc, 0), pad(fb.positions, 0))
-        out.seq_lens, out.seq_lens_cpu = pad(fb.seq_lens, 1), pad(fb.seq_lens_cpu, 1)
-        out.seq_lens_sum = fb.seq_lens_sum + tail
-        out.extend_seq_lens, out.extend_prefix_lens = pad(fb.extend_seq_lens, 1), pad(fb.extend_prefix_lens, 0)
+        out.req_pool_indices, out.out_cache_loc, out.positions = (pad(fb.req_pool_indices), pad(fb.out_cache_loc),
+                                                                  pad(fb.positions))
+        out.seq_lens, out.seq_lens_cpu = pad(fb.seq_lens, fill), pad(fb.seq_lens_cpu, fill)
+        out.seq_lens_sum = fb.seq_lens_sum + fill * tail
+        out.extend_seq_lens, out.extend_prefix_lens = pad(fb.extend_seq_lens, 1), pad(fb.extend_prefix_lens)
         out.extend_seq_lens_cpu, out.extend_prefix_lens_cpu = (fb.extend_seq_lens_cpu + [1] * tail,
                                                                fb.extend_prefix_lens_cpu + [0] * tail)
-        for backend in self._backends.values():
-            backend.init_forward_metadata(out)
+        self.plan(out)
         return out
