@@ -177,7 +177,7 @@ def test_a_check_that_strays_leaves_its_stage_going_and_its_verdict_to_the_summa
     stage = run.Stage("headline", tmp_path, 600)
     report = {"device": "cpu", "execution": {}, "rtol": 0.05, "ok": False, "cases": []}
 
-    def fake_steps(plan, stage, steps):
+    def fake_steps(plan, stage, steps, limit_s=None):
         ((name, target, cmd),) = steps
         assert name == "check-served" and "--dry-run" in cmd and target == tmp_path / run.CHECK_JSON
         target.write_text(json.dumps(report))
@@ -187,3 +187,31 @@ def test_a_check_that_strays_leaves_its_stage_going_and_its_verdict_to_the_summa
     monkeypatch.setattr(run, "run_steps", fake_steps)
     check = run.check_served(run.Plan.dry(), tmp_path, stage)
     assert stage.failed == [] and check["report"] == report and check["runs"]["check-served"]["exit"] == 1
+
+
+def test_a_check_stopped_by_its_limit_fails_and_its_stage_does_not_run_it_again(tmp_path, monkeypatch):
+    """A check that hangs is stopped at `CHECK_LIMIT_S`: not left for the stage's next run (which would wait as
+    long again) but failed, its log saying so; the stage goes on, and its next run does not start it again (a
+    later stage's folder does). The summary says the routed figures are unchecked."""
+    stage = run.Stage("sweep", tmp_path, 600)
+    runs = run.run_steps(run.Plan.dry(), stage, (("check-served", tmp_path / "never.json", ["sleep", "5"]),),
+                         limit_s=0.5)
+    assert runs["check-served"]["exit"] == 124 and stage.failed == ["check-served"] and stage.left == []
+    assert (stage.out / "check-served.log").read_text().startswith("stopped at its 0.5 s limit")
+
+    calls = []
+
+    def hung(plan, stage, steps, limit_s=None):
+        calls.append(limit_s)
+        stage.failed.append("check-served")
+        return {"check-served": {"exit": 124, "output": str(steps[0][1])}}
+
+    monkeypatch.setattr(run, "run_steps", hung)
+    stage = run.Stage("sweep", tmp_path, 600)
+    first = run.check_served(run.Plan.dry(), tmp_path, stage)
+    again = run.check_served(run.Plan.dry(), tmp_path, run.Stage("sweep", tmp_path, 600))
+    assert calls == [run.CHECK_LIMIT_S] and stage.failed == [] and again == first
+    text = "\n".join(run.check_lines({"sweep": {"check": again}}))
+    assert "did not finish (exit 124" in text and "the routed figures below are unchecked" in text
+    run.check_served(run.Plan.dry(), tmp_path, run.Stage("headline", tmp_path, 600))
+    assert len(calls) == 2  # a later stage's folder runs it again

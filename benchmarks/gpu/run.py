@@ -911,10 +911,12 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
     model = write_model(plan, out)
     arms = write_arms(out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    result = {"arms": {}, "check": check_served(plan, out, stage)}
+    result: dict = {"arms": {}}
     # dense and always-route first, so that a sweep cut short still holds the two latency lines tau and V_x come
     # from (the headline's measured-tau arm needs them) and the skip against dense; the s = 0 control after
     for name in ("dense", ALWAYS, CONTROL):
+        if name != "dense" and "check" not in result:  # before the first routed server: dense needs none, and
+            result["check"] = check_served(plan, out, stage)  # a check that hangs leaves dense measured
         done = stage.out / f"{name}.result.json"
         if done.is_file():
             result["arms"][name] = json.loads(done.read_text())
@@ -1110,11 +1112,12 @@ def finished(target: Path) -> bool:
     return target.name != BENCH_JSON or bool(json.loads(target.read_text()).get("complete"))
 
 
-def run_steps(plan: Plan, stage: Stage, steps) -> dict:
-    """Each (name, output, command) step in a subprocess, within the stage's budget; a step whose output is whole
-    from an earlier run is not run again. One stopped by the budget, or that exits without its whole output, is
-    left for the next run (which starts it again); one that fails is named in `stage.failed` and not run again by
-    the same `run.sh all` (a failure that repeats would spend the session)."""
+def run_steps(plan: Plan, stage: Stage, steps, limit_s: float | None = None) -> dict:
+    """Each (name, output, command) step in a subprocess, within the stage's budget (and `limit_s` where given);
+    a step whose output is whole from an earlier run is not run again. One stopped by the budget, or that exits
+    without its whole output, is left for the next run (which starts it again); one that fails, or that its own
+    limit stopped, is named in `stage.failed` and not run again by the same `run.sh all` (a failure that repeats
+    would spend the session)."""
     runs = {}
     for name, target, cmd in steps:
         if finished(target):
@@ -1126,16 +1129,20 @@ def run_steps(plan: Plan, stage: Stage, steps) -> dict:
         if plan.dry_run:
             env["TRITON_INTERPRET"] = "1"
         remaining = max(30.0, stage.deadline - time.monotonic())
+        limited = limit_s is not None and limit_s < remaining
         t0 = time.monotonic()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=remaining)
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env,
+                                  timeout=limit_s if limited else remaining)
             code, text = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
-            code, text = 124, f"stopped at the stage's time budget\n{exc.stdout or ''}"
-        (stage.out / f"{name}.log").write_text(text if isinstance(text, str) else text.decode())
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            code, text = 124, (f"stopped at its {limit_s:g} s limit" if limited else
+                               "stopped at the stage's time budget") + f"\n{out}"
+        (stage.out / f"{name}.log").write_text(text)
         runs[name] = {"output": str(target), "exit": code, "seconds": round(time.monotonic() - t0, 1)}
         log(stage.name, f"{name}: exit {code}")
-        if code == 124 or (code == 0 and not finished(target)):  # stopped: the next run starts the step again
+        if (code == 124 and not limited) or (code == 0 and not finished(target)):  # the next run starts it
             stage.left.append(name)
         elif code != 0:
             stage.failed.append(name)
@@ -1174,18 +1181,26 @@ def stage_tiles(plan: Plan, out: Path, budget_s: float) -> dict:
     return result
 
 
+CHECK_LIMIT_S = 150.0  # the served-layer check's own limit (about 30-60 s on a device: two rigs, their compiles)
+
+
 def check_served(plan: Plan, out: Path, stage: Stage) -> dict:
     """The served routed layer's execution on this device against its torch execution (`check_served.py`), at the
-    table this run's servers take, before the first routed server of the OUTDIR (a report written whole is not run
-    again): {'runs', 'report'}. A case that strays is not fatal here: the summary says which, beside every routed
-    figure it puts in doubt."""
-    target = out / CHECK_JSON
+    table this run's servers take, before the first routed server of the OUTDIR: {'runs', 'report'}. A report
+    written whole is not run again, and a check that ran in this stage's folder is not run again by the stage (one
+    that hung or crashed would take every run's time); a later stage's runs it again. At most `CHECK_LIMIT_S`. A
+    case that strays is not fatal here: the summary says which, beside every routed figure it puts in doubt."""
+    target, ran = out / CHECK_JSON, stage.out / "check-served.run.json"
+    if not finished(target) and ran.is_file():
+        return {"runs": json.loads(ran.read_text())}
     table = tuned_table(plan, out)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "check_served.py"), "--json", str(target),
            *(["--dry-run"] if plan.dry_run else []), *(["--tile-table", str(table)] if table else [])]
-    runs = run_steps(plan, stage, (("check-served", target, cmd),))
-    if "check-served" in stage.failed:  # its verdict is the report's and the summary's: the stage goes on, and a
-        stage.failed.remove("check-served")  # later stage of a check that wrote nothing runs it again
+    runs = run_steps(plan, stage, (("check-served", target, cmd),), limit_s=CHECK_LIMIT_S)
+    if "check-served" in runs and not runs["check-served"].get("earlier_run"):
+        ran.write_text(json.dumps(runs) + "\n")
+    if "check-served" in stage.failed:  # its verdict is the report's and the summary's: the stage goes on
+        stage.failed.remove("check-served")
         log(stage.name, f"check-served: the served layer's execution STRAYS from its torch execution or could not "
                         f"be checked: {stage.out / 'check-served.log'}")
     return {"runs": runs, **({"report": json.loads(target.read_text())} if target.is_file() else {})}
