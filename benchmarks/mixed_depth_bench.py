@@ -277,22 +277,27 @@ class ServedRig:
                                                      serving_backend)
         self.graph_blocker = routed_graph_blocker(self.world.slot.execution, self.device)
 
-    def pass_fn(self, fb, x: torch.Tensor, skipper, residual: torch.Tensor | None = None,
-                dense_rows: torch.Tensor | None = None):
+    def pass_fn(self, fb, x: torch.Tensor, skipper, residual: torch.Tensor | None = None, plan_buffers=None):
         """One forward of the layer over batch `fb`: upstream's dense forward (skipper None) or the routed pass;
         with `residual`, the layer is handed it as a served layer past the first is (its add-norm updates it in
-        place), where without it x is the first layer's input, left as it is. `dense_rows` (bool [rows]) RUN with
-        unit weight whatever the skipper says (dense-mode requests' rows, or a replayed graph's padding rows)."""
+        place), where without it x is the first layer's input, left as it is. With `plan_buffers` (a
+        `PlanBuffers` of the pass's rows), the pass reads its request slots, keys and dense-mode rows from their
+        views, as a server's captured decode graph does (each replay reads what was written into them before it);
+        otherwise from `fb` (keys: `request_keys`)."""
         from vskipper.mixed.cohorts import CohortBuilder
         from vskipper.mixed.tape import RouteTape
-        from vskipper.sglang.models.routed import plan_pass
+        from vskipper.sglang.models.routed import PassPlan, plan_pass
         from vskipper.sglang.runtime import Step
         from vskipper.skippers.base import BatchContext
 
         world, layer, rows = self.world, self.layer, x.shape[0]
         phase = "decode" if fb.forward_mode.is_decode() else "prefill"
-        plan = plan_pass(fb, rows)
-        keys = plan.req_rows * 7919 + 11  # one key per request
+        if plan_buffers is None:
+            plan, dense_rows = plan_pass(fb, rows), None
+            keys = request_keys(plan.req_rows)
+        else:
+            views = plan_buffers.views(rows)
+            plan, keys, dense_rows = PassPlan(views["req_rows"], 0), views["request_keys"], views["dense_rows"]
         valid = torch.ones(rows, dtype=torch.bool, device=self.device)
         tape, builder = RouteTape(rows, (self.lid,), x.dtype, self.device), CohortBuilder(rows, self.device)
 
@@ -307,8 +312,12 @@ class ServedRig:
                 world.slot.step = world.slot.plan = None
 
         run.tape = tape  # after a routed pass: its route (`project_only_share`)
-        run.keys = keys  # each row's request key, read by the pass (a graph replayed for another batch: its keys)
         return run
+
+
+def request_keys(req_rows: torch.Tensor) -> torch.Tensor:
+    """Each row's request key (RandomSkip hashes it with the position) from its request slot: one key a request."""
+    return req_rows * 7919 + 11
 
 
 def project_only_share(fn, rows: int | None = None) -> float:

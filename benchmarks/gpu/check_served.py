@@ -12,9 +12,10 @@ kernels, SGLang's or ours), on the same rows, route and KV state:
 
   decode   batches of 16, 64 and 128 rows (the count ranges the sweep's batches reach) over 1,000 tokens of
            context, the triton execution eager and replayed from a CUDA graph (as a server replays it); and a
-           graph captured for a batch of 128 rows replayed for a batch of 121 copied into its tensors, padded as
-           SGLang's graph runner pads it to the graph's size (`StandaloneLayer.padded`; the padding rows RUN, as
-           the plan buffers pad them), its rows against the torch execution of the 121 alone
+           graph captured for a batch of 128 rows from static plan buffers replayed for a batch of 121: SGLang's
+           tensors of it padded to the graph's size as its graph runner pads them (`StandaloneLayer.padded`)
+           copied into the graph's, its plan written into the buffers as a server writes it (the padding rows
+           RUN, as the buffers pad them), its rows against the torch execution of the 121 alone
   prefill  one prompt of 1,024 tokens, and a pass of two prompts (600 and 424), eager, with the packed read and
            with the read through the attention backend the device run's servers serve with (`servers_backend`:
            SGLang's Triton extend kernel over every row, Project-Only rows with a zero query; which of the two a
@@ -61,10 +62,11 @@ from mixed_depth_bench import (  # noqa: E402
     ServedRig,
     captured,
     project_only_share,
+    request_keys,
     served_config,
 )
 
-from vskipper.mixed.plan_buffers import FIELDS  # noqa: E402
+from vskipper.mixed.plan_buffers import PlanBuffers  # noqa: E402
 from vskipper.sglang.standalone import ATTENTION_BACKENDS, TORCH_NATIVE  # noqa: E402
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 
@@ -79,8 +81,6 @@ ROUTES = {"s=0.5": RandomSkip(r=1.0, d=0.5, seed=0), "s=0": RandomSkip(r=0.0, d=
 DEVICE_CASES = {"decode_rows": (16, 64, 128), "context": 1000, "prompts": ((1024,), (600, 424)), "padded": 121}
 DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7)), "padded": 3}
 REFERENCE_BACKEND = TORCH_NATIVE  # the reference's attention backend (none of its kernels is Triton's)
-# A replayed graph's padding rows: dense-mode (RUN) where the plan buffers pad `dense_rows` so
-PADDING_DENSE = next(padding for name, _, padding in FIELDS if name == "dense_rows")
 
 
 def torch_execution(device: torch.device):
@@ -135,16 +135,13 @@ def capture(fn, device: torch.device):
 class Case:
     """One pass (`fb`) over one rig's layer from a saved KV state, its input handed over as a served layer past the
     first is handed it (hidden states and the residual the add-norm updates in place). Of a batch padded to a
-    graph's size, the `real` rows are the batch's and are compared; the padding rows RUN (`PADDING_DENSE`)."""
+    graph's size, the `real` rows are the batch's and are compared."""
 
     def __init__(self, rig: ServedRig, fb, hidden: torch.Tensor, residual: torch.Tensor, route,
                  kv0: tuple[torch.Tensor, torch.Tensor], real: int | None = None) -> None:
         self.rig, self.fb, self.hidden, self.residual, self.route = rig, fb, hidden, residual, route
         self.kv0 = kv0  # the pool's K and V before each run (`poisoned`)
-        rows = hidden.shape[0]
-        self.real = rows if real is None else real
-        self.dense_rows = None if self.real == rows else (
-            (torch.arange(rows, device=hidden.device) >= self.real) & PADDING_DENSE)
+        self.real = hidden.shape[0] if real is None else real
         self._want: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def want(self, reference) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +166,7 @@ class Case:
         world.plan(self.fb, backend)
         self.restore()
         hidden, residual = self.hidden.clone(), self.residual.clone()
-        layer_pass = self.rig.pass_fn(self.fb, hidden, self.route, residual, self.dense_rows)
+        layer_pass = self.rig.pass_fn(self.fb, hidden, self.route, residual)
 
         def passed():  # the inputs set again first (the pass updates the residual in place)
             hidden.copy_(self.hidden)
@@ -181,18 +178,22 @@ class Case:
         return self.outcome(layer_pass, h, r)
 
     def replayed_as(self, execution, batch: Case) -> tuple[torch.Tensor, torch.Tensor]:
-        """This case's pass captured (a CUDA graph on CUDA, `EagerGraph` elsewhere), then replayed with `batch`'s
-        inputs copied into the tensors it captured, as SGLang's graph runner copies a batch padded to the graph's
-        size into its static buffers: `batch`'s outcome (`run`). This case's batch is spent (its tensors hold
-        `batch`'s after)."""
+        """This case's pass captured (a CUDA graph on CUDA, `EagerGraph` elsewhere) from static plan buffers, as a
+        server's routed decode graph is (`SkipperCausalLM.capture_pass`), then replayed for `batch`: SGLang's
+        tensors of the batch padded to the graph's size copied into those the graph holds, as its graph runner
+        copies them, and the batch's plan written into the buffers as a server writes it (`write_plan`: its
+        rows, the rest padding; on CUDA staged in pinned host memory, one copy). `batch`'s outcome (`run`). This
+        case's batch is spent (its tensors hold `batch`'s after)."""
         world, rows = self.rig.world, self.hidden.shape[0]
         world.slot.execution = execution
         world.plan(self.fb)
         self.restore()
+        buffers = PlanBuffers(rows, self.hidden.device)
+        buffers.frozen = True  # a graph holds their addresses
+        buffers.write(self.fb.req_pool_indices, request_keys(self.fb.req_pool_indices).cpu())
         hidden, residual = self.hidden.clone(), self.residual.clone()
         inputs = (self.hidden.clone(), self.residual.clone())  # what each replay's pass is handed
-        dense = torch.zeros(rows, dtype=torch.bool, device=hidden.device)  # each replay's dense-mode rows
-        layer_pass = self.rig.pass_fn(self.fb, hidden, self.route, residual, dense)
+        layer_pass = self.rig.pass_fn(self.fb, hidden, self.route, residual, plan_buffers=buffers)
 
         def passed():
             hidden.copy_(inputs[0])
@@ -203,11 +204,8 @@ class Case:
             graph, (h, r) = capture(passed, hidden.device)
             for name in ("positions", "req_pool_indices", "seq_lens", "out_cache_loc"):
                 getattr(self.fb, name).copy_(getattr(batch.fb, name))
-            layer_pass.keys.copy_(self.rig.pass_fn(batch.fb, batch.hidden, batch.route).keys)
-            if batch.dense_rows is None:
-                dense.fill_(False)
-            else:
-                dense.copy_(batch.dense_rows)
+            slots = batch.fb.req_pool_indices[: batch.real]  # the batch's own, on the device
+            buffers.write(slots, request_keys(slots).cpu())
             inputs[0].copy_(batch.hidden)
             inputs[1].copy_(batch.residual)
             batch.restore()
@@ -332,12 +330,12 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
     pool = rig.world.pool
     clean = (pool.get_key_buffer(rig.lid).normal_().clone(), pool.get_value_buffer(rig.lid).normal_().clone())
 
-    def decode_case(rows: int, route, pad_to: int | None = None) -> Case:
-        """A decode batch of `rows` requests at `context` tokens (padded to `pad_to` rows: the servers' backend
-        fills the padding rows' context); the same draws for the same rows."""
+    def decode_case(rows: int, route, pad_to: int | None = None, reverse: bool = False) -> Case:
+        """A decode batch of `rows` requests at `context` tokens, in order or `reverse`d (padded to `pad_to`
+        rows: the servers' backend fills the padding rows' context); the same draws for the same rows."""
         rig.world.lengths = [context] * rows_max
         rig.world.gen.manual_seed(rows)
-        fb = rig.world.batch({r: 1 for r in range(rows)})
+        fb = rig.world.batch({r: 1 for r in (reversed(range(rows)) if reverse else range(rows))})
         hidden, residual = inputs(rig, rows)
         kv0 = poisoned(rig, clean, {r: context + 1 for r in range(rows)})
         if pad_to is None:
@@ -354,15 +352,17 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
             if graphs:
                 results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
                                        partial(compared, case, served, reference, True)))
-    for arm, route in ROUTES.items():  # a graph captured for one batch, replayed for another padded to its size
+    # a graph captured for one batch (its requests in reverse: each row another request's than in the batch it is
+    # replayed for, so a plan not written reads the wrong keys), replayed for another padded to its size
+    for arm, route in ROUTES.items():
         name = (f"decode {real} rows replayed from the graph of {graph_rows}, context {context}, {arm}"
                 + ("" if graphs else ", eager stand-in"))
         if unbuilt:
             results.append(verdict(name, partial(refused, unbuilt)))
             continue
         results.append(verdict(name, lambda route=route: replay_compared(
-            decode_case(graph_rows, route), decode_case(real, route, graph_rows), decode_case(real, route), served,
-            reference)))
+            decode_case(graph_rows, route, reverse=True), decode_case(real, route, graph_rows),
+            decode_case(real, route), served, reference)))
     rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table, serving_backend=named)
     served = rig.world.slot.execution
     pool = rig.world.pool
