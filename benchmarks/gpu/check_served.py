@@ -124,9 +124,9 @@ class EagerGraph:
             held.copy_(fresh)
 
 
-def capture(fn, device: torch.device):
-    """(a graph of fn, the outputs each replay refills): a CUDA graph on CUDA (`captured`), else `EagerGraph`."""
-    if device.type == "cuda":
+def capture(fn, graph: bool):
+    """(a graph of fn, the outputs each replay refills): a CUDA graph (`captured`), or else `EagerGraph`."""
+    if graph:
         return captured(fn)
     graph = EagerGraph(fn)
     return graph, graph.out
@@ -177,8 +177,8 @@ class Case:
             h, r = replayed(passed, self.restore) if graph else passed()
         return self.outcome(layer_pass, h, r)
 
-    def replayed_as(self, execution, batch: Case) -> tuple[torch.Tensor, torch.Tensor]:
-        """This case's pass captured (a CUDA graph on CUDA, `EagerGraph` elsewhere) from static plan buffers, as a
+    def replayed_as(self, execution, batch: Case, graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """This case's pass captured (a CUDA graph, or `EagerGraph` where none is) from static plan buffers, as a
         server's routed decode graph is (`SkipperCausalLM.capture_pass`), then replayed for `batch`: SGLang's
         tensors of the batch padded to the graph's size copied into those the graph holds, as its graph runner
         copies them, and the batch's plan written into the buffers as a server writes it (`write_plan`: its
@@ -201,7 +201,7 @@ class Case:
             return layer_pass()
 
         with world.context():
-            graph, (h, r) = capture(passed, hidden.device)
+            replay, (h, r) = capture(passed, graph)
             for name in ("positions", "req_pool_indices", "seq_lens", "out_cache_loc"):
                 getattr(self.fb, name).copy_(getattr(batch.fb, name))
             slots = batch.fb.req_pool_indices[: batch.real]  # the batch's own, on the device
@@ -209,7 +209,7 @@ class Case:
             inputs[0].copy_(batch.hidden)
             inputs[1].copy_(batch.residual)
             batch.restore()
-            graph.replay()
+            replay.replay()
         if hidden.device.type == "cuda":
             torch.cuda.synchronize()
         return batch.outcome(layer_pass, h, r)
@@ -266,10 +266,10 @@ def compared(case: Case, execution, reference, graph: bool = False, backend: str
     return case.run(execution, graph=graph, backend=backend), case.want(reference), case.share
 
 
-def replay_compared(case: Case, batch: Case, base: Case, execution, reference):
-    """(`batch` replayed from `case`'s graph with the served `execution`; `base`, the batch `batch` pads, run
-    with the `reference` execution; the replay's Project-Only share of the batch's rows)."""
-    return case.replayed_as(execution, batch), base.want(reference), batch.share
+def replay_compared(case: Case, batch: Case, base: Case, execution, reference, graph: bool):
+    """(`batch` replayed from `case`'s graph (`Case.replayed_as`) with the served `execution`; `base`, the batch
+    `batch` pads, run with the `reference` execution; the replay's Project-Only share of the batch's rows)."""
+    return case.replayed_as(execution, batch, graph), base.want(reference), batch.share
 
 
 def refused(why: str):
@@ -362,7 +362,7 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
             continue
         results.append(verdict(name, lambda route=route: replay_compared(
             decode_case(graph_rows, route, reverse=True), decode_case(real, route, graph_rows),
-            decode_case(real, route), served, reference)))
+            decode_case(real, route), served, reference, graphs)))
     rig = ServedRig(hf_config, 2, longest, dtype, device, "triton", tile_table, serving_backend=named)
     served = rig.world.slot.execution
     pool = rig.world.pool
