@@ -296,8 +296,9 @@ class ServedRig:
             plan, dense_rows = plan_pass(fb, rows), None
             keys = request_keys(plan.req_rows)
         else:
-            views = plan_buffers.views(rows)
-            plan, keys, dense_rows = PassPlan(views["req_rows"], 0), views["request_keys"], views["dense_rows"]
+            views = plan_buffers.views(rows)  # the decode read's host bound as planned (a captured read takes none)
+            plan = PassPlan(views["req_rows"], plan_pass(fb, rows).context)
+            keys, dense_rows = views["request_keys"], views["dense_rows"]
         valid = torch.ones(rows, dtype=torch.bool, device=self.device)
         tape, builder = RouteTape(rows, (self.lid,), x.dtype, self.device), CohortBuilder(rows, self.device)
 

@@ -182,7 +182,8 @@ class Case:
         server's routed decode graph is (`SkipperCausalLM.capture_pass`), then replayed for `batch`: SGLang's
         tensors of the batch padded to the graph's size copied into those the graph holds, as its graph runner
         copies them, and the batch's plan written into the buffers as a server writes it (`write_plan`: its
-        rows, the rest padding; on CUDA staged in pinned host memory, one copy). `batch`'s outcome (`run`). This
+        rows, the rest padding; on CUDA its keys staged in pinned host memory and copied over at once, its
+        request slots copied on the device). `batch`'s outcome (`run`). This
         case's batch is spent (its tensors hold `batch`'s after)."""
         world, rows = self.rig.world, self.hidden.shape[0]
         world.slot.execution = execution
@@ -353,7 +354,7 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                 results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
                                        partial(compared, case, served, reference, True)))
     # a graph captured for one batch (its requests in reverse: each row another request's than in the batch it is
-    # replayed for, so a plan not written reads the wrong keys), replayed for another padded to its size
+    # replayed for, so request slots not written read another request's K/V), replayed for another padded to its size
     for arm, route in ROUTES.items():
         name = (f"decode {real} rows replayed from the graph of {graph_rows}, context {context}, {arm}"
                 + ("" if graphs else ", eager stand-in"))
