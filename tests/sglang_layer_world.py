@@ -1,6 +1,7 @@
 """The served routed layer in this process (`vskipper.sglang.standalone`): SGLang's real decoder layers (Llama,
 Qwen3) with vSkipper's routed body, SGLang's real KV pool, request-to-token pool and attention backend (torch-native
-unless asked), on CPU; here with the tiny checkpoints' configs, the dense reference and the routed pass the tests compare.
+unless asked), on CPU; here with the tiny checkpoints' configs, the dense reference and the routed pass the tests
+compare.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """One served routed decoder layer outside a server, in this process: SGLang's real decoder layer (Llama or Qwen3)
 with vSkipper's routed body, SGLang's real KV pool, request-to-token pool and attention backend (its torch-native
-one, or its Triton one, which the device runs' servers read through), on CPU or on a CUDA device. The served layer's tests build on it (`tests/sglang_layer_world.py`), and so do the CPU bench's
-decode profile (`benchmarks/bench_cpu.py`) and the served-layer section of `benchmarks/mixed_depth_bench.py`.
+one, or its Triton one, which the device runs' servers read through), on CPU or on a CUDA device. The served
+layer's tests build on it (`tests/sglang_layer_world.py`), and so do the CPU bench's decode profile
+(`benchmarks/bench_cpu.py`) and the served-layer section of `benchmarks/mixed_depth_bench.py`.
 
 SGLang's layers need its runtime context and a model-parallel group even at TP = 1: `init_sglang` publishes a
 one-process topology (gloo) once per process, as SGLang's own layer tests do. Before that, `device_process`
