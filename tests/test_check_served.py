@@ -237,3 +237,37 @@ def test_a_replay_whose_plan_buffers_keep_the_captured_batchs_request_slots_stra
         assert "error" not in case and case["ok"] != ("replayed from the graph" in case["case"]), case
     control = next(c for c in report["cases"] if "replayed from the graph" in c["case"] and ", s=0," in c["case"])
     assert control["output_error"] == float("inf")  # its first row read a request the batch does not hold
+
+
+def test_a_replay_whose_plan_buffers_keep_the_captured_batchs_request_keys_strays_where_the_route_differs(
+        tmp_path, monkeypatch):
+    """Each replayed pass writes its rows' request keys into the plan buffers, as a server does, and the skipper
+    routes each row by its key: buffers that kept the keys of the batch the graph was captured for route the
+    replayed rows as other requests, so the s = 0.5 replay strays (the rows it routes apart compute another
+    depth) and nothing else does; the s = 0 control routes every row RUN whatever its key and cannot notice."""
+    from benchmarks.mixed_depth_bench import request_keys
+    from vskipper.mixed.plan_buffers import PlanBuffers
+    from vskipper.skippers.random_skip import reference_routes
+
+    real = PlanBuffers.write
+
+    def keeps_the_first_keys(self, req_rows, keys, dense_rows=None):
+        first = getattr(self, "first_keys", None)
+        if first is None:
+            self.first_keys = keys.clone()
+        return real(self, req_rows, keys if first is None else first[: keys.shape[0]].clone(), dense_rows)
+
+    # The dry run's replay: 3 rows (request slots 1-3) replayed from the graph of 4 captured for slots 4, 3, 2, 1.
+    route = check_served.ROUTES["s=0.5"]
+    position = check_served.DRY_CASES["context"]
+
+    def routes(slots):
+        return [reference_routes(route.seed, int(k), position, route.r, route.d, 1)
+                for k in request_keys(torch.tensor(slots))]
+
+    assert routes([4, 3, 2]) != routes([1, 2, 3])  # the stale keys route some row otherwise: the fault is visible
+    monkeypatch.setattr(PlanBuffers, "write", keeps_the_first_keys)
+    report = _check(tmp_path)
+    for case in report["cases"]:
+        hit = "replayed from the graph" in case["case"] and ", s=0.5," in case["case"]
+        assert "error" not in case and case["ok"] != hit, case
