@@ -100,7 +100,9 @@ def test_ladder_finds_q_star_on_dense_and_serves_dense_every_headline_cell(dry_r
     assert len(q["rates"]) <= plan.ladder_max_rates and q["q_star"] in q["rates"]
     assert q["rates"][0] <= ladder["calibration"]["ladder_start"] <= q["rates"][-1]
     assert ladder["calibration"]["ladder_start"] <= ladder["calibration"]["ladder_start_max"] == plan.ladder_start_max
-    assert all(t > 0 for t in q["tok_s"])
+    # Q*'s cell decoded within its window; a rate past it may not (on shared CPU cores a dry cell's window is about a
+    # second, and a stall of the host that long left one with no token in it: 0 tok/s, no growth, which ends the climb)
+    assert all(t >= 0 for t in q["tok_s"]) and q["tok_s_at_q_star"] > 0
     cells = [headline.Cell.from_dict(c) for c in ladder["cells"]]
     assert [(c.load, c.repetition) for c in cells] == [(load, r) for load in headline.SERVE_ORDER
                                                        for r in range(plan.repetitions)]
