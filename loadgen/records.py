@@ -64,7 +64,10 @@ class RequestRecord:
         queue), from there to the scheduler's processing of the prefill's result (`forward`: the pass's launches,
         the device, and whatever the scheduler ran before it read the result), from there to the tokenizer's
         first token (`output`), and the rest of the client's TTFT (`http`: the request's way in and the first
-        token's way out)."""
+        token's way out). `forward` is read on the scheduler's clock alone, `http` from durations; `scheduled`
+        and `output` each span the tokenizer's clock and the scheduler's, which SGLang sets once per process from
+        `time.time() - time.perf_counter()` (two calls a busy host can preempt between): each may be off by
+        that difference, milliseconds on a loaded host, and their sum is not."""
         t = self.server_times
         if self.ttft_s is None or not all(k in t for k in SERVER_TIMES):
             return None

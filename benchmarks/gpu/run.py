@@ -1368,8 +1368,9 @@ def ttft_parts_lines(arms: dict) -> list[str]:
     lines = ["Where a prefill's time to its first token went (SGLang's stamps of each request, medians; "
              "scheduled: the tokenizer's receipt to the scheduler's first forward of the request; forward: from "
              "there to the scheduler's processing of the prefill's result; output: to the tokenizer's first "
-             "token; HTTP: the rest of the client's TTFT):", "",
-             "| prefill tokens | arm | TTFT ms | scheduled ms | forward ms | output ms | HTTP ms |",
+             "token; HTTP: the rest of the client's TTFT; scheduled and output each span two processes' clocks, "
+             "which SGLang calibrates once per process, and may each be off by that calibration, their sum not):",
+             "", "| prefill tokens | arm | TTFT ms | scheduled ms | forward ms | output ms | HTTP ms |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     for name, cell in sorted(rows, key=lambda r: (r[1]["tokens"], list(arms).index(r[0]))):
         parts = cell["ttft_parts_s"]
