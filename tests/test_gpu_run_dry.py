@@ -242,6 +242,10 @@ def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(d
                 assert parts["forward"] > 0 and parts["http"] > -1e-3, parts
                 assert parts["scheduled"] + parts["output"] > -1e-3, parts
         assert arm["line"]["points"] == len(arm["decode"])
+        # each cell's passes as the server's clock timed them: the host's alone on a CPU (no device events)
+        for cell in arm["decode"] + arm["prefill"]:
+            assert cell["pass_spans"]["host_ms"] > 0 and cell["pass_spans"]["passes"] >= 1
+            assert cell["pass_spans"]["device_ms"] is None
     comparison = sweep["comparison"]
     assert len(comparison["decode_speedup"]) == len(plan.batches) * len(plan.contexts)
     assert len(comparison["prefill_speedup"]) == len(plan.prefill_lengths)
@@ -308,6 +312,7 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     summary = (out / "summary.md").read_text()
     assert "Dry run on CPU" in summary and "tau =" in summary
     assert "Where a prefill's time to its first token went" in summary and "## Check" in summary
+    assert "Each pass as its server timed it" in summary and "| host ms a pass | device ms a pass |" in summary
     assert "## Tiles" in summary and "unused: the torch execution" in summary
     assert "| mlp_gate_up | 513-1024 |" in summary and "| mlp_gate_up | 2049- |" in summary  # prefill by its length
     table = results["tiles"]["table"]  # each shape's half-count timing beside the full one, and what it decides
@@ -370,21 +375,36 @@ def test_no_prefill_prompt_of_the_sweep_is_a_prefix_of_another():
 
 def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypatch):
     """Each repetition serves one fresh prompt at every length before the next repetition, so a drift over an arm's
-    prompts falls on every length alike; each length's figure is the median of its repetitions. (No server: the
-    request is stood in for.)"""
+    prompts falls on every length alike; each length's figure is the median of its repetitions, its passes' spans
+    too, read from the server's clock between one prompt and the next. (No server: the request and the server's
+    clock, a GPU's, are stood in for.)"""
+    import copy
     from types import SimpleNamespace
 
     plan = run.Plan.gpu()
     sent: list[int] = []
+    clock = {"parts": False, "passes_total": {}, "tokens_total": {}, "seconds_total": {},
+             "device_seconds_total": {}, "device_passes_total": {}}
+
+    def add(field: str, value) -> None:
+        clock[field]["prefill"] = clock[field].get("prefill", 0) + value
 
     async def fake_burst(server, prompts, new_tokens):
-        sent.append(len(prompts[0]))
-        ttft = len(prompts[0]) * 1e-5 * (1 + len(sent) / 100)
+        n = len(prompts[0])
+        sent.append(n)
+        ttft = n * 1e-5 * (1 + len(sent) / 100)
         parts = {"scheduled": 1e-3, "forward": ttft - 4e-3, "output": 1e-3, "http": 2e-3}
-        return [SimpleNamespace(ttft_s=ttft, ttft_parts=lambda: parts if len(prompts[0]) > 1024 else None)]
+        add("passes_total", 1)
+        add("tokens_total", n)
+        add("device_passes_total", 1)
+        add("device_seconds_total", n * 2e-6)  # the device's span of the prompt's pass, twice the host's
+        outside = clock["seconds_total"].setdefault("prefill", {}).setdefault("outside", {})
+        outside["outside"] = outside.get("outside", 0.0) + n * 1e-6
+        return [SimpleNamespace(ttft_s=ttft, ttft_parts=lambda: parts if n > 1024 else None)]
 
     monkeypatch.setattr(run, "burst", fake_burst)
-    cells = run.prefill_cells(plan, None, 128256)
+    server = SimpleNamespace(get_json=lambda path: {"part_clock": copy.deepcopy(clock)})
+    cells = run.prefill_cells(plan, server, 128256)
     assert sent == list(plan.prefill_lengths) * plan.prefill_reps and 1536 in plan.prefill_lengths
     assert [c["tokens"] for c in cells] == list(plan.prefill_lengths)
     for cell in cells:
@@ -397,6 +417,21 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
             assert cell["ttft_parts_s"]["forward"] == forwards[plan.prefill_reps // 2]
     lines = "\n".join(run.ttft_parts_lines({"dense": {"prefill": cells}}))
     assert "| 1024 |" not in lines and f"| 1536 | dense | {cells[1]['ttft_s'] * 1e3:.1f} | 1.0 |" in lines
+    for cell in cells:  # each prompt's pass alone, between the readings before and after it
+        n = cell["tokens"]
+        assert cell["pass_spans"]["passes"] == 1 and len(cell["pass_spans"]["reps"]) == plan.prefill_reps
+        assert cell["pass_spans"]["host_ms"] == pytest.approx(n * 1e-3)
+        assert cell["pass_spans"]["device_ms"] == pytest.approx(n * 2e-3)
+    decode = {"batch": 32, "context": 1000, "step_s": 0.0105,
+              "pass_spans": {"host_ms": 0.21, "device_ms": 9.87, "passes": 190, "device_passes": 190}}
+    lines = run.pass_span_lines({"dense": {"prefill": cells, "decode": [decode]}, run.ALWAYS: {"decode": [decode]}})
+    assert f"| 1536 | dense | {cells[1]['ttft_s'] * 1e3:.1f} | {cells[1]['ttft_parts_s']['forward'] * 1e3:.1f} | " \
+           f"1.5 | 3.1 | 1 |" in lines
+    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 2.0 | 1 |" in lines  # no stamps there
+    assert lines.index("| 32 | 1000 | dense | 10.50 | 0.21 | 9.87 | 190 |") < \
+        lines.index(f"| 32 | 1000 | {run.ALWAYS} | 10.50 | 0.21 | 9.87 | 190 |")
+    assert run.pass_span_lines({"dense": {"prefill": [{"tokens": 1, "ttft_s": 1.0}]}}) == []
+    assert run.pass_spans(None, clock, "prefill") is None and run.pass_spans(clock, clock, "prefill") is None
 
 
 def test_ratio_range_spans_every_pairing_of_the_arms_repetitions():

@@ -12,6 +12,7 @@ from vskipper.sglang.part_times import CONTROL_PHASE, PARTS, PartClock, PassCloc
 from vskipper.sglang.spec import (
     ENV_INTERLEAVE_CONTROL,
     ENV_PART_CLOCK,
+    ENV_PASS_SPANS,
     ServeConfigError,
     ServeSpec,
     part_clock_from_env,
@@ -67,7 +68,7 @@ def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a
     clock.around_pass(Mode(True), one_pass, tokens=4)
     clock.around_pass(Mode(False), lambda: routed.forward(), tokens=9)
     assert clock.attestation() == {
-        "passes_total": {"decode": 1, "prefill": 1}, "tokens_total": {"decode": 4, "prefill": 9},
+        "parts": True, "passes_total": {"decode": 1, "prefill": 1}, "tokens_total": {"decode": 4, "prefill": 9},
         "seconds_total": {"decode": {"outside": {"outside": 100.0}, "routed": {"glue": 10.0, "rope": 1.0},
                                      "dense": {"glue": 20.0, "rope": 2.0}},
                           "prefill": {"outside": {"outside": 0.0}, "routed": {"glue": 10.0, "rope": 1.0}}},
@@ -101,6 +102,17 @@ def test_the_serve_spec_carries_the_part_clock_through_the_environment_and_refus
     assert not part_clock_from_env({})
     with pytest.raises(ServeConfigError, match=f"{ENV_PART_CLOCK} must be 0 or 1, got 'yes'"):
         ServeSpec.from_env({**env, ENV_PART_CLOCK: "yes"})
+
+
+def test_the_serve_spec_carries_the_pass_spans_through_the_environment_and_refuses_other_values():
+    from vskipper.arms import get_arm
+
+    env = ServeSpec(get_arm("dense"), 0, 0, pass_spans=True).to_env()
+    assert env[ENV_PASS_SPANS] == "1" and ServeSpec.from_env(env).pass_spans
+    assert not ServeSpec.from_env(env).part_clock and ENV_PART_CLOCK not in env
+    assert not ServeSpec.from_env(ServeSpec(get_arm("dense"), 0, 0).to_env()).pass_spans
+    with pytest.raises(ServeConfigError, match=f"{ENV_PASS_SPANS} must be 0 or 1, got 'true'"):
+        ServeSpec.from_env({**env, ENV_PASS_SPANS: "true"})
 
 
 def test_the_serve_spec_carries_the_interleaved_control_through_the_environment():
@@ -138,7 +150,7 @@ def test_an_interleaved_control_pass_is_a_phase_of_its_own_in_the_part_clock():
     clock.around_pass(Mode(False), run, control=True, tokens=1024)
     clock.around_pass(Mode(False), run, tokens=1)  # a prompt the radix cache held but for its last token
     phases = (CONTROL_PHASE, "decode", "prefill_control", "prefill")
-    assert clock.attestation() == {"passes_total": dict.fromkeys(phases, 1),
+    assert clock.attestation() == {"parts": True, "passes_total": dict.fromkeys(phases, 1),
                                    "tokens_total": dict(zip(phases, (16, 16, 1024, 1), strict=True)),
                                    "seconds_total": {phase: {"outside": {"outside": 2.0}} for phase in phases},
                                    "device_seconds_total": {}, "device_passes_total": {}}
@@ -244,3 +256,103 @@ def test_each_pass_is_timed_on_the_device_once_its_end_event_completes_and_never
     cpu = PartClock(clock=t)
     cpu.around_pass(Mode(decode=True), work(0.001))
     assert cpu.attestation()["device_passes_total"] == {}
+
+
+def test_a_clock_of_spans_alone_wraps_nothing_and_times_each_pass_whole_on_the_host_and_the_device():
+    """`pass_spans` alone: no part is wrapped (the layers' calls run as they are), each pass's forward is its host
+    span (`outside`), and a reader on another thread waits for the device's end of the passes timed so far and
+    counts each of them (`read_device`), the last one too; while a graph is captured (`holding_events`) it
+    touches no event at all."""
+    t = FakeClock()
+    made: list[FakeEvent] = []
+    waited: list[FakeEvent] = []
+    capture = [False]
+
+    def event():
+        e = FakeEvent(t, lambda e: e in waited, capture)
+
+        def synchronize():
+            assert not capture[0], "an event waited for while a graph is captured (illegal in CUDA)"
+            waited.append(e)
+
+        e.synchronize = synchronize
+        made.append(e)
+        return e
+
+    clock = PartClock(clock=t, events=event, parts=False)
+
+    class Module:
+        def forward(self):
+            t.now += 1.0
+
+    module = Module()
+    original = module.forward
+    clock.wrap(module, "forward", "glue", "routed")
+    clock.install([], ())
+    assert module.forward == original  # nothing wrapped
+
+    def prefill():
+        t.now += 0.004
+        module.forward()
+
+    clock.around_pass(Mode(decode=False), prefill, tokens=1024)
+    assert clock.device_passes == {}  # the pass still runs on the device: counted at a later read
+    with clock.holding_events():
+        capture[0] = True
+        assert clock.read_device() is False and waited == []
+        capture[0] = False
+    assert clock.device_passes == {}
+    assert clock.read_device() is True and waited == [made[1]]
+    att = clock.attestation()
+    assert att["parts"] is False and att["passes_total"] == {"prefill": 1} and att["tokens_total"] == {"prefill": 1024}
+    assert att["seconds_total"] == {"prefill": {"outside": {"outside": pytest.approx(1.004)}}}
+    assert att["device_passes_total"] == {"prefill": 1}
+    assert att["device_seconds_total"]["prefill"] == pytest.approx(1.009)  # the fake device's 5 ms more
+
+
+def test_the_state_document_holds_the_device_span_of_every_pass_timed_before_it(tmp_path):
+    """The runtime's state writer waits for the device's end of the passes its model's clock timed (outside its
+    lock), then counts them: a reading after a request holds that request's last pass, not one pass behind."""
+    import json
+
+    from vskipper.arms import get_arm
+    from vskipper.sglang.runtime import Runtime
+
+    t = FakeClock()
+    waited: list[FakeEvent] = []
+
+    def event():
+        e = FakeEvent(t, lambda e: e in waited, [False])
+        e.synchronize = lambda: waited.append(e)
+        return e
+
+    runtime = Runtime(ServeSpec(get_arm("dense"), 0, 0, tmp_path / "state.json", pass_spans=True), "ddllama", (2,),
+                      "test")
+    clock = PartClock(clock=t, events=event, parts=False)
+    runtime.model_counters["part_clock"] = clock.live()
+    runtime.part_clock = clock
+
+    def prefill():
+        t.now += 0.002
+
+    clock.around_pass(Mode(decode=False), prefill, tokens=64)  # the last pass: nothing after it settles it
+    doc = json.loads(runtime.state_document())["part_clock"]
+    assert doc["parts"] is False and doc["device_passes_total"] == {"prefill": 1}
+    assert doc["device_seconds_total"]["prefill"] == pytest.approx(0.007)
+
+
+def test_the_decode_graph_capture_holds_the_clocks_timing_events_from_the_state_writer(monkeypatch):
+    """SGLang's decode capture (the hook around `DecodeCudaGraphRunner.capture`) runs with the model's clock holding
+    its events: the state writer's read of the device waits for none and queries none until the capture ends."""
+    from types import SimpleNamespace
+
+    from vskipper.sglang import active, hooks
+
+    clock = PartClock(clock=FakeClock(), parts=False)
+    model = SimpleNamespace(part_clock=clock, decode_graph_variants=lambda runner: None)
+    monkeypatch.setattr(active, "_ACTIVE", [model])
+    runner = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+    reads = []
+    assert hooks.around_decode_capture(lambda r: reads.append(clock.read_device()) or "captured", runner) == \
+        "captured"
+    assert reads == [False] and clock.read_device() is True

@@ -118,9 +118,8 @@ def clock_arm(plan, args, model: Path, arms: dict[str, Path], vocab: int, arm: s
     """`--part-clock`: the arm's server with its part clock on (`VSKIPPER_PART_CLOCK`, set by `main`) and no
     profiler: after the warm-up burst, the burst's passes per phase as the clock read before and after it counts
     them (`bench_cpu.run_clock`): the host's ms a pass per layer kind (its launches, on a GPU) beside the device's
-    span of a pass. A pass's span is read at a later pass, so the device's average runs one pass or so behind the
-    host's: with two tokens or more generated every prefill pass of the burst is read within it, its last decode
-    passes may not be, and the warm-up's last decode pass (the burst's shape: the same batch and prompts) is."""
+    span of a pass (the state writer waits for the device's end of every pass timed before it writes the
+    attestation, so each reading holds the burst's last pass too)."""
     with ExitStack() as stack:
         server, prompts = warm_server(plan, args, stack, model, arms, vocab, arm)
         before = server.get_json("/vskipper/attestation").get("part_clock")

@@ -58,6 +58,7 @@ from benchmarks.gpu.bundle import device_pins  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
+from vskipper.sglang.spec import ENV_PASS_SPANS  # noqa: E402
 
 # The order `run.sh all` runs them in (`run.py stages` prints it): the tiles first, since every routed server
 # after them serves with the table they measure; then the sweep, which measures what the routed passes cost (and
@@ -357,9 +358,12 @@ def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | N
     if thresholds is not None:
         kw = {"enter_tokens": thresholds["enter_tokens"], "exit_tokens": thresholds["exit_tokens"]}
     # Killed, not drained, when the stage is done with it: SGLang's graceful shutdown costs about 5 s a server.
+    # Each times its passes' spans (`ENV_PASS_SPANS`: two timing events and two clock reads a pass, in every arm
+    # alike), which the sweep reads beside its figures (`pass_spans`).
     return stack.enter_context(launched(model, workdir, arm=arm, arm_file=arm_file, dtype=plan.dtype,
                                         extra=extra, platform=plan.platform, graceful=False,
-                                        tile_table=tuned_table(plan, model.parent), **kw))
+                                        tile_table=tuned_table(plan, model.parent), env={ENV_PASS_SPANS: "1"},
+                                        **kw))
 
 
 class Attached:
@@ -429,6 +433,29 @@ def served(server: Server) -> dict:
             "thresholds": doc["thresholds"], "sglang_version": doc.get("sglang_version")}
 
 
+def pass_clock(server: Server) -> dict | None:
+    """The server's part clock as its attestation holds it now, every pass timed so far read on the device too
+    (the state writer waits for their end): None where the server times none (one started elsewhere without
+    `ENV_PASS_SPANS`)."""
+    return server.get_json("/vskipper/attestation").get("part_clock")
+
+
+def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | None:
+    """The passes of `phase` between two readings of a server's clock (`pass_clock`): the host's ms a pass (its
+    forward: on a GPU the launches, which the device runs behind), the device's span of a pass in ms (from the
+    first kernel's start to the last's end, waits for the host's launches included: None on CPU), and how many
+    passes each counts; None where either reading is missing or no pass of the phase ran between them."""
+    from benchmarks.bench_cpu import run_clock
+
+    if before is None or after is None:
+        return None
+    clock = run_clock(before, after, phase)
+    if not clock["passes"]:
+        return None
+    return {"host_ms": clock["model"], "device_ms": clock["device"], "passes": clock["passes"],
+            "device_passes": clock["device_passes"]}
+
+
 def execution_of(served_doc: dict) -> dict:
     """The routed layers' execution a served arm attests (`routed_layers_backend`): a dict where the skipper model
     installed, else {} (the runtime's default there is a sentence, not a record)."""
@@ -484,11 +511,17 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
     token out) at each of `prefill_lengths`, in rounds of every length, so that a drift of the device or the host
     over the arm's prompts falls on every length alike. Each length also keeps where its TTFT went by SGLang's own
     stamps (`RequestRecord.ttft_parts`: the hand-over to the scheduler, the forward to its result, the output, the
-    HTTP rest), each part the median over the prompts, where the server reported them (--enable-metrics)."""
+    HTTP rest), each part the median over the prompts, where the server reported them (--enable-metrics); and
+    each prompt's prefill passes as the server's clock timed them (`pass_spans`: the host's launches beside the
+    device's span), where it times them."""
     records: dict[int, list] = {length: [] for length in plan.prefill_lengths}
+    spans: dict[int, list] = {length: [] for length in plan.prefill_lengths}
+    clock = pass_clock(server)  # each prompt's reading after it is the next one's before
     for r in range(plan.prefill_reps):
         for length in plan.prefill_lengths:
             records[length].append(asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0])
+            before, clock = clock, pass_clock(server)
+            spans[length].append(pass_spans(before, clock, "prefill"))
     cells = []
     for length, recs in records.items():
         reps = [rec.ttft_s for rec in recs]
@@ -498,8 +531,19 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
         if all(parts):
             cell["ttft_parts_s"] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
             cell["ttft_parts_s_reps"] = parts
+        if all(spans[length]):
+            cell["pass_spans"] = median_spans(spans[length])
         cells.append(cell)
     return cells
+
+
+def median_spans(reps: list[dict]) -> dict:
+    """One prefill length's pass spans (`pass_spans` of each prompt): the host's and the device's ms a pass, each
+    the median over the prompts (the device's None where no prompt's pass reached its clock), and every prompt's."""
+    device = [r["device_ms"] for r in reps if r["device_ms"] is not None]
+    return {"host_ms": statistics.median(r["host_ms"] for r in reps),
+            "device_ms": statistics.median(device) if len(device) == len(reps) else None,
+            "passes": reps[0]["passes"], "reps": reps}
 
 
 def decode_step(records) -> tuple[float, int]:
@@ -942,12 +986,14 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                     # (whose cost differs per arm and would enter the decode figure).
                     # Each repetition decodes the same prompts again (found in the cache again).
                     asyncio.run(burst(server, prompts, 1))
+                    before = pass_clock(server)
                     reps = [decode_step(asyncio.run(burst(server, prompts, plan.sweep_new_tokens)))
                             for _ in range(plan.decode_reps)]
                     step_s, steps = statistics.median(s for s, _ in reps), min(n for _, n in reps)
                     decode.append({"batch": batch, "context": ctx, "resident_tokens": batch * (ctx + steps // 2),
                                    "step_s": step_s, "step_s_reps": [s for s, _ in reps], "tpot_s": step_s,
-                                   "decode_tok_s": batch / step_s})
+                                   "decode_tok_s": batch / step_s,
+                                   "pass_spans": pass_spans(before, pass_clock(server), "decode")})
             prefill = prefill_cells(plan, server, vocab)
             result["arms"][name] = {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill,
                                     "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"])
@@ -1337,6 +1383,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
                              f"| {_range(to_dense)} |")
             lines.append("")
         lines += ttft_parts_lines(sweep.get("arms") or {})
+        lines += pass_span_lines(sweep.get("arms") or {})
         if c.get("goals"):
             lines += ["### The routed path's goals", "",
                       "| goal | threshold | deciding cell | its ratio | its range | cells | verdict |",
@@ -1377,6 +1424,39 @@ def ttft_parts_lines(arms: dict) -> list[str]:
         lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | " + " | ".join(
             f"{parts[k] * 1e3:.1f}" for k in ("scheduled", "forward", "output", "http")) + " |")
     return lines + [""]
+
+
+def pass_span_lines(arms: dict) -> list[str]:
+    """Each arm's passes as its server's clock timed them (`pass_spans`, ms a pass): at each prefill length and
+    decode cell, the host's launches of a pass beside the device's span of it, and the figure they explain (TTFT,
+    the decode step). A device span about as long as the host's marks a pass the host's launches held back; a
+    step well beyond the device's span, time between passes on the host."""
+    prefill = [(name, c) for name, arm in arms.items() for c in arm.get("prefill") or [] if c.get("pass_spans")]
+    decode = [(name, c) for name, arm in arms.items() for c in arm.get("decode") or [] if c.get("pass_spans")]
+    if not prefill and not decode:
+        return []
+    order = list(arms)
+    lines = ["Each pass as its server timed it (ms a pass, medians; host: the forward's launches, which the device "
+             "runs behind; device: from the pass's first kernel to its last, any wait for the launches "
+             "included; none on a CPU). A device span about as long as the host's is a host-bound pass:", ""]
+    if prefill:
+        lines += ["| prefill tokens | arm | TTFT ms | forward ms (stamps) | host ms a pass | device ms a pass | "
+                  "passes |", "|---:|---|---:|---:|---:|---:|---:|"]
+        for name, cell in sorted(prefill, key=lambda r: (r[1]["tokens"], order.index(r[0]))):
+            spans, forward = cell["pass_spans"], (cell.get("ttft_parts_s") or {}).get("forward")
+            lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | "
+                         f"{_f(forward and forward * 1e3, '.1f')} | {spans['host_ms']:.1f} | "
+                         f"{_f(spans['device_ms'], '.1f')} | {spans['passes']} |")
+        lines.append("")
+    if decode:
+        lines += ["| batch | context | arm | step ms | host ms a pass | device ms a pass | passes |",
+                  "|---:|---:|---|---:|---:|---:|---:|"]
+        for name, cell in sorted(decode, key=lambda r: (r[1]["batch"], r[1]["context"], order.index(r[0]))):
+            spans = cell["pass_spans"]
+            lines.append(f"| {cell['batch']} | {cell['context']} | {name} | {cell['step_s'] * 1e3:.2f} | "
+                         f"{spans['host_ms']:.2f} | {_f(spans['device_ms'], '.2f')} | {spans['passes']} |")
+        lines.append("")
+    return lines
 
 
 def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:

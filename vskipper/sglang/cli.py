@@ -127,6 +127,7 @@ def platform_profile(platform: str, jit: bool = False):
 def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     from vskipper.sglang.spec import (
         ENV_INTERLEAVE_CONTROL,
+        ENV_PASS_SPANS,
         ServeSpec,
         check_arm_for_model,
         checkpoint_config,
@@ -145,7 +146,8 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
     tiles = checked_tile_table(getattr(args, "tile_table", None), platform, getattr(args, "gpu", None))
     spec = ServeSpec(arm, enter, exit_, state, source, profile.attestation(), part_clock_from_env(os.environ),
-                     switch_from_env(os.environ, ENV_INTERLEAVE_CONTROL), tile_table=tiles)
+                     switch_from_env(os.environ, ENV_INTERLEAVE_CONTROL), tile_table=tiles,
+                     pass_spans=switch_from_env(os.environ, ENV_PASS_SPANS))
     cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *profile.flags,
            "--host", args.host, "--port", str(args.port), *extra,
            *(eager_routed_phases(arm) if platform == "gpu" else ())]

@@ -18,7 +18,8 @@ scheduler's included, and applies their hooks before the scheduler is built. `re
                     counted and the runtime counts the pass (`finish_pass`)
   decode capture    AROUND DecodeCudaGraphRunner.capture: before SGLang captures its decode graphs, a model whose
                     arm routes decode installs its graph variants (a dense and a routed graph per batch size,
-                    `SkipperCausalLM.decode_graph_variants`)
+                    `SkipperCausalLM.decode_graph_variants`); a model with a clock holds its timing events
+                    through the capture (`PartClock.holding_events`)
   replay veto       AROUND the graph runners' can_run_graph: a routed pass replays only a routed variant, never a
                     dense graph (`SkipperCausalLM.graph_veto`, `vskipper.sglang.replay`)
   executed config   AFTER Scheduler.get_init_info and AROUND Scheduler.run_batch (`vskipper.sglang.executed`):
@@ -169,6 +170,9 @@ def around_decode_capture(original, graph_runner, *args, **kwargs):
         variants = model.decode_graph_variants(graph_runner)
         if variants is not None:
             graph_runner.attention_graph_variants = variants
+        if model.part_clock is not None:  # no timing event waited for or queried by the state writer meanwhile
+            with model.part_clock.holding_events():
+                return original(graph_runner, *args, **kwargs)
     return original(graph_runner, *args, **kwargs)
 
 

@@ -17,18 +17,26 @@ RUN) and at the RUN rows (a routed arm), which is the time limit of what routing
 a pass at 16 layers). It reads the host's clock: on CPU that is the work; on a GPU, whose kernels run
 asynchronously, it times their launches: what the host spends on each part, not the device. There it also times
 each pass's span on the device (CUDA events recorded before and after the forward, read once they complete, a
-pass or more later, never waited for; none in a CUDA graph capture): `device_seconds_total` and
+pass or more later, never waited for by the passes; none in a CUDA graph capture): `device_seconds_total` and
 `device_passes_total` per phase. The span includes any wait of the device for the host's launches: where the host
 runs ahead it is the pass's device time, and a span about as long as the pass's host time (longer by the last
 kernels' tail) marks a host-bound pass. The clock's own wrapped calls add to the host's time (a few
 microseconds each, some 250 a pass at 16 layers).
+
+With `pass_spans` alone (`VSKIPPER_PASS_SPANS=1`) the clock wraps nothing: each pass's host span (its forward,
+`outside`) and device span are timed whole, cheap enough to leave on beside the figures they explain (the device
+run's servers: whether a pass was host-bound). A reader on another thread (the state writer) waits for the
+device's end of the passes timed so far before it reads them (`read_device`; never while a graph is captured):
+the attestation then holds the device's span of every pass up to the last, not one pass behind.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 # The interleaved control passes' phases (`vskipper.sglang.spec.ENV_INTERLEAVE_CONTROL`), apart from the routed
@@ -74,9 +82,13 @@ class PartClock:
     makes timing events (CUDA: `cuda_events`), each pass's device time per phase."""
 
     def __init__(self, clock=time.perf_counter, events: Callable[[], Any] | None = None,
-                 capturing: Callable[[], bool] = capturing) -> None:
+                 capturing: Callable[[], bool] = capturing, parts: bool = True) -> None:
+        """`parts` False: the passes' spans alone; `wrap` (and so `install`) wraps nothing."""
         self.clock = clock
         self.events, self.capturing = events, capturing
+        self.parts = parts
+        self._settling = threading.Lock()  # the forward's thread and a reader's both settle
+        self._events_free = threading.Lock()  # held through a graph capture (`holding_events`)
         self.device_seconds: dict[str, float] = defaultdict(float)
         self.device_passes: dict[str, int] = defaultdict(int)
         self._pending: deque[tuple[str, Any, Any]] = deque()  # (phase, start, end) of passes the device runs
@@ -113,9 +125,9 @@ class PartClock:
         return call
 
     def wrap(self, obj: Any, attr: str, part, where: str | None = None) -> None:
-        """Replace `obj.attr` by its timed call, once per object and attribute."""
+        """Replace `obj.attr` by its timed call, once per object and attribute (a clock of spans alone: never)."""
         key = (id(obj), attr)  # the objects wrapped (layers, modules, the pool) live as long as the process
-        if key in self._wrapped:
+        if not self.parts or key in self._wrapped:
             return
         self._wrapped.add(key)
         setattr(obj, attr, self.timed(getattr(obj, attr), part, where))
@@ -163,21 +175,47 @@ class PartClock:
 
     def settle(self) -> None:
         """Count the device time of each pass whose end the device has reached, in order, without waiting."""
-        while self._pending and self._pending[0][2].query():
-            phase, start, end = self._pending.popleft()
-            self.device_seconds[phase] += start.elapsed_time(end) / 1e3
-            self.device_passes[phase] += 1
+        with self._settling:
+            while self._pending and self._pending[0][2].query():
+                phase, start, end = self._pending.popleft()
+                self.device_seconds[phase] += start.elapsed_time(end) / 1e3
+                self.device_passes[phase] += 1
+
+    @contextmanager
+    def holding_events(self) -> Iterator[None]:
+        """Around a CUDA graph capture in this process: no reader on another thread waits for or queries a timing
+        event until it ends (`read_device`; SGLang captures in CUDA's global mode, which refuses such calls from
+        any thread meanwhile)."""
+        with self._events_free:
+            yield
+
+    def read_device(self) -> bool:
+        """For a reader on another thread (the state writer), so that the thread running the passes never waits
+        on the device: wait until the device has reached the end of every pass timed so far, then count them
+        (`settle`). Reads a snapshot of the queue, which that thread's appends and `settle`'s pops leave whole.
+        While a graph is captured (`holding_events`) it touches no event and returns False."""
+        if not self._events_free.acquire(blocking=False):
+            return False
+        try:
+            for _, _, end in list(self._pending):
+                end.synchronize()
+            self.settle()
+            return True
+        finally:
+            self._events_free.release()
 
     def live(self) -> dict[str, Any]:
         """The clock's own dicts under the attestation's fields: a runtime's attestation reads them whenever it is
         written."""
-        return {"passes_total": self.passes, "tokens_total": self.tokens, "seconds_total": self.seconds,
-                "device_seconds_total": self.device_seconds, "device_passes_total": self.device_passes}
+        return {"parts": self.parts, "passes_total": self.passes, "tokens_total": self.tokens,
+                "seconds_total": self.seconds, "device_seconds_total": self.device_seconds,
+                "device_passes_total": self.device_passes}
 
     def attestation(self) -> dict[str, Any]:
         """A copy of `live`, as plain dicts."""
         return {field: {phase: {where: dict(parts) for where, parts in kinds.items()} for phase, kinds in value.items()}
-                if field == "seconds_total" else dict(value) for field, value in self.live().items()}
+                if field == "seconds_total" else dict(value) if isinstance(value, dict) else value
+                for field, value in self.live().items()}
 
 
 class PassClock:

@@ -251,6 +251,7 @@ class Runtime:
         self.execution: dict[str, Any] = {}  # what the model class reports of its routed execution
         # The model class's own `*_total` counters (live dicts with fixed keys), beside the runtime's.
         self.model_counters: dict[str, Any] = {}
+        self.part_clock = None  # the model's clock where a measurement mode asks for one (`part_times.PartClock`)
         self.prometheus = _Prometheus() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and placement.reports \
             else None
         if self.prometheus is not None and arm.switch_settings().decode is Policy.HYBRID:
@@ -689,6 +690,8 @@ class Runtime:
         # it to count each pass (`finish`), and waiting inside it would stall that thread until the device drained,
         # its next batch unprepared. Under the lock only passes pushed since then can still wait.
         self._route_reads.wait_pushed()
+        if self.part_clock is not None:  # likewise the device's end of the passes the clock timed
+            self.part_clock.read_device()
         with self._state_lock:
             self._settle(block=True)
             return json.dumps(self.attestation(), default=str)

@@ -24,6 +24,10 @@ ENV_THRESHOLDS_SOURCE = "VSKIPPER_THRESHOLDS_SOURCE"  # flags | roofline:<device
 ENV_STATE = "VSKIPPER_STATE_FILE"  # where the scheduler writes its attestation for the HTTP process
 ENV_PROFILE = "VSKIPPER_PROFILE"  # the serving profile's attestation as JSON (ServeProfile.attestation)
 ENV_PART_CLOCK = "VSKIPPER_PART_CLOCK"  # 1: time each part of each pass in the server (`vskipper.sglang.part_times`)
+# 1: time each pass whole, its host's span and (on a GPU) the device's, and none of its parts: the part clock's
+# spans alone, a measurement mode cheap enough to leave on beside the figures it explains (two timing events and two
+# clock reads a pass, no wrapped call)
+ENV_PASS_SPANS = "VSKIPPER_PASS_SPANS"
 # 1: a routed arm's decode passes, and apart from them its prefill passes, alternate between its routes and every
 # row RUN through the routed layers (the s = 0 control); each control pass is a phase of its own in the part clock,
 # and each decode pass is timed to the next (`vskipper.sglang.part_times.PassClock`): a measurement mode
@@ -60,6 +64,7 @@ class ServeSpec:
     interleave_control: bool = False  # every other routed pass of each phase all-RUN (`ENV_INTERLEAVE_CONTROL`)
     execution: str = "auto"  # the routed layers' cohort execution asked for (`ENV_EXECUTION`)
     tile_table: Path | None = None  # a table measured on this GPU (`ENV_TILE_TABLE`); None: the shipped one
+    pass_spans: bool = False  # time each pass whole (`ENV_PASS_SPANS`; the part clock times its spans too)
 
     def __post_init__(self) -> None:
         if self.execution not in EXECUTIONS:
@@ -74,6 +79,8 @@ class ServeSpec:
             env[ENV_PROFILE] = json.dumps(self.profile)
         if self.part_clock:
             env[ENV_PART_CLOCK] = "1"
+        if self.pass_spans:
+            env[ENV_PASS_SPANS] = "1"
         if self.interleave_control:
             env[ENV_INTERLEAVE_CONTROL] = "1"
         if self.execution != "auto":
@@ -105,7 +112,8 @@ class ServeSpec:
         return cls(arm, thresholds[0], thresholds[1], Path(state) if state else None,
                    environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile, part_clock_from_env(environ),
                    switch_from_env(environ, ENV_INTERLEAVE_CONTROL), environ.get(ENV_EXECUTION, "auto"),
-                   Path(environ[ENV_TILE_TABLE]) if environ.get(ENV_TILE_TABLE) else None)
+                   Path(environ[ENV_TILE_TABLE]) if environ.get(ENV_TILE_TABLE) else None,
+                   switch_from_env(environ, ENV_PASS_SPANS))
 
 
 def switch_from_env(environ, name: str) -> bool:

@@ -715,7 +715,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
         # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
         # which describes what the model and device run and is the same for every arm of one deployment.
-        self.part_clock = self._part_clock() if self.runtime.spec.part_clock else None
+        self.part_clock = self._part_clock() if spec.part_clock or spec.pass_spans else None
         self.pass_clock = PassClock() if self.runtime.spec.interleave_control else None
         if self.pass_clock is not None:
             self.runtime.model_counters["pass_clock"] = self.pass_clock.attestation()
@@ -733,12 +733,16 @@ class SkipperCausalLM(RouterWeightsMixin):
             "project_only_q": project_only_q(qkv, self.slot.execution)})
 
     def _part_clock(self) -> PartClock:
-        """The part clock over this rank's layers, live in the attestation (`part_clock`)."""
-        clock = PartClock(events=cuda_events())  # on a GPU each pass's device time too
-        clock.install([(i, self.model.layers[i]) for i in range(self.model.start_layer, self.model.end_layer)],
-                      self.routed_layers)
-        self.slot.part_clock = clock
+        """The part clock over this rank's layers (of its passes' spans alone where only `pass_spans` asks for
+        it), live in the attestation (`part_clock`), whose writer waits for the device's end of the passes first."""
+        parts = self.runtime.spec.part_clock
+        clock = PartClock(events=cuda_events(), parts=parts)  # on a GPU each pass's device time too
+        if parts:
+            clock.install([(i, self.model.layers[i]) for i in range(self.model.start_layer, self.model.end_layer)],
+                          self.routed_layers)
+            self.slot.part_clock = clock
         self.runtime.model_counters["part_clock"] = clock.live()
+        self.runtime.part_clock = clock
         return clock
 
     def decode_graph_variants(self, runner) -> SkipperGraphVariants | None:
