@@ -431,6 +431,14 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
     assert lines.index("| 32 | 1000 | dense | 10.50 | 0.21 | 9.87 | 190 |") < \
         lines.index(f"| 32 | 1000 | {run.ALWAYS} | 10.50 | 0.21 | 9.87 | 190 |")
     assert run.pass_span_lines({"dense": {"prefill": [{"tokens": 1, "ttft_s": 1.0}]}}) == []
+    after = copy.deepcopy(clock)
+    after["passes_total"]["prefill"] += 1
+    after["errors"] = {"device": "RuntimeError: lost"}
+    assert run.pass_spans(clock, after, "prefill")["device_error"] == "RuntimeError: lost"
+    broken = dict(decode, pass_spans=dict(decode["pass_spans"], device_ms=None, device_error="RuntimeError: lost"))
+    lines = run.pass_span_lines({"dense": {"decode": [decode, broken]}})
+    assert "The device's spans of dense's passes stopped: RuntimeError: lost." in lines
+    assert "| 32 | 1000 | dense | 10.50 | 0.21 | n/a | 190 |" in lines
     assert run.pass_spans(None, clock, "prefill") is None and run.pass_spans(clock, clock, "prefill") is None
 
 

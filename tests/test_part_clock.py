@@ -72,7 +72,7 @@ def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a
         "seconds_total": {"decode": {"outside": {"outside": 100.0}, "routed": {"glue": 10.0, "rope": 1.0},
                                      "dense": {"glue": 20.0, "rope": 2.0}},
                           "prefill": {"outside": {"outside": 0.0}, "routed": {"glue": 10.0, "rope": 1.0}}},
-        "device_seconds_total": {}, "device_passes_total": {}}  # no device here (no timing events)
+        "device_seconds_total": {}, "device_passes_total": {}, "errors": {}}  # no device here (no timing events)
 
 
 def test_a_part_that_raises_is_still_charged_and_the_clock_keeps_counting():
@@ -153,7 +153,7 @@ def test_an_interleaved_control_pass_is_a_phase_of_its_own_in_the_part_clock():
     assert clock.attestation() == {"parts": True, "passes_total": dict.fromkeys(phases, 1),
                                    "tokens_total": dict(zip(phases, (16, 16, 1024, 1), strict=True)),
                                    "seconds_total": {phase: {"outside": {"outside": 2.0}} for phase in phases},
-                                   "device_seconds_total": {}, "device_passes_total": {}}
+                                   "device_seconds_total": {}, "device_passes_total": {}, "errors": {}}
 
 
 @pytest.fixture(scope="module")
@@ -356,3 +356,29 @@ def test_the_decode_graph_capture_holds_the_clocks_timing_events_from_the_state_
     assert hooks.around_decode_capture(lambda r: reads.append(clock.read_device()) or "captured", runner) == \
         "captured"
     assert reads == [False] and clock.read_device() is True
+
+
+def test_a_timing_event_that_fails_stops_the_device_spans_and_says_why_but_never_fails_the_pass():
+    """A failing timing event (record, query or the reader's wait) stops the device's spans: the pass runs and is
+    timed on the host, the passes after it too, and the attestation names the error."""
+    t = FakeClock()
+
+    class Broken(FakeEvent):
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    made: list[FakeEvent] = []
+
+    def event():
+        made.append(Broken(t, lambda e: True, [False]))
+        return made[-1]
+
+    clock = PartClock(clock=t, events=event, parts=False)
+    ran = []
+    clock.around_pass(Mode(decode=True), lambda: ran.append(1))
+    clock.around_pass(Mode(decode=True), lambda: ran.append(2))
+    att = clock.attestation()
+    assert ran == [1, 2] and att["passes_total"] == {"decode": 2} and len(made) == 2  # no event after the failure
+    assert att["device_passes_total"] == {} and att["errors"] == {
+        "device": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    assert clock.read_device() is True

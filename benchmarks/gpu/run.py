@@ -443,8 +443,9 @@ def pass_clock(server: Server) -> dict | None:
 def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | None:
     """The passes of `phase` between two readings of a server's clock (`pass_clock`): the host's ms a pass (its
     forward: on a GPU the launches, which the device runs behind), the device's span of a pass in ms (from the
-    first kernel's start to the last's end, waits for the host's launches included: None on CPU), and how many
-    passes each counts; None where either reading is missing or no pass of the phase ran between them."""
+    first kernel's start to the last's end, waits for the host's launches included: None on CPU, or where the
+    server's timing events failed, `device_error`), and how many passes each counts; None where either reading
+    is missing or no pass of the phase ran between them."""
     from benchmarks.bench_cpu import run_clock
 
     if before is None or after is None:
@@ -452,8 +453,11 @@ def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | No
     clock = run_clock(before, after, phase)
     if not clock["passes"]:
         return None
-    return {"host_ms": clock["model"], "device_ms": clock["device"], "passes": clock["passes"],
-            "device_passes": clock["device_passes"]}
+    spans = {"host_ms": clock["model"], "device_ms": clock["device"], "passes": clock["passes"],
+             "device_passes": clock["device_passes"]}
+    if (after.get("errors") or {}).get("device"):  # the server's timing events failed: its device spans stopped
+        spans["device_error"] = after["errors"]["device"]
+    return spans
 
 
 def execution_of(served_doc: dict) -> dict:
@@ -1448,6 +1452,13 @@ def pass_span_lines(arms: dict) -> list[str]:
                          f"{_f(forward and forward * 1e3, '.1f')} | {spans['host_ms']:.1f} | "
                          f"{_f(spans['device_ms'], '.1f')} | {spans['passes']} |")
         lines.append("")
+    errors: dict[str, str] = {}  # where a server's timing events failed (its later readings all say so)
+    for name, cell in prefill + decode:
+        for spans in [cell["pass_spans"], *cell["pass_spans"].get("reps", [])]:
+            if spans.get("device_error"):
+                errors.setdefault(name, spans["device_error"])
+    if errors:
+        lines += [f"The device's spans of {name}'s passes stopped: {error}." for name, error in errors.items()] + [""]
     if decode:
         lines += ["| batch | context | arm | step ms | host ms a pass | device ms a pass | passes |",
                   "|---:|---:|---|---:|---:|---:|---:|"]

@@ -89,6 +89,7 @@ class PartClock:
         self.parts = parts
         self._settling = threading.Lock()  # the forward's thread and a reader's both settle
         self._events_free = threading.Lock()  # held through a graph capture (`holding_events`)
+        self.errors: dict[str, str] = {}  # why the device's spans stopped, where they did (`_lost`)
         self.device_seconds: dict[str, float] = defaultdict(float)
         self.device_passes: dict[str, int] = defaultdict(int)
         self._pending: deque[tuple[str, Any, Any]] = deque()  # (phase, start, end) of passes the device runs
@@ -161,25 +162,42 @@ class PartClock:
                                  else "other", control)
         marks = None  # no event is recorded or queried in a capture
         if self.events is not None and not self.capturing():
-            marks = (self.events(), self.events())
-            marks[0].record()
+            try:
+                marks = (self.events(), self.events())
+                marks[0].record()
+            except Exception as exc:  # the clock's failure never fails the pass
+                marks = self._lost(exc)
         try:
             return self.timed(run, "outside", "outside")()
         finally:
             if marks is not None:
-                marks[1].record()
-                self._pending.append((self.phase, *marks))
+                try:
+                    marks[1].record()
+                    self._pending.append((self.phase, *marks))
+                except Exception as exc:
+                    self._lost(exc)
                 self.settle()
             self.passes[self.phase] += 1
             self.tokens[self.phase] += tokens
 
+    def _lost(self, exc: Exception) -> None:
+        """A timing event failed: the device's spans stop (the host's go on, and the pass with them), and the
+        attestation says why (`errors`)."""
+        self.events = None
+        self._pending.clear()
+        self.errors["device"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+
     def settle(self) -> None:
         """Count the device time of each pass whose end the device has reached, in order, without waiting."""
         with self._settling:
-            while self._pending and self._pending[0][2].query():
-                phase, start, end = self._pending.popleft()
-                self.device_seconds[phase] += start.elapsed_time(end) / 1e3
-                self.device_passes[phase] += 1
+            try:
+                while self._pending and self._pending[0][2].query():
+                    phase, start, end = self._pending[0]
+                    self.device_seconds[phase] += start.elapsed_time(end) / 1e3
+                    self.device_passes[phase] += 1
+                    self._pending.popleft()
+            except Exception as exc:
+                self._lost(exc)
 
     @contextmanager
     def holding_events(self) -> Iterator[None]:
@@ -200,16 +218,18 @@ class PartClock:
             for _, _, end in list(self._pending):
                 end.synchronize()
             self.settle()
-            return True
+        except Exception as exc:
+            self._lost(exc)
         finally:
             self._events_free.release()
+        return True
 
     def live(self) -> dict[str, Any]:
         """The clock's own dicts under the attestation's fields: a runtime's attestation reads them whenever it is
         written."""
         return {"parts": self.parts, "passes_total": self.passes, "tokens_total": self.tokens,
                 "seconds_total": self.seconds, "device_seconds_total": self.device_seconds,
-                "device_passes_total": self.device_passes}
+                "device_passes_total": self.device_passes, "errors": self.errors}
 
     def attestation(self) -> dict[str, Any]:
         """A copy of `live`, as plain dicts."""
