@@ -98,10 +98,10 @@ QUICK = (Shape("decode", 4), Shape("prefill", 2, 8))
 
 class ServedModel:
     """The skipper model class of one arm, built in this process as a server's scheduler builds it (its own
-    runtime, its weights loaded by its own loader), over SGLang's KV pool, request-to-token pool and torch-native
-    attention backend; `batch` builds SGLang's ForwardBatch of a pass."""
+    runtime, its weights loaded by its own loader, the routed layers' `execution`), over SGLang's KV pool,
+    request-to-token pool and torch-native attention backend; `batch` builds SGLang's ForwardBatch of a pass."""
 
-    def __init__(self, arm: Arm, checkpoint: Path, requests: int, slots: int) -> None:
+    def __init__(self, arm: Arm, checkpoint: Path, requests: int, slots: int, execution: str = "auto") -> None:
         from safetensors.torch import load_file
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -115,7 +115,8 @@ class ServedModel:
         config = AutoConfig.from_pretrained(str(checkpoint))
         routed = tuple(config.routing_layers)
         # The model asks for the process's runtime (`get_runtime`): this arm's, built without a state file.
-        active.set_runtime(Runtime(ServeSpec(arm, 0, 0, None), config.model_type, routed, "DDLlamaForCausalLM"))
+        active.set_runtime(Runtime(ServeSpec(arm, 0, 0, None, execution=execution), config.model_type, routed,
+                                   "DDLlamaForCausalLM"))
         model = DDLlamaForCausalLM(config)
         model.load_weights(load_file(str(checkpoint / "model.safetensors")).items())
         self.model = model.eval()

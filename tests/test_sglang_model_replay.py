@@ -1,0 +1,120 @@
+"""A served model's routed decode graph, replayed through the model's own hooks as SGLang's decode graph runner
+drives them (`SkipperCausalLM`: `decode_graph_variants` before the capture, `forward` under the routed variant
+for the capture batch (`capture_pass`), then for each later batch the hook around `ModelRunner.forward`:
+`prepare_pass` (the runtime's decision, its plan written into the graph's static buffers), the replay of the
+batch padded to the graph's size, `finish_pass` of a replayed pass). The real model class with SGLang's KV pool,
+request-to-token pool and torch-native backend (`benchmarks/host_time_bench.ServedModel`), the triton execution
+under the Triton interpreter.
+
+No CUDA graph is captured on CPU, and a CPU model has no routed variant to capture (`routed_graph_blocker`): the
+test lifts the blocker and stands in for the graph by running the captured function again at each replay, over
+the padded batch's tensors, as a replay reads whatever its static storage holds. What a CUDA graph alone can get
+wrong (a captured address that moves) only the device shows (`benchmarks/gpu/check_served.py` replays a graph of
+the routed layer there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from benchmarks.host_time_bench import ARMS, CONTEXT, ServedModel, Shape  # noqa: E402
+from vskipper.checkpoint import TinySize, make_tiny_model  # noqa: E402
+
+ROWS, GRAPH = 3, 4  # a batch of 3 replays the graph captured for 4 (SGLang's next capture size)
+REQUESTS = 8
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    """Two models of the s = 0.5 arm from one checkpoint, the triton execution, the same KV pool contents: the
+    first replays, the second runs the same batches eagerly."""
+    from vskipper.sglang import active
+    from vskipper.sglang.configs import register_configs
+    from vskipper.sglang.standalone import init_sglang
+
+    monkeypatch.setattr(active, "_ACTIVE", [])  # this test's models serve only here
+    monkeypatch.setattr(active, "_RUNTIME", [])
+    init_sglang("cpu")
+    register_configs()
+    checkpoint = make_tiny_model("flexidepth-llama", tmp_path / "tiny", TinySize(layers=4))
+    slots = REQUESTS * (CONTEXT + 64) + 1
+    built = [ServedModel(ARMS["s=0.5"], checkpoint, REQUESTS, slots, execution="triton") for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    kv = [torch.randn(b.shape, generator=gen) for b in built[0].pool.k_buffer + built[0].pool.v_buffer]
+    for m in built:
+        for i, buffer in enumerate(m.pool.k_buffer + m.pool.v_buffer):
+            buffer.copy_(kv[i])
+    return built
+
+
+def padded(fb, rows: int):
+    """SGLang's graph runner's copy of decode batch `fb` padded to `rows`: request slot 0, one token of context,
+    KV slot 0, position 0 (`StandaloneLayer.padded`'s policy)."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+    pad = rows - fb.batch_size
+
+    def cat(t, value):
+        return torch.cat([t, torch.full((pad,), value, dtype=t.dtype)])
+
+    seq = cat(fb.seq_lens, 1)  # the Triton backend's fill (the torch-native backend captures no graph)
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=rows, input_ids=cat(fb.input_ids, 0),
+                        req_pool_indices=cat(fb.req_pool_indices, 0), seq_lens=seq, out_cache_loc=cat(fb.out_cache_loc, 0),
+                        seq_lens_sum=int(seq.sum()), seq_lens_cpu=seq.clone(), positions=cat(fb.positions, 0),
+                        capture_hidden_mode=CaptureHiddenMode.NULL)
+
+
+def test_a_routed_decode_graph_replayed_through_the_models_hooks_equals_the_eager_pass(models):
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.runner_utils import capture_mode
+
+    from vskipper.sglang.models.routed import ROUTED_VARIANT
+
+    graphed, eager = models
+    model = graphed.model
+    model.graph_blocker = None  # CPU: no CUDA graph, the capture stood in for (see the module's docstring)
+    runner = SimpleNamespace(capture_bs=[1, 2, GRAPH], captured_req_width=1)
+    variants = model.decode_graph_variants(runner)
+    assert variants is not None and model.graph_buffers.capacity == GRAPH
+
+    def replayed(fb):
+        """The routed variant's graph run over `fb`'s tensors (the capture, and each replay after it)."""
+        capture_mode._set_capture_attention_variant(ROUTED_VARIANT)
+        try:
+            with graphed.context():
+                return model.forward(fb.input_ids, fb.positions, fb)
+        finally:
+            capture_mode._set_capture_attention_variant(None)
+
+    # The capture: the graph runner's static batch of the graph's size (every row padding: slot 0, KV slot 0).
+    capture = padded(graphed.batch(Shape("decode", 1), 1), GRAPH)
+    capture.req_pool_indices[0], capture.out_cache_loc[0], capture.positions[0] = 0, 0, 0
+    replayed(capture)
+    routes = []
+    for first in (1, 4):  # two batches of other requests through the same graph and buffers
+        fb = graphed.batch(Shape("decode", ROWS), first)
+        twin = eager.batch(Shape("decode", ROWS), first)
+        twin.input_ids = fb.input_ids.clone()
+        kv = [b[fb.out_cache_loc].clone() for b in graphed.pool.k_buffer]
+        model.prepare_pass(fb)  # the hook around ModelRunner.forward, before the graph runner replays
+        assert variants.select(fb) == ROUTED_VARIANT and model.graph_veto(fb, True)
+        out = replayed(padded(fb, GRAPH))
+        model.finish_pass(fb, replayed=True)
+        eager.model.prepare_pass(twin)
+        with eager.context():
+            want = eager.model.forward(twin.input_ids, twin.positions, twin)
+        eager.model.finish_pass(twin, replayed=False)
+        torch.testing.assert_close(out.next_token_logits[:ROWS], want.next_token_logits, rtol=1e-4, atol=1e-4)
+        for got_k, want_k, before in zip(graphed.pool.k_buffer, eager.pool.k_buffer, kv, strict=True):
+            torch.testing.assert_close(got_k[fb.out_cache_loc], want_k[fb.out_cache_loc], rtol=1e-4, atol=1e-4)
+            assert not torch.equal(got_k[fb.out_cache_loc], before)  # the pass wrote its K there
+        routes.append(model.runtime._graph_tape.run[:, :ROWS].clone())
+    # Both runtimes counted the same rows, one from the graph tape, the other from its eager tape.
+    replayed_att, eager_att = model.runtime.attestation(), eager.model.runtime.attestation()
+    assert replayed_att["rows_total"] == eager_att["rows_total"]
+    assert replayed_att["rows_total"]["decode"]["project_only"] > 0 and replayed_att["rows_total"]["decode"]["run"] > 0
+    assert replayed_att["graph_passes_total"]["decode"]["routed"] == {"replayed": 2, "eager": 0}
+    assert not torch.equal(routes[0], routes[1])  # the second batch routed otherwise through the same graph
