@@ -251,6 +251,7 @@ def test_each_pass_is_timed_on_the_device_once_its_end_event_completes_and_never
     clock.settle()
     att = clock.attestation()
     assert att["device_passes_total"] == {"prefill": 1, "decode": 1}
+    assert att["errors"] == {}  # no event touched in the capture (the fakes' asserts would have stopped the spans)
     assert att["device_seconds_total"]["decode"] == pytest.approx(0.007)
     assert att["passes_total"] == {"prefill": 1, "decode": 2}  # the captured pass counted on the host alone
     cpu = PartClock(clock=t)
@@ -306,7 +307,7 @@ def test_a_clock_of_spans_alone_wraps_nothing_and_times_each_pass_whole_on_the_h
     att = clock.attestation()
     assert att["parts"] is False and att["passes_total"] == {"prefill": 1} and att["tokens_total"] == {"prefill": 1024}
     assert att["seconds_total"] == {"prefill": {"outside": {"outside": pytest.approx(1.004)}}}
-    assert att["device_passes_total"] == {"prefill": 1}
+    assert att["device_passes_total"] == {"prefill": 1} and att["errors"] == {}
     assert att["device_seconds_total"]["prefill"] == pytest.approx(1.009)  # the fake device's 5 ms more
 
 
@@ -341,9 +342,11 @@ def test_the_state_document_holds_the_device_span_of_every_pass_timed_before_it(
     assert doc["device_seconds_total"]["prefill"] == pytest.approx(0.007)
 
 
-def test_the_decode_graph_capture_holds_the_clocks_timing_events_from_the_state_writer(monkeypatch):
-    """SGLang's decode capture (the hook around `DecodeCudaGraphRunner.capture`) runs with the model's clock holding
-    its events: the state writer's read of the device waits for none and queries none until the capture ends."""
+@pytest.mark.parametrize("hook", ["around_decode_capture", "around_prefill_capture"])
+def test_a_graph_capture_holds_the_clocks_timing_events_from_the_state_writer(monkeypatch, hook):
+    """SGLang's decode and prefill graph captures (the hooks around the graph runners' `capture`) run with the
+    model's clock holding its events: the state writer's read of the device waits for none and queries none until
+    the capture ends."""
     from types import SimpleNamespace
 
     from vskipper.sglang import active, hooks
@@ -353,19 +356,64 @@ def test_the_decode_graph_capture_holds_the_clocks_timing_events_from_the_state_
     monkeypatch.setattr(active, "_ACTIVE", [model])
     runner = SimpleNamespace(model_runner=SimpleNamespace(model=model))
     reads = []
-    assert hooks.around_decode_capture(lambda r: reads.append(clock.read_device()) or "captured", runner) == \
-        "captured"
+    assert getattr(hooks, hook)(lambda r: reads.append(clock.read_device()) or "captured", runner) == "captured"
     assert reads == [False] and clock.read_device() is True
 
 
-def test_a_timing_event_that_fails_stops_the_device_spans_and_says_why_but_never_fails_the_pass():
-    """A failing timing event (record, query or the reader's wait) stops the device's spans: the pass runs and is
-    timed on the host, the passes after it too, and the attestation names the error."""
+def test_the_writers_thread_reads_the_device_while_the_passes_go_on_and_waits_out_a_capture():
+    """A real second thread as the state writer: it waits for the end of the passes timed so far and counts them
+    while the forward's thread goes on timing passes; while that thread captures a graph it reads nothing, and
+    reads again once the capture ends."""
+    import threading
+
     t = FakeClock()
+    done = threading.Event()
+
+    class Slow(FakeEvent):
+        def synchronize(self) -> None:  # the device reaches the pass's end a little later
+            done.wait(5)
+
+    clock = PartClock(clock=t, events=lambda: Slow(t, lambda e: done.is_set(), [False]), parts=False)
+    clock.around_pass(Mode(decode=True), lambda: None)
+    reads: list[bool] = []
+    writer = threading.Thread(target=lambda: reads.append(clock.read_device()))
+    writer.start()
+    for _ in range(3):  # the forward's thread is not held up by the reader's wait
+        clock.around_pass(Mode(decode=True), lambda: None)
+    assert writer.is_alive()  # still waiting for the device
+    done.set()
+    writer.join(5)
+    assert reads == [True] and clock.device_passes["decode"] >= 1
+    with clock.holding_events():
+        late = threading.Thread(target=lambda: reads.append(clock.read_device()))
+        late.start()
+        late.join(5)
+    assert reads == [True, False] and clock.read_device() is True
+    assert clock.device_passes["decode"] == 4 and clock.errors == {}
+
+
+@pytest.mark.parametrize("fails", ["record", "query", "synchronize"])
+def test_a_timing_event_that_fails_stops_the_device_spans_and_says_why_but_never_fails_the_pass(fails):
+    """A failing timing event (its record, its query, or the reader's wait for it) stops the device's spans: the
+    pass runs and is timed on the host, the passes after it too (no event made), and the attestation names the
+    first error."""
+    t = FakeClock()
+    error = "CUDA error: an illegal memory access was encountered"
 
     class Broken(FakeEvent):
+        def record(self) -> None:
+            if fails == "record":
+                raise RuntimeError(error)
+            super().record()
+
         def query(self) -> bool:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            if fails == "query":
+                raise RuntimeError(error)
+            return False  # still running: only the reader's wait settles it
+
+        def synchronize(self) -> None:
+            if fails == "synchronize":
+                raise RuntimeError(error)
 
     made: list[FakeEvent] = []
 
@@ -376,9 +424,9 @@ def test_a_timing_event_that_fails_stops_the_device_spans_and_says_why_but_never
     clock = PartClock(clock=t, events=event, parts=False)
     ran = []
     clock.around_pass(Mode(decode=True), lambda: ran.append(1))
+    assert clock.read_device() is False
     clock.around_pass(Mode(decode=True), lambda: ran.append(2))
     att = clock.attestation()
     assert ran == [1, 2] and att["passes_total"] == {"decode": 2} and len(made) == 2  # no event after the failure
-    assert att["device_passes_total"] == {} and att["errors"] == {
-        "device": "RuntimeError: CUDA error: an illegal memory access was encountered"}
-    assert clock.read_device() is True
+    assert att["device_passes_total"] == {} and att["errors"] == {"device": f"RuntimeError: {error}"}
+    assert clock.read_device() is False  # the spans stay stopped

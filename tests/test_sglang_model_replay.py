@@ -66,14 +66,17 @@ def padded(fb, rows: int):
                         capture_hidden_mode=CaptureHiddenMode.NULL)
 
 
-def test_a_routed_decode_graph_replayed_through_the_models_hooks_equals_the_eager_pass(models):
+def replay_beside_eager(graphed: ServedModel, eager: ServedModel, batches=(1, 4)):
+    """The graph captured on `graphed` through its hooks, then replayed for a batch of `ROWS` requests from each
+    first request slot in `batches`, each batch also run eagerly on `eager`: per batch (the replay's logits of
+    the batch's rows, the eager pass's, each layer's K at the batch's KV slots before, after the replay and after
+    the eager pass, the graph tape's route of the batch's rows)."""
     from types import SimpleNamespace
 
     from sglang.srt.model_executor.runner_utils import capture_mode
 
     from vskipper.sglang.models.routed import ROUTED_VARIANT
 
-    graphed, eager = models
     model = graphed.model
     model.graph_blocker = None  # CPU: no CUDA graph, the capture stood in for (see the module's docstring)
     runner = SimpleNamespace(capture_bs=[1, 2, GRAPH], captured_req_width=1)
@@ -93,12 +96,12 @@ def test_a_routed_decode_graph_replayed_through_the_models_hooks_equals_the_eage
     capture = padded(graphed.batch(Shape("decode", 1), 1), GRAPH)
     capture.req_pool_indices[0], capture.out_cache_loc[0], capture.positions[0] = 0, 0, 0
     replayed(capture)
-    routes = []
-    for first in (1, 4):  # two batches of other requests through the same graph and buffers
+    results = []
+    for first in batches:
         fb = graphed.batch(Shape("decode", ROWS), first)
         twin = eager.batch(Shape("decode", ROWS), first)
         twin.input_ids = fb.input_ids.clone()
-        kv = [b[fb.out_cache_loc].clone() for b in graphed.pool.k_buffer]
+        before = [b[fb.out_cache_loc].clone() for b in graphed.pool.k_buffer]
         model.prepare_pass(fb)  # the hook around ModelRunner.forward, before the graph runner replays
         assert variants.select(fb) == ROUTED_VARIANT and model.graph_veto(fb, True)
         out = replayed(padded(fb, GRAPH))
@@ -107,14 +110,44 @@ def test_a_routed_decode_graph_replayed_through_the_models_hooks_equals_the_eage
         with eager.context():
             want = eager.model.forward(twin.input_ids, twin.positions, twin)
         eager.model.finish_pass(twin, replayed=False)
-        torch.testing.assert_close(out.next_token_logits[:ROWS], want.next_token_logits, rtol=1e-4, atol=1e-4)
-        for got_k, want_k, before in zip(graphed.pool.k_buffer, eager.pool.k_buffer, kv, strict=True):
-            torch.testing.assert_close(got_k[fb.out_cache_loc], want_k[fb.out_cache_loc], rtol=1e-4, atol=1e-4)
-            assert not torch.equal(got_k[fb.out_cache_loc], before)  # the pass wrote its K there
-        routes.append(model.runtime._graph_tape.run[:, :ROWS].clone())
+        results.append((out.next_token_logits[:ROWS], want.next_token_logits, before,
+                        [b[fb.out_cache_loc] for b in graphed.pool.k_buffer],
+                        [b[fb.out_cache_loc] for b in eager.pool.k_buffer],
+                        model.runtime._graph_tape.run[:, :ROWS].clone()))
+    return results
+
+
+def test_a_routed_decode_graph_replayed_through_the_models_hooks_equals_the_eager_pass(models):
+    graphed, eager = models
+    results = replay_beside_eager(graphed, eager)
+    for got, want, before, got_k, want_k, _ in results:  # two batches of other requests through one graph
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for g, w, b in zip(got_k, want_k, before, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            assert not torch.equal(g, b)  # the pass wrote its K there
     # Both runtimes counted the same rows, one from the graph tape, the other from its eager tape.
-    replayed_att, eager_att = model.runtime.attestation(), eager.model.runtime.attestation()
+    replayed_att, eager_att = graphed.model.runtime.attestation(), eager.model.runtime.attestation()
     assert replayed_att["rows_total"] == eager_att["rows_total"]
     assert replayed_att["rows_total"]["decode"]["project_only"] > 0 and replayed_att["rows_total"]["decode"]["run"] > 0
     assert replayed_att["graph_passes_total"]["decode"]["routed"] == {"replayed": 2, "eager": 0}
-    assert not torch.equal(routes[0], routes[1])  # the second batch routed otherwise through the same graph
+    assert not torch.equal(results[0][-1], results[1][-1])  # the second batch routed otherwise through the graph
+
+
+def test_a_plan_written_where_the_graph_does_not_read_it_strays(models):
+    """The same replay with each pass's plan written into the eager buffers instead of the graph's (as if the
+    model took its replayed pass for an eager one): the graph reads the capture's padding plan, and the batch's
+    logits stray."""
+    graphed, eager = models
+    model = graphed.model
+    write_plan = model.write_plan
+
+    def into_the_eager_buffers(fb, step):
+        held, model.graph_buffers = model.graph_buffers, model.buffers
+        try:
+            return write_plan(fb, step)
+        finally:
+            model.graph_buffers = held
+
+    model.write_plan = into_the_eager_buffers
+    (got, want, *_), = replay_beside_eager(graphed, eager, batches=(1,))
+    assert not torch.allclose(got, want, rtol=1e-2, atol=1e-2)

@@ -435,8 +435,9 @@ def served(server: Server) -> dict:
 
 def pass_clock(server: Server) -> dict | None:
     """The server's part clock as its attestation holds it now, every pass timed so far read on the device too
-    (the state writer waits for their end): None where the server times none (one started elsewhere without
-    `ENV_PASS_SPANS`)."""
+    (the state writer waits for their end first; not where the attestation's request timed out and its last
+    state answered, when a pass may fall into the next reading's window): None where the server times none (one
+    started elsewhere without `ENV_PASS_SPANS`)."""
     return server.get_json("/vskipper/attestation").get("part_clock")
 
 
@@ -543,11 +544,13 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
 
 def median_spans(reps: list[dict]) -> dict:
     """One prefill length's pass spans (`pass_spans` of each prompt): the host's and the device's ms a pass, each
-    the median over the prompts (the device's None where no prompt's pass reached its clock), and every prompt's."""
+    the median over the prompts (the device's None where no prompt's pass reached its clock), the most passes a
+    prompt's window held (one a prompt below the chunked-prefill size; more where a reading came late), and
+    every prompt's."""
     device = [r["device_ms"] for r in reps if r["device_ms"] is not None]
     return {"host_ms": statistics.median(r["host_ms"] for r in reps),
             "device_ms": statistics.median(device) if len(device) == len(reps) else None,
-            "passes": reps[0]["passes"], "reps": reps}
+            "passes": max(r["passes"] for r in reps), "reps": reps}
 
 
 def decode_step(records) -> tuple[float, int]:
@@ -1460,7 +1463,9 @@ def pass_span_lines(arms: dict) -> list[str]:
     if errors:
         lines += [f"The device's spans of {name}'s passes stopped: {error}." for name, error in errors.items()] + [""]
     if decode:
-        lines += ["| batch | context | arm | step ms | host ms a pass | device ms a pass | passes |",
+        lines += ["A decode cell's passes are every decode pass of its timed bursts (the batch's first and last "
+                  "steps too), its step the window where the whole batch decodes:", "",
+                  "| batch | context | arm | step ms | host ms a pass | device ms a pass | passes |",
                   "|---:|---:|---|---:|---:|---:|---:|"]
         for name, cell in sorted(decode, key=lambda r: (r[1]["batch"], r[1]["context"], order.index(r[0]))):
             spans = cell["pass_spans"]

@@ -19,7 +19,8 @@ scheduler's included, and applies their hooks before the scheduler is built. `re
   decode capture    AROUND DecodeCudaGraphRunner.capture: before SGLang captures its decode graphs, a model whose
                     arm routes decode installs its graph variants (a dense and a routed graph per batch size,
                     `SkipperCausalLM.decode_graph_variants`); a model with a clock holds its timing events
-                    through the capture (`PartClock.holding_events`)
+                    through the capture (`PartClock.holding_events`), and AROUND the prefill graph runner's
+                    capture likewise
   replay veto       AROUND the graph runners' can_run_graph: a routed pass replays only a routed variant, never a
                     dense graph (`SkipperCausalLM.graph_veto`, `vskipper.sglang.replay`)
   executed config   AFTER Scheduler.get_init_info and AROUND Scheduler.run_batch (`vskipper.sglang.executed`):
@@ -32,6 +33,7 @@ serve a routed arm without them.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Any
 
 from vskipper.sglang import active, executed
@@ -56,8 +58,9 @@ GRAPH_TARGETS = (
     "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner.can_run_graph",
 )
 CAPTURE_TARGET = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture"
+PREFILL_CAPTURE_TARGET = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.capture"
 TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *RELEASE_TARGETS, QUEUE_ABORT_TARGET, FORWARD_TARGET, *GRAPH_TARGETS,
-           CAPTURE_TARGET, *executed.TARGETS)
+           CAPTURE_TARGET, PREFILL_CAPTURE_TARGET, *executed.TARGETS)
 
 
 _runtime = active.current_runtime
@@ -164,16 +167,33 @@ def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs)
     return answer if model is None else model.graph_veto(forward_batch, bool(answer))
 
 
-def around_decode_capture(original, graph_runner, *args, **kwargs):
+def _capturing_model(graph_runner):
+    """The skipper model a graph runner captures, or None."""
     model = _model()
-    if model is not None and getattr(graph_runner.model_runner, "model", None) is model:
+    runner = getattr(graph_runner, "model_runner", None)
+    return model if model is not None and getattr(runner, "model", None) is model else None
+
+
+def _events_held(model):
+    """Around a graph capture of `model`: its clock's timing events held from the state writer (no event waited
+    for or queried while CUDA captures in its global mode); nothing for a model without a clock."""
+    return model.part_clock.holding_events() if model is not None and model.part_clock is not None \
+        else nullcontext()
+
+
+def around_decode_capture(original, graph_runner, *args, **kwargs):
+    model = _capturing_model(graph_runner)
+    if model is not None:
         variants = model.decode_graph_variants(graph_runner)
         if variants is not None:
             graph_runner.attention_graph_variants = variants
-        if model.part_clock is not None:  # no timing event waited for or queried by the state writer meanwhile
-            with model.part_clock.holding_events():
-                return original(graph_runner, *args, **kwargs)
-    return original(graph_runner, *args, **kwargs)
+    with _events_held(model):
+        return original(graph_runner, *args, **kwargs)
+
+
+def around_prefill_capture(original, graph_runner, *args, **kwargs):
+    with _events_held(_capturing_model(graph_runner)):
+        return original(graph_runner, *args, **kwargs)
 
 
 def register() -> None:
@@ -192,6 +212,7 @@ def register() -> None:
     for target in GRAPH_TARGETS:
         HookRegistry.register(target, around_can_run_graph, HookType.AROUND)
     HookRegistry.register(CAPTURE_TARGET, around_decode_capture, HookType.AROUND)
+    HookRegistry.register(PREFILL_CAPTURE_TARGET, around_prefill_capture, HookType.AROUND)
     executed.register(HookRegistry, HookType)
 
 

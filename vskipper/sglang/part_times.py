@@ -26,8 +26,11 @@ microseconds each, some 250 a pass at 16 layers).
 With `pass_spans` alone (`VSKIPPER_PASS_SPANS=1`) the clock wraps nothing: each pass's host span (its forward,
 `outside`) and device span are timed whole, cheap enough to leave on beside the figures they explain (the device
 run's servers: whether a pass was host-bound). A reader on another thread (the state writer) waits for the
-device's end of the passes timed so far before it reads them (`read_device`; never while a graph is captured):
-the attestation then holds the device's span of every pass up to the last, not one pass behind.
+device's end of the passes timed so far before it reads them (`read_device`): the attestation then holds the
+device's span of every pass up to the last, not one pass behind. It touches no event while SGLang's decode or
+prefill graph runner captures (`holding_events`, from the hooks around their captures); SGLang's metadata glue
+graph, captured lazily while serving where `SGLANG_ENABLE_METADATA_GLUE_GRAPH` asks for it, is not held off
+(the device run leaves it off).
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ class PartClock:
         self.clock = clock
         self.events, self.capturing = events, capturing
         self.parts = parts
-        self._settling = threading.Lock()  # the forward's thread and a reader's both settle
+        self._settling = threading.RLock()  # the forward's thread and a reader's both settle (and `_lost`)
         self._events_free = threading.Lock()  # held through a graph capture (`holding_events`)
         self.errors: dict[str, str] = {}  # why the device's spans stopped, where they did (`_lost`)
         self.device_seconds: dict[str, float] = defaultdict(float)
@@ -160,10 +163,10 @@ class PartClock:
         layers do not take is `outside`. An interleaved control pass is a phase of its own (`CONTROL_PHASES`)."""
         self.phase = clock_phase("decode" if forward_mode.is_decode() else "prefill" if forward_mode.is_extend()
                                  else "other", control)
-        marks = None  # no event is recorded or queried in a capture
-        if self.events is not None and not self.capturing():
+        marks, events = None, self.events  # no event is recorded or queried in a capture
+        if events is not None and not self.capturing():
             try:
-                marks = (self.events(), self.events())
+                marks = (events(), events())
                 marks[0].record()
             except Exception as exc:  # the clock's failure never fails the pass
                 marks = self._lost(exc)
@@ -173,19 +176,23 @@ class PartClock:
             if marks is not None:
                 try:
                     marks[1].record()
-                    self._pending.append((self.phase, *marks))
                 except Exception as exc:
                     self._lost(exc)
+                else:
+                    with self._settling:
+                        if self.events is not None:  # not lost meanwhile (by the reader's thread)
+                            self._pending.append((self.phase, *marks))
                 self.settle()
             self.passes[self.phase] += 1
             self.tokens[self.phase] += tokens
 
     def _lost(self, exc: Exception) -> None:
         """A timing event failed: the device's spans stop (the host's go on, and the pass with them), and the
-        attestation says why (`errors`)."""
-        self.events = None
-        self._pending.clear()
-        self.errors["device"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        attestation says why (`errors`: the first failure, whichever thread met it)."""
+        with self._settling:
+            self.events = None
+            self._pending.clear()
+            self.errors.setdefault("device", f"{type(exc).__name__}: {str(exc).strip()[:300]}")
 
     def settle(self) -> None:
         """Count the device time of each pass whose end the device has reached, in order, without waiting."""
@@ -211,18 +218,20 @@ class PartClock:
         """For a reader on another thread (the state writer), so that the thread running the passes never waits
         on the device: wait until the device has reached the end of every pass timed so far, then count them
         (`settle`). Reads a snapshot of the queue, which that thread's appends and `settle`'s pops leave whole.
-        While a graph is captured (`holding_events`) it touches no event and returns False."""
+        Whether it read them: while a graph is captured (`holding_events`) it touches no event, and where an
+        event failed the device's spans stop (`_lost`)."""
         if not self._events_free.acquire(blocking=False):
             return False
         try:
             for _, _, end in list(self._pending):
                 end.synchronize()
             self.settle()
+            return not self.errors
         except Exception as exc:
             self._lost(exc)
+            return False
         finally:
             self._events_free.release()
-        return True
 
     def live(self) -> dict[str, Any]:
         """The clock's own dicts under the attestation's fields: a runtime's attestation reads them whenever it is
