@@ -430,3 +430,17 @@ def test_a_timing_event_that_fails_stops_the_device_spans_and_says_why_but_never
     assert ran == [1, 2] and att["passes_total"] == {"decode": 2} and len(made) == 2  # no event after the failure
     assert att["device_passes_total"] == {} and att["errors"] == {"device": f"RuntimeError: {error}"}
     assert clock.read_device() is False  # the spans stay stopped
+
+
+def test_the_state_writers_thread_takes_the_models_gpu_and_touches_no_cuda_off_it(monkeypatch):
+    """The state writer waits on the model's device (its copies, its timing events) from a thread of its own,
+    whose CUDA calls would otherwise go to GPU 0: it makes the model's GPU its own first, and off CUDA does
+    nothing."""
+    from vskipper.sglang import runtime
+
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    runtime.bind_device("cuda:1")
+    runtime.bind_device("cpu")
+    runtime.bind_device(None)
+    assert bound == [torch.device("cuda:1")]

@@ -737,6 +737,7 @@ class StateWriter(threading.Thread):
         self._changed.set()
 
     def run(self) -> None:
+        bind_device(self.runtime.device)
         base = self.runtime.spec.state_file
         last = 0.0
         while True:
@@ -754,6 +755,14 @@ class StateWriter(threading.Thread):
                 continue
             self.answered = self.runtime.state_request
             last = time.monotonic()
+
+
+def bind_device(device: str | None) -> None:
+    """Make the model's GPU this thread's: the state writer waits for the device's copies and timing events, and a
+    thread's CUDA calls otherwise go to GPU 0 (a scheduler process serving another GPU would open a context
+    there). Nothing off CUDA."""
+    if device and torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))
 
 
 def get_runtime(model_type: str, routed_layers: tuple[int, ...], model_class: str, device: str) -> Runtime:
