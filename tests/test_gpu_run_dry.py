@@ -904,3 +904,17 @@ def test_an_earlier_runs_table_and_tau_serve_only_on_the_gpu_they_were_measured_
     monkeypatch.setenv(run.ENV_EARLIER, str(tmp_path / "gone"))
     with pytest.raises(RuntimeError, match="gone: no such folder"):
         run.earlier_runs()
+
+
+def test_the_device_tau_is_the_intercept_gap_of_the_device_spans_lines_and_none_without_them():
+    """tau on the device alone (`device_tau_ms`): the routed arm's line of each decode cell's device ms a pass over
+    the resident tokens, less dense's intercept; none where a cell has no device span (a CPU)."""
+    def cells(intercept_ms: float, slope_ms: float) -> list[dict]:
+        return [{"resident_tokens": v, "pass_spans": {"device_ms": intercept_ms + slope_ms * v}}
+                for v in (32_000, 64_000, 128_000)]
+
+    assert run.device_tau_ms(cells(10.0, 4e-5), cells(10.5, 3e-5)) == pytest.approx(0.5)
+    cpu = [dict(c, pass_spans=dict(c["pass_spans"], device_ms=None)) for c in cells(10.0, 4e-5)]
+    assert run.device_tau_ms(cpu, cells(10.5, 3e-5)) is None
+    assert run.device_tau_ms([{"resident_tokens": 1}], cells(10.5, 3e-5)) is None  # no spans at all
+    assert run.device_tau_ms(cells(10.0, 4e-5)[:1], cells(10.5, 3e-5)[:1]) is None  # one cell: no line

@@ -1012,6 +1012,22 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
     return result
 
 
+def device_tau_ms(dense: list[dict], routed: list[dict]) -> float | None:
+    """tau on the device alone: the intercept of the routed arm's line of the device's ms a decode pass (its
+    cells' `pass_spans`) over the resident tokens, less dense's. Beside tau (from the step the client sees) it
+    tells the routed path's fixed cost on the device from the host's and the scheduler's share of a step. None
+    where a cell has no device span (a CPU, a server whose events failed) or a line cannot be fitted."""
+    lines = []
+    for cells in (dense, routed):
+        points = [(c["resident_tokens"], (c.get("pass_spans") or {}).get("device_ms")) for c in cells]
+        if any(ms is None for _, ms in points):
+            return None
+        lines.append(fit_line(points))
+    if lines[0] is None or lines[1] is None:
+        return None
+    return lines[1]["intercept_s"] - lines[0]["intercept_s"]  # the points are ms: so is the intercept
+
+
 def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
     if "dense" not in arms or ALWAYS not in arms:
         return None
@@ -1029,6 +1045,9 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
         interval = tau_interval(dense["decode"], routed["decode"])
         if interval is not None:
             out["tau_ms_interval"] = [round(s * 1e3, 4) for s in interval]
+    device_tau = device_tau_ms(dense["decode"], routed["decode"])
+    if device_tau is not None:
+        out["device_tau_ms"] = device_tau
     config = json.loads((model / "config.json").read_text())
     out["decode_speedup"] = decode_ratios(config, routed["decode"], dense["decode"], "routed_over_dense_tok_s")
     out["prefill_speedup"] = prefill_ratios(config, routed["prefill"], dense["prefill"], "dense_over_routed_time")
@@ -1357,7 +1376,8 @@ def markdown(results: dict, out: Path | None = None) -> str:
         c = sweep["comparison"]
         lines += ["## Decode sweep and prefill", "",
                   f"Dense decode: {c['dense_decode_graphs']}; routed decode: {c['routed_decode_graphs']}.", "",
-                  f"tau = {_f(c.get('tau_ms'))} ms{_interval(c.get('tau_ms_interval'))}; V_x = "
+                  f"tau = {_f(c.get('tau_ms'))} ms{_interval(c.get('tau_ms_interval'))} (on the device alone, "
+                  f"from each decode pass's span: {_f(c.get('device_tau_ms'))} ms); V_x = "
                   f"{_f(c.get('v_x_tokens'))} tokens; rule V* = "
                   f"{_f(c.get('v_star_tokens'))} tokens; V_x / V* = {_f(c.get('v_x_over_v_star'))}", "",
                   "Each figure is the ratio of the arms' medians over their repetitions (plan: "
