@@ -426,8 +426,8 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
               "pass_spans": {"host_ms": 0.21, "device_ms": 9.87, "passes": 190, "device_passes": 190}}
     lines = run.pass_span_lines({"dense": {"prefill": cells, "decode": [decode]}, run.ALWAYS: {"decode": [decode]}})
     assert f"| 1536 | dense | {cells[1]['ttft_s'] * 1e3:.1f} | {cells[1]['ttft_parts_s']['forward'] * 1e3:.1f} | " \
-           f"1.5 | 3.1 | 1 |" in lines
-    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 2.0 | 1 |" in lines  # no stamps there
+           f"1.5 | 3.1 | 2.00 | 1 |" in lines
+    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 2.0 | 2.00 | 1 |" in lines  # no stamps
     assert lines.index("| 32 | 1000 | dense | 10.50 | 0.21 | 9.87 | 190 |") < \
         lines.index(f"| 32 | 1000 | {run.ALWAYS} | 10.50 | 0.21 | 9.87 | 190 |")
     assert run.pass_span_lines({"dense": {"prefill": [{"tokens": 1, "ttft_s": 1.0}]}}) == []

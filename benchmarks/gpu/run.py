@@ -1465,15 +1465,17 @@ def pass_span_lines(arms: dict) -> list[str]:
     order = list(arms)
     lines = ["Each pass as its server timed it (ms a pass, medians; host: the forward's launches, which the device "
              "runs behind; device: from the pass's first kernel to its last, any wait for the launches "
-             "included; none on a CPU). A device span about as long as the host's is a host-bound pass:", ""]
+             "included; none on a CPU). A device span about as long as the host's (device / host near 1) is a "
+             "host-bound pass:", ""]
     if prefill:
         lines += ["| prefill tokens | arm | TTFT ms | forward ms (stamps) | host ms a pass | device ms a pass | "
-                  "passes |", "|---:|---|---:|---:|---:|---:|---:|"]
+                  "device / host | passes |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for name, cell in sorted(prefill, key=lambda r: (r[1]["tokens"], order.index(r[0]))):
             spans, forward = cell["pass_spans"], (cell.get("ttft_parts_s") or {}).get("forward")
             lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | "
                          f"{_f(forward and forward * 1e3, '.1f')} | {spans['host_ms']:.1f} | "
-                         f"{_f(spans['device_ms'], '.1f')} | {spans['passes']} |")
+                         f"{_f(spans['device_ms'], '.1f')} | {_f(_over(spans['device_ms'], spans['host_ms']), '.2f')} "
+                         f"| {spans['passes']} |")
         lines.append("")
     errors: dict[str, str] = {}  # where a server's timing events failed (its later readings all say so)
     for name, cell in prefill + decode:
