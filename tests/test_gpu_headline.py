@@ -198,6 +198,33 @@ def test_routed_share_sums_each_cells_attested_passes():
     assert headline.routed_share(cells) == {"prefill": pytest.approx(2 / 5), "decode": pytest.approx(30 / 50)}
 
 
+def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestations_carry():
+    """Each phase's host and device ms a pass over all the cells' passes (a cell of many passes weighs as many),
+    from each cell's attestations' clock; a cell without one adds nothing, and a phase no pass ran is None."""
+    suite = headline.gsm8k_suite("s", 2, 2, 500, (20, 40), (4, 12))
+
+    def clock(decode_passes: int, host_s: float, device_s: float) -> dict:
+        return {"parts": False, "passes_total": {"decode": decode_passes}, "device_passes_total": {"decode": decode_passes},
+                "seconds_total": {"decode": {"outside": {"outside": host_s}}},
+                "device_seconds_total": {"decode": device_s}, "errors": {}}
+
+    cells = []
+    for before, after in ((clock(0, 0.0, 0.0), clock(10, 0.01, 0.1)), (clock(10, 0.01, 0.1), clock(40, 0.04, 0.7)),
+                          (None, None)):
+        cell = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
+        cell.attestation_before = None if before is None else {"part_clock": before}
+        cell.attestation_after = None if after is None else {"part_clock": after}
+        cells.append(cell)
+    spans = headline.pass_span_means(cells)
+    assert spans["prefill"] is None
+    assert spans["decode"]["passes"] == 40 and spans["decode"]["host_ms"] == pytest.approx(1.0)
+    assert spans["decode"]["device_ms"] == pytest.approx(700 / 40)  # 10 passes at 10 ms, 30 at 20 ms
+    loads = {headline.KNEE: {"pass_spans": {"dense": spans, "arm": headline.pass_span_means(cells[1:2])}}}
+    table = headline.pass_span_table("hybrid-rule", loads)
+    assert "| 0.95 Q* | decode | 17.50 | 20.00 | 1.00 | 1.00 | 40 | 30 |" in table
+    assert headline.pass_span_table("hybrid-rule", {headline.KNEE: {}}) == []
+
+
 def _iv(mean, hw, n=3):
     return {"mean": mean, "half_width": hw, "low": None if hw is None else mean - hw,
             "high": None if hw is None else mean + hw, "n": n, "resolved": hw is not None and abs(mean) > hw}

@@ -163,6 +163,10 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
             assert cell["comparison"]["e2e_mean"]["n"] == plan.repetitions
             assert cell["comparison"]["e2e_mean"]["half_width"] is None  # one repetition: no interval
             assert cell["dense"]["e2e_mean_s"] > 0 and cell["arm"]["e2e_mean_s"] > 0
+            for side in ("dense", "arm"):  # each side's passes as its server's clock timed them (CPU: the host's)
+                for phase in ("prefill", "decode"):
+                    spans = cell["pass_spans"][side][phase]
+                    assert spans["host_ms"] > 0 and spans["passes"] > 0 and spans["device_ms"] is None
             cells = [c for c in json.loads((out / "ladder.json").read_text())["cells"] if c["load"] == load]
             for c in cells:  # the arm served the very cell dense served: suite, rate, arrival seed
                 mine = json.loads((out / "headline" / key / f"{load}-rep{c['repetition']}.json").read_text())
@@ -313,6 +317,7 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     assert "Dry run on CPU" in summary and "tau =" in summary
     assert "Where a prefill's time to its first token went" in summary and "## Check" in summary
     assert "Each pass as its server timed it" in summary and "| host ms a pass | device ms a pass |" in summary
+    assert "hybrid-rule's passes against dense's as the servers timed them" in summary
     assert "## Tiles" in summary and "unused: the torch execution" in summary
     assert "| mlp_gate_up | 513-1024 |" in summary and "| mlp_gate_up | 2049- |" in summary  # prefill by its length
     table = results["tiles"]["table"]  # each shape's half-count timing beside the full one, and what it decides

@@ -261,6 +261,33 @@ def routed_share(cells: Sequence[CellResult]) -> dict[str, float | None]:
     return {p: (routed[p] / total[p] if total[p] else None) for p in PHASES}
 
 
+def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
+    """Per phase, the host's and the device's ms a pass over every pass of the cells, from the clock each cell's
+    attestations carry before and after it (`part_clock`: the pass spans every server of the device run times;
+    `benchmarks/bench_cpu.run_clock`): None for a phase where no cell's attestations carry a clock or no pass
+    of it ran."""
+    from benchmarks.bench_cpu import run_clock
+
+    out: dict[str, dict | None] = {}
+    for phase in PHASES:
+        host = device = 0.0
+        passes = device_passes = 0
+        for cell in cells:
+            before = (cell.attestation_before or {}).get("part_clock")
+            after = (cell.attestation_after or {}).get("part_clock")
+            if not before or not after:
+                continue
+            clock = run_clock(before, after, phase)
+            host += clock["model"] * clock["passes"]
+            passes += clock["passes"]
+            if clock["device"] is not None:
+                device += clock["device"] * clock["device_passes"]
+                device_passes += clock["device_passes"]
+        out[phase] = {"host_ms": host / passes, "device_ms": device / device_passes if device_passes else None,
+                      "passes": passes} if passes else None
+    return out
+
+
 def absolute_means(cells: Sequence[CellResult]) -> dict[str, float | None]:
     """One arm's absolute figures over repetitions: mean E2E / TTFT / TPOT (s) and requests completed per second of
     the injection window."""
@@ -283,7 +310,9 @@ def load_doc(result: ABResult, requests: int) -> dict:
                        "refusals": [str(f) for f in r.gates.refusals]} for r in result.repetitions],
             "routed_share": routed_share([r.treated for r in result.repetitions]),
             "dense": absolute_means([r.baseline for r in result.repetitions]),
-            "arm": absolute_means([r.treated for r in result.repetitions])}
+            "arm": absolute_means([r.treated for r in result.repetitions]),
+            "pass_spans": {"dense": pass_span_means([r.baseline for r in result.repetitions]),
+                           "arm": pass_span_means([r.treated for r in result.repetitions])}}
 
 
 # -- the figures beside their limits and the paper's ------------------------------------------------------------------
@@ -427,11 +456,35 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
         shares = "; ".join(f"{CELL_FACTORS[load]} Q*: prefill {_share(c['routed_share']['prefill'])}, decode "
                            f"{_share(c['routed_share']['decode'])}" for load, c in arm["loads"].items())
         lines += [arm["table"], f"Routed share of {key}'s passes: {shares}.", ""]
+        lines += pass_span_table(key, arm["loads"])
     lines += ["The paper's GSM8K rows (FlexiDepth on Llama-3-8B against upstream SGLang):", "",
               *paper_table_lines(), ""]
     if headline.get("left"):
         lines += [f"Headline stage left for the next run: {', '.join(headline['left'])}", ""]
     return lines
+
+
+def pass_span_table(key: str, loads: Mapping) -> list[str]:
+    """Each load's passes of dense and of arm `key` as their servers timed them (`pass_span_means`, ms a pass over
+    every pass of the repetitions' cells): where an E2E difference went, per phase, on the device and the host."""
+    rows = []
+    for load, doc in loads.items():
+        spans = doc.get("pass_spans") or {}
+        for phase in PHASES:
+            dense, arm = (spans.get("dense") or {}).get(phase), (spans.get("arm") or {}).get(phase)
+            if dense and arm:
+                rows.append(f"| {CELL_FACTORS[load]} Q* | {phase} | {_ms(dense['device_ms'])} | {_ms(arm['device_ms'])} | "
+                            f"{_ms(dense['host_ms'])} | {_ms(arm['host_ms'])} | {dense['passes']} | {arm['passes']} |")
+    if not rows:
+        return []
+    return [f"{key}'s passes against dense's as the servers timed them (ms a pass over the cells' passes; device: "
+            "each pass's span on the device; host: its forward's launches):", "",
+            f"| load | phase | dense device ms | {key} device ms | dense host ms | {key} host ms | dense passes | "
+            f"{key} passes |", "|---|---|---:|---:|---:|---:|---:|---:|", *rows, ""]
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _share(value: float | None) -> str:
