@@ -209,20 +209,27 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
                 "device_seconds_total": {"decode": device_s}, "errors": {}}
 
     cells = []
-    for before, after in ((clock(0, 0.0, 0.0), clock(10, 0.01, 0.1)), (clock(10, 0.01, 0.1), clock(40, 0.04, 0.7)),
-                          (None, None)):
+    for before, after in ((clock(0, 0.0, 0.0), clock(10, 0.01, 0.1)), (clock(10, 0.01, 0.1), clock(40, 0.07, 0.7)),
+                          (None, None), (clock(40, 0.07, 0.7), None), ({"part_clock": "lost"}, {})):
         cell = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
         cell.attestation_before = None if before is None else {"part_clock": before}
         cell.attestation_after = None if after is None else {"part_clock": after}
         cells.append(cell)
     spans = headline.pass_span_means(cells)
     assert spans["prefill"] is None
-    assert spans["decode"]["passes"] == 40 and spans["decode"]["host_ms"] == pytest.approx(1.0)
-    assert spans["decode"]["device_ms"] == pytest.approx(700 / 40)  # 10 passes at 10 ms, 30 at 20 ms
+    # 10 passes at 1 ms of host and 10 ms of device, then 30 at 2 ms and 20 ms: each pass weighs alike
+    assert spans["decode"]["passes"] == 40 and spans["decode"]["host_ms"] == pytest.approx(70 / 40)
+    assert spans["decode"]["device_ms"] == pytest.approx(700 / 40)
     loads = {headline.KNEE: {"pass_spans": {"dense": spans, "arm": headline.pass_span_means(cells[1:2])}}}
     table = headline.pass_span_table("hybrid-rule", loads)
-    assert "| 0.95 Q* | decode | 17.50 | 20.00 | 1.00 | 1.00 | 40 | 30 |" in table
+    assert "| 0.95 Q* | decode | 17.50 | 20.00 | 1.75 | 2.00 | 40 | 30 |" in table
     assert headline.pass_span_table("hybrid-rule", {headline.KNEE: {}}) == []
+    # a server whose events stopped timed fewer passes on the device than on the host: no device figure
+    short = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
+    stopped = dict(clock(40, 0.07, 0.4), device_passes_total={"decode": 20})
+    short.attestation_before, short.attestation_after = {"part_clock": clock(0, 0.0, 0.0)}, {"part_clock": stopped}
+    assert headline.pass_span_means([short])["decode"] == {"host_ms": pytest.approx(70 / 40), "device_ms": None,
+                                                           "passes": 40, "device_passes": 20}
 
 
 def _iv(mean, hw, n=3):

@@ -923,3 +923,7 @@ def test_the_device_tau_is_the_intercept_gap_of_the_device_spans_lines_and_none_
     assert run.device_tau_ms(cpu, cells(10.5, 3e-5)) is None
     assert run.device_tau_ms([{"resident_tokens": 1}], cells(10.5, 3e-5)) is None  # no spans at all
     assert run.device_tau_ms(cells(10.0, 4e-5)[:1], cells(10.5, 3e-5)[:1]) is None  # one cell: no line
+    clock = {"passes_total": {"decode": 10}, "device_passes_total": {"decode": 9}, "device_seconds_total":
+             {"decode": 0.09}, "seconds_total": {"decode": {"outside": {"outside": 0.01}}}}
+    empty = {"passes_total": {}, "device_passes_total": {}, "device_seconds_total": {}, "seconds_total": {}}
+    assert run.pass_spans(empty, clock, "decode")["device_ms"] is None  # a pass the device's clock missed

@@ -444,3 +444,33 @@ def test_the_state_writers_thread_takes_the_models_gpu_and_touches_no_cuda_off_i
     runtime.bind_device("cpu")
     runtime.bind_device(None)
     assert bound == [torch.device("cuda:1")]
+
+
+
+def test_the_state_writer_takes_the_models_device_when_it_starts_and_writes_on_if_it_cannot(monkeypatch, tmp_path,
+                                                                                             capsys):
+    """`StateWriter.run` binds the model's device first; where that fails it says so and goes on to its loop."""
+    from vskipper.arms import get_arm
+    from vskipper.sglang import runtime
+
+    rt = runtime.Runtime(ServeSpec(get_arm("dense"), 0, 0, tmp_path / "state.json"), "ddllama", (2,), "test")
+    rt.device = "cuda:1"
+    calls = []
+
+    def refuse(device):
+        calls.append(("bind", device))
+        raise RuntimeError(f"no {device} here")
+
+    class Stop(Exception):
+        pass
+
+    def polled(base):  # the loop's first look for a request: the run ends here
+        calls.append(("poll", base))
+        raise Stop
+
+    monkeypatch.setattr(runtime, "bind_device", refuse)
+    monkeypatch.setattr(runtime, "read_state_request", polled)
+    with pytest.raises(Stop):
+        runtime.StateWriter(rt).run()  # the thread's body, here in the test's thread
+    assert calls == [("bind", "cuda:1"), ("poll", tmp_path / "state.json")]
+    assert "the state writer could not take the model's device cuda:1: no cuda:1 here" in capsys.readouterr().err

@@ -264,8 +264,8 @@ def routed_share(cells: Sequence[CellResult]) -> dict[str, float | None]:
 def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
     """Per phase, the host's and the device's ms a pass over every pass of the cells, from the clock each cell's
     attestations carry before and after it (`part_clock`: the pass spans every server of the device run times;
-    `benchmarks/bench_cpu.run_clock`): None for a phase where no cell's attestations carry a clock or no pass
-    of it ran."""
+    `benchmarks/bench_cpu.run_clock`; the device's None unless it timed every pass the host did): None for a
+    phase where no cell's attestations carry a clock or no pass of it ran."""
     from benchmarks.bench_cpu import run_clock
 
     out: dict[str, dict | None] = {}
@@ -277,14 +277,18 @@ def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
             after = (cell.attestation_after or {}).get("part_clock")
             if not before or not after:
                 continue
-            clock = run_clock(before, after, phase)
+            try:
+                clock = run_clock(before, after, phase)
+            except (KeyError, TypeError, AttributeError):  # not a clock's record: the cell adds nothing
+                continue
             host += clock["model"] * clock["passes"]
             passes += clock["passes"]
             if clock["device"] is not None:
                 device += clock["device"] * clock["device_passes"]
                 device_passes += clock["device_passes"]
-        out[phase] = {"host_ms": host / passes, "device_ms": device / device_passes if device_passes else None,
-                      "passes": passes} if passes else None
+        # the device's figure only where it timed every pass the host did (its events may have failed midway)
+        out[phase] = {"host_ms": host / passes, "device_ms": device / device_passes if device_passes == passes else None,
+                      "passes": passes, "device_passes": device_passes} if passes else None
     return out
 
 
@@ -466,7 +470,8 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
 
 def pass_span_table(key: str, loads: Mapping) -> list[str]:
     """Each load's passes of dense and of arm `key` as their servers timed them (`pass_span_means`, ms a pass over
-    every pass of the repetitions' cells): where an E2E difference went, per phase, on the device and the host."""
+    every pass of the repetitions' cells), per phase, on the device and the host: what a pass cost each arm (where
+    the arms batched their requests otherwise, their passes differ in size, and so in cost)."""
     rows = []
     for load, doc in loads.items():
         spans = doc.get("pass_spans") or {}

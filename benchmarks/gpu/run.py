@@ -454,7 +454,9 @@ def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | No
     clock = run_clock(before, after, phase)
     if not clock["passes"]:
         return None
-    spans = {"host_ms": clock["model"], "device_ms": clock["device"], "passes": clock["passes"],
+    # the device's figure only where it timed every pass the host did (a late reading, events failed midway: None)
+    device = clock["device"] if clock["device_passes"] == clock["passes"] else None
+    spans = {"host_ms": clock["model"], "device_ms": device, "passes": clock["passes"],
              "device_passes": clock["device_passes"]}
     if (after.get("errors") or {}).get("device"):  # the server's timing events failed: its device spans stopped
         spans["device_error"] = after["errors"]["device"]
@@ -1015,8 +1017,10 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
 def device_tau_ms(dense: list[dict], routed: list[dict]) -> float | None:
     """tau on the device alone: the intercept of the routed arm's line of the device's ms a decode pass (its
     cells' `pass_spans`) over the resident tokens, less dense's. Beside tau (from the step the client sees) it
-    tells the routed path's fixed cost on the device from the host's and the scheduler's share of a step. None
-    where a cell has no device span (a CPU, a server whose events failed) or a line cannot be fitted."""
+    tells the routed path's fixed cost on the device from the host's and the scheduler's share of a step, roughly:
+    a cell's device mean covers every decode pass of its bursts, the batch's first and last steps too, its step
+    only the window where the whole batch decodes. None where a cell has no device span (a CPU, a server whose
+    events failed, a reading that missed passes) or a line cannot be fitted."""
     lines = []
     for cells in (dense, routed):
         points = [(c["resident_tokens"], (c.get("pass_spans") or {}).get("device_ms")) for c in cells]
@@ -1376,8 +1380,9 @@ def markdown(results: dict, out: Path | None = None) -> str:
         c = sweep["comparison"]
         lines += ["## Decode sweep and prefill", "",
                   f"Dense decode: {c['dense_decode_graphs']}; routed decode: {c['routed_decode_graphs']}.", "",
-                  f"tau = {_f(c.get('tau_ms'))} ms{_interval(c.get('tau_ms_interval'))} (on the device alone, "
-                  f"from each decode pass's span: {_f(c.get('device_tau_ms'))} ms); V_x = "
+                  f"tau = {_f(c.get('tau_ms'))} ms{_interval(c.get('tau_ms_interval'))}"
+                  + (f" (on the device alone, from each decode pass's span: {_f(c['device_tau_ms'])} ms)"
+                     if c.get("device_tau_ms") is not None else "") + "; V_x = "
                   f"{_f(c.get('v_x_tokens'))} tokens; rule V* = "
                   f"{_f(c.get('v_star_tokens'))} tokens; V_x / V* = {_f(c.get('v_x_over_v_star'))}", "",
                   "Each figure is the ratio of the arms' medians over their repetitions (plan: "

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 import zlib
@@ -737,7 +738,11 @@ class StateWriter(threading.Thread):
         self._changed.set()
 
     def run(self) -> None:
-        bind_device(self.runtime.device)
+        try:
+            bind_device(self.runtime.device)
+        except Exception as exc:  # the writer writes on (its waits on the device then go to the thread's own GPU)
+            print(f"vskipper: the state writer could not take the model's device {self.runtime.device}: {exc}",
+                  file=sys.stderr, flush=True)
         base = self.runtime.spec.state_file
         last = 0.0
         while True:
