@@ -343,21 +343,37 @@ def test_the_state_document_holds_the_device_span_of_every_pass_timed_before_it(
 
 
 @pytest.mark.parametrize("hook", ["around_decode_capture", "around_prefill_capture"])
-def test_a_graph_capture_holds_the_clocks_timing_events_from_the_state_writer(monkeypatch, hook):
+def test_a_graph_capture_holds_the_state_and_the_clocks_timing_events_from_the_state_writer(monkeypatch, tmp_path,
+                                                                                           hook):
     """SGLang's decode and prefill graph captures (the hooks around the graph runners' `capture`) run with the
-    model's clock holding its events: the state writer's read of the device waits for none and queries none until
-    the capture ends."""
+    model's runtime taking no state document (which waits for the device's copies and timing events) and its
+    clock holding its events: the state writer's attempt is refused, to be taken again after the capture, and a
+    read of the device waits for none and queries none. Another model's capture holds nothing."""
     from types import SimpleNamespace
 
+    from vskipper.arms import get_arm
     from vskipper.sglang import active, hooks
+    from vskipper.sglang.runtime import GraphCapturing, Runtime
 
     clock = PartClock(clock=FakeClock(), parts=False)
-    model = SimpleNamespace(part_clock=clock, decode_graph_variants=lambda runner: None)
+    rt = Runtime(ServeSpec(get_arm("dense"), 0, 0, tmp_path / "state.json", pass_spans=True), "ddllama", (2,), "test")
+    rt.part_clock = clock
+    model = SimpleNamespace(part_clock=clock, runtime=rt, decode_graph_variants=lambda runner: None)
     monkeypatch.setattr(active, "_ACTIVE", [model])
-    runner = SimpleNamespace(model_runner=SimpleNamespace(model=model))
-    reads = []
-    assert getattr(hooks, hook)(lambda r: reads.append(clock.read_device()) or "captured", runner) == "captured"
-    assert reads == [False] and clock.read_device() is True
+    seen = []
+
+    def capture(runner):
+        seen.append(clock.read_device())
+        with pytest.raises(GraphCapturing, match="being captured"):
+            rt.write_state()
+        return "captured"
+
+    assert getattr(hooks, hook)(capture, SimpleNamespace(model_runner=SimpleNamespace(model=model))) == "captured"
+    assert seen == [False] and clock.read_device() is True
+    rt.write_state()  # after the capture: written
+    assert (tmp_path / "state.json").is_file()
+    other = SimpleNamespace(model_runner=SimpleNamespace(model=object()))  # not this process's skipper model
+    assert getattr(hooks, hook)(lambda runner: clock.read_device(), other) is True
 
 
 def test_the_writers_thread_reads_the_device_while_the_passes_go_on_and_waits_out_a_capture():

@@ -39,7 +39,8 @@ import time
 import zlib
 from bisect import bisect_left
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
@@ -248,6 +249,7 @@ class Runtime:
         self.hooks_applied = False  # set by the model class once it checked vskipper.sglang.hooks
         self.state_request = 0  # the latest read request of the HTTP process the state file answers
         self._state_lock = threading.RLock()  # the state document reads the attestation under it
+        self._capture_free = threading.Lock()  # held through a CUDA graph capture (`capturing_graphs`)
         self._writer: StateWriter | None = None
         self.execution: dict[str, Any] = {}  # what the model class reports of its routed execution
         # The model class's own `*_total` counters (live dicts with fixed keys), beside the runtime's.
@@ -683,10 +685,27 @@ class Runtime:
             "state_request": self.state_request,
         }
 
+    @contextmanager
+    def capturing_graphs(self) -> Iterator[None]:
+        """Around a CUDA graph capture in this process (the hooks around SGLang's graph runners' captures): no state
+        document is taken meanwhile, since taking one waits for and queries the device's copies and timing events,
+        which CUDA refuses from any thread while SGLang captures in its global mode (`GraphCapturing`)."""
+        with self._capture_free:
+            yield
+
     def state_document(self) -> str | None:
-        """The attestation as JSON, or None where this replica writes no state file."""
+        """The attestation as JSON, or None where this replica writes no state file. Raises `GraphCapturing`
+        while a graph is captured (the state writer takes it again after)."""
         if self.spec.state_file is None or not self.placement.reports:
             return None
+        if not self._capture_free.acquire(blocking=False):
+            raise GraphCapturing("a CUDA graph is being captured: the state is written once it is")
+        try:
+            return self._state_document()
+        finally:
+            self._capture_free.release()
+
+    def _state_document(self) -> str:
         # The device's copies of the passes in flight are waited for outside the lock: the forward's thread takes
         # it to count each pass (`finish`), and waiting inside it would stall that thread until the device drained,
         # its next batch unprepared. Under the lock only passes pushed since then can still wait.
@@ -755,11 +774,16 @@ class StateWriter(threading.Thread):
             try:
                 self.runtime.state_request = max(request, self.answered)
                 self.runtime.write_state()
-            except RuntimeError:  # a counter changed size while it was read: take it again next time
+            except RuntimeError:  # a counter changed size while it was read, or a graph is being captured: again
+                # next time
                 self._changed.set()
                 continue
             self.answered = self.runtime.state_request
             last = time.monotonic()
+
+
+class GraphCapturing(RuntimeError):
+    """The state is not taken while a CUDA graph is captured (`Runtime.capturing_graphs`)."""
 
 
 def bind_device(device: str | None) -> None:
