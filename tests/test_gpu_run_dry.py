@@ -439,12 +439,12 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
     after = copy.deepcopy(clock)
     after["passes_total"]["prefill"] += 1
     after["errors"] = {"device": "RuntimeError: lost"}
-    assert run.pass_spans(clock, after, "prefill")["device_error"] == "RuntimeError: lost"
+    assert headline.pass_spans(clock, after, "prefill")["device_error"] == "RuntimeError: lost"
     broken = dict(decode, pass_spans=dict(decode["pass_spans"], device_ms=None, device_error="RuntimeError: lost"))
     lines = run.pass_span_lines({"dense": {"decode": [decode, broken]}})
     assert "The device's spans of dense's passes stopped: RuntimeError: lost." in lines
     assert "| 32 | 1000 | dense | 10.50 | 0.21 | n/a | 190 |" in lines
-    assert run.pass_spans(None, clock, "prefill") is None and run.pass_spans(clock, clock, "prefill") is None
+    assert headline.pass_spans(None, clock, "prefill") is None and headline.pass_spans(clock, clock, "prefill") is None
 
 
 def test_ratio_range_spans_every_pairing_of_the_arms_repetitions():
@@ -926,4 +926,4 @@ def test_the_device_tau_is_the_intercept_gap_of_the_device_spans_lines_and_none_
     clock = {"passes_total": {"decode": 10}, "device_passes_total": {"decode": 9}, "device_seconds_total":
              {"decode": 0.09}, "seconds_total": {"decode": {"outside": {"outside": 0.01}}}}
     empty = {"passes_total": {}, "device_passes_total": {}, "device_seconds_total": {}, "seconds_total": {}}
-    assert run.pass_spans(empty, clock, "decode")["device_ms"] is None  # a pass the device's clock missed
+    assert headline.pass_spans(empty, clock, "decode")["device_ms"] is None  # a pass the device's clock missed

@@ -261,34 +261,49 @@ def routed_share(cells: Sequence[CellResult]) -> dict[str, float | None]:
     return {p: (routed[p] / total[p] if total[p] else None) for p in PHASES}
 
 
+def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | None:
+    """The passes of `phase` between two readings of a server's clock (`run.pass_clock`): the host's ms a pass (its
+    forward: on a GPU the launches, which the device runs behind), the device's span of a pass in ms (from the
+    first kernel's start to the last's end, waits for the host's launches included: None on CPU, or where the
+    server's timing events failed, `device_error`), and how many passes each counts; None where either reading
+    is missing or no pass of the phase ran between them."""
+    from benchmarks.bench_cpu import run_clock
+
+    if before is None or after is None:
+        return None
+    clock = run_clock(before, after, phase)
+    if not clock["passes"]:
+        return None
+    # the device's figure only where it timed every pass the host did (a late reading, events failed midway: None)
+    device = clock["device"] if clock["device_passes"] == clock["passes"] else None
+    spans = {"host_ms": clock["model"], "device_ms": device, "passes": clock["passes"],
+             "device_passes": clock["device_passes"]}
+    if (after.get("errors") or {}).get("device"):  # the server's timing events failed: its device spans stopped
+        spans["device_error"] = after["errors"]["device"]
+    return spans
+
+
 def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
     """Per phase, the host's and the device's ms a pass over every pass of the cells, from the clock each cell's
     attestations carry before and after it (`part_clock`: the pass spans every server of the device run times;
-    `benchmarks/bench_cpu.run_clock`; the device's None unless it timed every pass the host did): None for a
-    phase where no cell's attestations carry a clock or no pass of it ran."""
-    from benchmarks.bench_cpu import run_clock
-
+    each cell's `pass_spans`, weighed by its passes; the device's None unless it timed every cell's every pass):
+    None for a phase where no cell's attestations carry a clock or no pass of it ran."""
     out: dict[str, dict | None] = {}
     for phase in PHASES:
-        host = device = 0.0
-        passes = device_passes = 0
+        spans = []
         for cell in cells:
-            before = (cell.attestation_before or {}).get("part_clock")
-            after = (cell.attestation_after or {}).get("part_clock")
-            if not before or not after:
-                continue
             try:
-                clock = run_clock(before, after, phase)
+                spans.append(pass_spans((cell.attestation_before or {}).get("part_clock"),
+                                        (cell.attestation_after or {}).get("part_clock"), phase))
             except (KeyError, TypeError, AttributeError):  # not a clock's record: the cell adds nothing
                 continue
-            host += clock["model"] * clock["passes"]
-            passes += clock["passes"]
-            if clock["device"] is not None:
-                device += clock["device"] * clock["device_passes"]
-                device_passes += clock["device_passes"]
-        # the device's figure only where it timed every pass the host did (its events may have failed midway)
-        out[phase] = {"host_ms": host / passes, "device_ms": device / device_passes if device_passes == passes else None,
-                      "passes": passes, "device_passes": device_passes} if passes else None
+        spans = [s for s in spans if s]
+        passes = sum(s["passes"] for s in spans)
+        device_passes = sum(s["device_passes"] for s in spans)
+        timed = all(s["device_ms"] is not None for s in spans)
+        out[phase] = {"host_ms": sum(s["host_ms"] * s["passes"] for s in spans) / passes,
+                      "device_ms": sum(s["device_ms"] * s["device_passes"] for s in spans) / device_passes
+                      if timed else None, "passes": passes, "device_passes": device_passes} if passes else None
     return out
 
 

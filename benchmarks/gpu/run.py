@@ -441,28 +441,6 @@ def pass_clock(server: Server) -> dict | None:
     return server.get_json("/vskipper/attestation").get("part_clock")
 
 
-def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | None:
-    """The passes of `phase` between two readings of a server's clock (`pass_clock`): the host's ms a pass (its
-    forward: on a GPU the launches, which the device runs behind), the device's span of a pass in ms (from the
-    first kernel's start to the last's end, waits for the host's launches included: None on CPU, or where the
-    server's timing events failed, `device_error`), and how many passes each counts; None where either reading
-    is missing or no pass of the phase ran between them."""
-    from benchmarks.bench_cpu import run_clock
-
-    if before is None or after is None:
-        return None
-    clock = run_clock(before, after, phase)
-    if not clock["passes"]:
-        return None
-    # the device's figure only where it timed every pass the host did (a late reading, events failed midway: None)
-    device = clock["device"] if clock["device_passes"] == clock["passes"] else None
-    spans = {"host_ms": clock["model"], "device_ms": device, "passes": clock["passes"],
-             "device_passes": clock["device_passes"]}
-    if (after.get("errors") or {}).get("device"):  # the server's timing events failed: its device spans stopped
-        spans["device_error"] = after["errors"]["device"]
-    return spans
-
-
 def execution_of(served_doc: dict) -> dict:
     """The routed layers' execution a served arm attests (`routed_layers_backend`): a dict where the skipper model
     installed, else {} (the runtime's default there is a sentence, not a record)."""
@@ -519,7 +497,7 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
     over the arm's prompts falls on every length alike. Each length also keeps where its TTFT went by SGLang's own
     stamps (`RequestRecord.ttft_parts`: the hand-over to the scheduler, the forward to its result, the output, the
     HTTP rest), each part the median over the prompts, where the server reported them (--enable-metrics); and
-    each prompt's prefill passes as the server's clock timed them (`pass_spans`: the host's launches beside the
+    each prompt's prefill passes as the server's clock timed them (`headline.pass_spans`: the host's launches beside the
     device's span), where it times them."""
     records: dict[int, list] = {length: [] for length in plan.prefill_lengths}
     spans: dict[int, list] = {length: [] for length in plan.prefill_lengths}
@@ -528,7 +506,7 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
         for length in plan.prefill_lengths:
             records[length].append(asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0])
             before, clock = clock, pass_clock(server)
-            spans[length].append(pass_spans(before, clock, "prefill"))
+            spans[length].append(headline.pass_spans(before, clock, "prefill"))
     cells = []
     for length, recs in records.items():
         reps = [rec.ttft_s for rec in recs]
@@ -1002,7 +980,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                     decode.append({"batch": batch, "context": ctx, "resident_tokens": batch * (ctx + steps // 2),
                                    "step_s": step_s, "step_s_reps": [s for s, _ in reps], "tpot_s": step_s,
                                    "decode_tok_s": batch / step_s,
-                                   "pass_spans": pass_spans(before, pass_clock(server), "decode")})
+                                   "pass_spans": headline.pass_spans(before, pass_clock(server), "decode")})
             prefill = prefill_cells(plan, server, vocab)
             result["arms"][name] = {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill,
                                     "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"])
