@@ -262,8 +262,7 @@ def test_each_pass_is_timed_on_the_device_once_its_end_event_completes_and_never
 def test_a_clock_of_spans_alone_wraps_nothing_and_times_each_pass_whole_on_the_host_and_the_device():
     """`pass_spans` alone: no part is wrapped (the layers' calls run as they are), each pass's forward is its host
     span (`outside`), and a reader on another thread waits for the device's end of the passes timed so far and
-    counts each of them (`read_device`), the last one too; while a graph is captured (`holding_events`) it
-    touches no event at all."""
+    counts each of them (`read_device`), the last one too."""
     t = FakeClock()
     made: list[FakeEvent] = []
     waited: list[FakeEvent] = []
@@ -298,11 +297,6 @@ def test_a_clock_of_spans_alone_wraps_nothing_and_times_each_pass_whole_on_the_h
 
     clock.around_pass(Mode(decode=False), prefill, tokens=1024)
     assert clock.device_passes == {}  # the pass still runs on the device: counted at a later read
-    with clock.holding_events():
-        capture[0] = True
-        assert clock.read_device() is False and waited == []
-        capture[0] = False
-    assert clock.device_passes == {}
     assert clock.read_device() is True and waited == [made[1]]
     att = clock.attestation()
     assert att["parts"] is False and att["passes_total"] == {"prefill": 1} and att["tokens_total"] == {"prefill": 1024}
@@ -346,41 +340,61 @@ def test_the_state_document_holds_the_device_span_of_every_pass_timed_before_it(
 def test_a_graph_capture_holds_the_state_and_the_clocks_timing_events_from_the_state_writer(monkeypatch, tmp_path,
                                                                                            hook):
     """SGLang's decode and prefill graph captures (the hooks around the graph runners' `capture`) run with the
-    model's runtime taking no state document (which waits for the device's copies and timing events) and its
-    clock holding its events: the state writer's attempt is refused, to be taken again after the capture, and a
-    read of the device waits for none and queries none. Another model's capture holds nothing."""
+    model's runtime taking no state document (which waits for the device's copies and timing events), the state
+    writer's attempt refused, to be taken again after the capture: its read of the clock waits for no event and
+    queries none meanwhile. Another model's capture holds nothing."""
     from types import SimpleNamespace
 
     from vskipper.arms import get_arm
     from vskipper.sglang import active, hooks
     from vskipper.sglang.runtime import GraphCapturing, Runtime
 
-    clock = PartClock(clock=FakeClock(), parts=False)
+    t, capturing, waited = FakeClock(), [False], []
+
+    def event():
+        e = FakeEvent(t, lambda e: e in waited, capturing)  # its query refuses a capture
+
+        def synchronize():
+            assert not capturing[0], "an event waited for while a graph is captured (illegal in CUDA)"
+            waited.append(e)
+
+        e.synchronize = synchronize
+        return e
+
+    clock = PartClock(clock=t, events=event, parts=False)
+    clock.around_pass(Mode(decode=True), lambda: None)  # a pass the device has not finished yet
     rt = Runtime(ServeSpec(get_arm("dense"), 0, 0, tmp_path / "state.json", pass_spans=True), "ddllama", (2,), "test")
+    rt.model_counters["part_clock"] = clock.live()
     rt.part_clock = clock
     model = SimpleNamespace(part_clock=clock, runtime=rt, decode_graph_variants=lambda runner: None)
     monkeypatch.setattr(active, "_ACTIVE", [model])
-    seen = []
 
     def capture(runner):
-        seen.append(clock.read_device())
-        with pytest.raises(GraphCapturing, match="being captured"):
-            rt.write_state()
+        capturing[0] = True
+        try:
+            with pytest.raises(GraphCapturing, match="being captured"):
+                rt.write_state()
+        finally:
+            capturing[0] = False
         return "captured"
 
+    (tmp_path / "state.json").unlink(missing_ok=True)  # the runtime's own first state, written when built
     assert getattr(hooks, hook)(capture, SimpleNamespace(model_runner=SimpleNamespace(model=model))) == "captured"
-    assert seen == [False] and clock.read_device() is True
-    rt.write_state()  # after the capture: written
-    assert (tmp_path / "state.json").is_file()
+    assert waited == [] and clock.errors == {} and not (tmp_path / "state.json").exists()
+    rt.write_state()  # after the capture: written, the pass read on the device
+    assert len(waited) == 1 and clock.device_passes == {"decode": 1} and (tmp_path / "state.json").is_file()
     other = SimpleNamespace(model_runner=SimpleNamespace(model=object()))  # not this process's skipper model
-    assert getattr(hooks, hook)(lambda runner: clock.read_device(), other) is True
+    assert getattr(hooks, hook)(lambda runner: rt.write_state() or True, other) is True
 
 
-def test_the_writers_thread_reads_the_device_while_the_passes_go_on_and_waits_out_a_capture():
+def test_the_writers_thread_reads_the_device_while_the_passes_go_on_and_waits_out_a_capture(tmp_path):
     """A real second thread as the state writer: it waits for the end of the passes timed so far and counts them
     while the forward's thread goes on timing passes; while that thread captures a graph it reads nothing, and
-    reads again once the capture ends."""
+    reads again once the capture ends (`Runtime.capturing_graphs`)."""
     import threading
+
+    from vskipper.arms import get_arm
+    from vskipper.sglang.runtime import GraphCapturing, Runtime
 
     t = FakeClock()
     done = threading.Event()
@@ -400,11 +414,23 @@ def test_the_writers_thread_reads_the_device_while_the_passes_go_on_and_waits_ou
     done.set()
     writer.join(5)
     assert reads == [True] and clock.device_passes["decode"] >= 1
-    with clock.holding_events():
-        late = threading.Thread(target=lambda: reads.append(clock.read_device()))
+    rt = Runtime(ServeSpec(get_arm("dense"), 0, 0, tmp_path / "state.json", pass_spans=True), "ddllama", (2,), "test")
+    rt.part_clock = clock
+
+    def document() -> None:
+        try:
+            rt.state_document()
+            reads.append(True)
+        except GraphCapturing:
+            reads.append(False)
+
+    with rt.capturing_graphs():
+        late = threading.Thread(target=document)
         late.start()
         late.join(5)
-    assert reads == [True, False] and clock.read_device() is True
+    assert reads == [True, False]
+    document()
+    assert reads == [True, False, True]
     assert clock.device_passes["decode"] == 4 and clock.errors == {}
 
 

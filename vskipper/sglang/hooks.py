@@ -18,8 +18,8 @@ scheduler's included, and applies their hooks before the scheduler is built. `re
                     counted and the runtime counts the pass (`finish_pass`)
   decode capture    AROUND DecodeCudaGraphRunner.capture: before SGLang captures its decode graphs, a model whose
                     arm routes decode installs its graph variants (a dense and a routed graph per batch size,
-                    `SkipperCausalLM.decode_graph_variants`); no state document is taken and no timing event
-                    touched through the capture (`Runtime.capturing_graphs`, `PartClock.holding_events`), and
+                    `SkipperCausalLM.decode_graph_variants`); no state document is taken (nor so any device
+                    copy or timing event waited for) through the capture (`Runtime.capturing_graphs`), and
                     AROUND the prefill graph runner's capture likewise
   replay veto       AROUND the graph runners' can_run_graph: a routed pass replays only a routed variant, never a
                     dense graph (`SkipperCausalLM.graph_veto`, `vskipper.sglang.replay`)
@@ -33,7 +33,7 @@ serve a routed arm without them.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 from vskipper.sglang import active, executed
@@ -174,17 +174,11 @@ def _capturing_model(graph_runner):
     return model if model is not None and getattr(runner, "model", None) is model else None
 
 
-@contextmanager
 def _events_held(model):
-    """Around a graph capture of `model`: its runtime takes no state document (which waits for the device's copies
-    and timing events) and its clock's timing events are held from any reader: no event is waited for or queried
-    while CUDA captures in its global mode. Nothing for another model's capture."""
-    if model is None:
-        yield
-        return
-    with model.runtime.capturing_graphs(), (model.part_clock.holding_events() if model.part_clock is not None
-                                            else nullcontext()):
-        yield
+    """Around a graph capture of `model`: its runtime takes no state document, which waits for and queries the
+    device's copies and timing events, refused by CUDA from any thread while it captures in its global mode
+    (`Runtime.capturing_graphs`). Nothing for another model's capture."""
+    return model.runtime.capturing_graphs() if model is not None else nullcontext()
 
 
 def around_decode_capture(original, graph_runner, *args, **kwargs):

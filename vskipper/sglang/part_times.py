@@ -28,7 +28,8 @@ With `pass_spans` alone (`VSKIPPER_PASS_SPANS=1`) the clock wraps nothing: each 
 run's servers: whether a pass was host-bound). A reader on another thread (the state writer) waits for the
 device's end of the passes timed so far before it reads them (`read_device`): the attestation then holds the
 device's span of every pass up to the last, not one pass behind. It touches no event while SGLang's decode or
-prefill graph runner captures (`holding_events`, from the hooks around their captures); SGLang's metadata glue
+prefill graph runner captures (the runtime takes no state document then: `Runtime.capturing_graphs`, from the
+hooks around their captures); SGLang's metadata glue
 graph, captured lazily while serving where `SGLANG_ENABLE_METADATA_GLUE_GRAPH` asks for it, is not held off
 (the device run leaves it off).
 """
@@ -38,8 +39,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 # The interleaved control passes' phases (`vskipper.sglang.spec.ENV_INTERLEAVE_CONTROL`), apart from the routed
@@ -91,7 +91,6 @@ class PartClock:
         self.events, self.capturing = events, capturing
         self.parts = parts
         self._settling = threading.RLock()  # the forward's thread and a reader's both settle (and `_lost`)
-        self._events_free = threading.Lock()  # held through a graph capture (`holding_events`)
         self.errors: dict[str, str] = {}  # why the device's spans stopped, where they did (`_lost`)
         self.device_seconds: dict[str, float] = defaultdict(float)
         self.device_passes: dict[str, int] = defaultdict(int)
@@ -206,22 +205,12 @@ class PartClock:
             except Exception as exc:
                 self._lost(exc)
 
-    @contextmanager
-    def holding_events(self) -> Iterator[None]:
-        """Around a CUDA graph capture in this process: no reader on another thread waits for or queries a timing
-        event until it ends (`read_device`; SGLang captures in CUDA's global mode, which refuses such calls from
-        any thread meanwhile)."""
-        with self._events_free:
-            yield
-
     def read_device(self) -> bool:
         """For a reader on another thread (the state writer), so that the thread running the passes never waits
         on the device: wait until the device has reached the end of every pass timed so far, then count them
         (`settle`). Reads a snapshot of the queue, which that thread's appends and `settle`'s pops leave whole.
-        Whether it read them: while a graph is captured (`holding_events`) it touches no event, and where an
-        event failed the device's spans stop (`_lost`)."""
-        if not self._events_free.acquire(blocking=False):
-            return False
+        Whether it read them (where an event failed the device's spans stop, `_lost`). Never while a graph is
+        captured: its caller, the runtime's state document, is held off then (`Runtime.capturing_graphs`)."""
         try:
             for _, _, end in list(self._pending):
                 end.synchronize()
@@ -230,8 +219,6 @@ class PartClock:
         except Exception as exc:
             self._lost(exc)
             return False
-        finally:
-            self._events_free.release()
 
     def live(self) -> dict[str, Any]:
         """The clock's own dicts under the attestation's fields: a runtime's attestation reads them whenever it is
