@@ -174,7 +174,7 @@ def _capturing_model(graph_runner):
     return model if model is not None and getattr(runner, "model", None) is model else None
 
 
-def _events_held(model):
+def _capture_held(model):
     """Around a graph capture of `model`: its runtime takes no state document, which waits for and queries the
     device's copies and timing events, refused by CUDA from any thread while it captures in its global mode
     (`Runtime.capturing_graphs`). Nothing for another model's capture."""
@@ -187,12 +187,12 @@ def around_decode_capture(original, graph_runner, *args, **kwargs):
         variants = model.decode_graph_variants(graph_runner)
         if variants is not None:
             graph_runner.attention_graph_variants = variants
-    with _events_held(model):
+    with _capture_held(model):
         return original(graph_runner, *args, **kwargs)
 
 
 def around_prefill_capture(original, graph_runner, *args, **kwargs):
-    with _events_held(_capturing_model(graph_runner)):
+    with _capture_held(_capturing_model(graph_runner)):
         return original(graph_runner, *args, **kwargs)
 
 
