@@ -387,6 +387,63 @@ def test_a_graph_capture_holds_the_state_and_the_clocks_timing_events_from_the_s
     assert getattr(hooks, hook)(lambda runner: rt.write_state() or True, other) is True
 
 
+def test_sglangs_metadata_glue_graph_captures_while_serving_with_the_state_held_and_runs_otherwise_unheld(
+        monkeypatch, tmp_path):
+    """SGLang's opt-in metadata glue graph (`MetadataGlueGraph`, the real class) captures in the serving loop, at a
+    batch size's third decode replay: that run holds the skipper model's runtime from taking a state document, as
+    the graph runners' captures do; its warm-up runs and its replays do not, so a state document meanwhile is
+    written. CUDA's stream, graph and capture are stood in for (no GPU here); the glue's own state machine and
+    the hook are SGLang's and vSkipper's."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.runner.metadata_glue_graph import MetadataGlueGraph
+
+    from vskipper.arms import get_arm
+    from vskipper.sglang import active, hooks
+    from vskipper.sglang.runtime import GraphCapturing, Runtime
+
+    capturing = [False]
+
+    class Capture:
+        def __init__(self, graph, stream=None) -> None:
+            pass
+
+        def __enter__(self):
+            capturing[0] = True
+
+        def __exit__(self, *exc):
+            capturing[0] = False
+
+    monkeypatch.setattr(torch.cuda, "Stream", object)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: None))
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    rt = Runtime(ServeSpec(get_arm("dense"), 0, 0, tmp_path / "state.json", pass_spans=True), "ddllama", (2,), "test")
+    monkeypatch.setattr(active, "_ACTIVE", [SimpleNamespace(runtime=rt)])
+    written: list[str] = []
+
+    class Backend:
+        attn_backend_list = None
+        forward_metadata = None
+
+        def init_forward_metadata_out_graph(self, fb_view):
+            try:
+                rt.write_state()
+                written.append("captured" if capturing[0] else "eager")
+            except GraphCapturing:
+                written.append("held")
+
+    glue, backend = MetadataGlueGraph("cpu"), Backend()
+    key = (4, "DECODE", "DECODE")
+    assert hooks.glue_captures(glue, key) is False  # a key's first run warms up
+    for _ in range(4):  # two warm-ups, the capture, a replay (the backend's prep is not run again)
+        hooks.around_glue_graph_run(MetadataGlueGraph.run, glue, backend, None, key)
+    assert written == ["eager", "eager", "held"] and not glue.disabled
+    assert hooks.glue_captures(glue, key) is False  # captured: replays from now on
+    glue.disabled = True  # a failed capture turns the glue off for good: its runs are eager, unheld
+    assert hooks.glue_captures(glue, (8, "DECODE", "DECODE")) is False
+    assert hooks.glue_captures(SimpleNamespace(), key) is True  # a glue kept otherwise: held to be safe
+
+
 def test_the_writers_thread_reads_the_device_while_the_passes_go_on_and_waits_out_a_capture(tmp_path):
     """A real second thread as the state writer: it waits for the end of the passes timed so far and counts them
     while the forward's thread goes on timing passes; while that thread captures a graph it reads nothing, and

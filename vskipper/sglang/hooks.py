@@ -59,8 +59,11 @@ GRAPH_TARGETS = (
 )
 CAPTURE_TARGET = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture"
 PREFILL_CAPTURE_TARGET = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.capture"
+# SGLang's opt-in metadata glue graph (SGLANG_ENABLE_METADATA_GLUE_GRAPH): captured lazily while serving, at a decode
+# replay's third run of a batch size
+GLUE_RUN_TARGET = "sglang.srt.model_executor.runner.metadata_glue_graph.MetadataGlueGraph.run"
 TARGETS = (ADMISSION_TARGET, *INSERT_TARGETS, *RELEASE_TARGETS, QUEUE_ABORT_TARGET, FORWARD_TARGET, *GRAPH_TARGETS,
-           CAPTURE_TARGET, PREFILL_CAPTURE_TARGET, *executed.TARGETS)
+           CAPTURE_TARGET, PREFILL_CAPTURE_TARGET, GLUE_RUN_TARGET, *executed.TARGETS)
 
 
 _runtime = active.current_runtime
@@ -196,6 +199,29 @@ def around_prefill_capture(original, graph_runner, *args, **kwargs):
         return original(graph_runner, *args, **kwargs)
 
 
+def glue_captures(glue, key) -> bool:
+    """Whether this run of SGLang's metadata glue graph for `key` captures its graph (`MetadataGlueGraph.run`: its
+    warm-up runs done, no graph yet, not disabled), read from its own state; True where that state is not as this
+    SGLang keeps it (holding the state off a run that captures nothing costs a wait at most)."""
+    try:
+        if glue.disabled:
+            return False
+        state = glue._states.get(key)
+        return state is not None and state["graph"] is None and state["warmups"] >= glue.NUM_WARMUP
+    except (AttributeError, KeyError, TypeError):
+        return True
+
+
+def around_glue_graph_run(original, glue, attn_backend, fb_view, key, *args, **kwargs):
+    """SGLang's metadata glue graph captures in the serving loop, not at start-up: the run that captures holds the
+    skipper model's runtime from taking a state document (as the graph runners' captures do); every other run
+    goes straight through."""
+    model = _model()
+    held = _capture_held(model) if model is not None and glue_captures(glue, key) else nullcontext()
+    with held:
+        return original(glue, attn_backend, fb_view, key, *args, **kwargs)
+
+
 def register() -> None:
     """SGLang general plugin entry point: register the hooks in processes of a vSkipper server."""
     if ENV_ARM not in os.environ:
@@ -213,6 +239,7 @@ def register() -> None:
         HookRegistry.register(target, around_can_run_graph, HookType.AROUND)
     HookRegistry.register(CAPTURE_TARGET, around_decode_capture, HookType.AROUND)
     HookRegistry.register(PREFILL_CAPTURE_TARGET, around_prefill_capture, HookType.AROUND)
+    HookRegistry.register(GLUE_RUN_TARGET, around_glue_graph_run, HookType.AROUND)
     executed.register(HookRegistry, HookType)
 
 
