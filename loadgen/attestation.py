@@ -14,8 +14,10 @@ present, the per-mode counters of a phase must sum to it over the cell. "execute
 configuration the server executes as read from SGLang after boot (attention backends, sampling backend, decode
 graph batch sizes, chunked-prefill size, max running requests, `kv_pool` {tokens, bytes}, dtypes, page size,
 parallel sizes, scheduler policy, overlap scheduler, SGLang version, vSkipper profile; see
-`vskipper.sglang.executed`); the execution-difference and cross-arm identity gates read it. Other keys (switch
-attestation, constants, ...) are kept in `raw` untouched.
+`vskipper.sglang.executed`); the execution-difference and cross-arm identity gates read it. "answered": false
+where the server could not write the document for this read in time and served its latest one instead (its
+counters may lack the last passes): the load generator reads again, up to `READ_ATTEMPTS` reads in all. Other
+keys (switch attestation, constants, ...) are kept in `raw` untouched.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from typing import Any
 from vskipper.metrics_names import MODES, PHASES
 
 DEFAULT_ATTESTATION_PATH = "/vskipper/attestation"
+READ_ATTEMPTS = 3  # reads of a document the server served late ("answered": false) before it is taken as it is
+
+
+def answered(data: Any) -> bool:
+    """Whether a document was written for the read that fetched it: every one that does not say otherwise."""
+    return not (isinstance(data, Mapping) and data.get("answered") is False)
 
 
 class AttestationError(ValueError):

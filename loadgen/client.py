@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from loadgen.attestation import DEFAULT_ATTESTATION_PATH
+from loadgen.attestation import DEFAULT_ATTESTATION_PATH, READ_ATTEMPTS, answered
 from loadgen.records import SERVER_TIMES, RequestRecord
 
 APIS = ("generate", "completions")
@@ -182,10 +182,15 @@ async def stream_request(session: aiohttp.ClientSession, endpoint: Endpoint, rec
 
 
 async def fetch_attestation(session: aiohttp.ClientSession, endpoint: Endpoint) -> dict | None:
-    """The server's attestation document, or None when the endpoint declares none."""
+    """The server's attestation document, or None when the endpoint declares none; read again where the server
+    served one older than the read (`answered`), up to `READ_ATTEMPTS` reads, the last taken as it is."""
     if endpoint.attestation_path is None:
         return None
-    async with session.get(endpoint.url(endpoint.attestation_path)) as response:
-        if response.status != 200:
-            raise RuntimeError(f"attestation: GET {endpoint.attestation_path} answered HTTP {response.status}")
-        return await response.json()
+    for _ in range(READ_ATTEMPTS):
+        async with session.get(endpoint.url(endpoint.attestation_path)) as response:
+            if response.status != 200:
+                raise RuntimeError(f"attestation: GET {endpoint.attestation_path} answered HTTP {response.status}")
+            data = await response.json()
+        if answered(data):
+            break
+    return data

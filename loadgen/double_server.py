@@ -41,6 +41,7 @@ class DoubleConfig:
     routed_phases: tuple[str, ...] = ()  # phases whose passes count as routed
     attestation_path: str = DEFAULT_ATTESTATION_PATH
     fail_every: int = 0  # > 0: every n-th request answers HTTP 500 (to exercise the accounting gate)
+    late_attestations: int = 0  # the first n attestation reads answer late: "answered": false, no pass counted
 
 
 @dataclass
@@ -73,6 +74,7 @@ class DoubleServer:
         self._runner: web.AppRunner | None = None
         self._requests = itertools.count(1)
         self.passes = {p: {"dense": 0, "routed": 0} for p in PHASES}
+        self.attestation_reads = 0
         self.url = ""
 
     # ---- engine --------------------------------------------------------------------------------------------
@@ -179,10 +181,13 @@ class DoubleServer:
         return await self._serve(request, "completions")
 
     async def _attestation(self, request: web.Request) -> web.Response:
-        sched = {p: sum(m.values()) for p, m in self.passes.items()}
-        doc = {"passes_total": self.passes, "scheduler_passes_total": sched, "arm": self.config.arm,
+        self.attestation_reads += 1
+        late = self.attestation_reads <= self.config.late_attestations
+        passes = {p: {m: 0 for m in modes} for p, modes in self.passes.items()} if late else self.passes
+        sched = {p: sum(m.values()) for p, m in passes.items()}
+        doc = {"passes_total": passes, "scheduler_passes_total": sched, "arm": self.config.arm,
                "executed": self.config.executed}
-        return web.json_response(doc)
+        return web.json_response({**doc, "answered": False} if late else doc)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> DoubleServer:
         app = web.Application()

@@ -229,7 +229,17 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
     stopped = dict(clock(40, 0.07, 0.4), device_passes_total={"decode": 20})
     short.attestation_before, short.attestation_after = {"part_clock": clock(0, 0.0, 0.0)}, {"part_clock": stopped}
     assert headline.pass_span_means([short])["decode"] == {"host_ms": pytest.approx(70 / 40), "device_ms": None,
-                                                           "passes": 40, "device_passes": 20}
+                                                           "passes": 40, "device_passes": 20, "late": 0}
+    # a reading the server served late (its document older than the read) is counted, and the table says so
+    late = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
+    late.attestation_before = {"part_clock": clock(0, 0.0, 0.0)}
+    late.attestation_after = {"part_clock": clock(10, 0.01, 0.1), "answered": False}
+    assert headline.attested_clock(late.attestation_after)["late"] is True
+    assert "late" not in headline.attested_clock(late.attestation_before) and headline.attested_clock(None) is None
+    assert headline.pass_span_means([late, cells[1]])["decode"]["late"] == 1
+    loads = {headline.KNEE: {"pass_spans": {"dense": spans, "arm": headline.pass_span_means([late])}}}
+    assert "1 cell windows are bounded by a reading the server served late: a pass of such a window may be " \
+           "counted in no cell." in headline.pass_span_table("hybrid-rule", loads)
 
 
 def _iv(mean, hw, n=3):

@@ -447,6 +447,41 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
     assert headline.pass_spans(None, clock, "prefill") is None and headline.pass_spans(clock, clock, "prefill") is None
 
 
+def test_a_clock_reading_the_server_served_late_is_read_again_and_a_late_window_is_named(monkeypatch):
+    """The sweep reads a server's clock between prompts: a document the server served late ("answered": false,
+    its clock perhaps without the last pass) is read again, up to READ_ATTEMPTS reads; a window a late reading
+    still bounds is marked, counted per length and named in the summary. (No server: its answers stood in for.)"""
+    from types import SimpleNamespace
+
+    from loadgen.attestation import READ_ATTEMPTS
+
+    def clock(passes: int) -> dict:
+        return {"parts": False, "passes_total": {"prefill": passes}, "tokens_total": {"prefill": 1024 * passes},
+                "seconds_total": {"prefill": {"outside": {"outside": 0.002 * passes}}},
+                "device_passes_total": {"prefill": passes}, "device_seconds_total": {"prefill": 0.003 * passes},
+                "errors": {}}
+
+    def server(*docs):
+        answers = list(docs)
+        return SimpleNamespace(get_json=lambda path: answers.pop(0), left=answers)
+
+    late, fresh = {"part_clock": clock(1), "answered": False}, {"part_clock": clock(2), "answered": True}
+    once = server(late, fresh)
+    assert run.pass_clock(once) == clock(2) and once.left == []
+    never = server(*[late] * (READ_ATTEMPTS + 1))
+    assert run.pass_clock(never) == dict(clock(1), late=True) and len(never.left) == 1
+    assert run.pass_clock(server({"passes_total": {}})) is None  # a server that times no pass
+    spans = [headline.pass_spans(clock(0), dict(clock(1), late=True), "prefill"),
+             headline.pass_spans(dict(clock(1), late=True), clock(3), "prefill"),
+             headline.pass_spans(clock(3), clock(4), "prefill")]
+    assert [s.get("late", False) for s in spans] == [True, True, False] and spans[1]["passes"] == 2
+    cell = {"tokens": 1024, "ttft_s": 0.05, "pass_spans": run.median_spans(spans)}
+    assert cell["pass_spans"]["late"] == 2 and cell["pass_spans"]["host_ms"] == pytest.approx(2.0)
+    lines = run.pass_span_lines({"dense": {"prefill": [cell]}})
+    assert f"Readings the server served late (its document older than the read, after {READ_ATTEMPTS} reads; a " \
+           "pass of such a window may sit in the next): dense 2 windows." in lines
+
+
 def test_ratio_range_spans_every_pairing_of_the_arms_repetitions():
     assert run.ratio_range([2.0, 3.0], [1.0, 4.0]) == [0.5, 3.0]
     assert run.ratio_range([2.0], None) is None  # results of a sweep without repetitions

@@ -242,3 +242,29 @@ def test_demo_writes_the_table_the_cells_and_the_plots(tmp_path):
     assert all(f"| {label} | always-route | 1 |" in table for label in DEMO_RATES)
     assert (tmp_path / "latency_vs_load.png").stat().st_size > 0 and (tmp_path / "change_map.png").stat().st_size > 0
     assert len(list((tmp_path / "cells").glob("*.json"))) == 3 * 3
+
+
+@pytest.mark.parametrize(("late", "reads", "answered"), [(0, 1, True), (2, 3, True), (5, 3, False)])
+def test_an_attestation_the_server_served_late_is_read_again_and_the_last_read_taken_as_it_is(late, reads, answered):
+    """A server that could not write its document for a read in time serves its latest one, marked "answered":
+    false, whose counters may lack the last passes: the client reads again, up to READ_ATTEMPTS reads."""
+    from loadgen.attestation import READ_ATTEMPTS
+    from loadgen.client import fetch_attestation
+    from loadgen.driver import client_session
+
+    suite = make_suite(3)
+
+    async def go():
+        async with DoubleServer(DoubleConfig(late_attestations=late)) as srv:
+            ep = Endpoint(srv.url)
+            await run_cell(Endpoint(srv.url, attestation_path=None), matched_plan(suite, 50.0, 0, {
+                r.id: 2 for r in suite.requests}), "upstream")
+            srv.attestation_reads = 0
+            async with client_session() as session:
+                doc = await fetch_attestation(session, ep)
+            return doc, srv.attestation_reads
+
+    doc, n = run(go())
+    assert READ_ATTEMPTS == 3 and n == reads
+    assert doc.get("answered", True) is answered
+    assert doc["scheduler_passes_total"]["prefill"] > 0 if answered else doc["scheduler_passes_total"]["prefill"] == 0

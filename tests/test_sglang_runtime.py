@@ -597,7 +597,22 @@ def test_a_server_runtime_writes_its_state_off_the_forward_path_and_fresh_for_ea
     att = asyncio.run(fresh_attestation(tmp_path / "state.json", timeout=30))
     assert att["passes_total"]["decode"] == {"dense": 0, "routed": 3}
     assert att["passes_total"]["prefill"] == {"dense": 0, "routed": 1}
+    assert att["answered"] is True
     assert writers and set(writers) == {"vskipper-state-writer"}
+
+
+def test_a_read_no_writer_answers_in_time_is_served_the_latest_state_marked_unanswered(tmp_path):
+    """Past its wait, a read of the attestation serves what the scheduler last wrote, saying it was not written
+    for this read (`answered`: its counters may lack the latest passes; the readers read again)."""
+    import asyncio
+
+    from vskipper.sglang.server import fresh_attestation
+
+    rt = runtime(get_arm("dense"), tmp_path)  # no writer thread: the runtime writes its state at each pass itself
+    run_pass(rt, prefill(["a"], [5]))
+    att = asyncio.run(fresh_attestation(tmp_path / "state.json", timeout=0.05))
+    assert att["answered"] is False and att["passes_total"]["prefill"] == {"dense": 1, "routed": 0}
+    assert asyncio.run(fresh_attestation(tmp_path / "missing.json", timeout=0.01)) is None
 
 
 def test_state_files_of_another_run_are_never_merged(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from loadgen.attestation import PHASES, Attestation, AttestationError, pass_delta
+from loadgen.attestation import PHASES, Attestation, AttestationError, answered, pass_delta
 from loadgen.experiment import ABResult, Repetition
 from loadgen.gates import gate_pair
 from loadgen.qstar import CELL_FACTORS, cell_rates, find_q_star
@@ -261,6 +261,14 @@ def routed_share(cells: Sequence[CellResult]) -> dict[str, float | None]:
     return {p: (routed[p] / total[p] if total[p] else None) for p in PHASES}
 
 
+def attested_clock(doc: dict | None) -> dict | None:
+    """The part clock an attestation carries (`part_clock`), marked `late` where the server served its latest
+    document past the read's wait (`loadgen.attestation.answered`: its clock may lack the last passes, which then
+    fall into the next reading's window); None where it carries none."""
+    clock = (doc or {}).get("part_clock")
+    return clock if clock is None or answered(doc) else {**clock, "late": True}
+
+
 def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | None:
     """The passes of `phase` between two readings of a server's clock (`run.pass_clock`): the host's ms a pass (its
     forward: on a GPU the launches, which the device runs behind), the device's span of a pass in ms (from the
@@ -280,21 +288,24 @@ def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | No
              "device_passes": clock["device_passes"]}
     if (after.get("errors") or {}).get("device"):  # the server's timing events failed: its device spans stopped
         spans["device_error"] = after["errors"]["device"]
+    if before.get("late") or after.get("late"):  # a window that may hold a pass too few or too many
+        spans["late"] = True
     return spans
 
 
 def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
     """Per phase, the host's and the device's ms a pass over every pass of the cells, from the clock each cell's
     attestations carry before and after it (`part_clock`: the pass spans every server of the device run times;
-    each cell's `pass_spans`, weighed by its passes; the device's None unless it timed every cell's every pass):
-    None for a phase where no cell's attestations carry a clock or no pass of it ran."""
+    each cell's `pass_spans`, weighed by its passes; the device's None unless it timed every cell's every pass;
+    `late`, the cells a reading of which the server served late): None for a phase where no cell's attestations
+    carry a clock or no pass of it ran."""
     out: dict[str, dict | None] = {}
     for phase in PHASES:
         spans = []
         for cell in cells:
             try:
-                spans.append(pass_spans((cell.attestation_before or {}).get("part_clock"),
-                                        (cell.attestation_after or {}).get("part_clock"), phase))
+                spans.append(pass_spans(attested_clock(cell.attestation_before),
+                                        attested_clock(cell.attestation_after), phase))
             except (KeyError, TypeError, AttributeError):  # not a clock's record: the cell adds nothing
                 continue
         spans = [s for s in spans if s]
@@ -303,7 +314,8 @@ def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
         timed = all(s["device_ms"] is not None for s in spans)
         out[phase] = {"host_ms": sum(s["host_ms"] * s["passes"] for s in spans) / passes,
                       "device_ms": sum(s["device_ms"] * s["device_passes"] for s in spans) / device_passes
-                      if timed else None, "passes": passes, "device_passes": device_passes} if passes else None
+                      if timed else None, "passes": passes, "device_passes": device_passes,
+                      "late": sum(1 for s in spans if s.get("late"))} if passes else None
     return out
 
 
@@ -487,7 +499,7 @@ def pass_span_table(key: str, loads: Mapping) -> list[str]:
     """Each load's passes of dense and of arm `key` as their servers timed them (`pass_span_means`, ms a pass over
     every pass of the repetitions' cells), per phase, on the device and the host: what a pass cost each arm (where
     the arms batched their requests otherwise, their passes differ in size, and so in cost)."""
-    rows = []
+    rows, late = [], 0
     for load, doc in loads.items():
         spans = doc.get("pass_spans") or {}
         for phase in PHASES:
@@ -495,12 +507,15 @@ def pass_span_table(key: str, loads: Mapping) -> list[str]:
             if dense and arm:
                 rows.append(f"| {CELL_FACTORS[load]} Q* | {phase} | {_ms(dense['device_ms'])} | {_ms(arm['device_ms'])} | "
                             f"{_ms(dense['host_ms'])} | {_ms(arm['host_ms'])} | {dense['passes']} | {arm['passes']} |")
+                late += dense.get("late", 0) + arm.get("late", 0)
     if not rows:
         return []
+    note = [f"{late} cell windows are bounded by a reading the server served late: a pass of such a window may be "
+            "counted in no cell.", ""] if late else []
     return [f"{key}'s passes against dense's as the servers timed them (ms a pass over the cells' passes; device: "
             "each pass's span on the device; host: its forward's launches):", "",
             f"| load | phase | dense device ms | {key} device ms | dense host ms | {key} host ms | dense passes | "
-            f"{key} passes |", "|---|---|---:|---:|---:|---:|---:|---:|", *rows, ""]
+            f"{key} passes |", "|---|---|---:|---:|---:|---:|---:|---:|", *rows, "", *note]
 
 
 def _ms(value: float | None) -> str:

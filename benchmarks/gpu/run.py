@@ -55,6 +55,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.gpu import headline  # noqa: E402
 from benchmarks.gpu.bundle import device_pins  # noqa: E402
+from loadgen.attestation import READ_ATTEMPTS, answered  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
@@ -435,10 +436,15 @@ def served(server: Server) -> dict:
 
 def pass_clock(server: Server) -> dict | None:
     """The server's part clock as its attestation holds it now, every pass timed so far read on the device too
-    (the state writer waits for their end first; not where the attestation's request timed out and its last
-    state answered, when a pass may fall into the next reading's window): None where the server times none (one
-    started elsewhere without `ENV_PASS_SPANS`)."""
-    return server.get_json("/vskipper/attestation").get("part_clock")
+    (the state writer waits for their end first). A document the server served late (`answered`: its clock may
+    lack the last passes) is read again, up to `READ_ATTEMPTS` reads; the last is marked `late`
+    (`headline.attested_clock`). None where the server times none (one started elsewhere without
+    `ENV_PASS_SPANS`)."""
+    for _ in range(READ_ATTEMPTS):
+        doc = server.get_json("/vskipper/attestation")
+        if answered(doc):
+            break
+    return headline.attested_clock(doc)
 
 
 def execution_of(served_doc: dict) -> dict:
@@ -516,8 +522,9 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
         if all(parts):
             cell["ttft_parts_s"] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
             cell["ttft_parts_s_reps"] = parts
-        if all(spans[length]):
-            cell["pass_spans"] = median_spans(spans[length])
+        timed = [s for s in spans[length] if s]  # a window a late reading left without its pass adds none
+        if timed:
+            cell["pass_spans"] = median_spans(timed)
         cells.append(cell)
     return cells
 
@@ -525,12 +532,12 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
 def median_spans(reps: list[dict]) -> dict:
     """One prefill length's pass spans (`pass_spans` of each prompt): the host's and the device's ms a pass, each
     the median over the prompts (the device's None where no prompt's pass reached its clock), the most passes a
-    prompt's window held (one a prompt below the chunked-prefill size; more where a reading came late), and
-    every prompt's."""
+    prompt's window held (one a prompt below the chunked-prefill size; more where a reading came late), the
+    windows a late reading bounds (`late`), and every prompt's."""
     device = [r["device_ms"] for r in reps if r["device_ms"] is not None]
     return {"host_ms": statistics.median(r["host_ms"] for r in reps),
             "device_ms": statistics.median(device) if len(device) == len(reps) else None,
-            "passes": max(r["passes"] for r in reps), "reps": reps}
+            "passes": max(r["passes"] for r in reps), "late": sum(1 for r in reps if r.get("late")), "reps": reps}
 
 
 def decode_step(records) -> tuple[float, int]:
@@ -1467,6 +1474,14 @@ def pass_span_lines(arms: dict) -> list[str]:
                 errors.setdefault(name, spans["device_error"])
     if errors:
         lines += [f"The device's spans of {name}'s passes stopped: {error}." for name, error in errors.items()] + [""]
+    late: dict[str, int] = {}  # windows a reading the server served late bounds (a pass may sit in the next one)
+    for name, cell in prefill + decode:
+        spans = cell["pass_spans"]
+        late[name] = late.get(name, 0) + (spans.get("late", 0) if "reps" in spans else int(bool(spans.get("late"))))
+    if any(late.values()):
+        lines += ["Readings the server served late (its document older than the read, after "
+                  f"{READ_ATTEMPTS} reads; a pass of such a window may sit in the next): "
+                  + ", ".join(f"{name} {n} windows" for name, n in late.items() if n) + ".", ""]
     if decode:
         lines += ["A decode cell's passes are every decode pass of its timed bursts (the batch's first and last "
                   "steps too), its step the window where the whole batch decodes:", "",

@@ -87,13 +87,16 @@ def read_attestation(state_file: Path) -> dict | None:
 
 async def fresh_attestation(state_file: Path, timeout: float = FRESH_STATE_TIMEOUT_S) -> dict | None:
     """The server's attestation written for this read: every replica's state answers a new request stamp (or,
-    past `timeout`, whatever they last wrote)."""
+    past `timeout`, whatever they last wrote). `answered` says which: False where a replica's state is older than
+    the read (its counters may lack the latest passes)."""
     stamp = request_state(state_file)
     deadline = time.monotonic() + timeout
     while True:
         parts = _state_parts(state_file)
-        if (parts and all(p.get("state_request", 0) >= stamp for p in parts)) or time.monotonic() > deadline:
-            return _merged(parts)
+        answered = bool(parts) and all(p.get("state_request", 0) >= stamp for p in parts)
+        if answered or time.monotonic() > deadline:
+            merged = _merged(parts)
+            return None if merged is None else {**merged, "answered": answered}
         await asyncio.sleep(0.005)
 
 
