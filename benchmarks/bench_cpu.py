@@ -456,7 +456,9 @@ def run_clock(before: dict, after: dict, phase: str) -> dict:
     """One run's ms a pass per layer kind (`LAYER_KINDS`) and in all (`model`), its passes and the tokens they
     ran, and its seconds per layer kind and part (`seconds`), from a server's part clock (its attestation's
     `part_clock`) read before and after the run; on a GPU (where `model` is the host's launches) also the device's
-    span of a pass (`device`, ms; None where no pass of the run reached the device's clock) over `device_passes`."""
+    span of a pass (`device`, ms; None where no pass of the run reached the device's clock) over `device_passes`.
+    A clock of pass spans alone (`parts: false`: each forward timed whole, as `outside`) times no layer: its
+    routed and dense layers' ms are None, its `model` the forward's."""
     def delta(field: str) -> float:
         return after.get(field, {}).get(phase, 0) - before.get(field, {}).get(phase, 0)
 
@@ -465,10 +467,13 @@ def run_clock(before: dict, after: dict, phase: str) -> dict:
     seconds = {where: {part: t - was.get(where, {}).get(part, 0.0) for part, t in parts.items()}
                for where, parts in now.items()}
     ms = {where: sum(seconds.get(where, {}).values()) / passes * 1e3 if passes else 0.0 for where in LAYER_KINDS}
+    model = sum(ms.values())
+    if after.get("parts") is False:
+        ms.update(routed=None, dense=None)
     device_passes = delta("device_passes_total")
     device = delta("device_seconds_total") / device_passes * 1e3 if device_passes else None
-    return {**ms, "model": sum(ms.values()), "passes": passes, "tokens": tokens, "seconds": seconds,
-            "device": device, "device_passes": device_passes}
+    return {**ms, "model": model, "passes": passes, "tokens": tokens, "seconds": seconds, "device": device,
+            "device_passes": device_passes}
 
 
 def runs_clock(runs: list[dict], phase: str) -> dict:

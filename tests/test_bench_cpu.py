@@ -141,6 +141,12 @@ def test_a_runs_clock_is_its_share_of_the_servers_part_clock_a_pass():
     assert run["seconds"]["dense"] == pytest.approx({"mlp": 0.6, "read": 0.6})  # 30 ms a pass, 20 passes
     assert bench.run_clock(after, after, "decode")["model"] == 0.0  # no pass: nothing, not a division by zero
     assert (run["device"], run["device_passes"]) == (None, 0)  # a CPU's clock: no device span
+    # A clock of pass spans alone times each forward whole (`outside`): no layer kind is timed, none reads 0
+    spans = [{"parts": False, "passes_total": {"decode": n}, "seconds_total": {"decode": {"outside": {
+        "outside": 0.003 * n}}}} for n in (10, 30)]
+    whole = bench.run_clock(*spans, "decode")
+    assert (whole["routed"], whole["dense"]) == (None, None)
+    assert whole["outside"] == whole["model"] == pytest.approx(3.0) and whole["passes"] == 20
     # On a GPU: the device's span of the passes whose end it reached (here 19 of the 20), a pass on average
     gpu_before = {**before, "device_seconds_total": {"decode": 1.0}, "device_passes_total": {"decode": 9}}
     gpu_after = {**after, "device_seconds_total": {"decode": 1.0 + 19 * 0.2}, "device_passes_total": {"decode": 28}}

@@ -141,8 +141,10 @@ def report_clock(result: dict) -> None:
     for phase, c in result["phases"].items():
         device = (f"device span {c['device']:.2f} ms a pass ({c['device_passes']} passes)" if c["device"] is not None
                   else "no device span (a CPU's clock)")
-        print(f"-- {phase}: {c['passes']} passes, {c['tokens']} tokens; host {c['model']:.2f} ms a pass (routed "
-              f"layers {c['routed']:.2f}, dense layers {c['dense']:.2f}, outside {c['outside']:.2f}); {device}")
+        kinds = ("(the forward whole: pass spans alone)" if c["routed"] is None else
+                 f"(routed layers {c['routed']:.2f}, dense layers {c['dense']:.2f}, outside {c['outside']:.2f})")
+        print(f"-- {phase}: {c['passes']} passes, {c['tokens']} tokens; host {c['model']:.2f} ms a pass {kinds}; "
+              f"{device}")
         parts = sorted(((where, part, s) for where, ps in c["seconds"].items() for part, s in ps.items()),
                        key=lambda row: -row[2])
         for where, part, s in parts[:12]:
