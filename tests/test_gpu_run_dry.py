@@ -620,6 +620,24 @@ def test_profile_routed_with_the_part_clock_reads_the_bursts_passes_from_a_real_
     assert ENV_PART_CLOCK not in os.environ
 
 
+def test_profile_report_of_a_clock_of_pass_spans_alone_says_the_forward_was_timed_whole(capsys):
+    """A server whose clock times passes whole (`VSKIPPER_PASS_SPANS` alone, as the device run's) has no layer
+    kinds to report: the report says so instead of 0 ms a kind."""
+    from benchmarks.bench_cpu import run_clock
+    from benchmarks.gpu.profile_routed import report_clock
+
+    def clock(n: int) -> dict:
+        return {"parts": False, "passes_total": {"prefill": n}, "tokens_total": {"prefill": 64 * n},
+                "seconds_total": {"prefill": {"outside": {"outside": 0.004 * n}}},
+                "device_passes_total": {"prefill": n}, "device_seconds_total": {"prefill": 0.005 * n}}
+
+    report_clock({"arm": "dense", "batch": 1, "prompt_tokens": 64, "new_tokens": 1,
+                  "phases": {"prefill": run_clock(clock(1), clock(3), "prefill")}})
+    out = capsys.readouterr().out
+    assert "-- prefill: 2 passes, 128 tokens; host 4.00 ms a pass (the forward whole: pass spans alone); device " \
+           "span 5.00 ms a pass (2 passes)" in out
+
+
 def test_profile_summary_puts_each_steps_host_span_beside_its_device_span_and_busy_time():
     """A step's device side may carry nested annotations (one span); its busy time is the union of the kernels
     inside that span, so overlapping kernels count once and a gap the device waited through not at all."""
