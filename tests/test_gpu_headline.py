@@ -203,13 +203,14 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
     from each cell's attestations' clock; a cell without one adds nothing, and a phase no pass ran is None."""
     suite = headline.gsm8k_suite("s", 2, 2, 500, (20, 40), (4, 12))
 
-    def clock(decode_passes: int, host_s: float, device_s: float) -> dict:
+    def clock(decode_passes: int, host_s: float, device_s: float, tokens: int = 0) -> dict:
         return {"parts": False, "passes_total": {"decode": decode_passes}, "device_passes_total": {"decode": decode_passes},
-                "seconds_total": {"decode": {"outside": {"outside": host_s}}},
+                "seconds_total": {"decode": {"outside": {"outside": host_s}}}, "tokens_total": {"decode": tokens},
                 "device_seconds_total": {"decode": device_s}, "errors": {}}
 
     cells = []
-    for before, after in ((clock(0, 0.0, 0.0), clock(10, 0.01, 0.1)), (clock(10, 0.01, 0.1), clock(40, 0.07, 0.7)),
+    for before, after in ((clock(0, 0.0, 0.0), clock(10, 0.01, 0.1, 640)),
+                          (clock(10, 0.01, 0.1, 640), clock(40, 0.07, 0.7, 640 + 30 * 96)),
                           (None, None), (clock(40, 0.07, 0.7), None), ({"part_clock": "lost"}, {})):
         cell = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
         cell.attestation_before = None if before is None else {"part_clock": before}
@@ -222,14 +223,17 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
     assert spans["decode"]["device_ms"] == pytest.approx(700 / 40)
     loads = {headline.KNEE: {"pass_spans": {"dense": spans, "arm": headline.pass_span_means(cells[1:2])}}}
     table = headline.pass_span_table("hybrid-rule", loads)
-    assert "| 0.95 Q* | decode | 17.50 | 20.00 | 1.75 | 2.00 | 40 | 30 |" in table
+    # the passes' sizes beside them: 10 passes of 64 rows and 30 of 96 in dense's cells, the arm's 30 of 96
+    assert spans["decode"]["tokens"] == 640 + 30 * 96
+    assert "| 0.95 Q* | decode | 17.50 | 20.00 | 1.75 | 2.00 | 40 | 30 | 88.0 | 96.0 |" in table
     assert headline.pass_span_table("hybrid-rule", {headline.KNEE: {}}) == []
     # a server whose events stopped timed fewer passes on the device than on the host: no device figure
     short = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
     stopped = dict(clock(40, 0.07, 0.4), device_passes_total={"decode": 20})
     short.attestation_before, short.attestation_after = {"part_clock": clock(0, 0.0, 0.0)}, {"part_clock": stopped}
     assert headline.pass_span_means([short])["decode"] == {"host_ms": pytest.approx(70 / 40), "device_ms": None,
-                                                           "passes": 40, "device_passes": 20, "late": 0}
+                                                           "passes": 40, "device_passes": 20, "tokens": 0,
+                                                           "late": 0}
     # a reading the server served late (its document older than the read) is counted, and the table says so
     late = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
     late.attestation_before = {"part_clock": clock(0, 0.0, 0.0)}

@@ -285,7 +285,7 @@ def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | No
     # the device's figure only where it timed every pass the host did (a late reading, events failed midway: None)
     device = clock["device"] if clock["device_passes"] == clock["passes"] else None
     spans = {"host_ms": clock["model"], "device_ms": device, "passes": clock["passes"],
-             "device_passes": clock["device_passes"]}
+             "device_passes": clock["device_passes"], "tokens": clock["tokens"]}
     if (after.get("errors") or {}).get("device"):  # the server's timing events failed: its device spans stopped
         spans["device_error"] = after["errors"]["device"]
     if before.get("late") or after.get("late"):  # a window that may hold a pass too few or too many
@@ -315,6 +315,7 @@ def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
         out[phase] = {"host_ms": sum(s["host_ms"] * s["passes"] for s in spans) / passes,
                       "device_ms": sum(s["device_ms"] * s["device_passes"] for s in spans) / device_passes
                       if timed else None, "passes": passes, "device_passes": device_passes,
+                      "tokens": sum(s.get("tokens", 0) for s in spans),
                       "late": sum(1 for s in spans if s.get("late"))} if passes else None
     return out
 
@@ -506,16 +507,24 @@ def pass_span_table(key: str, loads: Mapping) -> list[str]:
             dense, arm = (spans.get("dense") or {}).get(phase), (spans.get("arm") or {}).get(phase)
             if dense and arm:
                 rows.append(f"| {CELL_FACTORS[load]} Q* | {phase} | {_ms(dense['device_ms'])} | {_ms(arm['device_ms'])} | "
-                            f"{_ms(dense['host_ms'])} | {_ms(arm['host_ms'])} | {dense['passes']} | {arm['passes']} |")
+                            f"{_ms(dense['host_ms'])} | {_ms(arm['host_ms'])} | {dense['passes']} | {arm['passes']} | "
+                            f"{_per_pass(dense)} | {_per_pass(arm)} |")
                 late += dense.get("late", 0) + arm.get("late", 0)
     if not rows:
         return []
     note = [f"{late} cell windows are bounded by a reading the server served late: a pass of such a window may be "
             "counted in no cell.", ""] if late else []
     return [f"{key}'s passes against dense's as the servers timed them (ms a pass over the cells' passes; device: "
-            "each pass's span on the device; host: its forward's launches):", "",
+            "each pass's span on the device; host: its forward's launches; tokens a pass: the rows a pass ran, "
+            "so that passes of different sizes are not read as the same work):", "",
             f"| load | phase | dense device ms | {key} device ms | dense host ms | {key} host ms | dense passes | "
-            f"{key} passes |", "|---|---|---:|---:|---:|---:|---:|---:|", *rows, "", *note]
+            f"{key} passes | dense tokens a pass | {key} tokens a pass |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *rows, "", *note]
+
+
+def _per_pass(spans: Mapping) -> str:
+    """The tokens a pass ran over the spans' passes (n/a where the clock counted none)."""
+    return f"{spans['tokens'] / spans['passes']:.1f}" if spans.get("tokens") else "n/a"
 
 
 def _ms(value: float | None) -> str:
