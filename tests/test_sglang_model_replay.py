@@ -151,3 +151,44 @@ def test_a_plan_written_where_the_graph_does_not_read_it_strays(models):
     model.write_plan = into_the_eager_buffers
     (got, want, *_), = replay_beside_eager(graphed, eager, batches=(1,))
     assert not torch.allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(("arm", "execution"), [("dense", "triton"), ("s=0", "triton"), ("s=0.5", "triton"),
+                                                ("s=0.5", "torch")])
+def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(tmp_path, monkeypatch, arm, execution):
+    """The real model's whole forward after its hook's `prepare_pass` (embedding, dense and routed layers, the
+    skipper's per-pass state, the tape, the logits), prefill and decode: with the triton execution no operator
+    that would make the host wait for the device (`mixed_world.HostWaitDetector`: a scalar read, an output shaped
+    by device values, a tensor literal) outside SGLang's attention backend, which a dense pass calls alike, in a
+    routed arm as in dense. The torch execution, which packs its cohorts with `nonzero`, is the detector's
+    control: there it sees the wait."""
+    from mixed_world import HostWaitDetector
+
+    from vskipper.sglang import active
+    from vskipper.sglang.configs import register_configs
+    from vskipper.sglang.standalone import init_sglang
+
+    monkeypatch.setattr(active, "_ACTIVE", [])
+    monkeypatch.setattr(active, "_RUNTIME", [])
+    init_sglang("cpu")
+    register_configs()
+    checkpoint = make_tiny_model("flexidepth-llama", tmp_path / "tiny", TinySize(layers=4))
+    m = ServedModel(ARMS[arm], checkpoint, REQUESTS, REQUESTS * (CONTEXT + 64) + 1, execution=execution)
+    waits = {}
+    for phase, shape, first in (("prefill", Shape("prefill", 2, 16), 4), ("decode", Shape("decode", 3), 0)):
+        m.whole(m.batch(shape, first))  # the first pass of a shape: the plan buffers and the tape sized
+        fb = m.batch(shape, first)
+        detector = HostWaitDetector()
+        for name in ("forward_extend", "forward_decode"):
+            monkeypatch.setattr(m.backend, name, detector.exempt(getattr(m.backend, name)))
+        m.model.prepare_pass(fb)
+        with detector, m.context():
+            m.model.forward(fb.input_ids, fb.positions, fb)
+        m.model.finish_pass(fb, False)
+        waits[phase] = detector.waits
+    counted = m.runtime.attestation()["passes_total"]
+    assert counted["prefill"]["routed" if arm != "dense" else "dense"] == 2  # both passes served as the arm serves
+    if execution == "triton":
+        assert waits == {"prefill": [], "decode": []}
+    else:
+        assert "aten.nonzero.default" in waits["prefill"] and "aten.nonzero.default" in waits["decode"]
