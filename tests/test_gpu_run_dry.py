@@ -279,6 +279,19 @@ def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(d
     config = json.loads((out / "model" / "config.json").read_text())
     assert run.decode_bytes(config, 1000, 0.5) < run.decode_bytes(config, 1000, 0.0)
     assert run.decode_bytes(config, 0, 0.5) > run.decode_bytes(config, 0, 0.0)  # and the adapters where rows project
+    # last, the reference: dense with SGLang's prefill graphs (none on CPU), its prefill cells only, beside dense
+    reference = sweep["arms"][run.PREFILL_GRAPHS]
+    assert reference["flags"] == [] and reference["decode"] == [] and "error" not in reference
+    assert [p["tokens"] for p in reference["prefill"]] == list(plan.prefill_lengths)
+    assert reference["served"]["arm"] == "dense"
+    graphs = comparison["prefill_graphs"]
+    assert graphs["passes"]["replayed"] == 0 and graphs["passes"]["eager"] >= len(plan.prefill_lengths)
+    assert [r["tokens"] for r in graphs["dense_over_graphs"]] == [r["tokens"] for r in graphs["routed_over_graphs"]] \
+        == list(plan.prefill_lengths)
+    summary = (out / "summary.md").read_text()
+    assert f"Against dense with SGLang's prefill graphs ({run.PREFILL_GRAPHS}: none on CPU; every other arm " \
+           f"prefills eagerly, since prefill graphs hold no routed variant): 0 prefill passes replayed from graphs, " \
+           f"{graphs['passes']['eager']} eager." in summary
 
 
 def test_tiles_stage_writes_the_table_every_later_server_is_handed(dry_run):
@@ -365,10 +378,39 @@ def test_device_plan_server_commands_parse_with_sglangs_own_flags(tmp_path):
         assert args.cuda_graph_backend_decode == "full"  # routed arms replay their routed decode variant
         max_bs = int(plan.sglang_flags[plan.sglang_flags.index("--cuda-graph-max-bs-decode") + 1])
         assert args.cuda_graph_backend_prefill == "disabled" and args.cuda_graph_max_bs_decode == max_bs
+    # the sweep's reference arm: breakable prefill graphs at the sweep's prompt lengths, after every other flag
+    reference = parser.parse_args(["--model-path", str(model), *plan.sglang_flags, *plan.prefill_graph_flags()])
+    assert reference.cuda_graph_backend_prefill == "breakable"
+    assert reference.cuda_graph_bs_prefill == sorted(plan.prefill_lengths) and run.Plan.dry().prefill_graph_flags() == []
     # the sweep's servers capture decode graphs at its batches alone
     sweep = parser.parse_args(["--model-path", str(model), *run.graph_flags(plan.sglang_flags, plan.batches)])
     assert sweep.cuda_graph_bs_decode == list(plan.batches) and sweep.cuda_graph_max_bs_decode is None
     assert run.graph_flags(plan.sglang_flags, None) == list(plan.sglang_flags)
+
+
+def test_a_reference_arm_that_fails_leaves_its_error_once_and_the_summary_says_so(tmp_path, monkeypatch):
+    """The sweep's reference arm is served once per OUTDIR: a server that fails to start leaves its error in its
+    place (the sweep's own arms stand) and a later call starts none. (No server: its start stood in for.)"""
+    starts = []
+
+    def failing(plan, stack, model, workdir, name, arm_files, *args, **kwargs):
+        starts.append(name)
+        raise RuntimeError("Capture cuda graph failed: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(run, "server_for", failing)
+    plan, stage = run.Plan.gpu(), run.Stage("sweep", tmp_path, 600)
+    result = run.sweep_reference(plan, stage, tmp_path / "model", {}, 128256)
+    assert starts == [run.PREFILL_GRAPHS] and result["flags"] == plan.prefill_graph_flags()
+    assert result["error"] == "RuntimeError: Capture cuda graph failed: operation not permitted when stream is capturing"
+    assert run.sweep_reference(plan, stage, tmp_path / "model", {}, 128256) == result and len(starts) == 1
+    lines = run.prefill_graph_lines({"flags": result["flags"], "error": result["error"]})
+    assert lines[0] == (f"Against dense with SGLang's prefill graphs ({run.PREFILL_GRAPHS}: "
+                        "--cuda-graph-backend-prefill breakable --cuda-graph-bs-prefill 1024 1536 2048 4096; every "
+                        "other arm prefills eagerly, since prefill graphs hold no routed variant): not served, "
+                        f"{result['error']}.")
+    stopped = run.Stage("sweep", tmp_path / "later", 0)  # no time left: not started, left for the next call
+    assert run.sweep_reference(plan, stopped, tmp_path / "model", {}, 128256) is None
+    assert stopped.left == [f"sweep of {run.PREFILL_GRAPHS}"] and len(starts) == 1
 
 
 def test_no_prefill_prompt_of_the_sweep_is_a_prefix_of_another():

@@ -104,6 +104,25 @@ def test_silu_and_mul_stand_in_equals_a_float64_reference(stand_in):
     _close(out, expected, torch.bfloat16)
 
 
+def test_weak_ref_tensor_stand_in_views_the_memory_without_keeping_it_alive(stand_in):
+    """SGLang's breakable and piecewise prefill CUDA graphs hand their outputs on as weak references (the graph's
+    memory pool owns the memory): the stand-in's view has the tensor's dtype, shape, strides and offset over the
+    same memory, and takes no use of its storage, where an ordinary view takes one."""
+    base = torch.arange(24, dtype=torch.bfloat16).view(4, 6)
+    uses = lambda: torch._C._storage_Use_Count(base.untyped_storage()._cdata)  # noqa: E731
+    before = uses()
+    view = base[1:, 2:5]
+    weak = stand_in.weak_ref_tensor(view)
+    assert uses() == before + 1  # the ordinary view's, not the weak one's
+    assert (weak.dtype, weak.shape, weak.stride(), weak.storage_offset()) == (
+        view.dtype, view.shape, view.stride(), view.storage_offset())
+    assert weak.data_ptr() == view.data_ptr() and torch.equal(weak, view)
+    base[2, 3] = -7  # one memory: a write through the owner shows in the weak view
+    assert weak[1, 1].item() == -7
+    assert stand_in.weak_ref_tensor(torch.empty(0)).shape == (0,)
+    assert stand_in.weak_ref_tensor(None) is None and stand_in.weak_ref_tensor(3) == 3  # not a tensor: as it is
+
+
 def test_stand_in_has_plain_launches_no_scalar_type_no_ops_and_import_only_names_that_raise(stand_in):
     from sgl_kernel import kvcacheio, quantization, top_k_renorm_prob, utils
 
@@ -111,7 +130,7 @@ def test_stand_in_has_plain_launches_no_scalar_type_no_ops_and_import_only_names
     assert stand_in.STAND_IN == "cuda"
     with pytest.raises(ModuleNotFoundError):
         import sgl_kernel.scalar_type  # noqa: F401
-    assert not hasattr(stand_in, "scalar_type") and not hasattr(stand_in, "weak_ref_tensor")
+    assert not hasattr(stand_in, "scalar_type")
     assert not hasattr(torch.ops.sgl_kernel, "rmsnorm")
     for fn in (top_k_renorm_prob, kvcacheio.transfer_kv_per_layer, quantization.ggml_dequantize):
         with pytest.raises(NotImplementedError, match=f"{fn.__name__} is a CUDA kernel the GPU stand-in"):

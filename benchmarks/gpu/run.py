@@ -72,6 +72,12 @@ ARM_FILES = {name: {"name": name, "skipper": "random_skip", "params": {"r": r, "
                                      ("random-r0-always", 0.0, "routed"))}
 # The control arm: the routed path with nothing skipped (every row RUN), the same kernels as ALWAYS.
 ALWAYS, HYBRID, CONTROL = ARM_FILES
+# The sweep's reference: dense as SGLang serves it on CUDA by default, its prefill passes replayed from breakable
+# CUDA graphs captured at the sweep's prompt lengths (the stand-in's `weak_ref_tensor` makes them possible). The
+# routed arms prefill eagerly (prefill graphs hold no routed variant, `vskipper.sglang.spec.ROUTED_GRAPH_PHASES`),
+# and the sweep's dense arm likewise, so that the routed path's goals compare the same execution: this arm says
+# what SGLang's prefill graphs would take off dense's TTFT. Prefill cells only; served last.
+PREFILL_GRAPHS = "dense-prefill-graphs"
 # The headline's routed arms in the order they are served (one server start each): key -> (arm, role, thresholds
 # variant, loads). The hybrid arm runs every load twice over, with the rule's thresholds and, last, with the
 # sweep's tau: what a session's device time leaves out first.
@@ -108,7 +114,7 @@ class Lease:
 # drain, the flush and attestations) and the check of the served layer before a lease's first routed server about
 # 30 s: a lease's second call finishes what its first left.
 LEASES = (  # what each measures: benchmarks/gpu/README.md's table
-    Lease("lease-1", ("tiles", "sweep"), 640, caps=(("tiles", 180),)),  # items 1-2: the routed path's goals, tau
+    Lease("lease-1", ("tiles", "sweep"), 690, caps=(("tiles", 180),)),  # items 1-2: the routed path's goals, tau
     Lease("lease-2", ("ladder", "headline"), 730, headline_arms=("hybrid-rule",)),  # item 3: Q*, the hybrid arm
     Lease("lease-3", ("ladder", "headline"), 520, headline_arms=("always", "control")),  # the knee's ablations
     Lease("lease-4", ("ladder", "headline", "kernels"), 670, headline_arms=("hybrid-tau",)),  # tau's hybrid arm
@@ -190,6 +196,14 @@ class Plan:
                    min_requests=4, repetitions=1, start_estimate_s=1.0, cell_overhead_s=0.5,
                    engagement_optional=True, threshold_step=10, dry_thresholds=(60, 40), model_size={"layers": 4},
                    ladder_start_max=3)
+
+    def prefill_graph_flags(self) -> list[str]:
+        """The reference arm's flags (`PREFILL_GRAPHS`): breakable prefill graphs captured at the sweep's prompt
+        lengths (a graph of a pass's tokens or more replays it). None on CPU, which captures no graph."""
+        if self.dry_run:
+            return []
+        return ["--cuda-graph-backend-prefill", "breakable", "--cuda-graph-bs-prefill",
+                *(str(n) for n in sorted(self.prefill_lengths))]
 
     def max_running(self) -> int | None:
         flags = list(self.sglang_flags)
@@ -350,11 +364,13 @@ def graph_flags(flags: tuple[str, ...], batches: tuple[int, ...] | None) -> list
 
 def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
           arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None,
-          graph_batches: tuple[int, ...] | None = None) -> Server:
+          graph_batches: tuple[int, ...] | None = None, flags: list[str] | None = None) -> Server:
     """`vskipper serve` with the plan's flags and the tiles stage's table where it wrote one (`model` is
     OUTDIR/model); `thresholds` as its --enter-tokens / --exit-tokens (else the arm's from the roofline rule for the
-    detected GPU); `graph_batches`, the only decode batch sizes captured (`graph_flags`)."""
-    extra = graph_flags(plan.sglang_flags, graph_batches) + (["--mem-fraction-static", mem] if mem else [])
+    detected GPU); `graph_batches`, the only decode batch sizes captured (`graph_flags`); `flags`, SGLang flags
+    after all of those."""
+    extra = graph_flags(plan.sglang_flags, graph_batches) + (["--mem-fraction-static", mem] if mem else []) \
+        + list(flags or [])
     kw = {}
     if thresholds is not None:
         kw = {"enter_tokens": thresholds["enter_tokens"], "exit_tokens": thresholds["exit_tokens"]}
@@ -395,6 +411,9 @@ def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: s
         return Attached(given[key or name])
     if name == "dense":
         return start(plan, stack, model, workdir, arm="dense", mem=mem, graph_batches=graph_batches)
+    if name == PREFILL_GRAPHS:
+        return start(plan, stack, model, workdir, arm="dense", mem=mem, graph_batches=graph_batches,
+                     flags=plan.prefill_graph_flags())
     return start(plan, stack, model, workdir, arm_file=arm_files[name], mem=mem,
                  thresholds=thresholds if name == HYBRID else None, graph_batches=graph_batches)
 
@@ -994,9 +1013,41 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                                                                           for d in decode]),
                                     "served": served(server)}
         done.write_text(json.dumps(result["arms"][name], indent=1) + "\n")
+    reference = sweep_reference(plan, stage, model, arms, vocab)
+    if reference is not None:
+        result["arms"][PREFILL_GRAPHS] = reference
     result["comparison"] = compare_sweep(plan, model, result["arms"])
     result["left"] = stage.left
     return result
+
+
+def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path], vocab: int) -> dict | None:
+    """The reference arm's prefill cells (`PREFILL_GRAPHS`), once per OUTDIR whatever its outcome: a server that
+    fails to start or to serve leaves its error in its place (the sweep's own arms stand as they are), not a
+    second start in a later call. None where the stage's time ran out first."""
+    done = stage.out / f"{PREFILL_GRAPHS}.result.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    if not stage.has_time(plan.start_estimate_s if not plan.dry_run else 1, f"sweep of {PREFILL_GRAPHS}"):
+        return None
+    try:
+        with ExitStack() as stack:
+            server = server_for(plan, stack, model, stage.out / PREFILL_GRAPHS, PREFILL_GRAPHS, arms,
+                                plan.solo_mem_fraction, graph_batches=plan.batches)
+            ready(plan, [server])
+            result = {"flags": plan.prefill_graph_flags(), "decode": [], "prefill": prefill_cells(plan, server, vocab),
+                      "served": served(server)}
+    except Exception as exc:  # noqa: BLE001 (a reference only: whatever stopped it is its result)
+        result = {"flags": plan.prefill_graph_flags(), "error": f"{type(exc).__name__}: {str(exc).strip()[:500]}"}
+        log("sweep", f"{PREFILL_GRAPHS} did not serve: {result['error']}")
+    done.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def prefill_graph_passes(served_doc: dict) -> dict:
+    """A served dense arm's prefill passes replayed from graphs and run eagerly (`graph_passes_total`)."""
+    dense = ((served_doc.get("graph_passes_total") or {}).get("prefill") or {}).get("dense") or {}
+    return {"replayed": dense.get("replayed", 0), "eager": dense.get("eager", 0)}
 
 
 def device_tau_ms(dense: list[dict], routed: list[dict]) -> float | None:
@@ -1055,6 +1106,18 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
         out["control_over_dense_prefill"] = prefill_ratios(config, control["prefill"], dense["prefill"],
                                                            "dense_over_control_time")
         out["goals"] = sweep_goals(out)
+    reference = arms.get(PREFILL_GRAPHS)
+    if reference is not None:
+        out["prefill_graphs"] = {"flags": reference.get("flags")}
+        if reference.get("error"):
+            out["prefill_graphs"]["error"] = reference["error"]
+        else:
+            out["prefill_graphs"].update(
+                passes=prefill_graph_passes(reference["served"]),
+                dense_over_graphs=prefill_ratios(config, reference["prefill"], dense["prefill"],
+                                                 "dense_over_graphs_time"),
+                routed_over_graphs=prefill_ratios(config, routed["prefill"], reference["prefill"],
+                                                  "graphs_over_routed_time"))
     return out
 
 
@@ -1399,6 +1462,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
                              f"{p['flop_limit']:.3f} | {_f(to_dense and to_dense['dense_over_control_time'], '.3f')} "
                              f"| {_range(to_dense)} |")
             lines.append("")
+        lines += prefill_graph_lines(c.get("prefill_graphs"))
         lines += ttft_parts_lines(sweep.get("arms") or {})
         lines += pass_span_lines(sweep.get("arms") or {})
         if c.get("goals"):
@@ -1419,6 +1483,28 @@ def markdown(results: dict, out: Path | None = None) -> str:
         lines.append("")
         lines += served_layer_lines(out / "kernels" / BENCH_JSON if out else None)
     return "\n".join(lines)
+
+
+def prefill_graph_lines(reference: dict | None) -> list[str]:
+    """Dense with SGLang's default prefill graphs (`PREFILL_GRAPHS`) beside dense and the routed arm, which prefill
+    eagerly: what the graphs take off dense's TTFT, and the routed arm's prefill against that dense."""
+    if not reference:
+        return []
+    flags = " ".join(reference["flags"]) or "none on CPU"
+    head = (f"Against dense with SGLang's prefill graphs ({PREFILL_GRAPHS}: {flags}; every other arm prefills "
+            "eagerly, since prefill graphs hold no routed variant)")
+    if reference.get("error"):
+        return [f"{head}: not served, {reference['error']}.", ""]
+    passes = reference["passes"]
+    lines = [f"{head}: {passes['replayed']} prefill passes replayed from graphs, {passes['eager']} eager.", "",
+             "| prefill tokens | dense / dense with graphs time | range | s=0.5 / dense with graphs speed | range |",
+             "|---:|---:|---|---:|---|"]
+    routed = {p["tokens"]: p for p in reference["routed_over_graphs"]}
+    for p in reference["dense_over_graphs"]:
+        r = routed.get(p["tokens"])
+        lines.append(f"| {p['tokens']} | {p['dense_over_graphs_time']:.3f} | {_range(p)} | "
+                     f"{_f(r and r['graphs_over_routed_time'], '.3f')} | {_range(r)} |")
+    return lines + [""]
 
 
 def ttft_parts_lines(arms: dict) -> list[str]:
@@ -1569,7 +1655,7 @@ def served_tiles_lines(sweep: dict | None, title: str | None = None) -> list[str
     tuner's measurements its table lacks (`TileTable.lacks`: a table an older tuner wrote serves without them), and
     the read its routed prefill layers took (`PREFILL_READS`) with what the table weighed to choose it."""
     arms = ((sweep or {}).get("arms") or {}).items()
-    served = {name: arm.get("served") or {} for name, arm in arms}
+    served = {name: arm["served"] for name, arm in arms if arm.get("served")}  # a reference that failed: none
     if not served:
         return []
     lines = [title, ""] if title else []

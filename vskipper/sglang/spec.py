@@ -165,8 +165,9 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampli
              "--cuda-graph-backend-prefill", "disabled", "--mem-fraction-static", "0.1",
              "--max-total-tokens", "4096", "--chunked-prefill-size", "2048")
 # SGLang on CUDA without its kernel wheels: the pure-Triton attention backend (else it picks fa3 on Hopper), torch
-# sampling, no grammar backend, full decode graphs (torch.cuda.CUDAGraph only), no prefill graphs (piecewise
-# prefill graphs need sgl_kernel.weak_ref_tensor).
+# sampling, no grammar backend, full decode graphs (torch.cuda.CUDAGraph only), no prefill graphs (SGLang's CUDA
+# default is breakable prefill graphs, which the stand-in's weak_ref_tensor supports; off here so that every arm
+# prefills alike: an arm routing prefill runs it eagerly, `ROUTED_GRAPH_PHASES`). Flags after `--` turn them on.
 GPU_STAND_IN_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
                       "--cuda-graph-backend-decode", "full", "--cuda-graph-backend-prefill", "disabled")
 GPU_STAND_IN_ENV = {

@@ -6,6 +6,8 @@ Called on the Llama / Qwen3 path with the Triton attention backend (torch, on th
       input = RMSNorm(residual) * weight, the sum and the norm in fp32 (as the CUDA kernel computes them)
   silu_and_mul(input, out) -> silu(input[..., :d]) * input[..., d:] (MLP widths SGLang's JIT kernel rejects)
   utils.is_arch_support_pdl() -> False (plain launches)
+  weak_ref_tensor(t) -> a view of t's memory that does not keep it alive (SGLang's breakable and piecewise
+      prefill CUDA graphs hand their captured outputs on so; the graph's memory pool owns the memory)
 Every other name below is importable and raises NotImplementedError when called. No `scalar_type` submodule and no
 `torch.ops.sgl_kernel` operator exist (SGLang falls back, or probes and finds none).
 """
@@ -54,3 +56,15 @@ def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.
         return y.to(input.dtype)
     out.copy_(y)
     return out
+
+
+def weak_ref_tensor(tensor):
+    """A tensor over `tensor`'s memory (same dtype, shape, strides and offset) whose storage does not own it, as
+    the CUDA kernel makes one: the memory lives as long as its owner keeps it, not as long as the view. Anything
+    not a tensor comes back as it is (as the kernel's Python wrapper does)."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    storage = tensor.untyped_storage()
+    borrowed = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        borrowed, tensor.storage_offset(), tensor.size(), tensor.stride())
