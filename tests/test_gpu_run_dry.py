@@ -412,6 +412,18 @@ def test_a_reference_arm_that_fails_leaves_its_error_once_and_the_summary_says_s
     assert run.sweep_reference(plan, stopped, tmp_path / "model", {}, 128256) is None
     assert stopped.left == [f"sweep of {run.PREFILL_GRAPHS}"] and len(starts) == 1
 
+    def killed(*args, **kwargs):  # the stage's limit ends the call while the reference's server starts
+        starts.append("killed")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "server_for", killed)
+    again = run.Stage("sweep", tmp_path / "killed", 600)
+    with pytest.raises(KeyboardInterrupt):
+        run.sweep_reference(plan, again, tmp_path / "model", {}, 128256)
+    assert run.sweep_reference(plan, again, tmp_path / "model", {}, 128256)["error"] == (
+        "the call serving it stopped before it finished (its stage's limit or budget)") and starts[-1] == "killed"
+    assert starts.count("killed") == 1  # the next call starts no second server
+
 
 def test_no_prefill_prompt_of_the_sweep_is_a_prefix_of_another():
     """SGLang's prefix cache would hold the shorter one's tokens and the longer would prefill only the rest."""

@@ -1021,20 +1021,26 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
     return result
 
 
+REFERENCE_READY_S = 150.0  # the reference's server ready within this (a sweep server: about 30 s on the H200)
+
+
 def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path], vocab: int) -> dict | None:
     """The reference arm's prefill cells (`PREFILL_GRAPHS`), once per OUTDIR whatever its outcome: a server that
-    fails to start or to serve leaves its error in its place (the sweep's own arms stand as they are), not a
-    second start in a later call. None where the stage's time ran out first."""
+    fails to start or to serve, or is not ready within `REFERENCE_READY_S`, leaves its error in its place (the
+    sweep's own arms stand as they are), and so does a call stopped while it served (its place is taken before
+    it starts): no second start in a later call. None where the stage's time ran out first."""
     done = stage.out / f"{PREFILL_GRAPHS}.result.json"
     if done.is_file():
         return json.loads(done.read_text())
     if not stage.has_time(plan.start_estimate_s if not plan.dry_run else 1, f"sweep of {PREFILL_GRAPHS}"):
         return None
+    done.write_text(json.dumps({"flags": plan.prefill_graph_flags(), "error": "the call serving it stopped before "
+                                "it finished (its stage's limit or budget)"}, indent=1) + "\n")
     try:
         with ExitStack() as stack:
             server = server_for(plan, stack, model, stage.out / PREFILL_GRAPHS, PREFILL_GRAPHS, arms,
                                 plan.solo_mem_fraction, graph_batches=plan.batches)
-            ready(plan, [server])
+            server.wait_ready(min(plan.startup_timeout_s, REFERENCE_READY_S))
             result = {"flags": plan.prefill_graph_flags(), "decode": [], "prefill": prefill_cells(plan, server, vocab),
                       "served": served(server)}
     except Exception as exc:  # noqa: BLE001 (a reference only: whatever stopped it is its result)
