@@ -409,11 +409,9 @@ def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: s
     given = json.loads(Path(os.environ[ENV_SERVERS]).read_text()) if os.environ.get(ENV_SERVERS) else {}
     if (key or name) in given:
         return Attached(given[key or name])
-    if name == "dense":
-        return start(plan, stack, model, workdir, arm="dense", mem=mem, graph_batches=graph_batches)
-    if name == PREFILL_GRAPHS:
+    if name in ("dense", PREFILL_GRAPHS):
         return start(plan, stack, model, workdir, arm="dense", mem=mem, graph_batches=graph_batches,
-                     flags=plan.prefill_graph_flags())
+                     flags=plan.prefill_graph_flags() if name == PREFILL_GRAPHS else None)
     return start(plan, stack, model, workdir, arm_file=arm_files[name], mem=mem,
                  thresholds=thresholds if name == HYBRID else None, graph_batches=graph_batches)
 
@@ -1032,19 +1030,20 @@ def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path]
     done = stage.out / f"{PREFILL_GRAPHS}.result.json"
     if done.is_file():
         return json.loads(done.read_text())
-    if not stage.has_time(plan.start_estimate_s if not plan.dry_run else 1, f"sweep of {PREFILL_GRAPHS}"):
+    if not stage.has_time(plan.start_estimate_s, f"sweep of {PREFILL_GRAPHS}"):
         return None
-    done.write_text(json.dumps({"flags": plan.prefill_graph_flags(), "error": "the call serving it stopped before "
-                                "it finished (its stage's limit or budget)"}, indent=1) + "\n")
+    flags = plan.prefill_graph_flags()
+    done.write_text(json.dumps({"flags": flags, "error": "the call serving it stopped before it finished (its "
+                                "stage's limit or budget)"}, indent=1) + "\n")
     try:
         with ExitStack() as stack:
             server = server_for(plan, stack, model, stage.out / PREFILL_GRAPHS, PREFILL_GRAPHS, arms,
                                 plan.solo_mem_fraction, graph_batches=plan.batches)
             server.wait_ready(min(plan.startup_timeout_s, REFERENCE_READY_S))
-            result = {"flags": plan.prefill_graph_flags(), "decode": [], "prefill": prefill_cells(plan, server, vocab),
+            result = {"flags": flags, "decode": [], "prefill": prefill_cells(plan, server, vocab),
                       "served": served(server)}
     except Exception as exc:  # noqa: BLE001 (a reference only: whatever stopped it is its result)
-        result = {"flags": plan.prefill_graph_flags(), "error": f"{type(exc).__name__}: {str(exc).strip()[:500]}"}
+        result = {"flags": flags, "error": f"{type(exc).__name__}: {str(exc).strip()[:500]}"}
         log("sweep", f"{PREFILL_GRAPHS} did not serve: {result['error']}")
     done.write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -1567,9 +1566,9 @@ def pass_span_lines(arms: dict) -> list[str]:
     if errors:
         lines += [f"The device's spans of {name}'s passes stopped: {error}." for name, error in errors.items()] + [""]
     late: dict[str, int] = {}  # windows a reading the server served late bounds (a pass may sit in the next one)
-    for name, cell in prefill + decode:
+    for name, cell in prefill + decode:  # a prefill length's windows are its prompts', a decode cell's its own
         spans = cell["pass_spans"]
-        late[name] = late.get(name, 0) + (spans.get("late", 0) if "reps" in spans else int(bool(spans.get("late"))))
+        late[name] = late.get(name, 0) + sum(1 for window in spans.get("reps", [spans]) if window.get("late"))
     if any(late.values()):
         lines += ["Readings the server served late (its document older than the read, after "
                   f"{READ_ATTEMPTS} reads; a pass of such a window may sit in the next): "
