@@ -481,13 +481,14 @@ def test_a_routed_decode_step_on_the_triton_backend_reads_no_tensor_value_on_the
     assert reads["torch"]
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 1024, 2500])
 def test_the_fused_cohort_maps_equal_the_torch_builders_in_one_launch(rows):
     """`CohortBuilder.build(fused=True)` (one Triton launch) writes the maps, counts and live slots the torch build
     implies, for any route (all RUN, all Project-Only, mixed) and any pass below the builder's capacity, and the
-    maps stay views of the builder's storage (a captured graph holds their addresses)."""
+    maps stay views of the builder's storage (a captured graph holds their addresses). A prefill pass of more
+    rows than the launch's block walks them block by block: its counts carry across the blocks."""
     gen = torch.Generator().manual_seed(rows)
-    builder = CohortBuilder(40)
+    builder = CohortBuilder(max(40, rows + 7))
     masks = [torch.ones(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.bool),
              torch.rand(rows, generator=gen) < 0.5]
     for run in masks:

@@ -344,7 +344,22 @@ def load_doc(result: ABResult, requests: int) -> dict:
             "dense": absolute_means([r.baseline for r in result.repetitions]),
             "arm": absolute_means([r.treated for r in result.repetitions]),
             "pass_spans": {"dense": pass_span_means([r.baseline for r in result.repetitions]),
-                           "arm": pass_span_means([r.treated for r in result.repetitions])}}
+                           "arm": pass_span_means([r.treated for r in result.repetitions])},
+            "compiles": {"dense": [window_compiles(r.baseline) for r in result.repetitions],
+                         "arm": [window_compiles(r.treated) for r in result.repetitions]}}
+
+
+def window_compiles(cell: CellResult) -> dict | None:
+    """The Triton kernels the server compiled inside a cell's window (the difference of its two attestations'
+    `triton_compiles`: each one held the passes behind it while it compiled): how many, their seconds, per kernel;
+    None where an attestation does not count them."""
+    before, after = ((doc or {}).get("triton_compiles") for doc in (cell.attestation_before, cell.attestation_after))
+    if not (before and after and before.get("watched") and after.get("watched")):
+        return None
+    kernels = {k: n - before["compiles_by_kernel"].get(k, 0) for k, n in after["compiles_by_kernel"].items()}
+    return {"compiles": after["compiles_total"] - before["compiles_total"],
+            "seconds": after["compile_seconds_total"] - before["compile_seconds_total"],
+            "kernels": {k: n for k, n in kernels.items() if n}}
 
 
 # -- the figures beside their limits and the paper's ------------------------------------------------------------------
@@ -489,6 +504,7 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
                            f"{_share(c['routed_share']['decode'])}" for load, c in arm["loads"].items())
         lines += [arm["table"], f"Routed share of {key}'s passes: {shares}.", ""]
         lines += pass_span_table(key, arm["loads"])
+        lines += compile_lines(key, arm["loads"])
     lines += ["The paper's GSM8K rows (FlexiDepth on Llama-3-8B against upstream SGLang):", "",
               *paper_table_lines(), ""]
     if headline.get("left"):
@@ -520,6 +536,24 @@ def pass_span_table(key: str, loads: Mapping) -> list[str]:
             f"| load | phase | dense device ms | {key} device ms | dense host ms | {key} host ms | dense passes | "
             f"{key} passes | dense tokens a pass | {key} tokens a pass |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             *rows, "", *note]
+
+
+def compile_lines(key: str, loads: Mapping) -> list[str]:
+    """The cells inside whose window a server compiled Triton kernels (`window_compiles`), dense's and arm
+    `key`'s: a compilation holds every pass behind it, so such a cell measures the compiler too."""
+    found, counted = [], False
+    for load, doc in loads.items():
+        for side, name in (("dense", "dense"), ("arm", key)):
+            for rep, c in enumerate((doc.get("compiles") or {}).get(side) or []):
+                counted = counted or c is not None
+                if c and c["compiles"]:
+                    kernels = ", ".join(f"{k} x{n}" for k, n in sorted(c["kernels"].items()))
+                    found.append(f"{name} at {CELL_FACTORS[load]} Q*, repetition {rep}: {c['compiles']} "
+                                 f"({c['seconds']:.2f} s; {kernels})")
+    if found:
+        return ["Triton kernels compiled inside a cell's window (each held the passes behind it while it "
+                "compiled): " + "; ".join(found) + ".", ""]
+    return [f"No Triton kernel compiled inside any cell's window of {key} or dense.", ""] if counted else []
 
 
 def _per_pass(spans: Mapping) -> str:

@@ -36,7 +36,7 @@ DEFAULT_DEVICES = ("H100-SXM", "A100-SXM4-80GB", "RTX-A6000")
 MODEL = PRESETS["llama-3-8b"]
 HEADS, KV_HEADS, HEAD_DIM = MODEL.num_attention_heads, MODEL.num_kv_heads, MODEL.head_dim
 PROJ_REDUCTION = 16  # the FlexiDepth projector's width: intermediate / 16 (the release's proj_reduction_factor)
-COHORT_MAP_ROWS = (256, 8192)  # a captured decode batch, a prefill chunk
+COHORT_MAP_ROWS = 8192  # a prefill chunk (the count is not specialized: one variant for every pass)
 REQ_TO_TOKEN_WIDTH = 8192 + 4  # SGLang's req_to_token rows: the context length (the device run's) plus 4
 ROWS, POOL_SLOTS, REQUESTS = 256, 4096, 8
 
@@ -262,18 +262,25 @@ def _attention_launches(read_tile) -> list[Launch]:
                  "GATHER": True},
                 read_tile.num_warps, read_tile.num_stages),
     ]
-    for rows in COHORT_MAP_ROWS:  # as a served layer launches it: the route recorded into the tape on the way
-        block = next_power_of_2(rows)
-        run, idx = _t(rows, dtype=torch.bool), _t(rows, dtype=torch.int64)
-        route_w, tape_w = _t(rows), _t(rows)  # the skippers' weights come in the hidden dtype, the tape's
-        for dense in (False, True):  # a pass with dense-mode rows, and without
-            launches.append(_launch("cohort_maps_kernel",
-                                    {"run_ptr": run, "rows": rows, "run_idx_ptr": idx, "proj_idx_ptr": idx,
-                                     "counts_ptr": _t(2, dtype=torch.int64), "live_ptr": run, "w_ptr": route_w,
-                                     "dense_ptr": run, "tape_run_ptr": run, "tape_w_ptr": tape_w, "stride_run": 1,
-                                     "stride_w": 1},
-                                    {"BLOCK": block, "RECORD": True, "DENSE": dense}, kn.cohort_maps_warps(block), 3))
+    for dense in (False, True):  # a pass with dense-mode rows, and without
+        launches.append(cohort_maps_launch(COHORT_MAP_ROWS, dense))
     return launches
+
+
+def cohort_maps_launch(rows: int, dense: bool) -> Launch:
+    """The cohort maps' launch as a served layer makes it for a pass of `rows` rows (`kernels.cohort_maps`): the
+    route recorded into the tape on the way, with dense-mode rows or without."""
+    import torch
+
+    from vskipper.mixed import kernels as kn
+
+    run, idx = _t(rows, dtype=torch.bool), _t(rows, dtype=torch.int64)
+    route_w, tape_w = _t(rows), _t(rows)  # the skippers' weights come in the hidden dtype, the tape's
+    return _launch("cohort_maps_kernel",
+                   {"run_ptr": run, "rows": rows, "run_idx_ptr": idx, "proj_idx_ptr": idx,
+                    "counts_ptr": _t(2, dtype=idx.dtype), "live_ptr": run, "w_ptr": route_w, "dense_ptr": run,
+                    "tape_run_ptr": run, "tape_w_ptr": tape_w, "stride_run": 1, "stride_w": 1},
+                   {"BLOCK": kn.COHORT_MAPS_BLOCK, "RECORD": True, "DENSE": dense}, kn.COHORT_MAPS_WARPS, 3)
 
 
 def launches_for(device: Device, tile_table: Path | None = None) -> list[Launch]:

@@ -608,47 +608,56 @@ def cohort_ffn_gathers(tiles: TileTable | Tile | None, op: str, capacity: int) -
     return _gathers(tiles, f"{op}_down", capacity)
 
 
-# A pass's row count changes from pass to pass: not specialized, so that no variant is compiled while serving when
-# a count first lands on 1 or a multiple of 16 (a prefill's block, a power of two, still is one per size).
+# A pass's row count changes from pass to pass: not specialized, and every pass walks its rows in blocks of one size
+# (`COHORT_MAPS_BLOCK`, at one warp count), so that one compiled variant serves every count. A block sized by the
+# pass (its next power of two) compiled a variant per size while serving: on the H200 four prefill sizes stalled
+# the first routed passes 1.3-1.7 s each (benchmarks/results/H200/lease-4).
 @triton.jit(do_not_specialize=["rows"])
 def cohort_maps_kernel(run_ptr, rows, run_idx_ptr, proj_idx_ptr, counts_ptr, live_ptr,
                        w_ptr, dense_ptr, tape_run_ptr, tape_w_ptr, stride_run, stride_w,
                        BLOCK: tl.constexpr, RECORD: tl.constexpr, DENSE: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    in_pass = offs < rows
-    if RECORD:  # the skipper's route, recorded into the tape on the way (the copies the tape would launch)
-        run = (tl.load(run_ptr + offs * stride_run, mask=in_pass, other=0) != 0).to(tl.int32)  # any dtype: 0/1
-        w = tl.load(w_ptr + offs * stride_w, mask=in_pass, other=1.0)
-        if DENSE:
-            dense = tl.load(dense_ptr + offs, mask=in_pass, other=0) != 0
-            run = tl.where(dense, 1, run)
-            w = tl.where(dense, 1.0, w)
-        tl.store(tape_run_ptr + offs, run == 1, mask=in_pass)
-        tl.store(tape_w_ptr + offs, w, mask=in_pass)  # cast to the tape's dtype (on a GPU rounded to nearest)
-    else:
-        run = tl.load(run_ptr + offs, mask=in_pass, other=0).to(tl.int32)
-    ends_run = tl.cumsum(run, 0)  # RUN rows at or before each row
-    n_run = tl.sum(run, 0)
-    ends_proj = offs + 1 - ends_run
-    # Each cohort's rows land at their packed positions; the positions at and past its count get 0. The two
-    # stores of a map touch disjoint positions (below the count, and at or past it).
-    tl.store(run_idx_ptr + ends_run - 1, offs.to(tl.int64), mask=in_pass & (run == 1))
-    tl.store(proj_idx_ptr + ends_proj - 1, offs.to(tl.int64), mask=in_pass & (run == 0))
-    tl.store(run_idx_ptr + offs, tl.zeros([BLOCK], dtype=tl.int64), mask=in_pass & (offs >= n_run))
-    tl.store(proj_idx_ptr + offs, tl.zeros([BLOCK], dtype=tl.int64), mask=in_pass & (offs >= rows - n_run))
-    tl.store(live_ptr + offs, offs < n_run, mask=in_pass)
+    n_run = tl.zeros([], dtype=tl.int32)  # RUN rows in the blocks walked so far
+    for start in range(0, rows, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        in_pass = offs < rows
+        if RECORD:  # the skipper's route, recorded into the tape on the way (the copies the tape would launch)
+            run = (tl.load(run_ptr + offs * stride_run, mask=in_pass, other=0) != 0).to(tl.int32)  # any dtype: 0/1
+            w = tl.load(w_ptr + offs * stride_w, mask=in_pass, other=1.0)
+            if DENSE:
+                dense = tl.load(dense_ptr + offs, mask=in_pass, other=0) != 0
+                run = tl.where(dense, 1, run)
+                w = tl.where(dense, 1.0, w)
+            tl.store(tape_run_ptr + offs, run == 1, mask=in_pass)
+            tl.store(tape_w_ptr + offs, w, mask=in_pass)  # cast to the tape's dtype (on a GPU rounded to nearest)
+        else:
+            run = tl.load(run_ptr + offs, mask=in_pass, other=0).to(tl.int32)
+        ends_run = n_run + tl.cumsum(run, 0)  # RUN rows at or before each row
+        ends_proj = offs + 1 - ends_run
+        # Each cohort's rows land at their packed positions, below its count
+        tl.store(run_idx_ptr + ends_run - 1, offs.to(tl.int64), mask=in_pass & (run == 1))
+        tl.store(proj_idx_ptr + ends_proj - 1, offs.to(tl.int64), mask=in_pass & (run == 0))
+        n_run += tl.sum(run, 0)
+    # the positions at and past each count get 0: never one a packed row took
+    for start in range(0, rows, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        in_pass = offs < rows
+        tl.store(run_idx_ptr + offs, tl.zeros([BLOCK], dtype=tl.int64), mask=in_pass & (offs >= n_run))
+        tl.store(proj_idx_ptr + offs, tl.zeros([BLOCK], dtype=tl.int64), mask=in_pass & (offs >= rows - n_run))
+        tl.store(live_ptr + offs, offs < n_run, mask=in_pass)
     tl.store(counts_ptr, n_run.to(tl.int64))
     tl.store(counts_ptr + 1, (rows - n_run).to(tl.int64))
 
 
-COHORT_MAPS_MAX_ROWS = 1 << 16  # one program's block; a larger pass is refused (a prefill chunk is thousands)
+COHORT_MAPS_BLOCK = 1024  # rows a step of the maps' one program: a decode batch in one, a prefill chunk in a few
+COHORT_MAPS_WARPS = 4
+COHORT_MAPS_MAX_ROWS = 1 << 20  # far beyond any pass (a prefill chunk is thousands): a count gone wrong is refused
 
 
 def cohort_maps(run: torch.Tensor, run_idx: torch.Tensor, proj_idx: torch.Tensor, counts: torch.Tensor,
                 live: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
                 | None = None) -> None:
     """The cohort maps of one layer's run mask (bool [rows], contiguous) into the given storage, in one launch
-    (`cohort_maps_kernel`); no host read.
+    (`cohort_maps_kernel`, one compiled variant for every row count); no host read.
 
     `record` = (tape_run [rows], tape_w [rows], weights [rows], dense_rows [rows] or None): `run` and `weights`
     are then a skipper's route (any stride), which the same launch writes into the tape's row (tape_run,
@@ -656,19 +665,13 @@ def cohort_maps(run: torch.Tensor, run_idx: torch.Tensor, proj_idx: torch.Tensor
     rows = run.shape[0]
     if not 0 < rows <= COHORT_MAPS_MAX_ROWS:
         raise ValueError(f"cohort_maps covers 1..{COHORT_MAPS_MAX_ROWS} rows, got {rows}")
-    block = triton.next_power_of_2(rows)
     if record is None:
         tape_run, tape_w, weights, dense = run, run, run, None
     else:
         tape_run, tape_w, weights, dense = record
     cohort_maps_kernel[(1,)](run, rows, run_idx, proj_idx, counts, live, weights, run if dense is None else dense,
-                             tape_run, tape_w, run.stride(0), weights.stride(0), BLOCK=block, RECORD=record is not None,
-                             DENSE=dense is not None, num_warps=cohort_maps_warps(block))
-
-
-def cohort_maps_warps(block: int) -> int:
-    """A prefill pass's block (thousands of rows) spreads over more warps: at most 32 rows a thread."""
-    return min(32, max(4, block // 1024))
+                             tape_run, tape_w, run.stride(0), weights.stride(0), BLOCK=COHORT_MAPS_BLOCK,
+                             RECORD=record is not None, DENSE=dense is not None, num_warps=COHORT_MAPS_WARPS)
 
 
 LOG2E = math.log2(math.e)  # the reads' scores are in base 2: exp2, the device's own exponential

@@ -54,7 +54,7 @@ from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.deferred import DeferredReads
 from vskipper.mixed.plan_buffers import expand_rows
 from vskipper.mixed.tape import RouteTape, tape_capacity
-from vskipper.sglang import active, executed
+from vskipper.sglang import active, compile_watch, executed
 from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
 from vskipper.sglang.part_times import CONTROL_PHASES
 from vskipper.sglang.replicas import ENV_RUN_ID, Placement, read_state_request
@@ -246,6 +246,7 @@ class Runtime:
         self._decisions_seen = Counter()
         self._promotions_seen = 0
         self.started = time.time()
+        compile_watch.install()  # a kernel compiled while serving stalls the passes behind it: counted
         self.hooks_applied = False  # set by the model class once it checked vskipper.sglang.hooks
         self.state_request = 0  # the latest read request of the HTTP process the state file answers
         self._state_lock = threading.RLock()  # the state document reads the attestation under it
@@ -676,6 +677,7 @@ class Runtime:
                           "cuda_graphs": None, "tiles": None, "profile": self.spec.profile,
                           **self.execution},
             **self.model_counters,
+            "triton_compiles": compile_watch.attestation(),
             **executed.attestation(),  # what SGLang executes, read after boot; the scheduler's pass counts
             "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
                           "attn_dp_rank": self.placement.attn_dp_rank},
