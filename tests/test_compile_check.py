@@ -75,7 +75,7 @@ def test_launches_are_specialized_as_the_jit_specializes_the_served_arguments():
     assert {"stride_ks", "stride_kh", "stride_qm"} <= set(prefill.divisible)
     # a pass's row count is not specialized (`do_not_specialize`): one kernel for every count
     maps = next(x for x in launches if x.kernel == "cohort_maps_kernel")
-    assert dict(maps.signature)["rows"] == "i32" and "rows" not in maps.divisible
+    assert dict(maps.signature)["rows"] == "i32" and not maps.divisible
     assert "slots_total" not in prefill.divisible
 
 
@@ -88,6 +88,9 @@ def test_one_compiled_cohort_maps_variant_serves_every_pass_size():
         launches = {compile_check.cohort_maps_launch(rows, dense)
                     for rows in (1, 7, 16, 256, 1000, 1024, 1536, 2500, 4096, 8192, 16384)}
         assert len(launches) == 1, sorted(x.label() for x in launches)
+        # nor by a stride or a pointer's alignment: a skipper's route is a row of a [layers, rows] tensor
+        (launch,) = launches
+        assert launch.specialized == () and launch.divisible == ()
 
 
 def test_a_table_that_splits_k_is_compiled_split_with_its_reduce_and_grouped_at_the_same_blocks(tmp_path):

@@ -192,3 +192,52 @@ def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(t
         assert waits == {"prefill": [], "decode": []}
     else:
         assert "aten.nonzero.default" in waits["prefill"] and "aten.nonzero.default" in waits["decode"]
+
+
+def test_every_cohort_maps_launch_a_served_pass_makes_is_a_variant_compiled_before_serving(tmp_path, monkeypatch):
+    """The served model compiles the maps' launch when it is built (`warm_cohort_maps`), so that no pass while
+    serving compiles one and holds the passes behind it (four did on the H200, 1.3-1.7 s each). Each launch is
+    keyed as Triton's JIT keys its compiled variants (every argument's specialization, the switches, the warps):
+    the prefill passes of 2 x 16 and 3 x 7 tokens and a decode pass of 3 rows, at every routed layer (each a row
+    of the skipper's [layers, rows] routes, aligned or not), launch only variants the build launched. With every
+    argument specialized, as the JIT does by default, they would not: the key is the one that tells."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from vskipper.mixed import kernels
+    from vskipper.sglang import active
+    from vskipper.sglang.configs import register_configs
+    from vskipper.sglang.standalone import init_sglang
+
+    kernel = kernels.cohort_maps_kernel
+    names, kept = kernel.arg_names, set(kernel.kwargs.get("do_not_specialize") or ())
+    launches: list[tuple[str, dict, dict]] = []
+    when = ["build"]
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((when[0], dict(zip(names, args, strict=False)), kwargs))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    def variant(bound: dict, kwargs: dict, by_default: bool = False) -> tuple:
+        return (*(native_specialize_impl(CUDABackend, bound[n], False, by_default or n not in kept, True)
+                  for n in names if n in bound), *sorted(kwargs.items()))
+
+    monkeypatch.setattr(kernels, "cohort_maps_kernel", Recorder())
+    monkeypatch.setattr(active, "_ACTIVE", [])
+    monkeypatch.setattr(active, "_RUNTIME", [])
+    init_sglang("cpu")
+    register_configs()
+    checkpoint = make_tiny_model("flexidepth-llama", tmp_path / "tiny", TinySize(layers=4))
+    m = ServedModel(ARMS["s=0.5"], checkpoint, REQUESTS, REQUESTS * (CONTEXT + 64) + 1, execution="triton")
+    when[0] = "serving"
+    for shape, first in ((Shape("prefill", 2, 16), 0), (Shape("prefill", 3, 7), 2), (Shape("decode", 3), 0)):
+        m.whole(m.batch(shape, first))
+    built = {variant(b, k) for w, b, k in launches if w == "build"}
+    served = [(b, k) for w, b, k in launches if w == "serving"]
+    assert len(built) == 2 and len(served) >= 3 * 2  # with dense-mode rows and without; two routed layers a pass
+    assert {variant(b, k) for b, k in served} <= built
+    by_default = {variant(b, k, True) for b, k in served}
+    assert not by_default <= {variant(b, k, True) for w, b, k in launches if w == "build"}

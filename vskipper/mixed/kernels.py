@@ -608,11 +608,17 @@ def cohort_ffn_gathers(tiles: TileTable | Tile | None, op: str, capacity: int) -
     return _gathers(tiles, f"{op}_down", capacity)
 
 
-# A pass's row count changes from pass to pass: not specialized, and every pass walks its rows in blocks of one size
-# (`COHORT_MAPS_BLOCK`, at one warp count), so that one compiled variant serves every count. A block sized by the
-# pass (its next power of two) compiled a variant per size while serving: on the H200 four prefill sizes stalled
-# the first routed passes 1.3-1.7 s each (benchmarks/results/H200/lease-4).
-@triton.jit(do_not_specialize=["rows"])
+# One compiled variant for every pass (per dtypes and switches): every pass walks its rows in blocks of one size
+# (`COHORT_MAPS_BLOCK`, at one warp count), and no argument is specialized, neither the row count nor a stride nor
+# a pointer's alignment (a skipper's route is a row of its [layers, rows] tensor, aligned or not by the layer and
+# the count). A block sized by the pass (its next power of two) compiled a variant per size while serving: on the
+# H200 four prefill sizes stalled the first routed passes 1.3-1.7 s each (benchmarks/results/H200/lease-4). The
+# one program's loads go unvectorized: at most a prefill chunk's few thousand rows.
+COHORT_MAPS_ARGS = ("run_ptr", "rows", "run_idx_ptr", "proj_idx_ptr", "counts_ptr", "live_ptr", "w_ptr", "dense_ptr",
+                    "tape_run_ptr", "tape_w_ptr", "stride_run", "stride_w")
+
+
+@triton.jit(do_not_specialize=list(COHORT_MAPS_ARGS))
 def cohort_maps_kernel(run_ptr, rows, run_idx_ptr, proj_idx_ptr, counts_ptr, live_ptr,
                        w_ptr, dense_ptr, tape_run_ptr, tape_w_ptr, stride_run, stride_w,
                        BLOCK: tl.constexpr, RECORD: tl.constexpr, DENSE: tl.constexpr):

@@ -56,6 +56,7 @@ from sglang.srt.utils.common import use_intel_amx_backend
 
 from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
+from vskipper.mixed.cohorts import warm_cohort_maps
 from vskipper.mixed.plan_buffers import PlanBuffers, expand_rows
 from vskipper.mixed.routed_layer import Handoff, routed_layer
 from vskipper.mixed.tiles import ReadTile, TileTableError, table_label
@@ -711,6 +712,9 @@ class SkipperCausalLM(RouterWeightsMixin):
             raise ServeConfigError(f"{ENV_EXECUTION}=triton, but the routed layers cannot run it: "
                                    f"{self.slot.execution.reason}")
         self.graph_blocker = routed_graph_blocker(self.slot.execution, device)
+        if self.runtime.skipper is not None and self.slot.execution.decode == "triton":
+            # compiled before serving: a first launch while serving would hold every pass behind it
+            warm_cohort_maps(self.model.embed_tokens.weight.dtype, device)
         active.register(self)  # for the SGLang hooks around the forward and the graph runners
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
         # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
