@@ -246,6 +246,43 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
            "counted in no cell." in headline.pass_span_table("hybrid-rule", loads)
 
 
+def test_a_hybrid_arms_routed_passes_stand_beside_its_dense_ones_per_token():
+    """The clock's `routed_total` splits an arm's passes: routed ones as counted, dense ones the totals less them,
+    summed over the cells; the table puts each kind's device ms a pass and us a token side by side. A clock
+    without the split (a server from before it) gives None and no table."""
+    suite = headline.gsm8k_suite("s", 2, 2, 500, (20, 40), (4, 12))
+
+    def clock(passes, tokens, device_s, routed) -> dict:
+        r_passes, r_tokens, r_device = routed
+        return {"passes_total": {"prefill": passes}, "tokens_total": {"prefill": tokens},
+                "device_seconds_total": {"prefill": device_s}, "device_passes_total": {"prefill": passes},
+                "routed_total": {"passes_total": {"prefill": r_passes}, "tokens_total": {"prefill": r_tokens},
+                                 "device_seconds_total": {"prefill": r_device},
+                                 "device_passes_total": {"prefill": r_passes}, "host_seconds_total": {}}}
+
+    cells = []
+    # each cell: 3 dense passes of 1,000 tokens at 40 ms, 1 routed pass of 2,000 tokens at 100 ms
+    for n in range(2):
+        cell = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
+        cell.attestation_before = {"part_clock": clock(4 * n, 5000 * n, 0.22 * n, (n, 2000 * n, 0.1 * n))}
+        cell.attestation_after = {"part_clock": clock(4 * n + 4, 5000 * n + 5000, 0.22 * n + 0.22,
+                                                      (n + 1, 2000 * n + 2000, 0.1 * n + 0.1))}
+        cells.append(cell)
+    kinds = headline.pass_kind_means(cells)
+    assert kinds["prefill"]["routed"] == {"passes_total": 2, "tokens_total": 4000,
+                                          "device_seconds_total": pytest.approx(0.2), "device_passes_total": 2}
+    assert kinds["prefill"]["dense"]["passes_total"] == 6 and kinds["prefill"]["dense"]["tokens_total"] == 6000
+    assert kinds["decode"]["routed"]["passes_total"] == 0
+    table = headline.pass_kind_table("hybrid-tau", {headline.KNEE: {"pass_kinds": kinds}})
+    assert "| 0.95 Q* | prefill | routed | 2 | 2000.0 | 100.00 | 50.0 |" in table
+    assert "| 0.95 Q* | prefill | dense | 6 | 1000.0 | 40.00 | 40.0 |" in table
+    assert not any("| decode |" in row for row in table)  # no pass of that phase ran
+    old = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
+    old.attestation_before = old.attestation_after = {"part_clock": {"passes_total": {}}}
+    assert headline.pass_kind_means([old]) is None
+    assert headline.pass_kind_table("hybrid-tau", {headline.KNEE: {"pass_kinds": None}}) == []
+
+
 def test_the_kernels_a_server_compiled_inside_a_cells_window_are_named_with_the_cell():
     """A cell's compilations are its two attestations' difference (`triton_compiles`), per kernel; a cell whose
     attestations do not count them has None, and the summary names only the cells that compiled."""

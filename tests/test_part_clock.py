@@ -8,7 +8,7 @@ import pytest
 import torch
 from sglang_layer_world import LayerWorld
 
-from vskipper.sglang.part_times import CONTROL_PHASE, PARTS, PartClock, PassClock
+from vskipper.sglang.part_times import CONTROL_PHASE, PARTS, ROUTED_FIELDS, PartClock, PassClock
 from vskipper.sglang.spec import (
     ENV_INTERLEAVE_CONTROL,
     ENV_PART_CLOCK,
@@ -72,7 +72,8 @@ def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a
         "seconds_total": {"decode": {"outside": {"outside": 100.0}, "routed": {"glue": 10.0, "rope": 1.0},
                                      "dense": {"glue": 20.0, "rope": 2.0}},
                           "prefill": {"outside": {"outside": 0.0}, "routed": {"glue": 10.0, "rope": 1.0}}},
-        "device_seconds_total": {}, "device_passes_total": {}, "errors": {}}  # no device here (no timing events)
+        "device_seconds_total": {}, "device_passes_total": {}, "errors": {},  # no device here (no timing events)
+        "routed_total": {field: {} for field in ROUTED_FIELDS}}  # no pass here routed
 
 
 def test_a_part_that_raises_is_still_charged_and_the_clock_keeps_counting():
@@ -153,7 +154,8 @@ def test_an_interleaved_control_pass_is_a_phase_of_its_own_in_the_part_clock():
     assert clock.attestation() == {"parts": True, "passes_total": dict.fromkeys(phases, 1),
                                    "tokens_total": dict(zip(phases, (16, 16, 1024, 1), strict=True)),
                                    "seconds_total": {phase: {"outside": {"outside": 2.0}} for phase in phases},
-                                   "device_seconds_total": {}, "device_passes_total": {}, "errors": {}}
+                                   "device_seconds_total": {}, "device_passes_total": {}, "errors": {},
+                                   "routed_total": {field: {} for field in ROUTED_FIELDS}}
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +305,34 @@ def test_a_clock_of_spans_alone_wraps_nothing_and_times_each_pass_whole_on_the_h
     assert att["seconds_total"] == {"prefill": {"outside": {"outside": pytest.approx(1.004)}}}
     assert att["device_passes_total"] == {"prefill": 1} and att["errors"] == {}
     assert att["device_seconds_total"]["prefill"] == pytest.approx(1.009)  # the fake device's 5 ms more
+
+
+def test_a_routed_pass_is_counted_apart_as_well_so_a_hybrid_arms_dense_passes_are_the_totals_less_it():
+    """A routed pass counts in the totals and again in `routed_total` (passes, tokens, its forward's host seconds,
+    its device span once the device reached its end); a dense pass only in the totals."""
+    t = FakeClock()
+    capture = [False]
+    clock = PartClock(clock=t, events=lambda: FakeEvent(t, lambda e: True, capture), parts=False)
+
+    def work(seconds):
+        def run():
+            t.now += seconds
+        return run
+
+    clock.around_pass(Mode(decode=False), work(0.040), tokens=1000)  # dense
+    clock.around_pass(Mode(decode=False), work(0.060), tokens=2000, routed=True)
+    clock.around_pass(Mode(decode=True), work(0.010), tokens=30, routed=True)
+    clock.settle()
+    att = clock.attestation()
+    assert att["passes_total"] == {"prefill": 2, "decode": 1} and att["tokens_total"]["prefill"] == 3000
+    routed = att["routed_total"]
+    assert routed["passes_total"] == {"prefill": 1, "decode": 1}
+    assert routed["tokens_total"] == {"prefill": 2000, "decode": 30}
+    assert routed["host_seconds_total"]["prefill"] == pytest.approx(0.060)
+    assert routed["device_passes_total"] == {"prefill": 1, "decode": 1}
+    assert routed["device_seconds_total"]["prefill"] == pytest.approx(0.065)  # the fake device's 5 ms more
+    assert att["device_seconds_total"]["prefill"] == pytest.approx(0.110)
+    assert set(routed) == set(ROUTED_FIELDS)
 
 
 def test_the_state_document_holds_the_device_span_of_every_pass_timed_before_it(tmp_path):

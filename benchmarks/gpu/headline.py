@@ -320,6 +320,31 @@ def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
     return out
 
 
+KIND_FIELDS = ("passes_total", "tokens_total", "device_seconds_total", "device_passes_total")
+
+
+def pass_kind_means(cells: Sequence[CellResult]) -> dict[str, dict[str, dict]] | None:
+    """Per phase, the cells' routed passes and their dense ones apart (the clock's `routed_total`, the dense ones
+    the totals less it): passes, tokens, and the device's seconds over the passes its clock reached. None where a
+    cell's clock does not count routed passes apart."""
+    def delta(before: Mapping, after: Mapping, field: str, phase: str) -> float:
+        return after.get(field, {}).get(phase, 0) - before.get(field, {}).get(phase, 0)
+
+    sums: dict[str, dict[str, dict[str, float]]] = {}
+    for cell in cells:
+        before, after = (attested_clock(doc) for doc in (cell.attestation_before, cell.attestation_after))
+        if not (before and after and "routed_total" in before and "routed_total" in after):
+            return None
+        for phase in PHASES:
+            total = {f: delta(before, after, f, phase) for f in KIND_FIELDS}
+            routed = {f: delta(before["routed_total"], after["routed_total"], f, phase) for f in KIND_FIELDS}
+            kinds = sums.setdefault(phase, {kind: dict.fromkeys(KIND_FIELDS, 0) for kind in ("routed", "dense")})
+            for f in KIND_FIELDS:
+                kinds["routed"][f] += routed[f]
+                kinds["dense"][f] += total[f] - routed[f]
+    return sums or None
+
+
 def absolute_means(cells: Sequence[CellResult]) -> dict[str, float | None]:
     """One arm's absolute figures over repetitions: mean E2E / TTFT / TPOT (s) and requests completed per second of
     the injection window."""
@@ -345,6 +370,7 @@ def load_doc(result: ABResult, requests: int) -> dict:
             "arm": absolute_means([r.treated for r in result.repetitions]),
             "pass_spans": {"dense": pass_span_means([r.baseline for r in result.repetitions]),
                            "arm": pass_span_means([r.treated for r in result.repetitions])},
+            "pass_kinds": pass_kind_means([r.treated for r in result.repetitions]),
             "compiles": {"dense": [window_compiles(r.baseline) for r in result.repetitions],
                          "arm": [window_compiles(r.treated) for r in result.repetitions]}}
 
@@ -504,6 +530,7 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
                            f"{_share(c['routed_share']['decode'])}" for load, c in arm["loads"].items())
         lines += [arm["table"], f"Routed share of {key}'s passes: {shares}.", ""]
         lines += pass_span_table(key, arm["loads"])
+        lines += pass_kind_table(key, arm["loads"])
         lines += compile_lines(key, arm["loads"])
     lines += ["The paper's GSM8K rows (FlexiDepth on Llama-3-8B against upstream SGLang):", "",
               *paper_table_lines(), ""]
@@ -536,6 +563,31 @@ def pass_span_table(key: str, loads: Mapping) -> list[str]:
             f"| load | phase | dense device ms | {key} device ms | dense host ms | {key} host ms | dense passes | "
             f"{key} passes | dense tokens a pass | {key} tokens a pass |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             *rows, "", *note]
+
+
+def pass_kind_table(key: str, loads: Mapping) -> list[str]:
+    """Arm `key`'s routed passes beside its dense ones at each load (`pass_kind_means`): a hybrid arm runs both,
+    and what a routed pass costs a token beside a dense pass of the same server tells where routing pays."""
+    rows = []
+    for load, doc in loads.items():
+        for phase, kinds in (doc.get("pass_kinds") or {}).items():
+            for kind in ("routed", "dense"):
+                k = kinds.get(kind) or {}
+                passes, tokens = k.get("passes_total"), k.get("tokens_total")
+                if not passes:
+                    continue
+                seconds, timed = k["device_seconds_total"], k["device_passes_total"] == passes
+                device = f"{1e3 * seconds / passes:.2f}" if timed else "n/a"
+                per_token = f"{1e6 * seconds / tokens:.1f}" if timed and tokens else "n/a"
+                per_pass = f"{tokens / passes:.1f}" if tokens else "n/a"
+                rows.append(f"| {CELL_FACTORS[load]} Q* | {phase} | {kind} | {passes} | {per_pass} | {device} | "
+                            f"{per_token} |")
+    if not rows:
+        return []
+    return [f"{key}'s routed passes beside its dense ones (device ms a pass and us a token: what a routed pass "
+            "costs against a dense one of the same server):", "",
+            "| load | phase | kind | passes | tokens a pass | device ms a pass | device us a token |",
+            "|---|---|---|---:|---:|---:|---:|", *rows, ""]
 
 
 def compile_lines(key: str, loads: Mapping) -> list[str]:

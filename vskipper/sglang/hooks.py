@@ -156,7 +156,8 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
             model.part_clock.wrap(runner.token_to_kv_pool, "set_kv_buffer", "kv_write")
             output = model.part_clock.around_pass(forward_batch.forward_mode,
                                                   lambda: original(runner, forward_batch, *args, **kwargs),
-                                                  model.control_pass(), pass_tokens(forward_batch))
+                                                  model.control_pass(), pass_tokens(forward_batch),
+                                                  model.pass_is_routed(forward_batch))
     except BaseException:
         model.slot.prepared = None
         raise

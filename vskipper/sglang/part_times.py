@@ -18,7 +18,8 @@ a pass at 16 layers). It reads the host's clock: on CPU that is the work; on a G
 asynchronously, it times their launches: what the host spends on each part, not the device. There it also times
 each pass's span on the device (CUDA events recorded before and after the forward, read once they complete, a
 pass or more later, never waited for by the passes; none in a CUDA graph capture): `device_seconds_total` and
-`device_passes_total` per phase. The span includes any wait of the device for the host's launches: where the host
+`device_passes_total` per phase. A routed pass is counted again apart (`routed_total`: its passes, tokens, host
+and device seconds per phase), so that a hybrid arm's routed passes stand apart from its dense ones. The span includes any wait of the device for the host's launches: where the host
 runs ahead it is the pass's device time, and a span about as long as the pass's host time (longer by the last
 kernels' tail) marks a host-bound pass. The clock's own wrapped calls add to the host's time (a few
 microseconds each, some 250 a pass at 16 layers).
@@ -60,6 +61,10 @@ def pass_tokens(forward_batch) -> int:
     return int(ids.shape[0]) if ids is not None else int(forward_batch.batch_size)
 
 
+# The routed passes' own totals (`routed_total`), per phase: passes, tokens, host seconds (the forward whole),
+# device seconds over the passes the device's clock reached.
+ROUTED_FIELDS = ("passes_total", "tokens_total", "host_seconds_total", "device_seconds_total", "device_passes_total")
+
 PARTS = ("q", "kv", "qkv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue")
 
 
@@ -94,7 +99,10 @@ class PartClock:
         self.errors: dict[str, str] = {}  # why the device's spans stopped, where they did (`_lost`)
         self.device_seconds: dict[str, float] = defaultdict(float)
         self.device_passes: dict[str, int] = defaultdict(int)
-        self._pending: deque[tuple[str, Any, Any]] = deque()  # (phase, start, end) of passes the device runs
+        self._pending: deque[tuple[str, bool, Any, Any]] = deque()  # (phase, routed, start, end): on the device
+        # The routed passes' share of each total (`routed_total`): a hybrid arm's passes run routed or dense, each
+        # kind at its own cost; the dense passes' are the totals less these.
+        self.routed: dict[str, dict[str, float]] = {field: defaultdict(float) for field in ROUTED_FIELDS}
         self.phase = "other"
         self.where = "outside"  # the layer kind running now ('routed', 'dense'), 'outside' between layers
         self.seconds: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(
@@ -157,9 +165,10 @@ class PartClock:
             if hasattr(layer, "router_proj"):
                 self.wrap(layer.router_proj, "forward", "projector")
 
-    def around_pass(self, forward_mode, run, control: bool = False, tokens: int = 0):
+    def around_pass(self, forward_mode, run, control: bool = False, tokens: int = 0, routed: bool = False):
         """Time one forward pass (`run()`) of SGLang's batch mode `forward_mode` over `tokens` rows; what its
-        layers do not take is `outside`. An interleaved control pass is a phase of its own (`CONTROL_PHASES`)."""
+        layers do not take is `outside`. An interleaved control pass is a phase of its own (`CONTROL_PHASES`). A
+        `routed` pass is counted in `routed_total` too."""
         self.phase = clock_phase("decode" if forward_mode.is_decode() else "prefill" if forward_mode.is_extend()
                                  else "other", control)
         marks, events = None, self.events  # no event is recorded or queried in a capture
@@ -169,9 +178,11 @@ class PartClock:
                 marks[0].record()
             except Exception as exc:  # the clock's failure never fails the pass
                 marks = self._lost(exc)
+        t0 = self.clock()
         try:
             return self.timed(run, "outside", "outside")()
         finally:
+            host = self.clock() - t0
             if marks is not None:
                 try:
                     marks[1].record()
@@ -180,10 +191,14 @@ class PartClock:
                 else:
                     with self._settling:
                         if self.events is not None:  # not lost meanwhile (by the reader's thread)
-                            self._pending.append((self.phase, *marks))
+                            self._pending.append((self.phase, routed, *marks))
                 self.settle()
             self.passes[self.phase] += 1
             self.tokens[self.phase] += tokens
+            if routed:
+                self.routed["passes_total"][self.phase] += 1
+                self.routed["tokens_total"][self.phase] += tokens
+                self.routed["host_seconds_total"][self.phase] += host
 
     def _lost(self, exc: Exception) -> None:
         """A timing event failed: the device's spans stop (the host's go on, and the pass with them), and the
@@ -197,10 +212,14 @@ class PartClock:
         """Count the device time of each pass whose end the device has reached, in order, without waiting."""
         with self._settling:
             try:
-                while self._pending and self._pending[0][2].query():
-                    phase, start, end = self._pending[0]
-                    self.device_seconds[phase] += start.elapsed_time(end) / 1e3
+                while self._pending and self._pending[0][3].query():
+                    phase, routed, start, end = self._pending[0]
+                    span = start.elapsed_time(end) / 1e3
+                    self.device_seconds[phase] += span
                     self.device_passes[phase] += 1
+                    if routed:
+                        self.routed["device_seconds_total"][phase] += span
+                        self.routed["device_passes_total"][phase] += 1
                     self._pending.popleft()
             except Exception as exc:
                 self._lost(exc)
@@ -212,7 +231,7 @@ class PartClock:
         Whether it read them (where an event failed the device's spans stop, `_lost`). Never while a graph is
         captured: its caller, the runtime's state document, is held off then (`Runtime.capturing_graphs`)."""
         try:
-            for _, _, end in list(self._pending):
+            for *_, end in list(self._pending):
                 end.synchronize()
             self.settle()
             return not self.errors
@@ -225,12 +244,13 @@ class PartClock:
         written."""
         return {"parts": self.parts, "passes_total": self.passes, "tokens_total": self.tokens,
                 "seconds_total": self.seconds, "device_seconds_total": self.device_seconds,
-                "device_passes_total": self.device_passes, "errors": self.errors}
+                "device_passes_total": self.device_passes, "routed_total": self.routed, "errors": self.errors}
 
     def attestation(self) -> dict[str, Any]:
         """A copy of `live`, as plain dicts."""
         return {field: {phase: {where: dict(parts) for where, parts in kinds.items()} for phase, kinds in value.items()}
-                if field == "seconds_total" else dict(value) if isinstance(value, dict) else value
+                if field == "seconds_total" else {f: dict(v) for f, v in value.items()} if field == "routed_total"
+                else dict(value) if isinstance(value, dict) else value
                 for field, value in self.live().items()}
 
 
