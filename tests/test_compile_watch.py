@@ -39,6 +39,7 @@ def test_a_kernel_compiled_is_counted_with_its_seconds_and_a_load_from_the_cache
     doc = out["doc"]
     assert doc["watched"] and doc["compiles_total"] == 1 and doc["cache_loads_total"] == 1
     assert doc["compiles_by_kernel"] == {"cohort_maps_kernel": 1} and doc["compile_seconds_total"] > 0
+    assert doc["cache_loads_by_kernel"] == {"cohort_maps_kernel": 1}
     assert [r["kernel"] for r in doc["recent"]] == ["cohort_maps_kernel"]
     assert out["before"] == [["cohort_maps_kernel", False], ["cohort_maps_kernel", True]]
 
@@ -53,4 +54,4 @@ def test_the_runtime_attests_the_watch(tmp_path):
     doc = runtime.attestation()["triton_compiles"]
     assert doc["watched"] is True and doc["compiles_total"] >= 0
     assert set(doc) == {"watched", "compiles_total", "compile_seconds_total", "cache_loads_total",
-                        "compiles_by_kernel", "recent"}
+                        "compiles_by_kernel", "cache_loads_by_kernel", "recent"}

@@ -288,27 +288,33 @@ def test_the_kernels_a_server_compiled_inside_a_cells_window_are_named_with_the_
     attestations do not count them has None, and the summary names only the cells that compiled."""
     suite = headline.gsm8k_suite("s", 2, 2, 500, (20, 40), (4, 12))
 
-    def watch(n: int, seconds: float, kernels: dict) -> dict:
+    def watch(n: int, seconds: float, kernels: dict, loads: dict | None = None) -> dict:
         return {"triton_compiles": {"watched": True, "compiles_total": n, "compile_seconds_total": seconds,
-                                    "cache_loads_total": 0, "compiles_by_kernel": kernels, "recent": []}}
+                                    "cache_loads_total": sum((loads or {}).values()), "compiles_by_kernel": kernels,
+                                    "cache_loads_by_kernel": loads or {}, "recent": []}}
 
     cells = []
     for before, after in ((watch(30, 20.0, {"gemm": 30}), watch(34, 26.0, {"gemm": 30, "cohort_maps_kernel": 4})),
                           (watch(34, 26.0, {"gemm": 30}), watch(34, 26.0, {"gemm": 30})),
-                          ({}, watch(1, 1.0, {"gemm": 1}))):
+                          ({}, watch(1, 1.0, {"gemm": 1})),
+                          (watch(34, 26.0, {"gemm": 30}, {"gemm": 2}), watch(34, 26.0, {"gemm": 30}, {"gemm": 5}))):
         cell = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
         cell.attestation_before, cell.attestation_after = before, after
         cells.append(cell)
     got = [headline.window_compiles(c) for c in cells]
-    assert got[0] == {"compiles": 4, "seconds": pytest.approx(6.0), "kernels": {"cohort_maps_kernel": 4}}
-    assert got[1] == {"compiles": 0, "seconds": 0.0, "kernels": {}} and got[2] is None
+    assert got[0] == {"compiles": 4, "seconds": pytest.approx(6.0), "kernels": {"cohort_maps_kernel": 4},
+                      "cache_loads": {}}
+    assert got[1] == {"compiles": 0, "seconds": 0.0, "kernels": {}, "cache_loads": {}} and got[2] is None
+    assert got[3]["cache_loads"] == {"gemm": 3}
     loads = {headline.KNEE: {"compiles": {"dense": [got[1], got[1]], "arm": got}}}
     assert headline.compile_lines("hybrid-tau", loads) == [
-        "Triton kernels compiled inside a cell's window (each held the passes behind it while it compiled): "
-        "hybrid-tau at 0.95 Q*, repetition 0: 4 (6.00 s; cohort_maps_kernel x4).", ""]
-    quiet = {headline.KNEE: {"compiles": {"dense": [got[1]], "arm": [got[1]]}}}
+        "Triton kernels first launched inside a cell's window, built there (each held the passes behind it while "
+        "it compiled) or loaded from Triton's cache (built on a machine whose cache lacks it): hybrid-tau at "
+        "0.95 Q*, repetition 0: 4 built (6.00 s; cohort_maps_kernel x4); hybrid-tau at 0.95 Q*, repetition 3: 0 "
+        "built, loaded from the cache: gemm x3.", ""]
+    quiet = {headline.KNEE: {"compiles": {"dense": [got[1]], "arm": [got[1]]}}}  # nothing new in the windows
     assert headline.compile_lines("hybrid-tau", quiet) == [
-        "No Triton kernel compiled inside any cell's window of hybrid-tau or dense.", ""]
+        "No Triton kernel first launched inside any cell's window of hybrid-tau or dense.", ""]
     assert headline.compile_lines("hybrid-tau", {headline.KNEE: {"compiles": {"dense": [None], "arm": [None]}}}) == []
 
 

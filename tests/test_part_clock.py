@@ -327,6 +327,7 @@ def test_a_routed_pass_is_counted_apart_as_well_so_a_hybrid_arms_dense_passes_ar
     assert att["passes_total"] == {"prefill": 2, "decode": 1} and att["tokens_total"]["prefill"] == 3000
     routed = att["routed_total"]
     assert routed["passes_total"] == {"prefill": 1, "decode": 1}
+    assert all(type(n) is int for f in ("passes_total", "tokens_total", "device_passes_total") for n in routed[f].values())
     assert routed["tokens_total"] == {"prefill": 2000, "decode": 30}
     assert routed["host_seconds_total"]["prefill"] == pytest.approx(0.060)
     assert routed["device_passes_total"] == {"prefill": 1, "decode": 1}

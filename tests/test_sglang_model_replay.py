@@ -194,38 +194,50 @@ def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(t
         assert "aten.nonzero.default" in waits["prefill"] and "aten.nonzero.default" in waits["decode"]
 
 
-def test_every_cohort_maps_launch_a_served_pass_makes_is_a_variant_compiled_before_serving(tmp_path, monkeypatch):
-    """The served model compiles the maps' launch when it is built (`warm_cohort_maps`), so that no pass while
-    serving compiles one and holds the passes behind it (four did on the H200, 1.3-1.7 s each). Each launch is
-    keyed as Triton's JIT keys its compiled variants (every argument's specialization, the switches, the warps):
-    the prefill passes of 2 x 16 and 3 x 7 tokens and a decode pass of 3 rows, at every routed layer (each a row
-    of the skipper's [layers, rows] routes, aligned or not), launch only variants the build launched. With every
-    argument specialized, as the JIT does by default, they would not: the key is the one that tells."""
+def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_serving(tmp_path, monkeypatch):
+    """The served model runs its routed layer's Triton launches when it is built (`warm_layer`: the cohort maps
+    with dense-mode rows and without, the routed body at a pass in each range of its tiles), so that no pass
+    while serving compiles one and holds the passes behind it (the maps compiled four times while serving on the
+    H200, 1.3-1.7 s each). Each launch is keyed as Triton's JIT keys its compiled variants (every argument's
+    specialization, the switches, the block sizes and warps): the prefill passes of 2 x 16 and 3 x 7 tokens and a
+    decode pass of 3 rows, at every routed layer (each a row of the skipper's [layers, rows] routes, aligned or
+    not), launch only variants the build launched, but for the reads, which need the engine's KV pool (the packed
+    prefill read here; the masked decode read compiles when decode graphs are captured). With every argument of
+    the maps' launch specialized, as the JIT does by default, they would not: the key is the one that tells."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.interpreter import InterpretedFunction
 
     from vskipper.mixed import kernels
     from vskipper.sglang import active
     from vskipper.sglang.configs import register_configs
     from vskipper.sglang.standalone import init_sglang
 
-    kernel = kernels.cohort_maps_kernel
-    names, kept = kernel.arg_names, set(kernel.kwargs.get("do_not_specialize") or ())
-    launches: list[tuple[str, dict, dict]] = []
+    reads = {"packed_prefill_kernel", "masked_decode_split_kernel", "masked_decode_merge_kernel"}
+    launches: list[tuple[str, str, tuple, tuple]] = []  # (when, kernel, its key, its key by the JIT's default)
     when = ["build"]
 
     class Recorder:
+        def __init__(self, name: str, kernel) -> None:
+            self.name, self.kernel = name, kernel
+            self.kept = set(kernel.kwargs.get("do_not_specialize") or ())
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((when[0], dict(zip(names, args, strict=False)), kwargs))
-                return kernel[grid](*args, **kwargs)
+                bound = dict(zip(self.kernel.arg_names, args, strict=False))
+
+                def key(kept):
+                    return (*(native_specialize_impl(CUDABackend, bound[n], False, n not in kept, True)
+                              for n in self.kernel.arg_names if n in bound), *sorted(kwargs.items()))
+
+                launches.append((when[0], self.name, key(self.kept), key(set())))
+                return self.kernel[grid](*args, **kwargs)
             return launch
 
-    def variant(bound: dict, kwargs: dict, by_default: bool = False) -> tuple:
-        return (*(native_specialize_impl(CUDABackend, bound[n], False, by_default or n not in kept, True)
-                  for n in names if n in bound), *sorted(kwargs.items()))
-
-    monkeypatch.setattr(kernels, "cohort_maps_kernel", Recorder())
+    jitted = {name: obj for name, obj in vars(kernels).items()
+              if isinstance(obj, InterpretedFunction) and not name.startswith("_")}
+    for name, kernel in jitted.items():
+        monkeypatch.setattr(kernels, name, Recorder(name, kernel))
     monkeypatch.setattr(active, "_ACTIVE", [])
     monkeypatch.setattr(active, "_RUNTIME", [])
     init_sglang("cpu")
@@ -235,9 +247,13 @@ def test_every_cohort_maps_launch_a_served_pass_makes_is_a_variant_compiled_befo
     when[0] = "serving"
     for shape, first in ((Shape("prefill", 2, 16), 0), (Shape("prefill", 3, 7), 2), (Shape("decode", 3), 0)):
         m.whole(m.batch(shape, first))
-    built = {variant(b, k) for w, b, k in launches if w == "build"}
-    served = [(b, k) for w, b, k in launches if w == "serving"]
-    assert len(built) == 2 and len(served) >= 3 * 2  # with dense-mode rows and without; two routed layers a pass
-    assert {variant(b, k) for b, k in served} <= built
-    by_default = {variant(b, k, True) for b, k in served}
-    assert not by_default <= {variant(b, k, True) for w, b, k in launches if w == "build"}
+    built = {(name, key) for w, name, key, _ in launches if w == "build"}
+    served = {(name, key) for w, name, key, _ in launches if w == "serving" and name not in reads}
+    assert {name for name, _ in built} >= {"cohort_maps_kernel", "cohort_gemm_kernel"}
+    assert {name for name, _ in served} >= {"cohort_maps_kernel", "cohort_gemm_kernel"}
+    assert served <= built, sorted(name for name, _ in served - built)
+    assert {name for w, name, *_ in launches if w == "serving"} & reads  # the reads ran, and are not warmed
+    maps = {w: {default for when, name, _, default in launches if name == "cohort_maps_kernel" and when == w}
+            for w in ("build", "serving")}
+    assert len({key for w, name, key, _ in launches if name == "cohort_maps_kernel" and w == "build"}) == 2
+    assert not maps["serving"] <= maps["build"]  # by the JIT's default the served maps would compile anew

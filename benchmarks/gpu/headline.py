@@ -377,15 +377,20 @@ def load_doc(result: ABResult, requests: int) -> dict:
 
 def window_compiles(cell: CellResult) -> dict | None:
     """The Triton kernels the server compiled inside a cell's window (the difference of its two attestations'
-    `triton_compiles`: each one held the passes behind it while it compiled): how many, their seconds, per kernel;
-    None where an attestation does not count them."""
+    `triton_compiles`: each one held the passes behind it while it compiled): how many, their seconds, per kernel,
+    and the kernels it loaded from Triton's cache there (first launched while serving: on a machine whose cache
+    lacks them, compilations too); None where an attestation does not count them."""
     before, after = ((doc or {}).get("triton_compiles") for doc in (cell.attestation_before, cell.attestation_after))
     if not (before and after and before.get("watched") and after.get("watched")):
         return None
-    kernels = {k: n - before["compiles_by_kernel"].get(k, 0) for k, n in after["compiles_by_kernel"].items()}
+
+    def grown(field: str) -> dict:
+        was = before.get(field) or {}
+        return {k: n - was.get(k, 0) for k, n in (after.get(field) or {}).items() if n - was.get(k, 0)}
+
     return {"compiles": after["compiles_total"] - before["compiles_total"],
             "seconds": after["compile_seconds_total"] - before["compile_seconds_total"],
-            "kernels": {k: n for k, n in kernels.items() if n}}
+            "kernels": grown("compiles_by_kernel"), "cache_loads": grown("cache_loads_by_kernel")}
 
 
 # -- the figures beside their limits and the paper's ------------------------------------------------------------------
@@ -598,14 +603,17 @@ def compile_lines(key: str, loads: Mapping) -> list[str]:
         for side, name in (("dense", "dense"), ("arm", key)):
             for rep, c in enumerate((doc.get("compiles") or {}).get(side) or []):
                 counted = counted or c is not None
-                if c and c["compiles"]:
-                    kernels = ", ".join(f"{k} x{n}" for k, n in sorted(c["kernels"].items()))
-                    found.append(f"{name} at {CELL_FACTORS[load]} Q*, repetition {rep}: {c['compiles']} "
-                                 f"({c['seconds']:.2f} s; {kernels})")
+                if c and (c["compiles"] or c.get("cache_loads")):
+                    built = ", ".join(f"{k} x{n}" for k, n in sorted(c["kernels"].items()))
+                    loaded = ", ".join(f"{k} x{n}" for k, n in sorted((c.get("cache_loads") or {}).items()))
+                    found.append(f"{name} at {CELL_FACTORS[load]} Q*, repetition {rep}: {c['compiles']} built"
+                                 + (f" ({c['seconds']:.2f} s; {built})" if c["compiles"] else "")
+                                 + (f", loaded from the cache: {loaded}" if loaded else ""))
     if found:
-        return ["Triton kernels compiled inside a cell's window (each held the passes behind it while it "
-                "compiled): " + "; ".join(found) + ".", ""]
-    return [f"No Triton kernel compiled inside any cell's window of {key} or dense.", ""] if counted else []
+        return ["Triton kernels first launched inside a cell's window, built there (each held the passes behind "
+                "it while it compiled) or loaded from Triton's cache (built on a machine whose cache lacks it): "
+                + "; ".join(found) + ".", ""]
+    return [f"No Triton kernel first launched inside any cell's window of {key} or dense.", ""] if counted else []
 
 
 def _per_pass(spans: Mapping) -> str:

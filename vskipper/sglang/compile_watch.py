@@ -27,6 +27,7 @@ _previous = None
 _counts: Counter = Counter()  # "compiles" (built), "cache_loads" (loaded from Triton's cache)
 _seconds = 0.0  # the built ones' compile time
 _by_kernel: Counter = Counter()  # kernel name -> compilations built
+_loads_by_kernel: Counter = Counter()  # kernel name -> loads from Triton's cache (a fresh machine compiles each)
 _recent: deque = deque(maxlen=RECENT)
 
 
@@ -60,6 +61,7 @@ def on_compilation(*, src, metadata, metadata_group, times, cache_hit) -> None:
     with _lock:
         if cache_hit:
             _counts["cache_loads"] += 1
+            _loads_by_kernel[name] += 1
             return
         _counts["compiles"] += 1
         _seconds += seconds
@@ -69,8 +71,10 @@ def on_compilation(*, src, metadata, metadata_group, times, cache_hit) -> None:
 
 def attestation() -> dict[str, Any]:
     """The compilations so far in this process: built (`compiles_total`, their seconds, per kernel) and loaded
-    from Triton's cache, with the latest built ones."""
+    from Triton's cache (per kernel: on a machine whose cache lacks them, each is built), with the latest built
+    ones."""
     with _lock:
         return {"watched": _installed, "compiles_total": _counts["compiles"],
                 "compile_seconds_total": round(_seconds, 4), "cache_loads_total": _counts["cache_loads"],
-                "compiles_by_kernel": dict(sorted(_by_kernel.items())), "recent": list(_recent)}
+                "compiles_by_kernel": dict(sorted(_by_kernel.items())),
+                "cache_loads_by_kernel": dict(sorted(_loads_by_kernel.items())), "recent": list(_recent)}

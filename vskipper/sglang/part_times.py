@@ -102,7 +102,8 @@ class PartClock:
         self._pending: deque[tuple[str, bool, Any, Any]] = deque()  # (phase, routed, start, end): on the device
         # The routed passes' share of each total (`routed_total`): a hybrid arm's passes run routed or dense, each
         # kind at its own cost; the dense passes' are the totals less these.
-        self.routed: dict[str, dict[str, float]] = {field: defaultdict(float) for field in ROUTED_FIELDS}
+        self.routed: dict[str, dict[str, float]] = {field: defaultdict(float if "seconds" in field else int)
+                                                     for field in ROUTED_FIELDS}
         self.phase = "other"
         self.where = "outside"  # the layer kind running now ('routed', 'dense'), 'outside' between layers
         self.seconds: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(

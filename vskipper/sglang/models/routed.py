@@ -60,6 +60,7 @@ from vskipper.mixed.cohorts import warm_cohort_maps
 from vskipper.mixed.plan_buffers import PlanBuffers, expand_rows
 from vskipper.mixed.routed_layer import Handoff, routed_layer
 from vskipper.mixed.tiles import ReadTile, TileTableError, table_label
+from vskipper.mixed.warm import WarmOps, warm_routed_layer
 from vskipper.sglang import active
 from vskipper.sglang.part_times import PartClock, PassClock, clock_phase, cuda_events
 from vskipper.sglang.replay import PHASES, ReplayLedger
@@ -466,18 +467,38 @@ class SGLangLayerOps:
         return self.layer.mlp(v)
 
     def mlp_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of the MLP's gate and up rows of `gate_up_proj` and of `down_proj` (the triton execution only,
-        where `triton_blocker` found plain weights on one rank)."""
-        mlp = self.layer.mlp
-        gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)
-        return gate, up, mlp.down_proj.weight
+        return mlp_weights(self.layer)
 
     def attention_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """A view of the Q rows of `qkv_proj` (and of its bias), and `o_proj`'s weight (the triton execution only,
-        where `triton_blocker` found plain weights on one rank and no o_proj bias)."""
-        a = self.attn
-        bias = a.qkv_proj.bias[: a.q_size] if a.qkv_proj.bias is not None else None
-        return a.qkv_proj.weight[: a.q_size], bias, a.o_proj.weight
+        return attention_weights(self.layer)
+
+
+def mlp_weights(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of an SGLang layer's MLP gate and up rows of `gate_up_proj` and of `down_proj` (the triton execution
+    only, where `triton_blocker` found plain weights on one rank)."""
+    gate, up = layer.mlp.gate_up_proj.weight.chunk(2, dim=0)
+    return gate, up, layer.mlp.down_proj.weight
+
+
+def attention_weights(layer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A view of the Q rows of an SGLang layer's `qkv_proj` (and of its bias), and `o_proj`'s weight (the triton
+    execution only, where `triton_blocker` found plain weights on one rank and no o_proj bias)."""
+    a = layer.self_attn
+    bias = a.qkv_proj.bias[: a.q_size] if a.qkv_proj.bias is not None else None
+    return a.qkv_proj.weight[: a.q_size], bias, a.o_proj.weight
+
+
+def warm_layer(layer, execution: CohortExecution, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the triton execution's launches before serving (`vskipper.mixed.warm`): the cohort maps, and the
+    routed body over `layer`'s own weights at a pass in each range of the execution's tiles (on the GPU up to
+    2,049 rows: some hundred MB of activations, handed back before the engine sizes its KV pool). A launch
+    compiled while serving would hold every pass behind it."""
+    warm_cohort_maps(dtype, device)
+    ops = WarmOps(attention_weights(layer), mlp_weights(layer), layer.router_proj, layer.post_attention_layernorm,
+                  layer.self_attn.kv_size, execution.prefill_read == "backend")
+    warm_routed_layer(ops, hidden, dtype, device, execution.tiles)
+    if device.type == "cuda":  # its activations handed back: the engine sizes its KV pool from what is free next
+        torch.cuda.empty_cache()
 
 
 def project_only_q(qkv_projs, execution: CohortExecution) -> str:
@@ -712,9 +733,10 @@ class SkipperCausalLM(RouterWeightsMixin):
             raise ServeConfigError(f"{ENV_EXECUTION}=triton, but the routed layers cannot run it: "
                                    f"{self.slot.execution.reason}")
         self.graph_blocker = routed_graph_blocker(self.slot.execution, device)
-        if self.runtime.skipper is not None and self.slot.execution.decode == "triton":
-            # compiled before serving: a first launch while serving would hold every pass behind it
-            warm_cohort_maps(self.model.embed_tokens.weight.dtype, device)
+        if self.runtime.skipper is not None and self.slot.execution.decode == "triton" and layers \
+                and device.type != "meta":  # a loader that builds on the meta device has no memory to run in
+            weight = self.model.embed_tokens.weight
+            warm_layer(layers[0], self.slot.execution, weight.shape[1], weight.dtype, device)
         active.register(self)  # for the SGLang hooks around the forward and the graph runners
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
         # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
