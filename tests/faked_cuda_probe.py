@@ -52,6 +52,29 @@ def _compare(norm, x: torch.Tensor, residual: torch.Tensor) -> dict:
             "fused_residual_max_err": float((fused_residual - native_residual).abs().max())}
 
 
+def dispatched() -> dict:
+    """The path SGLang's own dispatch (`BaseFusedOp.forward`) runs for RMSNorm, with and without a residual, and
+    SiLU-and-mul in this process's environment: the method each call reached."""
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    taken: dict[str, list[str]] = {}
+    calls = (("RMSNorm", RMSNorm(8), (torch.randn(2, 8),)), ("RMSNorm+residual", RMSNorm(8), (torch.randn(2, 8),
+             torch.randn(2, 8))), ("SiluAndMul", SiluAndMul(), (torch.randn(2, 8),)))
+    def recorder(label: str, name: str, bound):
+        def record(*a, **k):
+            taken.setdefault(label, []).append(name)
+            return bound(*a, **k)
+        return record
+
+    for label, op, args in calls:
+        for name in ("forward_native", "forward_cuda"):
+            setattr(op, name, recorder(label, name, getattr(op, name)))
+        with torch.no_grad():
+            op(*args)
+    return taken
+
+
 VSKIPPER_SERVER = ("vskipper.sglang.server", "vskipper.sglang.models.ddllama", "vskipper.sglang.models.qwen3_skipper",
                    "vskipper.sglang.hooks")
 # `vskipper tune-tiles` (`--tuner`): the tuner and SGLang's extend kernel it times, in a process without stand-ins
@@ -87,6 +110,7 @@ def main() -> int:
         result["sgl_kernel"] = sgl_kernel.__file__
         result["torch_ops_sgl_kernel"] = [n for n in dir(torch.ops.sgl_kernel) if not n.startswith("_") and n != "name"]
         result.update(rmsnorm_through_sglang())
+        result["dispatched"] = dispatched()
         if "--distributions" in sys.argv:
             result["distributions"] = loaded_distributions()
     print(json.dumps(result))

@@ -1,6 +1,8 @@
 """Stand-in for SGLang's CUDA kernel package `sgl_kernel` on a GPU machine that lacks the wheel.
 
-Called on the Llama / Qwen3 path with the Triton attention backend (torch, on the tensors' device):
+Called by the Llama / Qwen3 path's CUDA forwards with the Triton attention backend (torch, on the tensors' device);
+without `--gpu-jit` SGLang's forced torch backend runs its ops' torch paths instead and never reaches the first
+three (SGLang's graph runners call `weak_ref_tensor` directly):
   rmsnorm(input, weight, eps, out, enable_pdl) -> out = RMSNorm(input) * weight
   fused_add_rmsnorm(input, residual, weight, eps, enable_pdl) -> None, in place: residual = input + residual,
       input = RMSNorm(residual) * weight, the sum and the norm in fp32 (as the CUDA kernel computes them)
