@@ -253,7 +253,7 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
     assert {name for name, _ in served} >= {"cohort_maps_kernel", "cohort_gemm_kernel"}
     assert served <= built, sorted(name for name, _ in served - built)
     assert {name for w, name, *_ in launches if w == "serving"} & reads  # the reads ran, and are not warmed
-    maps = {w: {default for when, name, _, default in launches if name == "cohort_maps_kernel" and when == w}
+    maps = {w: {default for at, name, _, default in launches if name == "cohort_maps_kernel" and at == w}
             for w in ("build", "serving")}
     assert len({key for w, name, key, _ in launches if name == "cohort_maps_kernel" and w == "build"}) == 2
     assert not maps["serving"] <= maps["build"]  # by the JIT's default the served maps would compile anew

@@ -1,19 +1,20 @@
 """A routed layer's Triton launches compiled before it serves.
 
-Triton compiles a kernel once per compiled variant (its switches and block sizes, and how its arguments
-specialize), at the variant's first launch. A served routed layer's triton execution picks its GEMM tiles by the
-pass's rows (`vskipper.mixed.tiles.COUNT_RANGES`: a prefill pass's ranges from 513 rows), so the first routed
-pass of each size range would compile its GEMMs while serving, holding every pass behind it (the cohort maps,
-whose block the pass once sized, took 1.3-1.7 s a compilation on the H200; SGLang's log warns of each). `warm_routed_layer` runs the routed body (`routed_layer`, the triton execution)
-once at a pass size in each range of the tiles it serves with, over a layer's own weights, before the server
-serves. Its attention is stood in for (`WarmOps`: no K/V is written, no read runs), since that needs the
-engine's KV pool: the reads are the engine's kernels or launched at shapes that do not depend on the pass's range
-(the masked decode read compiles when decode graphs are captured); the packed prefill read is not warmed.
+Triton compiles a kernel once per compiled variant (its switches and block sizes, and how its arguments specialize),
+at the variant's first launch. A served routed layer's triton execution picks its GEMM tiles by the pass's rows
+(`vskipper.mixed.tiles.COUNT_RANGES`: a prefill pass's ranges from 513 rows), so the first routed pass of each size
+range would compile its GEMMs while serving, holding every pass behind it (the cohort maps, whose block the pass
+once sized, took 1.3-1.7 s a compilation on the H200; SGLang's log warns of each). `warm_routed_layer` runs the
+routed body (`routed_layer`, the triton execution) once at a pass size in each range of the tiles it serves with,
+over a layer's own weights, before the server serves. Its attention is stood in for (`WarmOps`: no K/V is written,
+no read runs), since that needs the engine's KV pool: the reads are the engine's kernels or launched at shapes that
+do not depend on the pass's range (the masked decode read compiles when decode graphs are captured); the packed
+prefill read is not warmed.
 
-The body's arguments are laid out as a served pass lays them out: the route recorded into a tape and the cohort
-maps built from it (`CohortBuilder.record_and_build`), the tape's rows 16-byte aligned, fresh contiguous
-activations. Each launch then keys the variant a served pass of that range keys
-(`tests/test_sglang_model_replay.py` checks that every launch of a served pass is one the build made).
+The body's arguments are laid out as a served pass lays them out: the route recorded into a tape and the cohort maps
+built from it (`CohortBuilder.record_and_build`), the tape's rows 16-byte aligned, fresh contiguous activations.
+Each launch then keys the variant a served pass of that range keys (`tests/test_sglang_model_replay.py` checks that
+every launch of a served pass is one the build made).
 """
 
 from __future__ import annotations

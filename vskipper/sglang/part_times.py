@@ -19,10 +19,10 @@ asynchronously, it times their launches: what the host spends on each part, not 
 each pass's span on the device (CUDA events recorded before and after the forward, read once they complete, a
 pass or more later, never waited for by the passes; none in a CUDA graph capture): `device_seconds_total` and
 `device_passes_total` per phase. A routed pass is counted again apart (`routed_total`: its passes, tokens, host
-and device seconds per phase), so that a hybrid arm's routed passes stand apart from its dense ones. The span includes any wait of the device for the host's launches: where the host
-runs ahead it is the pass's device time, and a span about as long as the pass's host time (longer by the last
-kernels' tail) marks a host-bound pass. The clock's own wrapped calls add to the host's time (a few
-microseconds each, some 250 a pass at 16 layers).
+and device seconds per phase), so that a hybrid arm's routed passes stand apart from its dense ones. The span
+includes any wait of the device for the host's launches: where the host runs ahead it is the pass's device time,
+and a span about as long as the pass's host time (longer by the last kernels' tail) marks a host-bound pass. The
+clock's own wrapped calls add to the host's time (a few microseconds each, some 250 a pass at 16 layers).
 
 With `pass_spans` alone (`VSKIPPER_PASS_SPANS=1`) the clock wraps nothing: each pass's host span (its forward,
 `outside`) and device span are timed whole, cheap enough to leave on beside the figures they explain (the device
