@@ -246,6 +246,8 @@ def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(d
                 assert parts["forward"] > 0 and parts["http"] > -1e-3, parts
                 assert parts["scheduled"] + parts["output"] > -1e-3, parts
         assert arm["line"]["points"] == len(arm["decode"])
+        # what it compiled while serving its cells: nothing in the interpreter (nothing compiles), but counted
+        assert arm["compiles"] == {"compiles": 0, "seconds": 0.0, "kernels": {}, "cache_loads": {}}
         # each cell's passes as the server's clock timed them: the host's alone on a CPU (no device events)
         for cell in arm["decode"] + arm["prefill"]:
             assert cell["pass_spans"]["host_ms"] > 0 and cell["pass_spans"]["passes"] >= 1
@@ -534,6 +536,19 @@ def test_a_clock_reading_the_server_served_late_is_read_again_and_a_late_window_
     lines = run.pass_span_lines({"dense": {"prefill": [cell]}})
     assert f"Readings the server served late (its document older than the read, after {READ_ATTEMPTS} reads; a " \
            "pass of such a window may sit in the next): dense 2 windows." in lines
+
+
+def test_the_sweep_names_the_kernels_an_arm_first_launched_while_serving_its_cells():
+    quiet = {"compiles": 0, "seconds": 0.0, "kernels": {}, "cache_loads": {}}
+    loud = {"compiles": 2, "seconds": 3.1, "kernels": {"cohort_maps_kernel": 2}, "cache_loads": {"_fwd_kernel": 1}}
+    assert run.sweep_compile_lines({"dense": {"compiles": quiet}, run.ALWAYS: {"compiles": loud},
+                                    run.CONTROL: {}}) == [
+        "Triton kernels first launched while an arm served its cells, built there or loaded from Triton's cache "
+        f"(built on a machine whose cache lacks them): {run.ALWAYS}: 2 built (3.10 s; cohort_maps_kernel x2), "
+        "loaded from the cache: _fwd_kernel x1.", ""]
+    assert run.sweep_compile_lines({"dense": {"compiles": quiet}}) == [
+        "No Triton kernel first launched while dense served their cells.", ""]
+    assert run.sweep_compile_lines({"dense": {}}) == []  # a sweep from before the count
 
 
 def test_ratio_range_spans_every_pairing_of_the_arms_repetitions():

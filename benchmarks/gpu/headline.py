@@ -380,7 +380,13 @@ def window_compiles(cell: CellResult) -> dict | None:
     `triton_compiles`: each one held the passes behind it while it compiled): how many, their seconds, per kernel,
     and the kernels it loaded from Triton's cache there (first launched while serving: on a machine whose cache
     lacks them, compilations too); None where an attestation does not count them."""
-    before, after = ((doc or {}).get("triton_compiles") for doc in (cell.attestation_before, cell.attestation_after))
+    return compiles_between(*((doc or {}).get("triton_compiles") for doc in (cell.attestation_before,
+                                                                              cell.attestation_after)))
+
+
+def compiles_between(before: Mapping | None, after: Mapping | None) -> dict | None:
+    """The compilations between two readings of a server's `triton_compiles` (`window_compiles`); None where either
+    reading does not count them."""
     if not (before and after and before.get("watched") and after.get("watched")):
         return None
 

@@ -451,6 +451,11 @@ def served(server: Server) -> dict:
             "thresholds": doc["thresholds"], "sglang_version": doc.get("sglang_version")}
 
 
+def triton_compiles(server: Server) -> dict | None:
+    """The Triton compilations the server counts now (its attestation's `triton_compiles`)."""
+    return server.get_json("/vskipper/attestation").get("triton_compiles")
+
+
 def pass_clock(server: Server) -> dict | None:
     """The server's part clock as its attestation holds it now, every pass timed so far read on the device too
     (the state writer waits for their end first). A document the server served late (`answered`: its clock may
@@ -983,6 +988,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                                 graph_batches=plan.batches)
             ready(plan, [server])
             capacity = kv_capacity(server)
+            compiled = triton_compiles(server)  # what the arm compiles while it serves its cells: from here
             decode, skipped = [], []
             for batch in plan.batches:
                 for ctx in plan.contexts:
@@ -1009,6 +1015,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
             result["arms"][name] = {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill,
                                     "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"])
                                                                           for d in decode]),
+                                    "compiles": headline.compiles_between(compiled, triton_compiles(server)),
                                     "served": served(server)}
         done.write_text(json.dumps(result["arms"][name], indent=1) + "\n")
     reference = sweep_reference(plan, stage, model, arms, vocab)
@@ -1470,6 +1477,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
         lines += prefill_graph_lines(c.get("prefill_graphs"))
         lines += ttft_parts_lines(sweep.get("arms") or {})
         lines += pass_span_lines(sweep.get("arms") or {})
+        lines += sweep_compile_lines(sweep.get("arms") or {})
         if c.get("goals"):
             lines += ["### The routed path's goals", "",
                       "| goal | threshold | deciding cell | its ratio | its range | cells | verdict |",
@@ -1488,6 +1496,27 @@ def markdown(results: dict, out: Path | None = None) -> str:
         lines.append("")
         lines += served_layer_lines(out / "kernels" / BENCH_JSON if out else None)
     return "\n".join(lines)
+
+
+def sweep_compile_lines(arms: dict) -> list[str]:
+    """The Triton kernels each sweep arm first launched while it served its cells (`compiles`: from ready to its
+    last cell), built there or loaded from Triton's cache: a compilation holds the passes behind it, so a cell it
+    fell in measures the compiler too."""
+    found, counted = [], []
+    for name, arm in arms.items():
+        c = arm.get("compiles")
+        if c is None:
+            continue
+        counted.append(name)
+        if c["compiles"] or c.get("cache_loads"):
+            built = ", ".join(f"{k} x{n}" for k, n in sorted(c["kernels"].items()))
+            loaded = ", ".join(f"{k} x{n}" for k, n in sorted((c.get("cache_loads") or {}).items()))
+            found.append(f"{name}: {c['compiles']} built" + (f" ({c['seconds']:.2f} s; {built})" if built else "")
+                         + (f", loaded from the cache: {loaded}" if loaded else ""))
+    if found:
+        return ["Triton kernels first launched while an arm served its cells, built there or loaded from Triton's "
+                "cache (built on a machine whose cache lacks them): " + "; ".join(found) + ".", ""]
+    return [f"No Triton kernel first launched while {', '.join(counted)} served their cells.", ""] if counted else []
 
 
 def prefill_graph_lines(reference: dict | None) -> list[str]:
