@@ -44,6 +44,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -295,6 +296,28 @@ def verdict(name: str, run) -> dict:
     return {"case": name, "ok": ok, "output_error": out_err, "kv_error": kv_err, "project_only_share": share}
 
 
+def timed_warm(layer, execution, hidden: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The warm-up a served model runs when it is built (`warm_layer`), first in this process, on this layer: its
+    seconds and the Triton compilations it made (`compile_watch`), built or loaded from Triton's cache: what a
+    routed server's start pays for it on this device."""
+    from vskipper.sglang import compile_watch
+    from vskipper.sglang.models.routed import warm_layer
+
+    compile_watch.install()
+    before = compile_watch.attestation()
+    t0 = time.perf_counter()
+    warm_layer(layer, execution, hidden, dtype, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    after = compile_watch.attestation()
+    return {"seconds": round(time.perf_counter() - t0, 3),
+            "compiles": after["compiles_total"] - before["compiles_total"],
+            "compile_seconds": round(after["compile_seconds_total"] - before["compile_seconds_total"], 3),
+            "cache_loads": after["cache_loads_total"] - before["cache_loads_total"],
+            "by_kernel": {k: n - before["compiles_by_kernel"].get(k, 0) for k, n in after["compiles_by_kernel"].items()
+                          if n - before["compiles_by_kernel"].get(k, 0)}}
+
+
 def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_table: Path | None, tmp: Path
           ) -> dict:
     """Every case of `cases` (`DEVICE_CASES` or `DRY_CASES`): the report `--json` writes."""
@@ -322,6 +345,8 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
     rig = ServedRig(hf_config, rows_max, context + 1, dtype, device, "triton", tile_table, serving_backend=named)
     served = rig.world.slot.execution
     report["execution"] = served.attestation()
+    report["warm"] = timed_warm(rig.layer, served, hf_config.hidden_size, dtype, device)
+    print(f"  the served model's warm-up on this layer: {json.dumps(report['warm'])}")
     graphs = device.type == "cuda" and rig.graph_blocker is None  # as a server captures its routed decode graphs
     if device.type == "cuda" and not graphs:
         report["decode_graphs"] = f"not replayed: {rig.graph_blocker}"
