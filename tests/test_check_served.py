@@ -34,6 +34,8 @@ def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path
         shares = [c["project_only_share"] for c in report["cases"] if c["case"].startswith(phase)]
         assert any(0 < s < 1 for s in shares)
     assert all(c["project_only_share"] == 0 for c in report["cases"] if ", s=0," in c["case"])
+    # the served model's warm-up, timed first: nothing compiles in the interpreter, but it ran and was counted
+    assert report["warm"]["compiles"] == 0 and report["warm"]["seconds"] > 0 and report["warm"]["by_kernel"] == {}
 
 
 @pytest.mark.parametrize("kernel,strays", [
@@ -144,6 +146,7 @@ def test_a_case_that_cannot_run_is_reported_not_passed(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "cohort_ffn_pair", broken)
     report = _check(tmp_path)  # every routed pass launches the FFN pair: no case runs, and none passes
     assert not report["ok"] and all("illegal memory access" in c["error"] for c in report["cases"])
+    assert "illegal memory access" in report["warm"]["error"]  # the warm-up runs the pair too: reported, not raised
 
 
 def test_the_summary_puts_the_check_first_and_says_what_a_straying_case_puts_in_doubt():

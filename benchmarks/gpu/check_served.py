@@ -345,7 +345,10 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
     rig = ServedRig(hf_config, rows_max, context + 1, dtype, device, "triton", tile_table, serving_backend=named)
     served = rig.world.slot.execution
     report["execution"] = served.attestation()
-    report["warm"] = timed_warm(rig.layer, served, hf_config.hidden_size, dtype, device)
+    try:
+        report["warm"] = timed_warm(rig.layer, served, hf_config.hidden_size, dtype, device)
+    except Exception as exc:  # noqa: BLE001 (what stopped it is the report's: the cases show what runs)
+        report["warm"] = {"error": f"{type(exc).__name__}: {str(exc).strip()[:300]}"}
     print(f"  the served model's warm-up on this layer: {json.dumps(report['warm'])}")
     graphs = device.type == "cuda" and rig.graph_blocker is None  # as a server captures its routed decode graphs
     if device.type == "cuda" and not graphs:
