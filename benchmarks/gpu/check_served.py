@@ -300,6 +300,7 @@ def timed_warm(layer, execution, hidden: int, dtype: torch.dtype, device: torch.
     """The warm-up a served model runs when it is built (`warm_layer`), first in this process, on this layer: its
     seconds and the Triton compilations it made (`compile_watch`), built or loaded from Triton's cache: what a
     routed server's start pays for it on this device."""
+    from benchmarks.gpu.headline import compiles_between
     from vskipper.sglang import compile_watch
     from vskipper.sglang.models.routed import warm_layer
 
@@ -309,13 +310,8 @@ def timed_warm(layer, execution, hidden: int, dtype: torch.dtype, device: torch.
     warm_layer(layer, execution, hidden, dtype, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    after = compile_watch.attestation()
     return {"seconds": round(time.perf_counter() - t0, 3),
-            "compiles": after["compiles_total"] - before["compiles_total"],
-            "compile_seconds": round(after["compile_seconds_total"] - before["compile_seconds_total"], 3),
-            "cache_loads": after["cache_loads_total"] - before["cache_loads_total"],
-            "by_kernel": {k: n - before["compiles_by_kernel"].get(k, 0) for k, n in after["compiles_by_kernel"].items()
-                          if n - before["compiles_by_kernel"].get(k, 0)}}
+            "compiled": compiles_between(before, compile_watch.attestation())}
 
 
 def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_table: Path | None, tmp: Path

@@ -610,16 +610,21 @@ def compile_lines(key: str, loads: Mapping) -> list[str]:
             for rep, c in enumerate((doc.get("compiles") or {}).get(side) or []):
                 counted = counted or c is not None
                 if c and (c["compiles"] or c.get("cache_loads")):
-                    built = ", ".join(f"{k} x{n}" for k, n in sorted(c["kernels"].items()))
-                    loaded = ", ".join(f"{k} x{n}" for k, n in sorted((c.get("cache_loads") or {}).items()))
-                    found.append(f"{name} at {CELL_FACTORS[load]} Q*, repetition {rep}: {c['compiles']} built"
-                                 + (f" ({c['seconds']:.2f} s; {built})" if c["compiles"] else "")
-                                 + (f", loaded from the cache: {loaded}" if loaded else ""))
+                    found.append(f"{name} at {CELL_FACTORS[load]} Q*, repetition {rep}: {compiles_text(c)}")
     if found:
         return ["Triton kernels first launched inside a cell's window, built there (each held the passes behind "
                 "it while it compiled) or loaded from Triton's cache (built on a machine whose cache lacks it): "
                 + "; ".join(found) + ".", ""]
     return [f"No Triton kernel first launched inside any cell's window of {key} or dense.", ""] if counted else []
+
+
+def compiles_text(c: Mapping) -> str:
+    """One window's compilations (`compiles_between`) in words: how many built, their seconds and kernels, and the
+    kernels loaded from Triton's cache."""
+    built = ", ".join(f"{k} x{n}" for k, n in sorted(c["kernels"].items()))
+    loaded = ", ".join(f"{k} x{n}" for k, n in sorted((c.get("cache_loads") or {}).items()))
+    return (f"{c['compiles']} built" + (f" ({c['seconds']:.2f} s; {built})" if c["compiles"] else "")
+            + (f", loaded from the cache: {loaded}" if loaded else ""))
 
 
 def _per_pass(spans: Mapping) -> str:

@@ -1509,10 +1509,7 @@ def sweep_compile_lines(arms: dict) -> list[str]:
             continue
         counted.append(name)
         if c["compiles"] or c.get("cache_loads"):
-            built = ", ".join(f"{k} x{n}" for k, n in sorted(c["kernels"].items()))
-            loaded = ", ".join(f"{k} x{n}" for k, n in sorted((c.get("cache_loads") or {}).items()))
-            found.append(f"{name}: {c['compiles']} built" + (f" ({c['seconds']:.2f} s; {built})" if built else "")
-                         + (f", loaded from the cache: {loaded}" if loaded else ""))
+            found.append(f"{name}: {headline.compiles_text(c)}")
     if found:
         return ["Triton kernels first launched while an arm served its cells, built there or loaded from Triton's "
                 "cache (built on a machine whose cache lacks them): " + "; ".join(found) + ".", ""]

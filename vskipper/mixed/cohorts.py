@@ -119,13 +119,3 @@ def build_cohorts(run_mask: torch.Tensor) -> Cohorts:
     c = CohortBuilder(rows, run_mask.device).build(run_mask)
     return Cohorts(c.run_idx.clone(), c.proj_idx.clone(), c.n_run.clone(), c.n_proj.clone(), c.live)
 
-
-def warm_cohort_maps(dtype: torch.dtype, device: str | torch.device) -> None:
-    """Compile the maps' launch for a served model of `dtype` on `device` before it serves: a route recorded into a
-    tape of `dtype`, with dense-mode rows and without, through the builder and tape a server uses. Its one
-    compiled variant per dtypes and switches (`kernels.cohort_maps_kernel`) then serves every pass, where its first
-    launch would compile while serving and hold the passes behind it (1.3-1.7 s on the H200)."""
-    builder, tape = CohortBuilder(1, device), RouteTape(1, (0,), dtype, device)
-    route = LayerRoute(torch.ones(1, 1, dtype=torch.bool, device=device), torch.ones(1, 1, dtype=dtype, device=device))
-    for dense_rows in (None, torch.zeros(1, dtype=torch.bool, device=device)):
-        builder.record_and_build(tape, 0, route, dense_rows)

@@ -73,14 +73,17 @@ def warm_routed_layer(ops: WarmOps, hidden: int, dtype: torch.dtype, device: tor
                       rows: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """Run the routed body's triton execution once at each pass size of `rows` (`warm_rows` where None), half of
     its rows RUN, over `ops`' weights: every Triton launch a served pass of that size range makes is compiled by
-    it. Returns the sizes run."""
+    it. The cohort maps (one variant for every size) are built with dense-mode rows and without. Returns the sizes
+    run."""
     rows = warm_rows(tiles, device) if rows is None else rows
-    for n in rows:
+    for i, n in enumerate(rows):
         capacity = tape_capacity(n)
         tape, builder = RouteTape(capacity, (0,), dtype, device), CohortBuilder(capacity, device)
         tape.pad(n)
         run = (torch.arange(n, device=device) % 2 == 0).view(-1, 1)
         route = LayerRoute(run, torch.ones(n, 1, dtype=dtype, device=device))
+        if i == 0:  # the maps' other variant: a pass with dense-mode rows (none here)
+            builder.record_and_build(tape, 0, route, torch.zeros(n, dtype=torch.bool, device=device))
         cohorts = builder.record_and_build(tape, 0, route)
         run_row, weights = tape.layer(0, n)
         x = torch.zeros(n, hidden, dtype=dtype, device=device)

@@ -56,7 +56,6 @@ from sglang.srt.utils.common import use_intel_amx_backend
 
 from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
-from vskipper.mixed.cohorts import warm_cohort_maps
 from vskipper.mixed.plan_buffers import PlanBuffers, expand_rows
 from vskipper.mixed.routed_layer import Handoff, routed_layer
 from vskipper.mixed.tiles import ReadTile, TileTableError, table_label
@@ -489,11 +488,10 @@ def attention_weights(layer) -> tuple[torch.Tensor, torch.Tensor | None, torch.T
 
 
 def warm_layer(layer, execution: CohortExecution, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile the triton execution's launches before serving (`vskipper.mixed.warm`): the cohort maps, and the
-    routed body over `layer`'s own weights at a pass in each range of the execution's tiles (on the GPU up to
+    """Compile the triton execution's launches before serving (`vskipper.mixed.warm`): the routed body, its cohort
+    maps with it, over `layer`'s own weights at a pass in each range of the execution's tiles (on the GPU up to
     2,049 rows: some hundred MB of activations, handed back before the engine sizes its KV pool). A launch
     compiled while serving would hold every pass behind it."""
-    warm_cohort_maps(dtype, device)
     ops = WarmOps(attention_weights(layer), mlp_weights(layer), layer.router_proj, layer.post_attention_layernorm,
                   layer.self_attn.kv_size, execution.prefill_read == "backend")
     warm_routed_layer(ops, hidden, dtype, device, execution.tiles)
