@@ -18,6 +18,7 @@ import pytest
 from test_bench_cpu import check_quick_bench
 
 from demo.live import DEMO_ENTER_TOKENS, DEMO_EXIT_TOKENS
+from vskipper.constants import CONSTANTS
 
 
 def _demo(args, env, timeout=None) -> subprocess.CompletedProcess:
@@ -96,7 +97,8 @@ def test_full_demo_serves_both_arms_gates_the_ab_and_prints_attestation_and_metr
     dense = json.loads((out / "attestation-dense.json").read_text())
     assert hybrid["arm"]["name"] == "hybrid" and dense["arm"]["name"] == "dense"
     assert hybrid["thresholds"] == {"enter_tokens": DEMO_ENTER_TOKENS, "exit_tokens": DEMO_EXIT_TOKENS,
-                                       "source": "flags"}
+                                       "source": "flags", "prefill_floor_source": "vskipper.constants",
+                                       "prefill_floor_tokens": CONSTANTS.prefill_min_prompt_tokens}
     routed = hybrid["passes_total"]["decode"]["routed"]
     # (a burst starts every request routed, so nothing is promoted here: TestHybridArm proves promotion)
     assert routed > 0 and hybrid["rows_total"]["decode"]["project_only"] > 0

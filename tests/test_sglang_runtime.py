@@ -7,13 +7,15 @@ ids, sequence lengths, extend lengths); everything else is the real runtime, swi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from vskipper.arms import Arm, get_arm
+from vskipper.constants import CONSTANTS
 from vskipper.sglang.admission import AdmissionLimits
 from vskipper.sglang.runtime import Runtime
 from vskipper.sglang.spec import ServeConfigError, ServeSpec, check_arm_for_model
@@ -357,6 +359,38 @@ def test_serve_spec_round_trips_through_the_environment(tmp_path):
     assert ServeSpec.from_env(tuned.to_env()).tile_table == tmp_path / "tiles.json"
     with pytest.raises(ServeConfigError, match="VSKIPPER_SERVED_ARM is not set"):
         ServeSpec.from_env({})
+
+
+def test_a_served_prefill_floor_travels_to_the_switch_and_is_attested_beside_the_thresholds(tmp_path):
+    spec = ServeSpec(get_arm("prefill-only"), 0, 0, tmp_path / "s.json", prefill_floor_tokens=2048)
+    back = ServeSpec.from_env(spec.to_env())
+    assert back.prefill_floor_tokens == 2048
+    rt = Runtime(back, "ddllama", (2, 3), "DDLlamaForCausalLM")
+    assert rt.switch.constants.prefill_min_prompt_tokens == 2048
+    assert rt.switch.constants == replace(CONSTANTS, prefill_min_prompt_tokens=2048)
+    att = rt.attestation()
+    assert att["thresholds"]["prefill_floor_tokens"] == 2048 and att["thresholds"]["prefill_floor_source"] == "flags"
+    assert att["constants"]["prefill_min_prompt_tokens"] == CONSTANTS.prefill_min_prompt_tokens  # the module's
+    assert rt.switch.preview_prefill(2000).mode.value == "dense"  # over the constant's floor, under the served one
+    plain = Runtime(ServeSpec(get_arm("prefill-only"), 0, 0, None), "ddllama", (2, 3), "DDLlamaForCausalLM")
+    assert plain.switch.constants is CONSTANTS
+    assert plain.attestation()["thresholds"]["prefill_floor_source"] == "vskipper.constants"
+    dense = Runtime(ServeSpec(get_arm("dense"), 0, 0, None), "ddllama", (2, 3), "DDLlamaForCausalLM")
+    assert dense.attestation()["thresholds"]["prefill_floor_tokens"] is None
+
+
+@pytest.mark.parametrize("arm, floor, message", [
+    ("prefill-only", 0, "--prefill-floor-tokens must be a positive integer, got 0"),
+    ("prefill-only", True, "must be a positive integer, got True"),
+    ("decode-only", 2048, "arm 'decode-only' does not switch prefill (field 'prefill' is 'dense')"),
+    ("always-route", 2048, "field 'prefill' is 'routed'"),
+])
+def test_a_prefill_floor_is_refused_where_it_would_not_apply_or_is_not_a_token_count(arm, floor, message):
+    with pytest.raises(ServeConfigError, match=re.escape(message)):
+        ServeSpec(get_arm(arm), 0, 0, None, prefill_floor_tokens=floor)
+    env = ServeSpec(get_arm("prefill-only"), 0, 0, None).to_env()
+    with pytest.raises(ServeConfigError, match="VSKIPPER_SERVED_PREFILL_FLOOR_TOKENS must be an integer"):
+        ServeSpec.from_env({**env, "VSKIPPER_SERVED_PREFILL_FLOOR_TOKENS": "2k"})
 
 
 # -- admission rounds and prefix-cache namespaces (the scheduler hooks' runtime side) -------------------------------

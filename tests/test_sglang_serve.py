@@ -27,7 +27,8 @@ from loadgen.attestation import Attestation, pass_delta  # noqa: E402
 from tests.sglang_world import ROOT, greedy_reference, serve  # noqa: E402
 from vskipper.arms import get_arm  # noqa: E402
 from vskipper.checkpoint import TinySize  # noqa: E402
-from vskipper.sglang.spec import ENV_ARM, ENV_ENTER, ENV_EXECUTION, ENV_EXIT  # noqa: E402
+from vskipper.constants import CONSTANTS  # noqa: E402
+from vskipper.sglang.spec import ENV_ARM, ENV_ENTER, ENV_EXECUTION, ENV_EXIT, ENV_PREFILL_FLOOR  # noqa: E402
 from vskipper.skippers.registry import build_skipper  # noqa: E402
 
 pytestmark = pytest.mark.server  # real SGLang servers, and `vskipper serve` processes that refuse to start
@@ -36,6 +37,7 @@ PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 300, 12, 7], [100, 200, 300, 40
 NEW_TOKENS = 10
 QWEN3_SEED, QWEN3_ROUTED, QWEN3_EMBED_SCALE = 2, [0, 2, 3], 0.3  # the tiny Qwen3 checkpoint (see served_qwen3)
 HYBRID_ENTER, HYBRID_EXIT = 30, 20  # resident tokens V of the decode switch (tiny, so one request crosses them)
+HYBRID_PREFILL_FLOOR = 48  # the hybrid server's served prefill floor (`--prefill-floor-tokens`), under the constant's
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,7 @@ def all_run_server(served_model, tmp_path_factory):
 @pytest.fixture(scope="class")
 def hybrid_server(served_model, tmp_path_factory):
     with serve(served_model, tmp_path_factory.mktemp("hybrid"), arm="hybrid", enter_tokens=HYBRID_ENTER,
-               exit_tokens=HYBRID_EXIT, extra=("--enable-metrics",)) as s:
+               exit_tokens=HYBRID_EXIT, extra=("--enable-metrics",), prefill_floor_tokens=HYBRID_PREFILL_FLOOR) as s:
         yield s
 
 
@@ -238,6 +240,17 @@ def test_serve_derives_hybrid_thresholds_from_the_roofline_rule_for_the_gpu(serv
     assert int(env[ENV_ENTER]) == expected["enter_tokens"] > 0
     assert int(env[ENV_EXIT]) == expected["exit_tokens"] > 0
     assert env["VSKIPPER_THRESHOLDS_SOURCE"] == f"roofline:{device}"
+
+
+def test_serve_hands_a_prefill_floor_to_the_server_and_refuses_one_for_an_arm_that_does_not_switch_prefill(
+        served_model):
+    ok = _serve_cli("--model", str(served_model), "--arm", "prefill-only", "--prefill-floor-tokens", "2048",
+                    "--dry-run")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["environment"][ENV_PREFILL_FLOOR] == "2048"
+    r = _serve_cli("--model", str(served_model), "--arm", "dense", "--prefill-floor-tokens", "2048", "--dry-run")
+    assert r.returncode == 2
+    assert "--prefill-floor-tokens: arm 'dense' does not switch prefill" in r.stderr
 
 
 def test_serve_refuses_an_uncatalogued_gpu_naming_it(served_model, tmp_path):
@@ -447,7 +460,8 @@ class TestTritonExecution:
 
 
 class TestHybridArm:
-    """The hybrid arm with decode thresholds of 30/20 resident tokens; short prompts stay under the prefill floor."""
+    """The hybrid arm with decode thresholds of 30/20 resident tokens and a served prefill floor of 48 tokens;
+    prompts of 32 tokens or fewer stay under it."""
 
     def test_decode_turns_routed_when_resident_tokens_cross_enter_and_promotes_the_running_request(
             self, hybrid_server, served_model):
@@ -459,12 +473,26 @@ class TestHybridArm:
         assert out[:15] == dense_ref[:15]  # V < 30 for these steps: dense decode, as the dense model
         passes = {p: {m: after["passes_total"][p][m] - before["passes_total"][p][m] for m in ("dense", "routed")}
                   for p in ("prefill", "decode")}
-        assert passes["prefill"] == {"dense": 1, "routed": 0}  # 8 prompt tokens < the 1536-token floor
+        assert passes["prefill"] == {"dense": 1, "routed": 0}  # 8 prompt tokens < the served floor
         assert passes["decode"]["dense"] > 0 and passes["decode"]["routed"] > 0
         assert after["promotions_total"] - before["promotions_total"] == 1
         decisions = after["switch"]["decisions_total"]
         assert decisions.get("route_on", 0) - before["switch"]["decisions_total"].get("route_on", 0) == 1
-        assert after["thresholds"] == {"enter_tokens": HYBRID_ENTER, "exit_tokens": HYBRID_EXIT, "source": "flags"}
+        assert after["thresholds"] == {"enter_tokens": HYBRID_ENTER, "exit_tokens": HYBRID_EXIT, "source": "flags",
+                                       "prefill_floor_tokens": HYBRID_PREFILL_FLOOR, "prefill_floor_source": "flags"}
+
+    def test_a_round_over_the_served_prefill_floor_routes_where_the_constants_floor_would_not(self, hybrid_server):
+        """The prefill rule takes the floor the server was given (a floor measured on the device) in place of
+        vskipper.constants': a round of 64 prompt tokens, over 48 and far under 1,536, routes (this server's first
+        round over its floor is the rule's share probe, which routes)."""
+        before = hybrid_server.get_json("/vskipper/attestation")
+        hybrid_server.generate_ids(list(range(100, 164)), 2)
+        after = hybrid_server.get_json("/vskipper/attestation")
+        assert after["passes_total"]["prefill"]["routed"] - before["passes_total"]["prefill"]["routed"] == 1
+        assert after["switch"]["constants"]["prefill_min_prompt_tokens"] == HYBRID_PREFILL_FLOOR
+        assert after["constants"]["prefill_min_prompt_tokens"] == CONSTANTS.prefill_min_prompt_tokens > 64
+        new = [d for d in after["switch"]["recent_decisions"] if d["kind"].startswith("prefill_")][-1]
+        assert (new["kind"], new["count"]) == ("prefill_routed", 64)
 
     def test_with_routing_engaged_hybrid_decodes_the_tokens_of_the_same_routes(self, hybrid_server, served_model):
         """A prompt whose own KV puts V over enter: prefill runs dense (under the floor), and every decode step

@@ -147,7 +147,8 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     tiles = checked_tile_table(getattr(args, "tile_table", None), platform, getattr(args, "gpu", None))
     spec = ServeSpec(arm, enter, exit_, state, source, profile.attestation(), part_clock_from_env(os.environ),
                      switch_from_env(os.environ, ENV_INTERLEAVE_CONTROL), tile_table=tiles,
-                     pass_spans=switch_from_env(os.environ, ENV_PASS_SPANS))
+                     pass_spans=switch_from_env(os.environ, ENV_PASS_SPANS),
+                     prefill_floor_tokens=getattr(args, "prefill_floor_tokens", None))
     cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *profile.flags,
            "--host", args.host, "--port", str(args.port), *extra,
            *(eager_routed_phases(arm) if platform == "gpu" else ())]

@@ -226,7 +226,7 @@ class Runtime:
         except SkipperConfigError as exc:
             raise ServeConfigError(str(exc)) from None
         self.switch = ModeSwitch(arm.switch_settings(), spec.enter_tokens, spec.exit_tokens,
-                                 declared_project_share=arm.declared_skip_ratio())
+                                 constants=spec.switch_constants(), declared_project_share=arm.declared_skip_ratio())
         self.counters = Counters()
         self._requests: OrderedDict[str, RequestRecord] = OrderedDict()
         self._candidates: PrefillDecision | None = None
@@ -663,7 +663,7 @@ class Runtime:
             "skipper": self.skipper.attestation() if self.skipper is not None else None,
             "switch": self.switch.attestation(),
             "thresholds": {"enter_tokens": self.spec.enter_tokens, "exit_tokens": self.spec.exit_tokens,
-                           "source": self.spec.thresholds_source},
+                           "source": self.spec.thresholds_source, **self.spec.prefill_floor()},
             "constants": constants.attestation(),
             "model": {"model_type": self.model_type, "class": self.model_class,
                       "routed_layers": list(self.routed_layers)},

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vskipper.arms import Arm
+from vskipper.constants import CONSTANTS, SwitchConstants
+from vskipper.switch import Policy
 
 MODEL_PACKAGE = "vskipper.sglang.models"
 SHIMS_DIR = Path(__file__).resolve().parent / "shims"  # the CPU stand-in for sgl_kernel
@@ -21,6 +23,8 @@ ENV_ARM = "VSKIPPER_SERVED_ARM"  # the served arm as JSON (Arm fields); VSKIPPER
 ENV_ENTER = "VSKIPPER_SERVED_ENTER_TOKENS"  # as resolved (flags or the roofline rule)
 ENV_EXIT = "VSKIPPER_SERVED_EXIT_TOKENS"
 ENV_THRESHOLDS_SOURCE = "VSKIPPER_THRESHOLDS_SOURCE"  # flags | roofline:<device> | unused (...)
+# The prefill switch's floor in prompt tokens a round (`--prefill-floor-tokens`); unset: vskipper.constants'
+ENV_PREFILL_FLOOR = "VSKIPPER_SERVED_PREFILL_FLOOR_TOKENS"
 ENV_STATE = "VSKIPPER_STATE_FILE"  # where the scheduler writes its attestation for the HTTP process
 ENV_PROFILE = "VSKIPPER_PROFILE"  # the serving profile's attestation as JSON (ServeProfile.attestation)
 ENV_PART_CLOCK = "VSKIPPER_PART_CLOCK"  # 1: time each part of each pass in the server (`vskipper.sglang.part_times`)
@@ -65,10 +69,34 @@ class ServeSpec:
     execution: str = "auto"  # the routed layers' cohort execution asked for (`ENV_EXECUTION`)
     tile_table: Path | None = None  # a table measured on this GPU (`ENV_TILE_TABLE`); None: the shipped one
     pass_spans: bool = False  # time each pass whole (`ENV_PASS_SPANS`; the part clock times its spans too)
+    prefill_floor_tokens: int | None = None  # the prefill switch's floor (`ENV_PREFILL_FLOOR`); None: the constant's
 
     def __post_init__(self) -> None:
         if self.execution not in EXECUTIONS:
             raise ServeConfigError(f"{ENV_EXECUTION} must be one of {', '.join(EXECUTIONS)}, got {self.execution!r}")
+        floor = self.prefill_floor_tokens
+        if floor is not None:
+            if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
+                raise ServeConfigError(f"--prefill-floor-tokens must be a positive integer, got {floor!r}")
+            if self.arm.prefill is not Policy.HYBRID:
+                raise ServeConfigError(
+                    f"--prefill-floor-tokens: arm {self.arm.name!r} does not switch prefill (field 'prefill' is "
+                    f"{self.arm.prefill.value!r}): the floor is the hybrid prefill rule's")
+
+    def switch_constants(self) -> SwitchConstants:
+        """The constants the served switch takes: vskipper.constants', the prefill floor replaced where it is
+        given."""
+        if self.prefill_floor_tokens is None:
+            return CONSTANTS
+        return replace(CONSTANTS, prefill_min_prompt_tokens=self.prefill_floor_tokens)
+
+    def prefill_floor(self) -> dict:
+        """The served prefill floor and where it comes from (beside the decode thresholds in the attestation)."""
+        if self.arm.prefill is not Policy.HYBRID:
+            return {"prefill_floor_tokens": None, "prefill_floor_source": "unused (prefill is not switched)"}
+        source = "flags" if self.prefill_floor_tokens is not None else "vskipper.constants"
+        return {"prefill_floor_tokens": self.switch_constants().prefill_min_prompt_tokens,
+                "prefill_floor_source": source}
 
     def to_env(self) -> dict[str, str]:
         env = {ENV_ARM: json.dumps(self.arm.fields()), ENV_ENTER: str(self.enter_tokens), ENV_EXIT: str(self.exit_tokens),
@@ -87,6 +115,8 @@ class ServeSpec:
             env[ENV_EXECUTION] = self.execution
         if self.tile_table is not None:
             env[ENV_TILE_TABLE] = str(self.tile_table)
+        if self.prefill_floor_tokens is not None:
+            env[ENV_PREFILL_FLOOR] = str(self.prefill_floor_tokens)
         return env
 
     @classmethod
@@ -104,6 +134,11 @@ class ServeSpec:
                 thresholds.append(int(environ.get(key, "0")))
             except ValueError:
                 raise ServeConfigError(f"{key} must be an integer, got {environ[key]!r}") from None
+        floor = environ.get(ENV_PREFILL_FLOOR)
+        try:
+            floor = int(floor) if floor is not None else None
+        except ValueError:
+            raise ServeConfigError(f"{ENV_PREFILL_FLOOR} must be an integer, got {floor!r}") from None
         state = environ.get(ENV_STATE)
         try:
             profile = json.loads(environ[ENV_PROFILE]) if environ.get(ENV_PROFILE) else None
@@ -113,7 +148,7 @@ class ServeSpec:
                    environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile, part_clock_from_env(environ),
                    switch_from_env(environ, ENV_INTERLEAVE_CONTROL), environ.get(ENV_EXECUTION, "auto"),
                    Path(environ[ENV_TILE_TABLE]) if environ.get(ENV_TILE_TABLE) else None,
-                   switch_from_env(environ, ENV_PASS_SPANS))
+                   switch_from_env(environ, ENV_PASS_SPANS), floor)
 
 
 def switch_from_env(environ, name: str) -> bool:
