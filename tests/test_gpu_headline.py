@@ -116,16 +116,68 @@ def test_a_measured_tau_at_or_below_zero_serves_the_least_thresholds():
         th, source = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": tau}}, 10_000)
         assert (th["exit_tokens"], th["enter_tokens"], th["v_star_tokens"]) == (10_000, 10_000, 0.0)
         assert th["source"] == source and source.startswith(f"measured tau {tau:.3g} ms <= 0 (sweep)")
+    th, source = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": -0.5,
+                                                                    "tau_ms_interval": [-0.8, -0.1]}}, 10_000)
+    assert (th["exit_tokens"], th["enter_tokens"], th["tau_ms"]) == (10_000, 10_000, -0.1)
+    assert source.startswith("measured tau -0.5 ms, 95% [-0.8, -0.1], served at its upper end <= 0 (sweep)")
+
+
+def test_the_measured_arm_serves_the_upper_end_of_taus_interval():
+    """The H200's tau, -0.046 ms, 95% [-0.37, 0.21]: at the point estimate V* = 0 and the arm routed at 0.75 Q*,
+    where its decode passes cost 4% more than dense's (lease-4); at the upper end V* is 8% of the rule's and a light
+    load stays dense."""
     th, source = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": -0.046,
                                                                     "tau_ms_interval": [-0.31, 0.22]}}, 10_000)
-    assert source.startswith("measured tau -0.046 ms, 95% [-0.31, 0.22] <= 0 (sweep)")  # its interval beside it
+    assert th["v_star_tokens"] == pytest.approx(272_964.0 * 0.22 / 2.67)  # 22,491 tokens
+    assert (th["exit_tokens"], th["enter_tokens"], th["tau_ms"], th["tau_ms_interval"]) == \
+        (20_000, 30_000, 0.22, [-0.31, 0.22])
+    assert source == "measured tau -0.046 ms, 95% [-0.31, 0.22], served at its upper end (sweep; the rule's is 2.67 ms)"
+
+
+def _speedups(*rows):
+    return [{"tokens": t, "dense_over_routed_time": r, "range": [lo, hi]} for t, r, lo, hi in rows]
+
+
+# host-lean-sweep's prefill on the H200 (benchmarks/results/H200/host-lean-sweep/sweep.json, rounded)
+H200_PREFILL = _speedups((1024, 0.891, 0.855, 0.926), (2048, 1.058, 1.029, 1.096), (4096, 1.095, 1.080, 1.108))
+
+
+def test_the_prefill_floor_is_the_shortest_length_from_which_routed_prefill_gains_beyond_its_spread():
+    assert headline.prefill_floor(H200_PREFILL) == {
+        "prefill_floor_tokens": 2048,
+        "prefill_floor_source": "the shortest measured length from which routed prefill gains beyond its spread "
+                                "(dense / routed time 1.058, 1.029-1.096 at 2048 tokens)"}
+    # a gain whose spread reaches 1 is no gain; one at a shorter length with a loss after it is not the floor
+    floor = headline.prefill_floor(_speedups((1024, 1.05, 1.01, 1.09), (1536, 1.02, 0.99, 1.05),
+                                             (2048, 1.06, 1.02, 1.09), (4096, 1.1, 1.08, 1.12)))
+    assert floor["prefill_floor_tokens"] == 2048
+    assert headline.prefill_floor(list(reversed(H200_PREFILL)))["prefill_floor_tokens"] == 2048  # any order
+
+
+def test_where_routed_prefill_gains_at_no_measured_length_the_floor_is_past_the_longest():
+    floor = headline.prefill_floor(_speedups((1024, 0.9, 0.85, 0.93), (4096, 1.01, 0.98, 1.04)))
+    assert floor["prefill_floor_tokens"] == 4097
+    assert floor["prefill_floor_source"].startswith("routed prefill gained beyond its spread at no measured length "
+                                                    "(the longest, 4096 tokens: dense / routed time 1.010, 0.980-1.040)")
+    assert headline.prefill_floor([]) is None and headline.prefill_floor(None) is None
+
+
+def test_the_measured_arm_serves_the_sweeps_prefill_floor_beside_its_thresholds():
+    sweep = {"comparison": {"tau_ms": 2.65, "prefill_speedup": H200_PREFILL}}  # the rule's thresholds, another floor
+    th, _ = headline.thresholds_from_tau(RULE, sweep, 10_000)
+    assert (th["enter_tokens"], th["exit_tokens"], th["prefill_floor_tokens"]) == (340_000, 270_000, 2048)
+    assert th["prefill_floor_source"].startswith("the shortest measured length")
+    given = {"prefill_floor_tokens": 3000, "prefill_floor_source": "given"}  # the sweep's own, where it holds one
+    sweep["comparison"]["prefill_floor"] = given
+    assert headline.thresholds_from_tau(RULE, sweep, 10_000)[0]["prefill_floor_tokens"] == 3000
 
 
 def test_thresholds_from_tau_say_why_there_are_none():
     assert headline.thresholds_from_tau(RULE, None, 10_000) == (None, "the sweep stage has not run: no measured tau")
     assert "measured no tau" in headline.thresholds_from_tau(RULE, {"comparison": None}, 10_000)[1]
     th, why = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": 2.65}}, 10_000)
-    assert th is None and "gives the rule's thresholds (enter 340000 / exit 270000)" in why
+    assert th is None and "gives the rule's thresholds (enter 340000 / exit 270000) and the sweep measured no " \
+        "prefill floor" in why
 
 
 def test_resident_ceiling_is_the_pool_or_the_running_cap_times_the_longest_request():

@@ -142,7 +142,9 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
         assert tau["thresholds"]["source"].startswith("measured tau")
         assert tau["served"]["thresholds"]["enter_tokens"] == tau["thresholds"]["enter_tokens"]
         assert tau["served"]["thresholds"]["source"] == "flags"
+        assert tau["served"]["thresholds"]["prefill_floor_tokens"] == tau["thresholds"]["prefill_floor_tokens"]
         assert "hybrid-tau up and warm" in logs["headline"]
+    assert hybrid["served"]["thresholds"]["prefill_floor_source"] == "vskipper.constants"  # the rule's arm
     for key, (name, _role, _variant, loads) in run.HEADLINE_ARMS.items():
         arm = result["arms"][key]
         if arm.get("skipped"):
@@ -199,8 +201,9 @@ def test_headline_serves_the_hybrid_arm_at_the_thresholds_a_measured_tau_gives(d
     (copy / "headline.json").unlink()
     rule = json.loads((out / "headline.json").read_text())["thresholds"]["rule"]
     sweep = json.loads((out / "sweep.json").read_text())
-    sweep["comparison"]["tau_ms"] = 50 * rule["tau_ms"]
-    sweep["comparison"].pop("tau_ms_interval", None)  # a tau given, not measured: no interval
+    given = 50 * rule["tau_ms"]
+    sweep["comparison"]["tau_ms"] = given
+    sweep["comparison"]["tau_ms_interval"] = [given, given]  # a tau given, not measured: its upper end is itself
     (copy / "sweep.json").write_text(json.dumps(sweep))
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", run.ENV_SERVERS)}
     proc = _stage("headline", copy, env)
@@ -209,15 +212,22 @@ def test_headline_serves_the_hybrid_arm_at_the_thresholds_a_measured_tau_gives(d
     assert "hybrid-tau up and warm" in logs["headline"] and "hybrid-rule up" not in logs["headline"]
     original = json.loads((out / "headline.json").read_text())["arms"]["hybrid-tau"]
     if not original.get("skipped"):  # the run's own tau arm, served at its own thresholds: set aside, not reused
-        was = original["thresholds"]
-        aside = copy / "headline" / f"hybrid-tau-enter{was['enter_tokens']}-exit{was['exit_tokens']}"
+        was = original["served"]["thresholds"]
+        aside = copy / "headline" / (f"hybrid-tau-enter{was['enter_tokens']}-exit{was['exit_tokens']}"
+                                     f"-floor{was['prefill_floor_tokens']}")
         assert f"set aside as {aside.name}" in logs["headline"] and (aside / "served.json").is_file()
     result = json.loads((copy / "headline.json").read_text())
     tau = result["arms"]["hybrid-tau"]
     assert (tau["thresholds"]["enter_tokens"], tau["thresholds"]["exit_tokens"]) == (2500, 2000)
-    assert tau["thresholds"]["source"].startswith(f"measured tau {50 * rule['tau_ms']:.3g} ms (sweep")
+    assert tau["thresholds"]["source"].startswith(f"measured tau {given:.3g} ms, 95% [{given:.3g}, {given:.3g}], "
+                                                  "served at its upper end (sweep")
     attested = tau["served"]["thresholds"]
     assert (attested["enter_tokens"], attested["exit_tokens"], attested["source"]) == (2500, 2000, "flags")
+    # the sweep's measured prefill floor, served as a flag
+    floor = sweep["comparison"]["prefill_floor"]
+    assert tau["thresholds"]["prefill_floor_tokens"] == floor["prefill_floor_tokens"]
+    assert (attested["prefill_floor_tokens"], attested["prefill_floor_source"]) == \
+        (floor["prefill_floor_tokens"], "flags")
     assert tau["gates_passed"] and set(tau["loads"]) == set(headline.LOADS)
     summary = (copy / "summary.md").read_text()
     assert "- hybrid-tau: enter 2500 / exit 2000 resident KV tokens served (attested source: flags; from measured " \
@@ -629,6 +639,26 @@ def test_taus_interval_resamples_the_repetitions_behind_both_lines():
     landed = json.loads((ROOT / "benchmarks/results/H200/host-lean-sweep/sweep.json").read_text())["arms"]
     lo, hi = run.tau_interval(landed["dense"]["decode"], landed[run.ALWAYS]["decode"])
     assert lo < -0.0000458 < hi
+
+
+def test_an_earlier_sweep_without_taus_interval_is_given_it_and_the_measured_arm_its_upper_end_and_floor():
+    """host-lean-sweep predates tau's interval: the headline resamples it from the sweep's repetitions and serves
+    its upper end (0.214 ms: V* 31k, exit 30k / enter 40k on the H200) and the sweep's measured prefill floor
+    (2,048 tokens); a sweep that holds an interval, or lacks either arm's cells, is left as it is."""
+    sweep = json.loads((ROOT / "benchmarks/results/H200/host-lean-sweep/sweep.json").read_text())
+    assert "tau_ms_interval" not in sweep["comparison"]
+    run.resample_tau(sweep)
+    lo, hi = sweep["comparison"]["tau_ms_interval"]
+    assert lo < sweep["comparison"]["tau_ms"] < hi and hi == pytest.approx(0.214, abs=0.002)
+    rule = json.loads((ROOT / "benchmarks/results/H200/lease-4/headline.json").read_text())["thresholds"]["rule"]
+    th, _ = headline.thresholds_from_tau(rule, sweep, run.Plan.gpu().threshold_step)
+    assert (th["exit_tokens"], th["enter_tokens"], th["prefill_floor_tokens"]) == (30_000, 40_000, 2048)
+    given = {"comparison": {"tau_ms": 1.0, "tau_ms_interval": [0.5, 1.5]}, "arms": sweep["arms"]}
+    run.resample_tau(given)
+    assert given["comparison"]["tau_ms_interval"] == [0.5, 1.5]
+    bare = {"comparison": {"tau_ms": 1.0}, "arms": {"dense": sweep["arms"]["dense"]}}
+    run.resample_tau(bare)
+    assert "tau_ms_interval" not in bare["comparison"]
 
 
 def test_decode_step_falls_back_to_each_requests_own_pace_where_the_batch_barely_overlaps():

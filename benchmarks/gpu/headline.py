@@ -182,33 +182,73 @@ def suite_seed(load: str) -> int:
     return 1000 + LOADS.index(load)
 
 
+def prefill_floor(speedups: Sequence[Mapping] | None) -> dict | None:
+    """The device's prefill floor from the sweep's prefill lengths (`run.py`'s `prefill_speedup`: dense's TTFT of one
+    prompt over the always-route arm's, with its range over every pairing of the two arms' repetitions): the shortest
+    measured length from which routed prefill gains beyond that spread (the range's low end over 1) at it and at
+    every longer length. Where even the longest gains nothing beyond its spread, the floor is past it: no measured
+    length is routed. {prefill_floor_tokens, prefill_floor_source}, or None where the sweep measured no prefill.
+
+    The sweep times one prompt a length; a served round's floor counts its prompts' tokens together, so a round of
+    several prompts is routed as one prompt of their length would be (its GEMMs see the same rows; its attention
+    reads less)."""
+    rows = sorted((r for r in speedups or () if r.get("range")), key=lambda r: r["tokens"])
+    if not rows:
+        return None
+    floor = None
+    for row in reversed(rows):
+        if row["range"][0] <= 1.0:
+            break
+        floor = row
+    if floor is None:
+        longest = rows[-1]
+        return {"prefill_floor_tokens": longest["tokens"] + 1,
+                "prefill_floor_source": f"routed prefill gained beyond its spread at no measured length (the longest, "
+                                        f"{longest['tokens']} tokens: dense / routed time {_span(longest)}): the "
+                                        f"floor is past it"}
+    return {"prefill_floor_tokens": floor["tokens"],
+            "prefill_floor_source": f"the shortest measured length from which routed prefill gains beyond its spread "
+                                    f"(dense / routed time {_span(floor)} at {floor['tokens']} tokens)"}
+
+
+def _span(row: Mapping) -> str:
+    return f"{row['dense_over_routed_time']:.3f}, {row['range'][0]:.3f}-{row['range'][1]:.3f}"
+
+
 def thresholds_from_tau(rule: Mapping, sweep: Mapping | None, step: int) -> tuple[dict | None, str]:
     """The hybrid arm's thresholds with the sweep's measured tau in the rule, V* scaling with tau (the device, skip
-    ratio, routed layers and KV width unchanged): (thresholds, where they come from), or (None, why there are none).
-    A tau at or below zero (the routed step costs no more than dense's at any resident load: the H200's sweep
-    measured -0.046 ms) leaves the rule no fixed cost to cover: V* is zero, and the arm serves at the least
-    thresholds the step expresses (exit one step, a served exit being positive), routing at nearly every load."""
+    ratio, routed layers and KV width unchanged), and the sweep's measured prefill floor (`prefill_floor`): (thresholds,
+    where they come from), or (None, why there are none).
+
+    The tau served is the upper end of its 95% interval where the sweep resampled one (`tau_ms_interval`): the arm
+    routes where the routed step is faster than dense's beyond the sweep's noise. At the point estimate the H200's
+    tau (-0.046 ms, 95% [-0.37, 0.21]) gave V* = 0, and that arm routed 91-99% of its decode passes at 0.75 Q*,
+    where they cost 9.9-10.0 ms against dense's 9.5-9.7 (lease-4). A tau at or below zero leaves the rule no fixed
+    cost to cover: V* is zero, and the arm serves at the least thresholds the step expresses (exit one step, a served
+    exit being positive), routing at nearly every load."""
     if sweep is None:
         return None, "the sweep stage has not run: no measured tau"
-    tau = (sweep.get("comparison") or {}).get("tau_ms")
-    if tau is None:
+    comparison = sweep.get("comparison") or {}
+    point = comparison.get("tau_ms")
+    if point is None:
         return None, "the sweep measured no tau (it needs the dense and always-route latency lines)"
-    interval = (sweep.get("comparison") or {}).get("tau_ms_interval")
-    spread = f", 95% [{interval[0]:.3g}, {interval[1]:.3g}]" if interval else ""
+    interval = comparison.get("tau_ms_interval")
+    tau = interval[1] if interval else point
+    which = f"measured tau {point:.3g} ms" + (f", 95% [{interval[0]:.3g}, {interval[1]:.3g}], served at its upper "
+                                              "end" if interval else "")
+    floor = comparison.get("prefill_floor") or prefill_floor(comparison.get("prefill_speedup")) or {}
     if not tau > 0:
         exit_, enter = rounded_thresholds(0.0, step, CONSTANTS.enter_factor, least=step)
-        source = (f"measured tau {tau:.3g} ms{spread} <= 0 (sweep): no fixed cost for the rule to cover, V* = 0, the "
-                  f"least thresholds")
-        return {"enter_tokens": enter, "exit_tokens": exit_, "v_star_tokens": 0.0, "tau_ms": tau,
-                "source": source}, source
-    v_star = rule["v_star_tokens"] * tau / rule["tau_ms"]
-    exit_, enter = rounded_thresholds(v_star, step, CONSTANTS.enter_factor, least=step)  # a served exit is positive
-    if (enter, exit_) == (rule["enter_tokens"], rule["exit_tokens"]):
-        return None, (f"the measured tau ({tau:.3g} ms) gives the rule's thresholds (enter {enter} / exit {exit_}): "
-                      "the rule's arm serves them")
-    source = f"measured tau {tau:.3g} ms{spread} (sweep; the rule's is {rule['tau_ms']:.3g} ms)"
+        v_star, source = 0.0, f"{which} <= 0 (sweep): no fixed cost for the rule to cover, V* = 0, the least thresholds"
+    else:
+        v_star = rule["v_star_tokens"] * tau / rule["tau_ms"]
+        exit_, enter = rounded_thresholds(v_star, step, CONSTANTS.enter_factor, least=step)  # a served exit is > 0
+        source = f"{which} (sweep; the rule's is {rule['tau_ms']:.3g} ms)"
+        if (enter, exit_) == (rule["enter_tokens"], rule["exit_tokens"]) and not floor:
+            return None, (f"the measured tau ({tau:.3g} ms) gives the rule's thresholds (enter {enter} / exit "
+                          f"{exit_}) and the sweep measured no prefill floor: the rule's arm serves them")
     return {"enter_tokens": enter, "exit_tokens": exit_, "v_star_tokens": v_star, "tau_ms": tau,
-            "source": source}, source
+            **({"tau_ms_interval": list(interval)} if interval else {}), **floor, "source": source}, source
 
 
 def resident_ceiling(kv_pool_tokens: int, max_running: int | None, longest_request: int) -> int:
@@ -523,8 +563,13 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
             continue
         served = (arm.get("served") or {}).get("thresholds") or {}
         ceiling = arm.get("resident_ceiling_tokens")
+        planned = arm["thresholds"]
+        floor = (f"; prefill floor {served.get('prefill_floor_tokens')} prompt tokens a round (attested source: "
+                 f"{served.get('prefill_floor_source')}"
+                 + (f"; {planned['prefill_floor_source']})" if planned.get("prefill_floor_source") else ")")
+                 if served.get("prefill_floor_tokens") is not None else "")
         lines.append(f"- {key}: enter {served.get('enter_tokens')} / exit {served.get('exit_tokens')} resident KV "
-                     f"tokens served (attested source: {served.get('source')}; from {arm['thresholds']['source']}); "
+                     f"tokens served (attested source: {served.get('source')}; from {planned['source']}){floor}; "
                      f"KV pool {arm.get('kv_pool_tokens')} tokens, at most {ceiling} resident in these cells"
                      + (" (below the enter threshold: decode cannot route)"
                         if ceiling is not None and served.get("enter_tokens", 0) > ceiling else ""))
@@ -539,7 +584,8 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
             continue
         shares = "; ".join(f"{CELL_FACTORS[load]} Q*: prefill {_share(c['routed_share']['prefill'])}, decode "
                            f"{_share(c['routed_share']['decode'])}" for load, c in arm["loads"].items())
-        lines += [arm["table"], f"Routed share of {key}'s passes: {shares}.", ""]
+        lines += [arm["table"], f"Routed share of {key}'s passes: {shares}."
+                  + (f" Not engaged: {arm['not_engaged']}." if arm.get("not_engaged") else ""), ""]
         lines += pass_span_table(key, arm["loads"])
         lines += pass_kind_table(key, arm["loads"])
         lines += compile_lines(key, arm["loads"])

@@ -22,7 +22,8 @@ sweep     fixed-batch decode (batch x context, each cell's prompts prefilled fir
           RandomSkip r = 0: nothing skipped), one server at a time in that order: step time, tokens/s, TPOT,
           the latency lines in V (tau, the measured crossover V_x beside the rule's V*), prefill ratios.
 headline  the routed half: the hybrid arm (RandomSkip r = 1 d = 0.5; thresholds from the roofline rule for the
-          device, then from the sweep's measured tau where it differs) on every cell, always-route and the s = 0
+          device, then from the upper end of the sweep's measured tau's 95% interval, with the sweep's measured
+          prefill floor) on every cell, always-route and the s = 0
           control at the knee, each alone; then each arm against dense per load: loadgen's gates and paired 95%
           intervals, beside the paper's figures.
 kernels   benchmarks/mixed_depth_bench.py with the tuned tiles.
@@ -155,7 +156,9 @@ class Plan:
     repetitions: int
     start_estimate_s: float  # what one server start takes, to stop before the stage's budget
     cell_overhead_s: float  # flush, attestations and the client beside a cell's makespan
-    engagement_optional: bool  # whether a hybrid cell may run no routed pass (loadgen's below-engagement)
+    # Whether a hybrid arm may run no routed pass in all its cells. Any one of its cells may run none (loadgen's
+    # below-engagement): its thresholds and floor are meant to keep a light load dense. On a GPU it must route in one.
+    engagement_optional: bool
     threshold_step: int  # the rounding of thresholds derived from a measured tau
     dry_thresholds: tuple[int, int] | None = None  # (enter, exit) on CPU, where no device has a roofline
     ladder_start_max: int | None = None  # the highest rate the ladder starts at, whatever the calibration says
@@ -373,7 +376,8 @@ def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | N
         + list(flags or [])
     kw = {}
     if thresholds is not None:
-        kw = {"enter_tokens": thresholds["enter_tokens"], "exit_tokens": thresholds["exit_tokens"]}
+        kw = {"enter_tokens": thresholds["enter_tokens"], "exit_tokens": thresholds["exit_tokens"],
+              "prefill_floor_tokens": thresholds.get("prefill_floor_tokens")}
     # Killed, not drained, when the stage is done with it: SGLang's graceful shutdown costs about 5 s a server.
     # Each times its passes' spans (`ENV_PASS_SPANS`: two timing events and two clock reads a pass, in every arm
     # alike), which the sweep reads beside its figures (`pass_spans`).
@@ -842,6 +846,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
                                f"suites.{load}.digest {doc['digest'][:12]}")
     th_rule = rule(plan, model)
     sweep, sweep_source = sweep_for_tau(out)
+    resample_tau(sweep)
     th_tau, tau_source = headline.thresholds_from_tau(th_rule, sweep, plan.threshold_step)
     if sweep is None:
         tau_source = f"no measured tau: {sweep_source}"
@@ -907,6 +912,20 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     return result
 
 
+def resample_tau(sweep: dict | None) -> None:
+    """Give an earlier sweep's tau the 95% interval this code resamples from its repetitions, where the sweep
+    predates it (the headline's measured arm serves its upper end); a sweep without the two arms' decode cells is
+    left as it is."""
+    comparison = (sweep or {}).get("comparison") or {}
+    arms = (sweep or {}).get("arms") or {}
+    if comparison.get("tau_ms") is None or "tau_ms_interval" in comparison or "dense" not in arms \
+            or ALWAYS not in arms:
+        return
+    interval = tau_interval(arms["dense"]["decode"], arms[ALWAYS]["decode"])
+    if interval is not None:
+        comparison["tau_ms_interval"] = [round(s * 1e3, 4) for s in interval]
+
+
 def set_aside_other_thresholds(stage: Stage, key: str, work: Path, thresholds: dict | None) -> None:
     """An arm's cells served at other thresholds than this run means (a tau arm served from another sweep's tau,
     given since with --earlier) are not this arm's: its folder is set aside beside it, named by the thresholds its
@@ -915,15 +934,21 @@ def set_aside_other_thresholds(stage: Stage, key: str, work: Path, thresholds: d
     if thresholds is None or not served_path.is_file():
         return
     was = json.loads(served_path.read_text()).get("thresholds") or {}
-    pair = (was.get("enter_tokens"), was.get("exit_tokens"))
-    if pair == (thresholds["enter_tokens"], thresholds["exit_tokens"]):
+    fields = ("enter_tokens", "exit_tokens", "prefill_floor_tokens")
+    served_as, means = [was.get(f) for f in fields], [thresholds.get(f) for f in fields]
+    if means[2] is None:  # the rule's floor, the constant's: any attested one matches
+        served_as[2] = None
+    if served_as == means:
         return
-    aside = work.with_name(f"{work.name}-enter{pair[0]}-exit{pair[1]}")
+    aside = work.with_name(f"{work.name}-enter{served_as[0]}-exit{served_as[1]}"
+                           + (f"-floor{served_as[2]}" if served_as[2] is not None else ""))
     if aside.exists():
         shutil.rmtree(aside)
     work.rename(aside)
-    log(stage.name, f"{key}: the cells served at enter {pair[0]} / exit {pair[1]} set aside as {aside.name}: this "
-                    f"run serves enter {thresholds['enter_tokens']} / exit {thresholds['exit_tokens']} "
+    floor = f" / prefill floor {means[2]}" if means[2] is not None else ""
+    log(stage.name, f"{key}: the cells served at enter {served_as[0]} / exit {served_as[1]}"
+                    + (f" / prefill floor {was.get('prefill_floor_tokens')}" if was.get("prefill_floor_tokens") else "")
+                    + f" set aside as {aside.name}: this run serves enter {means[0]} / exit {means[1]}{floor} "
                     f"({thresholds.get('source')})")
 
 
@@ -932,7 +957,9 @@ def check_thresholds(key: str, served_doc: dict, thresholds: dict | None) -> Non
     if thresholds is None:
         return
     attested = served_doc["thresholds"]
-    for field_name in ("enter_tokens", "exit_tokens"):
+    fields = ("enter_tokens", "exit_tokens", *(("prefill_floor_tokens",) if thresholds.get("prefill_floor_tokens")
+                                               else ()))
+    for field_name in fields:
         if attested.get(field_name) != thresholds[field_name]:
             raise RuntimeError(f"{key}: the server attests thresholds.{field_name} {attested.get(field_name)}, the "
                                f"stage means {thresholds[field_name]} ({thresholds['source']})")
@@ -956,15 +983,20 @@ def compare_arm(plan: Plan, out: Path, key: str, name: str, role: str, cells: li
             continue
         first = next(c for c in cells if c.load == load)
         ab = headline.pair_load(load, arm, key, suites[load], first.rate, pairs,
-                                expect_engaged=not (role == "hybrid" and plan.engagement_optional))
+                                expect_engaged=role != "hybrid")
         results.append(ab)
         loads[load] = headline.load_doc(ab, first.requests)
     pool = (served_doc or {}).get("kv_pool_tokens")
-    return {"served": served_doc, "kv_pool_tokens": pool,
-            "resident_ceiling_tokens": headline.resident_ceiling(pool, plan.max_running(), longest) if pool else None,
-            "loads": loads, "gates_passed": bool(loads) and all(
-                g["passed"] for d in loads.values() for g in d["gates"]),
-            "table": markdown_table(results, f"{key} ({name}) against dense") if results else None}
+    engaged = any(share for d in loads.values() for share in d["routed_share"].values())
+    doc = {"served": served_doc, "kv_pool_tokens": pool,
+           "resident_ceiling_tokens": headline.resident_ceiling(pool, plan.max_running(), longest) if pool else None,
+           "loads": loads, "gates_passed": bool(loads) and all(g["passed"] for d in loads.values() for g in d["gates"]),
+           "table": markdown_table(results, f"{key} ({name}) against dense") if results else None}
+    if role == "hybrid" and loads and not engaged and not plan.engagement_optional:
+        doc["gates_passed"] = False
+        doc["not_engaged"] = (f"{key} ran no routed pass in any of its cells ({', '.join(loads)}): the switch never "
+                              "engaged, so no cell measured routing")
+    return doc
 
 def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
     stage = Stage("sweep", out, budget_s)
@@ -1103,6 +1135,7 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
     config = json.loads((model / "config.json").read_text())
     out["decode_speedup"] = decode_ratios(config, routed["decode"], dense["decode"], "routed_over_dense_tok_s")
     out["prefill_speedup"] = prefill_ratios(config, routed["prefill"], dense["prefill"], "dense_over_routed_time")
+    out["prefill_floor"] = headline.prefill_floor(out["prefill_speedup"])
     if CONTROL in arms:
         control = arms[CONTROL]
         out["control_decode_graphs"] = decode_graphs(control["served"])
@@ -1454,6 +1487,11 @@ def markdown(results: dict, out: Path | None = None) -> str:
         lines += ["", "| prefill tokens | dense / routed time | range |", "|---:|---:|---|"]
         lines += [f"| {p['tokens']} | {p['dense_over_routed_time']:.3f} | {_range(p)} |" for p in c["prefill_speedup"]]
         lines.append("")
+        if c.get("prefill_floor"):
+            f = c["prefill_floor"]
+            lines += [f"Measured prefill floor: {f['prefill_floor_tokens']} prompt tokens a round, "
+                      f"{f['prefill_floor_source']} (vskipper.constants' floor: {CONSTANTS.prefill_min_prompt_tokens}; "
+                      "the headline's measured arm serves it).", ""]
         if c.get("decode_over_control"):
             dense_ratio = {(d["batch"], d["context"]): d for d in c["control_over_dense_decode"]}
             dense_prefill = {p["tokens"]: p for p in c.get("control_over_dense_prefill") or []}
