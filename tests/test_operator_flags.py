@@ -56,10 +56,11 @@ def test_rebuilt_parser_resolves_each_argument_as_sglangs_does(real_sglang_parse
 
 def test_owned_flags_list_is_what_the_parsers_resolve_to_owned_destinations():
     """The CEL rule's list (crd.OWNED_ARGS, from vskipper.serveargs) holds every option string of the destinations
-    the operator sets (vskipper serve's model/arm/thresholds/host/port, SGLang's model path, name, TP size, dtype
-    and API key), as the parsers themselves spell them."""
+    the operator sets (vskipper serve's model/arm/thresholds/prefill floor/host/port, SGLang's model path, name, TP
+    size, dtype and API key), as the parsers themselves spell them."""
     named = {f.destination for f in SERVE_FLAGS if f.operator_sets}
-    assert named == {"model", "arm", "arm_file", "enter_tokens", "exit_tokens", "host", "port"}
+    assert named == {"model", "arm", "arm_file", "enter_tokens", "exit_tokens", "prefill_floor_tokens", "host",
+                     "port"}
     in_rule = {f.dest for f in SGLANG_OPERATOR_FLAGS if f.in_admission_rule}
     assert in_rule == {"model_path", "host", "port", "served_model_name", "tp_size", "dtype", "api_key"}
     strings = {o for a in serve_parser()._actions if a.dest in named for o in a.option_strings}

@@ -123,6 +123,16 @@ def test_threshold_override_and_tau_are_applied_to_every_class():
     assert slow.classes[0].thresholds.v_star_tokens == pytest.approx(2 * base.classes[0].thresholds.v_star_tokens)
 
 
+def test_a_prefill_floor_measured_on_the_device_is_served_by_every_class_and_only_where_given():
+    floored = plan(resource(switch={"prefillFloorTokens": 2048}), mixed_pool())
+    for dep in by_kind(floored, "Deployment"):
+        assert arg(dep, "--prefill-floor-tokens") == "2048" and arg(dep, "--arm") == "hybrid"
+    (config,) = [o for o in by_kind(floored, "ConfigMap") if o["metadata"]["name"].endswith("-switch")]
+    assert json.loads(config["data"]["constants.json"])["prefill_min_prompt_tokens"] == 2048
+    assert all("--prefill-floor-tokens" not in d["spec"]["template"]["spec"]["containers"][0]["args"]
+               for d in by_kind(plan(resource(), mixed_pool()), "Deployment"))
+
+
 def test_total_replicas_split_with_remainder_to_the_fastest_class_and_scale_changes_only_replicas():
     three = plan(resource(replicas=3), mixed_pool())
     assert {c.product: c.replicas for c in three.served} == {A100: 1, H100: 2}
@@ -272,6 +282,9 @@ def test_contains_ignores_server_fields_but_not_changed_values():
     ({"model": {"path": "/m", "preset": "gpt-5"}}, "spec.model.preset: must be one of"),
     ({"switch": {"prefill": "routed", "decode": "hybrid"}}, "spec.switch: prefill and decode"),
     ({"switch": {"thresholds": {"exitTokens": 9, "enterTokens": 8}}}, "spec.switch.thresholds: enterTokens must be"),
+    ({"switch": {"prefill": "dense", "prefillFloorTokens": 2048}},
+     "spec.switch.prefillFloorTokens: applies to a hybrid prefill only (spec.switch.prefill)"),
+    ({"switch": {"prefillFloorTokens": 0}}, "spec.switch.prefillFloorTokens: must be in [1, "),
     ({"bandwidthOverrides": [{"product": A100, "gbps": 0}]}, "spec.bandwidthOverrides[0].gbps: must be in (0"),
     ({"bandwidthOverrides": [{"product": A100, "gbps": 1}, {"product": A100, "gbps": 2}]},
      "spec.bandwidthOverrides[1]: duplicate entry for product"),

@@ -63,7 +63,7 @@ def test_planned_container_args_are_declared_flags_that_both_parsers_take():
     exactly the declared SGLang flags to SGLang's parser, which takes them all."""
     spec = resource(serving={"image": "vskipper:test", "memFractionStatic": 0.8, "attentionBackend": "fa3",
                              "prefixCache": False, "apiKeySecret": {"name": "key", "key": "token"}},
-                    metrics={"enabled": True})
+                    metrics={"enabled": True}, switch={"prefillFloorTokens": 2048})
     result = plan(spec, [Node.from_object(n) for n in mixed_pool()])
     servers = [o for o in result.objects if o["kind"] == "Deployment"]
     assert servers

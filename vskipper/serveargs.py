@@ -87,7 +87,7 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               env="VSKIPPER_ENTER_TOKENS", operator_sets=True),
     ServeFlag("--prefill-floor-tokens", "prefill switch: route an admission round only from this many prompt tokens "
               "(a floor measured on this GPU; default: vskipper.constants' prefill_min_prompt_tokens); for an arm that "
-              "switches prefill", type=int),
+              "switches prefill", type=int, operator_sets=True),
     ServeFlag("--gpu", "GPU product (catalogue name or GFD label) to derive the decode thresholds for when "
               "--enter/--exit-tokens are not given, and to check --tile-table against (default: the GPU nvidia-smi "
               "reports)"),

@@ -207,6 +207,9 @@ SPEC_SCHEMA: dict = _obj({
                                     f"vskipper.constants, {CONSTANTS.tau_ms_per_16_layers} ms per "
                                     f"{CONSTANTS.tau_reference_routed_layers} layers)", minimum=0,
                                     exclusiveMinimum=True, maximum=10),
+        "prefillFloorTokens": _int("a hybrid prefill routes an admission round from this many prompt tokens (default: "
+                                   f"vskipper.constants, {CONSTANTS.prefill_min_prompt_tokens}; where routed prefill "
+                                   "pays off is the device's: benchmarks/gpu measures it)", 1, MAX_TOKENS),
         "thresholds": _obj({
             "exitTokens": _int("leave routing at or below this many resident KV tokens", 0, MAX_TOKENS),
             "enterTokens": _int("enter routing at or above this many resident KV tokens", 0, MAX_TOKENS),
@@ -413,6 +416,9 @@ RULES: tuple[Rule, ...] = (
          " == 'dense' || (has(self.prefill) ? self.prefill : 'hybrid') == (has(self.decode) ? self.decode : 'hybrid')",
          "prefill and decode, when both routed, must use the same policy (hybrid or routed)",
          lambda s: len(_routed_policies(s)) <= 1),
+    Rule("switch", "!has(self.prefillFloorTokens) || (has(self.prefill) ? self.prefill : 'hybrid') == 'hybrid'",
+         "applies to a hybrid prefill only (spec.switch.prefill)",
+         lambda s: "prefillFloorTokens" not in s or s.get("prefill", "hybrid") == "hybrid", "prefillFloorTokens"),
     Rule("serving", f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches({_cel_str(OWNED_ARG_RE)}))",
          "must not set flags the operator owns, abbreviated or aliased ("
          + ", ".join(OWNED_ARGS) + ")",

@@ -183,7 +183,10 @@ def resolve(resource: Mapping[str, Any]) -> Resolved:
     constants = CONSTANTS
     tau = spec["switch"].get("tauMsPerRoutedLayer")
     if tau is not None:
-        constants = dataclasses.replace(CONSTANTS, tau_ms_per_16_layers=tau * CONSTANTS.tau_reference_routed_layers)
+        constants = dataclasses.replace(constants, tau_ms_per_16_layers=tau * CONSTANTS.tau_reference_routed_layers)
+    floor = spec["switch"].get("prefillFloorTokens")
+    if floor is not None:
+        constants = dataclasses.replace(constants, prefill_min_prompt_tokens=floor)
     return Resolved(name, meta.get("namespace") or "default", meta.get("uid"), spec, arm, float(s),
                     int(routed_layers), kv_bytes_per_token_layer(kv_heads, head_dim, dtype_bytes), constants)
 
@@ -618,6 +621,7 @@ def server_args(r: Resolved, c: GpuClass) -> list[str]:
     spec, serving = r.spec, r.spec["serving"]
     args = serve_argv({"model": model_dir(r), "arm": r.arm.name, "arm_file": ARM_FILE,
                        "exit_tokens": c.exit_tokens, "enter_tokens": c.enter_tokens,
+                       "prefill_floor_tokens": spec["switch"].get("prefillFloorTokens"),
                        "host": "0.0.0.0", "port": serving["port"],
                        "served_model_name": spec["model"].get("servedName") or r.name,
                        "tp_size": spec["resources"]["gpus"], "dtype": spec["model"]["dtype"],
