@@ -154,6 +154,17 @@ def test_the_prefill_floor_is_the_shortest_length_from_which_routed_prefill_gain
     assert headline.prefill_floor(list(reversed(H200_PREFILL)))["prefill_floor_tokens"] == 2048  # any order
 
 
+def test_a_round_of_several_prompts_that_loses_holds_the_floor_above_its_length():
+    """The floor counts a round's prompts together: where two prompts of 1,024 in one round lose while one prompt of
+    2,048 gains, rounds of 2,048 tokens would lose, and the floor moves to the next length that gains."""
+    rounds = [{"tokens": 2048, "prompts": 2, "dense_over_routed_time": 0.97, "range": [0.95, 0.99]}]
+    floor = headline.prefill_floor(H200_PREFILL + rounds)
+    assert floor["prefill_floor_tokens"] == 4096
+    gains = [{**rounds[0], "dense_over_routed_time": 1.04, "range": [1.01, 1.06]}]
+    floor = headline.prefill_floor(H200_PREFILL + gains)
+    assert floor["prefill_floor_tokens"] == 2048
+
+
 def test_where_routed_prefill_gains_at_no_measured_length_the_floor_is_past_the_longest():
     floor = headline.prefill_floor(_speedups((1024, 0.9, 0.85, 0.93), (4096, 1.01, 0.98, 1.04)))
     assert floor["prefill_floor_tokens"] == 4097

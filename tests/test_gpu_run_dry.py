@@ -262,7 +262,20 @@ def test_sweep_measures_dense_the_control_and_the_routed_arm_and_compares_them(d
         for cell in arm["decode"] + arm["prefill"]:
             assert cell["pass_spans"]["host_ms"] > 0 and cell["pass_spans"]["passes"] >= 1
             assert cell["pass_spans"]["device_ms"] is None
+        # rounds of two prompts in one request: one admission round, one prefill pass of both prompts' tokens
+        assert [(c["prompts"], c["tokens"]) for c in arm["prefill_rounds"]] == [(n, n * t) for n, t in
+                                                                                plan.prefill_rounds]
+        for cell in arm["prefill_rounds"]:
+            assert len(cell["ttft_s_reps"]) == plan.prefill_reps and cell["ttft_s"] > 0
+            assert cell["pass_spans"]["passes"] == 1
+            assert all(r["tokens"] == cell["tokens"] for r in cell["pass_spans"]["reps"])
     comparison = sweep["comparison"]
+    (row,) = comparison["prefill_round_speedup"]
+    assert (row["prompts"], row["tokens"], row["passes"]) == (2, 64, {"routed": 1, "dense": 1})
+    floor = comparison["prefill_floor"]  # from the lengths and the round: any of them on a CPU, or past the longest
+    assert floor["prefill_floor_tokens"] in (*plan.prefill_lengths, max(plan.prefill_lengths) + 1)
+    assert f"Measured prefill floor: {floor['prefill_floor_tokens']} prompt tokens a round" in \
+        (out / "summary.md").read_text()
     assert len(comparison["decode_speedup"]) == len(plan.batches) * len(plan.contexts)
     assert len(comparison["prefill_speedup"]) == len(plan.prefill_lengths)
     assert comparison["routed_decode_graphs"].startswith("routed passes 0 replayed") and "tau_ms" in comparison
@@ -441,6 +454,8 @@ def test_no_prefill_prompt_of_the_sweep_is_a_prefix_of_another():
     """SGLang's prefix cache would hold the shorter one's tokens and the longer would prefill only the rest."""
     plan = run.Plan.gpu()
     prompts = [run.prefill_prompt(n, r, 128256) for n in plan.prefill_lengths for r in range(plan.prefill_reps)]
+    prompts += [p for n, t in plan.prefill_rounds for r in range(plan.prefill_reps)  # the rounds' prompts too
+                for p in run.round_prompts(n, t, r, 128256)]
     assert not any(a[:16] == b[:16] for i, a in enumerate(prompts) for b in prompts[i + 1:])
 
 
@@ -473,11 +488,28 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
         outside["outside"] = outside.get("outside", 0.0) + n * 1e-6
         return [SimpleNamespace(ttft_s=ttft, ttft_parts=lambda: parts if n > 1024 else None)]
 
+    def fake_round(server, prompts):  # one pass of every prompt's tokens
+        n = sum(len(p) for p in prompts)
+        sent.append((len(prompts), n))
+        add("passes_total", 1)
+        add("tokens_total", n)
+        add("device_passes_total", 1)
+        add("device_seconds_total", n * 2e-6)
+        return n * 1e-5
+
     monkeypatch.setattr(run, "burst", fake_burst)
+    monkeypatch.setattr(run, "prefill_round", fake_round)
     server = SimpleNamespace(get_json=lambda path: {"part_clock": copy.deepcopy(clock)})
-    cells = run.prefill_cells(plan, server, 128256)
-    assert sent == list(plan.prefill_lengths) * plan.prefill_reps and 1536 in plan.prefill_lengths
+    cells, rounds = run.prefill_cells(plan, server, 128256)
+    # every repetition: each length alone, then each round of several prompts
+    each = [*plan.prefill_lengths, *((n, n * t) for n, t in plan.prefill_rounds)]
+    assert sent == each * plan.prefill_reps and 1536 in plan.prefill_lengths
     assert [c["tokens"] for c in cells] == list(plan.prefill_lengths)
+    assert [(c["prompts"], c["tokens"]) for c in rounds] == [(2, 1536), (2, 2048)]
+    for cell in rounds:  # a round's pass alone between its readings: one pass of both prompts
+        assert cell["pass_spans"]["passes"] == 1 and cell["pass_spans"]["device_ms"] == pytest.approx(
+            cell["tokens"] * 2e-3)
+        assert cell["ttft_s"] == pytest.approx(cell["tokens"] * 1e-5)
     for cell in cells:
         assert len(cell["ttft_s_reps"]) == plan.prefill_reps
         assert cell["ttft_s"] == sorted(cell["ttft_s_reps"])[plan.prefill_reps // 2]

@@ -183,15 +183,14 @@ def suite_seed(load: str) -> int:
 
 
 def prefill_floor(speedups: Sequence[Mapping] | None) -> dict | None:
-    """The device's prefill floor from the sweep's prefill lengths (`run.py`'s `prefill_speedup`: dense's TTFT of one
-    prompt over the always-route arm's, with its range over every pairing of the two arms' repetitions): the shortest
+    """The device's prefill floor from the sweep's prefill lengths and rounds (`run.py`'s `prefill_speedup` and
+    `prefill_round_speedup`: dense's time to the first token of one prompt, or of a round of several (`prompts`),
+    over the always-route arm's, with its range over every pairing of the two arms' repetitions): the shortest
     measured length from which routed prefill gains beyond that spread (the range's low end over 1) at it and at
-    every longer length. Where even the longest gains nothing beyond its spread, the floor is past it: no measured
-    length is routed. {prefill_floor_tokens, prefill_floor_source}, or None where the sweep measured no prefill.
-
-    The sweep times one prompt a length; a served round's floor counts its prompts' tokens together, so a round of
-    several prompts is routed as one prompt of their length would be (its GEMMs see the same rows; its attention
-    reads less)."""
+    every longer length, single prompts and rounds alike. A served round's floor counts its prompts' tokens
+    together, so a round of several prompts that loses where one prompt of their length gains holds the floor above
+    their length. Where even the longest gains nothing beyond its spread, the floor is past it: no measured length
+    is routed. {prefill_floor_tokens, prefill_floor_source}, or None where the sweep measured no prefill."""
     rows = sorted((r for r in speedups or () if r.get("range")), key=lambda r: r["tokens"])
     if not rows:
         return None
@@ -212,7 +211,8 @@ def prefill_floor(speedups: Sequence[Mapping] | None) -> dict | None:
 
 
 def _span(row: Mapping) -> str:
-    return f"{row['dense_over_routed_time']:.3f}, {row['range'][0]:.3f}-{row['range'][1]:.3f}"
+    rounds = f" in a round of {row['prompts']} prompts" if row.get("prompts") else ""
+    return f"{row['dense_over_routed_time']:.3f}, {row['range'][0]:.3f}-{row['range'][1]:.3f}{rounds}"
 
 
 def thresholds_from_tau(rule: Mapping, sweep: Mapping | None, step: int) -> tuple[dict | None, str]:

@@ -18,9 +18,10 @@ ladder    the headline A/B's dense half (`benchmarks/gpu/headline.py`): on GSM8K
           (0.75 / 0.95 / 1.25 x Q*, paired repetitions), on the same server.
 sweep     fixed-batch decode (batch x context, each cell's prompts prefilled first so the timed burst decodes
           together; cells that do not fit the KV pool are skipped and named) and
-          prefill at 1k/1.5k/2k/4k tokens, dense, always-route r = 1 d = 0.5 and the control (always-route
+          prefill at 1k/1.5k/2k/4k tokens (and rounds of two prompts of 768 and 1,024 tokens), dense, always-route r = 1 d = 0.5 and the control (always-route
           RandomSkip r = 0: nothing skipped), one server at a time in that order: step time, tokens/s, TPOT,
-          the latency lines in V (tau, the measured crossover V_x beside the rule's V*), prefill ratios.
+          the latency lines in V (tau, the measured crossover V_x beside the rule's V*), prefill ratios and the
+          measured prefill floor.
 headline  the routed half: the hybrid arm (RandomSkip r = 1 d = 0.5; thresholds from the roofline rule for the
           device, then from the upper end of the sweep's measured tau's 95% interval, with the sweep's measured
           prefill floor) on every cell, always-route and the s = 0
@@ -163,6 +164,10 @@ class Plan:
     dry_thresholds: tuple[int, int] | None = None  # (enter, exit) on CPU, where no device has a roofline
     ladder_start_max: int | None = None  # the highest rate the ladder starts at, whatever the calibration says
     model_size: dict = field(default_factory=dict)
+    # The sweep's prefill rounds of several prompts (prompts, tokens each), each sent in one request so that they form
+    # one admission round, of a length a single prompt of `prefill_lengths` has: a served round's prefill floor
+    # counts its prompts' tokens together, and a round of several prompts reads attention over each alone.
+    prefill_rounds: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def gpu(cls) -> Plan:
@@ -181,7 +186,8 @@ class Plan:
                    start_estimate_s=100.0, cell_overhead_s=3.0, engagement_optional=False,
                    threshold_step=CONSTANTS.threshold_rounding_tokens,
                    model_size={"layers": 32, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8,
-                               "head_dim": 128, "vocab": 128256, "reduction": 16})
+                               "head_dim": 128, "vocab": 128256, "reduction": 16},
+                   prefill_rounds=((2, 768), (2, 1024)))
 
     @classmethod
     def dry(cls) -> Plan:
@@ -198,7 +204,7 @@ class Plan:
                    warmup_requests=2, calibration_requests=4, ladder_window_s=1.0, ladder_max_rates=3, window_s=1.5,
                    min_requests=4, repetitions=1, start_estimate_s=1.0, cell_overhead_s=0.5,
                    engagement_optional=True, threshold_step=10, dry_thresholds=(60, 40), model_size={"layers": 4},
-                   ladder_start_max=3)
+                   ladder_start_max=3, prefill_rounds=((2, 32),))
 
     def prefill_graph_flags(self) -> list[str]:
         """The reference arm's flags (`PREFILL_GRAPHS`): breakable prefill graphs captured at the sweep's prompt
@@ -523,22 +529,29 @@ async def burst(server: Server, prompts: list[list[int]], new_tokens: int):
     return records
 
 
-def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
+def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], list[dict]]:
     """The sweep's prefill cells on one server: the TTFT of `prefill_reps` fresh prompts (one request each, one
     token out) at each of `prefill_lengths`, in rounds of every length, so that a drift of the device or the host
     over the arm's prompts falls on every length alike. Each length also keeps where its TTFT went by SGLang's own
     stamps (`RequestRecord.ttft_parts`: the hand-over to the scheduler, the forward to its result, the output, the
     HTTP rest), each part the median over the prompts, where the server reported them (--enable-metrics); and
     each prompt's prefill passes as the server's clock timed them (`headline.pass_spans`: the host's launches beside the
-    device's span), where it times them."""
+    device's span), where it times them. In each repetition after the lengths, the rounds of several prompts
+    (`Plan.prefill_rounds`, `prefill_round`): (the lengths' cells, the rounds' cells)."""
     records: dict[int, list] = {length: [] for length in plan.prefill_lengths}
     spans: dict[int, list] = {length: [] for length in plan.prefill_lengths}
+    rounds: dict[tuple[int, int], list] = {shape: [] for shape in plan.prefill_rounds}
+    round_spans: dict[tuple[int, int], list] = {shape: [] for shape in plan.prefill_rounds}
     clock = pass_clock(server)  # each prompt's reading after it is the next one's before
     for r in range(plan.prefill_reps):
         for length in plan.prefill_lengths:
             records[length].append(asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0])
             before, clock = clock, pass_clock(server)
             spans[length].append(headline.pass_spans(before, clock, "prefill"))
+        for n, length in plan.prefill_rounds:
+            rounds[n, length].append(prefill_round(server, round_prompts(n, length, r, vocab)))
+            before, clock = clock, pass_clock(server)
+            round_spans[n, length].append(headline.pass_spans(before, clock, "prefill"))
     cells = []
     for length, recs in records.items():
         reps = [rec.ttft_s for rec in recs]
@@ -552,7 +565,33 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> list[dict]:
         if timed:
             cell["pass_spans"] = median_spans(timed)
         cells.append(cell)
-    return cells
+    round_cells = []
+    for (n, length), reps in rounds.items():
+        cell = {"prompts": n, "tokens": n * length, "ttft_s": statistics.median(reps), "ttft_s_reps": reps}
+        timed = [s for s in round_spans[n, length] if s]
+        if timed:
+            cell["pass_spans"] = median_spans(timed)
+        round_cells.append(cell)
+    return cells, round_cells
+
+
+def round_prompts(n: int, length: int, repetition: int, vocab: int) -> list[list[int]]:
+    """The `n` prompts of `length` tokens of a round of the sweep's prefill, in its `repetition`: drawn as
+    `prefill_prompt`s of repetitions past any single prompt's, so that none is another prompt's prefix."""
+    return [prefill_prompt(length, 1000 + repetition * n + i, vocab) for i in range(n)]
+
+
+def prefill_round(server: Server, prompts: list[list[int]]) -> float:
+    """Seconds until one `/generate` request holding `prompts` (one token out each) answers: SGLang's tokenizer
+    manager hands pre-tokenized prompts of one request to the scheduler in one message, so they are admitted in one
+    round where its limits allow (the cell's `pass_spans` count the passes)."""
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    status, text = http(server.url + "/generate", body)
+    seconds = time.perf_counter() - t0
+    if status != 200:
+        raise RuntimeError(f"a prefill round of {len(prompts)} prompts against {server.url}: HTTP {status} {text[:300]}")
+    return seconds
 
 
 def median_spans(reps: list[dict]) -> dict:
@@ -1043,8 +1082,9 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                                    "step_s": step_s, "step_s_reps": [s for s, _ in reps], "tpot_s": step_s,
                                    "decode_tok_s": batch / step_s,
                                    "pass_spans": headline.pass_spans(before, pass_clock(server), "decode")})
-            prefill = prefill_cells(plan, server, vocab)
+            prefill, rounds = prefill_cells(plan, server, vocab)
             result["arms"][name] = {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill,
+                                    "prefill_rounds": rounds,
                                     "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"])
                                                                           for d in decode]),
                                     "compiles": headline.compiles_between(compiled, triton_compiles(server)),
@@ -1079,7 +1119,8 @@ def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path]
             server = server_for(plan, stack, model, stage.out / PREFILL_GRAPHS, PREFILL_GRAPHS, arms,
                                 plan.solo_mem_fraction, graph_batches=plan.batches)
             server.wait_ready(min(plan.startup_timeout_s, REFERENCE_READY_S))
-            result = {"flags": flags, "decode": [], "prefill": prefill_cells(plan, server, vocab),
+            prefill, rounds = prefill_cells(plan, server, vocab)
+            result = {"flags": flags, "decode": [], "prefill": prefill, "prefill_rounds": rounds,
                       "served": served(server)}
     except Exception as exc:  # noqa: BLE001 (a reference only: whatever stopped it is its result)
         result = {"flags": flags, "error": f"{type(exc).__name__}: {str(exc).strip()[:500]}"}
@@ -1135,7 +1176,8 @@ def compare_sweep(plan: Plan, model: Path, arms: dict) -> dict | None:
     config = json.loads((model / "config.json").read_text())
     out["decode_speedup"] = decode_ratios(config, routed["decode"], dense["decode"], "routed_over_dense_tok_s")
     out["prefill_speedup"] = prefill_ratios(config, routed["prefill"], dense["prefill"], "dense_over_routed_time")
-    out["prefill_floor"] = headline.prefill_floor(out["prefill_speedup"])
+    out["prefill_round_speedup"] = round_ratios(config, routed, dense)
+    out["prefill_floor"] = headline.prefill_floor(out["prefill_speedup"] + out["prefill_round_speedup"])
     if CONTROL in arms:
         control = arms[CONTROL]
         out["control_decode_graphs"] = decode_graphs(control["served"])
@@ -1231,6 +1273,20 @@ def decode_ratios(config: dict, treated: list, baseline: list, key: str, limit: 
             v = r["resident_tokens"]
             row["bandwidth_limit"] = decode_bytes(config, v, 0.0) / decode_bytes(config, v, SKIP_RATIO)
         rows.append(row)
+    return rows
+
+
+def round_ratios(config: dict, routed: dict, dense: dict) -> list[dict]:
+    """`prefill_ratios` of the two arms' rounds of several prompts (`prefill_cells`), each with its prompts and the
+    most prefill passes a round of each arm took (one: the prompts were admitted in one round)."""
+    rounds = {side: {c["tokens"]: c for c in arm.get("prefill_rounds") or []}
+              for side, arm in (("routed", routed), ("dense", dense))}
+    rows = prefill_ratios(config, list(rounds["routed"].values()), list(rounds["dense"].values()),
+                          "dense_over_routed_time")
+    for row in rows:
+        cells = {side: rounds[side][row["tokens"]] for side in rounds}
+        row["prompts"] = cells["routed"]["prompts"]
+        row["passes"] = {side: (c.get("pass_spans") or {}).get("passes") for side, c in cells.items()}
     return rows
 
 
@@ -1487,6 +1543,16 @@ def markdown(results: dict, out: Path | None = None) -> str:
         lines += ["", "| prefill tokens | dense / routed time | range |", "|---:|---:|---|"]
         lines += [f"| {p['tokens']} | {p['dense_over_routed_time']:.3f} | {_range(p)} |" for p in c["prefill_speedup"]]
         lines.append("")
+        if c.get("prefill_round_speedup"):
+            lines += ["Rounds of several prompts, sent in one request (one admission round where the pass spans count "
+                      "one prefill pass), against one prompt of their length:", "",
+                      "| prompts x tokens | dense / routed time | range | one prompt of that length | passes a round "
+                      "(dense / routed) |", "|---|---:|---|---:|---|"]
+            single = {p["tokens"]: p["dense_over_routed_time"] for p in c["prefill_speedup"]}
+            lines += [f"| {p['prompts']} x {p['tokens'] // p['prompts']} | {p['dense_over_routed_time']:.3f} | "
+                      f"{_range(p)} | {_f(single.get(p['tokens']), '.3f')} | {_f(p['passes']['dense'])} / "
+                      f"{_f(p['passes']['routed'])} |" for p in c["prefill_round_speedup"]]
+            lines.append("")
         if c.get("prefill_floor"):
             f = c["prefill_floor"]
             lines += [f"Measured prefill floor: {f['prefill_floor_tokens']} prompt tokens a round, "
