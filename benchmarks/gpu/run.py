@@ -18,8 +18,9 @@ ladder    the headline A/B's dense half (`benchmarks/gpu/headline.py`): on GSM8K
           (0.75 / 0.95 / 1.25 x Q*, paired repetitions), on the same server.
 sweep     fixed-batch decode (batch x context, each cell's prompts prefilled first so the timed burst decodes
           together; cells that do not fit the KV pool are skipped and named) and
-          prefill at 1k/1.5k/2k/4k tokens (and rounds of two prompts of 768 and 1,024 tokens), dense, always-route r = 1 d = 0.5 and the control (always-route
-          RandomSkip r = 0: nothing skipped), one server at a time in that order: step time, tokens/s, TPOT,
+          prefill at 1k/1.5k/2k/4k tokens (and rounds of two prompts of 768 and 1,024 tokens), dense,
+          always-route r = 1 d = 0.5 and the control (always-route RandomSkip r = 0: nothing skipped), one server
+          at a time in that order: step time, tokens/s, TPOT,
           the latency lines in V (tau, the measured crossover V_x beside the rule's V*), prefill ratios and the
           measured prefill floor.
 headline  the routed half: the hybrid arm (RandomSkip r = 1 d = 0.5; thresholds from the roofline rule for the
@@ -1036,6 +1037,7 @@ def compare_arm(plan: Plan, out: Path, key: str, name: str, role: str, cells: li
         doc["not_engaged"] = (f"{key} ran no routed pass in any of its cells ({', '.join(loads)}): the switch never "
                               "engaged, so no cell measured routing")
     return doc
+
 
 def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
     stage = Stage("sweep", out, budget_s)
