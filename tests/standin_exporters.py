@@ -49,6 +49,7 @@ class RuntimeStandIn:
         threshold = self.metrics[mn.THRESHOLD_TOKENS.name]
         threshold.labels("enter").set(200_000)
         threshold.labels("exit").set(160_000)
+        self.metrics[mn.PREFILL_FLOOR_TOKENS.name].set(1536)
         start_http_server(port, addr="127.0.0.1", registry=reg)
 
     def step(self, rng: random.Random) -> None:

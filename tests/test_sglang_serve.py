@@ -349,8 +349,9 @@ class TestDenseArm:
         assert "sglang:" in text  # SGLang's own metrics sit beside ours
         for phase in ("prefill", "decode"):
             assert _metric(text, "vskipper_passes_total", mode="dense", phase=phase) == att["passes_total"][phase]["dense"]
-        # Decode is not switched in the dense arm: no threshold is exported for alerts to compare V with.
-        assert not any(line.startswith("vskipper_threshold_tokens") for line in text.splitlines())
+        # Decode is not switched in the dense arm: no threshold is exported for alerts to compare V with, nor a floor.
+        assert not any(line.startswith(("vskipper_threshold_tokens", "vskipper_prefill_floor_tokens"))
+                       for line in text.splitlines())
 
 
     @pytest.mark.parametrize("path,body,field", BAD_REQUESTS, ids=[f"{p}:{f}" for p, _, f in BAD_REQUESTS])
@@ -521,6 +522,7 @@ class TestHybridArm:
         assert _metric(text, "vskipper_switch_decisions_total", decision="route_off") == \
             after["switch"]["decisions_total"]["route_off"]
         assert _metric(text, "vskipper_promotions_total") == after["promotions_total"]
+        assert _metric(text, "vskipper_prefill_floor_tokens") == HYBRID_PREFILL_FLOOR  # the served floor
 
 
 class TestQwen3Dense:

@@ -70,8 +70,14 @@ THRESHOLD_TOKENS = MetricName(
     "while the decode phase is switched (hybrid policy), so alerts never compare V with an unused threshold",
     (("bound", BOUNDS),))
 
+PREFILL_FLOOR_TOKENS = MetricName(
+    "vskipper_prefill_floor_tokens", "gauge",
+    "The prefill switch's floor in prompt tokens: an admission round routes from this many (`vskipper serve "
+    "--prefill-floor-tokens`, else vskipper.constants'); exported only while the prefill phase is switched (hybrid "
+    "policy)")
+
 RUNTIME_METRICS: tuple[MetricName, ...] = (ROWS, PASSES, SWITCH_DECISIONS, PROMOTIONS, RESIDENT_TOKENS,
-                                           THRESHOLD_TOKENS)
+                                           THRESHOLD_TOKENS, PREFILL_FLOOR_TOKENS)
 
 # SGLang 0.5.21's own histograms (seconds), exported under the `sglang:` prefix with a `model_name` label.
 SGLANG_TTFT = "sglang:time_to_first_token_seconds"

@@ -187,6 +187,7 @@ class _Prometheus:
         self.promotions = counter(m.PROMOTIONS)
         self.resident = gauge(m.RESIDENT_TOKENS)
         self.threshold = gauge(m.THRESHOLD_TOKENS)
+        self.prefill_floor = gauge(m.PREFILL_FLOOR_TOKENS)
         self._children: dict = {}
 
     def child(self, metric, *labels):
@@ -262,6 +263,8 @@ class Runtime:
             # Exported only while decode is switched, so no alert compares V with a threshold nobody uses.
             self.prometheus.threshold.labels("enter").set(spec.enter_tokens)
             self.prometheus.threshold.labels("exit").set(spec.exit_tokens)
+        if self.prometheus is not None and arm.switch_settings().prefill is Policy.HYBRID:
+            self.prometheus.prefill_floor.set(spec.switch_constants().prefill_min_prompt_tokens)
         self.write_state()
 
     # -- per pass -------------------------------------------------------------------------------------------
