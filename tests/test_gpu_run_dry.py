@@ -1049,7 +1049,7 @@ def test_a_stage_covers_a_later_run_only_with_the_arms_and_loads_it_asks_for(tmp
     assert not run.covers("headline", waiting, tau, tmp_path)
     with pytest.raises(SystemExit):
         run.main(["headline", "/nonexistent", "--dry-run", "--arms", "hybrid-rule,fastest"])
-    assert {lease.name for lease in run.LEASES} == {f"lease-{n}" for n in range(1, 5)}
+    assert {lease.name for lease in run.LEASES} == {f"lease-{n}" for n in range(1, 6)}
     for lease in run.LEASES:  # every stage and arm a lease names exists, in `run.sh all`'s order
         assert list(lease.stages) == [s for s in run.STAGES if s in lease.stages]
         assert set(lease.headline_arms) <= set(run.HEADLINE_ARMS) and set(dict(lease.caps)) <= set(lease.stages)
@@ -1058,6 +1058,16 @@ def test_a_stage_covers_a_later_run_only_with_the_arms_and_loads_it_asks_for(tmp
     rows = {line.split("|")[1].strip(" `"): line for line in readme.splitlines() if line.startswith("| `lease-")}
     assert {name: row.rstrip(" |").endswith(f"| {lease.estimate_s} s") for name, row in rows.items()
             for lease in run.LEASES if lease.name == name} == {lease.name: True for lease in run.LEASES}
+
+
+def test_the_headline_serves_its_arms_in_the_order_asked_then_those_an_earlier_run_asked_for():
+    """A lease names its most important arm first (lease-5: the measured hybrid arm, then the knee's ablations), so
+    that a budget spent leaves the others; an earlier run's arms in the same folder stay in the result."""
+    (lease,) = [lease for lease in run.LEASES if lease.name == "lease-5"]
+    assert run.headline_order(lease.headline_arms, ()) == ("hybrid-tau", "always", "control")
+    assert run.headline_order(("control", "always"), ["hybrid-tau", "hybrid-rule"]) == \
+        ("control", "always", "hybrid-rule", "hybrid-tau")
+    assert run.headline_order(tuple(run.HEADLINE_ARMS), ["always"]) == tuple(run.HEADLINE_ARMS)
 
 
 def test_an_earlier_runs_table_and_tau_serve_only_on_the_gpu_they_were_measured_on(tmp_path, monkeypatch):

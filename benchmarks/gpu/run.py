@@ -121,6 +121,8 @@ LEASES = (  # what each measures: benchmarks/gpu/README.md's table
     Lease("lease-2", ("ladder", "headline"), 730, headline_arms=("hybrid-rule",)),  # item 3: Q*, the hybrid arm
     Lease("lease-3", ("ladder", "headline"), 520, headline_arms=("always", "control")),  # the knee's ablations
     Lease("lease-4", ("ladder", "headline", "kernels"), 670, headline_arms=("hybrid-tau",)),  # tau's hybrid arm
+    # tau's hybrid arm first, then the knee's ablations, at an earlier run's Q* (`--earlier`): no climb
+    Lease("lease-5", ("ladder", "headline"), 720, headline_arms=("hybrid-tau", "always", "control")),
 )
 
 
@@ -895,9 +897,8 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     result: dict = {"thresholds": {"rule": th_rule, "tau": th_tau or {"skipped": tau_source}}, "arms": {},
                     "arms_requested": list(arms), "check": check_served(plan, out, stage)}
     started = False
-    for key, (name, role, variant, loads) in HEADLINE_ARMS.items():
-        if key not in arms:
-            continue
+    for key in arms:  # in the order asked (`headline_order`)
+        name, role, variant, loads = HEADLINE_ARMS[key]
         thresholds = {"rule": th_rule, "tau": th_tau}.get(variant)
         doc = {"arm": name, "role": role, "loads": {}, "thresholds": thresholds}
         result["arms"][key] = doc
@@ -1883,8 +1884,7 @@ def main(argv: list[str] | None = None) -> int:
               "kernels": stage_kernels}
     kwargs = {}
     if args.stage == "headline":  # the arms an earlier run served stay in the result
-        kwargs["arms"] = tuple(k for k in HEADLINE_ARMS
-                               if k in args.arms or k in ((done or {}).get("arms_requested") or ()))
+        kwargs["arms"] = headline_order(args.arms, (done or {}).get("arms_requested") or ())
     elif args.stage == "ladder":  # and the loads dense served for them
         wanted = set(arm_loads(args.arms)) | set((done or {}).get("loads") or ())
         kwargs["loads"] = tuple(load for load in headline.LOADS if load in wanted)
@@ -1896,6 +1896,13 @@ def main(argv: list[str] | None = None) -> int:
     if result.get("left"):
         return 4  # run.sh runs the stage again
     return 1 if result.get("failed") else 0
+
+
+def headline_order(asked: tuple[str, ...], earlier: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The headline's arms in the order they are served: those asked for in the order asked (a lease serves its
+    most important arm first, so that a budget spent leaves the others), then those an earlier run of the stage in
+    the same folder asked for, in `HEADLINE_ARMS`' order (their cells stay in the result)."""
+    return tuple(dict.fromkeys([*asked, *(k for k in HEADLINE_ARMS if k in earlier)]))
 
 
 def _arms(text: str) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device run: dense against routed with the real SGLang 0.5.21 on one GPU, in stages of under nine minutes.
 #
-#   benchmarks/gpu/run.sh install|tiles|sweep|ladder|headline|kernels|all|lease-1..lease-4|pack OUTDIR
+#   benchmarks/gpu/run.sh install|tiles|sweep|ladder|headline|kernels|all|lease-1..lease-5|pack OUTDIR
 #                         [--dry-run] [--within SECONDS] [--earlier DIR]... [--pack FILE]
 #
 # install   installs the bundle (.gpu-bundle/, `make gpu-bundle`) into $VSKIPPER_SITE unless it is there already,
