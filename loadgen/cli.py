@@ -151,7 +151,7 @@ def cmd_simulate(args) -> int:
                     StepLine.parse(args.prefill_routed, "--prefill-routed"),
                     enter_tokens=enter, exit_tokens=exit_, max_running=args.max_running,
                     kv_capacity_tokens=args.kv_capacity_tokens, max_prefill_tokens=args.max_prefill_tokens,
-                    project_share=args.project_share)
+                    project_share=args.project_share, prefill_floor_tokens=args.prefill_floor_tokens)
     preds = predict(prompts, outputs, args.rates, cfg, get_arm(args.arm).switch_settings(), seed=args.seed)
     print(f"{'rate':>8} " + " ".join(f"{m:>11}" for m in preds[0].change_pct))
     for p in preds:
@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-capacity-tokens", type=int, default=400_000)
     s.add_argument("--max-prefill-tokens", type=int, default=16384)
     s.add_argument("--project-share", type=float, default=0.5)
+    s.add_argument("--prefill-floor-tokens", type=int,
+                   help="the prefill floor the arm serves (`vskipper serve --prefill-floor-tokens`; default: "
+                        "vskipper.constants')")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out")
     s.set_defaults(fn=cmd_simulate)

@@ -13,7 +13,8 @@ Model (its assumptions, stated once):
   request. Requests finish at their given output length (the matched lane: no stopping decisions).
 - Modes come from the foundation's `vskipper.switch.ModeSwitch` with the arm's switch settings and the
   given thresholds: decode mode fixed at decode start, promotion at the enter crossing, hysteresis on the
-  resident KV tokens; prefill mode per admission round, with probes answered by `project_share`.
+  resident KV tokens; prefill mode per admission round, with probes answered by `project_share`, from the
+  prefill floor `prefill_floor_tokens` where given (a served `--prefill-floor-tokens`), else the constants'.
 - No network, tokenizer, prefix cache, chunked prefill, preemption or CUDA-graph effects; time is exact.
 
 Because waiting time is the integral of backlog, a small per-step saving near the knee (where the server is
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loadgen.arrivals import poisson_arrivals
 from loadgen.metrics import flat_metrics, summarize
 from loadgen.records import RequestRecord
 from loadgen.stats import pct_change
+from vskipper.constants import CONSTANTS
 from vskipper.switch import Mode, ModeSwitch, Policy, SwitchSettings
 
 
@@ -72,6 +74,7 @@ class SimConfig:
     kv_capacity_tokens: int = 10**9
     max_prefill_tokens: int = 16384
     project_share: float = 0.5
+    prefill_floor_tokens: int | None = None  # the served prefill floor; None: vskipper.constants'
 
     def line(self, phase: str, mode: Mode) -> StepLine:
         routed = mode is Mode.ROUTED
@@ -96,7 +99,9 @@ def simulate(arrivals: Sequence[float], prompt_tokens: Sequence[int], output_tok
         raise ValueError("simulate: arrivals, prompt_tokens and output_tokens must have the same length")
     if any(o < 1 for o in output_tokens):
         raise ValueError("simulate: every output length must be >= 1")
-    switch = ModeSwitch(settings, config.enter_tokens, config.exit_tokens,
+    constants = CONSTANTS if config.prefill_floor_tokens is None else \
+        replace(CONSTANTS, prefill_min_prompt_tokens=config.prefill_floor_tokens)
+    switch = ModeSwitch(settings, config.enter_tokens, config.exit_tokens, constants=constants,
                         declared_project_share=config.project_share)
     order = sorted(range(n), key=lambda i: arrivals[i])
     records = [RequestRecord(index=i, request_id=str(i), scheduled_s=arrivals[i], prompt_tokens=prompt_tokens[i],

@@ -191,6 +191,86 @@ def test_thresholds_from_tau_say_why_there_are_none():
         "prefill floor" in why
 
 
+def _sweep_arm(intercept_s, slope_s, prefill):
+    return {"line": {"intercept_s": intercept_s, "slope_s_per_token": slope_s},
+            "prefill": [{"tokens": t, "ttft_s": s} for t, s in prefill]}
+
+
+# host-lean-sweep's H200 lines (rounded): decode over resident tokens, prefill over a prompt's tokens
+H200_DENSE = _sweep_arm(0.01052, 3.82e-8, [(1024, 0.0528), (2048, 0.0815), (4096, 0.1593)])
+H200_ALWAYS = _sweep_arm(0.01047, 3.21e-8, [(1024, 0.0592), (2048, 0.0771), (4096, 0.1456)])
+
+
+def test_the_queueing_models_lines_are_the_sweeps_decode_lines_and_a_fit_of_its_prefill_times():
+    lines = headline.model_lines(H200_DENSE, H200_ALWAYS)
+    assert (lines["decode_dense"].intercept_s, lines["decode_dense"].per_resident_token_s) == (0.01052, 3.82e-8)
+    assert lines["decode_routed"].per_row_s == 0.0 and lines["prefill_dense"].per_resident_token_s == 0.0
+    # least squares over 1k / 2k / 4k: dense 13.9 ms + 35.2 us a token, routed 25.0 ms + 28.9 us
+    assert lines["prefill_dense"].intercept_s == pytest.approx(0.0139, abs=2e-4)
+    assert lines["prefill_dense"].per_row_s == pytest.approx(35.1e-6, abs=0.3e-6)
+    assert lines["prefill_routed"].intercept_s == pytest.approx(0.0250, abs=2e-4)
+    assert lines["prefill_routed"].per_row_s == pytest.approx(28.9e-6, abs=0.3e-6)
+    assert headline.model_lines(H200_DENSE, {**H200_ALWAYS, "line": None}) is None
+    assert headline.model_lines(H200_DENSE, {**H200_ALWAYS, "prefill": H200_ALWAYS["prefill"][:1]}) is None
+
+
+def test_the_queueing_model_predicts_nothing_for_an_arm_that_costs_what_dense_does_and_a_gain_where_it_costs_less():
+    """The same suite, rate and seeded arrivals as each repetition of a load, the arm at its thresholds and floor:
+    with the routed lines equal to dense's the prediction is exactly no change; with the H200's lines the hybrid
+    arm at enter 40k / exit 30k and a floor of 2,048 gains a few percent at lease-4's knee, and thresholds out of
+    reach keep its decode dense."""
+    from vskipper.arms import Arm
+
+    arm = Arm.from_dict({"name": "h", "skipper": "random_skip", "params": {"r": 1.0, "d": 0.5}})
+    suite = headline.gsm8k_suite("s", 194, 1, 1000, (701, 1100), (58, 174))  # lease-4's knee: 16.15 req/s
+    cells = [headline.Cell("knee", r, 16.15, 194, 200 + r) for r in range(2)]
+    same = headline.model_lines(H200_DENSE, H200_DENSE)
+    th = {"enter_tokens": 40_000, "exit_tokens": 30_000, "prefill_floor_tokens": 2048}
+    flat = headline.model_prediction(same, arm, th, suite, cells, 842_145, 256)
+    assert flat["e2e_mean"] == 0.0 and [r["e2e_mean"] for r in flat["reps"]] == [0.0, 0.0]
+    lines = headline.model_lines(H200_DENSE, H200_ALWAYS)
+    gain = headline.model_prediction(lines, arm, th, suite, cells, 842_145, 256)
+    assert -15 < gain["e2e_mean"] < 0 and len(gain["reps"]) == 2
+    light = headline.model_prediction(lines, arm, {**th, "enter_tokens": 10**9, "exit_tokens": 10**9 - 1}, suite,
+                                      cells, 842_145, 256)
+    assert light["routed_share"]["decode"] == 0.0  # never reaches enter: decode stays dense
+
+
+def test_what_the_queueing_model_makes_of_lease_4s_cells_from_the_h200_sweeps_lines():
+    """The landed H200 runs (benchmarks/results/H200/README.md, lease-4): host-lean-sweep's lines and lease-4's cells
+    (their suites drawn again from their seeds, digests checked). At the thresholds lease-4's hybrid arm served
+    (10k / 10k, the constants' floor) the model predicts a mean E2E change of about -3 / -5 / -8% at 0.75 / 0.95 /
+    1.25 Q*, where the cells measured +21 / +34 / -1% and the paper -6.6 / -36.8 / -25.7%: the sweep's per-pass
+    costs leave the knee a few percent; always-route loses below the knee (its prefill's intercept)."""
+    import json
+    from pathlib import Path
+
+    from vskipper.arms import Arm
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "H200"
+    arms = json.loads((results / "host-lean-sweep" / "sweep.json").read_text())["arms"]
+    ladder = json.loads((results / "lease-4" / "ladder.json").read_text())
+    pool = json.loads((results / "lease-4" / "headline.json").read_text())["arms"]["hybrid-tau"]["kv_pool_tokens"]
+    lines = headline.model_lines(arms["dense"], arms["random-r1-d0.5-always"])
+    params = {"skipper": "random_skip", "params": {"r": 1.0, "d": 0.5}}
+    hybrid, always = Arm.from_dict(params), Arm.from_dict({**params, "prefill": "routed", "decode": "routed"})
+    cells = [headline.Cell.from_dict(c) for c in ladder["cells"]]
+    predicted = {}
+    for load in headline.LOADS:
+        mine = [c for c in cells if c.load == load]
+        suite = headline.gsm8k_suite(f"gsm8k-shaped-{load}", mine[0].requests, headline.suite_seed(load), 128256,
+                                     tuple(ladder["plan"]["prompt_tokens"]), tuple(ladder["plan"]["output_tokens"]))
+        assert suite.digest == ladder["suites"][load]["digest"]
+        for name, arm in (("hybrid", hybrid), ("always", always)):
+            p = headline.model_prediction(lines, arm, {"enter_tokens": 10_000, "exit_tokens": 10_000}, suite, mine,
+                                          pool, 256)
+            predicted[name, load] = p["e2e_mean"]
+    assert -4.5 < predicted["hybrid", "below"] < -1.5
+    assert -6.5 < predicted["hybrid", "knee"] < -3.5
+    assert -9.5 < predicted["hybrid", "overload"] < -6
+    assert predicted["always", "below"] > 3
+
+
 def test_resident_ceiling_is_the_pool_or_the_running_cap_times_the_longest_request():
     assert headline.resident_ceiling(420_000, 256, 1274) == 326_144  # below the H100's 340k enter threshold
     assert headline.resident_ceiling(200_000, 256, 1274) == 200_000

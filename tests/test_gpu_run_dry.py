@@ -135,9 +135,11 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
     tau = result["arms"]["hybrid-tau"]
     if tau.get("skipped"):  # the sweep's tau on a CPU is noise: it may give the rule's thresholds (and says so)
         assert "tau" in tau["skipped"] and result["thresholds"]["tau"] == {"skipped": tau["skipped"]}
-    else:  # a positive tau scales V*; one at or below 0 serves the least thresholds (10 / 10 here)
-        sweep_tau = json.loads((out / "sweep.json").read_text())["comparison"]["tau_ms"]
-        if sweep_tau <= 0:
+    else:  # a positive tau (its interval's upper end) scales V*; one at or below 0 serves the least thresholds
+        comparison = json.loads((out / "sweep.json").read_text())["comparison"]
+        served_tau = (comparison.get("tau_ms_interval") or [None, comparison["tau_ms"]])[1]
+        assert tau["thresholds"]["tau_ms"] == served_tau
+        if served_tau <= 0:  # (10 / 10 here)
             assert (tau["thresholds"]["enter_tokens"], tau["thresholds"]["exit_tokens"]) == (10, 10)
         assert tau["thresholds"]["source"].startswith("measured tau")
         assert tau["served"]["thresholds"]["enter_tokens"] == tau["thresholds"]["enter_tokens"]
@@ -177,6 +179,15 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
                 assert [r["scheduled_s"] for r in mine["records"]] == [r["scheduled_s"] for r in dense["records"]]
     always = result["arms"]["always"]["loads"][headline.KNEE]["routed_share"]
     assert always == {"prefill": 1.0, "decode": 1.0}
+    # what the queueing model predicts from the sweep's lines, beside each arm's measured change
+    for key, (_name, _role, _variant, loads) in run.HEADLINE_ARMS.items():
+        arm = result["arms"][key]
+        if not arm.get("skipped"):
+            assert set(arm["model"]) == set(loads), key
+            assert all(set(headline.MODEL_METRICS) <= set(p) and len(p["reps"]) == plan.repetitions
+                       for p in arm["model"].values()), key
+    assert result["arms"]["always"]["model"][headline.KNEE]["routed_share"] == {"prefill": 1.0, "decode": 1.0}
+    assert "What the queueing model" in (out / "summary.md").read_text()
     figures = {(r["arm"], r["figure"]): r for r in result["figures"]}
     knee = figures["hybrid-rule", "mean E2E change at 0.95 Q*"]
     assert knee["limit"] == "below -36.8% (the paper's)" and knee["paper_a100"] == [-36.8, 2.0]

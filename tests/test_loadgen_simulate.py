@@ -51,6 +51,17 @@ def test_small_per_step_savings_become_large_latency_gains_near_the_knee():
     assert preds[24]["ttft_mean"] > preds[14]["ttft_mean"]
 
 
+def test_a_prefill_floor_routes_only_rounds_from_it():
+    """The served floor in place of the constants' 1,536: rounds of one prompt of 600-1,000 tokens route with a floor
+    of 500 and never with one of 2,000."""
+    prompts, outputs = workload(60)
+    prefill_only = get_arm("prefill-only").switch_settings()
+    (low,) = predict(prompts, outputs, [1], config(prefill_floor_tokens=500), prefill_only)
+    (high,) = predict(prompts, outputs, [1], config(prefill_floor_tokens=2000), prefill_only)
+    assert low.treated["passes_total"]["prefill"]["dense"] == 0 < low.treated["passes_total"]["prefill"]["routed"]
+    assert high.treated["passes_total"]["prefill"]["routed"] == 0
+
+
 def test_hybrid_arm_routes_decode_only_above_the_enter_threshold():
     prompts, outputs = workload(200)
     hybrid = get_arm("hybrid").switch_settings()

@@ -251,6 +251,64 @@ def thresholds_from_tau(rule: Mapping, sweep: Mapping | None, step: int) -> tupl
             **({"tau_ms_interval": list(interval)} if interval else {}), **floor, "source": source}, source
 
 
+# -- what the queueing model predicts from the sweep's lines ----------------------------------------------------------
+
+MODEL_METRICS = ("e2e_mean", "ttft_mean", "tpot_mean")
+
+
+def model_lines(dense: Mapping, routed: Mapping) -> dict | None:
+    """The queueing model's per-pass lines (`loadgen.simulate.StepLine`) from two of the sweep's arms, dense and
+    always-route: decode, each arm's latency line of a step over the resident tokens (its intercept, its slope a
+    resident token); prefill, the least-squares line of one prompt's time to its first token over its tokens (the
+    client's figure: the HTTP and the scheduler's hand-over ride on its intercept). None where either arm lacks a
+    decode line or two prefill lengths."""
+    import statistics
+
+    from loadgen.simulate import StepLine
+
+    lines = {}
+    for side, arm in (("dense", dense), ("routed", routed)):
+        decode = arm.get("line")
+        prefill = [(p["tokens"], p["ttft_s"]) for p in arm.get("prefill") or []]
+        if not decode or len(prefill) < 2:
+            return None
+        slope, intercept = statistics.linear_regression(*zip(*prefill, strict=True))
+        lines[f"decode_{side}"] = StepLine(max(0.0, decode["intercept_s"]), 0.0, max(0.0, decode["slope_s_per_token"]))
+        lines[f"prefill_{side}"] = StepLine(max(0.0, intercept), max(0.0, slope))
+    return lines
+
+
+def model_prediction(lines: Mapping, arm: Arm, thresholds: Mapping, suite: Suite, cells: Sequence[Cell],
+                     kv_pool_tokens: int | None, max_running: int | None) -> dict:
+    """What the queueing model (`loadgen.simulate`: one server, continuous batching, each pass costing its line)
+    predicts for `arm` against dense on one load's cells: the same suite, rate and seeded arrivals as each
+    repetition, the arm at the served thresholds and prefill floor. Per metric of `MODEL_METRICS` the mean % change
+    over the repetitions, each repetition's, and the share of the arm's passes that routed. The model's dense is
+    the sweep's dense, not the cells' measured one: it says what the sweep's per-pass costs alone make of a load,
+    the queueing included (a cell's own costs, batching and compiles aside)."""
+    from loadgen.simulate import SimConfig, predict
+
+    config = SimConfig(lines["decode_dense"], lines["decode_routed"], lines["prefill_dense"], lines["prefill_routed"],
+                       enter_tokens=thresholds["enter_tokens"], exit_tokens=thresholds["exit_tokens"],
+                       max_running=max_running or 10**9, kv_capacity_tokens=kv_pool_tokens or 10**12,
+                       project_share=arm.declared_skip_ratio() or 0.0,
+                       prefill_floor_tokens=thresholds.get("prefill_floor_tokens"))
+    prompts = [r.prompt_tokens for r in suite.requests]
+    outputs = [r.max_new_tokens for r in suite.requests]
+    reps, routed = [], dict.fromkeys(PHASES, 0)
+    total = dict.fromkeys(PHASES, 0)
+    for cell in cells:
+        (p,) = predict(prompts[:cell.requests], outputs[:cell.requests], [cell.rate], config, arm.switch_settings(),
+                       seed=cell.seed)
+        reps.append({m: p.change_pct.get(m) for m in MODEL_METRICS})
+        for phase in PHASES:
+            routed[phase] += p.treated["passes_total"][phase]["routed"]
+            total[phase] += sum(p.treated["passes_total"][phase].values())
+    out = {m: sum(r[m] for r in reps) / len(reps) if all(r[m] is not None for r in reps) else None
+           for m in MODEL_METRICS}
+    return {**out, "reps": reps, "routed_share": {ph: routed[ph] / total[ph] if total[ph] else None for ph in PHASES}}
+
+
 def resident_ceiling(kv_pool_tokens: int, max_running: int | None, longest_request: int) -> int:
     """The most resident KV tokens the cells can hold: the pool, or the running-request cap times the longest
     request (prompt and output) where that is less."""
@@ -586,6 +644,7 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
                            f"{_share(c['routed_share']['decode'])}" for load, c in arm["loads"].items())
         lines += [arm["table"], f"Routed share of {key}'s passes: {shares}."
                   + (f" Not engaged: {arm['not_engaged']}." if arm.get("not_engaged") else ""), ""]
+        lines += model_lines_text(key, arm.get("model"), arm["loads"])
         lines += pass_span_table(key, arm["loads"])
         lines += pass_kind_table(key, arm["loads"])
         lines += compile_lines(key, arm["loads"])
@@ -594,6 +653,33 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
     if headline.get("left"):
         lines += [f"Headline stage left for the next run: {', '.join(headline['left'])}", ""]
     return lines
+
+
+def model_lines_text(key: str, model: Mapping | None, loads: Mapping) -> list[str]:
+    """The queueing model's prediction for arm `key` beside what its cells measured, per load: the % change of mean
+    E2E, TTFT and TPOT against dense (`model_prediction`)."""
+    if not model:
+        return []
+    rows = []
+    for load, predicted in model.items():
+        measured = (loads.get(load) or {}).get("comparison") or {}
+        cells = []
+        for metric in MODEL_METRICS:
+            iv = measured.get(metric) or {}
+            mean = iv.get("mean")
+            cells.append(f"{_pct(predicted.get(metric))} / {_pct(mean)}")
+        rows.append(f"| {CELL_FACTORS[load]} Q* | " + " | ".join(cells) + f" | {_share(predicted['routed_share']['prefill'])}"
+                    f", {_share(predicted['routed_share']['decode'])} |")
+    return [f"What the queueing model (`loadgen.simulate`: each pass costing the sweep's line of its phase and mode, "
+            f"the cells' suites, rates and arrivals, {key} at the thresholds and floor it served) predicts against "
+            "dense, beside the cells' measured change (% change of the mean, predicted / measured); a measured change "
+            "beyond the prediction is a cost the served cells paid that the sweep's passes did not:", "",
+            "| load | E2E | TTFT | TPOT | routed share predicted (prefill, decode) |", "|---|---|---|---|---|",
+            *rows, ""]
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.1f}%"
 
 
 def pass_span_table(key: str, loads: Mapping) -> list[str]:

@@ -948,9 +948,32 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
                 served_doc["kv_pool_tokens"] = kv_capacity(server)
                 (work / "served.json").write_text(json.dumps(served_doc, indent=1) + "\n")
         doc.update(compare_arm(plan, out, key, name, role, mine, suites))
+        predicted = arm_model(plan, sweep, name, thresholds, mine, suites, doc.get("kv_pool_tokens"))
+        if predicted:
+            doc["model"] = predicted
     result["figures"] = headline.figure_rows(result)
     result["left"], result["failed"] = stage.left, stage.failed
     return result
+
+
+def arm_model(plan: Plan, sweep: dict | None, name: str, thresholds: dict | None, cells: list, suites: dict,
+              kv_pool: int | None) -> dict | None:
+    """What the queueing model predicts for a routed arm on its cells, load by load, from the sweep's per-pass lines
+    (`headline.model_prediction`): dense's and the routed arm's of the sweep with the same routes (always-route's
+    for the hybrid arm, the control's for the control), the arm at the thresholds and floor it served (an arm that
+    always routes has none to serve). None where the sweep lacks either arm's lines."""
+    from vskipper.arms import Arm
+
+    arms = (sweep or {}).get("arms") or {}
+    routes = CONTROL if name == CONTROL else ALWAYS
+    lines = headline.model_lines(arms["dense"], arms[routes]) if "dense" in arms and routes in arms else None
+    if lines is None:
+        return None
+    arm = Arm.from_dict(ARM_FILES[name])
+    served = thresholds or {"enter_tokens": 0, "exit_tokens": 0}
+    return {load: headline.model_prediction(lines, arm, served, suites[load], [c for c in cells if c.load == load],
+                                            kv_pool, plan.max_running())
+            for load in headline.LOADS if any(c.load == load for c in cells)}
 
 
 def resample_tau(sweep: dict | None) -> None:
