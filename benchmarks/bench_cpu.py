@@ -561,7 +561,12 @@ def run_arms(ckpt: Path, out: Path, size: Size, threads: int,
 
 
 def part_clock(server) -> dict:
-    return server.get_json("/vskipper/attestation")["part_clock"]
+    """The server's part clock as its attestation holds it now: a document the server served late (its counters
+    may lack the last passes, and a run's tokens would then differ between arms that computed the same) is read
+    again (`loadgen.attestation.read_answered`)."""
+    from loadgen.attestation import read_answered
+
+    return read_answered(lambda: server.get_json("/vskipper/attestation"))["part_clock"]
 
 
 # What a Project-Only row skips, as the part clock names it (`vskipper.sglang.part_times`); Q at every row is the

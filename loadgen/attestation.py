@@ -22,7 +22,7 @@ keys (switch attestation, constants, ...) are kept in `raw` untouched.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,16 @@ READ_ATTEMPTS = 3  # reads of a document the server served late ("answered": fal
 def answered(data: Any) -> bool:
     """Whether a document was written for the read that fetched it: every one that does not say otherwise."""
     return not (isinstance(data, Mapping) and data.get("answered") is False)
+
+
+def read_answered(read: Callable[[], Any]) -> Any:
+    """A document from `read()` (one GET of the server's attestation), read again where the server served one older
+    than the read (`answered`), up to `READ_ATTEMPTS` reads, the last taken as it is."""
+    for _ in range(READ_ATTEMPTS):
+        data = read()
+        if answered(data):
+            break
+    return data
 
 
 class AttestationError(ValueError):

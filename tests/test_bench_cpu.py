@@ -251,6 +251,21 @@ def test_a_start_order_names_every_arm_once(tmp_path):
     assert not (tmp_path / "never").exists()
 
 
+def test_a_part_clock_the_server_served_late_is_read_again():
+    """A state document older than the read (`answered: false`) may lack the last passes: a run's tokens would
+    then differ between arms that computed the same (39 against 40 decode tokens once, in the demo's bench)."""
+    bench = _bench_cpu()
+    docs = iter([{"answered": False, "part_clock": {"tokens_total": {"decode": 39}}},
+                 {"answered": True, "part_clock": {"tokens_total": {"decode": 40}}}])
+
+    class Server:
+        def get_json(self, path):
+            assert path == "/vskipper/attestation"
+            return next(docs)
+
+    assert bench.part_clock(Server())["tokens_total"]["decode"] == 40
+
+
 def test_a_repetition_whose_arms_computed_different_tokens_is_refused():
     """Each arm gets the same prompts; a repeated prompt served from the radix cache in one arm and prefilled
     whole in another would make the arms' rates compare different work."""

@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.gpu import headline  # noqa: E402
 from benchmarks.gpu.bundle import device_pins  # noqa: E402
-from loadgen.attestation import READ_ATTEMPTS, answered  # noqa: E402
+from loadgen.attestation import READ_ATTEMPTS, read_answered  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
@@ -475,11 +475,7 @@ def pass_clock(server: Server) -> dict | None:
     lack the last passes) is read again, up to `READ_ATTEMPTS` reads; the last is marked `late`
     (`headline.attested_clock`). None where the server times none (one started elsewhere without
     `ENV_PASS_SPANS`)."""
-    for _ in range(READ_ATTEMPTS):
-        doc = server.get_json("/vskipper/attestation")
-        if answered(doc):
-            break
-    return headline.attested_clock(doc)
+    return headline.attested_clock(read_answered(lambda: server.get_json("/vskipper/attestation")))
 
 
 def execution_of(served_doc: dict) -> dict:
