@@ -644,7 +644,7 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
                            f"{_share(c['routed_share']['decode'])}" for load, c in arm["loads"].items())
         lines += [arm["table"], f"Routed share of {key}'s passes: {shares}."
                   + (f" Not engaged: {arm['not_engaged']}." if arm.get("not_engaged") else ""), ""]
-        lines += model_lines_text(key, arm.get("model"), arm["loads"])
+        lines += model_table(key, arm.get("model"), arm["loads"])
         lines += pass_span_table(key, arm["loads"])
         lines += pass_kind_table(key, arm["loads"])
         lines += compile_lines(key, arm["loads"])
@@ -655,21 +655,18 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
     return lines
 
 
-def model_lines_text(key: str, model: Mapping | None, loads: Mapping) -> list[str]:
+def model_table(key: str, model: Mapping | None, loads: Mapping) -> list[str]:
     """The queueing model's prediction for arm `key` beside what its cells measured, per load: the % change of mean
-    E2E, TTFT and TPOT against dense (`model_prediction`)."""
+    E2E, TTFT and TPOT against dense (`model_prediction`), the measured one with its interval."""
     if not model:
         return []
     rows = []
     for load, predicted in model.items():
         measured = (loads.get(load) or {}).get("comparison") or {}
-        cells = []
-        for metric in MODEL_METRICS:
-            iv = measured.get(metric) or {}
-            mean = iv.get("mean")
-            cells.append(f"{_pct(predicted.get(metric))} / {_pct(mean)}")
-        rows.append(f"| {CELL_FACTORS[load]} Q* | " + " | ".join(cells) + f" | {_share(predicted['routed_share']['prefill'])}"
-                    f", {_share(predicted['routed_share']['decode'])} |")
+        cells = [f"{_pct(predicted.get(m))} / {_iv(measured.get(m))}" for m in MODEL_METRICS]
+        shares = predicted["routed_share"]
+        rows.append(f"| {CELL_FACTORS[load]} Q* | {' | '.join(cells)} | {_share(shares['prefill'])}, "
+                    f"{_share(shares['decode'])} |")
     return [f"What the queueing model (`loadgen.simulate`: each pass costing the sweep's line of its phase and mode, "
             f"the cells' suites, rates and arrivals, {key} at the thresholds and floor it served) predicts against "
             "dense, beside the cells' measured change (% change of the mean, predicted / measured); a measured change "

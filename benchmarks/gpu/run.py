@@ -1005,11 +1005,11 @@ def set_aside_other_thresholds(stage: Stage, key: str, work: Path, thresholds: d
     if aside.exists():
         shutil.rmtree(aside)
     work.rename(aside)
-    floor = f" / prefill floor {means[2]}" if means[2] is not None else ""
-    log(stage.name, f"{key}: the cells served at enter {served_as[0]} / exit {served_as[1]}"
-                    + (f" / prefill floor {was.get('prefill_floor_tokens')}" if was.get("prefill_floor_tokens") else "")
-                    + f" set aside as {aside.name}: this run serves enter {means[0]} / exit {means[1]}{floor} "
-                    f"({thresholds.get('source')})")
+    def said(v: list) -> str:
+        return f"enter {v[0]} / exit {v[1]}" + (f" / prefill floor {v[2]}" if v[2] is not None else "")
+
+    log(stage.name, f"{key}: the cells served at {said(served_as)} set aside as {aside.name}: this run serves "
+                    f"{said(means)} ({thresholds.get('source')})")
 
 
 def check_thresholds(key: str, served_doc: dict, thresholds: dict | None) -> None:
