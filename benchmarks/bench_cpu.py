@@ -76,8 +76,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from vskipper import modelspec  # noqa: E402
 from vskipper.checkpoint import TinySize, make_tiny_model, tiny_config, write_tiny_tokenizer  # noqa: E402
-from vskipper.skippers.modules import router_sizes  # noqa: E402
 
 ARCH = "flexidepth-llama"
 SKIP = 0.5  # r * d of the routed arm: the Project-Only share of routed-layer rows
@@ -137,36 +137,9 @@ SIZES = {
 
 # -- the limits ------------------------------------------------------------------------------------------------
 
-def token_macs(config: dict, context: float, skip: float, lm_head_share: float,
-               project_only_reads: bool = False) -> dict[str, float]:
-    """Multiply-accumulates per token of one forward over every layer, at attention context `context`, when a
-    share `skip` of the routed layers' rows is Project-Only (RandomSkip reads no router weights: no router).
-
-    RUN row: Q, K/V, the attention read (QK^T and PV over the context), o_proj, the MLP.
-    Project-Only row: K/V and the projector (d -> m, d -> m, m -> d); with `project_only_reads`, the attention read
-    too (a prefill read through SGLang's backend takes every row, Project-Only ones with a zero query)."""
-    d, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    _, m = router_sizes(config)
-    parts = {"q": d * heads * hd, "kv": 2 * d * kv * hd, "read": 2 * heads * hd * context, "o": heads * hd * d,
-             "mlp": 3 * d * inter}
-    run = sum(parts.values())
-    project_only = parts["kv"] + 3 * d * m + (parts["read"] if project_only_reads else 0)
-    layers, routed = config["num_hidden_layers"], len(config["routing_layers"])
-    total = (layers - routed) * run + routed * ((1 - skip) * run + skip * project_only)
-    return {"per_token": total + lm_head_share * d * config["vocab_size"], "run_row": run,
-            "project_only_row": project_only, "skippable": run - parts["kv"]}
-
-
 def flop_limit(config: dict, phase: Load, skip: float, project_only_reads: bool = False) -> float:
-    """The work of s = 0 over the work at `skip`, per token of the load (prefill: logits of each prompt's last
-    token only; decode: the mean context over the outputs). `project_only_reads`: see `token_macs`."""
-    if phase.output_len == 1:
-        context, lm = (phase.input_len + 1) / 2, 1 / phase.input_len
-    else:
-        context, lm = phase.input_len + phase.output_len / 2, 1.0
-    return (token_macs(config, context, 0.0, lm)["per_token"]
-            / token_macs(config, context, skip, lm, project_only_reads)["per_token"])
+    """`vskipper.modelspec.flop_limit` of one request of the load: s = 0's work over the work at `skip`."""
+    return modelspec.flop_limit(config, phase.input_len, phase.output_len, skip, project_only_reads)
 
 
 def default_threads() -> int:

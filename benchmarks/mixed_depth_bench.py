@@ -419,7 +419,7 @@ def served_decode(hf_config, layer_cfg: dict, timed: dict, s: float, rows_grid: 
 
 def served_prefill(hf_config, layer_cfg: dict, timed: dict, s: float, lengths: list[int], dtype: torch.dtype,
                    device: torch.device, reps: int, execution: str, tile_table: Path | None = None) -> list[dict]:
-    from bench_cpu import token_macs
+    from vskipper.modelspec import token_macs
 
     rig = ServedRig(hf_config, 1, max(lengths), dtype, device, execution, tile_table)
     # Read through SGLang's backend, Project-Only rows enter the attention read with a zero query (the limit says so).

@@ -3,7 +3,7 @@
 import pytest
 
 from vskipper.constants import CONSTANTS
-from vskipper.modelspec import PRESETS, ModelConfigError, ModelFacts, decode_bytes
+from vskipper.modelspec import PRESETS, ModelConfigError, ModelFacts, decode_bytes, flop_limit, token_macs
 from vskipper.roofline import (
     DEVICES,
     UnknownDeviceError,
@@ -161,6 +161,25 @@ def test_decode_bytes_reads_every_weight_once_and_the_kv_the_project_only_rows_d
     with pytest.raises(ValueError, match="proj_reduction_factor"):
         decode_bytes(cfg | {"proj_reduction_factor": 5}, 0, 0.5)
 
+
+
+def test_a_project_only_row_does_its_kv_and_the_projector_and_the_flop_limit_is_s_0s_work_over_the_skips():
+    """Llama-3-8B's shape: a RUN row's multiply-adds at a layer are Q, K/V, the read over its context, o_proj and
+    the MLP; a Project-Only row's are K/V and the projector (m = 896), and the read too where the backend reads
+    every row. Half of 16 routed layers' rows Project-Only: a 1,024-token prompt does 1/1.2956 of s = 0's work."""
+    cfg = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "routing_layers": list(range(16, 32))}
+    macs = token_macs(cfg, 100, 0.5, 0.0)
+    kv, read = 2 * 4096 * 8 * 128, 2 * 32 * 128 * 100
+    assert macs["run_row"] == 4096 * 4096 + kv + read + 4096 * 4096 + 3 * 4096 * 14336
+    assert macs["project_only_row"] == kv + 3 * 4096 * 896
+    assert token_macs(cfg, 100, 0.5, 0.0, project_only_reads=True)["project_only_row"] == kv + 3 * 4096 * 896 + read
+    assert macs["per_token"] == 16 * macs["run_row"] + 16 * (macs["run_row"] + macs["project_only_row"]) / 2
+    assert token_macs(cfg, 100, 0.0, 1.0)["per_token"] == 32 * macs["run_row"] + 4096 * 128256
+    assert flop_limit(cfg, 1024, 1, 0.5) == pytest.approx(1.2956, abs=1e-4)
+    assert flop_limit(cfg, 1024, 1, 0.0) == 1.0
+    assert flop_limit(cfg, 1024, 1, 0.5, project_only_reads=True) < flop_limit(cfg, 1024, 1, 0.5)
+    assert flop_limit(cfg, 900, 120, 0.5) < flop_limit(cfg, 1024, 1, 0.5)  # decode: every token's logits, unskipped
 
 def test_a_gemms_floor_is_its_bytes_at_the_bandwidth_below_the_ridge_and_its_flops_at_the_peak_above():
     """Llama-3-8B's MLP down on the H200 (4.8 TB/s, 989 TFLOP/s): at a decode batch of 128 rows it moves its 117 MB

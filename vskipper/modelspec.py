@@ -1,5 +1,5 @@
-"""Model facts the rule and the runtime need: depth, routed layers, KV geometry, the skipper modules' widths and
-the bytes a decode step reads.
+"""Model facts the rule and the runtime need: depth, routed layers, KV geometry, the skipper modules' widths, the
+bytes a decode step reads and the work a token's forward does (the physical limits of a skip).
 
 `ModelFacts.from_config(dict)` reads a Hugging Face style config.json (already parsed: no I/O here);
 `load_model_facts(name_or_path)` is the one function that touches the file system.
@@ -49,6 +49,43 @@ def decode_bytes(config: dict, resident: float, skip: float, dtype_bytes: int = 
     adapter = 3 * d * router_sizes(config)[1] if skip > 0 else 0  # gate and down d -> m, up m -> d
     weights = (layers * per_layer + routed * adapter + 2 * v * d) * dtype_bytes
     return weights + resident * kv_bytes_per_token_layer(kv_heads, hd, dtype_bytes) * (layers - skip * routed)
+
+
+
+def token_macs(config: dict, context: float, skip: float, lm_head_share: float,
+               project_only_reads: bool = False) -> dict[str, float]:
+    """Multiply-accumulates per token of one forward of a skipper model over every layer, at attention context
+    `context`, when a share `skip` of the routed layers' rows is Project-Only (RandomSkip reads no router weights:
+    no router), and the logits for a share `lm_head_share` of the tokens.
+
+    RUN row: Q, K/V, the attention read (QK^T and PV over the context), o_proj, the MLP.
+    Project-Only row: K/V and the projector (d -> m, d -> m, m -> d); with `project_only_reads`, the attention read
+    too (a prefill read through SGLang's backend takes every row, Project-Only ones with a zero query)."""
+    d, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or d // heads
+    _, m = router_sizes(config)
+    parts = {"q": d * heads * hd, "kv": 2 * d * kv * hd, "read": 2 * heads * hd * context, "o": heads * hd * d,
+             "mlp": 3 * d * inter}
+    run = sum(parts.values())
+    project_only = parts["kv"] + 3 * d * m + (parts["read"] if project_only_reads else 0)
+    layers, routed = config["num_hidden_layers"], len(config["routing_layers"])
+    total = (layers - routed) * run + routed * ((1 - skip) * run + skip * project_only)
+    return {"per_token": total + lm_head_share * d * config["vocab_size"], "run_row": run,
+            "project_only_row": project_only, "skippable": run - parts["kv"]}
+
+
+def flop_limit(config: dict, input_len: int, output_len: int, skip: float, project_only_reads: bool = False) -> float:
+    """The work of s = 0 over the work at `skip`, per token of a request of `input_len` prompt and `output_len`
+    output tokens: a prefill (`output_len` 1) takes the logits of the prompt's last token only and reads a mean
+    context of half the prompt; decode reads the prompt and half the output. `project_only_reads`: see
+    `token_macs`."""
+    if output_len == 1:
+        context, lm = (input_len + 1) / 2, 1 / input_len
+    else:
+        context, lm = input_len + output_len / 2, 1.0
+    return (token_macs(config, context, 0.0, lm)["per_token"]
+            / token_macs(config, context, skip, lm, project_only_reads)["per_token"])
 
 
 @dataclass(frozen=True)
