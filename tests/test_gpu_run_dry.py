@@ -187,11 +187,21 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
             assert all(set(headline.MODEL_METRICS) <= set(p) and len(p["reps"]) == plan.repetitions
                        for p in arm["model"].values()), key
     assert result["arms"]["always"]["model"][headline.KNEE]["routed_share"] == {"prefill": 1.0, "decode": 1.0}
-    assert "What the queueing model" in (out / "summary.md").read_text()
+    # beside it, the same arms with their routed passes at the skip's limit (the control skips nothing: none)
+    for key in ("always", "hybrid-rule"):
+        assert all(set(headline.MODEL_METRICS) <= set(p["at_limit"]) for p in result["arms"][key]["model"].values())
+    assert all("at_limit" not in p for p in result["arms"]["control"]["model"].values())
+    # the skip's limit: always-route at the limit on the ladder's cells, every load
+    limit = result["skip_limit"]
+    assert limit["skip"] == run.SKIP_RATIO and set(limit["loads"]) == set(headline.LOADS)
+    assert all(p["routed_share"] == {"prefill": 1.0, "decode": 1.0} for p in limit["loads"].values())
+    summary = (out / "summary.md").read_text()
+    assert "What the queueing model" in summary and "The skip's limit: what the queueing model" in summary
     figures = {(r["arm"], r["figure"]): r for r in result["figures"]}
     knee = figures["hybrid-rule", "mean E2E change at 0.95 Q*"]
     assert knee["limit"] == "below -36.8% (the paper's)" and knee["paper_a100"] == [-36.8, 2.0]
-    assert knee["verdict"] == "n = 1: no interval"
+    assert knee["verdict"].startswith("n = 1: no interval")
+    assert knee["skip_limit"] == limit["loads"][headline.KNEE]["e2e_mean"]
     rps = figures["hybrid-rule", "request throughput in the injection window at 1.25 Q*"]
     assert rps["paper_a100"] == [11.3, 0.2]
     # measured where dense finished a request inside each overload cell's window (see the cells above), else none

@@ -278,6 +278,35 @@ def model_lines(dense: Mapping, routed: Mapping) -> dict | None:
     return lines
 
 
+
+def limit_lines(lines: Mapping, config: Mapping, skip: float, lengths: Sequence[int]) -> dict:
+    """`model_lines` with the routed lines at the skip's physical limit: what a routed pass would cost if it saved
+    all that a share `skip` of the routed layers' rows Project-Only allows, and paid nothing else for routing.
+
+    Decode is bound by the bytes a step reads (`vskipper.modelspec.decode_bytes`): dense's intercept scaled as the
+    weights read (the adapter's added), its slope a resident token as the KV read (Project-Only rows read none at
+    the routed layers). Prefill is bound by its work (`vskipper.modelspec.flop_limit`, a Project-Only row paying
+    its K/V and the projector only): at each of `lengths` (the sweep's prompt lengths) dense's line with its part
+    per token divided by the FLOP limit there, its intercept as it is (the HTTP and the scheduler's hand-over), and
+    the least-squares line over them. Dense's lines are the sweep's, so the model's dense against these is the
+    most this skip could change the served load, not a measurement."""
+    import statistics
+
+    from loadgen.simulate import StepLine
+    from vskipper.modelspec import decode_bytes, flop_limit
+
+    decode, prefill = lines["decode_dense"], lines["prefill_dense"]
+    weights = decode_bytes(config, 0, skip) / decode_bytes(config, 0, 0.0)
+    kv = (decode_bytes(config, 1, skip) - decode_bytes(config, 0, skip)) / (
+        decode_bytes(config, 1, 0.0) - decode_bytes(config, 0, 0.0))
+    points = [(t, prefill.intercept_s + prefill.per_row_s * t / flop_limit(config, t, 1, skip)) for t in lengths]
+    if len({t for t, _ in points}) < 2:
+        raise ValueError(f"the prefill limit's line needs two prompt lengths, got {list(lengths)}")
+    slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
+    return {**lines, "decode_routed": StepLine(decode.intercept_s * weights, 0.0, decode.per_resident_token_s * kv),
+            "prefill_routed": StepLine(max(0.0, intercept), max(0.0, slope))}
+
+
 def model_prediction(lines: Mapping, arm: Arm, thresholds: Mapping, suite: Suite, cells: Sequence[Cell],
                      kv_pool_tokens: int | None, max_running: int | None) -> dict:
     """What the queueing model (`loadgen.simulate`: one server, continuous batching, each pass costing its line)
@@ -533,47 +562,79 @@ def _paper(pair: tuple[float, float | None] | None) -> str:
 
 
 def figure_rows(headline: Mapping) -> list[dict]:
-    """The headline's figures, one row each: what was measured, its limit, the paper's on the A100 and the H100, and
-    the verdict. The limits: the hybrid arms' knee beats the paper's -36.8%, and wherever a hybrid arm stayed below
-    V* (it ran no routed decode pass) it is never worse than dense beyond noise."""
+    """The headline's figures, one row each: what was measured, its goal, the paper's on the A100 and the H100, the
+    skip's limit (`skip_limit`) and the verdict. The goals: the hybrid arms' knee beats the paper's -36.8%, and
+    wherever a hybrid arm stayed below V* (it ran no routed decode pass) it is never worse than dense beyond noise.
+    The skip's limit is the queueing model's mean E2E change with always-route's passes at the skip's physical
+    limit (`run.skip_limit`): where the paper's figure lies beyond it, the verdict says so (a goal this skip
+    cannot reach on this device and load)."""
+    limits = (headline.get("skip_limit") or {}).get("loads") or {}
     rows = []
     for key, arm in headline.get("arms", {}).items():
         role = arm["role"]
         for load, cell in (arm.get("loads") or {}).items():
             e2e = cell["comparison"].get("e2e_mean")
+            bound = (limits.get(load) or {}).get("e2e_mean")
             what = f"mean E2E change at {CELL_FACTORS[load]} Q*"
             if role == "hybrid":
                 paper = {dev: PAPER[dev]["loads"][load]["e2e_mean"] for dev in PAPER}
                 below_v_star = cell["routed_share"].get("decode") == 0
                 if load == KNEE:
+                    verdict = beats(e2e, PAPER_KNEE_E2E)
+                    if bound is not None and bound > PAPER_KNEE_E2E:
+                        verdict += f" (the goal lies beyond the skip's limit, {bound:+.1f}%)"
                     rows.append(_row(key, what, e2e, f"below {PAPER_KNEE_E2E:+.1f}% (the paper's)", paper,
-                                     beats(e2e, PAPER_KNEE_E2E)))
+                                     _past_limit(verdict, e2e, bound), bound))
                 if below_v_star:
                     rows.append(_row(key, what + " (below V*: no routed decode pass)", e2e,
-                                     "no resolved increase over dense", paper, not_worse(e2e)))
+                                     "no resolved increase over dense", paper, _past_limit(not_worse(e2e), e2e, bound),
+                                     bound))
                 elif load != KNEE:
-                    rows.append(_row(key, what, e2e, "none set", paper, ""))
+                    rows.append(_row(key, what, e2e, "none set", paper, _past_limit("", e2e, bound), bound))
                 if load == OVERLOAD:
                     rows.append(_row(key, f"request throughput in the injection window at {CELL_FACTORS[load]} Q*",
                                      cell["comparison"].get("window_req_s"), "none set",
                                      {dev: PAPER[dev]["window_req_s"] for dev in PAPER}, ""))
             else:  # always-route (the paper's ablation at the knee, n = 1) and the s = 0 control (not in the paper)
                 paper = {"A100": (PAPER["A100"]["always_e2e_knee"], None)} if role == "always" else {}
-                rows.append(_row(key, what, e2e, "none set", paper, ""))
+                bound = bound if role == "always" else None
+                rows.append(_row(key, what, e2e, "none set", paper, _past_limit("", e2e, bound), bound))
     return rows
 
 
-def _row(arm: str, figure: str, iv, limit: str, paper: Mapping, verdict: str) -> dict:
-    return {"arm": arm, "figure": figure, "measured": iv, "limit": limit,
-            "paper_a100": paper.get("A100"), "paper_h100": paper.get("H100"), "verdict": verdict}
+def _past_limit(verdict: str, iv: Mapping | None, bound: float | None) -> str:
+    """The verdict, and where the measured mean change lies beyond the skip's limit, that it is a question."""
+    if iv is None or bound is None or iv["mean"] >= bound:
+        return verdict
+    return "; ".join(v for v in (verdict, f"beyond the skip's limit ({bound:+.1f}%): a question, not a win") if v)
+
+
+def _row(arm: str, figure: str, iv, goal: str, paper: Mapping, verdict: str, skip_limit: float | None = None) -> dict:
+    return {"arm": arm, "figure": figure, "measured": iv, "limit": goal,
+            "paper_a100": paper.get("A100"), "paper_h100": paper.get("H100"), "skip_limit": skip_limit,
+            "verdict": verdict}
 
 
 def figure_lines(rows: Sequence[Mapping]) -> list[str]:
-    lines = ["| arm | figure | measured, % | limit | paper A100 (n = 6) | paper H100 (n = 3) | verdict |",
-             "|---|---|---:|---|---:|---:|---|"]
+    lines = ["| arm | figure | measured, % | goal | paper A100 (n = 6) | paper H100 (n = 3) | the skip's limit "
+             "(model), % | verdict |", "|---|---|---:|---|---:|---:|---:|---|"]
     lines += [f"| {r['arm']} | {r['figure']} | {_iv(r['measured'])} | {r['limit']} | {_paper(r['paper_a100'])} | "
-              f"{_paper(r['paper_h100'])} | {r['verdict']} |" for r in rows]
+              f"{_paper(r['paper_h100'])} | {_pct(r.get('skip_limit'))} | {r['verdict']} |" for r in rows]
     return lines
+
+
+def skip_limit_lines(limit: Mapping | None) -> list[str]:
+    """The skip's limit per load (`run.skip_limit`), in words and a table."""
+    if not limit:
+        return []
+    rows = [f"| {CELL_FACTORS[load]} Q* | " + " | ".join(_pct(p.get(m)) for m in MODEL_METRICS) + " |"
+            for load, p in limit["loads"].items()]
+    return [f"The skip's limit: what the queueing model (`loadgen.simulate`) predicts for {limit['arm']} (s = "
+            f"{limit['skip']:g} at every routed layer, every pass routed) against dense when each routed pass costs "
+            "only what the skip's physical limit allows (`headline.limit_lines`: decode at the bytes a step reads, "
+            "prefill at its FLOPs, from the sweep's dense lines), on the cells' suites, rates and arrivals. A "
+            "served arm's measured change beyond it is a question, and a goal beyond it needs another skip or load:",
+            "", "| load | E2E | TTFT | TPOT |", "|---|---|---|---|", *rows, ""]
 
 
 def paper_table_lines() -> list[str]:
@@ -631,7 +692,7 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
                      f"KV pool {arm.get('kv_pool_tokens')} tokens, at most {ceiling} resident in these cells"
                      + (" (below the enter threshold: decode cannot route)"
                         if ceiling is not None and served.get("enter_tokens", 0) > ceiling else ""))
-    lines += ["", *figure_lines(headline["figures"]), "",
+    lines += ["", *figure_lines(headline["figures"]), "", *skip_limit_lines(headline.get("skip_limit")),
               "Mean % change against dense over paired repetitions (the same cell served to each arm in turn, dense "
               "first), ± the 95% t half-width; negative is better, except request throughput. Verdicts need "
               "n >= 2. Here the routed arms skip with RandomSkip (r = 1, d = 0.5) on random weights against "
@@ -663,14 +724,17 @@ def model_table(key: str, model: Mapping | None, loads: Mapping) -> list[str]:
     rows = []
     for load, predicted in model.items():
         measured = (loads.get(load) or {}).get("comparison") or {}
-        cells = [f"{_pct(predicted.get(m))} / {_iv(measured.get(m))}" for m in MODEL_METRICS]
+        limit = predicted.get("at_limit") or {}
+        cells = [f"{_pct(predicted.get(m))} / {_pct(limit.get(m))} / {_iv(measured.get(m))}" for m in MODEL_METRICS]
         shares = predicted["routed_share"]
         rows.append(f"| {CELL_FACTORS[load]} Q* | {' | '.join(cells)} | {_share(shares['prefill'])}, "
                     f"{_share(shares['decode'])} |")
     return [f"What the queueing model (`loadgen.simulate`: each pass costing the sweep's line of its phase and mode, "
             f"the cells' suites, rates and arrivals, {key} at the thresholds and floor it served) predicts against "
-            "dense, beside the cells' measured change (% change of the mean, predicted / measured); a measured change "
-            "beyond the prediction is a cost the served cells paid that the sweep's passes did not:", "",
+            "dense, then the same with the routed passes at the skip's physical limit (`headline.limit_lines`), "
+            "beside the cells' measured change (% change of the mean, predicted / at the limit / measured); a "
+            "measured change beyond the prediction is a cost the served cells paid that the sweep's passes did not, "
+            "and one beyond the limit is a question:", "",
             "| load | E2E | TTFT | TPOT | routed share predicted (prefill, decode) |", "|---|---|---|---|---|",
             *rows, ""]
 

@@ -874,7 +874,8 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     stage = Stage("headline", out, budget_s)
     model = write_model(plan, out)
     arm_files = write_arms(out)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    config = json.loads((model / "config.json").read_text())
+    vocab = config["vocab_size"]
     cells = [headline.Cell.from_dict(c) for c in ladder["cells"]]
     suites = {}
     for load, doc in ladder["suites"].items():
@@ -944,20 +945,25 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
                 served_doc["kv_pool_tokens"] = kv_capacity(server)
                 (work / "served.json").write_text(json.dumps(served_doc, indent=1) + "\n")
         doc.update(compare_arm(plan, out, key, name, role, mine, suites))
-        predicted = arm_model(plan, sweep, name, thresholds, mine, suites, doc.get("kv_pool_tokens"))
+        predicted = arm_model(plan, sweep, name, thresholds, mine, suites, doc.get("kv_pool_tokens"), config)
         if predicted:
             doc["model"] = predicted
+    pools = [a["kv_pool_tokens"] for a in result["arms"].values() if a.get("kv_pool_tokens")]
+    limit = skip_limit(plan, sweep, cells, suites, pools[0] if pools else None, config)
+    if limit:
+        result["skip_limit"] = limit
     result["figures"] = headline.figure_rows(result)
     result["left"], result["failed"] = stage.left, stage.failed
     return result
 
 
 def arm_model(plan: Plan, sweep: dict | None, name: str, thresholds: dict | None, cells: list, suites: dict,
-              kv_pool: int | None) -> dict | None:
+              kv_pool: int | None, config: dict) -> dict | None:
     """What the queueing model predicts for a routed arm on its cells, load by load, from the sweep's per-pass lines
     (`headline.model_prediction`): dense's and the routed arm's of the sweep with the same routes (always-route's
     for the hybrid arm, the control's for the control), the arm at the thresholds and floor it served (an arm that
-    always routes has none to serve). None where the sweep lacks either arm's lines."""
+    always routes has none to serve). Beside it (`at_limit`), where the arm skips, the same arm with its routed
+    passes at the skip's physical limit (`headline.limit_lines`). None where the sweep lacks either arm's lines."""
     from vskipper.arms import Arm
 
     arms = (sweep or {}).get("arms") or {}
@@ -966,10 +972,40 @@ def arm_model(plan: Plan, sweep: dict | None, name: str, thresholds: dict | None
     if lines is None:
         return None
     arm = Arm.from_dict(ARM_FILES[name])
+    skip = arm.declared_skip_ratio() or 0.0
+    limit = headline.limit_lines(lines, config, skip, [p["tokens"] for p in arms["dense"]["prefill"]]) \
+        if skip > 0 else None
     served = thresholds or {"enter_tokens": 0, "exit_tokens": 0}
-    return {load: headline.model_prediction(lines, arm, served, suites[load], [c for c in cells if c.load == load],
-                                            kv_pool, plan.max_running())
-            for load in headline.LOADS if any(c.load == load for c in cells)}
+    out = {}
+    for load in headline.LOADS:
+        mine = [c for c in cells if c.load == load]
+        if not mine:
+            continue
+        out[load] = headline.model_prediction(lines, arm, served, suites[load], mine, kv_pool, plan.max_running())
+        if limit is not None:
+            out[load]["at_limit"] = headline.model_prediction(limit, arm, served, suites[load], mine, kv_pool,
+                                                              plan.max_running())
+    return out
+
+
+def skip_limit(plan: Plan, sweep: dict | None, cells: list, suites: dict, kv_pool: int | None,
+               config: dict) -> dict | None:
+    """The most the served skip (RandomSkip at SKIP_RATIO) could change each load, as the queueing model sees it:
+    always-route with every routed pass at the skip's physical limit (`headline.limit_lines`) against the sweep's
+    dense, on the ladder's cells. A limit of the skip on this device and load, beside which the headline's figures
+    and the paper's stand. None where the sweep has no dense lines."""
+    from vskipper.arms import Arm
+
+    dense = ((sweep or {}).get("arms") or {}).get("dense")
+    lines = headline.model_lines(dense, dense) if dense else None
+    if lines is None:
+        return None
+    limit = headline.limit_lines(lines, config, SKIP_RATIO, [p["tokens"] for p in dense["prefill"]])
+    arm = Arm.from_dict(ARM_FILES[ALWAYS])
+    out = {load: headline.model_prediction(limit, arm, {"enter_tokens": 0, "exit_tokens": 0}, suites[load],
+                                           [c for c in cells if c.load == load], kv_pool, plan.max_running())
+           for load in headline.LOADS if any(c.load == load for c in cells)}
+    return {"skip": SKIP_RATIO, "arm": ALWAYS, "loads": out}
 
 
 def resample_tau(sweep: dict | None) -> None:
@@ -1316,10 +1352,8 @@ def prefill_ratios(config: dict, treated: list, baseline: list, key: str, limit:
                    project_only_reads: bool = False) -> list[dict]:
     """Per prompt length: baseline / treated time to first token (of the medians of their repetitions), with the
     range over the repetitions; with `limit`, the FLOP limit of the skip (a Project-Only row pays its K/V and the
-    projector, and with `project_only_reads` the attention read; `benchmarks/bench_cpu.py`'s accounting)."""
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_cpu import Load, flop_limit
+    projector, and with `project_only_reads` the attention read; `vskipper.modelspec.flop_limit`)."""
+    from vskipper.modelspec import flop_limit
 
     base = {p["tokens"]: p for p in baseline}
     rows = []
@@ -1330,7 +1364,7 @@ def prefill_ratios(config: dict, treated: list, baseline: list, key: str, limit:
         row = {"tokens": p["tokens"], key: b["ttft_s"] / p["ttft_s"],
                "range": ratio_range(b.get("ttft_s_reps"), p.get("ttft_s_reps"))}
         if limit:
-            row["flop_limit"] = flop_limit(config, Load(p["tokens"], 1, 1, 1), SKIP_RATIO, project_only_reads)
+            row["flop_limit"] = flop_limit(config, p["tokens"], 1, SKIP_RATIO, project_only_reads)
         rows.append(row)
     return rows
 
