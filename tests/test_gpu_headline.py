@@ -244,22 +244,17 @@ H200_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / 
 
 def _lease_4():
     """The landed H200 runs (benchmarks/results/H200/README.md, lease-4): host-lean-sweep's arms and model config,
-    lease-4's KV pool and, per load, its cells with their suites drawn again from their seeds (digests checked)."""
+    lease-4's KV pool and, per load, its cells with their suites drawn again from their seeds (`drawn_suites`:
+    digests checked)."""
     sweep = H200_RESULTS / "host-lean-sweep"
     arms = json.loads((sweep / "sweep.json").read_text())["arms"]
     config = json.loads((sweep / "model" / "config.json").read_text())
     ladder = json.loads((H200_RESULTS / "lease-4" / "ladder.json").read_text())
-    headline_doc = json.loads((H200_RESULTS / "lease-4" / "headline.json").read_text())
-    pool = headline_doc["arms"]["hybrid-tau"]["kv_pool_tokens"]
+    pool = headline.kv_pool_of(json.loads((H200_RESULTS / "lease-4" / "headline.json").read_text()))
+    assert pool == 842_145
     cells = [headline.Cell.from_dict(c) for c in ladder["cells"]]
-    loads = {}
-    for load in headline.LOADS:
-        mine = [c for c in cells if c.load == load]
-        suite = headline.gsm8k_suite(f"gsm8k-shaped-{load}", mine[0].requests, headline.suite_seed(load), 128256,
-                                     tuple(ladder["plan"]["prompt_tokens"]), tuple(ladder["plan"]["output_tokens"]))
-        assert suite.digest == ladder["suites"][load]["digest"]
-        loads[load] = (suite, mine)
-    return arms, config, pool, loads
+    suites = headline.drawn_suites(ladder, config["vocab_size"])
+    return arms, config, pool, {load: (suites[load], [c for c in cells if c.load == load]) for load in headline.LOADS}
 
 
 RANDOM_SKIP = {"skipper": "random_skip", "params": {"r": 1.0, "d": 0.5}}
@@ -286,15 +281,18 @@ def test_what_the_queueing_model_makes_of_lease_4s_cells_from_the_h200_sweeps_li
 
 
 def test_the_limit_lines_are_denses_scaled_by_the_bytes_and_the_work_the_skip_leaves():
-    """Llama-3-8B's shape (16 of 32 layers routed): at s = 0.5 a decode step reads 2.2% more weight bytes (the
-    adapter) and 75% of the KV; a prefill token does 1/1.296 of the work. With nothing skipped the limit is
-    dense."""
+    """Llama-3-8B's shape (16 of 32 layers routed): at s = 0.5 a decode step reads the adapter too (352 MB: 73 us
+    at the H200's 4.8 TB/s) and 75% of the KV; a prefill token does 1/1.296 of the work. With nothing skipped the
+    limit is dense."""
     arms, config, _, _ = _lease_4()
     lines = headline.model_lines(H200_DENSE, H200_ALWAYS)
-    limit = headline.limit_lines(lines, config, 0.5, [1024, 2048, 4096])
+    limit = headline.limit_lines(lines, config, 0.5, [1024, 2048, 4096], 4800.0)
     assert limit["decode_dense"] == lines["decode_dense"] and limit["prefill_dense"] == lines["prefill_dense"]
-    assert limit["decode_routed"].intercept_s == pytest.approx(0.01052 * 16.4123 / 16.0600, rel=1e-4)
+    assert headline.adapter_read_s(config, 0.5, 4800.0) == pytest.approx(16 * 3 * 4096 * 896 * 2 / 4.8e12)
+    assert limit["decode_routed"].intercept_s == pytest.approx(0.01052 + 73.4e-6, rel=1e-4)
     assert limit["decode_routed"].per_resident_token_s == pytest.approx(3.82e-8 * 0.75)
+    unknown = headline.limit_lines(lines, config, 0.5, [1024, 2048, 4096])  # no bandwidth: the adapter is free
+    assert unknown["decode_routed"].intercept_s == 0.01052 and headline.adapter_read_s(config, 0.5, None) == 0.0
     assert limit["prefill_routed"].per_row_s == pytest.approx(lines["prefill_dense"].per_row_s / 1.296, rel=2e-3)
     assert limit["prefill_routed"].intercept_s == pytest.approx(lines["prefill_dense"].intercept_s, abs=1e-4)
     none = headline.limit_lines(lines, config, 0.0, [1024, 2048])
@@ -306,23 +304,48 @@ def test_the_limit_lines_are_denses_scaled_by_the_bytes_and_the_work_the_skip_le
 
 def test_the_skips_limit_on_lease_4s_cells_lies_short_of_the_papers_knee():
     """With every routed pass at the skip's physical limit (RandomSkip d = 0.5 over 16 of 32 layers), always-route
-    gains about -16 / -25 / -31% mean E2E at 0.75 / 0.95 / 1.25 Q* on lease-4's cells: the paper's -36.8% at the
+    gains about -17 / -26 / -32% mean E2E at 0.75 / 0.95 / 1.25 Q* on lease-4's cells: the paper's -36.8% at the
     knee is beyond what this skip allows on the H200 at this load. The measured hybrid arm's thresholds and floor
-    (enter 40k / exit 30k, 2,048) leave it about -4 / -7 / -12% at the limit."""
+    (enter 40k / exit 30k, 2,048) leave it about -5 / -8 / -13% at the limit."""
     arms, config, pool, loads = _lease_4()
-    dense = headline.model_lines(arms["dense"], arms["dense"])
-    limit = headline.limit_lines(dense, config, 0.5, [p["tokens"] for p in arms["dense"]["prefill"]])
-    always = Arm.from_dict({**RANDOM_SKIP, "prefill": "routed", "decode": "routed"})
-    hybrid = Arm.from_dict(RANDOM_SKIP)
-    tau = {"enter_tokens": 40_000, "exit_tokens": 30_000, "prefill_floor_tokens": 2048}
-    bound = {load: headline.model_prediction(limit, always, {"enter_tokens": 0, "exit_tokens": 0}, suite, mine, pool,
-                                             256)["e2e_mean"] for load, (suite, mine) in loads.items()}
+    cells = [c for _, mine in loads.values() for c in mine]
+    suites = {load: suite for load, (suite, _) in loads.items()}
+    doc = headline.skip_limit(arms["dense"], config, cells, suites, pool, 256, 0.5, 4800.0)
+    assert (doc["skip"], doc["arm"], doc["layers_skipped"], doc["layers"]) == (0.5, "random-r1-d0.5-always", 8, 32)
+    assert doc["adapter_ms"] == pytest.approx(0.0734, abs=1e-4)
+    bound = {load: p["e2e_mean"] for load, p in doc["loads"].items()}
     assert -19 < bound["below"] < -13 and -28 < bound["knee"] < -22 and -34 < bound["overload"] < -27
     assert bound["knee"] > headline.PAPER_KNEE_E2E
+    assert all(p["routed_share"] == {"prefill": 1.0, "decode": 1.0} for p in doc["loads"].values())
+    # with three quarters of the routed layers' rows Project-Only (12 of 32 layers) the knee's limit nears the
+    # paper's figure
+    assert -38 < headline.skip_limit(arms["dense"], config, cells, suites, pool, 256, 0.75, 4800.0)["loads"]["knee"][
+        "e2e_mean"] < -32
+    dense = headline.model_lines(arms["dense"], arms["dense"])
+    limit = headline.limit_lines(dense, config, 0.5, [p["tokens"] for p in arms["dense"]["prefill"]], 4800.0)
+    hybrid = Arm.from_dict(RANDOM_SKIP)
+    tau = {"enter_tokens": 40_000, "exit_tokens": 30_000, "prefill_floor_tokens": 2048}
     at_tau = {load: headline.model_prediction(limit, hybrid, tau, suite, mine, pool, 256)["e2e_mean"]
               for load, (suite, mine) in loads.items()}
     assert all(bound[load] < at_tau[load] < 0 for load in loads)
 
+
+
+def test_what_always_route_lacks_of_its_limit_on_lease_4s_cells_is_in_prefill():
+    """`limit_parts`: the sweep's always-route with its prefill line at the limit and its decode as measured gets
+    nearly all of the limit at the knee (about -26%); with its decode at the limit and its prefill as measured it
+    gets none (about +3%), as with both measured (about +5%)."""
+    arms, config, pool, loads = _lease_4()
+    cells = [c for _, mine in loads.values() for c in mine]
+    suites = {load: suite for load, (suite, _) in loads.items()}
+    doc = headline.limit_parts(arms["dense"], arms["random-r1-d0.5-always"], config, cells, suites, pool, 256, 0.5,
+                               4800.0)
+    assert doc["arm"] == "random-r1-d0.5-always" and tuple(doc["parts"]) == headline.LIMIT_PARTS
+    knee = {part: by["knee"]["e2e_mean"] for part, by in doc["parts"].items()}
+    assert 3 < knee["measured"] < 7 and 0 < knee["decode at the limit"] < 6
+    assert abs(knee["prefill at the limit"] - knee["both at the limit"]) < 2 and knee["both at the limit"] < -22
+    assert headline.limit_parts(arms["dense"], {**arms["random-r1-d0.5-always"], "line": None}, config, cells,
+                                suites, pool, 256, 0.5) is None
 
 def test_resident_ceiling_is_the_pool_or_the_running_cap_times_the_longest_request():
     assert headline.resident_ceiling(420_000, 256, 1274) == 326_144  # below the H100's 340k enter threshold
@@ -562,7 +585,7 @@ def test_figures_put_the_knee_beside_the_papers_and_check_never_worse_below_v_st
 
 
 def test_figures_stand_beside_the_skips_limit_and_say_when_a_goal_or_a_result_lies_beyond_it():
-    """The skip's limit (`run.skip_limit`) per load: a knee whose limit is short of the paper's -36.8% says its
+    """The skip's limit (`headline.skip_limit`) per load: a knee whose limit is short of the paper's -36.8% says its
     goal lies beyond it; a measured change beyond the limit is a question, not a win; the control has none."""
     limit = {"skip": 0.5, "arm": "random-r1-d0.5-always",
              "loads": {load: {"e2e_mean": e, "ttft_mean": e - 5, "tpot_mean": e + 1}

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from benchmarks.gpu import headline, run  # noqa: E402
+from benchmarks.gpu import headline, run, skip_limits  # noqa: E402
 from loadgen.qstar import CELL_FACTORS  # noqa: E402
 from loadgen.suite import load_suite  # noqa: E402
 from tests.sglang_world import ROOT  # noqa: E402
@@ -195,8 +195,15 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
     limit = result["skip_limit"]
     assert limit["skip"] == run.SKIP_RATIO and set(limit["loads"]) == set(headline.LOADS)
     assert all(p["routed_share"] == {"prefill": 1.0, "decode": 1.0} for p in limit["loads"].values())
+    parts = result["limit_parts"]  # where the sweep's always-route falls short of it, phase by phase
+    assert tuple(parts["parts"]) == headline.LIMIT_PARTS and parts["parts"]["both at the limit"] == limit["loads"]
     summary = (out / "summary.md").read_text()
     assert "What the queueing model" in summary and "The skip's limit: what the queueing model" in summary
+    assert "Where the sweep's random-r1-d0.5-always falls short of the skip's limit" in summary
+    # skip_limits.py on the run's folder: the same limit at d = 0.5 (the suites drawn again match the ladder's)
+    assert skip_limits.main([str(out), "--d", "0.5,1", "--json", str(out / "limits.json")]) == 0
+    limits = json.loads((out / "limits.json").read_text())["limits"]
+    assert limits[0]["loads"] == limit["loads"] and limits[1]["skip"] == 1.0
     figures = {(r["arm"], r["figure"]): r for r in result["figures"]}
     knee = figures["hybrid-rule", "mean E2E change at 0.95 Q*"]
     assert knee["limit"] == "below -36.8% (the paper's)" and knee["paper_a100"] == [-36.8, 2.0]

@@ -279,13 +279,15 @@ def model_lines(dense: Mapping, routed: Mapping) -> dict | None:
 
 
 
-def limit_lines(lines: Mapping, config: Mapping, skip: float, lengths: Sequence[int]) -> dict:
+def limit_lines(lines: Mapping, config: Mapping, skip: float, lengths: Sequence[int],
+                bandwidth_gbps: float | None = None) -> dict:
     """`model_lines` with the routed lines at the skip's physical limit: what a routed pass would cost if it saved
     all that a share `skip` of the routed layers' rows Project-Only allows, and paid nothing else for routing.
 
-    Decode is bound by the bytes a step reads (`vskipper.modelspec.decode_bytes`): dense's intercept scaled as the
-    weights read (the adapter's added), its slope a resident token as the KV read (Project-Only rows read none at
-    the routed layers). Prefill is bound by its work (`vskipper.modelspec.flop_limit`, a Project-Only row paying
+    Decode is bound by the bytes a step reads (`vskipper.modelspec.decode_bytes`): dense's intercept and the
+    adapter's weights read at the device's bandwidth (`bandwidth_gbps`; where it is not known, the adapter is not
+    charged, which leaves the limit a bound still), its slope a resident token as the KV read (Project-Only rows
+    read none at the routed layers). Prefill is bound by its work (`vskipper.modelspec.flop_limit`, a Project-Only row paying
     its K/V and the projector only): at each of `lengths` (the sweep's prompt lengths) dense's line with its part
     per token divided by the FLOP limit there, its intercept as it is (the HTTP and the scheduler's hand-over), and
     the least-squares line over them. Dense's lines are the sweep's, so the model's dense against these is the
@@ -296,15 +298,25 @@ def limit_lines(lines: Mapping, config: Mapping, skip: float, lengths: Sequence[
     from vskipper.modelspec import decode_bytes, flop_limit
 
     decode, prefill = lines["decode_dense"], lines["prefill_dense"]
-    weights = decode_bytes(config, 0, skip) / decode_bytes(config, 0, 0.0)
+    adapter_s = adapter_read_s(config, skip, bandwidth_gbps)
     kv = (decode_bytes(config, 1, skip) - decode_bytes(config, 0, skip)) / (
         decode_bytes(config, 1, 0.0) - decode_bytes(config, 0, 0.0))
     points = [(t, prefill.intercept_s + prefill.per_row_s * t / flop_limit(config, t, 1, skip)) for t in lengths]
     if len({t for t, _ in points}) < 2:
         raise ValueError(f"the prefill limit's line needs two prompt lengths, got {list(lengths)}")
     slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
-    return {**lines, "decode_routed": StepLine(decode.intercept_s * weights, 0.0, decode.per_resident_token_s * kv),
+    return {**lines, "decode_routed": StepLine(decode.intercept_s + adapter_s, 0.0, decode.per_resident_token_s * kv),
             "prefill_routed": StepLine(max(0.0, intercept), max(0.0, slope))}
+
+
+def adapter_read_s(config: Mapping, skip: float, bandwidth_gbps: float | None) -> float:
+    """Seconds a decode step at `skip` spends reading the adapter's weights at `bandwidth_gbps` (0 where it is not
+    known)."""
+    from vskipper.modelspec import decode_bytes
+
+    if not bandwidth_gbps:
+        return 0.0
+    return (decode_bytes(config, 0, skip) - decode_bytes(config, 0, 0.0)) / (bandwidth_gbps * 1e9)
 
 
 def model_prediction(lines: Mapping, arm: Arm, thresholds: Mapping, suite: Suite, cells: Sequence[Cell],
@@ -337,6 +349,86 @@ def model_prediction(lines: Mapping, arm: Arm, thresholds: Mapping, suite: Suite
            for m in MODEL_METRICS}
     return {**out, "reps": reps, "routed_share": {ph: routed[ph] / total[ph] if total[ph] else None for ph in PHASES}}
 
+
+
+def skip_limit(dense: Mapping | None, config: Mapping, cells: Sequence[Cell], suites: Mapping[str, Suite],
+               kv_pool_tokens: int | None, max_running: int | None, d: float,
+               bandwidth_gbps: float | None = None) -> dict | None:
+    """The most RandomSkip r = 1 at `d` (a share d of every routed layer's rows Project-Only) could change each
+    load, as the queueing model sees it: always-route with every routed pass at the skip's physical limit
+    (`limit_lines`, from the sweep's `dense` arm: its decode line and prefill times) against that dense, on the
+    cells' suites, rates and seeded arrivals (the adapter's read charged at `bandwidth_gbps`, the device's, where
+    known). A limit of the skip on the device and load, beside which the headline's figures and the paper's stand.
+    None where the sweep's dense has no lines."""
+    lines = model_lines(dense, dense) if dense else None
+    if lines is None:
+        return None
+    arm = always_route(d)
+    skip = arm.declared_skip_ratio()
+    limit = limit_lines(lines, config, skip, [p["tokens"] for p in dense["prefill"]], bandwidth_gbps)
+    loads = _predict_loads(limit, arm, cells, suites, kv_pool_tokens, max_running)
+    return {"skip": skip, "arm": arm.name, "layers_skipped": skip * len(config["routing_layers"]),
+            "layers": config["num_hidden_layers"], "bandwidth_gbps": bandwidth_gbps,
+            "adapter_ms": adapter_read_s(config, skip, bandwidth_gbps) * 1e3, "loads": loads}
+
+
+LIMIT_PARTS = ("measured", "decode at the limit", "prefill at the limit", "both at the limit")
+
+
+def limit_parts(dense: Mapping, routed: Mapping, config: Mapping, cells: Sequence[Cell], suites: Mapping[str, Suite],
+                kv_pool_tokens: int | None, max_running: int | None, d: float,
+                bandwidth_gbps: float | None = None) -> dict | None:
+    """Where the sweep's always-route arm at `d` (`routed`) falls short of the skip's limit, phase by phase: the
+    queueing model's prediction for it against dense on the cells with its routed lines as the sweep measured
+    them, with its decode line at the limit and its prefill as measured, the other way round, and both at the
+    limit (`LIMIT_PARTS`). The phase whose line at the limit closes the gap is where the served routed path loses
+    what the skip allows. None where either arm lacks its lines."""
+    measured = model_lines(dense, routed)
+    if measured is None:
+        return None
+    arm = always_route(d)
+    limit = limit_lines(measured, config, arm.declared_skip_ratio(), [p["tokens"] for p in dense["prefill"]],
+                        bandwidth_gbps)
+    mixes = dict(zip(LIMIT_PARTS, (measured, {**measured, "decode_routed": limit["decode_routed"]},
+                                   {**measured, "prefill_routed": limit["prefill_routed"]}, limit), strict=True))
+    return {"arm": arm.name, "parts": {part: _predict_loads(lines, arm, cells, suites, kv_pool_tokens, max_running)
+                                       for part, lines in mixes.items()}}
+
+
+def always_route(d: float) -> Arm:
+    """RandomSkip r = 1 at `d`, routed in both phases: the sweep's always-route arm at d = 0.5."""
+    return Arm.from_dict({"name": f"random-r1-d{d:g}-always", "skipper": "random_skip",
+                          "params": {"r": 1.0, "d": d}, "prefill": "routed", "decode": "routed"})
+
+
+def _predict_loads(lines: Mapping, arm: Arm, cells: Sequence[Cell], suites: Mapping[str, Suite],
+                   kv_pool_tokens: int | None, max_running: int | None) -> dict:
+    """`model_prediction` of an arm that always routes, per load the cells hold."""
+    return {load: model_prediction(lines, arm, {"enter_tokens": 0, "exit_tokens": 0}, suites[load],
+                                   [c for c in cells if c.load == load], kv_pool_tokens, max_running)
+            for load in LOADS if any(c.load == load for c in cells)}
+
+
+def kv_pool_of(headline: Mapping) -> int | None:
+    """The KV pool (tokens) the headline's arms served with, each alone with the device (the first that says)."""
+    pools = [a["kv_pool_tokens"] for a in (headline.get("arms") or {}).values() if a.get("kv_pool_tokens")]
+    return pools[0] if pools else None
+
+
+def drawn_suites(ladder: Mapping, vocab: int) -> dict[str, Suite]:
+    """The ladder's suite of each load drawn again from its seed (a results folder keeps their digests, not their
+    token ids), each checked against the digest the ladder served."""
+    plan, cells = ladder["plan"], [Cell.from_dict(c) for c in ladder["cells"]]
+    suites = {}
+    for load, doc in ladder["suites"].items():
+        requests = next(c.requests for c in cells if c.load == load)
+        suite = gsm8k_suite(f"gsm8k-shaped-{load}", requests, suite_seed(load), vocab, tuple(plan["prompt_tokens"]),
+                            tuple(plan["output_tokens"]))
+        if suite.digest != doc["digest"]:
+            raise ValueError(f"ladder.suites.{load}: drawn again from seed {suite_seed(load)}, digest "
+                             f"{suite.digest[:12]} is not the one served, {doc['digest'][:12]}")
+        suites[load] = suite
+    return suites
 
 def resident_ceiling(kv_pool_tokens: int, max_running: int | None, longest_request: int) -> int:
     """The most resident KV tokens the cells can hold: the pool, or the running-request cap times the longest
@@ -566,7 +658,7 @@ def figure_rows(headline: Mapping) -> list[dict]:
     skip's limit (`skip_limit`) and the verdict. The goals: the hybrid arms' knee beats the paper's -36.8%, and
     wherever a hybrid arm stayed below V* (it ran no routed decode pass) it is never worse than dense beyond noise.
     The skip's limit is the queueing model's mean E2E change with always-route's passes at the skip's physical
-    limit (`run.skip_limit`): where the paper's figure lies beyond it, the verdict says so (a goal this skip
+    limit (`skip_limit`): where the paper's figure lies beyond it, the verdict says so (a goal this skip
     cannot reach on this device and load)."""
     limits = (headline.get("skip_limit") or {}).get("loads") or {}
     rows = []
@@ -624,15 +716,19 @@ def figure_lines(rows: Sequence[Mapping]) -> list[str]:
 
 
 def skip_limit_lines(limit: Mapping | None) -> list[str]:
-    """The skip's limit per load (`run.skip_limit`), in words and a table."""
+    """The skip's limit per load (`skip_limit`), in words and a table."""
     if not limit:
         return []
     rows = [f"| {CELL_FACTORS[load]} Q* | " + " | ".join(_pct(p.get(m)) for m in MODEL_METRICS) + " |"
             for load, p in limit["loads"].items()]
+    layers = (f", {limit['layers_skipped']:g} of {limit['layers']} layers skipped on average"
+              if limit.get("layers_skipped") is not None else "")
     return [f"The skip's limit: what the queueing model (`loadgen.simulate`) predicts for {limit['arm']} (s = "
-            f"{limit['skip']:g} at every routed layer, every pass routed) against dense when each routed pass costs "
+            f"{limit['skip']:g} at every routed layer{layers}, every pass routed) against dense when each routed pass costs "
             "only what the skip's physical limit allows (`headline.limit_lines`: decode at the bytes a step reads, "
-            "prefill at its FLOPs, from the sweep's dense lines), on the cells' suites, rates and arrivals. A "
+            + (f"the adapter's read {limit['adapter_ms']:.3f} ms a step at {limit['bandwidth_gbps']:g} GB/s, "
+               if limit.get("bandwidth_gbps") else "the adapter's read not charged (no device bandwidth), ")
+            + "prefill at its FLOPs, from the sweep's dense lines), on the cells' suites, rates and arrivals. A "
             "served arm's measured change beyond it is a question, and a goal beyond it needs another skip or load:",
             "", "| load | E2E | TTFT | TPOT |", "|---|---|---|---|", *rows, ""]
 
@@ -693,6 +789,7 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
                      + (" (below the enter threshold: decode cannot route)"
                         if ceiling is not None and served.get("enter_tokens", 0) > ceiling else ""))
     lines += ["", *figure_lines(headline["figures"]), "", *skip_limit_lines(headline.get("skip_limit")),
+              *limit_parts_lines(headline.get("limit_parts")),
               "Mean % change against dense over paired repetitions (the same cell served to each arm in turn, dense "
               "first), ± the 95% t half-width; negative is better, except request throughput. Verdicts need "
               "n >= 2. Here the routed arms skip with RandomSkip (r = 1, d = 0.5) on random weights against "
@@ -737,6 +834,21 @@ def model_table(key: str, model: Mapping | None, loads: Mapping) -> list[str]:
             "and one beyond the limit is a question:", "",
             "| load | E2E | TTFT | TPOT | routed share predicted (prefill, decode) |", "|---|---|---|---|---|",
             *rows, ""]
+
+
+def limit_parts_lines(found: Mapping | None) -> list[str]:
+    """`limit_parts` as a table: the model's mean E2E change per load with each mix of measured and limit lines."""
+    if not found:
+        return []
+    loads = list(next(iter(found["parts"].values())))
+    return [f"Where the sweep's {found['arm']} falls short of the skip's limit (`headline.limit_parts`): the queueing "
+            "model's mean E2E change against dense with its routed lines as the sweep measured them, then with one "
+            "phase's line or both at the limit; the phase whose limit closes the gap is where routing loses what "
+            "the skip allows:", "",
+            "| lines | " + " | ".join(f"{CELL_FACTORS[load]} Q*" for load in loads) + " |",
+            "|---|" + "---:|" * len(loads),
+            *(f"| {part} | " + " | ".join(_pct(by[load]["e2e_mean"]) for load in loads) + " |"
+              for part, by in found["parts"].items()), ""]
 
 
 def _pct(value: float | None) -> str:

@@ -279,6 +279,14 @@ def device_name(plan: Plan) -> str | None:
     return lookup_device(product).name if product else None
 
 
+def device_bandwidth(plan: Plan) -> float | None:
+    """The detected device's memory bandwidth in GB/s (the roofline's catalogue), or None on the dry run's CPU."""
+    from vskipper.roofline import lookup_device
+
+    name = device_name(plan)
+    return lookup_device(name).bandwidth_gbps if name else None
+
+
 def rule(plan: Plan, model: Path) -> dict:
     """The roofline rule for the device (V*, enter, exit, tau), or the dry run's tiny thresholds."""
     if plan.dry_thresholds is not None:
@@ -948,10 +956,16 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
         predicted = arm_model(plan, sweep, name, thresholds, mine, suites, doc.get("kv_pool_tokens"), config)
         if predicted:
             doc["model"] = predicted
-    pools = [a["kv_pool_tokens"] for a in result["arms"].values() if a.get("kv_pool_tokens")]
-    limit = skip_limit(plan, sweep, cells, suites, pools[0] if pools else None, config)
+    swept = (sweep or {}).get("arms") or {}
+    bandwidth, pool = device_bandwidth(plan), headline.kv_pool_of(result)
+    limit = headline.skip_limit(swept.get("dense"), config, cells, suites, pool, plan.max_running(), SKIP_RATIO,
+                                bandwidth)
     if limit:
         result["skip_limit"] = limit
+    parts = headline.limit_parts(swept["dense"], swept[ALWAYS], config, cells, suites, pool, plan.max_running(),
+                                 SKIP_RATIO, bandwidth) if "dense" in swept and ALWAYS in swept else None
+    if parts:
+        result["limit_parts"] = parts
     result["figures"] = headline.figure_rows(result)
     result["left"], result["failed"] = stage.left, stage.failed
     return result
@@ -973,8 +987,8 @@ def arm_model(plan: Plan, sweep: dict | None, name: str, thresholds: dict | None
         return None
     arm = Arm.from_dict(ARM_FILES[name])
     skip = arm.declared_skip_ratio() or 0.0
-    limit = headline.limit_lines(lines, config, skip, [p["tokens"] for p in arms["dense"]["prefill"]]) \
-        if skip > 0 else None
+    limit = headline.limit_lines(lines, config, skip, [p["tokens"] for p in arms["dense"]["prefill"]],
+                                 device_bandwidth(plan)) if skip > 0 else None
     served = thresholds or {"enter_tokens": 0, "exit_tokens": 0}
     out = {}
     for load in headline.LOADS:
@@ -986,26 +1000,6 @@ def arm_model(plan: Plan, sweep: dict | None, name: str, thresholds: dict | None
             out[load]["at_limit"] = headline.model_prediction(limit, arm, served, suites[load], mine, kv_pool,
                                                               plan.max_running())
     return out
-
-
-def skip_limit(plan: Plan, sweep: dict | None, cells: list, suites: dict, kv_pool: int | None,
-               config: dict) -> dict | None:
-    """The most the served skip (RandomSkip at SKIP_RATIO) could change each load, as the queueing model sees it:
-    always-route with every routed pass at the skip's physical limit (`headline.limit_lines`) against the sweep's
-    dense, on the ladder's cells. A limit of the skip on this device and load, beside which the headline's figures
-    and the paper's stand. None where the sweep has no dense lines."""
-    from vskipper.arms import Arm
-
-    dense = ((sweep or {}).get("arms") or {}).get("dense")
-    lines = headline.model_lines(dense, dense) if dense else None
-    if lines is None:
-        return None
-    limit = headline.limit_lines(lines, config, SKIP_RATIO, [p["tokens"] for p in dense["prefill"]])
-    arm = Arm.from_dict(ARM_FILES[ALWAYS])
-    out = {load: headline.model_prediction(limit, arm, {"enter_tokens": 0, "exit_tokens": 0}, suites[load],
-                                           [c for c in cells if c.load == load], kv_pool, plan.max_running())
-           for load in headline.LOADS if any(c.load == load for c in cells)}
-    return {"skip": SKIP_RATIO, "arm": ALWAYS, "loads": out}
 
 
 def resample_tau(sweep: dict | None) -> None:
