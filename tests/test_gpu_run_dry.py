@@ -186,6 +186,10 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
             assert set(arm["model"]) == set(loads), key
             assert all(set(headline.MODEL_METRICS) <= set(p) and len(p["reps"]) == plan.repetitions
                        for p in arm["model"].values()), key
+            # every sweep length has SGLang's stamps: the prefill lines are the forward's; the model's dense E2E
+            # of each repetition stands beside the cells'
+            assert all(p["prefill_from"] == "forward" and len(p["dense_e2e_mean_s"]) == plan.repetitions
+                       for p in arm["model"].values()), key
     assert result["arms"]["always"]["model"][headline.KNEE]["routed_share"] == {"prefill": 1.0, "decode": 1.0}
     # beside it, the same arms with their routed passes at the skip's limit (the control skips nothing: none)
     for key in ("always", "hybrid-rule"):
@@ -200,6 +204,8 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
     summary = (out / "summary.md").read_text()
     assert "What the queueing model" in summary and "The skip's limit: what the queueing model" in summary
     assert "Where the sweep's random-r1-d0.5-always falls short of the skip's limit" in summary
+    assert "a prefill pass's from the forward of each prompt" in summary
+    assert "The model's dense mean E2E beside the cells' measured dense (mean over the repetitions): 0.75 Q* " in summary
     # skip_limits.py on the run's folder: the same limit at d = 0.5 (the suites drawn again match the ladder's)
     assert skip_limits.main([str(out), "--d", "0.5,1", "--json", str(out / "limits.json")]) == 0
     limits = json.loads((out / "limits.json").read_text())["limits"]
@@ -207,6 +213,7 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
     figures = {(r["arm"], r["figure"]): r for r in result["figures"]}
     knee = figures["hybrid-rule", "mean E2E change at 0.95 Q*"]
     assert knee["limit"] == "below -36.8% (the paper's)" and knee["paper_a100"] == [-36.8, 2.0]
+    # one repetition: no interval; the skip's limit from a CPU sweep may add either note (`figure_rows`)
     assert knee["verdict"].startswith("n = 1: no interval")
     assert knee["skip_limit"] == limit["loads"][headline.KNEE]["e2e_mean"]
     rps = figures["hybrid-rule", "request throughput in the injection window at 1.25 Q*"]

@@ -55,6 +55,7 @@ def test_skip_limits_refuses_a_bad_d_and_a_folder_without_the_stages_results(tmp
 
 
 def test_the_plans_running_cap_is_read_from_its_sglang_flags():
-    assert skip_limits.max_running({"sglang_flags": ["--max-running-requests", "128", "--enable-metrics"]}) == 128
-    assert skip_limits.max_running({"sglang_flags": ["--enable-metrics"]}) is None
-    assert skip_limits.max_running({}) is None
+    from benchmarks.gpu import headline
+
+    assert headline.max_running(["--max-running-requests", "128", "--enable-metrics"]) == 128
+    assert headline.max_running(["--enable-metrics"]) is None and headline.max_running([]) is None

@@ -162,7 +162,6 @@ def test_decode_bytes_reads_every_weight_once_and_the_kv_the_project_only_rows_d
         decode_bytes(cfg | {"proj_reduction_factor": 5}, 0, 0.5)
 
 
-
 def test_a_project_only_row_does_its_kv_and_the_projector_and_the_flop_limit_is_s_0s_work_over_the_skips():
     """Llama-3-8B's shape: a RUN row's multiply-adds at a layer are Q, K/V, the read over its context, o_proj and
     the MLP; a Project-Only row's are K/V and the projector (m = 896), and the read too where the backend reads
@@ -180,6 +179,7 @@ def test_a_project_only_row_does_its_kv_and_the_projector_and_the_flop_limit_is_
     assert flop_limit(cfg, 1024, 1, 0.0) == 1.0
     assert flop_limit(cfg, 1024, 1, 0.5, project_only_reads=True) < flop_limit(cfg, 1024, 1, 0.5)
     assert flop_limit(cfg, 900, 120, 0.5) < flop_limit(cfg, 1024, 1, 0.5)  # decode: every token's logits, unskipped
+
 
 def test_a_gemms_floor_is_its_bytes_at_the_bandwidth_below_the_ridge_and_its_flops_at_the_peak_above():
     """Llama-3-8B's MLP down on the H200 (4.8 TB/s, 989 TFLOP/s): at a decode batch of 128 rows it moves its 117 MB

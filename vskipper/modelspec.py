@@ -51,7 +51,6 @@ def decode_bytes(config: dict, resident: float, skip: float, dtype_bytes: int = 
     return weights + resident * kv_bytes_per_token_layer(kv_heads, hd, dtype_bytes) * (layers - skip * routed)
 
 
-
 def token_macs(config: dict, context: float, skip: float, lm_head_share: float,
                project_only_reads: bool = False) -> dict[str, float]:
     """Multiply-accumulates per token of one forward of a skipper model over every layer, at attention context

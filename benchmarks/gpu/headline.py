@@ -178,6 +178,19 @@ def schedule(q_star: int, window_s: float, min_requests: int, repetitions: int) 
                  100 * (LOADS.index(load) + 1) + rep) for load in SERVE_ORDER for rep in range(repetitions)]
 
 
+def load_suite(load: str, requests: int, vocab: int, prompt_tokens: Sequence[int],
+               output_tokens: Sequence[int]) -> Suite:
+    """A load's GSM8K-shaped suite of the ladder, drawn from the load's seed (`suite_seed`)."""
+    return gsm8k_suite(f"gsm8k-shaped-{load}", requests, suite_seed(load), vocab, tuple(prompt_tokens),
+                       tuple(output_tokens))
+
+
+def max_running(sglang_flags: Sequence[str]) -> int | None:
+    """The `--max-running-requests` among a server's SGLang flags, or None."""
+    flags = list(sglang_flags)
+    return int(flags[flags.index("--max-running-requests") + 1]) if "--max-running-requests" in flags else None
+
+
 def suite_seed(load: str) -> int:
     return 1000 + LOADS.index(load)
 
@@ -256,27 +269,46 @@ def thresholds_from_tau(rule: Mapping, sweep: Mapping | None, step: int) -> tupl
 MODEL_METRICS = ("e2e_mean", "ttft_mean", "tpot_mean")
 
 
-def model_lines(dense: Mapping, routed: Mapping) -> dict | None:
+PREFILL_FROM = {"forward": "the forward of each prompt (SGLang's stamps: the pass in the scheduler)",
+                "ttft": "each prompt's time to its first token (the client's: the HTTP, the hand-over to the "
+                        "scheduler and the output ride on it)"}
+
+
+def prefill_source(arms: Sequence[Mapping]) -> str:
+    """`PREFILL_FROM`'s key for lines fitted over these sweep arms: "forward" where every prefill length of every
+    arm has its forward part, else "ttft"."""
+    cells = [p for arm in arms for p in arm.get("prefill") or []]
+    return "forward" if cells and all((p.get("ttft_parts_s") or {}).get("forward") for p in cells) else "ttft"
+
+
+def model_lines(dense: Mapping, routed: Mapping, source: str | None = None) -> dict | None:
     """The queueing model's per-pass lines (`loadgen.simulate.StepLine`) from two of the sweep's arms, dense and
     always-route: decode, each arm's latency line of a step over the resident tokens (its intercept, its slope a
-    resident token); prefill, the least-squares line of one prompt's time to its first token over its tokens (the
-    client's figure: the HTTP and the scheduler's hand-over ride on its intercept). None where either arm lacks a
-    decode line or two prefill lengths."""
+    resident token); prefill, the least-squares line of one prompt's pass over its tokens. The pass is the forward
+    part of its time to the first token (`ttft_parts_s`: what the scheduler spends on it) where both arms' every
+    length has it; otherwise the whole time to the first token, whose HTTP, hand-over and output the model then
+    charges to the pass, though a server overlaps them with other passes (on the H200, 7.5 ms a pass: the model's
+    dense queued more than the served cells). `prefill_from` names which (`PREFILL_FROM`). None where either arm
+    lacks a decode line or two prefill lengths. `source` sets the part where lines of several pairs must agree
+    (`prefill_source` over all their arms)."""
     import statistics
 
     from loadgen.simulate import StepLine
 
-    lines = {}
+    source = source or prefill_source((dense, routed))
+    if source not in PREFILL_FROM:
+        raise ValueError(f"prefill lines from {source!r}: expected one of {', '.join(PREFILL_FROM)}")
+    lines: dict = {"prefill_from": source}
     for side, arm in (("dense", dense), ("routed", routed)):
         decode = arm.get("line")
-        prefill = [(p["tokens"], p["ttft_s"]) for p in arm.get("prefill") or []]
+        prefill = [(p["tokens"], p["ttft_parts_s"]["forward"] if source == "forward" else p["ttft_s"])
+                   for p in arm.get("prefill") or []]
         if not decode or len(prefill) < 2:
             return None
         slope, intercept = statistics.linear_regression(*zip(*prefill, strict=True))
         lines[f"decode_{side}"] = StepLine(max(0.0, decode["intercept_s"]), 0.0, max(0.0, decode["slope_s_per_token"]))
         lines[f"prefill_{side}"] = StepLine(max(0.0, intercept), max(0.0, slope))
     return lines
-
 
 
 def limit_lines(lines: Mapping, config: Mapping, skip: float, lengths: Sequence[int],
@@ -289,9 +321,11 @@ def limit_lines(lines: Mapping, config: Mapping, skip: float, lengths: Sequence[
     charged, which leaves the limit a bound still), its slope a resident token as the KV read (Project-Only rows
     read none at the routed layers). Prefill is bound by its work (`vskipper.modelspec.flop_limit`, a Project-Only row paying
     its K/V and the projector only): at each of `lengths` (the sweep's prompt lengths) dense's line with its part
-    per token divided by the FLOP limit there, its intercept as it is (the HTTP and the scheduler's hand-over), and
-    the least-squares line over them. Dense's lines are the sweep's, so the model's dense against these is the
-    most this skip could change the served load, not a measurement."""
+    per token divided by the FLOP limit there, its intercept as it is (what a pass costs beyond its work), and the
+    least-squares line over them. Dense's lines are the sweep's, so the model's dense against these is the most
+    this skip could change the served load, not a measurement. A bound within the sweep's noise: a routed line
+    measured below it (as the H200's decode intercept, 0.12 ms under, inside tau's 95% interval) is noise or a
+    cost dense's line carries that routing does not."""
     import statistics
 
     from loadgen.simulate import StepLine
@@ -312,11 +346,13 @@ def limit_lines(lines: Mapping, config: Mapping, skip: float, lengths: Sequence[
 def adapter_read_s(config: Mapping, skip: float, bandwidth_gbps: float | None) -> float:
     """Seconds a decode step at `skip` spends reading the adapter's weights at `bandwidth_gbps` (0 where it is not
     known)."""
-    from vskipper.modelspec import decode_bytes
+    from vskipper.modelspec import DTYPE_BYTES, decode_bytes
 
     if not bandwidth_gbps:
         return 0.0
-    return (decode_bytes(config, 0, skip) - decode_bytes(config, 0, 0.0)) / (bandwidth_gbps * 1e9)
+    dtype_bytes = DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
+    return (decode_bytes(config, 0, skip, dtype_bytes) - decode_bytes(config, 0, 0.0, dtype_bytes)) / (
+        bandwidth_gbps * 1e9)
 
 
 def model_prediction(lines: Mapping, arm: Arm, thresholds: Mapping, suite: Suite, cells: Sequence[Cell],
@@ -324,9 +360,11 @@ def model_prediction(lines: Mapping, arm: Arm, thresholds: Mapping, suite: Suite
     """What the queueing model (`loadgen.simulate`: one server, continuous batching, each pass costing its line)
     predicts for `arm` against dense on one load's cells: the same suite, rate and seeded arrivals as each
     repetition, the arm at the served thresholds and prefill floor. Per metric of `MODEL_METRICS` the mean % change
-    over the repetitions, each repetition's, and the share of the arm's passes that routed. The model's dense is
-    the sweep's dense, not the cells' measured one: it says what the sweep's per-pass costs alone make of a load,
-    the queueing included (a cell's own costs, batching and compiles aside)."""
+    over the repetitions, each repetition's, the share of the arm's passes that routed, and the model's dense mean
+    E2E of each repetition (`dense_e2e_mean_s`, to set beside the cells' measured one). The model's dense is the
+    sweep's dense, not the cells' measured one: it says what the sweep's per-pass costs alone make of a load, the
+    queueing included (a cell's own costs, batching and compiles aside)."""
+    from loadgen.metrics import flat_metrics
     from loadgen.simulate import SimConfig, predict
 
     config = SimConfig(lines["decode_dense"], lines["decode_routed"], lines["prefill_dense"], lines["prefill_routed"],
@@ -336,31 +374,32 @@ def model_prediction(lines: Mapping, arm: Arm, thresholds: Mapping, suite: Suite
                        prefill_floor_tokens=thresholds.get("prefill_floor_tokens"))
     prompts = [r.prompt_tokens for r in suite.requests]
     outputs = [r.max_new_tokens for r in suite.requests]
-    reps, routed = [], dict.fromkeys(PHASES, 0)
+    reps, routed, dense_e2e = [], dict.fromkeys(PHASES, 0), []
     total = dict.fromkeys(PHASES, 0)
     for cell in cells:
         (p,) = predict(prompts[:cell.requests], outputs[:cell.requests], [cell.rate], config, arm.switch_settings(),
                        seed=cell.seed)
         reps.append({m: p.change_pct.get(m) for m in MODEL_METRICS})
+        dense_e2e.append(flat_metrics(p.baseline).get("e2e_mean"))
         for phase in PHASES:
             routed[phase] += p.treated["passes_total"][phase]["routed"]
             total[phase] += sum(p.treated["passes_total"][phase].values())
     out = {m: sum(r[m] for r in reps) / len(reps) if all(r[m] is not None for r in reps) else None
            for m in MODEL_METRICS}
-    return {**out, "reps": reps, "routed_share": {ph: routed[ph] / total[ph] if total[ph] else None for ph in PHASES}}
-
+    return {**out, "reps": reps, "routed_share": {ph: routed[ph] / total[ph] if total[ph] else None for ph in PHASES},
+            "dense_e2e_mean_s": dense_e2e, "prefill_from": lines.get("prefill_from")}
 
 
 def skip_limit(dense: Mapping | None, config: Mapping, cells: Sequence[Cell], suites: Mapping[str, Suite],
                kv_pool_tokens: int | None, max_running: int | None, d: float,
-               bandwidth_gbps: float | None = None) -> dict | None:
+               bandwidth_gbps: float | None = None, source: str | None = None) -> dict | None:
     """The most RandomSkip r = 1 at `d` (a share d of every routed layer's rows Project-Only) could change each
     load, as the queueing model sees it: always-route with every routed pass at the skip's physical limit
     (`limit_lines`, from the sweep's `dense` arm: its decode line and prefill times) against that dense, on the
     cells' suites, rates and seeded arrivals (the adapter's read charged at `bandwidth_gbps`, the device's, where
-    known). A limit of the skip on the device and load, beside which the headline's figures and the paper's stand.
-    None where the sweep's dense has no lines."""
-    lines = model_lines(dense, dense) if dense else None
+    known; the prefill lines from `source`, as `model_lines`). A limit of the skip on the device and load, beside
+    which the headline's figures and the paper's stand. None where the sweep's dense has no lines."""
+    lines = model_lines(dense, dense, source) if dense else None
     if lines is None:
         return None
     arm = always_route(d)
@@ -369,6 +408,7 @@ def skip_limit(dense: Mapping | None, config: Mapping, cells: Sequence[Cell], su
     loads = _predict_loads(limit, arm, cells, suites, kv_pool_tokens, max_running)
     return {"skip": skip, "arm": arm.name, "layers_skipped": skip * len(config["routing_layers"]),
             "layers": config["num_hidden_layers"], "bandwidth_gbps": bandwidth_gbps,
+            "prefill_from": lines["prefill_from"],
             "adapter_ms": adapter_read_s(config, skip, bandwidth_gbps) * 1e3, "loads": loads}
 
 
@@ -377,13 +417,14 @@ LIMIT_PARTS = ("measured", "decode at the limit", "prefill at the limit", "both 
 
 def limit_parts(dense: Mapping, routed: Mapping, config: Mapping, cells: Sequence[Cell], suites: Mapping[str, Suite],
                 kv_pool_tokens: int | None, max_running: int | None, d: float,
-                bandwidth_gbps: float | None = None) -> dict | None:
+                bandwidth_gbps: float | None = None, source: str | None = None) -> dict | None:
     """Where the sweep's always-route arm at `d` (`routed`) falls short of the skip's limit, phase by phase: the
     queueing model's prediction for it against dense on the cells with its routed lines as the sweep measured
     them, with its decode line at the limit and its prefill as measured, the other way round, and both at the
     limit (`LIMIT_PARTS`). The phase whose line at the limit closes the gap is where the served routed path loses
-    what the skip allows. None where either arm lacks its lines."""
-    measured = model_lines(dense, routed)
+    what the skip allows; with the same `source` as `skip_limit`, its "both at the limit" is `skip_limit`'s. None
+    where either arm lacks its lines."""
+    measured = model_lines(dense, routed, source)
     if measured is None:
         return None
     arm = always_route(d)
@@ -422,13 +463,13 @@ def drawn_suites(ladder: Mapping, vocab: int) -> dict[str, Suite]:
     suites = {}
     for load, doc in ladder["suites"].items():
         requests = next(c.requests for c in cells if c.load == load)
-        suite = gsm8k_suite(f"gsm8k-shaped-{load}", requests, suite_seed(load), vocab, tuple(plan["prompt_tokens"]),
-                            tuple(plan["output_tokens"]))
+        suite = load_suite(load, requests, vocab, plan["prompt_tokens"], plan["output_tokens"])
         if suite.digest != doc["digest"]:
             raise ValueError(f"ladder.suites.{load}: drawn again from seed {suite_seed(load)}, digest "
                              f"{suite.digest[:12]} is not the one served, {doc['digest'][:12]}")
         suites[load] = suite
     return suites
+
 
 def resident_ceiling(kv_pool_tokens: int, max_running: int | None, longest_request: int) -> int:
     """The most resident KV tokens the cells can hold: the pool, or the running-request cap times the longest
@@ -658,8 +699,11 @@ def figure_rows(headline: Mapping) -> list[dict]:
     skip's limit (`skip_limit`) and the verdict. The goals: the hybrid arms' knee beats the paper's -36.8%, and
     wherever a hybrid arm stayed below V* (it ran no routed decode pass) it is never worse than dense beyond noise.
     The skip's limit is the queueing model's mean E2E change with always-route's passes at the skip's physical
-    limit (`skip_limit`): where the paper's figure lies beyond it, the verdict says so (a goal this skip
-    cannot reach on this device and load)."""
+    limit (`skip_limit`), for the hybrid arms too: at the limit a routed pass costs no more than a dense one but
+    for the adapter's read (below a few thousand resident tokens on Llama-3-8B's shape), so staying dense gains a
+    hybrid arm no more than that. Where the paper's figure lies beyond it, the verdict says so (a goal this skip
+    cannot reach on this device and load, by the model); where a measured change lies beyond it, that it is a
+    question."""
     limits = (headline.get("skip_limit") or {}).get("loads") or {}
     rows = []
     for key, arm in headline.get("arms", {}).items():
@@ -672,11 +716,11 @@ def figure_rows(headline: Mapping) -> list[dict]:
                 paper = {dev: PAPER[dev]["loads"][load]["e2e_mean"] for dev in PAPER}
                 below_v_star = cell["routed_share"].get("decode") == 0
                 if load == KNEE:
-                    verdict = beats(e2e, PAPER_KNEE_E2E)
-                    if bound is not None and bound > PAPER_KNEE_E2E:
+                    verdict = _past_limit(beats(e2e, PAPER_KNEE_E2E), e2e, bound)
+                    if bound is not None and bound > PAPER_KNEE_E2E and verdict == beats(e2e, PAPER_KNEE_E2E):
                         verdict += f" (the goal lies beyond the skip's limit, {bound:+.1f}%)"
-                    rows.append(_row(key, what, e2e, f"below {PAPER_KNEE_E2E:+.1f}% (the paper's)", paper,
-                                     _past_limit(verdict, e2e, bound), bound))
+                    rows.append(_row(key, what, e2e, f"below {PAPER_KNEE_E2E:+.1f}% (the paper's)", paper, verdict,
+                                     bound))
                 if below_v_star:
                     rows.append(_row(key, what + " (below V*: no routed decode pass)", e2e,
                                      "no resolved increase over dense", paper, _past_limit(not_worse(e2e), e2e, bound),
@@ -695,10 +739,16 @@ def figure_rows(headline: Mapping) -> list[dict]:
 
 
 def _past_limit(verdict: str, iv: Mapping | None, bound: float | None) -> str:
-    """The verdict, and where the measured mean change lies beyond the skip's limit, that it is a question."""
-    if iv is None or bound is None or iv["mean"] >= bound:
+    """The verdict, and where the measured change lies beyond the skip's limit (its whole 95% interval; the mean,
+    said so, where it has none), that it is a question, not a win."""
+    if iv is None or bound is None:
         return verdict
-    return "; ".join(v for v in (verdict, f"beyond the skip's limit ({bound:+.1f}%): a question, not a win") if v)
+    resolved = iv.get("half_width") is not None
+    if (iv["high"] if resolved else iv["mean"]) >= bound:
+        return verdict
+    past = (f"beyond the skip's limit ({bound:+.1f}%{'' if resolved else ', by its mean alone'}): a question, "
+            "not a win")
+    return f"{verdict}, but {past}" if verdict else past
 
 
 def _row(arm: str, figure: str, iv, goal: str, paper: Mapping, verdict: str, skip_limit: float | None = None) -> dict:
@@ -728,7 +778,10 @@ def skip_limit_lines(limit: Mapping | None) -> list[str]:
             "only what the skip's physical limit allows (`headline.limit_lines`: decode at the bytes a step reads, "
             + (f"the adapter's read {limit['adapter_ms']:.3f} ms a step at {limit['bandwidth_gbps']:g} GB/s, "
                if limit.get("bandwidth_gbps") else "the adapter's read not charged (no device bandwidth), ")
-            + "prefill at its FLOPs, from the sweep's dense lines), on the cells' suites, rates and arrivals. A "
+            + "prefill at its FLOPs, from the sweep's dense lines"
+            + (f", a prefill pass's from {PREFILL_FROM[limit['prefill_from']]}"
+               if limit.get("prefill_from") in PREFILL_FROM else "")
+            + "), on the cells' suites, rates and arrivals. A "
             "served arm's measured change beyond it is a question, and a goal beyond it needs another skip or load:",
             "", "| load | E2E | TTFT | TPOT |", "|---|---|---|---|", *rows, ""]
 
@@ -826,14 +879,32 @@ def model_table(key: str, model: Mapping | None, loads: Mapping) -> list[str]:
         shares = predicted["routed_share"]
         rows.append(f"| {CELL_FACTORS[load]} Q* | {' | '.join(cells)} | {_share(shares['prefill'])}, "
                     f"{_share(shares['decode'])} |")
-    return [f"What the queueing model (`loadgen.simulate`: each pass costing the sweep's line of its phase and mode, "
-            f"the cells' suites, rates and arrivals, {key} at the thresholds and floor it served) predicts against "
+    source = next(iter(model.values())).get("prefill_from")
+    return ["What the queueing model (`loadgen.simulate`: each pass costing the sweep's line of its phase and mode, "
+            + (f"a prefill pass's from {PREFILL_FROM[source]}, " if source in PREFILL_FROM else "")
+            + f"the cells' suites, rates and arrivals, {key} at the thresholds and floor it served) predicts against "
             "dense, then the same with the routed passes at the skip's physical limit (`headline.limit_lines`), "
             "beside the cells' measured change (% change of the mean, predicted / at the limit / measured); a "
             "measured change beyond the prediction is a cost the served cells paid that the sweep's passes did not, "
-            "and one beyond the limit is a question:", "",
+            "and one beyond the limit is a question"
+            + (" (its TTFT leaves out each request's HTTP, hand-over and output, which the client's holds: its TTFT "
+               "change is the larger for it)" if source == "forward" else "") + ":", "",
             "| load | E2E | TTFT | TPOT | routed share predicted (prefill, decode) |", "|---|---|---|---|---|",
-            *rows, ""]
+            *rows, "", *model_dense_lines(model, loads)]
+
+
+def model_dense_lines(model: Mapping, loads: Mapping) -> list[str]:
+    """The model's dense mean E2E beside the cells' measured dense, per load: how far the sweep's lines describe the
+    served load at all (a model whose dense queues more than the cells' predicts larger changes)."""
+    parts = []
+    for load, predicted in model.items():
+        modelled = [e for e in predicted.get("dense_e2e_mean_s") or [] if e is not None]
+        measured = ((loads.get(load) or {}).get("dense") or {}).get("e2e_mean_s")
+        if modelled and measured:
+            parts.append(f"{CELL_FACTORS[load]} Q* {min(modelled):.2f}-{max(modelled):.2f} s against "
+                         f"{measured:.2f} s ({sum(modelled) / len(modelled) / measured - 1:+.0%})")
+    return [f"The model's dense mean E2E beside the cells' measured dense (mean over the repetitions): "
+            f"{'; '.join(parts)}.", ""] if parts else []
 
 
 def limit_parts_lines(found: Mapping | None) -> list[str]:

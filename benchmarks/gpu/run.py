@@ -218,8 +218,7 @@ class Plan:
                 *(str(n) for n in sorted(self.prefill_lengths))]
 
     def max_running(self) -> int | None:
-        flags = list(self.sglang_flags)
-        return int(flags[flags.index("--max-running-requests") + 1]) if "--max-running-requests" in flags else None
+        return headline.max_running(self.sglang_flags)
 
 
 class Stage:
@@ -788,8 +787,7 @@ def stage_ladder(plan: Plan, out: Path, budget_s: float, loads: tuple[str, ...] 
             if path.is_file():
                 suites[load] = load_headline_suite(path)
             else:
-                suites[load] = headline.gsm8k_suite(f"gsm8k-shaped-{load}", requests, headline.suite_seed(load),
-                                                    vocab, plan.prompt_tokens, plan.output_tokens)
+                suites[load] = headline.load_suite(load, requests, vocab, plan.prompt_tokens, plan.output_tokens)
                 suites[load].save(path)
         return suites[load]
 
@@ -899,6 +897,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
         tau_source = f"no measured tau: {sweep_source}"
     elif th_tau is not None and sweep_source != OWN_SWEEP:
         th_tau["source"] = tau_source = f"{th_tau['source']}, {sweep_source}"
+    bandwidth = device_bandwidth(plan)  # charges the adapter's read in the skip's limit (none on the dry run)
     result: dict = {"thresholds": {"rule": th_rule, "tau": th_tau or {"skipped": tau_source}}, "arms": {},
                     "arms_requested": list(arms), "check": check_served(plan, out, stage)}
     started = False
@@ -953,17 +952,20 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
                 served_doc["kv_pool_tokens"] = kv_capacity(server)
                 (work / "served.json").write_text(json.dumps(served_doc, indent=1) + "\n")
         doc.update(compare_arm(plan, out, key, name, role, mine, suites))
-        predicted = arm_model(plan, sweep, name, thresholds, mine, suites, doc.get("kv_pool_tokens"), config)
+        predicted = arm_model(plan, sweep, name, thresholds, mine, suites, doc.get("kv_pool_tokens"), config,
+                              bandwidth)
         if predicted:
             doc["model"] = predicted
     swept = (sweep or {}).get("arms") or {}
-    bandwidth, pool = device_bandwidth(plan), headline.kv_pool_of(result)
+    pool = headline.kv_pool_of(result)
+    # one prefill source for the limit and its parts, so that the parts' "both at the limit" is the limit
+    source = headline.prefill_source([swept[a] for a in ("dense", ALWAYS) if a in swept])
     limit = headline.skip_limit(swept.get("dense"), config, cells, suites, pool, plan.max_running(), SKIP_RATIO,
-                                bandwidth)
+                                bandwidth, source)
     if limit:
         result["skip_limit"] = limit
     parts = headline.limit_parts(swept["dense"], swept[ALWAYS], config, cells, suites, pool, plan.max_running(),
-                                 SKIP_RATIO, bandwidth) if "dense" in swept and ALWAYS in swept else None
+                                 SKIP_RATIO, bandwidth, source) if "dense" in swept and ALWAYS in swept else None
     if parts:
         result["limit_parts"] = parts
     result["figures"] = headline.figure_rows(result)
@@ -972,7 +974,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
 
 
 def arm_model(plan: Plan, sweep: dict | None, name: str, thresholds: dict | None, cells: list, suites: dict,
-              kv_pool: int | None, config: dict) -> dict | None:
+              kv_pool: int | None, config: dict, bandwidth_gbps: float | None) -> dict | None:
     """What the queueing model predicts for a routed arm on its cells, load by load, from the sweep's per-pass lines
     (`headline.model_prediction`): dense's and the routed arm's of the sweep with the same routes (always-route's
     for the hybrid arm, the control's for the control), the arm at the thresholds and floor it served (an arm that
@@ -988,7 +990,7 @@ def arm_model(plan: Plan, sweep: dict | None, name: str, thresholds: dict | None
     arm = Arm.from_dict(ARM_FILES[name])
     skip = arm.declared_skip_ratio() or 0.0
     limit = headline.limit_lines(lines, config, skip, [p["tokens"] for p in arms["dense"]["prefill"]],
-                                 device_bandwidth(plan)) if skip > 0 else None
+                                 bandwidth_gbps) if skip > 0 else None
     served = thresholds or {"enter_tokens": 0, "exit_tokens": 0}
     out = {}
     for load in headline.LOADS:
@@ -1035,6 +1037,7 @@ def set_aside_other_thresholds(stage: Stage, key: str, work: Path, thresholds: d
     if aside.exists():
         shutil.rmtree(aside)
     work.rename(aside)
+
     def said(v: list) -> str:
         return f"enter {v[0]} / exit {v[1]}" + (f" / prefill floor {v[2]}" if v[2] is not None else "")
 

@@ -45,12 +45,6 @@ from loadgen.qstar import CELL_FACTORS  # noqa: E402
 DEFAULT_D = (0.5, 0.75, 1.0)
 
 
-def max_running(plan: dict) -> int | None:
-    """The `--max-running-requests` the run's servers took (its plan's SGLang flags), or None."""
-    flags = list(plan.get("sglang_flags") or [])
-    return int(flags[flags.index("--max-running-requests") + 1]) if "--max-running-requests" in flags else None
-
-
 def sweep_bandwidth(sweep_dir: Path) -> float | None:
     """The bandwidth (GB/s) of the GPU the sweep ran on (its env.json, the roofline's catalogue), or None."""
     from vskipper.roofline import find_device
@@ -75,14 +69,17 @@ def limits(run: Path, sweep_dir: Path, ds: list[float], kv_pool: int | None = No
         kv_pool = headline.kv_pool_of(json.loads((run / "headline.json").read_text()))
     cells = [headline.Cell.from_dict(c) for c in ladder["cells"]]
     suites = headline.drawn_suites(ladder, config["vocab_size"])
-    running = max_running(ladder.get("plan") or {})
+    running = headline.max_running((ladder.get("plan") or {}).get("sglang_flags") or [])
     bandwidth_gbps = bandwidth_gbps or sweep_bandwidth(sweep_dir)
-    found = [headline.skip_limit(dense, config, cells, suites, kv_pool, running, d, bandwidth_gbps) for d in ds]
+    arms = sweep["arms"]
+    routed = {d: arms[headline.always_route(d).name] for d in ds if headline.always_route(d).name in arms}
+    source = headline.prefill_source([dense, *routed.values()])  # the limits' and their parts' alike
+    found = [headline.skip_limit(dense, config, cells, suites, kv_pool, running, d, bandwidth_gbps, source)
+             for d in ds]
     if any(f is None for f in found):
         raise ValueError(f"{sweep_dir / 'sweep.json'}: dense has no decode line or fewer than two prefill lengths")
-    arms = sweep["arms"]
-    parts = [headline.limit_parts(dense, arms[headline.always_route(d).name], config, cells, suites, kv_pool,
-                                  running, d, bandwidth_gbps) for d in ds if headline.always_route(d).name in arms]
+    parts = [headline.limit_parts(dense, arm, config, cells, suites, kv_pool, running, d, bandwidth_gbps, source)
+             for d, arm in routed.items()]
     return {"run": str(run), "sweep": str(sweep_dir), "kv_pool_tokens": kv_pool, "max_running": running,
             "bandwidth_gbps": bandwidth_gbps, "limits": found, "parts": [p for p in parts if p]}
 
