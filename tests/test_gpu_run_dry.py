@@ -49,8 +49,8 @@ def _finish(proc: subprocess.Popen, stage: str, logs: dict) -> None:
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     """`run.sh` install and tiles, then ladder, sweep and headline against the four arms started once with the
-    tiles stage's table (the kernels stage, which needs no server, runs beside them), then `all`, which finds every
-    stage done, into one folder; beside it, against the same servers, lease-2 (packed) and then lease-3, which
+    tiles stage's table (the kernels stage, which needs no server, runs beside them), the clock stage (its own
+    servers), then `all`, which finds every stage done, into one folder; beside it, against the same servers, lease-2 (packed) and then lease-3, which
     takes lease-2's Q* (`--earlier`), each into a folder of its own (`lease_out`)."""
     out = tmp_path_factory.mktemp("gpu-run")
     plan = run.Plan.dry()
@@ -77,6 +77,7 @@ def dry_run(tmp_path_factory):
             _finish(_stage("lease-2", two, env, "--within", "400", "--pack", f"{two}.tar.gz"), "lease-2", logs)
             _finish(_stage("lease-3", three, env, "--earlier", str(two)), "lease-3", logs)
         _finish(kernels, "kernels", logs)
+        _finish(_stage("clock", out, env), "clock", logs)  # its own servers, each with its part clock on
         _finish(_stage("all", out, env), "all", logs)
     finally:
         kernels.kill()
@@ -378,6 +379,31 @@ def test_kernels_stage_writes_the_bench_figures_with_the_tuned_table(dry_run):
     assert kernels["tile_table"] == str(out / "tiles" / run.TILES_JSON)
     bench = json.loads((out / "kernels" / "mixed_depth_bench.json").read_text())
     assert {"kernels", "decode", "prefill", "served"} <= set(bench)  # every section ran, the served layer's too
+
+
+def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server_with_its_part_clock(dry_run):
+    """Dense, the control and always-route each on its own server with its part clock on: at each shape (one prompt
+    of the sweep's shortest length, one of its third, its first round) the passes it ran, the host's ms a pass by
+    layer kind (the routed kind: the layers the model routes, which dense serves densely), each part's seconds, and
+    the summary's tables: the arms side by side, then each routed arm's parts beside dense's."""
+    out, logs = dry_run
+    plan = run.Plan.dry()
+    clock = json.loads((out / "clock.json").read_text())
+    assert clock["left"] == [] and clock["failed"] == []
+    assert [tuple(s) for s in clock["shapes"]] == run.clock_shapes(plan) == [(1, 32), (1, 64), (2, 32)]
+    assert list(clock["arms"]) == list(run.CLOCK_ARMS)
+    for name, doc in clock["arms"].items():
+        assert f"{name} up and warm" in logs["clock"] and doc["served"]["arm"] == name
+        for cell, (n, length) in zip(doc["cells"], run.clock_shapes(plan), strict=True):
+            assert cell["passes"] >= 1 and cell["tokens"] == run.CLOCK_REPS * n * length  # one round a pass
+            assert cell["model"] > 0 and cell["device"] is None and len(cell["answered_s_reps"]) == run.CLOCK_REPS
+            # layers 2-3 are the routed kind in every arm (dense serves them densely), 0-1 the dense kind
+            assert cell["routed"] > 0 and cell["dense"] > 0
+            assert set(run.clock_parts(cell)) >= {"routed mlp", "dense mlp", "outside"}
+    summary = (out / "summary.md").read_text()
+    assert "## Where a prefill pass's host time goes (the part clock)" in summary
+    assert f"| 1 x 32 | {run.ALWAYS} |" in summary
+    assert f"{run.ALWAYS} against dense at 2 x 32: host ms a pass by layer kind and part" in summary
 
 
 def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
@@ -1084,7 +1110,7 @@ def test_a_stage_covers_a_later_run_only_with_the_arms_and_loads_it_asks_for(tmp
     assert not run.covers("headline", waiting, tau, tmp_path)
     with pytest.raises(SystemExit):
         run.main(["headline", "/nonexistent", "--dry-run", "--arms", "hybrid-rule,fastest"])
-    assert {lease.name for lease in run.LEASES} == {f"lease-{n}" for n in range(1, 6)}
+    assert {lease.name for lease in run.LEASES} == {f"lease-{n}" for n in range(1, 7)}
     for lease in run.LEASES:  # every stage and arm a lease names exists, in `run.sh all`'s order
         assert list(lease.stages) == [s for s in run.STAGES if s in lease.stages]
         assert set(lease.headline_arms) <= set(run.HEADLINE_ARMS) and set(dict(lease.caps)) <= set(lease.stages)

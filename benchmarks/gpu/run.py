@@ -1,6 +1,6 @@
 """The device run's stages (benchmarks/gpu/run.sh calls this): dense against routed, served by the real SGLang.
 
-    python benchmarks/gpu/run.py tiles|sweep|ladder|headline|kernels|summary OUTDIR [--dry-run]
+    python benchmarks/gpu/run.py tiles|sweep|ladder|headline|kernels|clock|summary OUTDIR [--dry-run]
 
 Each stage writes `OUTDIR/<stage>.json` when it completes and skips work already there (a fresh machine reruns
 only what is missing); a stage stops starting new work when its time budget (`--budget-s`, under nine minutes)
@@ -29,6 +29,8 @@ headline  the routed half: the hybrid arm (RandomSkip r = 1 d = 0.5; thresholds 
           control at the knee, each alone; then each arm against dense per load: loadgen's gates and paired 95%
           intervals, beside the paper's figures.
 kernels   benchmarks/mixed_depth_bench.py with the tuned tiles.
+clock     dense, the s = 0 control and always-route, each alone with its part clock on: a prefill pass's host time
+          by layer kind and part (on a GPU its launches) beside the device's span, at 1k and 2k tokens and a round.
 summary   results.json and summary.md from whatever the stages wrote.
 
 A routed arm's decode passes replay the routed decode graph variant its model captured beside the dense one;
@@ -62,12 +64,12 @@ from loadgen.attestation import READ_ATTEMPTS, read_answered  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
-from vskipper.sglang.spec import ENV_PASS_SPANS  # noqa: E402
+from vskipper.sglang.spec import ENV_PART_CLOCK, ENV_PASS_SPANS  # noqa: E402
 
 # The order `run.sh all` runs them in (`run.py stages` prints it): the tiles first, since every routed server
 # after them serves with the table they measure; then the sweep, which measures what the routed passes cost (and
-# the tau the headline's second hybrid arm serves); the kernel benchmark last.
-STAGES = ("tiles", "sweep", "ladder", "headline", "kernels")
+# the tau the headline's second hybrid arm serves); the kernel benchmark, then the prefill's part clock last.
+STAGES = ("tiles", "sweep", "ladder", "headline", "kernels", "clock")
 SKIP_RATIO = 0.5  # RandomSkip r = 1, d = 0.5: half of the routed decisions project
 ARM_FILES = {name: {"name": name, "skipper": "random_skip", "params": {"r": r, "d": 0.5}, "prefill": policy,
                     "decode": policy}
@@ -123,6 +125,8 @@ LEASES = (  # what each measures: benchmarks/gpu/README.md's table
     Lease("lease-4", ("ladder", "headline", "kernels"), 670, headline_arms=("hybrid-tau",)),  # tau's hybrid arm
     # tau's hybrid arm first, then the knee's ablations, at an earlier run's Q* (`--earlier`): no climb
     Lease("lease-5", ("ladder", "headline"), 720, headline_arms=("hybrid-tau", "always", "control")),
+    # where a prefill pass's host time goes, part by part, in dense, the s = 0 control and always-route
+    Lease("lease-6", ("clock",), 300),
 )
 
 
@@ -383,11 +387,12 @@ def graph_flags(flags: tuple[str, ...], batches: tuple[int, ...] | None) -> list
 
 def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
           arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None,
-          graph_batches: tuple[int, ...] | None = None, flags: list[str] | None = None) -> Server:
+          graph_batches: tuple[int, ...] | None = None, flags: list[str] | None = None,
+          part_clock: bool = False) -> Server:
     """`vskipper serve` with the plan's flags and the tiles stage's table where it wrote one (`model` is
     OUTDIR/model); `thresholds` as its --enter-tokens / --exit-tokens (else the arm's from the roofline rule for the
     detected GPU); `graph_batches`, the only decode batch sizes captured (`graph_flags`); `flags`, SGLang flags
-    after all of those."""
+    after all of those; `part_clock`, its part clock on (`ENV_PART_CLOCK`: every part of every layer timed)."""
     extra = graph_flags(plan.sglang_flags, graph_batches) + (["--mem-fraction-static", mem] if mem else []) \
         + list(flags or [])
     kw = {}
@@ -399,7 +404,8 @@ def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | N
     # alike), which the sweep reads beside its figures (`pass_spans`).
     return stack.enter_context(launched(model, workdir, arm=arm, arm_file=arm_file, dtype=plan.dtype,
                                         extra=extra, platform=plan.platform, graceful=False,
-                                        tile_table=tuned_table(plan, model.parent), env={ENV_PASS_SPANS: "1"},
+                                        tile_table=tuned_table(plan, model.parent),
+                                        env={ENV_PASS_SPANS: "1", **({ENV_PART_CLOCK: "1"} if part_clock else {})},
                                         **kw))
 
 
@@ -423,7 +429,7 @@ class Attached:
 
 def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: str, arm_files: dict[str, Path],
                mem: str | None = None, thresholds: dict | None = None, key: str | None = None,
-               graph_batches: tuple[int, ...] | None = None):
+               graph_batches: tuple[int, ...] | None = None, part_clock: bool = False):
     """The arm's server: attached from ENV_SERVERS when it names `key` (default: the arm), else started (stopped
     with `stack`); `thresholds` go to the hybrid arm only."""
     given = json.loads(Path(os.environ[ENV_SERVERS]).read_text()) if os.environ.get(ENV_SERVERS) else {}
@@ -431,9 +437,10 @@ def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: s
         return Attached(given[key or name])
     if name in ("dense", PREFILL_GRAPHS):
         return start(plan, stack, model, workdir, arm="dense", mem=mem, graph_batches=graph_batches,
-                     flags=plan.prefill_graph_flags() if name == PREFILL_GRAPHS else None)
+                     flags=plan.prefill_graph_flags() if name == PREFILL_GRAPHS else None, part_clock=part_clock)
     return start(plan, stack, model, workdir, arm_file=arm_files[name], mem=mem,
-                 thresholds=thresholds if name == HYBRID else None, graph_batches=graph_batches)
+                 thresholds=thresholds if name == HYBRID else None, graph_batches=graph_batches,
+                 part_clock=part_clock)
 
 
 def ready(plan: Plan, servers: list[Server]) -> None:
@@ -1515,6 +1522,127 @@ def check_lines(results: dict) -> list[str]:
                              f"output {c['output_error']:.3g}, K/V {c['kv_error']:.3g}") for c in bad] + [""]
 
 
+# The part clock's arms and shapes: dense, the s = 0 control and always-route s = 0.5, each alone with the whole
+# device, one prompt at a time at the shortest and the longest of the sweep's first three lengths and one round of
+# several prompts (the sweep's first): where a prefill pass's host time goes, part by part.
+CLOCK_ARMS = ("dense", CONTROL, ALWAYS)
+CLOCK_REPS = 3
+
+
+def clock_shapes(plan: Plan) -> list[tuple[int, int]]:
+    """(prompts, tokens each) of the part clock's prefill passes: one prompt of the sweep's shortest length and
+    of its third (2,048 on a GPU, where the routed prefill first gained), then its first round."""
+    lengths = sorted(plan.prefill_lengths)
+    return [(1, lengths[0]), (1, lengths[min(2, len(lengths) - 1)]), *plan.prefill_rounds[:1]]
+
+
+def clock_cells(server: Server, shapes: list[tuple[int, int]], vocab: int) -> list[dict]:
+    """Each shape's `CLOCK_REPS` prefill passes on one server, its part clock read before and after them
+    (`bench_cpu.run_clock`: the host's ms a pass by layer kind and part, on a GPU its launches; the device's span
+    of a pass), with the time each took to answer (one token out). Prompts drawn apart from the sweep's and the
+    warm-up's, none a prefix of another."""
+    from benchmarks.bench_cpu import run_clock
+
+    cells = []
+    for n, length in shapes:
+        before = pass_clock(server)
+        if before is None or before.get("parts") is False:
+            raise RuntimeError(f"{server.url}: its attestation holds no part clock by parts (was {ENV_PART_CLOCK} "
+                               "passed to it?)")
+        seconds = []
+        for r in range(CLOCK_REPS):
+            prompts = round_prompts(n, length, 7_000 + r, vocab)
+            t0 = time.perf_counter()
+            if n == 1:
+                asyncio.run(burst(server, prompts, 1))
+            else:
+                prefill_round(server, prompts)
+            seconds.append(time.perf_counter() - t0)
+        after = pass_clock(server)
+        clock = run_clock(before, after, "prefill")
+        cells.append({"prompts": n, "tokens": n * length, "answered_s": statistics.median(seconds),
+                      "answered_s_reps": seconds, "late": bool(after.get("late")), **clock})
+    return cells
+
+
+def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
+    """`CLOCK_ARMS` one at a time, each server with its part clock on (its own start: the other stages' servers
+    time their passes whole): after the warm-up, `clock_cells` at `clock_shapes`. Where the routed prefill's host
+    time goes that dense's does not, part by part (the summary's table): what the H200's sweep could not tell
+    (a 1,024-token routed prefill 10% slower than the control's while its kernels summed 7% less)."""
+    stage = Stage("clock", out, budget_s)
+    model = write_model(plan, out)
+    arm_files = write_arms(out)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    shapes = clock_shapes(plan)
+    result: dict = {"shapes": [list(s) for s in shapes], "reps": CLOCK_REPS, "arms": {}}
+    for name in CLOCK_ARMS:
+        done = stage.out / f"{name}.json"
+        if done.is_file():
+            result["arms"][name] = json.loads(done.read_text())
+            continue
+        if not stage.has_time(plan.start_estimate_s + 20, name):
+            break
+        with ExitStack() as stack:
+            t0 = time.monotonic()
+            server = server_for(plan, stack, model, stage.out / "servers" / name, name, arm_files,
+                                plan.solo_mem_fraction, key=f"{name}@clock", part_clock=True)
+            ready(plan, [server])
+            warm_up(plan, server, vocab)
+            log(stage.name, f"{name} up and warm after {time.monotonic() - t0:.0f} s")
+            doc = {"cells": clock_cells(server, shapes, vocab), "served": served(server)}
+        done.write_text(json.dumps(doc, indent=1) + "\n")
+        result["arms"][name] = doc
+    result["left"], result["failed"] = stage.left, stage.failed
+    return result
+
+
+def clock_parts(cell: dict) -> dict[str, float]:
+    """A clock cell's host ms a pass by layer kind and part ("routed mlp": the MLP of the layers the model routes,
+    which a dense arm serves densely; "outside": the pass outside the layers): the parts compare across arms."""
+    return {(where if part == where else f"{where} {part}"): seconds / max(1, cell["passes"]) * 1e3
+            for where, by_part in cell["seconds"].items() for part, seconds in by_part.items()}
+
+
+def clock_lines(clock: dict | None) -> list[str]:
+    """The summary's section of the clock stage: each arm's prefill pass per shape (host ms by layer kind, the
+    device's span), then the parts of each routed arm's host time beside dense's, largest difference first."""
+    arms = (clock or {}).get("arms") or {}
+    if not arms:
+        return []
+    lines = ["## Where a prefill pass's host time goes (the part clock)", "",
+             "Each arm alone with its part clock on (`vskipper.sglang.part_times`: every part of every layer timed "
+             "on the host; on a GPU that is its launches, which the device runs behind, and the device's span of a "
+             f"pass beside it), {clock['reps']} passes a shape, medians of the time each took to answer. A device "
+             "span about as long as the host's marks a host-bound pass; the clock's own calls add a few "
+             "microseconds each to the host's time, in every arm alike.", "",
+             "| prefill | arm | answered ms | host ms a pass | routed layers | dense layers | outside | device ms a "
+             "pass | device / host |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for i, (n, length) in enumerate(clock["shapes"]):
+        for name, doc in arms.items():
+            c = doc["cells"][i]
+            lines.append(f"| {n} x {length} | {name} | {c['answered_s'] * 1e3:.1f} | {c['model']:.2f} | "
+                         f"{_f(c['routed'], '.2f')} | {_f(c['dense'], '.2f')} | {c['outside']:.2f} | "
+                         f"{_f(c['device'], '.2f')} | {_f(_over(c['device'], c['model']), '.2f')} |")
+    lines.append("")
+    if "dense" in arms:
+        for name, doc in arms.items():
+            if name == "dense":
+                continue
+            for i, (n, length) in enumerate(clock["shapes"]):
+                mine, base = clock_parts(doc["cells"][i]), clock_parts(arms["dense"]["cells"][i])
+                rows = sorted(set(mine) | set(base), key=lambda k: -abs(mine.get(k, 0.0) - base.get(k, 0.0)))[:8]
+                lines += [f"{name} against dense at {n} x {length}: host ms a pass by layer kind and part (the "
+                          "routed layers: those the model routes, dense's served densely), the largest differences "
+                          "first:", "", "| part | dense | " + name + " | difference |",
+                          "|---|---:|---:|---:|",
+                          *(f"| {k} | {base.get(k, 0.0):.3f} | {mine.get(k, 0.0):.3f} | "
+                            f"{mine.get(k, 0.0) - base.get(k, 0.0):+.3f} |" for k in rows), ""]
+    if clock.get("left"):
+        lines += [f"Clock stage left for the next run: {', '.join(clock['left'])}", ""]
+    return lines
+
+
 def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:
     stage = Stage("kernels", out, budget_s)
     device = device_name(plan) or "CPU"
@@ -1652,6 +1780,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
         lines += ["## Kernels", ""] + [f"- {k}: exit {v['exit']}, {v['output']}" for k, v in kernels["runs"].items()]
         lines.append("")
         lines += served_layer_lines(out / "kernels" / BENCH_JSON if out else None)
+    lines += clock_lines(results.get("clock"))
     return "\n".join(lines)
 
 
@@ -1931,7 +2060,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{args.stage}] complete in an earlier run: {path}")
         return 0
     stages = {"tiles": stage_tiles, "ladder": stage_ladder, "sweep": stage_sweep, "headline": stage_headline,
-              "kernels": stage_kernels}
+              "kernels": stage_kernels, "clock": stage_clock}
     kwargs = {}
     if args.stage == "headline":  # the arms an earlier run served stay in the result
         kwargs["arms"] = headline_order(args.arms, (done or {}).get("arms_requested") or ())

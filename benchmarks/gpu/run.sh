@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device run: dense against routed with the real SGLang 0.5.21 on one GPU, in stages of under nine minutes.
 #
-#   benchmarks/gpu/run.sh install|tiles|sweep|ladder|headline|kernels|all|lease-1..lease-5|pack OUTDIR
+#   benchmarks/gpu/run.sh install|tiles|sweep|ladder|headline|kernels|clock|all|lease-1..lease-6|pack OUTDIR
 #                         [--dry-run] [--within SECONDS] [--earlier DIR]... [--pack FILE]
 #
 # install   installs the bundle (.gpu-bundle/, `make gpu-bundle`) into $VSKIPPER_SITE unless it is there already,
@@ -15,6 +15,8 @@
 #           s = 0 control at the knee; then hybrid with the sweep's tau), each against dense with gates and
 #           intervals
 # kernels   benchmarks/mixed_depth_bench.py with the tuned tiles
+# clock     dense, the s = 0 control and always-route each alone with its part clock on: a prefill pass's host
+#           time by layer kind and part beside the device's span (where the routed prefill's host time goes)
 # all       each in that order, then OUTDIR/results.json and OUTDIR/summary.md
 # lease-N   the stages (and headline arms) of one device lease (`run.py leases`; benchmarks/gpu/README.md), in
 #           order, then the summary: what one lease of device time measures
@@ -36,7 +38,7 @@
 set -euo pipefail
 
 usage() {
-    echo "usage: $0 install|tiles|sweep|ladder|headline|kernels|all|lease-N|pack OUTDIR [--dry-run]" \
+    echo "usage: $0 install|tiles|sweep|ladder|headline|kernels|clock|all|lease-N|pack OUTDIR [--dry-run]" \
          "[--within SECONDS] [--earlier DIR]... [--pack FILE]" >&2
     exit 2
 }
@@ -55,7 +57,7 @@ while [ $# -gt 0 ]; do
         *) usage ;;
     esac
 done
-case $STAGE in install|tiles|sweep|ladder|headline|kernels|all|pack|lease-[0-9]*) ;; *) usage ;; esac
+case $STAGE in install|tiles|sweep|ladder|headline|kernels|clock|all|pack|lease-[0-9]*) ;; *) usage ;; esac
 [ "$STAGE" != pack ] || [ -n "$PACK" ] || { echo "pack: --pack FILE names the archive" >&2; usage; }
 START_S=$SECONDS
 [ -z "$PACK" ] || PACK=$(cd "$(dirname "$PACK")" && pwd)/$(basename "$PACK")
