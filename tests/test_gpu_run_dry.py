@@ -382,10 +382,11 @@ def test_kernels_stage_writes_the_bench_figures_with_the_tuned_table(dry_run):
 
 
 def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server_with_its_part_clock(dry_run):
-    """Dense, the control and always-route each on its own server with its part clock on: at each shape (one prompt
-    of the sweep's shortest length, one of its third, its first round) the passes it ran, the host's ms a pass by
-    layer kind (the routed kind: the layers the model routes, which dense serves densely), each part's seconds, and
-    the summary's tables: the arms side by side, then each routed arm's parts beside dense's."""
+    """Always-route, the control and dense each on its own server with its part clock on: at each shape (one prompt
+    of the sweep's shortest length, one of its third, its first round) one pass a prompt or a round after an
+    untimed one, the host's ms a pass by layer kind (the routed kind: the layers the model routes, which dense
+    serves densely), each part's seconds, and the summary's tables: the arms side by side, then always-route's
+    parts beside the control's and dense's."""
     out, logs = dry_run
     plan = run.Plan.dry()
     clock = json.loads((out / "clock.json").read_text())
@@ -395,7 +396,9 @@ def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server
     for name, doc in clock["arms"].items():
         assert f"{name} up and warm" in logs["clock"] and doc["served"]["arm"] == name
         for cell, (n, length) in zip(doc["cells"], run.clock_shapes(plan), strict=True):
-            assert cell["passes"] >= 1 and cell["tokens"] == run.CLOCK_REPS * n * length  # one round a pass
+            # one pass a prompt or a round: the untimed one before fell outside the window
+            assert (cell["passes"], cell["tokens"]) == (run.CLOCK_REPS, run.CLOCK_REPS * n * length) \
+                == tuple(cell["expected"].values())
             assert cell["model"] > 0 and cell["device"] is None and len(cell["answered_s_reps"]) == run.CLOCK_REPS
             # layers 2-3 are the routed kind in every arm (dense serves them densely), 0-1 the dense kind
             assert cell["routed"] > 0 and cell["dense"] > 0
@@ -403,7 +406,28 @@ def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server
     summary = (out / "summary.md").read_text()
     assert "## Where a prefill pass's host time goes (the part clock)" in summary
     assert f"| 1 x 32 | {run.ALWAYS} |" in summary
-    assert f"{run.ALWAYS} against dense at 2 x 32: host ms a pass by layer kind and part" in summary
+    assert f"{run.ALWAYS} against {run.CONTROL} at 2 x 32: host ms a pass by layer kind and part" in summary
+    assert f"{run.CONTROL} against dense at 1 x 64:" in summary
+
+
+def test_the_clock_section_renders_what_an_unfinished_stage_holds_and_says_what_makes_a_window_doubtful():
+    """One arm done (its window a pass short, a reading late, a compilation inside), one failed, one left: the
+    arm's row with its doubts, no comparison without the arm it compares against, the failure and what is left."""
+    cell = {"answered_s": 0.05, "model": 40.0, "routed": 20.0, "dense": 18.0, "outside": 2.0, "device": 44.0,
+            "passes": 2, "tokens": 2048, "expected": {"passes": 3, "tokens": 3072}, "late": True,
+            "compiles": {"compiles": 1, "seconds": 1.5, "kernels": {}, "cache_loads": {}},
+            "seconds": {"routed": {"mlp": 0.02}, "outside": {"outside": 0.004}}}
+    clock = {"shapes": [[1, 1024]], "reps": 3, "left": ["dense"], "failed": [run.CONTROL],
+             "arms": {run.ALWAYS: {"cells": [cell]}, run.CONTROL: {"error": "RuntimeError: no part clock"}}}
+    text = "\n".join(run.clock_lines(clock))
+    assert (f"| 1 x 1024 | {run.ALWAYS} | 50.0 | 40.00 | 20.00 | 18.00 | 2.00 | 44.00 | 1.10 | 2 passes of 2048 "
+            "tokens, 3 of 3072 expected; a reading served late; 1 Triton compilations inside |") in text
+    assert "against" not in text
+    assert f"Clock stage: {run.CONTROL} failed: RuntimeError: no part clock" in text
+    assert "Clock stage left for the next run: dense" in text
+    assert run.clock_parts(cell) == {"routed mlp": 10.0, "outside": 2.0}
+    assert run.clock_lines(None) == [] and run.clock_doubts({**cell, "passes": 3, "tokens": 3072, "late": False,
+                                                             "compiles": None}) == ""
 
 
 def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):

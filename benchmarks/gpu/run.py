@@ -29,7 +29,7 @@ headline  the routed half: the hybrid arm (RandomSkip r = 1 d = 0.5; thresholds 
           control at the knee, each alone; then each arm against dense per load: loadgen's gates and paired 95%
           intervals, beside the paper's figures.
 kernels   benchmarks/mixed_depth_bench.py with the tuned tiles.
-clock     dense, the s = 0 control and always-route, each alone with its part clock on: a prefill pass's host time
+clock     always-route, the s = 0 control and dense, each alone with its part clock on: a prefill pass's host time
           by layer kind and part (on a GPU its launches) beside the device's span, at 1k and 2k tokens and a round.
 summary   results.json and summary.md from whatever the stages wrote.
 
@@ -1434,7 +1434,7 @@ def run_steps(plan: Plan, stage: Stage, steps, limit_s: float | None = None) -> 
     return runs
 
 
-SERVING_STAGES = ("sweep", "ladder", "headline")
+SERVING_STAGES = ("sweep", "ladder", "headline", "clock")
 TILES_MARGIN_S = 60.0  # the stage's budget less the tuner's: its start (CUDA, triton) and the table's writing
 
 
@@ -1522,11 +1522,13 @@ def check_lines(results: dict) -> list[str]:
                              f"output {c['output_error']:.3g}, K/V {c['kv_error']:.3g}") for c in bad] + [""]
 
 
-# The part clock's arms and shapes: dense, the s = 0 control and always-route s = 0.5, each alone with the whole
-# device, one prompt at a time at the shortest and the longest of the sweep's first three lengths and one round of
-# several prompts (the sweep's first): where a prefill pass's host time goes, part by part.
-CLOCK_ARMS = ("dense", CONTROL, ALWAYS)
+# The part clock's arms and shapes: always-route s = 0.5, the s = 0 control and dense, in that order (a budget
+# spent leaves dense, whose prefill the sweep times too), each alone with the whole device, one prompt at a time at
+# the shortest and the third of the sweep's lengths and one round of several prompts (the sweep's first): where a
+# prefill pass's host time goes, part by part.
+CLOCK_ARMS = (ALWAYS, CONTROL, "dense")
 CLOCK_REPS = 3
+CLOCK_ARM_S = 75.0  # one arm on a GPU: a server of the sweep's three decode graphs ready and warm, its passes
 
 
 def clock_shapes(plan: Plan) -> list[tuple[int, int]]:
@@ -1537,60 +1539,83 @@ def clock_shapes(plan: Plan) -> list[tuple[int, int]]:
 
 
 def clock_cells(server: Server, shapes: list[tuple[int, int]], vocab: int) -> list[dict]:
-    """Each shape's `CLOCK_REPS` prefill passes on one server, its part clock read before and after them
-    (`bench_cpu.run_clock`: the host's ms a pass by layer kind and part, on a GPU its launches; the device's span
-    of a pass), with the time each took to answer (one token out). Prompts drawn apart from the sweep's and the
-    warm-up's, none a prefix of another."""
+    """Each shape's `CLOCK_REPS` timed prefill passes on one server, after an untimed one of the same shape (what
+    a new shape compiles falls there), its part clock read right before and right after the timed ones
+    (`bench_cpu.run_clock`: the host's ms a pass by layer kind and part, on a GPU its launches; the
+    device's span of a pass, only where every pass of the window reached the device's clock), with the time each
+    took to answer (one token out), the Triton compilations within the window and what the window should hold
+    (`expected`: one pass a prompt or a round, its tokens) beside what it held. Prompts drawn apart from the
+    sweep's and the warm-up's, none a prefix of another."""
     from benchmarks.bench_cpu import run_clock
 
+    def serve(prompts: list[list[int]]) -> float:
+        t0 = time.perf_counter()
+        if len(prompts) == 1:
+            asyncio.run(burst(server, prompts, 1))
+        else:
+            prefill_round(server, prompts)
+        return time.perf_counter() - t0
+
     cells = []
-    for n, length in shapes:
-        before = pass_clock(server)
+    for i, (n, length) in enumerate(shapes):
+        serve(round_prompts(n, length, 9_000 + i, vocab))  # untimed: a new shape's compilations
+        before, compiles = pass_clock(server), triton_compiles(server)
         if before is None or before.get("parts") is False:
             raise RuntimeError(f"{server.url}: its attestation holds no part clock by parts (was {ENV_PART_CLOCK} "
                                "passed to it?)")
-        seconds = []
-        for r in range(CLOCK_REPS):
-            prompts = round_prompts(n, length, 7_000 + r, vocab)
-            t0 = time.perf_counter()
-            if n == 1:
-                asyncio.run(burst(server, prompts, 1))
-            else:
-                prefill_round(server, prompts)
-            seconds.append(time.perf_counter() - t0)
+        seconds = [serve(round_prompts(n, length, 7_000 + r, vocab)) for r in range(CLOCK_REPS)]
         after = pass_clock(server)
+        if after is None:
+            raise RuntimeError(f"{server.url}: its part clock went missing from its attestation")
         clock = run_clock(before, after, "prefill")
-        cells.append({"prompts": n, "tokens": n * length, "answered_s": statistics.median(seconds),
-                      "answered_s_reps": seconds, "late": bool(after.get("late")), **clock})
+        if clock["device_passes"] != clock["passes"]:
+            clock["device"] = None  # a window some passes of which the device's clock did not reach
+        cells.append({"prompts": n, "answered_s": statistics.median(seconds), "answered_s_reps": seconds,
+                      "expected": {"passes": CLOCK_REPS, "tokens": CLOCK_REPS * n * length},
+                      "late": bool(before.get("late") or after.get("late")),
+                      "compiles": headline.compiles_between(compiles, triton_compiles(server)),
+                      "device_error": after.get("device_error"), **clock})
     return cells
 
 
 def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
-    """`CLOCK_ARMS` one at a time, each server with its part clock on (its own start: the other stages' servers
-    time their passes whole): after the warm-up, `clock_cells` at `clock_shapes`. Where the routed prefill's host
-    time goes that dense's does not, part by part (the summary's table): what the H200's sweep could not tell
-    (a 1,024-token routed prefill 10% slower than the control's while its kernels summed 7% less)."""
+    """`CLOCK_ARMS` one at a time, each server with its part clock on (its own start, the sweep's decode graphs
+    only: the other stages' servers time their passes whole): after the warm-up, `clock_cells` at `clock_shapes`.
+    Where the routed prefill's host time goes that the control's and dense's does not, part by part (the summary's
+    tables): what the H200's sweep could not tell (a 1,024-token routed prefill 10% slower than the control's
+    while its kernels summed 7% less). An arm that fails is named in `failed` and the others serve; an arm an
+    earlier call served is kept."""
     stage = Stage("clock", out, budget_s)
     model = write_model(plan, out)
     arm_files = write_arms(out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     shapes = clock_shapes(plan)
     result: dict = {"shapes": [list(s) for s in shapes], "reps": CLOCK_REPS, "arms": {}}
+    need = min(CLOCK_ARM_S, plan.start_estimate_s + 20)
     for name in CLOCK_ARMS:
         done = stage.out / f"{name}.json"
         if done.is_file():
             result["arms"][name] = json.loads(done.read_text())
             continue
-        if not stage.has_time(plan.start_estimate_s + 20, name):
-            break
-        with ExitStack() as stack:
-            t0 = time.monotonic()
-            server = server_for(plan, stack, model, stage.out / "servers" / name, name, arm_files,
-                                plan.solo_mem_fraction, key=f"{name}@clock", part_clock=True)
-            ready(plan, [server])
-            warm_up(plan, server, vocab)
-            log(stage.name, f"{name} up and warm after {time.monotonic() - t0:.0f} s")
-            doc = {"cells": clock_cells(server, shapes, vocab), "served": served(server)}
+        if stage.left or not stage.has_time(need, name):
+            if name not in stage.left:
+                stage.left.append(name)
+            continue
+        try:
+            with ExitStack() as stack:
+                t0 = time.monotonic()
+                server = server_for(plan, stack, model, stage.out / "servers" / name, name, arm_files,
+                                    plan.solo_mem_fraction, key=f"{name}@clock", graph_batches=plan.batches,
+                                    part_clock=True)
+                ready(plan, [server])
+                warm_up(plan, server, vocab)
+                log(stage.name, f"{name} up and warm after {time.monotonic() - t0:.0f} s")
+                doc = {"cells": clock_cells(server, shapes, vocab), "served": served(server)}
+        except Exception as e:  # noqa: BLE001 -- the other arms still serve; the error is kept
+            log(stage.name, f"{name} failed: {type(e).__name__}: {e}")
+            stage.failed.append(name)
+            result["arms"][name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
         done.write_text(json.dumps(doc, indent=1) + "\n")
         result["arms"][name] = doc
     result["left"], result["failed"] = stage.left, stage.failed
@@ -1604,43 +1629,67 @@ def clock_parts(cell: dict) -> dict[str, float]:
             for where, by_part in cell["seconds"].items() for part, seconds in by_part.items()}
 
 
+CLOCK_PAIRS = ((ALWAYS, CONTROL), (ALWAYS, "dense"), (CONTROL, "dense"))  # (arm, against) in the summary
+
+
 def clock_lines(clock: dict | None) -> list[str]:
     """The summary's section of the clock stage: each arm's prefill pass per shape (host ms by layer kind, the
-    device's span), then the parts of each routed arm's host time beside dense's, largest difference first."""
-    arms = (clock or {}).get("arms") or {}
-    if not arms:
+    device's span, and whatever makes a window doubtful), then always-route's host time by part beside the
+    control's and dense's, and the control's beside dense's, the largest differences first."""
+    if not clock:
         return []
-    lines = ["## Where a prefill pass's host time goes (the part clock)", "",
-             "Each arm alone with its part clock on (`vskipper.sglang.part_times`: every part of every layer timed "
-             "on the host; on a GPU that is its launches, which the device runs behind, and the device's span of a "
-             f"pass beside it), {clock['reps']} passes a shape, medians of the time each took to answer. A device "
-             "span about as long as the host's marks a host-bound pass; the clock's own calls add a few "
-             "microseconds each to the host's time, in every arm alike.", "",
-             "| prefill | arm | answered ms | host ms a pass | routed layers | dense layers | outside | device ms a "
-             "pass | device / host |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for i, (n, length) in enumerate(clock["shapes"]):
-        for name, doc in arms.items():
-            c = doc["cells"][i]
-            lines.append(f"| {n} x {length} | {name} | {c['answered_s'] * 1e3:.1f} | {c['model']:.2f} | "
-                         f"{_f(c['routed'], '.2f')} | {_f(c['dense'], '.2f')} | {c['outside']:.2f} | "
-                         f"{_f(c['device'], '.2f')} | {_f(_over(c['device'], c['model']), '.2f')} |")
-    lines.append("")
-    if "dense" in arms:
-        for name, doc in arms.items():
-            if name == "dense":
-                continue
-            for i, (n, length) in enumerate(clock["shapes"]):
-                mine, base = clock_parts(doc["cells"][i]), clock_parts(arms["dense"]["cells"][i])
-                rows = sorted(set(mine) | set(base), key=lambda k: -abs(mine.get(k, 0.0) - base.get(k, 0.0)))[:8]
-                lines += [f"{name} against dense at {n} x {length}: host ms a pass by layer kind and part (the "
-                          "routed layers: those the model routes, dense's served densely), the largest differences "
-                          "first:", "", "| part | dense | " + name + " | difference |",
-                          "|---|---:|---:|---:|",
-                          *(f"| {k} | {base.get(k, 0.0):.3f} | {mine.get(k, 0.0):.3f} | "
-                            f"{mine.get(k, 0.0) - base.get(k, 0.0):+.3f} |" for k in rows), ""]
+    arms = {name: doc for name, doc in (clock.get("arms") or {}).items() if doc.get("cells")}
+    lines = ["## Where a prefill pass's host time goes (the part clock)", ""]
+    if arms:
+        lines += ["Each arm alone with its part clock on (`vskipper.sglang.part_times`: every part of every layer "
+                  "timed on the host; on a GPU that is its launches, which the device runs behind, and the device's "
+                  f"span of a pass beside it), {clock['reps']} passes a shape after an untimed one, medians of the "
+                  "time each took to answer. A device span about as long as the host's marks a host-bound pass; the "
+                  "clock's own calls add a few microseconds each to the host's time, in every arm alike. The routed "
+                  "layers are those the model routes (dense serves them densely).", "",
+                  "| prefill | arm | answered ms | host ms a pass | routed layers | dense layers | outside | device ms "
+                  "a pass | device / host | doubts |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for i, (n, length) in enumerate(clock["shapes"]):
+            for name, doc in arms.items():
+                c = doc["cells"][i]
+                lines.append(f"| {n} x {length} | {name} | {c['answered_s'] * 1e3:.1f} | {c['model']:.2f} | "
+                             f"{_f(c['routed'], '.2f')} | {_f(c['dense'], '.2f')} | {c['outside']:.2f} | "
+                             f"{_f(c['device'], '.2f')} | {_f(_over(c['device'], c['model']), '.2f')} | "
+                             f"{clock_doubts(c) or '-'} |")
+        lines.append("")
+    for name, against in CLOCK_PAIRS:
+        if name not in arms or against not in arms:
+            continue
+        for i, (n, length) in enumerate(clock["shapes"]):
+            mine, base = clock_parts(arms[name]["cells"][i]), clock_parts(arms[against]["cells"][i])
+            rows = sorted(set(mine) | set(base), key=lambda k: -abs(mine.get(k, 0.0) - base.get(k, 0.0)))[:8]
+            lines += [f"{name} against {against} at {n} x {length}: host ms a pass by layer kind and part, the "
+                      "largest differences first:", "", f"| part | {against} | {name} | difference |",
+                      "|---|---:|---:|---:|",
+                      *(f"| {k} | {base.get(k, 0.0):.3f} | {mine.get(k, 0.0):.3f} | "
+                        f"{mine.get(k, 0.0) - base.get(k, 0.0):+.3f} |" for k in rows), ""]
+    failed = {name: doc["error"] for name, doc in (clock.get("arms") or {}).items() if doc.get("error")}
+    lines += [f"Clock stage: {name} failed: {error}" for name, error in failed.items()]
     if clock.get("left"):
-        lines += [f"Clock stage left for the next run: {', '.join(clock['left'])}", ""]
-    return lines
+        lines.append(f"Clock stage left for the next run: {', '.join(clock['left'])}")
+    return lines + ([""] if failed or clock.get("left") else [])
+
+
+def clock_doubts(cell: dict) -> str:
+    """What makes a clock window doubtful: passes or tokens other than expected, a late reading, a compilation
+    inside it, the device's clock stopped."""
+    doubts = []
+    expected = cell.get("expected") or {}
+    if expected and (cell["passes"], cell["tokens"]) != (expected["passes"], expected["tokens"]):
+        doubts.append(f"{cell['passes']} passes of {cell['tokens']} tokens, {expected['passes']} of "
+                      f"{expected['tokens']} expected")
+    if cell.get("late"):
+        doubts.append("a reading served late")
+    if (cell.get("compiles") or {}).get("compiles"):
+        doubts.append(f"{cell['compiles']['compiles']} Triton compilations inside")
+    if cell.get("device_error"):
+        doubts.append(f"device clock: {cell['device_error']}")
+    return "; ".join(doubts)
 
 
 def stage_kernels(plan: Plan, out: Path, budget_s: float) -> dict:

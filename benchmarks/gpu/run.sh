@@ -15,7 +15,7 @@
 #           s = 0 control at the knee; then hybrid with the sweep's tau), each against dense with gates and
 #           intervals
 # kernels   benchmarks/mixed_depth_bench.py with the tuned tiles
-# clock     dense, the s = 0 control and always-route each alone with its part clock on: a prefill pass's host
+# clock     always-route, the s = 0 control and dense each alone with its part clock on: a prefill pass's host
 #           time by layer kind and part beside the device's span (where the routed prefill's host time goes)
 # all       each in that order, then OUTDIR/results.json and OUTDIR/summary.md
 # lease-N   the stages (and headline arms) of one device lease (`run.py leases`; benchmarks/gpu/README.md), in
