@@ -50,8 +50,9 @@ def _finish(proc: subprocess.Popen, stage: str, logs: dict) -> None:
 def dry_run(tmp_path_factory):
     """`run.sh` install and tiles, then ladder, sweep and headline against the four arms started once with the
     tiles stage's table (the kernels stage, which needs no server, runs beside them), the clock stage (its own
-    servers), then `all`, which finds every stage done, into one folder; beside it, against the same servers, lease-2 (packed) and then lease-3, which
-    takes lease-2's Q* (`--earlier`), each into a folder of its own (`lease_out`)."""
+    servers), then `all`, which finds every stage done, into one folder; beside it, against the same servers,
+    lease-2 (packed) and then lease-3, which takes lease-2's Q* (`--earlier`), each into a folder of its own
+    (`lease_out`)."""
     out = tmp_path_factory.mktemp("gpu-run")
     plan = run.Plan.dry()
     model = run.write_model(plan, out)
@@ -206,7 +207,8 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
     assert "What the queueing model" in summary and "The skip's limit: what the queueing model" in summary
     assert "Where the sweep's random-r1-d0.5-always falls short of the skip's limit" in summary
     assert "a prefill pass's from the forward of each prompt" in summary
-    assert "The model's dense mean E2E beside the cells' measured dense (mean over the repetitions): 0.75 Q* " in summary
+    assert ("The model's dense mean E2E beside the cells' measured dense (mean over the repetitions): 0.75 Q* "
+            in summary)
     # skip_limits.py on the run's folder: the same limit at d = 0.5 (the suites drawn again match the ladder's)
     assert skip_limits.main([str(out), "--d", "0.5,1", "--json", str(out / "limits.json")]) == 0
     limits = json.loads((out / "limits.json").read_text())["limits"]

@@ -319,10 +319,10 @@ def limit_lines(lines: Mapping, config: Mapping, skip: float, lengths: Sequence[
     Decode is bound by the bytes a step reads (`vskipper.modelspec.decode_bytes`): dense's intercept and the
     adapter's weights read at the device's bandwidth (`bandwidth_gbps`; where it is not known, the adapter is not
     charged, which leaves the limit a bound still), its slope a resident token as the KV read (Project-Only rows
-    read none at the routed layers). Prefill is bound by its work (`vskipper.modelspec.flop_limit`, a Project-Only row paying
-    its K/V and the projector only): at each of `lengths` (the sweep's prompt lengths) dense's line with its part
-    per token divided by the FLOP limit there, its intercept as it is (what a pass costs beyond its work), and the
-    least-squares line over them. Dense's lines are the sweep's, so the model's dense against these is the most
+    read none at the routed layers). Prefill is bound by its work (`vskipper.modelspec.flop_limit`, a
+    Project-Only row paying its K/V and the projector only): at each of `lengths` (the sweep's prompt lengths)
+    dense's line with its part per token divided by the FLOP limit there, its intercept as it is (what a pass costs
+    beyond its work), and the least-squares line over them. Dense's lines are the sweep's, so the model's dense against these is the most
     this skip could change the served load, not a measurement. A bound within the sweep's noise: a routed line
     measured below it (as the H200's decode intercept, 0.12 ms under, inside tau's 95% interval) is noise or a
     cost dense's line carries that routing does not."""
@@ -774,7 +774,8 @@ def skip_limit_lines(limit: Mapping | None) -> list[str]:
     layers = (f", {limit['layers_skipped']:g} of {limit['layers']} layers skipped on average"
               if limit.get("layers_skipped") is not None else "")
     return [f"The skip's limit: what the queueing model (`loadgen.simulate`) predicts for {limit['arm']} (s = "
-            f"{limit['skip']:g} at every routed layer{layers}, every pass routed) against dense when each routed pass costs "
+            f"{limit['skip']:g} at every routed layer{layers}, every pass routed) against dense when each routed "
+            "pass costs "
             "only what the skip's physical limit allows (`headline.limit_lines`: decode at the bytes a step reads, "
             + (f"the adapter's read {limit['adapter_ms']:.3f} ms a step at {limit['bandwidth_gbps']:g} GB/s, "
                if limit.get("bandwidth_gbps") else "the adapter's read not charged (no device bandwidth), ")
