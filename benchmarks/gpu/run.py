@@ -125,7 +125,7 @@ LEASES = (  # what each measures: benchmarks/gpu/README.md's table
     Lease("lease-4", ("ladder", "headline", "kernels"), 670, headline_arms=("hybrid-tau",)),  # tau's hybrid arm
     # tau's hybrid arm first, then the knee's ablations, at an earlier run's Q* (`--earlier`): no climb
     Lease("lease-5", ("ladder", "headline"), 720, headline_arms=("hybrid-tau", "always", "control")),
-    # where a prefill pass's host time goes, part by part, in dense, the s = 0 control and always-route
+    # where a prefill pass's host time goes, part by part, in always-route, the s = 0 control and dense
     Lease("lease-6", ("clock",), 300),
 )
 
@@ -1597,9 +1597,10 @@ def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
         if done.is_file():
             result["arms"][name] = json.loads(done.read_text())
             continue
-        if stage.left or not stage.has_time(need, name):
-            if name not in stage.left:
-                stage.left.append(name)
+        if stage.left:  # an arm left for the next run leaves those after it too
+            stage.left.append(name)
+            continue
+        if not stage.has_time(need, name):  # names it in `left`
             continue
         try:
             with ExitStack() as stack:
