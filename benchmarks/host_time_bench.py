@@ -14,9 +14,10 @@ per arm from one tiny checkpoint (hidden 64, 8 layers, layers 4-7 routed), each 
   s=0     always-route RandomSkip r = 0, d = 0.5: every row RUN through the routed path (the control)
   s=0.5   always-route RandomSkip r = 1, d = 0.5: half of each routed layer's rows Project-Only
 
-Two measurements, each at decode batches of 8, 64 and 256 requests (32 tokens of context each) and one prefill
-pass (4 prompts of 64 tokens); within every repetition the arms take turns pass by pass (ABC, CBA, ...), each
-pass timed on its own, and a repetition's figure per arm is the median of its passes:
+Two measurements, each at decode batches of 8, 64 and 256 requests (32 tokens of context each) and two prefill
+passes (one prompt of 16 tokens, a pass of fixed costs alone; 4 prompts of 64 tokens); within every repetition the
+arms take turns pass by pass (ABC, CBA, ...), each pass timed on its own, and a repetition's figure per arm is the
+median of its passes:
 
   hooks   `prepare_pass` + `finish_pass` alone, no forward: the per-pass host work outside the forward, which a
           captured decode graph cannot hold (its time over a dense pass's is what routing adds to the host's
@@ -32,6 +33,20 @@ max]), each routed arm over dense (the median of the repetitions' ratios, [min, 
 eager pass.
 Last line: `host: hooks s=0.5/dense <x>x .. <y>x; pass s=0.5/dense <x>x .. <y>x (goal <= 1.10x)` over the shapes.
 
+`--execution triton` runs the routed arms' layers in the execution a GPU serves (the count-bounded Triton
+kernels, `vskipper.mixed.routed_layer`) instead of the torch execution a CPU serves, under `TRITON_INTERPRET=1`
+with every Triton launch recorded and not executed (`vskipper.mixed.launches.interpreted_launches`): the host's
+Python around each launch is timed, the interpreter's run of the kernel is not, and Triton's own launcher (a
+compiled kernel's argument binding and its driver call on a GPU) is not in the figure either. Its `pass`
+measurement takes the prefill shape alone, its read through SGLang's attention backend (as on the H200, whose table
+measured that read faster: dense and routed arms then read alike); a decode pass replays a captured graph on a GPU,
+and the triton execution's masked decode read is one launch where dense's torch-native read runs here. The
+kernels' outputs are left as their storage held them (denormals flushed to zero), which no host decision reads.
+
+Before the timings, one pass of each arm and shape is counted (`vskipper.mixed.launches.LaunchCount`): the torch
+operators that compute or copy (a device kernel each on a GPU, and a host dispatch each) and the Triton launches,
+each routed arm's count beside dense's.
+
 One torch thread. Timings on a shared machine are noisy: the spread is printed, the arms alternate, and each
 figure is a median over repetitions of many passes each.
 
@@ -39,17 +54,21 @@ figure is a median over repetitions of many passes each.
     python benchmarks/host_time_bench.py --quick         # tiny batches, two repetitions: checks the pipeline
     python benchmarks/host_time_bench.py --json out.json
     python benchmarks/host_time_bench.py --layers 32 --only hooks   # 16 routed layers, as Llama-3-8B's
+    python benchmarks/host_time_bench.py --execution triton         # the GPU's execution, its launches not run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,7 +111,8 @@ class Shape:
         return self.batch * self.tokens
 
 
-FULL = (Shape("decode", 8), Shape("decode", 64), Shape("decode", 256), Shape("prefill", 4, 64))
+FULL = (Shape("decode", 8), Shape("decode", 64), Shape("decode", 256), Shape("prefill", 1, 16),
+        Shape("prefill", 4, 64))
 QUICK = (Shape("decode", 4), Shape("prefill", 2, 8))
 
 
@@ -101,7 +121,8 @@ class ServedModel:
     runtime, its weights loaded by its own loader, the routed layers' `execution`), over SGLang's KV pool,
     request-to-token pool and torch-native attention backend; `batch` builds SGLang's ForwardBatch of a pass."""
 
-    def __init__(self, arm: Arm, checkpoint: Path, requests: int, slots: int, execution: str = "auto") -> None:
+    def __init__(self, arm: Arm, checkpoint: Path, requests: int, slots: int, execution: str = "auto",
+                 prefill_read: str | None = None) -> None:
         from safetensors.torch import load_file
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -119,6 +140,8 @@ class ServedModel:
                                    "DDLlamaForCausalLM"))
         model = DDLlamaForCausalLM(config)
         model.load_weights(load_file(str(checkpoint / "model.safetensors")).items())
+        if prefill_read is not None:  # the read a device's table chose, in place of this device's default
+            model.slot.execution = replace(model.slot.execution, prefill_read=prefill_read)
         self.model = model.eval()
         self.runtime = model.runtime
         attn = model.model.layers[0].self_attn
@@ -175,6 +198,43 @@ class ServedModel:
         self.model.finish_pass(fb, False)
 
 
+def first_slot(shape: Shape, shapes) -> int:
+    """The request slot a pass of `shape` starts at: prefills after every decode batch's requests."""
+    return 0 if shape.phase == "decode" else max(s.batch for s in shapes if s.phase == "decode")
+
+
+def count_launches(models: dict[str, ServedModel], shapes) -> dict:
+    """Per shape and arm, what one whole pass launches (after a warm-up pass): the torch operators that compute or
+    copy, by name, and the Triton launches, by kernel (recorded, not run)."""
+    from vskipper.mixed.launches import LaunchCount, interpreted_launches
+
+    counts: dict = {}
+    for shape in shapes:
+        for name, m in models.items():
+            fb = m.batch(shape, first_slot(shape, shapes))
+            with interpreted_launches(Counter(), run=False):  # warm-up: the runtime's records, buffers' sizes
+                m.whole(fb)
+            count = LaunchCount()
+            with interpreted_launches(count.triton, run=False), count:
+                m.whole(fb)
+            counts.setdefault(shape.label, {})[name] = {
+                "ops": sum(count.ops.values()), "triton": sum(count.triton.values()),
+                "by_op": dict(count.ops.most_common()), "by_kernel": dict(count.triton.most_common())}
+    return counts
+
+
+def report_launches(counts: dict) -> None:
+    print("\nlaunches a pass: torch operators that compute or copy (a device kernel each on a GPU) + Triton launches")
+    print(f"  {'pass':<16}" + "".join(f"{name:>22}" for name in ARMS) + "".join(
+        f"{name + ' - dense':>18}" for name in ROUTED_ARMS))
+    for label, arms in counts.items():
+        dense = arms["dense"]["ops"] + arms["dense"]["triton"]
+        cells = [f"{a['ops']:5d} + {a['triton']:3d} = {a['ops'] + a['triton']:5d}" for a in arms.values()]
+        cells += [f"{arms[name]['ops'] + arms[name]['triton'] - dense:+6d}" for name in ROUTED_ARMS]
+        print(f"  {label:<16}" + "".join(f"{c:>22}" for c in cells[:len(ARMS)])
+              + "".join(f"{c:>18}" for c in cells[len(ARMS):]))
+
+
 def passes_for(kind: str, shape: Shape, quick: bool) -> int:
     """Passes of each arm per repetition: enough for a stable median, in a few seconds."""
     if quick:
@@ -185,17 +245,15 @@ def passes_for(kind: str, shape: Shape, quick: bool) -> int:
 
 
 def measure(models: dict[str, ServedModel], shapes, repetitions: int, quick: bool,
-            kinds: tuple[str, ...] = ("hooks", "pass")) -> dict:
-    """For each kind and shape: per arm, each repetition's median microseconds per pass. Within a repetition the
-    arms take turns pass by pass (ABC, CBA, ...), so a load that comes and goes on a shared machine lands on every
-    arm alike; each pass is timed on its own."""
+            kinds: dict[str, tuple[Shape, ...]] | None = None) -> dict:
+    """For each kind and its shapes (every kind all `shapes` unless `kinds` says): per arm, each repetition's
+    median microseconds per pass. Within a repetition the arms take turns pass by pass (ABC, CBA, ...), so a load
+    that comes and goes on a shared machine lands on every arm alike; each pass is timed on its own."""
     results: dict = {}
     order = list(models)
-    prefill_slots = max(s.batch for s in shapes if s.phase == "decode")
-    for kind in kinds:
-        for shape in shapes:
-            batches = {name: m.batch(shape, 0 if shape.phase == "decode" else prefill_slots)
-                       for name, m in models.items()}
+    for kind, kind_shapes in (kinds or {"hooks": shapes, "pass": shapes}).items():
+        for shape in kind_shapes:
+            batches = {name: m.batch(shape, first_slot(shape, shapes)) for name, m in models.items()}
             fns = {name: m.hooks if kind == "hooks" else m.whole for name, m in models.items()}
             for name in order:  # warm-up: the runtime's records, the tape and the plan buffers' sizes
                 fns[name](batches[name])
@@ -245,6 +303,8 @@ def report(results: dict, repetitions: int) -> dict:
     if hooks and passes:
         print("\nwhat the routed arms' hooks add over dense's, microseconds per pass and share of the dense eager pass")
         for label, s in hooks.items():
+            if label not in passes:  # a shape whose eager pass was not timed (the triton execution's decode)
+                continue
             dense = s["arms"]["dense"]["median"]
             whole = passes[label]["arms"]["dense"]["median"]
             added = {name: s["arms"][name]["median"] - dense for name in ROUTED_ARMS}
@@ -268,12 +328,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (the deeper half routed)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--only", choices=("hooks", "pass"), help="one measurement (default: both)")
+    parser.add_argument("--execution", choices=("torch", "triton"), default="torch",
+                        help="the routed arms' execution: torch (a CPU's), triton (a GPU's; its launches not run)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     repetitions = 2 if args.quick else args.repetitions
     if repetitions < 1:
         parser.error("--repetitions must be at least 1")
     shapes = QUICK if args.quick else FULL
+    triton = args.execution == "triton"
+    if triton:  # the kernels become interpreted functions as they are defined: before anything imports them
+        if "vskipper.mixed.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--execution triton: set TRITON_INTERPRET=1 before vskipper.mixed.kernels is imported")
+        os.environ["TRITON_INTERPRET"] = "1"
+        torch.set_flush_denormal(True)  # the skipped kernels' outputs hold what their storage held
     torch.set_num_threads(1)
     init_sglang("cpu")
     from vskipper.sglang.configs import register_configs
@@ -284,19 +352,42 @@ def main(argv: list[str] | None = None) -> int:
     slots = requests * (CONTEXT + 64) + 1
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_tiny_model("flexidepth-llama", Path(tmp) / "tiny", size)
-        models = {name: ServedModel(arm, checkpoint, requests, slots) for name, arm in ARMS.items()}
+        models = {name: ServedModel(arm, checkpoint, requests, slots, args.execution if name in ROUTED_ARMS
+                                    else "auto", "backend" if triton and name in ROUTED_ARMS else None)
+                  for name, arm in ARMS.items()}
     config = models["dense"].model.config
+    executions = {name: models[name].model.slot.execution for name in ROUTED_ARMS}
+    for name, execution in executions.items():
+        if execution.decode != args.execution:
+            raise SystemExit(f"{name} runs the {execution.decode} execution, not {args.execution}: "
+                             f"{execution.reason or 'see its attestation'}")
     print(f"model: DDLlamaForCausalLM, hidden {config.hidden_size}, {config.num_hidden_layers} layers, routed "
           f"{list(config.routing_layers)}; decode context {CONTEXT} tokens; one torch thread; arms "
           + ", ".join(f"{n} ({a.name})" for n, a in ARMS.items()))
+    execution = executions[ROUTED_ARMS[0]]
+    print(f"routed arms' execution: {execution.decode}, prefill read {execution.prefill_read!r}"
+          + (" (Triton launches recorded, not run: the host's Python around them timed, the kernels and Triton's "
+             "own launcher not)" if triton else ""))
+    # decode passes replay a captured graph on a GPU: the triton execution's eager pass is timed in prefill alone
+    kinds = {"hooks": shapes, "pass": tuple(s for s in shapes if s.phase == "prefill") if triton else shapes}
+    if args.only:
+        kinds = {args.only: kinds[args.only]}
     t0 = time.perf_counter()
-    results = measure(models, shapes, repetitions, args.quick, (args.only,) if args.only else ("hooks", "pass"))
+    launches = count_launches(models, shapes)
+    report_launches(launches)
+    with ExitStack() as stack:
+        if triton:
+            from vskipper.mixed.launches import interpreted_launches
+
+            stack.enter_context(interpreted_launches(Counter(), run=False))
+        results = measure(models, shapes, repetitions, args.quick, kinds)
     summaries = report(results, repetitions)
     print(f"({time.perf_counter() - t0:.0f} s; a shared machine's timings are noisy: compare within one run)")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"repetitions": repetitions, "goal": GOAL, "results": results,
-                                         "summary": summaries}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"repetitions": repetitions, "goal": GOAL, "execution": args.execution,
+                                         "prefill_read": execution.prefill_read, "launches": launches,
+                                         "results": results, "summary": summaries}, indent=2) + "\n")
     return 0
 
 

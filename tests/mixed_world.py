@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vskipper.mixed.bench_stack import BenchStack, ForwardBatch
+from vskipper.mixed.launches import NO_LAUNCH, interpreted_launches
 from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, TileTable, parse_tile_table
 from vskipper.skippers.base import LayerRoute, Skipper
 
@@ -190,12 +191,7 @@ class OwnLaunches(TorchDispatchMode):
     """Records the device work vSkipper's own code launches in a pass: each operator called from a frame of
     `vskipper/` with no SGLang frame nearer (SGLang's modules launch what they launch in a dense pass too) that
     computes or copies data, and each Triton kernel launch (`triton()`, by kernel name). Views, metadata and
-    uninitialized allocations launch nothing on a GPU and are not recorded."""
-
-    FREE = {"view", "_unsafe_view", "slice", "select", "as_strided", "t", "transpose", "expand", "unsqueeze",
-            "squeeze", "reshape", "alias", "detach", "permute", "split", "split_with_sizes", "unbind", "narrow",
-            "empty", "empty_like", "new_empty", "empty_strided", "_reshape_alias", "view_as", "scalar_tensor",
-            "sym_size", "sym_stride", "sym_numel", "is_same_size"}
+    uninitialized allocations launch nothing on a GPU and are not recorded (`vskipper.mixed.launches.NO_LAUNCH`)."""
 
     def __init__(self):
         super().__init__()
@@ -203,7 +199,7 @@ class OwnLaunches(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name not in self.FREE and self._own():
+        if name not in NO_LAUNCH and self._own():
             self.launches.append(name)
         return func(*args, **(kwargs or {}))
 
@@ -224,19 +220,5 @@ class OwnLaunches(TorchDispatchMode):
     @contextmanager
     def triton(self):
         """Record the Triton kernels launched meanwhile (under the interpreter: what runs inside one is its own)."""
-        import triton.runtime.interpreter as interpreter
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        real = interpreter.InterpretedFunction.run
-
-        def run(fn, *args, **kwargs):
-            self.launches.append(fn.fn.__name__)
-            with _disable_current_modes():
-                return real(fn, *args, **kwargs)
-
-        interpreter.InterpretedFunction.run = run
-        try:
-            with self:
-                yield self
-        finally:
-            interpreter.InterpretedFunction.run = real
+        with interpreted_launches(self.launches.append), self:
+            yield self
