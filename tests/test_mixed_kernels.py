@@ -18,6 +18,7 @@ from vskipper.mixed.cohorts import CohortBuilder, build_cohorts
 from vskipper.mixed.kernels import (
     INTERPRETED_READ_TILE,
     CohortFFN,
+    cdiv,
     cohort_down_scatter,
     cohort_ffn_pair,
     cohort_ffn_triton,
@@ -25,6 +26,7 @@ from vskipper.mixed.kernels import (
     cohort_gemm,
     cohort_scatter_add,
     masked_decode_attention,
+    next_power_of_2,
     packed_prefill_attention,
     packed_prefill_block_m,
 )
@@ -45,6 +47,17 @@ SMALL = Tile(16, 32, 32, 4, 1)
 def weights(g, d, n):
     return (torch.randn(n, d, generator=g) / d**0.5, torch.randn(n, d, generator=g) / d**0.5,
             torch.randn(d, n, generator=g) / n**0.5)
+
+
+def test_the_host_grid_helpers_agree_with_tritons_own():
+    """The launch grids' host arithmetic (without `triton.cdiv`'s constexpr-function call) equals Triton's at every
+    size a launch takes."""
+    import triton
+
+    for a in range(1, 4100):
+        assert next_power_of_2(a) == triton.next_power_of_2(a)
+        for b in (1, 3, 16, 32, 64, 128, 256):
+            assert cdiv(a, b) == triton.cdiv(a, b)
 
 
 @pytest.mark.parametrize("share_run", [0.0, 1.0, 0.6])

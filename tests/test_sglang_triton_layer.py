@@ -588,3 +588,37 @@ def test_the_serve_spec_carries_the_execution_asked_for_and_refuses_another_nami
     assert ServeSpec.from_env(ServeSpec(get_arm("always-route"), 0, 0).to_env()).execution == "auto"
     with pytest.raises(ServeConfigError, match="VSKIPPER_COHORT_EXECUTION must be one of auto, torch, triton, got 'cuda'"):
         ServeSpec.from_env({**env, ENV_EXECUTION: "cuda"})
+
+
+def test_the_weight_views_a_routed_layer_takes_each_pass_follow_its_weights_to_new_storage(world):
+    """The Q, K/V, o_proj and MLP weight views are made once per module and reused every pass while the weights
+    stay where they are (a reload in place shows through the views), and made anew from a reload into new storage
+    (`_weight_views`)."""
+    layer, a = world.layer, world.layer.self_attn
+    gate, up, down = served.mlp_weights(layer)
+    w_q, _, w_o = served.attention_weights(layer)
+    assert served.mlp_weights(layer)[0] is gate and served.attention_weights(layer)[0] is w_q
+    u = torch.randn(3, a.qkv_proj.weight.shape[1], dtype=a.qkv_proj.weight.dtype)
+    kv_rows = slice(a.q_size, None)
+    params = (layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, a.qkv_proj.weight, a.o_proj.weight)
+    originals = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.data.clone() + 0.5  # new storage, new values
+        gate2, up2, down2 = served.mlp_weights(layer)
+        w_q2, _, w_o2 = served.attention_weights(layer)
+        assert gate2.data_ptr() == params[0].data_ptr() and down2.data_ptr() == params[1].data_ptr()
+        torch.testing.assert_close(torch.cat([gate2, up2]), params[0])
+        torch.testing.assert_close(w_q2, params[2][: a.q_size])
+        assert w_o2.data_ptr() == params[3].data_ptr()
+        expected = u @ params[2][kv_rows].t() + (0 if a.qkv_proj.bias is None else a.qkv_proj.bias[kv_rows])
+        torch.testing.assert_close(served.row_projection(a.qkv_proj, kv_rows, u), expected)
+        with torch.no_grad():
+            params[2].add_(1.0)  # in place: the views made from this storage see it
+        torch.testing.assert_close(served.attention_weights(layer)[0], params[2][: a.q_size])
+        torch.testing.assert_close(served.row_projection(a.qkv_proj, kv_rows, u),
+                                   expected + u @ torch.ones_like(params[2][kv_rows]).t())
+    finally:
+        for p, data in zip(params, originals, strict=True):
+            p.data = data
+    assert served.mlp_weights(layer)[2].data_ptr() == originals[1].data_ptr()

@@ -95,6 +95,17 @@ from vskipper.mixed.tiles import (
 INTERPRETER_TILE = Tile(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host integers, for launch grids. `triton.cdiv` is a constexpr function whose host call costs
+    a few microseconds (its arguments unwrapped through lists and dicts): nine a routed layer's launches."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1), on the host: `triton.next_power_of_2` without its call cost."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 @triton.jit
 def _gate_up_tile(x_ptr, idx_ptr, count, wg_ptr, wu_ptr, out_ptr, N, K, pid_m, pid_n,
                   stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
@@ -361,7 +372,7 @@ class SplitK(NamedTuple):
         if self.splits == 1:
             return
         capacity, n = self.ws.shape[1:]
-        grid = (triton.cdiv(capacity, REDUCE_BLOCK_M), triton.cdiv(n, REDUCE_BLOCK_N))
+        grid = (cdiv(capacity, REDUCE_BLOCK_M), cdiv(n, REDUCE_BLOCK_N))
         split_k_reduce_kernel[grid](self.ws, idx, count, idx if weights is None else weights, y, n, *self.strides,
                                     y.stride(0), y.stride(1), BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N,
                                     SPLIT_K=self.splits, WEIGHTED=weights is not None, ACCUMULATE=accumulate,
@@ -400,7 +411,7 @@ def cohort_gate_up(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w_ga
     capacity, (n, k) = idx.shape[0], w_gate.shape
     out = torch.empty(capacity, n, dtype=x.dtype, device=x.device) if out is None else out
     t = tile or _grid_tile("mlp_gate_up", capacity, x, None)
-    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(n, t.block_n))
+    grid = (cdiv(capacity, t.block_m), cdiv(n, t.block_n))
     cohort_gate_up_kernel[grid](x, idx, count, w_gate, w_up, out, n, k, x.stride(0), x.stride(1),
                                 w_gate.stride(0), w_gate.stride(1), out.stride(0), out.stride(1),
                                 BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
@@ -422,7 +433,7 @@ def _down_launch(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weight
     """The down kernel's launch (unweighted where `weights` is None: o_proj), its K split as the tile says."""
     capacity, (d, n) = idx.shape[0], w.shape
     split = SplitK.of(t, capacity, d, y)
-    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(d, t.block_n), split.splits)
+    grid = (cdiv(capacity, t.block_m), cdiv(d, t.block_n), split.splits)
     cohort_down_scatter_kernel[grid](a, idx, count, idx if weights is None else weights, w, y, d, n, a.stride(0),
                                      a.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), split.ws,
                                      *split.strides, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
@@ -456,7 +467,7 @@ def cohort_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torc
         out = torch.zeros(capacity, n, dtype=x.dtype, device=x.device)
     t = _grid_tile("attn_q", capacity, x, tile)
     split = SplitK.of(t, capacity, n, out)
-    grid = (triton.cdiv(capacity, t.block_m), triton.cdiv(n, t.block_n), split.splits)
+    grid = (cdiv(capacity, t.block_m), cdiv(n, t.block_n), split.splits)
     cohort_gemm_kernel[grid](x, idx, count, w, out, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                              out.stride(0), out.stride(1), split.ws, *split.strides, BLOCK_M=t.block_m,
                              BLOCK_N=t.block_n, BLOCK_K=t.block_k, SCATTER=batch_rows, SPLIT_K=split.splits,
@@ -573,8 +584,8 @@ def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp
     a1 = torch.empty(capacity, n1, dtype=x.dtype, device=x.device)
     a2 = torch.empty(capacity, n2, dtype=x.dtype, device=x.device)
     t = _grid_tile("mlp_gate_up", capacity, x, tiles)
-    tiles_n = triton.cdiv(n1, t.block_n)
-    grid = (triton.cdiv(capacity, t.block_m), tiles_n + triton.cdiv(n2, t.block_n))
+    tiles_n = cdiv(n1, t.block_n)
+    grid = (cdiv(capacity, t.block_m), tiles_n + cdiv(n2, t.block_n))
     grouped_gate_up_kernel[grid](x, mlp.idx, mlp.count, mlp.w_gate, mlp.w_up, a1, n1,
                                  proj.idx, proj.count, proj.w_gate, proj.w_up, a2, n2, k, tiles_n,
                                  x.stride(0), x.stride(1), mlp.w_gate.stride(0), mlp.w_gate.stride(1),
@@ -582,7 +593,7 @@ def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp
                                  a2.stride(0), a2.stride(1), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                                  BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
     t = _grid_tile("mlp_down", capacity, a1, tiles)
-    tiles_d = triton.cdiv(d, t.block_n)
+    tiles_d = cdiv(d, t.block_n)
     # split as the MLP's down tile says: each cohort's planes in its half of one workspace, then a reduce each
     if t.split_k == 1:
         ws_args, halves = (y, 0, 0, 0), []
@@ -590,7 +601,7 @@ def cohort_ffn_pair(x: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, mlp
         planes = torch.empty(2, t.split_k, capacity, d, dtype=torch.float32, device=y.device)
         ws_args = (planes, planes.stride(0), planes.stride(1), planes.stride(2))
         halves = [(SplitK(planes[0], t.split_k), mlp), (SplitK(planes[1], t.split_k), proj)]
-    grid = (triton.cdiv(capacity, t.block_m), 2 * tiles_d, t.split_k)
+    grid = (cdiv(capacity, t.block_m), 2 * tiles_d, t.split_k)
     grouped_down_scatter_kernel[grid](a1, mlp.idx, mlp.count, mlp.w_down, n1, a2, proj.idx, proj.count,
                                       proj.w_down, n2, weights, y, d, tiles_d,
                                       a1.stride(0), a1.stride(1), mlp.w_down.stride(0), mlp.w_down.stride(1),
@@ -779,13 +790,13 @@ MASKED_DECODE_BLOCK_T = 64  # keys a step of the masked decode read
 
 def masked_decode_block_g(group: int) -> int:
     """The query rows of a masked decode program: the group's heads, padded to tl.dot's least M (16)."""
-    return max(16, triton.next_power_of_2(group))
+    return max(16, next_power_of_2(group))
 
 
 def decode_splits(max_context: int, block_t: int) -> int:
     """Splits of the context for the masked decode read: up to DECODE_SPLITS, never more than the tiles of the
     longest context a request slot can hold (a shape, so the choice is the same at capture and replay)."""
-    return max(1, min(DECODE_SPLITS, triton.cdiv(max_context, block_t)))
+    return max(1, min(DECODE_SPLITS, cdiv(max_context, block_t)))
 
 
 def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -825,7 +836,7 @@ def masked_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         SPLITS=splits, GATHER=idx is not None)
     masked_decode_merge_kernel[(rows, heads)](
         mid_o, mid_ml, read, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits))
+        BLOCK_S=next_power_of_2(splits))
     return out
 
 
@@ -937,7 +948,7 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim must be a power of two >= 16 for the packed prefill attention, got {head_dim}")
     group = heads // kv_heads
-    block_g = triton.next_power_of_2(group)
+    block_g = next_power_of_2(group)
     t = (tile or DEFAULT_READ_TILE) if q.is_cuda else INTERPRETED_READ_TILE
     block_m = block_m or packed_prefill_block_m(block_g, t)
     if block_m * block_g < 16:
@@ -948,7 +959,7 @@ def packed_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
         q = q.contiguous()
     out = torch.empty(slots, heads, head_dim, dtype=q.dtype, device=q.device)  # every row written by the kernel
     read = reads.contiguous() if reads.dtype == torch.bool else reads.to(torch.bool)
-    packed_prefill_kernel[(triton.cdiv(slots, block_m), kv_heads)](
+    packed_prefill_kernel[(cdiv(slots, block_m), kv_heads)](
         q, k_pool, v_pool, req_to_token, req_indices, positions, read, read if idx is None else idx, out,
         scale * LOG2E, slots, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_M=block_m,

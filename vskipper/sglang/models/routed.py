@@ -34,7 +34,7 @@ The model files add only how their upstream layer hands the residual across the 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -302,11 +302,25 @@ def kv_only_supported(qkv_proj) -> bool:
     return type(qkv_proj.quant_method) is UnquantizedLinearMethod and not use_intel_amx_backend(qkv_proj)
 
 
+def _weight_views(module, name: str, weights: tuple[torch.Tensor | None, ...], build: Callable[[], tuple]) -> tuple:
+    """`build()`'s views of `module`'s `weights`, made once and kept (as `name` on the module) while those tensors
+    stay at the same storage (a reload in place keeps the views; one into new storage makes them anew): a routed
+    layer asks for them at every pass, where slicing them anew costs the host more than a launch."""
+    key = tuple(None if w is None else w.data_ptr() for w in weights)
+    cached = module.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        cached = (key, build())
+        module.__dict__[name] = cached
+    return cached[1]
+
+
 def row_projection(qkv_proj, rows: slice, u: torch.Tensor) -> torch.Tensor:
     """The output columns `rows` of `qkv_proj(u)` (its Q rows, or its K/V rows) through its own linear method,
-    from a view of those weight rows: only where `kv_only_supported`."""
-    bias = qkv_proj.bias[rows] if qkv_proj.bias is not None else None
-    return qkv_proj.quant_method.apply(SimpleNamespace(weight=qkv_proj.weight[rows]), u, bias)
+    from a view of those weight rows (made once, `_weight_views`): only where `kv_only_supported`."""
+    weight, bias = qkv_proj.weight, qkv_proj.bias
+    layer, rows_bias = _weight_views(qkv_proj, f"_vskipper_rows_{rows.start}_{rows.stop}", (weight, bias), lambda: (
+        SimpleNamespace(weight=weight[rows]), None if bias is None else bias[rows]))
+    return qkv_proj.quant_method.apply(layer, u, rows_bias)
 
 
 class SGLangLayerOps:
@@ -475,16 +489,18 @@ class SGLangLayerOps:
 def mlp_weights(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views of an SGLang layer's MLP gate and up rows of `gate_up_proj` and of `down_proj` (the triton execution
     only, where `triton_blocker` found plain weights on one rank)."""
-    gate, up = layer.mlp.gate_up_proj.weight.chunk(2, dim=0)
-    return gate, up, layer.mlp.down_proj.weight
+    gate_up, down = layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight
+    return _weight_views(layer, "_vskipper_mlp_weights", (gate_up, down),
+                         lambda: (*gate_up.chunk(2, dim=0), down))
 
 
 def attention_weights(layer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A view of the Q rows of an SGLang layer's `qkv_proj` (and of its bias), and `o_proj`'s weight (the triton
     execution only, where `triton_blocker` found plain weights on one rank and no o_proj bias)."""
     a = layer.self_attn
-    bias = a.qkv_proj.bias[: a.q_size] if a.qkv_proj.bias is not None else None
-    return a.qkv_proj.weight[: a.q_size], bias, a.o_proj.weight
+    qkv, bias, o = a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight
+    return _weight_views(layer, "_vskipper_attention_weights", (qkv, bias, o),
+                         lambda: (qkv[: a.q_size], None if bias is None else bias[: a.q_size], o))
 
 
 def warm_layer(layer, execution: CohortExecution, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
