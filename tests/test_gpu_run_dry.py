@@ -1112,9 +1112,51 @@ def test_install_refuses_a_folder_that_holds_a_run_on_another_gpu(tmp_path):
     (out / "env.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "mode": "device"}))
     r = subprocess.run([str(SCRIPT), "install", str(out), "--dry-run"], capture_output=True, text=True, cwd=ROOT,
                        timeout=120, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
-    assert r.returncode == 2 and "holds a run on NVIDIA H100 80GB HBM3 (device), this machine is none (--dry-run)" \
-        in r.stderr and "give this one as --earlier" in r.stderr
+    assert r.returncode == 2 and "holds a run on NVIDIA H100 80GB HBM3 (device, stand-in ops torch), this one is on " \
+        "none (--dry-run, stand-in ops torch)" in r.stderr and "give this one as --earlier" in r.stderr
     assert json.loads((out / "env.json").read_text())["mode"] == "device"  # kept
+
+
+def test_a_run_serves_every_server_on_one_kind_of_stand_in_ops_and_pairs_only_with_runs_on_the_same(tmp_path,
+                                                                                                    monkeypatch):
+    """`run.sh --stand-in-ops triton`: every server of the run, dense included, serves RMSNorm and SiLU-and-mul on
+    the Triton stand-ins (`vskipper serve --stand-in-ops`); its folder says so, and an earlier run's Q*, tau or table
+    serves it only where that run measured on the same ops (the ops move dense's baseline). A CPU dry run, whose
+    profile has no stand-ins, refuses them."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for args, message in ((["--dry-run", "--stand-in-ops", "triton"], "--stand-in-ops triton: the CUDA stand-ins', "
+                                                                      "not a CPU dry run's"),
+                          (["--stand-in-ops", "cuda"], "--stand-in-ops: torch or triton")):
+        r = subprocess.run([str(SCRIPT), "install", str(tmp_path / "never"), *args], capture_output=True, text=True,
+                           cwd=ROOT, timeout=60, env=env)
+        assert r.returncode == 2 and message in r.stderr
+    monkeypatch.setenv(run.ENV_STAND_IN_OPS_RUN, "triton")
+    assert run.run_stand_in_ops(run.Plan.gpu()).stand_in_ops == "triton"
+    with pytest.raises(SystemExit, match="which a CPU dry run does not serve"):
+        run.run_stand_in_ops(run.Plan.dry())
+    monkeypatch.setenv(run.ENV_STAND_IN_OPS_RUN, "cuda")
+    with pytest.raises(SystemExit, match="one of torch, triton"):
+        run.run_stand_in_ops(run.Plan.gpu())
+    monkeypatch.delenv(run.ENV_STAND_IN_OPS_RUN)
+    assert run.run_stand_in_ops(run.Plan.dry()).stand_in_ops == "torch"
+    this, before = tmp_path / "this", tmp_path / "before"
+    for folder, ops in ((this, "triton"), (before, None)):  # a run from before the option: SGLang's paths
+        folder.mkdir()
+        (folder / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "mode": "device",
+                                                     **({"stand_in_ops": ops} if ops else {})}))
+        (folder / "x.json").write_text("{}")
+    monkeypatch.setenv(run.ENV_EARLIER, str(before))
+    found, why = run.earlier(this, "x.json", lambda p: True)
+    assert found is None and why == f"{before} measured on NVIDIA H200 (device), this run on NVIDIA H200 (device, " \
+        "stand-in ops triton)"
+    (before / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "mode": "device", "stand_in_ops": "triton"}))
+    assert run.earlier(this, "x.json", lambda p: True)[0] == before / "x.json"
+    from vskipper.sglang.launch import serve_command
+
+    cmd = serve_command(tmp_path / "m", 31000, tmp_path / "s.json", arm="dense", platform="gpu",
+                        stand_in_ops="triton")
+    assert cmd[cmd.index("--stand-in-ops") + 1] == "triton" and cmd.index("--stand-in-ops") < cmd.index("--")
+    assert "--stand-in-ops" not in serve_command(tmp_path / "m", 31000, tmp_path / "s.json", arm="dense")
 
 
 def test_a_stage_covers_a_later_run_only_with_the_arms_and_loads_it_asks_for(tmp_path, monkeypatch):

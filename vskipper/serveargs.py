@@ -98,6 +98,9 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               default="auto", choices=PLATFORMS),
     ServeFlag("--gpu-jit", "with the CUDA stand-ins: let SGLang JIT-compile its fused ops (nvcc, ninja) instead of "
               "their torch paths", type=None),
+    ServeFlag("--stand-in-ops", "with the CUDA stand-ins and no --gpu-jit: torch runs RMSNorm and SiLU-and-mul on "
+              "SGLang's torch paths (a chain of kernels a call), triton on vSkipper's one-launch kernels in every arm "
+              "(compare runs on the same ops)", default="torch", choices=("torch", "triton")),
     ServeFlag("--tile-table", "a tile table measured on this GPU (`vskipper tune-tiles --out FILE`) for the routed "
               "layers' Triton GEMMs and packed prefill read, instead of the one shipped for it; it must name this "
               "GPU"),

@@ -51,7 +51,7 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,6 +97,10 @@ ENV_SERVERS = "VSKIPPER_GPU_RUN_SERVERS"
 # Folders of earlier runs' results (`run.sh --earlier DIR`, os.pathsep between them): a lease that does not tune,
 # sweep or climb the ladder itself takes the tile table, the tau and the Q* of the first one measured on this GPU.
 ENV_EARLIER = "VSKIPPER_GPU_RUN_EARLIER"
+# The CUDA stand-ins' RMSNorm and SiLU-and-mul every server of the run serves with (`run.sh --stand-in-ops`,
+# `vskipper serve --stand-in-ops`): torch (SGLang's paths, the default) or triton. A run's folder measures on one; an
+# earlier run serves this one only where it measured on the same.
+ENV_STAND_IN_OPS_RUN = "VSKIPPER_GPU_RUN_STAND_IN_OPS"
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,7 @@ class Plan:
     # one admission round, of a length a single prompt of `prefill_lengths` has: a served round's prefill floor
     # counts its prompts' tokens together, and a round of several prompts reads attention over each alone.
     prefill_rounds: tuple[tuple[int, int], ...] = ()
+    stand_in_ops: str = "torch"  # every server's RMSNorm and SiLU-and-mul (ENV_STAND_IN_OPS_RUN)
 
     @classmethod
     def gpu(cls) -> Plan:
@@ -319,13 +324,27 @@ def earlier_runs() -> list[Path]:
 
 
 def measured_on(folder: Path) -> str | None:
-    """What a run measured on (its env.json): the GPU and the mode (a device run or a CPU dry run), or None where
-    it names none. A run's folder measures on one GPU in one mode: `run.sh install` refuses another."""
+    """What a run measured on (its env.json): the GPU, the mode (a device run or a CPU dry run) and the stand-in ops
+    where not SGLang's, or None where it names none. A run's folder measures on one GPU in one mode on one kind of
+    ops: `run.sh install` refuses another."""
     env = folder / "env.json"
     if not env.is_file():
         return None
     doc = json.loads(env.read_text())
-    return f"{doc.get('gpu')} ({doc.get('mode')})"
+    ops = doc.get("stand_in_ops", "torch")
+    return f"{doc.get('gpu')} ({doc.get('mode')}{'' if ops == 'torch' else f', stand-in ops {ops}'})"
+
+
+def run_stand_in_ops(plan: Plan, environ=os.environ) -> Plan:
+    """The plan with the run's stand-in ops (ENV_STAND_IN_OPS_RUN); the CPU dry run serves SGLang's own paths only."""
+    from vskipper.sglang.spec import STAND_IN_OPS
+
+    ops = environ.get(ENV_STAND_IN_OPS_RUN) or "torch"
+    if ops not in STAND_IN_OPS:
+        raise SystemExit(f"{ENV_STAND_IN_OPS_RUN}={ops!r}: one of {', '.join(STAND_IN_OPS)}")
+    if ops != "torch" and plan.dry_run:
+        raise SystemExit(f"--stand-in-ops {ops}: the CUDA stand-in profile's, which a CPU dry run does not serve")
+    return replace(plan, stand_in_ops=ops)
 
 
 def earlier(out: Path, name: str, usable) -> tuple[Path | None, str]:
@@ -406,6 +425,7 @@ def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | N
                                         extra=extra, platform=plan.platform, graceful=False,
                                         tile_table=tuned_table(plan, model.parent),
                                         env={ENV_PASS_SPANS: "1", **({ENV_PART_CLOCK: "1"} if part_clock else {})},
+                                        stand_in_ops=None if plan.stand_in_ops == "torch" else plan.stand_in_ops,
                                         **kw))
 
 
@@ -1752,6 +1772,9 @@ def markdown(results: dict, out: Path | None = None) -> str:
                   f"(`device-packages.txt`), not with this machine's {env['triton']}.", ""]
     if results["dry_run"]:
         lines += ["**Dry run on CPU with a tiny model: the pipeline, not performance.**", ""]
+    if env.get("stand_in_ops", "torch") != "torch":
+        lines += [f"Every server, dense included, ran RMSNorm and SiLU-and-mul on the stand-in ops "
+                  f"`{env['stand_in_ops']}` (`vskipper serve --stand-in-ops`): compare with runs on the same ops.", ""]
     lines += check_lines(results)
     lines += tiles_lines(results.get("tiles"), results.get("sweep"))
     lines += headline.headline_lines(results.get("ladder"), results.get("headline"))
@@ -2098,7 +2121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # A stage stopped at its time limit (SIGTERM) unwinds: its servers are stopped, never left holding the device.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    plan = Plan.dry() if args.dry_run else Plan.gpu()
+    plan = run_stand_in_ops(Plan.dry() if args.dry_run else Plan.gpu())
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "summary":
         summary(plan, args.out)

@@ -2,7 +2,7 @@
 # The device run: dense against routed with the real SGLang 0.5.21 on one GPU, in stages of under nine minutes.
 #
 #   benchmarks/gpu/run.sh install|tiles|sweep|ladder|headline|kernels|clock|all|lease-1..lease-6|pack OUTDIR
-#                         [--dry-run] [--within SECONDS] [--earlier DIR]... [--pack FILE]
+#                         [--dry-run] [--within SECONDS] [--earlier DIR]... [--pack FILE] [--stand-in-ops OPS]
 #
 # install   installs the bundle (.gpu-bundle/, `make gpu-bundle`) into $VSKIPPER_SITE unless it is there already,
 #           and prints the GPU, its memory and driver, torch and triton (OUTDIR/env.json)
@@ -27,6 +27,9 @@
 # --earlier DIR an earlier run's results on the same GPU (repeatable): its tile table, tau and Q* serve where this
 #               run has none of its own (a lease that does not tune, sweep or climb)
 # --pack FILE   after the stages, OUTDIR packed into FILE (also when a stage stopped or failed)
+# --stand-in-ops OPS  every server's RMSNorm and SiLU-and-mul on the CUDA stand-ins: torch (SGLang's paths, the
+#               default) or triton (`vskipper serve --stand-in-ops`); OUTDIR measures on one, and an --earlier run
+#               serves only where it measured on the same
 #
 # A stage stopped by its budget or limit runs again while the call has time (up to three runs; a failed one does
 # not, nor one whose budget a lease caps): in a lease, in `all`, and named alone with --within (without it, a stage
@@ -39,12 +42,12 @@ set -euo pipefail
 
 usage() {
     echo "usage: $0 install|tiles|sweep|ladder|headline|kernels|clock|all|lease-N|pack OUTDIR [--dry-run]" \
-         "[--within SECONDS] [--earlier DIR]... [--pack FILE]" >&2
+         "[--within SECONDS] [--earlier DIR]... [--pack FILE] [--stand-in-ops torch|triton]" >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
 CALL="$0 $*"  # what a stopped call reruns
-STAGE=$1 OUT=$2 DRY="" WITHIN="" PACK="" EARLIER=""
+STAGE=$1 OUT=$2 DRY="" WITHIN="" PACK="" EARLIER="" OPS=torch
 shift 2
 while [ $# -gt 0 ]; do
     case $1 in
@@ -54,11 +57,14 @@ while [ $# -gt 0 ]; do
         --earlier) [ $# -ge 2 ] && [ -d "$2" ] || { echo "--earlier: ${2:-}: no such folder" >&2; usage; }
                    EARLIER="${EARLIER:+$EARLIER:}$(cd "$2" && pwd)"; shift 2 ;;
         --pack) [ $# -ge 2 ] || usage; PACK=$2; shift 2 ;;
+        --stand-in-ops) [ $# -ge 2 ] && [[ $2 =~ ^(torch|triton)$ ]] || { echo "--stand-in-ops: torch or triton" >&2; usage; }
+                        OPS=$2; shift 2 ;;
         *) usage ;;
     esac
 done
 case $STAGE in install|tiles|sweep|ladder|headline|kernels|clock|all|pack|lease-[0-9]*) ;; *) usage ;; esac
 [ "$STAGE" != pack ] || [ -n "$PACK" ] || { echo "pack: --pack FILE names the archive" >&2; usage; }
+[ -z "$DRY" ] || [ "$OPS" = torch ] || { echo "--stand-in-ops $OPS: the CUDA stand-ins', not a CPU dry run's" >&2; exit 2; }
 START_S=$SECONDS
 [ -z "$PACK" ] || PACK=$(cd "$(dirname "$PACK")" && pwd)/$(basename "$PACK")
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -78,6 +84,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 [ -z "$EARLIER" ] || export VSKIPPER_GPU_RUN_EARLIER="$EARLIER"
+export VSKIPPER_GPU_RUN_STAND_IN_OPS=$OPS
 # What a --within call keeps at its end: a stage's 30 s to stop after TERM, then the summary and the pack.
 END_MARGIN_S=${VSKIPPER_END_MARGIN_S:-45}
 MIN_STAGE_S=140  # a stage with less than this left of --within is not started (its budget would be under 60 s)
@@ -113,13 +120,16 @@ import torch, triton
 out, gpu, memory, driver, mode = sys.argv[1:6]
 env = {"gpu": gpu.strip(), "memory": memory.strip(), "driver": driver.strip(), "torch": torch.__version__,
        "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-       "cuda_available": torch.cuda.is_available(), "mode": mode}
-if os.path.isfile(out):  # a run's folder measures on one GPU in one mode: its cells pair, its table serves
+       "cuda_available": torch.cuda.is_available(), "mode": mode,
+       "stand_in_ops": os.environ["VSKIPPER_GPU_RUN_STAND_IN_OPS"]}
+if os.path.isfile(out):  # a run's folder measures on one GPU in one mode on one kind of ops: its cells pair
     before = json.load(open(out))
-    if (before.get("gpu"), before.get("mode")) != (env["gpu"], env["mode"]):
-        print(f"[install] {os.path.dirname(out)} holds a run on {before.get('gpu')} ({before.get('mode')}), "
-              f"this machine is {env['gpu']} ({env['mode']}): start a new OUTDIR and give this one as --earlier",
-              file=sys.stderr)
+    key = ("gpu", "mode", "stand_in_ops")
+    was, now = [before.get(k, "torch" if k == "stand_in_ops" else None) for k in key], [env[k] for k in key]
+    if was != now:
+        print(f"[install] {os.path.dirname(out)} holds a run on {was[0]} ({was[1]}, stand-in ops {was[2]}), "
+              f"this one is on {now[0]} ({now[1]}, stand-in ops {now[2]}): start a new OUTDIR and give this one "
+              "as --earlier", file=sys.stderr)
         sys.exit(2)
 open(out, "w").write(json.dumps(env, indent=1) + "\n")
 print("[install] " + ", ".join(f"{k} {v}" for k, v in env.items()))

@@ -116,12 +116,12 @@ def checked_tile_table(path: str | None, platform: str, product: str | None = No
     return Path(path).resolve()
 
 
-def platform_profile(platform: str, jit: bool = False):
+def platform_profile(platform: str, jit: bool = False, ops: str = "torch"):
     """The serving profile of a resolved platform on this machine: on a GPU, with the real `sgl_kernel` where one
-    is importable, else the stand-ins."""
+    is importable, else the stand-ins (their RMSNorm and SiLU-and-mul on `ops`)."""
     from vskipper.sglang.spec import serve_profile
 
-    return serve_profile(platform, platform == "gpu" and real_sgl_kernel_importable(), jit)
+    return serve_profile(platform, platform == "gpu" and real_sgl_kernel_importable(), jit, ops)
 
 
 def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -141,7 +141,7 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     enter, exit_, source = thresholds(arm, args.enter_tokens, args.exit_tokens, args.model,
                                       getattr(args, "gpu", None))
     platform = resolve_platform(getattr(args, "platform", "auto"))
-    profile = platform_profile(platform, getattr(args, "gpu_jit", False))
+    profile = platform_profile(platform, getattr(args, "gpu_jit", False), getattr(args, "stand_in_ops", "torch"))
     extra = list(args.sglang_args or [])
     state = Path(args.state_file) if args.state_file else Path(tempfile.mkdtemp(prefix="vskipper-")) / "state.json"
     tiles = checked_tile_table(getattr(args, "tile_table", None), platform, getattr(args, "gpu", None))

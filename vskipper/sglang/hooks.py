@@ -25,6 +25,8 @@ scheduler's included, and applies their hooks before the scheduler is built. `re
                     dense graph (`SkipperCausalLM.graph_veto`, `vskipper.sglang.replay`)
   executed config   AFTER Scheduler.get_init_info and AROUND Scheduler.run_batch (`vskipper.sglang.executed`):
                     what SGLang executes, read after boot, and the scheduler's own pass count per phase
+  stand-in ops      AROUND RMSNorm.forward_native and SiluAndMul.forward_native, only where the server runs the
+                    CUDA stand-ins' Triton ops (`--stand-in-ops triton`, `vskipper.sglang.stand_in_ops`)
 
 SGLang only logs a hook that fails to apply, so the model class calls `check_applied` at load and refuses to
 serve a routed arm without them.
@@ -36,7 +38,7 @@ import os
 from contextlib import nullcontext
 from typing import Any
 
-from vskipper.sglang import active, executed
+from vskipper.sglang import active, executed, stand_in_ops
 from vskipper.sglang.admission import AdmissionLimits
 from vskipper.sglang.part_times import pass_tokens
 from vskipper.sglang.spec import ENV_ARM, ServeConfigError
@@ -242,13 +244,16 @@ def register() -> None:
     HookRegistry.register(PREFILL_CAPTURE_TARGET, around_prefill_capture, HookType.AROUND)
     HookRegistry.register(GLUE_RUN_TARGET, around_glue_graph_run, HookType.AROUND)
     executed.register(HookRegistry, HookType)
+    stand_in_ops.register(HookRegistry, HookType)
 
 
-def check_applied() -> None:
-    """Refuse to serve when a hook did not apply (SGLang logs hook failures and carries on)."""
+def check_applied(targets: tuple[str, ...] | None = None) -> None:
+    """Refuse to serve when a hook did not apply (SGLang logs hook failures and carries on): `targets`, or every
+    hook this process needs."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    missing = [t for t in TARGETS if t not in HookRegistry._patched]
+    wanted = (*TARGETS, *stand_in_ops.targets()) if targets is None else targets
+    missing = [t for t in wanted if t not in HookRegistry._patched]
     if missing:
         raise ServeConfigError(
             f"vSkipper's SGLang hooks did not apply ({', '.join(missing)}): the vskipper package must be installed "

@@ -88,17 +88,20 @@ def http(url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S)
 def serve_command(model: str | Path, port: int, state_file: Path, *, arm: str | None = None,
                   arm_file: Path | None = None, enter_tokens: int | None = None, exit_tokens: int | None = None,
                   dtype: str | None = "float32", extra: Sequence[str] = (), platform: str | None = None,
-                  tile_table: Path | None = None, prefill_floor_tokens: int | None = None) -> list[str]:
+                  tile_table: Path | None = None, prefill_floor_tokens: int | None = None,
+                  stand_in_ops: str | None = None) -> list[str]:
     """The `vskipper serve` command line for one server on 127.0.0.1:port (SGLang flags after `--`); `platform`
     (cpu | gpu) overrides serve's detection; `tile_table`, a table measured on this GPU (`--tile-table`);
-    `prefill_floor_tokens`, the prefill switch's floor (`--prefill-floor-tokens`)."""
+    `prefill_floor_tokens`, the prefill switch's floor (`--prefill-floor-tokens`); `stand_in_ops`, the CUDA
+    stand-ins' RMSNorm and SiLU-and-mul (`--stand-in-ops`; None: serve's default)."""
     if (arm is None) == (arm_file is None):
         raise ValueError("serve_command: pass exactly one of arm and arm_file")
     thresholds = enter_tokens is not None or exit_tokens is not None
     flags = serve_argv({"model": model, "arm": arm, "arm_file": arm_file, "port": port, "state_file": state_file,
                         "enter_tokens": enter_tokens if thresholds else None,
                         "exit_tokens": exit_tokens if thresholds else None, "platform": platform,
-                        "tile_table": tile_table, "prefill_floor_tokens": prefill_floor_tokens})
+                        "tile_table": tile_table, "prefill_floor_tokens": prefill_floor_tokens,
+                        "stand_in_ops": stand_in_ops})
     return [sys.executable, "-m", "vskipper.cli", "serve", *flags, "--", *(("--dtype", dtype) if dtype else ()),
             *extra]
 
@@ -226,7 +229,7 @@ def launched(model: str | Path, workdir: Path, *, arm: str | None = None, arm_fi
              enter_tokens: int | None = None, exit_tokens: int | None = None, dtype: str | None = "float32",
              extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
              platform: str | None = None, graceful: bool = True, tile_table: Path | None = None,
-             prefill_floor_tokens: int | None = None) -> Iterator[Server]:
+             prefill_floor_tokens: int | None = None, stand_in_ops: str | None = None) -> Iterator[Server]:
     """Start `vskipper serve` on a free port (log and state file in `workdir`) without waiting for it; the
     server is stopped when the block exits, however it exits (`graceful`: see `Server`). `env` adds variables
     to the server's environment (TRITON_INTERPRET only where `env` sets it: a test serving the triton execution on
@@ -236,7 +239,8 @@ def launched(model: str | Path, workdir: Path, *, arm: str | None = None, arm_fi
     log = workdir / f"server-{port}.log"
     cmd = serve_command(model, port, workdir / f"state-{port}.json", arm=arm, arm_file=arm_file,
                         enter_tokens=enter_tokens, exit_tokens=exit_tokens, dtype=dtype, extra=extra,
-                        platform=platform, tile_table=tile_table, prefill_floor_tokens=prefill_floor_tokens)
+                        platform=platform, tile_table=tile_table, prefill_floor_tokens=prefill_floor_tokens,
+                        stand_in_ops=stand_in_ops)
     asked = dict(env or {})
     env = dict(os.environ, **asked,
                PYTHONPATH=os.pathsep.join(p for p in (str(_CODE_ROOT), os.environ.get("PYTHONPATH")) if p))

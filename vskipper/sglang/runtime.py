@@ -54,7 +54,7 @@ from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.deferred import DeferredReads
 from vskipper.mixed.plan_buffers import expand_rows
 from vskipper.mixed.tape import RouteTape, tape_capacity
-from vskipper.sglang import active, compile_watch, executed
+from vskipper.sglang import active, compile_watch, executed, stand_in_ops
 from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
 from vskipper.sglang.part_times import CONTROL_PHASES
 from vskipper.sglang.replicas import ENV_RUN_ID, Placement, read_state_request
@@ -681,6 +681,7 @@ class Runtime:
                           **self.execution},
             **self.model_counters,
             "triton_compiles": compile_watch.attestation(),
+            "stand_in_ops": stand_in_ops.attestation(),  # RMSNorm and SiLU-and-mul: the paths their calls took
             **executed.attestation(),  # what SGLang executes, read after boot; the scheduler's pass counts
             "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
                           "attn_dp_rank": self.placement.attn_dp_rank},
@@ -801,18 +802,20 @@ def bind_device(device: str | None) -> None:
 
 def get_runtime(model_type: str, routed_layers: tuple[int, ...], model_class: str, device: str) -> Runtime:
     """The process's runtime, built from the environment on first use (in the scheduler process) and registered
-    in `active`. A routed arm needs vSkipper's scheduler hooks (prefix namespaces by prefill mode): the server
-    refuses to start without."""
+    in `active`. A routed arm needs vSkipper's scheduler hooks (prefix namespaces by prefill mode), and any arm on
+    the stand-in Triton ops their hooks: the server refuses to start without."""
     runtime = active.current_runtime()
     if runtime is None:
         runtime = Runtime(ServeSpec.from_env(), model_type, routed_layers, model_class, device,
                           Placement.from_sglang())
-        if runtime.skipper is not None:
-            from vskipper.sglang.hooks import check_applied
+        from vskipper.sglang.hooks import check_applied
 
+        if runtime.skipper is not None:
             check_applied()
             runtime.hooks_applied = True
             runtime.write_state()
+        elif stand_in_ops.targets():  # a dense arm on the stand-in ops needs their hooks all the same
+            check_applied(stand_in_ops.targets())
         runtime.start_state_writer()
         active.set_runtime(runtime)
     return runtime

@@ -45,6 +45,11 @@ EXECUTIONS = ("auto", "torch", "triton")
 # packed prefill read take instead of the one shipped for it (`vskipper.mixed.tiles.given_tile_table`); unset: the
 # shipped one. Only the flag sets it: `serve_environment` never passes one inherited from the caller.
 ENV_TILE_TABLE = "VSKIPPER_TILE_TABLE"
+# What the CUDA stand-in profile without JIT runs RMSNorm (with its residual add) and SiLU-and-mul with
+# (`vskipper serve --stand-in-ops`): SGLang's torch paths, or vSkipper's one-launch Triton kernels in their place
+# (`vskipper.sglang.stand_in_ops`); the profile sets it, never a caller's environment.
+ENV_STAND_IN_OPS = "VSKIPPER_STAND_IN_OPS"
+STAND_IN_OPS = ("torch", "triton")
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
 GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}
@@ -228,6 +233,7 @@ class ServeProfile:
     environment: tuple[tuple[str, str], ...] = ()
     flags: tuple[str, ...] = ()
     jit: str | None = None
+    ops: str = "torch"  # the stand-in profile's RMSNorm and SiLU-and-mul (`STAND_IN_OPS`)
 
     @property
     def attention_backend(self) -> str | None:
@@ -237,16 +243,30 @@ class ServeProfile:
 
     def attestation(self) -> dict:
         return {"name": self.name, "platform": self.platform, "kernels": self.kernels, "jit": self.jit,
-                "decode_graphs": self.decode_graphs}
+                "decode_graphs": self.decode_graphs, "ops": OPS_ATTESTED[self.ops]}
 
 
-def serve_profile(platform: str, real_sgl_kernel: bool, jit: bool = False) -> ServeProfile:
+OPS_ATTESTED = {"torch": "SGLang's own paths for RMSNorm and SiLU-and-mul",
+                "triton": "vSkipper's Triton RMSNorm, residual add with RMSNorm and SiLU-and-mul (vskipper.mixed.norms) "
+                          "in place of SGLang's torch paths"}
+
+
+def serve_profile(platform: str, real_sgl_kernel: bool, jit: bool = False, ops: str = "torch") -> ServeProfile:
     """The serving profile for a resolved platform (`cpu` | `gpu`) and whether a real `sgl_kernel` is importable.
 
     cpu           the CPU recipe: the CPU stand-in for sgl_kernel, SGLang's CPU engine, CPU_FLAGS
-    gpu-stand-in  a GPU without SGLang's kernel wheels: the CUDA stand-ins, GPU_STAND_IN_ENV, GPU_STAND_IN_FLAGS
+    gpu-stand-in  a GPU without SGLang's kernel wheels: the CUDA stand-ins, GPU_STAND_IN_ENV, GPU_STAND_IN_FLAGS;
+                  without JIT, `ops` 'triton' runs RMSNorm and SiLU-and-mul on vSkipper's kernels
     gpu-kernels   a GPU with the real sgl_kernel (a CUDA runtime image): nothing added
     Decode graphs stay on for every arm: a routed arm's decode passes replay its routed graph variant."""
+    if ops not in STAND_IN_OPS:
+        raise ServeConfigError(f"--stand-in-ops must be one of {', '.join(STAND_IN_OPS)}, got {ops!r}")
+    stand_in_no_jit = platform == "gpu" and not real_sgl_kernel and not jit
+    if ops != "torch" and not stand_in_no_jit:
+        where = ("the CPU profile" if platform == "cpu" else "SGLang's own kernels" if real_sgl_kernel
+                 else "--gpu-jit (SGLang compiles its own)")
+        raise ServeConfigError(f"--stand-in-ops {ops}: only the CUDA stand-in profile without --gpu-jit runs "
+                               f"SGLang's torch paths it replaces, not {where}")
     if platform == "cpu":
         return ServeProfile("cpu", "cpu", "sgl_kernel CPU stand-in (vskipper/sglang/shims); SGLang's torch paths",
                             "disabled", path=(str(SHIMS_DIR),), environment=(("SGLANG_USE_CPU_ENGINE", "1"),),
@@ -255,12 +275,13 @@ def serve_profile(platform: str, real_sgl_kernel: bool, jit: bool = False) -> Se
         raise ValueError(f"--platform must be cpu, gpu or auto, got {platform!r}")
     if real_sgl_kernel:
         return ServeProfile("gpu-kernels", "gpu", "SGLang's sgl_kernel and flashinfer (installed)", "sglang-default")
-    env = dict(GPU_STAND_IN_ENV, **({} if jit else GPU_NO_JIT_ENV))
+    env = dict(GPU_STAND_IN_ENV, **({} if jit else GPU_NO_JIT_ENV), **{ENV_STAND_IN_OPS: ops})
     return ServeProfile("gpu-stand-in", "gpu", "CUDA stand-in (vskipper/sglang/shims_gpu): sgl_kernel norms in "
                         "torch, flashinfer importable only; Triton attention, torch sampling",
                         "full", path=(str(SHIMS_GPU_DIR),), environment=tuple(sorted(env.items())),
                         flags=GPU_STAND_IN_FLAGS,
-                        jit="SGLang JIT kernels (nvcc, ninja)" if jit else "off: SGLang's torch fused-op paths")
+                        jit="SGLang JIT kernels (nvcc, ninja)" if jit else "off: SGLang's torch fused-op paths",
+                        ops=ops)
 
 
 def serve_environment(spec: ServeSpec, base: dict[str, str] | None = None,
@@ -270,6 +291,7 @@ def serve_environment(spec: ServeSpec, base: dict[str, str] | None = None,
     profile = profile or serve_profile("cpu", False)
     env = dict(os.environ if base is None else base)
     env.pop(ENV_TILE_TABLE, None)  # the spec's own (checked) or none
+    env.pop(ENV_STAND_IN_OPS, None)  # the profile's own or none
     env.update(spec.to_env())
     env.update(profile.environment)
     env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = MODEL_PACKAGE

@@ -1,0 +1,234 @@
+"""The CUDA stand-in profile's Triton ops (`vskipper serve --stand-in-ops triton`): `vskipper.mixed.norms`' kernels
+under TRITON_INTERPRET=1 against SGLang's own torch paths (`RMSNorm.forward_native`, `SiluAndMul.forward_native`),
+the hooks that put them in those paths' place and what they leave to SGLang, and the profile that asks for them.
+
+No GPU here: the kernels' values are the interpreter's, whose fp32-to-bf16 conversion truncates where a GPU rounds to
+nearest, so bf16 results are held to two units in the last place; float32 results to fp32 rounding. Their speed, and
+whether a captured decode graph replays them, need a device (a run of `benchmarks/gpu/run.sh` with
+`--stand-in-ops triton`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from vskipper.arms import get_arm
+from vskipper.mixed.norms import NORM_MAX_WIDTH, rms_norm, silu_and_mul
+from vskipper.sglang import stand_in_ops
+from vskipper.sglang.spec import (
+    ENV_STAND_IN_OPS,
+    SHIMS_GPU_DIR,
+    ServeConfigError,
+    ServeSpec,
+    serve_environment,
+    serve_profile,
+)
+from vskipper.sglang.standalone import init_sglang
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "the kernel tests need TRITON_INTERPRET=1 (see conftest.py)"
+ROOT = SHIMS_GPU_DIR.parents[2]
+ULPS = {torch.float32: 1e-5, torch.bfloat16: 2 * 2 ** -7}  # relative
+
+
+@pytest.fixture(scope="module")
+def sglang_ops():
+    init_sglang("cpu")
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    return RMSNorm, SiluAndMul
+
+
+def _norm(rmsnorm_class, width: int, dtype: torch.dtype, **kwargs):
+    torch.manual_seed(width)
+    norm = rmsnorm_class(width, eps=1e-5, **kwargs).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    return norm
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = expected.float().abs().clamp_min(1.0)
+    err = ((actual.float() - expected.float()).abs() / scale).max().item()
+    assert err <= ULPS[expected.dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 64), (2, 3, 96), (1, 4096)])
+def test_rms_norm_equals_sglangs_torch_path_with_and_without_the_residual_add(sglang_ops, dtype, shape):
+    """One launch a pass gives what SGLang's ten-kernel chain gives: the norm of x, or of x + residual with the sum
+    in x's dtype beside it, normalized from the unrounded fp32 sum; x and the residual are left as they were."""
+    norm = _norm(sglang_ops[0], shape[-1], dtype)
+    x, residual = torch.randn(shape, dtype=dtype) * 3, torch.randn(shape, dtype=dtype)
+    x0, r0 = x.clone(), residual.clone()
+    _close(rms_norm(x, norm.weight, norm.variance_epsilon), norm.forward_native(x))
+    y, s = rms_norm(x, norm.weight, norm.variance_epsilon, residual)
+    y_ref, s_ref = norm.forward_native(x, residual)
+    _close(y, y_ref)
+    _close(s, s_ref)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 2 * 40), (2, 2, 2 * 1500)])
+def test_silu_and_mul_equals_sglangs_torch_path_across_tiles_of_a_row(sglang_ops, dtype, shape):
+    x = torch.randn(shape, dtype=dtype) * 4
+    _close(silu_and_mul(x), sglang_ops[1]().forward_native(x))
+
+
+def test_the_kernels_refuse_what_they_cannot_take_naming_why():
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="rows not contiguous"):
+        rms_norm(torch.randn(8, 4).t(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match=r"weight \(8,\) for rows of 6"):
+        rms_norm(torch.randn(2, 6), w, 1e-6)
+    with pytest.raises(ValueError, match=f"exceed {NORM_MAX_WIDTH}"):
+        rms_norm(torch.randn(1, NORM_MAX_WIDTH + 1), torch.ones(NORM_MAX_WIDTH + 1), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(torch.randn(2, 8), w, 1e-6, residual=torch.randn(3, 8))
+    with pytest.raises(ValueError, match="an even width"):
+        silu_and_mul(torch.randn(2, 7))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    counted: Counter = Counter()
+    monkeypatch.setattr(stand_in_ops, "_calls", counted)
+    return counted
+
+
+def test_the_hooks_take_the_layers_norms_and_silu_and_count_each_call_by_its_path(sglang_ops, calls):
+    rmsnorm_class, silu_class = sglang_ops
+    norm = _norm(rmsnorm_class, 64, torch.float32)
+    x, residual = torch.randn(6, 64), torch.randn(6, 64)
+    _close(stand_in_ops.around_rmsnorm(rmsnorm_class.forward_native, norm, x), norm.forward_native(x))
+    y, s = stand_in_ops.around_rmsnorm(rmsnorm_class.forward_native, norm, x, residual)
+    y_ref, s_ref = norm.forward_native(x, residual)
+    _close(y, y_ref)
+    _close(s, s_ref)
+    _close(stand_in_ops.around_rmsnorm(rmsnorm_class.forward_native, norm, x.t().contiguous().t()),
+           norm.forward_native(x))  # a strided x is made contiguous first, as the torch path makes it
+    z = torch.randn(4, 2 * 48)
+    _close(stand_in_ops.around_silu_and_mul(silu_class.forward_native, silu_class(), z),
+           silu_class().forward_native(z))
+    assert calls == {("rmsnorm", "triton"): 3, ("silu_and_mul", "triton"): 1}
+    assert stand_in_ops.attestation()["calls_total"] == {"rmsnorm": {"triton": 3}, "silu_and_mul": {"triton": 1}}
+
+
+def test_what_the_kernels_do_not_take_runs_sglangs_torch_path_and_says_why(sglang_ops, calls, monkeypatch):
+    rmsnorm_class, silu_class = sglang_ops
+    x, residual = torch.randn(3, 64), torch.randn(3, 64)
+    cases = [
+        (_norm(rmsnorm_class, 64, torch.float32, cast_x_before_out_mul=True), (x,), {}, "a cast before the weight"),
+        (_norm(rmsnorm_class, 64, torch.float32, fp32_residual=True), (x, residual), {}, "an fp32 residual"),
+        (_norm(rmsnorm_class, 64, torch.float32, var_hidden_size=32), (x,), {}, "a variance over part of the row"),
+        (_norm(rmsnorm_class, 64, torch.float32), (x, residual), {"post_residual_addition": residual},
+         "a post-residual addition"),
+        (_norm(rmsnorm_class, 64, torch.float32), (x, residual.double()), {},
+         "a residual of another shape or dtype, or its rows not contiguous"),
+    ]
+    for norm, args, kwargs, why in cases:
+        got = stand_in_ops.around_rmsnorm(rmsnorm_class.forward_native, norm, *args, **kwargs)
+        want = norm.forward_native(*args, **kwargs)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                        strict=True):
+            assert torch.equal(a, b)
+        assert calls[("rmsnorm", f"torch: {why}")] == 1, (why, calls)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor without the interpreter: no kernel can take it
+    stand_in_ops.around_silu_and_mul(silu_class.forward_native, silu_class(), torch.randn(2, 8))
+    assert calls[("silu_and_mul", "torch: a cpu tensor")] == 1
+    assert ("rmsnorm", "triton") not in calls and ("silu_and_mul", "triton") not in calls
+
+
+class _Registry:
+    def __init__(self):
+        self.hooks: list[tuple[str, str]] = []
+
+    def register(self, target, hook, hook_type):
+        self.hooks.append((target, hook.__name__, hook_type))
+
+
+class _HookType:
+    AROUND = "around"
+
+
+def test_the_hooks_register_only_where_the_server_asked_for_the_triton_ops(monkeypatch):
+    for ops, expected in (("torch", []), ("triton", [(stand_in_ops.RMSNORM_TARGET, "around_rmsnorm", "around"),
+                                                     (stand_in_ops.SILU_TARGET, "around_silu_and_mul", "around")])):
+        monkeypatch.setenv(ENV_STAND_IN_OPS, ops)
+        registry = _Registry()
+        stand_in_ops.register(registry, _HookType)
+        assert registry.hooks == expected
+        assert stand_in_ops.targets() == tuple(t for t, _, _ in expected)
+        assert stand_in_ops.attestation()["ops"] == ops
+    monkeypatch.delenv(ENV_STAND_IN_OPS)
+    assert stand_in_ops.requested() == "torch"
+    monkeypatch.setenv(ENV_STAND_IN_OPS, "cuda")
+    with pytest.raises(ValueError, match="VSKIPPER_STAND_IN_OPS='cuda': one of torch, triton"):
+        stand_in_ops.requested()
+
+
+@pytest.mark.server
+def test_sglangs_hook_registry_puts_the_kernels_in_its_own_modules_forward(tmp_path):
+    """In a process of a vSkipper server on the stand-in ops (SGLang's fused ops forced onto their torch paths, as
+    the stand-in profile without JIT forces them), vSkipper's plugin hooks SGLang's RMSNorm and SiLU-and-mul: the
+    modules' own `forward` then runs the kernels (counted), with the values it gave before, and the hooks are
+    checked applied as a server checks them."""
+    script = tmp_path / "probe.py"
+    script.write_text('''
+import json, torch
+from vskipper.sglang.standalone import init_sglang
+init_sglang("cpu")
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.plugins.hook_registry import HookRegistry
+from vskipper.sglang import hooks, stand_in_ops
+torch.manual_seed(0)
+norm, silu = RMSNorm(64, eps=1e-5), SiluAndMul()
+x, r, z = torch.randn(5, 64), torch.randn(5, 64), torch.randn(5, 96)
+before = [norm(x), *norm(x, r), silu(z)]
+hooks.register()
+HookRegistry.apply_hooks()
+hooks.check_applied(stand_in_ops.targets())
+after = [norm(x), *norm(x, r), silu(z)]
+print(json.dumps({"err": max((a - b).abs().max().item() for a, b in zip(after, before)),
+                  "attestation": stand_in_ops.attestation()}))
+''')
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1", SGLANG_FORCE_FUSED_OP_BACKEND="torch",
+               VSKIPPER_SERVED_ARM=json.dumps(get_arm("dense").as_dict()), **{ENV_STAND_IN_OPS: "triton"})
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    assert probe["err"] < 1e-5
+    assert probe["attestation"] == {"ops": "triton", "calls_total": {"rmsnorm": {"triton": 2},
+                                                                     "silu_and_mul": {"triton": 1}}}
+
+
+def test_the_stand_in_profile_asks_for_the_triton_ops_and_every_other_profile_refuses_them(tmp_path):
+    profile = serve_profile("gpu", real_sgl_kernel=False, ops="triton")
+    assert dict(profile.environment)[ENV_STAND_IN_OPS] == "triton"
+    assert dict(profile.environment)["SGLANG_FORCE_FUSED_OP_BACKEND"] == "torch"
+    assert "vskipper.mixed.norms" in profile.attestation()["ops"]
+    default = serve_profile("gpu", real_sgl_kernel=False)
+    assert dict(default.environment)[ENV_STAND_IN_OPS] == "torch"
+    assert default.attestation()["ops"] == "SGLang's own paths for RMSNorm and SiLU-and-mul"
+    # the caller's environment never chooses them: only the profile's does
+    env = serve_environment(ServeSpec(get_arm("dense"), 0, 0), base={ENV_STAND_IN_OPS: "triton"},
+                            profile=serve_profile("cpu", real_sgl_kernel=False))
+    assert ENV_STAND_IN_OPS not in env
+    for kwargs, where in (({"platform": "cpu", "real_sgl_kernel": False}, "the CPU profile"),
+                          ({"platform": "gpu", "real_sgl_kernel": True}, "SGLang's own kernels"),
+                          ({"platform": "gpu", "real_sgl_kernel": False, "jit": True}, "--gpu-jit")):
+        with pytest.raises(ServeConfigError, match=f"--stand-in-ops triton: only the CUDA stand-in profile without "
+                                                   f"--gpu-jit .*not {where}"):
+            serve_profile(ops="triton", **kwargs)
+    with pytest.raises(ServeConfigError, match="--stand-in-ops must be one of torch, triton, got 'cuda'"):
+        serve_profile("gpu", real_sgl_kernel=False, ops="cuda")
