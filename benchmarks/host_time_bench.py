@@ -198,6 +198,25 @@ class ServedModel:
         self.model.finish_pass(fb, False)
 
 
+STAND_IN_OPS_SHOWN = {"torch": "SGLang's torch paths",
+                      "triton": "the CUDA stand-ins' Triton kernels (vskipper serve --stand-in-ops triton)"}
+
+
+def stand_in_hooks() -> None:
+    """SGLang's RMSNorm and SiLU-and-mul hooked as a server on `--stand-in-ops triton` hooks them, in this process:
+    every arm's layers then launch the one-launch kernels (`vskipper.sglang.stand_in_ops`)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from vskipper.sglang import stand_in_ops
+    from vskipper.sglang.hooks import check_applied
+    from vskipper.sglang.spec import ENV_STAND_IN_OPS
+
+    os.environ[ENV_STAND_IN_OPS] = "triton"
+    stand_in_ops.register(HookRegistry, HookType)
+    HookRegistry.apply_hooks()
+    check_applied(stand_in_ops.targets())
+
+
 def first_slot(shape: Shape, shapes) -> int:
     """The request slot a pass of `shape` starts at: prefills after every decode batch's requests."""
     return 0 if shape.phase == "decode" else max(s.batch for s in shapes if s.phase == "decode")
@@ -330,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("hooks", "pass"), help="one measurement (default: both)")
     parser.add_argument("--execution", choices=("torch", "triton"), default="torch",
                         help="the routed arms' execution: torch (a CPU's), triton (a GPU's; its launches not run)")
+    parser.add_argument("--stand-in-ops", choices=("torch", "triton"), default="torch",
+                        help="every arm's RMSNorm and SiLU-and-mul: SGLang's torch paths, or the CUDA stand-ins' Triton "
+                             "kernels (`vskipper serve --stand-in-ops`; their launches not run)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     repetitions = 2 if args.quick else args.repetitions
@@ -337,13 +359,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repetitions must be at least 1")
     shapes = QUICK if args.quick else FULL
     triton = args.execution == "triton"
-    if triton:  # the kernels become interpreted functions as they are defined: before anything imports them
+    interpreted = triton or args.stand_in_ops == "triton"
+    if interpreted:  # the kernels become interpreted functions as they are defined: before anything imports them
         if "vskipper.mixed.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("--execution triton: set TRITON_INTERPRET=1 before vskipper.mixed.kernels is imported")
+            parser.error("Triton kernels here: set TRITON_INTERPRET=1 before vskipper.mixed.kernels is imported")
         os.environ["TRITON_INTERPRET"] = "1"
         torch.set_flush_denormal(True)  # the skipped kernels' outputs hold what their storage held
     torch.set_num_threads(1)
     init_sglang("cpu")
+    if args.stand_in_ops == "triton":
+        stand_in_hooks()
     from vskipper.sglang.configs import register_configs
 
     register_configs()
@@ -365,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{list(config.routing_layers)}; decode context {CONTEXT} tokens; one torch thread; arms "
           + ", ".join(f"{n} ({a.name})" for n, a in ARMS.items()))
     execution = executions[ROUTED_ARMS[0]]
-    print(f"routed arms' execution: {execution.decode}, prefill read {execution.prefill_read!r}"
-          + (" (Triton launches recorded, not run: the host's Python around them timed, the kernels and Triton's "
-             "own launcher not)" if triton else ""))
+    print(f"routed arms' execution: {execution.decode}, prefill read {execution.prefill_read!r}; every arm's RMSNorm "
+          f"and SiLU-and-mul on {STAND_IN_OPS_SHOWN[args.stand_in_ops]}"
+          + ("; Triton launches recorded, not run: the host's Python around them timed, the kernels and Triton's "
+             "own launcher not" if interpreted else ""))
     # decode passes replay a captured graph on a GPU: the triton execution's eager pass is timed in prefill alone
     kinds = {"hooks": shapes, "pass": tuple(s for s in shapes if s.phase == "prefill") if triton else shapes}
     if args.only:
@@ -376,17 +402,22 @@ def main(argv: list[str] | None = None) -> int:
     launches = count_launches(models, shapes)
     report_launches(launches)
     with ExitStack() as stack:
-        if triton:
+        if interpreted:
             from vskipper.mixed.launches import interpreted_launches
 
             stack.enter_context(interpreted_launches(Counter(), run=False))
         results = measure(models, shapes, repetitions, args.quick, kinds)
     summaries = report(results, repetitions)
+    if args.stand_in_ops == "triton":
+        from vskipper.sglang import stand_in_ops
+
+        print(f"stand-in ops' calls by path: {stand_in_ops.attestation()['calls_total']}")
     print(f"({time.perf_counter() - t0:.0f} s; a shared machine's timings are noisy: compare within one run)")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"repetitions": repetitions, "goal": GOAL, "execution": args.execution,
-                                         "prefill_read": execution.prefill_read, "launches": launches,
+                                         "prefill_read": execution.prefill_read,
+                                         "stand_in_ops": args.stand_in_ops, "launches": launches,
                                          "results": results, "summary": summaries}, indent=2) + "\n")
     return 0
 

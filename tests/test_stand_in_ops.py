@@ -232,3 +232,37 @@ def test_the_stand_in_profile_asks_for_the_triton_ops_and_every_other_profile_re
             serve_profile(ops="triton", **kwargs)
     with pytest.raises(ServeConfigError, match="--stand-in-ops must be one of torch, triton, got 'cuda'"):
         serve_profile("gpu", real_sgl_kernel=False, ops="cuda")
+
+
+def test_the_stand_in_ops_benchmark_times_both_paths_beside_their_launches(tmp_path):
+    """`benchmarks/stand_in_ops_bench.py` at a tiny count, in a child process: each op's two paths timed, and the
+    launches a call makes on a GPU (bfloat16 operands: the torch path casts to fp32 and back); its figures mean
+    nothing here."""
+    out = tmp_path / "ops.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stand_in_ops_bench.py"), "--calls", "20",
+                          "--repetitions", "2", "--json", str(out)], capture_output=True, text=True, timeout=240,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16"
+    launches = {op: (sum(r["torch_launches"]), sum(r["hooked_launches"])) for op, r in report["ops"].items()}
+    assert launches == {"rmsnorm": (8, 1), "add+rmsnorm": (11, 1), "silu_and_mul": (2, 1)}
+    for op, r in report["ops"].items():
+        assert len(r["torch_us"]) == len(r["hooked_us"]) == 2 and r["hooked_over_torch"] > 0
+        assert f"  {op}" in run.stdout
+
+
+def test_the_host_benchmark_serves_every_arm_on_the_stand_in_ops_where_asked(tmp_path):
+    """`host_time_bench.py --stand-in-ops triton`: SGLang's RMSNorm and SiLU-and-mul hooked in the benchmark's
+    process as a server hooks them, every call of every arm taking the kernels (none falling back)."""
+    out = tmp_path / "host.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_time_bench.py"), "--quick", "--only",
+                          "pass", "--stand-in-ops", "triton", "--json", str(out)], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "every arm's RMSNorm and SiLU-and-mul on the CUDA stand-ins' Triton kernels" in run.stdout
+    (line,) = [ln for ln in run.stdout.splitlines() if ln.startswith("stand-in ops' calls by path: ")]
+    assert "torch" not in line and "'rmsnorm': {'triton':" in line and "'silu_and_mul': {'triton':" in line
+    report = json.loads(out.read_text())
+    assert report["stand_in_ops"] == "triton"
+    assert report["launches"]["prefill 2x8"]["dense"]["by_kernel"] == {"rms_norm_kernel": 17, "silu_mul_kernel": 8}

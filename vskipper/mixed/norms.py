@@ -75,39 +75,41 @@ def rms_norm_unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             checked: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x's rows (any leading shape, rows contiguous), or of x + residual with the sum returned beside it;
-    see the module's table. Operands `rms_norm_unsupported` refuses raise ValueError."""
-    why = rms_norm_unsupported(x, weight)
-    if why is None and residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        why = f"residual {tuple(residual.shape)} for x {tuple(x.shape)}, or its rows not contiguous"
-    if why is not None:
-        raise ValueError(f"rms_norm: {why}")
-    width, block = x.shape[-1], next_power_of_2(x.shape[-1])
-    x2 = x.reshape(-1, width)
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    r2 = s = None
-    if residual is not None:
-        r2 = residual.reshape(-1, width)
-        s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    rms_norm_kernel[(x2.shape[0],)](x2, x2 if r2 is None else r2, weight, y, y if s is None else s, width,
-                                    x2.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0),
-                                    0 if s is None else s.stride(0), eps, RESIDUAL=residual is not None,
-                                    BLOCK=block, num_warps=max(1, min(NORM_MAX_WARPS, block // 512)))
-    if s is None:
-        return y.view(x.shape)
-    return y.view(x.shape), s.view(x.shape)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[..., :d]) * x[..., d:] over x's rows (any leading shape, rows contiguous, an even width)."""
+    see the module's table. Operands `rms_norm_unsupported` refuses raise ValueError, unless the caller `checked`
+    them already (a call per norm per pass: the host's time is the point)."""
+    if not checked:
+        why = rms_norm_unsupported(x, weight)
+        if why is None and residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+            why = f"residual {tuple(residual.shape)} for x {tuple(x.shape)}, or its rows not contiguous"
+        if why is not None:
+            raise ValueError(f"rms_norm: {why}")
     width = x.shape[-1]
-    if width % 2 or x.stride(-1) != 1 or x.numel() == 0:
+    flat = x.dim() != 2
+    x2 = x.reshape(-1, width) if flat else x
+    y = torch.empty_like(x2)
+    r2, s = (x2, y) if residual is None else (residual.reshape(-1, width) if flat else residual, torch.empty_like(x2))
+    block = next_power_of_2(width)
+    rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, s, width, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
+                                    eps, RESIDUAL=residual is not None, BLOCK=block,
+                                    num_warps=max(1, min(NORM_MAX_WARPS, block // 512)))
+    if flat:
+        y, s = y.view(x.shape), s.view(x.shape)
+    return y if residual is None else (y, s)
+
+
+def silu_and_mul(x: torch.Tensor, checked: bool = False) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] over x's rows (any leading shape, rows contiguous, an even width); `checked`:
+    the caller checked that already."""
+    width = x.shape[-1]
+    if not checked and (width % 2 or x.stride(-1) != 1 or x.numel() == 0):
         raise ValueError(f"silu_and_mul: rows of {width} (an even width, contiguous, at least one row)")
     d = width // 2
-    x2 = x.reshape(-1, width)
-    y = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
+    flat = x.dim() != 2
+    x2 = x.reshape(-1, width) if flat else x
+    y = x2.new_empty(x2.shape[0], d)
     silu_mul_kernel[(x2.shape[0], cdiv(d, SILU_BLOCK))](x2, y, d, x2.stride(0), y.stride(0), BLOCK=SILU_BLOCK,
                                                         num_warps=SILU_WARPS)
-    return y.view(*x.shape[:-1], d)
+    return y.view(*x.shape[:-1], d) if flat else y

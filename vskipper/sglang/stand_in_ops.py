@@ -80,7 +80,7 @@ def around_rmsnorm(original, norm, x, residual=None, post_residual_addition=None
     from vskipper.mixed.norms import rms_norm
 
     _calls["rmsnorm", "triton"] += 1
-    return rms_norm(x, norm.weight, norm.variance_epsilon, residual)
+    return rms_norm(x, norm.weight, norm.variance_epsilon, residual, checked=True)
 
 
 def around_silu_and_mul(original, op, x, *args, **kwargs):
@@ -93,7 +93,7 @@ def around_silu_and_mul(original, op, x, *args, **kwargs):
     from vskipper.mixed.norms import silu_and_mul
 
     _calls["silu_and_mul", "triton"] += 1
-    return silu_and_mul(x if x.stride(-1) == 1 else x.contiguous())
+    return silu_and_mul(x if x.stride(-1) == 1 else x.contiguous(), checked=True)
 
 
 def register(registry, hook_type) -> None:
