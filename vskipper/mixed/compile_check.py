@@ -1,4 +1,5 @@
-"""Every Triton kernel of `vskipper.mixed.kernels`, compiled ahead of time for a GPU's architecture, no GPU needed.
+"""Every Triton kernel of `vskipper.mixed.kernels` and `vskipper.mixed.norms`, compiled ahead of time for a GPU's
+architecture, no GPU needed.
 
     python -m vskipper.mixed.compile_check [--device NAME ...] [--tile-table FILE] [--json FILE]
 
@@ -6,7 +7,8 @@ Triton's compiler and the ptxas it ships lower each kernel to a cubin for the de
 launch configurations a server uses on it: every tile its tile table holds (the measured table where one ships,
 the shared-memory default elsewhere, or the one `--tile-table` gives, as `vskipper serve --tile-table` would serve
 it) for the cohort GEMMs and the packed prefill read, and the served Llama-3-8B shapes (bf16, head_dim 128,
-four query heads a KV head) for the attention reads and the cohort maps. Each launch is specialized as Triton's
+four query heads a KV head) for the attention reads, the cohort maps and the CUDA stand-ins' norms and
+SiLU-and-mul (`vskipper serve --stand-in-ops triton`; Qwen3's per-head norms at head_dim too). Each launch is specialized as Triton's
 JIT specializes it (its own argument specialization applied to example arguments of the served shapes: unit
 strides folded, aligned pointers and multiples of 16 marked divisible), so the shared memory, registers and spills
 are those of the kernel the device compiles, not of a generic one. A kernel that does not compile, or
@@ -39,6 +41,18 @@ PROJ_REDUCTION = 16  # the FlexiDepth projector's width: intermediate / 16 (the 
 COHORT_MAP_ROWS = 8192  # a prefill chunk (the count is not specialized: one variant for every pass)
 REQ_TO_TOKEN_WIDTH = 8192 + 4  # SGLang's req_to_token rows: the context length (the device run's) plus 4
 ROWS, POOL_SLOTS, REQUESTS = 256, 4096, 8
+KERNEL_MODULES = ("vskipper.mixed.kernels", "vskipper.mixed.norms")  # where the launches' kernels are found
+
+
+def kernel_function(name: str):
+    """The Triton kernel named `name` in `KERNEL_MODULES`."""
+    import importlib
+
+    for module in KERNEL_MODULES:
+        fn = getattr(importlib.import_module(module), name, None)
+        if fn is not None:
+            return fn
+    raise KeyError(f"no Triton kernel {name!r} in {', '.join(KERNEL_MODULES)}")
 
 
 @dataclass(frozen=True)
@@ -74,9 +88,7 @@ def _launch(kernel: str, args: dict, constexprs: dict, num_warps: int, num_stage
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
-    from vskipper.mixed import kernels
-
-    fn = getattr(kernels, kernel)
+    fn = kernel_function(kernel)
     names = fn.arg_names
     # a JIT function keeps its `do_not_specialize`, the interpreter's its decorator's keywords
     kept = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
@@ -283,11 +295,35 @@ def cohort_maps_launch(rows: int, dense: bool) -> Launch:
                    {"BLOCK": kn.COHORT_MAPS_BLOCK, "RECORD": True, "DENSE": dense}, kn.COHORT_MAPS_WARPS, 3)
 
 
+def _norm_launches() -> list[Launch]:
+    """The stand-in ops (`vskipper.mixed.norms`) as the hooks launch them: RMSNorm over the hidden width with its
+    residual add and without (the input layernorm of the first layer, the final norm), over head_dim without
+    (Qwen3's q and k norms), and SiLU-and-mul over the MLP's width."""
+    from vskipper.mixed import norms
+
+    launches = []
+    for width, residuals in ((MODEL.hidden_size, (True, False)), (HEAD_DIM, (False,))):
+        x, w = _t(ROWS, width), _t(width)
+        block, warps = norms.norm_launch(width)
+        for residual in residuals:
+            launches.append(_launch("rms_norm_kernel",
+                                    {"x_ptr": x, "r_ptr": x, "w_ptr": w, "y_ptr": x, "s_ptr": x, "n_cols": width,
+                                     "stride_x": x.stride(0), "stride_r": x.stride(0), "stride_y": x.stride(0),
+                                     "stride_s": x.stride(0), "eps": 1e-5},
+                                    {"RESIDUAL": residual, "BLOCK": block}, warps, 3))
+    d = MODEL.intermediate_size
+    x, y = _t(ROWS, 2 * d), _t(ROWS, d)
+    launches.append(_launch("silu_mul_kernel", {"x_ptr": x, "y_ptr": y, "d": d, "stride_x": x.stride(0),
+                                                "stride_y": y.stride(0)},
+                            {"BLOCK": norms.SILU_BLOCK}, norms.SILU_WARPS, 3))
+    return launches
+
+
 def launches_for(device: Device, tile_table: Path | None = None) -> list[Launch]:
     from vskipper.mixed.tiles import tile_table_for
 
     table = tile_table_for(device.name, path=tile_table)
-    return _gemm_launches(table) + _attention_launches(table.read_tile)
+    return _gemm_launches(table) + _attention_launches(table.read_tile) + _norm_launches()
 
 
 def compile_launch(launch: Launch, capability: int) -> dict:
@@ -297,9 +333,7 @@ def compile_launch(launch: Launch, capability: int) -> dict:
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
-    from vskipper.mixed import kernels
-
-    fn = getattr(kernels, launch.kernel)
+    fn = kernel_function(launch.kernel)
     constexprs = {**dict(launch.constexprs), **dict(launch.specialized)}
     signature = {**dict(launch.signature), **{name: "constexpr" for name in constexprs}}
     attrs = {(fn.arg_names.index(name),): CUDABackend.parse_attr("D") for name in launch.divisible}

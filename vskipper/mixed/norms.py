@@ -61,6 +61,12 @@ def silu_mul_kernel(x_ptr, y_ptr, d, stride_x, stride_y, BLOCK: tl.constexpr):
     tl.store(y_ptr + row * stride_y + cols, (silu * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def norm_launch(width: int) -> tuple[int, int]:
+    """(BLOCK, warps) of a norm's launch over rows of `width`: the row in one block, a warp per 512 elements of it."""
+    block = next_power_of_2(width)
+    return block, max(1, min(NORM_MAX_WARPS, block // 512))
+
+
 def rms_norm_unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why `rms_norm` cannot take these operands, or None."""
     width = x.shape[-1] if x.dim() else 0
@@ -91,10 +97,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     x2 = x.reshape(-1, width) if flat else x
     y = torch.empty_like(x2)
     r2, s = (x2, y) if residual is None else (residual.reshape(-1, width) if flat else residual, torch.empty_like(x2))
-    block = next_power_of_2(width)
+    block, warps = norm_launch(width)
     rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, s, width, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
-                                    eps, RESIDUAL=residual is not None, BLOCK=block,
-                                    num_warps=max(1, min(NORM_MAX_WARPS, block // 512)))
+                                    eps, RESIDUAL=residual is not None, BLOCK=block, num_warps=warps)
     if flat:
         y, s = y.view(x.shape), s.view(x.shape)
     return y if residual is None else (y, s)
