@@ -275,3 +275,51 @@ def test_a_replay_whose_plan_buffers_keep_the_captured_batchs_request_keys_stray
     for case in report["cases"]:
         hit = "replayed from the graph" in case["case"] and ", s=0.5," in case["case"]
         assert "error" not in case and case["ok"] != hit, case
+
+
+def test_the_stand_in_ops_agree_with_sglangs_torch_path_and_a_fault_or_a_fallback_is_found():
+    """`--stand-in-ops triton`: SGLang's RMSNorm and SiLU-and-mul through the hooks a server installs, against
+    SGLang's torch path, at each row count; a kernel that computes wrong strays in its own cases and no other, and a
+    call the hooks leave to SGLang's path fails its case too (the run would not measure the ops it names)."""
+    from vskipper.mixed import norms
+    from vskipper.sglang import stand_in_ops
+    from vskipper.sglang.standalone import init_sglang
+
+    init_sglang("cpu")
+    rows = (1, 3)
+    with torch.no_grad():
+        cases = check_served.stand_in_ops_cases(torch.device("cpu"), torch.float32, check_served.SMOKE, rows)
+        assert len(cases) == 8 and all(c["ok"] and c["paths"] == {"triton": 1} for c in cases)
+        real = norms.silu_and_mul
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(norms, "silu_and_mul", lambda x, checked=False: real(x, checked) * 1.1)
+            cases = check_served.stand_in_ops_cases(torch.device("cpu"), torch.float32, check_served.SMOKE, rows)
+        assert [c["case"] for c in cases if not c["ok"]] == [c["case"] for c in cases if "SiLU" in c["case"]]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(stand_in_ops, "_device_why", lambda x: "a device the kernels do not take")
+            cases = check_served.stand_in_ops_cases(torch.device("cpu"), torch.float32, check_served.SMOKE, rows)
+        assert not any(c["ok"] for c in cases)
+        assert cases[0]["paths"] == {"torch: a device the kernels do not take": 1}
+
+
+def test_a_run_on_the_stand_in_ops_checks_them_before_its_first_routed_server_and_says_so(tmp_path, monkeypatch):
+    """A device run on `--stand-in-ops triton` hands the check the same ops (its cases then hold the stand-in ops'),
+    a run on SGLang's paths does not, and the summary's check line names the ops' cases where they ran."""
+    from dataclasses import replace
+
+    commands = []
+
+    def fake_steps(plan, stage, steps, limit_s=None):
+        ((name, target, cmd),) = steps
+        commands.append(cmd)
+        return {}
+
+    monkeypatch.setattr(run, "run_steps", fake_steps)
+    for ops in ("torch", "triton"):
+        run.check_served(replace(run.Plan.gpu(), stand_in_ops=ops), tmp_path, run.Stage(f"sweep-{ops}", tmp_path, 600))
+    assert "--stand-in-ops" not in commands[0] and commands[1][-2:] == ["--stand-in-ops", "triton"]
+    case = {"ok": True, "output_error": 0.001, "kv_error": 0.0}
+    report = {"device": "NVIDIA H200", "execution": {}, "rtol": 0.05, "ok": True,
+              "cases": [{**case, "case": "decode 16 rows"}, {**case, "case": "stand-in ops: RMSNorm of 1 x 4096"}]}
+    (line,) = [ln for ln in run.check_lines({"sweep": {"check": {"report": report}}}) if ln.startswith("The served")]
+    assert "prefill with either read; the stand-in ops against SGLang's torch path; each row" in line

@@ -31,6 +31,12 @@ replay, whose padding the backend fills) are not checked. The triton execution's
 backend: SGLang's Triton decode kernel, which dense layers run, is not checked here. Prints each case and exits 1
 if any strays or could not run; `--json` writes them.
 
+With `--stand-in-ops triton` (a run whose servers serve the CUDA stand-ins' Triton ops, `vskipper serve
+--stand-in-ops`), SGLang's RMSNorm (over the hidden width, with its residual add and without, and over head_dim)
+and SiLU-and-mul through the hooks a server installs, against SGLang's own torch path, at one row, at a padded
+decode batch's and at a prefill's rows: each output row within `OPS_RTOL` of its largest value, and every call
+taken by the kernels (none fallen back).
+
 Interpreted kernels and the CPU cannot show a fault only the device has (a race, an out-of-bounds read that lands
 on zeros, a compiler's bug at the device's tiles): the device run checks this before it trusts a routed figure.
 `--dry-run` runs the same cases on CPU under the Triton interpreter (ours and SGLang's Triton backend's kernels)
@@ -82,6 +88,9 @@ ROUTES = {"s=0.5": RandomSkip(r=1.0, d=0.5, seed=0), "s=0": RandomSkip(r=0.0, d=
 DEVICE_CASES = {"decode_rows": (16, 64, 128), "context": 1000, "prompts": ((1024,), (600, 424)), "padded": 121}
 DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7)), "padded": 3}
 REFERENCE_BACKEND = TORCH_NATIVE  # the reference's attention backend (none of its kernels is Triton's)
+# The stand-in ops against SGLang's torch path: two bf16 roundings apart at most (a sum in another order, then the
+# output's rounding); a wrong row, column or weight strays by whole values
+OPS_RTOL = 2 * 2 ** -7
 
 
 def torch_execution(device: torch.device):
@@ -314,8 +323,62 @@ def timed_warm(layer, execution, hidden: int, dtype: torch.dtype, device: torch.
             "compiled": compiles_between(before, compile_watch.attestation())}
 
 
-def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_table: Path | None, tmp: Path
-          ) -> dict:
+def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tuple[int, ...]) -> list[dict]:
+    """SGLang's RMSNorm and SiLU-and-mul through the stand-in ops' hooks (`vskipper.sglang.stand_in_ops`) against
+    SGLang's torch path on the same operands, at each of `rows`: each case's worst row beside `OPS_RTOL`, and
+    whether every call took the kernels."""
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    from vskipper.sglang import stand_in_ops
+
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    results = []
+    for n in rows:
+        for width, residual in ((size.hidden, True), (size.hidden, False), (size.head_dim, False)):
+            norm = RMSNorm(width, eps=1e-5).to(device, dtype)
+            norm.weight.copy_(1.0 + 0.5 * randn(width))
+            x, r = randn(n, width) * 3, randn(n, width)
+            args = (x, r) if residual else (x,)
+            name = f"stand-in ops: RMSNorm of {n} x {width}" + (" with its residual add" if residual else "")
+            results.append(op_verdict(name, lambda norm=norm, args=args: stand_in_ops.around_rmsnorm(
+                RMSNorm.forward_native, norm, *args), lambda norm=norm, args=args: norm.forward_native(*args)))
+        z = randn(n, 2 * size.intermediate) * 4
+        results.append(op_verdict(f"stand-in ops: SiLU-and-mul of {n} x {2 * size.intermediate}",
+                                  lambda z=z: stand_in_ops.around_silu_and_mul(SiluAndMul.forward_native, None, z),
+                                  lambda z=z: SiluAndMul.forward_native(None, z)))
+    return results
+
+
+def op_verdict(name: str, hooked, native) -> dict:
+    """One stand-in op's case: `hooked()` (through the hook, which must take the kernel) against `native()`."""
+    from collections import Counter
+
+    from vskipper.sglang import stand_in_ops
+
+    before = Counter(stand_in_ops._calls)
+    try:
+        got, want = hooked(), native()
+    except Exception as exc:  # noqa: BLE001 (a launch that fails is this case's finding)
+        error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        print(f"  {name:72} NOT CHECKED: {error}", flush=True)
+        return {"case": name, "ok": False, "error": error}
+    taken = {path: n - before[key] for key, n in stand_in_ops._calls.items() for path in [key[1]]
+             if n != before[key]}
+    pairs = zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,), strict=True)
+    err = max(row_strays(g.float().reshape(-1, g.shape[-1]), w.float().reshape(-1, w.shape[-1])) for g, w in pairs)
+    ok = err <= OPS_RTOL and taken == {"triton": 1}
+    print(f"  {name:72} worst row {err:9.3g} of its largest value, path {taken}  {'ok' if ok else 'STRAYS'}",
+          flush=True)
+    return {"case": name, "ok": ok, "output_error": err, "kv_error": 0.0, "paths": taken}
+
+
+def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_table: Path | None, tmp: Path,
+          stand_in_ops: bool = False) -> dict:
     """Every case of `cases` (`DEVICE_CASES` or `DRY_CASES`): the report `--json` writes."""
     from vskipper.sglang.standalone import init_sglang
 
@@ -407,6 +470,8 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                 execution = replace(served, prefill_read=read)
                 results.append(verdict(name, partial(compared, case, execution, reference,
                                                      backend=backend if read == "backend" else None)))
+    if stand_in_ops:
+        results += stand_in_ops_cases(device, dtype, size, (1, real, max(sum(p) for p in cases["prompts"])))
     report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL)
     return report
 
@@ -417,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                    "the one shipped for this device")
     p.add_argument("--json", type=Path, help="write the cases here")
     p.add_argument("--dry-run", action="store_true", help="on CPU, the Triton interpreter and a tiny model")
+    p.add_argument("--stand-in-ops", choices=("torch", "triton"), default="torch",
+                   help="the servers' RMSNorm and SiLU-and-mul (`vskipper serve --stand-in-ops`): triton checks them")
     args = p.parse_args(argv)
     if args.dry_run:
         device, dtype, size, cases = torch.device("cpu"), torch.float32, SMOKE, DRY_CASES
@@ -427,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype, size, cases = torch.device("cuda"), torch.bfloat16, LLAMA3_8B, DEVICE_CASES
     print(f"the served routed layer against its torch execution ({'dry run, CPU' if args.dry_run else device})")
     with tempfile.TemporaryDirectory(prefix="check-served-") as tmp:
-        report = check(device, dtype, size, cases, args.tile_table, Path(tmp))
+        report = check(device, dtype, size, cases, args.tile_table, Path(tmp), args.stand_in_ops == "triton")
     failed = [r["case"] for r in report["cases"] if not r["ok"]]
     print(f"{len(report['cases']) - len(failed)} of {len(report['cases'])} cases within {LAYER_RTOL} of the torch "
           f"execution's rows" + (f"; STRAYING OR NOT CHECKED: {', '.join(failed)}" if failed else ""))

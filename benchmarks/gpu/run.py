@@ -1500,7 +1500,8 @@ def check_served(plan: Plan, out: Path, stage: Stage) -> dict:
         return {"runs": json.loads(ran.read_text())}
     table = tuned_table(plan, out)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "check_served.py"), "--json", str(target),
-           *(["--dry-run"] if plan.dry_run else []), *(["--tile-table", str(table)] if table else [])]
+           *(["--dry-run"] if plan.dry_run else []), *(["--tile-table", str(table)] if table else []),
+           *(["--stand-in-ops", plan.stand_in_ops] if plan.stand_in_ops != "torch" else [])]
     runs = run_steps(plan, stage, (("check-served", target, cmd),), limit_s=CHECK_LIMIT_S)
     if "check-served" in runs and not runs["check-served"].get("earlier_run"):
         ran.write_text(json.dumps(runs) + "\n")
@@ -1528,11 +1529,13 @@ def check_lines(results: dict) -> list[str]:
     cases = report["cases"]
     bad = [c for c in cases if not c["ok"]]
     replayed = " and replayed from CUDA graphs" if any("CUDA graph" in c["case"] for c in cases) else ""
+    ops = "; the stand-in ops against SGLang's torch path" if any(c["case"].startswith("stand-in ops")
+                                                                  for c in cases) else ""
     backend = report.get("attention_backend")
     through = f", its backend read through SGLang's {backend} attention backend" if backend else ""
     head = (f"The served routed layer ({json.dumps(report['execution'])}{through}) against its torch execution on "
-            f"{report['device']} (`check_served.py`: decode eager{replayed}, prefill with either read; each row "
-            f"within {report['rtol']} of its largest value): ")
+            f"{report['device']} (`check_served.py`: decode eager{replayed}, prefill with either read{ops}; each "
+            f"row within {report['rtol']} of its largest value): ")
     if not bad:
         worst = max(max(c["output_error"], c["kv_error"]) for c in cases)
         return ["## Check", "", head + f"all {len(cases)} cases agree (the worst row {worst:.3g}).", ""]
