@@ -87,7 +87,7 @@ def test_the_kernels_refuse_what_they_cannot_take_naming_why():
     w = torch.ones(8)
     with pytest.raises(ValueError, match="rows not contiguous"):
         rms_norm(torch.randn(8, 4).t(), torch.ones(8), 1e-6)
-    with pytest.raises(ValueError, match=r"weight \(8,\) for rows of 6"):
+    with pytest.raises(ValueError, match=r"weight \(8,\) on cpu for rows of 6 on cpu"):
         rms_norm(torch.randn(2, 6), w, 1e-6)
     with pytest.raises(ValueError, match=f"exceed {NORM_MAX_WIDTH}"):
         rms_norm(torch.randn(1, NORM_MAX_WIDTH + 1), torch.ones(NORM_MAX_WIDTH + 1), 1e-6)
@@ -141,6 +141,9 @@ def test_what_the_kernels_do_not_take_runs_sglangs_torch_path_and_says_why(sglan
                         strict=True):
             assert torch.equal(a, b)
         assert calls[("rmsnorm", f"torch: {why}")] == 1, (why, calls)
+    # a weight SGLang never moves to the rows' device (a norm without a weight parameter): no kernel reads it there
+    assert stand_in_ops.rmsnorm_why(_norm(rmsnorm_class, 64, torch.float32, has_weight=False), x.to("meta")) == \
+        "weight (64,) on cpu for rows of 64 on meta"
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor without the interpreter: no kernel can take it
     stand_in_ops.around_silu_and_mul(silu_class.forward_native, silu_class(), torch.randn(2, 8))
     assert calls[("silu_and_mul", "torch: a cpu tensor")] == 1

@@ -74,8 +74,8 @@ def rms_norm_unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         return "no rows"
     if width > NORM_MAX_WIDTH:
         return f"rows of {width} exceed {NORM_MAX_WIDTH}"
-    if tuple(weight.shape) != (width,):
-        return f"weight {tuple(weight.shape)} for rows of {width}"
+    if tuple(weight.shape) != (width,) or weight.device != x.device or weight.stride(0) != 1:
+        return f"weight {tuple(weight.shape)} on {weight.device} for rows of {width} on {x.device}"
     if x.stride(-1) != 1:
         return "rows not contiguous"
     return None
