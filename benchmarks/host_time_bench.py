@@ -43,6 +43,10 @@ measured that read faster: dense and routed arms then read alike); a decode pass
 and the triton execution's masked decode read is one launch where dense's torch-native read runs here. The
 kernels' outputs are left as their storage held them (denormals flushed to zero), which no host decision reads.
 
+`--stand-in-ops triton` serves every arm's RMSNorm and SiLU-and-mul as a server on `vskipper serve --stand-in-ops
+triton` serves them: SGLang's two torch paths hooked in this process (`vskipper.sglang.stand_in_ops`), each call one
+Triton launch, recorded and not run; the calls each path took are printed last.
+
 Before the timings, one pass of each arm and shape is counted (`vskipper.mixed.launches.LaunchCount`): the torch
 operators that compute or copy (a device kernel each on a GPU, and a host dispatch each) and the Triton launches,
 each routed arm's count beside dense's.
@@ -55,6 +59,7 @@ figure is a median over repetitions of many passes each.
     python benchmarks/host_time_bench.py --json out.json
     python benchmarks/host_time_bench.py --layers 32 --only hooks   # 16 routed layers, as Llama-3-8B's
     python benchmarks/host_time_bench.py --execution triton         # the GPU's execution, its launches not run
+    python benchmarks/host_time_bench.py --execution triton --stand-in-ops triton   # and the stand-in ops
 """
 
 from __future__ import annotations
