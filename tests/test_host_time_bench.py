@@ -51,13 +51,14 @@ def test_the_host_time_bench_takes_one_measurement_where_asked(tmp_path):
 def test_the_host_time_bench_times_the_triton_execution_with_its_launches_counted_not_run(tmp_path):
     """`--execution triton`: the routed arms serve the GPU's execution (under the interpreter, its launches
     recorded and skipped), the eager pass is timed in prefill alone, and the launch table counts the Triton
-    launches a routed pass makes (five a routed layer in prefill: the maps, Q, o_proj, the FFN pair's two) beside
-    dense's none."""
+    launches a routed pass makes (the skipper's routes once a pass, and five a routed layer in prefill: the maps, Q,
+    o_proj, the FFN pair's two) beside dense's none."""
     out = tmp_path / "triton.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_time_bench.py"), "--quick", "--execution",
                           "triton", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "routed arms' execution: triton, prefill read 'backend' (Triton launches recorded, not run" in run.stdout
+    assert "routed arms' execution: triton, prefill read 'backend'; every arm's RMSNorm and SiLU-and-mul on " \
+        "SGLang's torch paths; Triton launches recorded, not run" in run.stdout
     assert "launches a pass: torch operators that compute or copy" in run.stdout
     report = json.loads(out.read_text())
     assert report["execution"] == "triton" and report["prefill_read"] == "backend"
@@ -67,7 +68,7 @@ def test_the_host_time_bench_times_the_triton_execution_with_its_launches_counte
     assert prefill["dense"]["triton"] == 0 and prefill["dense"]["ops"] > 0
     routed_layers = 4  # the quick model's 8 layers, the deeper half routed
     for arm in ("s=0", "s=0.5"):
-        assert prefill[arm]["by_kernel"] == {name: routed_layers for name in (
+        assert prefill[arm]["by_kernel"] == {"random_routes_kernel": 1, **{name: routed_layers for name in (
             "cohort_maps_kernel", "cohort_gemm_kernel", "cohort_down_scatter_kernel", "grouped_gate_up_kernel",
-            "grouped_down_scatter_kernel")}
+            "grouped_down_scatter_kernel")}}  # and RandomSkip's routes of the pass in one launch
         assert report["launches"]["decode b=4"][arm]["by_kernel"]["masked_decode_split_kernel"] == routed_layers

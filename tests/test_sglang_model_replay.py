@@ -133,6 +133,21 @@ def test_a_routed_decode_graph_replayed_through_the_models_hooks_equals_the_eage
     assert not torch.equal(results[0][-1], results[1][-1])  # the second batch routed otherwise through the graph
 
 
+def test_the_triton_execution_computes_random_skips_routes_in_one_launch_and_attests_it(models):
+    """The served model's triton execution hands RandomSkip's per-pass routes to the fused launch
+    (`vskipper.mixed.routes`): the pass's state is the one the skipper's chain computes, and the attestation says
+    which computed it."""
+    from vskipper.mixed.launches import LaunchCount, interpreted_launches
+
+    m = models[0]
+    assert "random_routes_kernel" in m.runtime.execution["skipper_state"]
+    count = LaunchCount()
+    with interpreted_launches(count.triton), count:
+        m.whole(m.batch(Shape("prefill", 2, 16), 0))
+    assert count.triton["random_routes_kernel"] == 1
+    assert not {"bitwise_xor", "__rshift__", "remainder"} & set(count.ops)  # the chain's operators are gone
+
+
 def test_a_plan_written_where_the_graph_does_not_read_it_strays(models):
     """The same replay with each pass's plan written into the eager buffers instead of the graph's (as if the
     model took its replayed pass for an eager one): the graph reads the capture's padding plan, and the batch's
@@ -196,7 +211,8 @@ def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(t
 
 def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_serving(tmp_path, monkeypatch):
     """The served model runs its routed layer's Triton launches when it is built (`warm_layer`: the cohort maps
-    with dense-mode rows and without, the routed body at a pass in each range of its tiles), so that no pass
+    with dense-mode rows and without, the routed body at a pass in each range of its tiles; `warm_routes`: the
+    skipper's fused routes), so that no pass
     while serving compiles one and holds the passes behind it (the maps compiled four times while serving on the
     H200, 1.3-1.7 s each). Each launch is keyed as Triton's JIT keys its compiled variants (every argument's
     specialization, the switches, the block sizes and warps): the prefill passes of 2 x 16 and 3 x 7 tokens and a
@@ -208,7 +224,7 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.interpreter import InterpretedFunction
 
-    from vskipper.mixed import kernels
+    from vskipper.mixed import kernels, routes
     from vskipper.sglang import active
     from vskipper.sglang.configs import register_configs
     from vskipper.sglang.standalone import init_sglang
@@ -234,10 +250,11 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    jitted = {name: obj for name, obj in vars(kernels).items()
-              if isinstance(obj, InterpretedFunction) and not name.startswith("_")}
-    for name, kernel in jitted.items():
-        monkeypatch.setattr(kernels, name, Recorder(name, kernel))
+    for module in (kernels, routes):
+        jitted = {name: obj for name, obj in vars(module).items()
+                  if isinstance(obj, InterpretedFunction) and not name.startswith("_")}
+        for name, kernel in jitted.items():
+            monkeypatch.setattr(module, name, Recorder(name, kernel))
     monkeypatch.setattr(active, "_ACTIVE", [])
     monkeypatch.setattr(active, "_RUNTIME", [])
     init_sglang("cpu")
@@ -249,8 +266,9 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
         m.whole(m.batch(shape, first))
     built = {(name, key) for w, name, key, _ in launches if w == "build"}
     served = {(name, key) for w, name, key, _ in launches if w == "serving" and name not in reads}
-    assert {name for name, _ in built} >= {"cohort_maps_kernel", "cohort_gemm_kernel"}
-    assert {name for name, _ in served} >= {"cohort_maps_kernel", "cohort_gemm_kernel"}
+    # RandomSkip's routes in one launch a pass (`vskipper.mixed.routes`), compiled at the build as well
+    assert {name for name, _ in built} >= {"cohort_maps_kernel", "cohort_gemm_kernel", "random_routes_kernel"}
+    assert {name for name, _ in served} >= {"cohort_maps_kernel", "cohort_gemm_kernel", "random_routes_kernel"}
     assert served <= built, sorted(name for name, _ in served - built)
     assert {name for w, name, *_ in launches if w == "serving"} & reads  # the reads ran, and are not warmed
     maps = {w: {default for at, name, _, default in launches if name == "cohort_maps_kernel" and at == w}

@@ -377,8 +377,15 @@ class BenchStack(nn.Module):
             tape.pad(batch.rows)
             backend = self.backend_for(batch.phase)
             self.stats.backends[batch.phase] = backend
-            state = skipper.prepare_batch(BatchContext(x, batch.valid, self.routed_layers, batch.phase,
-                                                       batch.request_keys, batch.positions))
+            context = BatchContext(x, batch.valid, self.routed_layers, batch.phase, batch.request_keys,
+                                   batch.positions)
+            state = None
+            if backend == "triton":  # the skipper's routes in one launch where it has a fused form, as served
+                from vskipper.mixed.routes import fused_state
+
+                state = fused_state(skipper, context)
+            if state is None:
+                state = skipper.prepare_batch(context)
         owned = False  # x is a layer's output, which no one else reads (not the embeddings, nor a kept input)
         for layer in self.model.layers:
             if layer_inputs is not None:

@@ -1,4 +1,4 @@
-"""Every Triton kernel of `vskipper.mixed.kernels` and `vskipper.mixed.norms`, compiled ahead of time for a GPU's
+"""Every Triton kernel of `vskipper.mixed.kernels`, `.norms` and `.routes`, compiled ahead of time for a GPU's
 architecture, no GPU needed.
 
     python -m vskipper.mixed.compile_check [--device NAME ...] [--tile-table FILE] [--json FILE]
@@ -7,8 +7,9 @@ Triton's compiler and the ptxas it ships lower each kernel to a cubin for the de
 launch configurations a server uses on it: every tile its tile table holds (the measured table where one ships,
 the shared-memory default elsewhere, or the one `--tile-table` gives, as `vskipper serve --tile-table` would serve
 it) for the cohort GEMMs and the packed prefill read, and the served Llama-3-8B shapes (bf16, head_dim 128,
-four query heads a KV head) for the attention reads, the cohort maps and the CUDA stand-ins' norms and
-SiLU-and-mul (`vskipper serve --stand-in-ops triton`; Qwen3's per-head norms at head_dim too). Each launch is specialized as Triton's
+four query heads a KV head) for the attention reads, the cohort maps, RandomSkip's fused routes over the 16 routed
+layers, and the CUDA stand-ins' norms and SiLU-and-mul (`vskipper serve --stand-in-ops triton`; Qwen3's per-head
+norms at head_dim too). Each launch is specialized as Triton's
 JIT specializes it (its own argument specialization applied to example arguments of the served shapes: unit
 strides folded, aligned pointers and multiples of 16 marked divisible), so the shared memory, registers and spills
 are those of the kernel the device compiles, not of a generic one. A kernel that does not compile, or
@@ -41,7 +42,9 @@ PROJ_REDUCTION = 16  # the FlexiDepth projector's width: intermediate / 16 (the 
 COHORT_MAP_ROWS = 8192  # a prefill chunk (the count is not specialized: one variant for every pass)
 REQ_TO_TOKEN_WIDTH = 8192 + 4  # SGLang's req_to_token rows: the context length (the device run's) plus 4
 ROWS, POOL_SLOTS, REQUESTS = 256, 4096, 8
-KERNEL_MODULES = ("vskipper.mixed.kernels", "vskipper.mixed.norms")  # where the launches' kernels are found
+# where the launches' kernels are found
+KERNEL_MODULES = ("vskipper.mixed.kernels", "vskipper.mixed.norms", "vskipper.mixed.routes")
+ROUTED_LAYERS = MODEL.num_routed_layers  # the served routed layers (the deeper half)
 
 
 def kernel_function(name: str):
@@ -319,11 +322,27 @@ def _norm_launches() -> list[Launch]:
     return launches
 
 
+def _routes_launches() -> list[Launch]:
+    """RandomSkip's fused routes (`vskipper.mixed.routes`) over the routed layers, at the device run's two arms'
+    thresholds (r = 1, d = 0.5: a threshold of 2^31 is a 64-bit argument; r = 0, the control: 32-bit)."""
+    import torch
+
+    from vskipper.mixed import routes
+    from vskipper.skippers.random_skip import _mix, _threshold
+
+    keys, run = _t(ROWS, dtype=torch.int64), _t(ROUTED_LAYERS, ROWS, dtype=torch.bool)
+    return [_launch("random_routes_kernel",
+                    {"keys_ptr": keys, "pos_ptr": keys, "valid_ptr": run, "run_ptr": run, "w_ptr": _t(ROWS),
+                     "rows": ROWS, "seed_mix": _mix(0), "thr_r": _threshold(r), "thr_d": _threshold(0.5)},
+                    {"LAYERS": ROUTED_LAYERS, "BLOCK": routes.ROUTES_BLOCK}, routes.ROUTES_WARPS, 3)
+            for r in (1.0, 0.0)]
+
+
 def launches_for(device: Device, tile_table: Path | None = None) -> list[Launch]:
     from vskipper.mixed.tiles import tile_table_for
 
     table = tile_table_for(device.name, path=tile_table)
-    return _gemm_launches(table) + _attention_launches(table.read_tile) + _norm_launches()
+    return _gemm_launches(table) + _attention_launches(table.read_tile) + _norm_launches() + _routes_launches()
 
 
 def compile_launch(launch: Launch, capability: int) -> dict:

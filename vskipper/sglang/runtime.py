@@ -294,14 +294,21 @@ class Runtime:
         step.health_check = bool(rids) and all(is_health_check(r) for r in rids)
         return step
 
-    def prepare_state(self, step: Step, hidden: torch.Tensor, positions: torch.Tensor) -> None:
-        """The skipper's per-pass state from the pass's inputs (tensor ops on the device, inside the forward)."""
+    def prepare_state(self, step: Step, hidden: torch.Tensor, positions: torch.Tensor, fused: bool = False) -> None:
+        """The skipper's per-pass state from the pass's inputs (tensor ops on the device, inside the forward);
+        `fused` (the triton execution): in one launch where the skipper has a fused form
+        (`vskipper.mixed.routes.fused_state`, the same state)."""
         if not step.routed:
             return
         step.tape.pad(step.rows)
         valid = torch.ones(step.rows, dtype=torch.bool, device=hidden.device)
-        step.state = self.skipper.prepare_batch(BatchContext(hidden, valid, self.routed_layers, step.phase,
-                                                             step.keys, positions))
+        batch = BatchContext(hidden, valid, self.routed_layers, step.phase, step.keys, positions)
+        state = None
+        if fused:
+            from vskipper.mixed.routes import fused_state
+
+            state = fused_state(self.skipper, batch)
+        step.state = self.skipper.prepare_batch(batch) if state is None else state
 
     # -- admission (SGLang's scheduler, through vskipper.sglang.hooks) ------------------------------------------
 

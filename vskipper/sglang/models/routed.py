@@ -751,6 +751,10 @@ class SkipperCausalLM(RouterWeightsMixin):
                 and device.type != "meta":  # a loader that builds on the meta device has no memory to run in
             weight = self.model.embed_tokens.weight
             warm_layer(layers[0], self.slot.execution, weight.shape[1], weight.dtype, device)
+            from vskipper.mixed.routes import fused_form, warm_routes
+
+            if fused_form(self.runtime.skipper) is not None:  # the skipper's fused routes: one variant
+                warm_routes(self.runtime.skipper, self.routed_layers, weight.dtype, device)
         active.register(self)  # for the SGLang hooks around the forward and the graph runners
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
         # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
@@ -766,11 +770,17 @@ class SkipperCausalLM(RouterWeightsMixin):
         routed_variant = ("decode: a routed graph beside the dense one at every captured batch size, for an arm "
                           "that routes decode" if self.graph_blocker is None
                           else f"none: routed passes run eagerly ({self.graph_blocker})")
+        from vskipper.mixed.routes import fused_form
+
         self.runtime.execution.update({
             "routed_layers_backend": self.slot.execution.attestation(),
             "cuda_graphs": {"backends": graphs, "routed_variant": routed_variant},
             "tiles": given_table_unused(self.slot.execution, spec.tile_table) or self.slot.execution.attestation()["tiles"],
-            "project_only_q": project_only_q(qkv, self.slot.execution)})
+            "project_only_q": project_only_q(qkv, self.slot.execution),
+            # what computes the skipper's per-pass state: one launch where it has a fused form and the layers run
+            # the triton execution, else the skipper's own tensor ops
+            "skipper_state": (fused_form(self.runtime.skipper) if self.slot.execution.decode == "triton" else None)
+            or "the skipper's own tensor ops"})
 
     def _part_clock(self) -> PartClock:
         """The part clock over this rank's layers (of its passes' spans alone where only `pass_spans` asks for
@@ -910,7 +920,7 @@ class SkipperCausalLM(RouterWeightsMixin):
             if input_embeds.shape[0] != step.rows:
                 raise RuntimeError(f"the pass was planned for {step.rows} rows but its forward has "
                                    f"{input_embeds.shape[0]} (padded batches are not served routed)")
-            self.runtime.prepare_state(step, input_embeds, positions)
+            self.runtime.prepare_state(step, input_embeds, positions, fused=self.slot.execution.decode == "triton")
             self.slot.step, self.slot.plan = step, prepared.plan
         try:
             out = super().forward(input_ids, positions, forward_batch, input_embeds, get_embedding,
