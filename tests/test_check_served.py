@@ -25,7 +25,9 @@ def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path
     # the servers' attention backend (the device run's profile: the stand-ins'), against a reference through another
     assert report["attention_backend"] == "triton" and report["reference_backend"] == "torch_native"
     names = [c["case"] for c in report["cases"]]
-    assert len(names) == 14 and sum("decode" in n for n in names) == 6
+    assert len(names) == 20 and sum(n.startswith("decode") for n in names) == 6
+    # RandomSkip's fused routes against its own ops, both arms' skippers, at 1, 3 (the padded batch) and 16 rows
+    assert sum(n.startswith("fused routes of ") for n in names) == 6
     # a batch of 3 replayed from the graph captured for SGLang's next capture size (4), for another batch
     assert sum(" 3 rows replayed from the graph of 4," in n for n in names) == 2
     assert {n.rsplit(", ", 1)[1] for n in names if n.startswith("prefill")} == {"packed read", "backend read"}
@@ -70,7 +72,7 @@ def test_a_fault_in_the_servers_backend_read_strays_in_the_backend_read_cases_an
 def _unchecked_where_the_servers_backend_is_needed(report: dict, error: str) -> None:
     """The backend reads and the padded replay (the backend fills its padding rows' context) are not checked,
     with `error`; every other case is checked and agrees."""
-    assert not report["ok"] and len(report["cases"]) == 14
+    assert not report["ok"] and len(report["cases"]) == 20
     for case in report["cases"]:
         needs = case["case"].endswith("backend read") or "replayed from the graph" in case["case"]
         assert case["ok"] != needs, case
@@ -145,8 +147,9 @@ def test_a_case_that_cannot_run_is_reported_not_passed(tmp_path, monkeypatch):
         raise RuntimeError("an illegal memory access was encountered")
 
     monkeypatch.setattr(kernels, "cohort_ffn_pair", broken)
-    report = _check(tmp_path)  # every routed pass launches the FFN pair: no case runs, and none passes
-    assert not report["ok"] and all("illegal memory access" in c["error"] for c in report["cases"])
+    report = _check(tmp_path)  # every routed pass launches the FFN pair: no layer case runs, and none passes
+    layer_cases = [c for c in report["cases"] if not c["case"].startswith("fused routes")]
+    assert not report["ok"] and all("illegal memory access" in c["error"] for c in layer_cases)
     assert "illegal memory access" in report["warm"]["error"]  # the warm-up runs the pair too: reported, not raised
 
 
@@ -323,3 +326,23 @@ def test_a_run_on_the_stand_in_ops_checks_them_before_its_first_routed_server_an
               "cases": [{**case, "case": "decode 16 rows"}, {**case, "case": "stand-in ops: RMSNorm of 1 x 4096"}]}
     (line,) = [ln for ln in run.check_lines({"sweep": {"check": {"report": report}}}) if ln.startswith("The served")]
     assert "prefill with either read; the stand-in ops against SGLang's torch path; each row" in line
+
+
+def test_fused_routes_that_differ_from_the_skippers_own_stray_in_their_cases():
+    """A fused launch that drops a route (here: every row RUN) strays in the s = 0.5 arm's cases, whose skipper
+    projects some rows; the control's, every row RUN, agree."""
+    from vskipper.mixed import routes
+
+    real = routes.fused_state
+
+    def all_run(skipper, batch):
+        state = real(skipper, batch)
+        state["run"].fill_(True)
+        return state
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(routes, "fused_state", all_run)
+        cases = check_served.routes_cases(torch.device("cpu"), torch.float32, (1, 16))
+    assert [c["case"] for c in cases if not c["ok"]] == [f"fused routes of {n} rows over 16 layers, s=0.5"
+                                                          for n in (1, 16)]
+    assert all(c["ok"] for c in cases if c["case"].endswith("s=0"))

@@ -31,6 +31,10 @@ replay, whose padding the backend fills) are not checked. The triton execution's
 backend: SGLang's Triton decode kernel, which dense layers run, is not checked here. Prints each case and exits 1
 if any strays or could not run; `--json` writes them.
 
+RandomSkip's routes of a pass in the fused launch the triton execution serves them with (`vskipper.mixed.routes`)
+against the skipper's own tensor ops, for both arms' skippers over 16 routed layers at one row, a padded decode
+batch's and a prefill's rows (signed request keys, some rows invalid): equal, flag for flag.
+
 With `--stand-in-ops triton` (a run whose servers serve the CUDA stand-ins' Triton ops, `vskipper serve
 --stand-in-ops`), SGLang's RMSNorm (over the hidden width, with its residual add and without, and over head_dim)
 and SiLU-and-mul through the hooks a server installs, against SGLang's own torch path, at one row, at a padded
@@ -354,6 +358,35 @@ def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tup
     return results
 
 
+def routes_cases(device: torch.device, dtype: torch.dtype, rows: tuple[int, ...], layers: int = 16) -> list[dict]:
+    """Each of `ROUTES`' skippers' fused routes (`vskipper.mixed.routes.fused_state`) against its own
+    `prepare_batch` at each of `rows`: the run flags and weights equal, or the case strays."""
+    from vskipper.mixed.routes import fused_state
+    from vskipper.skippers.base import BatchContext
+
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for n in rows:
+        keys = torch.randint(-2 ** 62, 2 ** 62, (n,), generator=gen).to(device)
+        positions = torch.randint(0, 8192, (n,), generator=gen).to(device)
+        valid = (torch.rand(n, generator=gen) > 0.1).to(device)
+        batch = BatchContext(torch.empty(n, 8, dtype=dtype, device=device), valid, tuple(range(layers, 2 * layers)),
+                             "decode", keys, positions)
+        for arm, skipper in ROUTES.items():
+            name = f"fused routes of {n} rows over {layers} layers, {arm}"
+            try:
+                got, want = fused_state(skipper, batch), skipper.prepare_batch(batch)
+                differ = int((got["run"] != want["run"]).sum()) + int((got["weights"] != want["weights"]).sum())
+            except Exception as exc:  # noqa: BLE001 (a launch that fails is this case's finding)
+                error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+                print(f"  {name:72} NOT CHECKED: {error}", flush=True)
+                results.append({"case": name, "ok": False, "error": error})
+                continue
+            print(f"  {name:72} {differ} flags or weights differ  {'ok' if differ == 0 else 'STRAYS'}", flush=True)
+            results.append({"case": name, "ok": differ == 0, "output_error": float(differ), "kv_error": 0.0})
+    return results
+
+
 def op_verdict(name: str, hooked, native) -> dict:
     """One stand-in op's case: `hooked()` (through the hook, which must take the kernel) against `native()`."""
     from collections import Counter
@@ -470,6 +503,7 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                 execution = replace(served, prefill_read=read)
                 results.append(verdict(name, partial(compared, case, execution, reference,
                                                      backend=backend if read == "backend" else None)))
+    results += routes_cases(device, dtype, (1, real, max(sum(p) for p in cases["prompts"])))
     if stand_in_ops:
         results += stand_in_ops_cases(device, dtype, size, (1, real, max(sum(p) for p in cases["prompts"])))
     report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL)
