@@ -323,9 +323,11 @@ def test_a_run_on_the_stand_in_ops_checks_them_before_its_first_routed_server_an
     assert "--stand-in-ops" not in commands[0] and commands[1][-2:] == ["--stand-in-ops", "triton"]
     case = {"ok": True, "output_error": 0.001, "kv_error": 0.0}
     report = {"device": "NVIDIA H200", "execution": {}, "rtol": 0.05, "ok": True,
-              "cases": [{**case, "case": "decode 16 rows"}, {**case, "case": "stand-in ops: RMSNorm of 1 x 4096"}]}
+              "cases": [{**case, "case": "decode 16 rows"}, {**case, "case": "fused routes of 1 rows over 16 layers"},
+                        {**case, "case": "stand-in ops: RMSNorm of 1 x 4096"}]}
     (line,) = [ln for ln in run.check_lines({"sweep": {"check": {"report": report}}}) if ln.startswith("The served")]
-    assert "prefill with either read; the stand-in ops against SGLang's torch path; each row" in line
+    assert "prefill with either read; RandomSkip's fused routes against its own ops; the stand-in ops against " \
+        "SGLang's torch path; each row" in line
 
 
 def test_fused_routes_that_differ_from_the_skippers_own_stray_in_their_cases():

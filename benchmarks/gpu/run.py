@@ -1529,8 +1529,10 @@ def check_lines(results: dict) -> list[str]:
     cases = report["cases"]
     bad = [c for c in cases if not c["ok"]]
     replayed = " and replayed from CUDA graphs" if any("CUDA graph" in c["case"] for c in cases) else ""
-    ops = "; the stand-in ops against SGLang's torch path" if any(c["case"].startswith("stand-in ops")
-                                                                  for c in cases) else ""
+    ops = "; RandomSkip's fused routes against its own ops" if any(c["case"].startswith("fused routes")
+                                                                     for c in cases) else ""
+    ops += "; the stand-in ops against SGLang's torch path" if any(c["case"].startswith("stand-in ops")
+                                                                   for c in cases) else ""
     backend = report.get("attention_backend")
     through = f", its backend read through SGLang's {backend} attention backend" if backend else ""
     head = (f"The served routed layer ({json.dumps(report['execution'])}{through}) against its torch execution on "
