@@ -85,6 +85,7 @@ import torch  # noqa: E402
 
 from vskipper.arms import Arm, get_arm  # noqa: E402
 from vskipper.checkpoint import TinySize, make_tiny_model  # noqa: E402
+from vskipper.serveargs import STAND_IN_OPS  # noqa: E402
 from vskipper.sglang.standalone import init_sglang  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("hooks", "pass"), help="one measurement (default: both)")
     parser.add_argument("--execution", choices=("torch", "triton"), default="torch",
                         help="the routed arms' execution: torch (a CPU's), triton (a GPU's; its launches not run)")
-    parser.add_argument("--stand-in-ops", choices=("torch", "triton"), default="torch",
+    parser.add_argument("--stand-in-ops", choices=STAND_IN_OPS, default="torch",
                         help="every arm's RMSNorm and SiLU-and-mul: SGLang's torch paths, or the CUDA stand-ins' Triton "
                              "kernels (`vskipper serve --stand-in-ops`; their launches not run)")
     parser.add_argument("--json", type=Path, help="write the figures here")

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 PLATFORMS = ("auto", "cpu", "gpu")
+# the CUDA stand-in profile's RMSNorm and SiLU-and-mul (`--stand-in-ops`): SGLang's torch paths or vSkipper's Triton
+STAND_IN_OPS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               "their torch paths", type=None),
     ServeFlag("--stand-in-ops", "with the CUDA stand-ins and no --gpu-jit: torch runs RMSNorm and SiLU-and-mul on "
               "SGLang's torch paths (a chain of kernels a call), triton on vSkipper's one-launch kernels in every arm "
-              "(compare runs on the same ops)", default="torch", choices=("torch", "triton")),
+              "(compare runs on the same ops)", default="torch", choices=STAND_IN_OPS),
     ServeFlag("--tile-table", "a tile table measured on this GPU (`vskipper tune-tiles --out FILE`) for the routed "
               "layers' Triton GEMMs and packed prefill read, instead of the one shipped for it; it must name this "
               "GPU"),

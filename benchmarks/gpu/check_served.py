@@ -78,6 +78,7 @@ from mixed_depth_bench import (  # noqa: E402
 )
 
 from vskipper.mixed.plan_buffers import PlanBuffers  # noqa: E402
+from vskipper.serveargs import STAND_IN_OPS  # noqa: E402
 from vskipper.sglang.standalone import ATTENTION_BACKENDS, TORCH_NATIVE  # noqa: E402
 from vskipper.skippers.random_skip import RandomSkip  # noqa: E402
 
@@ -516,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                    "the one shipped for this device")
     p.add_argument("--json", type=Path, help="write the cases here")
     p.add_argument("--dry-run", action="store_true", help="on CPU, the Triton interpreter and a tiny model")
-    p.add_argument("--stand-in-ops", choices=("torch", "triton"), default="torch",
+    p.add_argument("--stand-in-ops", choices=STAND_IN_OPS, default="torch",
                    help="the servers' RMSNorm and SiLU-and-mul (`vskipper serve --stand-in-ops`): triton checks them")
     args = p.parse_args(argv)
     if args.dry_run:

@@ -337,7 +337,7 @@ def measured_on(folder: Path) -> str | None:
 
 def run_stand_in_ops(plan: Plan, environ=os.environ) -> Plan:
     """The plan with the run's stand-in ops (ENV_STAND_IN_OPS_RUN); the CPU dry run serves SGLang's own paths only."""
-    from vskipper.sglang.spec import STAND_IN_OPS
+    from vskipper.serveargs import STAND_IN_OPS
 
     ops = environ.get(ENV_STAND_IN_OPS_RUN) or "torch"
     if ops not in STAND_IN_OPS:

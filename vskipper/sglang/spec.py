@@ -13,6 +13,7 @@ from pathlib import Path
 
 from vskipper.arms import Arm
 from vskipper.constants import CONSTANTS, SwitchConstants
+from vskipper.serveargs import STAND_IN_OPS
 from vskipper.switch import Policy
 
 MODEL_PACKAGE = "vskipper.sglang.models"
@@ -49,7 +50,6 @@ ENV_TILE_TABLE = "VSKIPPER_TILE_TABLE"
 # (`vskipper serve --stand-in-ops`): SGLang's torch paths, or vSkipper's one-launch Triton kernels in their place
 # (`vskipper.sglang.stand_in_ops`); the profile sets it, never a caller's environment.
 ENV_STAND_IN_OPS = "VSKIPPER_STAND_IN_OPS"
-STAND_IN_OPS = ("torch", "triton")
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
 GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}

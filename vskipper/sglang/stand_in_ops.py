@@ -25,7 +25,8 @@ import os
 from collections import Counter
 from typing import Any
 
-from vskipper.sglang.spec import ENV_STAND_IN_OPS, STAND_IN_OPS
+from vskipper.serveargs import STAND_IN_OPS
+from vskipper.sglang.spec import ENV_STAND_IN_OPS
 
 RMSNORM_TARGET = "sglang.srt.layers.layernorm.RMSNorm.forward_native"
 SILU_TARGET = "sglang.srt.layers.activation.SiluAndMul.forward_native"
