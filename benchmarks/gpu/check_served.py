@@ -292,6 +292,14 @@ def refused(why: str):
     raise RuntimeError(why)
 
 
+def not_checked(name: str, exc: Exception) -> dict:
+    """A case that could not run (the capture refused, a launch failed, the servers' backend not built): reported
+    as such, not checked and not passed."""
+    error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+    print(f"  {name:72} NOT CHECKED: {error}", flush=True)
+    return {"case": name, "ok": False, "error": error}
+
+
 def verdict(name: str, run) -> dict:
     """One case: `run()` gives (got, want, the pass's Project-Only share), got and want each (what the layer
     adds, the K/V it wrote), the served execution's and the torch execution's; each row's deviation beside
@@ -300,9 +308,7 @@ def verdict(name: str, run) -> dict:
     try:
         got, want, share = run()
     except Exception as exc:
-        error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-        print(f"  {name:72} NOT CHECKED: {error}", flush=True)
-        return {"case": name, "ok": False, "error": error}
+        return not_checked(name, exc)
     out_err, kv_err = row_strays(got[0], want[0]), row_strays(got[1], want[1])
     ok = out_err <= LAYER_RTOL and kv_err <= LAYER_RTOL
     print(f"  {name:72} Project-Only {share:4.2f}  output {out_err:9.3g}  K/V {kv_err:9.3g} of their rows' "
@@ -379,9 +385,7 @@ def routes_cases(device: torch.device, dtype: torch.dtype, rows: tuple[int, ...]
                 got, want = fused_state(skipper, batch), skipper.prepare_batch(batch)
                 differ = int((got["run"] != want["run"]).sum()) + int((got["weights"] != want["weights"]).sum())
             except Exception as exc:  # noqa: BLE001 (a launch that fails is this case's finding)
-                error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-                print(f"  {name:72} NOT CHECKED: {error}", flush=True)
-                results.append({"case": name, "ok": False, "error": error})
+                results.append(not_checked(name, exc))
                 continue
             print(f"  {name:72} {differ} flags or weights differ  {'ok' if differ == 0 else 'STRAYS'}", flush=True)
             results.append({"case": name, "ok": differ == 0, "output_error": float(differ), "kv_error": 0.0})
@@ -390,19 +394,14 @@ def routes_cases(device: torch.device, dtype: torch.dtype, rows: tuple[int, ...]
 
 def op_verdict(name: str, hooked, native) -> dict:
     """One stand-in op's case: `hooked()` (through the hook, which must take the kernel) against `native()`."""
-    from collections import Counter
-
     from vskipper.sglang import stand_in_ops
 
-    before = Counter(stand_in_ops._calls)
+    before = stand_in_ops.calls()
     try:
         got, want = hooked(), native()
     except Exception as exc:  # noqa: BLE001 (a launch that fails is this case's finding)
-        error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-        print(f"  {name:72} NOT CHECKED: {error}", flush=True)
-        return {"case": name, "ok": False, "error": error}
-    taken = {path: n - before[key] for key, n in stand_in_ops._calls.items() for path in [key[1]]
-             if n != before[key]}
+        return not_checked(name, exc)
+    taken = {path: n for (_op, path), n in (stand_in_ops.calls() - before).items()}
     pairs = zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,), strict=True)
     err = max(row_strays(g.float().reshape(-1, g.shape[-1]), w.float().reshape(-1, w.shape[-1])) for g, w in pairs)
     ok = err <= OPS_RTOL and taken == {"triton": 1}
@@ -504,9 +503,10 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                 execution = replace(served, prefill_read=read)
                 results.append(verdict(name, partial(compared, case, execution, reference,
                                                      backend=backend if read == "backend" else None)))
-    results += routes_cases(device, dtype, (1, real, max(sum(p) for p in cases["prompts"])))
+    rows = (1, real, max(sum(p) for p in cases["prompts"]))  # one row, a padded decode batch's, a prefill's
+    results += routes_cases(device, dtype, rows)
     if stand_in_ops:
-        results += stand_in_ops_cases(device, dtype, size, (1, real, max(sum(p) for p in cases["prompts"])))
+        results += stand_in_ops_cases(device, dtype, size, rows)
     report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL)
     return report
 

@@ -110,6 +110,11 @@ def targets() -> tuple[str, ...]:
     return TARGETS if requested() == "triton" else ()
 
 
+def calls() -> Counter[tuple[str, str]]:
+    """A copy of the calls so far, by (op, path)."""
+    return Counter(_calls)
+
+
 def attestation() -> dict[str, Any]:
     """What this process serves its fused ops with, and each op's calls by the path they took."""
     calls: dict[str, dict[str, int]] = {}
