@@ -212,6 +212,42 @@ def test_the_q_gemm_in_batch_rows_stores_each_cohort_row_in_its_own_row(share):
         cohort_gemm(u, c.run_idx, c.n_run, w_q, out=q, tile=SMALL, batch_rows=True)
 
 
+@pytest.mark.parametrize("tile", ["unsplit", "split", "gathered"])
+@pytest.mark.parametrize("count", [0, 5, 17, 40])
+def test_o_proj_over_a_read_of_every_batch_row_reads_the_cohort_rows_where_they_lie(count, tile):
+    """`batch_rows`: o_proj's operand is a read of every batch row (SGLang's prefill backend), its rows in batch
+    order; h[idx[m]] += a[idx[m]] @ W_o^T for m < count, as the packed operand a[idx] adds, and nothing else is
+    touched. The rows outside the cohort hold NaN, which must not reach h: they are not read (the gathered form
+    gathers the map's rows, masking the slots past the count). The Q GEMM's `finite_others` zero-fills the rows
+    outside the cohort, the kernel's form and the split one's; the gathered form's hold each row's own query."""
+    from mixed_world import gathering_table
+
+    g = torch.Generator().manual_seed(count)
+    capacity, d, width = 40, 48, 80
+    tiles = {"unsplit": SMALL, "split": Tile(16, 32, 32, 4, 1, 2),
+             "gathered": gathering_table({"attn_q", "attn_o"})}[tile]
+    w_q, w_o = torch.randn(width, d, generator=g) / d**0.5, torch.randn(d, width, generator=g) / width**0.5
+    u = torch.randn(capacity, d, generator=g)
+    idx, n = torch.randperm(capacity, generator=g), torch.tensor([count])
+    rows = idx[:count]
+    outside = torch.ones(capacity, dtype=torch.bool)
+    outside[rows] = False
+    q = cohort_gemm(u, idx, n, w_q, tile=tiles, batch_rows=True, finite_others=True)
+    torch.testing.assert_close(q[rows], u[rows] @ w_q.t())
+    assert torch.equal(q[outside], torch.zeros_like(q[outside])) if tile != "gathered" \
+        else torch.allclose(q[outside], u[outside] @ w_q.t(), atol=1e-5)
+    a = torch.randn(capacity, width, generator=g)
+    a[outside] = float("nan")
+    h = torch.randn(capacity, d, generator=g)
+    before = h.clone()
+    cohort_scatter_add(a, idx, n, w_o, h, tile=tiles, batch_rows=True)
+    assert torch.equal(h[outside], before[outside])
+    packed = before.clone()
+    cohort_scatter_add(a[idx], idx, n, w_o, packed, tile=tiles)
+    torch.testing.assert_close(h, packed, rtol=0, atol=0)
+    torch.testing.assert_close(h[rows], before[rows] + a[rows] @ w_o.t())
+
+
 @pytest.mark.parametrize("split_k", [2, 4])
 @pytest.mark.parametrize("count", [0, 5, 17, 40])
 def test_a_tile_that_splits_k_computes_what_the_unsplit_tile_does_on_the_counted_rows_alone(count, split_k):

@@ -14,6 +14,8 @@ the routed layer there)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -209,7 +211,9 @@ def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(t
         assert "aten.nonzero.default" in waits["prefill"] and "aten.nonzero.default" in waits["decode"]
 
 
-def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_serving(tmp_path, monkeypatch):
+@pytest.mark.parametrize("prefill_read", ["packed", "backend"])
+def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_serving(tmp_path, monkeypatch,
+                                                                                      prefill_read):
     """The served model runs its routed layer's Triton launches when it is built (`warm_layer`: the cohort maps
     with dense-mode rows and without, the routed body at a pass in each range of its tiles; `warm_routes`: the
     skipper's fused routes), so that no pass
@@ -218,7 +222,9 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
     specialization, the switches, the block sizes and warps): the prefill passes of 2 x 16 and 3 x 7 tokens and a
     decode pass of 3 rows, at every routed layer (each a row of the skipper's [layers, rows] routes, aligned or
     not), launch only variants the build launched, but for the reads, which need the engine's KV pool (the packed
-    prefill read here; the masked decode read compiles when decode graphs are captured). With every argument of
+    prefill read here; the masked decode read compiles when decode graphs are captured). So do they where the
+    prefill reads through SGLang's backend (as a GPU's table may choose), whose o_proj gathers its operand from
+    the read's batch rows, another variant than a decode pass's of the same size. With every argument of
     the maps' launch specialized, as the JIT does by default, they would not: the key is the one that tells."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
@@ -259,8 +265,14 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
     monkeypatch.setattr(active, "_RUNTIME", [])
     init_sglang("cpu")
     register_configs()
+    from vskipper.sglang.models import routed as served  # after SGLang's platform is set
+
+    chosen = served.cohort_execution  # the interpreter's packed read, or the read a GPU's table may choose
+    monkeypatch.setattr(served, "cohort_execution",
+                        lambda *a, **k: dataclasses.replace(chosen(*a, **k), prefill_read=prefill_read))
     checkpoint = make_tiny_model("flexidepth-llama", tmp_path / "tiny", TinySize(layers=4))
     m = ServedModel(ARMS["s=0.5"], checkpoint, REQUESTS, REQUESTS * (CONTEXT + 64) + 1, execution="triton")
+    assert m.model.slot.execution.prefill_read == prefill_read
     when[0] = "serving"
     for shape, first in ((Shape("prefill", 2, 16), 0), (Shape("prefill", 3, 7), 2), (Shape("decode", 3), 0)):
         m.whole(m.batch(shape, first))
@@ -270,6 +282,9 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
     assert {name for name, _ in built} >= {"cohort_maps_kernel", "cohort_gemm_kernel", "random_routes_kernel"}
     assert {name for name, _ in served} >= {"cohort_maps_kernel", "cohort_gemm_kernel", "random_routes_kernel"}
     assert served <= built, sorted(name for name, _ in served - built)
+    # o_proj's two forms served: its operand packed (decode) and, through the backend's read, in batch rows
+    gathers = {("GATHER_A", True) in key for name, key in served if name == "cohort_down_scatter_kernel"}
+    assert gathers == ({False, True} if prefill_read == "backend" else {False})
     assert {name for w, name, *_ in launches if w == "serving"} & reads  # the reads ran, and are not warmed
     maps = {w: {default for at, name, _, default in launches if name == "cohort_maps_kernel" and at == w}
             for w in ("build", "serving")}

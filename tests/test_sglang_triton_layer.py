@@ -347,14 +347,14 @@ def test_a_triton_prefill_layer_with_the_packed_read_launches_no_gather_or_scatt
 
 def test_a_triton_prefill_layer_reading_through_sglangs_backend_places_its_queries_once(world):
     """A routed prefill layer whose table reads through SGLang's attention backend: the Q GEMM stores each RUN
-    token's query in its batch row, as for the packed read, and one select zeroes the Project-Only tokens'
-    queries (they enter the backend's read with a zero query). RoPE rotates them beside every token's key, the
-    backend reads every batch row, and one gather packs the RUN tokens' outputs for o_proj, their slots past the
-    count zeroed. No placing of packed queries in batch slots, no gather of them back."""
+    token's query in its batch row, as for the packed read, into storage zero-filled first (a Project-Only token
+    enters the backend's read with a zero query). RoPE rotates them beside every token's key, the backend reads
+    every batch row, and o_proj reads the RUN tokens' outputs from their batch rows in its operand load. No
+    placing of packed queries in batch slots, no select of queries, no gather of outputs."""
     launches = _own_launches(world, _triton(world, "backend"), PREFILL_EXTEND, PREFILL_RUNS[0])
     assert launches == [
-        "cohort_maps_kernel", "cohort_gemm_kernel", "where", "index_select", "where",
-        "cohort_down_scatter_kernel", "grouped_gate_up_kernel", "grouped_down_scatter_kernel", "add_"]
+        "cohort_maps_kernel", "zeros", "cohort_gemm_kernel", "cohort_down_scatter_kernel", "grouped_gate_up_kernel",
+        "grouped_down_scatter_kernel", "add_"]
 
 
 @pytest.mark.parametrize("prefill_read", ["packed", "backend"])
@@ -401,7 +401,8 @@ def test_a_triton_pass_whose_table_gathers_every_gemm_equals_the_torch_execution
     """The served layer's GEMMs in the gathered cuBLAS form, as a table that measured cuBLAS faster on a catalogued
     GPU serves them: SGLang's own weight views (qkv_proj's Q rows, gate_up_proj's halves, o_proj, down_proj, the
     adapter's) feed the four forms (Q's in its batch rows, whichever read: through SGLang's prefill backend the
-    Project-Only rows' real queries are zeroed before it; the MLP's gate and up in one GEMM), the pass equals the
+    Project-Only rows' own queries, whose outputs o_proj does not read; o_proj's operand gathered from the read's
+    batch rows there; the MLP's gate and up in one GEMM), the pass equals the
     torch execution, and the attestation lists the slot counts each operation serves gathered (up to the H200's
     ridge, 206 rows)."""
     from mixed_world import gathering_table

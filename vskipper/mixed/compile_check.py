@@ -152,12 +152,15 @@ def _gemm_args(op: str, split_k: int = 1) -> tuple[str, dict, list[dict]]:
     args = {"a_ptr": a, "idx_ptr": idx, "count_ptr": count, "wd_ptr": w, "y_ptr": y, "D": n, "N": k,
             "stride_am": a.stride(0), "stride_an": a.stride(1), "stride_wd": w.stride(0), "stride_wn": w.stride(1),
             "stride_ym": y.stride(0), "stride_yd": y.stride(1), **_workspace(y, n, split_k)}
-    if op == "attn_o":  # the unweighted scatter onto the residual (the index stands in for the weights)
+    if op == "attn_o":  # the unweighted scatter onto the residual (the index stands in for the weights), its
+        # operand packed (the masked and packed reads' outputs) or gathered from batch rows (a read of every row)
         return "cohort_down_scatter_kernel", {**args, "w_ptr": idx}, [{"WEIGHTED": False, "ACCUMULATE": True,
-                                                                       "SPLIT_K": split_k}]
+                                                                       "SPLIT_K": split_k, "GATHER_A": gather}
+                                                                      for gather in (False, True)]
     # the FFNs' down GEMM stores (the served body) or adds (the bench stack, the tuner)
     return "cohort_down_scatter_kernel", {**args, "w_ptr": _t(ROWS)}, [{"WEIGHTED": True, "ACCUMULATE": acc,
-                                                                        "SPLIT_K": split_k} for acc in (False, True)]
+                                                                        "SPLIT_K": split_k, "GATHER_A": False}
+                                                                       for acc in (False, True)]
 
 
 def _reduce_launches(splits: set[int]) -> list[Launch]:

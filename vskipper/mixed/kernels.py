@@ -15,6 +15,7 @@ starts at or past `count` returns at once, so the work is bounded by the cohort,
     Writes  Y[idx[m], :] += weights[idx[m]] * (A[m] @ W_down^T) for m < count (the scatter and the branch
             weight are folded into the epilogue). Each (row, column) of Y belongs to one program: idx has no
             repeated rows below count, so no atomics are needed.
+            (GATHER_A: A[idx[m], :] instead, A in the cohort's batch rows: o_proj over a read of every batch row)
     Grid    (cdiv(C, BLOCK_M), cdiv(D, BLOCK_N), SPLIT_K)
 
 `grouped_gate_up_kernel` and `grouped_down_scatter_kernel`
@@ -212,14 +213,16 @@ def _down_tile(a_ptr, idx_ptr, count, w_ptr, wd_ptr, y_ptr, D, N, pid_m, pid_d,
                stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                WEIGHTED: tl.constexpr, ACCUMULATE: tl.constexpr,
-               ws_ptr, pid_s, stride_ws_s, stride_ws_m, SPLIT_K: tl.constexpr):
+               ws_ptr, pid_s, stride_ws_s, stride_ws_m, SPLIT_K: tl.constexpr, GATHER_A: tl.constexpr = False):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
     offs_d = pid_d * BLOCK_N + tl.arange(0, BLOCK_N)
     d_mask = offs_d < D
     offs_k = tl.arange(0, BLOCK_K)
     k_lo, k_hi = _k_tiles(N, pid_s, BLOCK_K, SPLIT_K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (offs_k[None, :] + k_lo * BLOCK_K) * stride_an
+    rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
+    a_rows = rows if GATHER_A else offs_m  # slot m's A row: its batch row (A in batch rows) or m (A packed)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (offs_k[None, :] + k_lo * BLOCK_K) * stride_an
     b_ptrs = wd_ptr + offs_d[None, :] * stride_wd + (offs_k[:, None] + k_lo * BLOCK_K) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi):
@@ -233,7 +236,6 @@ def _down_tile(a_ptr, idx_ptr, count, w_ptr, wd_ptr, y_ptr, D, N, pid_m, pid_d,
     if SPLIT_K > 1:
         _store_partial(ws_ptr, acc, offs_m, offs_d, mask, pid_s, stride_ws_s, stride_ws_m)
     else:
-        rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0)
         _epilogue(acc, y_ptr, w_ptr, rows, rows, m_mask, offs_d, mask, stride_ym, stride_yd, WEIGHTED, ACCUMULATE)
 
 
@@ -243,14 +245,14 @@ def cohort_down_scatter_kernel(a_ptr, idx_ptr, count_ptr, w_ptr, wd_ptr, y_ptr, 
                                ws_ptr, stride_ws_s, stride_ws_m,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                WEIGHTED: tl.constexpr = True, ACCUMULATE: tl.constexpr = True,
-                               SPLIT_K: tl.constexpr = 1):
+                               SPLIT_K: tl.constexpr = 1, GATHER_A: tl.constexpr = False):
     pid_m = tl.program_id(0)
     count = tl.load(count_ptr)
     if pid_m * BLOCK_M >= count:
         return
     _down_tile(a_ptr, idx_ptr, count, w_ptr, wd_ptr, y_ptr, D, N, pid_m, tl.program_id(1),
                stride_am, stride_an, stride_wd, stride_wn, stride_ym, stride_yd, BLOCK_M, BLOCK_N, BLOCK_K,
-               WEIGHTED, ACCUMULATE, ws_ptr, tl.program_id(2), stride_ws_s, stride_ws_m, SPLIT_K)
+               WEIGHTED, ACCUMULATE, ws_ptr, tl.program_id(2), stride_ws_s, stride_ws_m, SPLIT_K, GATHER_A)
 
 
 @triton.jit
@@ -429,8 +431,9 @@ def cohort_down_scatter(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
 
 
 def _down_launch(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor | None,
-                 w: torch.Tensor, y: torch.Tensor, t: Tile, accumulate: bool) -> None:
-    """The down kernel's launch (unweighted where `weights` is None: o_proj), its K split as the tile says."""
+                 w: torch.Tensor, y: torch.Tensor, t: Tile, accumulate: bool, batch_rows: bool = False) -> None:
+    """The down kernel's launch (unweighted where `weights` is None: o_proj), its K split as the tile says;
+    `batch_rows`: slot m's row of `a` is its batch row idx[m], not m."""
     capacity, (d, n) = idx.shape[0], w.shape
     split = SplitK.of(t, capacity, d, y)
     grid = (cdiv(capacity, t.block_m), cdiv(d, t.block_n), split.splits)
@@ -438,7 +441,7 @@ def _down_launch(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weight
                                      a.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), split.ws,
                                      *split.strides, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                                      WEIGHTED=weights is not None, ACCUMULATE=accumulate, SPLIT_K=split.splits,
-                                     num_warps=t.num_warps, num_stages=t.num_stages)
+                                     GATHER_A=batch_rows, num_warps=t.num_warps, num_stages=t.num_stages)
     split.reduce(idx, count, weights, y, accumulate, scatter=True)
 
 
@@ -449,20 +452,21 @@ def _gathers(tiles: TileTable | Tile | None, op: str, capacity: int) -> bool:
 
 def cohort_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torch.Tensor,
                 out: torch.Tensor | None = None, tile: TileTable | Tile | None = None,
-                batch_rows: bool = False) -> torch.Tensor:
+                batch_rows: bool = False, finite_others: bool = False) -> torch.Tensor:
     """A [C, N] with rows m < count set to x[idx[m]] @ W^T (packed), rows >= count untouched (zeros when
     `out` is not given). A table may serve it in the gathered form (`vskipper.mixed.gathered`).
 
     `batch_rows`: A [len(x), N] in x's rows instead, row idx[m] set to x[idx[m]] @ W^T for m < count; the rows
-    outside the cohort hold values of no meaning (nothing here zeroes them: the masked and packed reads skip them,
-    a read of every row zeroes them first). Its gathered form multiplies every row of x (`batch_rows_gemm`)."""
+    outside the cohort hold values of no meaning: whatever the storage held (the masked and packed reads skip
+    them), or, with `finite_others` (a read of every row, which reads them and whose outputs there no one reads),
+    zeros. Its gathered form multiplies every row of x (`batch_rows_gemm`): each row's own product, finite too."""
     capacity, (n, k) = idx.shape[0], w.shape
     if batch_rows and out is not None:
         raise ValueError("cohort_gemm stores its batch rows into storage of its own: no `out` with batch_rows")
     if _gathers(tile, "attn_q", capacity):
         return batch_rows_gemm(x, w) if batch_rows else gathered_gemm(x, idx, count, w, out)
     if batch_rows:
-        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        out = (torch.zeros if finite_others else torch.empty)(x.shape[0], n, dtype=x.dtype, device=x.device)
     elif out is None:
         out = torch.zeros(capacity, n, dtype=x.dtype, device=x.device)
     t = _grid_tile("attn_q", capacity, x, tile)
@@ -477,14 +481,17 @@ def cohort_gemm(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torc
 
 
 def cohort_scatter_add(a: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
-                       tile: TileTable | Tile | None = None) -> None:
+                       tile: TileTable | Tile | None = None, batch_rows: bool = False) -> None:
     """y[idx[m]] += a[m] @ W^T for m < count, in place (the down kernel, unweighted; or, as a table says, the
-    gathered form)."""
+    gathered form). `batch_rows`: a [len(y), N] in batch rows instead, y[idx[m]] += a[idx[m]] @ W^T (the kernel
+    gathers its rows in its operand load, the gathered form in its gather): o_proj over a read of every batch row,
+    whose other rows are not read."""
     capacity = idx.shape[0]
     if _gathers(tile, "attn_o", capacity):
-        gathered_scatter_add(a, idx, count, w, y)
+        gathered_scatter_add(a.index_select(0, idx) if batch_rows else a, idx, count, w, y)
         return
-    _down_launch(a, idx, count, None, w, y, _grid_tile("attn_o", capacity, a, tile), accumulate=True)
+    _down_launch(a, idx, count, None, w, y, _grid_tile("attn_o", capacity, a, tile), accumulate=True,
+                 batch_rows=batch_rows)
 
 
 def cohort_ffn_triton(x: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, weights: torch.Tensor,

@@ -41,14 +41,15 @@ Two executions of the same semantics:
           (`LayerOps.batch_q_kv`); the masked decode read and the packed prefill read (flash-attention over each
           slot's request) gather each slot's query, request and position themselves (`LayerOps.read_cohort`): no
           gather or scatter launched around them. A prefill read through the host's attention backend reads every
-          batch row's query (`LayerOps.reads_every_query`: the Project-Only rows' zeroed first, in one select)
-          and gathers the RUN rows' outputs into their slots. Then o_proj as a count-bounded GEMM scattered onto
+          batch row's query (`LayerOps.reads_every_query`: the Project-Only rows' zeros, the Q GEMM's storage
+          zero-filled) and leaves its outputs in batch rows, where o_proj gathers the RUN rows' in its operand
+          load. Then o_proj as a count-bounded GEMM scattered onto
           the RUN rows' residual (onto x itself where the host hands x over, `x_owned`: a residual no one else
           holds, as the Llama layer's add-norm residual, which upstream's own layer updates in place too;
           elsewhere onto a copy); the two cohort FFNs in one launch per stage (`cohort_ffn_pair`), each storing
           its rows of the branch output. No host read, no all-RUN test (a pass with every row RUN runs the same
           kernels at the full count); a Project-Only row computes its K/V
-          and the adapter alone: no Q, no read (through the backend, a zero query whose output is dropped), no
+          and the adapter alone: no Q, no read (through the backend, a zero query whose output is not read), no
           o_proj, no MLP. Where the tile table measured cuBLAS faster than an operation's tile at a memory-bound
           capacity, that GEMM runs in the gathered form over every slot, its slots past the count masked
           (`vskipper.mixed.gathered`): the same values, no host read either.
@@ -84,7 +85,8 @@ class LayerOps(Protocol):
     post_attention_layernorm: nn.Module
     projector: nn.Module  # the FlexiDepth adapter (`ProjectorAdapter`): d -> m -> d
     # the triton execution's read takes the RUN rows' queries in their batch rows (`batch_q_kv`, `read_cohort`); where
-    # it reads every batch row's query (SGLang's prefill backend), the Project-Only rows' are zeroed first
+    # it reads every batch row's query (SGLang's prefill backend), the Project-Only rows' hold zeros (the gathered Q
+    # form's: their own queries), and its outputs stay in batch rows, where o_proj reads the RUN rows'
     reads_every_query: bool
 
     def attention(self, u: torch.Tensor) -> torch.Tensor:
@@ -99,7 +101,7 @@ class LayerOps(Protocol):
 
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) for the triton execution: its queries q [rows, heads * hd] in batch rows (the RUN rows' from
-        the cohort Q GEMM; the other rows' of no meaning, or zeros where `reads_every_query`) normed (Qwen3) and
+        the cohort Q GEMM; the other rows' of no meaning, or finite where `reads_every_query`) normed (Qwen3) and
         rotated with every row's k, v of u, in one call where the host can; nothing gathered or scattered."""
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -113,8 +115,9 @@ class LayerOps(Protocol):
         """The triton execution's read over a cohort's packed slots: slot m, where reads[m], reads for batch row
         rows[m] with its query q[rows[m]] (q [n, heads * hd] in batch rows, `batch_q_kv`); [len(rows), heads *
         hd], packed, zeros for slots outside `reads`. The masked decode read and the packed prefill read gather
-        the rows' queries, requests and positions themselves (no gather launched before them); a read of every
-        batch row (`reads_every_query`) gathers its outputs after it."""
+        the rows' queries, requests and positions themselves (no gather launched before them). A read of every
+        batch row (`reads_every_query`) returns every row's output in batch rows instead ([n, heads * hd]), no
+        gather after it either: o_proj reads the RUN rows' where they lie."""
 
     def o_proj(self, a: torch.Tensor) -> torch.Tensor:
         """The output projection, reduced across the host's tensor-parallel group."""
@@ -150,7 +153,7 @@ def routed_layer(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Ten
             raise ValueError("backend 'triton' needs the layer's device cohort maps ('cohorts')")
         if note is not None:
             note("cohorts")
-        return _routed_triton(ops, x, u, run, weights, cohorts, tiles, x_owned)
+        return _routed_triton(ops, x, u, weights, cohorts, tiles, x_owned)
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
 
 
@@ -184,23 +187,24 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
     return Handoff(delta.mul_(w), residual)
 
 
-def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
-                   cohorts: Cohorts, tiles: Any, x_owned: bool) -> Handoff:
+def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, weights: torch.Tensor, cohorts: Cohorts,
+                   tiles: Any, x_owned: bool) -> Handoff:
     from vskipper.mixed.kernels import CohortFFN, cohort_ffn_pair, cohort_gemm, cohort_scatter_add
 
     w_q, b_q, w_o = ops.attention_weights()
     idx, n_run = cohorts.run_idx, cohorts.n_run
-    # the RUN rows' queries in their batch rows (the others' of no meaning), rotated beside every row's key
-    q = cohort_gemm(u, idx, n_run, w_q, tile=tiles, batch_rows=True)
+    # The RUN rows' queries in their batch rows, rotated beside every row's key; the others' of no meaning, finite
+    # where the read reads every row (a Project-Only row's output there is never read: o_proj reads the RUN rows').
+    q = cohort_gemm(u, idx, n_run, w_q, tile=tiles, batch_rows=True, finite_others=ops.reads_every_query)
     if b_q is not None:
         q += b_q
-    if ops.reads_every_query:  # a Project-Only row enters the read with a zero query (its output is dropped)
-        q = torch.where(run.view(-1, 1), q, 0)
     q, k, v = ops.batch_q_kv(u, q)  # k, v: every row's, in batch order
     ops.write_kv(k, v)
-    a = ops.read_cohort(q, idx, cohorts.live)  # packed: the slots that hold a RUN row read
+    # packed: the slots that hold a RUN row read; or every batch row's output, in batch rows (`reads_every_query`)
+    a = ops.read_cohort(q, idx, cohorts.live)
     h = x if x_owned else x.clone()  # Project-Only rows: h = x
-    cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles)  # RUN rows: h = x + o_proj(a)
+    # RUN rows: h = x + o_proj(a), the RUN rows' outputs gathered by the kernel where they lie in batch rows
+    cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles, batch_rows=ops.reads_every_query)
     # Every row is in exactly one cohort (n_run + n_proj = rows), so each branch stores its rows of delta: no
     # zero fill, no read of delta (where a down GEMM serves in the gathered form, which adds, the pair zeroes it).
     delta = torch.empty_like(h)

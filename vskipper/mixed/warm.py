@@ -19,7 +19,8 @@ every launch of a served pass is one the build made).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,7 +36,8 @@ from vskipper.skippers.base import LayerRoute
 @dataclass
 class WarmOps:
     """`LayerOps` over a routed layer's weights with its attention stood in for: K/V of the pass's shapes, written
-    nowhere, and a read that returns zeros of the shape a served read returns ([rows, Q columns], contiguous)."""
+    nowhere, and a read that returns zeros of the shape a served read returns ([cohort slots, Q columns], or
+    [batch rows, Q columns] where it reads every batch row; contiguous)."""
 
     attention: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # (Q rows, their bias, o_proj's weight)
     mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (gate rows, up rows, down)
@@ -58,7 +60,9 @@ class WarmOps:
         pass
 
     def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(rows.shape[0], q.shape[1], dtype=q.dtype, device=q.device)
+        # a read of every batch row leaves its outputs in batch rows, the others' in the cohort's packed slots
+        return torch.zeros(q.shape[0] if self.reads_every_query else rows.shape[0], q.shape[1], dtype=q.dtype,
+                           device=q.device)
 
 
 def warm_rows(tiles: Any, device: torch.device | str) -> tuple[int, ...]:
@@ -73,10 +77,12 @@ def warm_routed_layer(ops: WarmOps, hidden: int, dtype: torch.dtype, device: tor
                       rows: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """Run the routed body's triton execution once at each pass size of `rows` (`warm_rows` where None), half of
     its rows RUN, over `ops`' weights: every Triton launch a served pass of that size range makes is compiled by
-    it. The cohort maps (one variant for every size) are built with dense-mode rows and without. Returns the sizes
-    run."""
+    it. The cohort maps (one variant for every size) are built with dense-mode rows and without. Where the prefill
+    reads every batch row (`reads_every_query`), a pass of every size runs in both forms, since a decode pass of
+    that size reads its cohort's slots (o_proj's operand packed, another variant). Returns the sizes run."""
     rows = warm_rows(tiles, device) if rows is None else rows
-    for i, n in enumerate(rows):
+    forms = (replace(ops, reads_every_query=False), ops) if ops.reads_every_query else (ops,)
+    for i, (n, form) in enumerate(itertools.product(rows, forms)):
         capacity = tape_capacity(n)
         tape, builder = RouteTape(capacity, (0,), dtype, device), CohortBuilder(capacity, device)
         tape.pad(n)
@@ -87,5 +93,5 @@ def warm_routed_layer(ops: WarmOps, hidden: int, dtype: torch.dtype, device: tor
         cohorts = builder.record_and_build(tape, 0, route)
         run_row, weights = tape.layer(0, n)
         x = torch.zeros(n, hidden, dtype=dtype, device=device)
-        routed_layer(ops, x, torch.zeros_like(x), run_row, weights, "triton", cohorts, tiles, x_owned=True)
+        routed_layer(form, x, torch.zeros_like(x), run_row, weights, "triton", cohorts, tiles, x_owned=True)
     return rows

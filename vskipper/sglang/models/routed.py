@@ -426,11 +426,11 @@ class SGLangLayerOps:
         """The masked decode read, or the packed prefill read, over the cohort's packed slots (launch shape: the
         pass's rows), each slot's query, request slot and position gathered by the kernel from the batch rows;
         slots outside `reads` read nothing. Or the prefill read through SGLang's backend (`reads_every_query`),
-        over every batch row's query."""
+        over every batch row's query, its outputs in batch rows (o_proj gathers the RUN rows')."""
         from vskipper.mixed.kernels import masked_decode_attention, packed_prefill_attention
 
         if self.reads_every_query:
-            return self._backend_read(q, rows, reads)
+            return self._backend_read(q, None)
         a = self.attn
         pool = get_token_to_kv_pool()
         lid = a.attn.layer_id
