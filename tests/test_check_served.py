@@ -25,9 +25,11 @@ def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path
     # the servers' attention backend (the device run's profile: the stand-ins'), against a reference through another
     assert report["attention_backend"] == "triton" and report["reference_backend"] == "torch_native"
     names = [c["case"] for c in report["cases"]]
-    assert len(names) == 20 and sum(n.startswith("decode") for n in names) == 6
-    # RandomSkip's fused routes against its own ops, both arms' skippers, at 1, 3 (the padded batch) and 16 rows
+    assert len(names) == 26 and sum(n.startswith("decode") for n in names) == 6
+    # RandomSkip's fused routes against its own ops, both arms' skippers, at 1, 3 (the padded batch) and 16 rows;
+    # the trained gates' fused route against their own, at the same rows
     assert sum(n.startswith("fused routes of ") for n in names) == 6
+    assert sum(n.startswith("fused gate of ") for n in names) == 6
     # a batch of 3 replayed from the graph captured for SGLang's next capture size (4), for another batch
     assert sum(" 3 rows replayed from the graph of 4," in n for n in names) == 2
     assert {n.rsplit(", ", 1)[1] for n in names if n.startswith("prefill")} == {"packed read", "backend read"}
@@ -72,7 +74,7 @@ def test_a_fault_in_the_servers_backend_read_strays_in_the_backend_read_cases_an
 def _unchecked_where_the_servers_backend_is_needed(report: dict, error: str) -> None:
     """The backend reads and the padded replay (the backend fills its padding rows' context) are not checked,
     with `error`; every other case is checked and agrees."""
-    assert not report["ok"] and len(report["cases"]) == 20
+    assert not report["ok"] and len(report["cases"]) == 26
     for case in report["cases"]:
         needs = case["case"].endswith("backend read") or "replayed from the graph" in case["case"]
         assert case["ok"] != needs, case
@@ -148,7 +150,7 @@ def test_a_case_that_cannot_run_is_reported_not_passed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kernels, "cohort_ffn_pair", broken)
     report = _check(tmp_path)  # every routed pass launches the FFN pair: no layer case runs, and none passes
-    layer_cases = [c for c in report["cases"] if not c["case"].startswith("fused routes")]
+    layer_cases = [c for c in report["cases"] if not c["case"].startswith(("fused routes", "fused gate"))]
     assert not report["ok"] and all("illegal memory access" in c["error"] for c in layer_cases)
     assert "illegal memory access" in report["warm"]["error"]  # the warm-up runs the pair too: reported, not raised
 
@@ -324,10 +326,11 @@ def test_a_run_on_the_stand_in_ops_checks_them_before_its_first_routed_server_an
     case = {"ok": True, "output_error": 0.001, "kv_error": 0.0}
     report = {"device": "NVIDIA H200", "execution": {}, "rtol": 0.05, "ok": True,
               "cases": [{**case, "case": "decode 16 rows"}, {**case, "case": "fused routes of 1 rows over 16 layers"},
+                        {**case, "case": "fused gate of 1 rows, flexidepth"},
                         {**case, "case": "stand-in ops: RMSNorm of 1 x 4096"}]}
     (line,) = [ln for ln in run.check_lines({"sweep": {"check": {"report": report}}}) if ln.startswith("The served")]
-    assert "prefill with either read; RandomSkip's fused routes against its own ops; the stand-in ops against " \
-        "SGLang's torch path; each row" in line
+    assert "prefill with either read; RandomSkip's fused routes against its own ops; the trained gates' fused route " \
+        "against their own; the stand-in ops against SGLang's torch path; each row" in line
 
 
 def test_fused_routes_that_differ_from_the_skippers_own_stray_in_their_cases():
@@ -348,3 +351,24 @@ def test_fused_routes_that_differ_from_the_skippers_own_stray_in_their_cases():
     assert [c["case"] for c in cases if not c["ok"]] == [f"fused routes of {n} rows over 16 layers, s=0.5"
                                                           for n in (1, 16)]
     assert all(c["ok"] for c in cases if c["case"].endswith("s=0"))
+
+
+def test_a_fused_gate_that_routes_otherwise_than_the_gates_own_strays_in_its_cases():
+    """A fused gate that drops the decision (here: every row RUN) strays in each gate's cases with rows that
+    project; the weights a FlexiDepth gate gives them stray too. Its cases at the served rows otherwise agree."""
+    from vskipper.mixed import router
+
+    real = router.gate_route
+
+    def all_run(skipper, u, valid, module):
+        route = real(skipper, u, valid, module)
+        route.run_mask.fill_(True)
+        return route
+
+    cases = check_served.gate_cases(torch.device("cpu"), torch.float32, check_served.SMOKE, (1, 16))
+    assert all(c["ok"] for c in cases) and len(cases) == 4
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(router, "gate_route", all_run)
+        cases = check_served.gate_cases(torch.device("cpu"), torch.float32, check_served.SMOKE, (1, 16))
+    assert {c["case"] for c in cases if not c["ok"]} >= {f"fused gate of 16 rows, {g}"
+                                                         for g in ("flexidepth", "qwen3_hard_gate")}

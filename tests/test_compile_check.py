@@ -1,5 +1,5 @@
-"""`python -m vskipper.mixed.compile_check`: every Triton kernel (the cohort execution's, the fused routes' and the
-stand-in ops') compiled ahead of time to a cubin for a Hopper and an Ampere part with 99 KiB of shared memory, at
+"""`python -m vskipper.mixed.compile_check`: every Triton kernel (the cohort execution's, the fused routes', the fused
+gate's and the stand-in ops') compiled ahead of time to a cubin for a Hopper and an Ampere part with 99 KiB of shared memory, at
 the launch configurations a server uses there, with Triton's own compiler and ptxas (no GPU: what runs on the
 device itself, registers and speed, is measured there)."""
 
@@ -16,7 +16,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from tests.sglang_world import ROOT
-from vskipper.mixed import compile_check, kernels, norms, routes
+from vskipper.mixed import compile_check, kernels, norms, router, routes
 from vskipper.mixed.tiles import Tile, tile_table_for
 from vskipper.roofline import lookup_device
 
@@ -34,7 +34,7 @@ def test_every_kernel_compiles_for_hopper_and_a_99_kib_ampere_part_within_its_sh
     reports = json.loads(out.read_text())
     # this process runs them in the interpreter (conftest.py), the check's as JIT functions; `_` marks a helper
     # the kernels inline
-    jitted = {name for module in (kernels, norms, routes) for name, obj in inspect.getmembers(module)
+    jitted = {name for module in (kernels, norms, routes, router) for name, obj in inspect.getmembers(module)
               if isinstance(obj, (triton.runtime.JITFunction, InterpretedFunction)) and not name.startswith("_")
               and obj.fn.__module__ == module.__name__}
     for report, limit in zip(reports, (227 * 1024, 99 * 1024), strict=True):

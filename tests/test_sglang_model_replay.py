@@ -28,6 +28,14 @@ ROWS, GRAPH = 3, 4  # a batch of 3 replays the graph captured for 4 (SGLang's ne
 REQUESTS = 8
 
 
+def arm(name: str):
+    """The host benchmark's arms (dense, s = 0, s = 0.5: RandomSkip) or a catalogued one (always-route:
+    FlexiDepth's gate, the checkpoint's routers)."""
+    from vskipper.arms import get_arm
+
+    return ARMS[name] if name in ARMS else get_arm(name)
+
+
 @pytest.fixture
 def models(tmp_path, monkeypatch):
     """Two models of the s = 0.5 arm from one checkpoint, the triton execution, the same KV pool contents: the
@@ -170,9 +178,10 @@ def test_a_plan_written_where_the_graph_does_not_read_it_strays(models):
     assert not torch.allclose(got, want, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize(("arm", "execution"), [("dense", "triton"), ("s=0", "triton"), ("s=0.5", "triton"),
-                                                ("s=0.5", "torch")])
-def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(tmp_path, monkeypatch, arm, execution):
+@pytest.mark.parametrize(("arm_name", "execution"), [("dense", "triton"), ("s=0", "triton"), ("s=0.5", "triton"),
+                                                     ("always-route", "triton"), ("s=0.5", "torch")])
+def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(tmp_path, monkeypatch, arm_name,
+                                                                               execution):
     """The real model's whole forward after its hook's `prepare_pass` (embedding, dense and routed layers, the
     skipper's per-pass state, the tape, the logits), prefill and decode: with the triton execution no operator
     that would make the host wait for the device (`mixed_world.HostWaitDetector`: a scalar read, an output shaped
@@ -190,7 +199,7 @@ def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(t
     init_sglang("cpu")
     register_configs()
     checkpoint = make_tiny_model("flexidepth-llama", tmp_path / "tiny", TinySize(layers=4))
-    m = ServedModel(ARMS[arm], checkpoint, REQUESTS, REQUESTS * (CONTEXT + 64) + 1, execution=execution)
+    m = ServedModel(arm(arm_name), checkpoint, REQUESTS, REQUESTS * (CONTEXT + 64) + 1, execution=execution)
     waits = {}
     for phase, shape, first in (("prefill", Shape("prefill", 2, 16), 4), ("decode", Shape("decode", 3), 0)):
         m.whole(m.batch(shape, first))  # the first pass of a shape: the plan buffers and the tape sized
@@ -204,19 +213,20 @@ def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(t
         m.model.finish_pass(fb, False)
         waits[phase] = detector.waits
     counted = m.runtime.attestation()["passes_total"]
-    assert counted["prefill"]["routed" if arm != "dense" else "dense"] == 2  # both passes served as the arm serves
+    assert counted["prefill"]["routed" if arm_name != "dense" else "dense"] == 2  # served as the arm serves
     if execution == "triton":
         assert waits == {"prefill": [], "decode": []}
     else:
         assert "aten.nonzero.default" in waits["prefill"] and "aten.nonzero.default" in waits["decode"]
 
 
-@pytest.mark.parametrize("prefill_read", ["packed", "backend"])
+@pytest.mark.parametrize(("arm_name", "prefill_read"), [("s=0.5", "packed"), ("s=0.5", "backend"),
+                                                        ("always-route", "backend")])
 def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_serving(tmp_path, monkeypatch,
-                                                                                      prefill_read):
+                                                                                      arm_name, prefill_read):
     """The served model runs its routed layer's Triton launches when it is built (`warm_layer`: the cohort maps
     with dense-mode rows and without, the routed body at a pass in each range of its tiles; `warm_routes`: the
-    skipper's fused routes), so that no pass
+    skipper's fused routes; `warm_gate`: a trained gate's two kernels), so that no pass
     while serving compiles one and holds the passes behind it (the maps compiled four times while serving on the
     H200, 1.3-1.7 s each). Each launch is keyed as Triton's JIT keys its compiled variants (every argument's
     specialization, the switches, the block sizes and warps): the prefill passes of 2 x 16 and 3 x 7 tokens and a
@@ -230,7 +240,7 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.interpreter import InterpretedFunction
 
-    from vskipper.mixed import kernels, routes
+    from vskipper.mixed import kernels, router, routes
     from vskipper.sglang import active
     from vskipper.sglang.configs import register_configs
     from vskipper.sglang.standalone import init_sglang
@@ -256,7 +266,7 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    for module in (kernels, routes):
+    for module in (kernels, routes, router):
         jitted = {name: obj for name, obj in vars(module).items()
                   if isinstance(obj, InterpretedFunction) and not name.startswith("_")}
         for name, kernel in jitted.items():
@@ -271,16 +281,18 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
     monkeypatch.setattr(served, "cohort_execution",
                         lambda *a, **k: dataclasses.replace(chosen(*a, **k), prefill_read=prefill_read))
     checkpoint = make_tiny_model("flexidepth-llama", tmp_path / "tiny", TinySize(layers=4))
-    m = ServedModel(ARMS["s=0.5"], checkpoint, REQUESTS, REQUESTS * (CONTEXT + 64) + 1, execution="triton")
+    m = ServedModel(arm(arm_name), checkpoint, REQUESTS, REQUESTS * (CONTEXT + 64) + 1, execution="triton")
     assert m.model.slot.execution.prefill_read == prefill_read
     when[0] = "serving"
     for shape, first in ((Shape("prefill", 2, 16), 0), (Shape("prefill", 3, 7), 2), (Shape("decode", 3), 0)):
         m.whole(m.batch(shape, first))
     built = {(name, key) for w, name, key, _ in launches if w == "build"}
     served = {(name, key) for w, name, key, _ in launches if w == "serving" and name not in reads}
-    # RandomSkip's routes in one launch a pass (`vskipper.mixed.routes`), compiled at the build as well
-    assert {name for name, _ in built} >= {"cohort_maps_kernel", "cohort_gemm_kernel", "random_routes_kernel"}
-    assert {name for name, _ in served} >= {"cohort_maps_kernel", "cohort_gemm_kernel", "random_routes_kernel"}
+    # RandomSkip's routes in one launch a pass (`vskipper.mixed.routes`), FlexiDepth's gate in two a routed layer
+    # (`vskipper.mixed.router`), compiled at the build as well
+    routes = {"random_routes_kernel"} if arm_name == "s=0.5" else {"gate_norm_tanh_kernel", "gate_decide_kernel"}
+    assert {name for name, _ in built} >= {"cohort_maps_kernel", "cohort_gemm_kernel", *routes}
+    assert {name for name, _ in served} >= {"cohort_maps_kernel", "cohort_gemm_kernel", *routes}
     assert served <= built, sorted(name for name, _ in served - built)
     # o_proj's two forms served: its operand packed (decode) and, through the backend's read, in batch rows
     gathers = {("GATHER_A", True) in key for name, key in served if name == "cohort_down_scatter_kernel"}
@@ -290,3 +302,44 @@ def test_every_triton_launch_a_served_pass_makes_is_a_variant_compiled_before_se
             for w in ("build", "serving")}
     assert len({key for w, name, key, _ in launches if name == "cohort_maps_kernel" and w == "build"}) == 2
     assert not maps["serving"] <= maps["build"]  # by the JIT's default the served maps would compile anew
+
+
+def test_the_triton_execution_routes_a_trained_gate_in_two_launches_a_layer_as_its_own_route_does(tmp_path,
+                                                                                                  monkeypatch):
+    """FlexiDepth's always-route arm over the checkpoint's routers: in the triton execution each routed layer's
+    route comes from the fused gate (`vskipper.mixed.router`: the router's two GEMMs and two launches, attested as
+    `execution.skipper_route`), with none of the gate's own chain (its sigmoid, tanh, the threshold's compare), and
+    the pass's tape holds the routes and weights the torch execution's own `route` records, prefill and decode."""
+    from vskipper.mixed.launches import LaunchCount, interpreted_launches
+    from vskipper.sglang import active
+    from vskipper.sglang.configs import register_configs
+    from vskipper.sglang.standalone import init_sglang
+
+    monkeypatch.setattr(active, "_ACTIVE", [])
+    monkeypatch.setattr(active, "_RUNTIME", [])
+    init_sglang("cpu")
+    register_configs()
+    checkpoint = make_tiny_model("flexidepth-llama", tmp_path / "tiny", TinySize(layers=4))
+    slots = REQUESTS * (CONTEXT + 64) + 1
+    fused, own = (ServedModel(arm("always-route"), checkpoint, REQUESTS, slots, execution=e)
+                  for e in ("triton", "torch"))
+    assert "vskipper.mixed.router" in fused.runtime.execution["skipper_route"]
+    assert own.runtime.execution["skipper_route"] == "the skipper's own route"
+    routed = fused.model.routed_layers
+    for shape, first in ((Shape("prefill", 2, 16), 4), (Shape("decode", 3), 0)):
+        tapes = []
+        for m in (fused, own):
+            torch.manual_seed(1)  # the same token ids
+            fb = m.batch(shape, first)
+            count = LaunchCount()
+            with interpreted_launches(count.triton), count:
+                m.whole(fb)
+            tapes.append(m.runtime._tape)  # an eager pass's tape (no graph captured here), kept till the next
+            if m is fused:
+                assert count.triton["gate_norm_tanh_kernel"] == count.triton["gate_decide_kernel"] == len(routed)
+                assert not {"sigmoid", "tanh", "gt"} & set(count.ops)
+        for layer in routed:
+            (run_f, w_f), (run_o, w_o) = (t.layer(layer, shape.rows) for t in tapes)
+            assert torch.equal(run_f, run_o)
+            assert run_f.any() and not run_f.all()  # both branches taken
+            torch.testing.assert_close(w_f, w_o, rtol=1e-5, atol=1e-6)

@@ -33,7 +33,12 @@ if any strays or could not run; `--json` writes them.
 
 RandomSkip's routes of a pass in the fused launch the triton execution serves them with (`vskipper.mixed.routes`)
 against the skipper's own tensor ops, for both arms' skippers over 16 routed layers at one row, a padded decode
-batch's and a prefill's rows (signed request keys, some rows invalid): equal, flag for flag.
+batch's and a prefill's rows (signed request keys, some rows invalid): equal, flag for flag. A trained gate's route
+in the fused form the triton execution serves it with (`vskipper.mixed.router`: FlexiDepth's, which the hybrid and
+always-route arms serve, and the Qwen3 hard gate's) against the gate's own module and decision, over a router of
+the served widths with random weights, at the same rows (some invalid): the flags equal wherever the router's weight
+is not within `GATE_MARGIN` of the threshold (the sums' order and a GEMM library's may route those either way) and
+the branch weights within `GATE_ATOL` there.
 
 With `--stand-in-ops triton` (a run whose servers serve the CUDA stand-ins' Triton ops, `vskipper serve
 --stand-in-ops`), SGLang's RMSNorm (over the hidden width, with its residual add and without, and over head_dim)
@@ -96,6 +101,8 @@ REFERENCE_BACKEND = TORCH_NATIVE  # the reference's attention backend (none of i
 # The stand-in ops against SGLang's torch path: two bf16 roundings apart at most (a sum in another order, then the
 # output's rounding); a wrong row, column or weight strays by whole values
 OPS_RTOL = 2 * 2 ** -7
+GATE_MARGIN = 0.02  # a router weight this close to the run threshold may route either way
+GATE_ATOL = 2 * 2 ** -7  # the branch weights (in [0, 1]): two units of bf16 at 1
 
 
 def torch_execution(device: torch.device):
@@ -392,6 +399,47 @@ def routes_cases(device: torch.device, dtype: torch.dtype, rows: tuple[int, ...]
     return results
 
 
+def gate_cases(device: torch.device, dtype: torch.dtype, size, rows: tuple[int, ...]) -> list[dict]:
+    """Each trained gate's fused route (`vskipper.mixed.router.gate_route`) against its own `route` at each of
+    `rows`, over one router of `size`'s widths: the flags equal where the router's weight is clear of the threshold
+    by `GATE_MARGIN`, and the weights there within `GATE_ATOL`, or the case strays."""
+    from vskipper.constants import CONSTANTS
+    from vskipper.mixed.router import gate_route
+    from vskipper.modelspec import router_sizes
+    from vskipper.skippers.modules import SkipRouter
+    from vskipper.skippers.trained_gate import FlexiDepthGate, HardGate
+
+    hidden = size.hidden
+    torch.manual_seed(0)
+    router = SkipRouter(hidden, router_sizes({"hidden_size": hidden, "intermediate_size": hidden})[0])
+    with torch.no_grad():  # weights spread on both sides of the threshold
+        router.router_norm.weight.uniform_(0.5, 1.5)
+        router.router_head.weight.mul_(4.0)
+    router = router.to(device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for n in rows:
+        u = torch.randn(n, hidden, generator=gen).to(device, dtype)
+        valid = (torch.rand(n, 1, generator=gen) > 0.1).to(device)
+        for gate in (FlexiDepthGate(), HardGate()):
+            name = f"fused gate of {n} rows, {gate.name}"
+            try:
+                got, want = gate_route(gate, u, valid, router), gate.route(0, u, valid, router)
+                p = router(u).view(-1, 1)
+                clear = ((p - CONSTANTS.router_run_threshold).abs() > GATE_MARGIN) | ~valid
+                flags = int((got.run_mask != want.run_mask)[clear].sum())
+                err = float((got.weights.float() - want.weights.float())[clear].abs().max()) if clear.any() else 0.0
+            except Exception as exc:  # noqa: BLE001 (a launch that fails is this case's finding)
+                results.append(not_checked(name, exc))
+                continue
+            ok = flags == 0 and err <= GATE_ATOL
+            print(f"  {name:72} {flags} clear flags differ, weights within {err:.3g}  {'ok' if ok else 'STRAYS'}",
+                  flush=True)
+            results.append({"case": name, "ok": ok, "output_error": err, "kv_error": 0.0, "flags": flags,
+                            "clear_rows": int(clear.sum())})
+    return results
+
+
 def op_verdict(name: str, hooked, native) -> dict:
     """One stand-in op's case: `hooked()` (through the hook, which must take the kernel) against `native()`."""
     from vskipper.sglang import stand_in_ops
@@ -505,6 +553,7 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                                                      backend=backend if read == "backend" else None)))
     rows = (1, real, max(sum(p) for p in cases["prompts"]))  # one row, a padded decode batch's, a prefill's
     results += routes_cases(device, dtype, rows)
+    results += gate_cases(device, dtype, size, rows)
     if stand_in_ops:
         results += stand_in_ops_cases(device, dtype, size, rows)
     report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL)

@@ -1531,6 +1531,8 @@ def check_lines(results: dict) -> list[str]:
     replayed = " and replayed from CUDA graphs" if any("CUDA graph" in c["case"] for c in cases) else ""
     ops = "; RandomSkip's fused routes against its own ops" if any(c["case"].startswith("fused routes")
                                                                      for c in cases) else ""
+    ops += "; the trained gates' fused route against their own" if any(c["case"].startswith("fused gate")
+                                                                      for c in cases) else ""
     ops += "; the stand-in ops against SGLang's torch path" if any(c["case"].startswith("stand-in ops")
                                                                    for c in cases) else ""
     backend = report.get("attention_backend")

@@ -1,4 +1,4 @@
-"""Every Triton kernel of `vskipper.mixed.kernels`, `.norms` and `.routes`, compiled ahead of time for a GPU's
+"""Every Triton kernel of `vskipper.mixed.kernels`, `.norms`, `.routes` and `.router`, compiled ahead of time for a GPU's
 architecture, no GPU needed.
 
     python -m vskipper.mixed.compile_check [--device NAME ...] [--tile-table FILE] [--json FILE]
@@ -8,7 +8,7 @@ launch configurations a server uses on it: every tile its tile table holds (the 
 the shared-memory default elsewhere, or the one `--tile-table` gives, as `vskipper serve --tile-table` would serve
 it) for the cohort GEMMs and the packed prefill read, and the served Llama-3-8B shapes (bf16, head_dim 128,
 four query heads a KV head) for the attention reads, the cohort maps, RandomSkip's fused routes over the 16 routed
-layers, and the CUDA stand-ins' norms and SiLU-and-mul (`vskipper serve --stand-in-ops triton`; Qwen3's per-head
+layers, a trained gate's fused route (the release's router width), and the CUDA stand-ins' norms and SiLU-and-mul (`vskipper serve --stand-in-ops triton`; Qwen3's per-head
 norms at head_dim too). Each launch is specialized as Triton's
 JIT specializes it (its own argument specialization applied to example arguments of the served shapes: unit
 strides folded, aligned pointers and multiples of 16 marked divisible), so the shared memory, registers and spills
@@ -43,7 +43,7 @@ COHORT_MAP_ROWS = 8192  # a prefill chunk (the count is not specialized: one var
 REQ_TO_TOKEN_WIDTH = 8192 + 4  # SGLang's req_to_token rows: the context length (the device run's) plus 4
 ROWS, POOL_SLOTS, REQUESTS = 256, 4096, 8
 # where the launches' kernels are found
-KERNEL_MODULES = ("vskipper.mixed.kernels", "vskipper.mixed.norms", "vskipper.mixed.routes")
+KERNEL_MODULES = ("vskipper.mixed.kernels", "vskipper.mixed.norms", "vskipper.mixed.routes", "vskipper.mixed.router")
 ROUTED_LAYERS = MODEL.num_routed_layers  # the served routed layers (the deeper half)
 
 
@@ -341,11 +341,35 @@ def _routes_launches() -> list[Launch]:
             for r in (1.0, 0.0)]
 
 
+def _gate_launches() -> list[Launch]:
+    """A trained gate's two kernels (`vskipper.mixed.router`) at the served widths: the norm and tanh over the
+    router's width (the hidden size over the release's reduction factor), the decision over the hidden size,
+    FlexiDepth's weighted and the hard gate's unit branch weights."""
+    import torch
+
+    from vskipper.mixed import router
+    from vskipper.mixed.kernels import next_power_of_2
+    from vskipper.modelspec import router_sizes
+
+    reduced, _ = router_sizes({"hidden_size": MODEL.hidden_size, "intermediate_size": MODEL.intermediate_size})
+    z, t, valid = _t(ROWS, reduced), _t(ROWS, MODEL.hidden_size), _t(ROWS, dtype=torch.bool)
+    norm = _launch("gate_norm_tanh_kernel", {"z_ptr": z, "w_ptr": _t(reduced), "y_ptr": z, "n_cols": reduced,
+                                             "stride_z": z.stride(0), "stride_y": z.stride(0), "eps": 1e-6},
+                   {"BLOCK": next_power_of_2(reduced)}, router.GATE_WARPS, 3)
+    return [norm, *(_launch("gate_decide_kernel",
+                            {"t_ptr": t, "head_ptr": _t(MODEL.hidden_size), "valid_ptr": valid, "run_ptr": valid,
+                             "w_ptr": _t(ROWS), "n_cols": MODEL.hidden_size, "stride_t": t.stride(0),
+                             "threshold": 0.5},
+                            {"WEIGHTED": weighted, "BLOCK": next_power_of_2(MODEL.hidden_size)},
+                            router.GATE_WARPS, 3) for weighted in (True, False))]
+
+
 def launches_for(device: Device, tile_table: Path | None = None) -> list[Launch]:
     from vskipper.mixed.tiles import tile_table_for
 
     table = tile_table_for(device.name, path=tile_table)
-    return _gemm_launches(table) + _attention_launches(table.read_tile) + _norm_launches() + _routes_launches()
+    return (_gemm_launches(table) + _attention_launches(table.read_tile) + _norm_launches() + _routes_launches()
+            + _gate_launches())
 
 
 def compile_launch(launch: Launch, capability: int) -> dict:

@@ -24,7 +24,7 @@ NO_LAUNCH = frozenset({
     "view", "_unsafe_view", "slice", "select", "as_strided", "t", "transpose", "expand", "unsqueeze", "squeeze",
     "reshape", "alias", "detach", "permute", "split", "split_with_sizes", "unbind", "narrow", "empty", "empty_like",
     "new_empty", "empty_strided", "_reshape_alias", "view_as", "scalar_tensor", "sym_size", "sym_stride",
-    "sym_numel", "is_same_size"})
+    "sym_numel", "is_same_size", "promote_types", "result_type"})
 
 
 class LaunchCount(TorchDispatchMode):

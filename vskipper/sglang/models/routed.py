@@ -257,6 +257,7 @@ class StepSlot:
         self.runtime = None
         self.execution: CohortExecution = TORCH_EXECUTION
         self.part_clock: PartClock | None = None  # the measurement mode's clock (`vskipper.sglang.part_times`)
+        self.fused_gate = False  # a trained gate's routes from `vskipper.mixed.router` (the triton execution)
 
 
 def plan_pass(forward_batch, rows: int, context: int | None = None) -> PassPlan:
@@ -609,10 +610,15 @@ class RoutedLayerMixin:
         body may update it in place (`routed_layer`)."""
         if u is None:
             u = self.input_layernorm(x)
-        router = self.router if step.skipper.requires_router_weights else None
-        route = step.skipper.route(self.layer_id, u, step.state, router)
         execution = self._slot.execution
         triton = execution.decode == "triton"  # one execution for both phases
+        if triton and self._slot.fused_gate:  # a trained gate's route in two launches around its GEMMs
+            from vskipper.mixed.router import gate_route
+
+            route = gate_route(step.skipper, u, step.state, self.router)
+        else:
+            router = self.router if step.skipper.requires_router_weights else None
+            route = step.skipper.route(self.layer_id, u, step.state, router)
         if triton:  # the tape's record and the cohort maps in one launch
             cohorts = step.builder.record_and_build(step.tape, self.layer_id, route, step.dense_rows)
         else:
@@ -747,6 +753,10 @@ class SkipperCausalLM(RouterWeightsMixin):
             raise ServeConfigError(f"{ENV_EXECUTION}=triton, but the routed layers cannot run it: "
                                    f"{self.slot.execution.reason}")
         self.graph_blocker = routed_graph_blocker(self.slot.execution, device)
+        if self.slot.execution.decode == "triton":
+            from vskipper.mixed.router import gate_form
+
+            self.slot.fused_gate = gate_form(self.runtime.skipper) is not None
         if self.runtime.skipper is not None and self.slot.execution.decode == "triton" and layers \
                 and device.type != "meta":  # a loader that builds on the meta device has no memory to run in
             weight = self.model.embed_tokens.weight
@@ -755,6 +765,10 @@ class SkipperCausalLM(RouterWeightsMixin):
 
             if fused_form(self.runtime.skipper) is not None:  # the skipper's fused routes: one variant
                 warm_routes(self.runtime.skipper, self.routed_layers, weight.dtype, device)
+            if self.slot.fused_gate:  # the fused gate's two kernels: one variant each
+                from vskipper.mixed.router import warm_gate
+
+                warm_gate(self.runtime.skipper, layers[0].router, weight.dtype, device)
         active.register(self)  # for the SGLang hooks around the forward and the graph runners
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
         # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
@@ -770,6 +784,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         routed_variant = ("decode: a routed graph beside the dense one at every captured batch size, for an arm "
                           "that routes decode" if self.graph_blocker is None
                           else f"none: routed passes run eagerly ({self.graph_blocker})")
+        from vskipper.mixed.router import gate_form
         from vskipper.mixed.routes import fused_form
 
         self.runtime.execution.update({
@@ -780,7 +795,10 @@ class SkipperCausalLM(RouterWeightsMixin):
             # what computes the skipper's per-pass state: one launch where it has a fused form and the layers run
             # the triton execution, else the skipper's own tensor ops
             "skipper_state": (fused_form(self.runtime.skipper) if self.slot.execution.decode == "triton" else None)
-            or "the skipper's own tensor ops"})
+            or "the skipper's own tensor ops",
+            # what computes a routed layer's route: a trained gate's fused form in the triton execution
+            "skipper_route": (gate_form(self.runtime.skipper) if self.slot.fused_gate else None)
+            or "the skipper's own route"})
 
     def _part_clock(self) -> PartClock:
         """The part clock over this rank's layers (of its passes' spans alone where only `pass_spans` asks for
