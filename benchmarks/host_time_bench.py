@@ -14,6 +14,11 @@ per arm from one tiny checkpoint (hidden 64, 8 layers, layers 4-7 routed), each 
   s=0     always-route RandomSkip r = 0, d = 0.5: every row RUN through the routed path (the control)
   s=0.5   always-route RandomSkip r = 1, d = 0.5: half of each routed layer's rows Project-Only
 
+and with `--flexidepth` two more, FlexiDepth always-route over the checkpoint's routers (random weights: which rows
+run is theirs to say), its routes in the triton execution from the fused gate a server serves (`fd`,
+`vskipper.mixed.router`) and from the gate's own route (`fd-own`, the module and the decision, as the torch
+execution routes): the gate's host cost in a whole pass, side by side.
+
 Two measurements, each at decode batches of 8, 64 and 256 requests (32 tokens of context each) and two prefill
 passes (one prompt of 16 tokens, a pass of fixed costs alone; 4 prompts of 64 tokens); within every repetition the
 arms take turns pass by pass (ABC, CBA, ...), each pass timed on its own, and a repetition's figure per arm is the
@@ -60,6 +65,7 @@ figure is a median over repetitions of many passes each.
     python benchmarks/host_time_bench.py --layers 32 --only hooks   # 16 routed layers, as Llama-3-8B's
     python benchmarks/host_time_bench.py --execution triton         # the GPU's execution, its launches not run
     python benchmarks/host_time_bench.py --execution triton --stand-in-ops triton   # and the stand-in ops
+    python benchmarks/host_time_bench.py --execution triton --flexidepth            # and FlexiDepth's gate
 """
 
 from __future__ import annotations
@@ -96,6 +102,8 @@ from bench_cpu import paired, spread  # noqa: E402
 ARMS = {name: get_arm("dense") if arm is None else Arm.from_dict(arm, name=f"random-r{arm['params']['r']:g}-always")
         for name, arm in BENCH_CPU_ARMS.items()}
 ROUTED_ARMS = ("s=0", "s=0.5")
+# `--flexidepth`: FlexiDepth always-route, its routes from the fused gate (the triton execution's) and its own route
+FLEXIDEPTH_ARMS = ("fd", "fd-own")
 GOAL = 1.10  # a routed pass's host time within 10% of a dense pass's
 CONTEXT = 32  # tokens of context per decode request
 
@@ -248,16 +256,17 @@ def count_launches(models: dict[str, ServedModel], shapes) -> dict:
     return counts
 
 
-def report_launches(counts: dict) -> None:
+def report_launches(counts: dict, routed: tuple[str, ...] = ROUTED_ARMS) -> None:
     print("\nlaunches a pass: torch operators that compute or copy (a device kernel each on a GPU) + Triton launches")
-    print(f"  {'pass':<16}" + "".join(f"{name:>22}" for name in ARMS) + "".join(
-        f"{name + ' - dense':>18}" for name in ROUTED_ARMS))
+    names = list(next(iter(counts.values())))
+    print(f"  {'pass':<16}" + "".join(f"{name:>22}" for name in names) + "".join(
+        f"{name + ' - dense':>18}" for name in routed))
     for label, arms in counts.items():
         dense = arms["dense"]["ops"] + arms["dense"]["triton"]
         cells = [f"{a['ops']:5d} + {a['triton']:3d} = {a['ops'] + a['triton']:5d}" for a in arms.values()]
-        cells += [f"{arms[name]['ops'] + arms[name]['triton'] - dense:+6d}" for name in ROUTED_ARMS]
-        print(f"  {label:<16}" + "".join(f"{c:>22}" for c in cells[:len(ARMS)])
-              + "".join(f"{c:>18}" for c in cells[len(ARMS):]))
+        cells += [f"{arms[name]['ops'] + arms[name]['triton'] - dense:+6d}" for name in routed]
+        print(f"  {label:<16}" + "".join(f"{c:>22}" for c in cells[:len(names)])
+              + "".join(f"{c:>18}" for c in cells[len(names):]))
 
 
 def passes_for(kind: str, shape: Shape, quick: bool) -> int:
@@ -299,31 +308,32 @@ def measure(models: dict[str, ServedModel], shapes, repetitions: int, quick: boo
     return results
 
 
-def summary(times: dict[str, list[float]]) -> dict:
+def summary(times: dict[str, list[float]], routed: tuple[str, ...] = ROUTED_ARMS) -> dict:
     """Medians with their [min, max], and each routed arm over dense repetition by repetition."""
     keys = ("median", "min", "max")
     out = {"arms": {name: dict(zip(keys, spread(t), strict=True)) for name, t in times.items()}, "ratios": {}}
-    for name in ROUTED_ARMS:
+    for name in routed:
         ratio = dict(zip(keys, paired(times[name], times["dense"]), strict=True))
         out["ratios"][f"{name}/dense"] = {**ratio, "within_goal": ratio["median"] <= GOAL}
     return out
 
 
-def report(results: dict, repetitions: int) -> dict:
+def report(results: dict, repetitions: int, routed: tuple[str, ...] = ROUTED_ARMS) -> dict:
     what = {"hooks": "prepare_pass + finish_pass (the host work outside the forward a graph cannot hold)",
             "pass": "the whole eager pass (prepare_pass, forward, finish_pass; compute negligible)"}
     summaries: dict = {}
     for kind, shapes in results.items():
         print(f"\n{kind}: {what[kind]}, microseconds per pass, median [min, max] over {repetitions} repetitions")
-        print(f"  {'pass':<16}" + "".join(f"{name:>28}" for name in ARMS) + "".join(
-            f"{name + '/dense':>26}" for name in ROUTED_ARMS))
+        names = list(next(iter(shapes.values()))["us"])
+        print(f"  {'pass':<16}" + "".join(f"{name:>28}" for name in names) + "".join(
+            f"{name + '/dense':>26}" for name in routed))
         for label, data in shapes.items():
-            s = summary(data["us"])
+            s = summary(data["us"], routed)
             summaries.setdefault(kind, {})[label] = {**s, "passes_per_repetition": data["passes"]}
             cells = [f"{a['median']:9.1f} [{a['min']:8.1f}, {a['max']:8.1f}]" for a in s["arms"].values()]
             cells += [f"{r['median']:7.3f}x [{r['min']:.3f}, {r['max']:.3f}]" for r in s["ratios"].values()]
-            print(f"  {label:<16}" + "".join(f"{c:>28}" for c in cells[:len(ARMS)])
-                  + "".join(f"{c:>26}" for c in cells[len(ARMS):]))
+            print(f"  {label:<16}" + "".join(f"{c:>28}" for c in cells[:len(names)])
+                  + "".join(f"{c:>26}" for c in cells[len(names):]))
     hooks, passes = summaries.get("hooks", {}), summaries.get("pass", {})
     if hooks and passes:
         print("\nwhat the routed arms' hooks add over dense's, microseconds per pass and share of the dense eager pass")
@@ -332,7 +342,7 @@ def report(results: dict, repetitions: int) -> dict:
                 continue
             dense = s["arms"]["dense"]["median"]
             whole = passes[label]["arms"]["dense"]["median"]
-            added = {name: s["arms"][name]["median"] - dense for name in ROUTED_ARMS}
+            added = {name: s["arms"][name]["median"] - dense for name in routed}
             for name, us in added.items():
                 s["ratios"][f"{name}/dense"]["added_us"] = us
                 s["ratios"][f"{name}/dense"]["added_share_of_dense_pass"] = us / whole
@@ -358,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stand-in-ops", choices=STAND_IN_OPS, default="torch",
                         help="every arm's RMSNorm and SiLU-and-mul: SGLang's torch paths, or the CUDA stand-ins' Triton "
                              "kernels (`vskipper serve --stand-in-ops`; their launches not run)")
+    parser.add_argument("--flexidepth", action="store_true",
+                        help="two more routed arms: FlexiDepth always-route over the checkpoint's routers, its routes "
+                             "from the fused gate as served in the triton execution (fd) and from the gate's own "
+                             "route (fd-own)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     repetitions = 2 if args.quick else args.repetitions
@@ -383,18 +397,22 @@ def main(argv: list[str] | None = None) -> int:
     slots = requests * (CONTEXT + 64) + 1
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_tiny_model("flexidepth-llama", Path(tmp) / "tiny", size)
-        models = {name: ServedModel(arm, checkpoint, requests, slots, args.execution if name in ROUTED_ARMS
-                                    else "auto", "backend" if triton and name in ROUTED_ARMS else None)
-                  for name, arm in ARMS.items()}
+        arms = {**ARMS, **(dict.fromkeys(FLEXIDEPTH_ARMS, get_arm("always-route")) if args.flexidepth else {})}
+        routed = ROUTED_ARMS + (FLEXIDEPTH_ARMS if args.flexidepth else ())
+        models = {name: ServedModel(arm, checkpoint, requests, slots, args.execution if name in routed
+                                    else "auto", "backend" if triton and name in routed else None)
+                  for name, arm in arms.items()}
+    if args.flexidepth:  # fd-own: the gate's own route, as the torch execution routes (the fused gate is triton's)
+        models["fd-own"].model.slot.fused_gate = False
     config = models["dense"].model.config
-    executions = {name: models[name].model.slot.execution for name in ROUTED_ARMS}
+    executions = {name: models[name].model.slot.execution for name in routed}
     for name, execution in executions.items():
         if execution.decode != args.execution:
             raise SystemExit(f"{name} runs the {execution.decode} execution, not {args.execution}: "
                              f"{execution.reason or 'see its attestation'}")
     print(f"model: DDLlamaForCausalLM, hidden {config.hidden_size}, {config.num_hidden_layers} layers, routed "
           f"{list(config.routing_layers)}; decode context {CONTEXT} tokens; one torch thread; arms "
-          + ", ".join(f"{n} ({a.name})" for n, a in ARMS.items()))
+          + ", ".join(f"{n} ({a.name})" for n, a in arms.items()))
     execution = executions[ROUTED_ARMS[0]]
     print(f"routed arms' execution: {execution.decode}, prefill read {execution.prefill_read!r}; every arm's RMSNorm "
           f"and SiLU-and-mul on {STAND_IN_OPS_SHOWN[args.stand_in_ops]}"
@@ -406,14 +424,14 @@ def main(argv: list[str] | None = None) -> int:
         kinds = {args.only: kinds[args.only]}
     t0 = time.perf_counter()
     launches = count_launches(models, shapes)
-    report_launches(launches)
+    report_launches(launches, routed)
     with ExitStack() as stack:
         if interpreted:
             from vskipper.mixed.launches import interpreted_launches
 
             stack.enter_context(interpreted_launches(Counter(), run=False))
         results = measure(models, shapes, repetitions, args.quick, kinds)
-    summaries = report(results, repetitions)
+    summaries = report(results, repetitions, routed)
     if args.stand_in_ops == "triton":
         from vskipper.sglang import stand_in_ops
 
@@ -423,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"repetitions": repetitions, "goal": GOAL, "execution": args.execution,
                                          "prefill_read": execution.prefill_read,
-                                         "stand_in_ops": args.stand_in_ops, "launches": launches,
+                                         "stand_in_ops": args.stand_in_ops, "routed_arms": list(routed),
+                                         "launches": launches,
                                          "results": results, "summary": summaries}, indent=2) + "\n")
     return 0
 

@@ -72,3 +72,26 @@ def test_the_host_time_bench_times_the_triton_execution_with_its_launches_counte
             "cohort_maps_kernel", "cohort_gemm_kernel", "cohort_down_scatter_kernel", "grouped_gate_up_kernel",
             "grouped_down_scatter_kernel")}}  # and RandomSkip's routes of the pass in one launch
         assert report["launches"]["decode b=4"][arm]["by_kernel"]["masked_decode_split_kernel"] == routed_layers
+
+
+def test_the_host_time_bench_puts_flexidepths_fused_gate_beside_its_own_route_where_asked(tmp_path):
+    """`--flexidepth`: two more routed arms, FlexiDepth always-route over the checkpoint's routers in the triton
+    execution, one routing with the fused gate (two launches a routed layer, the router's two GEMMs beside them),
+    the other with the gate's own route (none of the gate's launches; its sigmoid and tanh among its operators),
+    each timed and counted beside dense."""
+    out = tmp_path / "fd.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_time_bench.py"), "--quick", "--execution",
+                          "triton", "--flexidepth", "--only", "pass", "--json", str(out)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["routed_arms"] == ["s=0", "s=0.5", "fd", "fd-own"]
+    prefill, routed_layers = report["launches"]["prefill 2x8"], 4
+    fused, own = prefill["fd"], prefill["fd-own"]
+    assert fused["by_kernel"]["gate_norm_tanh_kernel"] == fused["by_kernel"]["gate_decide_kernel"] == routed_layers
+    assert "gate_norm_tanh_kernel" not in own["by_kernel"] and "random_routes_kernel" not in fused["by_kernel"]
+    assert own["by_op"]["sigmoid"] == own["by_op"]["tanh"] == routed_layers and "sigmoid" not in fused["by_op"]
+    # the module's and the decision's 18 operators a layer in fp32 (its 4 casts, which bfloat16 dispatches, are no
+    # copies here), 2 of them the GEMMs the fused gate keeps
+    assert own["ops"] - fused["ops"] == 16 * routed_layers
+    assert set(report["summary"]["pass"]["prefill 2x8"]["ratios"]) == {f"{a}/dense" for a in report["routed_arms"]}
