@@ -583,6 +583,32 @@ def test_recording_a_route_in_the_maps_launch_writes_what_the_tape_records_and_i
     assert got.run_idx.data_ptr() == builder.build(want_tape.layer(5, rows)[0], fused=True).run_idx.data_ptr()
 
 
+def test_the_views_a_routed_layer_takes_each_pass_are_kept_for_its_size_and_made_anew_for_another():
+    """A routed layer's tape row, its counts and its maps are views kept while passes keep their row count (the same
+    objects, no views made again); a pass of another size gets views of its size, and each build's maps and tape
+    rows hold that build's route, whichever size came before."""
+    builder, tape = CohortBuilder(40), RouteTape(40, (3, 5))
+    gen = torch.Generator().manual_seed(0)
+    seen, previous = {}, None
+    for rows in (7, 7, 12, 7):
+        tape.pad(rows)
+        for layer in (3, 5):
+            route = LayerRoute(torch.rand(rows, 1, generator=gen) < 0.5, torch.rand(rows, 1, generator=gen))
+            got = builder.record_and_build(tape, layer, route)
+            run, weights = tape.layer(layer, rows)
+            assert run.shape == (rows,) and got.run_idx.shape == (rows,)
+            assert torch.equal(run, route.run_mask.view(-1)) and torch.equal(weights, route.weights.view(-1))
+            want = build_cohorts(route.run_mask)
+            for field in ("run_idx", "proj_idx", "n_run", "n_proj", "live"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), field
+            if rows == previous:  # the second pass of a size in a row: the same views
+                assert got is seen[layer][0] and run is seen[layer][1]
+            elif layer in seen:  # another size than the pass before: views made anew
+                assert got is not seen[layer][0] and run is not seen[layer][1]
+            seen[layer] = (got, run)
+        previous = rows
+
+
 def test_recording_in_the_maps_launch_refuses_what_the_tape_refuses():
     builder, tape = CohortBuilder(4), RouteTape(8, (2,))
     with pytest.raises(ValueError, match="exceed the cohort capacity 4"):

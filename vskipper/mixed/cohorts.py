@@ -34,7 +34,7 @@ from vskipper.mixed.tape import RouteTape
 from vskipper.skippers.base import LayerRoute
 
 
-@dataclass
+@dataclass(frozen=True)
 class Cohorts:
     run_idx: torch.Tensor
     proj_idx: torch.Tensor
@@ -59,6 +59,9 @@ class CohortBuilder:
         self._proj = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
         self._counts = torch.zeros(2, dtype=torch.int64, device=device)  # the fused build's (n_run, n_proj)
         self._live = torch.zeros(capacity, dtype=torch.bool, device=device)
+        # The fused builds' maps for the pass's row count, by the counts they read (`_fused`): one set of views a
+        # layer, made at a pass's first build of that size and kept while its passes keep the size.
+        self._fused_for: tuple[int, dict[int, Cohorts]] = (0, {})
 
     def _check(self, rows: int) -> None:
         if rows > self.capacity:
@@ -68,8 +71,18 @@ class CohortBuilder:
 
     def _fused(self, rows: int, counts: torch.Tensor) -> Cohorts:
         """The maps the fused launch (`kernels.cohort_maps`) wrote for a pass of `rows` rows, with the counts it
-        stored in `counts` (int64 [2]): views of the builder's storage and of `counts`."""
-        return Cohorts(self._run[:rows], self._proj[:rows], counts[0:1], counts[1:2], self._live[:rows])
+        stored in `counts` (int64 [2]): views of the builder's storage and of `counts`, made once per row count and
+        counts (a routed layer's views cost the host more than its maps' launch; the storage never moves)."""
+        held, views = self._fused_for
+        if held != rows:
+            views = {}
+            self._fused_for = (rows, views)
+        key = counts.data_ptr()
+        cohorts = views.get(key)
+        if cohorts is None:
+            cohorts = views[key] = Cohorts(self._run[:rows], self._proj[:rows], counts[0:1], counts[1:2],
+                                           self._live[:rows])
+        return cohorts
 
     def build(self, run_mask: torch.Tensor, fused: bool = False) -> Cohorts:
         run = run_mask.reshape(-1)
@@ -106,9 +119,10 @@ class CohortBuilder:
             raise ValueError(f"dense_rows has shape {tuple(dense_rows.shape)}, the route {rows} rows")
         from vskipper.mixed.kernels import cohort_maps
 
-        counts = tape.counts[j]  # the layer's counts stay on the tape: the pass is counted from them
+        # the layer's row of the tape, and its counts, which stay on the tape: the pass is counted from them
+        tape_run, tape_weights, counts = tape.views(j, rows)
         cohort_maps(run, self._run, self._proj, counts, self._live,
-                    record=(tape.run[j, :rows], tape.weights[j, :rows], weights,
+                    record=(tape_run, tape_weights, weights,
                             None if dense_rows is None else dense_rows.contiguous()))
         return self._fused(rows, counts)
 

@@ -54,6 +54,8 @@ class RouteTape:
         # builder's own (the kernels reading the counts are compiled for that alignment).
         self.counts = torch.zeros(len(self.routed_layers), 2, dtype=torch.int64, device=device)
         self._count_views: dict[int, torch.Tensor] = {}
+        # each layer's row views for the pass's row count (`views`), kept while passes keep the size
+        self._views_for: tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = (0, {})
 
     def slot(self, layer_id: int) -> int:
         try:
@@ -73,8 +75,9 @@ class RouteTape:
         if dense_rows is not None:
             run = run | dense_rows
             weights = torch.where(dense_rows, torch.ones((), dtype=weights.dtype, device=weights.device), weights)
-        self.run[j, :rows].copy_(run)
-        self.weights[j, :rows].copy_(weights)
+        tape_run, tape_weights, _ = self.views(j, rows)
+        tape_run.copy_(run)
+        tape_weights.copy_(weights)
 
     def checked(self, layer_id: int, route: LayerRoute) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(the layer's tape row, run [rows], weights [rows]) of a route this tape can record: its rows within
@@ -97,9 +100,21 @@ class RouteTape:
 
     def layer(self, layer_id: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (run [rows], weights [rows]) of one layer's tape; no copy."""
-        j = self.slot(layer_id)
-        rows = self.capacity if rows is None else rows
-        return self.run[j, :rows], self.weights[j, :rows]
+        run, weights, _ = self.views(self.slot(layer_id), self.capacity if rows is None else rows)
+        return run, weights
+
+    def views(self, j: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(run [rows], weights [rows], counts [2]) of tape row `j`: views made once per row count and kept (the
+        tape never reallocates), since a routed layer asks for them at every pass, where making them anew costs
+        the host more than the layer's maps launch."""
+        held, views = self._views_for
+        if held != rows:
+            views = {}
+            self._views_for = (rows, views)
+        row = views.get(j)
+        if row is None:
+            row = views[j] = (self.run[j, :rows], self.weights[j, :rows], self.counts[j])
+        return row
 
     def run_counts(self, rows: int) -> torch.Tensor:
         """RUN rows per routed layer over the first `rows` rows (dense-mode rows count: they RUN), as a device
