@@ -1,5 +1,5 @@
-"""Every Triton kernel of `vskipper.mixed.kernels`, `.norms`, `.routes` and `.router`, compiled ahead of time for a GPU's
-architecture, no GPU needed.
+"""Every Triton kernel of `vskipper.mixed.kernels`, `.norms`, `.routes` and `.router`, compiled ahead of time for a
+GPU's architecture, no GPU needed.
 
     python -m vskipper.mixed.compile_check [--device NAME ...] [--tile-table FILE] [--json FILE]
 
@@ -8,9 +8,9 @@ launch configurations a server uses on it: every tile its tile table holds (the 
 the shared-memory default elsewhere, or the one `--tile-table` gives, as `vskipper serve --tile-table` would serve
 it) for the cohort GEMMs and the packed prefill read, and the served Llama-3-8B shapes (bf16, head_dim 128,
 four query heads a KV head) for the attention reads, the cohort maps, RandomSkip's fused routes over the 16 routed
-layers, a trained gate's fused route (the release's router width), and the CUDA stand-ins' norms and SiLU-and-mul (`vskipper serve --stand-in-ops triton`; Qwen3's per-head
-norms at head_dim too). Each launch is specialized as Triton's
-JIT specializes it (its own argument specialization applied to example arguments of the served shapes: unit
+layers, a trained gate's fused route (the release's router width), and the CUDA stand-ins' norms and SiLU-and-mul
+(`vskipper serve --stand-in-ops triton`; Qwen3's per-head norms at head_dim too). Each launch is specialized as
+Triton's JIT specializes it (its own argument specialization applied to example arguments of the served shapes: unit
 strides folded, aligned pointers and multiples of 16 marked divisible), so the shared memory, registers and spills
 are those of the kernel the device compiles, not of a generic one. A kernel that does not compile, or
 whose shared memory exceeds the device's per-block limit, is a failure found here instead of on the device. Each

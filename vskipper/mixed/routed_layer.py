@@ -41,9 +41,9 @@ Two executions of the same semantics:
           (`LayerOps.batch_q_kv`); the masked decode read and the packed prefill read (flash-attention over each
           slot's request) gather each slot's query, request and position themselves (`LayerOps.read_cohort`): no
           gather or scatter launched around them. A prefill read through the host's attention backend reads every
-          batch row's query (`LayerOps.reads_every_query`: the Project-Only rows' zeros, the Q GEMM's storage
-          zero-filled) and leaves its outputs in batch rows, where o_proj gathers the RUN rows' in its operand
-          load. Then o_proj as a count-bounded GEMM scattered onto
+          batch row's query (`LayerOps.reads_every_query`: a Project-Only row's finite, from the Q GEMM's storage
+          zero-filled, plus Q's bias where it has one) and leaves its outputs in batch rows, where o_proj gathers
+          the RUN rows' in its operand load. Then o_proj as a count-bounded GEMM scattered onto
           the RUN rows' residual (onto x itself where the host hands x over, `x_owned`: a residual no one else
           holds, as the Llama layer's add-norm residual, which upstream's own layer updates in place too;
           elsewhere onto a copy); the two cohort FFNs in one launch per stage (`cohort_ffn_pair`), each storing
@@ -85,8 +85,9 @@ class LayerOps(Protocol):
     post_attention_layernorm: nn.Module
     projector: nn.Module  # the FlexiDepth adapter (`ProjectorAdapter`): d -> m -> d
     # the triton execution's read takes the RUN rows' queries in their batch rows (`batch_q_kv`, `read_cohort`); where
-    # it reads every batch row's query (SGLang's prefill backend), the Project-Only rows' hold zeros (the gathered Q
-    # form's: their own queries), and its outputs stay in batch rows, where o_proj reads the RUN rows'
+    # it reads every batch row's query (SGLang's prefill backend), the Project-Only rows' are finite (zeros, or Q's
+    # bias; the gathered Q form's: their own queries), and its outputs stay in batch rows, where o_proj reads the
+    # RUN rows'
     reads_every_query: bool
 
     def attention(self, u: torch.Tensor) -> torch.Tensor:
