@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-from collections import Counter
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined: the kernels here are never run
@@ -32,8 +30,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.stand_in_ops_bench import launches, measure  # noqa: E402
-from vskipper.mixed.launches import interpreted_launches  # noqa: E402
+from benchmarks.stand_in_ops_bench import compare  # noqa: E402
 from vskipper.mixed.router import gate_route  # noqa: E402
 from vskipper.modelspec import router_sizes  # noqa: E402
 from vskipper.skippers.modules import SkipRouter  # noqa: E402
@@ -62,23 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    report: dict = {"rows": args.rows, "hidden": args.hidden, "dtype": args.dtype, "repetitions": args.repetitions,
-                    "gates": {}}
     print(f"{args.rows} rows x {args.hidden}, {args.dtype}; one torch thread; microseconds a routed layer's route, "
           f"median [min, max] over {args.repetitions} repetitions of {args.calls} calls; launches a call on a GPU "
           "(torch kernels + Triton)")
-    print(f"  {'gate':<17}{'its own route':>28}{'launches':>10}{'fused gate':>28}{'launches':>10}"
-          f"{'fused / own':>14}")
-    with interpreted_launches(Counter(), run=False):
-        for name, pair in calls(args.rows, args.hidden, getattr(torch, args.dtype)).items():
-            own, fused = measure(pair, args.repetitions, args.calls)
-            counts = [launches(fn) for fn in pair]
-            ratio = [f / o for f, o in zip(fused, own, strict=True)]
-            cells = [f"{statistics.median(ts):7.1f} [{min(ts):6.1f}, {max(ts):6.1f}]" for ts in (own, fused)]
-            print(f"  {name:<17}{cells[0]:>28}{sum(counts[0]):>10}{cells[1]:>28}{sum(counts[1]):>10}"
-                  f"{statistics.median(ratio):>13.3f}x")
-            report["gates"][name] = {"own_us": own, "fused_us": fused, "own_launches": counts[0],
-                                     "fused_launches": counts[1], "fused_over_own": statistics.median(ratio)}
+    compared = compare(calls(args.rows, args.hidden, getattr(torch, args.dtype)), args.repetitions, args.calls,
+                       ("gate", "its own route", "fused gate", "fused / own"))
+    report = {"rows": args.rows, "hidden": args.hidden, "dtype": args.dtype, "repetitions": args.repetitions,
+              "gates": {gate: {"own_us": c["us"][0], "fused_us": c["us"][1], "own_launches": c["launches"][0],
+                               "fused_launches": c["launches"][1], "fused_over_own": c["ratio"]}
+                        for gate, c in compared.items()}}
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -78,6 +78,24 @@ def measure(pair, repetitions: int, n: int) -> tuple[list[float], list[float]]:
     return times
 
 
+def compare(pairs: dict, repetitions: int, n: int, heads: tuple[str, str, str, str]) -> dict:
+    """Each of `pairs`' two zero-argument calls timed alternately (`measure`) and counted (`launches`), printed as a
+    table under `heads` (the names' column, the first path, the second, their ratio), and returned by name: each
+    path's microseconds a repetition, its launches (torch operators, Triton launches) and the second's median
+    ratio to the first."""
+    print(f"  {heads[0]:<17}{heads[1]:>28}{'launches':>10}{heads[2]:>28}{'launches':>10}{heads[3]:>16}")
+    out = {}
+    with interpreted_launches(Counter(), run=False):
+        for name, pair in pairs.items():
+            first, second = measure(pair, repetitions, n)
+            counts = [launches(fn) for fn in pair]
+            ratio = statistics.median(b / a for a, b in zip(first, second, strict=True))
+            cells = [f"{statistics.median(ts):7.1f} [{min(ts):6.1f}, {max(ts):6.1f}]" for ts in (first, second)]
+            print(f"  {name:<17}{cells[0]:>28}{sum(counts[0]):>10}{cells[1]:>28}{sum(counts[1]):>10}{ratio:>15.3f}x")
+            out[name] = {"us": (first, second), "launches": counts, "ratio": ratio}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16)
@@ -91,22 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     init_sglang("cpu")
     torch.manual_seed(0)
-    report: dict = {"rows": args.rows, "width": args.width, "dtype": args.dtype, "repetitions": args.repetitions,
-                    "ops": {}}
     print(f"{args.rows} rows x {args.width}, {args.dtype}; one torch thread; microseconds a call, median [min, max] over "
           f"{args.repetitions} repetitions of {args.calls} calls; launches a call on a GPU (torch kernels + Triton)")
-    print(f"  {'op':<14}{'SGLang torch path':>28}{'launches':>10}{'hooked Triton path':>28}{'launches':>10}"
-          f"{'hooked / torch':>16}")
-    with interpreted_launches(Counter(), run=False):
-        for op, pair in calls(args.rows, args.width, getattr(torch, args.dtype)).items():
-            native, hooked = measure(pair, args.repetitions, args.calls)
-            counts = [launches(fn) for fn in pair]
-            ratio = [h / t for h, t in zip(hooked, native, strict=True)]
-            cells = [f"{statistics.median(ts):7.1f} [{min(ts):6.1f}, {max(ts):6.1f}]" for ts in (native, hooked)]
-            print(f"  {op:<14}{cells[0]:>28}{sum(counts[0]):>10}{cells[1]:>28}{sum(counts[1]):>10}"
-                  f"{statistics.median(ratio):>15.3f}x")
-            report["ops"][op] = {"torch_us": native, "hooked_us": hooked, "torch_launches": counts[0],
-                                 "hooked_launches": counts[1], "hooked_over_torch": statistics.median(ratio)}
+    compared = compare(calls(args.rows, args.width, getattr(torch, args.dtype)), args.repetitions, args.calls,
+                       ("op", "SGLang torch path", "hooked Triton path", "hooked / torch"))
+    report = {"rows": args.rows, "width": args.width, "dtype": args.dtype, "repetitions": args.repetitions,
+              "ops": {op: {"torch_us": c["us"][0], "hooked_us": c["us"][1], "torch_launches": c["launches"][0],
+                           "hooked_launches": c["launches"][1], "hooked_over_torch": c["ratio"]}
+                      for op, c in compared.items()}}
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
