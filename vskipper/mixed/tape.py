@@ -56,6 +56,7 @@ class RouteTape:
         self._count_views: dict[int, torch.Tensor] = {}
         # each layer's row views for the pass's row count (`views`), kept while passes keep the size
         self._views_for: tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = (0, {})
+        self._pad_for: tuple[int, torch.Tensor | None, torch.Tensor | None] = (-1, None, None)  # `pad`'s views
 
     def slot(self, layer_id: int) -> int:
         try:
@@ -95,8 +96,12 @@ class RouteTape:
     def pad(self, rows: int) -> None:
         """Every layer's rows past `rows`: RUN with unit weight (once per pass, before its layers record)."""
         if rows < self.capacity:
-            self.run[:, rows:].fill_(True)
-            self.weights[:, rows:].fill_(1.0)
+            held, run, weights = self._pad_for
+            if held != rows:  # views kept while passes keep their size
+                run, weights = self.run[:, rows:], self.weights[:, rows:]
+                self._pad_for = (rows, run, weights)
+            run.fill_(True)
+            weights.fill_(1.0)
 
     def layer(self, layer_id: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (run [rows], weights [rows]) of one layer's tape; no copy."""
