@@ -15,6 +15,7 @@ the routed layer there)."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -40,6 +41,10 @@ def arm(name: str):
 def models(tmp_path, monkeypatch):
     """Two models of the s = 0.5 arm from one checkpoint, the triton execution, the same KV pool contents: the
     first replays, the second runs the same batches eagerly."""
+    return served_pair(tmp_path, monkeypatch, "s=0.5")
+
+
+def served_pair(tmp_path, monkeypatch, arm_name: str) -> list[ServedModel]:
     from vskipper.sglang import active
     from vskipper.sglang.configs import register_configs
     from vskipper.sglang.standalone import init_sglang
@@ -50,7 +55,7 @@ def models(tmp_path, monkeypatch):
     register_configs()
     checkpoint = make_tiny_model("flexidepth-llama", tmp_path / "tiny", TinySize(layers=4))
     slots = REQUESTS * (CONTEXT + 64) + 1
-    built = [ServedModel(ARMS["s=0.5"], checkpoint, REQUESTS, slots, execution="triton") for _ in range(2)]
+    built = [ServedModel(arm(arm_name), checkpoint, REQUESTS, slots, execution="triton") for _ in range(2)]
     gen = torch.Generator().manual_seed(0)
     kv = [torch.randn(b.shape, generator=gen) for b in built[0].pool.k_buffer + built[0].pool.v_buffer]
     for m in built:
@@ -141,6 +146,27 @@ def test_a_routed_decode_graph_replayed_through_the_models_hooks_equals_the_eage
     assert replayed_att["rows_total"]["decode"]["project_only"] > 0 and replayed_att["rows_total"]["decode"]["run"] > 0
     assert replayed_att["graph_passes_total"]["decode"]["routed"] == {"replayed": 2, "eager": 0}
     assert not torch.equal(results[0][-1], results[1][-1])  # the second batch routed otherwise through the graph
+
+
+def test_a_flexidepth_decode_graph_routes_with_the_fused_gate_as_the_eager_pass_does(tmp_path, monkeypatch):
+    """FlexiDepth's always-route arm (the hybrid arm's decode) through the routed graph variant: the capture and
+    each replay route every routed layer with the fused gate (`vskipper.mixed.router`, two launches a layer), over
+    the graph tape, and equal the eager passes of the same batches, logits, K and routes alike."""
+    from vskipper.mixed.launches import interpreted_launches
+
+    graphed, eager = served_pair(tmp_path, monkeypatch, "always-route")
+    launched = Counter()
+    with interpreted_launches(launched):
+        results = replay_beside_eager(graphed, eager)
+    routed, passes = len(graphed.model.routed_layers), 1 + 2 * 2  # the capture, two replays, two eager passes
+    assert launched["gate_norm_tanh_kernel"] == launched["gate_decide_kernel"] == routed * passes
+    for got, want, _before, got_k, want_k, route in results:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for g, w in zip(got_k, want_k, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        assert route.any() and not route.all()  # both branches taken in the graph's routes
+    eager_rows = eager.model.runtime.attestation()["rows_total"]
+    assert graphed.model.runtime.attestation()["rows_total"] == eager_rows
 
 
 def test_the_triton_execution_computes_random_skips_routes_in_one_launch_and_attests_it(models):
