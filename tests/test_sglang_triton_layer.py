@@ -594,7 +594,7 @@ def test_the_serve_spec_carries_the_execution_asked_for_and_refuses_another_nami
 def test_the_weight_views_a_routed_layer_takes_each_pass_follow_its_weights_to_new_storage(world):
     """The Q, K/V, o_proj and MLP weight views are made once per module and reused every pass while the weights
     stay where they are (a reload in place shows through the views), and made anew from a reload into new storage
-    (`_weight_views`)."""
+    (`kept`)."""
     layer, a = world.layer, world.layer.self_attn
     gate, up, down = served.mlp_weights(layer)
     w_q, _, w_o = served.attention_weights(layer)
@@ -623,3 +623,54 @@ def test_the_weight_views_a_routed_layer_takes_each_pass_follow_its_weights_to_n
         for p, data in zip(params, originals, strict=True):
             p.data = data
     assert served.mlp_weights(layer)[2].data_ptr() == originals[1].data_ptr()
+
+
+def test_a_routed_layers_parts_are_kept_without_a_module_lookup_and_follow_a_module_or_parameter_set_anew(
+        world, monkeypatch):
+    """A routed layer's modules and weight views (`layer_parts`) are looked up once: a later pass finds them
+    kept with no call of nn.Module's `__getattr__` (about a microsecond each on the host, some thirty a routed layer
+    a pass before), and a submodule or a parameter set anew on the layer, or a module added where none was (a
+    Llama layer's q_norm), is found at the next pass."""
+    layer = world.layer
+    parts = served.layer_parts(layer)
+    assert served.layer_parts(layer) is parts and parts.projector is layer.router_proj
+    calls = []
+    real = torch.nn.Module.__getattr__
+
+    def counted(self, name):
+        calls.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(torch.nn.Module, "__getattr__", counted)
+    assert served.layer_parts(layer) is parts
+    assert calls == []
+    monkeypatch.setattr(torch.nn.Module, "__getattr__", real)
+    a = layer.self_attn
+    norm, o_weight, had_q_norm = layer.post_attention_layernorm, a.o_proj.weight, "q_norm" in a._modules
+    try:
+        layer.post_attention_layernorm = torch.nn.Identity()
+        assert served.layer_parts(layer).post_attention_layernorm is layer.post_attention_layernorm
+        a.o_proj.weight = torch.nn.Parameter(o_weight.detach().clone(), requires_grad=False)
+        assert served.attention_weights(layer)[2] is a.o_proj.weight
+        if not had_q_norm:
+            a.q_norm = torch.nn.Identity()
+            assert served.layer_parts(layer).q_norm is a.q_norm
+    finally:
+        layer.post_attention_layernorm, a.o_proj.weight = norm, o_weight
+        if not had_q_norm and "q_norm" in a._modules:
+            del a.q_norm
+    parts = served.layer_parts(layer)
+    assert parts.post_attention_layernorm is norm and parts.attention[2] is o_weight
+    assert (parts.q_norm is None) == (not had_q_norm)
+
+
+def test_a_part_that_is_no_submodule_parameter_or_instance_attribute_is_refused_by_name():
+    """What cannot be checked with a dict lookup (a property, a class attribute) is never kept silently."""
+
+    class Owner(torch.nn.Module):
+        @property
+        def derived(self):
+            return 1
+
+    with pytest.raises(TypeError, match="Owner.derived is no submodule, parameter or instance attribute"):
+        served.kept(Owner(), "k", ("derived",), lambda derived: derived)

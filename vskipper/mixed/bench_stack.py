@@ -260,6 +260,10 @@ class StackLayerOps:
         a = self.attn
         return a.q_proj.weight, a.q_proj.bias, a.o_proj.weight  # o_proj has no bias here
 
+    def projector_weights(self):
+        p = self.projector
+        return p.gate_proj.weight, p.down_proj.weight, p.up_proj.weight
+
 
 class Backbone(nn.Module):
     def __init__(self, config: dict) -> None:

@@ -134,6 +134,10 @@ class LayerOps(Protocol):
         """(W_q [heads * hd, d], Q's bias or None, W_o [d, heads * hd]) for the count-bounded kernels: the triton
         execution only, under the same conditions as `mlp_weights` (and no o_proj bias)."""
 
+    def projector_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The adapter's (gate_proj [m, d], down_proj [m, d], up_proj [d, m]) weights for the count-bounded kernels,
+        in the order of `mlp_weights` (gate, the d -> m one its product takes, then the m -> d one)."""
+
 
 def routed_layer(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Tensor, weights: torch.Tensor,
                  backend: str = "torch", cohorts: Cohorts | None = None, tiles: Any = None,
@@ -210,8 +214,7 @@ def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, weights: tor
     # zero fill, no read of delta (where a down GEMM serves in the gathered form, which adds, the pair zeroes it).
     delta = torch.empty_like(h)
     v = ops.post_attention_layernorm(h)
-    p = ops.projector
     cohort_ffn_pair(v, weights, delta, CohortFFN(cohorts.run_idx, cohorts.n_run, *ops.mlp_weights()),
-                    CohortFFN(cohorts.proj_idx, cohorts.n_proj, p.gate_proj.weight, p.down_proj.weight,
-                              p.up_proj.weight), tiles=tiles, accumulate=False)
+                    CohortFFN(cohorts.proj_idx, cohorts.n_proj, *ops.projector_weights()), tiles=tiles,
+                    accumulate=False)
     return Handoff(delta, h)

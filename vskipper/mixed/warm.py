@@ -52,6 +52,10 @@ class WarmOps:
     def mlp_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.mlp
 
+    def projector_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.projector
+        return p.gate_proj.weight, p.down_proj.weight, p.up_proj.weight
+
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k = torch.empty(u.shape[0], self.kv_columns, dtype=u.dtype, device=u.device)
         return q, k, torch.empty_like(k)

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -303,40 +303,124 @@ def kv_only_supported(qkv_proj) -> bool:
     return type(qkv_proj.quant_method) is UnquantizedLinearMethod and not use_intel_amx_backend(qkv_proj)
 
 
-def _weight_views(module, name: str, weights: tuple[torch.Tensor | None, ...], build: Callable[[], tuple]) -> tuple:
-    """`build()`'s views of `module`'s `weights`, made once and kept (as `name` on the module) while those tensors
-    stay at the same storage (a reload in place keeps the views; one into new storage makes them anew): a routed
-    layer asks for them at every pass, where slicing them anew costs the host more than a launch."""
-    key = tuple(None if w is None else w.data_ptr() for w in weights)
-    cached = module.__dict__.get(name)
-    if cached is None or cached[0] != key:
-        cached = (key, build())
-        module.__dict__[name] = cached
-    return cached[1]
+class _Kept:
+    """What `build` made of the objects at `paths` from `root` (dotted attribute paths over submodules, parameters
+    and plain attributes), kept while every step of every path still holds the same object and every tensor
+    reached lies at the same storage. A step is checked where nn.Module keeps it (its submodules', parameters' or
+    buffers' table, or the instance's own dict): a dict lookup, where nn.Module's `__getattr__` costs the host
+    about a microsecond (a routed layer looked up some thirty a pass). A reload in place shows through the views;
+    one into new storage, or a module or parameter set anew, builds them anew."""
+
+    __slots__ = ("links", "storage", "value")
+
+    def __init__(self, root, paths: tuple[str, ...], build: Callable[..., Any]) -> None:
+        links: dict[tuple[int, str], tuple[dict, str, Any]] = {}
+        ends = []
+        for path in paths:
+            obj = root
+            for name in path.split("."):
+                table = _table(obj, name)
+                obj = table.get(name)
+                links[(id(table), name)] = (table, name, obj)
+                if obj is None:  # absent (a Llama layer's q_norm), or a parameter registered as None (a bias)
+                    break
+            ends.append(obj)
+        self.links = tuple(links.values())
+        self.storage = tuple((t, t.data_ptr()) for t in ends if isinstance(t, torch.Tensor))
+        self.value = build(*ends)
+
+    def holds(self) -> bool:
+        return all(table.get(name) is obj for table, name, obj in self.links) \
+            and all(t.data_ptr() == ptr for t, ptr in self.storage)
+
+
+def _table(owner, name: str) -> dict:
+    """The dict `owner.name` is looked up in (for an absent name, the one it would be added to as a submodule)."""
+    if isinstance(owner, torch.nn.Module):
+        for table in (owner._modules, owner._parameters, owner._buffers):
+            if name in table:
+                return table
+    if name in owner.__dict__:
+        return owner.__dict__
+    if hasattr(owner, name):
+        raise TypeError(f"{type(owner).__name__}.{name} is no submodule, parameter or instance attribute: it "
+                        f"cannot be kept")
+    return owner._modules if isinstance(owner, torch.nn.Module) else owner.__dict__
+
+
+def kept(owner, key: Any, paths: tuple[str, ...], build: Callable[..., Any]) -> Any:
+    """`build(*objects at paths)`, made once and kept on `owner` under `key` while those objects stay (`_Kept`): a
+    routed layer asks for its modules and weight views at every pass, where looking them up and slicing them anew
+    costs the host more than a launch."""
+    store = owner.__dict__.setdefault("_vskipper_kept", {})
+    held = store.get(key)
+    if held is None or not held.holds():
+        held = store[key] = _Kept(owner, paths, build)
+    return held.value
 
 
 def row_projection(qkv_proj, rows: slice, u: torch.Tensor) -> torch.Tensor:
     """The output columns `rows` of `qkv_proj(u)` (its Q rows, or its K/V rows) through its own linear method,
-    from a view of those weight rows (made once, `_weight_views`): only where `kv_only_supported`."""
-    weight, bias = qkv_proj.weight, qkv_proj.bias
-    layer, rows_bias = _weight_views(qkv_proj, f"_vskipper_rows_{rows.start}_{rows.stop}", (weight, bias), lambda: (
+    from a view of those weight rows (made once, `kept`): only where `kv_only_supported`."""
+    layer, rows_bias = kept(qkv_proj, ("rows", rows.start, rows.stop), ("weight", "bias"), lambda weight, bias: (
         SimpleNamespace(weight=weight[rows]), None if bias is None else bias[rows]))
     return qkv_proj.quant_method.apply(layer, u, rows_bias)
+
+
+class LayerParts(NamedTuple):
+    """A routed layer's modules and weight views as its body reads them each pass (`layer_parts`)."""
+
+    attn: Any  # self_attn
+    qkv_proj: Any
+    rotary_emb: Any
+    radix: Any  # self_attn.attn: SGLang's attention layer over the engine's backend
+    q_norm: Any  # Qwen3's per-head norms (None elsewhere)
+    k_norm: Any
+    post_attention_layernorm: Any
+    projector: ProjectorAdapter
+    router: SkipRouter
+    # for the count-bounded kernels (the triton execution only, where `triton_blocker` found plain weights on one
+    # rank): (W_q, Q's bias or None, W_o), (gate, up, down) and the adapter's (gate_proj, down_proj, up_proj)
+    attention: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None
+    mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    adapter: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+_PART_PATHS = ("self_attn", "self_attn.qkv_proj", "self_attn.rotary_emb", "self_attn.attn", "self_attn.q_norm",
+               "self_attn.k_norm", "post_attention_layernorm", "router_proj", "router", "self_attn.qkv_proj.weight",
+               "self_attn.qkv_proj.bias", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
+               "router_proj.gate_proj.weight", "router_proj.down_proj.weight", "router_proj.up_proj.weight")
+
+
+def _parts(attn, qkv_proj, rotary_emb, radix, q_norm, k_norm, post_norm, projector, router, qkv, bias, o, gate_up,
+           down, p_gate, p_down, p_up) -> LayerParts:
+    q = attn.q_size
+    attention = None if qkv is None or o is None else (qkv[:q], None if bias is None else bias[:q], o)
+    mlp = None if gate_up is None or down is None else (*gate_up.chunk(2, dim=0), down)
+    return LayerParts(attn, qkv_proj, rotary_emb, radix, q_norm, k_norm, post_norm, projector, router, attention,
+                      mlp, (p_gate, p_down, p_up))
+
+
+def layer_parts(layer) -> LayerParts:
+    """`layer`'s `LayerParts`, made once and kept while its modules and weights stay (`kept`)."""
+    return kept(layer, "parts", _PART_PATHS, _parts)
 
 
 class SGLangLayerOps:
     """`LayerOps` over an SGLang decoder layer (Llama or Qwen3) for one pass (`vskipper.mixed.routed_layer`)."""
 
     def __init__(self, layer, positions: torch.Tensor, forward_batch, plan: PassPlan, backend: str = "torch",
-                 prefill_read: str = "rows", decode_read: str = "masked", read_tile: ReadTile | None = None) -> None:
+                 prefill_read: str = "rows", decode_read: str = "masked", read_tile: ReadTile | None = None,
+                 parts: LayerParts | None = None) -> None:
         self.layer, self.positions, self.fb, self.plan = layer, positions, forward_batch, plan
+        self.parts = parts = layer_parts(layer) if parts is None else parts
         self.backend, self.prefill_read, self.decode_read = backend, prefill_read, decode_read
         self.read_tile = read_tile  # the packed prefill read's launch on a GPU (the device table's)
         self.written: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's K/V of this pass, once written
         self.q_all: torch.Tensor | None = None  # every row's Q, where `kv` ran the whole qkv_proj (no row view)
-        self.attn = layer.self_attn
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.projector = layer.router_proj
+        self.attn = parts.attn
+        self.post_attention_layernorm = parts.post_attention_layernorm
+        self.projector = parts.projector
         # a prefill read through SGLang's backend reads every batch row's query (the others gather the RUN rows')
         self.reads_every_query = not forward_batch.forward_mode.is_decode() and prefill_read == "backend"
 
@@ -350,64 +434,64 @@ class SGLangLayerOps:
     def kv(self, u: torch.Tensor):
         k, v = self._kv(u)
         # The rotary embedding rotates a query and a key: one head of k stands in for the query it never needs.
-        _, k = self.attn.rotary_emb(self.positions, k[:, : self.attn.head_dim].clone(), k)
+        _, k = self.parts.rotary_emb(self.positions, k[:, : self.attn.head_dim].clone(), k)
         return k, v
 
     def _kv(self, u: torch.Tensor, normed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's k (Qwen3: normed, unless `normed` is False; not rotated) and v: views of the K/V
         projection's rows, strided as upstream's views of `qkv_proj`'s output are (RoPE, k_norm and the KV write
         take them so): no copy."""
-        a = self.attn
-        if kv_only_supported(a.qkv_proj):
-            kv = row_projection(a.qkv_proj, slice(a.q_size, None), u)
+        a, qkv_proj, k_norm = self.attn, self.parts.qkv_proj, self.parts.k_norm
+        if kv_only_supported(qkv_proj):
+            kv = row_projection(qkv_proj, slice(a.q_size, None), u)
         else:  # no row view: the whole qkv_proj, its Q kept for `q_kv` (computed and dropped for other rows)
-            qkv = a.qkv_proj(u)[0]
+            qkv = qkv_proj(u)[0]
             self.q_all, kv = qkv[:, : a.q_size], qkv[:, a.q_size:]
         k, v = kv.split([a.kv_size, a.kv_size], dim=-1)
-        if normed and hasattr(a, "k_norm"):  # Qwen3: per-head k_norm before RoPE
-            return a.k_norm(k.reshape(-1, a.head_dim)).view(k.shape), v
+        if normed and k_norm is not None:  # Qwen3: per-head k_norm before RoPE
+            return k_norm(k.reshape(-1, a.head_dim)).view(k.shape), v
         return k, v
 
     def q_kv(self, u: torch.Tensor, rows: torch.Tensor):
         a = self.attn
         k, v = self._kv(u)
-        q = row_projection(a.qkv_proj, slice(None, a.q_size), u.index_select(0, rows)) if self.q_all is None \
-            else self.q_all.index_select(0, rows)
+        q = row_projection(self.parts.qkv_proj, slice(None, a.q_size), u.index_select(0, rows)) \
+            if self.q_all is None else self.q_all.index_select(0, rows)
         # One rotary call for both: the rows' queries in their batch slots (zeros in the others, rotated to zeros
         # and never read) beside every row's key.
-        q, k = a.rotary_emb(self.positions, in_batch_slots(self._q_norm(q), rows, u.shape[0]), k)
+        q, k = self.parts.rotary_emb(self.positions, in_batch_slots(self._q_norm(q), rows, u.shape[0]), k)
         return q.index_select(0, rows), k, v
 
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor):
         q, k, v = self._qk_normed(u, q)
-        q, k = self.attn.rotary_emb(self.positions, q, k)
+        q, k = self.parts.rotary_emb(self.positions, q, k)
         return q, k, v
 
     def _qk_normed(self, u: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) before RoPE, q with as many rows as the pass: Qwen3's q_norm and k_norm as upstream's layer
         applies them (`apply_qk_norm`: in place, with no copy of k, where SGLang's fused kernel serves), other
         families' q and k as they are."""
-        a = self.attn
+        parts = self.parts
         k, v = self._kv(u, normed=False)
-        if hasattr(a, "k_norm"):
-            q, k = apply_qk_norm(q, k, a.q_norm, a.k_norm, a.head_dim)
+        if parts.k_norm is not None:
+            q, k = apply_qk_norm(q, k, parts.q_norm, parts.k_norm, self.attn.head_dim)
         return q, k, v
 
     def _q_norm(self, q: torch.Tensor) -> torch.Tensor:
         """Qwen3's per-head q_norm (before RoPE); other families' q as it is."""
-        a = self.attn
-        return a.q_norm(q.reshape(-1, a.head_dim)).view(q.shape) if hasattr(a, "q_norm") else q
+        q_norm = self.parts.q_norm
+        return q if q_norm is None else q_norm(q.reshape(-1, self.attn.head_dim)).view(q.shape)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         a = self.attn
         k, v = k.view(-1, a.num_kv_heads, a.head_dim), v.view(-1, a.num_kv_heads, a.head_dim)
-        get_token_to_kv_pool().set_kv_buffer(a.attn, KVWriteLoc(self.fb.out_cache_loc), k, v)
+        get_token_to_kv_pool().set_kv_buffer(self.parts.radix, KVWriteLoc(self.fb.out_cache_loc), k, v)
         self.written = (k, v)  # a backend read hands them to SGLang's extend kernel, which takes them as operands
 
     def read(self, q: torch.Tensor, rows: torch.Tensor | None, reads: torch.Tensor | None = None) -> torch.Tensor:
         a = self.attn
         pool = get_token_to_kv_pool()
-        lid = a.attn.layer_id
+        lid = self.parts.radix.layer_id
         if self.prefill_read == "backend" and not self.fb.forward_mode.is_decode():  # q packed: in batch slots
             n = self.positions.shape[0]
             return self._backend_read(q if rows is None else in_batch_slots(q, rows, n, reads), rows, reads)
@@ -420,7 +504,7 @@ class SGLangLayerOps:
         else:
             read, kwargs = prefill_attention, {}
         out = read(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
-                   req, self._positions(rows), a.attn.scaling, reads, **kwargs)
+                   req, self._positions(rows), self.parts.radix.scaling, reads, **kwargs)
         return out.reshape(q.shape[0], -1)
 
     def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
@@ -434,9 +518,10 @@ class SGLangLayerOps:
             return self._backend_read(q, None)
         a = self.attn
         pool = get_token_to_kv_pool()
-        lid = a.attn.layer_id
+        lid = self.parts.radix.layer_id
         args = (q.view(q.shape[0], a.num_heads, a.head_dim), pool.get_key_buffer(lid), pool.get_value_buffer(lid),
-                get_req_to_token_pool().req_to_token, self.plan.req_rows, self.positions, reads, a.attn.scaling)
+                get_req_to_token_pool().req_to_token, self.plan.req_rows, self.positions, reads,
+                self.parts.radix.scaling)
         if self.fb.forward_mode.is_decode():
             out = masked_decode_attention(*args, idx=rows)
         else:  # `PREFILL_READS['packed']`
@@ -458,7 +543,7 @@ class SGLangLayerOps:
                 setattr(fb, name, getattr(self.fb, name).index_select(0, rows))
             if getattr(self.fb, "seq_lens_cpu", None) is not None:
                 fb.seq_lens_cpu = self.fb.seq_lens_cpu.index_select(0, rows.cpu())
-        return self.attn.attn(q, None, None, fb, save_kv_cache=False)
+        return self.parts.radix(q, None, None, fb, save_kv_cache=False)
 
     def _backend_read(self, q: torch.Tensor, rows: torch.Tensor | None,
                       reads: torch.Tensor | None = None) -> torch.Tensor:
@@ -468,7 +553,7 @@ class SGLangLayerOps:
         if self.written is None:
             raise RuntimeError("the backend read runs after the pass's K/V is written (write_kv)")
         k, v = self.written
-        out = self.attn.attn(q, k, v, self.fb, save_kv_cache=False)
+        out = self.parts.radix(q, k, v, self.fb, save_kv_cache=False)
         if rows is None:
             return out
         out = out.index_select(0, rows)
@@ -481,27 +566,31 @@ class SGLangLayerOps:
         return self.layer.mlp(v)
 
     def mlp_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return mlp_weights(self.layer)
+        return _plain(self.parts.mlp, "MLP")
 
     def attention_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        return attention_weights(self.layer)
+        return _plain(self.parts.attention, "attention")
+
+    def projector_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.parts.adapter
+
+
+def _plain(weights: tuple | None, what: str) -> tuple:
+    if weights is None:
+        raise RuntimeError(f"the layer's {what} has no plain weights for the count-bounded kernels (triton_blocker)")
+    return weights
 
 
 def mlp_weights(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views of an SGLang layer's MLP gate and up rows of `gate_up_proj` and of `down_proj` (the triton execution
     only, where `triton_blocker` found plain weights on one rank)."""
-    gate_up, down = layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight
-    return _weight_views(layer, "_vskipper_mlp_weights", (gate_up, down),
-                         lambda: (*gate_up.chunk(2, dim=0), down))
+    return _plain(layer_parts(layer).mlp, "MLP")
 
 
 def attention_weights(layer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A view of the Q rows of an SGLang layer's `qkv_proj` (and of its bias), and `o_proj`'s weight (the triton
     execution only, where `triton_blocker` found plain weights on one rank and no o_proj bias)."""
-    a = layer.self_attn
-    qkv, bias, o = a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight
-    return _weight_views(layer, "_vskipper_attention_weights", (qkv, bias, o),
-                         lambda: (qkv[: a.q_size], None if bias is None else bias[: a.q_size], o))
+    return _plain(layer_parts(layer).attention, "attention")
 
 
 def warm_layer(layer, execution: CohortExecution, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -612,12 +701,13 @@ class RoutedLayerMixin:
             u = self.input_layernorm(x)
         execution = self._slot.execution
         triton = execution.decode == "triton"  # one execution for both phases
+        parts = layer_parts(self)
         if triton and self._slot.fused_gate:  # a trained gate's route in two launches around its GEMMs
             from vskipper.mixed.router import gate_route
 
-            route = gate_route(step.skipper, u, step.state, self.router)
+            route = gate_route(step.skipper, u, step.state, parts.router)
         else:
-            router = self.router if step.skipper.requires_router_weights else None
+            router = parts.router if step.skipper.requires_router_weights else None
             route = step.skipper.route(self.layer_id, u, step.state, router)
         if triton:  # the tape's record and the cohort maps in one launch
             cohorts = step.builder.record_and_build(step.tape, self.layer_id, route, step.dense_rows)
@@ -626,7 +716,8 @@ class RoutedLayerMixin:
         run, weights = step.tape.layer(self.layer_id, step.rows)
         ops = SGLangLayerOps(self, positions, forward_batch, self._slot.plan, "triton" if triton else "torch",
                              prefill_read=execution.prefill_read, decode_read=execution.decode_read,
-                             read_tile=execution.tiles.read_tile if execution.tiles is not None else None)
+                             read_tile=execution.tiles.read_tile if execution.tiles is not None else None,
+                             parts=parts)
         if self._slot.part_clock is not None:  # the read the body takes, whichever it is, is the clock's `read`
             ops.read = self._slot.part_clock.timed(ops.read, "read")
             ops.read_cohort = self._slot.part_clock.timed(ops.read_cohort, "read")
