@@ -620,3 +620,6 @@ def test_recording_in_the_maps_launch_refuses_what_the_tape_refuses():
     with pytest.raises(ValueError, match="dense_rows has shape"):
         builder.record_and_build(tape, 2, LayerRoute(torch.ones(2, 1, dtype=torch.bool), torch.ones(2, 1)),
                                  torch.ones(3, dtype=torch.bool))
+    # the launch steps through the route's first stride: a route of more than one column is refused, not misread
+    with pytest.raises(ValueError, match=r"route of layer 2: weights has shape \(2, 2\), not \[rows\] or \[rows, 1\]"):
+        builder.record_and_build(tape, 2, LayerRoute(torch.ones(2, 1, dtype=torch.bool), torch.ones(2, 2)))

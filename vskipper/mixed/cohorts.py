@@ -112,7 +112,7 @@ class CohortBuilder:
         """`tape.record(layer_id, route, dense_rows)`, then `build(<the recorded run>, fused=True)`, in one Triton
         launch: the tape's row holds what `record` writes (dense-mode rows RUN with unit weight), the maps are
         those of that row."""
-        j, run, weights = tape.checked(layer_id, route)
+        j, run, weights = tape.checked(layer_id, route, flat=False)  # the launch steps by each one's first stride
         rows = run.shape[0]
         self._check(rows)
         if dense_rows is not None and dense_rows.shape != (rows,):

@@ -533,6 +533,8 @@ class CohortFFN(NamedTuple):
 
 def _flat(weights: torch.Tensor) -> torch.Tensor:
     """The branch weights as the down kernels read them: one per batch row, contiguous."""
+    if weights.dim() == 1 and weights.stride(0) == 1:  # the tape's row, as a routed layer hands it: no view
+        return weights
     weights = weights.reshape(-1)
     return weights if weights.stride(0) == 1 else weights.contiguous()
 
@@ -684,8 +686,9 @@ def cohort_maps(run: torch.Tensor, run_idx: torch.Tensor, proj_idx: torch.Tensor
     (`cohort_maps_kernel`, one compiled variant for every row count); no host read.
 
     `record` = (tape_run [rows], tape_w [rows], weights [rows], dense_rows [rows] or None): `run` and `weights`
-    are then a skipper's route (any stride), which the same launch writes into the tape's row (tape_run,
-    tape_w: contiguous), the dense-mode rows RUN with unit weight, and the maps follow from what it wrote."""
+    are then a skipper's route ([rows] or [rows, 1], any first stride: the launch steps by it), which the same
+    launch writes into the tape's row (tape_run, tape_w: contiguous), the dense-mode rows RUN with unit weight,
+    and the maps follow from what it wrote."""
     rows = run.shape[0]
     if not 0 < rows <= COHORT_MAPS_MAX_ROWS:
         raise ValueError(f"cohort_maps covers 1..{COHORT_MAPS_MAX_ROWS} rows, got {rows}")

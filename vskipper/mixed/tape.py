@@ -80,18 +80,27 @@ class RouteTape:
         tape_run.copy_(run)
         tape_weights.copy_(weights)
 
-    def checked(self, layer_id: int, route: LayerRoute) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def checked(self, layer_id: int, route: LayerRoute, flat: bool = True) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(the layer's tape row, run [rows], weights [rows]) of a route this tape can record: its rows within
-        the capacity, as many weights as run flags. The flat views may be strided (no copy)."""
+        the capacity, as many weights as run flags. The flat views may be strided (no copy). `flat` False: the
+        route's own tensors ([rows] or [rows, 1], as a skipper returns them), for a reader that steps through
+        them by their first stride (no view made)."""
         j = self.slot(layer_id)
-        rows = route.run_mask.shape[0]
+        run, weights = route.run_mask, route.weights
+        rows = run.shape[0]
         if rows > self.capacity:
             raise ValueError(f"route of layer {layer_id} has {rows} rows, more than the tape capacity "
                              f"{self.capacity}")
-        if route.weights.shape[0] != rows:
-            raise ValueError(f"route of layer {layer_id}: weights have {route.weights.shape[0]} rows, "
+        if weights.shape[0] != rows:
+            raise ValueError(f"route of layer {layer_id}: weights have {weights.shape[0]} rows, "
                              f"run_mask has {rows}")
-        return j, route.run_mask.reshape(-1), route.weights.reshape(-1)
+        if flat:
+            return j, run.reshape(-1), weights.reshape(-1)
+        for name, t in (("run_mask", run), ("weights", weights)):
+            if t.shape[1:] not in ((), (1,)):
+                raise ValueError(f"route of layer {layer_id}: {name} has shape {tuple(t.shape)}, not [rows] or "
+                                 f"[rows, 1]")
+        return j, run, weights
 
     def pad(self, rows: int) -> None:
         """Every layer's rows past `rows`: RUN with unit weight (once per pass, before its layers record)."""

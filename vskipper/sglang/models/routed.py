@@ -37,6 +37,7 @@ import copy
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from operator import is_
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -52,7 +53,6 @@ from sglang.srt.model_executor.forward_context import (
 )
 from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_attention_variant
 from sglang.srt.models.utils import apply_qk_norm
-from sglang.srt.utils.common import use_intel_amx_backend
 
 from vskipper.mixed.attention import paged_attention, prefill_attention
 from vskipper.mixed.backend import select_backend
@@ -300,7 +300,10 @@ def in_batch_slots(q: torch.Tensor, rows: torch.Tensor, n: int, reads: torch.Ten
 def kv_only_supported(qkv_proj) -> bool:
     """Whether a fused `qkv_proj`'s linear method has a row view of its K/V rows (unquantized, unpacked weights).
     Elsewhere (quantized or packed weights) Project-Only rows run the whole `qkv_proj` and drop Q (attested)."""
-    return type(qkv_proj.quant_method) is UnquantizedLinearMethod and not use_intel_amx_backend(qkv_proj)
+    # SGLang sets `use_intel_amx_backend` on the module itself (`use_intel_amx_backend` reads it with a default:
+    # nn.Module's failed lookup first, a few microseconds a pass)
+    return type(qkv_proj.quant_method) is UnquantizedLinearMethod \
+        and not qkv_proj.__dict__.get("use_intel_amx_backend", False)
 
 
 class _Kept:
@@ -311,7 +314,7 @@ class _Kept:
     about a microsecond (a routed layer looked up some thirty a pass). A reload in place shows through the views;
     one into new storage, or a module or parameter set anew, builds them anew."""
 
-    __slots__ = ("links", "storage", "value")
+    __slots__ = ("tables", "names", "objects", "tensors", "storage", "value")
 
     def __init__(self, root, paths: tuple[str, ...], build: Callable[..., Any]) -> None:
         links: dict[tuple[int, str], tuple[dict, str, Any]] = {}
@@ -325,13 +328,15 @@ class _Kept:
                 if obj is None:  # absent (a Llama layer's q_norm), or a parameter registered as None (a bias)
                     break
             ends.append(obj)
-        self.links = tuple(links.values())
-        self.storage = tuple((t, t.data_ptr()) for t in ends if isinstance(t, torch.Tensor))
+        self.tables, self.names, self.objects = zip(*links.values(), strict=True)
+        self.tensors = tuple(t for t in ends if isinstance(t, torch.Tensor))
+        self.storage = [t.data_ptr() for t in self.tensors]
         self.value = build(*ends)
 
     def holds(self) -> bool:
-        return all(table.get(name) is obj for table, name, obj in self.links) \
-            and all(t.data_ptr() == ptr for t, ptr in self.storage)
+        # the loops in C (map): a layer's two dozen steps and seven tensors in about a microsecond
+        return all(map(is_, map(dict.get, self.tables, self.names), self.objects)) \
+            and list(map(torch.Tensor.data_ptr, self.tensors)) == self.storage
 
 
 def _table(owner, name: str) -> dict:
