@@ -566,10 +566,15 @@ def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_w
     attn = world.layer.self_attn
     assert served.project_only_q([attn.qkv_proj], served.cohort_execution([world.layer], cpu, "triton")) == \
         "skipped: the RUN cohort's count-bounded Q GEMM"
-    monkeypatch.setattr(attn.o_proj, "bias", torch.nn.Parameter(torch.zeros(attn.o_proj.weight.shape[0])))
-    assert served.cohort_execution([world.layer], cpu, "triton").reason == \
-        "layer 2: self_attn.o_proj has a bias (the scattered o_proj adds none)"
-    monkeypatch.undo()
+    # set and put back by hand: pytest's monkeypatch restores what the instance's own dict held, and a parameter
+    # lives in the module's parameter table, so its undo would delete the registered (None) bias
+    attn.o_proj.bias = torch.nn.Parameter(torch.zeros(attn.o_proj.weight.shape[0]))
+    try:
+        assert served.cohort_execution([world.layer], cpu, "triton").reason == \
+            "layer 2: self_attn.o_proj has a bias (the scattered o_proj adds none)"
+    finally:
+        attn.o_proj.bias = None
+    assert "bias" in attn.o_proj._parameters and attn.o_proj.bias is None
     monkeypatch.setattr(attn.o_proj, "quant_method", object())
     assert served.cohort_execution([world.layer], cpu, "triton").reason == \
         "layer 2: self_attn.o_proj is quantized or packed"
