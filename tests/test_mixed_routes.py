@@ -53,10 +53,14 @@ def test_the_fused_routes_read_nothing_on_the_host_and_launch_once():
         fused_state(skipper, batch)
     assert reads.reads == [] and dict(count.triton) == {"random_routes_kernel": 1}
     assert sum(count.ops.values()) == 0  # the chain's ~50 operators are gone; the outputs are allocations only
-    chained = LaunchCount()
-    with chained:
-        skipper.prepare_batch(batch)
+    chained, on_cpu = LaunchCount(), LaunchCount()
+    keys, pos, valid = batch.request_keys, batch.positions, batch.valid_rows
+    with chained:  # the chain of tensor ops a device runs without the fused form
+        skipper._run(keys, pos, valid, torch.arange(len(batch.routed_layers)), len(batch.routed_layers))
     assert sum(chained.ops.values()) >= 40
+    with on_cpu:  # on CPU the chain runs as numpy's ufuncs: the tensors it returns are all torch sees
+        skipper.prepare_batch(batch)
+    assert sum(on_cpu.ops.values()) <= 2
 
 
 def test_a_skipper_without_a_fused_form_keeps_its_own_and_random_skip_needs_keys_and_positions():

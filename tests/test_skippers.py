@@ -62,6 +62,25 @@ def test_random_skip_matches_the_pure_python_reference_bit_for_bit():
     assert torch.equal(got, want)
 
 
+def test_random_skip_routes_on_cpu_through_numpy_equal_the_device_chain_of_tensor_ops():
+    """On CPU `prepare_batch` runs the hash as numpy's ufuncs over the tensors' memory; a device runs the same
+    functions as tensor ops. Both agree bit for bit, padding rows included (they always RUN)."""
+    rng = random.Random(2)
+    rows = 48
+    keys = torch.tensor([rng.randrange(-2**63, 2**63) for _ in range(rows)], dtype=torch.int64)
+    pos = torch.tensor([rng.randrange(0, 1 << 20) for _ in range(rows)], dtype=torch.int64)
+    valid = torch.rand(rows, generator=torch.Generator().manual_seed(2)) < 0.8
+    sk = build_skipper("random_skip", {"r": 0.6, "d": 0.4, "seed": 99})
+    state = sk.prepare_batch(batch(rows, keys=keys, positions=pos, valid=valid))
+    layers = len(ROUTED)
+    chain = sk._run(keys, pos, valid, torch.arange(layers, dtype=torch.int64), layers)  # the tensor ops
+    assert isinstance(chain, torch.Tensor)
+    assert torch.equal(state["run"].squeeze(-1), chain)
+    assert bool(chain[:, ~valid].all()) and not bool(chain[:, valid].all())
+    want = torch.tensor([reference_routes(99, int(k), int(p), 0.6, 0.4, layers) for k, p in zip(keys, pos, strict=True)])
+    assert torch.equal(~chain[:, valid], want[valid].T)
+
+
 def test_random_skip_routes_do_not_depend_on_batch_composition():
     """The same (request, position) gets the same routes alone, in a big batch, permuted, or with padding."""
     sk = build_skipper("random_skip", {"r": 0.5, "d": 0.75, "seed": 7})
