@@ -277,7 +277,8 @@ def served_layer_profile(ckpt: Path, phase: str, rows: int, context: int, skip: 
     saved = len(routed_ids) * layer_saving
     return {"phase": phase, "rows": rows, "context": context, "project_only_rows": n_proj,
             "torch_threads": torch.get_num_threads(),
-            "read": execution.decode_read if decode else execution.prefill_read,
+            # the read the layer took: the decode read, or the prefill read (the sized read's choice at this prompt)
+            "read": execution.decode_read if decode else "backend" if ops().reads_through_backend() else "rows",
             "layer_ms": ms["layer"], "step_ms": step, "parts_all_ms": {k: ms[f"{k} @all"] for k in saving},
             "parts_run_ms": {k: ms[f"{k} @run"] for k in saving}, "saving_ms": saving,
             "projector_ms": ms["projector"], "layer_saving_ms": layer_saving, "saved_ms": saved,

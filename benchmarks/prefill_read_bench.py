@@ -14,8 +14,11 @@ calls, one torch thread:
             the form before the fold
   causal    every row, SDPA's causal kernel with `enable_gqa` per request, as SGLang's torch-native backend calls
             it for a dense layer's prefill
+  backend   the torch execution's read through SGLang's torch-native backend (`PREFILL_READS['backend']`): the RUN
+            rows' queries placed in their batch rows (zeros elsewhere), the backend's own extend loop over every
+            row, the RUN rows' outputs taken back; `causal` with the backend's and the routed layer's own costs
 
-Printed: each read's median ms, folded over causal beside the share of query-key pairs the RUN rows have (the
+Printed: each read's median ms, folded over causal and over backend beside the share of query-key pairs the RUN rows have (the
 limit: a read whose cost per pair equals the causal kernel's costs that share), folded over sdpa-gqa, and with
 several requests one-call over loop.
 
@@ -31,6 +34,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from unittest.mock import patch
 
 import torch
@@ -40,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vskipper.mixed import attention  # noqa: E402
 from vskipper.mixed.attention import PREFILL_READ_BLOCK, prefill_attention  # noqa: E402
+from vskipper.sglang.standalone import init_sglang  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 64  # bench-cpu's full size (GQA 16/4, heads of 64)
 
@@ -59,6 +64,32 @@ def sdpa_gqa_read(q, k, v, pos, scale, block=PREFILL_READ_BLOCK):
         out[start:start + m] = o[0].transpose(0, 1)
         start += m
     return out
+
+
+def torch_native_read(q, shape, running, k_pool, v_pool, req_to_token, scale):
+    """The read of the RUN rows q (request by request, `running` their positions) through SGLang's torch-native
+    backend's extend loop over every row of `shape` = (requests, tokens) fresh prompts, as the torch execution's
+    'backend' read calls it: the queries placed in their batch rows, the loop, the RUN rows' outputs taken back."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from vskipper.sglang.models.routed import in_batch_slots
+
+    reqs, n = shape
+    heads, head_dim = q.shape[1:]
+    backend = TorchNativeAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=None, token_to_kv_pool=None))
+    rows = torch.cat([r * n + running[r] for r in range(reqs)])
+    lens = torch.full((reqs,), n)
+    slots, prefix = torch.arange(reqs), torch.zeros(reqs, dtype=torch.int64)
+    gqa = heads != k_pool.shape[1]
+
+    def call():
+        q_rows = in_batch_slots(q.view(q.shape[0], -1), rows, reqs * n).view(reqs * n, heads, head_dim)
+        out = torch.empty_like(q_rows)
+        backend._run_sdpa_forward_extend(q_rows, out, k_pool, v_pool, req_to_token, slots, lens, prefix, lens,
+                                         scaling=scale, enable_gqa=gqa, causal=True)
+        return out.index_select(0, rows)
+
+    return call
 
 
 def best_ms(fn, calls: int = 3) -> float:
@@ -88,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(heads, kv_heads, head_dim) < 1 or heads % kv_heads:
         raise SystemExit(f"--heads {args.heads}: each at least 1, and heads a multiple of kv_heads")
     torch.set_num_threads(1)
+    init_sglang("cpu")  # SGLang's modules (its torch-native backend) import after its CPU context is published
     gen = torch.Generator().manual_seed(0)
     n, reqs, dt, scale = args.tokens, args.requests, getattr(torch, args.dtype), head_dim ** -0.5
     slots = 4 * n * reqs
@@ -121,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         return [F.scaled_dot_product_attention(q_causal[r], *kv[r], is_causal=True, scale=scale, enable_gqa=True)
                 for r in range(reqs)]
 
+    backend_read = torch_native_read(q, q_all.shape[:2], running, k_pool, v_pool, req_to_token, scale)
     reads = {"folded": folded}
     if reqs > 1:
         reads["loop"] = lambda: held(BATCHED_READ_MACS=0)
         reads["one-call"] = lambda: held(BATCHED_READ_MACS=1 << 62, BATCHED_READ_MAX_SPAN=1 << 62)
-    reads.update({"sdpa-gqa": sdpa_gqa, "causal": causal})
+    reads.update({"sdpa-gqa": sdpa_gqa, "causal": causal, "backend": backend_read})
     tol = 0.02 if dt == torch.bfloat16 else 1e-4
     for name in reads.keys() - {"folded", "causal"}:
         torch.testing.assert_close(reads[name](), reads["folded"](), rtol=tol, atol=tol)
@@ -142,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, ms in med.items():
         print(f"  {name:9s} {ms:7.2f} ms")
     print(f"folded over causal {med['folded'] / med['causal']:.3f} (limit: the pairs' share {pairs:.3f}); "
+          f"folded over backend {med['folded'] / med['backend']:.3f}; "
           f"folded over sdpa-gqa {med['folded'] / med['sdpa-gqa']:.3f}"
           + (f"; one-call over loop {med['one-call'] / med['loop']:.3f}" if reqs > 1 else ""))
     return 0

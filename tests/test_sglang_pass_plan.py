@@ -448,4 +448,4 @@ def test_a_served_routed_arm_plans_every_pass_before_the_forward_and_counts_them
     assert att["routed_graph_variants"] == {"prefill": False, "decode": False}
     assert execution["cuda_graphs"]["routed_variant"] == "none: routed passes run eagerly (no CUDA graphs on cpu)"
     assert execution["routed_layers_backend"] == {"decode": "torch", "decode_read": "backend", "prefill": "torch",
-                                                 "prefill_read": "rows", "tiles": None}
+                                                 "prefill_read": "sized", "tiles": None}

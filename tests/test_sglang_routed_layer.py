@@ -124,6 +124,53 @@ def test_a_prefill_read_through_sglangs_backend_gives_the_same_layer_and_skips_q
     assert (routed_q[~run_t] == 0).all() and (routed_q[run_t] != 0).any()
 
 
+@pytest.mark.parametrize(("extend", "threshold", "through"), [
+    ({1: 6}, served.SIZED_READ_MACS, "backend"),  # one short prompt (its prefix of 3 included)
+    ({1: 6}, 1, "rows"),  # one prompt whose read is over the threshold
+    ({1: 4, 3: 3}, served.SIZED_READ_MACS, "rows"),  # two prompts: the RUN rows' batched read
+])
+def test_the_sized_prefill_read_reads_a_short_prompt_through_sglangs_backend_and_every_other_pass_by_its_rows(
+        world, extend, threshold, through, monkeypatch):
+    """`PREFILL_READS['sized']` (the torch execution's on CPU): a pass of one request whose causal read over its
+    whole sequence is below `SIZED_READ_MACS` reads through SGLang's backend, once over every row; one over it,
+    and a pass of several requests, read the RUN rows alone (`prefill_attention`). Either way the layer computes
+    what the dense layer computes."""
+    reads: dict[str, int] = {}
+
+    def counted(read, name):
+        def wrapper(q, *args, **kwargs):
+            reads[name] = reads.get(name, 0) + q.shape[0]
+            return read(q, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(world.slot, "execution", served.CohortExecution("torch", prefill_read="sized"))
+    monkeypatch.setattr(served, "SIZED_READ_MACS", threshold)
+    monkeypatch.setattr(served, "prefill_attention", counted(served.prefill_attention, "rows"))
+    monkeypatch.setattr(world.backend, "forward_extend", counted(world.backend.forward_extend, "backend"))
+    rows = sum(extend.values())
+    run = ([False, True] * rows)[:rows]
+    y, y_dense, kv_routed, kv_dense, x, run_t, w = _routed_and_dense(world, extend, run)
+    torch.testing.assert_close(y[run_t], y_dense[run_t], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y[~run_t], _adapter(world, x[~run_t], w[~run_t]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_routed, kv_dense, rtol=1e-4, atol=1e-4)
+    # the dense pass after the routed one reads every row through the backend
+    assert reads == ({"backend": 2 * rows} if through == "backend" else {"rows": sum(run), "backend": rows})
+
+
+def test_a_pass_plan_holds_the_causal_pairs_of_a_one_request_prefill_alone(world):
+    """`PassPlan.read_pairs`: the pairs of one request's causal read over its whole sequence, prefix included (as
+    SGLang's torch-native backend computes them); 0 for several requests and for decode."""
+    lengths0 = list(world.lengths)
+    try:
+        prefix = world.lengths[1]
+        one = served.plan_pass(world.batch({1: 6}), 6)
+        assert one.read_pairs == (prefix + 6) * (prefix + 7) // 2
+        assert served.plan_pass(world.batch({0: 2, 2: 3}), 5).read_pairs == 0
+        assert served.plan_pass(world.batch({0: 1, 1: 1}), 2).read_pairs == 0  # decode
+    finally:
+        world.lengths = lengths0
+
+
 def test_an_all_project_only_pass_writes_every_rows_kv_and_runs_only_the_adapter(world):
     y, _, kv_routed, kv_dense, x, run_t, w = _routed_and_dense(world, {0: 1, 2: 1, 3: 1}, [False] * 3)
     torch.testing.assert_close(y, _adapter(world, x, w), rtol=1e-4, atol=1e-4)

@@ -460,16 +460,18 @@ WAIT_PASSES = [("prefill", PREFILL_EXTEND, [7, 7, 7, 9, 9]), ("decode", {0: 1, 1
 @pytest.mark.parametrize(("phase", "extend", "keys"), WAIT_PASSES, ids=[p[0] for p in WAIT_PASSES])
 def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device_value(world, execution, phase,
                                                                                        extend, keys):
-    """The sync-free routed pass, prefill and decode: RandomSkip routes it (its per-pass state included), the tape
-    records it, the cohorts are packed, and the layer runs, with no operator that would make the host wait for
-    the device (a scalar read, an output shaped by device values, a tensor literal copied from the host) outside
-    SGLang's attention backend, which a dense pass calls alike. The torch execution packs its cohorts with
+    """The sync-free routed pass, prefill and decode: RandomSkip routes it (its per-pass state included, in the
+    one launch the runtime takes for the triton execution), the tape records it, the cohorts are packed, and the
+    layer runs, with no operator that would make the host wait for the device (a scalar read, an output shaped by
+    device values, a tensor literal copied from the host) outside SGLang's attention backend, which a dense pass
+    calls alike. The torch execution packs its cohorts with
     `nonzero`, which the detector sees: it would see a wait in the triton execution too. 'gathered' is the triton
     execution with every GEMM in the gathered cuBLAS form (a table that measured cuBLAS faster). The triton
     execution's maps leave the layer's counts on the tape, where the pass is counted from."""
     from mixed_world import HostWaitDetector, gathering_table
 
     from vskipper.mixed.cohorts import CohortBuilder
+    from vskipper.mixed.routes import fused_state
     from vskipper.mixed.tape import RouteTape
     from vskipper.sglang.models.routed import plan_pass
     from vskipper.sglang.runtime import Step
@@ -492,8 +494,10 @@ def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device
         setattr(world.backend, name, detector.exempt(getattr(world.backend, name)))
     try:
         with world.context(), torch.no_grad(), detector:
-            step.state = skipper.prepare_batch(BatchContext(x, torch.ones(rows, dtype=torch.bool), (lid,), phase,
-                                                            keys, fb.positions))
+            # the state as the runtime prepares it for each execution (`Runtime.prepare_state`): the triton
+            # execution's in one launch; the torch execution's on CPU by numpy, whose tensors torch lifts
+            batch = BatchContext(x, torch.ones(rows, dtype=torch.bool), (lid,), phase, keys, fb.positions)
+            step.state = skipper.prepare_batch(batch) if execution == "torch" else fused_state(skipper, batch)
             world.layer.mixed_depth(step, fb.positions, x, fb)
     finally:
         del world.backend.forward_extend, world.backend.forward_decode
@@ -512,17 +516,19 @@ def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device
 
 def test_the_execution_is_torch_on_cpu_and_triton_needs_one_rank_and_plain_mlp_weights(world, monkeypatch):
     cpu = torch.device("cpu")
-    # auto: triton only on CUDA; on CPU the torch execution's decode read is per row
-    assert served.cohort_execution([world.layer], cpu) == served.CohortExecution("torch", decode_read="backend")
+    # auto: triton only on CUDA; on CPU the torch execution's decode read is per row, its prefill read by size
+    assert served.cohort_execution([world.layer], cpu) == served.CohortExecution("torch", decode_read="backend",
+                                                                                 prefill_read="sized")
     assert served.cohort_execution([world.layer], cpu).attestation() == {
-        "decode": "torch", "decode_read": "backend", "prefill": "torch", "prefill_read": "rows", "tiles": None}
+        "decode": "torch", "decode_read": "backend", "prefill": "torch", "prefill_read": "sized", "tiles": None}
     assert served.cohort_execution([world.layer], torch.device("cuda"), "torch").decode_read == "masked"
     with pytest.raises(ValueError, match="decode_read must be one of"):
         served.CohortExecution("torch", decode_read="padded")
     assert served.cohort_execution([world.layer], cpu, "triton").attestation() == {
         "decode": "triton", "prefill": "triton", "prefill_read": "packed", "tiles": "interpreter tile"}
-    with pytest.raises(ValueError, match="the triton execution prefills with prefill_read 'packed' or 'backend'"):
-        served.CohortExecution("triton", prefill_read="rows")
+    for read in ("rows", "sized"):
+        with pytest.raises(ValueError, match="the triton execution prefills with prefill_read 'packed' or 'backend'"):
+            served.CohortExecution("triton", prefill_read=read)
     # On a GPU the attestation names the device table and the packed read's launch, and whether it was measured.
     table = tile_table_for("H100-SXM")
     assert served.CohortExecution("triton", table, prefill_read="packed").attestation()["prefill_read_tile"] == {

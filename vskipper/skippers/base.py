@@ -8,7 +8,8 @@ rows; then, at each routed layer, `route` returns that layer's `LayerRoute`:
                              Project-Only: the projector output), in the hidden states' dtype
 
 Both live on the hidden states' device and are produced with tensor ops only: no `.item()`, no host branching on
-tensor values, so a captured decode graph can replay them with new routes. Padding rows (valid_rows False)
+tensor values, so a captured decode graph can replay them with new routes. (On CPU, where nothing is captured, a
+skipper may compute them with numpy over the tensors' memory: RandomSkip does.) Padding rows (valid_rows False)
 always RUN with unit weight. Whatever a route says, the runtime still writes every valid row's own K/V at every
 layer (Invariant 1); that is the runtime's job, not the skipper's.
 """

@@ -74,6 +74,9 @@ class PassPlan:
 
     req_rows: torch.Tensor  # int64 [rows]: each row's request slot in SGLang's req_to_token
     context: int  # decode: the longest context of the pass (host mirror of seq_lens); prefill: unused
+    # prefill, a pass of one request whose length is on the host: the query-key pairs of a causal read over its
+    # whole sequence, as SGLang's torch-native backend reads it (`PREFILL_READS['sized']`); 0 elsewhere
+    read_pairs: int = 0
 
 
 # How RUN tokens of a mixed prefill pass read attention (each still attends to every token's K/V).
@@ -87,7 +90,19 @@ PREFILL_READS = {
     "packed": "the RUN rows alone, one count-bounded Triton flash-attention over their packed cohort slots, each "
               "over its request's KV pages up to its position (`packed_prefill_attention`): Project-Only rows "
               "read nothing; no value read on the host (the triton execution's)",
+    "sized": "'backend' for a pass of one request whose causal read is small (`SIZED_READ_MACS`), 'rows' for every "
+             "other pass (the torch execution's on CPU)",
 }
+# `PREFILL_READS['sized']`: a pass of one request reads through SGLang's backend where its causal read computes fewer
+# query-key products than this (pairs over the whole sequence x heads x head_dim on this rank), the RUN rows alone
+# beyond. Below it a read is its fixed costs, and the backend's extend loop, one SDPA call over every row (Project-Only
+# rows with a zero query), costs a half to a third of the RUN rows' blocks; above it the RUN rows' share of the
+# pairs wins. One request alone: several requests' RUN rows of short prompts share one call (`_batched_read`), which
+# beat the backend's loop at every size measured. Measured on CPU with `benchmarks/prefill_read_bench.py` (half the
+# rows RUN; one thread): the two reads cost alike at 2-5 M products for heads 16/4 of 64 (64-96 tokens), 32/8 of 128
+# (32-48 tokens) and 4/2 of 16 (256-384 tokens); the 'rows' read cost 1.5-2.2x the backend's at 16 tokens of each,
+# 0.6-0.8x at 4x the threshold.
+SIZED_READ_MACS = 1 << 22
 
 
 # How RUN rows of a mixed decode pass read attention in the torch execution (the triton execution has its masked
@@ -117,9 +132,9 @@ class CohortExecution:
              backend where the device's table measured the packed read no faster than the backend's read of every
              row, or SDPA's where it did not time the backend's; `prefill_read_why` says what it weighed).
              torch: packed cohorts by `nonzero` (a host wait per layer on a GPU), its read one of
-             `PREFILL_READS`: `rows` on CPU, `backend` on CUDA (the per-request SDPA with an explicit mask is far
-             slower there than SGLang's extend kernel, whose wasted reads of Project-Only rows cost a few percent
-             of a prefill)
+             `PREFILL_READS`: `sized` on CPU (a short prompt's through the backend, every other pass's RUN rows
+             alone), `backend` on CUDA (the per-request SDPA with an explicit mask is far slower there than
+             SGLang's extend kernel, whose wasted reads of Project-Only rows cost a few percent of a prefill)
     """
 
     decode: str
@@ -134,7 +149,7 @@ class CohortExecution:
             raise ValueError(f"prefill_read must be one of {sorted(PREFILL_READS)}, got {self.prefill_read!r}")
         if self.decode_read not in DECODE_READS:
             raise ValueError(f"decode_read must be one of {sorted(DECODE_READS)}, got {self.decode_read!r}")
-        if self.decode == "triton" and self.prefill_read == "rows":
+        if self.decode == "triton" and self.prefill_read in ("rows", "sized"):
             raise ValueError("the triton execution prefills with prefill_read 'packed' or 'backend' (the 'rows' "
                              "read groups rows by request on the host)")
 
@@ -216,7 +231,7 @@ def cohort_execution(layers, device: torch.device, requested: str = "auto",
     where the table measured the packed read no faster than every row's read by `attention_backend`, the server's
     prefill backend, or by SDPA where the table did not time that one: `TileTable.prefill_read`), its
     GEMMs and that read tiled by the table at `tile_table` (measured on this device) or else the one shipped for
-    it; the torch one reads through SGLang's attention backend on CUDA and per request on CPU, and decodes with
+    it; the torch one reads through SGLang's attention backend on CUDA and by the pass's size on CPU, and decodes with
     SGLang's torch-native read over the RUN rows on CPU, the masked one elsewhere."""
     if select_backend(requested, device) == "triton":
         why = next((why for why in map(triton_blocker, layers) if why is not None), None)
@@ -230,7 +245,7 @@ def cohort_execution(layers, device: torch.device, requested: str = "auto",
             return CohortExecution("triton", table, prefill_read=read, prefill_read_why=read_why)
     else:
         why = ""
-    return CohortExecution("torch", reason=why, prefill_read="backend" if device.type == "cuda" else "rows",
+    return CohortExecution("torch", reason=why, prefill_read="backend" if device.type == "cuda" else "sized",
                            decode_read="backend" if device.type == "cpu" else "masked")
 
 
@@ -275,10 +290,15 @@ def plan_pass(forward_batch, rows: int, context: int | None = None) -> PassPlan:
     if slots is None and forward_batch.req_pool_indices.device.type == "cpu":
         slots = forward_batch.req_pool_indices
     extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
+    lens = forward_batch.seq_lens_cpu
+    pairs = 0
+    if lens is not None and len(lens) == 1:  # one request: its causal read's pairs (`PREFILL_READS['sized']`)
+        length = int(lens.item())
+        pairs = length * (length + 1) // 2
     if slots is not None and extend is not None:
-        return PassPlan(expand_rows(slots.numpy(), extend, rows), 0)
+        return PassPlan(expand_rows(slots.numpy(), extend, rows), 0, pairs)
     return PassPlan(torch.repeat_interleave(forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
-                                            output_size=rows), 0)
+                                            output_size=rows), 0, pairs)
 
 
 def reads_in_place(req_rows: torch.Tensor, device: torch.device, rows: int) -> bool:
@@ -497,7 +517,7 @@ class SGLangLayerOps:
         a = self.attn
         pool = get_token_to_kv_pool()
         lid = self.parts.radix.layer_id
-        if self.prefill_read == "backend" and not self.fb.forward_mode.is_decode():  # q packed: in batch slots
+        if not self.fb.forward_mode.is_decode() and self.reads_through_backend():  # q packed: in batch slots
             n = self.positions.shape[0]
             return self._backend_read(q if rows is None else in_batch_slots(q, rows, n, reads), rows, reads)
         req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
@@ -511,6 +531,14 @@ class SGLangLayerOps:
         out = read(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
                    req, self._positions(rows), self.parts.radix.scaling, reads, **kwargs)
         return out.reshape(q.shape[0], -1)
+
+    def reads_through_backend(self) -> bool:
+        """Whether this prefill pass's read goes through SGLang's backend: `backend`, or `sized` for a pass of one
+        short request (`SIZED_READ_MACS`)."""
+        if self.prefill_read == "sized":
+            a = self.attn
+            return 0 < self.plan.read_pairs * a.num_heads * a.head_dim < SIZED_READ_MACS
+        return self.prefill_read == "backend"
 
     def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
         """The masked decode read, or the packed prefill read, over the cohort's packed slots (launch shape: the
@@ -972,7 +1000,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         step.keys = views["request_keys"]
         if step.dense_rows is not None:
             step.dense_rows = views["dense_rows"]
-        return PassPlan(plan.req_rows if in_place else views["req_rows"], plan.context)
+        return PassPlan(plan.req_rows if in_place else views["req_rows"], plan.context, plan.read_pairs)
 
     def prepare_pass(self, forward_batch) -> None:
         """Before SGLang's forward of this batch (the hook around `ModelRunner.forward`)."""
