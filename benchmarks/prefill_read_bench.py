@@ -18,9 +18,10 @@ calls, one torch thread:
             rows' queries placed in their batch rows (zeros elsewhere), the backend's own extend loop over every
             row, the RUN rows' outputs taken back; `causal` with the backend's and the routed layer's own costs
 
-Printed: each read's median ms, folded over causal and over backend beside the share of query-key pairs the RUN rows have (the
-limit: a read whose cost per pair equals the causal kernel's costs that share), folded over sdpa-gqa, and with
-several requests one-call over loop.
+Printed: each read's median ms, folded over causal and over backend beside the share of query-key pairs the RUN
+rows have (the limit: a read whose cost per pair equals the causal kernel's costs that share), folded over
+sdpa-gqa, and with several requests one-call over loop; last, which read the torch execution's sized read
+(`PREFILL_READS['sized']`) takes at this pass.
 
 Run:  python benchmarks/prefill_read_bench.py [--tokens 1024] [--requests 1] [--run 0.5] [--rounds 11]
       python benchmarks/prefill_read_bench.py --requests 8 --tokens 128 --heads 4,2,16 --dtype float32
@@ -178,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
           f"folded over backend {med['folded'] / med['backend']:.3f}; "
           f"folded over sdpa-gqa {med['folded'] / med['sdpa-gqa']:.3f}"
           + (f"; one-call over loop {med['one-call'] / med['loop']:.3f}" if reqs > 1 else ""))
+    from vskipper.sglang.models.routed import SIZED_READ_MACS
+
+    macs = n * (n + 1) // 2 * heads * head_dim
+    taken = "backend" if reqs == 1 and macs < SIZED_READ_MACS else "folded"
+    print(f"the sized read (a CPU server's) takes {taken} here: "
+          + (f"{macs / 1e6:.2f} M query-key products against its {SIZED_READ_MACS / 1e6:.2f} M" if reqs == 1
+             else "several requests"))
     return 0
 
 
