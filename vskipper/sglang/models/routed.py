@@ -98,7 +98,7 @@ PREFILL_READS = {
 # beyond. Below it a read is its fixed costs, and the backend's extend loop, one SDPA call over every row (Project-Only
 # rows with a zero query), costs a half to a third of the RUN rows' blocks; above it the RUN rows' share of the
 # pairs wins. One request alone: several requests' RUN rows of short prompts share one call (`_batched_read`), which
-# beat the backend's loop at every size measured. Measured on CPU with `benchmarks/prefill_read_bench.py` (half the
+# beat the backend's loop at every size measured (a tie at 4 x 256 tokens of the tiny model's heads). Measured on CPU with `benchmarks/prefill_read_bench.py` (half the
 # rows RUN; one thread): the two reads cost alike at 2-5 M products for heads 16/4 of 64 (64-96 tokens), 32/8 of 128
 # (32-48 tokens) and 4/2 of 16 (256-384 tokens); the 'rows' read cost 1.5-2.2x the backend's at 16 tokens of each,
 # 0.6-0.8x at 4x the threshold.
