@@ -5,10 +5,10 @@ ops over the pass's rows and [layers, rows] (its hash of each row's request key 
 pass on a device, in an eager prefill a host dispatch each and in a captured decode graph a kernel each, before any
 routed layer runs (on CPU the chain runs as numpy's ufuncs, no launch). `random_routes_kernel` computes the same
 routes, bit for bit (the same 64-bit integer arithmetic; a modulus of 2^31 as a mask, which agrees with floor
-division's for every sign), and the unit branch weights, in one launch over blocks of rows; `fused_state` hands the runtime the state `prepare_batch` would have returned, so the
-skipper's `route` reads it unchanged. No argument is specialized (the row count, the thresholds, the seed's mix,
-the pointers' alignment): one compiled variant per routed-layer count and weight dtype serves every pass, compiled
-when the model is built (`warm_routes`).
+division's for every sign), and the unit branch weights, in one launch over blocks of rows; `fused_state` hands
+the runtime the state `prepare_batch` would have returned, so the skipper's `route` reads it unchanged. No argument
+is specialized (the row count, the thresholds, the seed's mix, the pointers' alignment): one compiled variant per
+routed-layer count and weight dtype serves every pass, compiled when the model is built (`warm_routes`).
 
 Skippers without a fused form (trained gates read the layer's hidden states at each layer; StaticDepth has nothing
 to hash) keep their own `prepare_batch`.
