@@ -32,6 +32,14 @@ median of its passes:
           dispatch, SGLang's per-request decode read); on a GPU a routed decode pass replays a graph instead, so
           this is the eager bound (prefill, CPU)
 
+and, with `--only parts` (not run by default), where a whole eager pass's host time goes:
+
+  parts   each part of the whole pass timed on its own, its wrapper around it: `prepare_pass`, the skipper's
+          per-pass state (`Runtime.prepare_state`: the tape's padding and the skipper's `prepare_batch`, or the
+          triton execution's fused launch), the layers dense in every arm, the routed layers (which the dense arm
+          runs dense), `finish_pass`, and the rest of the pass (the embedding, the final norm and logits, the
+          forward's own Python); printed per arm with each routed arm's microseconds over dense's, and per layer
+
 Printed per phase and batch: each arm's microseconds per pass (the median over repetitions, with their [min,
 max]), each routed arm over dense (the median of the repetitions' ratios, [min, max]) beside the goal (within
 10%: 1.10x), and what the hooks add to a pass over dense's hooks, in microseconds and as a share of the dense
@@ -63,6 +71,7 @@ figure is a median over repetitions of many passes each.
     python benchmarks/host_time_bench.py --quick         # tiny batches, two repetitions: checks the pipeline
     python benchmarks/host_time_bench.py --json out.json
     python benchmarks/host_time_bench.py --layers 32 --only hooks   # 16 routed layers, as Llama-3-8B's
+    python benchmarks/host_time_bench.py --only parts               # where a pass's host time goes, part by part
     python benchmarks/host_time_bench.py --execution triton         # the GPU's execution, its launches not run
     python benchmarks/host_time_bench.py --execution triton --stand-in-ops triton   # and the stand-in ops
     python benchmarks/host_time_bench.py --execution triton --flexidepth            # and FlexiDepth's gate
@@ -308,6 +317,105 @@ def measure(models: dict[str, ServedModel], shapes, repetitions: int, quick: boo
     return results
 
 
+PARTS = ("prepare_pass", "state", "dense layers", "routed layers", "finish_pass", "rest")
+
+
+class PartTimes:
+    """While entered, the host time of each part of `ServedModel.whole`'s pass (`PARTS`) adds up in `seconds`:
+    each part's callable wrapped where the pass looks it up (an instance attribute before its class's), each
+    wrapper timing its call alone. What no wrapper covers is the pass's `rest`."""
+
+    def __init__(self, m: ServedModel) -> None:
+        model = m.model
+        routed = set(model.config.routing_layers)
+        self.targets = [(model, "prepare_pass", "prepare_pass"), (model, "finish_pass", "finish_pass"),
+                        (model.runtime, "prepare_state", "state")]
+        self.targets += [(layer, "forward", "routed layers" if i in routed else "dense layers")
+                         for i, layer in enumerate(model.model.layers)]
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+
+    def _timed(self, fn, part: str):
+        seconds = self.seconds
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[part] += time.perf_counter() - t0
+        return timed
+
+    def __enter__(self) -> PartTimes:
+        for obj, name, part in self.targets:
+            setattr(obj, name, self._timed(getattr(obj, name), part))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, _ in self.targets:
+            delattr(obj, name)  # the class's own again
+
+    def take(self, whole: float) -> dict[str, float]:
+        """This pass's seconds per part (the rest: `whole` less the parts), and zero them for the next."""
+        parts = dict(self.seconds, rest=whole - sum(self.seconds.values()))
+        for part in self.seconds:
+            self.seconds[part] = 0.0
+        return parts
+
+
+def measure_parts(models: dict[str, ServedModel], shapes, repetitions: int, quick: bool, measured) -> dict:
+    """Per shape of `measured` (among `shapes`), arm and part: each repetition's median microseconds per pass of
+    that part (`PartTimes`), the arms taking turns pass by pass as in `measure`."""
+    results: dict = {}
+    order = list(models)
+    with ExitStack() as stack:
+        timers = {name: stack.enter_context(PartTimes(m)) for name, m in models.items()}
+        for shape in measured:
+            batches = {name: m.batch(shape, first_slot(shape, shapes)) for name, m in models.items()}
+            for name in order:
+                models[name].whole(batches[name])
+                models[name].whole(batches[name])
+                timers[name].take(0.0)
+            n = passes_for("pass", shape, quick)
+            us: dict[str, dict[str, list[float]]] = {name: {part: [] for part in PARTS} for name in order}
+            for _ in range(repetitions):
+                per: dict[str, dict[str, list[float]]] = {name: {part: [] for part in PARTS} for name in order}
+                for i in range(n):
+                    for name in order if i % 2 == 0 else reversed(order):
+                        t0 = time.perf_counter()
+                        models[name].whole(batches[name])
+                        for part, sec in timers[name].take(time.perf_counter() - t0).items():
+                            per[name][part].append(sec)
+                for name in order:
+                    for part in PARTS:
+                        us[name][part].append(statistics.median(per[name][part]) * 1e6)
+            results[shape.label] = {"passes": n, "us": us}
+    return results
+
+
+def report_parts(results: dict, repetitions: int, layers: dict[str, int], routed: tuple[str, ...]) -> dict:
+    """Each part's median microseconds per pass (over the repetitions) per arm, each routed arm's over dense's, and
+    the layer groups' per layer."""
+    print(f"\nparts: where a whole eager pass's host time goes, microseconds per pass (median over {repetitions} "
+          f"repetitions of each part's median); layers per layer below their group ({layers['dense layers']} "
+          f"dense, {layers['routed layers']} routed)")
+    summaries: dict = {}
+    for label, data in results.items():
+        names = list(data["us"])
+        med = {name: {part: statistics.median(v) for part, v in parts.items()} for name, parts in data["us"].items()}
+        added = {name: {part: med[name][part] - med["dense"][part] for part in PARTS} for name in routed}
+        summaries[label] = {"arms": med, "added_us": added, "passes_per_repetition": data["passes"]}
+        print(f"  {label:<16}" + "".join(f"{name:>12}" for name in names)
+              + "".join(f"{name + ' - dense':>16}" for name in routed))
+        for part in PARTS:
+            print(f"    {part:<14}" + "".join(f"{med[name][part]:12.1f}" for name in names)
+                  + "".join(f"{added[name][part]:+16.1f}" for name in routed))
+            if part in layers:
+                count = layers[part]
+                print(f"    {'  per layer':<14}" + "".join(f"{med[name][part] / count:12.1f}" for name in names)
+                      + "".join(f"{added[name][part] / count:+16.1f}" for name in routed))
+    return summaries
+
+
 def summary(times: dict[str, list[float]], routed: tuple[str, ...] = ROUTED_ARMS) -> dict:
     """Medians with their [min, max], and each routed arm over dense repetition by repetition."""
     keys = ("median", "min", "max")
@@ -362,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny batches, two repetitions (checks the pipeline)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (the deeper half routed)")
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--only", choices=("hooks", "pass"), help="one measurement (default: both)")
+    parser.add_argument("--only", choices=("hooks", "pass", "parts"),
+                        help="one measurement (default: hooks and pass; parts only where named)")
     parser.add_argument("--execution", choices=("torch", "triton"), default="torch",
                         help="the routed arms' execution: torch (a CPU's), triton (a GPU's; its launches not run)")
     parser.add_argument("--stand-in-ops", choices=STAND_IN_OPS, default="torch",
@@ -420,8 +529,9 @@ def main(argv: list[str] | None = None) -> int:
              "own launcher not" if interpreted else ""))
     # decode passes replay a captured graph on a GPU: the triton execution's eager pass is timed in prefill alone
     kinds = {"hooks": shapes, "pass": tuple(s for s in shapes if s.phase == "prefill") if triton else shapes}
-    if args.only:
-        kinds = {args.only: kinds[args.only]}
+    kinds["parts"] = kinds["pass"]
+    kinds = {args.only: kinds[args.only]} if args.only else {k: v for k, v in kinds.items() if k != "parts"}
+    parts_shapes = kinds.pop("parts", None)
     t0 = time.perf_counter()
     launches = count_launches(models, shapes)
     report_launches(launches, routed)
@@ -430,8 +540,14 @@ def main(argv: list[str] | None = None) -> int:
             from vskipper.mixed.launches import interpreted_launches
 
             stack.enter_context(interpreted_launches(Counter(), run=False))
-        results = measure(models, shapes, repetitions, args.quick, kinds)
-    summaries = report(results, repetitions, routed)
+        results = measure(models, shapes, repetitions, args.quick, kinds) if kinds else {}
+        if parts_shapes is not None:
+            results["parts"] = measure_parts(models, shapes, repetitions, args.quick, parts_shapes)
+    summaries = report({k: v for k, v in results.items() if k != "parts"}, repetitions, routed) if kinds else {}
+    if parts_shapes is not None:
+        layers = {"routed layers": len(config.routing_layers)}
+        layers["dense layers"] = config.num_hidden_layers - layers["routed layers"]
+        summaries["parts"] = report_parts(results["parts"], repetitions, layers, routed)
     if args.stand_in_ops == "triton":
         from vskipper.sglang import stand_in_ops
 

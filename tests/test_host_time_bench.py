@@ -48,6 +48,34 @@ def test_the_host_time_bench_takes_one_measurement_where_asked(tmp_path):
     assert set(json.loads(out.read_text())["results"]) == {"hooks"}
 
 
+def test_the_host_time_bench_times_each_part_of_a_pass_where_asked(tmp_path):
+    """`--only parts`: each arm's pass timed part by part (the hooks, the skipper's state, the dense and the routed
+    layers, the rest), each routed arm's over dense's; the dense arm prepares no skipper state, the routed arms do,
+    and the parts of every arm are positive where they ran."""
+    out = tmp_path / "parts.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_time_bench.py"), "--quick", "--only",
+                          "parts", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = run.stdout
+    assert "parts: where a whole eager pass's host time goes" in text and "(4 dense, 4 routed)" in text
+    assert "hooks: prepare_pass" not in text and "pass: the whole eager pass" not in text
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"parts"}
+    parts = report["summary"]["parts"]
+    assert set(parts) == {"decode b=4", "prefill 2x8"}
+    for label, s in parts.items():
+        assert set(s["arms"]) == {"dense", "s=0", "s=0.5"} and set(s["added_us"]) == {"s=0", "s=0.5"}
+        assert s["arms"]["dense"]["state"] == 0
+        for name, arm in s["arms"].items():
+            assert list(arm) == ["prepare_pass", "state", "dense layers", "routed layers", "finish_pass", "rest"]
+            ran = [part for part in arm if part != "rest" and (part != "state" or name != "dense")]
+            assert all(arm[part] > 0 for part in ran), (label, name, arm)
+        for name, added in s["added_us"].items():
+            assert added["state"] == s["arms"][name]["state"]
+        assert f"  {label}" in text
+    assert text.count("      per layer") == 4  # each layer group's per layer, in each shape
+
+
 def test_the_host_time_bench_times_the_triton_execution_with_its_launches_counted_not_run(tmp_path):
     """`--execution triton`: the routed arms serve the GPU's execution (under the interpreter, its launches
     recorded and skipped), the eager pass is timed in prefill alone, and the launch table counts the Triton
