@@ -248,7 +248,13 @@ def served_layer_profile(ckpt: Path, phase: str, rows: int, context: int, skip: 
                                                              save_kv_cache=False)}
     else:
         q_run = q.index_select(0, run_rows)
-        reads = {"all": lambda: ops().read(q, None), "run": lambda: ops().read(q_run, run_rows)}
+
+        def read_ops():  # the pass's K/V as `write_kv` leaves them, which a read through SGLang's backend takes
+            o = ops()
+            o.written = (kv, kv)
+            return o
+
+        reads = {"all": lambda: read_ops().read(q, None), "run": lambda: read_ops().read(q_run, run_rows)}
 
     def parts(n: int, which: str) -> dict:
         return {"q": lambda: F.linear(x[:n], q_weight), "read": reads[which],

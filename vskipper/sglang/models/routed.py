@@ -290,7 +290,7 @@ def plan_pass(forward_batch, rows: int, context: int | None = None) -> PassPlan:
     if slots is None and forward_batch.req_pool_indices.device.type == "cpu":
         slots = forward_batch.req_pool_indices
     extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
-    lens = forward_batch.seq_lens_cpu
+    lens = getattr(forward_batch, "seq_lens_cpu", None)
     pairs = 0
     if lens is not None and len(lens) == 1:  # one request: its causal read's pairs (`PREFILL_READS['sized']`)
         length = int(lens.item())
