@@ -179,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
           f"folded over backend {med['folded'] / med['backend']:.3f}; "
           f"folded over sdpa-gqa {med['folded'] / med['sdpa-gqa']:.3f}"
           + (f"; one-call over loop {med['one-call'] / med['loop']:.3f}" if reqs > 1 else ""))
-    from vskipper.sglang.models.routed import SIZED_READ_MACS
+    from vskipper.sglang.models.routed import SIZED_READ_MACS, sized_read_takes_backend
 
-    macs = n * (n + 1) // 2 * heads * head_dim
-    taken = "backend" if reqs == 1 and macs < SIZED_READ_MACS else "folded"
+    pairs = n * (n + 1) // 2 if reqs == 1 else 0  # `PassPlan.read_pairs`: one request's, none for several
+    macs = pairs * heads * head_dim
+    taken = "backend" if sized_read_takes_backend(pairs, heads, head_dim) else "folded"
     print(f"the sized read (a CPU server's) takes {taken} here: "
           + (f"{macs / 1e6:.2f} M query-key products against its {SIZED_READ_MACS / 1e6:.2f} M" if reqs == 1
              else "several requests"))

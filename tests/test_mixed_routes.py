@@ -56,7 +56,7 @@ def test_the_fused_routes_read_nothing_on_the_host_and_launch_once():
     chained, on_cpu = LaunchCount(), LaunchCount()
     keys, pos, valid = batch.request_keys, batch.positions, batch.valid_rows
     with chained:  # the chain of tensor ops a device runs without the fused form
-        skipper._run(keys, pos, valid, torch.arange(len(batch.routed_layers)), len(batch.routed_layers))
+        skipper._run(keys, pos, valid, torch.arange(len(batch.routed_layers)))
     assert sum(chained.ops.values()) >= 40
     with on_cpu:  # on CPU the chain runs as numpy's ufuncs: the tensors it returns are all torch sees
         skipper.prepare_batch(batch)

@@ -73,7 +73,7 @@ def test_random_skip_routes_on_cpu_through_numpy_equal_the_device_chain_of_tenso
     sk = build_skipper("random_skip", {"r": 0.6, "d": 0.4, "seed": 99})
     state = sk.prepare_batch(batch(rows, keys=keys, positions=pos, valid=valid))
     layers = len(ROUTED)
-    chain = sk._run(keys, pos, valid, torch.arange(layers, dtype=torch.int64), layers)  # the tensor ops
+    chain = sk._run(keys, pos, valid, torch.arange(layers, dtype=torch.int64))  # the tensor ops
     assert isinstance(chain, torch.Tensor)
     assert torch.equal(state["run"].squeeze(-1), chain)
     assert bool(chain[:, ~valid].all()) and not bool(chain[:, valid].all())

@@ -88,21 +88,21 @@ class RandomSkip(Skipper):
         layers = len(batch.routed_layers)
         if keys.device.type == "cpu":  # numpy's ufuncs over the same memory: no copy, a fraction of the dispatch
             layer = np.arange(layers, dtype=np.int64)
-            run = torch.from_numpy(self._run(keys.numpy(), pos.numpy(), valid.numpy(), layer, layers))
+            run = torch.from_numpy(self._run(keys.numpy(), pos.numpy(), valid.numpy(), layer))
         else:  # built on the device (a tensor literal would be a blocking host copy, illegal while a graph captures)
             layer = torch.arange(layers, dtype=torch.int64, device=keys.device)
-            run = self._run(keys, pos, valid, layer, layers)
+            run = self._run(keys, pos, valid, layer)
         weights = torch.ones(run.shape[1], 1, dtype=batch.hidden_states.dtype, device=run.device)
         return {"run": run.unsqueeze(-1), "weights": weights,
                 "index": {layer: j for j, layer in enumerate(batch.routed_layers)}}
 
-    def _run(self, keys, pos, valid, layer, layers: int):
+    def _run(self, keys, pos, valid, layer):
         """The run mask [L_r, rows] of rows with request `keys`, positions `pos` and `valid` flags over the routed
         layers `layer` (0 .. L_r - 1), all int64 (`valid` bool) tensors or numpy arrays alike."""
         k = _row_phase(self.seed, keys)
         selected = (((k + pos * PHI) % MOD) < _threshold(self.r)) & valid
         offset = _mix(k ^ _mix(pos))
-        strides = layer * MOD // layers
+        strides = layer * MOD // len(layer)
         return ~(selected & (((offset + strides.reshape(-1, 1)) % MOD) < _threshold(self.d)))
 
     def route(self, layer_id: int, normed_hidden: torch.Tensor, state: dict[str, Any],

@@ -105,6 +105,12 @@ PREFILL_READS = {
 SIZED_READ_MACS = 1 << 22
 
 
+def sized_read_takes_backend(read_pairs: int, heads: int, head_dim: int) -> bool:
+    """Whether `PREFILL_READS['sized']` reads a pass through SGLang's backend: one request (`PassPlan.read_pairs`,
+    0 for several) whose causal read computes fewer than `SIZED_READ_MACS` query-key products on this rank."""
+    return 0 < read_pairs * heads * head_dim < SIZED_READ_MACS
+
+
 # How RUN rows of a mixed decode pass read attention in the torch execution (the triton execution has its masked
 # split-KV kernel).
 DECODE_READS = {
@@ -536,8 +542,7 @@ class SGLangLayerOps:
         """Whether this prefill pass's read goes through SGLang's backend: `backend`, or `sized` for a pass of one
         short request (`SIZED_READ_MACS`)."""
         if self.prefill_read == "sized":
-            a = self.attn
-            return 0 < self.plan.read_pairs * a.num_heads * a.head_dim < SIZED_READ_MACS
+            return sized_read_takes_backend(self.plan.read_pairs, self.attn.num_heads, self.attn.head_dim)
         return self.prefill_read == "backend"
 
     def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
