@@ -97,8 +97,10 @@ class LayerOps(Protocol):
         """k and v only (no q) of every row u of the pass."""
 
     def q_kv(self, u: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [n, heads * hd] of the batch rows `rows` alone, k, v of every row u of the pass), rotated (Qwen3:
-        normed) like `kv`, where the host may rotate both in one call."""
+        """(q of the batch rows `rows` alone (ascending), k, v of every row u of the pass), rotated (Qwen3: normed)
+        like `kv`, where the host may rotate both in one call. q is in the form `read` takes: packed [len(rows),
+        heads * hd], or in the pass's batch slots [rows of u, heads * hd] (zeros elsewhere) where the host's read
+        reads every batch row's query (a prefill read through SGLang's backend)."""
 
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) for the triton execution: its queries q [rows, heads * hd] in batch rows (the RUN rows' from
@@ -109,8 +111,9 @@ class LayerOps(Protocol):
         """Write every row's k, v [rows, ...] (batch order) to the host's KV cache at this layer."""
 
     def read(self, q: torch.Tensor, rows: torch.Tensor | None, reads: torch.Tensor | None = None) -> torch.Tensor:
-        """The attention read [n, heads * hd] of query rows q over the KV cache. `reads` (bool [n]): rows outside
-        it read nothing and yield zero."""
+        """The attention read [n, heads * hd] of the batch rows `rows` (every row where None) over the KV cache,
+        their queries q packed or as `q_kv` hands them; the outputs packed. `reads` (bool [n]): rows outside it
+        read nothing and yield zero."""
 
     def read_cohort(self, q: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
         """The triton execution's read over a cohort's packed slots: slot m, where reads[m], reads for batch row

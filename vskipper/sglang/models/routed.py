@@ -489,9 +489,9 @@ class SGLangLayerOps:
         q = row_projection(self.parts.qkv_proj, slice(None, a.q_size), u.index_select(0, rows)) \
             if self.q_all is None else self.q_all.index_select(0, rows)
         # One rotary call for both: the rows' queries in their batch slots (zeros in the others, rotated to zeros
-        # and never read) beside every row's key.
+        # and never read) beside every row's key. A read through SGLang's backend takes them there as they are.
         q, k = self.parts.rotary_emb(self.positions, in_batch_slots(self._q_norm(q), rows, u.shape[0]), k)
-        return q.index_select(0, rows), k, v
+        return (q if self._backend_prefill() else q.index_select(0, rows)), k, v
 
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor):
         q, k, v = self._qk_normed(u, q)
@@ -523,9 +523,10 @@ class SGLangLayerOps:
         a = self.attn
         pool = get_token_to_kv_pool()
         lid = self.parts.radix.layer_id
-        if not self.fb.forward_mode.is_decode() and self.reads_through_backend():  # q packed: in batch slots
+        if self._backend_prefill():  # every batch row's query: a packed q goes into its batch slots
             n = self.positions.shape[0]
-            return self._backend_read(q if rows is None else in_batch_slots(q, rows, n, reads), rows, reads)
+            slots = rows is None or (q.shape[0] == n and reads is None)  # as `q_kv` hands it (rows ascending)
+            return self._backend_read(q if slots else in_batch_slots(q, rows, n, reads), rows, reads)
         req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
         qh = q.view(q.shape[0], a.num_heads, a.head_dim)
         if self.fb.forward_mode.is_decode():  # `DECODE_READS`
@@ -537,6 +538,9 @@ class SGLangLayerOps:
         out = read(qh, pool.get_key_buffer(lid), pool.get_value_buffer(lid), get_req_to_token_pool().req_to_token,
                    req, self._positions(rows), self.parts.radix.scaling, reads, **kwargs)
         return out.reshape(q.shape[0], -1)
+
+    def _backend_prefill(self) -> bool:
+        return not self.fb.forward_mode.is_decode() and self.reads_through_backend()
 
     def reads_through_backend(self) -> bool:
         """Whether this prefill pass's read goes through SGLang's backend: `backend`, or `sized` for a pass of one
