@@ -10,6 +10,7 @@ from mixed_world import HostReadDetector, ScalarReadDetector
 from sglang_layer_world import ARCHS, LayerWorld
 
 from vskipper.sglang.models import routed as served
+from vskipper.sglang.models.routed import in_batch_slots
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -106,6 +107,8 @@ def test_a_prefill_read_through_sglangs_backend_gives_the_same_layer_and_skips_q
 
     monkeypatch.setattr(world.backend, "forward_extend", extend)
     monkeypatch.setattr(world.slot, "execution", served.CohortExecution("torch", prefill_read="backend"))
+    placed = []  # the RUN rows' queries placed in batch slots: once, for RoPE, and the read takes them there
+    monkeypatch.setattr(served, "in_batch_slots", lambda *a, **k: placed.append(1) or in_batch_slots(*a, **k))
     run = [False, True, False, True, True, False, True]
     handles = [m.register_forward_pre_hook(count(name)) for name, m in modules.items()]
     try:
@@ -122,6 +125,7 @@ def test_a_prefill_read_through_sglangs_backend_gives_the_same_layer_and_skips_q
                     "gate_up_proj": n_run + len(run), "backend": 2 * len(run)}
     routed_q = queries[0].view(len(run), -1)
     assert (routed_q[~run_t] == 0).all() and (routed_q[run_t] != 0).any()
+    assert len(placed) == 1
 
 
 @pytest.mark.parametrize(("extend", "threshold", "through"), [
