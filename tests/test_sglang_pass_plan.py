@@ -245,7 +245,13 @@ def test_an_eager_prefill_plan_reads_its_request_slots_where_they_lie_on_the_mod
         plan = SkipperCausalLM.write_plan(model, fb, step)
     assert writes.ops == ["copy_", "copy_", "fill_"]  # keys, dense-mode rows, the valid rows
     assert plan.req_rows.tolist() == [2, 2, 2, 5] and model.buffers.req_rows.tolist()[:4] == [0] * 4
-    assert step.dense_rows.tolist() == [False, False, False, True]
+    assert step.dense_rows.tolist() == [False, False, False, True] and plan.read_pairs == 0
+    # one request (3 new tokens after 2 cached): its causal read's pairs over the whole sequence go with the plan,
+    # which the sized read decides by
+    fb = SimpleNamespace(req_pool_indices=torch.tensor([5]), extend_seq_lens=torch.tensor([3]),
+                         extend_seq_lens_cpu=[3], seq_lens_cpu=torch.tensor([5]), forward_mode=ForwardMode.EXTEND)
+    plan = SkipperCausalLM.write_plan(model, fb, Step("prefill", True, rows=3, keys=torch.tensor([9, 9, 9])))
+    assert plan.req_rows.tolist() == [5, 5, 5] and plan.read_pairs == 5 * 6 // 2
 
 
 # -- two routed decode passes through the same buffers ---------------------------------------------------------

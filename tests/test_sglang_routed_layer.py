@@ -128,6 +128,38 @@ def test_a_prefill_read_through_sglangs_backend_gives_the_same_layer_and_skips_q
     assert len(placed) == 1
 
 
+def test_a_backend_read_takes_packed_queries_in_any_row_order_and_q_kvs_own_with_a_reads_mask(world):
+    """`LayerOps.read` through SGLang's backend: a packed q is placed in its batch slots whatever the order of its
+    rows, even when they are every row of the pass; the queries `q_kv` handed over in batch slots are read as they
+    are, with a `reads` mask too (its slots outside read zeros). Each equals the RUN rows' own read."""
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    fb = world.batch({1: 4, 3: 3})
+    n = fb.positions.shape[0]
+    layer = world.layer
+    try:
+        with world.context(), torch.no_grad():
+            u = layer.input_layernorm(world.hidden(n))
+
+            def ops(read):
+                return served.SGLangLayerOps(layer, fb.positions, fb, served.plan_pass(fb, n), prefill_read=read)
+
+            every, reverse = torch.arange(n), torch.arange(n - 1, -1, -1)
+            backend, rows = ops("backend"), ops("rows")
+            q, k, v = backend.q_kv(u, every)  # in batch slots
+            backend.write_kv(k, v)
+            expected = rows.read(q, every)
+            torch.testing.assert_close(backend.read(q, every), expected)
+            torch.testing.assert_close(backend.read(q.index_select(0, reverse), reverse), expected[reverse])
+            some = torch.tensor([1, 3, 4, 6])
+            q, _, _ = backend.q_kv(u, some)
+            reads = torch.tensor([True, False, True, True])
+            out = backend.read(q, some, reads)
+            torch.testing.assert_close(out[reads], expected[some][reads])
+            assert (out[~reads] == 0).all()
+    finally:
+        world.restore(kv0, lengths0)
+
+
 @pytest.mark.parametrize(("extend", "threshold", "through"), [
     ({1: 6}, served.SIZED_READ_MACS, "backend"),  # one short prompt (its prefix of 3 included)
     ({1: 6}, 1, "rows"),  # one prompt whose read is over the threshold

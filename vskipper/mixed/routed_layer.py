@@ -13,7 +13,8 @@ a Project-Only row) and the branch's weighted output, whose sum the next layer's
 host, where its layers hand on y itself).
 
 A Project-Only row pays for its layer's K and V (Qwen3: k_norm, then RoPE) and the projector, nothing else:
-no Q, no attention read, no o_proj, no MLP. Every row's K/V is written before any RUN row reads (Invariant 1),
+no Q, no attention read, no o_proj, no MLP (save a prefill read through the host's attention backend, which reads
+every batch row: a Project-Only row's zero query there costs its share of the read). Every row's K/V is written before any RUN row reads (Invariant 1),
 so a RUN row attends to every token's K/V, Project-Only tokens' included.
 
 The host layer hands its own modules to the body through `LayerOps`: the SGLang layer passes SGLang's
@@ -27,7 +28,8 @@ Two executions of the same semantics:
           the rest, `nonzero_static`): their sizes are shapes, never values read on the host.
           K and V are every row's, in one projection over the batch (its weight read once, no cohort
           reordering before the write); Q, the read, o_proj and the MLP see the RUN rows only, the projector
-          the Project-Only rows only. The host may rotate the RUN rows' Q and every row's K in one call
+          the Project-Only rows only (a read through the host's backend, where the pass takes it, reads every
+          batch row, a Project-Only row's with a zero query whose output is not read). The host may rotate the RUN rows' Q and every row's K in one call
           (`LayerOps.q_kv`); o_proj's output is added onto x at the RUN rows in one `index_add`. When no row
           projects, the all-RUN fast path calls the host's own dense attention and MLP over the whole batch.
           (`nonzero` synchronizes on a GPU, once per routed layer, where the triton execution is the one that

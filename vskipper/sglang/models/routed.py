@@ -18,10 +18,13 @@ SGLang's own modules (`SGLangLayerOps`):
 Rows of dense-mode requests in a routed pass RUN with unit weight (the tape's `dense_rows`), so they compute what
 the dense forward computes. The attention read is `vskipper.mixed.attention`'s over SGLang's token-level page
 table (`req_to_token`): only RUN rows read. On CPU (the torch execution) decode reads with SGLang's torch-native
-decode read over the RUN rows alone (`DECODE_READS`) and prefill with SDPA per request over every token's K/V; the
+decode read over the RUN rows alone (`DECODE_READS`) and prefill by the pass (`PREFILL_READS['sized']`): one short
+request through SGLang's backend over every row (Project-Only rows with a zero query, their outputs not read),
+every other pass with SDPA per request over the RUN rows; the
 triton execution (CUDA) decodes with the masked split-KV kernel, which gathers each RUN slot's query, request and
-position from the batch rows itself, and prefills with the packed flash-attention over the RUN cohort's slots
-(`PREFILL_READS`). Off CPU a routed pass, decode or
+position from the batch rows itself, and prefills with the packed flash-attention over the RUN cohort's slots, or
+through the host's backend where the device's table measured that faster (`PREFILL_READS`). Off CPU a routed
+pass, decode or
 prefill, reads no tensor value on the host (the triton execution, `CohortExecution`): cohort sizes are device
 counts, and the counters are read from the tape after the forward without waiting for the device
 (`Runtime.finish`).
@@ -449,6 +452,7 @@ class SGLangLayerOps:
         self.read_tile = read_tile  # the packed prefill read's launch on a GPU (the device table's)
         self.written: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's K/V of this pass, once written
         self.q_all: torch.Tensor | None = None  # every row's Q, where `kv` ran the whole qkv_proj (no row view)
+        self.q_slotted: torch.Tensor | None = None  # the queries `q_kv` handed over in batch slots (a backend read)
         self.attn = parts.attn
         self.post_attention_layernorm = parts.post_attention_layernorm
         self.projector = parts.projector
@@ -491,7 +495,10 @@ class SGLangLayerOps:
         # One rotary call for both: the rows' queries in their batch slots (zeros in the others, rotated to zeros
         # and never read) beside every row's key. A read through SGLang's backend takes them there as they are.
         q, k = self.parts.rotary_emb(self.positions, in_batch_slots(self._q_norm(q), rows, u.shape[0]), k)
-        return (q if self._backend_prefill() else q.index_select(0, rows)), k, v
+        if self._backend_prefill():
+            self.q_slotted = q
+            return q, k, v
+        return q.index_select(0, rows), k, v
 
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor):
         q, k, v = self._qk_normed(u, q)
@@ -524,9 +531,9 @@ class SGLangLayerOps:
         pool = get_token_to_kv_pool()
         lid = self.parts.radix.layer_id
         if self._backend_prefill():  # every batch row's query: a packed q goes into its batch slots
-            n = self.positions.shape[0]
-            slots = rows is None or (q.shape[0] == n and reads is None)  # as `q_kv` hands it (rows ascending)
-            return self._backend_read(q if slots else in_batch_slots(q, rows, n, reads), rows, reads)
+            slotted = rows is None or q is self.q_slotted  # as `q_kv` handed it
+            return self._backend_read(q if slotted else in_batch_slots(q, rows, self.positions.shape[0], reads),
+                                      rows, reads)
         req = self.plan.req_rows if rows is None else self.plan.req_rows.index_select(0, rows)
         qh = q.view(q.shape[0], a.num_heads, a.head_dim)
         if self.fb.forward_mode.is_decode():  # `DECODE_READS`
