@@ -15,13 +15,16 @@ calls, one torch thread:
   causal    every row, SDPA's causal kernel with `enable_gqa` per request, as SGLang's torch-native backend calls
             it for a dense layer's prefill
   backend   the torch execution's read through SGLang's torch-native backend (`PREFILL_READS['backend']`): the RUN
-            rows' queries placed in their batch rows (zeros elsewhere), the backend's own extend loop over every
-            row, the RUN rows' outputs taken back; `causal` with the backend's and the routed layer's own costs
+            rows' queries in their batch rows (zeros elsewhere) as `q_kv` rotates them there, the backend's own
+            extend loop over every row, the RUN rows' outputs taken back; `causal` with the backend's and the
+            routed layer's own costs
+  gather    what the layer's read of the RUN rows pays before `folded` and the backend's read does not: its
+            queries gathered out of those batch rows (one `index_select`)
 
-Printed: each read's median ms, folded over causal and over backend beside the share of query-key pairs the RUN
-rows have (the limit: a read whose cost per pair equals the causal kernel's costs that share), folded over
-sdpa-gqa, and with several requests one-call over loop; last, which read the torch execution's sized read
-(`PREFILL_READS['sized']`) takes at this pass.
+Printed: each read's median ms, folded over causal and over backend (folded with its gather, as a routed layer
+reads either way) beside the share of query-key pairs the RUN rows have (the limit: a read whose cost per pair
+equals the causal kernel's costs that share), folded over sdpa-gqa, and with several requests one-call over loop;
+last, which read the torch execution's sized read (`PREFILL_READS['sized']`) takes at this pass.
 
 Run:  python benchmarks/prefill_read_bench.py [--tokens 1024] [--requests 1] [--run 0.5] [--rounds 11]
       python benchmarks/prefill_read_bench.py --requests 8 --tokens 128 --heads 4,2,16 --dtype float32
@@ -68,9 +71,11 @@ def sdpa_gqa_read(q, k, v, pos, scale, block=PREFILL_READ_BLOCK):
 
 
 def torch_native_read(q, shape, running, k_pool, v_pool, req_to_token, scale):
-    """The read of the RUN rows q (request by request, `running` their positions) through SGLang's torch-native
-    backend's extend loop over every row of `shape` = (requests, tokens) fresh prompts, as the torch execution's
-    'backend' read calls it: the queries placed in their batch rows, the loop, the RUN rows' outputs taken back."""
+    """(the read, the gather) of the RUN rows q (request by request, `running` their positions) of `shape` =
+    (requests, tokens) fresh prompts. The read: through SGLang's torch-native backend's extend loop over every row,
+    as the torch execution's 'backend' read calls it (the queries in their batch rows, where `q_kv` rotated them;
+    the loop; the RUN rows' outputs taken back). The gather: the RUN rows' queries out of those batch rows, which
+    the execution's read of the RUN rows alone pays before it reads."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     from vskipper.sglang.models.routed import in_batch_slots
@@ -82,15 +87,16 @@ def torch_native_read(q, shape, running, k_pool, v_pool, req_to_token, scale):
     lens = torch.full((reqs,), n)
     slots, prefix = torch.arange(reqs), torch.zeros(reqs, dtype=torch.int64)
     gqa = heads != k_pool.shape[1]
+    q_slots = in_batch_slots(q.view(q.shape[0], -1), rows, reqs * n)
 
     def call():
-        q_rows = in_batch_slots(q.view(q.shape[0], -1), rows, reqs * n).view(reqs * n, heads, head_dim)
+        q_rows = q_slots.view(reqs * n, heads, head_dim)
         out = torch.empty_like(q_rows)
         backend._run_sdpa_forward_extend(q_rows, out, k_pool, v_pool, req_to_token, slots, lens, prefix, lens,
                                          scaling=scale, enable_gqa=gqa, causal=True)
         return out.index_select(0, rows)
 
-    return call
+    return call, lambda: q_slots.index_select(0, rows)
 
 
 def best_ms(fn, calls: int = 3) -> float:
@@ -154,15 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         return [F.scaled_dot_product_attention(q_causal[r], *kv[r], is_causal=True, scale=scale, enable_gqa=True)
                 for r in range(reqs)]
 
-    backend_read = torch_native_read(q, q_all.shape[:2], running, k_pool, v_pool, req_to_token, scale)
+    backend_read, gather = torch_native_read(q, q_all.shape[:2], running, k_pool, v_pool, req_to_token, scale)
     reads = {"folded": folded}
     if reqs > 1:
         reads["loop"] = lambda: held(BATCHED_READ_MACS=0)
         reads["one-call"] = lambda: held(BATCHED_READ_MACS=1 << 62, BATCHED_READ_MAX_SPAN=1 << 62)
-    reads.update({"sdpa-gqa": sdpa_gqa, "causal": causal, "backend": backend_read})
+    reads.update({"sdpa-gqa": sdpa_gqa, "causal": causal, "backend": backend_read, "gather": gather})
     tol = 0.02 if dt == torch.bfloat16 else 1e-4
-    for name in reads.keys() - {"folded", "causal"}:
+    for name in reads.keys() - {"folded", "causal", "gather"}:
         torch.testing.assert_close(reads[name](), reads["folded"](), rtol=tol, atol=tol)
+    assert torch.equal(gather().view(q.shape), q)
     for fn in reads.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in reads}
@@ -176,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, ms in med.items():
         print(f"  {name:9s} {ms:7.2f} ms")
     print(f"folded over causal {med['folded'] / med['causal']:.3f} (limit: the pairs' share {pairs:.3f}); "
-          f"folded over backend {med['folded'] / med['backend']:.3f}; "
+          f"folded with its gather over backend {(med['folded'] + med['gather']) / med['backend']:.3f}; "
           f"folded over sdpa-gqa {med['folded'] / med['sdpa-gqa']:.3f}"
           + (f"; one-call over loop {med['one-call'] / med['loop']:.3f}" if reqs > 1 else ""))
     from vskipper.sglang.models.routed import SIZED_READ_MACS, sized_read_takes_backend
