@@ -16,7 +16,7 @@ from vskipper.skippers import (
     unregister_skipper,
 )
 from vskipper.skippers.base import BatchContext, LayerRoute, Skipper
-from vskipper.skippers.random_skip import reference_routes
+from vskipper.skippers.random_skip import RandomSkip, reference_routes
 from vskipper.skippers.static_depth import tail_layers
 
 ROUTED = tuple(range(16, 32))
@@ -224,6 +224,24 @@ def test_routes_trace_without_graph_breaks(name, params, tiny_flexidepth):
     args = (torch.randn(8, 64), torch.ones(8, dtype=torch.bool), torch.arange(8), torch.arange(8) + 5)
     for got, want in zip(compiled(*args), step(*args), strict=True):
         assert torch.equal(got, want)
+
+
+def test_random_skips_tensor_chain_traces_without_graph_breaks():
+    """On CPU `RandomSkip.prepare_batch` runs its hash in numpy, so the test above traces that branch; a device
+    runs the chain of tensor ops (`_run` over tensors), which a captured decode graph holds: traced here alone, it
+    has no graph break and gives what the reference does."""
+    torch._dynamo.reset()
+    sk = RandomSkip(0.5, 0.5, seed=3)
+    layers = torch.arange(2)
+
+    def run(keys, pos, valid):
+        return sk._run(keys, pos, valid, layers)
+
+    compiled = torch.compile(run, backend="eager", fullgraph=True, dynamic=False)
+    keys, pos = torch.tensor([-7, 11, 1 << 40, 5, 5, 9, 2, 3]), torch.arange(8) + 5
+    got = compiled(keys, pos, torch.ones(8, dtype=torch.bool))
+    want = [[not p for p in reference_routes(3, int(k), int(q), 0.5, 0.5, 2)] for k, q in zip(keys, pos, strict=True)]
+    assert got.T.tolist() == want
 
 
 # ---- registry -------------------------------------------------------------------------------------------
