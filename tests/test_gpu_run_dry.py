@@ -918,6 +918,39 @@ def test_a_step_that_fails_is_not_run_again_and_one_stopped_midway_is(tmp_path):
     assert stage.failed == ["fails"] and stage.left == ["partial"]
 
 
+def test_the_tuner_may_run_on_past_the_tiles_stages_budget_into_its_limit(tmp_path, monkeypatch):
+    """The tuner writes its table at its end, and some of what it runs is not bounded by its own budget: stopped
+    at the stage's budget it would leave no table (and a lease's capped stage does not run again). Its step runs
+    until the stage's limit (run.sh's `--limit-s`) less `TILES_END_S`; without a limit, until the budget."""
+    waits = []
+
+    def fake_run(cmd, **kwargs):
+        waits.append(kwargs["timeout"])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    run.stage_tiles(run.Plan.dry(), tmp_path / "a", budget_s=180, limit_s=260)
+    run.stage_tiles(run.Plan.dry(), tmp_path / "b", budget_s=180)
+    assert 260 - run.TILES_END_S - 5 < waits[0] <= 260 - run.TILES_END_S
+    assert 175 < waits[1] <= 180
+
+
+def test_a_check_the_stages_budget_stopped_runs_again_in_the_stages_next_run(tmp_path, monkeypatch):
+    """A check of the served layer stopped by the stage's budget (not its own limit) ran short, not wrong: it is
+    left for the stage's next run, which starts it again (one its own limit stopped is not: it would hang again)."""
+    calls = []
+
+    def budget_stop(plan, stage, steps, limit_s=None):
+        calls.append(1)
+        stage.left.append("check-served")
+        return {"check-served": {"exit": 124, "output": str(steps[0][1])}}
+
+    monkeypatch.setattr(run, "run_steps", budget_stop)
+    run.check_served(run.Plan.dry(), tmp_path, run.Stage("sweep", tmp_path, 600))
+    run.check_served(run.Plan.dry(), tmp_path, run.Stage("sweep", tmp_path, 600))
+    assert len(calls) == 2 and not (tmp_path / "sweep" / "check-served.run.json").exists()
+
+
 def test_the_tiles_stage_never_tunes_once_a_serving_stage_took_the_shipped_table(tmp_path):
     """Resuming a run whose servers started without a tuned table (an earlier failure or a run from before the
     stage): a table measured now would split dense's cells and the arms' (the headline's gate refuses such pairs),

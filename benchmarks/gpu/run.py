@@ -1417,9 +1417,9 @@ def finished(target: Path) -> bool:
     return target.name != BENCH_JSON or bool(json.loads(target.read_text()).get("complete"))
 
 
-def run_steps(plan: Plan, stage: Stage, steps, limit_s: float | None = None) -> dict:
-    """Each (name, output, command) step in a subprocess, within the stage's budget (and `limit_s` where given);
-    a step whose output is whole from an earlier run is not run again. One stopped by the budget, or that exits
+def run_steps(plan: Plan, stage: Stage, steps, limit_s: float | None = None, grace_s: float = 0.0) -> dict:
+    """Each (name, output, command) step in a subprocess, within the stage's budget and `grace_s` past it (and
+    `limit_s` where given); a step whose output is whole from an earlier run is not run again. One stopped by the budget, or that exits
     without its whole output, is left for the next run (which starts it again); one that fails, or that its own
     limit stopped, is named in `stage.failed` and not run again by the same `run.sh all` (a failure that repeats
     would spend the session)."""
@@ -1433,7 +1433,7 @@ def run_steps(plan: Plan, stage: Stage, steps, limit_s: float | None = None) -> 
         env = dict(os.environ)
         if plan.dry_run:
             env["TRITON_INTERPRET"] = "1"
-        remaining = max(30.0, stage.deadline - time.monotonic())
+        remaining = max(30.0, stage.deadline - time.monotonic()) + grace_s
         limited = limit_s is not None and limit_s < remaining
         t0 = time.monotonic()
         try:
@@ -1456,12 +1456,18 @@ def run_steps(plan: Plan, stage: Stage, steps, limit_s: float | None = None) -> 
 
 SERVING_STAGES = ("sweep", "ladder", "headline", "clock")
 TILES_MARGIN_S = 60.0  # the stage's budget less the tuner's: its start (CUDA, triton) and the table's writing
+TILES_END_S = 30.0  # what the stage keeps of its limit after the tuner: its result, the summary
 
 
-def stage_tiles(plan: Plan, out: Path, budget_s: float) -> dict:
+def stage_tiles(plan: Plan, out: Path, budget_s: float, limit_s: float | None = None) -> dict:
     """`vskipper tune-tiles` for the device and the run's model into OUTDIR/tiles/, which every later server takes
     (`start`). Not once a serving stage has begun without it: its servers took the shipped table, and a table
-    measured now would split the arms the headline compares (its cross-arm gate would refuse every pair)."""
+    measured now would split the arms the headline compares (its cross-arm gate would refuse every pair).
+
+    The tuner ends about when its own budget does, but what it runs once started is not bounded by it (CUDA's and
+    Triton's start, a range's FFN pair, the prefill read's launches, the backend read's import and compilation),
+    and it writes its table at its end: stopped at the stage's budget it would leave nothing of the stage. So it
+    may run on into the stage's `limit_s` (run.sh's `timeout`), less `TILES_END_S`."""
     stage = Stage("tiles", out, budget_s)
     device = device_name(plan)
     table = stage.out / TILES_JSON
@@ -1479,7 +1485,8 @@ def stage_tiles(plan: Plan, out: Path, budget_s: float) -> dict:
     cmd = [sys.executable, "-m", "vskipper.cli", "tune-tiles", "--out", str(table), "--model", str(model), *where,
            "--budget-s", f"{tune_budget:.0f}",
            *(["--max-candidates", str(plan.tune_max_candidates)] if plan.tune_max_candidates else [])]
-    runs = run_steps(plan, stage, (("tune-tiles", table, cmd),))
+    grace = max(0.0, limit_s - budget_s - TILES_END_S) if limit_s is not None else 0.0
+    runs = run_steps(plan, stage, (("tune-tiles", table, cmd),), grace_s=grace)
     result = {"device": device or "CPU", "runs": runs, "left": stage.left, "failed": stage.failed}
     if finished(table):
         result["table"] = json.loads(table.read_text())
@@ -1503,7 +1510,8 @@ def check_served(plan: Plan, out: Path, stage: Stage) -> dict:
            *(["--dry-run"] if plan.dry_run else []), *(["--tile-table", str(table)] if table else []),
            *(["--stand-in-ops", plan.stand_in_ops] if plan.stand_in_ops != "torch" else [])]
     runs = run_steps(plan, stage, (("check-served", target, cmd),), limit_s=CHECK_LIMIT_S)
-    if "check-served" in runs and not runs["check-served"].get("earlier_run"):
+    # a check the stage's budget stopped ran short, not wrong: the stage's next run starts it again
+    if "check-served" in runs and not runs["check-served"].get("earlier_run") and "check-served" not in stage.left:
         ran.write_text(json.dumps(runs) + "\n")
     if "check-served" in stage.failed:  # its verdict is the report's and the summary's: the stage goes on
         stage.failed.remove("check-served")
@@ -2113,6 +2121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="CPU platform, tiny model, tiny sizes")
     parser.add_argument("--budget-s", type=float, default=500.0, help="the stage's time budget")
+    parser.add_argument("--limit-s", type=float, help="the stage's time limit, past its budget (run.sh's timeout): "
+                                                      "tiles lets the tuner run on into it")
     parser.add_argument("--arms", type=_arms, default=tuple(HEADLINE_ARMS),
                         help="ladder, headline: the headline's arms to serve (and dense's cells for them), comma "
                              f"separated, of {', '.join(HEADLINE_ARMS)} (default: all)")
@@ -2142,7 +2152,9 @@ def main(argv: list[str] | None = None) -> int:
     stages = {"tiles": stage_tiles, "ladder": stage_ladder, "sweep": stage_sweep, "headline": stage_headline,
               "kernels": stage_kernels, "clock": stage_clock}
     kwargs = {}
-    if args.stage == "headline":  # the arms an earlier run served stay in the result
+    if args.stage == "tiles":
+        kwargs["limit_s"] = args.limit_s
+    elif args.stage == "headline":  # the arms an earlier run served stay in the result
         kwargs["arms"] = headline_order(args.arms, (done or {}).get("arms_requested") or ())
     elif args.stage == "ladder":  # and the loads dense served for them
         wanted = set(arm_loads(args.arms)) | set((done or {}).get("loads") or ())

@@ -154,7 +154,7 @@ stage() {
         limit=$(( limit - budget + cap )); budget=$cap
     fi
     timeout --signal=TERM --kill-after=30 "$limit" "$PY" benchmarks/gpu/run.py "$1" "$OUT" $DRY \
-        --budget-s "$budget" ${arms:+--arms "$arms"} < /dev/null || rc=$?
+        --budget-s "$budget" --limit-s "$limit" ${arms:+--arms "$arms"} < /dev/null || rc=$?
     case $rc in
         0) ;;
         4) echo "[$1] time budget reached: rerun '$CALL' to finish it"; return 4 ;;
