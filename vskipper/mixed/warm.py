@@ -30,6 +30,7 @@ from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.routed_layer import routed_layer
 from vskipper.mixed.tape import RouteTape, tape_capacity
 from vskipper.mixed.tiles import COUNT_RANGES, TileTable
+from vskipper.roofline import find_device
 from vskipper.skippers.base import LayerRoute
 
 
@@ -71,10 +72,19 @@ class WarmOps:
 
 def warm_rows(tiles: Any, device: torch.device | str) -> tuple[int, ...]:
     """The pass sizes a warm-up runs: the first count of every range of `COUNT_RANGES` where the GEMMs are tiled by
-    a table (a tile and a form per range), one pass where every count takes the same tile (the interpreter's)."""
-    if isinstance(tiles, TileTable) or (tiles is None and torch.device(device).type == "cuda"):
-        return tuple(lo for lo, _ in COUNT_RANGES)
-    return (1,)
+    a table (a tile and a form per range), one pass where every count takes the same tile (the interpreter's).
+    A table for a catalogued device serves an operation the table measured cuBLAS faster for in the gathered form
+    up to the device's ridge and in its tile above it (`TileTable.gathers`): where the ridge falls inside a range,
+    the first pass past it is warmed too, so that the range's tile compiles before serving as its form does."""
+    if not (isinstance(tiles, TileTable) or (tiles is None and torch.device(device).type == "cuda")):
+        return (1,)
+    rows = [lo for lo, _ in COUNT_RANGES]
+    catalogued = find_device(tiles.device) if isinstance(tiles, TileTable) else None
+    if catalogued is not None:
+        past = int(catalogued.ridge_rows) + 1  # a pass's cohort capacity is its rows rounded up (`tape_capacity`)
+        if any(lo < past and (hi is None or tape_capacity(past) <= hi) for lo, hi in COUNT_RANGES):
+            rows.append(past)
+    return tuple(sorted(set(rows)))
 
 
 def warm_routed_layer(ops: WarmOps, hidden: int, dtype: torch.dtype, device: torch.device | str, tiles: Any,
