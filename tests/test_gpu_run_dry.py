@@ -1090,10 +1090,11 @@ def test_within_starts_no_stage_that_cannot_finish_and_still_writes_the_summary(
 def test_a_lease_whose_tiles_stage_fails_goes_on_to_its_sweep(tmp_path):
     """The lease's later stages do not need the tiles stage's table (a server without it takes the one shipped for
     the device): a tuner that fails on the device (a kernel that faults, a budget overrun) leaves the sweep to run,
-    and the lease's exit says the tiles stage failed."""
-    stub, calls = tmp_path / "python", tmp_path / "calls"
+    and the lease's exit says the tiles stage failed. The tiles stage is told its limit beside its budget (the
+    tuner may run on into it): the lease's cap of 180 s, and 80 s more."""
+    stub, calls, args = tmp_path / "python", tmp_path / "calls", tmp_path / "args"
     stub.write_text(f"""#!/bin/sh
-if [ "$1" = benchmarks/gpu/run.py ] && [ "$2" = tiles ]; then echo tiles >> {calls}; exit 1; fi
+if [ "$1" = benchmarks/gpu/run.py ] && [ "$2" = tiles ]; then echo tiles >> {calls}; echo "$@" > {args}; exit 1; fi
 if [ "$1" = benchmarks/gpu/run.py ] && [ "$2" = sweep ]; then echo sweep >> {calls}; exit 0; fi
 exec {sys.executable} "$@"
 """)
@@ -1103,6 +1104,7 @@ exec {sys.executable} "$@"
                        cwd=ROOT, timeout=120, env={**env, "PYTHON": str(stub)})
     assert r.returncode == 1, r.stdout + r.stderr
     assert calls.read_text().split() == ["tiles", "sweep"] and "[tiles] failed with exit 1" in r.stdout
+    assert "--budget-s 180 --limit-s 260" in args.read_text()
     assert (tmp_path / "out" / "summary.md").is_file()
 
 
