@@ -127,7 +127,7 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
     out, logs = dry_run
     plan = run.Plan.dry()
     result = json.loads((out / "headline.json").read_text())
-    assert result["left"] == [] and set(result["arms"]) == set(run.HEADLINE_ARMS)
+    assert result["left"] == [] and result["idle"] is False and set(result["arms"]) == set(run.HEADLINE_ARMS)
     rule = result["thresholds"]["rule"]
     assert (rule["enter_tokens"], rule["exit_tokens"]) == plan.dry_thresholds
     hybrid = result["arms"]["hybrid-rule"]
@@ -1137,6 +1137,29 @@ def test_a_stage_named_alone_runs_again_when_its_budget_stopped_it(tmp_path, sto
     assert r.returncode == code, r.stdout + r.stderr
     assert len(counted.read_text().split()) == runs
     assert r.stdout.count("[kernels] time budget reached") == min(stops, runs)
+
+
+def test_a_stage_that_left_work_and_started_none_is_not_run_again_in_the_call(tmp_path, monkeypatch):
+    """A headline run whose budget fit no arm's start (after the ladder and the check, 140-199 s of a call) leaves
+    its arms and says so: run.py exits 5, and run.sh does not run the stage again in the call (its rerun would
+    have less time still, and only recompute the predictions); the call exits 4, work left."""
+    monkeypatch.setattr(run, "summary", lambda plan, out: None)
+    monkeypatch.setattr(run, "stage_kernels", lambda plan, out, budget_s: {"left": ["hybrid-tau: 9 cells"],
+                                                                           "idle": True})
+    assert run.main(["kernels", str(tmp_path / "unit"), "--dry-run"]) == run.EXIT_IDLE
+    monkeypatch.setattr(run, "stage_kernels", lambda plan, out, budget_s: {"left": ["x"], "idle": False})
+    assert run.main(["kernels", str(tmp_path / "unit2"), "--dry-run"]) == 4
+    stub, runs = tmp_path / "python", tmp_path / "kernels-runs"
+    stub.write_text(f"""#!/bin/sh
+if [ "$1" = benchmarks/gpu/run.py ] && [ "$2" = kernels ]; then echo run >> {runs}; exit {run.EXIT_IDLE}; fi
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([str(SCRIPT), "kernels", str(tmp_path / "out"), "--dry-run", "--within", "1000"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120, env={**env, "PYTHON": str(stub)})
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert runs.read_text().split() == ["run"] and "[kernels] what is left does not fit this call's time" in r.stdout
 
 
 def test_install_refuses_a_folder_that_holds_a_run_on_another_gpu(tmp_path):

@@ -997,6 +997,8 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
         result["limit_parts"] = parts
     result["figures"] = headline.figure_rows(result)
     result["left"], result["failed"] = stage.left, stage.failed
+    # Left work and started no server: a rerun, with less time than this run had, could not start one either.
+    result["idle"] = bool(stage.left) and not started
     return result
 
 
@@ -2115,6 +2117,9 @@ def served_layer_lines(path: Path | None) -> list[str]:
     return lines + [""]
 
 
+EXIT_IDLE = 5  # a stage left work and started none of it: run.sh does not run it again in the same call
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=[*STAGES, "summary", "stages", "leases"])
@@ -2165,7 +2170,8 @@ def main(argv: list[str] | None = None) -> int:
     summary(plan, args.out)
     print(f"[{args.stage}] wrote {path}")
     if result.get("left"):
-        return 4  # run.sh runs the stage again
+        # run.sh runs the stage again while its call has time; not after a run that could start nothing (5)
+        return EXIT_IDLE if result.get("idle") else 4
     return 1 if result.get("failed") else 0
 
 

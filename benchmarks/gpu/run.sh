@@ -158,6 +158,7 @@ stage() {
     case $rc in
         0) ;;
         4) echo "[$1] time budget reached: rerun '$CALL' to finish it"; return 4 ;;
+        5) echo "[$1] what is left does not fit this call's time: rerun '$CALL' to finish it"; return 5 ;;
         124|137|143) echo "[$1] stopped at its ${limit} s limit: rerun '$CALL'"; return $rc ;;
         *) echo "[$1] failed with exit $rc"; return $rc ;;
     esac
@@ -165,7 +166,8 @@ stage() {
 
 # A stage that reached its budget (exit 4) or its limit runs again to finish what it left (each skips what is
 # done), up to three runs, where --within leaves it time; a failed one does not, nor one whose budget a lease
-# caps (the cap bounds all its runs: the tuner would start again). Returns the last run's code.
+# caps (the cap bounds all its runs: the tuner would start again), nor one that left work and could start none
+# of it (exit 5: a rerun has less time still). Returns the last run's code.
 stage_runs() {
     local rc=0
     for _ in 1 2 3; do
@@ -209,8 +211,8 @@ case $STAGE in
     *) if [ -n "$WITHIN" ]; then stage_runs "$STAGE" || RC=$?; else stage "$STAGE" || RC=$?; fi ;;
 esac
 pack || RC=$?
-# A stage stopped at its limit left work for a later call, as one stopped by its budget: exit 4 (a caller's own
-# timeout reads 124 and 137 as this call's own).
-case $RC in 124|137|143) RC=4 ;; esac
+# A stage stopped at its limit, or one that could start none of what it left, left work for a later call, as one
+# stopped by its budget: exit 4 (a caller's own timeout reads 124 and 137 as this call's own).
+case $RC in 5|124|137|143) RC=4 ;; esac
 echo "[run] $STAGE done in $(( SECONDS - START_S )) s (exit $RC)"
 exit $RC
