@@ -129,13 +129,31 @@ class HostReadDetector(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _HostCopies(TorchFunctionMode):
+    """`HostWaitDetector`'s reads that never reach the dispatcher on CPU: `tolist()`, `numpy()` and `cpu()` of a
+    tensor the pass's own operators made or wrote (on a GPU a device value: each a copy the host waits for)."""
+
+    COPIES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
+
+    def __init__(self, detector: HostWaitDetector) -> None:
+        super().__init__()
+        self.detector = detector
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.COPIES and not self.detector._exempt and self.detector.made(args[0]):
+            self.detector.waits.append(f"Tensor.{func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
 class HostWaitDetector(TorchDispatchMode):
     """Records every operator that makes the host wait for the device: a scalar read (`aten._local_scalar_dense`),
     the operators whose output shape is a device value (`nonzero`, `unique`, `masked_select`, a boolean index,
-    `repeat_interleave` without its output size), and a tensor literal (`lift_fresh`: `torch.tensor(...)` in the
-    pass, on a GPU a blocking copy from the host, and illegal while a graph captures). On CPU none of them waits,
-    so the recorded names stand for the waits the same pass would make on a GPU. Within `exempt()` nothing is
-    recorded: a call the host makes for a dense pass too (its attention backend's read)."""
+    `repeat_interleave` without its output size), a tensor literal (`lift_fresh`: `torch.tensor(...)` in the
+    pass, on a GPU a blocking copy from the host, and illegal while a graph captures), and a copy to the host
+    (`tolist()`, `numpy()`, `cpu()`) of a tensor the pass's operators made or wrote (a tensor the host handed the
+    pass, as SGLang's host mirrors, is not a device value). On CPU none of them waits, so the recorded names stand
+    for the waits the same pass would make on a GPU. Within `exempt()` nothing is recorded: a call the host makes
+    for a dense pass too (its attention backend's read)."""
 
     SHAPE_FROM_VALUES = ("nonzero", "unique", "_unique", "unique_dim", "_unique2", "unique_consecutive",
                          "masked_select")
@@ -144,6 +162,23 @@ class HostWaitDetector(TorchDispatchMode):
         super().__init__()
         self.waits: list[str] = []
         self._exempt = 0
+        # the storages the pass's operators made or wrote, and their tensors (held, so no address is reused)
+        self._made: set[int] = set()
+        self._held: list[torch.Tensor] = []
+        self._copies = _HostCopies(self)
+
+    def __enter__(self):
+        self._copies.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._copies.__exit__(*exc)
+
+    def made(self, t: torch.Tensor) -> bool:
+        return isinstance(t, torch.Tensor) and _storage_of(t) in self._made
 
     def exempt(self, fn):
         def call(*args, **kwargs):
@@ -158,7 +193,16 @@ class HostWaitDetector(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self._exempt and self._waits(func, args, kwargs):
             self.waits.append(str(func))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        # what the operator made (new storage), or wrote: not a view or alias of what it was handed (a view of what
+        # the pass made shares its storage already)
+        handed = {_storage_of(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (ptr := _storage_of(t)) is not None \
+                    and (ptr not in handed or func._schema.is_mutable):
+                self._made.add(ptr)
+                self._held.append(t)
+        return out
 
     def _waits(self, func, args, kwargs) -> bool:
         name = func._schema.name.split("::")[-1]
@@ -171,6 +215,13 @@ class HostWaitDetector(TorchDispatchMode):
         if name == "repeat_interleave":  # repeats given as a tensor: the output's length is their sum
             return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
         return False
+
+
+def _storage_of(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (a functional or sparse tensor)
+        return None
 
 
 class ScalarReadDetector(TorchDispatchMode):
