@@ -484,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     catalogued = find_device(name) if device.type == "cuda" else None
     print(f"device: {name} (catalogue: {catalogued.name if catalogued else 'unknown'}); dtype {dtype}; "
           f"s = {args.s}")
-    report: dict = {"device": name, "s": args.s, "smoke": args.smoke}
+    # the table its GEMMs were asked to serve with (a GPU's; on CPU the interpreter's one tile serves whatever is given)
+    report: dict = {"device": name, "s": args.s, "smoke": args.smoke,
+                    "tile_table": str(args.tile_table) if args.tile_table else None}
 
     def write(report: dict) -> None:  # after each section: what ran survives a later section's failure
         if args.json:

@@ -381,6 +381,7 @@ def test_kernels_stage_writes_the_bench_figures_with_the_tuned_table(dry_run):
     assert kernels["tile_table"] == str(out / "tiles" / run.TILES_JSON)
     bench = json.loads((out / "kernels" / "mixed_depth_bench.json").read_text())
     assert {"kernels", "decode", "prefill", "served"} <= set(bench)  # every section ran, the served layer's too
+    assert bench["tile_table"] == kernels["tile_table"]  # the bench was handed the tuned table
 
 
 def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server_with_its_part_clock(dry_run):
@@ -1015,7 +1016,8 @@ def test_the_summary_names_the_tiles_the_sweep_served_and_what_their_table_lacks
     assert run.tiles_lines(None, None) == []
 
 
-def test_a_stage_that_failed_runs_again_in_a_later_run_and_the_tiles_stage_then_keeps_the_shipped_table(tmp_path):
+def test_a_stage_that_failed_runs_again_in_a_later_run_and_the_tiles_stage_then_keeps_the_shipped_table(tmp_path,
+                                                                                                        capsys):
     """A stage whose JSON records a failure is not complete: a later `run.py` runs it again (here the tiles stage,
     which finds the ladder already served and keeps the shipped table, the earlier failure kept beside)."""
     (tmp_path / "tiles.json").write_text(json.dumps({"device": "CPU", "runs": {"tune-tiles": {"exit": 2}},
@@ -1024,7 +1026,11 @@ def test_a_stage_that_failed_runs_again_in_a_later_run_and_the_tiles_stage_then_
     assert run.main(["tiles", str(tmp_path), "--dry-run"]) == 0
     result = json.loads((tmp_path / "tiles.json").read_text())
     assert "ladder already served" in result["skipped"] and result["earlier"]["failed"] == ["tune-tiles"]
+    written = (tmp_path / "tiles.json").read_bytes()
+    capsys.readouterr()
     assert run.main(["tiles", str(tmp_path), "--dry-run"]) == 0  # now complete: not run again
+    assert "[tiles] complete in an earlier run" in capsys.readouterr().out
+    assert (tmp_path / "tiles.json").read_bytes() == written
 
 
 

@@ -177,14 +177,31 @@ def test_the_triton_execution_computes_random_skips_routes_in_one_launch_and_att
     (`vskipper.mixed.routes`): the pass's state is the one the skipper's chain computes, and the attestation says
     which computed it."""
     from vskipper.mixed.launches import LaunchCount, interpreted_launches
+    from vskipper.skippers.base import BatchContext
 
     m = models[0]
     assert "random_routes_kernel" in m.runtime.execution["skipper_state"]
+    prepared = []
+    prepare_state = m.runtime.prepare_state
+
+    def kept(step, hidden, positions, fused=False):
+        prepare_state(step, hidden, positions, fused)
+        prepared.append((fused, step, hidden, positions))
+
+    m.runtime.prepare_state = kept
     count = LaunchCount()
-    with interpreted_launches(count.triton), count:
-        m.whole(m.batch(Shape("prefill", 2, 16), 0))
+    try:
+        with interpreted_launches(count.triton), count:
+            m.whole(m.batch(Shape("prefill", 2, 16), 0))
+    finally:
+        del m.runtime.prepare_state
     assert count.triton["random_routes_kernel"] == 1
     assert not {"bitwise_xor", "__rshift__", "remainder"} & set(count.ops)  # the chain's operators are gone
+    ((fused, step, hidden, positions),) = prepared
+    chain = m.runtime.skipper.prepare_batch(BatchContext(hidden, torch.ones(step.rows, dtype=torch.bool),
+                                                         m.runtime.routed_layers, step.phase, step.keys, positions))
+    assert fused and not chain["run"].all() and chain["run"].any()
+    assert torch.equal(step.state["run"], chain["run"]) and torch.equal(step.state["weights"], chain["weights"])
 
 
 def test_a_plan_written_where_the_graph_does_not_read_it_strays(models):
