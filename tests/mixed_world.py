@@ -150,8 +150,8 @@ class HostWaitDetector(TorchDispatchMode):
     the operators whose output shape is a device value (`nonzero`, `unique`, `masked_select`, a boolean index,
     `repeat_interleave` without its output size), a tensor literal (`lift_fresh`: `torch.tensor(...)` in the
     pass, on a GPU a blocking copy from the host, and illegal while a graph captures), and a copy to the host
-    (`tolist()`, `numpy()`, `cpu()`) of a tensor the pass's operators made or wrote (a tensor the host handed the
-    pass, as SGLang's host mirrors, is not a device value). On CPU none of them waits, so the recorded names stand
+    (`tolist()`, `numpy()`, `cpu()`) of a tensor the pass's operators made or wrote, or a Triton launch was handed
+    (a tensor the host handed the pass, as SGLang's host mirrors, is not a device value). On CPU none of them waits, so the recorded names stand
     for the waits the same pass would make on a GPU. Within `exempt()` nothing is recorded: a call the host makes
     for a dense pass too (its attention backend's read)."""
 
@@ -168,14 +168,31 @@ class HostWaitDetector(TorchDispatchMode):
         self._copies = _HostCopies(self)
 
     def __enter__(self):
+        # a Triton launch's tensors are device tensors on a GPU, and the interpreter writes them outside torch's
+        # dispatch: every tensor a launch is handed counts as made by the pass
+        import triton.runtime.interpreter as interpreter
+
+        real = self._real_launch = interpreter.InterpretedFunction.run
+
+        def launch(fn, *args, **kwargs):
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, torch.Tensor) and (ptr := _storage_of(t)) is not None:
+                    self._made.add(ptr)
+                    self._held.append(t)
+            return real(fn, *args, **kwargs)
+
+        interpreter.InterpretedFunction.run = launch
         self._copies.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
+        import triton.runtime.interpreter as interpreter
+
         try:
             return super().__exit__(*exc)
         finally:
             self._copies.__exit__(*exc)
+            interpreter.InterpretedFunction.run = self._real_launch
 
     def made(self, t: torch.Tensor) -> bool:
         return isinstance(t, torch.Tensor) and _storage_of(t) in self._made

@@ -462,14 +462,22 @@ def test_the_wait_detector_sees_a_copy_to_the_host_of_what_the_pass_made_and_not
     it too), not for one the host handed the pass (SGLang's host mirrors)."""
     from mixed_world import HostWaitDetector
 
+    from vskipper.mixed.kernels import cohort_maps
+
     given, written = torch.arange(4), torch.zeros(4)
+    run = torch.tensor([True, False, True])
+    maps = (torch.empty(3, dtype=torch.int64), torch.empty(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+            torch.empty(3, dtype=torch.bool))
     detector = HostWaitDetector()
     with detector:
         made = given * 2
         written.add_(1)
-        given.tolist(), given.numpy(), given.cpu()
+        given.tolist(), given.numpy(), given.cpu(), run.tolist()
         made.view(2, 2)[0].tolist(), made.numpy(), written.cpu()
-    assert detector.waits == ["Tensor.tolist", "Tensor.numpy", "Tensor.cpu"]
+        cohort_maps(run, *maps)  # a Triton launch writes the counts: on a GPU a device value
+        maps[2].tolist()
+    assert detector.waits == ["Tensor.tolist", "Tensor.numpy", "Tensor.cpu", "Tensor.tolist"]
+    assert maps[2].tolist() == [2, 1]
 
 
 @pytest.mark.parametrize("execution", ["triton", "gathered", "torch"])
