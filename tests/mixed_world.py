@@ -151,9 +151,9 @@ class HostWaitDetector(TorchDispatchMode):
     `repeat_interleave` without its output size), a tensor literal (`lift_fresh`: `torch.tensor(...)` in the
     pass, on a GPU a blocking copy from the host, and illegal while a graph captures), and a copy to the host
     (`tolist()`, `numpy()`, `cpu()`) of a tensor the pass's operators made or wrote, or a Triton launch was handed
-    (a tensor the host handed the pass, as SGLang's host mirrors, is not a device value). On CPU none of them waits, so the recorded names stand
-    for the waits the same pass would make on a GPU. Within `exempt()` nothing is recorded: a call the host makes
-    for a dense pass too (its attention backend's read)."""
+    (a tensor the host handed the pass, as SGLang's host mirrors, is not a device value). On CPU none of them
+    waits, so the recorded names stand for the waits the same pass would make on a GPU. Within `exempt()` nothing
+    is recorded: a call the host makes for a dense pass too (its attention backend's read)."""
 
     SHAPE_FROM_VALUES = ("nonzero", "unique", "_unique", "unique_dim", "_unique2", "unique_consecutive",
                          "masked_select")
@@ -213,7 +213,8 @@ class HostWaitDetector(TorchDispatchMode):
         out = func(*args, **kwargs)
         # what the operator made (new storage), or wrote: not a view or alias of what it was handed (a view of what
         # the pass made shares its storage already)
-        handed = {_storage_of(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        handed = {_storage_of(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and (ptr := _storage_of(t)) is not None \
                     and (ptr not in handed or func._schema.is_mutable):

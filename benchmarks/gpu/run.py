@@ -1421,10 +1421,10 @@ def finished(target: Path) -> bool:
 
 def run_steps(plan: Plan, stage: Stage, steps, limit_s: float | None = None, grace_s: float = 0.0) -> dict:
     """Each (name, output, command) step in a subprocess, within the stage's budget and `grace_s` past it (and
-    `limit_s` where given); a step whose output is whole from an earlier run is not run again. One stopped by the budget, or that exits
-    without its whole output, is left for the next run (which starts it again); one that fails, or that its own
-    limit stopped, is named in `stage.failed` and not run again by the same `run.sh all` (a failure that repeats
-    would spend the session)."""
+    `limit_s` where given); a step whose output is whole from an earlier run is not run again. One stopped by the
+    budget, or that exits without its whole output, is left for the next run (which starts it again); one that
+    fails, or that its own limit stopped, is named in `stage.failed` and not run again by the same `run.sh all` (a
+    failure that repeats would spend the session)."""
     runs = {}
     for name, target, cmd in steps:
         if finished(target):

@@ -14,8 +14,8 @@ host, where its layers hand on y itself).
 
 A Project-Only row pays for its layer's K and V (Qwen3: k_norm, then RoPE) and the projector, nothing else:
 no Q, no attention read, no o_proj, no MLP (save a prefill read through the host's attention backend, which reads
-every batch row: a Project-Only row's zero query there costs its share of the read). Every row's K/V is written before any RUN row reads (Invariant 1),
-so a RUN row attends to every token's K/V, Project-Only tokens' included.
+every batch row: a Project-Only row's zero query there costs its share of the read). Every row's K/V is written
+before any RUN row reads (Invariant 1), so a RUN row attends to every token's K/V, Project-Only tokens' included.
 
 The host layer hands its own modules to the body through `LayerOps`: the SGLang layer passes SGLang's
 `qkv_proj`, `o_proj`, MLP and KV pool (`vskipper.sglang.models.routed`), the engine-free stack passes its own
@@ -29,8 +29,9 @@ Two executions of the same semantics:
           K and V are every row's, in one projection over the batch (its weight read once, no cohort
           reordering before the write); Q, the read, o_proj and the MLP see the RUN rows only, the projector
           the Project-Only rows only (a read through the host's backend, where the pass takes it, reads every
-          batch row, a Project-Only row's with a zero query whose output is not read). The host may rotate the RUN rows' Q and every row's K in one call
-          (`LayerOps.q_kv`); o_proj's output is added onto x at the RUN rows in one `index_add`. When no row
+          batch row, a Project-Only row's with a zero query whose output is not read). The host may rotate the
+          RUN rows' Q and every row's K in one call (`LayerOps.q_kv`); o_proj's output is added onto x at the
+          RUN rows in one `index_add`. When no row
           projects, the all-RUN fast path calls the host's own dense attention and MLP over the whole batch.
           (`nonzero` synchronizes on a GPU, once per routed layer, where the triton execution is the one that
           does not.) The served layer runs this execution on CPU and wherever a layer has no plain weights.
@@ -99,10 +100,10 @@ class LayerOps(Protocol):
         """k and v only (no q) of every row u of the pass."""
 
     def q_kv(self, u: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q of the batch rows `rows` alone (ascending), k, v of every row u of the pass), rotated (Qwen3: normed)
-        like `kv`, where the host may rotate both in one call. q is in the form `read` takes: packed [len(rows),
-        heads * hd], or in the pass's batch slots [rows of u, heads * hd] (zeros elsewhere) where the host's read
-        reads every batch row's query (a prefill read through SGLang's backend)."""
+        """(q of the batch rows `rows` alone, k, v of every row u of the pass), rotated (Qwen3: normed) like `kv`,
+        where the host may rotate both in one call. q is in the form `read` takes: packed [len(rows), heads * hd],
+        or in the pass's batch slots [rows of u, heads * hd] (zeros elsewhere) where the host's read reads every
+        batch row's query (a prefill read through SGLang's backend)."""
 
     def batch_q_kv(self, u: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) for the triton execution: its queries q [rows, heads * hd] in batch rows (the RUN rows' from
