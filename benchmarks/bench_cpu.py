@@ -198,7 +198,7 @@ def served_layer_profile(ckpt: Path, phase: str, rows: int, context: int, skip: 
 
     from vskipper.mixed.routed_layer import routed_layer
     from vskipper.sglang.configs import register_configs
-    from vskipper.sglang.models.routed import SGLangLayerOps, cohort_execution, plan_pass
+    from vskipper.sglang.models.routed import SGLangLayerOps, cohort_execution, in_batch_slots, plan_pass
 
     if phase not in ("prefill", "decode"):
         raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
@@ -247,14 +247,21 @@ def served_layer_profile(ckpt: Path, phase: str, rows: int, context: int, skip: 
                  "run": lambda: world.backend.forward_decode(q[:n_run], kv[:n_run], kv[:n_run], attn.attn, run_fb,
                                                              save_kv_cache=False)}
     else:
-        q_run = q.index_select(0, run_rows)
+        q_run, q_slots = q.index_select(0, run_rows), in_batch_slots(q.index_select(0, run_rows), run_rows, rows)
 
         def read_ops():  # the pass's K/V as `write_kv` leaves them, which a read through SGLang's backend takes
             o = ops()
             o.written = (kv, kv)
             return o
 
-        reads = {"all": lambda: read_ops().read(q, None), "run": lambda: read_ops().read(q_run, run_rows)}
+        def read_run():  # the RUN rows' queries as `q_kv` hands them: in batch slots where the backend reads
+            o = read_ops()
+            if o.reads_through_backend():
+                o.q_slotted = q_slots
+                return o.read(q_slots, run_rows)
+            return o.read(q_run, run_rows)
+
+        reads = {"all": lambda: read_ops().read(q, None), "run": read_run}
 
     def parts(n: int, which: str) -> dict:
         return {"q": lambda: F.linear(x[:n], q_weight), "read": reads[which],

@@ -152,8 +152,10 @@ class HostWaitDetector(TorchDispatchMode):
     pass, on a GPU a blocking copy from the host, and illegal while a graph captures), and a copy to the host
     (`tolist()`, `numpy()`, `cpu()`) of a tensor the pass's operators made or wrote, or a Triton launch was handed
     (a tensor the host handed the pass, as SGLang's host mirrors, is not a device value). On CPU none of them
-    waits, so the recorded names stand for the waits the same pass would make on a GPU. Within `exempt()` nothing
-    is recorded: a call the host makes for a dense pass too (its attention backend's read)."""
+    waits, so the recorded names stand for the waits the same pass would make on a GPU, save a branch taken on CPU
+    alone (RandomSkip's hash in numpy, which a device runs as tensor ops: in the torch execution's control passes).
+    Within `exempt()` nothing is recorded: a call the host makes for a dense pass too (its attention backend's
+    read)."""
 
     SHAPE_FROM_VALUES = ("nonzero", "unique", "_unique", "unique_dim", "_unique2", "unique_consecutive",
                          "masked_select")
@@ -236,10 +238,13 @@ class HostWaitDetector(TorchDispatchMode):
 
 
 def _storage_of(t: torch.Tensor) -> int | None:
+    """The address of a tensor's storage; None where it has none (a functional or sparse tensor) or holds nothing
+    (every empty storage's address is 0)."""
     try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # no storage of its own (a functional or sparse tensor)
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
         return None
+    return ptr or None
 
 
 class ScalarReadDetector(TorchDispatchMode):

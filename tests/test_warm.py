@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from mixed_world import gathering_table
 
-from vskipper.mixed.tape import tape_capacity
 from vskipper.mixed.tiles import COUNT_RANGES, tile_table_for
 from vskipper.mixed.warm import warm_rows
 from vskipper.roofline import find_device
@@ -22,6 +21,6 @@ def test_a_table_is_warmed_at_a_pass_in_every_count_range_and_the_interpreters_o
         assert inside == ([lo, int(ridge) + 1] if lo <= ridge < (hi or float("inf")) else [lo]), (lo, hi)
     timed = gathering_table()  # cuBLAS measured faster everywhere: gathered to the ridge, tiled above it
     assert warm_rows(timed, "cpu") == rows
-    forms = {timed.gathers("mlp_down", tape_capacity(n)) for n in rows if 129 <= n <= 512}
+    forms = {timed.gathers("mlp_down", n) for n in rows if 129 <= n <= 512}  # an eager pass's capacity: its rows
     assert forms == {True, False}  # the ridge's range warms both of its forms
     assert warm_rows(None, "cpu") == (1,)  # the interpreter's tile serves every count

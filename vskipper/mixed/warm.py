@@ -81,8 +81,8 @@ def warm_rows(tiles: Any, device: torch.device | str) -> tuple[int, ...]:
     rows = [lo for lo, _ in COUNT_RANGES]
     catalogued = find_device(tiles.device) if isinstance(tiles, TileTable) else None
     if catalogued is not None:
-        past = int(catalogued.ridge_rows) + 1  # a pass's cohort capacity is its rows rounded up (`tape_capacity`)
-        if any(lo < past and (hi is None or tape_capacity(past) <= hi) for lo, hi in COUNT_RANGES):
+        past = int(catalogued.ridge_rows) + 1  # an eager pass's cohort maps hold its rows: its capacity
+        if any(lo < past and (hi is None or past <= hi) for lo, hi in COUNT_RANGES):
             rows.append(past)
     return tuple(sorted(set(rows)))
 
