@@ -247,7 +247,8 @@ def served_layer_profile(ckpt: Path, phase: str, rows: int, context: int, skip: 
                  "run": lambda: world.backend.forward_decode(q[:n_run], kv[:n_run], kv[:n_run], attn.attn, run_fb,
                                                              save_kv_cache=False)}
     else:
-        q_run, q_slots = q.index_select(0, run_rows), in_batch_slots(q.index_select(0, run_rows), run_rows, rows)
+        q_run = q.index_select(0, run_rows)
+        q_slots = in_batch_slots(q_run, run_rows, rows)
 
         def read_ops():  # the pass's K/V as `write_kv` leaves them, which a read through SGLang's backend takes
             o = ops()

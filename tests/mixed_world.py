@@ -178,9 +178,7 @@ class HostWaitDetector(TorchDispatchMode):
 
         def launch(fn, *args, **kwargs):
             for t in (*args, *kwargs.values()):
-                if isinstance(t, torch.Tensor) and (ptr := _storage_of(t)) is not None:
-                    self._made.add(ptr)
-                    self._held.append(t)
+                self._mark(t)
             return real(fn, *args, **kwargs)
 
         interpreter.InterpretedFunction.run = launch
@@ -198,6 +196,13 @@ class HostWaitDetector(TorchDispatchMode):
 
     def made(self, t: torch.Tensor) -> bool:
         return isinstance(t, torch.Tensor) and _storage_of(t) in self._made
+
+    def _mark(self, t, handed: set[int | None] = frozenset(), written: bool = False) -> None:
+        """`t`'s storage as made by the pass: unless it is the storage of a tensor handed to the call that made
+        `t` (a view or alias) and the call did not write it."""
+        if isinstance(t, torch.Tensor) and (ptr := _storage_of(t)) is not None and (written or ptr not in handed):
+            self._made.add(ptr)
+            self._held.append(t)
 
     def exempt(self, fn):
         def call(*args, **kwargs):
@@ -218,10 +223,7 @@ class HostWaitDetector(TorchDispatchMode):
         handed = {_storage_of(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and (ptr := _storage_of(t)) is not None \
-                    and (ptr not in handed or func._schema.is_mutable):
-                self._made.add(ptr)
-                self._held.append(t)
+            self._mark(t, handed, func._schema.is_mutable)
         return out
 
     def _waits(self, func, args, kwargs) -> bool:
