@@ -283,8 +283,10 @@ class ServedRig:
         place), where without it x is the first layer's input, left as it is. With `plan_buffers` (a
         `PlanBuffers` of the pass's rows), the pass reads its request slots, keys and dense-mode rows from their
         views, as a server's captured decode graph does (each replay reads what was written into them before it);
-        otherwise from `fb` (keys: `request_keys`)."""
+        otherwise from `fb` (keys: `request_keys`). The skipper's state is prepared as a server prepares it for the
+        execution the rig serves with (`Runtime.prepare_state`: in one launch for the triton execution)."""
         from vskipper.mixed.cohorts import CohortBuilder
+        from vskipper.mixed.routes import fused_state
         from vskipper.mixed.tape import RouteTape
         from vskipper.sglang.models.routed import PassPlan, plan_pass
         from vskipper.sglang.runtime import Step
@@ -304,7 +306,9 @@ class ServedRig:
 
         def run():
             if skipper is not None:
-                state = skipper.prepare_batch(BatchContext(x, valid, (self.lid,), phase, keys, fb.positions))
+                batch = BatchContext(x, valid, (self.lid,), phase, keys, fb.positions)
+                state = fused_state(skipper, batch) if world.slot.execution.decode == "triton" else None
+                state = skipper.prepare_batch(batch) if state is None else state
                 world.slot.step = Step(phase, True, skipper, state, tape, builder, dense_rows, rows, keys=keys)
                 world.slot.plan = plan
             try:

@@ -1,11 +1,10 @@
 """Shared set-ups for the mixed-depth tests: paged caches with shuffled pages, prompts, decode batches, a skipper
 that replays a given tape, a tile table that serves chosen operations in the gathered form, and detectors of what a
-pass makes the host do (reads, waits) and what it launches."""
+pass makes the host do (reads; its waits: `vskipper.mixed.host_waits`) and what it launches."""
 
 from __future__ import annotations
 
 import copy
-import os
 import random
 import traceback
 from contextlib import contextmanager
@@ -15,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vskipper.mixed.bench_stack import BenchStack, ForwardBatch
+from vskipper.mixed.host_waits import site
 from vskipper.mixed.launches import NO_LAUNCH, interpreted_launches
 from vskipper.mixed.tiles import COUNT_RANGES, OPERATIONS, TileTable, parse_tile_table
 from vskipper.skippers.base import LayerRoute, Skipper
@@ -129,126 +129,6 @@ class HostReadDetector(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _HostCopies(TorchFunctionMode):
-    """`HostWaitDetector`'s reads that never reach the dispatcher on CPU: `tolist()`, `numpy()` and `cpu()` of a
-    tensor the pass's own operators made or wrote (on a GPU a device value: each a copy the host waits for)."""
-
-    COPIES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
-
-    def __init__(self, detector: HostWaitDetector) -> None:
-        super().__init__()
-        self.detector = detector
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.COPIES and not self.detector._exempt and self.detector.made(args[0]):
-            self.detector.waits.append(f"Tensor.{func.__name__}")
-        return func(*args, **(kwargs or {}))
-
-
-class HostWaitDetector(TorchDispatchMode):
-    """Records every operator that makes the host wait for the device: a scalar read (`aten._local_scalar_dense`),
-    the operators whose output shape is a device value (`nonzero`, `unique`, `masked_select`, a boolean index,
-    `repeat_interleave` without its output size), a tensor literal (`lift_fresh`: `torch.tensor(...)` in the
-    pass, on a GPU a blocking copy from the host, and illegal while a graph captures), and a copy to the host
-    (`tolist()`, `numpy()`, `cpu()`) of a tensor the pass's operators made or wrote, or a Triton launch was handed
-    (a tensor the host handed the pass, as SGLang's host mirrors, is not a device value). On CPU none of them
-    waits, so the recorded names stand for the waits the same pass would make on a GPU, save a branch taken on CPU
-    alone (RandomSkip's hash in numpy, which a device runs as tensor ops: in the torch execution's control passes).
-    Within `exempt()` nothing is recorded: a call the host makes for a dense pass too (its attention backend's
-    read)."""
-
-    SHAPE_FROM_VALUES = ("nonzero", "unique", "_unique", "unique_dim", "_unique2", "unique_consecutive",
-                         "masked_select")
-
-    def __init__(self):
-        super().__init__()
-        self.waits: list[str] = []
-        self._exempt = 0
-        # the storages the pass's operators made or wrote, and their tensors (held, so no address is reused)
-        self._made: set[int] = set()
-        self._held: list[torch.Tensor] = []
-        self._copies = _HostCopies(self)
-
-    def __enter__(self):
-        # a Triton launch's tensors are device tensors on a GPU, and the interpreter writes them outside torch's
-        # dispatch: every tensor a launch is handed counts as made by the pass
-        import triton.runtime.interpreter as interpreter
-
-        real = self._real_launch = interpreter.InterpretedFunction.run
-
-        def launch(fn, *args, **kwargs):
-            for t in (*args, *kwargs.values()):
-                self._mark(t)
-            return real(fn, *args, **kwargs)
-
-        interpreter.InterpretedFunction.run = launch
-        self._copies.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        import triton.runtime.interpreter as interpreter
-
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._copies.__exit__(*exc)
-            interpreter.InterpretedFunction.run = self._real_launch
-
-    def made(self, t: torch.Tensor) -> bool:
-        return isinstance(t, torch.Tensor) and _storage_of(t) in self._made
-
-    def _mark(self, t, handed: set[int | None] = frozenset(), written: bool = False) -> None:
-        """`t`'s storage as made by the pass: unless it is the storage of a tensor handed to the call that made
-        `t` (a view or alias) and the call did not write it."""
-        if isinstance(t, torch.Tensor) and (ptr := _storage_of(t)) is not None and (written or ptr not in handed):
-            self._made.add(ptr)
-            self._held.append(t)
-
-    def exempt(self, fn):
-        def call(*args, **kwargs):
-            self._exempt += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._exempt -= 1
-        return call
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not self._exempt and self._waits(func, args, kwargs):
-            self.waits.append(str(func))
-        out = func(*args, **kwargs)
-        # what the operator made (new storage), or wrote: not a view or alias of what it was handed (a view of what
-        # the pass made shares its storage already)
-        handed = {_storage_of(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in torch.utils._pytree.tree_leaves(out):
-            self._mark(t, handed, func._schema.is_mutable)
-        return out
-
-    def _waits(self, func, args, kwargs) -> bool:
-        name = func._schema.name.split("::")[-1]
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default) \
-                or name in self.SHAPE_FROM_VALUES:
-            return True
-        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
-            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-            return any(t is not None and t.dtype == torch.bool for t in indices)
-        if name == "repeat_interleave":  # repeats given as a tensor: the output's length is their sum
-            return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
-        return False
-
-
-def _storage_of(t: torch.Tensor) -> int | None:
-    """The address of a tensor's storage; None where it has none (a functional or sparse tensor) or holds nothing
-    (every empty storage's address is 0)."""
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return ptr or None
-
-
 class ScalarReadDetector(TorchDispatchMode):
     """Records every scalar read that reaches the dispatcher (`aten._local_scalar_dense`), including those an
     operator makes inside C++ (a host read a Python-level detector cannot see)."""
@@ -281,17 +161,7 @@ class OwnLaunches(TorchDispatchMode):
 
     @staticmethod
     def _own() -> bool:
-        import sglang
-
-        import vskipper
-
-        own, host = os.path.dirname(vskipper.__file__) + os.sep, os.path.dirname(sglang.__file__) + os.sep
-        for frame in reversed(traceback.extract_stack()):
-            if frame.filename.startswith(host):
-                return False
-            if frame.filename.startswith(own):
-                return True
-        return False
+        return site(traceback.extract_stack())[1]
 
     @contextmanager
     def triton(self):

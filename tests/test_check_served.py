@@ -41,6 +41,35 @@ def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path
     # the served model's warm-up, timed first: nothing compiles in the interpreter, but it ran and was counted
     warm = report["warm"]
     assert warm["compiled"]["compiles"] == 0 and warm["seconds"] > 0 and warm["compiled"]["kernels"] == {}
+    # the served passes watched for host waits: the largest decode batch and each prefill with either read, both
+    # routes; none waits anywhere (the backend's read included)
+    watched = [w["case"] for w in report["host_waits"]]
+    assert len(watched) == 10 and sum(n.startswith("decode 5 rows") for n in watched) == 2
+    assert all(w["ok"] and w["waits"] == [] for w in report["host_waits"])
+
+
+def test_a_host_wait_in_the_served_pass_is_found_where_vskipper_makes_it(tmp_path, monkeypatch):
+    """A scalar read of the cohort counts, as a pass that sized its cohorts on the host would make, in every
+    routed pass the served execution runs: each watched pass waits, at vSkipper's frame that made the call, and
+    the summary lists them. The layer cases still agree: a wait costs time, not values."""
+    real = kernels.cohort_maps
+
+    def sizing(run, run_idx, proj_idx, counts, *args, **kwargs):
+        real(run, run_idx, proj_idx, counts, *args, **kwargs)
+        int(counts[0])
+
+    monkeypatch.setattr(kernels, "cohort_maps", sizing)
+    report = _check(tmp_path)
+    assert all(c["ok"] for c in report["cases"])
+    for watched in report["host_waits"]:
+        assert not watched["ok"] and watched["waits"], watched
+        for wait in watched["waits"]:
+            assert wait["own"] and wait["what"] == "aten._local_scalar_dense.default"
+            assert wait["where"].startswith("vskipper/mixed/cohorts.py:"), wait
+    text = "\n".join(run.check_lines({"sweep": {"check": {"runs": {}, "report": report}}}))
+    assert "the operators that would wait on a GPU" in text and "**10 of 10 passes wait**" in text
+    assert "- decode 5 rows, context 12, s=0.5: aten._local_scalar_dense.default at vskipper/mixed/cohorts.py:" \
+        in text
 
 
 @pytest.mark.parametrize("kernel,strays", [
@@ -171,6 +200,13 @@ def test_the_summary_puts_the_check_first_and_says_what_a_straying_case_puts_in_
     assert "2 of 3 cases stray or could not run, and every routed figure below measures that execution" in text
     assert "- prefill 1024 tokens, s=0.5, packed read: output 0.7, K/V 0" in text
     assert "- decode 64 rows, CUDA graph: not checked (RuntimeError: capture failed)" in text
+    # the host waits: none of vSkipper's, one in SGLang's (listed, not held against the pass)
+    engine = {"what": "a synchronizing CUDA call", "where": "sglang/srt/layers/x.py:9 in forward", "own": False}
+    ok["host_waits"] = [{"case": "decode 128 rows", "ok": True, "waits": []},
+                        {"case": "prefill 1024 tokens, s=0.5, backend read", "ok": True, "waits": [engine]}]
+    text = "\n".join(run.check_lines({"sweep": {"check": {"runs": {}, "report": ok}}}))
+    assert "(torch's CUDA sync debug mode, each synchronizing call;" in text
+    assert "none in vSkipper's code in 2 passes (1 in SGLang's, which a dense pass makes alike)." in text
     assert run.check_lines({"sweep": None}) == []  # no stage that checks has run
     text = "\n".join(run.check_lines({"sweep": {"check": {"runs": {}}}}))  # left by the stage's budget
     assert "did not run (the stage's time budget)" in text and "the routed figures below are unchecked" in text

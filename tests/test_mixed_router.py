@@ -14,9 +14,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from mixed_world import HostWaitDetector
 
 from vskipper.constants import CONSTANTS
+from vskipper.mixed.host_waits import HostWaitDetector
 from vskipper.mixed.launches import LaunchCount, interpreted_launches
 from vskipper.mixed.router import GATE_MAX_WIDTH, _tanh, gate_form, gate_route
 from vskipper.skippers.modules import SkipRouter

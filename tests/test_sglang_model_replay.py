@@ -230,12 +230,11 @@ def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(t
                                                                                execution):
     """The real model's whole forward after its hook's `prepare_pass` (embedding, dense and routed layers, the
     skipper's per-pass state, the tape, the logits), prefill and decode: with the triton execution no operator
-    that would make the host wait for the device (`mixed_world.HostWaitDetector`: a scalar read, an output shaped
+    that would make the host wait for the device (`vskipper.mixed.host_waits.HostWaitDetector`: a scalar read, an output shaped
     by device values, a tensor literal) outside SGLang's attention backend, which a dense pass calls alike, in a
     routed arm as in dense. The torch execution, which packs its cohorts with `nonzero`, is the detector's
     control: there it sees the wait."""
-    from mixed_world import HostWaitDetector
-
+    from vskipper.mixed.host_waits import HostWaitDetector
     from vskipper.sglang import active
     from vskipper.sglang.configs import register_configs
     from vskipper.sglang.standalone import init_sglang
@@ -246,7 +245,7 @@ def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(t
     register_configs()
     checkpoint = make_tiny_model("flexidepth-llama", tmp_path / "tiny", TinySize(layers=4))
     m = ServedModel(arm(arm_name), checkpoint, REQUESTS, REQUESTS * (CONTEXT + 64) + 1, execution=execution)
-    waits = {}
+    waits, sites = {}, {}
     for phase, shape, first in (("prefill", Shape("prefill", 2, 16), 4), ("decode", Shape("decode", 3), 0)):
         m.whole(m.batch(shape, first))  # the first pass of a shape: the plan buffers and the tape sized
         fb = m.batch(shape, first)
@@ -258,12 +257,16 @@ def test_a_served_models_whole_forward_makes_the_host_wait_for_no_device_value(t
             m.model.forward(fb.input_ids, fb.positions, fb)
         m.model.finish_pass(fb, False)
         waits[phase] = detector.waits
+        sites[phase] = {w.where.split(":")[0] for w in detector.found if w.what == "aten.nonzero.default"}
     counted = m.runtime.attestation()["passes_total"]
     assert counted["prefill"]["routed" if arm_name != "dense" else "dense"] == 2  # served as the arm serves
     if execution == "triton":
         assert waits == {"prefill": [], "decode": []}
     else:
         assert "aten.nonzero.default" in waits["prefill"] and "aten.nonzero.default" in waits["decode"]
+        # each at the frame of vSkipper's code that packs its rows (the layer; prefill's packed read too)
+        assert sites == {"prefill": {"vskipper/mixed/routed_layer.py", "vskipper/mixed/attention.py"},
+                         "decode": {"vskipper/mixed/routed_layer.py"}}
 
 
 @pytest.mark.parametrize(("arm_name", "prefill_read"), [("s=0.5", "packed"), ("s=0.5", "backend"),

@@ -460,8 +460,7 @@ def test_the_wait_detector_sees_a_copy_to_the_host_of_what_the_pass_made_and_not
     """`tolist()`, `numpy()` and `cpu()` never reach the dispatcher on CPU; on a GPU each of a device value is a
     copy the host waits for. The detector records them for a tensor the pass's operators made or wrote (a view of
     it too), not for one the host handed the pass (SGLang's host mirrors)."""
-    from mixed_world import HostWaitDetector
-
+    from vskipper.mixed.host_waits import HostWaitDetector
     from vskipper.mixed.kernels import cohort_maps
 
     given, written = torch.arange(4), torch.zeros(4)
@@ -492,9 +491,10 @@ def test_a_routed_pass_of_the_triton_execution_makes_the_host_wait_for_no_device
     `nonzero`, which the detector sees: it would see a wait in the triton execution too. 'gathered' is the triton
     execution with every GEMM in the gathered cuBLAS form (a table that measured cuBLAS faster). The triton
     execution's maps leave the layer's counts on the tape, where the pass is counted from."""
-    from mixed_world import HostWaitDetector, gathering_table
+    from mixed_world import gathering_table
 
     from vskipper.mixed.cohorts import CohortBuilder
+    from vskipper.mixed.host_waits import HostWaitDetector
     from vskipper.mixed.routes import fused_state
     from vskipper.mixed.tape import RouteTape
     from vskipper.sglang.models.routed import plan_pass

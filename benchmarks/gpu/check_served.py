@@ -46,6 +46,13 @@ and SiLU-and-mul through the hooks a server installs, against SGLang's own torch
 decode batch's and at a prefill's rows: each output row within `OPS_RTOL` of its largest value, and every call
 taken by the kernels (none fallen back).
 
+The served execution's eager passes (the largest decode batch, and each prefill with either read, for both
+routes) run once more, warm, watched for what makes the host wait for the device (`vskipper.mixed.host_waits`): on
+a GPU, torch's CUDA sync debug mode reports each synchronizing call with its site; on CPU the operators that would
+wait on a GPU stand for them. A pass passes where no wait is vSkipper's (a wait in SGLang's attention backend, which
+a dense pass makes alike, is listed). The host waits do not change the exit status: the routed figures measure
+what the passes compute either way, and the summary says where they wait.
+
 Interpreted kernels and the CPU cannot show a fault only the device has (a race, an out-of-bounds read that lands
 on zeros, a compiler's bug at the device's tiles): the device run checks this before it trusts a routed figure.
 `--dry-run` runs the same cases on CPU under the Triton interpreter (ours and SGLang's Triton backend's kernels)
@@ -60,6 +67,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -82,6 +90,7 @@ from mixed_depth_bench import (  # noqa: E402
     served_config,
 )
 
+from vskipper.mixed.host_waits import host_waits  # noqa: E402
 from vskipper.mixed.plan_buffers import PlanBuffers  # noqa: E402
 from vskipper.serveargs import STAND_IN_OPS  # noqa: E402
 from vskipper.sglang.standalone import ATTENTION_BACKENDS, TORCH_NATIVE  # noqa: E402
@@ -178,11 +187,13 @@ class Case:
         pool.get_key_buffer(lid).copy_(self.kv0[0])
         pool.get_value_buffer(lid).copy_(self.kv0[1])
 
-    def run(self, execution, graph: bool = False, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, execution, graph: bool = False, backend: str | None = None, watch=None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """(what the layer adds to its input, in fp32: its output's hidden + residual less the input's; the K/V it
         wrote at the pass's slots), with `execution`, eager or replayed from a CUDA graph, through attention
         `backend` (by default the rig's), its metadata planned for the pass first as a model runner plans it;
-        `share` then holds the pass's Project-Only share."""
+        `share` then holds the pass's Project-Only share. An eager pass runs within `watch` (a context manager:
+        `vskipper.mixed.host_waits`), the planning and the KV state's restore outside it."""
         world = self.rig.world
         world.slot.execution = execution
         world.plan(self.fb, backend)
@@ -196,7 +207,11 @@ class Case:
             return layer_pass()
 
         with world.context(backend):
-            h, r = replayed(passed, self.restore) if graph else passed()
+            if graph:
+                h, r = replayed(passed, self.restore)
+            else:
+                with watch or nullcontext():
+                    h, r = passed()
         return self.outcome(layer_pass, h, r)
 
     def replayed_as(self, execution, batch: Case, graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,6 +336,23 @@ def verdict(name: str, run) -> dict:
     print(f"  {name:72} Project-Only {share:4.2f}  output {out_err:9.3g}  K/V {kv_err:9.3g} of their rows' "
           f"largest values  {'ok' if ok else 'STRAYS'}", flush=True)
     return {"case": name, "ok": ok, "output_error": out_err, "kv_error": kv_err, "project_only_share": share}
+
+
+def wait_verdict(name: str, case: Case, execution, device: torch.device, backend: str | None = None) -> dict:
+    """One pass of `case` with the served `execution` (warm: after its checked run), eager, watched for host waits
+    (`vskipper.mixed.host_waits.host_waits`: on a GPU the CUDA runtime's own report of each synchronizing call).
+    It passes where no wait's nearest frame is vSkipper's; a wait in SGLang's code (its attention backend's read,
+    which a dense pass makes alike) is listed, not held against it."""
+    watch = host_waits(device)
+    try:
+        case.run(execution, backend=backend, watch=watch)
+    except Exception as exc:  # noqa: BLE001 (a pass that cannot run is this case's finding)
+        return not_checked(name, exc)
+    own = [w for w in watch.found if w.own]
+    ok = not own
+    print(f"  {name:72} {len(own)} of vSkipper's, {len(watch.found) - len(own)} of SGLang's  "
+          f"{'ok' if ok else 'WAITS'}" + "".join(f"\n      {w.what} at {w.where}" for w in watch.found), flush=True)
+    return {"case": name, "ok": ok, "waits": [w._asdict() for w in watch.found]}
 
 
 def timed_warm(layer, execution, hidden: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -513,11 +545,14 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
         return Case(rig, rig.world.padded(fb, pad_to, backend), torch.cat([hidden, pad_hidden]),
                     torch.cat([residual, pad_residual]), route, kv0, real=rows)
 
+    waits = []  # the served execution's eager passes watched for host waits (`wait_verdict`)
     for rows in cases["decode_rows"]:
         for arm, route in ROUTES.items():
             case = decode_case(rows, route)
             results.append(verdict(f"decode {rows} rows, context {context}, {arm}, eager",
                                    partial(compared, case, served, reference)))
+            if rows == max(cases["decode_rows"]):
+                waits.append(wait_verdict(f"decode {rows} rows, context {context}, {arm}", case, served, device))
             if graphs:
                 results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
                                        partial(compared, case, served, reference, True)))
@@ -549,14 +584,15 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                     results.append(verdict(name, partial(refused, unbuilt)))
                     continue
                 execution = replace(served, prefill_read=read)
-                results.append(verdict(name, partial(compared, case, execution, reference,
-                                                     backend=backend if read == "backend" else None)))
+                through = backend if read == "backend" else None
+                results.append(verdict(name, partial(compared, case, execution, reference, backend=through)))
+                waits.append(wait_verdict(name, case, execution, device, through))
     rows = (1, real, max(sum(p) for p in cases["prompts"]))  # one row, a padded decode batch's, a prefill's
     results += routes_cases(device, dtype, rows)
     results += gate_cases(device, dtype, size, rows)
     if stand_in_ops:
         results += stand_in_ops_cases(device, dtype, size, rows)
-    report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL)
+    report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL, host_waits=waits)
     return report
 
 
@@ -582,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r["case"] for r in report["cases"] if not r["ok"]]
     print(f"{len(report['cases']) - len(failed)} of {len(report['cases'])} cases within {LAYER_RTOL} of the torch "
           f"execution's rows" + (f"; STRAYING OR NOT CHECKED: {', '.join(failed)}" if failed else ""))
+    waiting = [w["case"] for w in report["host_waits"] if not w["ok"]]
+    print(f"{len(report['host_waits']) - len(waiting)} of {len(report['host_waits'])} served passes make the host "
+          f"wait in none of vSkipper's code" + (f"; WAITING OR NOT CHECKED: {', '.join(waiting)}" if waiting else ""))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if failed else 0

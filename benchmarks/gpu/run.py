@@ -1552,11 +1552,33 @@ def check_lines(results: dict) -> list[str]:
             f"row within {report['rtol']} of its largest value): ")
     if not bad:
         worst = max(max(c["output_error"], c["kv_error"]) for c in cases)
-        return ["## Check", "", head + f"all {len(cases)} cases agree (the worst row {worst:.3g}).", ""]
-    return ["## Check", "", head + f"**{len(bad)} of {len(cases)} cases stray or could not run, and every routed "
-            "figure below measures that execution**:", ""] + [
-        f"- {c['case']}: " + (f"not checked ({c['error']})" if "error" in c else
-                             f"output {c['output_error']:.3g}, K/V {c['kv_error']:.3g}") for c in bad] + [""]
+        lines = ["## Check", "", head + f"all {len(cases)} cases agree (the worst row {worst:.3g}).", ""]
+    else:
+        lines = ["## Check", "", head + f"**{len(bad)} of {len(cases)} cases stray or could not run, and every "
+                 "routed figure below measures that execution**:", ""] + [
+            f"- {c['case']}: " + (f"not checked ({c['error']})" if "error" in c else
+                                 f"output {c['output_error']:.3g}, K/V {c['kv_error']:.3g}") for c in bad] + [""]
+    return lines + wait_lines(report)
+
+
+def wait_lines(report: dict) -> list[str]:
+    """What the check found of the served passes' host waits (`check_served.wait_verdict`), where it looked."""
+    passes = report.get("host_waits")
+    if not passes:
+        return []
+    how = ("torch's CUDA sync debug mode, each synchronizing call" if report["device"] != "cpu" else
+           "the operators that would wait on a GPU")
+    head = (f"Host waits of the served execution's eager passes ({how}; `check_served.py`: the largest decode "
+            f"batch and each prefill with either read, both routes): ")
+    waiting = [p for p in passes if not p["ok"]]
+    engine = sum(1 for p in passes for w in p.get("waits", ()) if not w["own"])
+    if not waiting:
+        return [head + f"none in vSkipper's code in {len(passes)} passes"
+                + (f" ({engine} in SGLang's, which a dense pass makes alike)." if engine else "."), ""]
+    return [head + f"**{len(waiting)} of {len(passes)} passes wait**:", ""] + [
+        f"- {p['case']}: " + ("not checked (" + p["error"] + ")" if "error" in p else
+                             "; ".join(f"{w['what']} at {w['where']}" for w in p["waits"] if w["own"]))
+        for p in waiting] + [""]
 
 
 # The part clock's arms and shapes: always-route s = 0.5, the s = 0 control and dense, in that order (a budget

@@ -1,0 +1,93 @@
+"""`vskipper.mixed.host_waits`: each wait recorded at the nearest frame of vSkipper's code or of an engine's, and the
+GPU's watch (torch's CUDA sync debug mode) recording every synchronizing call with its site. No CUDA runtime runs
+here: the watch's mode switch is faked, and its warning is issued as torch issues it (a warning attributed to the
+Python frame that called the operator); what runs is the watch's own handling of it."""
+
+import os
+import traceback
+import warnings
+
+import pytest
+import torch
+
+import vskipper
+from vskipper.mixed import host_waits
+from vskipper.mixed.host_waits import SYNC_MESSAGE, DeviceSyncWatch, HostWaitDetector, site
+
+PACKAGE = os.path.dirname(vskipper.__file__)
+
+
+def frame(path: str, line: int = 7, name: str = "f") -> traceback.FrameSummary:
+    return traceback.FrameSummary(path, line, name, lookup_line=False)
+
+
+def test_a_wait_is_placed_at_the_nearest_frame_of_vskipper_or_of_the_engine():
+    engine = "/usr/lib/python3/site-packages/sglang/srt/layers/attention/triton_backend.py"
+    torch_frame = "/usr/lib/python3/site-packages/torch/_tensor.py"
+    routed = os.path.join(PACKAGE, "mixed", "routed_layer.py")
+    glue = os.path.join(PACKAGE, "sglang", "models", "routed.py")  # vSkipper's own package named like the engine
+    # innermost last: torch's frame is neither, the backend's is nearer than the layer that called it
+    assert site([frame(routed, 40, "mixed_depth"), frame(engine, 9, "forward_extend"), frame(torch_frame)]) == (
+        "sglang/srt/layers/attention/triton_backend.py:9 in forward_extend", False)
+    assert site([frame(engine), frame(routed, 40, "mixed_depth"), frame(torch_frame)]) == (
+        "vskipper/mixed/routed_layer.py:40 in mixed_depth", True)
+    assert site([frame(engine), frame(glue, 3, "forward")]) == ("vskipper/sglang/models/routed.py:3 in forward", True)
+    # in neither: the code that called torch
+    torch_frame = os.path.join(os.path.dirname(torch.__file__), "_tensor.py")
+    assert site([frame("/x/bench.py", 5, "main"), frame(torch_frame, 2, "item")]) == ("/x/bench.py:5 in main", False)
+
+
+def test_the_cpu_detector_records_each_wait_with_its_site():
+    source = compile("def sized(t):\n    return int(t.sum())\n", os.path.join(PACKAGE, "mixed", "sized.py"), "exec")
+    scope = {}
+    exec(source, scope)
+    with HostWaitDetector() as detector:
+        scope["sized"](torch.ones(3))
+        torch.ones(3).nonzero()
+    assert detector.waits == ["aten._local_scalar_dense.default", "aten.nonzero.default"]
+    assert detector.found[0].where == "vskipper/mixed/sized.py:2 in sized" and detector.found[0].own
+    assert not detector.found[1].own and detector.found[1].where.endswith("in test_the_cpu_detector_records_each_"
+                                                                          "wait_with_its_site")
+
+
+@pytest.fixture
+def fake_mode(monkeypatch):
+    """torch's CUDA sync debug mode as a value (no CUDA runtime here)."""
+    mode = {"now": 0, "set": []}
+
+    def set_mode(value):
+        mode["set"].append(value)
+        mode["now"] = {"default": 0, "warn": 1, "error": 2}.get(value, value)
+
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode["now"])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    return mode
+
+
+def test_the_device_watch_records_every_synchronizing_call_with_its_site_and_restores_the_mode(fake_mode):
+    """Every call (a warning per call, not once per line), each at its site; another warning is shown as before,
+    not swallowed; the mode in force before comes back, after an error too."""
+    source = compile(f"import warnings\ndef read():\n    warnings.warn({SYNC_MESSAGE + ' (Triggered internally)'!r})\n",
+                     os.path.join(PACKAGE, "mixed", "reads.py"), "exec")
+    scope = {}
+    exec(source, scope)
+    shown = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
+        with DeviceSyncWatch() as watch:
+            assert fake_mode["now"] == 1  # 'warn': the calls go on, each one reported
+            for _ in range(3):
+                scope["read"]()
+            warnings.warn("something else", stacklevel=1)
+        assert fake_mode["now"] == 0 and shown == ["something else"]
+        with pytest.raises(ValueError), DeviceSyncWatch():
+            raise ValueError("a pass that failed")
+        assert fake_mode["set"] == ["warn", 0, "warn", 0]
+    assert watch.waits == ["a synchronizing CUDA call"] * 3
+    assert {w.where for w in watch.found} == {"vskipper/mixed/reads.py:3 in read"} and all(w.own for w in watch.found)
+
+
+def test_each_device_gets_its_detector():
+    assert isinstance(host_waits.host_waits(torch.device("cuda")), DeviceSyncWatch)
+    assert isinstance(host_waits.host_waits(torch.device("cpu")), HostWaitDetector)
