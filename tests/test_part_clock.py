@@ -202,6 +202,65 @@ def test_on_sglangs_layer_a_mixed_pass_times_q_and_kv_apart_and_a_dense_pass_the
     assert clock.passes[phase] == 2
 
 
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_on_sglangs_layer_each_projection_is_charged_to_its_part_by_the_rows_it_ran(world, phase, monkeypatch):
+    """The parts told apart by the weight rows they multiply are charged each its own call: on a clock that moves
+    only inside the layer's projections, by (the rows a projection ran) x (its weight's rows), a mixed pass with
+    half its rows RUN charges Q its RUN rows, K/V every row, o_proj, the MLP the RUN rows and the adapter the
+    Project-Only rows; a dense pass charges the fused projection, o_proj and the MLP every row. A label swapped
+    or a projection charged to the wrong part moves these sums."""
+    from vskipper.sglang.models import routed as served
+
+    monkeypatch.setattr(world.slot, "execution", served.cohort_execution([world.layer], torch.device("cpu")))
+    t = FakeClock()
+    layer = world.layer
+    attn = layer.self_attn
+    units = {"mlp": 1_000_000, "projector": 1_000}  # a module's charge per row, where no weight is handed over
+
+    def charging(fn, charge):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            t.now += charge(*args, **kwargs)
+            return out
+        return call
+
+    monkeypatch.setattr(attn.qkv_proj.quant_method, "apply", charging(
+        attn.qkv_proj.quant_method.apply, lambda module, x, *a, **k: x.shape[0] * module.weight.shape[0]))
+    monkeypatch.setattr(attn.o_proj, "forward", charging(attn.o_proj.forward,
+                                                         lambda x, *a, **k: x.shape[0] * attn.o_proj.weight.shape[0]))
+    for name in units:
+        module = layer.mlp if name == "mlp" else layer.router_proj
+        monkeypatch.setattr(module, "forward", charging(module.forward,
+                                                        lambda x, *a, _u=units[name], **k: x.shape[0] * _u))
+    clock = PartClock(clock=t)
+    clock.install([(layer.layer_id, layer)], (layer.layer_id,))
+    monkeypatch.setattr(world.slot, "part_clock", clock)
+    clock.wrap(layer, "mixed_depth", "glue", "routed")
+    extend = {0: 1, 1: 1, 2: 1, 3: 1} if phase == "decode" else {0: 3, 2: 4}
+    kv0, lengths0 = world.kv(), list(world.lengths)
+    try:
+        fb = world.batch(extend)
+        rows = fb.positions.shape[0]
+        run = torch.arange(rows) % 2 == 0
+        n_run = int(run.sum())
+        x = world.hidden(rows)
+        clock.around_pass(fb.forward_mode, lambda: world.routed(fb, x, run, torch.ones(rows)))
+        mixed = {part: v for part, v in clock.seconds[phase]["routed"].items() if v}
+        world.restore(kv0, lengths0)
+        fb = world.batch(extend)
+        before = dict(clock.seconds[phase]["routed"])
+        with world.context(), torch.no_grad():
+            clock.around_pass(fb.forward_mode, lambda: layer(fb.positions, x, fb, None))
+        dense = {part: v - before.get(part, 0) for part, v in clock.seconds[phase]["routed"].items()
+                 if v - before.get(part, 0)}
+    finally:
+        world.restore(kv0, lengths0)
+    q, kv, hidden = attn.q_size, 2 * attn.kv_size, attn.o_proj.weight.shape[0]
+    assert mixed == {"q": n_run * q, "kv": rows * kv, "o": n_run * hidden, "mlp": n_run * units["mlp"],
+                     "projector": (rows - n_run) * units["projector"]}
+    assert dense == {"qkv": rows * (q + kv), "o": rows * hidden, "mlp": rows * units["mlp"]}
+
+
 class FakeEvent:
     """A CUDA timing event stood in for: recorded at the fake clock's time, complete once `done` says so."""
 

@@ -701,13 +701,18 @@ def test_a_decode_batch_of_the_same_requests_keeps_its_rows_until_a_promotion_or
     step = run_pass(rt, decode(["a", "b"], [50, 50]))  # V 100 >= enter: both promoted, the same requests
     assert step.routed and step.dense_rows is None and step.dense_count == 0
     assert step.keys.tolist() == [request_key("a"), request_key("b")]
+    kept = run_pass(rt, decode(["a", "b"], [51, 51]))  # the same requests, no promotion: the rows kept as they are
+    assert kept.keys is step.keys
     run_pass(rt, prefill(["c"], [9]))
-    step = run_pass(rt, decode(["a", "b", "c"], [51, 51, 10]))
-    assert step.routed and step.keys.tolist() == [request_key(r) for r in "abc"]
-    step = run_pass(rt, decode(["a", "c"], [52, 11]))  # b left the batch
+    step = run_pass(rt, decode(["a", "b", "c"], [52, 52, 10]))  # c joined: decided afresh
+    assert step.routed and step.keys.tolist() == [request_key(r) for r in "abc"] and step.keys is not kept.keys
+    kept = run_pass(rt, decode(["a", "b", "c"], [53, 53, 11]))
+    assert kept.keys is step.keys
+    step = run_pass(rt, decode(["a", "c"], [54, 12]))  # b left the batch
     assert step.rows == 2 and step.keys.tolist() == [request_key("a"), request_key("c")]
-    assert rt.resident_tokens() == 63
+    assert rt.resident_tokens() == 66
     rt.release("c", finished=True)
-    step = run_pass(rt, decode(["a", "c"], [53, 12]))  # a request released while SGLang still ran it decodes anew
-    assert step.keys.tolist() == [request_key("a"), request_key("c")]
+    last = step.keys
+    step = run_pass(rt, decode(["a", "c"], [55, 13]))  # a request released while SGLang still ran it decodes anew
+    assert step.keys.tolist() == [request_key("a"), request_key("c")] and step.keys is not last
     assert rt.attestation()["requests_total"]["decode"] == {"dense": 2, "routed": 2}
