@@ -50,6 +50,31 @@ def test_the_cpu_detector_records_each_wait_with_its_site():
                                                                           "wait_with_its_site")
 
 
+def test_the_wait_detector_sees_a_copy_to_the_host_of_what_the_pass_made_and_not_of_what_it_was_handed():
+    """`tolist()`, `numpy()`, `cpu()` and `to()` the host never reach the dispatcher on CPU; on a GPU each of a
+    device value is a copy the host waits for (`to()` a dtype alone is not). The detector records them for a tensor
+    the pass's operators made or wrote (a view of it too), not for one the host handed the pass (SGLang's host
+    mirrors)."""
+    from vskipper.mixed.kernels import cohort_maps
+
+    given, written = torch.arange(4), torch.zeros(4)
+    run = torch.tensor([True, False, True])
+    maps = (torch.empty(3, dtype=torch.int64), torch.empty(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+            torch.empty(3, dtype=torch.bool))
+    detector = HostWaitDetector()
+    with detector:
+        made = given * 2
+        written.add_(1)
+        given.tolist(), given.numpy(), given.cpu(), run.tolist(), given.to("cpu")
+        made.view(2, 2)[0].tolist(), made.numpy(), written.cpu()
+        made.to(torch.float64), made.to(torch.device("cpu")), written.to(given), written.to(device="cpu")
+        cohort_maps(run, *maps)  # a Triton launch writes the counts: on a GPU a device value
+        maps[2].tolist()
+    assert detector.waits == ["Tensor.tolist", "Tensor.numpy", "Tensor.cpu", "Tensor.to", "Tensor.to", "Tensor.to",
+                              "Tensor.tolist"]
+    assert maps[2].tolist() == [2, 1]
+
+
 @pytest.fixture
 def fake_mode(monkeypatch):
     """torch's CUDA sync debug mode as a value (no CUDA runtime here)."""

@@ -70,8 +70,9 @@ def _caller_stack() -> list[traceback.FrameSummary]:
 
 
 class _HostCopies(TorchFunctionMode):
-    """`HostWaitDetector`'s reads that never reach the dispatcher on CPU: `tolist()`, `numpy()` and `cpu()` of a
-    tensor the pass's own operators made or wrote (on a GPU a device value: each a copy the host waits for)."""
+    """`HostWaitDetector`'s reads that never reach the dispatcher on CPU: `tolist()`, `numpy()`, `cpu()` and
+    `to()` the host of a tensor the pass's own operators made or wrote (on a GPU a device value: each a copy the
+    host waits for)."""
 
     COPIES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
 
@@ -80,9 +81,21 @@ class _HostCopies(TorchFunctionMode):
         self.detector = detector
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.COPIES and not self.detector._exempt and self.detector.made(args[0]):
+        kwargs = kwargs or {}
+        copies = func in self.COPIES or (func is torch.Tensor.to and _to_host(args[1:], kwargs))
+        if copies and not self.detector._exempt and self.detector.made(args[0]):
             self.detector.record(f"Tensor.{func.__name__}")
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _to_host(args: tuple, kwargs: dict) -> bool:
+    """Whether `Tensor.to(*args, **kwargs)` names the host as its device (a device, or a tensor on it)."""
+    for target in (*args, kwargs.get("device"), kwargs.get("other")):
+        if isinstance(target, torch.Tensor):
+            target = target.device
+        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu":
+            return True
+    return False
 
 
 class HostWaitDetector(TorchDispatchMode):
@@ -90,12 +103,12 @@ class HostWaitDetector(TorchDispatchMode):
     the operators whose output shape is a device value (`nonzero`, `unique`, `masked_select`, a boolean index,
     `repeat_interleave` without its output size), a tensor literal (`lift_fresh`: `torch.tensor(...)` in the
     pass, on a GPU a blocking copy from the host, and illegal while a graph captures), and a copy to the host
-    (`tolist()`, `numpy()`, `cpu()`) of a tensor the pass's operators made or wrote, or a Triton launch was handed
-    (a tensor the host handed the pass, as SGLang's host mirrors, is not a device value). On CPU none of them
-    waits, so the recorded names stand for the waits the same pass would make on a GPU, save a branch taken on CPU
-    alone (RandomSkip's hash in numpy, which a device runs as tensor ops: in the torch execution's control passes).
-    Within `exempt()` nothing is recorded: a call the host makes for a dense pass too (its attention backend's
-    read). `waits` holds the names, `found` each `Wait` with its site."""
+    (`tolist()`, `numpy()`, `cpu()`, `to()` the host) of a tensor the pass's operators made or wrote, or a Triton
+    launch was handed (a tensor the host handed the pass, as SGLang's host mirrors, is not a device value). On CPU
+    none of them waits, so the recorded names stand for the waits the same pass would make on a GPU, save a branch
+    taken on CPU alone (RandomSkip's hash in numpy, which a device runs as tensor ops: in the torch execution's
+    control passes). Within `exempt()` nothing is recorded: a call the host makes for a dense pass too (its
+    attention backend's read). `waits` holds the names, `found` each `Wait` with its site."""
 
     SHAPE_FROM_VALUES = ("nonzero", "unique", "_unique", "unique_dim", "_unique2", "unique_consecutive",
                          "masked_select")
