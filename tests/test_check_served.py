@@ -45,7 +45,15 @@ def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path
     # routes; none waits anywhere (the backend's read included)
     watched = [w["case"] for w in report["host_waits"]]
     assert len(watched) == 10 and sum(n.startswith("decode 5 rows") for n in watched) == 2
+    assert report["host_waits_watch"] is None  # it saw the known wait
     assert all(w["ok"] and w["waits"] == [] for w in report["host_waits"])
+    # beside each, the dense pass: through SGLang's torch-native backend (the rig's own here) it reads the requests'
+    # lengths on the host, seen at SGLang's frames; through its Triton backend (the backend reads) it waits for none
+    for w in report["host_waits"]:
+        sites = {d["where"].split(":")[0] for d in w["dense_waits"]}
+        assert not any(d["own"] for d in w["dense_waits"])
+        assert sites == (set() if w["case"].endswith("backend read") else
+                         {"sglang/srt/layers/attention/torch_native_backend.py"}), w
 
 
 def test_a_host_wait_in_the_served_pass_is_found_where_vskipper_makes_it(tmp_path, monkeypatch):
@@ -70,6 +78,51 @@ def test_a_host_wait_in_the_served_pass_is_found_where_vskipper_makes_it(tmp_pat
     assert "the operators that would wait on a GPU" in text and "**10 of 10 passes wait**" in text
     assert "- decode 5 rows, context 12, s=0.5: aten._local_scalar_dense.default at vskipper/mixed/cohorts.py:" \
         in text
+
+
+def test_a_wait_in_sglangs_code_counts_only_beyond_the_dense_pass_and_a_dead_watch_checks_nothing(monkeypatch):
+    """SGLang's code may wait in a routed pass as often, at each site, as in upstream's dense pass of the same rows
+    (its backend's read); one more there is held against the routed pass, as is any of vSkipper's."""
+    from vskipper.mixed.host_waits import Wait
+
+    read = Wait("a synchronizing CUDA call", "sglang/srt/layers/attention/triton_backend.py:9 in forward", False)
+    meta = Wait("a synchronizing CUDA call", "sglang/srt/layers/attention/triton_backend.py:50 in init", False)
+    own = Wait("a synchronizing CUDA call", "vskipper/mixed/routed_layer.py:7 in mixed_depth", True)
+
+    class Watch:
+        def __init__(self, found):
+            self.found = found
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class FakeCase:
+        def __init__(self, ran):
+            self.ran = ran
+
+        def run(self, execution, backend=None, watch=None):
+            self.ran.append((backend, watch))
+
+        def dense(self):
+            return self
+
+    def verdict(routed, dense):
+        watches = [Watch(routed), Watch(dense)]
+        monkeypatch.setattr(check_served, "host_waits", lambda device: watches.pop(0))
+        ran = []
+        out = check_served.wait_verdict("prefill", FakeCase(ran), None, torch.device("cpu"), "triton")
+        assert [b for b, _ in ran] == ["triton", "triton"]  # both passes through the same backend
+        return out["ok"], [Wait(**w) for w in out["held"]]
+
+    assert verdict([read], [read]) == (True, [])
+    assert verdict([read, read, meta], [read]) == (False, [read, read, meta])  # one read more, and a new site
+    assert verdict([own], [read]) == (False, [own])
+    assert verdict([], [read, read]) == (True, [])  # the routed decode reads no backend
+    dead = check_served.wait_verdict("prefill", None, None, torch.device("cpu"), dead="nothing seen")
+    assert not dead["ok"] and "not live on this build: nothing seen" in dead["error"]
 
 
 @pytest.mark.parametrize("kernel,strays", [
@@ -206,7 +259,11 @@ def test_the_summary_puts_the_check_first_and_says_what_a_straying_case_puts_in_
                         {"case": "prefill 1024 tokens, s=0.5, backend read", "ok": True, "waits": [engine]}]
     text = "\n".join(run.check_lines({"sweep": {"check": {"runs": {}, "report": ok}}}))
     assert "(torch's CUDA sync debug mode, each synchronizing call;" in text
-    assert "none in vSkipper's code in 2 passes (1 in SGLang's, which a dense pass makes alike)." in text
+    assert "none in vSkipper's code in 2 passes (1 in SGLang's, none beyond its dense pass's)." in text
+    # a watch that saw no known wait: every pass unchecked, whatever they report
+    text = "\n".join(run.check_lines({"sweep": {"check": {"runs": {}, "report": {
+        **ok, "host_waits_watch": "a scalar read of a device value was not seen"}}}}))
+    assert "**not checked: the watch saw no wait where one was made** (a scalar read" in text
     assert run.check_lines({"sweep": None}) == []  # no stage that checks has run
     text = "\n".join(run.check_lines({"sweep": {"check": {"runs": {}}}}))  # left by the stage's budget
     assert "did not run (the stage's time budget)" in text and "the routed figures below are unchecked" in text

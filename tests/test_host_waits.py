@@ -22,8 +22,10 @@ def frame(path: str, line: int = 7, name: str = "f") -> traceback.FrameSummary:
 
 
 def test_a_wait_is_placed_at_the_nearest_frame_of_vskipper_or_of_the_engine():
-    engine = "/usr/lib/python3/site-packages/sglang/srt/layers/attention/triton_backend.py"
-    torch_frame = "/usr/lib/python3/site-packages/torch/_tensor.py"
+    import sglang
+
+    engine = os.path.join(os.path.dirname(sglang.__file__), "srt", "layers", "attention", "triton_backend.py")
+    torch_frame = os.path.join(os.path.dirname(torch.__file__), "_tensor.py")
     routed = os.path.join(PACKAGE, "mixed", "routed_layer.py")
     glue = os.path.join(PACKAGE, "sglang", "models", "routed.py")  # vSkipper's own package named like the engine
     # innermost last: torch's frame is neither, the backend's is nearer than the layer that called it
@@ -32,8 +34,9 @@ def test_a_wait_is_placed_at_the_nearest_frame_of_vskipper_or_of_the_engine():
     assert site([frame(engine), frame(routed, 40, "mixed_depth"), frame(torch_frame)]) == (
         "vskipper/mixed/routed_layer.py:40 in mixed_depth", True)
     assert site([frame(engine), frame(glue, 3, "forward")]) == ("vskipper/sglang/models/routed.py:3 in forward", True)
-    # in neither: the code that called torch
-    torch_frame = os.path.join(os.path.dirname(torch.__file__), "_tensor.py")
+    # in neither: the code that called torch; a folder named like the engine is not the engine's package
+    assert site([frame("/opt/sglang/bench.py", 5, "main"), frame(torch_frame, 2, "item")]) == (
+        "/opt/sglang/bench.py:5 in main", False)
     assert site([frame("/x/bench.py", 5, "main"), frame(torch_frame, 2, "item")]) == ("/x/bench.py:5 in main", False)
 
 
@@ -89,30 +92,42 @@ def fake_mode(monkeypatch):
     return mode
 
 
-def test_the_device_watch_records_every_synchronizing_call_with_its_site_and_restores_the_mode(fake_mode):
-    """Every call (a warning per call, not once per line), each at its site; another warning is shown as before,
-    not swallowed; the mode in force before comes back, after an error too."""
+def test_the_device_watch_records_every_synchronizing_call_with_its_site_and_restores_the_mode(fake_mode,
+                                                                                                monkeypatch):
+    """Every call (a warning per call, not once per line, whatever the filters outside), each at its site, and the
+    explicit synchronizes the mode does not report; another warning is shown as before, not swallowed; the mode
+    in force before and the synchronizes come back, after an error too."""
     source = compile(f"import warnings\ndef read():\n    warnings.warn({SYNC_MESSAGE + ' (Triggered internally)'!r})\n",
                      os.path.join(PACKAGE, "mixed", "reads.py"), "exec")
     scope = {}
     exec(source, scope)
-    shown = []
+    shown, synced = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append("device"))
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: synced.append("event"))
     with warnings.catch_warnings():
-        warnings.simplefilter("always")
+        warnings.simplefilter("default")  # Python's own: once per line, which the watch must override
         warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
         with DeviceSyncWatch() as watch:
             assert fake_mode["now"] == 1  # 'warn': the calls go on, each one reported
             for _ in range(3):
                 scope["read"]()
             warnings.warn("something else", stacklevel=1)
-        assert fake_mode["now"] == 0 and shown == ["something else"]
+            torch.cuda.synchronize()  # which the mode does not report
+            torch.cuda.Event.synchronize(None)
+        assert fake_mode["now"] == 0 and shown == ["something else"] and synced == ["device", "event"]
+        torch.cuda.synchronize()  # restored: no longer recorded
         with pytest.raises(ValueError), DeviceSyncWatch():
             raise ValueError("a pass that failed")
         assert fake_mode["set"] == ["warn", 0, "warn", 0]
-    assert watch.waits == ["a synchronizing CUDA call"] * 3
-    assert {w.where for w in watch.found} == {"vskipper/mixed/reads.py:3 in read"} and all(w.own for w in watch.found)
+    assert watch.waits == ["a synchronizing CUDA call"] * 3 + ["torch.cuda.synchronize", "Event.synchronize"]
+    assert {w.where for w in watch.found[:3]} == {"vskipper/mixed/reads.py:3 in read"}
+    assert all(w.own for w in watch.found[:3]) and not any(w.own for w in watch.found[3:])
 
 
-def test_each_device_gets_its_detector():
+def test_each_device_gets_its_detector_and_a_watch_that_sees_no_known_wait_is_not_live(monkeypatch):
     assert isinstance(host_waits.host_waits(torch.device("cuda")), DeviceSyncWatch)
     assert isinstance(host_waits.host_waits(torch.device("cpu")), HostWaitDetector)
+    assert host_waits.live(torch.device("cpu")) is None
+    monkeypatch.setattr(HostWaitDetector, "_waits", lambda self, func, args, kwargs: False)  # blind
+    assert host_waits.live(torch.device("cpu")) == "a scalar read of a device value was not seen"
+    assert host_waits.live(torch.device("cuda")).startswith("the watch did not start: ")  # no CUDA here

@@ -226,8 +226,9 @@ def test_on_sglangs_layer_each_projection_is_charged_to_its_part_by_the_rows_it_
 
     monkeypatch.setattr(attn.qkv_proj.quant_method, "apply", charging(
         attn.qkv_proj.quant_method.apply, lambda module, x, *a, **k: x.shape[0] * module.weight.shape[0]))
-    monkeypatch.setattr(attn.o_proj, "forward", charging(attn.o_proj.forward,
-                                                         lambda x, *a, **k: x.shape[0] * attn.o_proj.weight.shape[0]))
+    # o_proj at 7 a weight row: its weight has as many rows as Q's in this model, and a swap must still show
+    monkeypatch.setattr(attn.o_proj, "forward", charging(
+        attn.o_proj.forward, lambda x, *a, **k: x.shape[0] * attn.o_proj.weight.shape[0] * 7))
     for name in units:
         module = layer.mlp if name == "mlp" else layer.router_proj
         monkeypatch.setattr(module, "forward", charging(module.forward,
@@ -256,9 +257,9 @@ def test_on_sglangs_layer_each_projection_is_charged_to_its_part_by_the_rows_it_
     finally:
         world.restore(kv0, lengths0)
     q, kv, hidden = attn.q_size, 2 * attn.kv_size, attn.o_proj.weight.shape[0]
-    assert mixed == {"q": n_run * q, "kv": rows * kv, "o": n_run * hidden, "mlp": n_run * units["mlp"],
+    assert mixed == {"q": n_run * q, "kv": rows * kv, "o": n_run * hidden * 7, "mlp": n_run * units["mlp"],
                      "projector": (rows - n_run) * units["projector"]}
-    assert dense == {"qkv": rows * (q + kv), "o": rows * hidden, "mlp": rows * units["mlp"]}
+    assert dense == {"qkv": rows * (q + kv), "o": rows * hidden * 7, "mlp": rows * units["mlp"]}
 
 
 class FakeEvent:

@@ -1569,15 +1569,18 @@ def wait_lines(report: dict) -> list[str]:
     how = ("torch's CUDA sync debug mode, each synchronizing call" if report["device"] != "cpu" else
            "the operators that would wait on a GPU")
     head = (f"Host waits of the served execution's eager passes ({how}; `check_served.py`: the largest decode "
-            f"batch and each prefill with either read, both routes): ")
+            f"batch and each prefill with either read, both routes, each beside upstream's dense pass): ")
+    if report.get("host_waits_watch"):
+        return [head + f"**not checked: the watch saw no wait where one was made** ({report['host_waits_watch']}).",
+                ""]
     waiting = [p for p in passes if not p["ok"]]
     engine = sum(1 for p in passes for w in p.get("waits", ()) if not w["own"])
     if not waiting:
         return [head + f"none in vSkipper's code in {len(passes)} passes"
-                + (f" ({engine} in SGLang's, which a dense pass makes alike)." if engine else "."), ""]
+                + (f" ({engine} in SGLang's, none beyond its dense pass's)." if engine else "."), ""]
     return [head + f"**{len(waiting)} of {len(passes)} passes wait**:", ""] + [
         f"- {p['case']}: " + ("not checked (" + p["error"] + ")" if "error" in p else
-                             "; ".join(f"{w['what']} at {w['where']}" for w in p["waits"] if w["own"]))
+                             "; ".join(f"{w['what']} at {w['where']}" for w in p["held"]))
         for p in waiting] + [""]
 
 

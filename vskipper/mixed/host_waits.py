@@ -7,11 +7,13 @@ overlap the device's work, and such a pass cannot be captured in a CUDA graph. E
 nearest frame of vSkipper's code or of an engine's (`Wait`), so a wait of the engine's own path (an attention
 backend a dense pass calls alike) is told apart from vSkipper's.
 
-`host_waits(device)` gives the detector for a device: either one, as a context manager, records into `found`.
+`host_waits(device)` gives the detector for a device: either one, as a context manager, records into `found`;
+`live(device)` says whether it sees a known wait on this build.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import traceback
 import warnings
@@ -36,27 +38,41 @@ class Wait(NamedTuple):
 
 
 def site(stack: list[traceback.FrameSummary], engines: tuple[str, ...] = ENGINES) -> tuple[str, bool]:
-    """(the innermost frame of `stack` in vSkipper's package or an engine's, 'path:line in function' with the path
-    from the package's parent; whether it is vSkipper's). A stack in neither gives its innermost frame outside
-    torch and Triton (the code that called them), not own."""
+    """(the innermost frame of `stack` in vSkipper's package or an engine's installed package, 'path:line in
+    function' with the path from the package's parent; whether it is vSkipper's). Torch's and Triton's frames are
+    passed over first. A stack in neither gives its innermost frame outside torch and Triton (the code that called
+    them), not own."""
     import triton
 
     import vskipper
 
-    own = os.path.dirname(vskipper.__file__) + os.sep
-    marks = [os.sep + name + os.sep for name in engines]
-    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, triton))
+    own = _package_dir(vskipper)
+    libraries = tuple(_package_dir(m) for m in (torch, triton))
+    engine_dirs = tuple(d for d in map(_installed_dir, engines) if d)
     caller = None
     for frame in reversed(stack):
         path = frame.filename
-        if path.startswith(own):
+        if path.startswith(own):  # before the engines': vSkipper's own glue lives in vskipper/sglang/
             return _named(frame, os.path.dirname(own.rstrip(os.sep))), True
-        for mark in marks:
-            if mark in path:
-                return _named(frame, path[: path.rindex(mark)]), False
-        if caller is None and not path.startswith(libraries):
+        if path.startswith(libraries):
+            continue
+        for root in engine_dirs:
+            if path.startswith(root):
+                return _named(frame, os.path.dirname(root.rstrip(os.sep))), False
+        if caller is None:
             caller = frame
     return (_named(caller, "") if caller else "?"), False
+
+
+def _package_dir(module) -> str:
+    return os.path.dirname(module.__file__) + os.sep
+
+
+def _installed_dir(name: str) -> str | None:
+    """The directory of the installed package `name` (not imported), or None where it is not installed."""
+    spec = importlib.util.find_spec(name)
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    return os.path.join(locations[0], "") if locations else None
 
 
 def _named(frame: traceback.FrameSummary, root: str) -> str:
@@ -211,11 +227,14 @@ def storage_of(t: torch.Tensor) -> int | None:
 
 
 class DeviceSyncWatch:
-    """Records each synchronizing call the CUDA runtime makes meanwhile (torch's sync debug mode at 'warn': a
-    scalar read, a copy to the host, an output sized by device values, a blocking copy from pageable host memory,
-    an explicit synchronize), each with its site, into `found`. The calls go on: every wait of a pass is seen, not
-    only the first. What torch's mode does not cover (its docs: torch.distributed and torch.sparse) and a wait
-    inside an extension that does not go through torch's CUDA helpers are not seen."""
+    """Records each synchronizing call the CUDA runtime makes meanwhile, each with its site, into `found`: what
+    torch's sync debug mode reports at 'warn' (a scalar read, a copy to the host, an output sized by device values,
+    a blocking copy from pageable host memory, a stream's synchronize), and `torch.cuda.synchronize()` and an
+    event's `synchronize()`, which that mode does not report. The calls go on: every wait of a pass is seen, not
+    only the first. Not seen: what torch's mode does not cover (its docs: torch.distributed and torch.sparse), an
+    operator called through `torch.ops` (no Python warning handler on that path: its warning goes to stderr), and
+    a wait inside an extension that does not go through torch's CUDA helpers. `live` says whether the mode
+    reports at all on this build."""
 
     def __init__(self) -> None:
         self.found: list[Wait] = []
@@ -224,8 +243,13 @@ class DeviceSyncWatch:
     def waits(self) -> list[str]:
         return [w.what for w in self.found]
 
+    def _record(self, what: str) -> None:
+        where, own = site(_caller_stack())
+        self.found.append(Wait(what, where, own))
+
     def __enter__(self):
         self._mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")  # first: where CUDA cannot take it, nothing is replaced yet
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
         warnings.simplefilter("always")  # every call, not once per line
@@ -233,20 +257,42 @@ class DeviceSyncWatch:
 
         def show(message, category, filename, lineno, file=None, line=None):
             if SYNC_MESSAGE in str(message):
-                where, own = site(_caller_stack())
-                self.found.append(Wait("a synchronizing CUDA call", where, own))
+                self._record("a synchronizing CUDA call")
             else:
                 shown(message, category, filename, lineno, file, line)
 
         warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
+        self._explicit = [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize")]
+        self._real = [getattr(owner, name) for owner, name in self._explicit]
+        for (owner, name), real in zip(self._explicit, self._real, strict=True):
+            setattr(owner, name, self._recording(f"{owner.__name__}.{name}", real))
         return self
+
+    def _recording(self, what: str, real):
+        def call(*args, **kwargs):
+            self._record(what)
+            return real(*args, **kwargs)
+        return call
 
     def __exit__(self, *exc):
         try:
             torch.cuda.set_sync_debug_mode(self._mode)
         finally:
+            for (owner, name), real in zip(self._explicit, self._real, strict=True):
+                setattr(owner, name, real)
             self._warnings.__exit__(*exc)
+
+
+def live(device: torch.device) -> str | None:
+    """Whether `host_waits(device)` sees a wait here: a scalar read of a value made on the device, watched; None
+    where it was seen, else why not (a build whose sync report reaches no Python warning would report every pass
+    as waiting for nothing)."""
+    try:
+        with host_waits(device) as watch:
+            torch.ones(1, device=device).add(1).item()
+    except Exception as exc:  # noqa: BLE001 (a watch that cannot start is the answer)
+        return f"the watch did not start: {type(exc).__name__}: {str(exc).strip()[:200]}"
+    return None if watch.found else "a scalar read of a device value was not seen"
 
 
 def host_waits(device: torch.device) -> HostWaitDetector | DeviceSyncWatch:
