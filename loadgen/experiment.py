@@ -31,7 +31,7 @@ from loadgen.suite import Suite
 from vskipper.arms import Arm
 
 COMPARED = ("e2e_mean", "e2e_p50", "e2e_p90", "e2e_p99", "tpot_mean", "tpot_p99", "ttft_mean", "ttft_p99",
-            "makespan_s", "drain_s", "window_output_tok_s", "window_req_s")
+            "makespan_s", "drain_s", "window_output_tok_s", "window_req_s", "makespan_req_s")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def summarize(records: Sequence[RequestRecord], offered_rate: float | None = Non
     finishes = [r.finish_s for r in ok]
     if not submits or not finishes:
         out.update(makespan_s=None, drain_s=None, window_s=None, injected_rate=None, window_output_tok_s=None,
-                   window_req_s=None)
+                   window_req_s=None, makespan_req_s=None)
         return out
     start, end, last = submits[0], submits[-1], max(finishes)
     window = end - start
@@ -51,6 +51,9 @@ def summarize(records: Sequence[RequestRecord], offered_rate: float | None = Non
     else:
         out["window_output_tok_s"] = out["window_req_s"] = None
     out["whole_cell_output_tok_s"] = out["output_tokens"] / out["makespan_s"] if out["makespan_s"] > 0 else None
+    # requests completed per second of the whole cell: in overload, where the drain holds the backlog, the rate the
+    # server cleared it at (the window's count, over a window not much longer than a request, measures latency too)
+    out["makespan_req_s"] = len(ok) / out["makespan_s"] if out["makespan_s"] > 0 else None
     return out
 
 
@@ -73,7 +76,7 @@ def flat_metrics(summary: dict) -> dict[str, float]:
             v = summary[name][stat]
             if v is not None:
                 out[f"{name}_{stat}"] = v
-    for key in ("makespan_s", "drain_s", "window_output_tok_s", "window_req_s"):
+    for key in ("makespan_s", "drain_s", "window_output_tok_s", "window_req_s", "makespan_req_s"):
         if summary.get(key) is not None:
             out[key] = summary[key]
     return out

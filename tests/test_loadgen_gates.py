@@ -70,7 +70,9 @@ def test_metrics_follow_the_definitions_on_a_hand_built_cell():
     in_window = sum(1 for r in cell.records for t in r.token_times_s if t <= 1.5)
     assert s["window_output_tok_s"] == pytest.approx(in_window / 1.5)
     assert s["window_req_s"] == pytest.approx(sum(r.finish_s <= 1.5 for r in cell.records) / 1.5)
+    assert s["makespan_req_s"] == pytest.approx(len(cell.records) / 2.0)  # every request, over the whole cell
     assert flat_metrics(s)["e2e_p99"] == pytest.approx(s["e2e"]["p99"])
+    assert flat_metrics(s)["makespan_req_s"] == s["makespan_req_s"]
 
 
 def test_work_identity_refuses_a_request_with_a_different_token_count():
