@@ -103,8 +103,8 @@ def comparability_lines(results: Sequence[ABResult]) -> list[str]:
             parts.append(f"KV pool {r.treated} {kv['arm_tokens']} vs {r.baseline} {kv['baseline_tokens']} tokens "
                          f"(smaller by {kv['smaller_by_tokens']} tokens, {share} of the baseline's pool)")
         lines.append(f"- {cell_label(r)} {r.treated}: " + "; ".join(parts) + f". Gates: {', '.join(checked)}.")
-    return ["", "Gates per cell (comparability: each arm executed its declared configuration; the arms differ "
-                "only in arm, skipper and thresholds):"] + lines if lines else []
+    return ["", "Gates per cell (comparability: each arm executed the configuration declared for it, where one is; "
+                "the arms differ only in arm, skipper and thresholds):"] + lines if lines else []
 
 
 def _arm_means(results: Sequence[ABResult], which: str, metric: str) -> tuple[list[float], list[float]]:
