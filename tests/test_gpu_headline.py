@@ -680,6 +680,9 @@ def test_a_figure_says_when_its_repetitions_compiled_and_when_its_window_measure
     assert headline.compiled_in(quiet) == ""
     refused = {**cell, "gates": [{"passed": False}] * 4}  # none compared: every repetition run counts
     assert headline.compiled_in(refused) == "a Triton compile inside 2 of 4 repetitions' windows"
+    assert headline.compiled_in({**cell, "compiles": {"dense": [None], "arm": []}}) == ""  # fewer readings
+    always = {"arms": {"always": {"role": "always", "loads": {"knee": cell}}}}
+    assert headline.figure_rows(always)[0]["verdict"] == note
 
 
 def test_figures_stand_beside_the_skips_limit_and_say_when_a_goal_or_a_result_lies_beyond_it():

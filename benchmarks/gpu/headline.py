@@ -709,8 +709,12 @@ def compiled_in(cell: Mapping) -> str:
     compiles = cell.get("compiles") or {}
     if not any(taken):
         taken = [True] * len(taken)
-    hit = [any(((compiles.get(side) or [None] * len(taken))[i] or {}).get("compiles") for side in ("dense", "arm"))
-           for i, used in enumerate(taken) if used]
+
+    def counted(side: str, i: int) -> int:
+        seen = compiles.get(side) or ()
+        return ((seen[i] if i < len(seen) else None) or {}).get("compiles") or 0
+
+    hit = [any(counted(side, i) for side in ("dense", "arm")) for i, used in enumerate(taken) if used]
     return f"a Triton compile inside {sum(hit)} of {len(hit)} repetitions' windows" if any(hit) else ""
 
 
@@ -773,7 +777,8 @@ def figure_rows(headline: Mapping) -> list[dict]:
             else:  # always-route (the paper's ablation at the knee, n = 1) and the s = 0 control (not in the paper)
                 paper = {"A100": (PAPER["A100"]["always_e2e_knee"], None)} if role == "always" else {}
                 bound = bound if role == "always" else None
-                rows.append(_row(key, what, e2e, "none set", paper, _past_limit("", e2e, bound), bound))
+                rows.append(_row(key, what, e2e, "none set", paper, _and(_past_limit("", e2e, bound),
+                                                                          compiled_in(cell)), bound))
     return rows
 
 
