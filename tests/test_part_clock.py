@@ -163,17 +163,13 @@ def world(tmp_path_factory):
     return LayerWorld.prefilled("flexidepth-llama", tmp_path_factory.mktemp("clock"), 5, {0: 5, 1: 3, 2: 7, 3: 4})
 
 
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_on_sglangs_layer_a_mixed_pass_times_q_and_kv_apart_and_a_dense_pass_the_fused_projection(world, phase,
-                                                                                                  monkeypatch):
-    """A mixed pass of the served layer: Q (RUN rows) and K/V (every row) are told apart by the weight rows they
-    multiply, the K/V write is the pool's, the read is SGLang's attention layer; the rest of the layer is glue. A
-    dense pass runs the fused projection, and its attention layer's K/V write is not charged to the read."""
+def _mixed_then_dense(world, clock: PartClock, phase: str, monkeypatch) -> tuple[dict, dict, int, int]:
+    """The clock installed on the served layer (the server's execution on CPU: decode reads through SGLang's
+    attention layer over the RUN rows), then a mixed pass with every other row RUN and a dense pass of the same
+    rows: (the routed layer's parts the mixed pass charged, those the dense pass charged, the RUN rows, the rows)."""
     from vskipper.sglang.models import routed as served
 
-    # The server's execution on CPU: decode reads through SGLang's attention layer over the RUN rows.
     monkeypatch.setattr(world.slot, "execution", served.cohort_execution([world.layer], torch.device("cpu")))
-    clock = PartClock()
     layer = world.layer
     clock.install([(layer.layer_id, layer)], (layer.layer_id,))
     monkeypatch.setattr(world.slot, "part_clock", clock)
@@ -193,8 +189,21 @@ def test_on_sglangs_layer_a_mixed_pass_times_q_and_kv_apart_and_a_dense_pass_the
         fb = world.batch(extend)
         with world.context(), torch.no_grad():
             clock.around_pass(fb.forward_mode, lambda: layer(fb.positions, x, fb, None))
+        dense = {part: v - mixed.get(part, 0) for part, v in clock.seconds[phase]["routed"].items()
+                 if v - mixed.get(part, 0)}
     finally:
         world.restore(kv0, lengths0)
+    return mixed, dense, int(run.sum()), rows
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_on_sglangs_layer_a_mixed_pass_times_q_and_kv_apart_and_a_dense_pass_the_fused_projection(world, phase,
+                                                                                                  monkeypatch):
+    """A mixed pass of the served layer: Q (RUN rows) and K/V (every row) are told apart by the weight rows they
+    multiply, the K/V write is the pool's, the read is SGLang's attention layer; the rest of the layer is glue. A
+    dense pass runs the fused projection, and its attention layer's K/V write is not charged to the read."""
+    clock = PartClock()
+    mixed, _, _, _ = _mixed_then_dense(world, clock, phase, monkeypatch)
     assert set(mixed) == {"q", "kv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue"}
     parts = clock.attestation()["seconds_total"][phase]["routed"]
     assert set(parts) == set(mixed) | {"qkv"} and set(parts) <= set(PARTS)
@@ -209,9 +218,6 @@ def test_on_sglangs_layer_each_projection_is_charged_to_its_part_by_the_rows_it_
     half its rows RUN charges Q its RUN rows, K/V every row, o_proj, the MLP the RUN rows and the adapter the
     Project-Only rows; a dense pass charges the fused projection, o_proj and the MLP every row. A label swapped
     or a projection charged to the wrong part moves these sums."""
-    from vskipper.sglang.models import routed as served
-
-    monkeypatch.setattr(world.slot, "execution", served.cohort_execution([world.layer], torch.device("cpu")))
     t = FakeClock()
     layer = world.layer
     attn = layer.self_attn
@@ -233,29 +239,8 @@ def test_on_sglangs_layer_each_projection_is_charged_to_its_part_by_the_rows_it_
         module = layer.mlp if name == "mlp" else layer.router_proj
         monkeypatch.setattr(module, "forward", charging(module.forward,
                                                         lambda x, *a, _u=units[name], **k: x.shape[0] * _u))
-    clock = PartClock(clock=t)
-    clock.install([(layer.layer_id, layer)], (layer.layer_id,))
-    monkeypatch.setattr(world.slot, "part_clock", clock)
-    clock.wrap(layer, "mixed_depth", "glue", "routed")
-    extend = {0: 1, 1: 1, 2: 1, 3: 1} if phase == "decode" else {0: 3, 2: 4}
-    kv0, lengths0 = world.kv(), list(world.lengths)
-    try:
-        fb = world.batch(extend)
-        rows = fb.positions.shape[0]
-        run = torch.arange(rows) % 2 == 0
-        n_run = int(run.sum())
-        x = world.hidden(rows)
-        clock.around_pass(fb.forward_mode, lambda: world.routed(fb, x, run, torch.ones(rows)))
-        mixed = {part: v for part, v in clock.seconds[phase]["routed"].items() if v}
-        world.restore(kv0, lengths0)
-        fb = world.batch(extend)
-        before = dict(clock.seconds[phase]["routed"])
-        with world.context(), torch.no_grad():
-            clock.around_pass(fb.forward_mode, lambda: layer(fb.positions, x, fb, None))
-        dense = {part: v - before.get(part, 0) for part, v in clock.seconds[phase]["routed"].items()
-                 if v - before.get(part, 0)}
-    finally:
-        world.restore(kv0, lengths0)
+    mixed, dense, n_run, rows = _mixed_then_dense(world, PartClock(clock=t), phase, monkeypatch)
+    mixed = {part: v for part, v in mixed.items() if v}
     q, kv, hidden = attn.q_size, 2 * attn.kv_size, attn.o_proj.weight.shape[0]
     assert mixed == {"q": n_run * q, "kv": rows * kv, "o": n_run * hidden * 7, "mlp": n_run * units["mlp"],
                      "projector": (rows - n_run) * units["projector"]}

@@ -85,6 +85,20 @@ def _caller_stack() -> list[traceback.FrameSummary]:
     return [f for f in traceback.extract_stack() if f.filename not in (__file__, warnings.__file__)]
 
 
+class _Recorder:
+    """What both detectors record: each `Wait` (`found`), at the site of the call being recorded."""
+
+    found: list[Wait]
+
+    @property
+    def waits(self) -> list[str]:
+        return [w.what for w in self.found]
+
+    def record(self, what: str) -> None:
+        where, own = site(_caller_stack())
+        self.found.append(Wait(what, where, own))
+
+
 class _HostCopies(TorchFunctionMode):
     """`HostWaitDetector`'s reads that never reach the dispatcher on CPU: `tolist()`, `numpy()`, `cpu()` and
     `to()` the host of a tensor the pass's own operators made or wrote (on a GPU a device value: each a copy the
@@ -114,7 +128,7 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-class HostWaitDetector(TorchDispatchMode):
+class HostWaitDetector(_Recorder, TorchDispatchMode):
     """Records every operator that makes the host wait for the device: a scalar read (`aten._local_scalar_dense`),
     the operators whose output shape is a device value (`nonzero`, `unique`, `masked_select`, a boolean index,
     `repeat_interleave` without its output size), a tensor literal (`lift_fresh`: `torch.tensor(...)` in the
@@ -137,14 +151,6 @@ class HostWaitDetector(TorchDispatchMode):
         self._made: set[int] = set()
         self._held: list[torch.Tensor] = []
         self._copies = _HostCopies(self)
-
-    @property
-    def waits(self) -> list[str]:
-        return [w.what for w in self.found]
-
-    def record(self, what: str) -> None:
-        where, own = site(_caller_stack())
-        self.found.append(Wait(what, where, own))
 
     def __enter__(self):
         # a Triton launch's tensors are device tensors on a GPU, and the interpreter writes them outside torch's
@@ -226,7 +232,7 @@ def storage_of(t: torch.Tensor) -> int | None:
     return ptr or None
 
 
-class DeviceSyncWatch:
+class DeviceSyncWatch(_Recorder):
     """Records each synchronizing call the CUDA runtime makes meanwhile, each with its site, into `found`: what
     torch's sync debug mode reports at 'warn' (a scalar read, a copy to the host, an output sized by device values,
     a blocking copy from pageable host memory, a stream's synchronize), and `torch.cuda.synchronize()` and an
@@ -239,14 +245,6 @@ class DeviceSyncWatch:
     def __init__(self) -> None:
         self.found: list[Wait] = []
 
-    @property
-    def waits(self) -> list[str]:
-        return [w.what for w in self.found]
-
-    def _record(self, what: str) -> None:
-        where, own = site(_caller_stack())
-        self.found.append(Wait(what, where, own))
-
     def __enter__(self):
         self._mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")  # first: where CUDA cannot take it, nothing is replaced yet
@@ -257,7 +255,7 @@ class DeviceSyncWatch:
 
         def show(message, category, filename, lineno, file=None, line=None):
             if SYNC_MESSAGE in str(message):
-                self._record("a synchronizing CUDA call")
+                self.record("a synchronizing CUDA call")
             else:
                 shown(message, category, filename, lineno, file, line)
 
@@ -270,7 +268,7 @@ class DeviceSyncWatch:
 
     def _recording(self, what: str, real):
         def call(*args, **kwargs):
-            self._record(what)
+            self.record(what)
             return real(*args, **kwargs)
         return call
 
