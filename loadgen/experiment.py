@@ -70,6 +70,8 @@ class ABResult:
     length_cell: CellResult | None
     repetitions: list[Repetition] = field(default_factory=list)
     comparison: dict[str, Interval] = field(default_factory=dict)
+    # metrics left out of the comparison, and why (a repetition without it, or a baseline of 0)
+    not_compared: dict[str, str] = field(default_factory=dict)
 
     @property
     def accepted(self) -> list[Repetition]:
@@ -77,12 +79,22 @@ class ABResult:
 
     def compare(self, metrics: Iterable[str] = COMPARED) -> dict[str, Interval]:
         reps = self.accepted
+        self.not_compared = {}
         if not reps:
             self.comparison = {}
             return self.comparison
         base = [flat_metrics(r.baseline.summary) for r in reps]
         treated = [flat_metrics(r.treated.summary) for r in reps]
-        names = [m for m in metrics if all(m in b and b[m] != 0 for b in base) and all(m in t for t in treated)]
+        names = []
+        for m in metrics:
+            lacking = [r.index for r, b, t in zip(reps, base, treated, strict=True) if m not in b or m not in t]
+            zero = [r.index for r, b in zip(reps, base, strict=True) if b.get(m) == 0]
+            if lacking or zero:
+                self.not_compared[m] = "; ".join(
+                    part for part in (f"repetitions {lacking} lack it" if lacking else "",
+                                      f"the baseline's is 0 in repetitions {zero}" if zero else "") if part)
+            else:
+                names.append(m)
         self.comparison = paired_comparison(base, treated, names)
         return self.comparison
 
@@ -93,6 +105,7 @@ class ABResult:
                 "length_cell": self.length_cell.as_dict() if self.length_cell else None,
                 "repetitions_run": len(self.repetitions), "repetitions_accepted": len(self.accepted),
                 "comparison": {k: v.as_dict() for k, v in self.comparison.items()},
+                "not_compared": dict(self.not_compared),
                 "repetitions": [r.as_dict() for r in self.repetitions]}
 
 

@@ -66,6 +66,10 @@ def markdown_table(results: Sequence[ABResult], title: str = "") -> str:
             row.append("n/a" if iv is None else iv.format())
         lines.append("| " + " | ".join(row) + " |")
     lines += comparability_lines(results)
+    dropped = [f"- {cell_label(r)} {r.treated} {m}: {why}" for r in results for m, why in r.not_compared.items()
+               if m in {metric for _, metric, _ in TABLE_COLUMNS}]
+    if dropped:
+        lines += ["", "Metrics not compared (n/a above):", *dropped]
     refused = [(r, x) for r in results for x in r.repetitions if not x.gates.passed]
     if refused:
         lines += ["", "Refused repetitions (left out of the comparison):"]

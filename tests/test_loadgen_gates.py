@@ -288,3 +288,27 @@ def test_gate_pair_runs_the_comparability_gates_and_the_table_shows_them():
     assert ("- 2req-s hybrid: execution_difference passed 0/1; cross_arm_identity passed 1/1; KV pool hybrid "
             "390000 vs dense 393319 tokens (smaller by 3319 tokens, 0.84% of the baseline's pool)") in table
     assert "rep 0: execution_difference: arm 'hybrid': executed.chunked_prefill_size" in table
+
+
+def test_a_metric_a_repetition_lacks_or_whose_baseline_is_zero_is_named_not_silently_dropped():
+    """The comparison leaves out a metric a compared repetition lacks (an empty window) or whose baseline is 0 (no
+    % change of it): the result and the table say which and why, instead of an unexplained n/a."""
+    from loadgen.experiment import ABResult, Repetition
+    from loadgen.gates import GateReport
+    from loadgen.report import markdown_table
+
+    reps = []
+    for i in range(2):
+        base, arm = make_cell("dense"), make_cell("hybrid")
+        if i == 1:
+            base.summary["e2e"]["p99"] = None  # as an empty sample leaves it
+            base.summary["makespan_s"] = 0.0
+        reps.append(Repetition(i, ("dense", "hybrid"), base, arm, GateReport()))
+    result = ABResult("dense", "hybrid", 2.0, "", "t", DIGEST, {}, None, reps)
+    result.compare()
+    assert "e2e_mean" in result.comparison and "e2e_p99" not in result.comparison
+    assert result.not_compared["e2e_p99"] == "repetitions [1] lack it"
+    assert result.not_compared["makespan_s"] == "the baseline's is 0 in repetitions [1]"
+    assert result.as_dict()["not_compared"] == result.not_compared
+    table = markdown_table([result])
+    assert "Metrics not compared (n/a above):" in table and "- 2req-s hybrid e2e_p99: repetitions [1] lack it" in table

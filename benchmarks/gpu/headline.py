@@ -906,7 +906,9 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
               "Mean % change against dense over paired repetitions (the same cell served to each arm in turn, dense "
               "first), ± the 95% t half-width; negative is better, except request throughput. Verdicts need "
               "n >= 2. Here the routed arms skip with RandomSkip (r = 1, d = 0.5) on random weights against "
-              "vSkipper's dense arm; the paper's figures are FlexiDepth's trained router against upstream SGLang.",
+              "vSkipper's dense arm; the paper's figures are FlexiDepth's trained router against upstream SGLang. "
+              "A cell's p99 is taken over its own requests (a few hundred: within its three largest values), the "
+              "paper's over its GSM8K cell of 3,600: the same name, not the same reach into the tail.",
               ""]
     for key, arm in headline["arms"].items():
         if arm.get("skipped") or not arm.get("table"):
