@@ -611,7 +611,9 @@ def test_verdicts_need_an_interval_and_read_its_bounds():
     assert headline.beats(_iv(-45.0, None, 1), -36.8) == "n = 1: no interval"
     assert headline.beats(None, -36.8) == "not measured"
     assert headline.not_worse(_iv(1.0, 2.0)) == "holds"
-    assert headline.not_worse(_iv(5.0, 2.0)) == "fails: resolved increase, low +3.0%"
+    assert headline.not_worse(_iv(9.0, 2.0)) == "fails: resolved increase beyond +5%, low +7.0%"
+    assert headline.not_worse(_iv(1.75, 1.25)) == "holds"  # wholly above 0, within the margin: more repetitions
+    assert headline.not_worse(_iv(5.0, 2.0)) == "not resolved: the interval reaches +7.0%"
     # a wide interval that is not wholly above 0 does not pass: lease-4's 0.75 Q* (+21.3 ± 24.2), and changes of
     # +45, +2 and +17 over three repetitions (+21.3 ± 54)
     assert headline.not_worse(_iv(21.3, 24.2)) == "not resolved: the interval reaches +45.5%"
@@ -676,6 +678,12 @@ def test_a_figure_says_when_its_repetitions_compiled_and_when_its_window_measure
         f"the window (12 s) is under 3x dense's mean E2E (5.1 s): its completions measure latency as much as "
         f"throughput; {note}")
     assert rows["requests completed per second of the cell's makespan at 1.25 Q*"] == note
+    # p99's reach, from the loads' request counts
+    assert headline.p99_reach({"arms": {"a": {"loads": {"knee": {"requests": 153}, "overload": {"requests": 255}}},
+                                        "b": {"skipped": "x"}}}) == [
+        "A cell's p99 is taken over its own 153-255 requests (within its 3 largest values), the paper's over its "
+        "GSM8K cell of 3,600: the same name, not the same reach into the tail."]
+    assert headline.p99_reach({"arms": {}}) == []
     quiet = {**cell, "compiles": {"dense": [None] * 4, "arm": [None, None, compile_, None]}}  # the refused one
     assert headline.compiled_in(quiet) == ""
     refused = {**cell, "gates": [{"passed": False}] * 4}  # none compared: every repetition run counts
@@ -747,7 +755,17 @@ def test_summary_section_says_which_thresholds_served_and_what_cannot_route():
             " from roofline:H100-SXM); KV pool 420000 tokens, at most 326144 resident in these cells (below the enter"
             " threshold: decode cannot route)") in text
     assert "- hybrid-tau: not served: the sweep stage has not run: no measured tau" in text
-    assert "0.75 Q*: prefill 40%, decode 0%; 0.95 Q*" in text
+    assert "Routed share of hybrid-rule's passes in the repetitions compared: 0.75 Q*: prefill 40%, decode 0%; " \
+           "0.95 Q*" in text
+    # the share of the repetitions compared, where a refused one routed decode (the figures' below-V* rows agree)
+    hybrid["loads"] = {load: {**c, "routed_share": {"prefill": 0.4, "decode": 0.1}} for load, c in
+                       hybrid["loads"].items()}
+    hybrid["loads"]["below"] = {**hybrid["loads"]["below"], "routed_share_compared": {"prefill": 0.4, "decode": 0.0}}
+    doc["figures"] = headline.figure_rows(doc)
+    text = "\n".join(headline.headline_lines(ladder, doc))
+    assert "passes in the repetitions compared: 0.75 Q*: prefill 40%, decode 0%; 0.95 Q*: prefill 40%, decode 10%" \
+        in text
+    assert "mean E2E change at 0.75 Q* (below V*: no routed decode pass)" in text
     assert "| H100 | 0.95 Q* | 3 | -39.4 ± 0.2 | -34.2 ± 9.6 |" in text
     assert "Headline stage left for the next run: always: 3 cells" in text
     assert headline.headline_lines(None, None) == []

@@ -130,4 +130,5 @@ def test_each_device_gets_its_detector_and_a_watch_that_sees_no_known_wait_is_no
     assert host_waits.live(torch.device("cpu")) is None
     monkeypatch.setattr(HostWaitDetector, "_waits", lambda self, func, args, kwargs: False)  # blind
     assert host_waits.live(torch.device("cpu")) == "a scalar read of a device value was not seen"
-    assert host_waits.live(torch.device("cuda")).startswith("the watch did not start: ")  # no CUDA here
+    if not torch.cuda.is_available():
+        assert host_waits.live(torch.device("cuda")).startswith("the watch did not start: ")

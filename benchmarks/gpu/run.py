@@ -1577,7 +1577,7 @@ def wait_lines(report: dict) -> list[str]:
     engine = sum(1 for p in passes for w in p.get("waits", ()) if not w["own"])
     if not waiting:
         return [head + f"none in vSkipper's code in {len(passes)} passes"
-                + (f" ({engine} in SGLang's, none beyond its dense pass's)." if engine else "."), ""]
+                + (f" ({engine} elsewhere, none beyond the dense pass's)." if engine else "."), ""]
     return [head + f"**{len(waiting)} of {len(passes)} passes wait**:", ""] + [
         f"- {p['case']}: " + ("not checked (" + p["error"] + ")" if "error" in p else
                              "; ".join(f"{w['what']} at {w['where']}" for w in p["held"]))
