@@ -13,6 +13,7 @@ backend a dense pass calls alike) is told apart from vSkipper's.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import traceback
@@ -42,13 +43,7 @@ def site(stack: list[traceback.FrameSummary], engines: tuple[str, ...] = ENGINES
     function' with the path from the package's parent; whether it is vSkipper's). Torch's and Triton's frames are
     passed over first. A stack in neither gives its innermost frame outside torch and Triton (the code that called
     them), not own."""
-    import triton
-
-    import vskipper
-
-    own = _package_dir(vskipper)
-    libraries = tuple(_package_dir(m) for m in (torch, triton))
-    engine_dirs = tuple(d for d in map(_installed_dir, engines) if d)
+    own, libraries, engine_dirs = _roots(engines)
     caller = None
     for frame in reversed(stack):
         path = frame.filename
@@ -64,15 +59,24 @@ def site(stack: list[traceback.FrameSummary], engines: tuple[str, ...] = ENGINES
     return (_named(caller, "") if caller else "?"), False
 
 
-def _package_dir(module) -> str:
-    return os.path.dirname(module.__file__) + os.sep
+@functools.cache
+def _roots(engines: tuple[str, ...]) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(vSkipper's package directory, torch's and Triton's, the installed engines'), each ending in a separator:
+    looked up once (a detector sites every operator it records, and the tests' launch counter every one)."""
+    import triton
 
+    import vskipper
 
-def _installed_dir(name: str) -> str | None:
-    """The directory of the installed package `name` (not imported), or None where it is not installed."""
-    spec = importlib.util.find_spec(name)
-    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
-    return os.path.join(locations[0], "") if locations else None
+    def package_dir(module) -> str:
+        return os.path.dirname(module.__file__) + os.sep
+
+    def installed_dir(name: str) -> str | None:  # without importing it
+        spec = importlib.util.find_spec(name)
+        locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+        return os.path.join(locations[0], "") if locations else None
+
+    return (package_dir(vskipper), tuple(package_dir(m) for m in (torch, triton)),
+            tuple(d for d in map(installed_dir, engines) if d))
 
 
 def _named(frame: traceback.FrameSummary, root: str) -> str:
@@ -260,9 +264,8 @@ class DeviceSyncWatch(_Recorder):
                 shown(message, category, filename, lineno, file, line)
 
         warnings.showwarning = show
-        self._explicit = [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize")]
-        self._real = [getattr(owner, name) for owner, name in self._explicit]
-        for (owner, name), real in zip(self._explicit, self._real, strict=True):
+        self._replaced = [(owner, "synchronize", owner.synchronize) for owner in (torch.cuda, torch.cuda.Event)]
+        for owner, name, real in self._replaced:
             setattr(owner, name, self._recording(f"{owner.__name__}.{name}", real))
         return self
 
@@ -276,7 +279,7 @@ class DeviceSyncWatch(_Recorder):
         try:
             torch.cuda.set_sync_debug_mode(self._mode)
         finally:
-            for (owner, name), real in zip(self._explicit, self._real, strict=True):
+            for owner, name, real in self._replaced:
                 setattr(owner, name, real)
             self._warnings.__exit__(*exc)
 
