@@ -8,7 +8,8 @@
    in alternating order; each pair goes through the gates (with the comparability gates: each arm executed
    its declared configuration, and the two arms differ only where allowed); a refused pair is kept in the
    result with its reasons and left out of the comparison;
-3. the comparison is the mean per-repetition % change of every metric with a 95% t interval.
+3. the comparison is the mean per-repetition % change of every metric with a 95% t interval; for the rates
+   (`GEOMETRIC`) also the geometric mean change with the interval of the mean log-ratio (`loadgen.stats`).
 
 `run_ladder` runs the baseline's natural lane at contiguous integer rates and applies the Q* rule to the
 in-window output token rate.
@@ -26,12 +27,15 @@ from loadgen.gates import GateReport, accounting, declared_cell_size, gate_pair,
 from loadgen.metrics import flat_metrics
 from loadgen.qstar import QStar, find_q_star
 from loadgen.records import CellResult
-from loadgen.stats import Interval, arm_order, paired_comparison
+from loadgen.stats import Interval, RatioInterval, arm_order, geometric_comparison, paired_comparison
 from loadgen.suite import Suite
 from vskipper.arms import Arm
 
 COMPARED = ("e2e_mean", "e2e_p50", "e2e_p90", "e2e_p99", "tpot_mean", "tpot_p99", "ttft_mean", "ttft_p99",
             "makespan_s", "drain_s", "window_output_tok_s", "window_req_s", "makespan_req_s")
+# the rates, compared also by their geometric mean change: an overload window's completions swing the per-repetition
+# ratio widely, and the mean of % changes weighs a doubling twice as much as a halving
+GEOMETRIC = ("window_output_tok_s", "window_req_s", "makespan_req_s")
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class ABResult:
     comparison: dict[str, Interval] = field(default_factory=dict)
     # metrics left out of the comparison, and why (a repetition without it, or a baseline of 0)
     not_compared: dict[str, str] = field(default_factory=dict)
+    # the rates' geometric mean changes (`GEOMETRIC`); a rate of 0 in either arm leaves it out, said in not_compared
+    geometric: dict[str, RatioInterval] = field(default_factory=dict)
 
     @property
     def accepted(self) -> list[Repetition]:
@@ -80,6 +86,7 @@ class ABResult:
     def compare(self, metrics: Iterable[str] = COMPARED) -> dict[str, Interval]:
         reps = self.accepted
         self.not_compared = {}
+        self.geometric = {}
         if not reps:
             self.comparison = {}
             return self.comparison
@@ -96,6 +103,14 @@ class ABResult:
             else:
                 names.append(m)
         self.comparison = paired_comparison(base, treated, names)
+        rates = []
+        for m in (m for m in names if m in GEOMETRIC):
+            zero = [r.index for r, t in zip(reps, treated, strict=True) if not t[m] > 0]
+            if zero:
+                self.not_compared[f"{m} (geometric)"] = f"the arm's is 0 in repetitions {zero}"
+            else:
+                rates.append(m)
+        self.geometric = geometric_comparison(base, treated, rates)
         return self.comparison
 
     def as_dict(self) -> dict:
@@ -106,6 +121,7 @@ class ABResult:
                 "repetitions_run": len(self.repetitions), "repetitions_accepted": len(self.accepted),
                 "comparison": {k: v.as_dict() for k, v in self.comparison.items()},
                 "not_compared": dict(self.not_compared),
+                "geometric": {k: v.as_dict() for k, v in self.geometric.items()},
                 "repetitions": [r.as_dict() for r in self.repetitions]}
 
 

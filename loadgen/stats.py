@@ -4,6 +4,11 @@ Each repetition runs both arms on the same suite and arrival schedule; the arms 
 repetitions (`arm_order`). Per repetition a metric's % change against the baseline is taken; the cell reports
 the mean of those changes with a two-sided t-based interval. A change is *resolved* only when its interval
 excludes zero, and a single repetition (no interval) is never resolved.
+
+Beside it, for the rates (`geometric_comparison`): the geometric mean of the per-repetition ratios, its interval
+the t interval of the mean log-ratio taken back to a % change. The mean of % changes weighs a doubling (+100%)
+twice as much as a halving (-50%), so where the ratios spread widely (an overload window's completions) one
+repetition's ratio carries it; the log-ratio weighs both alike.
 """
 
 from __future__ import annotations
@@ -125,3 +130,66 @@ def paired_comparison(baseline: Sequence[Mapping[str, float]], treated: Sequence
     """Mean % change per metric over paired repetitions, with its t interval."""
     changes = paired_changes(baseline, treated, metrics)
     return {m: mean_interval(v, confidence) for m, v in changes.items()}
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """The geometric mean of paired ratios as a % change, with the t interval of the mean log-ratio taken back to
+    % (exp(mean -/+ half) - 1: not symmetric about the change); low and high are None when n < 2."""
+
+    mean: float
+    low: float | None
+    high: float | None
+    n: int
+    confidence: float = 0.95
+
+    @property
+    def resolved(self) -> bool:
+        if self.low is None or self.high is None:
+            return False
+        return self.low > 0 or self.high < 0
+
+    def as_dict(self) -> dict:
+        return {"statistic": "geometric", "mean": self.mean, "half_width": None, "low": self.low, "high": self.high,
+                "n": self.n, "confidence": self.confidence, "resolved": self.resolved}
+
+    def format(self, digits: int = 1) -> str:
+        if self.low is None:
+            return f"{self.mean:+.{digits}f}"
+        return f"{self.mean:+.{digits}f} [{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
+
+
+def ratio_interval(ratios: Sequence[float], confidence: float = 0.95) -> RatioInterval:
+    """The geometric mean change of positive ratios (treated over baseline) with its interval (`RatioInterval`)."""
+    arr = np.asarray(ratios, dtype=float)
+    if arr.size == 0:
+        raise ValueError("ratio_interval of an empty sample")
+    if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+        raise ValueError(f"ratio_interval: every ratio must be finite and positive, got {arr.tolist()}")
+    logs = mean_interval(np.log(arr).tolist(), confidence)
+
+    def change(log: float) -> float:
+        return math.expm1(log) * 100.0
+
+    if math.isnan(logs.half_width):
+        return RatioInterval(change(logs.mean), None, None, logs.n, confidence)
+    return RatioInterval(change(logs.mean), change(logs.low), change(logs.high), logs.n, confidence)
+
+
+def geometric_comparison(baseline: Sequence[Mapping[str, float]], treated: Sequence[Mapping[str, float]],
+                         metrics: Sequence[str], confidence: float = 0.95) -> dict[str, RatioInterval]:
+    """The geometric mean change per metric over paired repetitions (`ratio_interval`); every repetition's value
+    of a metric must be positive in both arms."""
+    if len(baseline) != len(treated):
+        raise ValueError(f"geometric_comparison: {len(baseline)} baseline repetitions vs {len(treated)} arm "
+                         "repetitions")
+    out = {}
+    for m in metrics:
+        ratios = []
+        for i, (b, a) in enumerate(zip(baseline, treated, strict=True)):
+            if not (b.get(m) or 0) > 0 or not (a.get(m) or 0) > 0:
+                raise ValueError(f"geometric_comparison: repetition {i}'s {m!r} is not positive in both arms "
+                                 f"(baseline {b.get(m)!r}, arm {a.get(m)!r})")
+            ratios.append(float(a[m]) / float(b[m]))
+        out[m] = ratio_interval(ratios, confidence)
+    return out

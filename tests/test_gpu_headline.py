@@ -451,6 +451,9 @@ def test_pair_load_gates_each_repetition_and_takes_loadgens_paired_intervals():
     assert doc["routed_share"] == {"prefill": None, "decode": None}  # no attestation read
     assert doc["dense"]["e2e_mean_s"] > doc["arm"]["e2e_mean_s"]
     assert [g["passed"] for g in doc["gates"]] == [True] * 3
+    assert set(doc["geometric"]) == {"window_output_tok_s", "window_req_s", "makespan_req_s"}
+    assert doc["geometric"]["makespan_req_s"] == ab.geometric["makespan_req_s"].as_dict()
+    assert doc["geometric"]["makespan_req_s"]["mean"] > 0  # the hybrid's faster steps finish the cell sooner
 
 
 def test_pair_load_refuses_a_cell_of_another_arm_and_gates_a_changed_length():
@@ -678,6 +681,26 @@ def test_a_figure_says_when_its_repetitions_compiled_and_when_its_window_measure
         f"the window (12 s) is under 3x dense's mean E2E (5.1 s): its completions measure latency as much as "
         f"throughput; {note}")
     assert rows["requests completed per second of the cell's makespan at 1.25 Q*"] == note
+    # beside each rate, its geometric mean change; where it differs in sign from the mean of % changes (lease-4's
+    # in-window rate: +34.4 against -7.2), the verdict says neither reads as the cell's change
+    geo = {"window_req_s": {"statistic": "geometric", "mean": -7.2, "half_width": None, "low": -94.4,
+                            "high": 1445.1, "n": 3},
+           "makespan_req_s": {"statistic": "geometric", "mean": -0.4, "half_width": None, "low": -5.9, "high": 5.4,
+                              "n": 3}}
+    both = headline.figure_rows({"arms": {"hybrid-tau": {"role": "hybrid",
+                                                         "loads": {"overload": {**cell, "geometric": geo}}}}})
+    window, makespan = (r for r in both if "Q*" in r["figure"] and "request" in r["figure"])
+    assert window["verdict"] == (
+        "the window (12 s) is under 3x dense's mean E2E (5.1 s): its completions measure latency as much as "
+        "throughput; the mean of % changes (+34.4%) and the geometric mean (-7.2%) differ in sign: the repetitions' "
+        f"ratios spread too widely to read either; {note}")
+    assert makespan["verdict"] == note  # -0.3 and -0.4 agree
+    lines = headline.figure_lines(both)
+    assert "| +34.4 ± 308.5 (n = 3); geometric -7.2 [-94.4, +1445.1] (n = 3) | none set |" in lines[-2]
+    assert "| -0.3 ± 6.0 (n = 3); geometric -0.4 [-5.9, +5.4] (n = 3) | none set |" in lines[-1]
+    # a cell without geometric changes (older documents) reads as before
+    assert not any("geometric" in line for line in headline.figure_lines(headline.figure_rows(doc)))
+    assert headline.statistics_disagree(_iv(2.0, 1.0), {"mean": 0.0}) == ""
     # p99's reach, from the loads' request counts
     assert headline.p99_reach({"arms": {"a": {"loads": {"knee": {"requests": 153}, "overload": {"requests": 255}}},
                                         "b": {"skipped": "x"}}}) == [

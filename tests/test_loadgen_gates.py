@@ -1,6 +1,7 @@
 """Cell gates refuse constructed bad cells with their named reason; metrics on a hand-built cell."""
 
 import copy
+import math
 
 import pytest
 
@@ -312,3 +313,30 @@ def test_a_metric_a_repetition_lacks_or_whose_baseline_is_zero_is_named_not_sile
     assert result.as_dict()["not_compared"] == result.not_compared
     table = markdown_table([result])
     assert "Metrics not compared (n/a above):" in table and "- 2req-s hybrid e2e_p99: repetitions [1] lack it" in table
+
+
+def test_the_rates_are_also_compared_by_their_geometric_mean_change():
+    """The rates (`GEOMETRIC`) get a geometric mean change beside the mean of % changes; a repetition where the
+    arm's rate is 0 (no completion in its window) leaves the geometric one out, named, and keeps the other."""
+    from loadgen.experiment import GEOMETRIC, ABResult, Repetition
+    from loadgen.gates import GateReport
+    from loadgen.metrics import flat_metrics
+
+    reps = []
+    for i, scale in enumerate((1.5, 0.6)):
+        base, arm = make_cell("dense"), make_cell("hybrid")
+        for key in GEOMETRIC:
+            arm.summary[key] = base.summary[key] * scale
+        if i == 1:
+            arm.summary["window_output_tok_s"] = 0.0
+        reps.append(Repetition(i, ("dense", "hybrid"), base, arm, GateReport()))
+    result = ABResult("dense", "hybrid", 2.0, "", "t", DIGEST, {}, None, reps)
+    result.compare()
+    assert set(result.geometric) == {"window_req_s", "makespan_req_s"}
+    geo = result.geometric["window_req_s"]
+    assert geo.mean == pytest.approx(100 * (math.sqrt(1.5 * 0.6) - 1)) and geo.n == 2
+    assert result.comparison["window_req_s"].mean == pytest.approx((50.0 - 40.0) / 2)
+    assert result.not_compared == {"window_output_tok_s (geometric)": "the arm's is 0 in repetitions [1]"}
+    assert "window_output_tok_s" in result.comparison
+    assert result.as_dict()["geometric"]["window_req_s"]["statistic"] == "geometric"
+    assert all(key in flat_metrics(reps[0].baseline.summary) for key in GEOMETRIC)

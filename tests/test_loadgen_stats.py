@@ -17,7 +17,16 @@ from loadgen.quality import (
     score_gsm8k_records,
     strict_match,
 )
-from loadgen.stats import arm_order, describe, mean_interval, paired_comparison, pct_change, percentile
+from loadgen.stats import (
+    arm_order,
+    describe,
+    geometric_comparison,
+    mean_interval,
+    paired_comparison,
+    pct_change,
+    percentile,
+    ratio_interval,
+)
 
 SAMPLE = [-6.1, -7.9, -5.2, -6.6, -8.0, -5.8]
 
@@ -71,6 +80,47 @@ def test_paired_comparison_takes_per_repetition_percent_changes():
         pct_change(1.0, 0.0)
     with pytest.raises(ValueError, match="2 baseline repetitions vs 1"):
         paired_comparison(base[:2], arm[:1], ["e2e_mean"])
+
+
+def test_geometric_change_is_the_mean_log_ratio_with_its_t_interval_taken_back_to_percent():
+    """H200 lease-4's in-window request rates at 1.25 Q* (dense, then the hybrid arm, per repetition): the mean of
+    % changes is +34.4%, carried by the third repetition's 2.7x, while the geometric mean is -7.2%. The interval is
+    scipy's t interval of the log-ratios, exponentiated: not symmetric about the change."""
+    dense, hybrid = [7.3681, 6.5657, 3.7580], [2.0932, 6.8179, 10.1875]
+    ratios = [h / d for h, d in zip(hybrid, dense, strict=True)]
+    logs = np.log(ratios)
+    lo, hi = st.t.interval(0.95, 2, loc=logs.mean(), scale=st.sem(logs))
+    iv = ratio_interval(ratios)
+    assert iv.mean == pytest.approx(100 * (math.exp(logs.mean()) - 1)) and iv.mean == pytest.approx(-7.2, abs=0.05)
+    assert (iv.low, iv.high) == (pytest.approx(100 * (math.exp(lo) - 1)), pytest.approx(100 * (math.exp(hi) - 1)))
+    assert iv.high - iv.mean > iv.mean - iv.low and not iv.resolved
+    changes = paired_comparison([{"r": d} for d in dense], [{"r": h} for h in hybrid], ["r"])["r"]
+    assert changes.mean == pytest.approx(34.4, abs=0.1)  # the mean of % changes, opposite in sign
+    # a halving and a doubling cancel, where the mean of % changes reads +25%
+    assert ratio_interval([0.5, 2.0]).mean == pytest.approx(0.0, abs=1e-12)
+    assert mean_interval([-50.0, 100.0]).mean == 25.0
+    steady = ratio_interval([1.10, 1.12, 1.11, 1.09])
+    assert steady.resolved and steady.low > 0 and steady.format() == (
+        f"{steady.mean:+.1f} [{steady.low:+.1f}, {steady.high:+.1f}]")
+    one = ratio_interval([1.5])
+    assert one.low is None and not one.resolved and one.format() == "+50.0"
+    assert one.as_dict() == {"statistic": "geometric", "mean": pytest.approx(50.0), "half_width": None, "low": None,
+                             "high": None, "n": 1, "confidence": 0.95, "resolved": False}
+    with pytest.raises(ValueError, match="finite and positive"):
+        ratio_interval([1.0, 0.0])
+    with pytest.raises(ValueError, match="empty"):
+        ratio_interval([])
+
+
+def test_geometric_comparison_pairs_repetitions_and_refuses_a_rate_of_zero():
+    base = [{"q": 10.0}, {"q": 8.0}]
+    arm = [{"q": 11.0}, {"q": 8.8}]
+    res = geometric_comparison(base, arm, ["q"])["q"]
+    assert res.mean == pytest.approx(10.0) and res.n == 2
+    with pytest.raises(ValueError, match="repetition 1's 'q' is not positive in both arms"):
+        geometric_comparison(base, [{"q": 11.0}, {"q": 0.0}], ["q"])
+    with pytest.raises(ValueError, match="2 baseline repetitions vs 1"):
+        geometric_comparison(base, arm[:1], ["q"])
 
 
 def test_arms_alternate_order_across_repetitions():

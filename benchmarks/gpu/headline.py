@@ -636,6 +636,7 @@ def load_doc(result: ABResult, requests: int) -> dict:
     return {"rate": result.rate, "requests": requests, "repetitions_run": len(result.repetitions),
             "repetitions_accepted": len(result.accepted),
             "comparison": {k: v.as_dict() for k, v in result.comparison.items()},
+            "geometric": {k: v.as_dict() for k, v in result.geometric.items()},
             "gates": [{"repetition": r.index, "passed": r.gates.passed, "checked": list(dict.fromkeys(r.gates.checked)),
                        "refusals": [str(f) for f in r.gates.refusals]} for r in result.repetitions],
             "routed_share": routed_share([r.treated for r in result.repetitions]),
@@ -725,6 +726,9 @@ def _and(*notes: str) -> str:
 def _iv(iv: Mapping | None) -> str:
     if iv is None:
         return "n/a"
+    if iv.get("statistic") == "geometric":  # its interval is not symmetric about the change
+        bounds = "" if iv.get("low") is None else f" [{iv['low']:+.1f}, {iv['high']:+.1f}]"
+        return f"geometric {iv['mean']:+.1f}{bounds} (n = {iv['n']})"
     hw = iv.get("half_width")
     return f"{iv['mean']:+.1f}" + ("" if hw is None else f" ± {hw:.1f}") + f" (n = {iv['n']})"
 
@@ -796,17 +800,34 @@ def p99_reach(headline: Mapping) -> list[str]:
 
 def throughput_rows(key: str, cell: Mapping, compiled: str) -> list[dict]:
     """The overload's request throughput: in the injection window (the paper's figure), with what its window's
-    length makes of it, and over each cell's whole makespan (the rate the server cleared the backlog at)."""
+    length makes of it, and over each cell's whole makespan (the rate the server cleared the backlog at). Each
+    beside its geometric mean change (`loadgen.stats.ratio_interval`), where the cell has one, and where the two
+    statistics differ in sign, the verdict says that the per-repetition ratios spread too widely to read the mean
+    of % changes."""
     factor = CELL_FACTORS[OVERLOAD]
     window, e2e = ((cell.get("dense") or {}).get(k) for k in ("window_s", "e2e_mean_s"))
     short = (f"the window ({window:.0f} s) is under {WINDOW_OVER_E2E:.0f}x dense's mean E2E ({e2e:.1f} s): its "
              "completions measure latency as much as throughput" if window and e2e and window < WINDOW_OVER_E2E * e2e
              else "")
     paper = {dev: PAPER[dev]["window_req_s"] for dev in PAPER}
-    return [_row(key, f"request throughput in the injection window at {factor} Q*",
-                 cell["comparison"].get("window_req_s"), "none set", paper, _and(short, compiled)),
-            _row(key, f"requests completed per second of the cell's makespan at {factor} Q*",
-                 cell["comparison"].get("makespan_req_s"), "none set", {}, compiled)]
+    rows = []
+    for metric, figure, paper_of, note in (
+            ("window_req_s", "request throughput in the injection window", paper, short),
+            ("makespan_req_s", "requests completed per second of the cell's makespan", {}, "")):
+        iv, geo = cell["comparison"].get(metric), (cell.get("geometric") or {}).get(metric)
+        row = _row(key, f"{figure} at {factor} Q*", iv, "none set", paper_of,
+                   _and(note, statistics_disagree(iv, geo), compiled))
+        rows.append(dict(row, geometric=geo))
+    return rows
+
+
+def statistics_disagree(iv: Mapping | None, geo: Mapping | None) -> str:
+    """A note where the mean of % changes and the geometric mean change differ in sign: the mean is then carried
+    by the repetitions whose ratio is far above 1, and neither reads as the cell's change."""
+    if not iv or not geo or (iv["mean"] > 0) == (geo["mean"] > 0) or 0 in (iv["mean"], geo["mean"]):
+        return ""
+    return (f"the mean of % changes ({iv['mean']:+.1f}%) and the geometric mean ({geo['mean']:+.1f}%) differ in "
+            "sign: the repetitions' ratios spread too widely to read either")
 
 
 def _past_limit(verdict: str, iv: Mapping | None, bound: float | None) -> str:
@@ -831,7 +852,8 @@ def _row(arm: str, figure: str, iv, goal: str, paper: Mapping, verdict: str, ski
 def figure_lines(rows: Sequence[Mapping]) -> list[str]:
     lines = ["| arm | figure | measured, % | goal | paper A100 (n = 6) | paper H100 (n = 3) | the skip's limit "
              "(model), % | verdict |", "|---|---|---:|---|---:|---:|---:|---|"]
-    lines += [f"| {r['arm']} | {r['figure']} | {_iv(r['measured'])} | {r['limit']} | {_paper(r['paper_a100'])} | "
+    lines += [f"| {r['arm']} | {r['figure']} | {_iv(r['measured'])}"
+              + (f"; {_iv(r['geometric'])}" if r.get("geometric") else "") + f" | {r['limit']} | {_paper(r['paper_a100'])} | "
               f"{_paper(r['paper_h100'])} | {_pct(r.get('skip_limit'))} | {r['verdict']} |" for r in rows]
     return lines
 
