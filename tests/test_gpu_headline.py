@@ -456,6 +456,46 @@ def test_pair_load_gates_each_repetition_and_takes_loadgens_paired_intervals():
     assert doc["geometric"]["makespan_req_s"]["mean"] > 0  # the hybrid's faster steps finish the cell sooner
 
 
+def test_a_load_says_when_its_cells_came_from_several_server_starts_or_machines():
+    """A lease's arm split over two calls serves a load's cells from two server starts, and a second call whose
+    machine went back serves them on another GPU of the same kind: the load's document names the starts and
+    machines from the cells' attestations, and its figures say so. Attestations that name no machine (before it
+    was attested) leave the machines unknown, never a false "one machine"."""
+    suite = headline.gsm8k_suite("gsm8k-shaped-knee", 8, 1, 500, (20, 40), (4, 12))
+
+    def served(arm, step, seed, run, gpu):
+        cell = _cell(arm, suite, 4.0, step, seed)
+        doc = {"run_id": run, "machine": {"host": "h", "device_name": "NVIDIA H200", "device_uuid": gpu}}
+        cell.attestation_before, cell.attestation_after = doc, dict(doc)
+        return cell
+
+    pairs = [(rep, served("dense", 0.010, 200 + rep, "d1", "gpu-a"),
+              served(HYBRID.name, 0.008, 200 + rep, run, gpu))
+             for rep, (run, gpu) in enumerate((("h1", "gpu-a"), ("h1", "gpu-a"), ("h2", "gpu-b")))]
+    ab = headline.pair_load("knee", HYBRID, "hybrid-rule", suite, 4.0, pairs, expect_engaged=True)
+    doc = headline.load_doc(ab, len(suite))
+    assert doc["provenance"] == {"dense": {"starts": ["d1"], "machines": ["gpu-a"]},
+                                 "arm": {"starts": ["h1", "h2"], "machines": ["gpu-a", "gpu-b"]}}
+    note = "the arm's cells came from 2 server starts; the cells were served on 2 machines: pairs across machines"
+    assert headline.served_apart(doc) == note
+    rows = headline.figure_rows({"arms": {"hybrid-rule": {"role": "hybrid", "loads": {"knee": doc}}}})
+    assert rows[0]["verdict"].endswith(note)
+    # one start and one machine a side: nothing to say
+    one = [(rep, served("dense", 0.010, 200 + rep, "d1", "gpu-a"), served(HYBRID.name, 0.008, 200 + rep, "h1",
+                                                                           "gpu-a")) for rep in range(3)]
+    ab = headline.pair_load("knee", HYBRID, "hybrid-rule", suite, 4.0, one, expect_engaged=True)
+    assert headline.served_apart(headline.load_doc(ab, len(suite))) == ""
+    # the host names the machine where no device UUID does (CPU); an attestation without a machine: unknown
+    cpu = served("dense", 0.010, 1, "d1", None)
+    assert headline.provenance([cpu]) == {"starts": ["d1"], "machines": ["h"]}
+    old = _cell("dense", suite, 4.0, 0.010, 1)
+    old.attestation_before = old.attestation_after = {"run_id": "d0"}
+    assert headline.provenance([old, cpu]) == {"starts": ["d0", "d1"], "machines": None}
+    assert headline.served_apart({"provenance": {"dense": headline.provenance([old]),
+                                                 "arm": headline.provenance([cpu])}}) == ""
+    assert headline.served_apart({}) == ""  # older documents carry none
+
+
 def test_pair_load_refuses_a_cell_of_another_arm_and_gates_a_changed_length():
     suite = headline.gsm8k_suite("s", 4, 2, 500, (20, 40), (4, 12))
     dense = _cell("dense", suite, 4.0, 0.01, 1)

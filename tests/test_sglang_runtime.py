@@ -7,6 +7,7 @@ ids, sequence lengths, extend lengths); everything else is the real runtime, swi
 from __future__ import annotations
 
 import json
+import platform
 import re
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -315,6 +316,24 @@ def test_counters_are_written_to_the_state_file_after_every_pass(tmp_path):
     assert state["passes_total"] == {"prefill": {"dense": 1, "routed": 0}, "decode": {"dense": 1, "routed": 0}}
     assert state["arm"]["name"] == "dense"
     assert state["constants"]["enter_factor"] == 1.25
+    # which machine served: the host, and on CUDA the device's name and UUID (none on CPU)
+    assert state["machine"] == {"host": platform.node(), "device_name": None, "device_uuid": None}
+
+
+def test_a_cuda_runtime_names_its_device_by_uuid(monkeypatch):
+    """Two machines of one GPU kind tell apart by the device's UUID (what the headline's pairing checks); faked
+    here, as this machine has no CUDA device."""
+    from vskipper.sglang.runtime import machine_identity
+
+    class Props:
+        name = "NVIDIA H200"
+        uuid = "4e6b2a5c-1d2f-4c1b-9a0e-7f3d2c1b0a99"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    assert machine_identity("cuda:0") == {"host": platform.node(), "device_name": "NVIDIA H200",
+                                          "device_uuid": "4e6b2a5c-1d2f-4c1b-9a0e-7f3d2c1b0a99"}
+    assert machine_identity("cpu")["device_uuid"] is None and machine_identity(None)["device_name"] is None
 
 
 def test_trained_gate_on_another_model_family_is_refused_naming_the_field():
@@ -594,6 +613,7 @@ def test_replica_attestations_merge_into_one_with_counters_summed(tmp_path):
     assert merged["prefix_cache"]["withheld_generated_kv_tokens_total"] == 0
     assert merged["arm"] == replicas[0].attestation()["arm"]
     assert [r["placement"]["replica"] for r in merged["replicas"]] == ["dp0-adp0", "dp1-adp0"]
+    assert [r["machine"] for r in merged["replicas"]] == [rt.machine for rt in replicas]  # each replica's own
     single = merge_attestations([json.loads(files[0].read_text())])
     assert "replicas" not in single and single["passes_total"]["prefill"]["routed"] == 1
 

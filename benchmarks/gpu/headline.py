@@ -647,8 +647,42 @@ def load_doc(result: ABResult, requests: int) -> dict:
             "pass_spans": {"dense": pass_span_means([r.baseline for r in taken]),
                            "arm": pass_span_means([r.treated for r in taken])},
             "pass_kinds": pass_kind_means([r.treated for r in taken]),
+            "provenance": {"dense": provenance([r.baseline for r in taken]),
+                           "arm": provenance([r.treated for r in taken])},
             "compiles": {"dense": [window_compiles(r.baseline) for r in result.repetitions],
                          "arm": [window_compiles(r.treated) for r in result.repetitions]}}
+
+
+def provenance(cells: Sequence[CellResult]) -> dict[str, list[str] | None]:
+    """Which server starts (`run_id`) and machines (the device's UUID, else the host's name) served an arm's cells,
+    from their attestations; each None where some attestation does not say (older ones name no machine)."""
+    starts, machines = set(), set()
+    said = {"starts": True, "machines": True}
+    for cell in cells:
+        for doc in (cell.attestation_before, cell.attestation_after):
+            doc = doc or {}
+            machine = doc.get("machine") or {}
+            for field_name, value, seen in (("starts", doc.get("run_id"), starts),
+                                            ("machines", machine.get("device_uuid") or machine.get("host"), machines)):
+                if value:
+                    seen.add(value)
+                else:
+                    said[field_name] = False
+    return {"starts": sorted(starts) if said["starts"] and cells else None,
+            "machines": sorted(machines) if said["machines"] and cells else None}
+
+
+def served_apart(cell: Mapping) -> str:
+    """Where a load's compared cells came from more than one server start of an arm (a lease's arm split over two
+    calls), or from more than one machine (a second call on a machine of the same kind, another GPU): said beside
+    its figures, which then hold the starts' or the machines' difference too; '' otherwise."""
+    sides = cell.get("provenance") or {}
+    notes = [f"{'dense' if side == 'dense' else 'the arm'}'s cells came from {len(starts)} server starts"
+             for side in ("dense", "arm") if len(starts := (sides.get(side) or {}).get("starts") or ()) > 1]
+    machines = [(sides.get(side) or {}).get("machines") for side in ("dense", "arm")]
+    if all(machines) and len(both := set(machines[0]) | set(machines[1])) > 1:
+        notes.append(f"the cells were served on {len(both)} machines: pairs across machines")
+    return _and(*notes)
 
 
 def window_compiles(cell: CellResult) -> dict | None:
@@ -761,28 +795,29 @@ def figure_rows(headline: Mapping) -> list[dict]:
                 paper = {dev: PAPER[dev]["loads"][load]["e2e_mean"] for dev in PAPER}
                 # the routed share of the repetitions compared (older documents: of every one run)
                 below_v_star = cell.get("routed_share_compared", cell["routed_share"]).get("decode") == 0
-                compiled = compiled_in(cell)
+                notes = _and(compiled_in(cell), served_apart(cell))
                 if load == KNEE:
                     verdict = _past_limit(beats(e2e, PAPER_KNEE_E2E), e2e, bound)
                     if bound is not None and bound > PAPER_KNEE_E2E and verdict == beats(e2e, PAPER_KNEE_E2E):
                         verdict += f" (the goal lies beyond the skip's limit, {bound:+.1f}%)"
-                    verdict = _and(verdict, compiled)
+                    verdict = _and(verdict, notes)
                     rows.append(_row(key, what, e2e, f"below {PAPER_KNEE_E2E:+.1f}% (the paper's)", paper, verdict,
                                      bound))
                 if below_v_star:
                     rows.append(_row(key, what + " (below V*: no routed decode pass)", e2e,
                                      f"within +{NOT_WORSE_MARGIN_PCT:.0f}% of dense", paper,
-                                     _and(_past_limit(not_worse(e2e), e2e, bound), compiled), bound))
+                                     _and(_past_limit(not_worse(e2e), e2e, bound), notes), bound))
                 elif load != KNEE:
-                    rows.append(_row(key, what, e2e, "none set", paper, _and(_past_limit("", e2e, bound), compiled),
+                    rows.append(_row(key, what, e2e, "none set", paper, _and(_past_limit("", e2e, bound), notes),
                                      bound))
                 if load == OVERLOAD:
-                    rows += throughput_rows(key, cell, compiled)
+                    rows += throughput_rows(key, cell, notes)
             else:  # always-route (the paper's ablation at the knee, n = 1) and the s = 0 control (not in the paper)
                 paper = {"A100": (PAPER["A100"]["always_e2e_knee"], None)} if role == "always" else {}
                 bound = bound if role == "always" else None
                 rows.append(_row(key, what, e2e, "none set", paper, _and(_past_limit("", e2e, bound),
-                                                                          compiled_in(cell)), bound))
+                                                                          compiled_in(cell), served_apart(cell)),
+                                 bound))
     return rows
 
 
@@ -798,7 +833,7 @@ def p99_reach(headline: Mapping) -> list[str]:
             "values), the paper's over its GSM8K cell of 3,600: the same name, not the same reach into the tail."]
 
 
-def throughput_rows(key: str, cell: Mapping, compiled: str) -> list[dict]:
+def throughput_rows(key: str, cell: Mapping, notes: str) -> list[dict]:
     """The overload's request throughput: in the injection window (the paper's figure), with what its window's
     length makes of it, and over each cell's whole makespan (the rate the server cleared the backlog at). Each
     beside its geometric mean change (`loadgen.stats.ratio_interval`), where the cell has one, and where the two
@@ -811,12 +846,12 @@ def throughput_rows(key: str, cell: Mapping, compiled: str) -> list[dict]:
              else "")
     paper = {dev: PAPER[dev]["window_req_s"] for dev in PAPER}
     rows = []
-    for metric, figure, paper_of, note in (
+    for metric, figure, paper_of, window_note in (
             ("window_req_s", "request throughput in the injection window", paper, short),
             ("makespan_req_s", "requests completed per second of the cell's makespan", {}, "")):
         iv, geo = cell["comparison"].get(metric), (cell.get("geometric") or {}).get(metric)
         row = _row(key, f"{figure} at {factor} Q*", iv, "none set", paper_of,
-                   _and(note, statistics_disagree(iv, geo), compiled))
+                   _and(window_note, statistics_disagree(iv, geo), notes))
         rows.append(dict(row, geometric=geo))
     return rows
 

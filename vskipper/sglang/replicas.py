@@ -104,8 +104,8 @@ def merge_attestations(parts: list[dict[str, Any]]) -> dict[str, Any]:
     for part in parts[1:]:
         merged = merge(merged, part)
     if len(parts) > 1:
-        merged = {**merged, "replicas": [{"placement": p.get("placement"), "switch": p.get("switch"),
-                                          "updated": p.get("updated")} for p in parts]}
+        merged = {**merged, "replicas": [{"placement": p.get("placement"), "machine": p.get("machine"),
+                                          "switch": p.get("switch"), "updated": p.get("updated")} for p in parts]}
     return merged
 
 

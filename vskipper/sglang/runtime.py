@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 import threading
 import time
@@ -76,6 +77,18 @@ MAX_TRACKED_REQUESTS = 65536
 
 
 @lru_cache(maxsize=MAX_TRACKED_REQUESTS)
+def machine_identity(device: str | None) -> dict[str, str | None]:
+    """Which machine serves: its host name and, on CUDA, the device's name and UUID. The UUID names one physical
+    GPU, so cells served by two starts on two machines of one kind tell apart by it; a host name alone may not
+    (a container's is its own)."""
+    out: dict[str, str | None] = {"host": platform.node() or None, "device_name": None, "device_uuid": None}
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(device))
+        out["device_name"] = props.name
+        out["device_uuid"] = str(getattr(props, "uuid", "") or "") or None
+    return out
+
+
 def request_key(rid: str) -> int:
     """A stable int64 key per request id (RandomSkip hashes it with the position); cached, as every pass of a
     request asks for it again."""
@@ -247,6 +260,7 @@ class Runtime:
         self._decisions_seen = Counter()
         self._promotions_seen = 0
         self.started = time.time()
+        self.machine = machine_identity(device)
         compile_watch.install()  # a kernel compiled while serving stalls the passes behind it: counted
         self.hooks_applied = False  # set by the model class once it checked vskipper.sglang.hooks
         self.state_request = 0  # the latest read request of the HTTP process the state file answers
@@ -693,6 +707,7 @@ class Runtime:
             "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
                           "attn_dp_rank": self.placement.attn_dp_rank},
             "run_id": os.environ.get(ENV_RUN_ID),
+            "machine": self.machine,
             "started": self.started,
             "updated": time.time(),
             "state_request": self.state_request,
