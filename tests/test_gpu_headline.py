@@ -454,6 +454,7 @@ def test_pair_load_gates_each_repetition_and_takes_loadgens_paired_intervals():
     assert set(doc["geometric"]) == {"window_output_tok_s", "window_req_s", "makespan_req_s"}
     assert doc["geometric"]["makespan_req_s"] == ab.geometric["makespan_req_s"].as_dict()
     assert doc["geometric"]["makespan_req_s"]["mean"] > 0  # the hybrid's faster steps finish the cell sooner
+    assert doc["not_compared"] == ab.not_compared
 
 
 def test_a_load_says_when_its_cells_came_from_several_server_starts_or_machines():
@@ -741,6 +742,13 @@ def test_a_figure_says_when_its_repetitions_compiled_and_when_its_window_measure
     # a cell without geometric changes (older documents) reads as before
     assert not any("geometric" in line for line in headline.figure_lines(headline.figure_rows(doc)))
     assert headline.statistics_disagree(_iv(2.0, 1.0), {"mean": 0.0}) == ""
+    # a window in which the arm completed nothing has no geometric change: the row says why
+    empty = {**cell, "geometric": {}, "not_compared": {"window_req_s (geometric)": "the arm's is 0 in repetitions [0]"}}
+    rows = {r["figure"]: r["verdict"] for r in headline.figure_rows(
+        {"arms": {"hybrid-tau": {"role": "hybrid", "loads": {"overload": empty}}}})}
+    assert "no geometric change: the arm's is 0 in repetitions [0]" in rows[
+        "request throughput in the injection window at 1.25 Q*"]
+    assert "geometric" not in rows["requests completed per second of the cell's makespan at 1.25 Q*"]
     # p99's reach, from the loads' request counts
     assert headline.p99_reach({"arms": {"a": {"loads": {"knee": {"requests": 153}, "overload": {"requests": 255}}},
                                         "b": {"skipped": "x"}}}) == [

@@ -637,6 +637,7 @@ def load_doc(result: ABResult, requests: int) -> dict:
             "repetitions_accepted": len(result.accepted),
             "comparison": {k: v.as_dict() for k, v in result.comparison.items()},
             "geometric": {k: v.as_dict() for k, v in result.geometric.items()},
+            "not_compared": dict(result.not_compared),
             "gates": [{"repetition": r.index, "passed": r.gates.passed, "checked": list(dict.fromkeys(r.gates.checked)),
                        "refusals": [str(f) for f in r.gates.refusals]} for r in result.repetitions],
             "routed_share": routed_share([r.treated for r in result.repetitions]),
@@ -850,8 +851,10 @@ def throughput_rows(key: str, cell: Mapping, notes: str) -> list[dict]:
             ("window_req_s", "request throughput in the injection window", paper, short),
             ("makespan_req_s", "requests completed per second of the cell's makespan", {}, "")):
         iv, geo = cell["comparison"].get(metric), (cell.get("geometric") or {}).get(metric)
+        left_out = (cell.get("not_compared") or {}).get(f"{metric} (geometric)")
         row = _row(key, f"{figure} at {factor} Q*", iv, "none set", paper_of,
-                   _and(window_note, statistics_disagree(iv, geo), notes))
+                   _and(window_note, statistics_disagree(iv, geo), f"no geometric change: {left_out}" if left_out
+                        else "", notes))
         rows.append(dict(row, geometric=geo))
     return rows
 
@@ -973,7 +976,9 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
     lines += ["", *figure_lines(headline["figures"]), "", *skip_limit_lines(headline.get("skip_limit")),
               *limit_parts_lines(headline.get("limit_parts")),
               "Mean % change against dense over paired repetitions (the same cell served to each arm in turn, dense "
-              "first), ± the 95% t half-width; negative is better, except request throughput. Verdicts need "
+              "first), ± the 95% t half-width; negative is better, except request throughput. A rate's "
+              "geometric mean change (the per-repetition ratios' geometric mean) stands beside it, its 95% "
+              "interval in brackets. Verdicts need "
               "n >= 2. Here the routed arms skip with RandomSkip (r = 1, d = 0.5) on random weights against "
               "vSkipper's dense arm; the paper's figures are FlexiDepth's trained router against upstream SGLang.",
               *p99_reach(headline), ""]
