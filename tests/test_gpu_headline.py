@@ -495,6 +495,18 @@ def test_a_load_says_when_its_cells_came_from_several_server_starts_or_machines(
     assert headline.served_apart({"provenance": {"dense": headline.provenance([old]),
                                                  "arm": headline.provenance([cpu])}}) == ""
     assert headline.served_apart({}) == ""  # older documents carry none
+    # dense served in one call, the arm's every cell in the next, on another GPU: each side on one machine
+    apart = {"dense": {"starts": ["d1"], "machines": ["gpu-a"]}, "arm": {"starts": ["h1"], "machines": ["gpu-b"]}}
+    assert headline.served_apart({"provenance": apart}) == ("the cells were served on 2 machines: pairs across "
+                                                            "machines")
+    # both readings of a cell count (a start between them), and every replica's machine
+    restarted = served(HYBRID.name, 0.008, 1, "h1", "gpu-a")
+    restarted.attestation_after = {**restarted.attestation_after, "run_id": "h2",
+                                   "replicas": [{"machine": {"host": "h", "device_uuid": "gpu-a"}},
+                                                {"machine": {"host": "h", "device_uuid": "gpu-c"}}]}
+    assert headline.provenance([restarted]) == {"starts": ["h1", "h2"], "machines": ["gpu-a", "gpu-c"]}
+    restarted.attestation_after["replicas"][1] = {"machine": None}  # a replica that names none: unknown
+    assert headline.provenance([restarted])["machines"] is None
 
 
 def test_pair_load_refuses_a_cell_of_another_arm_and_gates_a_changed_length():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+import zlib
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -334,6 +335,19 @@ def test_a_cuda_runtime_names_its_device_by_uuid(monkeypatch):
     assert machine_identity("cuda:0") == {"host": platform.node(), "device_name": "NVIDIA H200",
                                           "device_uuid": "4e6b2a5c-1d2f-4c1b-9a0e-7f3d2c1b0a99"}
     assert machine_identity("cpu")["device_uuid"] is None and machine_identity(None)["device_name"] is None
+    # the runtime attests what it read of its own device, once, at its start
+    spec = ServeSpec(get_arm("dense"), 0, 0, None)
+    assert Runtime(spec, "ddllama", (2, 3), "DDLlamaForCausalLM", "cuda:0").attestation()["machine"][
+        "device_uuid"] == "4e6b2a5c-1d2f-4c1b-9a0e-7f3d2c1b0a99"
+    assert Runtime(spec, "ddllama", (2, 3), "DDLlamaForCausalLM").attestation()["machine"]["device_uuid"] is None
+
+
+def test_request_keys_are_cached_as_every_pass_of_a_request_asks_again():
+    from vskipper.sglang.runtime import request_key
+
+    request_key.cache_clear()
+    assert request_key("r-1") == request_key("r-1") == zlib.crc32(b"r-1")
+    assert request_key.cache_info().hits == 1
 
 
 def test_trained_gate_on_another_model_family_is_refused_naming_the_field():
@@ -613,7 +627,12 @@ def test_replica_attestations_merge_into_one_with_counters_summed(tmp_path):
     assert merged["prefix_cache"]["withheld_generated_kv_tokens_total"] == 0
     assert merged["arm"] == replicas[0].attestation()["arm"]
     assert [r["placement"]["replica"] for r in merged["replicas"]] == ["dp0-adp0", "dp1-adp0"]
-    assert [r["machine"] for r in merged["replicas"]] == [rt.machine for rt in replicas]  # each replica's own
+    # each replica's own machine (one host here: told apart by a device each, as on a GPU server of several)
+    parts = [json.loads(f.read_text()) for f in files]
+    for k, part in enumerate(parts):
+        part["machine"] = {**part["machine"], "device_uuid": f"gpu-{k}"}
+    assert [r["machine"]["device_uuid"] for r in merge_attestations(parts)["replicas"]] == ["gpu-0", "gpu-1"]
+    assert [r["machine"] for r in merged["replicas"]] == [rt.machine for rt in replicas]
     single = merge_attestations([json.loads(files[0].read_text())])
     assert "replicas" not in single and single["passes_total"]["prefill"]["routed"] == 1
 

@@ -655,18 +655,22 @@ def load_doc(result: ABResult, requests: int) -> dict:
 
 
 def provenance(cells: Sequence[CellResult]) -> dict[str, list[str] | None]:
-    """Which server starts (`run_id`) and machines (the device's UUID, else the host's name) served an arm's cells,
-    from their attestations; each None where some attestation does not say (older ones name no machine)."""
+    """Which server starts (`run_id`) and machines (the device's UUID, else the host's name; every replica's of a
+    server of several) served an arm's cells, from their attestations before and after each cell; each None where
+    some attestation does not say (older ones name no machine)."""
     starts, machines = set(), set()
     said = {"starts": True, "machines": True}
+
+    def machine_of(doc: Mapping | None) -> str | None:
+        return ((doc or {}).get("device_uuid") or (doc or {}).get("host")) or None
+
     for cell in cells:
         for doc in (cell.attestation_before, cell.attestation_after):
             doc = doc or {}
-            machine = doc.get("machine") or {}
-            for field_name, value, seen in (("starts", doc.get("run_id"), starts),
-                                            ("machines", machine.get("device_uuid") or machine.get("host"), machines)):
-                if value:
-                    seen.add(value)
+            named = [machine_of(doc.get("machine"))] + [machine_of(r.get("machine")) for r in doc.get("replicas") or ()]
+            for field_name, values, seen in (("starts", [doc.get("run_id")], starts), ("machines", named, machines)):
+                if all(values):
+                    seen.update(values)
                 else:
                     said[field_name] = False
     return {"starts": sorted(starts) if said["starts"] and cells else None,

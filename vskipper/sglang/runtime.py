@@ -76,11 +76,10 @@ NAMESPACE_PREFIX = "vsk:"
 MAX_TRACKED_REQUESTS = 65536
 
 
-@lru_cache(maxsize=MAX_TRACKED_REQUESTS)
 def machine_identity(device: str | None) -> dict[str, str | None]:
     """Which machine serves: its host name and, on CUDA, the device's name and UUID. The UUID names one physical
-    GPU, so cells served by two starts on two machines of one kind tell apart by it; a host name alone may not
-    (a container's is its own)."""
+    GPU, so cells served by two starts on two machines of one kind tell apart by it; host names may not (two
+    machines may share one)."""
     out: dict[str, str | None] = {"host": platform.node() or None, "device_name": None, "device_uuid": None}
     if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device))
@@ -89,6 +88,7 @@ def machine_identity(device: str | None) -> dict[str, str | None]:
     return out
 
 
+@lru_cache(maxsize=MAX_TRACKED_REQUESTS)
 def request_key(rid: str) -> int:
     """A stable int64 key per request id (RandomSkip hashes it with the position); cached, as every pass of a
     request asks for it again."""
