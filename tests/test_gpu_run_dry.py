@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -169,6 +170,13 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
             assert cell["comparison"]["e2e_mean"]["n"] == plan.repetitions
             assert cell["comparison"]["e2e_mean"]["half_width"] is None  # one repetition: no interval
             assert cell["dense"]["e2e_mean_s"] > 0 and cell["arm"]["e2e_mean_s"] > 0
+            # each side's cells from one start of its server, both on this machine (its host's name, no GPU):
+            # nothing for the figures to say; and the makespan's rate also by its geometric change
+            sides = cell["provenance"]
+            assert len(sides["dense"]["starts"]) == len(sides["arm"]["starts"]) == 1, (key, load, sides)
+            assert sides["dense"]["machines"] == sides["arm"]["machines"] == [platform.node()], (key, load, sides)
+            assert headline.served_apart(cell) == ""
+            assert cell["geometric"]["makespan_req_s"]["n"] == plan.repetitions
             for side in ("dense", "arm"):  # each side's passes as its server's clock timed them (CPU: the host's)
                 for phase in ("prefill", "decode"):
                     spans = cell["pass_spans"][side][phase]
