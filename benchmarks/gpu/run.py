@@ -106,8 +106,10 @@ ENV_STAND_IN_OPS_RUN = "VSKIPPER_GPU_RUN_STAND_IN_OPS"
 @dataclass(frozen=True)
 class Lease:
     """What one device lease measures: 15 minutes of device time, the machine's start (a minute or more) and the
-    transfers included, in at most two calls of ten minutes. `run.sh lease-N OUTDIR --within S` runs its stages in
-    order within S seconds; a stage's `caps` bound its budget, so that the stages after it keep their time."""
+    transfers included, so one call of at most ten minutes (`--within 560`); where its stages take longer, a second
+    call on the same OUTDIR finishes them, at once on the machine still warm or later from the first call's archive
+    (`--pack`). `run.sh lease-N OUTDIR --within S` runs its stages in order within S seconds; a stage's `caps` bound
+    its budget, so that the stages after it keep their time."""
 
     name: str
     stages: tuple[str, ...]
