@@ -54,6 +54,13 @@ def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path
         assert not any(d["own"] for d in w["dense_waits"])
         assert sites == (set() if w["case"].endswith("backend read") else
                          {"sglang/srt/layers/attention/torch_native_backend.py"}), w
+    # the same passes timed, host against device: on CPU the host's alone, no span and no host-bound verdict
+    issued = report["host_issue"]
+    assert [t["case"] for t in issued] == watched
+    assert all(t[side]["host_ms"] > 0 and t[side]["device_ms"] is None and t[side]["host_bound"] is None
+               for t in issued for side in ("routed", "dense"))
+    assert report["host_issue_rule"] == {"reps": check_served.DRY_CASES["issue_reps"],
+                                         "host_bound": check_served.HOST_BOUND}
 
 
 def test_a_host_wait_in_the_served_pass_is_found_where_vskipper_makes_it(tmp_path, monkeypatch):
@@ -124,6 +131,63 @@ def test_a_wait_in_sglangs_code_counts_only_beyond_the_dense_pass_and_a_dead_wat
     assert verdict([], [read, read]) == (True, [])  # the routed decode reads no backend
     dead = check_served.wait_verdict("prefill", None, None, torch.device("cpu"), dead="nothing seen")
     assert not dead["ok"] and "not live on this build: nothing seen" in dead["error"]
+
+
+def test_issue_timing_takes_each_sides_median_and_calls_a_pass_host_bound_where_its_host_nears_the_span(
+        monkeypatch):
+    """Five warm passes a side, each within its own clock (`PassClock`: the host's issue time and the device's span,
+    faked here as no CUDA device is); the medians, and host-bound where the host took `HOST_BOUND` of the span or
+    more. A pass that cannot run is reported not timed."""
+    readings = {"routed": [(1.0, 1.05), (0.9, 1.0), (5.0, 1.0), (0.95, 1.0), (1.0, 1.1)],  # ms: (host, device)
+                "dense": [(0.3, 1.0), (0.2, 0.9), (0.25, 1.0), (0.3, 1.0), (0.2, 1.0)]}
+
+    class Clock:
+        def __init__(self, device):
+            self.host_s = self.device_s = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class FakeCase:
+        def __init__(self, side, ran):
+            self.side, self.ran = side, ran
+
+        def run(self, execution, backend=None, watch=None):
+            self.ran.append((self.side, backend))
+            watch.host_s, watch.device_s = (ms / 1e3 for ms in readings[self.side].pop(0))
+
+        def dense(self):
+            return FakeCase("dense", self.ran)
+
+    monkeypatch.setattr(check_served, "PassClock", Clock)
+    ran = []
+    out = check_served.issue_timing("prefill 1024 tokens, s=0.5", FakeCase("routed", ran), None,
+                                    torch.device("cpu"), "triton")
+    assert ran == [("routed", "triton")] * 5 + [("dense", "triton")] * 5
+    assert out["routed"] == {"host_ms": 1.0, "device_ms": 1.0, "host_bound": True}
+    assert out["dense"] == {"host_ms": 0.25, "device_ms": 1.0, "host_bound": False}
+
+    class Broken:
+        def run(self, *args, **kwargs):
+            raise RuntimeError("launch failed")
+
+    failed = check_served.issue_timing("prefill", Broken(), None, torch.device("cpu"))
+    assert not failed["ok"] and "launch failed" in failed["error"]
+    # the summary's table: each side's host and device ms, host-bound named; a pass not timed listed below it
+    report = {"device": "NVIDIA H200", "host_issue": [out, failed], "host_issue_rule": {"reps": 5, "host_bound": 0.9}}
+    lines = run.issue_lines(report)
+    assert lines[0].startswith("Host against device in one layer's warm eager pass (`check_served.issue_timing`, "
+                               "the median of 5 passes a side)")
+    assert "Where the host took 90% of the span or more, the device waited on its launches" in lines[0]
+    assert "| prefill 1024 tokens, s=0.5 | 1.000 | 1.000 (host-bound) | 0.250 | 1.000 |" in lines
+    assert "- prefill: not timed (RuntimeError: launch failed)" in lines
+    assert run.issue_lines({"device": "cpu"}) == []
+    checked = {"execution": {"decode": "triton"}, "rtol": 0.05, "ok": True,
+               "cases": [{"case": "decode 16 rows", "ok": True, "output_error": 0.004, "kv_error": 0.0}], **report}
+    assert lines[2] in run.check_lines({"sweep": {"check": {"runs": {}, "report": checked}}})  # the check's section
 
 
 @pytest.mark.parametrize("kernel,strays", [

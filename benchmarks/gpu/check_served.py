@@ -68,6 +68,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -109,8 +110,9 @@ LAYER_RTOL = 0.05
 ROUTES = {"s=0.5": RandomSkip(r=1.0, d=0.5, seed=0), "s=0": RandomSkip(r=0.0, d=0.5, seed=0)}
 # padded: the rows of a decode batch replayed from the graph SGLang captured for the next of its capture sizes
 # (`capture_size`: 121 rows replay the graph of 128; 3 the graph of 4)
-DEVICE_CASES = {"decode_rows": (16, 64, 128), "context": 1000, "prompts": ((1024,), (600, 424)), "padded": 121}
-DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7)), "padded": 3}
+DEVICE_CASES = {"decode_rows": (16, 64, 128), "context": 1000, "prompts": ((1024,), (600, 424)), "padded": 121,
+                "issue_reps": 5}
+DRY_CASES = {"decode_rows": (2, 5), "context": 12, "prompts": ((16,), (9, 7)), "padded": 3, "issue_reps": 2}
 REFERENCE_BACKEND = TORCH_NATIVE  # the reference's attention backend (none of its kernels is Triton's)
 # The stand-in ops against SGLang's torch path: two bf16 roundings apart at most (a sum in another order, then the
 # output's rounding); a wrong row, column or weight strays by whole values
@@ -376,6 +378,66 @@ def wait_verdict(name: str, case: Case, execution, device: torch.device, backend
             "dense_waits": [w._asdict() for w in dense.found], "held": [w._asdict() for w in held]}
 
 
+ISSUE_REPS = DEVICE_CASES["issue_reps"]  # warm passes a side `issue_timing` times (their median is the figure)
+HOST_BOUND = 0.9  # a pass whose host issued it in this share of the device's span or more kept the device waiting
+
+
+class PassClock:
+    """Around one eager pass (`Case.run`'s watch): the host's seconds to issue it (its launches, never waiting)
+    and, on CUDA, the device's span of it (events recorded as it starts and ends, the device idle before: the
+    span then holds whatever the device waited for the host's next launch)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host_s: float | None = None
+        self.device_s: float | None = None
+
+    def __enter__(self) -> PassClock:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.host_s = time.perf_counter() - self._t0
+        if self.cuda:
+            self._events[1].record()
+            self._events[1].synchronize()
+            self.device_s = self._events[0].elapsed_time(self._events[1]) / 1e3
+
+
+def issue_timing(name: str, case: Case, execution, device: torch.device, backend: str | None = None,
+                 reps: int = ISSUE_REPS) -> dict:
+    """Whether the host or the device sets a pass's time: the host's milliseconds to issue one warm eager pass of
+    `case` beside the device's span of it (`PassClock`), the median of `reps`, for the served execution and for
+    upstream's dense pass of the same rows through the same backend. Where the host's issue time reaches
+    `HOST_BOUND` of the device's span, the device waited on the host's launches (`host_bound`): fewer or cheaper
+    launches, not faster kernels, would shorten the pass. On CPU the device is the host: no device span."""
+
+    def timed(pass_case: Case) -> dict:
+        clocks = [PassClock(device) for _ in range(reps)]
+        for clock in clocks:
+            pass_case.run(execution, backend=backend, watch=clock)
+        host = statistics.median(c.host_s for c in clocks) * 1e3
+        span = statistics.median(c.device_s for c in clocks) * 1e3 if clocks[0].device_s is not None else None
+        return {"host_ms": round(host, 4), "device_ms": None if span is None else round(span, 4),
+                "host_bound": None if not span else host >= HOST_BOUND * span}
+
+    try:
+        routed, dense = timed(case), timed(case.dense())
+    except Exception as exc:  # noqa: BLE001 (a pass that cannot run is this case's finding)
+        return not_checked(name, exc)
+
+    def said(side: dict) -> str:
+        span = "no span" if side["device_ms"] is None else f"device {side['device_ms']:.3f} ms"
+        return f"host {side['host_ms']:.3f} ms, {span}"
+
+    print(f"  {name:72} routed: {said(routed)}; dense: {said(dense)}", flush=True)
+    return {"case": name, "ok": True, "routed": routed, "dense": dense}
+
+
 def timed_warm(layer, execution, hidden: int, dtype: torch.dtype, device: torch.device) -> dict:
     """The warm-up a served model runs when it is built (`warm_layer`), first in this process, on this layer: its
     seconds and the Triton compilations it made (`compile_watch`), built or loaded from Triton's cache: what a
@@ -567,6 +629,7 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                     torch.cat([residual, pad_residual]), route, kv0, real=rows)
 
     waits = []  # the served execution's eager passes watched for host waits (`wait_verdict`)
+    issued = []  # and timed, host against device (`issue_timing`)
     dead = report["host_waits_watch"] = live(device)  # None: the watch sees a known wait on this build
     for rows in cases["decode_rows"]:
         for arm, route in ROUTES.items():
@@ -576,6 +639,8 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
             if rows == max(cases["decode_rows"]):
                 waits.append(wait_verdict(f"decode {rows} rows, context {context}, {arm}", case, served, device,
                                           dead=dead))
+                issued.append(issue_timing(f"decode {rows} rows, context {context}, {arm}", case, served, device,
+                                           reps=cases["issue_reps"]))
             if graphs:
                 results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
                                        partial(compared, case, served, reference, True)))
@@ -610,12 +675,14 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                 through = backend if read == "backend" else None
                 results.append(verdict(name, partial(compared, case, execution, reference, backend=through)))
                 waits.append(wait_verdict(name, case, execution, device, through, dead))
+                issued.append(issue_timing(name, case, execution, device, through, cases["issue_reps"]))
     rows = (1, real, max(sum(p) for p in cases["prompts"]))  # one row, a padded decode batch's, a prefill's
     results += routes_cases(device, dtype, rows)
     results += gate_cases(device, dtype, size, rows)
     if stand_in_ops:
         results += stand_in_ops_cases(device, dtype, size, rows)
-    report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL, host_waits=waits)
+    report.update(cases=results, ok=all(r["ok"] for r in results), rtol=LAYER_RTOL, host_waits=waits,
+                  host_issue=issued, host_issue_rule={"reps": cases["issue_reps"], "host_bound": HOST_BOUND})
     return report
 
 

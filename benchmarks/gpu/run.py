@@ -1560,7 +1560,35 @@ def check_lines(results: dict) -> list[str]:
                  "routed figure below measures that execution**:", ""] + [
             f"- {c['case']}: " + (f"not checked ({c['error']})" if "error" in c else
                                  f"output {c['output_error']:.3g}, K/V {c['kv_error']:.3g}") for c in bad] + [""]
-    return lines + wait_lines(report)
+    return lines + wait_lines(report) + issue_lines(report)
+
+
+def issue_lines(report: dict) -> list[str]:
+    """Whether the host or the device set each timed pass's time (`check_served.issue_timing`): the host's ms to
+    issue one layer's warm eager pass beside the device's span of it, the served execution's and upstream's dense
+    pass of the same rows."""
+    passes = [p for p in report.get("host_issue") or () if "routed" in p]
+    failed = [p for p in report.get("host_issue") or () if "routed" not in p]
+    if not passes and not failed:
+        return []
+    rule = report.get("host_issue_rule") or {}
+    share = rule.get("host_bound")
+    head = (f"Host against device in one layer's warm eager pass (`check_served.issue_timing`, the median of "
+            f"{rule.get('reps', 'n/a')} passes a side): the host's ms to issue the pass beside the device's span of "
+            "it, the routed execution's and upstream's dense pass of the same rows. "
+            + (f"Where the host took {share:.0%} of the span or more, the device waited on its launches "
+               "(host-bound): fewer or cheaper launches, not faster kernels, would shorten that pass."
+               if report["device"] != "cpu" else "On CPU the device is the host: no span."))
+
+    def side(t: dict) -> str:
+        span = "n/a" if t["device_ms"] is None else f"{t['device_ms']:.3f}"
+        return f"{t['host_ms']:.3f} | {span}" + (" (host-bound)" if t["host_bound"] else "")
+
+    lines = [head, "", "| pass | routed host ms | routed device ms | dense host ms | dense device ms |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {p['case']} | {side(p['routed'])} | {side(p['dense'])} |" for p in passes]
+    lines += [f"- {p['case']}: not timed ({p.get('error', 'no figure')})" for p in failed]
+    return lines + [""]
 
 
 def wait_lines(report: dict) -> list[str]:
