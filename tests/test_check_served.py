@@ -135,11 +135,13 @@ def test_a_wait_in_sglangs_code_counts_only_beyond_the_dense_pass_and_a_dead_wat
 
 def test_issue_timing_takes_each_sides_median_and_calls_a_pass_host_bound_where_its_host_nears_the_span(
         monkeypatch):
-    """Five warm passes a side, each within its own clock (`PassClock`: the host's issue time and the device's span,
-    faked here as no CUDA device is); the medians, and host-bound where the host took `HOST_BOUND` of the span or
-    more. A pass that cannot run is reported not timed."""
+    """Each side run once under the host-wait watch, then timed within its own clocks (`PassClock`: the host's
+    time and the device's span, faked here as no CUDA device is); the medians, and host-bound where the median of
+    the passes' host shares of the span reaches `HOST_BOUND` in a pass that waits for nothing. A pass that waits,
+    or whose waits a dead watch cannot see, gets no verdict; one that cannot run is reported not timed."""
     readings = {"routed": [(1.0, 1.05), (0.9, 1.0), (5.0, 1.0), (0.95, 1.0), (1.0, 1.1)],  # ms: (host, device)
                 "dense": [(0.3, 1.0), (0.2, 0.9), (0.25, 1.0), (0.3, 1.0), (0.2, 1.0)]}
+    waits = {"routed": [], "dense": []}
 
     class Clock:
         def __init__(self, device):
@@ -151,24 +153,49 @@ def test_issue_timing_takes_each_sides_median_and_calls_a_pass_host_bound_where_
         def __exit__(self, *exc):
             return False
 
+    class Watch(Clock):
+        found = ()
+
     class FakeCase:
-        def __init__(self, side, ran):
-            self.side, self.ran = side, ran
+        def __init__(self, side, ran, table):
+            self.side, self.ran, self.table = side, ran, table
 
         def run(self, execution, backend=None, watch=None):
-            self.ran.append((self.side, backend))
-            watch.host_s, watch.device_s = (ms / 1e3 for ms in readings[self.side].pop(0))
+            self.ran.append((self.side, backend, type(watch).__name__))
+            if isinstance(watch, Watch):
+                watch.found = waits[self.side]
+            else:
+                watch.host_s, watch.device_s = (ms / 1e3 for ms in self.table[self.side].pop(0))
 
         def dense(self):
-            return FakeCase("dense", self.ran)
+            return FakeCase("dense", self.ran, self.table)
 
     monkeypatch.setattr(check_served, "PassClock", Clock)
-    ran = []
-    out = check_served.issue_timing("prefill 1024 tokens, s=0.5", FakeCase("routed", ran), None,
-                                    torch.device("cpu"), "triton")
-    assert ran == [("routed", "triton")] * 5 + [("dense", "triton")] * 5
-    assert out["routed"] == {"host_ms": 1.0, "device_ms": 1.0, "host_bound": True}
-    assert out["dense"] == {"host_ms": 0.25, "device_ms": 1.0, "host_bound": False}
+    monkeypatch.setattr(check_served, "host_waits", lambda device: Watch(device))
+
+    def timing(dead=None):
+        ran = []
+        table = {side: list(values) for side, values in readings.items()}
+        out = check_served.issue_timing("prefill 1024 tokens, s=0.5", FakeCase("routed", ran, table), None,
+                                        torch.device("cpu"), None, "triton", dead=dead)
+        # each side watched once, then timed 5 times, the dense side through the servers' backend
+        assert ran == ([("routed", None, "Watch")] + [("routed", None, "Clock")] * 5 + [("dense", "triton", "Watch")]
+                       + [("dense", "triton", "Clock")] * 5)
+        return out
+
+    out = timing()
+    assert out["routed"] == {"backend": None, "waits": 0, "host_ms": 1.0, "device_ms": 1.0, "host_share": 0.95,
+                             "host_bound": True}
+    assert out["dense"] == {"backend": "triton", "waits": 0, "host_ms": 0.25, "device_ms": 1.0, "host_share": 0.25,
+                            "host_bound": False}
+    waits["dense"] = ["a read"]  # a dense pass that waits: its host time holds the device's, no verdict
+    waited = timing()["dense"]
+    assert waited["waits"] == 1 and waited["host_bound"] is None
+    waits["dense"] = []
+    blind = timing(dead="nothing seen")["routed"]
+    assert blind["waits"] is None and blind["host_bound"] is None and blind["host_share"] == 0.95
+    readings["routed"] = [(0.9, 1.0)] * 5  # exactly at the share: host-bound
+    assert timing()["routed"]["host_bound"] is True
 
     class Broken:
         def run(self, *args, **kwargs):
@@ -176,18 +203,57 @@ def test_issue_timing_takes_each_sides_median_and_calls_a_pass_host_bound_where_
 
     failed = check_served.issue_timing("prefill", Broken(), None, torch.device("cpu"))
     assert not failed["ok"] and "launch failed" in failed["error"]
-    # the summary's table: each side's host and device ms, host-bound named; a pass not timed listed below it
+    # the summary's table: each side's host and device ms, host-bound named, its waits; a pass not timed below
     report = {"device": "NVIDIA H200", "host_issue": [out, failed], "host_issue_rule": {"reps": 5, "host_bound": 0.9}}
     lines = run.issue_lines(report)
     assert lines[0].startswith("Host against device in one layer's warm eager pass (`check_served.issue_timing`, "
                                "the median of 5 passes a side)")
-    assert "Where the host took 90% of the span or more, the device waited on its launches" in lines[0]
-    assert "| prefill 1024 tokens, s=0.5 | 1.000 | 1.000 (host-bound) | 0.250 | 1.000 |" in lines
-    assert "- prefill: not timed (RuntimeError: launch failed)" in lines
+    assert "Where the host took 90% of the span or more in a pass that waits for nothing" in lines[0]
+    assert "| prefill 1024 tokens, s=0.5 | 1.000 | 1.000 (host-bound) | 0 | 0.250 | 1.000 | 0 |" in lines
+    assert lines[-3:] == ["", "- prefill: not timed (RuntimeError: launch failed)", ""]
     assert run.issue_lines({"device": "cpu"}) == []
+    only_failed = run.issue_lines({"device": "NVIDIA H200", "host_issue": [failed]})  # no rule, no table
+    assert "Where the host took most of the span" in only_failed[0] and not any("|" in line for line in only_failed)
     checked = {"execution": {"decode": "triton"}, "rtol": 0.05, "ok": True,
                "cases": [{"case": "decode 16 rows", "ok": True, "output_error": 0.004, "kv_error": 0.0}], **report}
     assert lines[2] in run.check_lines({"sweep": {"check": {"runs": {}, "report": checked}}})  # the check's section
+
+
+def test_the_pass_clock_times_from_an_idle_device_and_takes_the_host_before_the_end(monkeypatch):
+    """On CUDA (faked: the calls' order is what counts), the clock waits for the device to idle, records its
+    start event, then starts the host's clock; at the end it reads the host's clock before it records the end
+    event and waits for it. A pass that raised records nothing more: its own error stands."""
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.name = f"event{sum(c.startswith('new') for c in calls)}"
+            calls.append(f"new {self.name}")
+
+        def record(self):
+            calls.append(f"record {self.name}")
+
+        def synchronize(self):
+            calls.append(f"synchronize {self.name}")
+
+        def elapsed_time(self, end):
+            calls.append("elapsed")
+            return 2.0
+
+    ticks = iter((10.0, 10.001))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("synchronize device"))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(check_served.time, "perf_counter", lambda: (calls.append("host clock"), next(ticks))[1])
+    with check_served.PassClock(torch.device("cuda")) as clock:
+        calls.append("pass")
+    assert calls == ["synchronize device", "new event0", "new event1", "record event0", "host clock", "pass",
+                     "host clock", "record event1", "synchronize event1", "elapsed"]
+    assert clock.host_s == pytest.approx(0.001) and clock.device_s == pytest.approx(0.002)
+    calls.clear()
+    ticks = iter((0.0, 1.0))
+    with pytest.raises(RuntimeError, match="the pass"), check_served.PassClock(torch.device("cuda")) as failed:
+        raise RuntimeError("the pass")
+    assert "record event1" not in calls and failed.device_s is None
 
 
 @pytest.mark.parametrize("kernel,strays", [

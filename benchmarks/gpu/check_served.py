@@ -383,9 +383,9 @@ HOST_BOUND = 0.9  # a pass whose host issued it in this share of the device's sp
 
 
 class PassClock:
-    """Around one eager pass (`Case.run`'s watch): the host's seconds to issue it (its launches, never waiting)
-    and, on CUDA, the device's span of it (events recorded as it starts and ends, the device idle before: the
-    span then holds whatever the device waited for the host's next launch)."""
+    """Around one eager pass (`Case.run`'s watch): the host's seconds from its start to its last launch issued
+    (and any wait inside it) and, on CUDA, the device's span of it (events recorded as it starts and ends, the
+    device idle before: the span then holds whatever the device waited for the host's next launch)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -400,39 +400,52 @@ class PassClock:
         self._t0 = time.perf_counter()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> bool:
         self.host_s = time.perf_counter() - self._t0
-        if self.cuda:
+        if self.cuda and exc_type is None:  # a failed pass's error stands (a CUDA error would make these raise)
             self._events[1].record()
             self._events[1].synchronize()
             self.device_s = self._events[0].elapsed_time(self._events[1]) / 1e3
+        return False
 
 
 def issue_timing(name: str, case: Case, execution, device: torch.device, backend: str | None = None,
-                 reps: int = ISSUE_REPS) -> dict:
+                 dense_backend: str | None = None, reps: int = ISSUE_REPS, dead: str | None = None) -> dict:
     """Whether the host or the device sets a pass's time: the host's milliseconds to issue one warm eager pass of
-    `case` beside the device's span of it (`PassClock`), the median of `reps`, for the served execution and for
-    upstream's dense pass of the same rows through the same backend. Where the host's issue time reaches
-    `HOST_BOUND` of the device's span, the device waited on the host's launches (`host_bound`): fewer or cheaper
-    launches, not faster kernels, would shorten the pass. On CPU the device is the host: no device span."""
+    `case` beside the device's span of it (`PassClock`), the median of `reps`, for the served execution (through
+    `backend`) and for upstream's dense pass of the same rows (through `dense_backend`: the servers' attention
+    backend, as a dense server reads), each side first run once more under the host-wait watch
+    (`host_waits`). Where the host took `HOST_BOUND` of the device's span or more (the median of the passes'
+    shares) in a pass that waits for nothing, the device waited on the host's launches (`host_bound`): fewer or
+    cheaper launches, not faster kernels, would shorten the pass. A pass that waits, or whose waits the watch
+    cannot see (`dead`), gets no verdict: its host time holds the device's. On CPU the device is the host: no
+    span, no verdict."""
 
-    def timed(pass_case: Case) -> dict:
+    def timed(pass_case: Case, through: str | None) -> dict:
+        watch = host_waits(device)
+        pass_case.run(execution, backend=through, watch=watch)
+        waits = None if dead else len(watch.found)
         clocks = [PassClock(device) for _ in range(reps)]
         for clock in clocks:
-            pass_case.run(execution, backend=backend, watch=clock)
-        host = statistics.median(c.host_s for c in clocks) * 1e3
-        span = statistics.median(c.device_s for c in clocks) * 1e3 if clocks[0].device_s is not None else None
-        return {"host_ms": round(host, 4), "device_ms": None if span is None else round(span, 4),
-                "host_bound": None if not span else host >= HOST_BOUND * span}
+            pass_case.run(execution, backend=through, watch=clock)
+        host = statistics.median(c.host_s for c in clocks)
+        share = (round(statistics.median(c.host_s / c.device_s for c in clocks), 4)  # the verdict reads it so
+                 if all(c.device_s for c in clocks) else None)
+        span = statistics.median(c.device_s for c in clocks) if share is not None else None
+        return {"backend": through, "waits": waits, "host_ms": round(host * 1e3, 4),
+                "device_ms": None if span is None else round(span * 1e3, 4),
+                "host_share": share,
+                "host_bound": None if share is None or waits != 0 else share >= HOST_BOUND}
 
     try:
-        routed, dense = timed(case), timed(case.dense())
+        routed, dense = timed(case, backend), timed(case.dense(), dense_backend)
     except Exception as exc:  # noqa: BLE001 (a pass that cannot run is this case's finding)
         return not_checked(name, exc)
 
     def said(side: dict) -> str:
         span = "no span" if side["device_ms"] is None else f"device {side['device_ms']:.3f} ms"
-        return f"host {side['host_ms']:.3f} ms, {span}"
+        waits = "waits not seen" if side["waits"] is None else f"{side['waits']} waits"
+        return f"host {side['host_ms']:.3f} ms, {span}, {waits}" + (", host-bound" if side["host_bound"] else "")
 
     print(f"  {name:72} routed: {said(routed)}; dense: {said(dense)}", flush=True)
     return {"case": name, "ok": True, "routed": routed, "dense": dense}
@@ -640,7 +653,7 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                 waits.append(wait_verdict(f"decode {rows} rows, context {context}, {arm}", case, served, device,
                                           dead=dead))
                 issued.append(issue_timing(f"decode {rows} rows, context {context}, {arm}", case, served, device,
-                                           reps=cases["issue_reps"]))
+                                           dense_backend=backend, reps=cases["issue_reps"], dead=dead))
             if graphs:
                 results.append(verdict(f"decode {rows} rows, context {context}, {arm}, CUDA graph",
                                        partial(compared, case, served, reference, True)))
@@ -675,7 +688,8 @@ def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_tabl
                 through = backend if read == "backend" else None
                 results.append(verdict(name, partial(compared, case, execution, reference, backend=through)))
                 waits.append(wait_verdict(name, case, execution, device, through, dead))
-                issued.append(issue_timing(name, case, execution, device, through, cases["issue_reps"]))
+                issued.append(issue_timing(name, case, execution, device, through, backend or through,
+                                           cases["issue_reps"], dead))
     rows = (1, real, max(sum(p) for p in cases["prompts"]))  # one row, a padded decode batch's, a prefill's
     results += routes_cases(device, dtype, rows)
     results += gate_cases(device, dtype, size, rows)

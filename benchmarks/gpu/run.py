@@ -1566,29 +1566,35 @@ def check_lines(results: dict) -> list[str]:
 def issue_lines(report: dict) -> list[str]:
     """Whether the host or the device set each timed pass's time (`check_served.issue_timing`): the host's ms to
     issue one layer's warm eager pass beside the device's span of it, the served execution's and upstream's dense
-    pass of the same rows."""
-    passes = [p for p in report.get("host_issue") or () if "routed" in p]
-    failed = [p for p in report.get("host_issue") or () if "routed" not in p]
-    if not passes and not failed:
+    pass of the same rows, each with the waits the watch saw in it."""
+    timed = report.get("host_issue") or ()
+    passes, failed = [p for p in timed if "routed" in p], [p for p in timed if "routed" not in p]
+    if not timed:
         return []
     rule = report.get("host_issue_rule") or {}
     share = rule.get("host_bound")
     head = (f"Host against device in one layer's warm eager pass (`check_served.issue_timing`, the median of "
-            f"{rule.get('reps', 'n/a')} passes a side): the host's ms to issue the pass beside the device's span of "
-            "it, the routed execution's and upstream's dense pass of the same rows. "
-            + (f"Where the host took {share:.0%} of the span or more, the device waited on its launches "
-               "(host-bound): fewer or cheaper launches, not faster kernels, would shorten that pass."
+            f"{rule.get('reps', 'n/a')} passes a side): the host's ms from the pass's start to its last launch "
+            "beside the device's span of it, the routed execution's and upstream's dense pass of the same rows "
+            "(through the servers' attention backend), each with the host waits the watch saw in it. "
+            + ((f"Where the host took {share:.0%} of the span or more" if share else "Where the host took most of "
+                "the span") + " in a pass that waits for nothing, the device waited on its launches "
+               "(host-bound): fewer or cheaper launches, not faster kernels, would shorten that pass; a pass that "
+               "waits gets no verdict (its host time holds the device's)."
                if report["device"] != "cpu" else "On CPU the device is the host: no span."))
 
     def side(t: dict) -> str:
         span = "n/a" if t["device_ms"] is None else f"{t['device_ms']:.3f}"
-        return f"{t['host_ms']:.3f} | {span}" + (" (host-bound)" if t["host_bound"] else "")
+        verdict = " (host-bound)" if t["host_bound"] else ""
+        return f"{t['host_ms']:.3f} | {span}{verdict} | {'n/a' if t.get('waits') is None else t['waits']}"
 
-    lines = [head, "", "| pass | routed host ms | routed device ms | dense host ms | dense device ms |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {p['case']} | {side(p['routed'])} | {side(p['dense'])} |" for p in passes]
+    lines = [head, ""]
+    if passes:
+        lines += ["| pass | routed host ms | routed device ms | routed waits | dense host ms | dense device ms | "
+                  "dense waits |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {p['case']} | {side(p['routed'])} | {side(p['dense'])} |" for p in passes] + [""]
     lines += [f"- {p['case']}: not timed ({p.get('error', 'no figure')})" for p in failed]
-    return lines + [""]
+    return lines + ([""] if failed else [])
 
 
 def wait_lines(report: dict) -> list[str]:
