@@ -658,23 +658,15 @@ def provenance(cells: Sequence[CellResult]) -> dict[str, list[str] | None]:
     """Which server starts (`run_id`) and machines (the device's UUID, else the host's name; every replica's of a
     server of several) served an arm's cells, from their attestations before and after each cell; each None where
     some attestation does not say (older ones name no machine)."""
-    starts, machines = set(), set()
-    said = {"starts": True, "machines": True}
 
     def machine_of(doc: Mapping | None) -> str | None:
         return ((doc or {}).get("device_uuid") or (doc or {}).get("host")) or None
 
-    for cell in cells:
-        for doc in (cell.attestation_before, cell.attestation_after):
-            doc = doc or {}
-            named = [machine_of(doc.get("machine"))] + [machine_of(r.get("machine")) for r in doc.get("replicas") or ()]
-            for field_name, values, seen in (("starts", [doc.get("run_id")], starts), ("machines", named, machines)):
-                if all(values):
-                    seen.update(values)
-                else:
-                    said[field_name] = False
-    return {"starts": sorted(starts) if said["starts"] and cells else None,
-            "machines": sorted(machines) if said["machines"] and cells else None}
+    docs = [doc or {} for cell in cells for doc in (cell.attestation_before, cell.attestation_after)]
+    starts = [doc.get("run_id") for doc in docs]
+    machines = [machine_of(m.get("machine")) for doc in docs for m in (doc, *(doc.get("replicas") or ()))]
+    return {"starts": sorted(set(starts)) if docs and all(starts) else None,
+            "machines": sorted(set(machines)) if docs and all(machines) else None}
 
 
 def served_apart(cell: Mapping) -> str:
