@@ -403,18 +403,31 @@ def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server
     clock = json.loads((out / "clock.json").read_text())
     assert clock["left"] == [] and clock["failed"] == []
     assert [tuple(s) for s in clock["shapes"]] == run.clock_shapes(plan) == [(1, 32), (1, 64), (2, 32)]
-    assert list(clock["arms"]) == list(run.CLOCK_ARMS)
-    for name, doc in clock["arms"].items():
-        assert f"{name} up and warm" in logs["clock"] and doc["served"]["arm"] == name
-        for cell, (n, length) in zip(doc["cells"], run.clock_shapes(plan), strict=True):
+    assert list(clock["arms"]) == [label for label, _, _ in run.CLOCK_SERVED]
+    shapes = run.clock_shapes(plan)
+    for (name, arm, parts), doc in zip(run.CLOCK_SERVED, clock["arms"].values(), strict=True):
+        assert f"{name} up and warm" in logs["clock"] and doc["served"]["arm"] == arm and doc["parts"] is parts
+        for cell, (n, length) in zip(doc["cells"], shapes, strict=True):
             # one pass a prompt or a round: the untimed one before fell outside the window
             assert (cell["passes"], cell["tokens"]) == (run.CLOCK_REPS, run.CLOCK_REPS * n * length) \
                 == tuple(cell["expected"].values())
             assert cell["model"] > 0 and cell["device"] is None and len(cell["answered_s_reps"]) == run.CLOCK_REPS
-            # layers 2-3 are the routed kind in every arm (dense serves them densely), 0-1 the dense kind
-            assert cell["routed"] > 0 and cell["dense"] > 0
-            assert set(run.clock_parts(cell)) >= {"routed mlp", "dense mlp", "outside"}
+            if parts:  # layers 2-3 are the routed kind in every arm (dense serves them densely), 0-1 the dense kind
+                assert cell["routed"] > 0 and cell["dense"] > 0
+                assert set(run.clock_parts(cell)) >= {"routed mlp", "dense mlp", "outside"}
+            else:  # the forward timed whole: no layer's part
+                assert cell["routed"] is None and cell["dense"] is None and set(run.clock_parts(cell)) == {"outside"}
+        # the same shapes rotated, then rotated with the clock read between: every pass in the window, none more
+        assert list(doc["sequences"]) == list(run.CLOCK_SEQUENCES)
+        for seq in doc["sequences"].values():
+            assert (seq["passes"], seq["tokens"]) == (run.CLOCK_REPS * len(shapes),
+                                                      run.CLOCK_REPS * sum(n * length for n, length in shapes)) \
+                == tuple(seq["expected"].values())
+            assert seq["model"] > 0 and len(seq["answered_s_reps"]) == run.CLOCK_REPS * len(shapes)
+            # the scheduler's own thread issued the passes (its CPU in the window, from the server's attestations)
+            assert any(t["name"] == "MainThread" and t["cpu_s"] > 0 for t in seq["threads"])
     summary = (out / "summary.md").read_text()
+    assert f"| {run.CLOCK_SPANS} | no |" in summary and f"| {run.ALWAYS} | yes |" in summary
     assert "## Where a prefill pass's host time goes (the part clock)" in summary
     assert f"| 1 x 32 | {run.ALWAYS} |" in summary
     assert f"{run.ALWAYS} against {run.CONTROL} at 2 x 32: host ms a pass by layer kind and part" in summary
@@ -439,6 +452,38 @@ def test_the_clock_section_renders_what_an_unfinished_stage_holds_and_says_what_
     assert run.clock_parts(cell) == {"routed mlp": 10.0, "outside": 2.0}
     assert run.clock_lines(None) == [] and run.clock_doubts({**cell, "passes": 3, "tokens": 3072, "late": False,
                                                              "compiles": None}) == ""
+
+
+def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_reading_between_beside_rotated():
+    """The shapes' cells weighted by their passes (a shape's passes in a row), against the rotated window, the
+    window read between passes and the one after a decode burst, each over the one before: the ratios the table
+    prints, a window whose device was not timed throughout shown without its device figure, a window missing
+    shown as n/a, and an arm without sequences (an earlier run's) left out."""
+    def window(model, device, passes=3, threads=()):
+        return {"model": model, "device": device, "passes": passes, "tokens": passes * 1024, "late": False,
+                "expected": {"passes": passes, "tokens": passes * 1024}, "compiles": None,
+                "answered_s_reps": [0.05] * passes, "threads": list(threads)}
+
+    main, writer = {"name": "MainThread", "cpu_s": 0.1}, {"name": "vskipper-state-writer", "cpu_s": 0.02}
+
+    cells = [window(40.0, 44.0, threads=[main, writer]), window(50.0, 60.0, passes=1, threads=[main])]
+    assert run.in_a_row(cells) == {"model": 42.5, "device": 48.0}
+    assert run.in_a_row([window(40.0, 44.0), window(50.0, None)])["device"] is None
+    arms = {run.ALWAYS: {"parts": True, "cells": cells,
+                         "sequences": {"rotated": window(68.0, 70.0, passes=4),
+                                       "rotated, read between": {**window(71.4, None, passes=4), "late": True},
+                                       "after a decode burst": window(80.0, 81.0, passes=4)}},
+            "dense": {"cells": cells}}
+    text = "\n".join(run.sequence_lines(arms, 3))
+    assert (f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | 80.00 | 1.12 | 48.00 | 70.00 | n/a | "
+            "81.00 | rotated, read between: a reading served late |") in text
+    # the cells' threads summed over their windows, each sequence's alone
+    assert f"| {run.ALWAYS} | in a row | 0.20 | MainThread 0.20, vskipper-state-writer 0.02 |" in text
+    assert f"| {run.ALWAYS} | rotated | 0.20 | not attested |" in text
+    del arms[run.ALWAYS]["sequences"]["after a decode burst"]  # an arm stopped before its last window
+    assert f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | n/a | n/a | 48.00 | 70.00 | n/a | n/a |" \
+        in "\n".join(run.sequence_lines(arms, 3))
+    assert "| dense |" not in text and run.sequence_lines({"dense": {"cells": cells}}, 3) == []
 
 
 def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):

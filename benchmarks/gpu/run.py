@@ -132,7 +132,7 @@ LEASES = (  # what each measures: benchmarks/gpu/README.md's table
     # tau's hybrid arm first, then the knee's ablations, at an earlier run's Q* (`--earlier`): no climb
     Lease("lease-5", ("ladder", "headline"), 720, headline_arms=("hybrid-tau", "always", "control")),
     # where a prefill pass's host time goes, part by part, in always-route, the s = 0 control and dense
-    Lease("lease-6", ("clock",), 300),
+    Lease("lease-6", ("clock",), 440),
 )
 
 
@@ -503,6 +503,13 @@ def served(server: Server) -> dict:
 def triton_compiles(server: Server) -> dict | None:
     """The Triton compilations the server counts now (its attestation's `triton_compiles`)."""
     return server.get_json("/vskipper/attestation").get("triton_compiles")
+
+
+def clock_reading(server: Server) -> tuple[dict | None, dict]:
+    """`pass_clock` and, from the same document, each thread's CPU seconds so far (`threads`:
+    `vskipper.sglang.threads.thread_cpu`; {} where the server attests none)."""
+    doc = read_answered(lambda: server.get_json("/vskipper/attestation"))
+    return headline.attested_clock(doc), (doc or {}).get("threads") or {}
 
 
 def pass_clock(server: Server) -> dict | None:
@@ -1526,7 +1533,7 @@ def check_served(plan: Plan, out: Path, stage: Stage) -> dict:
 
 def check_lines(results: dict) -> list[str]:
     """What the check of the served layer found (`check_served`), from whichever stage ran it."""
-    checks = [doc["check"] for doc in (results.get(name) for name in ("sweep", "headline"))
+    checks = [doc["check"] for doc in (results.get(name) for name in ("sweep", "headline", "clock"))
               if isinstance(doc, dict) and doc.get("check")]
     check = next((c for c in checks if c.get("report")), None)
     if check is None:  # it ran and wrote nothing, or it did not run: the routed figures are unchecked
@@ -1620,13 +1627,23 @@ def wait_lines(report: dict) -> list[str]:
         for p in waiting] + [""]
 
 
-# The part clock's arms and shapes: always-route s = 0.5, the s = 0 control and dense, in that order (a budget
-# spent leaves dense, whose prefill the sweep times too), each alone with the whole device, one prompt at a time at
-# the shortest and the third of the sweep's lengths and one round of several prompts (the sweep's first): where a
-# prefill pass's host time goes, part by part.
-CLOCK_ARMS = (ALWAYS, CONTROL, "dense")
+# The part clock's arms and shapes: always-route s = 0.5, the s = 0 control and dense, each alone with the whole
+# device, one prompt at a time at the shortest and the third of the sweep's lengths and one round of several
+# prompts (the sweep's first): where a prefill pass's host time goes, part by part. Second, right after the first,
+# always-route on a server that times its passes whole and wraps no part (`ENV_PASS_SPANS` alone, as the sweep's
+# and the headline's servers run; a budget spent leaves the control and dense, whose prefill the sweep times too):
+# on the H200 the
+# sweep's routed prefill passes took 63-72 ms of the host's launches where the part clock's took 42-44 ms at the
+# same lengths (dense: 35 ms and 52 ms). What differs is tried one factor at a time: the clock's parts (that arm),
+# the shapes in a row against rotated as the sweep rotates them, and a reading of the clock between passes as the
+# sweep reads it, and all of that after a burst of decoding as the sweep's prefill follows its decode cells
+# (`CLOCK_SEQUENCES`, every arm).
+CLOCK_SPANS = f"{ALWAYS}-spans"
+CLOCK_SERVED = ((ALWAYS, ALWAYS, True), (CLOCK_SPANS, ALWAYS, False), (CONTROL, CONTROL, True),
+                ("dense", "dense", True))  # (label, arm, parts timed), served in this order
+CLOCK_SEQUENCES = ("rotated", "rotated, read between", "after a decode burst")
 CLOCK_REPS = 3
-CLOCK_ARM_S = 75.0  # one arm on a GPU: a server of the sweep's three decode graphs ready and warm, its passes
+CLOCK_ARM_S = 85.0  # one arm on a GPU: a server of the sweep's three decode graphs ready and warm, its passes
 
 
 def clock_shapes(plan: Plan) -> list[tuple[int, int]]:
@@ -1636,53 +1653,102 @@ def clock_shapes(plan: Plan) -> list[tuple[int, int]]:
     return [(1, lengths[0]), (1, lengths[min(2, len(lengths) - 1)]), *plan.prefill_rounds[:1]]
 
 
-def clock_cells(server: Server, shapes: list[tuple[int, int]], vocab: int) -> list[dict]:
+def clock_cells(server: Server, shapes: list[tuple[int, int]], vocab: int, parts: bool = True) -> list[dict]:
     """Each shape's `CLOCK_REPS` timed prefill passes on one server, after an untimed one of the same shape (what
     a new shape compiles falls there), its part clock read right before and right after the timed ones
     (`bench_cpu.run_clock`: the host's ms a pass by layer kind and part, on a GPU its launches; the
     device's span of a pass, only where every pass of the window reached the device's clock), with the time each
     took to answer (one token out), the Triton compilations within the window and what the window should hold
     (`expected`: one pass a prompt or a round, its tokens) beside what it held. Prompts drawn apart from the
-    sweep's and the warm-up's, none a prefix of another."""
-    from benchmarks.bench_cpu import run_clock
-
-    def serve(prompts: list[list[int]]) -> float:
-        t0 = time.perf_counter()
-        if len(prompts) == 1:
-            asyncio.run(burst(server, prompts, 1))
-        else:
-            prefill_round(server, prompts)
-        return time.perf_counter() - t0
-
+    sweep's and the warm-up's, none a prefix of another. `parts` False: a server whose clock times each pass whole
+    (`ENV_PASS_SPANS` alone; its routed and dense layers' ms None)."""
     cells = []
     for i, (n, length) in enumerate(shapes):
-        serve(round_prompts(n, length, 9_000 + i, vocab))  # untimed: a new shape's compilations
-        before, compiles = pass_clock(server), triton_compiles(server)
-        if before is None or before.get("parts") is False:
-            raise RuntimeError(f"{server.url}: its attestation holds no part clock by parts (was {ENV_PART_CLOCK} "
-                               "passed to it?)")
-        seconds = [serve(round_prompts(n, length, 7_000 + r, vocab)) for r in range(CLOCK_REPS)]
-        after = pass_clock(server)
-        if after is None:
-            raise RuntimeError(f"{server.url}: its part clock went missing from its attestation")
-        clock = run_clock(before, after, "prefill")
-        if clock["device_passes"] != clock["passes"]:
-            clock["device"] = None  # a window some passes of which the device's clock did not reach
-        cells.append({"prompts": n, "answered_s": statistics.median(seconds), "answered_s_reps": seconds,
-                      "expected": {"passes": CLOCK_REPS, "tokens": CLOCK_REPS * n * length},
-                      "late": bool(before.get("late") or after.get("late")),
-                      "compiles": headline.compiles_between(compiles, triton_compiles(server)),
-                      "device_error": after.get("device_error"), **clock})
+        serve_prompts(server, round_prompts(n, length, 9_000 + i, vocab))  # untimed: a new shape's compilations
+        cells.append(clock_window(server, [(n, round_prompts(n, length, 7_000 + r, vocab)) for r in range(CLOCK_REPS)],
+                                  parts))
     return cells
 
 
+def clock_sequences(plan: Plan, server: Server, shapes: list[tuple[int, int]], vocab: int,
+                    parts: bool = True) -> dict:
+    """`CLOCK_SEQUENCES` on one server after its `clock_cells` (every shape compiled): `CLOCK_REPS` rounds over the
+    shapes, one pass of each in turn as the sweep's prefill serves its lengths, in one window of the clock
+    (`rotated`); then the same with the clock read between one pass and the next, as the sweep reads it
+    (`rotated, read between`); then once more so, after a burst that decodes together outside the window (the
+    sweep's smallest batch at its longest context, its new tokens), as the sweep's prefill follows its decode
+    cells (`after a decode burst`). Against the cells' passes of one shape after another, they tell whether the
+    shape's change from one pass to the next, the reading between them or what decoding left behind costs the
+    host. Fresh prompts throughout."""
+    windows = {}
+    # each window's seeds: prompts sharing no first token with any served before them in the dry run's vocabulary
+    # of 512 (a shared first token is a cached one: the window would prefill fewer tokens than it sent, as its
+    # doubts would then say)
+    for name, seed in zip(CLOCK_SEQUENCES, (34_000, 35_000, 40_000), strict=True):
+        if name == "after a decode burst":
+            asyncio.run(burst(server, [prompt(plan.contexts[-1], 60_000 + i, vocab) for i in range(plan.batches[0])],
+                              plan.sweep_new_tokens))
+        windows[name] = clock_window(server, [(n, round_prompts(n, length, seed + 10 * r + i, vocab))
+                                              for r in range(CLOCK_REPS) for i, (n, length) in enumerate(shapes)],
+                                     parts, read_between=name != "rotated")
+    return windows
+
+
+def serve_prompts(server: Server, prompts: list[list[int]]) -> float:
+    """Seconds until one prompt (one request) or a round of several (one request, `prefill_round`) answers its one
+    token."""
+    t0 = time.perf_counter()
+    if len(prompts) == 1:
+        asyncio.run(burst(server, prompts, 1))
+    else:
+        prefill_round(server, prompts)
+    return time.perf_counter() - t0
+
+
+def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], parts: bool,
+                 read_between: bool = False) -> dict:
+    """One window of the part clock over `passes` ((prompts, their token ids): one prefill pass each, served in
+    order), the clock read right before and right after them (with `read_between`, also after each pass but the
+    last): `bench_cpu.run_clock`'s host ms a pass by layer kind (the forward whole where the server times no
+    parts) and the device's span of a pass, only where every pass of the window reached the device's clock; the
+    time each took to answer, the Triton compilations within the window, what it should hold (`expected`), and
+    the server's threads that used the most CPU in it (`threads`, `vskipper.sglang.threads.busiest`: beside the
+    scheduler's, whose forward issues the passes, any that took the interpreter's lock from it)."""
+    from benchmarks.bench_cpu import run_clock
+    from vskipper.sglang.threads import busiest
+
+    (before, threads), compiles = clock_reading(server), triton_compiles(server)
+    if before is None or (parts and before.get("parts") is False):
+        raise RuntimeError(f"{server.url}: its attestation holds no part clock{' by parts' if parts else ''} (was "
+                           f"{ENV_PART_CLOCK if parts else ENV_PASS_SPANS} passed to it?)")
+    seconds = []
+    for j, (_, prompts) in enumerate(passes):
+        seconds.append(serve_prompts(server, prompts))
+        if read_between and j < len(passes) - 1:
+            pass_clock(server)
+    after, threads_after = clock_reading(server)
+    if after is None:
+        raise RuntimeError(f"{server.url}: its part clock went missing from its attestation")
+    clock = run_clock(before, after, "prefill")
+    if clock["device_passes"] != clock["passes"]:
+        clock["device"] = None  # a window some passes of which the device's clock did not reach
+    return {"prompts": passes[0][0], "answered_s": statistics.median(seconds), "answered_s_reps": seconds,
+            "threads": busiest(threads, threads_after),
+            "expected": {"passes": len(passes), "tokens": sum(len(p) for _, prompts in passes for p in prompts)},
+            "late": bool(before.get("late") or after.get("late")),
+            "compiles": headline.compiles_between(compiles, triton_compiles(server)),
+            "device_error": after.get("device_error"), **clock}
+
+
 def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
-    """`CLOCK_ARMS` one at a time, each server with its part clock on (its own start, the sweep's decode graphs
-    only: the other stages' servers time their passes whole): after the warm-up, `clock_cells` at `clock_shapes`.
+    """`CLOCK_SERVED` one at a time, each server with its part clock on (its own start, the sweep's decode graphs
+    only: the other stages' servers time their passes whole), and always-route again timing its passes whole
+    (`CLOCK_SPANS`): after the warm-up, `clock_cells` at `clock_shapes`, then `clock_sequences`.
     Where the routed prefill's host time goes that the control's and dense's does not, part by part (the summary's
     tables): what the H200's sweep could not tell (a 1,024-token routed prefill 10% slower than the control's
-    while its kernels summed 7% less). An arm that fails is named in `failed` and the others serve; an arm an
-    earlier call served is kept."""
+    while its kernels summed 7% less). Before its first routed server, the check of the served layer
+    (`check_served`, once per OUTDIR), whose host-against-device table times each layer's pass apart. An arm that
+    fails is named in `failed` and the others serve; an arm an earlier call served is kept."""
     stage = Stage("clock", out, budget_s)
     model = write_model(plan, out)
     arm_files = write_arms(out)
@@ -1690,7 +1756,9 @@ def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
     shapes = clock_shapes(plan)
     result: dict = {"shapes": [list(s) for s in shapes], "reps": CLOCK_REPS, "arms": {}}
     need = min(CLOCK_ARM_S, plan.start_estimate_s + 20)
-    for name in CLOCK_ARMS:
+    for name, arm, parts in CLOCK_SERVED:
+        if arm != "dense" and "check" not in result:  # before the first routed server, as the sweep's: its host
+            result["check"] = check_served(plan, out, stage)  # against device table times each layer's pass
         done = stage.out / f"{name}.json"
         if done.is_file():
             result["arms"][name] = json.loads(done.read_text())
@@ -1703,13 +1771,14 @@ def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
         try:
             with ExitStack() as stack:
                 t0 = time.monotonic()
-                server = server_for(plan, stack, model, stage.out / "servers" / name, name, arm_files,
+                server = server_for(plan, stack, model, stage.out / "servers" / name, arm, arm_files,
                                     plan.solo_mem_fraction, key=f"{name}@clock", graph_batches=plan.batches,
-                                    part_clock=True)
+                                    part_clock=parts)
                 ready(plan, [server])
                 warm_up(plan, server, vocab)
                 log(stage.name, f"{name} up and warm after {time.monotonic() - t0:.0f} s")
-                doc = {"cells": clock_cells(server, shapes, vocab), "served": served(server)}
+                doc = {"parts": parts, "cells": clock_cells(server, shapes, vocab, parts),
+                       "sequences": clock_sequences(plan, server, shapes, vocab, parts), "served": served(server)}
         except Exception as e:  # noqa: BLE001 -- the other arms still serve; the error is kept
             log(stage.name, f"{name} failed: {type(e).__name__}: {e}")
             stage.failed.append(name)
@@ -1744,8 +1813,9 @@ def clock_lines(clock: dict | None) -> list[str]:
                   "timed on the host; on a GPU that is its launches, which the device runs behind, and the device's "
                   f"span of a pass beside it), {clock['reps']} passes a shape after an untimed one, medians of the "
                   "time each took to answer. A device span about as long as the host's marks a host-bound pass; the "
-                  "clock's own calls add a few microseconds each to the host's time, in every arm alike. The routed "
-                  "layers are those the model routes (dense serves them densely).", "",
+                  "clock's own calls add to the host's time, more where more of SGLang's modules run. The routed "
+                  "layers are those the model routes (dense serves them densely); `-spans`: a server that times each "
+                  "pass whole, without the parts (its forward is `outside`).", "",
                   "| prefill | arm | answered ms | host ms a pass | routed layers | dense layers | outside | device ms "
                   "a pass | device / host | doubts |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for i, (n, length) in enumerate(clock["shapes"]):
@@ -1756,6 +1826,7 @@ def clock_lines(clock: dict | None) -> list[str]:
                              f"{_f(c['device'], '.2f')} | {_f(_over(c['device'], c['model']), '.2f')} | "
                              f"{clock_doubts(c) or '-'} |")
         lines.append("")
+    lines += sequence_lines(arms, clock["reps"])
     for name, against in CLOCK_PAIRS:
         if name not in arms or against not in arms:
             continue
@@ -1772,6 +1843,57 @@ def clock_lines(clock: dict | None) -> list[str]:
     if clock.get("left"):
         lines.append(f"Clock stage left for the next run: {', '.join(clock['left'])}")
     return lines + ([""] if failed or clock.get("left") else [])
+
+
+def in_a_row(cells: list[dict]) -> dict[str, float | None]:
+    """The host's and the device's ms a pass over an arm's shape cells together (each shape's passes in a row),
+    weighted by their passes: what `CLOCK_SEQUENCES` serve rotated."""
+    passes = sum(c["passes"] for c in cells)
+    device = None if not passes or any(c["device"] is None for c in cells) else \
+        sum(c["device"] * c["passes"] for c in cells) / passes
+    return {"model": sum(c["model"] * c["passes"] for c in cells) / passes if passes else None, "device": device}
+
+
+def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
+    """The summary's table of each arm's prefill passes in a row against rotated, and rotated with the clock read
+    between them (`clock_sequences`): which of the sweep's ways of serving its prompts costs the host."""
+    arms = {name: doc for name, doc in arms.items() if doc.get("sequences")}
+    if not arms:
+        return []
+    lines = [f"The same shapes served otherwise (`clock_sequences`, {reps} passes a shape each way, fresh prompts): "
+             "each shape's passes in a row (the cells above, together), one pass of each shape in turn (rotated, "
+             "as the sweep serves its lengths), and rotated with the clock read between passes (as the sweep reads "
+             "it), and so again after a burst that decodes together (as the sweep's prefill follows its decode "
+             "cells). Host ms a pass (the forward's launches; `-spans`: a server that times each pass whole, "
+             "without the parts, as the sweep's and the headline's servers do), each beside the one before it, "
+             "then the device's ms a pass:", "",
+             "| arm | parts timed | in a row | rotated | / in a row | read between | / rotated | after decoding "
+             "| / read between | device: in a row | rotated | read between | after decoding | doubts |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, doc in arms.items():
+        row, seq = in_a_row(doc["cells"]), doc["sequences"]
+        hosts = [row["model"], *((seq.get(k) or {}).get("model") for k in CLOCK_SEQUENCES)]
+        devices = [row["device"], *((seq.get(k) or {}).get("device") for k in CLOCK_SEQUENCES)]
+        cols = [_f(hosts[0], ".2f")] + [f"{_f(h, '.2f')} | {_f(_over(h, before), '.2f')}"
+                                        for before, h in zip(hosts, hosts[1:], strict=False)]
+        doubts = "; ".join(f"{k}: {d}" for k, c in seq.items() if (d := clock_doubts(c)))
+        lines.append(f"| {name} | {'yes' if doc.get('parts', True) else 'no'} | {' | '.join(cols)} | "
+                     f"{' | '.join(_f(d, '.2f') for d in devices)} | {doubts or '-'} |")
+    lines += ["", "The server's threads that used the most CPU in each window, beside its time to answer (the sum "
+              "of its passes' answers; `vskipper.sglang.threads`: a thread that runs while the scheduler's forward "
+              "issues a pass takes the interpreter's lock from it at every launch that releases it, as Triton's "
+              "do):", "", "| arm | window | answered s | threads (CPU s) |", "|---|---|---:|---|"]
+    for name, doc in arms.items():
+        windows = [("in a row", doc["cells"])] + [(k, [c]) for k, c in doc["sequences"].items()]
+        for window, cells in windows:
+            used: dict[str, float] = {}
+            for c in cells:
+                for t in c.get("threads") or ():
+                    used[t["name"]] = used.get(t["name"], 0.0) + t["cpu_s"]
+            top = sorted(used.items(), key=lambda kv: -kv[1])[:4]
+            lines.append(f"| {name} | {window} | {sum(sum(c['answered_s_reps']) for c in cells):.2f} | "
+                         f"{', '.join(f'{t} {s:.2f}' for t, s in top) or 'not attested'} |")
+    return lines + [""]
 
 
 def clock_doubts(cell: dict) -> str:

@@ -55,7 +55,7 @@ from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.deferred import DeferredReads
 from vskipper.mixed.plan_buffers import expand_rows
 from vskipper.mixed.tape import RouteTape, tape_capacity
-from vskipper.sglang import active, compile_watch, executed, stand_in_ops
+from vskipper.sglang import active, compile_watch, executed, stand_in_ops, threads
 from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
 from vskipper.sglang.part_times import CONTROL_PHASES
 from vskipper.sglang.replicas import ENV_RUN_ID, Placement, read_state_request
@@ -708,6 +708,7 @@ class Runtime:
                           "attn_dp_rank": self.placement.attn_dp_rank},
             "run_id": os.environ.get(ENV_RUN_ID),
             "machine": self.machine,
+            "threads": threads.thread_cpu(),  # each thread's CPU so far: what ran beside the forward's
             "started": self.started,
             "updated": time.time(),
             "state_request": self.state_request,

@@ -1,0 +1,47 @@
+"""The CPU time each thread of this process has used, for the attestation (`threads`).
+
+A forward pass's host time is its thread's launches, and a Python thread holds the interpreter's lock while it
+runs: another thread of the scheduler's process that burns CPU during a pass takes that lock at each launch that
+releases it (Triton's launcher releases it around every launch; torch's operators do not). Two readings of this
+table, before and after a window of passes, say which threads ran beside the forward's and for how long.
+
+Read from Linux's `/proc/self/task/<tid>/stat` (user and system time, in clock ticks); a thread Python started is
+named as Python names it, any other (torch's, the CUDA driver's) by its kernel name. Elsewhere the table is empty.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+TASKS = Path("/proc/self/task")
+
+
+def thread_cpu(tasks: Path = TASKS) -> dict[str, dict[str, float | str]]:
+    """{native thread id: {"name", "cpu_s"}} for every thread of this process now; {} where /proc has none."""
+    try:
+        tids = os.listdir(tasks)
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return {}
+    named = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    table: dict[str, dict[str, float | str]] = {}
+    for tid in tids:
+        try:
+            stat = (tasks / tid / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        close = stat.rindex(")")
+        fields = stat[close + 2:].split()  # from the third field (the state) on: utime and stime are the 14th, 15th
+        table[tid] = {"name": named.get(int(tid), stat[stat.index("(") + 1:close]),
+                      "cpu_s": (int(fields[11]) + int(fields[12])) / tick}
+    return table
+
+
+def busiest(before: dict, after: dict, top: int = 4) -> list[dict[str, float | str]]:
+    """The threads that used the most CPU between two readings (`thread_cpu`), most first, at most `top`: each
+    its name and CPU seconds between them (a thread started between them counts from zero)."""
+    used = [{"name": now["name"], "cpu_s": now["cpu_s"] - before.get(tid, {}).get("cpu_s", 0.0)}
+            for tid, now in after.items()]
+    return sorted((u for u in used if u["cpu_s"] > 0), key=lambda u: -u["cpu_s"])[:top]
