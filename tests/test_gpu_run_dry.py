@@ -464,7 +464,8 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
                 "expected": {"passes": passes, "tokens": passes * 1024}, "compiles": None,
                 "answered_s_reps": [0.05] * passes, "threads": list(threads)}
 
-    main, writer = {"name": "MainThread", "cpu_s": 0.1}, {"name": "vskipper-state-writer", "cpu_s": 0.02}
+    main = {"name": "MainThread", "cpu_s": 0.1, "waits": 40}
+    writer = {"name": "vskipper-state-writer", "cpu_s": 0.02, "waits": 7}
 
     cells = [window(40.0, 44.0, threads=[main, writer]), window(50.0, 60.0, passes=1, threads=[main])]
     assert run.in_a_row(cells) == {"model": 42.5, "device": 48.0}
@@ -478,8 +479,9 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
     assert (f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | 80.00 | 1.12 | 48.00 | 70.00 | n/a | "
             "81.00 | rotated, read between: a reading served late |") in text
     # the cells' threads summed over their windows, each sequence's alone
-    assert f"| {run.ALWAYS} | in a row | 0.20 | MainThread 0.20, vskipper-state-writer 0.02 |" in text
-    assert f"| {run.ALWAYS} | rotated | 0.20 | not attested |" in text
+    assert (f"| {run.ALWAYS} | in a row | 0.20 | 4 | MainThread 0.20 s, 80 waits, vskipper-state-writer 0.02 s, "
+            "7 waits |") in text
+    assert f"| {run.ALWAYS} | rotated | 0.20 | 4 | not attested |" in text
     del arms[run.ALWAYS]["sequences"]["after a decode burst"]  # an arm stopped before its last window
     assert f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | n/a | n/a | 48.00 | 70.00 | n/a | n/a |" \
         in "\n".join(run.sequence_lines(arms, 3))

@@ -31,6 +31,7 @@ def test_a_thread_that_burns_cpu_between_two_readings_is_the_busiest_under_its_p
     assert before[main]["name"] == "MainThread" and before[main]["cpu_s"] > 0
     top = threads.busiest(before, now)
     assert any(t["name"] == "spinner" and t["cpu_s"] >= 0.05 for t in top)  # started between them: from zero
+    assert now[main]["waits"] >= before[main]["waits"] > 0  # the main thread slept between the readings
     assert [t["cpu_s"] for t in top] == sorted((t["cpu_s"] for t in top), reverse=True)
 
 
@@ -41,9 +42,15 @@ def test_the_table_parses_a_kernel_name_with_spaces_and_parentheses_and_skips_a_
     (tmp_path / "101").mkdir()
     (tmp_path / "101" / "stat").write_text("101 (cuda (evt) 1) S 1 1 1 0 -1 4194560 10 0 0 0 250 50 0 0 20 0 9 0 "
                                            "1 2 3\n")
+    (tmp_path / "101" / "status").write_text("Name:\tcuda (evt) 1\nvoluntary_ctxt_switches:\t17\n"
+                                             "nonvoluntary_ctxt_switches:\t3\n")
     (tmp_path / "102").mkdir()  # no stat: the thread ended between the listing and the read
     table = threads.thread_cpu(tmp_path)
     tick = os.sysconf("SC_CLK_TCK")
-    assert table == {"101": {"name": "cuda (evt) 1", "cpu_s": 300 / tick}}
+    assert table == {"101": {"name": "cuda (evt) 1", "cpu_s": 300 / tick, "waits": 17}}
     assert threads.thread_cpu(tmp_path / "absent") == {}
-    assert threads.busiest({"101": {"name": "x", "cpu_s": 1.0}}, {"101": {"name": "x", "cpu_s": 1.0}}) == []
+    assert threads.busiest({"101": {"name": "x", "cpu_s": 1.0, "waits": 2}},
+                           {"101": {"name": "x", "cpu_s": 1.0, "waits": 9}}) == []  # waited, used no CPU
+    assert threads.busiest({"101": {"name": "x", "cpu_s": 1.0, "waits": 2}},
+                           {"101": {"name": "x", "cpu_s": 1.5, "waits": 9}}) == [{"name": "x", "cpu_s": 0.5,
+                                                                                    "waits": 7}]

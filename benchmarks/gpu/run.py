@@ -1880,19 +1880,24 @@ def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
         lines.append(f"| {name} | {'yes' if doc.get('parts', True) else 'no'} | {' | '.join(cols)} | "
                      f"{' | '.join(_f(d, '.2f') for d in devices)} | {doubts or '-'} |")
     lines += ["", "The server's threads that used the most CPU in each window, beside its time to answer (the sum "
-              "of its passes' answers; `vskipper.sglang.threads`: a thread that runs while the scheduler's forward "
-              "issues a pass takes the interpreter's lock from it at every launch that releases it, as Triton's "
-              "do):", "", "| arm | window | answered s | threads (CPU s) |", "|---|---|---:|---|"]
+              "of its passes' answers) and its passes; each thread's CPU seconds, then how often it gave up the "
+              "processor to wait (`vskipper.sglang.threads`: a thread that runs while the scheduler's forward "
+              "issues a pass takes the interpreter's lock from it at every launch that releases it, as Triton's do, "
+              "and the forward then waits for it once each time):", "",
+              "| arm | window | answered s | passes | threads (CPU s, waits) |", "|---|---|---:|---:|---|"]
     for name, doc in arms.items():
         windows = [("in a row", doc["cells"])] + [(k, [c]) for k, c in doc["sequences"].items()]
         for window, cells in windows:
-            used: dict[str, float] = {}
+            used: dict[str, list] = {}
             for c in cells:
                 for t in c.get("threads") or ():
-                    used[t["name"]] = used.get(t["name"], 0.0) + t["cpu_s"]
-            top = sorted(used.items(), key=lambda kv: -kv[1])[:4]
+                    u = used.setdefault(t["name"], [0.0, 0])
+                    u[0] += t["cpu_s"]
+                    u[1] += t.get("waits", 0)
+            top = sorted(used.items(), key=lambda kv: -kv[1][0])[:4]
             lines.append(f"| {name} | {window} | {sum(sum(c['answered_s_reps']) for c in cells):.2f} | "
-                         f"{', '.join(f'{t} {s:.2f}' for t, s in top) or 'not attested'} |")
+                         f"{sum(c['passes'] for c in cells)} | "
+                         f"{', '.join(f'{t} {s:.2f} s, {w} waits' for t, (s, w) in top) or 'not attested'} |")
     return lines + [""]
 
 

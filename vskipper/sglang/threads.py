@@ -5,8 +5,11 @@ runs: another thread of the scheduler's process that burns CPU during a pass tak
 releases it (Triton's launcher releases it around every launch; torch's operators do not). Two readings of this
 table, before and after a window of passes, say which threads ran beside the forward's and for how long.
 
-Read from Linux's `/proc/self/task/<tid>/stat` (user and system time, in clock ticks); a thread Python started is
-named as Python names it, any other (torch's, the CUDA driver's) by its kernel name. Elsewhere the table is empty.
+Read from Linux's `/proc/self/task/<tid>/stat` (user and system time, in clock ticks) and `status` (how often the
+thread gave up the processor to wait: for the interpreter's lock, another lock, I/O or a sleep, `waits`); a thread
+Python started is named as Python names it, any other (torch's, the CUDA driver's) by its kernel name. A forward
+that loses the interpreter's lock at its launches waits once for each, where one that keeps it waits for nothing.
+Elsewhere the table is empty.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ TASKS = Path("/proc/self/task")
 
 
 def thread_cpu(tasks: Path = TASKS) -> dict[str, dict[str, float | str]]:
-    """{native thread id: {"name", "cpu_s"}} for every thread of this process now; {} where /proc has none."""
+    """{native thread id: {"name", "cpu_s", "waits"}} for every thread of this process now; {} where /proc has
+    none."""
     try:
         tids = os.listdir(tasks)
         tick = os.sysconf("SC_CLK_TCK")
@@ -30,18 +34,21 @@ def thread_cpu(tasks: Path = TASKS) -> dict[str, dict[str, float | str]]:
     for tid in tids:
         try:
             stat = (tasks / tid / "stat").read_text()
+            status = (tasks / tid / "status").read_text()
         except OSError:  # the thread ended meanwhile
             continue
         close = stat.rindex(")")
         fields = stat[close + 2:].split()  # from the third field (the state) on: utime and stime are the 14th, 15th
+        waits = next((int(line.split()[1]) for line in status.splitlines()
+                      if line.startswith("voluntary_ctxt_switches:")), 0)
         table[tid] = {"name": named.get(int(tid), stat[stat.index("(") + 1:close]),
-                      "cpu_s": (int(fields[11]) + int(fields[12])) / tick}
+                      "cpu_s": (int(fields[11]) + int(fields[12])) / tick, "waits": waits}
     return table
 
 
 def busiest(before: dict, after: dict, top: int = 4) -> list[dict[str, float | str]]:
     """The threads that used the most CPU between two readings (`thread_cpu`), most first, at most `top`: each
-    its name and CPU seconds between them (a thread started between them counts from zero)."""
-    used = [{"name": now["name"], "cpu_s": now["cpu_s"] - before.get(tid, {}).get("cpu_s", 0.0)}
-            for tid, now in after.items()]
+    its name, CPU seconds and waits between them (a thread started between them counts from zero)."""
+    used = [{"name": now["name"], "cpu_s": now["cpu_s"] - before.get(tid, {}).get("cpu_s", 0.0),
+             "waits": now.get("waits", 0) - before.get(tid, {}).get("waits", 0)} for tid, now in after.items()]
     return sorted((u for u in used if u["cpu_s"] > 0), key=lambda u: -u["cpu_s"])[:top]
