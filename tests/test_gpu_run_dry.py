@@ -393,15 +393,17 @@ def test_kernels_stage_writes_the_bench_figures_with_the_tuned_table(dry_run):
 
 
 def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server_with_its_part_clock(dry_run):
-    """Always-route, the control and dense each on its own server with its part clock on: at each shape (one prompt
-    of the sweep's shortest length, one of its third, its first round) one pass a prompt or a round after an
-    untimed one, the host's ms a pass by layer kind (the routed kind: the layers the model routes, which dense
-    serves densely), each part's seconds, and the summary's tables: the arms side by side, then always-route's
-    parts beside the control's and dense's."""
+    """Always-route, the control and dense each on its own server with its part clock on, and always-route again
+    timing its passes whole: at each shape (one prompt of the sweep's shortest length, one of its third, its first
+    round) one pass a prompt or a round after an untimed one, the host's ms a pass by layer kind (the routed kind:
+    the layers the model routes, which dense serves densely), each part's seconds; then the shapes rotated, read
+    between and after a decode burst, each window with the server's busiest threads; and the summary's tables.
+    The check of the served layer comes first (here the sweep's, in the same folder, stands)."""
     out, logs = dry_run
     plan = run.Plan.dry()
     clock = json.loads((out / "clock.json").read_text())
     assert clock["left"] == [] and clock["failed"] == []
+    assert clock["check"]["runs"]["check-served"]["earlier_run"] and clock["check"]["report"]["cases"]
     assert [tuple(s) for s in clock["shapes"]] == run.clock_shapes(plan) == [(1, 32), (1, 64), (2, 32)]
     assert list(clock["arms"]) == [label for label, _, _ in run.CLOCK_SERVED]
     shapes = run.clock_shapes(plan)
@@ -464,10 +466,11 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
                 "expected": {"passes": passes, "tokens": passes * 1024}, "compiles": None,
                 "answered_s_reps": [0.05] * passes, "threads": list(threads)}
 
-    main = {"name": "MainThread", "cpu_s": 0.1, "waits": 40}
-    writer = {"name": "vskipper-state-writer", "cpu_s": 0.02, "waits": 7}
+    main = {"tid": "1", "name": "MainThread", "cpu_s": 0.1, "waits": 40}
+    writer = {"tid": "2", "name": "vskipper-state-writer", "cpu_s": 0.02, "waits": 7}
+    twin = {"tid": "3", "name": "vskipper-state-writer", "cpu_s": 0.01, "waits": 1}  # named alike, apart
 
-    cells = [window(40.0, 44.0, threads=[main, writer]), window(50.0, 60.0, passes=1, threads=[main])]
+    cells = [window(40.0, 44.0, threads=[main, writer, twin]), window(50.0, 60.0, passes=1, threads=[main])]
     assert run.in_a_row(cells) == {"model": 42.5, "device": 48.0}
     assert run.in_a_row([window(40.0, 44.0), window(50.0, None)])["device"] is None
     arms = {run.ALWAYS: {"parts": True, "cells": cells,
@@ -480,7 +483,7 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
             "81.00 | rotated, read between: a reading served late |") in text
     # the cells' threads summed over their windows, each sequence's alone
     assert (f"| {run.ALWAYS} | in a row | 0.20 | 4 | MainThread 0.20 s, 80 waits, vskipper-state-writer 0.02 s, "
-            "7 waits |") in text
+            "7 waits, vskipper-state-writer 0.01 s, 1 waits |") in text
     assert f"| {run.ALWAYS} | rotated | 0.20 | 4 | not attested |" in text
     del arms[run.ALWAYS]["sequences"]["after a decode burst"]  # an arm stopped before its last window
     assert f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | n/a | n/a | 48.00 | 70.00 | n/a | n/a |" \

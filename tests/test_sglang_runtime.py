@@ -658,9 +658,9 @@ def test_a_server_runtime_writes_its_state_off_the_forward_path_and_fresh_for_ea
     writers = []
     write = rt.write_state
 
-    def recorded(*args):
+    def recorded(*args, **kwargs):
         writers.append(threading.current_thread().name)
-        write(*args)
+        write(*args, **kwargs)
 
     rt.write_state = recorded
     rt.start_state_writer()
@@ -672,6 +672,12 @@ def test_a_server_runtime_writes_its_state_off_the_forward_path_and_fresh_for_ea
     assert att["passes_total"]["prefill"] == {"dense": 0, "routed": 1}
     assert att["answered"] is True
     assert writers and set(writers) == {"vskipper-state-writer"}
+    # a document a reader asked for holds this process's threads' CPU (read outside the state lock), the writer's
+    # own among them; one written for no reader does not read them
+    names = {t["name"] for t in att["threads"].values()}
+    assert {"MainThread", "vskipper-state-writer"} <= names
+    assert all(t["cpu_s"] >= 0 and t["waits"] >= 0 for t in att["threads"].values())
+    assert json.loads(rt.state_document())["threads"] is None
 
 
 def test_a_read_no_writer_answers_in_time_is_served_the_latest_state_marked_unanswered(tmp_path):

@@ -131,7 +131,8 @@ LEASES = (  # what each measures: benchmarks/gpu/README.md's table
     Lease("lease-4", ("ladder", "headline", "kernels"), 670, headline_arms=("hybrid-tau",)),  # tau's hybrid arm
     # tau's hybrid arm first, then the knee's ablations, at an earlier run's Q* (`--earlier`): no climb
     Lease("lease-5", ("ladder", "headline"), 720, headline_arms=("hybrid-tau", "always", "control")),
-    # where a prefill pass's host time goes, part by part, in always-route, the s = 0 control and dense
+    # where a prefill pass's host time goes, part by part, in always-route, the s = 0 control and dense, and what of
+    # the sweep's way of serving makes a routed pass's launches take longer (always-route timed whole too)
     Lease("lease-6", ("clock",), 440),
 )
 
@@ -1632,9 +1633,9 @@ def wait_lines(report: dict) -> list[str]:
 # prompts (the sweep's first): where a prefill pass's host time goes, part by part. Second, right after the first,
 # always-route on a server that times its passes whole and wraps no part (`ENV_PASS_SPANS` alone, as the sweep's
 # and the headline's servers run; a budget spent leaves the control and dense, whose prefill the sweep times too):
-# on the H200 the
-# sweep's routed prefill passes took 63-72 ms of the host's launches where the part clock's took 42-44 ms at the
-# same lengths (dense: 35 ms and 52 ms). What differs is tried one factor at a time: the clock's parts (that arm),
+# on the H200 the sweep's routed prefill passes took 62-73 ms of the host's launches at 1-4k tokens (dense's 35-38
+# up to 2k), where the part clock's took 41-45 ms at 1-2k (dense's 37-59, its parts timed). What differs is tried
+# one factor at a time: the clock's parts (that arm),
 # the shapes in a row against rotated as the sweep rotates them, and a reading of the clock between passes as the
 # sweep reads it, and all of that after a burst of decoding as the sweep's prefill follows its decode cells
 # (`CLOCK_SEQUENCES`, every arm).
@@ -1737,13 +1738,13 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
             "expected": {"passes": len(passes), "tokens": sum(len(p) for _, prompts in passes for p in prompts)},
             "late": bool(before.get("late") or after.get("late")),
             "compiles": headline.compiles_between(compiles, triton_compiles(server)),
-            "device_error": after.get("device_error"), **clock}
+            "device_error": (after.get("errors") or {}).get("device"), **clock}
 
 
 def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
-    """`CLOCK_SERVED` one at a time, each server with its part clock on (its own start, the sweep's decode graphs
-    only: the other stages' servers time their passes whole), and always-route again timing its passes whole
-    (`CLOCK_SPANS`): after the warm-up, `clock_cells` at `clock_shapes`, then `clock_sequences`.
+    """`CLOCK_SERVED` one at a time, each on its own server (its own start, the sweep's decode graphs only) with its
+    part clock on, but for `CLOCK_SPANS`, always-route timing its passes whole as the other stages' servers do:
+    after the warm-up, `clock_cells` at `clock_shapes`, then `clock_sequences`.
     Where the routed prefill's host time goes that the control's and dense's does not, part by part (the summary's
     tables): what the H200's sweep could not tell (a 1,024-token routed prefill 10% slower than the control's
     while its kernels summed 7% less). Before its first routed server, the check of the served layer
@@ -1802,8 +1803,9 @@ CLOCK_PAIRS = ((ALWAYS, CONTROL), (ALWAYS, "dense"), (CONTROL, "dense"))  # (arm
 
 def clock_lines(clock: dict | None) -> list[str]:
     """The summary's section of the clock stage: each arm's prefill pass per shape (host ms by layer kind, the
-    device's span, and whatever makes a window doubtful), then always-route's host time by part beside the
-    control's and dense's, and the control's beside dense's, the largest differences first."""
+    device's span, and whatever makes a window doubtful), then the shapes served otherwise (`sequence_lines`),
+    then always-route's host time by part beside the control's and dense's, and the control's beside dense's,
+    the largest differences first."""
     if not clock:
         return []
     arms = {name: doc for name, doc in (clock.get("arms") or {}).items() if doc.get("cells")}
@@ -1855,8 +1857,9 @@ def in_a_row(cells: list[dict]) -> dict[str, float | None]:
 
 
 def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
-    """The summary's table of each arm's prefill passes in a row against rotated, and rotated with the clock read
-    between them (`clock_sequences`): which of the sweep's ways of serving its prompts costs the host."""
+    """The summary's tables of each arm's prefill passes in a row against rotated, rotated with the clock read
+    between them and so after a decode burst (`clock_sequences`), each beside the one before: which of the sweep's
+    ways of serving its prompts costs the host; then each window's busiest threads of the server."""
     arms = {name: doc for name, doc in arms.items() if doc.get("sequences")}
     if not arms:
         return []
@@ -1882,22 +1885,23 @@ def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
     lines += ["", "The server's threads that used the most CPU in each window, beside its time to answer (the sum "
               "of its passes' answers) and its passes; each thread's CPU seconds, then how often it gave up the "
               "processor to wait (`vskipper.sglang.threads`: a thread that runs while the scheduler's forward "
-              "issues a pass takes the interpreter's lock from it at every launch that releases it, as Triton's do, "
-              "and the forward then waits for it once each time):", "",
+              "issues a pass takes the interpreter's lock whenever the forward lets it go, around each launch of "
+              "torch's operators and of Triton's kernels, and the forward then waits for it; threads named alike "
+              "are apart; in a row: each shape's window's busiest four, summed):", "",
               "| arm | window | answered s | passes | threads (CPU s, waits) |", "|---|---|---:|---:|---|"]
     for name, doc in arms.items():
         windows = [("in a row", doc["cells"])] + [(k, [c]) for k, c in doc["sequences"].items()]
         for window, cells in windows:
-            used: dict[str, list] = {}
+            used: dict[tuple[str, str], list] = {}
             for c in cells:
                 for t in c.get("threads") or ():
-                    u = used.setdefault(t["name"], [0.0, 0])
+                    u = used.setdefault((t["name"], t.get("tid", t["name"])), [0.0, 0])
                     u[0] += t["cpu_s"]
                     u[1] += t.get("waits", 0)
             top = sorted(used.items(), key=lambda kv: -kv[1][0])[:4]
             lines.append(f"| {name} | {window} | {sum(sum(c['answered_s_reps']) for c in cells):.2f} | "
                          f"{sum(c['passes'] for c in cells)} | "
-                         f"{', '.join(f'{t} {s:.2f} s, {w} waits' for t, (s, w) in top) or 'not attested'} |")
+                         f"{', '.join(f'{t} {s:.2f} s, {w} waits' for (t, _), (s, w) in top) or 'not attested'} |")
     return lines + [""]
 
 

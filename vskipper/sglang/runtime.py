@@ -55,7 +55,8 @@ from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.deferred import DeferredReads
 from vskipper.mixed.plan_buffers import expand_rows
 from vskipper.mixed.tape import RouteTape, tape_capacity
-from vskipper.sglang import active, compile_watch, executed, stand_in_ops, threads
+from vskipper.sglang import active, compile_watch, executed, stand_in_ops
+from vskipper.sglang import threads as thread_table
 from vskipper.sglang.admission import AdmissionLimits, is_health_check, prompt_tokens
 from vskipper.sglang.part_times import CONTROL_PHASES
 from vskipper.sglang.replicas import ENV_RUN_ID, Placement, read_state_request
@@ -661,9 +662,10 @@ class Runtime:
 
     # -- attestation ----------------------------------------------------------------------------------------
 
-    def attestation(self) -> dict[str, Any]:
+    def attestation(self, threads: dict | None = None) -> dict[str, Any]:
         """The served design and the counters, every routed pass whose counts reached the host counted (under the
-        state lock: the scheduler's passes count beside it)."""
+        state lock: the scheduler's passes count beside it). `threads`: this process's threads' CPU, where the
+        document answers a reader (`threads.thread_cpu`, read before the lock), else None."""
         with self._state_lock:
             self._settle(block=False, count=True)
         c = self.counters
@@ -708,7 +710,7 @@ class Runtime:
                           "attn_dp_rank": self.placement.attn_dp_rank},
             "run_id": os.environ.get(ENV_RUN_ID),
             "machine": self.machine,
-            "threads": threads.thread_cpu(),  # each thread's CPU so far: what ran beside the forward's
+            "threads": threads,  # each thread's CPU so far, where a reader asked: what ran beside the forward's
             "started": self.started,
             "updated": time.time(),
             "state_request": self.state_request,
@@ -722,31 +724,36 @@ class Runtime:
         with self._capture_free:
             yield
 
-    def state_document(self) -> str | None:
-        """The attestation as JSON, or None where this replica writes no state file. Raises `GraphCapturing`
-        while a graph is captured (the state writer takes it again after)."""
+    def state_document(self, threads: bool = False) -> str | None:
+        """The attestation as JSON, or None where this replica writes no state file; with `threads`, this
+        process's threads' CPU in it (a document a reader asked for). Raises `GraphCapturing` while a graph is
+        captured (the state writer takes it again after)."""
         if self.spec.state_file is None or not self.placement.reports:
             return None
         if not self._capture_free.acquire(blocking=False):
             raise GraphCapturing("a CUDA graph is being captured: the state is written once it is")
         try:
-            return self._state_document()
+            return self._state_document(threads)
         finally:
             self._capture_free.release()
 
-    def _state_document(self) -> str:
+    def _state_document(self, threads: bool = False) -> str:
         # The device's copies of the passes in flight are waited for outside the lock: the forward's thread takes
         # it to count each pass (`finish`), and waiting inside it would stall that thread until the device drained,
         # its next batch unprepared. Under the lock only passes pushed since then can still wait.
         self._route_reads.wait_pushed()
         if self.part_clock is not None:  # likewise the device's end of the passes the clock timed
             self.part_clock.read_device()
+        # Read outside the lock too, and only for a reader: a few milliseconds at a hundred threads, which the
+        # periodic writes, made while passes run, do not spend.
+        table = thread_table.thread_cpu() if threads else None
         with self._state_lock:
             self._settle(block=True)
-            return json.dumps(self.attestation(), default=str)
+            return json.dumps(self.attestation(table), default=str)
 
-    def write_state(self, document: str | None = None) -> None:
-        document = self.state_document() if document is None else document
+    def write_state(self, document: str | None = None, threads: bool = False) -> None:
+        """The state file, from `document` or a fresh one (`threads`: with the threads' CPU, `state_document`)."""
+        document = self.state_document(threads) if document is None else document
         if document is None:
             return
         path = self.placement.state_file(self.spec.state_file)
@@ -802,7 +809,7 @@ class StateWriter(threading.Thread):
             self._changed.clear()
             try:
                 self.runtime.state_request = max(request, self.answered)
-                self.runtime.write_state()
+                self.runtime.write_state(threads=request > self.answered)  # a reader asked: what ran, too
             except RuntimeError:  # a counter changed size while it was read, or a graph is being captured: again
                 # next time
                 self._changed.set()

@@ -1,9 +1,11 @@
 """The CPU time each thread of this process has used, for the attestation (`threads`).
 
 A forward pass's host time is its thread's launches, and a Python thread holds the interpreter's lock while it
-runs: another thread of the scheduler's process that burns CPU during a pass takes that lock at each launch that
-releases it (Triton's launcher releases it around every launch; torch's operators do not). Two readings of this
-table, before and after a window of passes, say which threads ran beside the forward's and for how long.
+runs: another thread of the scheduler's process that burns CPU during a pass takes that lock whenever the forward
+lets it go (around each of torch's operators and each Triton launch), and the forward then waits for it back.
+Two readings of this table, before and after a window of passes, say which threads ran beside the forward's, for
+how long, and how often each waited. The runtime reads it for a document a reader asked for, outside its state
+lock (`Runtime._state_document`): at a hundred threads it holds the interpreter's lock for milliseconds.
 
 Read from Linux's `/proc/self/task/<tid>/stat` (user and system time, in clock ticks) and `status` (how often the
 thread gave up the processor to wait: for the interpreter's lock, another lock, I/O or a sleep, `waits`); a thread
@@ -48,7 +50,7 @@ def thread_cpu(tasks: Path = TASKS) -> dict[str, dict[str, float | str]]:
 
 def busiest(before: dict, after: dict, top: int = 4) -> list[dict[str, float | str]]:
     """The threads that used the most CPU between two readings (`thread_cpu`), most first, at most `top`: each
-    its name, CPU seconds and waits between them (a thread started between them counts from zero)."""
-    used = [{"name": now["name"], "cpu_s": now["cpu_s"] - before.get(tid, {}).get("cpu_s", 0.0),
+    its id, name, CPU seconds and waits between them (a thread started between them counts from zero)."""
+    used = [{"tid": tid, "name": now["name"], "cpu_s": now["cpu_s"] - before.get(tid, {}).get("cpu_s", 0.0),
              "waits": now.get("waits", 0) - before.get(tid, {}).get("waits", 0)} for tid, now in after.items()]
     return sorted((u for u in used if u["cpu_s"] > 0), key=lambda u: -u["cpu_s"])[:top]
