@@ -461,16 +461,20 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
     window read between passes and the one after a decode burst, each over the one before: the ratios the table
     prints, a window whose device was not timed throughout shown without its device figure, a window missing
     shown as n/a, and an arm without sequences (an earlier run's) left out."""
-    def window(model, device, passes=3, threads=()):
+    def window(model, device, passes=3, threads=(), allocator=None):
         return {"model": model, "device": device, "passes": passes, "tokens": passes * 1024, "late": False,
                 "expected": {"passes": passes, "tokens": passes * 1024}, "compiles": None,
-                "answered_s_reps": [0.05] * passes, "threads": list(threads)}
+                "answered_s_reps": [0.05] * passes, "threads": list(threads), "allocator": allocator}
+
+    def trips(taken, given, retried, waits):
+        return dict(zip(run.ALLOCATOR_COUNTERS, (taken, given, retried, waits), strict=True))
 
     main = {"tid": "1", "name": "MainThread", "cpu_s": 0.1, "waits": 40}
     writer = {"tid": "2", "name": "vskipper-state-writer", "cpu_s": 0.02, "waits": 7}
     twin = {"tid": "3", "name": "vskipper-state-writer", "cpu_s": 0.01, "waits": 1}  # named alike, apart
 
-    cells = [window(40.0, 44.0, threads=[main, writer, twin]), window(50.0, 60.0, passes=1, threads=[main])]
+    cells = [window(40.0, 44.0, threads=[main, writer, twin], allocator=trips(2, 1, 0, 1)),
+             window(50.0, 60.0, passes=1, threads=[main], allocator=trips(1, 0, 0, 0))]
     assert run.in_a_row(cells) == {"model": 42.5, "device": 48.0}
     assert run.in_a_row([window(40.0, 44.0), window(50.0, None)])["device"] is None
     arms = {run.ALWAYS: {"parts": True, "cells": cells,
@@ -483,8 +487,11 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
             "81.00 | rotated, read between: a reading served late |") in text
     # the cells' threads summed over their windows, each sequence's alone
     assert (f"| {run.ALWAYS} | in a row | 0.20 | 4 | MainThread 0.20 s, 80 waits, vskipper-state-writer 0.02 s, "
-            "7 waits, vskipper-state-writer 0.01 s, 1 waits |") in text
-    assert f"| {run.ALWAYS} | rotated | 0.20 | 4 | not attested |" in text
+            "7 waits, vskipper-state-writer 0.01 s, 1 waits | 3 / 1 / 0 / 1 |") in text  # the cells' trips summed
+    assert f"| {run.ALWAYS} | rotated | 0.20 | 4 | not attested | n/a |" in text  # no allocator off CUDA
+    arms[run.ALWAYS]["sequences"]["rotated"]["allocator"] = {"num_device_alloc": 4}  # a torch counting one alone
+    assert f"| {run.ALWAYS} | rotated | 0.20 | 4 | not attested | 4 / n/a / n/a / n/a |" \
+        in "\n".join(run.sequence_lines(arms, 3))
     del arms[run.ALWAYS]["sequences"]["after a decode burst"]  # an arm stopped before its last window
     assert f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | n/a | n/a | 48.00 | 70.00 | n/a | n/a |" \
         in "\n".join(run.sequence_lines(arms, 3))

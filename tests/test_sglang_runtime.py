@@ -678,6 +678,7 @@ def test_a_server_runtime_writes_its_state_off_the_forward_path_and_fresh_for_ea
     assert {"MainThread", "vskipper-state-writer"} <= names
     assert all(t["cpu_s"] >= 0 and t["waits"] >= 0 for t in att["threads"].values())
     assert json.loads(rt.state_document())["threads"] is None
+    assert att["allocator"] is None  # the CUDA allocator's counters: none on CPU
 
 
 def test_a_read_no_writer_answers_in_time_is_served_the_latest_state_marked_unanswered(tmp_path):

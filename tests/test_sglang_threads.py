@@ -51,6 +51,10 @@ def test_the_table_parses_a_kernel_name_with_spaces_and_parentheses_and_skips_a_
     assert threads.thread_cpu(tmp_path / "absent") == {}
 
 
+def test_the_allocator_counts_are_cudas_alone():
+    assert threads.allocator_counts("cpu") is None and threads.allocator_counts(None) is None
+
+
 def test_the_busiest_threads_are_those_that_used_the_most_cpu_between_two_readings_at_most_top():
     before = {"1": {"name": "MainThread", "cpu_s": 1.0, "waits": 2}, "2": {"name": "pool", "cpu_s": 0.5, "waits": 0},
               "3": {"name": "pool", "cpu_s": 0.5, "waits": 0}}

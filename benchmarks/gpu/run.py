@@ -65,6 +65,7 @@ from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
 from vskipper.sglang.spec import ENV_PART_CLOCK, ENV_PASS_SPANS  # noqa: E402
+from vskipper.sglang.threads import ALLOCATOR_COUNTERS  # noqa: E402
 
 # The order `run.sh all` runs them in (`run.py stages` prints it): the tiles first, since every routed server
 # after them serves with the table they measure; then the sweep, which measures what the routed passes cost (and
@@ -506,11 +507,12 @@ def triton_compiles(server: Server) -> dict | None:
     return server.get_json("/vskipper/attestation").get("triton_compiles")
 
 
-def clock_reading(server: Server) -> tuple[dict | None, dict]:
+def clock_reading(server: Server) -> tuple[dict | None, dict, dict | None]:
     """`pass_clock` and, from the same document, each thread's CPU seconds so far (`threads`:
-    `vskipper.sglang.threads.thread_cpu`; {} where the server attests none)."""
+    `vskipper.sglang.threads.thread_cpu`; {} where the server attests none) and its CUDA allocator's counters
+    (`allocator`, `threads.allocator_counts`; None off CUDA)."""
     doc = read_answered(lambda: server.get_json("/vskipper/attestation"))
-    return headline.attested_clock(doc), (doc or {}).get("threads") or {}
+    return headline.attested_clock(doc), (doc or {}).get("threads") or {}, (doc or {}).get("allocator")
 
 
 def pass_clock(server: Server) -> dict | None:
@@ -1718,7 +1720,7 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
     from benchmarks.bench_cpu import run_clock
     from vskipper.sglang.threads import busiest
 
-    (before, threads), compiles = clock_reading(server), triton_compiles(server)
+    (before, threads, allocator), compiles = clock_reading(server), triton_compiles(server)
     if before is None or (parts and before.get("parts") is False):
         raise RuntimeError(f"{server.url}: its attestation holds no part clock{' by parts' if parts else ''} (was "
                            f"{ENV_PART_CLOCK if parts else ENV_PASS_SPANS} passed to it?)")
@@ -1727,7 +1729,7 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
         seconds.append(serve_prompts(server, prompts))
         if read_between and j < len(passes) - 1:
             pass_clock(server)
-    after, threads_after = clock_reading(server)
+    after, threads_after, allocator_after = clock_reading(server)
     if after is None:
         raise RuntimeError(f"{server.url}: its part clock went missing from its attestation")
     clock = run_clock(before, after, "prefill")
@@ -1735,6 +1737,8 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
         clock["device"] = None  # a window some passes of which the device's clock did not reach
     return {"prompts": passes[0][0], "answered_s": statistics.median(seconds), "answered_s_reps": seconds,
             "threads": busiest(threads, threads_after),
+            "allocator": None if allocator is None or allocator_after is None else
+            {k: allocator_after[k] - allocator[k] for k in allocator_after if k in allocator},
             "expected": {"passes": len(passes), "tokens": sum(len(p) for _, prompts in passes for p in prompts)},
             "late": bool(before.get("late") or after.get("late")),
             "compiles": headline.compiles_between(compiles, triton_compiles(server)),
@@ -1887,8 +1891,12 @@ def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
               "processor to wait (`vskipper.sglang.threads`: a thread that runs while the scheduler's forward "
               "issues a pass takes the interpreter's lock whenever the forward lets it go, around each launch of "
               "torch's operators and of Triton's kernels, and the forward then waits for it; threads named alike "
-              "are apart; in a row: each shape's window's busiest four, summed):", "",
-              "| arm | window | answered s | passes | threads (CPU s, waits) |", "|---|---|---:|---:|---|"]
+              "are apart; in a row: each shape's window's busiest four, summed), and the CUDA allocator's trips "
+              "to the driver in it (`allocator`: memory taken, given back (which waits for the device), requests "
+              "retried after its cache was given back, waits on every stream; a pass whose temporaries fit the "
+              "cached blocks makes none):", "",
+              "| arm | window | answered s | passes | threads (CPU s, waits) | allocator (taken, given back, retried, "
+              "stream waits) |", "|---|---|---:|---:|---|---|"]
     for name, doc in arms.items():
         windows = [("in a row", doc["cells"])] + [(k, [c]) for k, c in doc["sequences"].items()]
         for window, cells in windows:
@@ -1899,9 +1907,13 @@ def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
                     u[0] += t["cpu_s"]
                     u[1] += t.get("waits", 0)
             top = sorted(used.items(), key=lambda kv: -kv[1][0])[:4]
+            trips = [c.get("allocator") for c in cells]
+            alloc = "n/a" if any(t is None for t in trips) else " / ".join(  # a counter this torch lacks: n/a
+                str(sum(t[k] for t in trips)) if all(k in t for t in trips) else "n/a" for k in ALLOCATOR_COUNTERS)
             lines.append(f"| {name} | {window} | {sum(sum(c['answered_s_reps']) for c in cells):.2f} | "
                          f"{sum(c['passes'] for c in cells)} | "
-                         f"{', '.join(f'{t} {s:.2f} s, {w} waits' for (t, _), (s, w) in top) or 'not attested'} |")
+                         f"{', '.join(f'{t} {s:.2f} s, {w} waits' for (t, _), (s, w) in top) or 'not attested'} | "
+                         f"{alloc} |")
     return lines + [""]
 
 

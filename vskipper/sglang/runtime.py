@@ -662,10 +662,11 @@ class Runtime:
 
     # -- attestation ----------------------------------------------------------------------------------------
 
-    def attestation(self, threads: dict | None = None) -> dict[str, Any]:
+    def attestation(self, threads: dict | None = None, allocator: dict | None = None) -> dict[str, Any]:
         """The served design and the counters, every routed pass whose counts reached the host counted (under the
-        state lock: the scheduler's passes count beside it). `threads`: this process's threads' CPU, where the
-        document answers a reader (`threads.thread_cpu`, read before the lock), else None."""
+        state lock: the scheduler's passes count beside it). `threads` and `allocator`: this process's threads'
+        CPU and its CUDA allocator's counters, where the document answers a reader (`threads.thread_cpu`,
+        `threads.allocator_counts`, read before the lock), else None."""
         with self._state_lock:
             self._settle(block=False, count=True)
         c = self.counters
@@ -711,6 +712,7 @@ class Runtime:
             "run_id": os.environ.get(ENV_RUN_ID),
             "machine": self.machine,
             "threads": threads,  # each thread's CPU so far, where a reader asked: what ran beside the forward's
+            "allocator": allocator,  # the CUDA allocator's trips to the driver so far, where a reader asked
             "started": self.started,
             "updated": time.time(),
             "state_request": self.state_request,
@@ -747,9 +749,10 @@ class Runtime:
         # Read outside the lock too, and only for a reader: a few milliseconds at a hundred threads, which the
         # periodic writes, made while passes run, do not spend.
         table = thread_table.thread_cpu() if threads else None
+        allocator = thread_table.allocator_counts(self.device) if threads else None
         with self._state_lock:
             self._settle(block=True)
-            return json.dumps(self.attestation(table), default=str)
+            return json.dumps(self.attestation(table, allocator), default=str)
 
     def write_state(self, document: str | None = None, threads: bool = False) -> None:
         """The state file, from `document` or a fresh one (`threads`: with the threads' CPU, `state_document`)."""

@@ -48,6 +48,24 @@ def thread_cpu(tasks: Path = TASKS) -> dict[str, dict[str, float | str]]:
     return table
 
 
+# The CUDA caching allocator's counters a window's passes may move: memory taken from and given back to the
+# driver (each can hold the host; a block given back waits for the device first), a request retried after the
+# allocator gave back its cache, and its waits on every stream. A pass whose temporaries fit the cached blocks moves
+# none of them.
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counts(device) -> dict[str, int] | None:
+    """`ALLOCATOR_COUNTERS` of the CUDA caching allocator on `device` now (`torch.cuda.memory_stats`; those this
+    torch counts), or None off CUDA."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats[name]) for name in ALLOCATOR_COUNTERS if name in stats}
+
+
 def busiest(before: dict, after: dict, top: int = 4) -> list[dict[str, float | str]]:
     """The threads that used the most CPU between two readings (`thread_cpu`), most first, at most `top`: each
     its id, name, CPU seconds and waits between them (a thread started between them counts from zero)."""
