@@ -444,7 +444,9 @@ def run_clock(before: dict, after: dict, phase: str) -> dict:
     """One run's ms a pass per layer kind (`LAYER_KINDS`) and in all (`model`), its passes and the tokens they
     ran, and its seconds per layer kind and part (`seconds`), from a server's part clock (its attestation's
     `part_clock`) read before and after the run; on a GPU (where `model` is the host's launches) also the device's
-    span of a pass (`device`, ms; None where no pass of the run reached the device's clock) over `device_passes`.
+    span of a pass (`device`, ms; None where no pass of the run reached the device's clock) over `device_passes`,
+    the forward's thread's CPU ms and waits a pass (`thread_clock`), and what the clock's own calls cost a pass
+    (`own_clock`).
     A clock of pass spans alone (`parts: false`: each forward timed whole, as `outside`) times no layer: its
     routed and dense layers' ms are None, its `model` the forward's."""
     def delta(field: str) -> float:
@@ -461,7 +463,32 @@ def run_clock(before: dict, after: dict, phase: str) -> dict:
     device_passes = delta("device_passes_total")
     device = delta("device_seconds_total") / device_passes * 1e3 if device_passes else None
     return {**ms, "model": model, "passes": passes, "tokens": tokens, "seconds": seconds, "device": device,
-            "device_passes": device_passes}
+            "device_passes": device_passes, **thread_clock(before, after, phase, passes),
+            **own_clock(before, after, phase, passes)}
+
+
+def own_clock(before: dict, after: dict, phase: str, passes: int) -> dict:
+    """The part clock's own calls in one run's passes: wrapped calls a pass (`calls`) and the host ms a pass they
+    cost by the clock's own measure of one (`own`, its `call_cost_s`), None where a reading lacks them."""
+    cost = after.get("call_cost_s")
+    if not passes or phase not in (after.get("calls_total") or {}):
+        return {"calls": None, "own": None}
+    calls = (after["calls_total"][phase] - (before.get("calls_total") or {}).get(phase, 0)) / passes
+    return {"calls": calls, "own": None if cost is None else calls * cost * 1e3}
+
+
+def thread_clock(before: dict, after: dict, phase: str, passes: int) -> dict:
+    """The forward's thread in one run's passes, from its part clock's `forward_thread`: its CPU ms a pass (`cpu`)
+    and its waits a pass (`waits`: how often it gave up the processor), each None where a reading lacks them (a
+    server from before the clock read them, a platform without per-thread usage, no pass)."""
+    was, now = before.get("forward_thread") or {}, after.get("forward_thread") or {}
+    if not passes or phase not in now.get("cpu_seconds_total", {}):
+        return {"cpu": None, "waits": None}
+
+    def delta(field: str) -> float:
+        return now.get(field, {}).get(phase, 0) - was.get(field, {}).get(phase, 0)
+
+    return {"cpu": delta("cpu_seconds_total") / passes * 1e3, "waits": delta("waits_total") / passes}
 
 
 def runs_clock(runs: list[dict], phase: str) -> dict:

@@ -540,14 +540,18 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
     from each cell's attestations' clock; a cell without one adds nothing, and a phase no pass ran is None."""
     suite = headline.gsm8k_suite("s", 2, 2, 500, (20, 40), (4, 12))
 
-    def clock(decode_passes: int, host_s: float, device_s: float, tokens: int = 0) -> dict:
+    def clock(decode_passes: int, host_s: float, device_s: float, tokens: int = 0,
+              thread: tuple[float, int] | None = None) -> dict:
         return {"parts": False, "passes_total": {"decode": decode_passes}, "device_passes_total": {"decode": decode_passes},
                 "seconds_total": {"decode": {"outside": {"outside": host_s}}}, "tokens_total": {"decode": tokens},
-                "device_seconds_total": {"decode": device_s}, "errors": {}}
+                "device_seconds_total": {"decode": device_s}, "errors": {},
+                **({"forward_thread": {"cpu_seconds_total": {"decode": thread[0]}, "waits_total": {"decode": thread[1]}}}
+                   if thread else {})}
 
     cells = []
-    for before, after in ((clock(0, 0.0, 0.0), clock(10, 0.01, 0.1, 640)),
-                          (clock(10, 0.01, 0.1, 640), clock(40, 0.07, 0.7, 640 + 30 * 96)),
+    # the forward's thread: 10 passes of 0.5 ms CPU and 2 waits each, then 30 of 1 ms and 4
+    for before, after in ((clock(0, 0.0, 0.0, thread=(0.0, 0)), clock(10, 0.01, 0.1, 640, (0.005, 20))),
+                          (clock(10, 0.01, 0.1, 640, (0.005, 20)), clock(40, 0.07, 0.7, 640 + 30 * 96, (0.035, 140))),
                           (None, None), (clock(40, 0.07, 0.7), None), ({"part_clock": "lost"}, {})):
         cell = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
         cell.attestation_before = None if before is None else {"part_clock": before}
@@ -558,6 +562,7 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
     # 10 passes at 1 ms of host and 10 ms of device, then 30 at 2 ms and 20 ms: each pass weighs alike
     assert spans["decode"]["passes"] == 40 and spans["decode"]["host_ms"] == pytest.approx(70 / 40)
     assert spans["decode"]["device_ms"] == pytest.approx(700 / 40)
+    assert spans["decode"]["cpu_ms"] == pytest.approx(35 / 40) and spans["decode"]["waits"] == pytest.approx(140 / 40)
     loads = {headline.KNEE: {"pass_spans": {"dense": spans, "arm": headline.pass_span_means(cells[1:2])}}}
     table = headline.pass_span_table("hybrid-rule", loads)
     # the passes' sizes beside them: 10 passes of 64 rows and 30 of 96 in dense's cells, the arm's 30 of 96
@@ -570,7 +575,7 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
     short.attestation_before, short.attestation_after = {"part_clock": clock(0, 0.0, 0.0)}, {"part_clock": stopped}
     assert headline.pass_span_means([short])["decode"] == {"host_ms": pytest.approx(70 / 40), "device_ms": None,
                                                            "passes": 40, "device_passes": 20, "tokens": 0,
-                                                           "late": 0}
+                                                           "cpu_ms": None, "waits": None, "late": 0}
     # a reading the server served late (its document older than the read) is counted, and the table says so
     late = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
     late.attestation_before = {"part_clock": clock(0, 0.0, 0.0)}

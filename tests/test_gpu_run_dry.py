@@ -414,11 +414,16 @@ def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server
             assert (cell["passes"], cell["tokens"]) == (run.CLOCK_REPS, run.CLOCK_REPS * n * length) \
                 == tuple(cell["expected"].values())
             assert cell["model"] > 0 and cell["device"] is None and len(cell["answered_s_reps"]) == run.CLOCK_REPS
+            # the forward's thread computed on this CPU (its waits are whatever the host made it wait)
+            assert 0 < cell["cpu"] and cell["waits"] >= 0
             if parts:  # layers 2-3 are the routed kind in every arm (dense serves them densely), 0-1 the dense kind
                 assert cell["routed"] > 0 and cell["dense"] > 0
                 assert set(run.clock_parts(cell)) >= {"routed mlp", "dense mlp", "outside"}
-            else:  # the forward timed whole: no layer's part
+                # every layer's parts wrapped: tens of calls a pass, each costing the host what the server measured
+                assert cell["calls"] > 4 * 5 and 0 < cell["own"] < cell["model"]
+            else:  # the forward timed whole: no layer's part, one timed call a pass (the pass), not measured
                 assert cell["routed"] is None and cell["dense"] is None and set(run.clock_parts(cell)) == {"outside"}
+                assert cell["calls"] == 1 and cell["own"] is None
         # the same shapes rotated, then rotated with the clock read between: every pass in the window, none more
         assert list(doc["sequences"]) == list(run.CLOCK_SEQUENCES)
         for seq in doc["sequences"].values():
@@ -440,13 +445,14 @@ def test_the_clock_section_renders_what_an_unfinished_stage_holds_and_says_what_
     """One arm done (its window a pass short, a reading late, a compilation inside), one failed, one left: the
     arm's row with its doubts, no comparison without the arm it compares against, the failure and what is left."""
     cell = {"answered_s": 0.05, "model": 40.0, "routed": 20.0, "dense": 18.0, "outside": 2.0, "device": 44.0,
-            "passes": 2, "tokens": 2048, "expected": {"passes": 3, "tokens": 3072}, "late": True,
+            "cpu": 30.0, "waits": 1200.0, "calls": 260.0, "own": 0.78, "passes": 2, "tokens": 2048, "expected": {"passes": 3, "tokens": 3072}, "late": True,
             "compiles": {"compiles": 1, "seconds": 1.5, "kernels": {}, "cache_loads": {}},
             "seconds": {"routed": {"mlp": 0.02}, "outside": {"outside": 0.004}}}
     clock = {"shapes": [[1, 1024]], "reps": 3, "left": ["dense"], "failed": [run.CONTROL],
              "arms": {run.ALWAYS: {"cells": [cell]}, run.CONTROL: {"error": "RuntimeError: no part clock"}}}
     text = "\n".join(run.clock_lines(clock))
-    assert (f"| 1 x 1024 | {run.ALWAYS} | 50.0 | 40.00 | 20.00 | 18.00 | 2.00 | 44.00 | 1.10 | 2 passes of 2048 "
+    assert (f"| 1 x 1024 | {run.ALWAYS} | 50.0 | 40.00 | 30.00 | 1200 | 260 | 0.78 | 20.00 | 18.00 | 2.00 | 44.00 | "
+            "1.10 | 2 passes of 2048 "
             "tokens, 3 of 3072 expected; a reading served late; 1 Triton compilations inside |") in text
     assert "against" not in text
     assert f"Clock stage: {run.CONTROL} failed: RuntimeError: no part clock" in text
@@ -461,8 +467,8 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
     window read between passes and the one after a decode burst, each over the one before: the ratios the table
     prints, a window whose device was not timed throughout shown without its device figure, a window missing
     shown as n/a, and an arm without sequences (an earlier run's) left out."""
-    def window(model, device, passes=3, threads=(), allocator=None):
-        return {"model": model, "device": device, "passes": passes, "tokens": passes * 1024, "late": False,
+    def window(model, device, passes=3, threads=(), allocator=None, cpu=None):
+        return {"model": model, "device": device, "cpu": cpu, "passes": passes, "tokens": passes * 1024, "late": False,
                 "expected": {"passes": passes, "tokens": passes * 1024}, "compiles": None,
                 "answered_s_reps": [0.05] * passes, "threads": list(threads), "allocator": allocator}
 
@@ -473,18 +479,19 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
     writer = {"tid": "2", "name": "vskipper-state-writer", "cpu_s": 0.02, "waits": 7}
     twin = {"tid": "3", "name": "vskipper-state-writer", "cpu_s": 0.01, "waits": 1}  # named alike, apart
 
-    cells = [window(40.0, 44.0, threads=[main, writer, twin], allocator=trips(2, 1, 0, 1)),
-             window(50.0, 60.0, passes=1, threads=[main], allocator=trips(1, 0, 0, 0))]
-    assert run.in_a_row(cells) == {"model": 42.5, "device": 48.0}
+    cells = [window(40.0, 44.0, threads=[main, writer, twin], allocator=trips(2, 1, 0, 1), cpu=36.0),
+             window(50.0, 60.0, passes=1, threads=[main], allocator=trips(1, 0, 0, 0), cpu=44.0)]
+    assert run.in_a_row(cells) == {"model": 42.5, "device": 48.0, "cpu": 38.0}
     assert run.in_a_row([window(40.0, 44.0), window(50.0, None)])["device"] is None
     arms = {run.ALWAYS: {"parts": True, "cells": cells,
-                         "sequences": {"rotated": window(68.0, 70.0, passes=4),
+                         "sequences": {"rotated": window(68.0, 70.0, passes=4, cpu=40.0),
                                        "rotated, read between": {**window(71.4, None, passes=4), "late": True},
-                                       "after a decode burst": window(80.0, 81.0, passes=4)}},
+                                       "after a decode burst": window(80.0, 81.0, passes=4, cpu=41.5)}},
             "dense": {"cells": cells}}
     text = "\n".join(run.sequence_lines(arms, 3))
-    assert (f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | 80.00 | 1.12 | 48.00 | 70.00 | n/a | "
-            "81.00 | rotated, read between: a reading served late |") in text
+    # rotated, the forward's thread computed 40 of the host's 68 ms a pass: it waited the rest
+    assert (f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | 80.00 | 1.12 | 38.00 | 40.00 | n/a | "
+            "41.50 | 48.00 | 70.00 | n/a | 81.00 | rotated, read between: a reading served late |") in text
     # the cells' threads summed over their windows, each sequence's alone
     assert (f"| {run.ALWAYS} | in a row | 0.20 | 4 | MainThread 0.20 s, 80 waits, vskipper-state-writer 0.02 s, "
             "7 waits, vskipper-state-writer 0.01 s, 1 waits | 3 / 1 / 0 / 1 |") in text  # the cells' trips summed
@@ -493,8 +500,8 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
     assert f"| {run.ALWAYS} | rotated | 0.20 | 4 | not attested | 4 / n/a / n/a / n/a |" \
         in "\n".join(run.sequence_lines(arms, 3))
     del arms[run.ALWAYS]["sequences"]["after a decode burst"]  # an arm stopped before its last window
-    assert f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | n/a | n/a | 48.00 | 70.00 | n/a | n/a |" \
-        in "\n".join(run.sequence_lines(arms, 3))
+    assert f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | n/a | n/a | 38.00 | 40.00 | n/a | n/a | " \
+        "48.00 | 70.00 | n/a | n/a |" in "\n".join(run.sequence_lines(arms, 3))
     assert "| dense |" not in text and run.sequence_lines({"dense": {"cells": cells}}, 3) == []
 
 
@@ -507,7 +514,8 @@ def test_all_skips_what_is_done_and_writes_results_and_a_summary(dry_run):
     summary = (out / "summary.md").read_text()
     assert "Dry run on CPU" in summary and "tau =" in summary
     assert "Where a prefill's time to its first token went" in summary and "## Check" in summary
-    assert "Each pass as its server timed it" in summary and "| host ms a pass | device ms a pass |" in summary
+    assert "Each pass as its server timed it" in summary
+    assert "| host ms a pass | thread CPU ms | waits | device ms a pass |" in summary
     assert "hybrid-rule's passes against dense's as the servers timed them" in summary
     assert "## Tiles" in summary and "unused: the torch execution" in summary
     assert "| mlp_gate_up | 513-1024 |" in summary and "| mlp_gate_up | 2049- |" in summary  # prefill by its length
@@ -623,16 +631,20 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
     plan = run.Plan.gpu()
     sent: list[int] = []
     clock = {"parts": False, "passes_total": {}, "tokens_total": {}, "seconds_total": {},
-             "device_seconds_total": {}, "device_passes_total": {}}
+             "device_seconds_total": {}, "device_passes_total": {},
+             "forward_thread": {"cpu_seconds_total": {}, "waits_total": {}, "preempted_total": {}}}
 
-    def add(field: str, value) -> None:
-        clock[field]["prefill"] = clock[field].get("prefill", 0) + value
+    def add(field: str, value, into: dict | None = None) -> None:
+        into = clock if into is None else into
+        into[field]["prefill"] = into[field].get("prefill", 0) + value
 
     async def fake_burst(server, prompts, new_tokens):
         n = len(prompts[0])
         sent.append(n)
         ttft = n * 1e-5 * (1 + len(sent) / 100)
         parts = {"scheduled": 1e-3, "forward": ttft - 4e-3, "output": 1e-3, "http": 2e-3}
+        add("cpu_seconds_total", n * 0.75e-6, clock["forward_thread"])  # 3/4 of its host time, and waits a
+        add("waits_total", n // 64, clock["forward_thread"])  # 64 tokens
         add("passes_total", 1)
         add("tokens_total", n)
         add("device_passes_total", 1)
@@ -682,10 +694,11 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
               "pass_spans": {"host_ms": 0.21, "device_ms": 9.87, "passes": 190, "device_passes": 190}}
     lines = run.pass_span_lines({"dense": {"prefill": cells, "decode": [decode]}, run.ALWAYS: {"decode": [decode]}})
     assert f"| 1536 | dense | {cells[1]['ttft_s'] * 1e3:.1f} | {cells[1]['ttft_parts_s']['forward'] * 1e3:.1f} | " \
-           f"1.5 | 3.1 | 2.00 | 1 |" in lines
-    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 2.0 | 2.00 | 1 |" in lines  # no stamps
-    assert lines.index("| 32 | 1000 | dense | 10.50 | 0.21 | 9.87 | 190 |") < \
-        lines.index(f"| 32 | 1000 | {run.ALWAYS} | 10.50 | 0.21 | 9.87 | 190 |")
+           f"1.5 | 1.2 | 24 | 3.1 | 2.00 | 1 |" in lines
+    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 0.8 | 16 | 2.0 | 2.00 | 1 |" in lines
+    # a decode cell whose clock did not read the forward's thread (a server from before it): n/a
+    assert lines.index("| 32 | 1000 | dense | 10.50 | 0.21 | n/a | n/a | 9.87 | 190 |") < \
+        lines.index(f"| 32 | 1000 | {run.ALWAYS} | 10.50 | 0.21 | n/a | n/a | 9.87 | 190 |")
     assert run.pass_span_lines({"dense": {"prefill": [{"tokens": 1, "ttft_s": 1.0}]}}) == []
     after = copy.deepcopy(clock)
     after["passes_total"]["prefill"] += 1
@@ -694,7 +707,7 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
     broken = dict(decode, pass_spans=dict(decode["pass_spans"], device_ms=None, device_error="RuntimeError: lost"))
     lines = run.pass_span_lines({"dense": {"decode": [decode, broken]}})
     assert "The device's spans of dense's passes stopped: RuntimeError: lost." in lines
-    assert "| 32 | 1000 | dense | 10.50 | 0.21 | n/a | 190 |" in lines
+    assert "| 32 | 1000 | dense | 10.50 | 0.21 | n/a | n/a | n/a | 190 |" in lines
     assert headline.pass_spans(None, clock, "prefill") is None and headline.pass_spans(clock, clock, "prefill") is None
 
 

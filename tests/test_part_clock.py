@@ -8,7 +8,15 @@ import pytest
 import torch
 from sglang_layer_world import LayerWorld
 
-from vskipper.sglang.part_times import CONTROL_PHASE, PARTS, ROUTED_FIELDS, PartClock, PassClock
+from vskipper.sglang.part_times import (
+    CONTROL_PHASE,
+    FORWARD_THREAD_FIELDS,
+    PARTS,
+    ROUTED_FIELDS,
+    PartClock,
+    PassClock,
+    thread_usage,
+)
 from vskipper.sglang.spec import (
     ENV_INTERLEAVE_CONTROL,
     ENV_PART_CLOCK,
@@ -40,7 +48,8 @@ class Mode:
 
 def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a_shared_module_is_wrapped_once():
     t = FakeClock()
-    clock = PartClock(clock=t)
+    # the forward's thread on the CPU half the time, one wait a second of the pass
+    clock = PartClock(clock=t, usage=lambda: (t.now / 2, int(t.now), 0))
 
     class Shared:
         def forward(self):
@@ -73,6 +82,10 @@ def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a
                                      "dense": {"glue": 20.0, "rope": 2.0}},
                           "prefill": {"outside": {"outside": 0.0}, "routed": {"glue": 10.0, "rope": 1.0}}},
         "device_seconds_total": {}, "device_passes_total": {}, "errors": {},  # no device here (no timing events)
+        "forward_thread": {"cpu_seconds_total": {"decode": 66.5, "prefill": 5.5},
+                           "waits_total": {"decode": 133, "prefill": 11}, "preempted_total": {"decode": 0, "prefill": 0}},
+        # every timed call counted (the pass's own `outside` too); what one costs is measured where installed
+        "calls_total": {"decode": 7, "prefill": 3}, "call_cost_s": None,
         "routed_total": {field: {} for field in ROUTED_FIELDS}}  # no pass here routed
 
 
@@ -141,7 +154,7 @@ def test_a_step_runs_from_a_pass_start_to_the_next_and_counts_only_where_the_nex
 
 def test_an_interleaved_control_pass_is_a_phase_of_its_own_in_the_part_clock():
     t = FakeClock()
-    clock = PartClock(clock=t)
+    clock = PartClock(clock=t, usage=None)  # the thread's usage not read: its totals stay empty
 
     def run():
         t.now += 2.0
@@ -155,6 +168,8 @@ def test_an_interleaved_control_pass_is_a_phase_of_its_own_in_the_part_clock():
                                    "tokens_total": dict(zip(phases, (16, 16, 1024, 1), strict=True)),
                                    "seconds_total": {phase: {"outside": {"outside": 2.0}} for phase in phases},
                                    "device_seconds_total": {}, "device_passes_total": {}, "errors": {},
+                                   "forward_thread": {field: {} for field in FORWARD_THREAD_FIELDS},
+                                   "calls_total": dict.fromkeys(phases, 1), "call_cost_s": None,
                                    "routed_total": {field: {} for field in ROUTED_FIELDS}}
 
 
@@ -357,7 +372,13 @@ def test_a_routed_pass_is_counted_apart_as_well_so_a_hybrid_arms_dense_passes_ar
     its device span once the device reached its end); a dense pass only in the totals."""
     t = FakeClock()
     capture = [False]
-    clock = PartClock(clock=t, events=lambda: FakeEvent(t, lambda e: True, capture), parts=False)
+    waited = [0]  # the forward's thread computes 3/4 of each pass, and waits once a pass
+
+    def usage():
+        waited[0] += 1
+        return 0.75 * t.now, waited[0] // 2, 0
+
+    clock = PartClock(clock=t, events=lambda: FakeEvent(t, lambda e: True, capture), parts=False, usage=usage)
 
     def work(seconds):
         def run():
@@ -375,6 +396,9 @@ def test_a_routed_pass_is_counted_apart_as_well_so_a_hybrid_arms_dense_passes_ar
     assert all(type(n) is int for f in ("passes_total", "tokens_total", "device_passes_total") for n in routed[f].values())
     assert routed["tokens_total"] == {"prefill": 2000, "decode": 30}
     assert routed["host_seconds_total"]["prefill"] == pytest.approx(0.060)
+    assert routed["cpu_seconds_total"]["prefill"] == pytest.approx(0.045) and routed["waits_total"]["prefill"] == 1
+    assert att["forward_thread"]["cpu_seconds_total"]["prefill"] == pytest.approx(0.075)
+    assert att["forward_thread"]["waits_total"] == {"prefill": 2, "decode": 1}
     assert routed["device_passes_total"] == {"prefill": 1, "decode": 1}
     assert routed["device_seconds_total"]["prefill"] == pytest.approx(0.065)  # the fake device's 5 ms more
     assert att["device_seconds_total"]["prefill"] == pytest.approx(0.110)
@@ -653,3 +677,42 @@ def test_the_state_writer_takes_the_models_device_when_it_starts_and_writes_on_i
         runtime.StateWriter(rt).run()  # the thread's body, here in the test's thread
     assert calls == [("bind", "cuda:1"), ("poll", tmp_path / "state.json")]
     assert "the state writer could not take the model's device cuda:1: no cuda:1 here" in capsys.readouterr().err
+
+
+def test_the_forward_threads_usage_is_the_kernels_account_of_the_calling_thread_alone():
+    """`thread_usage` reads the calling thread's CPU seconds and context switches (Linux: RUSAGE_THREAD): a thread
+    that computes gains CPU seconds, one that sleeps gains waits and next to no CPU, and another thread's work is
+    not in it."""
+    import threading
+    import time
+
+    if thread_usage() is None:
+        pytest.skip("no per-thread usage on this platform")
+    cpu0, _, _ = thread_usage()
+    end = time.perf_counter() + 10.0
+    while thread_usage()[0] - cpu0 < 0.02 and time.perf_counter() < end:  # computing, however busy the machine
+        sum(range(1000))
+    cpu1, waits1, _ = thread_usage()
+    assert cpu1 - cpu0 >= 0.02
+    for _ in range(5):
+        time.sleep(0.002)  # waiting
+    cpu2, waits2, _ = thread_usage()
+    assert waits2 - waits1 >= 5 and cpu2 - cpu1 < 0.01
+    other = threading.Thread(target=lambda: sum(range(3_000_000)))
+    other.start()
+    other.join()  # a wait of this thread's (the join), the other thread's CPU not in its account
+    cpu3, _, _ = thread_usage()
+    assert cpu3 - cpu2 < 0.02
+
+
+def test_the_clock_measures_what_a_wrapped_call_costs_the_host_without_counting_its_own_measurement():
+    """`calibrate` times a wrapped call against the same call unwrapped on a scratch clock: a few microseconds on
+    any host, and nothing of it in this clock's passes, parts or calls; `install` measures it."""
+    clock = PartClock()
+    cost = clock.calibrate(calls=500, rounds=3)
+    assert 0.0 < cost < 1e-3 and clock.call_cost_s == cost
+    assert clock.calls == {} and clock.passes == {} and clock.seconds == {}
+
+    installed = PartClock()
+    installed.install([], ())  # no layer to wrap: the measurement alone
+    assert installed.call_cost_s is not None and installed.call_cost_s > 0.0

@@ -551,7 +551,8 @@ def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | No
     # the device's figure only where it timed every pass the host did (a late reading, events failed midway: None)
     device = clock["device"] if clock["device_passes"] == clock["passes"] else None
     spans = {"host_ms": clock["model"], "device_ms": device, "passes": clock["passes"],
-             "device_passes": clock["device_passes"], "tokens": clock["tokens"]}
+             "device_passes": clock["device_passes"], "tokens": clock["tokens"],
+             "cpu_ms": clock["cpu"], "waits": clock["waits"]}  # the forward's thread a pass (None: not attested)
     if (after.get("errors") or {}).get("device"):  # the server's timing events failed: its device spans stopped
         spans["device_error"] = after["errors"]["device"]
     if before.get("late") or after.get("late"):  # a window that may hold a pass too few or too many
@@ -560,9 +561,10 @@ def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | No
 
 
 def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
-    """Per phase, the host's and the device's ms a pass over every pass of the cells, from the clock each cell's
-    attestations carry before and after it (`part_clock`: the pass spans every server of the device run times;
-    each cell's `pass_spans`, weighed by its passes; the device's None unless it timed every cell's every pass;
+    """Per phase, the host's and the device's ms a pass over every pass of the cells, and the forward's thread's CPU
+    ms and waits a pass, from the clock each cell's attestations carry before and after it (`part_clock`: the pass
+    spans every server of the device run times; each cell's `pass_spans`, weighed by its passes; the device's None
+    unless it timed every cell's every pass, the thread's unless every cell's clock read it;
     `late`, the cells a reading of which the server served late): None for a phase where no cell's attestations
     carry a clock or no pass of it ran."""
     out: dict[str, dict | None] = {}
@@ -582,6 +584,8 @@ def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
                       "device_ms": sum(s["device_ms"] * s["device_passes"] for s in spans) / device_passes
                       if timed else None, "passes": passes, "device_passes": device_passes,
                       "tokens": sum(s.get("tokens", 0) for s in spans),
+                      **{k: sum(s[k] * s["passes"] for s in spans) / passes  # the forward's thread, where attested
+                         if all(s.get(k) is not None for s in spans) else None for k in ("cpu_ms", "waits")},
                       "late": sum(1 for s in spans if s.get("late"))} if passes else None
     return out
 

@@ -507,12 +507,13 @@ def triton_compiles(server: Server) -> dict | None:
     return server.get_json("/vskipper/attestation").get("triton_compiles")
 
 
-def clock_reading(server: Server) -> tuple[dict | None, dict, dict | None]:
+def clock_reading(server: Server) -> tuple[dict | None, dict, dict | None, dict | None]:
     """`pass_clock` and, from the same document, each thread's CPU seconds so far (`threads`:
-    `vskipper.sglang.threads.thread_cpu`; {} where the server attests none) and its CUDA allocator's counters
-    (`allocator`, `threads.allocator_counts`; None off CUDA)."""
-    doc = read_answered(lambda: server.get_json("/vskipper/attestation"))
-    return headline.attested_clock(doc), (doc or {}).get("threads") or {}, (doc or {}).get("allocator")
+    `vskipper.sglang.threads.thread_cpu`; {} where the server attests none), its CUDA allocator's counters
+    (`allocator`, `threads.allocator_counts`; None off CUDA) and its Triton compilations (`triton_compiles`)."""
+    doc = read_answered(lambda: server.get_json("/vskipper/attestation")) or {}
+    return (headline.attested_clock(doc), doc.get("threads") or {}, doc.get("allocator"),
+            doc.get("triton_compiles"))
 
 
 def pass_clock(server: Server) -> dict | None:
@@ -521,7 +522,7 @@ def pass_clock(server: Server) -> dict | None:
     lack the last passes) is read again, up to `READ_ATTEMPTS` reads; the last is marked `late`
     (`headline.attested_clock`). None where the server times none (one started elsewhere without
     `ENV_PASS_SPANS`)."""
-    return headline.attested_clock(read_answered(lambda: server.get_json("/vskipper/attestation")))
+    return clock_reading(server)[0]
 
 
 def execution_of(served_doc: dict) -> dict:
@@ -641,12 +642,15 @@ def prefill_round(server: Server, prompts: list[list[int]]) -> float:
 
 def median_spans(reps: list[dict]) -> dict:
     """One prefill length's pass spans (`pass_spans` of each prompt): the host's and the device's ms a pass, each
-    the median over the prompts (the device's None where no prompt's pass reached its clock), the most passes a
+    the median over the prompts (the device's None where no prompt's pass reached its clock), the forward's
+    thread's CPU ms and waits a pass (medians; None where a prompt's clock lacks them), the most passes a
     prompt's window held (one a prompt below the chunked-prefill size; more where a reading came late), the
     windows a late reading bounds (`late`), and every prompt's."""
     device = [r["device_ms"] for r in reps if r["device_ms"] is not None]
+    thread = {k: statistics.median(r[k] for r in reps) if all(r.get(k) is not None for r in reps) else None
+              for k in ("cpu_ms", "waits")}  # the forward's thread a pass, where every prompt's clock read it
     return {"host_ms": statistics.median(r["host_ms"] for r in reps),
-            "device_ms": statistics.median(device) if len(device) == len(reps) else None,
+            "device_ms": statistics.median(device) if len(device) == len(reps) else None, **thread,
             "passes": max(r["passes"] for r in reps), "late": sum(1 for r in reps if r.get("late")), "reps": reps}
 
 
@@ -1637,10 +1641,9 @@ def wait_lines(report: dict) -> list[str]:
 # and the headline's servers run; a budget spent leaves the control and dense, whose prefill the sweep times too):
 # on the H200 the sweep's routed prefill passes took 62-73 ms of the host's launches at 1-4k tokens (dense's 35-38
 # up to 2k), where the part clock's took 41-45 ms at 1-2k (dense's 37-59, its parts timed). What differs is tried
-# one factor at a time: the clock's parts (that arm),
-# the shapes in a row against rotated as the sweep rotates them, and a reading of the clock between passes as the
-# sweep reads it, and all of that after a burst of decoding as the sweep's prefill follows its decode cells
-# (`CLOCK_SEQUENCES`, every arm).
+# one factor at a time: the clock's parts (that arm), the shapes in a row against rotated as the sweep rotates
+# them, and a reading of the clock between passes as the sweep reads it, and all of that after a burst of decoding
+# as the sweep's prefill follows its decode cells (`CLOCK_SEQUENCES`, every arm).
 CLOCK_SPANS = f"{ALWAYS}-spans"
 CLOCK_SERVED = ((ALWAYS, ALWAYS, True), (CLOCK_SPANS, ALWAYS, False), (CONTROL, CONTROL, True),
                 ("dense", "dense", True))  # (label, arm, parts timed), served in this order
@@ -1720,7 +1723,7 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
     from benchmarks.bench_cpu import run_clock
     from vskipper.sglang.threads import busiest
 
-    (before, threads, allocator), compiles = clock_reading(server), triton_compiles(server)
+    before, threads, allocator, compiles = clock_reading(server)
     if before is None or (parts and before.get("parts") is False):
         raise RuntimeError(f"{server.url}: its attestation holds no part clock{' by parts' if parts else ''} (was "
                            f"{ENV_PART_CLOCK if parts else ENV_PASS_SPANS} passed to it?)")
@@ -1729,7 +1732,7 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
         seconds.append(serve_prompts(server, prompts))
         if read_between and j < len(passes) - 1:
             pass_clock(server)
-    after, threads_after, allocator_after = clock_reading(server)
+    after, threads_after, allocator_after, compiles_after = clock_reading(server)
     if after is None:
         raise RuntimeError(f"{server.url}: its part clock went missing from its attestation")
     clock = run_clock(before, after, "prefill")
@@ -1741,7 +1744,7 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
             {k: allocator_after[k] - allocator[k] for k in allocator_after if k in allocator},
             "expected": {"passes": len(passes), "tokens": sum(len(p) for _, prompts in passes for p in prompts)},
             "late": bool(before.get("late") or after.get("late")),
-            "compiles": headline.compiles_between(compiles, triton_compiles(server)),
+            "compiles": headline.compiles_between(compiles, compiles_after),
             "device_error": (after.get("errors") or {}).get("device"), **clock}
 
 
@@ -1821,13 +1824,20 @@ def clock_lines(clock: dict | None) -> list[str]:
                   "time each took to answer. A device span about as long as the host's marks a host-bound pass; the "
                   "clock's own calls add to the host's time, more where more of SGLang's modules run. The routed "
                   "layers are those the model routes (dense serves them densely); `-spans`: a server that times each "
-                  "pass whole, without the parts (its forward is `outside`).", "",
-                  "| prefill | arm | answered ms | host ms a pass | routed layers | dense layers | outside | device ms "
-                  "a pass | device / host | doubts |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "pass whole, without the parts (its forward is `outside`). Thread CPU: the CPU ms a pass of the "
+                  "thread that ran the forward, and its waits a pass (`forward_thread`): host time beyond its CPU "
+                  "time is time it waited. Clock: the clock's wrapped calls a pass, and the host ms a pass they "
+                  "cost by the server's own measure of one call (`PartClock.calibrate`, in a quiet loop: a floor); "
+                  "what timing the parts adds to an arm's host time beyond it is not the clock's code.", "",
+                  "| prefill | arm | answered ms | host ms a pass | thread CPU ms | waits | clock calls | clock's "
+                  "own ms | routed layers | dense layers | outside | device ms a pass | device / host | doubts |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for i, (n, length) in enumerate(clock["shapes"]):
             for name, doc in arms.items():
                 c = doc["cells"][i]
                 lines.append(f"| {n} x {length} | {name} | {c['answered_s'] * 1e3:.1f} | {c['model']:.2f} | "
+                             f"{_f(c.get('cpu'), '.2f')} | {_f(c.get('waits'), '.0f')} | "
+                             f"{_f(c.get('calls'), '.0f')} | {_f(c.get('own'), '.2f')} | "
                              f"{_f(c['routed'], '.2f')} | {_f(c['dense'], '.2f')} | {c['outside']:.2f} | "
                              f"{_f(c['device'], '.2f')} | {_f(_over(c['device'], c['model']), '.2f')} | "
                              f"{clock_doubts(c) or '-'} |")
@@ -1853,11 +1863,15 @@ def clock_lines(clock: dict | None) -> list[str]:
 
 def in_a_row(cells: list[dict]) -> dict[str, float | None]:
     """The host's and the device's ms a pass over an arm's shape cells together (each shape's passes in a row),
-    weighted by their passes: what `CLOCK_SEQUENCES` serve rotated."""
+    and the forward's thread's CPU ms a pass (`cpu`), weighted by their passes: what `CLOCK_SEQUENCES` serve
+    rotated. Each None where a cell lacks it."""
     passes = sum(c["passes"] for c in cells)
-    device = None if not passes or any(c["device"] is None for c in cells) else \
-        sum(c["device"] * c["passes"] for c in cells) / passes
-    return {"model": sum(c["model"] * c["passes"] for c in cells) / passes if passes else None, "device": device}
+
+    def mean(key: str) -> float | None:
+        return None if not passes or any(c.get(key) is None for c in cells) else \
+            sum(c[key] * c["passes"] for c in cells) / passes
+
+    return {"model": mean("model"), "device": mean("device"), "cpu": mean("cpu")}
 
 
 def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
@@ -1873,18 +1887,22 @@ def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
              "it), and so again after a burst that decodes together (as the sweep's prefill follows its decode "
              "cells). Host ms a pass (the forward's launches; `-spans`: a server that times each pass whole, "
              "without the parts, as the sweep's and the headline's servers do), each beside the one before it, "
-             "then the device's ms a pass:", "",
+             "then the forward's thread's CPU ms a pass (what of the host's time it computed) and the device's ms "
+             "a pass:", "",
              "| arm | parts timed | in a row | rotated | / in a row | read between | / rotated | after decoding "
-             "| / read between | device: in a row | rotated | read between | after decoding | doubts |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| / read between | thread CPU: in a row | rotated | read between | after decoding "
+             "| device: in a row | rotated | read between | after decoding | doubts |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, doc in arms.items():
         row, seq = in_a_row(doc["cells"]), doc["sequences"]
         hosts = [row["model"], *((seq.get(k) or {}).get("model") for k in CLOCK_SEQUENCES)]
+        cpus = [row["cpu"], *((seq.get(k) or {}).get("cpu") for k in CLOCK_SEQUENCES)]
         devices = [row["device"], *((seq.get(k) or {}).get("device") for k in CLOCK_SEQUENCES)]
         cols = [_f(hosts[0], ".2f")] + [f"{_f(h, '.2f')} | {_f(_over(h, before), '.2f')}"
                                         for before, h in zip(hosts, hosts[1:], strict=False)]
         doubts = "; ".join(f"{k}: {d}" for k, c in seq.items() if (d := clock_doubts(c)))
         lines.append(f"| {name} | {'yes' if doc.get('parts', True) else 'no'} | {' | '.join(cols)} | "
+                     f"{' | '.join(_f(c, '.2f') for c in cpus)} | "
                      f"{' | '.join(_f(d, '.2f') for d in devices)} | {doubts or '-'} |")
     lines += ["", "The server's threads that used the most CPU in each window, beside its time to answer (the sum "
               "of its passes' answers) and its passes; each thread's CPU seconds, then how often it gave up the "
@@ -2153,14 +2171,18 @@ def pass_span_lines(arms: dict) -> list[str]:
     lines = ["Each pass as its server timed it (ms a pass, medians; host: the forward's launches, which the device "
              "runs behind; device: from the pass's first kernel to its last, any wait for the launches "
              "included; none on a CPU). A device span about as long as the host's (device / host near 1) is a "
-             "host-bound pass:", ""]
+             "host-bound pass. Beside the host's time, the CPU time of the thread that ran the forward and how "
+             "often it gave up the processor to wait (`forward_thread`, the kernel's account): a host time its "
+             "CPU time fills was spent computing, the rest waiting (for the interpreter's lock another thread "
+             "held, for the device, for a lock of the driver's):", ""]
     if prefill:
-        lines += ["| prefill tokens | arm | TTFT ms | forward ms (stamps) | host ms a pass | device ms a pass | "
-                  "device / host | passes |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| prefill tokens | arm | TTFT ms | forward ms (stamps) | host ms a pass | thread CPU ms | waits | "
+                  "device ms a pass | device / host | passes |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, cell in sorted(prefill, key=lambda r: (r[1]["tokens"], order.index(r[0]))):
             spans, forward = cell["pass_spans"], (cell.get("ttft_parts_s") or {}).get("forward")
             lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | "
                          f"{_f(forward and forward * 1e3, '.1f')} | {spans['host_ms']:.1f} | "
+                         f"{_f(spans.get('cpu_ms'), '.1f')} | {_f(spans.get('waits'), '.0f')} | "
                          f"{_f(spans['device_ms'], '.1f')} | {_f(_over(spans['device_ms'], spans['host_ms']), '.2f')} "
                          f"| {spans['passes']} |")
         lines.append("")
@@ -2182,12 +2204,13 @@ def pass_span_lines(arms: dict) -> list[str]:
     if decode:
         lines += ["A decode cell's passes are every decode pass of its timed bursts (the batch's first and last "
                   "steps too), its step the window where the whole batch decodes:", "",
-                  "| batch | context | arm | step ms | host ms a pass | device ms a pass | passes |",
-                  "|---:|---:|---|---:|---:|---:|---:|"]
+                  "| batch | context | arm | step ms | host ms a pass | thread CPU ms | waits | device ms a pass | "
+                  "passes |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
         for name, cell in sorted(decode, key=lambda r: (r[1]["batch"], r[1]["context"], order.index(r[0]))):
             spans = cell["pass_spans"]
             lines.append(f"| {cell['batch']} | {cell['context']} | {name} | {cell['step_s'] * 1e3:.2f} | "
-                         f"{spans['host_ms']:.2f} | {_f(spans['device_ms'], '.2f')} | {spans['passes']} |")
+                         f"{spans['host_ms']:.2f} | {_f(spans.get('cpu_ms'), '.2f')} | {_f(spans.get('waits'), '.1f')} "
+                         f"| {_f(spans['device_ms'], '.2f')} | {spans['passes']} |")
         lines.append("")
     return lines
 

@@ -13,16 +13,27 @@ for every layer; one KV pool) are wrapped once and charged to the layer that cal
 
 It answers what a served step spends on the work a Project-Only row skips, at every row (an arm whose rows all
 RUN) and at the RUN rows (a routed arm), which is the time limit of what routing can save in that server
-(`benchmarks/bench_cpu.py`). Its own cost is two clock reads per wrapped call (about 2 us on CPU, some 250 calls
-a pass at 16 layers). It reads the host's clock: on CPU that is the work; on a GPU, whose kernels run
-asynchronously, it times their launches: what the host spends on each part, not the device. There it also times
+(`benchmarks/bench_cpu.py`). Its own cost is two clock reads and some bookkeeping per wrapped call (about 2 us on
+CPU, some 250 calls a pass at 16 layers): the clock counts its calls per phase (`calls_total`) and measures what one
+costs the host where it is installed (`calibrate`, `call_cost_s`), so that a pass's share of its own is known.
+It reads the host's clock: on CPU that is the work; on a GPU, whose kernels run asynchronously, it times their
+launches: what the host spends on each part, not the device. There it also times
 each pass's span on the device (CUDA events recorded before and after the forward, read once they complete, a
 pass or more later, never waited for by the passes; none in a CUDA graph capture): `device_seconds_total` and
 `device_passes_total` per phase. A routed pass is counted again apart (`routed_total`: its passes, tokens, host
 and device seconds per phase), so that a hybrid arm's routed passes stand apart from its dense ones. The span
 includes any wait of the device for the host's launches: where the host runs ahead it is the pass's device time,
 and a span about as long as the pass's host time (longer by the last kernels' tail) marks a host-bound pass. The
-clock's own wrapped calls add to the host's time (a few microseconds each, some 250 a pass at 16 layers).
+clock's own wrapped calls add to the host's time (`calls_total` times `call_cost_s`).
+
+Around each pass the clock also reads the kernel's account of the thread that runs the forward (`thread_usage`:
+its CPU seconds, how often it waited and how often it was preempted; `forward_thread` per phase, the routed passes'
+in `routed_total` too), two system calls a pass of about a microsecond each. A pass whose host time its thread's
+CPU time fills computed throughout (its Python, torch's dispatch, the driver's launches, a spin on the device); where
+the host time is longer, the thread waited the difference: for the interpreter's lock while another thread of the
+process ran, for the device, for a lock of the driver's or the allocator's. On a host-bound GPU pass that tells a
+slower issue of the same launches from a wait between them. (On a CPU torch's own threads compute beside the
+forward's: its thread's CPU time there is a part of the pass's work, and its waits include theirs.)
 
 With `pass_spans` alone (`VSKIPPER_PASS_SPANS=1`) the clock wraps nothing: each pass's host span (its forward,
 `outside`) and device span are timed whole, cheap enough to leave on beside the figures they explain (the device
@@ -43,6 +54,11 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
+try:
+    import resource
+except ImportError:  # not on every platform: no thread's usage there
+    resource = None
+
 # The interleaved control passes' phases (`vskipper.sglang.spec.ENV_INTERLEAVE_CONTROL`), apart from the routed
 # passes of the same phase: in the part clock, and (decode alone) in the pass clock.
 CONTROL_PHASES = {"decode": "decode_control", "prefill": "prefill_control"}
@@ -61,9 +77,27 @@ def pass_tokens(forward_batch) -> int:
     return int(ids.shape[0]) if ids is not None else int(forward_batch.batch_size)
 
 
-# The routed passes' own totals (`routed_total`), per phase: passes, tokens, host seconds (the forward whole),
-# device seconds over the passes the device's clock reached.
-ROUTED_FIELDS = ("passes_total", "tokens_total", "host_seconds_total", "device_seconds_total", "device_passes_total")
+# The routed passes' own totals (`routed_total`), per phase: passes, tokens, host seconds (the forward whole), the
+# forward's thread's CPU seconds and waits in them (`FORWARD_THREAD_FIELDS`), device seconds over the passes the
+# device's clock reached.
+ROUTED_FIELDS = ("passes_total", "tokens_total", "host_seconds_total", "cpu_seconds_total", "waits_total",
+                 "device_seconds_total", "device_passes_total")
+# What the thread that runs the forward did during the passes (`forward_thread`), per phase: its CPU seconds (user
+# and system), how often it gave up the processor to wait (for the interpreter's lock, another lock, the device, a
+# sleep) and how often the kernel took the processor from it (`thread_usage`). A pass whose host seconds its CPU
+# seconds fill computed all along (its Python, torch's dispatch, the driver's launches, a spin on the device); the
+# rest of its host time it waited, its waits counting how often.
+FORWARD_THREAD_FIELDS = ("cpu_seconds_total", "waits_total", "preempted_total")
+
+
+def thread_usage() -> tuple[float, int, int] | None:
+    """(CPU seconds, voluntary context switches, involuntary ones) of the calling thread so far, from the kernel's
+    accounting (`getrusage(RUSAGE_THREAD)`, microseconds); None where the platform has no per-thread usage."""
+    who = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
+    if who is None:
+        return None
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime, usage.ru_nvcsw, usage.ru_nivcsw
 
 PARTS = ("q", "kv", "qkv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue")
 
@@ -90,9 +124,15 @@ class PartClock:
     makes timing events (CUDA: `cuda_events`), each pass's device time per phase."""
 
     def __init__(self, clock=time.perf_counter, events: Callable[[], Any] | None = None,
-                 capturing: Callable[[], bool] = capturing, parts: bool = True) -> None:
-        """`parts` False: the passes' spans alone; `wrap` (and so `install`) wraps nothing."""
+                 capturing: Callable[[], bool] = capturing, parts: bool = True,
+                 usage: Callable[[], tuple[float, int, int] | None] | None = thread_usage) -> None:
+        """`parts` False: the passes' spans alone; `wrap` (and so `install`) wraps nothing. `usage`: the calling
+        thread's (CPU seconds, waits, preemptions) so far (`thread_usage`), read around each pass
+        (`forward_thread`); None: not read."""
         self.clock = clock
+        self.usage = usage
+        self.thread: dict[str, dict[str, float]] = {field: defaultdict(float if "seconds" in field else int)
+                                                    for field in FORWARD_THREAD_FIELDS}
         self.events, self.capturing = events, capturing
         self.parts = parts
         self._settling = threading.RLock()  # the forward's thread and a reader's both settle (and `_lost`)
@@ -112,6 +152,8 @@ class PartClock:
         self.tokens: dict[str, int] = defaultdict(int)  # the rows the passes of each phase ran (prefill: tokens)
         self._children: list[float] = []  # time of timed calls nested in each open call
         self._wrapped: set[tuple[int, str]] = set()
+        self.calls: dict[str, int] = defaultdict(int)  # the wrapped calls the passes of each phase made
+        self.call_cost_s: float | None = None  # the clock's own host time a wrapped call (`calibrate`)
 
     def timed(self, fn, part, where: str | None = None):
         """`fn`, timed as `part` (a name, or a function of fn's arguments that returns one) of the layer kind
@@ -127,6 +169,7 @@ class PartClock:
                 return fn(*args, **kwargs)
             finally:
                 dt = self.clock() - t0
+                self.calls[self.phase] += 1
                 nested = self._children.pop()
                 name = part(*args, **kwargs) if callable(part) else part
                 self.seconds[self.phase][self.where][name] += dt - nested
@@ -144,9 +187,38 @@ class PartClock:
         self._wrapped.add(key)
         setattr(obj, attr, self.timed(getattr(obj, attr), part, where))
 
+    def calibrate(self, calls: int = 2000, rounds: int = 5) -> float:
+        """The clock's own host time a wrapped call (`call_cost_s`): a call timed through a scratch clock of this
+        one's kind, nested in another as a layer's parts are, less the same call unwrapped; the least of `rounds`
+        rounds of `calls` (a quiet loop's figure: where the pass's own work has pushed the clock's code and data out
+        of the processor's caches, a call costs more). A pass's `calls` times it is what the clock adds to its
+        host time by its own Python, and the rest of any difference between a timed and an untimed pass is not
+        the clock's code."""
+        scratch = PartClock(self.clock, usage=None)
+
+        def work() -> None:
+            return None
+
+        timed = scratch.timed(work, "glue", "routed")
+        outer = scratch.timed(lambda: [timed() for _ in range(calls)], "glue", "routed")
+        best = None
+        for _ in range(rounds):
+            t0 = self.clock()
+            outer()
+            wrapped = self.clock() - t0
+            t0 = self.clock()
+            [work() for _ in range(calls)]  # noqa: B018 -- the same loop, unwrapped
+            plain = self.clock() - t0
+            cost = max(0.0, (wrapped - plain) / calls)
+            best = cost if best is None else min(best, cost)
+        self.call_cost_s = best
+        return best
+
     def install(self, layers, routed: tuple[int, ...]) -> None:
-        """Wrap the parts of SGLang decoder layers (Llama, Qwen3; `layers`: (layer id, layer)). The KV pool's
-        write is wrapped once the pool exists (`wrap`, from the hook around the runner's forward)."""
+        """Wrap the parts of SGLang decoder layers (Llama, Qwen3; `layers`: (layer id, layer)), and measure what a
+        wrapped call costs the host (`calibrate`). The KV pool's write is wrapped once the pool exists (`wrap`, from
+        the hook around the runner's forward)."""
+        self.calibrate()
         for i, layer in layers:
             attn = layer.self_attn
             self.wrap(layer, "forward", "glue", "routed" if i in routed else "dense")
@@ -179,11 +251,20 @@ class PartClock:
                 marks[0].record()
             except Exception as exc:  # the clock's failure never fails the pass
                 marks = self._lost(exc)
+        used = self.usage() if self.usage is not None else None
         t0 = self.clock()
         try:
             return self.timed(run, "outside", "outside")()
         finally:
             host = self.clock() - t0
+            if used is not None:
+                cpu, waits, preempted = (now - was for now, was in zip(self.usage(), used, strict=True))
+                self.thread["cpu_seconds_total"][self.phase] += cpu
+                self.thread["waits_total"][self.phase] += waits
+                self.thread["preempted_total"][self.phase] += preempted
+                if routed:
+                    self.routed["cpu_seconds_total"][self.phase] += cpu
+                    self.routed["waits_total"][self.phase] += waits
             if marks is not None:
                 try:
                     marks[1].record()
@@ -245,12 +326,15 @@ class PartClock:
         written."""
         return {"parts": self.parts, "passes_total": self.passes, "tokens_total": self.tokens,
                 "seconds_total": self.seconds, "device_seconds_total": self.device_seconds,
-                "device_passes_total": self.device_passes, "routed_total": self.routed, "errors": self.errors}
+                "device_passes_total": self.device_passes, "routed_total": self.routed,
+                "forward_thread": self.thread, "calls_total": self.calls, "call_cost_s": self.call_cost_s,
+                "errors": self.errors}
 
     def attestation(self) -> dict[str, Any]:
         """A copy of `live`, as plain dicts."""
         return {field: {phase: {where: dict(parts) for where, parts in kinds.items()} for phase, kinds in value.items()}
-                if field == "seconds_total" else {f: dict(v) for f, v in value.items()} if field == "routed_total"
+                if field == "seconds_total" else {f: dict(v) for f, v in value.items()}
+                if field in ("routed_total", "forward_thread")
                 else dict(value) if isinstance(value, dict) else value
                 for field, value in self.live().items()}
 
