@@ -478,17 +478,19 @@ def own_clock(before: dict, after: dict, phase: str, passes: int) -> dict:
 
 
 def thread_clock(before: dict, after: dict, phase: str, passes: int) -> dict:
-    """The forward's thread in one run's passes, from its part clock's `forward_thread`: its CPU ms a pass (`cpu`)
-    and its waits a pass (`waits`: how often it gave up the processor), each None where a reading lacks them (a
-    server from before the clock read them, a platform without per-thread usage, no pass)."""
+    """The forward's thread in one run's passes, from its part clock's `forward_thread`: its CPU ms a pass (`cpu`),
+    its waits a pass (`waits`: how often it gave up the processor) and the garbage collector's ms a pass (`gc`),
+    each None where a reading lacks them (a server from before the clock read them, a platform without per-thread
+    usage, no pass)."""
     was, now = before.get("forward_thread") or {}, after.get("forward_thread") or {}
-    if not passes or phase not in now.get("cpu_seconds_total", {}):
-        return {"cpu": None, "waits": None}
 
-    def delta(field: str) -> float:
-        return now.get(field, {}).get(phase, 0) - was.get(field, {}).get(phase, 0)
+    def per_pass(field: str, scale: float = 1.0) -> float | None:
+        if not passes or phase not in now.get(field, {}):
+            return None
+        return (now[field][phase] - was.get(field, {}).get(phase, 0)) / passes * scale
 
-    return {"cpu": delta("cpu_seconds_total") / passes * 1e3, "waits": delta("waits_total") / passes}
+    return {"cpu": per_pass("cpu_seconds_total", 1e3), "waits": per_pass("waits_total"),
+            "gc": per_pass("gc_seconds_total", 1e3)}
 
 
 def runs_clock(runs: list[dict], phase: str) -> dict:

@@ -575,7 +575,7 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
     short.attestation_before, short.attestation_after = {"part_clock": clock(0, 0.0, 0.0)}, {"part_clock": stopped}
     assert headline.pass_span_means([short])["decode"] == {"host_ms": pytest.approx(70 / 40), "device_ms": None,
                                                            "passes": 40, "device_passes": 20, "tokens": 0,
-                                                           "cpu_ms": None, "waits": None, "late": 0}
+                                                           "cpu_ms": None, "waits": None, "gc_ms": None, "late": 0}
     # a reading the server served late (its document older than the read) is counted, and the table says so
     late = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
     late.attestation_before = {"part_clock": clock(0, 0.0, 0.0)}

@@ -415,7 +415,7 @@ def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server
                 == tuple(cell["expected"].values())
             assert cell["model"] > 0 and cell["device"] is None and len(cell["answered_s_reps"]) == run.CLOCK_REPS
             # the forward's thread computed on this CPU (its waits are whatever the host made it wait)
-            assert 0 < cell["cpu"] and cell["waits"] >= 0
+            assert 0 < cell["cpu"] and cell["waits"] >= 0 and cell["gc"] >= 0
             if parts:  # layers 2-3 are the routed kind in every arm (dense serves them densely), 0-1 the dense kind
                 assert cell["routed"] > 0 and cell["dense"] > 0
                 assert set(run.clock_parts(cell)) >= {"routed mlp", "dense mlp", "outside"}
@@ -445,13 +445,14 @@ def test_the_clock_section_renders_what_an_unfinished_stage_holds_and_says_what_
     """One arm done (its window a pass short, a reading late, a compilation inside), one failed, one left: the
     arm's row with its doubts, no comparison without the arm it compares against, the failure and what is left."""
     cell = {"answered_s": 0.05, "model": 40.0, "routed": 20.0, "dense": 18.0, "outside": 2.0, "device": 44.0,
-            "cpu": 30.0, "waits": 1200.0, "calls": 260.0, "own": 0.78, "passes": 2, "tokens": 2048, "expected": {"passes": 3, "tokens": 3072}, "late": True,
+            "cpu": 30.0, "waits": 1200.0, "gc": 0.0, "calls": 260.0, "own": 0.78, "passes": 2, "tokens": 2048, "expected": {"passes": 3, "tokens": 3072}, "late": True,
             "compiles": {"compiles": 1, "seconds": 1.5, "kernels": {}, "cache_loads": {}},
             "seconds": {"routed": {"mlp": 0.02}, "outside": {"outside": 0.004}}}
     clock = {"shapes": [[1, 1024]], "reps": 3, "left": ["dense"], "failed": [run.CONTROL],
              "arms": {run.ALWAYS: {"cells": [cell]}, run.CONTROL: {"error": "RuntimeError: no part clock"}}}
     text = "\n".join(run.clock_lines(clock))
-    assert (f"| 1 x 1024 | {run.ALWAYS} | 50.0 | 40.00 | 30.00 | 1200 | 260 | 0.78 | 20.00 | 18.00 | 2.00 | 44.00 | "
+    assert (f"| 1 x 1024 | {run.ALWAYS} | 50.0 | 40.00 | 30.00 | 1200 | 0.00 | 260 | 0.78 | 20.00 | 18.00 | 2.00 | "
+            "44.00 | "
             "1.10 | 2 passes of 2048 "
             "tokens, 3 of 3072 expected; a reading served late; 1 Triton compilations inside |") in text
     assert "against" not in text
@@ -632,7 +633,8 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
     sent: list[int] = []
     clock = {"parts": False, "passes_total": {}, "tokens_total": {}, "seconds_total": {},
              "device_seconds_total": {}, "device_passes_total": {},
-             "forward_thread": {"cpu_seconds_total": {}, "waits_total": {}, "preempted_total": {}}}
+             "forward_thread": {"cpu_seconds_total": {}, "waits_total": {}, "preempted_total": {},
+                                "gc_seconds_total": {}}}
 
     def add(field: str, value, into: dict | None = None) -> None:
         into = clock if into is None else into
@@ -644,7 +646,8 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
         ttft = n * 1e-5 * (1 + len(sent) / 100)
         parts = {"scheduled": 1e-3, "forward": ttft - 4e-3, "output": 1e-3, "http": 2e-3}
         add("cpu_seconds_total", n * 0.75e-6, clock["forward_thread"])  # 3/4 of its host time, and waits a
-        add("waits_total", n // 64, clock["forward_thread"])  # 64 tokens
+        add("waits_total", n // 64, clock["forward_thread"])  # 64 tokens; a collection in the 2,048-token ones
+        add("gc_seconds_total", 2e-3 if n == 2048 else 0.0, clock["forward_thread"])
         add("passes_total", 1)
         add("tokens_total", n)
         add("device_passes_total", 1)
@@ -694,8 +697,10 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
               "pass_spans": {"host_ms": 0.21, "device_ms": 9.87, "passes": 190, "device_passes": 190}}
     lines = run.pass_span_lines({"dense": {"prefill": cells, "decode": [decode]}, run.ALWAYS: {"decode": [decode]}})
     assert f"| 1536 | dense | {cells[1]['ttft_s'] * 1e3:.1f} | {cells[1]['ttft_parts_s']['forward'] * 1e3:.1f} | " \
-           f"1.5 | 1.2 | 24 | 3.1 | 2.00 | 1 |" in lines
-    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 0.8 | 16 | 2.0 | 2.00 | 1 |" in lines
+           f"1.5 | 1.2 | 24 | 0.0 | 3.1 | 2.00 | 1 |" in lines
+    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 0.8 | 16 | 0.0 | 2.0 | 2.00 | 1 |" in lines
+    assert f"| 2048 | dense | {cells[2]['ttft_s'] * 1e3:.1f} | {cells[2]['ttft_parts_s']['forward'] * 1e3:.1f} | " \
+           f"2.0 | 1.5 | 32 | 2.0 | 4.1 | 2.00 | 1 |" in lines
     # a decode cell whose clock did not read the forward's thread (a server from before it): n/a
     assert lines.index("| 32 | 1000 | dense | 10.50 | 0.21 | n/a | n/a | 9.87 | 190 |") < \
         lines.index(f"| 32 | 1000 | {run.ALWAYS} | 10.50 | 0.21 | n/a | n/a | 9.87 | 190 |")

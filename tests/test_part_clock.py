@@ -15,6 +15,7 @@ from vskipper.sglang.part_times import (
     ROUTED_FIELDS,
     PartClock,
     PassClock,
+    gc_time,
     thread_usage,
 )
 from vskipper.sglang.spec import (
@@ -49,7 +50,9 @@ class Mode:
 def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a_shared_module_is_wrapped_once():
     t = FakeClock()
     # the forward's thread on the CPU half the time, one wait a second of the pass
-    clock = PartClock(clock=t, usage=lambda: (t.now / 2, int(t.now), 0))
+    # and the garbage collector a second each ten of the clock, a collection each fifty
+    clock = PartClock(clock=t, usage=lambda: (t.now / 2, int(t.now), 0),
+                      collector=lambda: (float(int(t.now) // 10), int(t.now) // 50))
 
     class Shared:
         def forward(self):
@@ -83,7 +86,9 @@ def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a
                           "prefill": {"outside": {"outside": 0.0}, "routed": {"glue": 10.0, "rope": 1.0}}},
         "device_seconds_total": {}, "device_passes_total": {}, "errors": {},  # no device here (no timing events)
         "forward_thread": {"cpu_seconds_total": {"decode": 66.5, "prefill": 5.5},
-                           "waits_total": {"decode": 133, "prefill": 11}, "preempted_total": {"decode": 0, "prefill": 0}},
+                           "waits_total": {"decode": 133, "prefill": 11}, "preempted_total": {"decode": 0, "prefill": 0},
+                           "gc_seconds_total": {"decode": 13.0, "prefill": 1.0},
+                           "gc_collections_total": {"decode": 2, "prefill": 0}},
         # every timed call counted (the pass's own `outside` too); what one costs is measured where installed
         "calls_total": {"decode": 7, "prefill": 3}, "call_cost_s": None,
         "routed_total": {field: {} for field in ROUTED_FIELDS}}  # no pass here routed
@@ -154,7 +159,7 @@ def test_a_step_runs_from_a_pass_start_to_the_next_and_counts_only_where_the_nex
 
 def test_an_interleaved_control_pass_is_a_phase_of_its_own_in_the_part_clock():
     t = FakeClock()
-    clock = PartClock(clock=t, usage=None)  # the thread's usage not read: its totals stay empty
+    clock = PartClock(clock=t, usage=None, collector=None)  # the thread's usage not read: its totals stay empty
 
     def run():
         t.now += 2.0
@@ -703,6 +708,24 @@ def test_the_forward_threads_usage_is_the_kernels_account_of_the_calling_thread_
     other.join()  # a wait of this thread's (the join), the other thread's CPU not in its account
     cpu3, _, _ = thread_usage()
     assert cpu3 - cpu2 < 0.02
+
+
+def test_a_garbage_collection_inside_a_pass_is_charged_to_its_phase():
+    """`gc_time` counts the interpreter's collections from `gc.callbacks` (a collection holds every thread), and
+    the clock charges those that ran during a pass to the pass's phase."""
+    import gc
+
+    seconds, count = gc_time()
+    gc.collect()
+    after = gc_time()
+    assert after[1] >= count + 1 and after[0] > seconds
+    clock = PartClock(usage=None)
+    clock.around_pass(Mode(decode=False), gc.collect, tokens=8)
+    clock.around_pass(Mode(decode=True), lambda: None, tokens=1)
+    thread = clock.attestation()["forward_thread"]
+    assert thread["gc_collections_total"]["prefill"] >= 1 and thread["gc_seconds_total"]["prefill"] > 0
+    # a decode pass that collected nothing, unless the interpreter's own thresholds set one off meanwhile
+    assert thread["gc_collections_total"]["decode"] in (0, 1)
 
 
 def test_the_clock_measures_what_a_wrapped_call_costs_the_host_without_counting_its_own_measurement():

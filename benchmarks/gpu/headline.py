@@ -552,7 +552,8 @@ def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | No
     device = clock["device"] if clock["device_passes"] == clock["passes"] else None
     spans = {"host_ms": clock["model"], "device_ms": device, "passes": clock["passes"],
              "device_passes": clock["device_passes"], "tokens": clock["tokens"],
-             "cpu_ms": clock["cpu"], "waits": clock["waits"]}  # the forward's thread a pass (None: not attested)
+             # the forward's thread a pass, and the garbage collector's ms in it (None: not attested)
+             "cpu_ms": clock["cpu"], "waits": clock["waits"], "gc_ms": clock["gc"]}
     if (after.get("errors") or {}).get("device"):  # the server's timing events failed: its device spans stopped
         spans["device_error"] = after["errors"]["device"]
     if before.get("late") or after.get("late"):  # a window that may hold a pass too few or too many
@@ -585,7 +586,7 @@ def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
                       if timed else None, "passes": passes, "device_passes": device_passes,
                       "tokens": sum(s.get("tokens", 0) for s in spans),
                       **{k: sum(s[k] * s["passes"] for s in spans) / passes  # the forward's thread, where attested
-                         if all(s.get(k) is not None for s in spans) else None for k in ("cpu_ms", "waits")},
+                         if all(s.get(k) is not None for s in spans) else None for k in ("cpu_ms", "waits", "gc_ms")},
                       "late": sum(1 for s in spans if s.get("late"))} if passes else None
     return out
 

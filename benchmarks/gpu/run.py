@@ -648,7 +648,7 @@ def median_spans(reps: list[dict]) -> dict:
     windows a late reading bounds (`late`), and every prompt's."""
     device = [r["device_ms"] for r in reps if r["device_ms"] is not None]
     thread = {k: statistics.median(r[k] for r in reps) if all(r.get(k) is not None for r in reps) else None
-              for k in ("cpu_ms", "waits")}  # the forward's thread a pass, where every prompt's clock read it
+              for k in ("cpu_ms", "waits", "gc_ms")}  # the forward's thread a pass, where every prompt's clock read it
     return {"host_ms": statistics.median(r["host_ms"] for r in reps),
             "device_ms": statistics.median(device) if len(device) == len(reps) else None, **thread,
             "passes": max(r["passes"] for r in reps), "late": sum(1 for r in reps if r.get("late")), "reps": reps}
@@ -1826,17 +1826,18 @@ def clock_lines(clock: dict | None) -> list[str]:
                   "layers are those the model routes (dense serves them densely); `-spans`: a server that times each "
                   "pass whole, without the parts (its forward is `outside`). Thread CPU: the CPU ms a pass of the "
                   "thread that ran the forward, and its waits a pass (`forward_thread`): host time beyond its CPU "
-                  "time is time it waited. Clock: the clock's wrapped calls a pass, and the host ms a pass they "
+                  "time is time it waited; gc: the interpreter's garbage collector's ms a pass, which holds every "
+                  "thread. Clock: the clock's wrapped calls a pass, and the host ms a pass they "
                   "cost by the server's own measure of one call (`PartClock.calibrate`, in a quiet loop: a floor); "
                   "what timing the parts adds to an arm's host time beyond it is not the clock's code.", "",
-                  "| prefill | arm | answered ms | host ms a pass | thread CPU ms | waits | clock calls | clock's "
-                  "own ms | routed layers | dense layers | outside | device ms a pass | device / host | doubts |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| prefill | arm | answered ms | host ms a pass | thread CPU ms | waits | gc ms | clock calls | "
+                  "clock's own ms | routed layers | dense layers | outside | device ms a pass | device / host | "
+                  "doubts |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for i, (n, length) in enumerate(clock["shapes"]):
             for name, doc in arms.items():
                 c = doc["cells"][i]
                 lines.append(f"| {n} x {length} | {name} | {c['answered_s'] * 1e3:.1f} | {c['model']:.2f} | "
-                             f"{_f(c.get('cpu'), '.2f')} | {_f(c.get('waits'), '.0f')} | "
+                             f"{_f(c.get('cpu'), '.2f')} | {_f(c.get('waits'), '.0f')} | {_f(c.get('gc'), '.2f')} | "
                              f"{_f(c.get('calls'), '.0f')} | {_f(c.get('own'), '.2f')} | "
                              f"{_f(c['routed'], '.2f')} | {_f(c['dense'], '.2f')} | {c['outside']:.2f} | "
                              f"{_f(c['device'], '.2f')} | {_f(_over(c['device'], c['model']), '.2f')} | "
@@ -2174,16 +2175,18 @@ def pass_span_lines(arms: dict) -> list[str]:
              "host-bound pass. Beside the host's time, the CPU time of the thread that ran the forward and how "
              "often it gave up the processor to wait (`forward_thread`, the kernel's account): a host time its "
              "CPU time fills was spent computing, the rest waiting (for the interpreter's lock another thread "
-             "held, for the device, for a lock of the driver's):", ""]
+             "held, for the device, for a lock of the driver's); and the ms the interpreter's garbage collector "
+             "ran in the pass (gc), which holds every thread:", ""]
     if prefill:
         lines += ["| prefill tokens | arm | TTFT ms | forward ms (stamps) | host ms a pass | thread CPU ms | waits | "
-                  "device ms a pass | device / host | passes |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "gc ms | device ms a pass | device / host | passes |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, cell in sorted(prefill, key=lambda r: (r[1]["tokens"], order.index(r[0]))):
             spans, forward = cell["pass_spans"], (cell.get("ttft_parts_s") or {}).get("forward")
             lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | "
                          f"{_f(forward and forward * 1e3, '.1f')} | {spans['host_ms']:.1f} | "
                          f"{_f(spans.get('cpu_ms'), '.1f')} | {_f(spans.get('waits'), '.0f')} | "
-                         f"{_f(spans['device_ms'], '.1f')} | {_f(_over(spans['device_ms'], spans['host_ms']), '.2f')} "
+                         f"{_f(spans.get('gc_ms'), '.1f')} | {_f(spans['device_ms'], '.1f')} | {_f(_over(spans['device_ms'], spans['host_ms']), '.2f')} "
                          f"| {spans['passes']} |")
         lines.append("")
     errors: dict[str, str] = {}  # where a server's timing events failed (its later readings all say so)

@@ -33,7 +33,9 @@ CPU time fills computed throughout (its Python, torch's dispatch, the driver's l
 the host time is longer, the thread waited the difference: for the interpreter's lock while another thread of the
 process ran, for the device, for a lock of the driver's or the allocator's. On a host-bound GPU pass that tells a
 slower issue of the same launches from a wait between them. (On a CPU torch's own threads compute beside the
-forward's: its thread's CPU time there is a part of the pass's work, and its waits include theirs.)
+forward's: its thread's CPU time there is a part of the pass's work, and its waits include theirs.) Beside them,
+the seconds the interpreter's garbage collector ran during the passes (`gc_time`, from `gc.callbacks`): a
+collection holds the interpreter's lock, whichever thread set it off.
 
 With `pass_spans` alone (`VSKIPPER_PASS_SPANS=1`) the clock wraps nothing: each pass's host span (its forward,
 `outside`) and device span are timed whole, cheap enough to leave on beside the figures they explain (the device
@@ -86,8 +88,11 @@ ROUTED_FIELDS = ("passes_total", "tokens_total", "host_seconds_total", "cpu_seco
 # and system), how often it gave up the processor to wait (for the interpreter's lock, another lock, the device, a
 # sleep) and how often the kernel took the processor from it (`thread_usage`). A pass whose host seconds its CPU
 # seconds fill computed all along (its Python, torch's dispatch, the driver's launches, a spin on the device); the
-# rest of its host time it waited, its waits counting how often.
-FORWARD_THREAD_FIELDS = ("cpu_seconds_total", "waits_total", "preempted_total")
+# rest of its host time it waited, its waits counting how often. Also the garbage collector's seconds and
+# collections during them (`gc_time`: a collection holds the interpreter's lock, and so the forward, whichever
+# thread set it off).
+FORWARD_THREAD_FIELDS = ("cpu_seconds_total", "waits_total", "preempted_total", "gc_seconds_total",
+                         "gc_collections_total")
 
 
 def thread_usage() -> tuple[float, int, int] | None:
@@ -98,6 +103,42 @@ def thread_usage() -> tuple[float, int, int] | None:
         return None
     usage = resource.getrusage(who)
     return usage.ru_utime + usage.ru_stime, usage.ru_nvcsw, usage.ru_nivcsw
+
+
+class _Collections:
+    """The interpreter's garbage collections in this process so far, from `gc.callbacks`: their seconds and how
+    many. Each runs holding the interpreter's lock, one at a time."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.count = 0
+        self._start: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.count += 1
+            self._start = None
+
+
+_collections: _Collections | None = None
+_collections_lock = threading.Lock()
+
+
+def gc_time() -> tuple[float, int]:
+    """(seconds, collections) of the interpreter's garbage collector in this process, counted from this function's
+    first call on (which installs the count into `gc.callbacks`)."""
+    global _collections
+    if _collections is None:
+        with _collections_lock:
+            if _collections is None:
+                import gc
+
+                _collections = _Collections()
+                gc.callbacks.append(_collections)
+    return _collections.seconds, _collections.count
 
 PARTS = ("q", "kv", "qkv", "rope", "kv_write", "read", "o", "mlp", "ln1", "ln2", "projector", "glue")
 
@@ -125,12 +166,14 @@ class PartClock:
 
     def __init__(self, clock=time.perf_counter, events: Callable[[], Any] | None = None,
                  capturing: Callable[[], bool] = capturing, parts: bool = True,
-                 usage: Callable[[], tuple[float, int, int] | None] | None = thread_usage) -> None:
+                 usage: Callable[[], tuple[float, int, int] | None] | None = thread_usage,
+                 collector: Callable[[], tuple[float, int]] | None = gc_time) -> None:
         """`parts` False: the passes' spans alone; `wrap` (and so `install`) wraps nothing. `usage`: the calling
-        thread's (CPU seconds, waits, preemptions) so far (`thread_usage`), read around each pass
-        (`forward_thread`); None: not read."""
+        thread's (CPU seconds, waits, preemptions) so far (`thread_usage`), and `collector` the garbage collector's
+        (seconds, collections) so far (`gc_time`), each read around each pass (`forward_thread`); None: not
+        read."""
         self.clock = clock
-        self.usage = usage
+        self.usage, self.collector = usage, collector
         self.thread: dict[str, dict[str, float]] = {field: defaultdict(float if "seconds" in field else int)
                                                     for field in FORWARD_THREAD_FIELDS}
         self.events, self.capturing = events, capturing
@@ -194,7 +237,7 @@ class PartClock:
         of the processor's caches, a call costs more). A pass's `calls` times it is what the clock adds to its
         host time by its own Python, and the rest of any difference between a timed and an untimed pass is not
         the clock's code."""
-        scratch = PartClock(self.clock, usage=None)
+        scratch = PartClock(self.clock, usage=None, collector=None)
 
         def work() -> None:
             return None
@@ -252,6 +295,7 @@ class PartClock:
             except Exception as exc:  # the clock's failure never fails the pass
                 marks = self._lost(exc)
         used = self.usage() if self.usage is not None else None
+        collected = self.collector() if self.collector is not None else None
         t0 = self.clock()
         try:
             return self.timed(run, "outside", "outside")()
@@ -265,6 +309,10 @@ class PartClock:
                 if routed:
                     self.routed["cpu_seconds_total"][self.phase] += cpu
                     self.routed["waits_total"][self.phase] += waits
+            if collected is not None:
+                seconds, count = self.collector()
+                self.thread["gc_seconds_total"][self.phase] += seconds - collected[0]
+                self.thread["gc_collections_total"][self.phase] += count - collected[1]
             if marks is not None:
                 try:
                     marks[1].record()
