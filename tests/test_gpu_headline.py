@@ -545,8 +545,8 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
         return {"parts": False, "passes_total": {"decode": decode_passes}, "device_passes_total": {"decode": decode_passes},
                 "seconds_total": {"decode": {"outside": {"outside": host_s}}}, "tokens_total": {"decode": tokens},
                 "device_seconds_total": {"decode": device_s}, "errors": {},
-                **({"forward_thread": {"cpu_seconds_total": {"decode": thread[0]}, "waits_total": {"decode": thread[1]}}}
-                   if thread else {})}
+                **({"forward_thread": {"cpu_seconds_total": {"decode": thread[0]},
+                                       "waits_total": {"decode": thread[1]}}} if thread else {})}
 
     cells = []
     # the forward's thread: 10 passes of 0.5 ms CPU and 2 waits each, then 30 of 1 ms and 4

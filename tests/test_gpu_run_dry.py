@@ -433,25 +433,34 @@ def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server
             assert seq["model"] > 0 and len(seq["answered_s_reps"]) == run.CLOCK_REPS * len(shapes)
             # the scheduler's own thread issued the passes (its CPU in the window, from the server's attestations)
             assert any(t["name"] == "MainThread" and t["cpu_s"] > 0 for t in seq["threads"])
+        # every server sampled its forward's stack in its passes: SGLang's forward and vSkipper's hooks were there
+        windows = [*doc["cells"], *doc["sequences"].values()]
+        total, counts = run.sampled(windows)
+        assert total >= len(windows) and all(w["samples"]["total"] >= 0 for w in windows)
+        assert counts["vskipper"] and any(key.startswith("sglang/hooks.py:") or "models/" in key
+                                          for key in counts["vskipper"])
     summary = (out / "summary.md").read_text()
     assert f"| {run.CLOCK_SPANS} | no |" in summary and f"| {run.ALWAYS} | yes |" in summary
     assert "## Where a prefill pass's host time goes (the part clock)" in summary
     assert f"| 1 x 32 | {run.ALWAYS} |" in summary
     assert f"{run.ALWAYS} against {run.CONTROL} at 2 x 32: host ms a pass by layer kind and part" in summary
     assert f"{run.CONTROL} against dense at 1 x 64:" in summary
+    assert "Where the forward's host time went, by samples of its Python stack" in summary
+    assert f"{run.ALWAYS}, the innermost frame of vSkipper's code (" in summary
 
 
 def test_the_clock_section_renders_what_an_unfinished_stage_holds_and_says_what_makes_a_window_doubtful():
     """One arm done (its window a pass short, a reading late, a compilation inside), one failed, one left: the
     arm's row with its doubts, no comparison without the arm it compares against, the failure and what is left."""
     cell = {"answered_s": 0.05, "model": 40.0, "routed": 20.0, "dense": 18.0, "outside": 2.0, "device": 44.0,
-            "cpu": 30.0, "waits": 1200.0, "gc": 0.0, "calls": 260.0, "own": 0.78, "passes": 2, "tokens": 2048, "expected": {"passes": 3, "tokens": 3072}, "late": True,
+            "cpu": 30.0, "waits": 1200.0, "gc": 0.0, "calls": 260.0, "own": 0.78, "passes": 2, "tokens": 2048,
+            "expected": {"passes": 3, "tokens": 3072}, "late": True,
             "compiles": {"compiles": 1, "seconds": 1.5, "kernels": {}, "cache_loads": {}},
             "seconds": {"routed": {"mlp": 0.02}, "outside": {"outside": 0.004}}}
     clock = {"shapes": [[1, 1024]], "reps": 3, "left": ["dense"], "failed": [run.CONTROL],
              "arms": {run.ALWAYS: {"cells": [cell]}, run.CONTROL: {"error": "RuntimeError: no part clock"}}}
     text = "\n".join(run.clock_lines(clock))
-    assert (f"| 1 x 1024 | {run.ALWAYS} | 50.0 | 40.00 | 30.00 | 1200 | 0.00 | 260 | 0.78 | 20.00 | 18.00 | 2.00 | "
+    assert (f"| 1 x 1024 | {run.ALWAYS} | 50.0 | 40.00 | 30.00 | 1200.0 | 0.00 | 260 | 0.78 | 20.00 | 18.00 | 2.00 | "
             "44.00 | "
             "1.10 | 2 passes of 2048 "
             "tokens, 3 of 3072 expected; a reading served late; 1 Triton compilations inside |") in text
@@ -1397,3 +1406,24 @@ def test_the_device_tau_is_the_intercept_gap_of_the_device_spans_lines_and_none_
              {"decode": 0.09}, "seconds_total": {"decode": {"outside": {"outside": 0.01}}}}
     empty = {"passes_total": {}, "device_passes_total": {}, "device_seconds_total": {}, "seconds_total": {}}
     assert headline.pass_spans(empty, clock, "decode")["device_ms"] is None  # a pass the device's clock missed
+
+
+def test_the_samples_tables_set_the_sequences_frames_beside_their_share_in_a_row():
+    """Each arm's most sampled frames of its sequences' windows, their share there beside their share in its cells'
+    windows; an arm whose servers sampled nothing adds no table."""
+    def window(total, innermost, ours):
+        return {"samples": {"total": total, "innermost": innermost, "vskipper": ours, "sglang": {}}}
+
+    cells = [window(40, {"jit.py:run:700": 10, "x.py:f:1": 30}, {"mixed/kernels.py:cohort_gemm:90": 20}),
+             window(10, {"x.py:f:1": 10}, {})]
+    sequences = {"rotated": window(100, {"jit.py:run:700": 60, "x.py:f:1": 40},
+                                   {"mixed/kernels.py:cohort_gemm:90": 70, "models/routed.py:read:600": 5})}
+    arms = {run.ALWAYS: {"cells": cells, "sequences": sequences}, "dense": {"cells": [{"samples": None}]}}
+    assert run.sampled(cells) == (50, {"innermost": {"jit.py:run:700": 10, "x.py:f:1": 40},
+                                       "vskipper": {"mixed/kernels.py:cohort_gemm:90": 20}})
+    text = "\n".join(run.sample_lines(arms))
+    assert f"{run.ALWAYS}, the innermost frame of vSkipper's code (100 samples in the sequences, 50 in a row):" in text
+    assert "| `jit.py:run:700` | 60.0% | 20.0% |" in text and "| `x.py:f:1` | 40.0% | 80.0% |" in text
+    assert "| `mixed/kernels.py:cohort_gemm:90` | 70.0% | 40.0% |" in text
+    assert "| `models/routed.py:read:600` | 5.0% | 0.0% |" in text
+    assert "dense," not in text and run.sample_lines({"dense": {"cells": [{"samples": None}]}}) == []

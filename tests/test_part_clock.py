@@ -86,7 +86,8 @@ def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a
                           "prefill": {"outside": {"outside": 0.0}, "routed": {"glue": 10.0, "rope": 1.0}}},
         "device_seconds_total": {}, "device_passes_total": {}, "errors": {},  # no device here (no timing events)
         "forward_thread": {"cpu_seconds_total": {"decode": 66.5, "prefill": 5.5},
-                           "waits_total": {"decode": 133, "prefill": 11}, "preempted_total": {"decode": 0, "prefill": 0},
+                           "waits_total": {"decode": 133, "prefill": 11},
+                           "preempted_total": {"decode": 0, "prefill": 0},
                            "gc_seconds_total": {"decode": 13.0, "prefill": 1.0},
                            "gc_collections_total": {"decode": 2, "prefill": 0}},
         # every timed call counted (the pass's own `outside` too); what one costs is measured where installed
@@ -739,3 +740,29 @@ def test_the_clock_measures_what_a_wrapped_call_costs_the_host_without_counting_
     installed = PartClock()
     installed.install([], ())  # no layer to wrap: the measurement alone
     assert installed.call_cost_s is not None and installed.call_cost_s > 0.0
+
+
+def test_a_failing_read_of_the_forward_threads_usage_never_fails_the_pass():
+    """The thread's usage read before the pass or after it raises: the pass returns its result and is counted,
+    the usage is read no more and the attestation says why; the device's spans are untouched."""
+    t = FakeClock()
+    reads = [0]
+
+    def usage():
+        reads[0] += 1
+        if reads[0] == 2:
+            raise OSError("getrusage went away")
+        return t.now, 0, 0
+
+    clock = PartClock(clock=t, usage=usage, collector=None)
+
+    def run():
+        t.now += 1.0
+        return "logits"
+
+    assert clock.around_pass(Mode(decode=True), run, tokens=4) == "logits"
+    assert clock.around_pass(Mode(decode=True), run, tokens=4) == "logits"
+    att = clock.attestation()
+    assert att["passes_total"] == {"decode": 2} and reads[0] == 2 and clock.usage is None
+    assert att["errors"] == {"thread": "OSError: getrusage went away"}
+    assert att["forward_thread"]["cpu_seconds_total"] == {}

@@ -64,7 +64,7 @@ from loadgen.attestation import READ_ATTEMPTS, read_answered  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
-from vskipper.sglang.spec import ENV_PART_CLOCK, ENV_PASS_SPANS  # noqa: E402
+from vskipper.sglang.spec import ENV_PART_CLOCK, ENV_PASS_SPANS, ENV_STACK_SAMPLES  # noqa: E402
 from vskipper.sglang.threads import ALLOCATOR_COUNTERS  # noqa: E402
 
 # The order `run.sh all` runs them in (`run.py stages` prints it): the tiles first, since every routed server
@@ -411,11 +411,12 @@ def graph_flags(flags: tuple[str, ...], batches: tuple[int, ...] | None) -> list
 def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
           arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None,
           graph_batches: tuple[int, ...] | None = None, flags: list[str] | None = None,
-          part_clock: bool = False) -> Server:
+          part_clock: bool = False, samples: bool = False) -> Server:
     """`vskipper serve` with the plan's flags and the tiles stage's table where it wrote one (`model` is
     OUTDIR/model); `thresholds` as its --enter-tokens / --exit-tokens (else the arm's from the roofline rule for the
     detected GPU); `graph_batches`, the only decode batch sizes captured (`graph_flags`); `flags`, SGLang flags
-    after all of those; `part_clock`, its part clock on (`ENV_PART_CLOCK`: every part of every layer timed)."""
+    after all of those; `part_clock`, its part clock on (`ENV_PART_CLOCK`: every part of every layer timed);
+    `samples`, the forward's stack sampled in each pass (`ENV_STACK_SAMPLES`)."""
     extra = graph_flags(plan.sglang_flags, graph_batches) + (["--mem-fraction-static", mem] if mem else []) \
         + list(flags or [])
     kw = {}
@@ -428,7 +429,8 @@ def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | N
     return stack.enter_context(launched(model, workdir, arm=arm, arm_file=arm_file, dtype=plan.dtype,
                                         extra=extra, platform=plan.platform, graceful=False,
                                         tile_table=tuned_table(plan, model.parent),
-                                        env={ENV_PASS_SPANS: "1", **({ENV_PART_CLOCK: "1"} if part_clock else {})},
+                                        env={ENV_PASS_SPANS: "1", **({ENV_PART_CLOCK: "1"} if part_clock else {}),
+                                             **({ENV_STACK_SAMPLES: "1"} if samples else {})},
                                         stand_in_ops=None if plan.stand_in_ops == "torch" else plan.stand_in_ops,
                                         **kw))
 
@@ -453,18 +455,19 @@ class Attached:
 
 def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: str, arm_files: dict[str, Path],
                mem: str | None = None, thresholds: dict | None = None, key: str | None = None,
-               graph_batches: tuple[int, ...] | None = None, part_clock: bool = False):
+               graph_batches: tuple[int, ...] | None = None, part_clock: bool = False, samples: bool = False):
     """The arm's server: attached from ENV_SERVERS when it names `key` (default: the arm), else started (stopped
-    with `stack`); `thresholds` go to the hybrid arm only."""
+    with `stack`); `thresholds` go to the hybrid arm only; `part_clock`, `samples` as `start` takes them."""
     given = json.loads(Path(os.environ[ENV_SERVERS]).read_text()) if os.environ.get(ENV_SERVERS) else {}
     if (key or name) in given:
         return Attached(given[key or name])
     if name in ("dense", PREFILL_GRAPHS):
         return start(plan, stack, model, workdir, arm="dense", mem=mem, graph_batches=graph_batches,
-                     flags=plan.prefill_graph_flags() if name == PREFILL_GRAPHS else None, part_clock=part_clock)
+                     flags=plan.prefill_graph_flags() if name == PREFILL_GRAPHS else None, part_clock=part_clock,
+                     samples=samples)
     return start(plan, stack, model, workdir, arm_file=arm_files[name], mem=mem,
                  thresholds=thresholds if name == HYBRID else None, graph_batches=graph_batches,
-                 part_clock=part_clock)
+                 part_clock=part_clock, samples=samples)
 
 
 def ready(plan: Plan, servers: list[Server]) -> None:
@@ -1738,7 +1741,8 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
     clock = run_clock(before, after, "prefill")
     if clock["device_passes"] != clock["passes"]:
         clock["device"] = None  # a window some passes of which the device's clock did not reach
-    return {"prompts": passes[0][0], "answered_s": statistics.median(seconds), "answered_s_reps": seconds,
+    return {"prompts": passes[0][0], "samples": window_samples(before, after),
+            "answered_s": statistics.median(seconds), "answered_s_reps": seconds,
             "threads": busiest(threads, threads_after),
             "allocator": None if allocator is None or allocator_after is None else
             {k: allocator_after[k] - allocator[k] for k in allocator_after if k in allocator},
@@ -1746,6 +1750,18 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
             "late": bool(before.get("late") or after.get("late")),
             "compiles": headline.compiles_between(compiles, compiles_after),
             "device_error": (after.get("errors") or {}).get("device"), **clock}
+
+
+def window_samples(before: dict, after: dict) -> dict | None:
+    """The forward's stack samples of a window's prefill passes (`vskipper.sglang.stack_samples`): how many, and
+    each counted frame's samples of each kind; None where the server samples none."""
+    from vskipper.sglang.stack_samples import KINDS, window
+
+    if "samples" not in after:
+        return None
+    total, _ = window(before.get("samples"), after["samples"], "prefill", KINDS[0])
+    return {"total": total, **{kind: window(before.get("samples"), after["samples"], "prefill", kind)[1]
+                               for kind in KINDS}}
 
 
 def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
@@ -1781,7 +1797,7 @@ def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
                 t0 = time.monotonic()
                 server = server_for(plan, stack, model, stage.out / "servers" / name, arm, arm_files,
                                     plan.solo_mem_fraction, key=f"{name}@clock", graph_batches=plan.batches,
-                                    part_clock=parts)
+                                    part_clock=parts, samples=True)
                 ready(plan, [server])
                 warm_up(plan, server, vocab)
                 log(stage.name, f"{name} up and warm after {time.monotonic() - t0:.0f} s")
@@ -1827,9 +1843,10 @@ def clock_lines(clock: dict | None) -> list[str]:
                   "pass whole, without the parts (its forward is `outside`). Thread CPU: the CPU ms a pass of the "
                   "thread that ran the forward, and its waits a pass (`forward_thread`): host time beyond its CPU "
                   "time is time it waited; gc: the interpreter's garbage collector's ms a pass, which holds every "
-                  "thread. Clock: the clock's wrapped calls a pass, and the host ms a pass they "
-                  "cost by the server's own measure of one call (`PartClock.calibrate`, in a quiet loop: a floor); "
-                  "what timing the parts adds to an arm's host time beyond it is not the clock's code.", "",
+                  "thread for most of its run. Clock: the clock's wrapped calls a pass, and the host ms a pass they "
+                  "cost by the server's own measure of one call (`PartClock.calibrate`, in a quiet loop: a floor, "
+                  "which the clock's code run cold in a pass exceeds by a few microseconds a call); what timing "
+                  "the parts adds to an arm's host time many times beyond it is not the clock's code.", "",
                   "| prefill | arm | answered ms | host ms a pass | thread CPU ms | waits | gc ms | clock calls | "
                   "clock's own ms | routed layers | dense layers | outside | device ms a pass | device / host | "
                   "doubts |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -1837,13 +1854,14 @@ def clock_lines(clock: dict | None) -> list[str]:
             for name, doc in arms.items():
                 c = doc["cells"][i]
                 lines.append(f"| {n} x {length} | {name} | {c['answered_s'] * 1e3:.1f} | {c['model']:.2f} | "
-                             f"{_f(c.get('cpu'), '.2f')} | {_f(c.get('waits'), '.0f')} | {_f(c.get('gc'), '.2f')} | "
+                             f"{_f(c.get('cpu'), '.2f')} | {_f(c.get('waits'), '.1f')} | {_f(c.get('gc'), '.2f')} | "
                              f"{_f(c.get('calls'), '.0f')} | {_f(c.get('own'), '.2f')} | "
                              f"{_f(c['routed'], '.2f')} | {_f(c['dense'], '.2f')} | {c['outside']:.2f} | "
                              f"{_f(c['device'], '.2f')} | {_f(_over(c['device'], c['model']), '.2f')} | "
                              f"{clock_doubts(c) or '-'} |")
         lines.append("")
     lines += sequence_lines(arms, clock["reps"])
+    lines += sample_lines(arms)
     for name, against in CLOCK_PAIRS:
         if name not in arms or against not in arms:
             continue
@@ -1934,6 +1952,52 @@ def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
                          f"{', '.join(f'{t} {s:.2f} s, {w} waits' for (t, _), (s, w) in top) or 'not attested'} | "
                          f"{alloc} |")
     return lines + [""]
+
+
+SAMPLED_KINDS = {"innermost": "the innermost frame (where the thread is in C code, the line that called it)",
+                 "vskipper": "the innermost frame of vSkipper's code"}
+
+
+def sampled(windows: list[dict]) -> tuple[int, dict[str, dict[str, int]]]:
+    """The stack samples of several clock windows together: how many, and each kind's counts summed."""
+    total, counts = 0, {kind: {} for kind in SAMPLED_KINDS}
+    for w in windows:
+        samples = w.get("samples") or {}
+        total += samples.get("total", 0)
+        for kind in SAMPLED_KINDS:
+            for key, n in (samples.get(kind) or {}).items():
+                counts[kind][key] = counts[kind].get(key, 0) + n
+    return total, counts
+
+
+def sample_lines(arms: dict[str, dict], top: int = 6) -> list[str]:
+    """Where each arm's prefill passes spent the host's time by the forward's stack samples
+    (`vskipper.sglang.stack_samples`): per kind of frame, the most sampled frames of the sequences' windows beside
+    their share in the windows of each shape's passes in a row (a frame whose share grows there is where the
+    rotated passes' extra host time went)."""
+    lines = []
+    for name, doc in arms.items():
+        row_total, row = sampled(doc.get("cells") or [])
+        seq_total, seq = sampled(list((doc.get("sequences") or {}).values()))
+        if not row_total and not seq_total:
+            continue
+        if not lines:
+            lines = ["Where the forward's host time went, by samples of its Python stack every 2 ms while a pass "
+                     "ran (`VSKIPPER_STACK_SAMPLES`, on every server of this stage; a frame's share of the samples "
+                     "is about its share of the passes' host time): the most sampled frames of the sequences' "
+                     "windows, beside their share in the windows of each shape's passes in a row.", ""]
+        for kind, what in SAMPLED_KINDS.items():
+            keys = sorted(seq[kind], key=lambda k: (-seq[kind][k], k))[:top] or \
+                sorted(row[kind], key=lambda k: (-row[kind][k], k))[:top]
+            lines += [f"{name}, {what} ({seq_total} samples in the sequences, {row_total} in a row):", "",
+                      "| frame | sequences | in a row |", "|---|---:|---:|",
+                      *(f"| `{k}` | {_share(seq[kind].get(k, 0), seq_total)} | "
+                        f"{_share(row[kind].get(k, 0), row_total)} |" for k in keys), ""]
+    return lines
+
+
+def _share(n: int, total: int) -> str:
+    return "n/a" if not total else f"{100 * n / total:.1f}%"
 
 
 def clock_doubts(cell: dict) -> str:
@@ -2176,7 +2240,7 @@ def pass_span_lines(arms: dict) -> list[str]:
              "often it gave up the processor to wait (`forward_thread`, the kernel's account): a host time its "
              "CPU time fills was spent computing, the rest waiting (for the interpreter's lock another thread "
              "held, for the device, for a lock of the driver's); and the ms the interpreter's garbage collector "
-             "ran in the pass (gc), which holds every thread:", ""]
+             "ran in the pass (gc), which holds every thread for most of its run:", ""]
     if prefill:
         lines += ["| prefill tokens | arm | TTFT ms | forward ms (stamps) | host ms a pass | thread CPU ms | waits | "
                   "gc ms | device ms a pass | device / host | passes |",
@@ -2186,7 +2250,8 @@ def pass_span_lines(arms: dict) -> list[str]:
             lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | "
                          f"{_f(forward and forward * 1e3, '.1f')} | {spans['host_ms']:.1f} | "
                          f"{_f(spans.get('cpu_ms'), '.1f')} | {_f(spans.get('waits'), '.0f')} | "
-                         f"{_f(spans.get('gc_ms'), '.1f')} | {_f(spans['device_ms'], '.1f')} | {_f(_over(spans['device_ms'], spans['host_ms']), '.2f')} "
+                         f"{_f(spans.get('gc_ms'), '.1f')} | {_f(spans['device_ms'], '.1f')} | "
+                         f"{_f(_over(spans['device_ms'], spans['host_ms']), '.2f')} "
                          f"| {spans['passes']} |")
         lines.append("")
     errors: dict[str, str] = {}  # where a server's timing events failed (its later readings all say so)

@@ -35,7 +35,8 @@ process ran, for the device, for a lock of the driver's or the allocator's. On a
 slower issue of the same launches from a wait between them. (On a CPU torch's own threads compute beside the
 forward's: its thread's CPU time there is a part of the pass's work, and its waits include theirs.) Beside them,
 the seconds the interpreter's garbage collector ran during the passes (`gc_time`, from `gc.callbacks`): a
-collection holds the interpreter's lock, whichever thread set it off.
+collection holds the interpreter's lock for most of its run (the finalizers it calls may let it go), whichever
+thread set it off.
 
 With `pass_spans` alone (`VSKIPPER_PASS_SPANS=1`) the clock wraps nothing: each pass's host span (its forward,
 `outside`) and device span are timed whole, cheap enough to leave on beside the figures they explain (the device
@@ -86,23 +87,26 @@ ROUTED_FIELDS = ("passes_total", "tokens_total", "host_seconds_total", "cpu_seco
                  "device_seconds_total", "device_passes_total")
 # What the thread that runs the forward did during the passes (`forward_thread`), per phase: its CPU seconds (user
 # and system), how often it gave up the processor to wait (for the interpreter's lock, another lock, the device, a
-# sleep) and how often the kernel took the processor from it (`thread_usage`). A pass whose host seconds its CPU
+# sleep) and how often it left the processor otherwise (`thread_usage`: taken by the kernel for another task, or
+# yielded by `sched_yield`, as a CUDA wait in yield mode does). A pass whose host seconds its CPU
 # seconds fill computed all along (its Python, torch's dispatch, the driver's launches, a spin on the device); the
 # rest of its host time it waited, its waits counting how often. Also the garbage collector's seconds and
-# collections during them (`gc_time`: a collection holds the interpreter's lock, and so the forward, whichever
-# thread set it off).
+# collections during them (`gc_time`: a collection holds the interpreter's lock for most of its run, and so the
+# forward, whichever thread set it off).
 FORWARD_THREAD_FIELDS = ("cpu_seconds_total", "waits_total", "preempted_total", "gc_seconds_total",
                          "gc_collections_total")
 
 
 def thread_usage() -> tuple[float, int, int] | None:
-    """(CPU seconds, voluntary context switches, involuntary ones) of the calling thread so far, from the kernel's
-    accounting (`getrusage(RUSAGE_THREAD)`, microseconds); None where the platform has no per-thread usage."""
+    """(CPU seconds, voluntary context switches, involuntary ones) of the calling thread so far: its CPU clock
+    (`time.thread_time`, which the kernel brings up to date for the call; `getrusage`'s CPU times are only as
+    fresh as the last scheduler tick or switch, a millisecond or more behind on a thread that just woke) and the
+    kernel's switch counts (`getrusage(RUSAGE_THREAD)`); None where the platform has no per-thread usage."""
     who = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
     if who is None:
         return None
     usage = resource.getrusage(who)
-    return usage.ru_utime + usage.ru_stime, usage.ru_nvcsw, usage.ru_nivcsw
+    return time.thread_time(), usage.ru_nvcsw, usage.ru_nivcsw
 
 
 class _Collections:
@@ -167,19 +171,29 @@ class PartClock:
     def __init__(self, clock=time.perf_counter, events: Callable[[], Any] | None = None,
                  capturing: Callable[[], bool] = capturing, parts: bool = True,
                  usage: Callable[[], tuple[float, int, int] | None] | None = thread_usage,
-                 collector: Callable[[], tuple[float, int]] | None = gc_time) -> None:
+                 collector: Callable[[], tuple[float, int]] | None = gc_time, samples: bool = False) -> None:
         """`parts` False: the passes' spans alone; `wrap` (and so `install`) wraps nothing. `usage`: the calling
         thread's (CPU seconds, waits, preemptions) so far (`thread_usage`), and `collector` the garbage collector's
         (seconds, collections) so far (`gc_time`), each read around each pass (`forward_thread`); None: not
-        read."""
+        read. `samples`: the forward's Python stack sampled while a pass runs (`stack_samples`, `samples` in the
+        attestation)."""
         self.clock = clock
         self.usage, self.collector = usage, collector
+        self._running: tuple[int, str] | None = None  # (the forward thread's ident, its pass's phase) in a pass
+        self.sampler = None
+        if samples:
+            from vskipper.sglang.stack_samples import StackSampler
+
+            self.sampler = StackSampler(lambda: self._running)
+            self.sampler.start()
         self.thread: dict[str, dict[str, float]] = {field: defaultdict(float if "seconds" in field else int)
                                                     for field in FORWARD_THREAD_FIELDS}
         self.events, self.capturing = events, capturing
         self.parts = parts
         self._settling = threading.RLock()  # the forward's thread and a reader's both settle (and `_lost`)
-        self.errors: dict[str, str] = {}  # why the device's spans stopped, where they did (`_lost`)
+        # why the device's spans stopped, where they did (`device`, `_lost`); why the forward thread's usage did
+        # (`thread`, `_no_thread`)
+        self.errors: dict[str, str] = {}
         self.device_seconds: dict[str, float] = defaultdict(float)
         self.device_passes: dict[str, int] = defaultdict(int)
         self._pending: deque[tuple[str, bool, Any, Any]] = deque()  # (phase, routed, start, end): on the device
@@ -233,10 +247,10 @@ class PartClock:
     def calibrate(self, calls: int = 2000, rounds: int = 5) -> float:
         """The clock's own host time a wrapped call (`call_cost_s`): a call timed through a scratch clock of this
         one's kind, nested in another as a layer's parts are, less the same call unwrapped; the least of `rounds`
-        rounds of `calls` (a quiet loop's figure: where the pass's own work has pushed the clock's code and data out
-        of the processor's caches, a call costs more). A pass's `calls` times it is what the clock adds to its
-        host time by its own Python, and the rest of any difference between a timed and an untimed pass is not
-        the clock's code."""
+        rounds of `calls`. A floor: in a pass the clock's code may run with its data out of the processor's caches,
+        and a part named by a function of the call's arguments (the fused QKV projection's) costs a few
+        microseconds more. A pass's `calls` times it is the least the clock adds to its host time by its own
+        Python; a difference between a timed and an untimed pass many times that is not the clock's code."""
         scratch = PartClock(self.clock, usage=None, collector=None)
 
         def work() -> None:
@@ -294,25 +308,15 @@ class PartClock:
                 marks[0].record()
             except Exception as exc:  # the clock's failure never fails the pass
                 marks = self._lost(exc)
-        used = self.usage() if self.usage is not None else None
-        collected = self.collector() if self.collector is not None else None
+        thread = self._thread_now()
+        self._running = (threading.get_ident(), self.phase)
         t0 = self.clock()
         try:
             return self.timed(run, "outside", "outside")()
         finally:
             host = self.clock() - t0
-            if used is not None:
-                cpu, waits, preempted = (now - was for now, was in zip(self.usage(), used, strict=True))
-                self.thread["cpu_seconds_total"][self.phase] += cpu
-                self.thread["waits_total"][self.phase] += waits
-                self.thread["preempted_total"][self.phase] += preempted
-                if routed:
-                    self.routed["cpu_seconds_total"][self.phase] += cpu
-                    self.routed["waits_total"][self.phase] += waits
-            if collected is not None:
-                seconds, count = self.collector()
-                self.thread["gc_seconds_total"][self.phase] += seconds - collected[0]
-                self.thread["gc_collections_total"][self.phase] += count - collected[1]
+            self._running = None
+            self._count_thread(thread, routed)
             if marks is not None:
                 try:
                     marks[1].record()
@@ -329,6 +333,44 @@ class PartClock:
                 self.routed["passes_total"][self.phase] += 1
                 self.routed["tokens_total"][self.phase] += tokens
                 self.routed["host_seconds_total"][self.phase] += host
+
+    def _thread_now(self) -> tuple[Any, Any] | None:
+        """The forward thread's usage and the garbage collector's time now, for `_count_thread` after the pass;
+        None where neither is read (or reading them failed: `errors` says why, and they are read no more)."""
+        try:
+            return (self.usage() if self.usage is not None else None,
+                    self.collector() if self.collector is not None else None)
+        except Exception as exc:  # the clock's failure never fails the pass
+            self._no_thread(exc)
+            return None
+
+    def _count_thread(self, was: tuple[Any, Any] | None, routed: bool) -> None:
+        """Add what the forward's thread and the garbage collector did since `was` (`_thread_now`) to this pass's
+        phase (`forward_thread`; a routed pass's CPU and waits to `routed_total` too)."""
+        if was is None:
+            return
+        used, collected = was
+        try:
+            if used is not None:
+                cpu, waits, preempted = (now - then for now, then in zip(self.usage(), used, strict=True))
+                self.thread["cpu_seconds_total"][self.phase] += cpu
+                self.thread["waits_total"][self.phase] += waits
+                self.thread["preempted_total"][self.phase] += preempted
+                if routed:
+                    self.routed["cpu_seconds_total"][self.phase] += cpu
+                    self.routed["waits_total"][self.phase] += waits
+            if collected is not None:
+                seconds, count = self.collector()
+                self.thread["gc_seconds_total"][self.phase] += seconds - collected[0]
+                self.thread["gc_collections_total"][self.phase] += count - collected[1]
+        except Exception as exc:
+            self._no_thread(exc)
+
+    def _no_thread(self, exc: Exception) -> None:
+        """Reading the forward thread's usage or the collector's time failed: neither is read again, and the
+        attestation says why (`errors`: `thread`)."""
+        self.usage = self.collector = None
+        self.errors.setdefault("thread", f"{type(exc).__name__}: {str(exc).strip()[:300]}")
 
     def _lost(self, exc: Exception) -> None:
         """A timing event failed: the device's spans stop (the host's go on, and the pass with them), and the
@@ -364,7 +406,7 @@ class PartClock:
             for *_, end in list(self._pending):
                 end.synchronize()
             self.settle()
-            return not self.errors
+            return "device" not in self.errors
         except Exception as exc:
             self._lost(exc)
             return False
@@ -376,7 +418,7 @@ class PartClock:
                 "seconds_total": self.seconds, "device_seconds_total": self.device_seconds,
                 "device_passes_total": self.device_passes, "routed_total": self.routed,
                 "forward_thread": self.thread, "calls_total": self.calls, "call_cost_s": self.call_cost_s,
-                "errors": self.errors}
+                **({"samples": self.sampler.view} if self.sampler is not None else {}), "errors": self.errors}
 
     def attestation(self) -> dict[str, Any]:
         """A copy of `live`, as plain dicts."""

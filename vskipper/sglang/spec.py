@@ -33,6 +33,9 @@ ENV_PART_CLOCK = "VSKIPPER_PART_CLOCK"  # 1: time each part of each pass in the 
 # spans alone, a measurement mode cheap enough to leave on beside the figures it explains (two timing events and two
 # clock reads a pass, no wrapped call)
 ENV_PASS_SPANS = "VSKIPPER_PASS_SPANS"
+# 1: the forward's Python stack sampled while each pass runs (`vskipper.sglang.stack_samples`), counted per phase
+# in the part clock's attestation: a measurement mode (the sampler takes the interpreter's lock for each sample)
+ENV_STACK_SAMPLES = "VSKIPPER_STACK_SAMPLES"
 # 1: a routed arm's decode passes, and apart from them its prefill passes, alternate between its routes and every
 # row RUN through the routed layers (the s = 0 control); each control pass is a phase of its own in the part clock,
 # and each decode pass is timed to the next (`vskipper.sglang.part_times.PassClock`): a measurement mode
@@ -75,6 +78,7 @@ class ServeSpec:
     tile_table: Path | None = None  # a table measured on this GPU (`ENV_TILE_TABLE`); None: the shipped one
     pass_spans: bool = False  # time each pass whole (`ENV_PASS_SPANS`; the part clock times its spans too)
     prefill_floor_tokens: int | None = None  # the prefill switch's floor (`ENV_PREFILL_FLOOR`); None: the constant's
+    stack_samples: bool = False  # sample the forward's stack in each pass (`ENV_STACK_SAMPLES`; with the clock's spans)
 
     def __post_init__(self) -> None:
         if self.execution not in EXECUTIONS:
@@ -114,6 +118,8 @@ class ServeSpec:
             env[ENV_PART_CLOCK] = "1"
         if self.pass_spans:
             env[ENV_PASS_SPANS] = "1"
+        if self.stack_samples:
+            env[ENV_STACK_SAMPLES] = "1"
         if self.interleave_control:
             env[ENV_INTERLEAVE_CONTROL] = "1"
         if self.execution != "auto":
@@ -153,7 +159,7 @@ class ServeSpec:
                    environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile, part_clock_from_env(environ),
                    switch_from_env(environ, ENV_INTERLEAVE_CONTROL), environ.get(ENV_EXECUTION, "auto"),
                    Path(environ[ENV_TILE_TABLE]) if environ.get(ENV_TILE_TABLE) else None,
-                   switch_from_env(environ, ENV_PASS_SPANS), floor)
+                   switch_from_env(environ, ENV_PASS_SPANS), floor, switch_from_env(environ, ENV_STACK_SAMPLES))
 
 
 def switch_from_env(environ, name: str) -> bool:

@@ -913,7 +913,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
         # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
         # which describes what the model and device run and is the same for every arm of one deployment.
-        self.part_clock = self._part_clock() if spec.part_clock or spec.pass_spans else None
+        self.part_clock = self._part_clock() if spec.part_clock or spec.pass_spans or spec.stack_samples else None
         self.pass_clock = PassClock() if self.runtime.spec.interleave_control else None
         if self.pass_clock is not None:
             self.runtime.model_counters["pass_clock"] = self.pass_clock.attestation()
@@ -944,7 +944,8 @@ class SkipperCausalLM(RouterWeightsMixin):
         """The part clock over this rank's layers (of its passes' spans alone where only `pass_spans` asks for
         it), live in the attestation (`part_clock`), whose writer waits for the device's end of the passes first."""
         parts = self.runtime.spec.part_clock
-        clock = PartClock(events=cuda_events(), parts=parts)  # on a GPU each pass's device time too
+        # on a GPU each pass's device time too; the forward's stack sampled where the spec asks
+        clock = PartClock(events=cuda_events(), parts=parts, samples=self.runtime.spec.stack_samples)
         if parts:
             clock.install([(i, self.model.layers[i]) for i in range(self.model.start_layer, self.model.end_layer)],
                           self.routed_layers)

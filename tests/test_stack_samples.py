@@ -1,0 +1,117 @@
+"""The forward's stack samples (`vskipper.sglang.stack_samples`): a sampler thread reads the frames of the thread
+that runs a pass, only while it runs one, and counts per phase where it stood; the part clock starts it where the
+serve spec asks (`ENV_STACK_SAMPLES`)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from vskipper.sglang.part_times import PartClock
+from vskipper.sglang.spec import ENV_STACK_SAMPLES, ServeConfigError, ServeSpec
+from vskipper.sglang.stack_samples import KINDS, StackSampler, frame_key, sample_keys, top, window
+
+
+class Mode:
+    def __init__(self, decode: bool) -> None:
+        self.decode = decode
+
+    def is_decode(self) -> bool:
+        return self.decode
+
+    def is_extend(self) -> bool:
+        return not self.decode
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_frame_is_counted_by_its_files_last_two_parts_its_function_and_its_line():
+    frame = sys._getframe()
+    assert frame_key(frame) == f"tests/test_stack_samples.py:{frame.f_code.co_name}:{frame.f_lineno}"
+    keys = sample_keys(frame)
+    # this test's own frame is the innermost; pytest's frames hold no vSkipper or SGLang code
+    assert keys["innermost"].startswith("tests/test_stack_samples.py:test_a_frame_is_counted")
+    assert set(keys) == {"innermost"}
+
+
+def test_the_sampler_reads_the_running_threads_frames_only_while_a_pass_runs_and_publishes_after():
+    """Samples while `running` names the thread, by phase; none between passes; the counts reach `view` once the
+    pass has ended, each field replaced whole."""
+    running: list = [None]
+    sampler = StackSampler(lambda: running[0], interval_s=0.001)
+    sampler.start()
+    try:
+        spin(0.05)  # no pass: nothing sampled
+        assert sampler.samples == {}
+        running[0] = (threading.get_ident(), "prefill")
+        spin(0.2)
+        running[0] = None
+        end = time.monotonic() + 5.0
+        while sampler.view["samples_total"] != dict(sampler.samples) and time.monotonic() < end:
+            time.sleep(0.005)
+    finally:
+        sampler.stop()
+        sampler.join(5.0)
+    assert not sampler.is_alive()
+    view = sampler.view
+    assert view["samples_total"]["prefill"] >= 10 and set(view["samples_total"]) == {"prefill"}
+    innermost = view["innermost"]["prefill"]
+    # the pass spent its time in spin(): most samples stood there (the sampler needs the interpreter's lock, which
+    # the spinning thread gives up at its switch interval, so each sample lands inside the loop)
+    spun = sum(n for key, n in innermost.items() if ":spin:" in key)
+    assert spun >= 0.8 * view["samples_total"]["prefill"]
+    assert top(innermost, 1)[0][0].startswith("tests/test_stack_samples.py:spin:")
+    assert view["vskipper"] == {} and view["sglang"] == {}  # no frame of either in this test's stack
+
+
+def test_whose_code_a_frame_is():
+    from vskipper.sglang.stack_samples import code_of
+
+    assert code_of("/work/main/vskipper/sglang/part_times.py") == "vskipper"  # vSkipper's glue, not SGLang's
+    assert code_of("/x/site-packages/sglang/srt/layers/radix_attention.py") == "sglang"
+    assert code_of("/x/site-packages/triton/runtime/jit.py") is None
+
+
+def test_a_window_of_samples_is_the_difference_of_two_readings():
+    before = {"samples_total": {"prefill": 10}, "innermost": {"prefill": {"a": 6, "b": 4}}}
+    after = {"samples_total": {"prefill": 25, "decode": 3}, "innermost": {"prefill": {"a": 6, "b": 9, "c": 10}}}
+    assert window(before, after, "prefill", "innermost") == (15, {"b": 5, "c": 10})
+    assert window(None, after, "decode", "vskipper") == (3, {})
+    assert window(before, None, "prefill", "innermost") == (0, {})
+
+
+def test_the_part_clock_samples_its_passes_where_asked_and_attests_them():
+    """A clock with `samples` starts a sampler over its passes: the pass's phase and thread, the counts in the
+    attestation's `samples`; a clock without it has none."""
+    clock = PartClock(usage=None, collector=None, samples=True)
+    try:
+        clock.around_pass(Mode(decode=False), lambda: spin(0.3), tokens=64)
+        end = time.monotonic() + 5.0
+        while not clock.attestation()["samples"]["samples_total"] and time.monotonic() < end:
+            time.sleep(0.005)
+        samples = clock.attestation()["samples"]
+        assert samples["samples_total"]["prefill"] >= 10 and set(samples) == {"interval_s", "samples_total", *KINDS}
+        assert any(":spin:" in key for key in samples["innermost"]["prefill"])
+        # the clock's own frame (the pass it wraps) is vSkipper's innermost; no frame of SGLang's runtime here
+        assert all(key.startswith("sglang/part_times.py:") for key in samples["vskipper"]["prefill"])
+        assert samples["sglang"] == {}
+    finally:
+        clock.sampler.stop()
+    assert "samples" not in PartClock(usage=None, collector=None).attestation()
+
+
+def test_the_serve_spec_carries_the_stack_samples_through_the_environment_and_refuses_other_values():
+    from vskipper.arms import get_arm
+
+    env = ServeSpec(get_arm("dense"), 0, 0, pass_spans=True, stack_samples=True).to_env()
+    assert env[ENV_STACK_SAMPLES] == "1" and ServeSpec.from_env(env).stack_samples
+    assert not ServeSpec.from_env(ServeSpec(get_arm("dense"), 0, 0).to_env()).stack_samples
+    with pytest.raises(ServeConfigError, match=f"{ENV_STACK_SAMPLES} must be 0 or 1, got 'yes'"):
+        ServeSpec.from_env({**env, ENV_STACK_SAMPLES: "yes"})
