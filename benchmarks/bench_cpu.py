@@ -481,11 +481,12 @@ def thread_clock(before: dict, after: dict, phase: str, passes: int) -> dict:
     """The forward's thread in one run's passes, from its part clock's `forward_thread`: its CPU ms a pass (`cpu`),
     its waits a pass (`waits`: how often it gave up the processor) and the garbage collector's ms a pass (`gc`),
     each None where a reading lacks them (a server from before the clock read them, a platform without per-thread
-    usage, no pass)."""
+    usage, reads that failed, no pass)."""
     was, now = before.get("forward_thread") or {}, after.get("forward_thread") or {}
+    stopped = (after.get("errors") or {}).get("thread")  # its reads failed: the totals stopped growing
 
     def per_pass(field: str, scale: float = 1.0) -> float | None:
-        if not passes or phase not in now.get(field, {}):
+        if not passes or stopped or phase not in now.get(field, {}):
             return None
         return (now[field][phase] - was.get(field, {}).get(phase, 0)) / passes * scale
 

@@ -436,9 +436,9 @@ def test_the_clock_stage_times_each_arms_prefill_passes_part_by_part_on_a_server
         # every server sampled its forward's stack in its passes: SGLang's forward and vSkipper's hooks were there
         windows = [*doc["cells"], *doc["sequences"].values()]
         total, counts = run.sampled(windows)
-        assert total >= len(windows) and all(w["samples"]["total"] >= 0 for w in windows)
-        assert counts["vskipper"] and any(key.startswith("sglang/hooks.py:") or "models/" in key
-                                          for key in counts["vskipper"])
+        assert total >= len(windows)
+        assert any(key.startswith(("vskipper/sglang/hooks.py:", "vskipper/sglang/models/"))
+                   for key in counts["vskipper"])
     summary = (out / "summary.md").read_text()
     assert f"| {run.CLOCK_SPANS} | no |" in summary and f"| {run.ALWAYS} | yes |" in summary
     assert "## Where a prefill pass's host time goes (the part clock)" in summary

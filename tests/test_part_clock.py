@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pass_modes import Mode
 from sglang_layer_world import LayerWorld
 
 from vskipper.sglang.part_times import (
@@ -34,17 +35,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class Mode:
-    def __init__(self, decode: bool) -> None:
-        self.decode = decode
-
-    def is_decode(self) -> bool:
-        return self.decode
-
-    def is_extend(self) -> bool:
-        return not self.decode
 
 
 def test_each_part_is_charged_its_own_time_to_the_layer_kind_that_calls_it_and_a_shared_module_is_wrapped_once():

@@ -9,21 +9,11 @@ import threading
 import time
 
 import pytest
+from pass_modes import Mode
 
 from vskipper.sglang.part_times import PartClock
 from vskipper.sglang.spec import ENV_STACK_SAMPLES, ServeConfigError, ServeSpec
 from vskipper.sglang.stack_samples import KINDS, StackSampler, frame_key, sample_keys, top, window
-
-
-class Mode:
-    def __init__(self, decode: bool) -> None:
-        self.decode = decode
-
-    def is_decode(self) -> bool:
-        return self.decode
-
-    def is_extend(self) -> bool:
-        return not self.decode
 
 
 def spin(seconds: float) -> None:
@@ -71,12 +61,22 @@ def test_the_sampler_reads_the_running_threads_frames_only_while_a_pass_runs_and
     assert view["vskipper"] == {} and view["sglang"] == {}  # no frame of either in this test's stack
 
 
-def test_whose_code_a_frame_is():
+def test_whose_code_a_frame_is_goes_by_where_each_package_lies_not_by_folder_names():
+    import importlib.util
+    import os
+
+    import torch.nn.functional
+
+    import vskipper.sglang.part_times as part_times
     from vskipper.sglang.stack_samples import code_of
 
-    assert code_of("/work/main/vskipper/sglang/part_times.py") == "vskipper"  # vSkipper's glue, not SGLang's
-    assert code_of("/x/site-packages/sglang/srt/layers/radix_attention.py") == "sglang"
-    assert code_of("/x/site-packages/triton/runtime/jit.py") is None
+    assert code_of(part_times.__file__) == "vskipper"  # vSkipper's SGLang glue, not SGLang's
+    sglang = list(importlib.util.find_spec("sglang").submodule_search_locations)[0]  # found, not imported
+    assert code_of(os.path.join(sglang, "srt", "layers", "radix_attention.py")) == "sglang"
+    assert code_of(os.path.join(sglang, "lang", "api.py")) is None  # SGLang's runtime alone
+    assert code_of(torch.nn.functional.__file__) is None
+    # a checkout in a folder named like a package counts nothing of its own by that name
+    assert code_of("/home/u/vskipper/.venv/lib/python3.11/site-packages/triton/runtime/jit.py") is None
 
 
 def test_a_window_of_samples_is_the_difference_of_two_readings():
@@ -100,7 +100,7 @@ def test_the_part_clock_samples_its_passes_where_asked_and_attests_them():
         assert samples["samples_total"]["prefill"] >= 10 and set(samples) == {"interval_s", "samples_total", *KINDS}
         assert any(":spin:" in key for key in samples["innermost"]["prefill"])
         # the clock's own frame (the pass it wraps) is vSkipper's innermost; no frame of SGLang's runtime here
-        assert all(key.startswith("sglang/part_times.py:") for key in samples["vskipper"]["prefill"])
+        assert all(key.startswith("vskipper/sglang/part_times.py:") for key in samples["vskipper"]["prefill"])
         assert samples["sglang"] == {}
     finally:
         clock.sampler.stop()
@@ -115,3 +115,18 @@ def test_the_serve_spec_carries_the_stack_samples_through_the_environment_and_re
     assert not ServeSpec.from_env(ServeSpec(get_arm("dense"), 0, 0).to_env()).stack_samples
     with pytest.raises(ServeConfigError, match=f"{ENV_STACK_SAMPLES} must be 0 or 1, got 'yes'"):
         ServeSpec.from_env({**env, ENV_STACK_SAMPLES: "yes"})
+
+
+def test_a_reader_gets_the_samples_so_far_while_passes_run_back_to_back():
+    """Passes without a gap for the sampler to publish in: the clock's reader (`read_device`, which the state
+    writer calls before each document) publishes them itself."""
+    clock = PartClock(usage=None, collector=None, samples=True)
+    try:
+        for _ in range(10):
+            clock.around_pass(Mode(decode=True), lambda: spin(0.02), tokens=8)
+        clock.read_device()
+        samples = clock.attestation()["samples"]
+        assert samples["samples_total"]["decode"] >= 5
+        assert sum(samples["innermost"]["decode"].values()) == samples["samples_total"]["decode"]
+    finally:
+        clock.sampler.stop()

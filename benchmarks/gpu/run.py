@@ -1972,9 +1972,9 @@ def sampled(windows: list[dict]) -> tuple[int, dict[str, dict[str, int]]]:
 
 def sample_lines(arms: dict[str, dict], top: int = 6) -> list[str]:
     """Where each arm's prefill passes spent the host's time by the forward's stack samples
-    (`vskipper.sglang.stack_samples`): per kind of frame, the most sampled frames of the sequences' windows beside
-    their share in the windows of each shape's passes in a row (a frame whose share grows there is where the
-    rotated passes' extra host time went)."""
+    (`vskipper.sglang.stack_samples`): per kind of frame, the most sampled frames of the three sequences' windows
+    together beside their share in the windows of each shape's passes in a row (a frame whose share grows there is
+    where the sequences' extra host time went)."""
     lines = []
     for name, doc in arms.items():
         row_total, row = sampled(doc.get("cells") or [])
@@ -1982,10 +1982,12 @@ def sample_lines(arms: dict[str, dict], top: int = 6) -> list[str]:
         if not row_total and not seq_total:
             continue
         if not lines:
-            lines = ["Where the forward's host time went, by samples of its Python stack every 2 ms while a pass "
-                     "ran (`VSKIPPER_STACK_SAMPLES`, on every server of this stage; a frame's share of the samples "
-                     "is about its share of the passes' host time): the most sampled frames of the sequences' "
-                     "windows, beside their share in the windows of each shape's passes in a row.", ""]
+            lines = ["Where the forward's host time went, by samples of its Python stack while a pass ran "
+                     "(`VSKIPPER_STACK_SAMPLES`, on every server of this stage: one every 2 ms where the forward "
+                     "lets the interpreter's lock go, as it does around each launch; a stretch of pure Python is "
+                     "charged to the call that ends it, and a frame's share of the samples is about its share of "
+                     "the passes' host time): the most sampled frames of the three sequences' windows together, "
+                     "beside their share in the windows of each shape's passes in a row.", ""]
         for kind, what in SAMPLED_KINDS.items():
             keys = sorted(seq[kind], key=lambda k: (-seq[kind][k], k))[:top] or \
                 sorted(row[kind], key=lambda k: (-row[kind][k], k))[:top]

@@ -402,6 +402,8 @@ class PartClock:
         (`settle`). Reads a snapshot of the queue, which that thread's appends and `settle`'s pops leave whole.
         Whether it read them (where an event failed the device's spans stop, `_lost`). Never while a graph is
         captured: its caller, the runtime's state document, is held off then (`Runtime.capturing_graphs`)."""
+        if self.sampler is not None:  # the stack samples up to now, for the same document
+            self.sampler.publish()
         try:
             for *_, end in list(self._pending):
                 end.synchronize()

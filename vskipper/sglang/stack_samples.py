@@ -6,40 +6,70 @@ computed or waited meanwhile (`vskipper.sglang.part_times`); it does not say whe
 reads the forward thread's innermost Python frame (`sys._current_frames`) while the clock's pass runs, and counts
 per phase the line it stood at, three ways: the innermost frame whatever its code (torch's and Triton's Python
 included; where the thread is inside C code, such as a kernel launch or a wait on a lock, the Python line that
-called it), the innermost frame of vSkipper's code, and the innermost of SGLang's. A line that holds a share of
-the samples holds about that share of the passes' host time.
+called it), the innermost frame of vSkipper's code, and the innermost of SGLang's runtime (`sglang/srt`).
 
-Its own cost: the sampler takes the interpreter's lock for each sample (some tens of microseconds, the frames of
-every thread collected), so the forward gives it up about once an interval: a few percent of a pass at 2 ms. It is
-a measurement mode (`VSKIPPER_STACK_SAMPLES=1`, `ServeSpec.stack_samples`), off when deployed, and only reads
-frames while a pass runs.
+A sample needs the interpreter's lock, which the forward lets go around each of torch's operators and Triton's
+launches and otherwise every 5 ms (the interpreter's switch interval): a sample lands where the forward next lets
+the lock go, so a stretch of pure Python is charged to the call that ends it, and where the forward keeps the lock
+samples come further apart than `INTERVAL_S`. A line's share of the samples is about its share of the passes' host
+time at the resolution of those hand-overs; the counts say how many samples there were.
+
+Its own cost: each sample holds the interpreter's lock for some tens of microseconds (the frames of every thread
+collected), a few percent of a pass at 2 ms. It is a measurement mode (`VSKIPPER_STACK_SAMPLES=1`,
+`ServeSpec.stack_samples`), off when deployed, and only reads frames while a pass runs.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 INTERVAL_S = 0.002  # between two samples of a running pass
 KINDS = ("innermost", "vskipper", "sglang")  # which frame of a sample is counted
 
 
+@lru_cache(maxsize=1)
+def _roots() -> dict[str, tuple[str, str]]:
+    """Where each counted package's code lies, and the folder its paths are shown from: vSkipper's package, and
+    SGLang's runtime where SGLang is importable."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # vskipper/
+    roots = {"vskipper": (package + os.sep, os.path.dirname(package) + os.sep)}
+    spec = importlib.util.find_spec("sglang")  # found, not imported (its package imports much)
+    if spec is not None and spec.submodule_search_locations:
+        package = os.path.abspath(list(spec.submodule_search_locations)[0])
+        roots["sglang"] = (os.path.join(package, "srt") + os.sep, os.path.dirname(package) + os.sep)
+    return roots
+
+
 def code_of(filename: str) -> str | None:
-    """Whose code a frame's file is: 'vskipper', 'sglang' (SGLang's runtime, `sglang/srt`), or None."""
-    name = filename.replace("\\", "/")
-    if "/vskipper/" in name:
-        return "vskipper"
-    return "sglang" if "/sglang/srt/" in name else None
+    """Whose code a frame's file is: 'vskipper' (this package), 'sglang' (SGLang's runtime), or None."""
+    for kind, (root, _) in _roots().items():
+        if filename.startswith(root):
+            return kind
+    return None
 
 
 def frame_key(frame) -> str:
-    """A frame as counted: the last two parts of its file's path, its function and its line."""
+    """A frame as counted: its file's path from the folder its package lies in (`vskipper/...`, `sglang/srt/...`;
+    another installed package's from `site-packages`; any other file's last two parts), its function and its
+    line."""
     code = frame.f_code
-    path = code.co_filename.replace("\\", "/").rsplit("/", 2)
-    return f"{'/'.join(path[-2:])}:{code.co_name}:{frame.f_lineno}"
+    name = code.co_filename
+    path = None
+    for root, base in _roots().values():
+        if name.startswith(root):
+            path = name[len(base):]
+            break
+    if path is None:
+        path = name.rsplit("site-packages" + os.sep, 1)[1] if "site-packages" + os.sep in name else \
+            os.sep.join(name.rsplit(os.sep, 2)[-2:])
+    return f"{path.replace(os.sep, '/')}:{code.co_name}:{frame.f_lineno}"
 
 
 def sample_keys(frame) -> dict[str, str]:
@@ -56,8 +86,8 @@ def sample_keys(frame) -> dict[str, str]:
 
 class StackSampler(threading.Thread):
     """Samples the frames of the thread that runs a pass every `interval_s`, counting per phase each of `KINDS`.
-    `view` holds the counts as copies the sampler replaces after each pass, so that a reader on another thread
-    serializes them while it samples on."""
+    `view` holds copies of the counts, replaced in one update after each pass and whenever a reader asks
+    (`publish`), so that a reader on another thread serializes them while it samples on."""
 
     def __init__(self, running: Callable[[], tuple[int, str] | None], interval_s: float = INTERVAL_S) -> None:
         """`running()`: (the forward thread's ident, the phase of its pass) while a pass runs, else None."""
@@ -66,38 +96,45 @@ class StackSampler(threading.Thread):
         self.samples: Counter[str] = Counter()
         self.counts: dict[str, dict[str, Counter[str]]] = {kind: defaultdict(Counter) for kind in KINDS}
         self.view: dict[str, Any] = {"interval_s": interval_s, "samples_total": {}, **{kind: {} for kind in KINDS}}
+        self._lock = threading.Lock()  # the counts, between the sampler and a reader's `publish`
         self._halt = threading.Event()
 
     def sample(self) -> bool:
-        """Take one sample where a pass runs: whether one was taken."""
+        """Take one sample where a pass runs: whether one was taken (not where the pass ended meanwhile)."""
         running = self.running()
         if running is None:
             return False
         ident, phase = running
         frame = sys._current_frames().get(ident)
-        if frame is None:
+        if frame is None or self.running() != running:
             return False
-        self.samples[phase] += 1
-        for kind, key in sample_keys(frame).items():
-            self.counts[kind][phase][key] += 1
+        keys = sample_keys(frame)
         del frame
+        with self._lock:
+            self.samples[phase] += 1
+            for kind, key in keys.items():
+                self.counts[kind][phase][key] += 1
         return True
 
     def publish(self) -> None:
-        """Copy the counts into `view` (each field replaced whole: a reader serializing `view` meets no dict that
-        changes size)."""
-        self.view["samples_total"] = dict(self.samples)
-        for kind in KINDS:
-            self.view[kind] = {phase: dict(c) for phase, c in self.counts[kind].items()}
+        """Copy the counts into `view` in one update (a reader serializing `view` meets no dict that changes size,
+        and no total without its counts)."""
+        with self._lock:
+            fresh = {"samples_total": dict(self.samples),
+                     **{kind: {phase: dict(c) for phase, c in self.counts[kind].items()} for kind in KINDS}}
+        self.view.update(fresh)
 
     def run(self) -> None:
         sampled = False
-        while not self._halt.wait(self.interval_s):
-            if self.sample():
-                sampled = True
-            elif sampled:  # a pass ended since the last sample: its counts out for readers
-                self.publish()
-                sampled = False
+        try:
+            while not self._halt.wait(self.interval_s):
+                if self.sample():
+                    sampled = True
+                elif sampled:  # a pass ended since the last sample: its counts out for readers
+                    self.publish()
+                    sampled = False
+        except Exception as exc:  # the sampler stops; the attestation says why
+            self.view["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
     def stop(self) -> None:
         self._halt.set()
@@ -117,4 +154,4 @@ def window(before: dict | None, after: dict | None, phase: str, kind: str) -> tu
     now = after.get(kind, {}).get(phase, {})
     counts = {k: n - was.get(k, 0) for k, n in now.items() if n - was.get(k, 0) > 0}
     total = after.get("samples_total", {}).get(phase, 0) - (before or {}).get("samples_total", {}).get(phase, 0)
-    return total, counts
+    return max(0, total), counts
