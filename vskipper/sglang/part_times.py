@@ -26,16 +26,16 @@ includes any wait of the device for the host's launches: where the host runs ahe
 and a span about as long as the pass's host time (longer by the last kernels' tail) marks a host-bound pass. The
 clock's own wrapped calls add to the host's time (`calls_total` times `call_cost_s`).
 
-Around each pass the clock also reads the kernel's account of the thread that runs the forward (`thread_usage`:
-its CPU seconds, how often it waited and how often it was preempted; `forward_thread` per phase, the routed passes'
-in `routed_total` too), two system calls a pass of about a microsecond each. A pass whose host time its thread's
-CPU time fills computed throughout (its Python, torch's dispatch, the driver's launches, a spin on the device); where
-the host time is longer, the thread waited the difference: for the interpreter's lock while another thread of the
-process ran, for the device, for a lock of the driver's or the allocator's. On a host-bound GPU pass that tells a
-slower issue of the same launches from a wait between them. (On a CPU torch's own threads compute beside the
-forward's: its thread's CPU time there is a part of the pass's work, and its waits include theirs.) Beside them,
-the seconds the interpreter's garbage collector ran during the passes (`gc_time`, from `gc.callbacks`): a
-collection holds the interpreter's lock for most of its run (the finalizers it calls may let it go), whichever
+Around each pass the clock also reads the kernel's account of the thread that runs the forward (`thread_usage`: its
+CPU clock, how often it waited and how often it left the processor otherwise; `forward_thread` per phase, the routed
+passes' in `routed_total` too), a few system calls a pass of about a microsecond each. A pass whose host time its
+thread's CPU time fills computed throughout (its Python, torch's dispatch, the driver's launches, a spin on the
+device); where the host time is longer, the thread waited the difference: for the interpreter's lock while another
+thread of the process ran, for the device, for a lock of the driver's or the allocator's. On a host-bound GPU pass
+that tells a slower issue of the same launches from a wait between them. (On a CPU torch's own threads compute
+beside the forward's: its thread's CPU time there is a part of the pass's work, and its waits include theirs.)
+Beside them, the seconds the interpreter's garbage collector ran during the passes (`gc_time`, from `gc.callbacks`):
+a collection holds the interpreter's lock for most of its run (the finalizers it calls may let it go), whichever
 thread set it off.
 
 With `pass_spans` alone (`VSKIPPER_PASS_SPANS=1`) the clock wraps nothing: each pass's host span (its forward,
