@@ -1759,9 +1759,8 @@ def window_samples(before: dict, after: dict) -> dict | None:
 
     if "samples" not in after:
         return None
-    total, _ = window(before.get("samples"), after["samples"], "prefill", KINDS[0])
-    return {"total": total, **{kind: window(before.get("samples"), after["samples"], "prefill", kind)[1]
-                               for kind in KINDS}}
+    by_kind = {kind: window(before.get("samples"), after["samples"], "prefill", kind) for kind in KINDS}
+    return {"total": by_kind[KINDS[0]][0], **{kind: counts for kind, (_, counts) in by_kind.items()}}
 
 
 def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
@@ -1970,11 +1969,13 @@ def sampled(windows: list[dict]) -> tuple[int, dict[str, dict[str, int]]]:
     return total, counts
 
 
-def sample_lines(arms: dict[str, dict], top: int = 6) -> list[str]:
+def sample_lines(arms: dict[str, dict], shown: int = 6) -> list[str]:
     """Where each arm's prefill passes spent the host's time by the forward's stack samples
     (`vskipper.sglang.stack_samples`): per kind of frame, the most sampled frames of the three sequences' windows
     together beside their share in the windows of each shape's passes in a row (a frame whose share grows there is
     where the sequences' extra host time went)."""
+    from vskipper.sglang.stack_samples import top
+
     lines = []
     for name, doc in arms.items():
         row_total, row = sampled(doc.get("cells") or [])
@@ -1989,8 +1990,7 @@ def sample_lines(arms: dict[str, dict], top: int = 6) -> list[str]:
                      "the passes' host time): the most sampled frames of the three sequences' windows together, "
                      "beside their share in the windows of each shape's passes in a row.", ""]
         for kind, what in SAMPLED_KINDS.items():
-            keys = sorted(seq[kind], key=lambda k: (-seq[kind][k], k))[:top] or \
-                sorted(row[kind], key=lambda k: (-row[kind][k], k))[:top]
+            keys = [k for k, _ in top(seq[kind] or row[kind], shown)]
             lines += [f"{name}, {what} ({seq_total} samples in the sequences, {row_total} in a row):", "",
                       "| frame | sequences | in a row |", "|---|---:|---:|",
                       *(f"| `{k}` | {_share(seq[kind].get(k, 0), seq_total)} | "
