@@ -567,8 +567,23 @@ def test_pass_spans_weigh_every_pass_of_the_cells_from_the_clock_their_attestati
     table = headline.pass_span_table("hybrid-rule", loads)
     # the passes' sizes beside them: 10 passes of 64 rows and 30 of 96 in dense's cells, the arm's 30 of 96
     assert spans["decode"]["tokens"] == 640 + 30 * 96
-    assert "| 0.95 Q* | decode | 17.50 | 20.00 | 1.75 | 2.00 | 40 | 30 | 88.0 | 96.0 |" in table
+    # the thread's CPU, waits and gc beside the host's (dense / arm); gc not attested by these clocks: n/a
+    assert "| 0.95 Q* | decode | 17.50 | 20.00 | 1.75 | 2.00 | 0.88 / 1.00 | 3.5 / 4.0 | n/a / n/a | 40 | 30 | " \
+           "88.0 | 96.0 |" in table
     assert headline.pass_span_table("hybrid-rule", {headline.KNEE: {}}) == []
+    # reads of the forward's thread that failed: no thread figures, and the table names the error
+    failed = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
+    failed.attestation_before = {"part_clock": clock(10, 0.01, 0.1, 640, (0.005, 20))}
+    failed.attestation_after = {"part_clock": dict(clock(40, 0.07, 0.7, 640 + 30 * 96, (0.035, 140)),
+                                                   errors={"thread": "OSError: gone"})}
+    arm = headline.pass_span_means([failed])["decode"]
+    assert arm["thread_error"] == "OSError: gone" and arm["cpu_ms"] is None and arm["waits"] is None
+    table = headline.pass_span_table("hybrid-rule", {headline.KNEE: {"pass_spans": {"dense": spans,
+                                                                                     "arm": {"decode": arm}}}})
+    assert "| 0.95 Q* | decode | 17.50 | 20.00 | 1.75 | 2.00 | 0.88 / n/a | 3.5 / n/a | n/a / n/a | 40 | 30 | " \
+           "88.0 | 96.0 |" in table
+    assert "The reads of hybrid-rule's forward thread stopped: OSError: gone." in table
+    assert "thread_error" not in spans["decode"]
     # a server whose events stopped timed fewer passes on the device than on the host: no device figure
     short = _cell(HYBRID.name, suite, 4.0, 0.01, 1)
     stopped = dict(clock(40, 0.07, 0.4), device_passes_total={"decode": 20})

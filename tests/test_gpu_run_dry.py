@@ -470,6 +470,8 @@ def test_the_clock_section_renders_what_an_unfinished_stage_holds_and_says_what_
     assert run.clock_parts(cell) == {"routed mlp": 10.0, "outside": 2.0}
     assert run.clock_lines(None) == [] and run.clock_doubts({**cell, "passes": 3, "tokens": 3072, "late": False,
                                                              "compiles": None}) == ""
+    assert run.clock_doubts({**cell, "passes": 3, "tokens": 3072, "late": False, "compiles": None,
+                             "thread_error": "OSError: gone"}) == "forward thread: OSError: gone"
 
 
 def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_reading_between_beside_rotated():
@@ -722,6 +724,13 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
     lines = run.pass_span_lines({"dense": {"decode": [decode, broken]}})
     assert "The device's spans of dense's passes stopped: RuntimeError: lost." in lines
     assert "| 32 | 1000 | dense | 10.50 | 0.21 | n/a | n/a | n/a | 190 |" in lines
+    after["errors"] = {"thread": "OSError: gone"}
+    assert headline.pass_spans(clock, after, "prefill")["thread_error"] == "OSError: gone"
+    assert headline.pass_spans(clock, after, "prefill")["cpu_ms"] is None
+    stopped = dict(decode, pass_spans=dict(decode["pass_spans"], thread_error="OSError: gone"))
+    lines = run.pass_span_lines({run.ALWAYS: {"decode": [stopped]}})
+    assert f"The reads of {run.ALWAYS}'s forward thread stopped: OSError: gone." in lines
+    assert not any("device's spans" in line for line in lines)
     assert headline.pass_spans(None, clock, "prefill") is None and headline.pass_spans(clock, clock, "prefill") is None
 
 

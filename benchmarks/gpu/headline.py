@@ -539,8 +539,9 @@ def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | No
     """The passes of `phase` between two readings of a server's clock (`run.pass_clock`): the host's ms a pass (its
     forward: on a GPU the launches, which the device runs behind), the device's span of a pass in ms (from the
     first kernel's start to the last's end, waits for the host's launches included: None on CPU, or where the
-    server's timing events failed, `device_error`), and how many passes each counts; None where either reading
-    is missing or no pass of the phase ran between them."""
+    server's timing events failed, `device_error`), how many passes each counts, and the forward's thread's CPU
+    ms, waits and gc ms a pass (None where its reads failed, `thread_error`, or the server did not attest them);
+    None where either reading is missing or no pass of the phase ran between them."""
     from benchmarks.bench_cpu import run_clock
 
     if before is None or after is None:
@@ -556,6 +557,8 @@ def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | No
              "cpu_ms": clock["cpu"], "waits": clock["waits"], "gc_ms": clock["gc"]}
     if (after.get("errors") or {}).get("device"):  # the server's timing events failed: its device spans stopped
         spans["device_error"] = after["errors"]["device"]
+    if (after.get("errors") or {}).get("thread"):  # its reads of the forward's thread failed: those figures stopped
+        spans["thread_error"] = after["errors"]["thread"]
     if before.get("late") or after.get("late"):  # a window that may hold a pass too few or too many
         spans["late"] = True
     return spans
@@ -565,8 +568,8 @@ def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
     """Per phase, the host's and the device's ms a pass over every pass of the cells, and the forward's thread's CPU
     ms and waits a pass, from the clock each cell's attestations carry before and after it (`part_clock`: the pass
     spans every server of the device run times; each cell's `pass_spans`, weighed by its passes; the device's None
-    unless it timed every cell's every pass, the thread's unless every cell's clock read it;
-    `late`, the cells a reading of which the server served late): None for a phase where no cell's attestations
+    unless it timed every cell's every pass, the thread's unless every cell's clock read it, `thread_error` the
+    first cell's where its reads failed; `late`, the cells a reading of which the server served late): None for a phase where no cell's attestations
     carry a clock or no pass of it ran."""
     out: dict[str, dict | None] = {}
     for phase in PHASES:
@@ -587,7 +590,9 @@ def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
                       "tokens": sum(s.get("tokens", 0) for s in spans),
                       **{k: sum(s[k] * s["passes"] for s in spans) / passes  # the forward's thread, where attested
                          if all(s.get(k) is not None for s in spans) else None for k in ("cpu_ms", "waits", "gc_ms")},
-                      "late": sum(1 for s in spans if s.get("late"))} if passes else None
+                      "late": sum(1 for s in spans if s.get("late")),
+                      **next(({"thread_error": s["thread_error"]} for s in spans if s.get("thread_error")),
+                             {})} if passes else None
     return out
 
 
@@ -1064,27 +1069,39 @@ def _pct(value: float | None) -> str:
 
 def pass_span_table(key: str, loads: Mapping) -> list[str]:
     """Each load's passes of dense and of arm `key` as their servers timed them (`pass_span_means`, ms a pass over
-    every pass of the repetitions' cells), per phase, on the device and the host: what a pass cost each arm (where
-    the arms batched their requests otherwise, their passes differ in size, and so in cost)."""
-    rows, late = [], 0
+    every pass of the repetitions' cells), per phase, on the device and the host, and the forward's thread's CPU
+    ms, waits and gc ms a pass beside the host's (dense / arm): what a pass cost each arm, and whether a host time
+    was spent computing or waiting (where the arms batched their requests otherwise, their passes differ in size,
+    and so in cost)."""
+    rows, late, stopped = [], 0, {}
     for load, doc in loads.items():
         spans = doc.get("pass_spans") or {}
         for phase in PHASES:
             dense, arm = (spans.get("dense") or {}).get(phase), (spans.get("arm") or {}).get(phase)
             if dense and arm:
+                thread = " | ".join(f"{figure(dense.get(k), f)} / {figure(arm.get(k), f)}"
+                                    for k, f in (("cpu_ms", ".2f"), ("waits", ".1f"), ("gc_ms", ".2f")))
                 rows.append(f"| {CELL_FACTORS[load]} Q* | {phase} | {_ms(dense['device_ms'])} | {_ms(arm['device_ms'])} | "
-                            f"{_ms(dense['host_ms'])} | {_ms(arm['host_ms'])} | {dense['passes']} | {arm['passes']} | "
-                            f"{_per_pass(dense)} | {_per_pass(arm)} |")
+                            f"{_ms(dense['host_ms'])} | {_ms(arm['host_ms'])} | {thread} | {dense['passes']} | "
+                            f"{arm['passes']} | {_per_pass(dense)} | {_per_pass(arm)} |")
                 late += dense.get("late", 0) + arm.get("late", 0)
+                for side, name in ((dense, "dense"), (arm, key)):
+                    if side.get("thread_error"):
+                        stopped.setdefault(name, side["thread_error"])
     if not rows:
         return []
     note = [f"{late} cell windows are bounded by a reading the server served late: a pass of such a window may be "
             "counted in no cell.", ""] if late else []
+    note += [f"The reads of {name}'s forward thread stopped: {error}." for name, error in stopped.items()]
+    note += [""] if stopped else []
     return [f"{key}'s passes against dense's as the servers timed them (ms a pass over the cells' passes; device: "
-            "each pass's span on the device; host: its forward's launches; tokens a pass: the rows a pass ran, "
-            "so that passes of different sizes are not read as the same work):", "",
-            f"| load | phase | dense device ms | {key} device ms | dense host ms | {key} host ms | dense passes | "
-            f"{key} passes | dense tokens a pass | {key} tokens a pass |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "each pass's span on the device; host: its forward's launches; thread CPU: the CPU time of the thread "
+            "that ran the forward, which fills a host time spent computing, and waits: how often it gave up the "
+            "processor; gc: the garbage collector's ms; tokens a pass: the rows a pass ran, so that passes of "
+            "different sizes are not read as the same work):", "",
+            f"| load | phase | dense device ms | {key} device ms | dense host ms | {key} host ms | thread CPU ms "
+            f"(dense / {key}) | waits | gc ms | dense passes | {key} passes | dense tokens a pass | "
+            f"{key} tokens a pass |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             *rows, "", *note]
 
 
@@ -1142,6 +1159,11 @@ def compiles_text(c: Mapping) -> str:
 def _per_pass(spans: Mapping) -> str:
     """The tokens a pass ran over the spans' passes (n/a where the clock counted none)."""
     return f"{spans['tokens'] / spans['passes']:.1f}" if spans.get("tokens") else "n/a"
+
+
+def figure(value: float | None, fmt: str = ".3g") -> str:
+    """A figure of a table: `value` in format `fmt`, n/a where there is none."""
+    return "n/a" if value is None else format(value, fmt)
 
 
 def _ms(value: float | None) -> str:

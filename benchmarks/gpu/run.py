@@ -1749,7 +1749,8 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
             "expected": {"passes": len(passes), "tokens": sum(len(p) for _, prompts in passes for p in prompts)},
             "late": bool(before.get("late") or after.get("late")),
             "compiles": headline.compiles_between(compiles, compiles_after),
-            "device_error": (after.get("errors") or {}).get("device"), **clock}
+            "device_error": (after.get("errors") or {}).get("device"),
+            "thread_error": (after.get("errors") or {}).get("thread"), **clock}
 
 
 def window_samples(before: dict, after: dict) -> dict | None:
@@ -2004,7 +2005,7 @@ def _share(n: int, total: int) -> str:
 
 def clock_doubts(cell: dict) -> str:
     """What makes a clock window doubtful: passes or tokens other than expected, a late reading, a compilation
-    inside it, the device's clock stopped."""
+    inside it, the device's clock stopped, the reads of the forward's thread stopped."""
     doubts = []
     expected = cell.get("expected") or {}
     if expected and (cell["passes"], cell["tokens"]) != (expected["passes"], expected["tokens"]):
@@ -2016,6 +2017,8 @@ def clock_doubts(cell: dict) -> str:
         doubts.append(f"{cell['compiles']['compiles']} Triton compilations inside")
     if cell.get("device_error"):
         doubts.append(f"device clock: {cell['device_error']}")
+    if cell.get("thread_error"):
+        doubts.append(f"forward thread: {cell['thread_error']}")
     return "; ".join(doubts)
 
 
@@ -2044,8 +2047,7 @@ def summary(plan: Plan, out: Path) -> dict:
     return results
 
 
-def _f(value, fmt: str = ".3g") -> str:
-    return "n/a" if value is None else format(value, fmt)
+_f = headline.figure
 
 
 def _over(value: float | None, limit: float | None) -> float | None:
@@ -2256,13 +2258,15 @@ def pass_span_lines(arms: dict) -> list[str]:
                          f"{_f(_over(spans['device_ms'], spans['host_ms']), '.2f')} "
                          f"| {spans['passes']} |")
         lines.append("")
-    errors: dict[str, str] = {}  # where a server's timing events failed (its later readings all say so)
-    for name, cell in prefill + decode:
-        for spans in [cell["pass_spans"], *cell["pass_spans"].get("reps", [])]:
-            if spans.get("device_error"):
-                errors.setdefault(name, spans["device_error"])
-    if errors:
-        lines += [f"The device's spans of {name}'s passes stopped: {error}." for name, error in errors.items()] + [""]
+    for key, what in (("device_error", "The device's spans of {}'s passes"),
+                      ("thread_error", "The reads of {}'s forward thread")):
+        errors: dict[str, str] = {}  # where a server's reads failed (its later readings all say so)
+        for name, cell in prefill + decode:
+            for spans in [cell["pass_spans"], *cell["pass_spans"].get("reps", [])]:
+                if spans.get(key):
+                    errors.setdefault(name, spans[key])
+        if errors:
+            lines += [f"{what.format(name)} stopped: {error}." for name, error in errors.items()] + [""]
     late: dict[str, int] = {}  # windows a reading the server served late bounds (a pass may sit in the next one)
     for name, cell in prefill + decode:  # a prefill length's windows are its prompts', a decode cell's its own
         spans = cell["pass_spans"]
