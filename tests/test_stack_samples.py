@@ -32,24 +32,40 @@ def test_a_frame_is_counted_by_its_files_last_two_parts_its_function_and_its_lin
 
 
 def test_the_sampler_reads_the_running_threads_frames_only_while_a_pass_runs_and_publishes_after():
-    """Samples while `running` names the thread, by phase; none between passes; the counts reach `view` once the
-    pass has ended, each field replaced whole."""
+    """Samples while `running` names the thread, by phase, from a pass's begin to its end; none between passes,
+    where it does not even look; the counts reach `view` once the pass has ended, each field replaced whole; a
+    sleeping sampler stops at once."""
     running: list = [None]
-    sampler = StackSampler(lambda: running[0], interval_s=0.001)
+    looks = [0]
+
+    def named():
+        looks[0] += 1
+        return running[0]
+
+    sampler = StackSampler(named, interval_s=0.001)
     sampler.start()
     try:
-        spin(0.05)  # no pass: nothing sampled
-        assert sampler.samples == {}
+        spin(0.05)  # no pass: nothing sampled, and the sampler sleeps
+        assert sampler.samples == {} and looks[0] == 0
         running[0] = (threading.get_ident(), "prefill")
+        spin(0.05)  # named but not begun: the sampler sleeps
+        assert sampler.samples == {}
+        sampler.begin()
         spin(0.2)
         running[0] = None
+        sampler.end()
         end = time.monotonic() + 5.0
         while sampler.view["samples_total"] != dict(sampler.samples) and time.monotonic() < end:
             time.sleep(0.005)
+        # the pass ended: counts published, then asleep again (no more looks)
+        seen = looks[0]
+        spin(0.05)
+        assert looks[0] <= seen + 1
     finally:
+        t0 = time.monotonic()
         sampler.stop()
         sampler.join(5.0)
-    assert not sampler.is_alive()
+    assert not sampler.is_alive() and time.monotonic() - t0 < 0.5
     view = sampler.view
     assert view["samples_total"]["prefill"] >= 10 and set(view["samples_total"]) == {"prefill"}
     innermost = view["innermost"]["prefill"]

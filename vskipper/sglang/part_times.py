@@ -310,12 +310,16 @@ class PartClock:
                 marks = self._lost(exc)
         thread = self._thread_now()
         self._running = (threading.get_ident(), self.phase)
+        if self.sampler is not None:
+            self.sampler.begin()
         t0 = self.clock()
         try:
             return self.timed(run, "outside", "outside")()
         finally:
             host = self.clock() - t0
             self._running = None
+            if self.sampler is not None:
+                self.sampler.end()
             self._count_thread(thread, routed)
             if marks is not None:
                 try:

@@ -16,7 +16,8 @@ time at the resolution of those hand-overs; the counts say how many samples ther
 
 Its own cost: each sample holds the interpreter's lock for some tens of microseconds (the frames of every thread
 collected), a few percent of a pass at 2 ms. It is a measurement mode (`VSKIPPER_STACK_SAMPLES=1`,
-`ServeSpec.stack_samples`), off when deployed, and only reads frames while a pass runs.
+`ServeSpec.stack_samples`), off when deployed, and only reads frames while a pass runs: between passes it sleeps
+until the next one begins (`StackSampler.begin`), so that it takes no lock from the scheduler's work between them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from functools import lru_cache
 from typing import Any
 
 INTERVAL_S = 0.002  # between two samples of a running pass
+IDLE_CHECK_S = 1.0  # how often a sampler between passes looks whether it was stopped
 KINDS = ("innermost", "vskipper", "sglang")  # which frame of a sample is counted
 
 
@@ -85,9 +87,10 @@ def sample_keys(frame) -> dict[str, str]:
 
 
 class StackSampler(threading.Thread):
-    """Samples the frames of the thread that runs a pass every `interval_s`, counting per phase each of `KINDS`.
-    `view` holds copies of the counts, replaced in one update after each pass and whenever a reader asks
-    (`publish`), so that a reader on another thread serializes them while it samples on."""
+    """Samples the frames of the thread that runs a pass every `interval_s`, counting per phase each of `KINDS`,
+    from a pass's `begin` to its `end`. `view` holds copies of the counts, replaced in one update after each pass
+    and whenever a reader asks (`publish`), so that a reader on another thread serializes them while it samples
+    on."""
 
     def __init__(self, running: Callable[[], tuple[int, str] | None], interval_s: float = INTERVAL_S) -> None:
         """`running()`: (the forward thread's ident, the phase of its pass) while a pass runs, else None."""
@@ -98,6 +101,15 @@ class StackSampler(threading.Thread):
         self.view: dict[str, Any] = {"interval_s": interval_s, "samples_total": {}, **{kind: {} for kind in KINDS}}
         self._lock = threading.Lock()  # the counts, between the sampler and a reader's `publish`
         self._halt = threading.Event()
+        self._passing = threading.Event()  # set from a pass's begin to its end: the sampler wakes for it
+
+    def begin(self) -> None:
+        """A pass begins: the sampler wakes (after `running` names it)."""
+        self._passing.set()
+
+    def end(self) -> None:
+        """The pass ended: the sampler publishes its counts and sleeps until the next one begins."""
+        self._passing.clear()
 
     def sample(self) -> bool:
         """Take one sample where a pass runs: whether one was taken (not where the pass ended meanwhile)."""
@@ -127,7 +139,15 @@ class StackSampler(threading.Thread):
     def run(self) -> None:
         sampled = False
         try:
-            while not self._halt.wait(self.interval_s):
+            while not self._halt.is_set():
+                if not self._passing.is_set():  # between passes: the last one's counts out, then sleep
+                    if sampled:
+                        self.publish()
+                        sampled = False
+                    self._passing.wait(IDLE_CHECK_S)
+                    continue
+                if self._halt.wait(self.interval_s):
+                    break
                 if self.sample():
                     sampled = True
                 elif sampled:  # a pass ended since the last sample: its counts out for readers
@@ -138,6 +158,7 @@ class StackSampler(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+        self._passing.set()  # a sleeping sampler wakes to stop
 
 
 def top(counts: dict[str, int], n: int = 8) -> list[tuple[str, int]]:
