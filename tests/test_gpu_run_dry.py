@@ -6,6 +6,7 @@ launch-flag parser. The numbers of a dry run mean nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -1436,3 +1437,70 @@ def test_the_samples_tables_set_the_sequences_frames_beside_their_share_in_a_row
     assert "| `mixed/kernels.py:cohort_gemm:90` | 70.0% | 40.0% |" in text
     assert "| `models/routed.py:read:600` | 5.0% | 0.0% |" in text
     assert "dense," not in text and run.sample_lines({"dense": {"cells": [{"samples": None}]}}) == []
+
+
+def test_the_sweeps_servers_sample_their_stacks_where_the_run_asks_and_the_summary_says_where_by_line(
+        tmp_path, monkeypatch):
+    """`run.sh --samples` reaches run.py (ENV_SAMPLES_RUN) and every sweep server samples its forward's stack; each
+    length's cell sums its prompts' windows of samples, and the summary lists each arm's most sampled frames with
+    their share at each length and the ms a pass that share is of the length's host time. (No server: its clock's
+    readings are stood in for; run.sh's Python is a script that records what it was handed.)"""
+    import copy
+    from types import SimpleNamespace
+
+    seen = tmp_path / "seen"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho \"$VSKIPPER_GPU_RUN_SAMPLES\" >> {seen}\n")
+    fake.chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHON": str(fake)}
+    for args in (["--samples"], []):
+        r = subprocess.run([str(SCRIPT), "install", str(tmp_path / "out"), "--dry-run", *args], capture_output=True,
+                           text=True, cwd=ROOT, timeout=60, env=env)
+        assert r.returncode == 0, r.stderr
+    assert seen.read_text().split() == ["1", "0"]
+    monkeypatch.setenv(run.ENV_SAMPLES_RUN, "1")
+    plan = run.run_samples(run.Plan.gpu())
+    assert plan.sweep_samples and not run.run_samples(run.Plan.gpu(), {}).sweep_samples
+    with pytest.raises(SystemExit, match="0 or 1"):
+        run.run_samples(plan, {run.ENV_SAMPLES_RUN: "yes"})
+
+    plan = dataclasses.replace(plan, prefill_lengths=(1024, 2048), prefill_reps=3, prefill_rounds=())
+    clock = {"parts": False, "passes_total": {}, "tokens_total": {}, "seconds_total": {}, "device_seconds_total": {},
+             "device_passes_total": {}, "samples": {"interval_s": 0.002, "samples_total": {},
+                                                    "innermost": {}, "vskipper": {}, "sglang": {}}}
+
+    def count(field: dict, key: str, n: int) -> None:
+        into = field.setdefault("prefill", {})
+        into[key] = into.get(key, 0) + n
+
+    async def fake_burst(server, prompts, new_tokens):
+        n = len(prompts[0])
+        for field, value in (("passes_total", 1), ("tokens_total", n), ("device_passes_total", 1)):
+            clock[field]["prefill"] = clock[field].get("prefill", 0) + value
+        clock["device_seconds_total"]["prefill"] = clock["device_seconds_total"].get("prefill", 0) + 0.05
+        outside = clock["seconds_total"].setdefault("prefill", {}).setdefault("outside", {})
+        outside["outside"] = outside.get("outside", 0.0) + 0.04  # 40 ms of host a pass at every length
+        samples = clock["samples"]
+        samples["samples_total"]["prefill"] = samples["samples_total"].get("prefill", 0) + 20
+        # 15 of a 1,024-token pass's 20 samples in the launcher, 5 of a 2,048-token one's
+        launcher = 15 if n == 1024 else 5
+        count(samples["innermost"], "triton/runtime/jit.py:run:700", launcher)
+        count(samples["innermost"], "torch/nn/functional.py:linear:10", 20 - launcher)
+        count(samples["vskipper"], "vskipper/mixed/kernels.py:cohort_gemm:120", 20)
+        return [SimpleNamespace(ttft_s=0.05, ttft_parts=lambda: None)]
+
+    monkeypatch.setattr(run, "burst", fake_burst)
+    server = SimpleNamespace(get_json=lambda path: {"part_clock": copy.deepcopy(clock)})
+    cells, _ = run.prefill_cells(plan, server, 128256)
+    assert [c["samples"]["total"] for c in cells] == [60, 60]
+    assert cells[0]["samples"]["innermost"] == {"triton/runtime/jit.py:run:700": 45,
+                                                "torch/nn/functional.py:linear:10": 15}
+    lines = run.sweep_sample_lines({"dense": {"prefill": [{"tokens": 1024, "ttft_s": 0.05}]},
+                                    run.ALWAYS: {"prefill": cells}})
+    assert f"{run.ALWAYS}, the innermost frame (where the thread is in C code, the line that called it) " \
+           "(120 samples):" in lines
+    assert not any(line.startswith("dense,") for line in lines)  # an arm that did not sample: no table
+    # 45 of 60 at 1,024 tokens: 75% of the 40 ms a pass; 15 of 60 at 2,048: 25%, 10 ms; 60 of 120 in all
+    assert "| `triton/runtime/jit.py:run:700` | 75.0% (30.0 ms) | 25.0% (10.0 ms) | 50.0% |" in lines
+    assert "| `vskipper/mixed/kernels.py:cohort_gemm:120` | 100.0% (40.0 ms) | 100.0% (40.0 ms) | 100.0% |" in lines
+    assert run.sweep_sample_lines({"dense": {"prefill": [{"tokens": 1024, "ttft_s": 0.05}]}}) == []

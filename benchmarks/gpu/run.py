@@ -102,6 +102,7 @@ ENV_EARLIER = "VSKIPPER_GPU_RUN_EARLIER"
 # `vskipper serve --stand-in-ops`): torch (SGLang's paths, the default) or triton. A run's folder measures on one; an
 # earlier run serves this one only where it measured on the same.
 ENV_STAND_IN_OPS_RUN = "VSKIPPER_GPU_RUN_STAND_IN_OPS"
+ENV_SAMPLES_RUN = "VSKIPPER_GPU_RUN_SAMPLES"  # run.sh --samples: the sweep's servers sample their forward's stack
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,9 @@ class Plan:
     # counts its prompts' tokens together, and a round of several prompts reads attention over each alone.
     prefill_rounds: tuple[tuple[int, int], ...] = ()
     stand_in_ops: str = "torch"  # every server's RMSNorm and SiLU-and-mul (ENV_STAND_IN_OPS_RUN)
+    # The sweep's servers sample their forward's Python stack in each pass (ENV_SAMPLES_RUN: a measurement that
+    # costs each pass a few percent, so off unless asked for): where a slow pass's host time went, by line.
+    sweep_samples: bool = False
 
     @classmethod
     def gpu(cls) -> Plan:
@@ -349,6 +353,14 @@ def run_stand_in_ops(plan: Plan, environ=os.environ) -> Plan:
     if ops != "torch" and plan.dry_run:
         raise SystemExit(f"--stand-in-ops {ops}: the CUDA stand-in profile's, which a CPU dry run does not serve")
     return replace(plan, stand_in_ops=ops)
+
+
+def run_samples(plan: Plan, environ=os.environ) -> Plan:
+    """The plan with the sweep's servers sampling their stacks where the run asks (ENV_SAMPLES_RUN, 0 or 1)."""
+    value = environ.get(ENV_SAMPLES_RUN) or "0"
+    if value not in ("0", "1"):
+        raise SystemExit(f"{ENV_SAMPLES_RUN}={value!r}: 0 or 1")
+    return replace(plan, sweep_samples=value == "1")
 
 
 def earlier(out: Path, name: str, usable) -> tuple[Path | None, str]:
@@ -585,18 +597,22 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
     stamps (`RequestRecord.ttft_parts`: the hand-over to the scheduler, the forward to its result, the output, the
     HTTP rest), each part the median over the prompts, where the server reported them (--enable-metrics); and
     each prompt's prefill passes as the server's clock timed them (`headline.pass_spans`: the host's launches beside the
-    device's span), where it times them. In each repetition after the lengths, the rounds of several prompts
-    (`Plan.prefill_rounds`, `prefill_round`): (the lengths' cells, the rounds' cells)."""
+    device's span), where it times them, and their passes' stack samples where the server samples them
+    (`Plan.sweep_samples`: `samples`, the prompts' windows together). In each repetition after the lengths, the
+    rounds of several prompts (`Plan.prefill_rounds`, `prefill_round`): (the lengths' cells, the rounds' cells)."""
     records: dict[int, list] = {length: [] for length in plan.prefill_lengths}
     spans: dict[int, list] = {length: [] for length in plan.prefill_lengths}
     rounds: dict[tuple[int, int], list] = {shape: [] for shape in plan.prefill_rounds}
     round_spans: dict[tuple[int, int], list] = {shape: [] for shape in plan.prefill_rounds}
+    samples: dict[int, list] = {length: [] for length in plan.prefill_lengths}
     clock = pass_clock(server)  # each prompt's reading after it is the next one's before
     for r in range(plan.prefill_reps):
         for length in plan.prefill_lengths:
             records[length].append(asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0])
             before, clock = clock, pass_clock(server)
             spans[length].append(headline.pass_spans(before, clock, "prefill"))
+            if before is not None and clock is not None:
+                samples[length].append({"samples": window_samples(before, clock)})
         for n, length in plan.prefill_rounds:
             rounds[n, length].append(prefill_round(server, round_prompts(n, length, r, vocab)))
             before, clock = clock, pass_clock(server)
@@ -613,6 +629,9 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
         timed = [s for s in spans[length] if s]  # a window a late reading left without its pass adds none
         if timed:
             cell["pass_spans"] = median_spans(timed)
+        total, counts = sampled(samples[length])  # the prompts' stack samples together, where the server samples
+        if total:
+            cell["samples"] = {"total": total, **counts}
         cells.append(cell)
     round_cells = []
     for (n, length), reps in rounds.items():
@@ -1159,7 +1178,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
             continue
         with ExitStack() as stack:
             server = server_for(plan, stack, model, stage.out / name, name, arms, plan.solo_mem_fraction,
-                                graph_batches=plan.batches)
+                                graph_batches=plan.batches, samples=plan.sweep_samples)
             ready(plan, [server])
             capacity = kv_capacity(server)
             compiled = triton_compiles(server)  # what the arm compiles while it serves its cells: from here
@@ -1191,7 +1210,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                                     "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"])
                                                                           for d in decode]),
                                     "compiles": headline.compiles_between(compiled, triton_compiles(server)),
-                                    "served": served(server)}
+                                    "samples": plan.sweep_samples, "served": served(server)}
         done.write_text(json.dumps(result["arms"][name], indent=1) + "\n")
     reference = sweep_reference(plan, stage, model, arms, vocab)
     if reference is not None:
@@ -1220,7 +1239,7 @@ def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path]
     try:
         with ExitStack() as stack:
             server = server_for(plan, stack, model, stage.out / PREFILL_GRAPHS, PREFILL_GRAPHS, arms,
-                                plan.solo_mem_fraction, graph_batches=plan.batches)
+                                plan.solo_mem_fraction, graph_batches=plan.batches, samples=plan.sweep_samples)
             server.wait_ready(min(plan.startup_timeout_s, REFERENCE_READY_S))
             prefill, rounds = prefill_cells(plan, server, vocab)
             result = {"flags": flags, "decode": [], "prefill": prefill, "prefill_rounds": rounds,
@@ -2143,6 +2162,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
         lines += prefill_graph_lines(c.get("prefill_graphs"))
         lines += ttft_parts_lines(sweep.get("arms") or {})
         lines += pass_span_lines(sweep.get("arms") or {})
+        lines += sweep_sample_lines(sweep.get("arms") or {})
         lines += sweep_compile_lines(sweep.get("arms") or {})
         if c.get("goals"):
             lines += ["### The routed path's goals", "",
@@ -2225,6 +2245,41 @@ def ttft_parts_lines(arms: dict) -> list[str]:
         lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | " + " | ".join(
             f"{parts[k] * 1e3:.1f}" for k in ("scheduled", "forward", "output", "http")) + " |")
     return lines + [""]
+
+
+def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:
+    """Where each sampling arm's prefill passes spent the host's time in the sweep (`Plan.sweep_samples`), by its
+    forward's stack samples: per kind of frame, the most sampled frames over all its prefill lengths, each frame's
+    share of the samples at each length and in all, and the ms a pass that share is of the length's host time a
+    pass (`pass_spans`): a frame whose ms grow where the arm's passes are slow is where their time went."""
+    from vskipper.sglang.stack_samples import top
+
+    lines = []
+    for name, arm in arms.items():
+        cells = [c for c in arm.get("prefill") or [] if (c.get("samples") or {}).get("total")]
+        if not cells:
+            continue
+        if not lines:
+            lines = ["Where each arm's prefill passes spent the host's time, by samples of the forward's Python stack "
+                     "(`run.sh --samples`: every sweep server samples every 2 ms while a pass runs, where the "
+                     "forward lets the interpreter's lock go, as around each launch; a stretch of pure Python is "
+                     "charged to the call that ends it). Each frame's share of a length's samples, and in brackets "
+                     "that share of the length's host ms a pass:", ""]
+        total, counts = sampled(cells)
+        for kind, what in SAMPLED_KINDS.items():
+            keys = [k for k, _ in top(counts[kind], shown)]
+            lines += [f"{name}, {what} ({total} samples):", "",
+                      "| frame | " + " | ".join(f"{c['tokens']} tokens" for c in cells) + " | all |",
+                      "|---|" + "---:|" * (len(cells) + 1)]
+            for key in keys:
+                shares = []
+                for c in cells:
+                    n, of = (c["samples"].get(kind) or {}).get(key, 0), c["samples"]["total"]
+                    host = (c.get("pass_spans") or {}).get("host_ms")
+                    shares.append(_share(n, of) + ("" if host is None else f" ({host * n / of:.1f} ms)"))
+                lines.append(f"| `{key}` | " + " | ".join(shares) + f" | {_share(counts[kind].get(key, 0), total)} |")
+            lines.append("")
+    return lines
 
 
 def pass_span_lines(arms: dict) -> list[str]:
@@ -2444,7 +2499,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # A stage stopped at its time limit (SIGTERM) unwinds: its servers are stopped, never left holding the device.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    plan = run_stand_in_ops(Plan.dry() if args.dry_run else Plan.gpu())
+    plan = run_samples(run_stand_in_ops(Plan.dry() if args.dry_run else Plan.gpu()))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "summary":
         summary(plan, args.out)
