@@ -40,6 +40,14 @@ and, with `--only parts` (not run by default), where a whole eager pass's host t
           runs dense), `finish_pass`, and the rest of the pass (the embedding, the final norm and logits, the
           forward's own Python); printed per arm with each routed arm's microseconds over dense's, and per layer
 
+and, with `--only samples`, what the forward's stack sampler costs a pass (`vskipper.sglang.stack_samples`, which
+a server runs with `VSKIPPER_STACK_SAMPLES=1` and the device run's clock stage and `run.sh --samples` turn on):
+
+  samples every arm's whole eager pass without a sampler and with one reading it every 2 ms, and every 5 ms
+          (woken as the pass begins, asleep after it, as the part clock runs it), the sides taking turns pass by
+          pass; printed per interval and arm: each side's microseconds, sampled over plain, the samples a pass
+          took and what each cost the pass
+
 Printed per phase and batch: each arm's microseconds per pass (the median over repetitions, with their [min,
 max]), each routed arm over dense (the median of the repetitions' ratios, [min, max]) beside the goal (within
 10%: 1.10x), and what the hooks add to a pass over dense's hooks, in microseconds and as a share of the dense
@@ -72,6 +80,7 @@ figure is a median over repetitions of many passes each.
     python benchmarks/host_time_bench.py --json out.json
     python benchmarks/host_time_bench.py --layers 32 --only hooks   # 16 routed layers, as Llama-3-8B's
     python benchmarks/host_time_bench.py --only parts               # where a pass's host time goes, part by part
+    python benchmarks/host_time_bench.py --layers 32 --only samples # what the stack sampler costs a pass
     python benchmarks/host_time_bench.py --execution triton         # the GPU's execution, its launches not run
     python benchmarks/host_time_bench.py --execution triton --stand-in-ops triton   # and the stand-in ops
     python benchmarks/host_time_bench.py --execution triton --flexidepth            # and FlexiDepth's gate
@@ -85,6 +94,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -392,6 +402,102 @@ def measure_parts(models: dict[str, ServedModel], shapes, repetitions: int, quic
     return results
 
 
+class Sampled:
+    """An arm's whole eager pass with a stack sampler reading the thread that runs it (`StackSampler`), woken as
+    the pass begins and asleep after it, as a server's part clock runs it around each forward; its samples are
+    counted under `phase`."""
+
+    def __init__(self, m: ServedModel, sampler, running: list) -> None:
+        self.m, self.sampler, self.running = m, sampler, running
+        self.batch, self.phase = m.batch, "pass"
+
+    def whole(self, fb) -> None:
+        self.running[0] = (threading.get_ident(), self.phase)
+        self.sampler.begin()
+        try:
+            self.m.whole(fb)
+        finally:
+            self.running[0] = None
+            self.sampler.end()
+
+
+SAMPLE_INTERVALS_MS = (2, 5)  # the sampler's intervals timed side by side (the stack sampler's own is one of them)
+
+
+def sampled_side(name: str, interval_ms: float) -> str:
+    """The name of arm `name`'s side sampled every `interval_ms`."""
+    return f"{name}+{interval_ms:g}ms"
+
+
+def measure_samples(models: dict[str, ServedModel], shapes, repetitions: int, quick: bool, measured,
+                    intervals_ms=SAMPLE_INTERVALS_MS) -> dict:
+    """Per shape of `measured`: every arm's whole pass plain and sampled at each of `intervals_ms` (`Sampled`, one
+    sampler an interval, each side named by `sampled_side`), each repetition's median microseconds per pass as
+    `measure` takes them (all sides taking turns pass by pass), and the samples each sampled side took, warm-up
+    passes included, with how many passes that was."""
+    from vskipper.sglang.stack_samples import StackSampler
+
+    running: list = [None]
+    samplers = {ms: StackSampler(lambda: running[0], interval_s=ms / 1e3) for ms in intervals_ms}
+    sides: dict = {}
+    for name, m in models.items():
+        sides[name] = m
+        for ms, sampler in samplers.items():
+            sides[sampled_side(name, ms)] = Sampled(m, sampler, running)
+    results: dict = {}
+    for sampler in samplers.values():
+        sampler.start()
+    try:
+        for shape in measured:
+            for side in sides.values():
+                if isinstance(side, Sampled):
+                    side.phase = shape.label
+            before = {ms: dict(sampler.samples) for ms, sampler in samplers.items()}
+            timed = measure(sides, shapes, repetitions, quick, {"pass": (shape,)})["pass"][shape.label]
+            # each sampler's samples of this shape, over the arms' sampled passes at its interval
+            taken = {ms: sampler.samples.get(shape.label, 0) - before[ms].get(shape.label, 0)
+                     for ms, sampler in samplers.items()}
+            results[shape.label] = {**timed, "sampled_passes": len(models) * (2 + timed["passes"] * repetitions),
+                                    "samples": {f"{ms:g}": n for ms, n in taken.items()}}  # 2: measure's warm-up
+    finally:
+        for sampler in samplers.values():
+            sampler.stop()
+            sampler.join(5.0)
+    return results
+
+
+def report_samples(results: dict, repetitions: int, intervals_ms=SAMPLE_INTERVALS_MS) -> dict:
+    """Each arm's pass sampled at each interval over its plain one (the median of the repetitions' ratios, [min,
+    max]), the samples a pass took at that interval (over every arm's sampled passes) and what one cost the pass:
+    the sampled pass's extra microseconds over its samples a pass."""
+    print(f"\nsamples: the whole eager pass with the stack sampler reading it every "
+          f"{' or '.join(f'{ms:g}' for ms in intervals_ms)} ms against without it, microseconds per pass, median "
+          f"over {repetitions} repetitions")
+    summaries: dict = {}
+    for label, data in results.items():
+        names = [n for n in data["us"] if all(sampled_side(n, ms) in data["us"] for ms in intervals_ms)]
+        print(f"  {label}")
+        for ms in intervals_ms:
+            per_pass = data["samples"][f"{ms:g}"] / data["sampled_passes"]
+            for name in names:
+                plain, sampled = data["us"][name], data["us"][sampled_side(name, ms)]
+                ratio = dict(zip(("median", "min", "max"), paired(sampled, plain), strict=True))
+                extra = statistics.median(sampled) - statistics.median(plain)
+                per_sample = extra / per_pass if per_pass else None
+                summaries.setdefault(label, {}).setdefault(f"{ms:g}", {})[name] = {
+                    "plain_us": statistics.median(plain), "sampled_us": statistics.median(sampled), "ratio": ratio,
+                    "samples_per_pass": per_pass, "us_per_sample": per_sample}
+                print(f"    {ms:g} ms {name:<8} plain {statistics.median(plain):9.1f}  sampled "
+                      f"{statistics.median(sampled):9.1f}  sampled/plain {ratio['median']:.3f}x [{ratio['min']:.3f}, "
+                      f"{ratio['max']:.3f}]  {per_pass:5.2f} samples a pass"
+                      + (f", {per_sample:+.1f} us each" if per_sample is not None else ""))
+    for ms in intervals_ms:
+        ratios = [a["ratio"]["median"] for shapes in summaries.values() for a in shapes[f"{ms:g}"].values()]
+        print(f"sampler every {ms:g} ms: sampled/plain {min(ratios):.3f}x .. {max(ratios):.3f}x "
+              f"(median {statistics.median(ratios):.3f}x)")
+    return summaries
+
+
 def report_parts(results: dict, repetitions: int, layers: dict[str, int], routed: tuple[str, ...]) -> dict:
     """Each part's median microseconds per pass (over the repetitions) per arm, each routed arm's over dense's, and
     the layer groups' per layer."""
@@ -470,8 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny batches, two repetitions (checks the pipeline)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (the deeper half routed)")
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--only", choices=("hooks", "pass", "parts"),
-                        help="one measurement (default: hooks and pass; parts only where named)")
+    parser.add_argument("--only", choices=("hooks", "pass", "parts", "samples"),
+                        help="one measurement (default: hooks and pass; parts and samples only where named)")
     parser.add_argument("--execution", choices=("torch", "triton"), default="torch",
                         help="the routed arms' execution: torch (a CPU's), triton (a GPU's; its launches not run)")
     parser.add_argument("--stand-in-ops", choices=STAND_IN_OPS, default="torch",
@@ -529,9 +635,10 @@ def main(argv: list[str] | None = None) -> int:
              "own launcher not" if interpreted else ""))
     # decode passes replay a captured graph on a GPU: the triton execution's eager pass is timed in prefill alone
     kinds = {"hooks": shapes, "pass": tuple(s for s in shapes if s.phase == "prefill") if triton else shapes}
-    kinds["parts"] = kinds["pass"]
-    kinds = {args.only: kinds[args.only]} if args.only else {k: v for k, v in kinds.items() if k != "parts"}
-    parts_shapes = kinds.pop("parts", None)
+    kinds["parts"] = kinds["samples"] = kinds["pass"]
+    kinds = {args.only: kinds[args.only]} if args.only else {k: v for k, v in kinds.items()
+                                                              if k not in ("parts", "samples")}
+    parts_shapes, samples_shapes = kinds.pop("parts", None), kinds.pop("samples", None)
     t0 = time.perf_counter()
     launches = count_launches(models, shapes)
     report_launches(launches, routed)
@@ -543,11 +650,16 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(models, shapes, repetitions, args.quick, kinds) if kinds else {}
         if parts_shapes is not None:
             results["parts"] = measure_parts(models, shapes, repetitions, args.quick, parts_shapes)
-    summaries = report({k: v for k, v in results.items() if k != "parts"}, repetitions, routed) if kinds else {}
+        if samples_shapes is not None:
+            results["samples"] = measure_samples(models, shapes, repetitions, args.quick, samples_shapes)
+    summaries = report({k: v for k, v in results.items() if k not in ("parts", "samples")}, repetitions,
+                       routed) if kinds else {}
     if parts_shapes is not None:
         layers = {"routed layers": len(config.routing_layers)}
         layers["dense layers"] = config.num_hidden_layers - layers["routed layers"]
         summaries["parts"] = report_parts(results["parts"], repetitions, layers, routed)
+    if samples_shapes is not None:
+        summaries["samples"] = report_samples(results["samples"], repetitions)
     if args.stand_in_ops == "triton":
         from vskipper.sglang import stand_in_ops
 

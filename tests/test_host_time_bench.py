@@ -123,3 +123,25 @@ def test_the_host_time_bench_puts_flexidepths_fused_gate_beside_its_own_route_wh
     # copies here), 2 of them the GEMMs the fused gate keeps
     assert own["ops"] - fused["ops"] == 16 * routed_layers
     assert set(report["summary"]["pass"]["prefill 2x8"]["ratios"]) == {f"{a}/dense" for a in report["routed_arms"]}
+
+
+def test_the_host_time_bench_times_the_stack_sampler_against_none_where_asked(tmp_path):
+    """`--only samples`: every arm's pass plain and sampled at each interval, the samples each interval's sampler
+    took counted per shape (a 5 ms sampler takes no more than a 2 ms one over the same passes, and none from a
+    pass shorter than 5 ms), and each sampled side over its plain one."""
+    out = tmp_path / "samples.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_time_bench.py"), "--quick", "--only",
+                          "samples", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "samples: the whole eager pass with the stack sampler reading it every 2 or 5 ms" in run.stdout
+    assert "sampler every 2 ms: sampled/plain " in run.stdout and "sampler every 5 ms: sampled/plain " in run.stdout
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"samples"}
+    for label, data in report["results"]["samples"].items():
+        assert set(data["us"]) == {f"{arm}{side}" for arm in ("dense", "s=0", "s=0.5") for side in ("", "+2ms", "+5ms")}
+        assert data["samples"]["2"] > 0 and data["samples"]["2"] >= data["samples"]["5"]
+        for ms in ("2", "5"):
+            arms = report["summary"]["samples"][label][ms]
+            assert set(arms) == {"dense", "s=0", "s=0.5"}
+            for arm in arms.values():
+                assert arm["samples_per_pass"] >= 0 and arm["ratio"]["min"] <= arm["ratio"]["median"] <= arm["ratio"]["max"]

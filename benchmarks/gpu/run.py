@@ -1994,7 +1994,7 @@ def sample_lines(arms: dict[str, dict], shown: int = 6) -> list[str]:
     (`vskipper.sglang.stack_samples`): per kind of frame, the most sampled frames of the three sequences' windows
     together beside their share in the windows of each shape's passes in a row (a frame whose share grows there is
     where the sequences' extra host time went)."""
-    from vskipper.sglang.stack_samples import top
+    from vskipper.sglang.stack_samples import INTERVAL_S, top
 
     lines = []
     for name, doc in arms.items():
@@ -2004,7 +2004,8 @@ def sample_lines(arms: dict[str, dict], shown: int = 6) -> list[str]:
             continue
         if not lines:
             lines = ["Where the forward's host time went, by samples of its Python stack while a pass ran "
-                     "(`VSKIPPER_STACK_SAMPLES`, on every server of this stage: one every 2 ms where the forward "
+                     f"(`VSKIPPER_STACK_SAMPLES`, on every server of this stage: one every {INTERVAL_S * 1e3:g} ms "
+                     "where the forward "
                      "lets the interpreter's lock go, as it does around each launch; a stretch of pure Python is "
                      "charged to the call that ends it, and a frame's share of the samples is about its share of "
                      "the passes' host time): the most sampled frames of the three sequences' windows together, "
@@ -2252,7 +2253,7 @@ def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:
     forward's stack samples: per kind of frame, the most sampled frames over all its prefill lengths, each frame's
     share of the samples at each length and in all, and the ms a pass that share is of the length's host time a
     pass (`pass_spans`): a frame whose ms grow where the arm's passes are slow is where their time went."""
-    from vskipper.sglang.stack_samples import top
+    from vskipper.sglang.stack_samples import INTERVAL_S, top
 
     lines = []
     for name, arm in arms.items():
@@ -2261,7 +2262,8 @@ def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:
             continue
         if not lines:
             lines = ["Where each arm's prefill passes spent the host's time, by samples of the forward's Python stack "
-                     "(`run.sh --samples`: every sweep server samples every 2 ms while a pass runs, where the "
+                     f"(`run.sh --samples`: every sweep server samples every {INTERVAL_S * 1e3:g} ms while a pass "
+                     "runs, where the "
                      "forward lets the interpreter's lock go, as around each launch; a stretch of pure Python is "
                      "charged to the call that ends it). Each frame's share of a length's samples, and in brackets "
                      "that share of the length's host ms a pass:", ""]

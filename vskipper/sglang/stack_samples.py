@@ -14,8 +14,11 @@ the lock go, so a stretch of pure Python is charged to the call that ends it, an
 samples come further apart than `INTERVAL_S`. A line's share of the samples is about its share of the passes' host
 time at the resolution of those hand-overs; the counts say how many samples there were.
 
-Its own cost: each sample holds the interpreter's lock for some tens of microseconds (the frames of every thread
-collected), a few percent of a pass at 2 ms. It is a measurement mode (`VSKIPPER_STACK_SAMPLES=1`,
+Its own cost: each sample holds the interpreter's lock for 20-70 us (the stack walked, its keys kept per line), and
+the forward waits for the lock to come back: on a 2-core CPU host that hand-over between threads took the pass
+100-400 us a sample more, so a sample every 2 ms made a pass 8-25% slower (median 12%), every 5 ms 0-24% (median
+6%; `benchmarks/host_time_bench.py --only samples`, `benchmarks/README.md`). Hence 5 ms, the interpreter's own
+switch interval, at which a stretch of pure Python is sampled anyway. It is a measurement mode (`VSKIPPER_STACK_SAMPLES=1`,
 `ServeSpec.stack_samples`), off when deployed, and only reads frames while a pass runs: between passes it sleeps
 until the next one begins (`StackSampler.begin`), so that it takes no lock from the scheduler's work between them.
 """
@@ -28,10 +31,10 @@ import sys
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
-INTERVAL_S = 0.002  # between two samples of a running pass
+INTERVAL_S = 0.005  # between two samples of a running pass (its cost: the module's docstring)
 IDLE_CHECK_S = 1.0  # how often a sampler between passes looks whether it was stopped
 KINDS = ("innermost", "vskipper", "sglang")  # which frame of a sample is counted
 
@@ -49,8 +52,10 @@ def _roots() -> dict[str, tuple[str, str]]:
     return roots
 
 
+@cache
 def code_of(filename: str) -> str | None:
-    """Whose code a frame's file is: 'vskipper' (this package), 'sglang' (SGLang's runtime), or None."""
+    """Whose code a frame's file is: 'vskipper' (this package), 'sglang' (SGLang's runtime), or None (kept per
+    file: a sample asks it of every frame it walks)."""
     for kind, (root, _) in _roots().items():
         if filename.startswith(root):
             return kind
@@ -61,7 +66,13 @@ def frame_key(frame) -> str:
     """A frame as counted: its file's path from the folder its package lies in (`vskipper/...`, `sglang/srt/...`;
     another installed package's from `site-packages`; any other file's last two parts), its function and its
     line."""
-    code = frame.f_code
+    return _key(frame.f_code, frame.f_lineno)
+
+
+@lru_cache(maxsize=1 << 16)
+def _key(code, line: int) -> str:
+    """`frame_key` of a frame of `code` at `line`, kept: the sampler holds the interpreter's lock while it makes
+    its keys, and the forward waits for it meanwhile."""
     name = code.co_filename
     path = None
     for root, base in _roots().values():
@@ -71,7 +82,7 @@ def frame_key(frame) -> str:
     if path is None:
         path = name.rsplit("site-packages" + os.sep, 1)[1] if "site-packages" + os.sep in name else \
             os.sep.join(name.rsplit(os.sep, 2)[-2:])
-    return f"{path.replace(os.sep, '/')}:{code.co_name}:{frame.f_lineno}"
+    return f"{path.replace(os.sep, '/')}:{code.co_name}:{line}"
 
 
 def sample_keys(frame) -> dict[str, str]:
@@ -79,9 +90,10 @@ def sample_keys(frame) -> dict[str, str]:
     code and of SGLang's (absent where the stack holds none)."""
     keys = {"innermost": frame_key(frame)}
     while frame is not None and len(keys) < len(KINDS):
-        kind = code_of(frame.f_code.co_filename)
+        code = frame.f_code
+        kind = code_of(code.co_filename)
         if kind is not None and kind not in keys:
-            keys[kind] = frame_key(frame)
+            keys[kind] = _key(code, frame.f_lineno)
         frame = frame.f_back
     return keys
 
