@@ -46,7 +46,7 @@ a server runs with `VSKIPPER_STACK_SAMPLES=1` and the device run's clock stage a
   samples every arm's whole eager pass without a sampler and with one reading it every 2 ms, and every 5 ms
           (woken as the pass begins, asleep after it, as the part clock runs it), the sides taking turns pass by
           pass; printed per interval and arm: each side's microseconds, sampled over plain, the samples a pass
-          took and what each cost the pass
+          took, what each cost the pass and what of that it held the interpreter's lock itself
 
 Printed per phase and batch: each arm's microseconds per pass (the median over repetitions, with their [min,
 max]), each routed arm over dense (the median of the repetitions' ratios, [min, max]) beside the goal (within
@@ -432,33 +432,31 @@ def sampled_side(name: str, interval_ms: float) -> str:
 def measure_samples(models: dict[str, ServedModel], shapes, repetitions: int, quick: bool, measured,
                     intervals_ms=SAMPLE_INTERVALS_MS) -> dict:
     """Per shape of `measured`: every arm's whole pass plain and sampled at each of `intervals_ms` (`Sampled`, one
-    sampler an interval, each side named by `sampled_side`), each repetition's median microseconds per pass as
-    `measure` takes them (all sides taking turns pass by pass), and the samples each sampled side took, warm-up
-    passes included, with how many passes that was."""
+    sampler an interval, each side named by `sampled_side` and read through its own `running`, so that no sampler
+    samples another side's pass), each repetition's median microseconds per pass as `measure` takes them (all
+    sides taking turns pass by pass), and per sampled side the samples it took, the seconds they held the
+    interpreter's lock, and its passes (`measure`'s two warm-up passes included, which its samples count too)."""
     from vskipper.sglang.stack_samples import StackSampler
 
-    running: list = [None]
-    samplers = {ms: StackSampler(lambda: running[0], interval_s=ms / 1e3) for ms in intervals_ms}
+    cells: dict[float, list] = {ms: [None] for ms in intervals_ms}
+    samplers = {ms: StackSampler(lambda cell=cells[ms]: cell[0], interval_s=ms / 1e3) for ms in intervals_ms}
     sides: dict = {}
     for name, m in models.items():
         sides[name] = m
         for ms, sampler in samplers.items():
-            sides[sampled_side(name, ms)] = Sampled(m, sampler, running)
+            sides[sampled_side(name, ms)] = Sampled(m, sampler, cells[ms])
     results: dict = {}
     for sampler in samplers.values():
         sampler.start()
     try:
         for shape in measured:
-            for side in sides.values():
+            for side_name, side in sides.items():
                 if isinstance(side, Sampled):
-                    side.phase = shape.label
-            before = {ms: dict(sampler.samples) for ms, sampler in samplers.items()}
+                    side.phase = f"{shape.label}/{side_name}"
             timed = measure(sides, shapes, repetitions, quick, {"pass": (shape,)})["pass"][shape.label]
-            # each sampler's samples of this shape, over the arms' sampled passes at its interval
-            taken = {ms: sampler.samples.get(shape.label, 0) - before[ms].get(shape.label, 0)
-                     for ms, sampler in samplers.items()}
-            results[shape.label] = {**timed, "sampled_passes": len(models) * (2 + timed["passes"] * repetitions),
-                                    "samples": {f"{ms:g}": n for ms, n in taken.items()}}  # 2: measure's warm-up
+            results[shape.label] = {**timed, "sampled_passes": 2 + timed["passes"] * repetitions, "samples": {
+                side_name: {"samples": side.sampler.samples[side.phase], "seconds": side.sampler.seconds[side.phase]}
+                for side_name, side in sides.items() if isinstance(side, Sampled)}}
     finally:
         for sampler in samplers.values():
             sampler.stop()
@@ -468,8 +466,9 @@ def measure_samples(models: dict[str, ServedModel], shapes, repetitions: int, qu
 
 def report_samples(results: dict, repetitions: int, intervals_ms=SAMPLE_INTERVALS_MS) -> dict:
     """Each arm's pass sampled at each interval over its plain one (the median of the repetitions' ratios, [min,
-    max]), the samples a pass took at that interval (over every arm's sampled passes) and what one cost the pass:
-    the sampled pass's extra microseconds over its samples a pass."""
+    max]), the samples a pass it took, what a sample held the interpreter's lock (`own`), and what one cost the
+    pass in all: the sampled pass's extra microseconds over its samples a pass (`each`: its own time and the
+    lock's hand-over from the forward and back)."""
     print(f"\nsamples: the whole eager pass with the stack sampler reading it every "
           f"{' or '.join(f'{ms:g}' for ms in intervals_ms)} ms against without it, microseconds per pass, median "
           f"over {repetitions} repetitions")
@@ -478,23 +477,29 @@ def report_samples(results: dict, repetitions: int, intervals_ms=SAMPLE_INTERVAL
         names = [n for n in data["us"] if all(sampled_side(n, ms) in data["us"] for ms in intervals_ms)]
         print(f"  {label}")
         for ms in intervals_ms:
-            per_pass = data["samples"][f"{ms:g}"] / data["sampled_passes"]
             for name in names:
-                plain, sampled = data["us"][name], data["us"][sampled_side(name, ms)]
+                side = sampled_side(name, ms)
+                plain, sampled, taken = data["us"][name], data["us"][side], data["samples"][side]
                 ratio = dict(zip(("median", "min", "max"), paired(sampled, plain), strict=True))
+                per_pass = taken["samples"] / data["sampled_passes"]
                 extra = statistics.median(sampled) - statistics.median(plain)
-                per_sample = extra / per_pass if per_pass else None
+                each = extra / per_pass if per_pass else None
+                own = taken["seconds"] / taken["samples"] * 1e6 if taken["samples"] else None
                 summaries.setdefault(label, {}).setdefault(f"{ms:g}", {})[name] = {
                     "plain_us": statistics.median(plain), "sampled_us": statistics.median(sampled), "ratio": ratio,
-                    "samples_per_pass": per_pass, "us_per_sample": per_sample}
+                    "samples_per_pass": per_pass, "us_per_sample": each, "own_us_per_sample": own}
                 print(f"    {ms:g} ms {name:<8} plain {statistics.median(plain):9.1f}  sampled "
                       f"{statistics.median(sampled):9.1f}  sampled/plain {ratio['median']:.3f}x [{ratio['min']:.3f}, "
                       f"{ratio['max']:.3f}]  {per_pass:5.2f} samples a pass"
-                      + (f", {per_sample:+.1f} us each" if per_sample is not None else ""))
+                      + (f", each {each:+.1f} us" if each is not None else "")
+                      + (f" (own {own:.1f} us)" if own is not None else ""))
     for ms in intervals_ms:
-        ratios = [a["ratio"]["median"] for shapes in summaries.values() for a in shapes[f"{ms:g}"].values()]
+        arms = [a for shapes in summaries.values() for a in shapes[f"{ms:g}"].values()]
+        ratios = [a["ratio"]["median"] for a in arms]
+        own = [a["own_us_per_sample"] for a in arms if a["own_us_per_sample"] is not None]
         print(f"sampler every {ms:g} ms: sampled/plain {min(ratios):.3f}x .. {max(ratios):.3f}x "
-              f"(median {statistics.median(ratios):.3f}x)")
+              f"(median {statistics.median(ratios):.3f}x)"
+              + (f"; a sample's own {min(own):.1f} .. {max(own):.1f} us" if own else ""))
     return summaries
 
 

@@ -27,6 +27,7 @@ from loadgen.suite import load_suite  # noqa: E402
 from tests.sglang_world import ROOT  # noqa: E402
 from tests.test_serve_contract import sglang_parser  # noqa: E402
 from vskipper.mixed.tiles import load_tile_table, table_label  # noqa: E402
+from vskipper.sglang.stack_samples import INTERVAL_S  # noqa: E402
 
 pytestmark = pytest.mark.server  # the device run's stages against real SGLang servers
 
@@ -1432,7 +1433,9 @@ def test_the_samples_tables_set_the_sequences_frames_beside_their_share_in_a_row
     assert run.sampled(cells) == (50, {"innermost": {"jit.py:run:700": 10, "x.py:f:1": 40},
                                        "vskipper": {"mixed/kernels.py:cohort_gemm:90": 20}})
     text = "\n".join(run.sample_lines(arms))
-    assert f"{run.ALWAYS}, the innermost frame of vSkipper's code (100 samples in the sequences, 50 in a row):" in text
+    # the windows attest no interval (a sampler from before it did): the sampler's own is named
+    assert f"{run.ALWAYS}, the innermost frame of vSkipper's code (100 samples in the sequences, 50 in a row; " \
+           f"every {INTERVAL_S * 1e3:g} ms):" in text
     assert "| `jit.py:run:700` | 60.0% | 20.0% |" in text and "| `x.py:f:1` | 40.0% | 80.0% |" in text
     assert "| `mixed/kernels.py:cohort_gemm:90` | 70.0% | 40.0% |" in text
     assert "| `models/routed.py:read:600` | 5.0% | 0.0% |" in text
@@ -1466,7 +1469,7 @@ def test_the_sweeps_servers_sample_their_stacks_where_the_run_asks_and_the_summa
 
     plan = dataclasses.replace(plan, prefill_lengths=(1024, 2048), prefill_reps=3, prefill_rounds=())
     clock = {"parts": False, "passes_total": {}, "tokens_total": {}, "seconds_total": {}, "device_seconds_total": {},
-             "device_passes_total": {}, "samples": {"interval_s": 0.002, "samples_total": {},
+             "device_passes_total": {}, "samples": {"interval_s": 0.002, "samples_total": {}, "seconds_total": {},
                                                     "innermost": {}, "vskipper": {}, "sglang": {}}}
 
     def count(field: dict, key: str, n: int) -> None:
@@ -1482,6 +1485,7 @@ def test_the_sweeps_servers_sample_their_stacks_where_the_run_asks_and_the_summa
         outside["outside"] = outside.get("outside", 0.0) + 0.04  # 40 ms of host a pass at every length
         samples = clock["samples"]
         samples["samples_total"]["prefill"] = samples["samples_total"].get("prefill", 0) + 20
+        samples["seconds_total"]["prefill"] = samples["seconds_total"].get("prefill", 0.0) + 20 * 50e-6
         # 15 of a 1,024-token pass's 20 samples in the launcher, 5 of a 2,048-token one's
         launcher = 15 if n == 1024 else 5
         count(samples["innermost"], "triton/runtime/jit.py:run:700", launcher)
@@ -1493,14 +1497,23 @@ def test_the_sweeps_servers_sample_their_stacks_where_the_run_asks_and_the_summa
     server = SimpleNamespace(get_json=lambda path: {"part_clock": copy.deepcopy(clock)})
     cells, _ = run.prefill_cells(plan, server, 128256)
     assert [c["samples"]["total"] for c in cells] == [60, 60]
+    assert [c["samples"]["interval_s"] for c in cells] == [0.002, 0.002]
+    assert [c["samples"]["seconds"] for c in cells] == [pytest.approx(60 * 50e-6)] * 2
     assert cells[0]["samples"]["innermost"] == {"triton/runtime/jit.py:run:700": 45,
                                                 "torch/nn/functional.py:linear:10": 15}
     lines = run.sweep_sample_lines({"dense": {"prefill": [{"tokens": 1024, "ttft_s": 0.05}]},
                                     run.ALWAYS: {"prefill": cells}})
+    # the interval the servers attest (an earlier run's 2 ms here) and the ms the samples held the lock
     assert f"{run.ALWAYS}, the innermost frame (where the thread is in C code, the line that called it) " \
-           "(120 samples):" in lines
+           "(120 samples; every 2 ms, the samples holding the interpreter's lock 6.0 ms in all):" in lines
     assert not any(line.startswith("dense,") for line in lines)  # an arm that did not sample: no table
     # 45 of 60 at 1,024 tokens: 75% of the 40 ms a pass; 15 of 60 at 2,048: 25%, 10 ms; 60 of 120 in all
     assert "| `triton/runtime/jit.py:run:700` | 75.0% (30.0 ms) | 25.0% (10.0 ms) | 50.0% |" in lines
     assert "| `vskipper/mixed/kernels.py:cohort_gemm:120` | 100.0% (40.0 ms) | 100.0% (40.0 ms) | 100.0% |" in lines
     assert run.sweep_sample_lines({"dense": {"prefill": [{"tokens": 1024, "ttft_s": 0.05}]}}) == []
+    # arms served with and without samples (an earlier call's kept): the summary says they do not compare alike
+    mixed = run.sweep_sample_lines({"dense": {"prefill": [{"tokens": 1024, "ttft_s": 0.05}], "samples": False},
+                                    run.ALWAYS: {"prefill": cells, "samples": True}})
+    assert f"Not every arm of this sweep sampled its stack (dense: not sampled, {run.ALWAYS}: sampled): a " \
+           "sampled arm's host times stand a few percent above what it would take unsampled, so its figures do " \
+           "not compare alike with the others'." in mixed

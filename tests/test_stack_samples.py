@@ -113,7 +113,8 @@ def test_the_part_clock_samples_its_passes_where_asked_and_attests_them():
         while not clock.attestation()["samples"]["samples_total"] and time.monotonic() < end:
             time.sleep(0.005)
         samples = clock.attestation()["samples"]
-        assert samples["samples_total"]["prefill"] >= 10 and set(samples) == {"interval_s", "samples_total", *KINDS}
+        assert samples["samples_total"]["prefill"] >= 10
+        assert set(samples) == {"interval_s", "samples_total", "seconds_total", *KINDS}
         assert any(":spin:" in key for key in samples["innermost"]["prefill"])
         # the clock's own frame (the pass it wraps) is vSkipper's innermost; no frame of SGLang's runtime here
         assert all(key.startswith("vskipper/sglang/part_times.py:") for key in samples["vskipper"]["prefill"])
@@ -146,3 +147,44 @@ def test_a_reader_gets_the_samples_so_far_while_passes_run_back_to_back():
         assert sum(samples["innermost"]["decode"].values()) == samples["samples_total"]["decode"]
     finally:
         clock.sampler.stop()
+
+
+def nap_head(seconds: float) -> None:
+    """A pass's first part: it lets the interpreter's lock go often, as a forward's launches do."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        time.sleep(0.0002)
+
+
+def nap_tail(seconds: float) -> None:
+    """The rest of the pass, likewise."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        time.sleep(0.0002)
+
+
+def test_the_start_of_a_pass_after_a_gap_has_its_share_of_the_samples():
+    """A sampler woken by a pass samples at the next tick of its clock, not a whole interval later: passes with a
+    gap between them, each 4 ms of one part then 16 ms of another at a 5 ms interval, give the first part about a
+    fifth of the samples (a sampler that waited a whole interval on waking would give it none)."""
+    running: list = [None]
+    sampler = StackSampler(lambda: running[0], interval_s=0.005)
+    sampler.start()
+    try:
+        for _ in range(40):
+            running[0] = (threading.get_ident(), "prefill")
+            sampler.begin()
+            nap_head(0.004)
+            nap_tail(0.016)
+            running[0] = None
+            sampler.end()
+            time.sleep(0.003)
+    finally:
+        sampler.stop()
+        sampler.join(5.0)
+    counts = sampler.counts["innermost"]["prefill"]
+    head = sum(n for key, n in counts.items() if ":nap_head:" in key)
+    tail = sum(n for key, n in counts.items() if ":nap_tail:" in key)
+    assert head + tail >= 80  # about 160 at 5 ms over 0.8 s of passes
+    assert 0.08 <= head / (head + tail) <= 0.35
+    assert sampler.seconds["prefill"] > 0  # what the samples held the lock, counted

@@ -557,7 +557,7 @@ def pass_spans(before: dict | None, after: dict | None, phase: str) -> dict | No
              "cpu_ms": clock["cpu"], "waits": clock["waits"], "gc_ms": clock["gc"]}
     if (after.get("errors") or {}).get("device"):  # the server's timing events failed: its device spans stopped
         spans["device_error"] = after["errors"]["device"]
-    if (after.get("errors") or {}).get("thread"):  # its reads of the forward's thread failed: those figures stopped
+    if (after.get("errors") or {}).get("thread"):  # its reads of the forward's thread failed: figures stopped
         spans["thread_error"] = after["errors"]["thread"]
     if before.get("late") or after.get("late"):  # a window that may hold a pass too few or too many
         spans["late"] = True
@@ -569,8 +569,8 @@ def pass_span_means(cells: Sequence[CellResult]) -> dict[str, dict | None]:
     ms and waits a pass, from the clock each cell's attestations carry before and after it (`part_clock`: the pass
     spans every server of the device run times; each cell's `pass_spans`, weighed by its passes; the device's None
     unless it timed every cell's every pass, the thread's unless every cell's clock read it, `thread_error` the
-    first cell's where its reads failed; `late`, the cells a reading of which the server served late): None for a phase where no cell's attestations
-    carry a clock or no pass of it ran."""
+    first cell's where its reads failed; `late`, the cells a reading of which the server served late): None for a
+    phase where no cell's attestations carry a clock or no pass of it ran."""
     out: dict[str, dict | None] = {}
     for phase in PHASES:
         spans = []
@@ -1100,7 +1100,8 @@ def pass_span_table(key: str, loads: Mapping) -> list[str]:
             "processor; gc: the garbage collector's ms; tokens a pass: the rows a pass ran, so that passes of "
             "different sizes are not read as the same work):", "",
             f"| load | phase | dense device ms | {key} device ms | dense host ms | {key} host ms | thread CPU ms "
-            f"(dense / {key}) | waits | gc ms | dense passes | {key} passes | dense tokens a pass | "
+            f"(dense / {key}) | waits (dense / {key}) | gc ms (dense / {key}) | dense passes | {key} passes | "
+            f"dense tokens a pass | "
             f"{key} tokens a pass |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             *rows, "", *note]
 
@@ -1167,7 +1168,7 @@ def figure(value: float | None, fmt: str = ".3g") -> str:
 
 
 def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
+    return figure(value, ".2f")
 
 
 def _share(value: float | None) -> str:

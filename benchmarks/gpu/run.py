@@ -611,7 +611,7 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
             records[length].append(asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0])
             before, clock = clock, pass_clock(server)
             spans[length].append(headline.pass_spans(before, clock, "prefill"))
-            if before is not None and clock is not None:
+            if spans[length][-1] and not spans[length][-1].get("late"):  # a late window's may be another prompt's
                 samples[length].append({"samples": window_samples(before, clock)})
         for n, length in plan.prefill_rounds:
             rounds[n, length].append(prefill_round(server, round_prompts(n, length, r, vocab)))
@@ -629,9 +629,9 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
         timed = [s for s in spans[length] if s]  # a window a late reading left without its pass adds none
         if timed:
             cell["pass_spans"] = median_spans(timed)
-        total, counts = sampled(samples[length])  # the prompts' stack samples together, where the server samples
-        if total:
-            cell["samples"] = {"total": total, **counts}
+        merged = merge_samples(samples[length])  # the prompts' stack samples together, where the server samples
+        if merged:
+            cell["samples"] = merged
         cells.append(cell)
     round_cells = []
     for (n, length), reps in rounds.items():
@@ -1243,7 +1243,7 @@ def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path]
             server.wait_ready(min(plan.startup_timeout_s, REFERENCE_READY_S))
             prefill, rounds = prefill_cells(plan, server, vocab)
             result = {"flags": flags, "decode": [], "prefill": prefill, "prefill_rounds": rounds,
-                      "served": served(server)}
+                      "samples": plan.sweep_samples, "served": served(server)}
     except Exception as exc:  # noqa: BLE001 (a reference only: whatever stopped it is its result)
         result = {"flags": flags, "error": f"{type(exc).__name__}: {str(exc).strip()[:500]}"}
         log("sweep", f"{PREFILL_GRAPHS} did not serve: {result['error']}")
@@ -1773,14 +1773,19 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
 
 
 def window_samples(before: dict, after: dict) -> dict | None:
-    """The forward's stack samples of a window's prefill passes (`vskipper.sglang.stack_samples`): how many, and
-    each counted frame's samples of each kind; None where the server samples none."""
+    """The forward's stack samples of a window's prefill passes (`vskipper.sglang.stack_samples`): how many, each
+    counted frame's samples of each kind, the sampler's interval and the seconds its samples held the interpreter's
+    lock; None where the server samples none."""
     from vskipper.sglang.stack_samples import KINDS, window
 
     if "samples" not in after:
         return None
     by_kind = {kind: window(before.get("samples"), after["samples"], "prefill", kind) for kind in KINDS}
-    return {"total": by_kind[KINDS[0]][0], **{kind: counts for kind, (_, counts) in by_kind.items()}}
+    seconds = [(doc or {}).get("seconds_total", {}).get("prefill") for doc in (before.get("samples"), after["samples"])]
+    return {"total": by_kind[KINDS[0]][0], **{kind: counts for kind, (_, counts) in by_kind.items()},
+            "interval_s": after["samples"].get("interval_s"),
+            # what the samples held the interpreter's lock (a sampler from before it counted that: None)
+            "seconds": None if seconds[1] is None else seconds[1] - (seconds[0] or 0.0)}
 
 
 def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
@@ -1989,30 +1994,61 @@ def sampled(windows: list[dict]) -> tuple[int, dict[str, dict[str, int]]]:
     return total, counts
 
 
+def merge_samples(windows: list[dict]) -> dict | None:
+    """Several windows' stack samples as one window's (`window_samples`' fields: the counts summed, the interval
+    of the first, the seconds summed where every window counts them); None where they hold none."""
+    total, counts = sampled(windows)
+    if not total:
+        return None
+    samples = [w["samples"] for w in windows if w.get("samples")]
+    seconds = [s.get("seconds") for s in samples]
+    return {"total": total, **counts, "interval_s": samples[0].get("interval_s"),
+            "seconds": sum(seconds) if all(t is not None for t in seconds) else None}
+
+
+def sampling(windows: list[dict]) -> str:
+    """How the windows' servers sampled, for a summary: every how many ms (as their samplers attest: an earlier
+    run's may differ from `INTERVAL_S`) and, where they count it, the ms their samples held the interpreter's lock
+    in all."""
+    from vskipper.sglang.stack_samples import INTERVAL_S
+
+    samples = [w["samples"] for w in windows if w.get("samples")]
+    intervals = sorted({s.get("interval_s") or INTERVAL_S for s in samples}) or [INTERVAL_S]
+    text = "every " + " or ".join(f"{i * 1e3:g}" for i in intervals) + " ms"
+    seconds = [s.get("seconds") for s in samples]
+    if samples and all(t is not None for t in seconds):
+        text += f", the samples holding the interpreter's lock {sum(seconds) * 1e3:.1f} ms in all"
+    return text
+
+
 def sample_lines(arms: dict[str, dict], shown: int = 6) -> list[str]:
     """Where each arm's prefill passes spent the host's time by the forward's stack samples
     (`vskipper.sglang.stack_samples`): per kind of frame, the most sampled frames of the three sequences' windows
     together beside their share in the windows of each shape's passes in a row (a frame whose share grows there is
     where the sequences' extra host time went)."""
-    from vskipper.sglang.stack_samples import INTERVAL_S, top
+    from vskipper.sglang.stack_samples import top
 
     lines = []
     for name, doc in arms.items():
+        windows = [*(doc.get("cells") or []), *(doc.get("sequences") or {}).values()]
         row_total, row = sampled(doc.get("cells") or [])
         seq_total, seq = sampled(list((doc.get("sequences") or {}).values()))
         if not row_total and not seq_total:
             continue
         if not lines:
             lines = ["Where the forward's host time went, by samples of its Python stack while a pass ran "
-                     f"(`VSKIPPER_STACK_SAMPLES`, on every server of this stage: one every {INTERVAL_S * 1e3:g} ms "
-                     "where the forward "
-                     "lets the interpreter's lock go, as it does around each launch; a stretch of pure Python is "
-                     "charged to the call that ends it, and a frame's share of the samples is about its share of "
+                     "(`VSKIPPER_STACK_SAMPLES`, on every server of this stage: one at each tick of a clock, where "
+                     "the forward lets the interpreter's lock go, as it does around each launch; a stretch of pure "
+                     "Python is charged to the call that ends it, and a frame's share of the samples is about its "
+                     "share of "
                      "the passes' host time): the most sampled frames of the three sequences' windows together, "
                      "beside their share in the windows of each shape's passes in a row.", ""]
         for kind, what in SAMPLED_KINDS.items():
             keys = [k for k, _ in top(seq[kind] or row[kind], shown)]
-            lines += [f"{name}, {what} ({seq_total} samples in the sequences, {row_total} in a row):", "",
+            if not keys:
+                continue
+            lines += [f"{name}, {what} ({seq_total} samples in the sequences, {row_total} in a row; "
+                      f"{sampling(windows)}):", "",
                       "| frame | sequences | in a row |", "|---|---:|---:|",
                       *(f"| `{k}` | {_share(seq[kind].get(k, 0), seq_total)} | "
                         f"{_share(row[kind].get(k, 0), row_total)} |" for k in keys), ""]
@@ -2253,7 +2289,7 @@ def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:
     forward's stack samples: per kind of frame, the most sampled frames over all its prefill lengths, each frame's
     share of the samples at each length and in all, and the ms a pass that share is of the length's host time a
     pass (`pass_spans`): a frame whose ms grow where the arm's passes are slow is where their time went."""
-    from vskipper.sglang.stack_samples import INTERVAL_S, top
+    from vskipper.sglang.stack_samples import top
 
     lines = []
     for name, arm in arms.items():
@@ -2262,7 +2298,7 @@ def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:
             continue
         if not lines:
             lines = ["Where each arm's prefill passes spent the host's time, by samples of the forward's Python stack "
-                     f"(`run.sh --samples`: every sweep server samples every {INTERVAL_S * 1e3:g} ms while a pass "
+                     "(`run.sh --samples`: every sweep server samples at each tick of a clock while a pass "
                      "runs, where the "
                      "forward lets the interpreter's lock go, as around each launch; a stretch of pure Python is "
                      "charged to the call that ends it). Each frame's share of a length's samples, and in brackets "
@@ -2270,7 +2306,9 @@ def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:
         total, counts = sampled(cells)
         for kind, what in SAMPLED_KINDS.items():
             keys = [k for k, _ in top(counts[kind], shown)]
-            lines += [f"{name}, {what} ({total} samples):", "",
+            if not keys:
+                continue
+            lines += [f"{name}, {what} ({total} samples; {sampling(cells)}):", "",
                       "| frame | " + " | ".join(f"{c['tokens']} tokens" for c in cells) + " | all |",
                       "|---|" + "---:|" * (len(cells) + 1)]
             for key in keys:
@@ -2281,6 +2319,12 @@ def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:
                     shares.append(_share(n, of) + ("" if host is None else f" ({host * n / of:.1f} ms)"))
                 lines.append(f"| `{key}` | " + " | ".join(shares) + f" | {_share(counts[kind].get(key, 0), total)} |")
             lines.append("")
+    alike = {bool(arm.get("samples")) for arm in arms.values() if "samples" in arm}
+    if lines and len(alike) > 1:  # arms of an earlier call, served with another setting, kept
+        lines += ["Not every arm of this sweep sampled its stack (" + ", ".join(
+            f"{name}: {'sampled' if arm.get('samples') else 'not sampled'}" for name, arm in arms.items()
+            if "samples" in arm) + "): a sampled arm's host times stand a few percent above what it would take "
+            "unsampled, so its figures do not compare alike with the others'.", ""]
     return lines
 
 

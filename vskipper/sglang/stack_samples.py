@@ -14,13 +14,14 @@ the lock go, so a stretch of pure Python is charged to the call that ends it, an
 samples come further apart than `INTERVAL_S`. A line's share of the samples is about its share of the passes' host
 time at the resolution of those hand-overs; the counts say how many samples there were.
 
-Its own cost: each sample holds the interpreter's lock for 20-70 us (the stack walked, its keys kept per line), and
-the forward waits for the lock to come back: on a 2-core CPU host that hand-over between threads took the pass
-100-400 us a sample more, so a sample every 2 ms made a pass 8-25% slower (median 12%), every 5 ms 0-24% (median
-6%; `benchmarks/host_time_bench.py --only samples`, `benchmarks/README.md`). Hence 5 ms, the interpreter's own
-switch interval, at which a stretch of pure Python is sampled anyway. It is a measurement mode (`VSKIPPER_STACK_SAMPLES=1`,
-`ServeSpec.stack_samples`), off when deployed, and only reads frames while a pass runs: between passes it sleeps
-until the next one begins (`StackSampler.begin`), so that it takes no lock from the scheduler's work between them.
+Its own cost: a sample holds the interpreter's lock for 30-65 us (the stack walked, its keys kept per line; counted
+per phase as `seconds_total`), and the forward then waits for the lock to come back. On a 2-core CPU host a sample
+cost the pass 210-240 us in all (the medians over arms and shapes), so a sample every 2 ms made a pass 7-18%
+slower (median 11%), every 5 ms from 3% faster to 8% slower (median 6% slower, within the repetitions' noise;
+`benchmarks/host_time_bench.py --only samples`, `benchmarks/README.md`). Hence 5 ms, the interpreter's own switch interval, at which a stretch of pure Python is
+sampled anyway. It is a measurement mode (`VSKIPPER_STACK_SAMPLES=1`, `ServeSpec.stack_samples`), off when
+deployed, and only reads frames while a pass runs: between passes it sleeps until the next one begins
+(`StackSampler.begin`), so that it takes no lock from the scheduler's work between them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from functools import cache, lru_cache
@@ -66,14 +68,15 @@ def frame_key(frame) -> str:
     """A frame as counted: its file's path from the folder its package lies in (`vskipper/...`, `sglang/srt/...`;
     another installed package's from `site-packages`; any other file's last two parts), its function and its
     line."""
-    return _key(frame.f_code, frame.f_lineno)
+    code = frame.f_code
+    return _key(code.co_filename, code.co_name, frame.f_lineno)
 
 
 @lru_cache(maxsize=1 << 16)
-def _key(code, line: int) -> str:
-    """`frame_key` of a frame of `code` at `line`, kept: the sampler holds the interpreter's lock while it makes
-    its keys, and the forward waits for it meanwhile."""
-    name = code.co_filename
+def _key(name: str, function: str, line: int) -> str:
+    """`frame_key` of a frame of `function` in file `name` at `line`, kept (by strings: code objects of two files
+    can compare equal): the sampler holds the interpreter's lock while it makes its keys, and the forward waits
+    for it meanwhile."""
     path = None
     for root, base in _roots().values():
         if name.startswith(root):
@@ -82,7 +85,7 @@ def _key(code, line: int) -> str:
     if path is None:
         path = name.rsplit("site-packages" + os.sep, 1)[1] if "site-packages" + os.sep in name else \
             os.sep.join(name.rsplit(os.sep, 2)[-2:])
-    return f"{path.replace(os.sep, '/')}:{code.co_name}:{line}"
+    return f"{path.replace(os.sep, '/')}:{function}:{line}"
 
 
 def sample_keys(frame) -> dict[str, str]:
@@ -93,24 +96,29 @@ def sample_keys(frame) -> dict[str, str]:
         code = frame.f_code
         kind = code_of(code.co_filename)
         if kind is not None and kind not in keys:
-            keys[kind] = _key(code, frame.f_lineno)
+            keys[kind] = _key(code.co_filename, code.co_name, frame.f_lineno)
         frame = frame.f_back
     return keys
 
 
 class StackSampler(threading.Thread):
     """Samples the frames of the thread that runs a pass every `interval_s`, counting per phase each of `KINDS`,
-    from a pass's `begin` to its `end`. `view` holds copies of the counts, replaced in one update after each pass
-    and whenever a reader asks (`publish`), so that a reader on another thread serializes them while it samples
-    on."""
+    from a pass's `begin` to its `end`, at the ticks of a clock that runs on between passes (a sampler woken by a
+    pass waits for the next tick, not a whole interval: each part of a pass, its start too, has its share of the
+    samples). It also counts the seconds its samples held the interpreter's lock (`seconds_total`, per phase): what
+    it cost the forward beyond the lock's hand-over. `view` holds copies of the counts, replaced in one update
+    after a pass the sampler saw end and whenever a reader asks (`publish`), so that a reader on another thread
+    serializes them while it samples on."""
 
     def __init__(self, running: Callable[[], tuple[int, str] | None], interval_s: float = INTERVAL_S) -> None:
         """`running()`: (the forward thread's ident, the phase of its pass) while a pass runs, else None."""
         super().__init__(name="vskipper-stack-sampler", daemon=True)
         self.running, self.interval_s = running, interval_s
         self.samples: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()  # per phase, the time its samples took
         self.counts: dict[str, dict[str, Counter[str]]] = {kind: defaultdict(Counter) for kind in KINDS}
-        self.view: dict[str, Any] = {"interval_s": interval_s, "samples_total": {}, **{kind: {} for kind in KINDS}}
+        self.view: dict[str, Any] = {"interval_s": interval_s, "samples_total": {}, "seconds_total": {},
+                                     **{kind: {} for kind in KINDS}}
         self._lock = threading.Lock()  # the counts, between the sampler and a reader's `publish`
         self._halt = threading.Event()
         self._passing = threading.Event()  # set from a pass's begin to its end: the sampler wakes for it
@@ -120,11 +128,13 @@ class StackSampler(threading.Thread):
         self._passing.set()
 
     def end(self) -> None:
-        """The pass ended: the sampler publishes its counts and sleeps until the next one begins."""
+        """The pass ended: the sampler sleeps until the next one begins (publishing its counts where it sees the
+        gap)."""
         self._passing.clear()
 
     def sample(self) -> bool:
         """Take one sample where a pass runs: whether one was taken (not where the pass ended meanwhile)."""
+        t0 = time.perf_counter()
         running = self.running()
         if running is None:
             return False
@@ -138,13 +148,14 @@ class StackSampler(threading.Thread):
             self.samples[phase] += 1
             for kind, key in keys.items():
                 self.counts[kind][phase][key] += 1
+            self.seconds[phase] += time.perf_counter() - t0
         return True
 
     def publish(self) -> None:
         """Copy the counts into `view` in one update (a reader serializing `view` meets no dict that changes size,
         and no total without its counts)."""
         with self._lock:
-            fresh = {"samples_total": dict(self.samples),
+            fresh = {"samples_total": dict(self.samples), "seconds_total": dict(self.seconds),
                      **{kind: {phase: dict(c) for phase, c in self.counts[kind].items()} for kind in KINDS}}
         self.view.update(fresh)
 
@@ -158,7 +169,7 @@ class StackSampler(threading.Thread):
                         sampled = False
                     self._passing.wait(IDLE_CHECK_S)
                     continue
-                if self._halt.wait(self.interval_s):
+                if self._halt.wait(self.interval_s - time.monotonic() % self.interval_s):  # the next tick
                     break
                 if self.sample():
                     sampled = True
