@@ -1421,14 +1421,17 @@ def test_the_device_tau_is_the_intercept_gap_of_the_device_spans_lines_and_none_
 
 def test_the_samples_tables_set_the_sequences_frames_beside_their_share_in_a_row():
     """Each arm's most sampled frames of its sequences' windows, their share there beside their share in its cells'
-    windows; an arm whose servers sampled nothing adds no table."""
-    def window(total, innermost, ours):
-        return {"samples": {"total": total, "innermost": innermost, "vskipper": ours, "sglang": {}}}
+    windows, each with the host ms a pass it stands for (the windows' host ms a pass weighted by their passes); an
+    arm whose servers sampled nothing adds no table."""
+    def window(total, innermost, ours, passes, model):
+        return {"samples": {"total": total, "innermost": innermost, "vskipper": ours, "sglang": {}},
+                "passes": passes, "model": model}
 
-    cells = [window(40, {"jit.py:run:700": 10, "x.py:f:1": 30}, {"mixed/kernels.py:cohort_gemm:90": 20}),
-             window(10, {"x.py:f:1": 10}, {})]
+    # in a row: 3 passes of 40 ms and 1 of 20, 35 ms a pass; the sequences' one window 60 ms a pass
+    cells = [window(40, {"jit.py:run:700": 10, "x.py:f:1": 30}, {"mixed/kernels.py:cohort_gemm:90": 20}, 3, 40.0),
+             window(10, {"x.py:f:1": 10}, {}, 1, 20.0)]
     sequences = {"rotated": window(100, {"jit.py:run:700": 60, "x.py:f:1": 40},
-                                   {"mixed/kernels.py:cohort_gemm:90": 70, "models/routed.py:read:600": 5})}
+                                   {"mixed/kernels.py:cohort_gemm:90": 70, "models/routed.py:read:600": 5}, 3, 60.0)}
     arms = {run.ALWAYS: {"cells": cells, "sequences": sequences}, "dense": {"cells": [{"samples": None}]}}
     assert run.sampled(cells) == (50, {"innermost": {"jit.py:run:700": 10, "x.py:f:1": 40},
                                        "vskipper": {"mixed/kernels.py:cohort_gemm:90": 20}})
@@ -1436,9 +1439,13 @@ def test_the_samples_tables_set_the_sequences_frames_beside_their_share_in_a_row
     # the windows attest no interval (a sampler from before it did): the sampler's own is named
     assert f"{run.ALWAYS}, the innermost frame of vSkipper's code (100 samples in the sequences, 50 in a row; " \
            f"every {INTERVAL_S * 1e3:g} ms):" in text
-    assert "| `jit.py:run:700` | 60.0% | 20.0% |" in text and "| `x.py:f:1` | 40.0% | 80.0% |" in text
-    assert "| `mixed/kernels.py:cohort_gemm:90` | 70.0% | 40.0% |" in text
-    assert "| `models/routed.py:read:600` | 5.0% | 0.0% |" in text
+    assert "| `jit.py:run:700` | 60.0% (36.0 ms) | 20.0% (7.0 ms) |" in text
+    assert "| `x.py:f:1` | 40.0% (24.0 ms) | 80.0% (28.0 ms) |" in text
+    assert "| `mixed/kernels.py:cohort_gemm:90` | 70.0% (42.0 ms) | 40.0% (14.0 ms) |" in text
+    assert "| `models/routed.py:read:600` | 5.0% (3.0 ms) | 0.0% (0.0 ms) |" in text
+    # a window without its host time (a failed reading): the shares alone
+    del sequences["rotated"]["model"]
+    assert "| `jit.py:run:700` | 60.0% | 20.0% (7.0 ms) |" in run.sample_lines(arms)
     assert "dense," not in text and run.sample_lines({"dense": {"cells": [{"samples": None}]}}) == []
 
 

@@ -1908,10 +1908,10 @@ def in_a_row(cells: list[dict]) -> dict[str, float | None]:
     """The host's and the device's ms a pass over an arm's shape cells together (each shape's passes in a row),
     and the forward's thread's CPU ms a pass (`cpu`), weighted by their passes: what `CLOCK_SEQUENCES` serve
     rotated. Each None where a cell lacks it."""
-    passes = sum(c["passes"] for c in cells)
+    passes = sum(c.get("passes") or 0 for c in cells)
 
     def mean(key: str) -> float | None:
-        return None if not passes or any(c.get(key) is None for c in cells) else \
+        return None if not passes or any(c.get(key) is None or c.get("passes") is None for c in cells) else \
             sum(c[key] * c["passes"] for c in cells) / passes
 
     return {"model": mean("model"), "device": mean("device"), "cpu": mean("cpu")}
@@ -2024,34 +2024,39 @@ def sampling(windows: list[dict]) -> str:
 def sample_lines(arms: dict[str, dict], shown: int = 6) -> list[str]:
     """Where each arm's prefill passes spent the host's time by the forward's stack samples
     (`vskipper.sglang.stack_samples`): per kind of frame, the most sampled frames of the three sequences' windows
-    together beside their share in the windows of each shape's passes in a row (a frame whose share grows there is
-    where the sequences' extra host time went)."""
+    together beside their share in the windows of each shape's passes in a row, each with the host ms a pass that
+    share stands for (a frame whose ms grow in the sequences is where their extra host time went)."""
     from vskipper.sglang.stack_samples import top
+
+    def share(n: int, total: int, host_ms: float | None) -> str:
+        return _share(n, total) + (f" ({host_ms * n / total:.1f} ms)" if host_ms is not None and total else "")
 
     lines = []
     for name, doc in arms.items():
-        windows = [*(doc.get("cells") or []), *(doc.get("sequences") or {}).values()]
-        row_total, row = sampled(doc.get("cells") or [])
-        seq_total, seq = sampled(list((doc.get("sequences") or {}).values()))
+        cells, sequences = doc.get("cells") or [], list((doc.get("sequences") or {}).values())
+        row_total, row = sampled(cells)
+        seq_total, seq = sampled(sequences)
         if not row_total and not seq_total:
             continue
+        # the host's ms a pass over each group's windows, weighted by their passes (`in_a_row`)
+        row_ms, seq_ms = (in_a_row(group)["model"] if group else None for group in (cells, sequences))
         if not lines:
             lines = ["Where the forward's host time went, by samples of its Python stack while a pass ran "
                      "(`VSKIPPER_STACK_SAMPLES`, on every server of this stage: one at each tick of a clock, where "
                      "the forward lets the interpreter's lock go, as it does around each launch; a stretch of pure "
                      "Python is charged to the call that ends it, and a frame's share of the samples is about its "
-                     "share of "
-                     "the passes' host time): the most sampled frames of the three sequences' windows together, "
-                     "beside their share in the windows of each shape's passes in a row.", ""]
+                     "share of the passes' host time): the most sampled frames of the three sequences' windows together, "
+                     "beside their share in the windows of each shape's passes in a row, and in brackets the host "
+                     "ms a pass that share stands for.", ""]
         for kind, what in SAMPLED_KINDS.items():
             keys = [k for k, _ in top(seq[kind] or row[kind], shown)]
             if not keys:
                 continue
             lines += [f"{name}, {what} ({seq_total} samples in the sequences, {row_total} in a row; "
-                      f"{sampling(windows)}):", "",
+                      f"{sampling(cells + sequences)}):", "",
                       "| frame | sequences | in a row |", "|---|---:|---:|",
-                      *(f"| `{k}` | {_share(seq[kind].get(k, 0), seq_total)} | "
-                        f"{_share(row[kind].get(k, 0), row_total)} |" for k in keys), ""]
+                      *(f"| `{k}` | {share(seq[kind].get(k, 0), seq_total, seq_ms)} | "
+                        f"{share(row[kind].get(k, 0), row_total, row_ms)} |" for k in keys), ""]
     return lines
 
 
