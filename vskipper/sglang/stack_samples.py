@@ -18,10 +18,11 @@ Its own cost: a sample holds the interpreter's lock for 30-65 us (the stack walk
 per phase as `seconds_total`), and the forward then waits for the lock to come back. On a 2-core CPU host a sample
 cost the pass 210-240 us in all (the medians over arms and shapes), so a sample every 2 ms made a pass 7-18%
 slower (median 11%), every 5 ms from 3% faster to 8% slower (median 6% slower, within the repetitions' noise;
-`benchmarks/host_time_bench.py --only samples`, `benchmarks/README.md`). Hence 5 ms, the interpreter's own switch interval, at which a stretch of pure Python is
-sampled anyway. It is a measurement mode (`VSKIPPER_STACK_SAMPLES=1`, `ServeSpec.stack_samples`), off when
-deployed, and only reads frames while a pass runs: between passes it sleeps until the next one begins
-(`StackSampler.begin`), so that it takes no lock from the scheduler's work between them.
+`benchmarks/host_time_bench.py --only samples`, `benchmarks/README.md`). Hence 5 ms, the interpreter's own
+switch interval, at which a stretch of pure Python is sampled anyway. It is a measurement mode
+(`VSKIPPER_STACK_SAMPLES=1`, `ServeSpec.stack_samples`), off when deployed, and only reads frames while a pass
+runs: between passes it sleeps until the next one begins (`StackSampler.begin`), so that it takes no lock from
+the scheduler's work between them.
 """
 
 from __future__ import annotations
