@@ -1781,7 +1781,8 @@ def window_samples(before: dict, after: dict) -> dict | None:
     if "samples" not in after:
         return None
     by_kind = {kind: window(before.get("samples"), after["samples"], "prefill", kind) for kind in KINDS}
-    seconds = [(doc or {}).get("seconds_total", {}).get("prefill") for doc in (before.get("samples"), after["samples"])]
+    seconds = [(doc or {}).get("seconds_total", {}).get("prefill")
+               for doc in (before.get("samples"), after["samples"])]
     return {"total": by_kind[KINDS[0]][0], **{kind: counts for kind, (_, counts) in by_kind.items()},
             "interval_s": after["samples"].get("interval_s"),
             # what the samples held the interpreter's lock (a sampler from before it counted that: None)
@@ -2028,9 +2029,6 @@ def sample_lines(arms: dict[str, dict], shown: int = 6) -> list[str]:
     share stands for (a frame whose ms grow in the sequences is where their extra host time went)."""
     from vskipper.sglang.stack_samples import top
 
-    def share(n: int, total: int, host_ms: float | None) -> str:
-        return _share(n, total) + (f" ({host_ms * n / total:.1f} ms)" if host_ms is not None and total else "")
-
     lines = []
     for name, doc in arms.items():
         cells, sequences = doc.get("cells") or [], list((doc.get("sequences") or {}).values())
@@ -2045,9 +2043,9 @@ def sample_lines(arms: dict[str, dict], shown: int = 6) -> list[str]:
                      "(`VSKIPPER_STACK_SAMPLES`, on every server of this stage: one at each tick of a clock, where "
                      "the forward lets the interpreter's lock go, as it does around each launch; a stretch of pure "
                      "Python is charged to the call that ends it, and a frame's share of the samples is about its "
-                     "share of the passes' host time): the most sampled frames of the three sequences' windows together, "
-                     "beside their share in the windows of each shape's passes in a row, and in brackets the host "
-                     "ms a pass that share stands for.", ""]
+                     "share of the passes' host time): the most sampled frames of the three sequences' windows "
+                     "together, beside their share in the windows of each shape's passes in a row, and in brackets "
+                     "the host ms a pass that share stands for.", ""]
         for kind, what in SAMPLED_KINDS.items():
             keys = [k for k, _ in top(seq[kind] or row[kind], shown)]
             if not keys:
@@ -2055,13 +2053,19 @@ def sample_lines(arms: dict[str, dict], shown: int = 6) -> list[str]:
             lines += [f"{name}, {what} ({seq_total} samples in the sequences, {row_total} in a row; "
                       f"{sampling(cells + sequences)}):", "",
                       "| frame | sequences | in a row |", "|---|---:|---:|",
-                      *(f"| `{k}` | {share(seq[kind].get(k, 0), seq_total, seq_ms)} | "
-                        f"{share(row[kind].get(k, 0), row_total, row_ms)} |" for k in keys), ""]
+                      *(f"| `{k}` | {_share_ms(seq[kind].get(k, 0), seq_total, seq_ms)} | "
+                        f"{_share_ms(row[kind].get(k, 0), row_total, row_ms)} |" for k in keys), ""]
     return lines
 
 
 def _share(n: int, total: int) -> str:
     return "n/a" if not total else f"{100 * n / total:.1f}%"
+
+
+def _share_ms(n: int, total: int, host_ms: float | None) -> str:
+    """A frame's share of `total` samples, and in brackets the host ms a pass it stands for where `host_ms` (a
+    pass's) is known."""
+    return _share(n, total) + (f" ({host_ms * n / total:.1f} ms)" if host_ms is not None and total else "")
 
 
 def clock_doubts(cell: dict) -> str:
@@ -2302,12 +2306,11 @@ def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:
         if not cells:
             continue
         if not lines:
-            lines = ["Where each arm's prefill passes spent the host's time, by samples of the forward's Python stack "
-                     "(`run.sh --samples`: every sweep server samples at each tick of a clock while a pass "
-                     "runs, where the "
-                     "forward lets the interpreter's lock go, as around each launch; a stretch of pure Python is "
-                     "charged to the call that ends it). Each frame's share of a length's samples, and in brackets "
-                     "that share of the length's host ms a pass:", ""]
+            lines = ["Where each arm's prefill passes spent the host's time, by samples of the forward's Python "
+                     "stack (`run.sh --samples`: every sweep server samples at each tick of a clock while a pass "
+                     "runs, where the forward lets the interpreter's lock go, as around each launch; a stretch of "
+                     "pure Python is charged to the call that ends it). Each frame's share of a length's samples, "
+                     "and in brackets that share of the length's host ms a pass:", ""]
         total, counts = sampled(cells)
         for kind, what in SAMPLED_KINDS.items():
             keys = [k for k, _ in top(counts[kind], shown)]
@@ -2317,11 +2320,8 @@ def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:
                       "| frame | " + " | ".join(f"{c['tokens']} tokens" for c in cells) + " | all |",
                       "|---|" + "---:|" * (len(cells) + 1)]
             for key in keys:
-                shares = []
-                for c in cells:
-                    n, of = (c["samples"].get(kind) or {}).get(key, 0), c["samples"]["total"]
-                    host = (c.get("pass_spans") or {}).get("host_ms")
-                    shares.append(_share(n, of) + ("" if host is None else f" ({host * n / of:.1f} ms)"))
+                shares = [_share_ms((c["samples"].get(kind) or {}).get(key, 0), c["samples"]["total"],
+                                    (c.get("pass_spans") or {}).get("host_ms")) for c in cells]
                 lines.append(f"| `{key}` | " + " | ".join(shares) + f" | {_share(counts[kind].get(key, 0), total)} |")
             lines.append("")
     alike = {bool(arm.get("samples")) for arm in arms.values() if "samples" in arm}
