@@ -64,7 +64,7 @@ measured that read faster: dense and routed arms then read alike); a decode pass
 and the triton execution's masked decode read is one launch where dense's torch-native read runs here. The
 kernels' outputs are left as their storage held them (denormals flushed to zero), which no host decision reads.
 
-`--stand-in-ops triton` serves every arm's RMSNorm and SiLU-and-mul as a server on `vskipper serve --stand-in-ops
+`--stand-in-ops triton` serves every arm's RMSNorm, SiLU-and-mul and RoPE as a server on `vskipper serve --stand-in-ops
 triton` serves them: SGLang's two torch paths hooked in this process (`vskipper.sglang.stand_in_ops`), each call one
 Triton launch, recorded and not run; the calls each path took are printed last.
 
@@ -236,8 +236,8 @@ STAND_IN_OPS_SHOWN = {"torch": "SGLang's torch paths",
 
 
 def stand_in_hooks() -> None:
-    """SGLang's RMSNorm and SiLU-and-mul hooked as a server on `--stand-in-ops triton` hooks them, in this process:
-    every arm's layers then launch the one-launch kernels (`vskipper.sglang.stand_in_ops`)."""
+    """SGLang's RMSNorm, SiLU-and-mul and RoPE hooked as a server on `--stand-in-ops triton` hooks them, in this
+    process: every arm's layers then launch the one-launch kernels (`vskipper.sglang.stand_in_ops`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from vskipper.sglang import stand_in_ops
@@ -586,8 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--execution", choices=("torch", "triton"), default="torch",
                         help="the routed arms' execution: torch (a CPU's), triton (a GPU's; its launches not run)")
     parser.add_argument("--stand-in-ops", choices=STAND_IN_OPS, default="torch",
-                        help="every arm's RMSNorm and SiLU-and-mul: SGLang's torch paths, or the CUDA stand-ins' Triton "
-                             "kernels (`vskipper serve --stand-in-ops`; their launches not run)")
+                        help="every arm's RMSNorm, SiLU-and-mul and RoPE: SGLang's torch paths, or the CUDA "
+                             "stand-ins' Triton kernels (`vskipper serve --stand-in-ops`; their launches not run)")
     parser.add_argument("--flexidepth", action="store_true",
                         help="two more routed arms: FlexiDepth always-route over the checkpoint's routers, its routes "
                              "from the fused gate as served in the triton execution (fd) and from the gate's own "
@@ -634,8 +634,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{list(config.routing_layers)}; decode context {CONTEXT} tokens; one torch thread; arms "
           + ", ".join(f"{n} ({a.name})" for n, a in arms.items()))
     execution = executions[ROUTED_ARMS[0]]
-    print(f"routed arms' execution: {execution.decode}, prefill read {execution.prefill_read!r}; every arm's RMSNorm "
-          f"and SiLU-and-mul on {STAND_IN_OPS_SHOWN[args.stand_in_ops]}"
+    print(f"routed arms' execution: {execution.decode}, prefill read {execution.prefill_read!r}; every arm's RMSNorm, "
+          f"SiLU-and-mul and RoPE on {STAND_IN_OPS_SHOWN[args.stand_in_ops]}"
           + ("; Triton launches recorded, not run: the host's Python around them timed, the kernels and Triton's "
              "own launcher not" if interpreted else ""))
     # decode passes replay a captured graph on a GPU: the triton execution's eager pass is timed in prefill alone

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The host's cost of one RMSNorm (plain, with its residual add) and one SiLU-and-mul call: SGLang's torch path
-(`forward_native`, what the CUDA stand-in profile runs without JIT) against the path `vskipper serve --stand-in-ops
-triton` hooks in its place (`vskipper.sglang.stand_in_ops`: the call's checks, the outputs' allocation, one Triton
+"""The host's cost of one RMSNorm (plain, with its residual add), one SiLU-and-mul and one RoPE call: SGLang's torch
+path (`forward_native`, what the CUDA stand-in profile runs without JIT) against the path `vskipper serve
+--stand-in-ops triton` hooks in its place (`vskipper.sglang.stand_in_ops`: the call's checks, the outputs' allocation, one Triton
 launch), in one process on CPU.
 
 The rows are few and narrow (16 x 64 by default, bfloat16 as served), so the torch path's compute is negligible and its time is its
@@ -41,17 +41,27 @@ def calls(rows: int, width: int, dtype: torch.dtype) -> dict:
     """Per op: (SGLang's torch path, the hooked path) as zero-argument calls on the same operands."""
     from sglang.srt.layers.activation import SiluAndMul
     from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
     from vskipper.sglang import stand_in_ops
 
     norm, silu = RMSNorm(width).to(dtype), SiluAndMul()
     x, r, z = (torch.randn(rows, n, dtype=dtype) for n in (width, width, 2 * width))
-    native_norm, native_silu = RMSNorm.forward_native, SiluAndMul.forward_native
+    native_norm, native_silu, native_rope = RMSNorm.forward_native, SiluAndMul.forward_native, \
+        RotaryEmbedding.forward_native
+    # RoPE over rows of `width`: heads of 16 (4 a KV head), the query's and key's views of one fused projection
+    head, heads = 16, width // 16
+    rope = RotaryEmbedding(head, head, 4096, 500000, True, dtype)
+    qkv = torch.randn(rows, (heads + 2 * max(1, heads // 4)) * head, dtype=dtype)
+    q, k = qkv[:, :heads * head], qkv[:, heads * head:(heads + max(1, heads // 4)) * head]
+    positions = torch.randint(0, 4096, (rows,))
     return {
         "rmsnorm": (lambda: native_norm(norm, x), lambda: stand_in_ops.around_rmsnorm(native_norm, norm, x)),
         "add+rmsnorm": (lambda: native_norm(norm, x, r),
                         lambda: stand_in_ops.around_rmsnorm(native_norm, norm, x, r)),
         "silu_and_mul": (lambda: native_silu(silu, z), lambda: stand_in_ops.around_silu_and_mul(native_silu, silu, z)),
+        "rope": (lambda: native_rope(rope, positions, q, k),
+                 lambda: stand_in_ops.around_rope(native_rope, rope, positions, q, k)),
     }
 
 

@@ -507,7 +507,7 @@ def test_a_replay_whose_plan_buffers_keep_the_captured_batchs_request_keys_stray
 
 
 def test_the_stand_in_ops_agree_with_sglangs_torch_path_and_a_fault_or_a_fallback_is_found():
-    """`--stand-in-ops triton`: SGLang's RMSNorm and SiLU-and-mul through the hooks a server installs, against
+    """`--stand-in-ops triton`: SGLang's RMSNorm, SiLU-and-mul and RoPE through the hooks a server installs, against
     SGLang's torch path, at each row count; a kernel that computes wrong strays in its own cases and no other, and a
     call the hooks leave to SGLang's path fails its case too (the run would not measure the ops it names)."""
     from vskipper.mixed import norms
@@ -518,12 +518,19 @@ def test_the_stand_in_ops_agree_with_sglangs_torch_path_and_a_fault_or_a_fallbac
     rows = (1, 3)
     with torch.no_grad():
         cases = check_served.stand_in_ops_cases(torch.device("cpu"), torch.float32, check_served.SMOKE, rows)
-        assert len(cases) == 8 and all(c["ok"] and c["paths"] == {"triton": 1} for c in cases)
-        real = norms.silu_and_mul
+        assert len(cases) == 10 and all(c["ok"] and c["paths"] == {"triton": 1} for c in cases)
+        assert [c["case"] for c in cases if "RoPE" in c["case"]] == [
+            f"stand-in ops: RoPE of {n} x (4 + 2) heads of 16" for n in rows]
+        real, real_rope = norms.silu_and_mul, norms.rotary_embedding
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(norms, "silu_and_mul", lambda x, checked=False: real(x, checked) * 1.1)
             cases = check_served.stand_in_ops_cases(torch.device("cpu"), torch.float32, check_served.SMOKE, rows)
         assert [c["case"] for c in cases if not c["ok"]] == [c["case"] for c in cases if "SiLU" in c["case"]]
+        with pytest.MonkeyPatch.context() as patch:  # the key rotated at the next position: RoPE's cases alone
+            patch.setattr(norms, "rotary_embedding", lambda p, q, k, *a, **kw: (real_rope(p, q, k, *a, **kw)[0],
+                                                                                 real_rope(p + 1, q, k, *a, **kw)[1]))
+            cases = check_served.stand_in_ops_cases(torch.device("cpu"), torch.float32, check_served.SMOKE, rows)
+        assert [c["case"] for c in cases if not c["ok"]] == [c["case"] for c in cases if "RoPE" in c["case"]]
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(stand_in_ops, "_device_why", lambda x: "a device the kernels do not take")
             cases = check_served.stand_in_ops_cases(torch.device("cpu"), torch.float32, check_served.SMOKE, rows)

@@ -1286,7 +1286,7 @@ def test_install_refuses_a_folder_that_holds_a_run_on_another_gpu(tmp_path):
 
 def test_a_run_serves_every_server_on_one_kind_of_stand_in_ops_and_pairs_only_with_runs_on_the_same(tmp_path,
                                                                                                     monkeypatch):
-    """`run.sh --stand-in-ops triton`: every server of the run, dense included, serves RMSNorm and SiLU-and-mul on
+    """`run.sh --stand-in-ops triton`: every server of the run, dense included, serves RMSNorm, SiLU-and-mul and RoPE on
     the Triton stand-ins (`vskipper serve --stand-in-ops`); its folder says so, and an earlier run's Q*, tau or table
     serves it only where that run measured on the same ops (the ops move dense's baseline). A CPU dry run, whose
     profile has no stand-ins, refuses them."""

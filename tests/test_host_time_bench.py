@@ -85,7 +85,7 @@ def test_the_host_time_bench_times_the_triton_execution_with_its_launches_counte
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_time_bench.py"), "--quick", "--execution",
                           "triton", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "routed arms' execution: triton, prefill read 'backend'; every arm's RMSNorm and SiLU-and-mul on " \
+    assert "routed arms' execution: triton, prefill read 'backend'; every arm's RMSNorm, SiLU-and-mul and RoPE on " \
         "SGLang's torch paths; Triton launches recorded, not run" in run.stdout
     assert "launches a pass: torch operators that compute or copy" in run.stdout
     report = json.loads(out.read_text())

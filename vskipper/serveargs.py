@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 PLATFORMS = ("auto", "cpu", "gpu")
-# the CUDA stand-in profile's RMSNorm and SiLU-and-mul (`--stand-in-ops`): SGLang's torch paths or vSkipper's Triton
+# the CUDA stand-in profile's RMSNorm, SiLU-and-mul and RoPE (`--stand-in-ops`): SGLang's torch paths or
+# vSkipper's Triton
 STAND_IN_OPS = ("torch", "triton")
 
 
@@ -100,9 +101,9 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               default="auto", choices=PLATFORMS),
     ServeFlag("--gpu-jit", "with the CUDA stand-ins: let SGLang JIT-compile its fused ops (nvcc, ninja) instead of "
               "their torch paths", type=None),
-    ServeFlag("--stand-in-ops", "with the CUDA stand-ins and no --gpu-jit: torch runs RMSNorm and SiLU-and-mul on "
-              "SGLang's torch paths (a chain of kernels a call), triton on vSkipper's one-launch kernels in every arm "
-              "(compare runs on the same ops)", default="torch", choices=STAND_IN_OPS),
+    ServeFlag("--stand-in-ops", "with the CUDA stand-ins and no --gpu-jit: torch runs RMSNorm, SiLU-and-mul and "
+              "RoPE on SGLang's torch paths (a chain of kernels a call), triton on vSkipper's one-launch kernels in "
+              "every arm (compare runs on the same ops)", default="torch", choices=STAND_IN_OPS),
     ServeFlag("--tile-table", "a tile table measured on this GPU (`vskipper tune-tiles --out FILE`) for the routed "
               "layers' Triton GEMMs and packed prefill read, instead of the one shipped for it; it must name this "
               "GPU"),

@@ -41,10 +41,10 @@ is not within `GATE_MARGIN` of the threshold (the sums' order and a GEMM library
 the branch weights within `GATE_ATOL` there.
 
 With `--stand-in-ops triton` (a run whose servers serve the CUDA stand-ins' Triton ops, `vskipper serve
---stand-in-ops`), SGLang's RMSNorm (over the hidden width, with its residual add and without, and over head_dim)
-and SiLU-and-mul through the hooks a server installs, against SGLang's own torch path, at one row, at a padded
-decode batch's and at a prefill's rows: each output row within `OPS_RTOL` of its largest value, and every call
-taken by the kernels (none fallen back).
+--stand-in-ops`), SGLang's RMSNorm (over the hidden width, with its residual add and without, and over head_dim),
+SiLU-and-mul and RoPE (Llama-3's, of the query and key views of a fused QKV projection) through the hooks a server
+installs, against SGLang's own torch path, at one row, at a padded decode batch's and at a prefill's rows: each
+output row within `OPS_RTOL` of its largest value, and every call taken by the kernels (none fallen back).
 
 The served execution's eager passes (the largest decode batch, and each prefill with either read, for both
 routes) run once more, warm, watched for what makes the host wait for the device (`vskipper.mixed.host_waits`): on
@@ -117,6 +117,7 @@ REFERENCE_BACKEND = TORCH_NATIVE  # the reference's attention backend (none of i
 # The stand-in ops against SGLang's torch path: two bf16 roundings apart at most (a sum in another order, then the
 # output's rounding); a wrong row, column or weight strays by whole values
 OPS_RTOL = 2 * 2 ** -7
+ROPE_POSITIONS = 8192  # the stand-in RoPE case's positions: the device run's context length
 GATE_MARGIN = 0.02  # a router weight this close to the run threshold may route either way
 GATE_ATOL = 2 * 2 ** -7  # the branch weights (in [0, 1]): two units of bf16 at 1
 
@@ -470,11 +471,12 @@ def timed_warm(layer, execution, hidden: int, dtype: torch.dtype, device: torch.
 
 
 def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tuple[int, ...]) -> list[dict]:
-    """SGLang's RMSNorm and SiLU-and-mul through the stand-in ops' hooks (`vskipper.sglang.stand_in_ops`) against
-    SGLang's torch path on the same operands, at each of `rows`: each case's worst row beside `OPS_RTOL`, and
+    """SGLang's RMSNorm, SiLU-and-mul and RoPE through the stand-in ops' hooks (`vskipper.sglang.stand_in_ops`)
+    against SGLang's torch path on the same operands, at each of `rows`: each case's worst row beside `OPS_RTOL`, and
     whether every call took the kernels."""
     from sglang.srt.layers.activation import SiluAndMul
     from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
     from vskipper.sglang import stand_in_ops
 
@@ -483,6 +485,8 @@ def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tup
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device, dtype)
 
+    # Llama-3's rotary embedding (base 500,000, NeoX halves), its cos/sin cache as SGLang keeps it on the device
+    rope = RotaryEmbedding(size.head_dim, size.head_dim, ROPE_POSITIONS, 500000, True, dtype).to(device)
     results = []
     for n in rows:
         for width, residual in ((size.hidden, True), (size.hidden, False), (size.head_dim, False)):
@@ -497,6 +501,16 @@ def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tup
         results.append(op_verdict(f"stand-in ops: SiLU-and-mul of {n} x {2 * size.intermediate}",
                                   lambda z=z: stand_in_ops.around_silu_and_mul(SiluAndMul.forward_native, None, z),
                                   lambda z=z: SiluAndMul.forward_native(None, z)))
+        # RoPE of the query and key views of one fused QKV projection, as the layers split it, at positions up to
+        # the device run's context length
+        qkv = randn(n, (size.heads + 2 * size.kv_heads) * size.head_dim) * 3
+        q, k, _ = qkv.split([size.heads * size.head_dim, *2 * [size.kv_heads * size.head_dim]], dim=-1)
+        positions = torch.randint(0, ROPE_POSITIONS, (n,), generator=gen).to(device)
+        results.append(op_verdict(f"stand-in ops: RoPE of {n} x ({size.heads} + {size.kv_heads}) heads of "
+                                  f"{size.head_dim}",
+                                  lambda q=q, k=k, p=positions: stand_in_ops.around_rope(
+                                      RotaryEmbedding.forward_native, rope, p, q, k),
+                                  lambda q=q, k=k, p=positions: rope.forward_native(p, q, k)))
     return results
 
 
@@ -707,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the cases here")
     p.add_argument("--dry-run", action="store_true", help="on CPU, the Triton interpreter and a tiny model")
     p.add_argument("--stand-in-ops", choices=STAND_IN_OPS, default="torch",
-                   help="the servers' RMSNorm and SiLU-and-mul (`vskipper serve --stand-in-ops`): triton checks them")
+                   help="the servers' RMSNorm, SiLU-and-mul and RoPE (`vskipper serve --stand-in-ops`): triton "
+                        "checks them")
     args = p.parse_args(argv)
     if args.dry_run:
         device, dtype, size, cases = torch.device("cpu"), torch.float32, SMOKE, DRY_CASES

@@ -98,7 +98,7 @@ ENV_SERVERS = "VSKIPPER_GPU_RUN_SERVERS"
 # Folders of earlier runs' results (`run.sh --earlier DIR`, os.pathsep between them): a lease that does not tune,
 # sweep or climb the ladder itself takes the tile table, the tau and the Q* of the first one measured on this GPU.
 ENV_EARLIER = "VSKIPPER_GPU_RUN_EARLIER"
-# The CUDA stand-ins' RMSNorm and SiLU-and-mul every server of the run serves with (`run.sh --stand-in-ops`,
+# The CUDA stand-ins' RMSNorm, SiLU-and-mul and RoPE every server of the run serves with (`run.sh --stand-in-ops`,
 # `vskipper serve --stand-in-ops`): torch (SGLang's paths, the default) or triton. A run's folder measures on one; an
 # earlier run serves this one only where it measured on the same.
 ENV_STAND_IN_OPS_RUN = "VSKIPPER_GPU_RUN_STAND_IN_OPS"
@@ -184,7 +184,7 @@ class Plan:
     # one admission round, of a length a single prompt of `prefill_lengths` has: a served round's prefill floor
     # counts its prompts' tokens together, and a round of several prompts reads attention over each alone.
     prefill_rounds: tuple[tuple[int, int], ...] = ()
-    stand_in_ops: str = "torch"  # every server's RMSNorm and SiLU-and-mul (ENV_STAND_IN_OPS_RUN)
+    stand_in_ops: str = "torch"  # every server's RMSNorm, SiLU-and-mul and RoPE (ENV_STAND_IN_OPS_RUN)
     # The sweep's servers sample their forward's Python stack in each pass (ENV_SAMPLES_RUN: a measurement that
     # costs each pass a few percent, so off unless asked for): where a slow pass's host time went, by line.
     sweep_samples: bool = False
@@ -2146,7 +2146,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
     if results["dry_run"]:
         lines += ["**Dry run on CPU with a tiny model: the pipeline, not performance.**", ""]
     if env.get("stand_in_ops", "torch") != "torch":
-        lines += [f"Every server, dense included, ran RMSNorm and SiLU-and-mul on the stand-in ops "
+        lines += [f"Every server, dense included, ran RMSNorm, SiLU-and-mul and RoPE on the stand-in ops "
                   f"`{env['stand_in_ops']}` (`vskipper serve --stand-in-ops`): compare with runs on the same ops.", ""]
     lines += check_lines(results)
     lines += tiles_lines(results.get("tiles"), results.get("sweep"))

@@ -28,7 +28,7 @@
 # --earlier DIR an earlier run's results on the same GPU (repeatable): its tile table, tau and Q* serve where this
 #               run has none of its own (a lease that does not tune, sweep or climb)
 # --pack FILE   after the stages, OUTDIR packed into FILE (also when a stage stopped or failed)
-# --stand-in-ops OPS  every server's RMSNorm and SiLU-and-mul on the CUDA stand-ins: torch (SGLang's paths, the
+# --stand-in-ops OPS  every server's RMSNorm, SiLU-and-mul and RoPE on the CUDA stand-ins: torch (SGLang's paths, the
 #               default) or triton (`vskipper serve --stand-in-ops`); OUTDIR measures on one, and an --earlier run
 #               serves only where it measured on the same
 # --samples     every sweep server samples its forward's Python stack while a pass runs (VSKIPPER_STACK_SAMPLES;

@@ -8,8 +8,8 @@ launch configurations a server uses on it: every tile its tile table holds (the 
 the shared-memory default elsewhere, or the one `--tile-table` gives, as `vskipper serve --tile-table` would serve
 it) for the cohort GEMMs and the packed prefill read, and the served Llama-3-8B shapes (bf16, head_dim 128,
 four query heads a KV head) for the attention reads, the cohort maps, RandomSkip's fused routes over the 16 routed
-layers, a trained gate's fused route (the release's router width), and the CUDA stand-ins' norms and SiLU-and-mul
-(`vskipper serve --stand-in-ops triton`; Qwen3's per-head norms at head_dim too). Each launch is specialized as
+layers, a trained gate's fused route (the release's router width), and the CUDA stand-ins' norms, SiLU-and-mul and
+RoPE (`vskipper serve --stand-in-ops triton`; Qwen3's per-head norms at head_dim too). Each launch is specialized as
 Triton's JIT specializes it (its own argument specialization applied to example arguments of the served shapes: unit
 strides folded, aligned pointers and multiples of 16 marked divisible), so the shared memory, registers and spills
 are those of the kernel the device compiles, not of a generic one. A kernel that does not compile, or
@@ -304,7 +304,10 @@ def cohort_maps_launch(rows: int, dense: bool) -> Launch:
 def _norm_launches() -> list[Launch]:
     """The stand-in ops (`vskipper.mixed.norms`) as the hooks launch them: RMSNorm over the hidden width with its
     residual add and without (the input layernorm of the first layer, the final norm), over head_dim without
-    (Qwen3's q and k norms), and SiLU-and-mul over the MLP's width."""
+    (Qwen3's q and k norms), SiLU-and-mul over the MLP's width, and RoPE over the query's and key's heads of a fused
+    QKV projection's output (its rows that wide, as the layers split it)."""
+    import torch
+
     from vskipper.mixed import norms
 
     launches = []
@@ -322,6 +325,15 @@ def _norm_launches() -> list[Launch]:
     launches.append(_launch("silu_mul_kernel", {"x_ptr": x, "y_ptr": y, "d": d, "stride_x": x.stride(0),
                                                 "stride_y": y.stride(0)},
                             {"BLOCK": norms.SILU_BLOCK}, norms.SILU_WARPS, 3))
+    qkv, out = _t(ROWS, (HEADS + 2 * KV_HEADS) * HEAD_DIM), _t(ROWS, HEADS, HEAD_DIM)
+    positions, cache = _t(ROWS, dtype=torch.int64), _t(REQ_TO_TOKEN_WIDTH, HEAD_DIM, dtype=torch.float32)
+    launches.append(_launch("rope_kernel",
+                            {"pos_ptr": positions, "cs_ptr": cache, "q_ptr": qkv, "k_ptr": qkv, "qo_ptr": out,
+                             "ko_ptr": out, "q_heads": HEADS, "k_heads": KV_HEADS, "stride_pos": 1,
+                             "stride_cs": cache.stride(0), "stride_qt": qkv.stride(0), "stride_qh": HEAD_DIM,
+                             "stride_kt": qkv.stride(0), "stride_kh": HEAD_DIM, "stride_qot": out.stride(0),
+                             "stride_qoh": HEAD_DIM, "stride_kot": out.stride(0), "stride_koh": HEAD_DIM},
+                            {"NEOX": True, **norms.rope_launch(HEAD_DIM, HEAD_DIM, HEADS)}, norms.ROPE_WARPS, 3))
     return launches
 
 

@@ -1,6 +1,7 @@
-"""RMSNorm, the residual add with RMSNorm, and SiLU-and-mul, one Triton launch each, with the values of SGLang's
-torch paths (`RMSNorm.forward_native`, `SiluAndMul.forward_native`) for the CUDA stand-in profile that has neither
-SGLang's CUDA kernels nor their JIT compiler.
+"""RMSNorm, the residual add with RMSNorm, SiLU-and-mul and the rotary embedding, one Triton launch each, with the
+values of SGLang's torch paths (`RMSNorm.forward_native`, `SiluAndMul.forward_native`,
+`RotaryEmbedding.forward_native`) for the CUDA stand-in profile that has neither SGLang's CUDA kernels nor their JIT
+compiler.
 
 There SGLang runs each of these as a chain of torch kernels a call (a residual add with RMSNorm: ten, each a pass
 over the rows in fp32), in every layer of every arm, dense included: a large share of a prefill's launches and of
@@ -13,8 +14,16 @@ every pass and a captured decode graph replays it.
                                     left as they are (as the torch path's)
   silu_and_mul(x)                   g, u = x[..., :d], x[..., d:];  silu(g) rounded to x.dtype, times u, rounded
                                     (the torch path's two ops, each rounding to x.dtype)
+  rotary_embedding(pos, q, k, ...)  each head's first rotary_dim values of the query and the key rotated by the
+                                    position's cos and sin (the cache's row: rotary_dim / 2 cosines, then as many
+                                    sines), in its halves (NeoX) or its even and odd values (GPT-J), the rest of
+                                    the head copied: new tensors of q's and k's shapes, one program a token for the
+                                    query's heads and one for the key's
 
-The reductions sum in a different order than torch's, so values agree to fp32 rounding, not bit for bit.
+The reductions sum in a different order than torch's, so values agree to fp32 rounding, not bit for bit. The rotary
+embedding multiplies in fp32 and rounds once, where the torch path rounds the cosines and sines to the operands'
+dtype and each product and sum to it (as SGLang's CUDA kernel does, it keeps fp32): in float32 the two agree to
+fp32 rounding, in bfloat16 within a few units in the last place of the head's largest value.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ NORM_MAX_WIDTH = 16384  # the widest row one program normalizes (Llama-3-8B and 
 NORM_MAX_WARPS = 8  # a program's warps: one per 512 elements of its row's block, 1 to 8 (a 4,096 row: 8)
 SILU_BLOCK = 1024  # elements of a row one SiLU-and-mul program covers
 SILU_WARPS = 4
+ROPE_MAX_ELEMENTS = 16384  # the most values one rotary program rotates: its heads times half the rotary width
+ROPE_WARPS = 4
 
 
 @triton.jit
@@ -118,3 +129,118 @@ def silu_and_mul(x: torch.Tensor, checked: bool = False) -> torch.Tensor:
     silu_mul_kernel[(x2.shape[0], cdiv(d, SILU_BLOCK))](x2, y, d, x2.stride(0), y.stride(0), BLOCK=SILU_BLOCK,
                                                         num_warps=SILU_WARPS)
     return y.view(*x.shape[:-1], d) if flat else y
+
+
+@triton.jit
+def _rotate_heads(x_ptr, y_ptr, tok, heads, stride_xt, stride_xh, stride_yt, stride_yh, c, s,
+                  HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, HEAD: tl.constexpr, NEOX: tl.constexpr,
+                  PASS_BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr):
+    """Token `tok`'s `heads` heads of x rotated into y: the first 2 * HALF values of each head by c and s (fp32, one
+    a pair), the rest of the head copied."""
+    offs_h = tl.arange(0, HEADS_BLOCK)[:, None]
+    offs_i = tl.arange(0, HALF_BLOCK)[None, :]
+    mask = (offs_h < heads) & (offs_i < HALF)
+    x_row = x_ptr + tok * stride_xt + offs_h * stride_xh
+    y_row = y_ptr + tok * stride_yt + offs_h * stride_yh
+    if NEOX:  # the pairs are (i, i + HALF)
+        i1 = offs_i
+        i2 = offs_i + HALF
+    else:  # GPT-J: the pairs are (2i, 2i + 1)
+        i1 = 2 * offs_i
+        i2 = 2 * offs_i + 1
+    x1 = tl.load(x_row + i1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + i2, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_row + i1, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_row + i2, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=mask)
+    if PASS_BLOCK > 0:  # the head's values past the rotary width, as they are
+        offs_p = 2 * HALF + tl.arange(0, PASS_BLOCK)[None, :]
+        p_mask = (offs_h < heads) & (offs_p < HEAD)
+        tl.store(y_row + offs_p, tl.load(x_row + offs_p, mask=p_mask, other=0.0), mask=p_mask)
+
+
+@triton.jit
+def rope_kernel(pos_ptr, cs_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, q_heads, k_heads, stride_pos, stride_cs,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+                HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, HEAD: tl.constexpr, NEOX: tl.constexpr,
+                PASS_BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr):
+    """Token `program_id(0)`: its query's heads (`program_id(1)` 0) or its key's (1) rotated by the cos and sin of
+    its position's row of the cache."""
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok * stride_pos).to(tl.int64)
+    offs_i = tl.arange(0, HALF_BLOCK)
+    c_mask = offs_i < HALF
+    c = tl.load(cs_ptr + pos * stride_cs + offs_i, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(cs_ptr + pos * stride_cs + HALF + offs_i, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    if tl.program_id(1) == 0:
+        _rotate_heads(q_ptr, qo_ptr, tok, q_heads, stride_qt, stride_qh, stride_qot, stride_qoh, c, s,
+                      HALF, HALF_BLOCK, HEAD, NEOX, PASS_BLOCK, HEADS_BLOCK)
+    else:
+        _rotate_heads(k_ptr, ko_ptr, tok, k_heads, stride_kt, stride_kh, stride_kot, stride_koh, c, s,
+                      HALF, HALF_BLOCK, HEAD, NEOX, PASS_BLOCK, HEADS_BLOCK)
+
+
+def rope_launch(head_size: int, rotary_dim: int, heads: int) -> dict[str, int]:
+    """The constexprs of a rotary launch over heads of `head_size` whose first `rotary_dim` values rotate, for up
+    to `heads` heads a token."""
+    half = rotary_dim // 2
+    rest = head_size - rotary_dim
+    return {"HALF": half, "HALF_BLOCK": next_power_of_2(half), "HEAD": head_size,
+            "PASS_BLOCK": next_power_of_2(rest) if rest else 0, "HEADS_BLOCK": next_power_of_2(heads)}
+
+
+def _heads_view(x: torch.Tensor, tokens: int, head_size: int) -> torch.Tensor | None:
+    """x as (tokens, heads, head_size) without a copy, each head's values adjacent; None where no view is."""
+    if x.numel() % (tokens * head_size):
+        return None
+    try:
+        view = x.view(tokens, -1, head_size)
+    except RuntimeError:
+        return None
+    return view if view.stride(2) == 1 else None
+
+
+def rope_unsupported(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     head_size: int, rotary_dim: int) -> str | None:
+    """Why `rotary_embedding` cannot take these operands, or None."""
+    tokens = positions.numel()
+    if tokens == 0:
+        return "no tokens"
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+        return f"positions of shape {tuple(positions.shape)} and {positions.dtype} (one integer a token)"
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+        return f"a rotary width of {rotary_dim} in heads of {head_size}"
+    if tuple(cos_sin_cache.shape[1:]) != (rotary_dim,) or cos_sin_cache.stride(-1) != 1:
+        return f"a cos/sin cache of shape {tuple(cos_sin_cache.shape)} for a rotary width of {rotary_dim}"
+    for name, x in (("query", query), ("key", key)):
+        if x.device != positions.device or cos_sin_cache.device != x.device:
+            return f"the {name} on {x.device}, the positions on {positions.device}, the cache on {cos_sin_cache.device}"
+        view = _heads_view(x, tokens, head_size)
+        if view is None:
+            return f"a {name} of shape {tuple(x.shape)} and strides {x.stride()} that no view of ({tokens}, heads, " \
+                   f"{head_size}) takes"
+        if view.shape[1] * next_power_of_2(rotary_dim // 2) > ROPE_MAX_ELEMENTS:
+            return f"{view.shape[1]} {name} heads of {rotary_dim // 2} pairs exceed {ROPE_MAX_ELEMENTS} a program"
+    return None
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     head_size: int, rotary_dim: int, neox: bool, checked: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query and the key rotated at `positions` (one a token; see the module's table): new contiguous tensors
+    of their shapes. Operands `rope_unsupported` refuses raise ValueError, unless the caller `checked` them already.
+    The positions are not checked against the cache's rows (a host read): as SGLang's own kernels, a position past
+    them reads past the cache."""
+    if not checked:
+        why = rope_unsupported(positions, query, key, cos_sin_cache, head_size, rotary_dim)
+        if why is not None:
+            raise ValueError(f"rotary_embedding: {why}")
+    tokens = positions.shape[0]
+    q, k = query.view(tokens, -1, head_size), key.view(tokens, -1, head_size)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    rope_kernel[(tokens, 2)](positions, cos_sin_cache, q, k, q_out, k_out, q.shape[1], k.shape[1],
+                             positions.stride(0), cos_sin_cache.stride(0), q.stride(0), q.stride(1), k.stride(0),
+                             k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+                             NEOX=neox, num_warps=ROPE_WARPS,
+                             **rope_launch(head_size, rotary_dim, max(q.shape[1], k.shape[1])))
+    return q_out.view(query.shape), k_out.view(key.shape)

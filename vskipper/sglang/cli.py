@@ -118,7 +118,7 @@ def checked_tile_table(path: str | None, platform: str, product: str | None = No
 
 def platform_profile(platform: str, jit: bool = False, ops: str = "torch"):
     """The serving profile of a resolved platform on this machine: on a GPU, with the real `sgl_kernel` where one
-    is importable, else the stand-ins (their RMSNorm and SiLU-and-mul on `ops`)."""
+    is importable, else the stand-ins (their RMSNorm, SiLU-and-mul and RoPE on `ops`)."""
     from vskipper.sglang.spec import serve_profile
 
     return serve_profile(platform, platform == "gpu" and real_sgl_kernel_importable(), jit, ops)

@@ -93,7 +93,7 @@ def serve_command(model: str | Path, port: int, state_file: Path, *, arm: str | 
     """The `vskipper serve` command line for one server on 127.0.0.1:port (SGLang flags after `--`); `platform`
     (cpu | gpu) overrides serve's detection; `tile_table`, a table measured on this GPU (`--tile-table`);
     `prefill_floor_tokens`, the prefill switch's floor (`--prefill-floor-tokens`); `stand_in_ops`, the CUDA
-    stand-ins' RMSNorm and SiLU-and-mul (`--stand-in-ops`; None: serve's default)."""
+    stand-ins' RMSNorm, SiLU-and-mul and RoPE (`--stand-in-ops`; None: serve's default)."""
     if (arm is None) == (arm_file is None):
         raise ValueError("serve_command: pass exactly one of arm and arm_file")
     thresholds = enter_tokens is not None or exit_tokens is not None

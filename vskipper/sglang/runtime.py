@@ -705,7 +705,7 @@ class Runtime:
                           **self.execution},
             **self.model_counters,
             "triton_compiles": compile_watch.attestation(),
-            "stand_in_ops": stand_in_ops.attestation(),  # RMSNorm and SiLU-and-mul: the paths their calls took
+            "stand_in_ops": stand_in_ops.attestation(),  # RMSNorm, SiLU-and-mul and RoPE: the paths their calls took
             **executed.attestation(),  # what SGLang executes, read after boot; the scheduler's pass counts
             "placement": {"replica": self.placement.replica, "dp_rank": self.placement.dp_rank,
                           "attn_dp_rank": self.placement.attn_dp_rank},

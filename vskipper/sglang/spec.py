@@ -49,7 +49,7 @@ EXECUTIONS = ("auto", "torch", "triton")
 # packed prefill read take instead of the one shipped for it (`vskipper.mixed.tiles.given_tile_table`); unset: the
 # shipped one. Only the flag sets it: `serve_environment` never passes one inherited from the caller.
 ENV_TILE_TABLE = "VSKIPPER_TILE_TABLE"
-# What the CUDA stand-in profile without JIT runs RMSNorm (with its residual add) and SiLU-and-mul with
+# What the CUDA stand-in profile without JIT runs RMSNorm (with its residual add), SiLU-and-mul and RoPE with
 # (`vskipper serve --stand-in-ops`): SGLang's torch paths, or vSkipper's one-launch Triton kernels in their place
 # (`vskipper.sglang.stand_in_ops`); the profile sets it, never a caller's environment.
 ENV_STAND_IN_OPS = "VSKIPPER_STAND_IN_OPS"
@@ -239,7 +239,7 @@ class ServeProfile:
     environment: tuple[tuple[str, str], ...] = ()
     flags: tuple[str, ...] = ()
     jit: str | None = None
-    ops: str = "torch"  # the stand-in profile's RMSNorm and SiLU-and-mul (`STAND_IN_OPS`)
+    ops: str = "torch"  # the stand-in profile's RMSNorm, SiLU-and-mul and RoPE (`STAND_IN_OPS`)
 
     @property
     def attention_backend(self) -> str | None:
@@ -252,9 +252,9 @@ class ServeProfile:
                 "decode_graphs": self.decode_graphs, "ops": OPS_ATTESTED[self.ops]}
 
 
-OPS_ATTESTED = {"torch": "SGLang's own paths for RMSNorm and SiLU-and-mul",
-                "triton": "vSkipper's Triton RMSNorm, residual add with RMSNorm and SiLU-and-mul (vskipper.mixed.norms) "
-                          "in place of SGLang's torch paths"}
+OPS_ATTESTED = {"torch": "SGLang's own paths for RMSNorm, SiLU-and-mul and RoPE",
+                "triton": "vSkipper's Triton RMSNorm, residual add with RMSNorm, SiLU-and-mul and RoPE "
+                          "(vskipper.mixed.norms) in place of SGLang's torch paths"}
 
 
 def serve_profile(platform: str, real_sgl_kernel: bool, jit: bool = False, ops: str = "torch") -> ServeProfile:
@@ -262,7 +262,7 @@ def serve_profile(platform: str, real_sgl_kernel: bool, jit: bool = False, ops: 
 
     cpu           the CPU recipe: the CPU stand-in for sgl_kernel, SGLang's CPU engine, CPU_FLAGS
     gpu-stand-in  a GPU without SGLang's kernel wheels: the CUDA stand-ins, GPU_STAND_IN_ENV, GPU_STAND_IN_FLAGS;
-                  without JIT, `ops` 'triton' runs RMSNorm and SiLU-and-mul on vSkipper's kernels
+                  without JIT, `ops` 'triton' runs RMSNorm, SiLU-and-mul and RoPE on vSkipper's kernels
     gpu-kernels   a GPU with the real sgl_kernel (a CUDA runtime image): nothing added
     Decode graphs stay on for every arm: a routed arm's decode passes replay its routed graph variant."""
     if ops not in STAND_IN_OPS:

@@ -1,14 +1,19 @@
 """The CUDA stand-in profile's fused ops in Triton (`vskipper serve --stand-in-ops triton`).
 
 Without SGLang's CUDA kernels and their JIT compiler, SGLang's forced torch backend runs RMSNorm (with its residual
-add) and SiLU-and-mul as `forward_native`: a chain of torch kernels a call, in every layer of every arm. With
-`--stand-in-ops triton`, hooks AROUND those two methods run `vskipper.mixed.norms`' one-launch kernels instead,
-with the same values (to fp32 rounding), wherever the call is one the kernels take:
+add), SiLU-and-mul and the rotary embedding as `forward_native`: a chain of torch kernels a call, in every layer of
+every arm. With `--stand-in-ops triton`, hooks AROUND those three methods run `vskipper.mixed.norms`' one-launch
+kernels instead, with the same values (to fp32 rounding; the rotary embedding in bf16 within a few units in the last
+place, as SGLang's own CUDA kernel computes it), wherever the call is one the kernels take:
 
   RMSNorm.forward_native     rows of the module's own width, a weight of that width, no fp32 residual, no
                              post-residual addition, no variance over part of the row, no cast before the weight
                              (Llama and Qwen3 layers' norms; Qwen3's per-head q/k norms too)
   SiluAndMul.forward_native  any row of an even width
+  RotaryEmbedding.forward_native
+                             the base class's path (Llama-3's and Qwen3's rotary embeddings inherit it) with no
+                             position offsets, no fused K/V write, no precomputed sin/cos, SGLang's own rotation;
+                             the query and key each a view of (tokens, heads, head_size) with adjacent values
 
 Any other call (another device than CUDA, unless the Triton interpreter is on; an option the kernels do not take)
 runs SGLang's own torch path. Each call is counted by the path it took (`attestation`): a server on the stand-in
@@ -30,7 +35,8 @@ from vskipper.sglang.spec import ENV_STAND_IN_OPS
 
 RMSNORM_TARGET = "sglang.srt.layers.layernorm.RMSNorm.forward_native"
 SILU_TARGET = "sglang.srt.layers.activation.SiluAndMul.forward_native"
-TARGETS = (RMSNORM_TARGET, SILU_TARGET)
+ROPE_TARGET = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_native"
+TARGETS = (RMSNORM_TARGET, SILU_TARGET, ROPE_TARGET)
 
 _calls: Counter[tuple[str, str]] = Counter()  # (op, path): "triton" or "torch: <why>"
 
@@ -97,12 +103,45 @@ def around_silu_and_mul(original, op, x, *args, **kwargs):
     return silu_and_mul(x if x.stride(-1) == 1 else x.contiguous(), checked=True)
 
 
+def rope_why(rope, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None) -> str | None:
+    """Why this `RotaryEmbedding.forward_native` call runs SGLang's torch path, or None (the Triton kernel takes
+    it)."""
+    from sglang.srt.layers.rotary_embedding.utils import apply_rotary_emb
+
+    from vskipper.mixed.norms import rope_unsupported
+
+    if offsets is not None:
+        return "position offsets"
+    if fused_set_kv_buffer_arg is not None:
+        return "a fused K/V write"
+    if hasattr(rope, "sin_cos_cache"):
+        return "a precomputed sin/cos"
+    if getattr(rope, "_apply_rotary_emb_wrapped", None) is not apply_rotary_emb:
+        return "another rotation than SGLang's apply_rotary_emb"
+    return _device_why(query) or rope_unsupported(positions.flatten(), query, key, rope.cos_sin_cache,
+                                                  rope.head_size, rope.rotary_dim)
+
+
+def around_rope(original, rope, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None, **kwargs):
+    why = f"arguments {sorted(kwargs)}" if kwargs else rope_why(rope, positions, query, key, offsets,
+                                                                 fused_set_kv_buffer_arg)
+    if why is not None:
+        _calls["rope", f"torch: {why}"] += 1
+        return original(rope, positions, query, key, offsets, fused_set_kv_buffer_arg, **kwargs)
+    from vskipper.mixed.norms import rotary_embedding
+
+    _calls["rope", "triton"] += 1
+    return rotary_embedding(positions.flatten(), query, key, rope.cos_sin_cache, rope.head_size, rope.rotary_dim,
+                            rope.is_neox_style, checked=True)
+
+
 def register(registry, hook_type) -> None:
-    """Hooks AROUND SGLang's two torch paths, where this process serves the Triton stand-in ops."""
+    """Hooks AROUND SGLang's three torch paths, where this process serves the Triton stand-in ops."""
     if requested() != "triton":
         return
     registry.register(RMSNORM_TARGET, around_rmsnorm, hook_type.AROUND)
     registry.register(SILU_TARGET, around_silu_and_mul, hook_type.AROUND)
+    registry.register(ROPE_TARGET, around_rope, hook_type.AROUND)
 
 
 def targets() -> tuple[str, ...]:
