@@ -28,6 +28,8 @@ fp32 rounding, in bfloat16 within a few units in the last place of the head's la
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -179,24 +181,31 @@ def rope_kernel(pos_ptr, cs_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, q_heads, k_heads,
                       HALF, HALF_BLOCK, HEAD, NEOX, PASS_BLOCK, HEADS_BLOCK)
 
 
+@functools.cache
 def rope_launch(head_size: int, rotary_dim: int, heads: int) -> dict[str, int]:
     """The constexprs of a rotary launch over heads of `head_size` whose first `rotary_dim` values rotate, for up
-    to `heads` heads a token."""
+    to `heads` heads a token (one dict a shape, shared: not to be changed)."""
     half = rotary_dim // 2
     rest = head_size - rotary_dim
     return {"HALF": half, "HALF_BLOCK": next_power_of_2(half), "HEAD": head_size,
             "PASS_BLOCK": next_power_of_2(rest) if rest else 0, "HEADS_BLOCK": next_power_of_2(heads)}
 
 
-def _heads_view(x: torch.Tensor, tokens: int, head_size: int) -> torch.Tensor | None:
-    """x as (tokens, heads, head_size) without a copy, each head's values adjacent; None where no view is."""
+def _heads(x: torch.Tensor, tokens: int, head_size: int) -> tuple[int, int, int] | None:
+    """(heads, token stride, head stride) of x as (tokens, heads, head_size), each head's values adjacent, without a
+    copy; None where no such view is. Read from x's shape and strides where it is one of the layers' (rows of a
+    token's heads, or tokens x heads x head_size), else from a view."""
     if x.numel() % (tokens * head_size):
         return None
+    if x.dim() == 2 and x.shape[0] == tokens and x.stride(1) == 1:
+        return x.shape[1] // head_size, x.stride(0), head_size
+    if x.dim() == 3 and x.shape[0] == tokens and x.shape[2] == head_size and x.stride(2) == 1:
+        return x.shape[1], x.stride(0), x.stride(1)
     try:
         view = x.view(tokens, -1, head_size)
     except RuntimeError:
         return None
-    return view if view.stride(2) == 1 else None
+    return (view.shape[1], view.stride(0), view.stride(1)) if view.stride(2) == 1 else None
 
 
 def rope_unsupported(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -214,12 +223,12 @@ def rope_unsupported(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     for name, x in (("query", query), ("key", key)):
         if x.device != positions.device or cos_sin_cache.device != x.device:
             return f"the {name} on {x.device}, the positions on {positions.device}, the cache on {cos_sin_cache.device}"
-        view = _heads_view(x, tokens, head_size)
-        if view is None:
+        heads = _heads(x, tokens, head_size)
+        if heads is None:
             return f"a {name} of shape {tuple(x.shape)} and strides {x.stride()} that no view of ({tokens}, heads, " \
                    f"{head_size}) takes"
-        if view.shape[1] * next_power_of_2(rotary_dim // 2) > ROPE_MAX_ELEMENTS:
-            return f"{view.shape[1]} {name} heads of {rotary_dim // 2} pairs exceed {ROPE_MAX_ELEMENTS} a program"
+        if heads[0] * next_power_of_2(rotary_dim // 2) > ROPE_MAX_ELEMENTS:
+            return f"{heads[0]} {name} heads of {rotary_dim // 2} pairs exceed {ROPE_MAX_ELEMENTS} a program"
     return None
 
 
@@ -235,12 +244,12 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         if why is not None:
             raise ValueError(f"rotary_embedding: {why}")
     tokens = positions.shape[0]
-    q, k = query.view(tokens, -1, head_size), key.view(tokens, -1, head_size)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    rope_kernel[(tokens, 2)](positions, cos_sin_cache, q, k, q_out, k_out, q.shape[1], k.shape[1],
-                             positions.stride(0), cos_sin_cache.stride(0), q.stride(0), q.stride(1), k.stride(0),
-                             k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-                             NEOX=neox, num_warps=ROPE_WARPS,
-                             **rope_launch(head_size, rotary_dim, max(q.shape[1], k.shape[1])))
-    return q_out.view(query.shape), k_out.view(key.shape)
+    (q_heads, q_st, q_sh), (k_heads, k_st, k_sh) = _heads(query, tokens, head_size), _heads(key, tokens, head_size)
+    # new tensors of the operands' shapes: contiguous, so (tokens, heads, head_size) with strides (heads x head_size,
+    # head_size)
+    q_out, k_out = query.new_empty(query.shape), key.new_empty(key.shape)
+    rope_kernel[(tokens, 2)](positions, cos_sin_cache, query, key, q_out, k_out, q_heads, k_heads,
+                             positions.stride(0), cos_sin_cache.stride(0), q_st, q_sh, k_st, k_sh,
+                             q_heads * head_size, head_size, k_heads * head_size, head_size, NEOX=neox,
+                             num_warps=ROPE_WARPS, **rope_launch(head_size, rotary_dim, max(q_heads, k_heads)))
+    return q_out, k_out
