@@ -1524,3 +1524,67 @@ def test_the_sweeps_servers_sample_their_stacks_where_the_run_asks_and_the_summa
     assert f"Not every arm of this sweep sampled its stack (dense: not sampled, {run.ALWAYS}: sampled): a " \
            "sampled arm's host times stand a few percent above what it would take unsampled, so its figures do " \
            "not compare alike with the others'." in mixed
+
+
+def test_a_prefill_only_sweep_serves_no_decode_cell_and_its_summary_says_what_it_leaves_out(tmp_path, monkeypatch):
+    """`run.sh --prefill-only` reaches run.py (ENV_PREFILL_ONLY_RUN); the sweep's servers then capture the decode
+    graphs of `PREFILL_ONLY_GRAPHS` alone and serve no decode burst, only the prefill cells; the arms' results say
+    so, and the summary prints the prefill tables (against dense and against the control) without the decode ones
+    or a tau, and says where arms of one sweep served different work. (No server: each is stood in for, and the
+    prefill cells are the stand-ins' figures; run.sh's Python is a script that records what it was handed.)"""
+    from types import SimpleNamespace
+
+    seen = tmp_path / "seen"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho \"$VSKIPPER_GPU_RUN_PREFILL_ONLY\" >> {seen}\n")
+    fake.chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHON": str(fake)}
+    for args in (["--prefill-only"], []):
+        r = subprocess.run([str(SCRIPT), "install", str(tmp_path / "flag"), "--dry-run", *args], capture_output=True,
+                           text=True, cwd=ROOT, timeout=60, env=env)
+        assert r.returncode == 0, r.stderr
+    assert seen.read_text().split() == ["1", "0"]
+    plan = run.run_samples(run.Plan.dry(), {run.ENV_PREFILL_ONLY_RUN: "1"})
+    assert not plan.sweep_decode and run.run_samples(run.Plan.dry(), {}).sweep_decode
+    with pytest.raises(SystemExit, match="0 or 1"):
+        run.run_samples(plan, {run.ENV_PREFILL_ONLY_RUN: "yes"})
+
+    started = []
+
+    def fake_server(plan, stack, model, workdir, name, arm_files, mem=None, graph_batches=None, samples=False, **kw):
+        started.append((name, graph_batches))
+        return SimpleNamespace(name=name, get_json=lambda path: {"max_total_num_tokens": 4096})
+
+    async def no_burst(*args, **kwargs):
+        raise AssertionError("a prefill-only sweep serves no decode burst")
+
+    def fake_cells(plan, server, vocab):  # the routed arms 20% faster than dense at every length
+        ttft = 0.1 if server.name == "dense" else 0.08
+        return [{"tokens": n, "ttft_s": ttft, "ttft_reps": [ttft] * 3} for n in plan.prefill_lengths], []
+
+    monkeypatch.setattr(run, "server_for", fake_server)
+    monkeypatch.setattr(run, "burst", no_burst)
+    monkeypatch.setattr(run, "prefill_cells", fake_cells)
+    monkeypatch.setattr(run, "ready", lambda plan, servers: None)
+    monkeypatch.setattr(run, "triton_compiles", lambda server: None)
+    monkeypatch.setattr(run, "served", lambda server: {"arm": server.name, "profile": {"decode_graphs": "disabled"}})
+    monkeypatch.setattr(run, "check_served", lambda plan, out, stage: {"ok": True, "cases": []})
+    monkeypatch.setattr(run, "sweep_reference", lambda *args: None)
+    sweep = run.stage_sweep(plan, tmp_path / "out", 300)
+    assert started == [(name, run.PREFILL_ONLY_GRAPHS) for name in ("dense", run.ALWAYS, run.CONTROL)]
+    for arm in sweep["arms"].values():
+        assert arm["decode"] == [] and arm["decode_cells"] is False and arm["line"] is None
+    c = sweep["comparison"]
+    assert c["decode_speedup"] == [] and "tau_ms" not in c
+    assert [round(p["dense_over_routed_time"], 3) for p in c["prefill_speedup"]] == [1.25, 1.25]
+    text = run.markdown({"dry_run": True, "sweep": sweep})
+    assert "A prefill-only sweep (`run.sh --prefill-only`): its servers served the prefill lengths and rounds " \
+           "alone, no decode cell, so it measures no tau, no V_x and no decode ratio" in text
+    assert "tau =" not in text and "| batch | context |" not in text and "bursts a decode cell" not in text
+    assert "| prefill tokens | dense / routed time | range |" in text
+    assert "| prefill tokens | s=0 / s=0.5 time | range | FLOP limit | dense / s=0 time | range |" in text
+    # an arm of an earlier call that decoded first, kept beside prefill-only ones: the summary says they differ
+    sweep["arms"]["dense"]["decode_cells"] = True
+    assert f"Not every arm of this sweep served the decode cells before its prefill ones (dense: decode and " \
+           f"prefill, {run.ALWAYS}: prefill only, {run.CONTROL}: prefill only)" in run.markdown(
+               {"dry_run": True, "sweep": sweep})

@@ -103,6 +103,10 @@ ENV_EARLIER = "VSKIPPER_GPU_RUN_EARLIER"
 # earlier run serves this one only where it measured on the same.
 ENV_STAND_IN_OPS_RUN = "VSKIPPER_GPU_RUN_STAND_IN_OPS"
 ENV_SAMPLES_RUN = "VSKIPPER_GPU_RUN_SAMPLES"  # run.sh --samples: the sweep's servers sample their forward's stack
+# run.sh --prefill-only: the sweep's servers serve its prefill lengths and rounds alone, no decode cell (each
+# server captures the one decode graph of a request): what a routed prefill pass costs, in less device time
+ENV_PREFILL_ONLY_RUN = "VSKIPPER_GPU_RUN_PREFILL_ONLY"
+PREFILL_ONLY_GRAPHS = (1,)  # the decode graphs a prefill-only sweep server captures
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,9 @@ class Plan:
     # The sweep's servers sample their forward's Python stack in each pass (ENV_SAMPLES_RUN: a measurement that
     # costs each pass a few percent, so off unless asked for): where a slow pass's host time went, by line.
     sweep_samples: bool = False
+    # The sweep's servers serve its decode cells before its prefill lengths (ENV_PREFILL_ONLY_RUN: not, where a run
+    # asks for its prefill figures alone); a sweep without decode cells has no tau.
+    sweep_decode: bool = True
 
     @classmethod
     def gpu(cls) -> Plan:
@@ -356,11 +363,15 @@ def run_stand_in_ops(plan: Plan, environ=os.environ) -> Plan:
 
 
 def run_samples(plan: Plan, environ=os.environ) -> Plan:
-    """The plan with the sweep's servers sampling their stacks where the run asks (ENV_SAMPLES_RUN, 0 or 1)."""
-    value = environ.get(ENV_SAMPLES_RUN) or "0"
-    if value not in ("0", "1"):
-        raise SystemExit(f"{ENV_SAMPLES_RUN}={value!r}: 0 or 1")
-    return replace(plan, sweep_samples=value == "1")
+    """The plan with the sweep's servers sampling their stacks where the run asks (ENV_SAMPLES_RUN, 0 or 1), and
+    serving its prefill cells alone where it asks (ENV_PREFILL_ONLY_RUN, 0 or 1)."""
+    flags = {}
+    for name in (ENV_SAMPLES_RUN, ENV_PREFILL_ONLY_RUN):
+        value = environ.get(name) or "0"
+        if value not in ("0", "1"):
+            raise SystemExit(f"{name}={value!r}: 0 or 1")
+        flags[name] = value == "1"
+    return replace(plan, sweep_samples=flags[ENV_SAMPLES_RUN], sweep_decode=not flags[ENV_PREFILL_ONLY_RUN])
 
 
 def earlier(out: Path, name: str, usable) -> tuple[Path | None, str]:
@@ -1178,12 +1189,13 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
             continue
         with ExitStack() as stack:
             server = server_for(plan, stack, model, stage.out / name, name, arms, plan.solo_mem_fraction,
-                                graph_batches=plan.batches, samples=plan.sweep_samples)
+                                graph_batches=plan.batches if plan.sweep_decode else PREFILL_ONLY_GRAPHS,
+                                samples=plan.sweep_samples)
             ready(plan, [server])
             capacity = kv_capacity(server)
             compiled = triton_compiles(server)  # what the arm compiles while it serves its cells: from here
             decode, skipped = [], []
-            for batch in plan.batches:
+            for batch in plan.batches if plan.sweep_decode else ():
                 for ctx in plan.contexts:
                     need = batch * (ctx + plan.sweep_new_tokens)
                     if need > capacity:
@@ -1210,7 +1222,8 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                                     "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"])
                                                                           for d in decode]),
                                     "compiles": headline.compiles_between(compiled, triton_compiles(server)),
-                                    "samples": plan.sweep_samples, "served": served(server)}
+                                    "samples": plan.sweep_samples, "decode_cells": plan.sweep_decode,
+                                    "served": served(server)}
         done.write_text(json.dumps(result["arms"][name], indent=1) + "\n")
     reference = sweep_reference(plan, stage, model, arms, vocab)
     if reference is not None:
@@ -1239,7 +1252,8 @@ def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path]
     try:
         with ExitStack() as stack:
             server = server_for(plan, stack, model, stage.out / PREFILL_GRAPHS, PREFILL_GRAPHS, arms,
-                                plan.solo_mem_fraction, graph_batches=plan.batches, samples=plan.sweep_samples)
+                                plan.solo_mem_fraction, samples=plan.sweep_samples,
+                                graph_batches=plan.batches if plan.sweep_decode else PREFILL_ONLY_GRAPHS)
             server.wait_ready(min(plan.startup_timeout_s, REFERENCE_READY_S))
             prefill, rounds = prefill_cells(plan, server, vocab)
             result = {"flags": flags, "decode": [], "prefill": prefill, "prefill_rounds": rounds,
@@ -2154,20 +2168,24 @@ def markdown(results: dict, out: Path | None = None) -> str:
     sweep = results.get("sweep")
     if sweep and sweep.get("comparison"):
         c = sweep["comparison"]
-        lines += ["## Decode sweep and prefill", "",
-                  f"Dense decode: {c['dense_decode_graphs']}; routed decode: {c['routed_decode_graphs']}.", "",
-                  f"tau = {_f(c.get('tau_ms'))} ms{_interval(c.get('tau_ms_interval'))}"
-                  + (f" (on the device alone, from each decode pass's span: {_f(c['device_tau_ms'])} ms)"
-                     if c.get("device_tau_ms") is not None else "") + "; V_x = "
-                  f"{_f(c.get('v_x_tokens'))} tokens; rule V* = "
-                  f"{_f(c.get('v_star_tokens'))} tokens; V_x / V* = {_f(c.get('v_x_over_v_star'))}", "",
-                  "Each figure is the ratio of the arms' medians over their repetitions (plan: "
-                  f"{_reps(results, 'decode_reps')} bursts a decode cell, {_reps(results, 'prefill_reps')} prompts a "
-                  "prefill length), beside the range of the ratio over every pairing of repetitions.", "",
-                  "| batch | context | routed / dense decode tok/s | range |", "|---:|---:|---:|---|"]
-        lines += [f"| {d['batch']} | {d['context']} | {d['routed_over_dense_tok_s']:.3f} | {_range(d)} |"
-                  for d in c["decode_speedup"]]
-        lines += ["", "| prefill tokens | dense / routed time | range |", "|---:|---:|---|"]
+        lines += ["## Decode sweep and prefill", ""] + sweep_decode_lines(sweep.get("arms") or {}) + [
+                  f"Dense decode: {c['dense_decode_graphs']}; routed decode: {c['routed_decode_graphs']}.", ""]
+        if c["decode_speedup"]:
+            lines += [f"tau = {_f(c.get('tau_ms'))} ms{_interval(c.get('tau_ms_interval'))}"
+                      + (f" (on the device alone, from each decode pass's span: {_f(c['device_tau_ms'])} ms)"
+                         if c.get("device_tau_ms") is not None else "") + "; V_x = "
+                      f"{_f(c.get('v_x_tokens'))} tokens; rule V* = "
+                      f"{_f(c.get('v_star_tokens'))} tokens; V_x / V* = {_f(c.get('v_x_over_v_star'))}", ""]
+        bursts = f"{_reps(results, 'decode_reps')} bursts a decode cell, " if c["decode_speedup"] else ""
+        lines += ["Each figure is the ratio of the arms' medians over their repetitions (plan: "
+                  f"{bursts}{_reps(results, 'prefill_reps')} prompts a prefill length), beside the range of the ratio "
+                  "over every pairing of repetitions.", ""]
+        if c["decode_speedup"]:
+            lines += ["| batch | context | routed / dense decode tok/s | range |", "|---:|---:|---:|---|"]
+            lines += [f"| {d['batch']} | {d['context']} | {d['routed_over_dense_tok_s']:.3f} | {_range(d)} |"
+                      for d in c["decode_speedup"]]
+            lines.append("")
+        lines += ["| prefill tokens | dense / routed time | range |", "|---:|---:|---|"]
         lines += [f"| {p['tokens']} | {p['dense_over_routed_time']:.3f} | {_range(p)} |" for p in c["prefill_speedup"]]
         lines.append("")
         if c.get("prefill_round_speedup"):
@@ -2185,19 +2203,21 @@ def markdown(results: dict, out: Path | None = None) -> str:
             lines += [f"Measured prefill floor: {f['prefill_floor_tokens']} prompt tokens a round, "
                       f"{f['prefill_floor_source']} (vskipper.constants' floor: {CONSTANTS.prefill_min_prompt_tokens}; "
                       "the headline's measured arm serves it).", ""]
-        if c.get("decode_over_control"):
+        if c.get("decode_over_control") or c.get("prefill_over_control"):
             dense_ratio = {(d["batch"], d["context"]): d for d in c["control_over_dense_decode"]}
             dense_prefill = {p["tokens"]: p for p in c.get("control_over_dense_prefill") or []}
             lines += [f"Against the control arm ({CONTROL}: the routed path, nothing skipped; decode "
-                      f"{c['control_decode_graphs']}):", "",
-                      "| batch | context | s=0.5 / s=0 decode tok/s | range | bandwidth limit | share of the limit "
-                      "| s=0 / dense decode tok/s | range |", "|---:|---:|---:|---|---:|---:|---:|---|"]
+                      f"{c['control_decode_graphs']}):", ""]
+            if c.get("decode_over_control"):
+                lines += ["| batch | context | s=0.5 / s=0 decode tok/s | range | bandwidth limit | share of the "
+                          "limit | s=0 / dense decode tok/s | range |", "|---:|---:|---:|---|---:|---:|---:|---|"]
             for d in c["decode_over_control"]:
                 to_dense = dense_ratio.get((d["batch"], d["context"]))
                 lines.append(f"| {d['batch']} | {d['context']} | {d['routed_over_control_tok_s']:.3f} | {_range(d)} | "
                              f"{d['bandwidth_limit']:.3f} | {d['routed_over_control_tok_s'] / d['bandwidth_limit']:.0%} "
                              f"| {_f(to_dense and to_dense['control_over_dense_tok_s'], '.3f')} | {_range(to_dense)} |")
-            lines += ["", "| prefill tokens | s=0 / s=0.5 time | range | FLOP limit | dense / s=0 time | range |",
+            lines += [*([""] if c.get("decode_over_control") else []),
+                      "| prefill tokens | s=0 / s=0.5 time | range | FLOP limit | dense / s=0 time | range |",
                       "|---:|---:|---|---:|---:|---|"]
             for p in c["prefill_over_control"]:
                 to_dense = dense_prefill.get(p["tokens"])
@@ -2291,6 +2311,24 @@ def ttft_parts_lines(arms: dict) -> list[str]:
         lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | " + " | ".join(
             f"{parts[k] * 1e3:.1f}" for k in ("scheduled", "forward", "output", "http")) + " |")
     return lines + [""]
+
+
+def sweep_decode_lines(arms: dict) -> list[str]:
+    """Where the sweep's arms served no decode cells (`run.sh --prefill-only`, `Plan.sweep_decode`), what that
+    leaves out; where some did and some did not (arms of an earlier call kept), that their prefill cells came after
+    different work."""
+    served = {name: arm.get("decode_cells", True) for name, arm in arms.items()
+              if "error" not in arm and name != PREFILL_GRAPHS}  # the reference serves prefill alone, always
+    if all(served.values()):
+        return []
+    if not any(served.values()):
+        return ["A prefill-only sweep (`run.sh --prefill-only`): its servers served the prefill lengths and rounds "
+                "alone, no decode cell, so it measures no tau, no V_x and no decode ratio; each server captured "
+                f"decode graphs of {' and '.join(map(str, PREFILL_ONLY_GRAPHS))} rows only.", ""]
+    return ["Not every arm of this sweep served the decode cells before its prefill ones (" + ", ".join(
+        f"{name}: {'decode and prefill' if cells else 'prefill only'}" for name, cells in served.items())
+        + "): their prefill passes followed different work, and the decode figures hold only the arms that "
+        "decoded.", ""]
 
 
 def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:

@@ -3,7 +3,7 @@
 #
 #   benchmarks/gpu/run.sh install|tiles|sweep|ladder|headline|kernels|clock|all|lease-1..lease-6|pack OUTDIR
 #                         [--dry-run] [--within SECONDS] [--earlier DIR]... [--pack FILE] [--stand-in-ops OPS]
-#                         [--samples]
+#                         [--samples] [--prefill-only]
 #
 # install   installs the bundle (.gpu-bundle/, `make gpu-bundle`) into $VSKIPPER_SITE unless it is there already,
 #           and prints the GPU, its memory and driver, torch and triton (OUTDIR/env.json)
@@ -33,6 +33,8 @@
 #               serves only where it measured on the same
 # --samples     every sweep server samples its forward's Python stack while a pass runs (VSKIPPER_STACK_SAMPLES;
 #               a few percent of a pass): the summary says by line where each arm's prefill passes spent the host
+# --prefill-only  the sweep serves its prefill lengths and rounds alone, no decode cell (so no tau): a routed
+#               prefill's cost against dense's in about half a sweep's device time
 #
 # A stage stopped by its budget or limit runs again while the call has time (up to three runs; a failed one does
 # not, nor one whose budget a lease caps): in a lease, in `all`, and named alone with --within (without it, a stage
@@ -45,12 +47,13 @@ set -euo pipefail
 
 usage() {
     echo "usage: $0 install|tiles|sweep|ladder|headline|kernels|clock|all|lease-N|pack OUTDIR [--dry-run]" \
-         "[--within SECONDS] [--earlier DIR]... [--pack FILE] [--stand-in-ops torch|triton] [--samples]" >&2
+         "[--within SECONDS] [--earlier DIR]... [--pack FILE] [--stand-in-ops torch|triton] [--samples]" \
+         "[--prefill-only]" >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
 CALL="$0 $*"  # what a stopped call reruns
-STAGE=$1 OUT=$2 DRY="" WITHIN="" PACK="" EARLIER="" OPS=torch SAMPLES=0
+STAGE=$1 OUT=$2 DRY="" WITHIN="" PACK="" EARLIER="" OPS=torch SAMPLES=0 PREFILL_ONLY=0
 shift 2
 while [ $# -gt 0 ]; do
     case $1 in
@@ -63,6 +66,7 @@ while [ $# -gt 0 ]; do
         --stand-in-ops) [ $# -ge 2 ] && [[ $2 =~ ^(torch|triton)$ ]] || { echo "--stand-in-ops: torch or triton" >&2; usage; }
                         OPS=$2; shift 2 ;;
         --samples) SAMPLES=1; shift ;;
+        --prefill-only) PREFILL_ONLY=1; shift ;;
         *) usage ;;
     esac
 done
@@ -90,6 +94,7 @@ export PYTHONUNBUFFERED=1
 [ -z "$EARLIER" ] || export VSKIPPER_GPU_RUN_EARLIER="$EARLIER"
 export VSKIPPER_GPU_RUN_STAND_IN_OPS=$OPS
 export VSKIPPER_GPU_RUN_SAMPLES=$SAMPLES
+export VSKIPPER_GPU_RUN_PREFILL_ONLY=$PREFILL_ONLY
 # What a --within call keeps at its end: a stage's 30 s to stop after TERM, then the summary and the pack.
 END_MARGIN_S=${VSKIPPER_END_MARGIN_S:-45}
 MIN_STAGE_S=140  # a stage with less than this left of --within is not started (its budget would be under 60 s)
