@@ -521,6 +521,18 @@ def test_the_stand_in_ops_agree_with_sglangs_torch_path_and_a_fault_or_a_fallbac
         assert len(cases) == 10 and all(c["ok"] and c["paths"] == {"triton": 1} for c in cases)
         assert [c["case"] for c in cases if "RoPE" in c["case"]] == [
             f"stand-in ops: RoPE of {n} x (4 + 2) heads of 16" for n in rows]
+        assert not any("timing" in c for c in cases)  # on CPU the interpreter runs the kernels: untimed unless asked
+        timed = check_served.stand_in_ops_cases(torch.device("cpu"), torch.float32, check_served.SMOKE, (1,),
+                                                timing_reps=2)
+        for c in timed:  # each side's host time a call; no device span on CPU
+            assert c["ok"] and set(c["timing"]) == {"triton", "torch"}
+            assert all(t["host_us"] > 0 and t["device_us"] is None for t in c["timing"].values())
+        table = run.ops_timing_lines({"device": "cpu", "cases": timed})
+        assert "| case | Triton host us | Triton device us | torch host us | torch device us |" in table
+        rope = timed[-1]["timing"]
+        assert f"| RoPE of 1 x (4 + 2) heads of 16 | {rope['triton']['host_us']:.1f} | n/a | " \
+               f"{rope['torch']['host_us']:.1f} | n/a |" in table
+        assert run.ops_timing_lines({"device": "cpu", "cases": cases}) == []
         real, real_rope = norms.silu_and_mul, norms.rotary_embedding
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(norms, "silu_and_mul", lambda x, checked=False: real(x, checked) * 1.1)

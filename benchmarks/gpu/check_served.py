@@ -44,7 +44,9 @@ With `--stand-in-ops triton` (a run whose servers serve the CUDA stand-ins' Trit
 --stand-in-ops`), SGLang's RMSNorm (over the hidden width, with its residual add and without, and over head_dim),
 SiLU-and-mul and RoPE (Llama-3's, of the query and key views of a fused QKV projection) through the hooks a server
 installs, against SGLang's own torch path, at one row, at a padded decode batch's and at a prefill's rows: each
-output row within `OPS_RTOL` of its largest value, and every call taken by the kernels (none fallen back).
+output row within `OPS_RTOL` of its largest value, and every call taken by the kernels (none fallen back); beside
+each case, what a call of either path costs the host (Triton's own launcher included, on a GPU) and the device,
+warm, the median of `OPS_TIMING_REPS` calls a side taken in turns.
 
 The served execution's eager passes (the largest decode batch, and each prefill with either read, for both
 routes) run once more, warm, watched for what makes the host wait for the device (`vskipper.mixed.host_waits`): on
@@ -118,6 +120,7 @@ REFERENCE_BACKEND = TORCH_NATIVE  # the reference's attention backend (none of i
 # output's rounding); a wrong row, column or weight strays by whole values
 OPS_RTOL = 2 * 2 ** -7
 ROPE_POSITIONS = 8192  # the stand-in RoPE case's positions: the device run's context length
+OPS_TIMING_REPS = 15  # timed calls a side of each stand-in op case (`op_timing`: their median is the figure)
 GATE_MARGIN = 0.02  # a router weight this close to the run threshold may route either way
 GATE_ATOL = 2 * 2 ** -7  # the branch weights (in [0, 1]): two units of bf16 at 1
 
@@ -470,10 +473,12 @@ def timed_warm(layer, execution, hidden: int, dtype: torch.dtype, device: torch.
             "compiled": compiles_between(before, compile_watch.attestation())}
 
 
-def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tuple[int, ...]) -> list[dict]:
+def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tuple[int, ...],
+                       timing_reps: int | None = None) -> list[dict]:
     """SGLang's RMSNorm, SiLU-and-mul and RoPE through the stand-in ops' hooks (`vskipper.sglang.stand_in_ops`)
-    against SGLang's torch path on the same operands, at each of `rows`: each case's worst row beside `OPS_RTOL`, and
-    whether every call took the kernels."""
+    against SGLang's torch path on the same operands, at each of `rows`: each case's worst row beside `OPS_RTOL`,
+    whether every call took the kernels, and each side's host and device time a call (`op_timing`: `timing_reps`
+    calls a side; by default `OPS_TIMING_REPS` on CUDA, none elsewhere, where the interpreter runs the kernels)."""
     from sglang.srt.layers.activation import SiluAndMul
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
@@ -484,6 +489,9 @@ def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tup
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    reps = (OPS_TIMING_REPS if device.type == "cuda" else 0) if timing_reps is None else timing_reps
+    timed = device if reps else None
 
     # Llama-3's rotary embedding (base 500,000, NeoX halves), its cos/sin cache as SGLang keeps it on the device
     rope = RotaryEmbedding(size.head_dim, size.head_dim, ROPE_POSITIONS, 500000, True, dtype).to(device)
@@ -496,11 +504,12 @@ def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tup
             args = (x, r) if residual else (x,)
             name = f"stand-in ops: RMSNorm of {n} x {width}" + (" with its residual add" if residual else "")
             results.append(op_verdict(name, lambda norm=norm, args=args: stand_in_ops.around_rmsnorm(
-                RMSNorm.forward_native, norm, *args), lambda norm=norm, args=args: norm.forward_native(*args)))
+                RMSNorm.forward_native, norm, *args), lambda norm=norm, args=args: norm.forward_native(*args),
+                timed, reps))
         z = randn(n, 2 * size.intermediate) * 4
         results.append(op_verdict(f"stand-in ops: SiLU-and-mul of {n} x {2 * size.intermediate}",
                                   lambda z=z: stand_in_ops.around_silu_and_mul(SiluAndMul.forward_native, None, z),
-                                  lambda z=z: SiluAndMul.forward_native(None, z)))
+                                  lambda z=z: SiluAndMul.forward_native(None, z), timed, reps))
         # RoPE of the query and key views of one fused QKV projection, as the layers split it, at positions up to
         # the device run's context length
         qkv = randn(n, (size.heads + 2 * size.kv_heads) * size.head_dim) * 3
@@ -510,7 +519,8 @@ def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tup
                                   f"{size.head_dim}",
                                   lambda q=q, k=k, p=positions: stand_in_ops.around_rope(
                                       RotaryEmbedding.forward_native, rope, p, q, k),
-                                  lambda q=q, k=k, p=positions: rope.forward_native(p, q, k)))
+                                  lambda q=q, k=k, p=positions: rope.forward_native(p, q, k), timed,
+                                  reps))
     return results
 
 
@@ -582,8 +592,31 @@ def gate_cases(device: torch.device, dtype: torch.dtype, size, rows: tuple[int, 
     return results
 
 
-def op_verdict(name: str, hooked, native) -> dict:
-    """One stand-in op's case: `hooked()` (through the hook, which must take the kernel) against `native()`."""
+def op_timing(hooked, native, device: torch.device, reps: int = OPS_TIMING_REPS) -> dict:
+    """Each side of a stand-in op's case timed alone, warm, `reps` calls a side taking turns (`PassClock`: the
+    host's microseconds from the call to its return, its launches issued, and on CUDA the device's span of them):
+    the medians, by side ('triton' the hooked path, 'torch' SGLang's). On CUDA the host's figure holds Triton's
+    own launcher, which the CPU's benchmark (`benchmarks/stand_in_ops_bench.py`) does not time."""
+    sides = {"triton": hooked, "torch": native}
+    clocks: dict[str, list[PassClock]] = {side: [] for side in sides}
+    for fn in sides.values():  # warm: compiled, the allocator's blocks cached
+        fn()
+    for i in range(reps):
+        for side in (("triton", "torch") if i % 2 == 0 else ("torch", "triton")):
+            with PassClock(device) as clock:
+                sides[side]()
+            clocks[side].append(clock)
+    out = {}
+    for side, timed in clocks.items():
+        spans = [c.device_s for c in timed]
+        out[side] = {"host_us": round(statistics.median(c.host_s for c in timed) * 1e6, 2),
+                     "device_us": None if None in spans else round(statistics.median(spans) * 1e6, 2)}
+    return out
+
+
+def op_verdict(name: str, hooked, native, device: torch.device | None = None, reps: int = OPS_TIMING_REPS) -> dict:
+    """One stand-in op's case: `hooked()` (through the hook, which must take the kernel) against `native()`; on
+    `device`, each side timed too (`op_timing`, `reps` calls a side)."""
     from vskipper.sglang import stand_in_ops
 
     before = stand_in_ops.calls()
@@ -595,9 +628,14 @@ def op_verdict(name: str, hooked, native) -> dict:
     pairs = zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,), strict=True)
     err = max(row_strays(g.float().reshape(-1, g.shape[-1]), w.float().reshape(-1, w.shape[-1])) for g, w in pairs)
     ok = err <= OPS_RTOL and taken == {"triton": 1}
-    print(f"  {name:72} worst row {err:9.3g} of its largest value, path {taken}  {'ok' if ok else 'STRAYS'}",
+    timing = op_timing(hooked, native, device, reps) if device is not None else None
+    said = "" if timing is None else "; host us " + " / ".join(
+        f"{side} {t['host_us']:.1f}" + ("" if t["device_us"] is None else f" (device {t['device_us']:.1f})")
+        for side, t in timing.items())
+    print(f"  {name:72} worst row {err:9.3g} of its largest value, path {taken}  {'ok' if ok else 'STRAYS'}{said}",
           flush=True)
-    return {"case": name, "ok": ok, "output_error": err, "kv_error": 0.0, "paths": taken}
+    return {"case": name, "ok": ok, "output_error": err, "kv_error": 0.0, "paths": taken,
+            **({"timing": timing} if timing is not None else {})}
 
 
 def check(device: torch.device, dtype: torch.dtype, size, cases: dict, tile_table: Path | None, tmp: Path,

@@ -1610,7 +1610,27 @@ def check_lines(results: dict) -> list[str]:
                  "routed figure below measures that execution**:", ""] + [
             f"- {c['case']}: " + (f"not checked ({c['error']})" if "error" in c else
                                  f"output {c['output_error']:.3g}, K/V {c['kv_error']:.3g}") for c in bad] + [""]
-    return lines + wait_lines(report) + issue_lines(report)
+    return lines + wait_lines(report) + issue_lines(report) + ops_timing_lines(report)
+
+
+def ops_timing_lines(report: dict) -> list[str]:
+    """What a call of each stand-in op costs on either path (`check_served.op_timing`), where the check timed them:
+    the host's microseconds to its return (Triton's own launcher included on a GPU) and the device's span of it."""
+    timed = [c for c in report.get("cases") or () if c.get("timing")]
+    if not timed:
+        return []
+
+    def side(t: dict) -> str:
+        return f"{t['host_us']:.1f} | {_f(t['device_us'], '.1f')}"
+
+    return [("The stand-in ops' calls, warm (`check_served.op_timing`, the median of each side's calls taken in "
+             "turns): the host's us from a call to its return, its launches issued, beside the device's span of "
+             "them" + (", none on a CPU" if report.get("device") == "cpu" else "") + ". Where the host's figure is "
+             "above the device's, a pass of such calls waits on its launches."), "",
+            "| case | Triton host us | Triton device us | torch host us | torch device us |",
+            "|---|---:|---:|---:|---:|"] + [
+        f"| {c['case'].removeprefix('stand-in ops: ')} | {side(c['timing']['triton'])} | "
+        f"{side(c['timing']['torch'])} |" for c in timed] + [""]
 
 
 def issue_lines(report: dict) -> list[str]:
