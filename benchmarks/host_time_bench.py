@@ -64,8 +64,8 @@ measured that read faster: dense and routed arms then read alike); a decode pass
 and the triton execution's masked decode read is one launch where dense's torch-native read runs here. The
 kernels' outputs are left as their storage held them (denormals flushed to zero), which no host decision reads.
 
-`--stand-in-ops triton` serves every arm's RMSNorm, SiLU-and-mul and RoPE as a server on `vskipper serve --stand-in-ops
-triton` serves them: SGLang's two torch paths hooked in this process (`vskipper.sglang.stand_in_ops`), each call one
+`--stand-in-ops triton` serves every arm's RMSNorm, SiLU-and-mul and RoPE as a server on `vskipper serve
+--stand-in-ops triton` serves them: SGLang's three torch paths hooked in this process (`vskipper.sglang.stand_in_ops`), each call one
 Triton launch, recorded and not run; the calls each path took are printed last.
 
 Before the timings, one pass of each arm and shape is counted (`vskipper.mixed.launches.LaunchCount`): the torch

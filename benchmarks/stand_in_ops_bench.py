@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The host's cost of one RMSNorm (plain, with its residual add), one SiLU-and-mul and one RoPE call: SGLang's torch
 path (`forward_native`, what the CUDA stand-in profile runs without JIT) against the path `vskipper serve
---stand-in-ops triton` hooks in its place (`vskipper.sglang.stand_in_ops`: the call's checks, the outputs' allocation, one Triton
-launch), in one process on CPU.
+--stand-in-ops triton` hooks in its place (`vskipper.sglang.stand_in_ops`: the call's checks, the outputs'
+allocation, one Triton launch), in one process on CPU.
 
 The rows are few and narrow (16 x 64 by default, bfloat16 as served), so the torch path's compute is negligible and its time is its
 dispatches; the Triton launch is recorded and not run (`vskipper.mixed.launches.interpreted_launches`), so the
@@ -49,9 +49,11 @@ def calls(rows: int, width: int, dtype: torch.dtype) -> dict:
     x, r, z = (torch.randn(rows, n, dtype=dtype) for n in (width, width, 2 * width))
     native_norm, native_silu, native_rope = RMSNorm.forward_native, SiluAndMul.forward_native, \
         RotaryEmbedding.forward_native
-    # RoPE over rows of `width`: heads of 16 (4 a KV head), the query's and key's views of one fused projection
+    # RoPE over rows of `width`: heads of 16 (4 a KV head), the query's and key's views of one fused projection;
+    # its cos/sin cache in fp32, as SGLang keeps it on CUDA (on CPU it would cast it to the operands' dtype, and
+    # the torch path would then skip the two casts a call it makes on a GPU)
     head, heads = 16, width // 16
-    rope = RotaryEmbedding(head, head, 4096, 500000, True, dtype)
+    rope = RotaryEmbedding(head, head, 4096, 500000, True, torch.float32)
     qkv = torch.randn(rows, (heads + 2 * max(1, heads // 4)) * head, dtype=dtype)
     q, k = qkv[:, :heads * head], qkv[:, heads * head:(heads + max(1, heads // 4)) * head]
     positions = torch.randint(0, 4096, (rows,))

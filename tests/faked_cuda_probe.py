@@ -53,14 +53,18 @@ def _compare(norm, x: torch.Tensor, residual: torch.Tensor) -> dict:
 
 
 def dispatched() -> dict:
-    """The path SGLang's own dispatch (`BaseFusedOp.forward`) runs for RMSNorm, with and without a residual, and
-    SiLU-and-mul in this process's environment: the method each call reached."""
+    """The path SGLang's own dispatch (`BaseFusedOp.forward`) runs for RMSNorm, with and without a residual,
+    SiLU-and-mul and the rotary embedding (Llama's, as its layers get it) in this process's environment: the method
+    each call reached."""
     from sglang.srt.layers.activation import SiluAndMul
     from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding import get_rope
 
     taken: dict[str, list[str]] = {}
+    rope = get_rope(64, 64, 128, 500000, True, None, torch.float32)
     calls = (("RMSNorm", RMSNorm(8), (torch.randn(2, 8),)), ("RMSNorm+residual", RMSNorm(8), (torch.randn(2, 8),
-             torch.randn(2, 8))), ("SiluAndMul", SiluAndMul(), (torch.randn(2, 8),)))
+             torch.randn(2, 8))), ("SiluAndMul", SiluAndMul(), (torch.randn(2, 8),)),
+             ("RotaryEmbedding", rope, (torch.arange(2), torch.randn(2, 128), torch.randn(2, 64))))
     def recorder(label: str, name: str, bound):
         def record(*a, **k):
             taken.setdefault(label, []).append(name)

@@ -1469,10 +1469,10 @@ def test_the_sweeps_servers_sample_their_stacks_where_the_run_asks_and_the_summa
         assert r.returncode == 0, r.stderr
     assert seen.read_text().split() == ["1", "0"]
     monkeypatch.setenv(run.ENV_SAMPLES_RUN, "1")
-    plan = run.run_samples(run.Plan.gpu())
-    assert plan.sweep_samples and not run.run_samples(run.Plan.gpu(), {}).sweep_samples
+    plan = run.run_sweep_flags(run.Plan.gpu())
+    assert plan.sweep_samples and not run.run_sweep_flags(run.Plan.gpu(), {}).sweep_samples
     with pytest.raises(SystemExit, match="0 or 1"):
-        run.run_samples(plan, {run.ENV_SAMPLES_RUN: "yes"})
+        run.run_sweep_flags(plan, {run.ENV_SAMPLES_RUN: "yes"})
 
     plan = dataclasses.replace(plan, prefill_lengths=(1024, 2048), prefill_reps=3, prefill_rounds=())
     clock = {"parts": False, "passes_total": {}, "tokens_total": {}, "seconds_total": {}, "device_seconds_total": {},
@@ -1544,36 +1544,45 @@ def test_a_prefill_only_sweep_serves_no_decode_cell_and_its_summary_says_what_it
                            text=True, cwd=ROOT, timeout=60, env=env)
         assert r.returncode == 0, r.stderr
     assert seen.read_text().split() == ["1", "0"]
-    plan = run.run_samples(run.Plan.dry(), {run.ENV_PREFILL_ONLY_RUN: "1"})
-    assert not plan.sweep_decode and run.run_samples(run.Plan.dry(), {}).sweep_decode
+    plan = run.run_sweep_flags(run.Plan.dry(), {run.ENV_PREFILL_ONLY_RUN: "1"})
+    assert not plan.sweep_decode and run.run_sweep_flags(run.Plan.dry(), {}).sweep_decode
     with pytest.raises(SystemExit, match="0 or 1"):
-        run.run_samples(plan, {run.ENV_PREFILL_ONLY_RUN: "yes"})
+        run.run_sweep_flags(plan, {run.ENV_PREFILL_ONLY_RUN: "yes"})
 
-    started = []
+    started, sent = [], []
 
     def fake_server(plan, stack, model, workdir, name, arm_files, mem=None, graph_batches=None, samples=False, **kw):
         started.append((name, graph_batches))
-        return SimpleNamespace(name=name, get_json=lambda path: {"max_total_num_tokens": 4096})
+        return SimpleNamespace(name=name, get_json=lambda path: {"max_total_num_tokens": 4096},
+                               wait_ready=lambda timeout: None)
 
-    async def no_burst(*args, **kwargs):
-        raise AssertionError("a prefill-only sweep serves no decode burst")
+    async def fake_burst(server, prompts, new_tokens):  # the warm-up's alone: no decode burst
+        sent.append((server.name, len(prompts), len(prompts[0]), new_tokens))
+        return []
 
     def fake_cells(plan, server, vocab):  # the routed arms 20% faster than dense at every length
         ttft = 0.1 if server.name == "dense" else 0.08
         return [{"tokens": n, "ttft_s": ttft, "ttft_reps": [ttft] * 3} for n in plan.prefill_lengths], []
 
     monkeypatch.setattr(run, "server_for", fake_server)
-    monkeypatch.setattr(run, "burst", no_burst)
+    monkeypatch.setattr(run, "burst", fake_burst)
+    monkeypatch.setattr(run, "prefill_round", lambda server, prompts: sent.append((server.name, len(prompts),
+                                                                                   len(prompts[0]), 1)))
     monkeypatch.setattr(run, "prefill_cells", fake_cells)
     monkeypatch.setattr(run, "ready", lambda plan, servers: None)
     monkeypatch.setattr(run, "triton_compiles", lambda server: None)
     monkeypatch.setattr(run, "served", lambda server: {"arm": server.name, "profile": {"decode_graphs": "disabled"}})
     monkeypatch.setattr(run, "check_served", lambda plan, out, stage: {"ok": True, "cases": []})
-    monkeypatch.setattr(run, "sweep_reference", lambda *args: None)
-    sweep = run.stage_sweep(plan, tmp_path / "out", 300)
-    assert started == [(name, run.PREFILL_ONLY_GRAPHS) for name in ("dense", run.ALWAYS, run.CONTROL)]
-    for arm in sweep["arms"].values():
-        assert arm["decode"] == [] and arm["decode_cells"] is False and arm["line"] is None
+    out = tmp_path / "out"
+    sweep = run.stage_sweep(plan, out, 300)
+    served = ("dense", run.ALWAYS, run.CONTROL, run.PREFILL_GRAPHS)
+    assert started == [(name, run.PREFILL_ONLY_GRAPHS) for name in served]
+    # each server, the reference too, warmed by one untimed prompt of each length and one of each round
+    assert sent == [(name, *shape, 1) for name in served
+                    for shape in [(1, n) for n in plan.prefill_lengths] + list(plan.prefill_rounds)]
+    for name, arm in sweep["arms"].items():
+        assert arm["decode"] == [] and (name == run.PREFILL_GRAPHS or arm["decode_cells"] is False)
+        assert name == run.PREFILL_GRAPHS or arm["line"] is None
     c = sweep["comparison"]
     assert c["decode_speedup"] == [] and "tau_ms" not in c
     assert [round(p["dense_over_routed_time"], 3) for p in c["prefill_speedup"]] == [1.25, 1.25]
@@ -1583,6 +1592,17 @@ def test_a_prefill_only_sweep_serves_no_decode_cell_and_its_summary_says_what_it
     assert "tau =" not in text and "| batch | context |" not in text and "bursts a decode cell" not in text
     assert "| prefill tokens | dense / routed time | range |" in text
     assert "| prefill tokens | s=0 / s=0.5 time | range | FLOP limit | dense / s=0 time | range |" in text
+    # a prefill-only sweep measures no tau: the headline takes an earlier run's instead of reporting none
+    (out / "sweep.json").write_text(json.dumps(sweep))
+    assert run.prefill_only(sweep) and run.sweep_for_tau(out)[1] != run.OWN_SWEEP
+    # a folder holds one kind of sweep: a whole sweep refuses it (nor does a finished one count as done)
+    whole = run.run_sweep_flags(run.Plan.dry(), {})
+    assert "served dense, random-r0-always, random-r1-d0.5-always without decode cells (--prefill-only), and " \
+           "this run serves the sweep's prefill with its decode cells" in run.sweep_mode_mismatch(whole, out)
+    assert run.sweep_mode_mismatch(plan, out) is None
+    assert not run.covers("sweep", sweep, (), out, whole) and run.covers("sweep", sweep, (), out, plan)
+    with pytest.raises(SystemExit, match="a folder holds one kind of sweep"):
+        run.stage_sweep(whole, out, 300)
     # an arm of an earlier call that decoded first, kept beside prefill-only ones: the summary says they differ
     sweep["arms"]["dense"]["decode_cells"] = True
     assert f"Not every arm of this sweep served the decode cells before its prefill ones (dense: decode and " \

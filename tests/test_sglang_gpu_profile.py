@@ -178,11 +178,12 @@ def test_sglang_cuda_server_path_imports_with_the_stand_ins_and_its_cuda_rmsnorm
 @pytest.mark.server
 def test_without_jit_sglangs_forced_torch_backend_runs_its_norms_and_silu_in_torch_not_the_stand_in(cuda_path):
     """The stand-in profile without `--gpu-jit` forces SGLang's fused ops onto their torch paths
-    (`SGLANG_FORCE_FUSED_OP_BACKEND=torch`): RMSNorm, its residual add and SiLU-and-mul run `forward_native`, a
-    chain of torch kernels, on every arm; the stand-in's `rmsnorm` / `fused_add_rmsnorm` / `silu_and_mul` serve only
-    a call that dispatches to SGLang's CUDA path."""
+    (`SGLANG_FORCE_FUSED_OP_BACKEND=torch`): RMSNorm, its residual add, SiLU-and-mul and the rotary embedding run
+    `forward_native`, a chain of torch kernels, on every arm (the paths `--stand-in-ops triton` hooks); the
+    stand-in's `rmsnorm` / `fused_add_rmsnorm` / `silu_and_mul` serve only a call that dispatches to SGLang's CUDA
+    path."""
     assert cuda_path["dispatched"] == {"RMSNorm": ["forward_native"], "RMSNorm+residual": ["forward_native"],
-                                       "SiluAndMul": ["forward_native"]}
+                                       "SiluAndMul": ["forward_native"], "RotaryEmbedding": ["forward_native"]}
 
 
 @pytest.mark.server

@@ -1,6 +1,6 @@
 """The CUDA stand-in profile's Triton ops (`vskipper serve --stand-in-ops triton`): `vskipper.mixed.norms`' kernels
-under TRITON_INTERPRET=1 against SGLang's own torch paths (`RMSNorm.forward_native`, `SiluAndMul.forward_native`),
-the hooks that put them in those paths' place and what they leave to SGLang, and the profile that asks for them.
+under TRITON_INTERPRET=1 against SGLang's own torch paths (`RMSNorm.forward_native`, `SiluAndMul.forward_native`,
+`RotaryEmbedding.forward_native`), the hooks that put them in those paths' place and what they leave to SGLang, and the profile that asks for them.
 
 No GPU here: the kernels' values are the interpreter's, whose fp32-to-bf16 conversion truncates where a GPU rounds to
 nearest, so bf16 results are held to two units in the last place; float32 results to fp32 rounding. Their speed, and
@@ -114,6 +114,12 @@ def test_rope_equals_sglangs_torch_path_on_the_query_and_key_views_of_a_fused_pr
         _close(g, w)
         assert g.is_contiguous()
     assert torch.equal(q, q0) and torch.equal(k, k0)
+    # int32 positions, every other one of a longer tensor (a strided view): the same values
+    strided = torch.zeros(14, dtype=torch.int32)
+    strided[::2] = positions
+    for g, w in zip(rotary_embedding(strided[::2], q, k, rope.cos_sin_cache, head, rotary, neox),
+                    rope.forward_native(positions, q, k), strict=True):
+        _close(g, w)
     q3, k3 = q.view(7, 4, head).bfloat16(), k.view(7, 2, head).bfloat16()  # (tokens, heads, head) operands too
     got = rotary_embedding(positions, q3, k3, rope.cos_sin_cache, head, rotary, neox)
     for g, w in zip(got, rope.forward_native(positions, q3.float(), k3.float()), strict=True):
@@ -336,7 +342,7 @@ def test_the_stand_in_ops_benchmark_times_both_paths_beside_their_launches(tmp_p
     report = json.loads(out.read_text())
     assert report["dtype"] == "bfloat16"
     launches = {op: (sum(r["torch_launches"]), sum(r["hooked_launches"])) for op, r in report["ops"].items()}
-    assert launches == {"rmsnorm": (8, 1), "add+rmsnorm": (11, 1), "silu_and_mul": (2, 1), "rope": (17, 1)}
+    assert launches == {"rmsnorm": (8, 1), "add+rmsnorm": (11, 1), "silu_and_mul": (2, 1), "rope": (21, 1)}
     for op, r in report["ops"].items():
         assert len(r["torch_us"]) == len(r["hooked_us"]) == 2 and r["hooked_over_torch"] > 0
         assert f"  {op}" in run.stdout

@@ -362,7 +362,7 @@ def run_stand_in_ops(plan: Plan, environ=os.environ) -> Plan:
     return replace(plan, stand_in_ops=ops)
 
 
-def run_samples(plan: Plan, environ=os.environ) -> Plan:
+def run_sweep_flags(plan: Plan, environ=os.environ) -> Plan:
     """The plan with the sweep's servers sampling their stacks where the run asks (ENV_SAMPLES_RUN, 0 or 1), and
     serving its prefill cells alone where it asks (ENV_PREFILL_ONLY_RUN, 0 or 1)."""
     flags = {}
@@ -414,10 +414,38 @@ def sweep_for_tau(out: Path) -> tuple[dict | None, str]:
     """The sweep whose tau the headline's second hybrid arm serves: this run's, else an earlier run's on this GPU:
     (sweep, where it comes from: OWN_SWEEP for this run's), or (None, why there is none)."""
     if (out / "sweep.json").is_file():
-        return json.loads((out / "sweep.json").read_text()), OWN_SWEEP
+        own = json.loads((out / "sweep.json").read_text())
+        if not prefill_only(own):  # a prefill-only sweep measures no tau: an earlier run's serves instead
+            return own, OWN_SWEEP
     path, where = earlier(out, "sweep.json", lambda p: (json.loads(p.read_text()).get("comparison") or {})
                           .get("tau_ms") is not None)
     return (json.loads(path.read_text()), f"the sweep of {where}") if path else (None, where)
+
+
+def prefill_only(sweep: dict) -> bool:
+    """Whether a sweep's arms served its prefill cells alone (`run.sh --prefill-only`, `Plan.sweep_decode`)."""
+    served = [arm.get("decode_cells", True) for name, arm in (sweep.get("arms") or {}).items()
+              if "error" not in arm and name != PREFILL_GRAPHS]
+    return bool(served) and not any(served)
+
+
+def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
+    """Why this run's sweep cannot continue or reuse what OUTDIR's sweep served: arms served with decode cells
+    where this run serves its prefill alone, or the other way round (`run.sh --prefill-only`); None where they
+    agree or nothing was served yet. A folder holds one kind of sweep: its arms' prefill passes follow the same
+    work."""
+    folder = out / "sweep"
+    kept = {p.name.removesuffix(".result.json"): json.loads(p.read_text()) for p in
+            sorted(folder.glob("*.result.json"))} if folder.is_dir() else {}
+    kept = {name: arm.get("decode_cells", True) for name, arm in kept.items()  # the reference serves no decode cell
+            if name != PREFILL_GRAPHS and "error" not in arm}
+    other = sorted(name for name, decoded in kept.items() if decoded != plan.sweep_decode)
+    if not other:
+        return None
+    done = "with its decode cells" if not plan.sweep_decode else "without decode cells (--prefill-only)"
+    asked = "alone (--prefill-only)" if not plan.sweep_decode else "with its decode cells"
+    return (f"{out}'s sweep served {', '.join(other)} {done}, and this run serves the sweep's prefill {asked}: a "
+            "folder holds one kind of sweep; give this run a new OUTDIR (and the old one as --earlier)")
 
 
 def graph_flags(flags: tuple[str, ...], batches: tuple[int, ...] | None) -> list[str]:
@@ -652,6 +680,19 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
             cell["pass_spans"] = median_spans(timed)
         round_cells.append(cell)
     return cells, round_cells
+
+
+WARM_REPETITION = 10_000  # the prompts' repetition of `prefill_warm_up`: none of the timed cells' prompts
+
+
+def prefill_warm_up(plan: Plan, server: Server, vocab: int) -> None:
+    """One untimed prompt at each of the sweep's prefill lengths and one of each of its rounds, prompts no timed
+    cell sends: what the cells' passes launch compiled and the allocator's blocks cached before they are timed, as
+    the decode cells' prefilled bursts leave them in a whole sweep."""
+    for length in plan.prefill_lengths:
+        asyncio.run(burst(server, [prefill_prompt(length, WARM_REPETITION, vocab)], 1))
+    for n, length in plan.prefill_rounds:
+        prefill_round(server, round_prompts(n, length, WARM_REPETITION, vocab))
 
 
 def round_prompts(n: int, length: int, repetition: int, vocab: int) -> list[list[int]]:
@@ -1171,6 +1212,9 @@ def compare_arm(plan: Plan, out: Path, key: str, name: str, role: str, cells: li
 
 
 def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
+    mismatch = sweep_mode_mismatch(plan, out)
+    if mismatch:
+        raise SystemExit(f"[sweep] {mismatch}")
     stage = Stage("sweep", out, budget_s)
     model = write_model(plan, out)
     arms = write_arms(out)
@@ -1216,6 +1260,8 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
                                    "step_s": step_s, "step_s_reps": [s for s, _ in reps], "tpot_s": step_s,
                                    "decode_tok_s": batch / step_s,
                                    "pass_spans": headline.pass_spans(before, pass_clock(server), "decode")})
+            if not plan.sweep_decode:  # no decode burst prefilled first: the prefill path warmed on its own
+                prefill_warm_up(plan, server, vocab)
             prefill, rounds = prefill_cells(plan, server, vocab)
             result["arms"][name] = {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill,
                                     "prefill_rounds": rounds,
@@ -1255,6 +1301,7 @@ def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path]
                                 plan.solo_mem_fraction, samples=plan.sweep_samples,
                                 graph_batches=plan.batches if plan.sweep_decode else PREFILL_ONLY_GRAPHS)
             server.wait_ready(min(plan.startup_timeout_s, REFERENCE_READY_S))
+            prefill_warm_up(plan, server, vocab)  # it serves no decode cell first, in either kind of sweep
             prefill, rounds = prefill_cells(plan, server, vocab)
             result = {"flags": flags, "decode": [], "prefill": prefill, "prefill_rounds": rounds,
                       "samples": plan.sweep_samples, "served": served(server)}
@@ -2608,7 +2655,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # A stage stopped at its time limit (SIGTERM) unwinds: its servers are stopped, never left holding the device.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    plan = run_samples(run_stand_in_ops(Plan.dry() if args.dry_run else Plan.gpu()))
+    plan = run_sweep_flags(run_stand_in_ops(Plan.dry() if args.dry_run else Plan.gpu()))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "summary":
         summary(plan, args.out)
@@ -2616,7 +2663,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     path = args.out / f"{args.stage}.json"
     done = json.loads(path.read_text()) if path.is_file() else None
-    if done is not None and covers(args.stage, done, args.arms, args.out):
+    if done is not None and covers(args.stage, done, args.arms, args.out, plan):
         print(f"[{args.stage}] complete in an earlier run: {path}")
         return 0
     stages = {"tiles": stage_tiles, "ladder": stage_ladder, "sweep": stage_sweep, "headline": stage_headline,
@@ -2656,13 +2703,16 @@ def _arms(text: str) -> tuple[str, ...]:
     return keys
 
 
-def covers(stage: str, done: dict, arms: tuple[str, ...], out: Path) -> bool:
-    """Whether a stage's earlier result in `out` holds all this run asks of it: nothing left or failed, and for the
-    ladder and the headline the loads and arms of `arms` (a lease serves some of them)."""
+def covers(stage: str, done: dict, arms: tuple[str, ...], out: Path, plan: Plan | None = None) -> bool:
+    """Whether a stage's earlier result in `out` holds all this run asks of it: nothing left or failed, for the
+    ladder and the headline the loads and arms of `arms` (a lease serves some of them), and for the sweep the kind
+    `plan` asks for (with decode cells or its prefill alone)."""
     if done.get("left") or done.get("failed"):
         return False
     if stage == "ladder":
         return set(arm_loads(arms)) <= set(done.get("loads") or headline.LOADS)
+    if stage == "sweep" and plan is not None and sweep_mode_mismatch(plan, out) is not None:
+        return False  # stage_sweep says why (a folder holds one kind of sweep)
     if stage == "headline":
         if not set(arms) <= set(done.get("arms_requested") or HEADLINE_ARMS):
             return False
