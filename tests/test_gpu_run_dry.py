@@ -1449,6 +1449,21 @@ def test_the_samples_tables_set_the_sequences_frames_beside_their_share_in_a_row
     assert "dense," not in text and run.sample_lines({"dense": {"cells": [{"samples": None}]}}) == []
 
 
+def _handed(tmp_path, flag: str, variable: str) -> list[str]:
+    """What `run.sh install --dry-run` hands its Python in `variable`, with `flag` and then without it (run.sh's
+    Python a script that records it)."""
+    seen = tmp_path / "seen"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho \"${variable}\" >> {seen}\n")
+    fake.chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHON": str(fake)}
+    for args in ([flag], []):
+        r = subprocess.run([str(SCRIPT), "install", str(tmp_path / "handed"), "--dry-run", *args], capture_output=True,
+                           text=True, cwd=ROOT, timeout=60, env=env)
+        assert r.returncode == 0, r.stderr
+    return seen.read_text().split()
+
+
 def test_the_sweeps_servers_sample_their_stacks_where_the_run_asks_and_the_summary_says_where_by_line(
         tmp_path, monkeypatch):
     """`run.sh --samples` reaches run.py (ENV_SAMPLES_RUN) and every sweep server samples its forward's stack; each
@@ -1458,16 +1473,7 @@ def test_the_sweeps_servers_sample_their_stacks_where_the_run_asks_and_the_summa
     import copy
     from types import SimpleNamespace
 
-    seen = tmp_path / "seen"
-    fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\necho \"$VSKIPPER_GPU_RUN_SAMPLES\" >> {seen}\n")
-    fake.chmod(0o755)
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHON": str(fake)}
-    for args in (["--samples"], []):
-        r = subprocess.run([str(SCRIPT), "install", str(tmp_path / "out"), "--dry-run", *args], capture_output=True,
-                           text=True, cwd=ROOT, timeout=60, env=env)
-        assert r.returncode == 0, r.stderr
-    assert seen.read_text().split() == ["1", "0"]
+    assert _handed(tmp_path, "--samples", "VSKIPPER_GPU_RUN_SAMPLES") == ["1", "0"]
     monkeypatch.setenv(run.ENV_SAMPLES_RUN, "1")
     plan = run.run_sweep_flags(run.Plan.gpu())
     assert plan.sweep_samples and not run.run_sweep_flags(run.Plan.gpu(), {}).sweep_samples
@@ -1534,16 +1540,7 @@ def test_a_prefill_only_sweep_serves_no_decode_cell_and_its_summary_says_what_it
     prefill cells are the stand-ins' figures; run.sh's Python is a script that records what it was handed.)"""
     from types import SimpleNamespace
 
-    seen = tmp_path / "seen"
-    fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\necho \"$VSKIPPER_GPU_RUN_PREFILL_ONLY\" >> {seen}\n")
-    fake.chmod(0o755)
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHON": str(fake)}
-    for args in (["--prefill-only"], []):
-        r = subprocess.run([str(SCRIPT), "install", str(tmp_path / "flag"), "--dry-run", *args], capture_output=True,
-                           text=True, cwd=ROOT, timeout=60, env=env)
-        assert r.returncode == 0, r.stderr
-    assert seen.read_text().split() == ["1", "0"]
+    assert _handed(tmp_path, "--prefill-only", "VSKIPPER_GPU_RUN_PREFILL_ONLY") == ["1", "0"]
     plan = run.run_sweep_flags(run.Plan.dry(), {run.ENV_PREFILL_ONLY_RUN: "1"})
     assert not plan.sweep_decode and run.run_sweep_flags(run.Plan.dry(), {}).sweep_decode
     with pytest.raises(SystemExit, match="0 or 1"):
