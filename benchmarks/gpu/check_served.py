@@ -491,7 +491,6 @@ def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tup
         return torch.randn(*shape, generator=gen).to(device, dtype)
 
     reps = (OPS_TIMING_REPS if device.type == "cuda" else 0) if timing_reps is None else timing_reps
-    timed = device if reps else None
 
     # Llama-3's rotary embedding (base 500,000, NeoX halves), its cos/sin cache as SGLang keeps it on the device
     rope = RotaryEmbedding(size.head_dim, size.head_dim, ROPE_POSITIONS, 500000, True, dtype).to(device)
@@ -505,11 +504,11 @@ def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tup
             name = f"stand-in ops: RMSNorm of {n} x {width}" + (" with its residual add" if residual else "")
             results.append(op_verdict(name, lambda norm=norm, args=args: stand_in_ops.around_rmsnorm(
                 RMSNorm.forward_native, norm, *args), lambda norm=norm, args=args: norm.forward_native(*args),
-                timed, reps))
+                device, reps))
         z = randn(n, 2 * size.intermediate) * 4
         results.append(op_verdict(f"stand-in ops: SiLU-and-mul of {n} x {2 * size.intermediate}",
                                   lambda z=z: stand_in_ops.around_silu_and_mul(SiluAndMul.forward_native, None, z),
-                                  lambda z=z: SiluAndMul.forward_native(None, z), timed, reps))
+                                  lambda z=z: SiluAndMul.forward_native(None, z), device, reps))
         # RoPE of the query and key views of one fused QKV projection, as the layers split it, at positions up to
         # the device run's context length
         qkv = randn(n, (size.heads + 2 * size.kv_heads) * size.head_dim) * 3
@@ -519,7 +518,7 @@ def stand_in_ops_cases(device: torch.device, dtype: torch.dtype, size, rows: tup
                                   f"{size.head_dim}",
                                   lambda q=q, k=k, p=positions: stand_in_ops.around_rope(
                                       RotaryEmbedding.forward_native, rope, p, q, k),
-                                  lambda q=q, k=k, p=positions: rope.forward_native(p, q, k), timed,
+                                  lambda q=q, k=k, p=positions: rope.forward_native(p, q, k), device,
                                   reps))
     return results
 
@@ -614,9 +613,9 @@ def op_timing(hooked, native, device: torch.device, reps: int = OPS_TIMING_REPS)
     return out
 
 
-def op_verdict(name: str, hooked, native, device: torch.device | None = None, reps: int = OPS_TIMING_REPS) -> dict:
-    """One stand-in op's case: `hooked()` (through the hook, which must take the kernel) against `native()`; on
-    `device`, each side timed too (`op_timing`, `reps` calls a side)."""
+def op_verdict(name: str, hooked, native, device: torch.device, reps: int = 0) -> dict:
+    """One stand-in op's case: `hooked()` (through the hook, which must take the kernel) against `native()` on
+    `device`; with `reps`, each side timed too (`op_timing`, `reps` calls a side)."""
     from vskipper.sglang import stand_in_ops
 
     before = stand_in_ops.calls()
@@ -628,7 +627,7 @@ def op_verdict(name: str, hooked, native, device: torch.device | None = None, re
     pairs = zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,), strict=True)
     err = max(row_strays(g.float().reshape(-1, g.shape[-1]), w.float().reshape(-1, w.shape[-1])) for g, w in pairs)
     ok = err <= OPS_RTOL and taken == {"triton": 1}
-    timing = op_timing(hooked, native, device, reps) if device is not None else None
+    timing = op_timing(hooked, native, device, reps) if reps else None
     said = "" if timing is None else "; host us " + " / ".join(
         f"{side} {t['host_us']:.1f}" + ("" if t["device_us"] is None else f" (device {t['device_us']:.1f})")
         for side, t in timing.items())

@@ -233,6 +233,12 @@ class Plan:
                    engagement_optional=True, threshold_step=10, dry_thresholds=(60, 40), model_size={"layers": 4},
                    ladder_start_max=3, prefill_rounds=((2, 32),))
 
+    @property
+    def sweep_graph_batches(self) -> tuple[int, ...]:
+        """The decode batch sizes a sweep server captures graphs of: the sweep's own, or one row where it serves
+        its prefill alone (`sweep_decode`)."""
+        return self.batches if self.sweep_decode else PREFILL_ONLY_GRAPHS
+
     def prefill_graph_flags(self) -> list[str]:
         """The reference arm's flags (`PREFILL_GRAPHS`): breakable prefill graphs captured at the sweep's prompt
         lengths (a graph of a pass's tokens or more replays it). None on CPU, which captures no graph."""
@@ -422,11 +428,17 @@ def sweep_for_tau(out: Path) -> tuple[dict | None, str]:
     return (json.loads(path.read_text()), f"the sweep of {where}") if path else (None, where)
 
 
+def decode_cells(arms: dict) -> dict[str, bool]:
+    """Whether each served arm of a sweep served its decode cells before its prefill ones (`Plan.sweep_decode`;
+    an arm from before the flag did); the reference serves prefill alone in either kind of sweep, and is left out."""
+    return {name: arm.get("decode_cells", True) for name, arm in arms.items()
+            if "error" not in arm and name != PREFILL_GRAPHS}
+
+
 def prefill_only(sweep: dict) -> bool:
     """Whether a sweep's arms served its prefill cells alone (`run.sh --prefill-only`, `Plan.sweep_decode`)."""
-    served = [arm.get("decode_cells", True) for name, arm in (sweep.get("arms") or {}).items()
-              if "error" not in arm and name != PREFILL_GRAPHS]
-    return bool(served) and not any(served)
+    served = decode_cells(sweep.get("arms") or {})
+    return bool(served) and not any(served.values())
 
 
 def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
@@ -435,10 +447,8 @@ def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
     agree or nothing was served yet. A folder holds one kind of sweep: its arms' prefill passes follow the same
     work."""
     folder = out / "sweep"
-    kept = {p.name.removesuffix(".result.json"): json.loads(p.read_text()) for p in
-            sorted(folder.glob("*.result.json"))} if folder.is_dir() else {}
-    kept = {name: arm.get("decode_cells", True) for name, arm in kept.items()  # the reference serves no decode cell
-            if name != PREFILL_GRAPHS and "error" not in arm}
+    kept = decode_cells({p.name.removesuffix(".result.json"): json.loads(p.read_text())
+                         for p in folder.glob("*.result.json")} if folder.is_dir() else {})
     other = sorted(name for name, decoded in kept.items() if decoded != plan.sweep_decode)
     if not other:
         return None
@@ -1233,7 +1243,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
             continue
         with ExitStack() as stack:
             server = server_for(plan, stack, model, stage.out / name, name, arms, plan.solo_mem_fraction,
-                                graph_batches=plan.batches if plan.sweep_decode else PREFILL_ONLY_GRAPHS,
+                                graph_batches=plan.sweep_graph_batches,
                                 samples=plan.sweep_samples)
             ready(plan, [server])
             capacity = kv_capacity(server)
@@ -1299,7 +1309,7 @@ def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path]
         with ExitStack() as stack:
             server = server_for(plan, stack, model, stage.out / PREFILL_GRAPHS, PREFILL_GRAPHS, arms,
                                 plan.solo_mem_fraction, samples=plan.sweep_samples,
-                                graph_batches=plan.batches if plan.sweep_decode else PREFILL_ONLY_GRAPHS)
+                                graph_batches=plan.sweep_graph_batches)
             server.wait_ready(min(plan.startup_timeout_s, REFERENCE_READY_S))
             prefill_warm_up(plan, server, vocab)  # it serves no decode cell first, in either kind of sweep
             prefill, rounds = prefill_cells(plan, server, vocab)
@@ -2384,8 +2394,7 @@ def sweep_decode_lines(arms: dict) -> list[str]:
     """Where the sweep's arms served no decode cells (`run.sh --prefill-only`, `Plan.sweep_decode`), what that
     leaves out; where some did and some did not (arms of an earlier call kept), that their prefill cells came after
     different work."""
-    served = {name: arm.get("decode_cells", True) for name, arm in arms.items()
-              if "error" not in arm and name != PREFILL_GRAPHS}  # the reference serves prefill alone, always
+    served = decode_cells(arms)
     if all(served.values()):
         return []
     if not any(served.values()):
