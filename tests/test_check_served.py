@@ -22,6 +22,8 @@ def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path
     assert check_served.main(["--dry-run", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["ok"] and report["execution"]["decode"] == "triton"
+    # what a later run on this device may reuse it for: this tree's checked code, the packages, the table, the ops
+    assert report["stamp"] == run.check_stamp(None, "torch") and report["stamp"]["sglang"] == "0.5.21"
     # the servers' attention backend (the device run's profile: the stand-ins'), against a reference through another
     assert report["attention_backend"] == "triton" and report["reference_backend"] == "torch_native"
     names = [c["case"] for c in report["cases"]]
@@ -410,9 +412,10 @@ def test_a_check_that_strays_leaves_its_stage_going_and_its_verdict_to_the_summa
     stage = run.Stage("headline", tmp_path, 600)
     report = {"device": "cpu", "execution": {}, "rtol": 0.05, "ok": False, "cases": []}
 
-    def fake_steps(plan, stage, steps, limit_s=None):
+    def fake_steps(plan, stage, steps, limit_s=None, need_s=None):
         ((name, target, cmd),) = steps
         assert name == "check-served" and "--dry-run" in cmd and target == tmp_path / run.CHECK_JSON
+        assert need_s == run.CHECK_NEED_S  # what it takes on a device, not a generic step's need
         target.write_text(json.dumps(report))
         stage.failed.append(name)
         return {name: {"exit": 1, "output": str(target)}}
@@ -420,6 +423,60 @@ def test_a_check_that_strays_leaves_its_stage_going_and_its_verdict_to_the_summa
     monkeypatch.setattr(run, "run_steps", fake_steps)
     check = run.check_served(run.Plan.dry(), tmp_path, stage)
     assert stage.failed == [] and check["report"] == report and check["runs"]["check-served"]["exit"] == 1
+
+
+def test_an_earlier_runs_check_at_this_runs_stamp_on_this_gpu_is_taken_and_any_other_is_not(tmp_path, monkeypatch):
+    """A lease's second call on the same machine (`--earlier` its first call's folder) takes that call's check of the
+    served layer where its stamp is this run's (the checked code, the packages, the table and the stand-in ops;
+    `bundle.check_stamp`) and it ran on this GPU: no minute spent on it again, and the summary says whose it is. A
+    stamp that differs in anything, or another GPU's folder, runs the check anew."""
+    from benchmarks.gpu import bundle
+
+    calls = []
+
+    def fake_steps(plan, stage, steps, limit_s=None, need_s=None):
+        calls.append(steps[0][1])
+        return {}
+
+    monkeypatch.setattr(run, "run_steps", fake_steps)
+    report = {"device": "cpu", "execution": {"decode": "triton"}, "rtol": 0.05, "ok": True,
+              "cases": [{"case": "decode 5 rows", "ok": True, "output_error": 0.001, "kv_error": 0.0}],
+              "stamp": run.check_stamp(None, "torch")}
+    env = json.dumps({"gpu": "none", "mode": "--dry-run", "stand_in_ops": "torch"})
+    first, later = tmp_path / "first", tmp_path / "later"
+    for folder in (first, later):
+        folder.mkdir()
+        (folder / "env.json").write_text(env)
+    (first / run.CHECK_JSON).write_text(json.dumps(report))
+    monkeypatch.setenv(run.ENV_EARLIER, str(first))
+    check = run.check_served(run.Plan.dry(), later, run.Stage("sweep", later, 600))
+    assert calls == [] and json.loads((later / run.CHECK_JSON).read_text()) == report
+    assert check["report"] == report and check["from"] == f"an earlier run on this GPU ({first})"
+    (line,) = [ln for ln in run.check_lines({"sweep": {"check": check}}) if ln.startswith("The served")]
+    assert f"checked by an earlier run on this GPU ({first}) at this run's code, packages, table and ops" in line
+    # anything else in the stamp differs: checked anew
+    for key, value in (("code", "0" * 64), ("triton", "3.6.0"), ("tile_table", "f" * 64), ("stand_in_ops", "triton")):
+        (first / run.CHECK_JSON).write_text(json.dumps({**report, "stamp": {**report["stamp"], key: value}}))
+        fresh = tmp_path / f"fresh-{key}"
+        fresh.mkdir()
+        (fresh / "env.json").write_text(env)
+        assert "from" not in run.check_served(run.Plan.dry(), fresh, run.Stage("sweep", fresh, 600))
+        assert calls[-1] == fresh / run.CHECK_JSON
+    # the same stamp on another GPU: not this run's check
+    (first / run.CHECK_JSON).write_text(json.dumps(report))
+    (first / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "mode": "device", "stand_in_ops": "torch"}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "env.json").write_text(env)
+    assert "from" not in run.check_served(run.Plan.dry(), other, run.Stage("sweep", other, 600))
+    assert len(calls) == 5
+    # the stamp's code is this tree's checked sources: a change to one of them changes it
+    tree = tmp_path / "tree"
+    (tree / "vskipper").mkdir(parents=True)
+    (tree / "vskipper" / "a.py").write_text("x = 1\n")
+    digest = bundle.code_digest(tree)
+    (tree / "vskipper" / "a.py").write_text("x = 2\n")
+    assert bundle.code_digest(tree) != digest
 
 
 def test_a_check_stopped_by_its_limit_fails_and_its_stage_does_not_run_it_again(tmp_path, monkeypatch):
@@ -434,7 +491,7 @@ def test_a_check_stopped_by_its_limit_fails_and_its_stage_does_not_run_it_again(
 
     calls = []
 
-    def hung(plan, stage, steps, limit_s=None):
+    def hung(plan, stage, steps, limit_s=None, need_s=None):
         calls.append(limit_s)
         stage.failed.append("check-served")
         return {"check-served": {"exit": 124, "output": str(steps[0][1])}}
@@ -557,7 +614,7 @@ def test_a_run_on_the_stand_in_ops_checks_them_before_its_first_routed_server_an
 
     commands = []
 
-    def fake_steps(plan, stage, steps, limit_s=None):
+    def fake_steps(plan, stage, steps, limit_s=None, need_s=None):
         ((name, target, cmd),) = steps
         commands.append(cmd)
         return {}

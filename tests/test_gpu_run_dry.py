@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import time
 from contextlib import ExitStack
 
 import pytest
@@ -1044,7 +1045,7 @@ def test_a_check_the_stages_budget_stopped_runs_again_in_the_stages_next_run(tmp
     left for the stage's next run, which starts it again (one its own limit stopped is not: it would hang again)."""
     calls = []
 
-    def budget_stop(plan, stage, steps, limit_s=None):
+    def budget_stop(plan, stage, steps, limit_s=None, need_s=None):
         calls.append(1)
         stage.left.append("check-served")
         return {"check-served": {"exit": 124, "output": str(steps[0][1])}}
@@ -1605,3 +1606,104 @@ def test_a_prefill_only_sweep_serves_no_decode_cell_and_its_summary_says_what_it
     assert f"Not every arm of this sweep served the decode cells before its prefill ones (dense: decode and " \
            f"prefill, {run.ALWAYS}: prefill only, {run.CONTROL}: prefill only)" in run.markdown(
                {"dry_run": True, "sweep": sweep})
+
+
+def test_a_sweep_starts_an_arm_that_ends_before_its_limit_keeps_a_failed_arms_error_and_what_a_stop_served(
+        tmp_path, monkeypatch):
+    """On a device a sweep arm starts where what it takes (`Plan.sweep_arm_s`: a whole sweep's 150 s, a
+    prefill-only one's 75 s, from the H200's logs) ends before the stage's limit less its end (`Stage.fits`), not
+    where 30% of the budget is left; the check starts with its own 60 s. An arm whose server fails is named with its
+    error and the others serve; a stage stopped at its limit (run.sh's TERM) keeps the arms it served, its
+    comparison and summary written, the arm it was serving left for the next call. (No server: each arm is stood
+    in for, on a clock that each arm advances by a minute.)"""
+    gpu = run.Plan.gpu()
+    prefill_only = dataclasses.replace(gpu, sweep_decode=False)
+    assert (gpu.sweep_arm_s, prefill_only.sweep_arm_s, run.Plan.dry().sweep_arm_s) == (150.0, 75.0, 1.0)
+
+    clock = [1000.0]
+    monkeypatch.setattr(run.time, "monotonic", lambda: clock[0])
+    stage = run.Stage("gates", tmp_path, budget_s=20, limit_s=100)  # its end: 100 - STAGE_END_S = 75 s away
+    assert stage.fits(75, "one") and not stage.has_time(75, "two") and not stage.fits(76, "three")
+    assert stage.left == ["two", "three"] and run.Stage("x", tmp_path, 20).fits(20, "y")  # no limit: the budget
+
+    served, checks = [], []
+
+    def fake_arm(plan, stage, model, arm_files, name, vocab):
+        served.append(name)
+        clock[0] += 60
+        if name == run.ALWAYS:
+            raise RuntimeError("the server exited with code 1 before it was ready")
+        return {"prefill": [], "decode": [], "line": None, "served": {}, "decode_cells": False}
+
+    monkeypatch.setattr(run, "sweep_arm", fake_arm)
+    monkeypatch.setattr(run, "check_served", lambda plan, out, stage: checks.append(1) or {"runs": {}})
+    out = tmp_path / "out"
+    # limit 200 s: its end at 175 s. dense (75) at 0, always-route at 60 (fails), the control at 120 (needs 75: 195
+    # is past 175, left) and the reference (100 s at least) left
+    sweep = run.stage_sweep(prefill_only, out, 120, limit_s=200)
+    assert served == ["dense", run.ALWAYS] and checks == [1]
+    assert list(sweep["arms"]) == ["dense"] and sweep["failed"] == [run.ALWAYS]
+    assert sweep["errors"] == {run.ALWAYS: "RuntimeError: the server exited with code 1 before it was ready"}
+    assert sweep["left"] == [f"sweep of {run.CONTROL}", f"sweep of {run.PREFILL_GRAPHS}"]
+    assert sweep["comparison"] is None and not run.covers("sweep", sweep, (), out, prefill_only)
+    text = run.markdown({"dry_run": False, "sweep": sweep})
+    assert "## Decode sweep and prefill\n\nThe sweep did not serve everything:\n\n" \
+           f"- {run.ALWAYS} failed: RuntimeError: the server exited with code 1 before it was ready\n" \
+           f"- left for the next run: sweep of {run.CONTROL}, sweep of {run.PREFILL_GRAPHS}\n" in text
+    assert (out / "sweep" / "dense.result.json").is_file()
+    assert not (out / "sweep" / f"{run.ALWAYS}.result.json").exists()  # a later call serves it again
+
+    # stopped at its limit while serving the control: always-route and dense kept (dense from the call before)
+    def stopped_arm(plan, stage, model, arm_files, name, vocab):
+        served.append(name)
+        if name == run.CONTROL:
+            raise SystemExit(run.TERM_EXIT)
+        return {"prefill": [], "decode": [], "line": None, "served": {}, "decode_cells": False}
+
+    monkeypatch.setattr(run, "sweep_arm", stopped_arm)
+    monkeypatch.setattr(run, "compare_sweep", lambda plan, model, arms: {"arms": sorted(arms)})
+    served.clear()
+    sweep = run.stage_sweep(prefill_only, out, 120, limit_s=1000)
+    assert served == [run.ALWAYS, run.CONTROL] and sweep["stopped"] == f"sweep of {run.CONTROL}"
+    assert sweep["left"] == [f"sweep of {run.CONTROL}"] and sweep["comparison"] == {"arms": ["dense", run.ALWAYS]}
+    assert "- stopped at its limit while serving sweep of " + run.CONTROL in "\n".join(run.sweep_state_lines(sweep))
+    # any other exit (a refusal of its own) is not a stop at the limit: it propagates
+    monkeypatch.setattr(run, "sweep_arm", lambda *args: (_ for _ in ()).throw(SystemExit("refused")))
+    with pytest.raises(SystemExit, match="refused"):
+        run.stage_sweep(prefill_only, out, 120, limit_s=1000)
+
+
+def test_run_sh_packs_what_a_stage_wrote_while_it_runs_and_holds_nothing_open_after(tmp_path):
+    """`--pack`: every `VSKIPPER_PACK_EVERY_S` while the stages run, what they wrote so far goes into the archive
+    (a call cut short from outside keeps it), each pack whole or not at all; at the end the folder is packed whole,
+    no part file is left, and nothing of the packer holds the call's output open after it (a device call returns
+    when its output closes). (run.sh's Python is a script that writes one file, waits, keeps a copy of the archive
+    as the packer left it, then writes another.)"""
+    out, archive, midway = tmp_path / "out", tmp_path / "run.tar.gz", tmp_path / "midway.tar.gz"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+[ "$1" = benchmarks/gpu/run.py ] || exit 0
+echo first > "$3/first.txt"
+sleep "$STAGE_S"
+cp "{archive}" "{midway}" 2>/dev/null
+echo second > "$3/second.txt"
+""")
+    fake.chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHON": str(fake)}
+
+    def call(every: int, stage_s: float) -> float:
+        t0 = time.monotonic()
+        r = subprocess.run([str(SCRIPT), "sweep", str(out), "--dry-run", "--pack", str(archive)], capture_output=True,
+                           text=True, cwd=ROOT, timeout=60,
+                           env={**env, "VSKIPPER_PACK_EVERY_S": str(every), "STAGE_S": str(stage_s)})
+        assert r.returncode == 0, r.stdout + r.stderr
+        return time.monotonic() - t0
+
+    call(1, 3)
+    with tarfile.open(midway) as early:
+        assert "out/first.txt" in early.getnames() and "out/second.txt" not in early.getnames()
+    with tarfile.open(archive) as final:
+        assert {"out/first.txt", "out/second.txt"} <= set(final.getnames())
+    assert [p.name for p in tmp_path.iterdir() if ".part." in p.name] == []
+    # a packer asleep for 30 s when the stages end: stopped with its sleep, the call returns at once
+    assert call(30, 0) < 15

@@ -110,6 +110,38 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# What a check of the served layer (`check_served.py`) ran of this tree: the runtime's sources and tables, the check
+# and the benchmark rig it builds its layers with. With the packages it ran on, its stamp (`check_stamp`).
+CHECKED_CODE = ("vskipper/**/*.py", "vskipper/**/*.json", "benchmarks/gpu/check_served.py",
+                "benchmarks/mixed_depth_bench.py")
+CHECKED_PACKAGES = ("torch", "triton", "sglang")
+
+
+def code_digest(root: Path = ROOT, patterns: tuple[str, ...] = CHECKED_CODE) -> str:
+    """sha256 over the files `patterns` match under `root`, each its path and its bytes, in path order."""
+    h = hashlib.sha256()
+    for path in sorted({p for pattern in patterns for p in root.glob(pattern) if p.is_file()}):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(sha256(path).encode())
+    return h.hexdigest()
+
+
+def check_stamp(tile_table: Path | None, stand_in_ops: str) -> dict[str, str | None]:
+    """What a check of the served layer depends on besides the device: this tree's checked code, the packages it
+    runs on, the tile table it served (None: the one shipped for the device, in the code) and the stand-in ops. A
+    later run on the same device reuses a check whose stamp is its own (`run.py`'s `check_served`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"code": code_digest(), **{name: installed(name) for name in CHECKED_PACKAGES},
+            "tile_table": sha256(tile_table) if tile_table is not None else None, "stand_in_ops": stand_in_ops}
+
+
 def strip_wheel(src: Path, dst: Path, patterns: tuple[str, ...] = SGLANG_STRIP) -> int:
     """Copy a wheel leaving out members matching `patterns` (and their RECORD lines); the count left out."""
     dropped = 0

@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu import headline  # noqa: E402
-from benchmarks.gpu.bundle import device_pins  # noqa: E402
+from benchmarks.gpu.bundle import check_stamp, device_pins  # noqa: E402
 from loadgen.attestation import READ_ATTEMPTS, read_answered  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
@@ -107,6 +107,14 @@ ENV_SAMPLES_RUN = "VSKIPPER_GPU_RUN_SAMPLES"  # run.sh --samples: the sweep's se
 # server captures the one decode graph of a request): what a routed prefill pass costs, in less device time
 ENV_PREFILL_ONLY_RUN = "VSKIPPER_GPU_RUN_PREFILL_ONLY"
 PREFILL_ONLY_GRAPHS = (1,)  # the decode graphs a prefill-only sweep server captures
+# What one sweep arm takes on the H200, its server's start included (sweep-865480a's logs: a dense server ready 42 s
+# after its launch, a routed one 59 s; a whole arm, its decode cells and prefill, 140-150 s; the prefill cells alone
+# about 6 s): a sweep starts an arm only where this much is left before its limit (`Stage.fits`).
+SWEEP_ARM_S = 150.0
+PREFILL_ONLY_ARM_S = 75.0
+STAGE_END_S = 25.0  # what a stage that runs to its limit keeps after its last step: its result and the summary
+TERM_EXIT = 128 + signal.SIGTERM  # a stage's exit on run.sh's TERM at its limit (`main`)
+STEP_NEED_S = 120.0  # what a stage's subprocess step needs left to start (`run_steps`), unless it says
 
 
 @dataclass(frozen=True)
@@ -234,6 +242,14 @@ class Plan:
                    ladder_start_max=3, prefill_rounds=((2, 32),))
 
     @property
+    def sweep_arm_s(self) -> float:
+        """What one sweep server's arm takes, its start included: a whole sweep's or a prefill-only one's (on the
+        dry run a second: every arm starts)."""
+        if self.dry_run:
+            return 1.0
+        return SWEEP_ARM_S if self.sweep_decode else PREFILL_ONLY_ARM_S
+
+    @property
     def sweep_graph_batches(self) -> tuple[int, ...]:
         """The decode batch sizes a sweep server captures graphs of: the sweep's own, or one row where it serves
         its prefill alone (`sweep_decode`)."""
@@ -252,17 +268,29 @@ class Plan:
 
 
 class Stage:
-    """One stage's output folder, its time budget and what it left undone."""
+    """One stage's output folder, its time budget (and limit, where it was given one) and what it left undone."""
 
-    def __init__(self, name: str, out: Path, budget_s: float) -> None:
+    def __init__(self, name: str, out: Path, budget_s: float, limit_s: float | None = None) -> None:
         self.name, self.out = name, out / name
         self.out.mkdir(parents=True, exist_ok=True)
-        self.deadline = time.monotonic() + budget_s
+        now = time.monotonic()
+        self.deadline = now + budget_s
+        # the latest a step that knows what it takes may end (`fits`): the limit less the stage's end, else the budget
+        self.end = now + limit_s - STAGE_END_S if limit_s is not None else self.deadline
         self.left: list[str] = []
         self.failed: list[str] = []  # steps that failed outright (`run_steps`)
 
     def has_time(self, needed_s: float, what: str) -> bool:
-        if time.monotonic() + needed_s <= self.deadline:
+        """Whether `needed_s` from now is within the budget; else `what` is left for the next run."""
+        return self._within(self.deadline, needed_s, what)
+
+    def fits(self, needed_s: float, what: str) -> bool:
+        """Whether a step that takes `needed_s` (an estimate of the whole step) ends before the stage's limit, less
+        `STAGE_END_S`, where the stage was given its limit, else before its budget; else `what` is left."""
+        return self._within(self.end, needed_s, what)
+
+    def _within(self, deadline: float, needed_s: float, what: str) -> bool:
+        if time.monotonic() + needed_s <= deadline:
             return True
         self.left.append(what)
         print(f"[{self.name}] left for the next run (time budget): {what}", flush=True)
@@ -1221,72 +1249,98 @@ def compare_arm(plan: Plan, out: Path, key: str, name: str, role: str, cells: li
     return doc
 
 
-def stage_sweep(plan: Plan, out: Path, budget_s: float) -> dict:
+def stage_sweep(plan: Plan, out: Path, budget_s: float, limit_s: float | None = None) -> dict:
+    """Dense, always-route and the control, each on its own server, then the reference arm: an arm starts where
+    what it takes (`Plan.sweep_arm_s`) ends before the stage's limit (`Stage.fits`), each arm's result is written as
+    it is served, and an arm whose server fails is named with its error (`failed`, `errors`) while the others
+    serve. A stage stopped at its limit (run.sh's TERM) keeps what it served: its result and comparison are
+    written, the arm it was serving left for the next run."""
     mismatch = sweep_mode_mismatch(plan, out)
     if mismatch:
         raise SystemExit(f"[sweep] {mismatch}")
-    stage = Stage("sweep", out, budget_s)
+    stage = Stage("sweep", out, budget_s, limit_s)
     model = write_model(plan, out)
     arms = write_arms(out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    result: dict = {"arms": {}}
-    # dense and always-route first, so that a sweep cut short still holds the two latency lines tau and V_x come
-    # from (the headline's measured-tau arm needs them) and the skip against dense; the s = 0 control after
-    for name in ("dense", ALWAYS, CONTROL):
-        if name != "dense" and "check" not in result:  # before the first routed server: dense needs none, and
-            result["check"] = check_served(plan, out, stage)  # a check that hangs leaves dense measured
-        done = stage.out / f"{name}.result.json"
-        if done.is_file():
-            result["arms"][name] = json.loads(done.read_text())
-            continue
-        if not stage.has_time(0.3 * budget_s if not plan.dry_run else 1, f"sweep of {name}"):
-            continue
-        with ExitStack() as stack:
-            server = server_for(plan, stack, model, stage.out / name, name, arms, plan.solo_mem_fraction,
-                                graph_batches=plan.sweep_graph_batches,
-                                samples=plan.sweep_samples)
-            ready(plan, [server])
-            capacity = kv_capacity(server)
-            compiled = triton_compiles(server)  # what the arm compiles while it serves its cells: from here
-            decode, skipped = [], []
-            for batch in plan.batches if plan.sweep_decode else ():
-                for ctx in plan.contexts:
-                    need = batch * (ctx + plan.sweep_new_tokens)
-                    if need > capacity:
-                        skipped.append({"batch": batch, "context": ctx, "why": f"needs {need} KV tokens, "
-                                        f"pool {capacity}"})
-                        continue
-                    prompts = [prompt(ctx, 7 * batch + i, vocab) for i in range(batch)]
-                    # Prefilled once first (one token each): the timed burst finds the prompts in SGLang's prefix
-                    # cache, so its requests decode together instead of beside the chunks of each other's prefill
-                    # (whose cost differs per arm and would enter the decode figure).
-                    # Each repetition decodes the same prompts again (found in the cache again).
-                    asyncio.run(burst(server, prompts, 1))
-                    before = pass_clock(server)
-                    reps = [decode_step(asyncio.run(burst(server, prompts, plan.sweep_new_tokens)))
-                            for _ in range(plan.decode_reps)]
-                    step_s, steps = statistics.median(s for s, _ in reps), min(n for _, n in reps)
-                    decode.append({"batch": batch, "context": ctx, "resident_tokens": batch * (ctx + steps // 2),
-                                   "step_s": step_s, "step_s_reps": [s for s, _ in reps], "tpot_s": step_s,
-                                   "decode_tok_s": batch / step_s,
-                                   "pass_spans": headline.pass_spans(before, pass_clock(server), "decode")})
-            if not plan.sweep_decode:  # no decode burst prefilled first: the prefill path warmed on its own
-                prefill_warm_up(plan, server, vocab)
-            prefill, rounds = prefill_cells(plan, server, vocab)
-            result["arms"][name] = {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill,
-                                    "prefill_rounds": rounds,
-                                    "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"])
-                                                                          for d in decode]),
-                                    "compiles": headline.compiles_between(compiled, triton_compiles(server)),
-                                    "samples": plan.sweep_samples, "decode_cells": plan.sweep_decode,
-                                    "served": served(server)}
-        done.write_text(json.dumps(result["arms"][name], indent=1) + "\n")
-    reference = sweep_reference(plan, stage, model, arms, vocab)
+    result: dict = {"arms": {}, "errors": {}}
+    reference, serving = None, None
+    try:
+        # dense and always-route first, so that a sweep cut short still holds the two latency lines tau and V_x
+        # come from (the headline's measured-tau arm needs them) and the skip against dense; the s = 0 control after
+        for name in ("dense", ALWAYS, CONTROL):
+            if name != "dense" and "check" not in result:  # before the first routed server: dense needs none,
+                serving = "check-served"  # and a check that hangs leaves dense measured
+                result["check"] = check_served(plan, out, stage)
+            done = stage.out / f"{name}.result.json"
+            if done.is_file():
+                result["arms"][name] = json.loads(done.read_text())
+                continue
+            if not stage.fits(plan.sweep_arm_s, f"sweep of {name}"):
+                continue
+            serving = f"sweep of {name}"
+            try:
+                doc = sweep_arm(plan, stage, model, arms, name, vocab)
+            except Exception as exc:  # noqa: BLE001 -- the other arms still serve; the error is kept
+                result["errors"][name] = f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+                stage.failed.append(name)
+                log(stage.name, f"{name} failed: {result['errors'][name]}")
+                continue
+            done.write_text(json.dumps(doc, indent=1) + "\n")
+            result["arms"][name] = doc
+        serving = f"sweep of {PREFILL_GRAPHS}"
+        reference = sweep_reference(plan, stage, model, arms, vocab)
+    except SystemExit as stop:  # run.sh's TERM at the stage's limit: what was served stands
+        if stop.code != TERM_EXIT:
+            raise  # not the signal: a refusal or an exit of its own
+        log(stage.name, f"stopped at its limit while serving {serving}: what it served is kept")
+        stage.left.append(serving)
+        result["stopped"] = serving
     if reference is not None:
         result["arms"][PREFILL_GRAPHS] = reference
     result["comparison"] = compare_sweep(plan, model, result["arms"])
-    result["left"] = stage.left
+    result["left"], result["failed"] = stage.left, stage.failed
     return result
+
+
+def sweep_arm(plan: Plan, stage: Stage, model: Path, arm_files: dict[str, Path], name: str, vocab: int) -> dict:
+    """One arm of the sweep on its own server: its decode cells (where the plan serves them) and its prefill
+    cells."""
+    with ExitStack() as stack:
+        server = server_for(plan, stack, model, stage.out / name, name, arm_files, plan.solo_mem_fraction,
+                            graph_batches=plan.sweep_graph_batches,
+                            samples=plan.sweep_samples)
+        ready(plan, [server])
+        capacity = kv_capacity(server)
+        compiled = triton_compiles(server)  # what the arm compiles while it serves its cells: from here
+        decode, skipped = [], []
+        for batch in plan.batches if plan.sweep_decode else ():
+            for ctx in plan.contexts:
+                need = batch * (ctx + plan.sweep_new_tokens)
+                if need > capacity:
+                    skipped.append({"batch": batch, "context": ctx, "why": f"needs {need} KV tokens, "
+                                    f"pool {capacity}"})
+                    continue
+                prompts = [prompt(ctx, 7 * batch + i, vocab) for i in range(batch)]
+                # Prefilled once first (one token each): the timed burst finds the prompts in SGLang's prefix
+                # cache, so its requests decode together instead of beside the chunks of each other's prefill
+                # (whose cost differs per arm and would enter the decode figure).
+                # Each repetition decodes the same prompts again (found in the cache again).
+                asyncio.run(burst(server, prompts, 1))
+                before = pass_clock(server)
+                reps = [decode_step(asyncio.run(burst(server, prompts, plan.sweep_new_tokens)))
+                        for _ in range(plan.decode_reps)]
+                step_s, steps = statistics.median(s for s, _ in reps), min(n for _, n in reps)
+                decode.append({"batch": batch, "context": ctx, "resident_tokens": batch * (ctx + steps // 2),
+                               "step_s": step_s, "step_s_reps": [s for s, _ in reps], "tpot_s": step_s,
+                               "decode_tok_s": batch / step_s,
+                               "pass_spans": headline.pass_spans(before, pass_clock(server), "decode")})
+        if not plan.sweep_decode:  # no decode burst prefilled first: the prefill path warmed on its own
+            prefill_warm_up(plan, server, vocab)
+        prefill, rounds = prefill_cells(plan, server, vocab)
+        return {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill, "prefill_rounds": rounds,
+                "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"]) for d in decode]),
+                "compiles": headline.compiles_between(compiled, triton_compiles(server)),
+                "samples": plan.sweep_samples, "decode_cells": plan.sweep_decode, "served": served(server)}
 
 
 REFERENCE_READY_S = 150.0  # the reference's server ready within this (a sweep server: about 30 s on the H200)
@@ -1300,7 +1354,7 @@ def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path]
     done = stage.out / f"{PREFILL_GRAPHS}.result.json"
     if done.is_file():
         return json.loads(done.read_text())
-    if not stage.has_time(plan.start_estimate_s, f"sweep of {PREFILL_GRAPHS}"):
+    if not stage.fits(max(plan.start_estimate_s, plan.sweep_arm_s), f"sweep of {PREFILL_GRAPHS}"):
         return None
     flags = plan.prefill_graph_flags()
     done.write_text(json.dumps({"flags": flags, "error": "the call serving it stopped before it finished (its "
@@ -1528,10 +1582,12 @@ def finished(target: Path) -> bool:
     return target.name != BENCH_JSON or bool(json.loads(target.read_text()).get("complete"))
 
 
-def run_steps(plan: Plan, stage: Stage, steps, limit_s: float | None = None, grace_s: float = 0.0) -> dict:
-    """Each (name, output, command) step in a subprocess, within the stage's budget and `grace_s` past it (and
-    `limit_s` where given); a step whose output is whole from an earlier run is not run again. One stopped by the
-    budget, or that exits without its whole output, is left for the next run (which starts it again); one that
+def run_steps(plan: Plan, stage: Stage, steps, limit_s: float | None = None, grace_s: float = 0.0,
+              need_s: float = STEP_NEED_S) -> dict:
+    """Each (name, output, command) step in a subprocess, started where `need_s` is left (`Stage.fits`), within the
+    stage's budget, or its limit's end where the stage has one, and `grace_s` past it (and `limit_s` where given); a
+    step whose output is whole from an earlier run is not run again. One stopped by the budget, or that exits
+    without its whole output, is left for the next run (which starts it again); one that
     fails, or that its own limit stopped, is named in `stage.failed` and not run again by the same `run.sh all` (a
     failure that repeats would spend the session)."""
     runs = {}
@@ -1539,12 +1595,12 @@ def run_steps(plan: Plan, stage: Stage, steps, limit_s: float | None = None, gra
         if finished(target):
             runs[name] = {"output": str(target), "exit": 0, "earlier_run": True}
             continue
-        if not stage.has_time(5 if plan.dry_run else 120, name):
+        if not stage.fits(5 if plan.dry_run else need_s, name):  # what the step takes on a device
             continue
         env = dict(os.environ)
         if plan.dry_run:
             env["TRITON_INTERPRET"] = "1"
-        remaining = max(30.0, stage.deadline - time.monotonic()) + grace_s
+        remaining = max(30.0, stage.end - time.monotonic()) + grace_s  # the limit's end, where the stage has one
         limited = limit_s is not None and limit_s < remaining
         t0 = time.monotonic()
         try:
@@ -1605,6 +1661,7 @@ def stage_tiles(plan: Plan, out: Path, budget_s: float, limit_s: float | None = 
 
 
 CHECK_LIMIT_S = 150.0  # the served-layer check's own limit (about 30-60 s on a device: two rigs, their compiles)
+CHECK_NEED_S = 60.0  # what it takes on the H200: 31 s (sweep-865480a) and 51 s (lease-6), each with its compiles
 
 
 def check_served(plan: Plan, out: Path, stage: Stage) -> dict:
@@ -1612,15 +1669,26 @@ def check_served(plan: Plan, out: Path, stage: Stage) -> dict:
     table this run's servers take, before the first routed server of the OUTDIR: {'runs', 'report'}. A report
     written whole is not run again, and a check that ran in this stage's folder is not run again by the stage (one
     that hung or crashed would take every run's time); a later stage's runs it again. At most `CHECK_LIMIT_S`. A
-    case that strays is not fatal here: the summary says which, beside every routed figure it puts in doubt."""
+    case that strays is not fatal here: the summary says which, beside every routed figure it puts in doubt. An
+    earlier run's check (ENV_EARLIER) on this GPU whose stamp is this run's (`bundle.check_stamp`: the same checked
+    code, packages, table and stand-in ops) is taken instead of a new one: a lease's second call on the same machine
+    spends no minute on it."""
     target, ran = out / CHECK_JSON, stage.out / "check-served.run.json"
     if not finished(target) and ran.is_file():
         return {"runs": json.loads(ran.read_text())}
     table = tuned_table(plan, out)
+    if not finished(target):
+        stamp = check_stamp(table, plan.stand_in_ops)
+        path, where = earlier(out, CHECK_JSON, lambda p: json.loads(p.read_text()).get("stamp") == stamp)
+        if path is not None:
+            shutil.copyfile(path, target)
+            log(stage.name, f"check-served: taken from {where}, checked at this run's code, packages, table and ops")
+            runs = {"check-served": {"output": str(target), "exit": 0, "earlier_run": True}}
+            return {"runs": runs, "report": json.loads(target.read_text()), "from": where}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "check_served.py"), "--json", str(target),
            *(["--dry-run"] if plan.dry_run else []), *(["--tile-table", str(table)] if table else []),
            *(["--stand-in-ops", plan.stand_in_ops] if plan.stand_in_ops != "torch" else [])]
-    runs = run_steps(plan, stage, (("check-served", target, cmd),), limit_s=CHECK_LIMIT_S)
+    runs = run_steps(plan, stage, (("check-served", target, cmd),), limit_s=CHECK_LIMIT_S, need_s=CHECK_NEED_S)
     # a check the stage's budget stopped ran short, not wrong: the stage's next run starts it again
     if "check-served" in runs and not runs["check-served"].get("earlier_run") and "check-served" not in stage.left:
         ran.write_text(json.dumps(runs) + "\n")
@@ -1658,7 +1726,9 @@ def check_lines(results: dict) -> list[str]:
     through = f", its backend read through SGLang's {backend} attention backend" if backend else ""
     head = (f"The served routed layer ({json.dumps(report['execution'])}{through}) against its torch execution on "
             f"{report['device']} (`check_served.py`: decode eager{replayed}, prefill with either read{ops}; each "
-            f"row within {report['rtol']} of its largest value): ")
+            f"row within {report['rtol']} of its largest value"
+            + (f"; checked by {check['from']} at this run's code, packages, table and ops" if check.get("from") else "")
+            + "): ")
     if not bad:
         worst = max(max(c["output_error"], c["kv_error"]) for c in cases)
         lines = ["## Check", "", head + f"all {len(cases)} cases agree (the worst row {worst:.3g}).", ""]
@@ -1751,7 +1821,8 @@ def wait_lines(report: dict) -> list[str]:
 # device, one prompt at a time at the shortest and the third of the sweep's lengths and one round of several
 # prompts (the sweep's first): where a prefill pass's host time goes, part by part. Second, right after the first,
 # always-route on a server that times its passes whole and wraps no part (`ENV_PASS_SPANS` alone, as the sweep's
-# and the headline's servers run; a budget spent leaves the control and dense, whose prefill the sweep times too):
+# and the headline's servers run, its stack sampled as every clock server's, where sweep-865480a's servers sampled
+# none; a budget spent leaves the control and dense, whose prefill the sweep times too):
 # on the H200 the sweep's routed prefill passes took 62-73 ms of the host's launches at 1-4k tokens (dense's 35-38
 # up to 2k), where the part clock's took 41-45 ms at 1-2k (dense's 37-59, its parts timed). What differs is tried
 # one factor at a time: the clock's parts (that arm), the shapes in a row against rotated as the sweep rotates
@@ -1882,7 +1953,8 @@ def window_samples(before: dict, after: dict) -> dict | None:
 
 def stage_clock(plan: Plan, out: Path, budget_s: float) -> dict:
     """`CLOCK_SERVED` one at a time, each on its own server (its own start, the sweep's decode graphs only) with its
-    part clock on, but for `CLOCK_SPANS`, always-route timing its passes whole as the other stages' servers do:
+    part clock on, but for `CLOCK_SPANS`, always-route timing its passes whole as the other stages' servers do
+    (every one of them sampling its stack):
     after the warm-up, `clock_cells` at `clock_shapes`, then `clock_sequences`.
     Where the routed prefill's host time goes that the control's and dense's does not, part by part (the summary's
     tables): what the H200's sweep could not tell (a 1,024-token routed prefill 10% slower than the control's
@@ -2021,7 +2093,8 @@ def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
              "as the sweep serves its lengths), and rotated with the clock read between passes (as the sweep reads "
              "it), and so again after a burst that decodes together (as the sweep's prefill follows its decode "
              "cells). Host ms a pass (the forward's launches; `-spans`: a server that times each pass whole, "
-             "without the parts, as the sweep's and the headline's servers do), each beside the one before it, "
+             "without the parts, as the sweep's and the headline's servers do, its stack sampled as every server "
+             "here is, where sweep-865480a's were not), each beside the one before it, "
              "then the forward's thread's CPU ms a pass (what of the host's time it computed) and the device's ms "
              "a pass:", "",
              "| arm | parts timed | in a row | rotated | / in a row | read between | / rotated | after decoding "
@@ -2224,6 +2297,18 @@ def _reps(results: dict, key: str) -> str:
     return str(((results.get("sweep") or {}).get("plan") or {}).get(key, "?"))
 
 
+def sweep_state_lines(sweep: dict | None) -> list[str]:
+    """Which of the sweep's arms failed and why, where its limit stopped it, and what it left for the next run."""
+    if not sweep:
+        return []
+    lines = [f"- {name} failed: {error}" for name, error in (sweep.get("errors") or {}).items()]
+    if sweep.get("stopped"):
+        lines.append(f"- stopped at its limit while serving {sweep['stopped']}: what it served before stands")
+    if sweep.get("left"):
+        lines.append(f"- left for the next run: {', '.join(sweep['left'])}")
+    return ["The sweep did not serve everything:", "", *lines, ""] if lines else []
+
+
 def markdown(results: dict, out: Path | None = None) -> str:
     """The run's summary; `out`, the run's folder, for what a stage left in files there."""
     env = results.get("environment") or {}
@@ -2243,6 +2328,9 @@ def markdown(results: dict, out: Path | None = None) -> str:
     lines += tiles_lines(results.get("tiles"), results.get("sweep"))
     lines += headline.headline_lines(results.get("ladder"), results.get("headline"))
     sweep = results.get("sweep")
+    state = sweep_state_lines(sweep)
+    if state and not sweep.get("comparison"):  # no arm pair to compare: what happened, alone
+        lines += ["## Decode sweep and prefill", "", *state]
     if sweep and sweep.get("comparison"):
         c = sweep["comparison"]
         lines += ["## Decode sweep and prefill", ""] + sweep_decode_lines(sweep.get("arms") or {}) + [
@@ -2319,6 +2407,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
                 lines.append(f"| {g['goal']} | {g['threshold']:.2f} | {cell} | {g['ratio']:.3f} | {_range(g)} | "
                              f"{g['cells']} | {g['verdict']} |")
             lines.append("")
+        lines += state
     kernels = results.get("kernels")
     if kernels:
         lines += ["## Kernels", ""] + [f"- {k}: exit {v['exit']}, {v['output']}" for k, v in kernels["runs"].items()]
@@ -2663,7 +2752,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(lease.name, name, caps.get(name, 0), ",".join(lease.headline_arms) or "-")
         return 0
     # A stage stopped at its time limit (SIGTERM) unwinds: its servers are stopped, never left holding the device.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(TERM_EXIT))
     plan = run_sweep_flags(run_stand_in_ops(Plan.dry() if args.dry_run else Plan.gpu()))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "summary":
@@ -2678,7 +2767,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = {"tiles": stage_tiles, "ladder": stage_ladder, "sweep": stage_sweep, "headline": stage_headline,
               "kernels": stage_kernels, "clock": stage_clock}
     kwargs = {}
-    if args.stage == "tiles":
+    if args.stage in ("tiles", "sweep"):
         kwargs["limit_s"] = args.limit_s
     elif args.stage == "headline":  # the arms an earlier run served stay in the result
         kwargs["arms"] = headline_order(args.arms, (done or {}).get("arms_requested") or ())

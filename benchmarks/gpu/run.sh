@@ -191,19 +191,36 @@ stage_runs() {
     return $rc
 }
 
+# pack [quiet]: OUTDIR into --pack's archive, written whole or not at all (each writer its own part file, moved in
+# place once whole): an archive is always one whole pack.
 pack() {
     [ -n "$PACK" ] || return 0
-    tar -czf "$PACK" -C "$(dirname "$OUT")" "$(basename "$OUT")"
-    echo "[pack] $OUT -> $PACK ($(du -h "$PACK" | cut -f1))"
+    local part="$PACK.part.$BASHPID"
+    tar -czf "$part" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv -f "$part" "$PACK" || { rm -f "$part"; return 1; }
+    [ "${1:-}" = quiet ] || echo "[pack] $OUT -> $PACK ($(du -h "$PACK" | cut -f1))"
 }
 
 if [ "$STAGE" = pack ]; then pack; exit 0; fi
+# While the stages run, what they have written is packed every PACK_EVERY_S: a call cut short from outside (a
+# device's time running out before --within's) keeps what it served up to then.
+PACK_EVERY_S=${VSKIPPER_PACK_EVERY_S:-60}
+PACKER=
+stop_packer() {  # its pack in flight ends first; nothing of it holds the call's output open after
+    [ -z "$PACKER" ] || { kill "$PACKER" 2>/dev/null || true; wait "$PACKER" 2>/dev/null || true; PACKER=; }
+}
+if [ -n "$PACK" ]; then
+    ( nap=; trap '[ -z "$nap" ] || kill "$nap" 2>/dev/null; exit 0' TERM
+      while :; do sleep "$PACK_EVERY_S" & nap=$!; wait "$nap"; nap=; pack quiet || true; done ) > /dev/null 2>&1 &
+    PACKER=$!
+    trap stop_packer EXIT
+fi
 install
 RC=0
 case $STAGE in
     install) ;;
     all) for s in $("$PY" benchmarks/gpu/run.py stages "$OUT"); do
              stage_runs "$s" || RC=$?
+             pack || RC=$?  # what each stage left, kept as it ends: a call cut short keeps the stages before
          done
          "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY || RC=$? ;;
     lease-*) lines=$("$PY" benchmarks/gpu/run.py leases "$OUT" | awk -v l="$STAGE" '$1 == l')
@@ -213,6 +230,7 @@ case $STAGE in
                  rc=0
                  stage_runs "$s" "$cap" "$arms" || rc=$?
                  [ $rc = 0 ] || RC=$rc
+                 pack || RC=$?
                  # a stage that failed leaves what depends on it undone; one left by the time does too. Nothing
                  # needs the tiles stage: a server without its table takes the one shipped for the device
                  case $rc in 0) ;; *) [ "$s" = tiles ] || break ;; esac
@@ -220,6 +238,8 @@ case $STAGE in
              "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY || RC=$? ;;
     *) if [ -n "$WITHIN" ]; then stage_runs "$STAGE" || RC=$?; else stage "$STAGE" || RC=$?; fi ;;
 esac
+stop_packer
+[ -z "$PACK" ] || rm -f "$PACK".part.*
 pack || RC=$?
 # A stage stopped at its limit, or one that could start none of what it left, left work for a later call, as one
 # stopped by its budget: exit 4 (a caller's own timeout reads 124 and 137 as this call's own).
