@@ -19,11 +19,12 @@ def _check(tmp_path) -> dict:
 
 def test_the_served_layer_agrees_with_its_torch_execution_in_every_case(tmp_path):
     out = tmp_path / "check.json"
+    stamp = run.check_stamp(None, "torch")  # as run.py takes it before it starts the check
     assert check_served.main(["--dry-run", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["ok"] and report["execution"]["decode"] == "triton"
     # what a later run on this device may reuse it for: this tree's checked code, the packages, the table, the ops
-    assert report["stamp"] == run.check_stamp(None, "torch") and report["stamp"]["sglang"] == "0.5.21"
+    assert report["stamp"] == stamp and stamp["sglang"] == "0.5.21" and stamp["sgl-kernel"] is None
     # the servers' attention backend (the device run's profile: the stand-ins'), against a reference through another
     assert report["attention_backend"] == "triton" and report["reference_backend"] == "torch_native"
     names = [c["case"] for c in report["cases"]]
@@ -449,18 +450,30 @@ def test_an_earlier_runs_check_at_this_runs_stamp_on_this_gpu_is_taken_and_any_o
         (folder / "env.json").write_text(env)
     (first / run.CHECK_JSON).write_text(json.dumps(report))
     monkeypatch.setenv(run.ENV_EARLIER, str(first))
+    where = f"an earlier run on this GPU ({first})"
     check = run.check_served(run.Plan.dry(), later, run.Stage("sweep", later, 600))
-    assert calls == [] and json.loads((later / run.CHECK_JSON).read_text()) == report
-    assert check["report"] == report and check["from"] == f"an earlier run on this GPU ({first})"
+    assert calls == [] and json.loads((later / run.CHECK_JSON).read_text()) == {**report, "taken_from": where}
+    assert check["report"] == {**report, "taken_from": where}
     (line,) = [ln for ln in run.check_lines({"sweep": {"check": check}}) if ln.startswith("The served")]
-    assert f"checked by an earlier run on this GPU ({first}) at this run's code, packages, table and ops" in line
+    assert f"checked by {where} at this run's code, packages, table and ops" in line
+    # a later stage of this run, --earlier given or not, reads it as taken, from where it was taken
+    monkeypatch.delenv(run.ENV_EARLIER)
+    assert run.check_served(run.Plan.dry(), later, run.Stage("headline", later, 600)) == check and calls == []
+    monkeypatch.setenv(run.ENV_EARLIER, str(first))
+    # a stage whose own check crashed before (its run recorded, no report) takes the earlier one all the same
+    crashed = tmp_path / "crashed"
+    (crashed / "sweep").mkdir(parents=True)
+    (crashed / "env.json").write_text(env)
+    (crashed / "sweep" / "check-served.run.json").write_text(json.dumps({"check-served": {"exit": 1}}))
+    assert run.check_served(run.Plan.dry(), crashed, run.Stage("sweep", crashed, 600))["report"]["ok"]
     # anything else in the stamp differs: checked anew
-    for key, value in (("code", "0" * 64), ("triton", "3.6.0"), ("tile_table", "f" * 64), ("stand_in_ops", "triton")):
+    for key, value in (("code", "0" * 64), ("triton", "3.6.0"), ("tile_table", "f" * 64), ("stand_in_ops", "triton"),
+                       ("environment", {"SGLANG_FORCE_FUSED_OP_BACKEND": "torch"})):
         (first / run.CHECK_JSON).write_text(json.dumps({**report, "stamp": {**report["stamp"], key: value}}))
         fresh = tmp_path / f"fresh-{key}"
         fresh.mkdir()
         (fresh / "env.json").write_text(env)
-        assert "from" not in run.check_served(run.Plan.dry(), fresh, run.Stage("sweep", fresh, 600))
+        assert "report" not in run.check_served(run.Plan.dry(), fresh, run.Stage("sweep", fresh, 600))
         assert calls[-1] == fresh / run.CHECK_JSON
     # the same stamp on another GPU: not this run's check
     (first / run.CHECK_JSON).write_text(json.dumps(report))
@@ -468,8 +481,15 @@ def test_an_earlier_runs_check_at_this_runs_stamp_on_this_gpu_is_taken_and_any_o
     other = tmp_path / "other"
     other.mkdir()
     (other / "env.json").write_text(env)
-    assert "from" not in run.check_served(run.Plan.dry(), other, run.Stage("sweep", other, 600))
-    assert len(calls) == 5
+    assert "report" not in run.check_served(run.Plan.dry(), other, run.Stage("sweep", other, 600))
+    assert len(calls) == 6
+    # an earlier check cut short as it was written is nobody's: checked anew, nothing raised
+    (first / "env.json").write_text(env)
+    (first / run.CHECK_JSON).write_text('{"stamp": ')
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "env.json").write_text(env)
+    assert "report" not in run.check_served(run.Plan.dry(), torn, run.Stage("sweep", torn, 600)) and len(calls) == 7
     # the stamp's code is this tree's checked sources: a change to one of them changes it
     tree = tmp_path / "tree"
     (tree / "vskipper").mkdir(parents=True)

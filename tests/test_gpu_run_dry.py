@@ -1259,6 +1259,9 @@ def test_a_stage_that_left_work_and_started_none_is_not_run_again_in_the_call(tm
     assert run.main(["kernels", str(tmp_path / "unit"), "--dry-run"]) == run.EXIT_IDLE
     monkeypatch.setattr(run, "stage_kernels", lambda plan, out, budget_s: {"left": ["x"], "idle": False})
     assert run.main(["kernels", str(tmp_path / "unit2"), "--dry-run"]) == 4
+    # a stage that failed somewhere is not run again by the call, whatever it left (its failure would repeat)
+    monkeypatch.setattr(run, "stage_kernels", lambda plan, out, budget_s: {"left": ["x"], "failed": ["y"]})
+    assert run.main(["kernels", str(tmp_path / "unit3"), "--dry-run"]) == 1
     stub, runs = tmp_path / "python", tmp_path / "kernels-runs"
     stub.write_text(f"""#!/bin/sh
 if [ "$1" = benchmarks/gpu/run.py ] && [ "$2" = kernels ]; then echo run >> {runs}; exit {run.EXIT_IDLE}; fi
@@ -1667,6 +1670,18 @@ def test_a_sweep_starts_an_arm_that_ends_before_its_limit_keeps_a_failed_arms_er
     assert served == [run.ALWAYS, run.CONTROL] and sweep["stopped"] == f"sweep of {run.CONTROL}"
     assert sweep["left"] == [f"sweep of {run.CONTROL}"] and sweep["comparison"] == {"arms": ["dense", run.ALWAYS]}
     assert "- stopped at its limit while serving sweep of " + run.CONTROL in "\n".join(run.sweep_state_lines(sweep))
+    # stopped while serving the reference: its place was taken as it started (its error says so), so it is not left
+    def stopped_reference(plan, stage, model, arms, vocab):
+        placeholder = {"flags": [], "error": "the call serving it stopped before it finished"}
+        (stage.out / f"{run.PREFILL_GRAPHS}.result.json").write_text(json.dumps(placeholder))
+        raise SystemExit(run.TERM_EXIT)
+
+    monkeypatch.setattr(run, "sweep_arm", lambda *args: {"prefill": [], "decode": [], "line": None, "served": {},
+                                                         "decode_cells": False})
+    monkeypatch.setattr(run, "sweep_reference", stopped_reference)
+    sweep = run.stage_sweep(prefill_only, tmp_path / "reference", 120, limit_s=1000)
+    assert sweep["stopped"] == f"sweep of {run.PREFILL_GRAPHS}" and sweep["left"] == []
+    assert sweep["arms"][run.PREFILL_GRAPHS]["error"] == "the call serving it stopped before it finished"
     # any other exit (a refusal of its own) is not a stop at the limit: it propagates
     monkeypatch.setattr(run, "sweep_arm", lambda *args: (_ for _ in ()).throw(SystemExit("refused")))
     with pytest.raises(SystemExit, match="refused"):
@@ -1675,35 +1690,63 @@ def test_a_sweep_starts_an_arm_that_ends_before_its_limit_keeps_a_failed_arms_er
 
 def test_run_sh_packs_what_a_stage_wrote_while_it_runs_and_holds_nothing_open_after(tmp_path):
     """`--pack`: every `VSKIPPER_PACK_EVERY_S` while the stages run, what they wrote so far goes into the archive
-    (a call cut short from outside keeps it), each pack whole or not at all; at the end the folder is packed whole,
-    no part file is left, and nothing of the packer holds the call's output open after it (a device call returns
-    when its output closes). (run.sh's Python is a script that writes one file, waits, keeps a copy of the archive
-    as the packer left it, then writes another.)"""
+    (a call cut short from outside keeps it), each pack whole or not at all, a file that grows while tar reads it
+    (a server's log) taken as tar found it; at the end the folder is packed whole, no part file is left, and
+    nothing of the packer holds the call's output open after it (a device call returns when its output closes),
+    nor outlives a run.sh killed outright. (run.sh's Python is a script that writes one file, waits while another
+    grows, keeps a copy of the archive as the packer left it, then writes a third.)"""
+    import contextlib
+    import signal
+
     out, archive, midway = tmp_path / "out", tmp_path / "run.tar.gz", tmp_path / "midway.tar.gz"
     fake = tmp_path / "python"
     fake.write_text(f"""#!/bin/sh
 [ "$1" = benchmarks/gpu/run.py ] || exit 0
 echo first > "$3/first.txt"
+writer=
+[ -n "$GROW" ] && {{ ( while :; do echo line >> "$3/server.log"; done ) & writer=$!; }}
 sleep "$STAGE_S"
+[ -z "$writer" ] || kill $writer
 cp "{archive}" "{midway}" 2>/dev/null
 echo second > "$3/second.txt"
 """)
     fake.chmod(0o755)
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHON": str(fake)}
+    command = [str(SCRIPT), "sweep", str(out), "--dry-run", "--pack", str(archive)]
 
     def call(every: int, stage_s: float) -> float:
         t0 = time.monotonic()
-        r = subprocess.run([str(SCRIPT), "sweep", str(out), "--dry-run", "--pack", str(archive)], capture_output=True,
-                           text=True, cwd=ROOT, timeout=60,
-                           env={**env, "VSKIPPER_PACK_EVERY_S": str(every), "STAGE_S": str(stage_s)})
+        r = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60,
+                           env={**env, "VSKIPPER_PACK_EVERY_S": str(every), "STAGE_S": str(stage_s), "GROW": "1"})
         assert r.returncode == 0, r.stdout + r.stderr
         return time.monotonic() - t0
 
     call(1, 3)
     with tarfile.open(midway) as early:
-        assert "out/first.txt" in early.getnames() and "out/second.txt" not in early.getnames()
+        assert {"out/first.txt", "out/server.log"} <= set(early.getnames()) and "out/second.txt" not in early.getnames()
     with tarfile.open(archive) as final:
         assert {"out/first.txt", "out/second.txt"} <= set(final.getnames())
     assert [p.name for p in tmp_path.iterdir() if ".part." in p.name] == []
     # a packer asleep for 30 s when the stages end: stopped with its sleep, the call returns at once
     assert call(30, 0) < 15
+    bad = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**env, "VSKIPPER_PACK_EVERY_S": "0"})
+    assert bad.returncode == 2 and "VSKIPPER_PACK_EVERY_S: a whole number of seconds, 1 or more" in bad.stderr
+    # run.sh killed outright (no EXIT trap runs): its packer stops by itself within an interval
+    archive.unlink()
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            start_new_session=True, env={**env, "VSKIPPER_PACK_EVERY_S": "1", "STAGE_S": "9"})
+    try:
+        deadline = time.monotonic() + 20
+        while not archive.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert archive.exists()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        time.sleep(3)
+        packed = archive.stat().st_mtime_ns
+        time.sleep(3)
+        assert archive.stat().st_mtime_ns == packed
+    finally:  # what is left of the call (its stage runs in a group of timeout's own and ends by itself)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

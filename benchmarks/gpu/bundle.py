@@ -16,6 +16,7 @@ import argparse
 import fnmatch
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -114,7 +115,7 @@ def sha256(path: Path) -> str:
 # and the benchmark rig it builds its layers with. With the packages it ran on, its stamp (`check_stamp`).
 CHECKED_CODE = ("vskipper/**/*.py", "vskipper/**/*.json", "benchmarks/gpu/check_served.py",
                 "benchmarks/mixed_depth_bench.py")
-CHECKED_PACKAGES = ("torch", "triton", "sglang")
+CHECKED_PACKAGES = ("torch", "triton", "sglang", "sgl-kernel", "flashinfer-python", "transformers")
 
 
 def code_digest(root: Path = ROOT, patterns: tuple[str, ...] = CHECKED_CODE) -> str:
@@ -128,8 +129,10 @@ def code_digest(root: Path = ROOT, patterns: tuple[str, ...] = CHECKED_CODE) -> 
 
 def check_stamp(tile_table: Path | None, stand_in_ops: str) -> dict[str, str | None]:
     """What a check of the served layer depends on besides the device: this tree's checked code, the packages it
-    runs on, the tile table it served (None: the one shipped for the device, in the code) and the stand-in ops. A
-    later run on the same device reuses a check whose stamp is its own (`run.py`'s `check_served`)."""
+    runs on (None: not installed), SGLang's environment variables the process was given, the tile table it served
+    (None: the one shipped for the device, in the code) and the stand-in ops. A later run on the same device reuses
+    a check whose stamp is its own (`run.py`'s `check_served`); the check takes its stamp as it starts, before
+    SGLang's platform profile sets variables of its own."""
     from importlib.metadata import PackageNotFoundError, version
 
     def installed(name: str) -> str | None:
@@ -139,6 +142,7 @@ def check_stamp(tile_table: Path | None, stand_in_ops: str) -> dict[str, str | N
             return None
 
     return {"code": code_digest(), **{name: installed(name) for name in CHECKED_PACKAGES},
+            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SGLANG_")},
             "tile_table": sha256(tile_table) if tile_table is not None else None, "stand_in_ops": stand_in_ops}
 
 

@@ -761,6 +761,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the servers' RMSNorm, SiLU-and-mul and RoPE (`vskipper serve --stand-in-ops`): triton "
                         "checks them")
     args = p.parse_args(argv)
+    from benchmarks.gpu.bundle import check_stamp
+
+    stamp = check_stamp(args.tile_table, args.stand_in_ops)  # before the check sets SGLang's variables of its own
     if args.dry_run:
         device, dtype, size, cases = torch.device("cpu"), torch.float32, SMOKE, DRY_CASES
     else:
@@ -778,9 +781,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(report['host_waits']) - len(waiting)} of {len(report['host_waits'])} served passes make the host "
           f"wait in none of vSkipper's code" + (f"; WAITING OR NOT CHECKED: {', '.join(waiting)}" if waiting else ""))
     if args.json:
-        from benchmarks.gpu.bundle import check_stamp
-
-        report["stamp"] = check_stamp(args.tile_table, args.stand_in_ops)  # what a later run may reuse it for
+        report["stamp"] = stamp  # what a later run on this device may reuse it for
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if failed else 0
 

@@ -1271,6 +1271,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float, limit_s: float | None = 
             if name != "dense" and "check" not in result:  # before the first routed server: dense needs none,
                 serving = "check-served"  # and a check that hangs leaves dense measured
                 result["check"] = check_served(plan, out, stage)
+                serving = None
             done = stage.out / f"{name}.result.json"
             if done.is_file():
                 result["arms"][name] = json.loads(done.read_text())
@@ -1284,17 +1285,24 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float, limit_s: float | None = 
                 result["errors"][name] = f"{type(exc).__name__}: {str(exc).strip()[:500]}"
                 stage.failed.append(name)
                 log(stage.name, f"{name} failed: {result['errors'][name]}")
+                serving = None
                 continue
-            done.write_text(json.dumps(doc, indent=1) + "\n")
+            write_whole(done, json.dumps(doc, indent=1) + "\n")
             result["arms"][name] = doc
+            serving = None  # between steps
         serving = f"sweep of {PREFILL_GRAPHS}"
         reference = sweep_reference(plan, stage, model, arms, vocab)
     except SystemExit as stop:  # run.sh's TERM at the stage's limit: what was served stands
         if stop.code != TERM_EXIT:
             raise  # not the signal: a refusal or an exit of its own
+        serving = serving or "the steps after the last it finished"  # stopped between two
         log(stage.name, f"stopped at its limit while serving {serving}: what it served is kept")
-        stage.left.append(serving)
         result["stopped"] = serving
+        placeholder = stage.out / f"{PREFILL_GRAPHS}.result.json"
+        if serving == f"sweep of {PREFILL_GRAPHS}" and placeholder.is_file():
+            reference = json.loads(placeholder.read_text())  # its place taken: not served again (its error says)
+        else:
+            stage.left.append(serving)
     if reference is not None:
         result["arms"][PREFILL_GRAPHS] = reference
     result["comparison"] = compare_sweep(plan, model, result["arms"])
@@ -1671,20 +1679,21 @@ def check_served(plan: Plan, out: Path, stage: Stage) -> dict:
     that hung or crashed would take every run's time); a later stage's runs it again. At most `CHECK_LIMIT_S`. A
     case that strays is not fatal here: the summary says which, beside every routed figure it puts in doubt. An
     earlier run's check (ENV_EARLIER) on this GPU whose stamp is this run's (`bundle.check_stamp`: the same checked
-    code, packages, table and stand-in ops) is taken instead of a new one: a lease's second call on the same machine
-    spends no minute on it."""
+    code, packages, SGLang variables, table and stand-in ops) is taken instead of a new one: a lease's second call on
+    the same machine spends no minute on it."""
     target, ran = out / CHECK_JSON, stage.out / "check-served.run.json"
-    if not finished(target) and ran.is_file():
-        return {"runs": json.loads(ran.read_text())}
     table = tuned_table(plan, out)
     if not finished(target):
         stamp = check_stamp(table, plan.stand_in_ops)
-        path, where = earlier(out, CHECK_JSON, lambda p: json.loads(p.read_text()).get("stamp") == stamp)
-        if path is not None:
-            shutil.copyfile(path, target)
+        path, where = earlier(out, CHECK_JSON, lambda p: (json_or_none(p) or {}).get("stamp") == stamp)
+        if path is not None:  # kept with where it comes from: a later stage of this run reads it so
+            write_whole(target, json.dumps({**json.loads(path.read_text()), "taken_from": where}, indent=2) + "\n")
             log(stage.name, f"check-served: taken from {where}, checked at this run's code, packages, table and ops")
-            runs = {"check-served": {"output": str(target), "exit": 0, "earlier_run": True}}
-            return {"runs": runs, "report": json.loads(target.read_text()), "from": where}
+    taken = json_or_none(target) if finished(target) else None
+    if taken is not None and taken.get("taken_from"):
+        return {"runs": {"check-served": {"output": str(target), "exit": 0, "earlier_run": True}}, "report": taken}
+    if not finished(target) and ran.is_file():
+        return {"runs": json.loads(ran.read_text())}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "check_served.py"), "--json", str(target),
            *(["--dry-run"] if plan.dry_run else []), *(["--tile-table", str(table)] if table else []),
            *(["--stand-in-ops", plan.stand_in_ops] if plan.stand_in_ops != "torch" else [])]
@@ -1727,7 +1736,8 @@ def check_lines(results: dict) -> list[str]:
     head = (f"The served routed layer ({json.dumps(report['execution'])}{through}) against its torch execution on "
             f"{report['device']} (`check_served.py`: decode eager{replayed}, prefill with either read{ops}; each "
             f"row within {report['rtol']} of its largest value"
-            + (f"; checked by {check['from']} at this run's code, packages, table and ops" if check.get("from") else "")
+            + (f"; checked by {report['taken_from']} at this run's code, packages, table and ops"
+               if report.get("taken_from") else "")
             + "): ")
     if not bad:
         worst = max(max(c["output_error"], c["kv_error"]) for c in cases)
@@ -2776,13 +2786,31 @@ def main(argv: list[str] | None = None) -> int:
         kwargs["loads"] = tuple(load for load in headline.LOADS if load in wanted)
     result = stages[args.stage](plan, args.out, args.budget_s, **kwargs)
     result["plan"] = asdict(plan)
-    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_whole(path, json.dumps(result, indent=1, default=str) + "\n")  # a KILL after a stop tears no result
     summary(plan, args.out)
     print(f"[{args.stage}] wrote {path}")
+    if result.get("failed"):  # not run again by this call, whatever it left: a failure that repeats would spend it
+        return 1
     if result.get("left"):
         # run.sh runs the stage again while its call has time; not after a run that could start nothing (5)
         return EXIT_IDLE if result.get("idle") else 4
-    return 1 if result.get("failed") else 0
+    return 0
+
+
+def json_or_none(path: Path) -> dict | None:
+    """The JSON object in `path`, or None where the file holds none (a write cut short)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def write_whole(path: Path, text: str) -> None:
+    """`text` into `path`, whole or not at all (a part file moved in place)."""
+    part = path.with_name(f"{path.name}.part")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def headline_order(asked: tuple[str, ...], earlier: tuple[str, ...] | list[str]) -> tuple[str, ...]:

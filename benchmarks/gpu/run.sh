@@ -191,36 +191,47 @@ stage_runs() {
     return $rc
 }
 
-# pack [quiet]: OUTDIR into --pack's archive, written whole or not at all (each writer its own part file, moved in
-# place once whole): an archive is always one whole pack.
+# pack [quiet]: OUTDIR into --pack's archive, whole or not at all: a part file of its own, moved in place once tar
+# is done (a file that grew while tar read it, a server's log, is kept as tar found it: tar's exit 1). At the
+# lowest priority: it may run beside a timed cell.
 pack() {
     [ -n "$PACK" ] || return 0
-    local part="$PACK.part.$BASHPID"
-    tar -czf "$part" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv -f "$part" "$PACK" || { rm -f "$part"; return 1; }
+    local part="$PACK.part.$BASHPID" rc=0
+    nice -n 19 tar -czf "$part" --warning=no-file-changed -C "$(dirname "$OUT")" "$(basename "$OUT")" || rc=$?
+    [ "$rc" -le 1 ] || { rm -f "$part"; return 1; }
+    mv -f "$part" "$PACK"
     [ "${1:-}" = quiet ] || echo "[pack] $OUT -> $PACK ($(du -h "$PACK" | cut -f1))"
 }
 
 if [ "$STAGE" = pack ]; then pack; exit 0; fi
 # While the stages run, what they have written is packed every PACK_EVERY_S: a call cut short from outside (a
-# device's time running out before --within's) keeps what it served up to then.
+# device's time running out before --within's) keeps what it served up to then. One packer at a time: the packs
+# after each stage and at the end stop it first, so no older pack lands after a newer one.
 PACK_EVERY_S=${VSKIPPER_PACK_EVERY_S:-60}
+[[ $PACK_EVERY_S =~ ^[1-9][0-9]*$ ]] || { echo "VSKIPPER_PACK_EVERY_S: a whole number of seconds, 1 or more" >&2; exit 2; }
 PACKER=
+start_packer() {  # it ends with this script, however the script ends (a KILL too: it looks before each pack)
+    [ -n "$PACK" ] || return 0
+    ( nap=; trap '[ -z "$nap" ] || kill "$nap" 2>/dev/null; exit 0' TERM
+      while :; do
+          sleep "$PACK_EVERY_S" & nap=$!; wait "$nap"; nap=
+          kill -0 $$ 2>/dev/null || exit 0
+          pack quiet || true
+      done ) > /dev/null 2>&1 &
+    PACKER=$!
+}
 stop_packer() {  # its pack in flight ends first; nothing of it holds the call's output open after
     [ -z "$PACKER" ] || { kill "$PACKER" 2>/dev/null || true; wait "$PACKER" 2>/dev/null || true; PACKER=; }
 }
-if [ -n "$PACK" ]; then
-    ( nap=; trap '[ -z "$nap" ] || kill "$nap" 2>/dev/null; exit 0' TERM
-      while :; do sleep "$PACK_EVERY_S" & nap=$!; wait "$nap"; nap=; pack quiet || true; done ) > /dev/null 2>&1 &
-    PACKER=$!
-    trap stop_packer EXIT
-fi
+trap stop_packer EXIT
+start_packer
 install
 RC=0
 case $STAGE in
     install) ;;
     all) for s in $("$PY" benchmarks/gpu/run.py stages "$OUT"); do
              stage_runs "$s" || RC=$?
-             pack || RC=$?  # what each stage left, kept as it ends: a call cut short keeps the stages before
+             stop_packer; pack || RC=$?; start_packer  # each stage kept as it ends
          done
          "$PY" benchmarks/gpu/run.py summary "$OUT" $DRY || RC=$? ;;
     lease-*) lines=$("$PY" benchmarks/gpu/run.py leases "$OUT" | awk -v l="$STAGE" '$1 == l')
@@ -230,7 +241,7 @@ case $STAGE in
                  rc=0
                  stage_runs "$s" "$cap" "$arms" || rc=$?
                  [ $rc = 0 ] || RC=$rc
-                 pack || RC=$?
+                 stop_packer; pack || RC=$?; start_packer
                  # a stage that failed leaves what depends on it undone; one left by the time does too. Nothing
                  # needs the tiles stage: a server without its table takes the one shipped for the device
                  case $rc in 0) ;; *) [ "$s" = tiles ] || break ;; esac
