@@ -1622,6 +1622,8 @@ def test_a_sweep_starts_an_arm_that_ends_before_its_limit_keeps_a_failed_arms_er
     gpu = run.Plan.gpu()
     prefill_only = dataclasses.replace(gpu, sweep_decode=False)
     assert (gpu.sweep_arm_s, prefill_only.sweep_arm_s, run.Plan.dry().sweep_arm_s) == (150.0, 75.0, 1.0)
+    # the reference serves prefill alone in either kind of sweep: a server's start at least (100 s), not a whole arm
+    assert (gpu.reference_arm_s, prefill_only.reference_arm_s, run.Plan.dry().reference_arm_s) == (100.0, 100.0, 1.0)
 
     clock = [1000.0]
     monkeypatch.setattr(run.time, "monotonic", lambda: clock[0])

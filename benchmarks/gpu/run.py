@@ -250,6 +250,12 @@ class Plan:
         return SWEEP_ARM_S if self.sweep_decode else PREFILL_ONLY_ARM_S
 
     @property
+    def reference_arm_s(self) -> float:
+        """What the sweep's reference arm takes: a prefill-only arm whose server captures prefill graphs as it
+        starts, so a server's start at least, in either kind of sweep."""
+        return max(self.start_estimate_s, replace(self, sweep_decode=False).sweep_arm_s)
+
+    @property
     def sweep_graph_batches(self) -> tuple[int, ...]:
         """The decode batch sizes a sweep server captures graphs of: the sweep's own, or one row where it serves
         its prefill alone (`sweep_decode`)."""
@@ -1268,6 +1274,7 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float, limit_s: float | None = 
         # dense and always-route first, so that a sweep cut short still holds the two latency lines tau and V_x
         # come from (the headline's measured-tau arm needs them) and the skip against dense; the s = 0 control after
         for name in ("dense", ALWAYS, CONTROL):
+            serving = None  # between steps
             if name != "dense" and "check" not in result:  # before the first routed server: dense needs none,
                 serving = "check-served"  # and a check that hangs leaves dense measured
                 result["check"] = check_served(plan, out, stage)
@@ -1285,11 +1292,9 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float, limit_s: float | None = 
                 result["errors"][name] = f"{type(exc).__name__}: {str(exc).strip()[:500]}"
                 stage.failed.append(name)
                 log(stage.name, f"{name} failed: {result['errors'][name]}")
-                serving = None
                 continue
             write_whole(done, json.dumps(doc, indent=1) + "\n")
             result["arms"][name] = doc
-            serving = None  # between steps
         serving = f"sweep of {PREFILL_GRAPHS}"
         reference = sweep_reference(plan, stage, model, arms, vocab)
     except SystemExit as stop:  # run.sh's TERM at the stage's limit: what was served stands
@@ -1362,7 +1367,7 @@ def sweep_reference(plan: Plan, stage: Stage, model: Path, arms: dict[str, Path]
     done = stage.out / f"{PREFILL_GRAPHS}.result.json"
     if done.is_file():
         return json.loads(done.read_text())
-    if not stage.fits(max(plan.start_estimate_s, plan.sweep_arm_s), f"sweep of {PREFILL_GRAPHS}"):
+    if not stage.fits(plan.reference_arm_s, f"sweep of {PREFILL_GRAPHS}"):
         return None
     flags = plan.prefill_graph_flags()
     done.write_text(json.dumps({"flags": flags, "error": "the call serving it stopped before it finished (its "
