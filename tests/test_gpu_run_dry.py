@@ -514,6 +514,19 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
     arms[run.ALWAYS]["sequences"]["rotated"]["allocator"] = {"num_device_alloc": 4}  # a torch counting one alone
     assert f"| {run.ALWAYS} | rotated | 0.20 | 4 | not attested | 4 / n/a / n/a / n/a |" \
         in "\n".join(run.sequence_lines(arms, 3))
+    assert "What the whole machine did" not in text  # no window read the machine (a run from before)
+    # what the machine did: the cells' windows weighted by their wall time, each window's forward CPU in turn
+    near = {"cpu": 3, "busy": 0.5, "stolen": 0.0, "siblings": [{"cpu": 11, "busy": 0.9}]}
+    cells[0]["machine"] = {"wall_s": 1.0, "cpus": 16, "busy_cpus": 2.0, "stolen_cpus": 0.5, "core": near,
+                           "processes": [{"pid": 7, "name": "sglang::scheduler", "cpu_s": 1.0},
+                                         {"pid": 9, "name": "python3", "cpu_s": 0.2, "client": True}]}
+    cells[1]["machine"] = {"wall_s": 3.0, "cpus": 16, "busy_cpus": 4.0, "stolen_cpus": 0.1,
+                           "processes": [{"pid": 7, "name": "sglang::scheduler", "cpu_s": 2.5},
+                                         {"pid": 8, "name": "sglang::scheduler", "cpu_s": 3.0}]}
+    machine_text = "\n".join(run.sequence_lines(arms, 3))
+    assert (f"| {run.ALWAYS} | in a row | 3.50 of 16 | 0.20 | 3 (50%, 0%; 11 90%), n/a | sglang::scheduler 7 3.50 s, "
+            "sglang::scheduler 8 3.00 s, python3 9 (client) 0.20 s |") in machine_text
+    assert f"| {run.ALWAYS} | rotated |" not in machine_text.split("What the whole machine did")[1]
     del arms[run.ALWAYS]["sequences"]["after a decode burst"]  # an arm stopped before its last window
     assert f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | n/a | n/a | 38.00 | 40.00 | n/a | n/a | " \
         "48.00 | 70.00 | n/a | n/a |" in "\n".join(run.sequence_lines(arms, 3))

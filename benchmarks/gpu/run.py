@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu import headline  # noqa: E402
+from benchmarks.gpu import headline, machine  # noqa: E402
 from benchmarks.gpu.bundle import check_stamp, device_pins  # noqa: E402
 from loadgen.attestation import READ_ATTEMPTS, read_answered  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
@@ -1918,7 +1918,8 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
     parts) and the device's span of a pass, only where every pass of the window reached the device's clock; the
     time each took to answer, the Triton compilations within the window, what it should hold (`expected`), and
     the server's threads that used the most CPU in it (`threads`, `vskipper.sglang.threads.busiest`: beside the
-    scheduler's, whose forward issues the passes, any that took the interpreter's lock from it)."""
+    scheduler's, whose forward issues the passes, any that took the interpreter's lock from it), and what the
+    whole machine did meanwhile (`machine`, `forward_machine`)."""
     from benchmarks.bench_cpu import run_clock
     from vskipper.sglang.threads import busiest
 
@@ -1927,10 +1928,12 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
         raise RuntimeError(f"{server.url}: its attestation holds no part clock{' by parts' if parts else ''} (was "
                            f"{ENV_PART_CLOCK if parts else ENV_PASS_SPANS} passed to it?)")
     seconds = []
+    machine_before = machine.reading()
     for j, (_, prompts) in enumerate(passes):
         seconds.append(serve_prompts(server, prompts))
         if read_between and j < len(passes) - 1:
             pass_clock(server)
+    machine_after = machine.reading()
     after, threads_after, allocator_after, compiles_after = clock_reading(server)
     if after is None:
         raise RuntimeError(f"{server.url}: its part clock went missing from its attestation")
@@ -1940,6 +1943,7 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
     return {"prompts": passes[0][0], "samples": window_samples(before, after),
             "answered_s": statistics.median(seconds), "answered_s_reps": seconds,
             "threads": busiest(threads, threads_after),
+            "machine": forward_machine(machine_before, machine_after, threads_after),
             "allocator": None if allocator is None or allocator_after is None else
             {k: allocator_after[k] - allocator[k] for k in allocator_after if k in allocator},
             "expected": {"passes": len(passes), "tokens": sum(len(p) for _, prompts in passes for p in prompts)},
@@ -1947,6 +1951,14 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
             "compiles": headline.compiles_between(compiles, compiles_after),
             "device_error": (after.get("errors") or {}).get("device"),
             "thread_error": (after.get("errors") or {}).get("thread"), **clock}
+
+
+def forward_machine(before: dict, after: dict, threads: dict) -> dict | None:
+    """What the machine did between two of its readings (`machine.window`), around the core the server's forward
+    last ran on: its scheduler's main thread's CPU in the server's threads table (`threads`, read right after the
+    window), where the table names one."""
+    cores = [t["cpu"] for t in threads.values() if t.get("name") == "MainThread" and "cpu" in t]
+    return machine.window(before, after, cores[0] if len(cores) == 1 else None, client=os.getpid())
 
 
 def window_samples(before: dict, after: dict) -> dict | None:
@@ -2155,7 +2167,58 @@ def sequence_lines(arms: dict[str, dict], reps: int) -> list[str]:
                          f"{sum(c['passes'] for c in cells)} | "
                          f"{', '.join(f'{t} {s:.2f} s, {w} waits' for (t, _), (s, w) in top) or 'not attested'} | "
                          f"{alloc} |")
-    return lines + [""]
+    return lines + [""] + machine_lines(arms)
+
+
+def machine_lines(arms: dict[str, dict]) -> list[str]:
+    """The summary's table of what the whole machine did in each window of `sequence_lines`' arms (`machine` of
+    each clock window, `benchmarks/gpu/machine.py`); nothing where no window read it (a run from before, a machine
+    without /proc)."""
+    rows = []
+    for name, doc in arms.items():
+        windows = [("in a row", doc["cells"])] + [(k, [c]) for k, c in doc["sequences"].items()]
+        for window, cells in windows:
+            read = [c["machine"] for c in cells if c.get("machine")]
+            if read:
+                rows.append(f"| {name} | {window} | {machine_row(read)} |")
+    if not rows:
+        return []
+    return ["What the whole machine did in each window (`benchmarks/gpu/machine.py`, read by the client from "
+            "Linux's /proc around the window): the CPUs busy and stolen by the hypervisor on average, the CPU the "
+            "scheduler's forward last ran on with how much of the window it and its hyperthread siblings were busy "
+            "and stolen, and the processes that used the most CPU (CPU s; `client`: the reader's own). A forward "
+            "whose own CPU time fills its pass computes slower where its core is shared with a busy sibling or "
+            "stolen, and a process that should not run (a server that did not end) shows here; in a row: each "
+            "shape's window together:", "",
+            "| arm | window | busy CPUs | stolen CPUs | forward's CPU (busy, stolen; siblings busy) | processes |",
+            "|---|---|---:|---:|---|---|", *rows, ""]
+
+
+def machine_row(windows: list[dict]) -> str:
+    """One row's cells of `machine_lines` over one or more windows' `machine`: CPUs busy and stolen weighted by
+    each window's wall time, each window's forward CPU in turn, the processes' CPU summed over the windows."""
+    wall = sum(w["wall_s"] for w in windows)
+    busy = sum(w["busy_cpus"] * w["wall_s"] for w in windows) / wall
+    stolen = sum(w["stolen_cpus"] * w["wall_s"] for w in windows) / wall
+    cores = []
+    for w in windows:
+        core = w.get("core")
+        if core is None:
+            cores.append("n/a")
+            continue
+        pair = f"{core['cpu']} ({core['busy']:.0%}, {core['stolen']:.0%}"
+        near = ", ".join(f"{s['cpu']} {s['busy']:.0%}" for s in core["siblings"])
+        cores.append(f"{pair}; {near})" if near else f"{pair})")
+    used: dict[tuple[int, str], list] = {}
+    for w in windows:
+        for p in w["processes"]:
+            u = used.setdefault((p["pid"], p["name"]), [0.0, p.get("client", False)])
+            u[0] += p["cpu_s"]
+    top = sorted(used.items(), key=lambda kv: -kv[1][0])[:machine.TOP]
+    procs = ", ".join(f"{name} {pid}{' (client)' if client else ''} {seconds:.2f} s"
+                      for (pid, name), (seconds, client) in top)
+    return (f"{busy:.2f} of {windows[0]['cpus']} | {stolen:.2f} | {', '.join(cores)} | "
+            f"{procs or 'none'}")
 
 
 SAMPLED_KINDS = {"innermost": "the innermost frame (where the thread is in C code, the line that called it)",
