@@ -100,3 +100,27 @@ def test_the_forward_machine_takes_the_core_of_the_schedulers_main_thread_alone(
     assert "core" not in run.forward_machine(before, after, {"6": threads["6"]})  # no main thread named
     unplaced = {"5": {k: v for k, v in threads["5"].items() if k != "cpu"}}  # a kernel that gives no CPU
     assert "core" not in run.forward_machine(before, after, unplaced)
+
+
+def test_a_lengths_prompts_machine_is_their_medians_and_a_core_without_hyperthreads_has_no_sibling_figure():
+    def window(busy, core_busy, siblings, pid_cpu):
+        return {"wall_s": 0.1, "cpus": 4, "busy_cpus": busy, "stolen_cpus": busy / 10,
+                "core": {"cpu": 2, "busy": core_busy, "stolen": 0.0, "siblings": siblings},
+                "processes": [{"pid": 5, "name": "leftover", "cpu_s": pid_cpu},
+                              {"pid": 6, "name": "python", "cpu_s": 0.01, "client": True}]}
+
+    paired = [window(1.0, 0.9, [{"cpu": 3, "busy": 0.2}], 0.1), window(3.0, 0.5, [{"cpu": 3, "busy": 0.8}], 0.1),
+              window(2.0, 0.7, [{"cpu": 3, "busy": 0.4}], 0.1), {**window(9.0, 0, [], 0.1), "core": None}]
+    m = run.machine_medians(paired)
+    assert m["windows"] == 4 and m["busy_cpus"] == 2.5 and m["stolen_cpus"] == pytest.approx(0.25)
+    assert m["core_busy"] == 0.7 and m["sibling_busy"] == 0.4 and m["forward_cpus"] == [2, 2, 2]  # three placed
+    assert [(p["name"], round(p["cpu_s"], 6), p.get("client", False)) for p in m["processes"]] == [
+        ("leftover", 0.4, False), ("python", 0.04, True)]
+    alone = run.machine_medians([window(1.0, 0.6, [], 0.0)])
+    assert alone["core_busy"] == 0.6 and alone["sibling_busy"] is None
+    cell = {"tokens": 32, "ttft_s": 0.02, "pass_spans": {"host_ms": 1.0, "device_ms": None, "passes": 1}}
+    rows = [line for line in run.pass_span_lines({"a": {"prefill": [{**cell, "machine": m}]},
+                                                  "b": {"prefill": [{**cell, "machine": alone}]},
+                                                  "c": {"prefill": [cell]}}) if line.startswith("| 32 |")]
+    assert rows[0].endswith("| 1 | 2.50 | 0.25 | 70% (40%) |") and rows[1].endswith("| 1.00 | 0.10 | 60% (no sibling) |")
+    assert rows[2].endswith("| 1 | n/a | n/a | n/a |")  # a sweep from before the machine's reading

@@ -692,9 +692,20 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
         add("device_seconds_total", n * 2e-6)
         return n * 1e-5
 
+    tick, readings = os.sysconf("SC_CLK_TCK"), []
+
+    def fake_reading():  # a tenth of a second a reading: CPU 0 half busy, its sibling 1 busy throughout, 2 stolen
+        k = len(readings)
+        readings.append(k)
+        return {"t": k * 0.1, "cpus": {0: (k * tick // 20, 0), 1: (k * tick // 10, 0), 2: (0, k * tick // 10)},
+                "processes": {4: ("leftover", k * 0.1), os.getpid(): ("pytest", k * 0.01)}}
+
     monkeypatch.setattr(run, "burst", fake_burst)
     monkeypatch.setattr(run, "prefill_round", fake_round)
-    server = SimpleNamespace(get_json=lambda path: {"part_clock": copy.deepcopy(clock)})
+    monkeypatch.setattr(run.machine, "reading", fake_reading)
+    monkeypatch.setattr(run.machine, "siblings", lambda cpu, cpus: [1] if cpu == 0 else [0])
+    threads = {"7": {"name": "MainThread", "cpu_s": 1.0, "waits": 1, "cpu": 0}}
+    server = SimpleNamespace(get_json=lambda path: {"part_clock": copy.deepcopy(clock), "threads": threads})
     cells, rounds = run.prefill_cells(plan, server, 128256)
     # every repetition: each length alone, then each round of several prompts
     each = [*plan.prefill_lengths, *((n, n * t) for n, t in plan.prefill_rounds)]
@@ -723,11 +734,18 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
     decode = {"batch": 32, "context": 1000, "step_s": 0.0105,
               "pass_spans": {"host_ms": 0.21, "device_ms": 9.87, "passes": 190, "device_passes": 190}}
     lines = run.pass_span_lines({"dense": {"prefill": cells, "decode": [decode]}, run.ALWAYS: {"decode": [decode]}})
+    # each prompt's machine: 1.5 CPUs busy, 1 stolen, the forward's CPU 0 half busy beside its busy sibling
     assert f"| 1536 | dense | {cells[1]['ttft_s'] * 1e3:.1f} | {cells[1]['ttft_parts_s']['forward'] * 1e3:.1f} | " \
-           f"1.5 | 1.2 | 24 | 0.0 | 3.1 | 2.00 | 1 |" in lines
-    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 0.8 | 16 | 0.0 | 2.0 | 2.00 | 1 |" in lines
+           f"1.5 | 1.2 | 24 | 0.0 | 3.1 | 2.00 | 1 | 1.50 | 1.00 | 50% (100%) |" in lines
+    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 0.8 | 16 | 0.0 | 2.0 | 2.00 | 1 | 1.50 | " \
+           "1.00 | 50% (100%) |" in lines
     assert f"| 2048 | dense | {cells[2]['ttft_s'] * 1e3:.1f} | {cells[2]['ttft_parts_s']['forward'] * 1e3:.1f} | " \
-           f"2.0 | 1.5 | 32 | 2.0 | 4.1 | 2.00 | 1 |" in lines
+           f"2.0 | 1.5 | 32 | 2.0 | 4.1 | 2.00 | 1 | 1.50 | 1.00 | 50% (100%) |" in lines
+    assert cells[0]["machine"]["windows"] == plan.prefill_reps
+    assert cells[0]["machine"]["forward_cpus"] == [0] * plan.prefill_reps
+    # the processes beside each arm's prompts, over all its lengths: 0.1 s a prompt of the leftover one
+    n = plan.prefill_reps * len(plan.prefill_lengths)
+    assert f"- dense: leftover 4 {0.1 * n:.2f} s, pytest {os.getpid()} (client) {0.01 * n:.2f} s" in lines
     # a decode cell whose clock did not read the forward's thread (a server from before it): n/a
     assert lines.index("| 32 | 1000 | dense | 10.50 | 0.21 | n/a | n/a | 9.87 | 190 |") < \
         lines.index(f"| 32 | 1000 | {run.ALWAYS} | 10.50 | 0.21 | n/a | n/a | 9.87 | 190 |")

@@ -688,11 +688,15 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
     rounds: dict[tuple[int, int], list] = {shape: [] for shape in plan.prefill_rounds}
     round_spans: dict[tuple[int, int], list] = {shape: [] for shape in plan.prefill_rounds}
     samples: dict[int, list] = {length: [] for length in plan.prefill_lengths}
+    machines: dict[int, list] = {length: [] for length in plan.prefill_lengths}
     clock = pass_clock(server)  # each prompt's reading after it is the next one's before
     for r in range(plan.prefill_reps):
         for length in plan.prefill_lengths:
+            machine_before = machine.reading()
             records[length].append(asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0])
-            before, clock = clock, pass_clock(server)
+            machine_after = machine.reading()
+            before, (clock, threads, _, _) = clock, clock_reading(server)
+            machines[length].append(forward_machine(machine_before, machine_after, threads))
             spans[length].append(headline.pass_spans(before, clock, "prefill"))
             if spans[length][-1] and not spans[length][-1].get("late"):  # a late window's may be another prompt's
                 samples[length].append({"samples": window_samples(before, clock)})
@@ -715,6 +719,9 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
         merged = merge_samples(samples[length])  # the prompts' stack samples together, where the server samples
         if merged:
             cell["samples"] = merged
+        read = [m for m in machines[length] if m]
+        if read:
+            cell["machine"] = machine_medians(read)
         cells.append(cell)
     round_cells = []
     for (n, length), reps in rounds.items():
@@ -1953,6 +1960,27 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
             "thread_error": (after.get("errors") or {}).get("thread"), **clock}
 
 
+def machine_medians(windows: list[dict]) -> dict:
+    """Several windows' `machine` (a prefill length's prompts'): the medians of the CPUs busy and stolen, of how
+    busy the forward's core was and its busiest sibling (None where no window placed the forward, or its cores had
+    no sibling), each window's
+    forward CPU, and the processes that used the most CPU summed over the windows, the busiest first."""
+    cores = [w["core"] for w in windows if w.get("core")]
+    paired = [c for c in cores if c["siblings"]]  # a core without hyperthreads has no sibling to be busy
+    used: dict[tuple[int, str], dict] = {}
+    for w in windows:
+        for p in w["processes"]:
+            u = used.setdefault((p["pid"], p["name"]), {**p, "cpu_s": 0.0})
+            u["cpu_s"] += p["cpu_s"]
+    return {"windows": len(windows), "cpus": windows[0]["cpus"],
+            "busy_cpus": statistics.median(w["busy_cpus"] for w in windows),
+            "stolen_cpus": statistics.median(w["stolen_cpus"] for w in windows),
+            "core_busy": statistics.median(c["busy"] for c in cores) if cores else None,
+            "sibling_busy": statistics.median(max(s["busy"] for s in c["siblings"]) for c in paired) if paired
+            else None, "forward_cpus": [c["cpu"] for c in cores],
+            "processes": sorted(used.values(), key=lambda u: -u["cpu_s"])[:machine.TOP]}
+
+
 def forward_machine(before: dict, after: dict, threads: dict) -> dict | None:
     """What the machine did between two of its readings (`machine.window`), around the core the server's forward
     last ran on: its scheduler's main thread's CPU in the server's threads table (`threads`, read right after the
@@ -2634,17 +2662,30 @@ def pass_span_lines(arms: dict) -> list[str]:
              "ran in the pass (gc), which holds every thread for most of its run:", ""]
     if prefill:
         lines += ["| prefill tokens | arm | TTFT ms | forward ms (stamps) | host ms a pass | thread CPU ms | waits | "
-                  "gc ms | device ms a pass | device / host | passes |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "gc ms | device ms a pass | device / host | passes | busy CPUs | stolen CPUs | forward's CPU busy "
+                  "(busiest sibling) |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for name, cell in sorted(prefill, key=lambda r: (r[1]["tokens"], order.index(r[0]))):
             spans, forward = cell["pass_spans"], (cell.get("ttft_parts_s") or {}).get("forward")
+            m = cell.get("machine") or {}
+            core = "n/a" if m.get("core_busy") is None else f"{m['core_busy']:.0%} " + (
+                "(no sibling)" if m["sibling_busy"] is None else f"({m['sibling_busy']:.0%})")
             lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | "
                          f"{_f(forward and forward * 1e3, '.1f')} | {spans['host_ms']:.1f} | "
                          f"{_f(spans.get('cpu_ms'), '.1f')} | {_f(spans.get('waits'), '.0f')} | "
                          f"{_f(spans.get('gc_ms'), '.1f')} | {_f(spans['device_ms'], '.1f')} | "
                          f"{_f(_over(spans['device_ms'], spans['host_ms']), '.2f')} "
-                         f"| {spans['passes']} |")
+                         f"| {spans['passes']} | {_f(m.get('busy_cpus'), '.2f')} | {_f(m.get('stolen_cpus'), '.2f')} "
+                         f"| {core} |")
         lines.append("")
+        beside = prefill_processes(prefill)
+        if beside:
+            lines += ["The processes that used the most CPU while each arm's prompts were served (CPU s over its "
+                      "prompts, the reader's own marked `client`; `benchmarks/gpu/machine.py`): the busy CPUs, the "
+                      "stolen ones and the forward's core above are medians over a length's prompts, its core's "
+                      "busiest hyperthread sibling beside it. A process that should not run (a server that did not "
+                      "end) or a busy sibling slows a forward whose thread's CPU time fills its pass:", "",
+                      *beside, ""]
     for key, what in (("device_error", "The device's spans of {}'s passes"),
                       ("thread_error", "The reads of {}'s forward thread")):
         errors: dict[str, str] = {}  # where a server's reads failed (its later readings all say so)
@@ -2674,6 +2715,20 @@ def pass_span_lines(arms: dict) -> list[str]:
                          f"| {_f(spans['device_ms'], '.2f')} | {spans['passes']} |")
         lines.append("")
     return lines
+
+
+def prefill_processes(prefill: list[tuple[str, dict]]) -> list[str]:
+    """One line per arm of `pass_span_lines`' prefill cells: the processes that used the most CPU over all its
+    lengths' prompts (each length's `machine`), the busiest first."""
+    arms: dict[str, dict[tuple[int, str], list]] = {}
+    for name, cell in prefill:
+        for p in (cell.get("machine") or {}).get("processes", ()):
+            u = arms.setdefault(name, {}).setdefault((p["pid"], p["name"]), [0.0, p.get("client", False)])
+            u[0] += p["cpu_s"]
+    return [f"- {name}: " + ", ".join(f"{pname} {pid}{' (client)' if client else ''} {seconds:.2f} s"
+                                      for (pid, pname), (seconds, client)
+                                      in sorted(used.items(), key=lambda kv: -kv[1][0])[:machine.TOP])
+            for name, used in arms.items()]
 
 
 def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
