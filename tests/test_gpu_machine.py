@@ -2,6 +2,7 @@
 /proc, and from written tables whose every case is known."""
 
 import os
+import threading
 import time
 
 import pytest
@@ -19,108 +20,163 @@ def write_stat(proc, cpus: dict[int, list[int]]) -> None:
     (proc / "stat").write_text("\n".join(lines) + "\n")
 
 
-def write_process(proc, pid: int, name: str, utime: int, stime: int) -> None:
+def stat_line(pid: int, name: str, utime: int = 0, stime: int = 0, start: int = 0, cpu: int = 0) -> str:
+    fields = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 6 + [str(start)] + ["0"] * 16 + [str(cpu)]
+    return f"{pid} ({name}) " + " ".join(fields + ["0"] * 5) + "\n"  # the 3rd field on: start 22nd, CPU 39th
+
+
+def write_process(proc, pid: int, name: str, utime: int, stime: int, start: int = 0) -> None:
     (proc / str(pid)).mkdir(exist_ok=True)
-    fields = ["S", "1", "1", "1", "0", "-1", "4194560", "10", "0", "0", "0", str(utime), str(stime)]
-    (proc / str(pid) / "stat").write_text(f"{pid} ({name}) " + " ".join(fields + ["0"] * 30) + "\n")
+    (proc / str(pid) / "stat").write_text(stat_line(pid, name, utime, stime, start))
 
 
 def test_each_cpus_busy_and_stolen_ticks_leave_idle_iowait_and_steal_out_of_busy(tmp_path):
     #                user nice system idle iowait irq softirq steal guest guest_nice
     write_stat(tmp_path, {0: [100, 5, 20, 900, 30, 1, 2, 40, 0, 0], 1: [10, 0, 5, 50, 0, 0, 0, 7, 0, 0]})
     assert machine.cpu_times(tmp_path) == {0: (128, 40), 1: (15, 7)}
-    (tmp_path / "short").mkdir()
-    (tmp_path / "short" / "stat").write_text("cpu  1 2 3 4\ncpu0 1 2 3 4\n")  # an old kernel: no steal column
+    (tmp_path / "short").mkdir()  # an old kernel's lines, a blank line and one that does not parse
+    (tmp_path / "short" / "stat").write_text("cpu  1 2 3 4\ncpu0 1 2 3 4\n\ncpu1 x 2 3 4\ncpux 1 2\n")
     assert machine.cpu_times(tmp_path / "short") == {0: (6, 0)}
     assert machine.cpu_times(tmp_path / "absent") == {}
 
 
-def test_each_process_is_named_between_its_first_and_last_parenthesis_and_one_that_ended_is_left_out(tmp_path):
-    write_process(tmp_path, 41, "sglang::scheduler (1)", 300, 100)
-    write_process(tmp_path, 42, "tar", 10, 0)
+def test_each_process_is_named_between_its_first_and_last_parenthesis_and_one_unreadable_is_left_out(tmp_path):
+    write_process(tmp_path, 41, "sglang::scheduler (1)", 300, 100, start=5000)
+    write_process(tmp_path, 42, "tar", 10, 0, start=7000)
     (tmp_path / "43").mkdir()  # no stat: it ended between the listing and the read
+    (tmp_path / "44").mkdir()
+    (tmp_path / "44" / "stat").write_text("44 (cut) S 1\n")  # too short to hold its times
     (tmp_path / "self").mkdir()  # not a pid
-    assert machine.process_times(tmp_path) == {41: ("sglang::scheduler (1)", 400 / TICK), 42: ("tar", 10 / TICK)}
+    assert machine.process_times(tmp_path) == {41: ("sglang::scheduler (1)", 400 / TICK, 5000),
+                                               42: ("tar", 10 / TICK, 7000)}
+
+
+def test_a_thread_is_read_by_its_id_its_time_on_a_cpu_and_runnable_its_preemptions_and_last_cpu(tmp_path):
+    (tmp_path / "77").mkdir()
+    (tmp_path / "77" / "schedstat").write_text("2500000000 400000000 1234\n")
+    (tmp_path / "77" / "stat").write_text(stat_line(77, "python (x)", cpu=5))
+    (tmp_path / "77" / "status").write_text("voluntary_ctxt_switches:\t9\nnonvoluntary_ctxt_switches:\t31\n")
+    assert machine.task(77, tmp_path) == {"tid": 77, "run_s": 2.5, "runnable_s": 0.4, "involuntary": 31, "cpu": 5}
+    (tmp_path / "77" / "status").write_text("voluntary_ctxt_switches:\t9\n")  # a kernel without the count
+    assert machine.task(77, tmp_path) is None and machine.task(78, tmp_path) is None  # and a thread gone
+    me = machine.task(threading.get_native_id())  # this machine's own: the test's thread
+    assert me is not None and me["run_s"] > 0 and os.path.isdir(f"/sys/devices/system/cpu/cpu{me['cpu']}")
 
 
 def test_a_cores_siblings_are_read_from_its_topology_lists_and_ranges(tmp_path):
-    for cpu, text in ((0, "0,8"), (8, "0,8"), (3, "2-3"), (5, "5")):
+    for cpu, text in ((0, "0,8"), (8, "0,8"), (3, "2-3"), (5, "5"), (6, "6,x")):
         (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
         (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(text + "\n")
     assert machine.siblings(0, tmp_path) == [8] and machine.siblings(8, tmp_path) == [0]
     assert machine.siblings(3, tmp_path) == [2] and machine.siblings(5, tmp_path) == []
-    assert machine.siblings(7, tmp_path) == []  # no topology published
+    assert machine.siblings(7, tmp_path) == [] and machine.siblings(6, tmp_path) == []  # unpublished, unparsed
 
 
-def test_a_window_averages_busy_and_stolen_cpus_over_its_wall_time_and_lists_the_busiest_processes(tmp_path):
+def forward(run_s, runnable_s, involuntary, cpu, tid=7):
+    return {"tid": tid, "run_s": run_s, "runnable_s": runnable_s, "involuntary": involuntary, "cpu": cpu}
+
+
+def test_a_window_averages_cpus_over_its_wall_time_weighs_the_forwards_cpu_beside_it_and_lists_processes(tmp_path):
     (tmp_path / "cpu1" / "topology").mkdir(parents=True)
     (tmp_path / "cpu1" / "topology" / "thread_siblings_list").write_text("1,3\n")
     t = TICK  # one second of ticks
-    before = {"t": 10.0, "cpus": {0: (0, 0), 1: (0, 0), 2: (0, 0), 3: (0, 0)},
-              "processes": {7: ("scheduler", 5.0), 8: ("tar", 1.0), 9: ("idle", 2.0), 11: ("run.py", 3.0)}}
-    after = {"t": 12.0, "cpus": {0: (2 * t, 0), 1: (t, t // 2), 2: (0, 0), 3: (2 * t, 0)},
-             "processes": {7: ("scheduler", 6.5), 8: ("tar", 1.2), 9: ("idle", 2.0), 10: ("new", 0.3),
-                           11: ("run.py", 3.1)}}
-    doc = machine.window(before, after, core=1, top=3, client=11, cpus=tmp_path)
+    before = {"t": 10.0, "uptime": 100.0, "cpus": {0: (0, 0), 1: (0, 0), 2: (5, 0), 3: (0, 0)},
+              "forward": forward(1.0, 0.25, 4, 1),
+              "processes": {7: ("scheduler", 5.0, 100), 8: ("tar", 1.0, 200), 9: ("idle", 2.0, 300),
+                            11: ("run.py", 3.0, 400), 12: ("old", 9.0, 500)}}
+    after = {"t": 12.0, "uptime": 102.0, "cpus": {0: (2 * t, 0), 1: (2 * t, t // 2), 2: (0, 0), 3: (2 * t, 0)},
+             "forward": forward(2.5, 0.35, 7, 1),
+             "processes": {7: ("scheduler", 6.5, 100), 8: ("tar", 1.2, 200), 9: ("idle", 2.0, 300),
+                           10: ("new", 0.3, 101 * TICK), 11: ("run.py", 3.1, 400), 12: ("reused", 0.5, 101 * TICK),
+                           13: ("unread", 7.0, 50)}}
+    doc = machine.window(before, after, client=11, cpus=tmp_path)
     assert doc["wall_s"] == 2.0 and doc["cpus"] == 4
-    assert doc["busy_cpus"] == pytest.approx(2.5) and doc["stolen_cpus"] == pytest.approx(0.25)
-    assert [(p["name"], round(p["cpu_s"], 6)) for p in doc["processes"]] == [
-        ("scheduler", 1.5), ("new", 0.3), ("tar", 0.2)]  # started in the window: from zero; the idle one left out
-    assert doc["core"] == {"cpu": 1, "busy": pytest.approx(0.5), "stolen": pytest.approx(0.25),
+    assert doc["busy_cpus"] == pytest.approx(3.0) and doc["stolen_cpus"] == pytest.approx(0.25)  # CPU 2 went back
+    # started in the window (a new pid, or an old one taken again): from zero; older but unread before: left out
+    assert [(p["name"], round(p["cpu_s"], 6), p.get("client", False)) for p in doc["processes"]] == [
+        ("scheduler", 1.5, False), ("reused", 0.5, False), ("new", 0.3, False), ("tar", 0.2, False),
+        ("run.py", 0.1, True)]
+    assert doc["forward"] == {"tid": 7, "run_s": 1.5, "runnable_s": pytest.approx(0.1), "involuntary": 3,
+                              "cpu_before": 1, "cpu": 1, "moved": False}
+    # CPU 1 busy the whole window, three quarters of it the forward's own run
+    assert doc["core"] == {"cpu": 1, "others": pytest.approx(0.25), "stolen": pytest.approx(0.25),
                            "siblings": [{"cpu": 3, "busy": pytest.approx(1.0)}]}
-    assert [p.get("client") for p in machine.window(before, after, client=11)["processes"]][-1] is True
-    assert "core" not in machine.window(before, after) and "core" not in machine.window(before, after, core=9)
+    moved = machine.window(before, {**after, "forward": forward(2.5, 0.35, 7, 0)}, cpus=tmp_path)
+    assert moved["forward"]["moved"] and moved["core"]["cpu"] == 0 and moved["core"]["siblings"] == []
+    assert "forward" not in machine.window(before, {**after, "forward": None})  # the thread gone at the end
+    assert "forward" not in machine.window(before, {**after, "forward": forward(2.5, 0.35, 7, 1, tid=8)})
     assert machine.window({**before, "cpus": {}}, after) is None  # no /proc to read
     assert machine.window(after, after) is None  # no time between the readings
 
 
-def test_a_real_window_sees_this_process_burn_cpu_and_marks_it_the_client():
-    """This machine's own /proc: a window in which this process spins until the kernel has charged it CPU."""
-    before = machine.reading()
-    assert before["cpus"] and os.getpid() in before["processes"]
+def test_a_real_window_sees_this_thread_and_process_burn_cpu_and_marks_the_client():
+    """This machine's own /proc: a window in which this process's thread spins until the kernel has charged it
+    CPU, read as the forward's thread."""
+    me = threading.get_native_id()
+    before = machine.reading(True, me)
+    assert before["cpus"] and os.getpid() in before["processes"] and before["forward"]["tid"] == me
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         sum(range(10_000))
-        mine = machine.process_times().get(os.getpid())
-        if mine and mine[1] - before["processes"][os.getpid()][1] >= 0.1:
+        now = machine.task(me)
+        if now["run_s"] - before["forward"]["run_s"] >= 0.1:
             break
-    after = machine.reading()
-    doc = machine.window(before, after, core=0, client=os.getpid())
+    after = machine.reading(False, me)
+    doc = machine.window(before, after, client=os.getpid())
     assert doc["cpus"] == len(before["cpus"]) and doc["busy_cpus"] > 0
-    assert any(p["pid"] == os.getpid() and p.get("client") and p["cpu_s"] >= 0.1 for p in doc["processes"])
-    assert doc["core"]["cpu"] == 0 and 0 <= doc["core"]["busy"]
+    assert any(p["pid"] == os.getpid() and p.get("client") and p["cpu_s"] >= 0.05 for p in doc["processes"])
+    assert doc["forward"]["run_s"] >= 0.1 and doc["forward"]["runnable_s"] >= 0
+    assert before["t"] >= 0 and after["t"] > before["t"]
 
 
-def test_the_forward_machine_takes_the_core_of_the_schedulers_main_thread_alone():
-    before = {"t": 0.0, "cpus": {0: (0, 0), 1: (0, 0)}, "processes": {}}
-    after = {"t": 1.0, "cpus": {0: (TICK, 0), 1: (0, 0)}, "processes": {}}
-    threads = {"5": {"name": "MainThread", "cpu_s": 1.0, "waits": 3, "cpu": 0},
-               "6": {"name": "vskipper-state-writer", "cpu_s": 0.1, "waits": 9, "cpu": 1}}
-    assert run.forward_machine(before, after, threads)["core"]["cpu"] == 0
-    assert "core" not in run.forward_machine(before, after, {"6": threads["6"]})  # no main thread named
-    unplaced = {"5": {k: v for k, v in threads["5"].items() if k != "cpu"}}  # a kernel that gives no CPU
-    assert "core" not in run.forward_machine(before, after, unplaced)
+def test_the_forward_is_the_servers_one_main_thread():
+    threads = {"5": {"name": "MainThread", "cpu_s": 1.0, "waits": 3},
+               "6": {"name": "vskipper-state-writer", "cpu_s": 0.1, "waits": 9}}
+    assert run.forward_tid(threads) == 5
+    assert run.forward_tid({"6": threads["6"]}) is None  # none attested
+    assert run.forward_tid({**threads, "9": threads["5"]}) is None  # two replicas' tables: no one forward
 
 
-def test_a_lengths_prompts_machine_is_their_medians_and_a_core_without_hyperthreads_has_no_sibling_figure():
-    def window(busy, core_busy, siblings, pid_cpu):
-        return {"wall_s": 0.1, "cpus": 4, "busy_cpus": busy, "stolen_cpus": busy / 10,
-                "core": {"cpu": 2, "busy": core_busy, "stolen": 0.0, "siblings": siblings},
-                "processes": [{"pid": 5, "name": "leftover", "cpu_s": pid_cpu},
-                              {"pid": 6, "name": "python", "cpu_s": 0.01, "client": True}]}
+def window(busy, wall, others, siblings, pid_cpu, runnable=0.002, moved=False, core=True):
+    return {"wall_s": wall, "cpus": 4, "busy_cpus": busy, "stolen_cpus": busy / 10,
+            "forward": {"tid": 5, "run_s": 0.05, "runnable_s": runnable, "involuntary": 2, "cpu_before": 1,
+                        "cpu": 2 if moved else 1, "moved": moved},
+            **({"core": {"cpu": 1, "others": others, "stolen": 0.0, "siblings": siblings}} if core else {}),
+            "processes": [{"pid": 5, "name": "leftover", "cpu_s": pid_cpu},
+                          {"pid": 6, "name": "python", "cpu_s": 0.01, "client": True}]}
 
-    paired = [window(1.0, 0.9, [{"cpu": 3, "busy": 0.2}], 0.1), window(3.0, 0.5, [{"cpu": 3, "busy": 0.8}], 0.1),
-              window(2.0, 0.7, [{"cpu": 3, "busy": 0.4}], 0.1), {**window(9.0, 0, [], 0.1), "core": None}]
-    m = run.machine_medians(paired)
-    assert m["windows"] == 4 and m["busy_cpus"] == 2.5 and m["stolen_cpus"] == pytest.approx(0.25)
-    assert m["core_busy"] == 0.7 and m["sibling_busy"] == 0.4 and m["forward_cpus"] == [2, 2, 2]  # three placed
+
+def test_a_lengths_prompts_pool_their_seconds_over_their_wall_time_and_a_core_without_siblings_has_no_figure():
+    windows = [window(1.0, 0.1, 0.2, [{"cpu": 3, "busy": 0.2}], 0.1),
+               window(3.0, 0.3, 0.6, [{"cpu": 3, "busy": 0.8}], 0.1, runnable=0.008),
+               window(9.0, 0.1, 0.9, [{"cpu": 3, "busy": 0.4}], 0.1, moved=True)]  # moved: its CPU not weighed
+    m = run.machine_pooled(windows)
+    assert m["windows"] == 3 and m["busy_cpus"] == pytest.approx((0.1 + 0.9 + 0.9) / 0.5)
+    assert m["stolen_cpus"] == pytest.approx(m["busy_cpus"] / 10)
+    assert m["runnable_ms"] == pytest.approx(4.0) and m["involuntary"] == 2 and m["moved"] == 1
+    assert m["forward_cpus"] == [1, 1, 2]
+    assert m["core_others"] == pytest.approx((0.02 + 0.18) / 0.4)
+    assert m["sibling_busy"] == pytest.approx((0.02 + 0.24) / 0.4)
     assert [(p["name"], round(p["cpu_s"], 6), p.get("client", False)) for p in m["processes"]] == [
-        ("leftover", 0.4, False), ("python", 0.04, True)]
-    alone = run.machine_medians([window(1.0, 0.6, [], 0.0)])
-    assert alone["core_busy"] == 0.6 and alone["sibling_busy"] is None
+        ("leftover", 0.3, False), ("python", 0.03, True)]
+    alone = run.machine_pooled([window(1.0, 0.1, 0.6, [], 0.0)])
+    assert alone["core_others"] == pytest.approx(0.6) and alone["sibling_busy"] is None
+    unread = run.machine_pooled([window(1.0, 0.1, 0.6, [], 0.0), {**window(1.0, 0.1, 0.6, [], 0.0), "forward": None,
+                                                                  "core": None}])
+    assert unread["runnable_ms"] is None and unread["involuntary"] is None  # not every prompt read the thread
     cell = {"tokens": 32, "ttft_s": 0.02, "pass_spans": {"host_ms": 1.0, "device_ms": None, "passes": 1}}
     rows = [line for line in run.pass_span_lines({"a": {"prefill": [{**cell, "machine": m}]},
                                                   "b": {"prefill": [{**cell, "machine": alone}]},
                                                   "c": {"prefill": [cell]}}) if line.startswith("| 32 |")]
-    assert rows[0].endswith("| 1 | 2.50 | 0.25 | 70% (40%) |") and rows[1].endswith("| 1.00 | 0.10 | 60% (no sibling) |")
-    assert rows[2].endswith("| 1 | n/a | n/a | n/a |")  # a sweep from before the machine's reading
+    assert rows[0].endswith(f"| 1 | {m['busy_cpus']:.2f} | {m['stolen_cpus']:.2f} | 4.0 | 2.0 | 50% (65%) |")
+    assert rows[1].endswith("| 1.00 | 0.10 | 2.0 | 2.0 | 60% (no sibling) |")
+    assert rows[2].endswith("| 1 | n/a | n/a | n/a | n/a | n/a |")  # a sweep from before the machine's reading
+
+
+def test_the_clock_windows_machine_row_sums_the_forwards_waits_and_names_a_moved_cpu():
+    windows = [window(2.0, 1.0, 0.5, [{"cpu": 11, "busy": 0.9}], 1.0),
+               window(4.0, 3.0, 0.1, [], 2.5, runnable=0.003, moved=True)]
+    row = run.machine_row(windows)
+    assert row == ("3.50 of 4 | 0.35 | 5.0 ms, 4, 1, 1 -> 2 | 50% (11 90%), n/a | leftover 5 3.50 s, "
+                   "python 6 (client) 0.02 s")
+    assert run.machine_row([{**windows[0], "forward": None, "core": None}]).startswith("2.00 of 4 | 0.20 | n/a | n/a")

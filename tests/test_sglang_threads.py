@@ -3,7 +3,6 @@
 import os
 import threading
 import time
-from pathlib import Path
 
 from vskipper.sglang import threads
 
@@ -15,6 +14,7 @@ def test_a_thread_that_burns_cpu_between_two_readings_is_the_busiest_under_its_p
         while not stop.is_set():
             sum(range(1000))
 
+    time.sleep(0.01)  # the main thread has given up the processor once before the first reading
     before = threads.thread_cpu()
     spinner = threading.Thread(target=spin, name="spinner", daemon=True)
     spinner.start()
@@ -66,17 +66,3 @@ def test_the_busiest_threads_are_those_that_used_the_most_cpu_between_two_readin
         {"tid": "4", "name": "new", "cpu_s": 0.2, "waits": 3},  # started between them: from zero
         {"tid": "3", "name": "pool", "cpu_s": 0.6 - 0.5, "waits": 1}]
     assert [t["tid"] for t in threads.busiest(before, after, top=2)] == ["1", "4"]
-
-
-def test_each_thread_says_the_cpu_it_last_ran_on_where_its_stat_has_the_field(tmp_path):
-    """The CPU a task last ran on is the 39th field of its stat (read for the machine's view of its core)."""
-    (tmp_path / "99999999").mkdir()
-    fields = ["S"] + ["0"] * 10 + ["250", "50"] + ["0"] * 23 + ["7"] + ["0"] * 5  # the 3rd field on; the 39th is 7
-    (tmp_path / "99999999" / "stat").write_text("101 (forward) " + " ".join(fields) + "\n")
-    (tmp_path / "99999999" / "status").write_text("voluntary_ctxt_switches:\t2\n")
-    assert threads.thread_cpu(tmp_path)["99999999"]["cpu"] == 7
-    main = str(threading.main_thread().native_id)
-    now = threads.thread_cpu()
-    assert Path(f"/sys/devices/system/cpu/cpu{now[main]['cpu']}").is_dir()  # this machine's own: one of its CPUs
-    before = {"1": {"name": "MainThread", "cpu_s": 1.0, "waits": 2}}
-    assert threads.busiest(before, {"1": {"name": "MainThread", "cpu_s": 1.5, "waits": 2, "cpu": 3}})[0]["cpu"] == 3

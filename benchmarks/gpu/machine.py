@@ -3,12 +3,16 @@
 A server's own threads (`vskipper.sglang.threads`) say whether another thread of its process took the forward's
 interpreter lock. They do not see the rest of the machine: another process burning a CPU (a server that did not
 end, a packer), the forward's core shared with a busy hyperthread sibling, or the hypervisor taking the CPU from
-the guest (steal). Each of these slows the forward's launches while its thread's own CPU time still fills the
-pass, and none depends on the arm: two servers of one arm could then run their passes at different speeds.
+the guest (steal). Each of these slows the forward's launches while its thread's own CPU time may still fill the
+pass, and none depends on the arm: two servers of one arm could then run their passes at different speeds. What a
+virtual machine does not publish (a neighbour on the physical core behind a virtual CPU, beyond what it steals)
+stays unseen.
 
 Read from Linux's `/proc/stat` (each CPU's busy, idle and stolen time), `/proc/<pid>/stat` (each process's CPU
-time) and `/sys/devices/system/cpu/cpu<N>/topology/thread_siblings_list` (the CPUs that share a core). Elsewhere
-each reading is empty and a window says nothing.
+time and start), `/proc/<tid>/schedstat` and `stat` (the forward's thread: its time on a CPU, its time runnable
+but waiting for one, the CPU it last ran on) and `/sys/devices/system/cpu/cpu<N>/topology/thread_siblings_list`
+(the CPUs that share a core). Nothing read raises: what cannot be read is left out, and a window says nothing
+where a reading holds no CPU.
 """
 
 from __future__ import annotations
@@ -19,90 +23,163 @@ from pathlib import Path
 
 PROC = Path("/proc")
 CPUS = Path("/sys/devices/system/cpu")
-TOP = 5  # the processes a window lists, the busiest first
+TOP = 5  # the processes a table lists, the busiest first
+
+
+def _tick() -> int:
+    return os.sysconf("SC_CLK_TCK")
 
 
 def cpu_times(proc: Path = PROC) -> dict[int, tuple[int, int]]:
     """{CPU: (busy, stolen)} in clock ticks since boot, per CPU (`/proc/stat`'s cpuN lines: busy is every state
-    but idle, iowait and steal); {} where it cannot be read."""
+    but idle, iowait and steal; guest time is inside user's already); {} where it cannot be read, and a line
+    that does not parse left out."""
     try:
         lines = (proc / "stat").read_text().splitlines()
     except OSError:
         return {}
     times = {}
     for line in lines:
-        name, *fields = line.split()
+        name, *fields = line.split() or [""]
         if not name.startswith("cpu") or name == "cpu":
             continue
-        ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+        try:
+            cpu, ticks = int(name[3:]), [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+        except ValueError:
+            continue
         ticks += [0] * (8 - len(ticks))
         idle, iowait, steal = ticks[3], ticks[4], ticks[7]
-        times[int(name[3:])] = (sum(ticks) - idle - iowait - steal, steal)
+        times[cpu] = (sum(ticks) - idle - iowait - steal, steal)
     return times
 
 
-def process_times(proc: Path = PROC) -> dict[int, tuple[str, float]]:
-    """{pid: (name, CPU seconds since it started)} of every process now (`/proc/<pid>/stat`'s utime and stime,
-    its threads' included); a process that ends while it is read is left out."""
+def _stat_fields(text: str) -> tuple[str, list[str]]:
+    """A /proc stat line's name (between its first '(' and last ')') and its fields from the third (the state)."""
+    close = text.rindex(")")
+    return text[text.index("(") + 1:close], text[close + 2:].split()
+
+
+def process_times(proc: Path = PROC) -> dict[int, tuple[str, float, int]]:
+    """{pid: (name, CPU seconds since it started, its start in ticks since boot)} of every process now
+    (`/proc/<pid>/stat`'s utime, stime and starttime, its threads' time included); a process that ends while it
+    is read, or whose stat does not parse, is left out."""
     try:
-        tick = os.sysconf("SC_CLK_TCK")
-        pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+        tick, pids = _tick(), [int(p) for p in os.listdir(proc) if p.isdigit()]
     except (OSError, ValueError):
         return {}
     table = {}
     for pid in pids:
         try:
-            stat = (proc / str(pid) / "stat").read_text()
-        except OSError:
+            name, fields = _stat_fields((proc / str(pid) / "stat").read_text())
+            table[pid] = (name, (int(fields[11]) + int(fields[12])) / tick, int(fields[19]))
+        except (OSError, ValueError, IndexError):
             continue
-        close = stat.rindex(")")
-        fields = stat[close + 2:].split()  # from the third field (the state) on: utime and stime are the 14th, 15th
-        table[pid] = (stat[stat.index("(") + 1:close], (int(fields[11]) + int(fields[12])) / tick)
     return table
 
 
+def uptime(proc: Path = PROC) -> float | None:
+    """Seconds since boot (`/proc/uptime`), which a process's start is counted from; None where unread."""
+    try:
+        return float((proc / "uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def task(tid: int, proc: Path = PROC) -> dict | None:
+    """One thread of any process by its id (thread ids are the machine's): the seconds it has run on a CPU and
+    waited runnable for one (`schedstat`: time another task held the CPU it could have run on), its involuntary
+    switches (the kernel took the CPU from it) and the CPU it last ran on (`stat`'s 39th field); None where the
+    thread is gone or its files do not parse."""
+    try:
+        ran, waited, _ = (int(v) for v in (proc / str(tid) / "schedstat").read_text().split()[:3])
+        _, fields = _stat_fields((proc / str(tid) / "stat").read_text())
+        status = (proc / str(tid) / "status").read_text()
+        taken = next(int(line.split()[1]) for line in status.splitlines()
+                     if line.startswith("nonvoluntary_ctxt_switches:"))
+        return {"tid": tid, "run_s": ran / 1e9, "runnable_s": waited / 1e9, "involuntary": taken,
+                "cpu": int(fields[36])}
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def siblings(cpu: int, cpus: Path = CPUS) -> list[int]:
-    """The other CPUs that share `cpu`'s core (its hyperthread siblings); [] where the topology is not published."""
+    """The other CPUs that share `cpu`'s core (its hyperthread siblings, as the kernel publishes them: on a
+    virtual machine, its virtual topology); [] where it is not published or does not parse."""
     try:
         text = (cpus / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip()
-    except OSError:
+        found = []
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            found += range(int(first), int(last or first) + 1)
+    except (OSError, ValueError):
         return []
-    found = []
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        found += range(int(first), int(last or first) + 1)
     return [c for c in found if c != cpu]
 
 
-def reading(proc: Path = PROC) -> dict:
-    """The machine now: its CPUs' and its processes' times and the monotonic clock."""
-    return {"t": time.monotonic(), "cpus": cpu_times(proc), "processes": process_times(proc)}
+def reading(first: bool, forward: int | None = None, proc: Path = PROC) -> dict:
+    """The machine now: its CPUs' and its processes' times, the forward's thread (`forward`: its id) and the
+    monotonic clock. A window's `first` reading takes the processes and the thread, then the CPUs, then the clock,
+    and its last one the clock, then the CPUs, then the rest, so that scanning every process (milliseconds, on the
+    reader's CPU) falls outside the window the CPU figures cover."""
+    doc: dict = {}
+    if first:
+        doc.update(processes=process_times(proc), uptime=uptime(proc),
+                   forward=task(forward, proc) if forward is not None else None)
+        doc.update(cpus=cpu_times(proc), t=time.monotonic())
+    else:
+        doc.update(t=time.monotonic(), cpus=cpu_times(proc))
+        doc.update(processes=process_times(proc), uptime=uptime(proc),
+                   forward=task(forward, proc) if forward is not None else None)
+    return doc
 
 
-def window(before: dict, after: dict, core: int | None = None, top: int = TOP, client: int | None = None,
-           cpus: Path = CPUS) -> dict | None:
-    """What the machine did between two readings: how many CPUs were busy and stolen on average (busy CPU seconds
-    over the window's wall seconds), the `top` processes that used the most CPU in it (`client`: the pid to mark
-    as the reader's own), and where `core` (the CPU the forward's thread last ran on) is given, how busy it and
-    each of its siblings were (a fraction of the window). None where either reading holds no CPU."""
+def _used(before: dict, after: dict, client: int | None) -> list[dict]:
+    """Every process's CPU seconds between two readings, those that used none left out, the busiest first: one
+    that started between them (its pid new, or taken again: another start) from zero, one that the first reading
+    missed although it was older (its stat unread then) left out."""
+    tick, since = _tick(), before.get("uptime")
+    used = []
+    for pid, (name, seconds, start) in after["processes"].items():
+        was = before["processes"].get(pid)
+        if was is not None and was[2] == start:
+            seconds -= was[1]
+        elif since is None or start / tick < since - 1.0:  # older than the window, unread before: unknown
+            continue
+        if seconds > 0:
+            used.append({"pid": pid, "name": name, "cpu_s": seconds, **({"client": True} if pid == client else {})})
+    return sorted(used, key=lambda u: -u["cpu_s"])
+
+
+def window(before: dict, after: dict, client: int | None = None, cpus: Path = CPUS) -> dict | None:
+    """What the machine did between a window's two readings (`reading`): how many CPUs were busy and stolen on
+    average (their seconds over the window's wall seconds), every process that used CPU in it, the busiest first
+    (`client`: the pid to mark as the reader's own), and where both readings read the forward's thread: its
+    seconds on a CPU and runnable waiting for one, the kernel's preemptions of it, the CPUs it last ran on at
+    either end (`moved`: another at the end), and on the CPU it ended on, how busy that CPU was beyond the
+    forward's own time (`others`) and each of its siblings. None where either reading holds no CPU."""
     wall = after["t"] - before["t"]
-    if not before["cpus"] or not after["cpus"] or wall <= 0:
+    if not before.get("cpus") or not after.get("cpus") or wall <= 0:
         return None
-    tick = os.sysconf("SC_CLK_TCK")
+    tick = _tick()
 
     def share(cpu: int, index: int) -> float | None:
         if cpu not in before["cpus"] or cpu not in after["cpus"]:
             return None
-        return (after["cpus"][cpu][index] - before["cpus"][cpu][index]) / tick / wall
+        return max(0, after["cpus"][cpu][index] - before["cpus"][cpu][index]) / tick / wall
 
     shared = [c for c in after["cpus"] if c in before["cpus"]]
-    used = [{"pid": pid, "name": name, "cpu_s": seconds - before["processes"].get(pid, (name, 0.0))[1],
-             **({"client": True} if pid == client else {})}
-            for pid, (name, seconds) in after["processes"].items()]
     doc = {"wall_s": wall, "cpus": len(shared),
            "busy_cpus": sum(share(c, 0) for c in shared), "stolen_cpus": sum(share(c, 1) for c in shared),
-           "processes": sorted((u for u in used if u["cpu_s"] > 0), key=lambda u: -u["cpu_s"])[:top]}
-    if core is not None and core in shared:
-        doc["core"] = {"cpu": core, "busy": share(core, 0), "stolen": share(core, 1),
-                       "siblings": [{"cpu": s, "busy": share(s, 0)} for s in siblings(core, cpus) if s in shared]}
+           "processes": _used(before, after, client)}
+    start, end = before.get("forward"), after.get("forward")
+    if start and end and start["tid"] == end["tid"]:
+        run_s = end["run_s"] - start["run_s"]
+        doc["forward"] = {"tid": end["tid"], "run_s": run_s, "runnable_s": end["runnable_s"] - start["runnable_s"],
+                          "involuntary": end["involuntary"] - start["involuntary"],
+                          "cpu_before": start["cpu"], "cpu": end["cpu"], "moved": start["cpu"] != end["cpu"]}
+        core = end["cpu"]
+        if core in shared:
+            doc["core"] = {"cpu": core, "others": max(0.0, share(core, 0) - run_s / wall),
+                           "stolen": share(core, 1),
+                           "siblings": [{"cpu": s, "busy": share(s, 0)} for s in siblings(core, cpus) if s in shared]}
     return doc

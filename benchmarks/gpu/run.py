@@ -689,14 +689,15 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
     round_spans: dict[tuple[int, int], list] = {shape: [] for shape in plan.prefill_rounds}
     samples: dict[int, list] = {length: [] for length in plan.prefill_lengths}
     machines: dict[int, list] = {length: [] for length in plan.prefill_lengths}
-    clock = pass_clock(server)  # each prompt's reading after it is the next one's before
+    clock, threads, _, _ = clock_reading(server)  # each prompt's reading after it is the next one's before
     for r in range(plan.prefill_reps):
         for length in plan.prefill_lengths:
-            machine_before = machine.reading()
+            forward = forward_tid(threads)
+            machine_before = machine.reading(True, forward)
             records[length].append(asyncio.run(burst(server, [prefill_prompt(length, r, vocab)], 1))[0])
-            machine_after = machine.reading()
+            machine_after = machine.reading(False, forward)
             before, (clock, threads, _, _) = clock, clock_reading(server)
-            machines[length].append(forward_machine(machine_before, machine_after, threads))
+            machines[length].append(machine.window(machine_before, machine_after, client=os.getpid()))
             spans[length].append(headline.pass_spans(before, clock, "prefill"))
             if spans[length][-1] and not spans[length][-1].get("late"):  # a late window's may be another prompt's
                 samples[length].append({"samples": window_samples(before, clock)})
@@ -721,7 +722,7 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
             cell["samples"] = merged
         read = [m for m in machines[length] if m]
         if read:
-            cell["machine"] = machine_medians(read)
+            cell["machine"] = machine_pooled(read)
         cells.append(cell)
     round_cells = []
     for (n, length), reps in rounds.items():
@@ -1926,7 +1927,7 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
     time each took to answer, the Triton compilations within the window, what it should hold (`expected`), and
     the server's threads that used the most CPU in it (`threads`, `vskipper.sglang.threads.busiest`: beside the
     scheduler's, whose forward issues the passes, any that took the interpreter's lock from it), and what the
-    whole machine did meanwhile (`machine`, `forward_machine`)."""
+    whole machine did meanwhile, the forward's thread read from outside (`machine`, `forward_tid`)."""
     from benchmarks.bench_cpu import run_clock
     from vskipper.sglang.threads import busiest
 
@@ -1935,12 +1936,13 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
         raise RuntimeError(f"{server.url}: its attestation holds no part clock{' by parts' if parts else ''} (was "
                            f"{ENV_PART_CLOCK if parts else ENV_PASS_SPANS} passed to it?)")
     seconds = []
-    machine_before = machine.reading()
+    forward = forward_tid(threads)
+    machine_before = machine.reading(True, forward)
     for j, (_, prompts) in enumerate(passes):
         seconds.append(serve_prompts(server, prompts))
         if read_between and j < len(passes) - 1:
             pass_clock(server)
-    machine_after = machine.reading()
+    machine_after = machine.reading(False, forward)
     after, threads_after, allocator_after, compiles_after = clock_reading(server)
     if after is None:
         raise RuntimeError(f"{server.url}: its part clock went missing from its attestation")
@@ -1950,7 +1952,7 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
     return {"prompts": passes[0][0], "samples": window_samples(before, after),
             "answered_s": statistics.median(seconds), "answered_s_reps": seconds,
             "threads": busiest(threads, threads_after),
-            "machine": forward_machine(machine_before, machine_after, threads_after),
+            "machine": machine.window(machine_before, machine_after, client=os.getpid()),
             "allocator": None if allocator is None or allocator_after is None else
             {k: allocator_after[k] - allocator[k] for k in allocator_after if k in allocator},
             "expected": {"passes": len(passes), "tokens": sum(len(p) for _, prompts in passes for p in prompts)},
@@ -1960,33 +1962,41 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
             "thread_error": (after.get("errors") or {}).get("thread"), **clock}
 
 
-def machine_medians(windows: list[dict]) -> dict:
-    """Several windows' `machine` (a prefill length's prompts'): the medians of the CPUs busy and stolen, of how
-    busy the forward's core was and its busiest sibling (None where no window placed the forward, or its cores had
-    no sibling), each window's
-    forward CPU, and the processes that used the most CPU summed over the windows, the busiest first."""
-    cores = [w["core"] for w in windows if w.get("core")]
-    paired = [c for c in cores if c["siblings"]]  # a core without hyperthreads has no sibling to be busy
+def machine_pooled(windows: list[dict]) -> dict:
+    """Several windows' `machine` (a prefill length's prompts', one pass each) pooled: the CPUs busy and stolen,
+    and how busy the forward's CPU was beside it (`others`) and its busiest sibling, each as their seconds over
+    the windows' wall seconds (the kernel counts in ticks of 10 ms: a window's own figure is coarse); the
+    forward's thread's ms runnable waiting for a CPU and its preemptions, a window (where every window read it);
+    the CPUs it ran on; every process's CPU seconds summed, the busiest first."""
+    wall = sum(w["wall_s"] for w in windows)
+    forwards = [w["forward"] for w in windows if w.get("forward")]
+    cores = [(w["core"], w["wall_s"]) for w in windows if w.get("core") and not w["forward"]["moved"]]
+    paired = [(c, t) for c, t in cores if c["siblings"]]  # a core without hyperthreads has no sibling to be busy
     used: dict[tuple[int, str], dict] = {}
     for w in windows:
         for p in w["processes"]:
             u = used.setdefault((p["pid"], p["name"]), {**p, "cpu_s": 0.0})
             u["cpu_s"] += p["cpu_s"]
+    whole = len(forwards) == len(windows)
     return {"windows": len(windows), "cpus": windows[0]["cpus"],
-            "busy_cpus": statistics.median(w["busy_cpus"] for w in windows),
-            "stolen_cpus": statistics.median(w["stolen_cpus"] for w in windows),
-            "core_busy": statistics.median(c["busy"] for c in cores) if cores else None,
-            "sibling_busy": statistics.median(max(s["busy"] for s in c["siblings"]) for c in paired) if paired
-            else None, "forward_cpus": [c["cpu"] for c in cores],
-            "processes": sorted(used.values(), key=lambda u: -u["cpu_s"])[:machine.TOP]}
+            "busy_cpus": sum(w["busy_cpus"] * w["wall_s"] for w in windows) / wall,
+            "stolen_cpus": sum(w["stolen_cpus"] * w["wall_s"] for w in windows) / wall,
+            "runnable_ms": sum(f["runnable_s"] for f in forwards) / len(forwards) * 1e3 if whole else None,
+            "involuntary": sum(f["involuntary"] for f in forwards) / len(forwards) if whole else None,
+            "forward_cpus": [f["cpu"] for f in forwards], "moved": sum(1 for f in forwards if f["moved"]),
+            "core_others": sum(c["others"] * t for c, t in cores) / sum(t for _, t in cores) if cores else None,
+            "sibling_busy": sum(max(s["busy"] for s in c["siblings"]) * t for c, t in paired)
+            / sum(t for _, t in paired) if paired else None,
+            "processes": sorted(used.values(), key=lambda u: -u["cpu_s"])}
 
 
-def forward_machine(before: dict, after: dict, threads: dict) -> dict | None:
-    """What the machine did between two of its readings (`machine.window`), around the core the server's forward
-    last ran on: its scheduler's main thread's CPU in the server's threads table (`threads`, read right after the
-    window), where the table names one."""
-    cores = [t["cpu"] for t in threads.values() if t.get("name") == "MainThread" and "cpu" in t]
-    return machine.window(before, after, cores[0] if len(cores) == 1 else None, client=os.getpid())
+def forward_tid(threads: dict) -> int | None:
+    """The thread id of the server's forward (its scheduler process's main thread) in its threads table
+    (`vskipper.sglang.threads.thread_cpu`, read from the server's own /proc/self/task: thread ids are the
+    machine's, so the client reads the thread too), or None where the table names no one main thread (none
+    attested; several replicas)."""
+    tids = [int(tid) for tid, t in threads.items() if t.get("name") == "MainThread"]
+    return tids[0] if len(tids) == 1 else None
 
 
 def window_samples(before: dict, after: dict) -> dict | None:
@@ -2212,31 +2222,41 @@ def machine_lines(arms: dict[str, dict]) -> list[str]:
     if not rows:
         return []
     return ["What the whole machine did in each window (`benchmarks/gpu/machine.py`, read by the client from "
-            "Linux's /proc around the window): the CPUs busy and stolen by the hypervisor on average, the CPU the "
-            "scheduler's forward last ran on with how much of the window it and its hyperthread siblings were busy "
-            "and stolen, and the processes that used the most CPU (CPU s; `client`: the reader's own). A forward "
-            "whose own CPU time fills its pass computes slower where its core is shared with a busy sibling or "
-            "stolen, and a process that should not run (a server that did not end) shows here; in a row: each "
-            "shape's window together:", "",
-            "| arm | window | busy CPUs | stolen CPUs | forward's CPU (busy, stolen; siblings busy) | processes |",
-            "|---|---|---:|---:|---|---|", *rows, ""]
+            "Linux's /proc around the window; in a row: each shape's window together): the CPUs busy and stolen "
+            "by the hypervisor on average; the scheduler's forward thread, read from outside: its ms runnable "
+            "but waiting for a CPU another task held, how often the kernel preempted it and the CPU it ran on "
+            "(a -> b: it moved); how busy that CPU was beside the forward's own time and each hyperthread sibling "
+            "of it; and the processes that used the most CPU (CPU s; `client`: the reader's own). A pass whose "
+            "thread waits runnable, or runs beside a busy sibling or a stolen CPU, is slowed by the machine, not "
+            "its code; a process that should not run (a server that did not end) shows here. A virtual "
+            "machine's siblings are its virtual topology: a neighbour on the physical core beyond what the "
+            "hypervisor steals is not seen:", "",
+            "| arm | window | busy CPUs | stolen CPUs | forward: runnable ms, preempted, CPU | its CPU beside it "
+            "(siblings) | processes |", "|---|---|---:|---:|---|---|---|", *rows, ""]
 
 
 def machine_row(windows: list[dict]) -> str:
-    """One row's cells of `machine_lines` over one or more windows' `machine`: CPUs busy and stolen weighted by
-    each window's wall time, each window's forward CPU in turn, the processes' CPU summed over the windows."""
+    """One row's cells of `machine_lines` over one or more windows' `machine`: the CPUs busy and stolen weighted by
+    each window's wall time; the forward's runnable ms and preemptions summed, and each window's CPU in turn;
+    each window's CPU's load beside the forward; the processes' CPU summed over the windows."""
     wall = sum(w["wall_s"] for w in windows)
     busy = sum(w["busy_cpus"] * w["wall_s"] for w in windows) / wall
     stolen = sum(w["stolen_cpus"] * w["wall_s"] for w in windows) / wall
-    cores = []
+    forwards = [w.get("forward") for w in windows]
+    if all(forwards):
+        where = ", ".join(f"{f['cpu_before']} -> {f['cpu']}" if f["moved"] else str(f["cpu"]) for f in forwards)
+        forward = (f"{sum(f['runnable_s'] for f in forwards) * 1e3:.1f} ms, "
+                   f"{sum(f['involuntary'] for f in forwards)}, {where}")
+    else:
+        forward = "n/a"
+    beside = []
     for w in windows:
         core = w.get("core")
-        if core is None:
-            cores.append("n/a")
+        if core is None or w["forward"]["moved"]:
+            beside.append("n/a")
             continue
-        pair = f"{core['cpu']} ({core['busy']:.0%}, {core['stolen']:.0%}"
         near = ", ".join(f"{s['cpu']} {s['busy']:.0%}" for s in core["siblings"])
-        cores.append(f"{pair}; {near})" if near else f"{pair})")
+        beside.append(f"{core['others']:.0%} ({near})" if near else f"{core['others']:.0%}")
     used: dict[tuple[int, str], list] = {}
     for w in windows:
         for p in w["processes"]:
@@ -2245,7 +2265,7 @@ def machine_row(windows: list[dict]) -> str:
     top = sorted(used.items(), key=lambda kv: -kv[1][0])[:machine.TOP]
     procs = ", ".join(f"{name} {pid}{' (client)' if client else ''} {seconds:.2f} s"
                       for (pid, name), (seconds, client) in top)
-    return (f"{busy:.2f} of {windows[0]['cpus']} | {stolen:.2f} | {', '.join(cores)} | "
+    return (f"{busy:.2f} of {windows[0]['cpus']} | {stolen:.2f} | {forward} | {', '.join(beside)} | "
             f"{procs or 'none'}")
 
 
@@ -2662,13 +2682,13 @@ def pass_span_lines(arms: dict) -> list[str]:
              "ran in the pass (gc), which holds every thread for most of its run:", ""]
     if prefill:
         lines += ["| prefill tokens | arm | TTFT ms | forward ms (stamps) | host ms a pass | thread CPU ms | waits | "
-                  "gc ms | device ms a pass | device / host | passes | busy CPUs | stolen CPUs | forward's CPU busy "
-                  "(busiest sibling) |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "gc ms | device ms a pass | device / host | passes | busy CPUs | stolen CPUs | runnable ms | "
+                  "preempted | its CPU beside it (busiest sibling) |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for name, cell in sorted(prefill, key=lambda r: (r[1]["tokens"], order.index(r[0]))):
             spans, forward = cell["pass_spans"], (cell.get("ttft_parts_s") or {}).get("forward")
             m = cell.get("machine") or {}
-            core = "n/a" if m.get("core_busy") is None else f"{m['core_busy']:.0%} " + (
+            core = "n/a" if m.get("core_others") is None else f"{m['core_others']:.0%} " + (
                 "(no sibling)" if m["sibling_busy"] is None else f"({m['sibling_busy']:.0%})")
             lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | "
                          f"{_f(forward and forward * 1e3, '.1f')} | {spans['host_ms']:.1f} | "
@@ -2676,15 +2696,19 @@ def pass_span_lines(arms: dict) -> list[str]:
                          f"{_f(spans.get('gc_ms'), '.1f')} | {_f(spans['device_ms'], '.1f')} | "
                          f"{_f(_over(spans['device_ms'], spans['host_ms']), '.2f')} "
                          f"| {spans['passes']} | {_f(m.get('busy_cpus'), '.2f')} | {_f(m.get('stolen_cpus'), '.2f')} "
-                         f"| {core} |")
+                         f"| {_f(m.get('runnable_ms'), '.1f')} | {_f(m.get('involuntary'), '.1f')} | {core} |")
         lines.append("")
         beside = prefill_processes(prefill)
         if beside:
-            lines += ["The processes that used the most CPU while each arm's prompts were served (CPU s over its "
-                      "prompts, the reader's own marked `client`; `benchmarks/gpu/machine.py`): the busy CPUs, the "
-                      "stolen ones and the forward's core above are medians over a length's prompts, its core's "
-                      "busiest hyperthread sibling beside it. A process that should not run (a server that did not "
-                      "end) or a busy sibling slows a forward whose thread's CPU time fills its pass:", "",
+            lines += ["What the whole machine did while each length's prompts were served (`benchmarks/gpu/"
+                      "machine.py`, read by the client from /proc around each prompt, pooled over a length's): the "
+                      "CPUs busy and stolen by the hypervisor on average; the forward's thread, read from outside, "
+                      "its ms runnable but waiting for a CPU another task held and the kernel's preemptions of it, "
+                      "a prompt; how busy its CPU was beside it and that CPU's busiest hyperthread sibling (a "
+                      "virtual machine's siblings are its virtual topology). A pass whose thread waits runnable or "
+                      "runs beside a busy sibling is slowed by the machine, not its code. The processes that used "
+                      "the most CPU over each arm's prompts (CPU s, the reader's own marked `client`; a process "
+                      "that should not run, such as a server that did not end, shows here):", "",
                       *beside, ""]
     for key, what in (("device_error", "The device's spans of {}'s passes"),
                       ("thread_error", "The reads of {}'s forward thread")):

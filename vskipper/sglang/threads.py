@@ -7,10 +7,8 @@ Two readings of this table, before and after a window of passes, say which threa
 how long, and how often each waited. The runtime reads it for a document a reader asked for, outside its state
 lock (`Runtime._state_document`): at a hundred threads it holds the interpreter's lock for milliseconds.
 
-Read from Linux's `/proc/self/task/<tid>/stat` (user and system time, in clock ticks, and the CPU it last ran on,
-`cpu`: whose core and siblings the device run's client reads the machine's load on, `benchmarks/gpu/machine.py`)
-and `status` (how often the thread gave up the processor to wait: for the interpreter's lock, another lock, I/O or
-a sleep, `waits`); a thread
+Read from Linux's `/proc/self/task/<tid>/stat` (user and system time, in clock ticks) and `status` (how often the
+thread gave up the processor to wait: for the interpreter's lock, another lock, I/O or a sleep, `waits`); a thread
 Python started is named as Python names it, any other (torch's, the CUDA driver's) by its kernel name. A forward
 that loses the interpreter's lock at its launches waits once for each, where one that keeps it waits for nothing.
 Elsewhere the table is empty.
@@ -26,8 +24,8 @@ TASKS = Path("/proc/self/task")
 
 
 def thread_cpu(tasks: Path = TASKS) -> dict[str, dict[str, float | str]]:
-    """{native thread id: {"name", "cpu_s", "waits", "cpu"}} for every thread of this process now ("cpu" where
-    the kernel gives the CPU it last ran on); {} where /proc has none."""
+    """{native thread id: {"name", "cpu_s", "waits"}} for every thread of this process now; {} where /proc has
+    none."""
     try:
         tids = os.listdir(tasks)
         tick = os.sysconf("SC_CLK_TCK")
@@ -42,14 +40,11 @@ def thread_cpu(tasks: Path = TASKS) -> dict[str, dict[str, float | str]]:
         except OSError:  # the thread ended meanwhile
             continue
         close = stat.rindex(")")
-        fields = stat[close + 2:].split()  # from the third field (the state) on: utime and stime are the 14th, 15th,
-        # the CPU it last ran on the 39th
+        fields = stat[close + 2:].split()  # from the third field (the state) on: utime and stime are the 14th, 15th
         waits = next((int(line.split()[1]) for line in status.splitlines()
                       if line.startswith("voluntary_ctxt_switches:")), 0)
         table[tid] = {"name": named.get(int(tid), stat[stat.index("(") + 1:close]),
                       "cpu_s": (int(fields[11]) + int(fields[12])) / tick, "waits": waits}
-        if len(fields) > 36:
-            table[tid]["cpu"] = int(fields[36])
     return table
 
 
@@ -73,9 +68,7 @@ def allocator_counts(device) -> dict[str, int] | None:
 
 def busiest(before: dict, after: dict, top: int = 4) -> list[dict[str, float | str]]:
     """The threads that used the most CPU between two readings (`thread_cpu`), most first, at most `top`: each
-    its id, name, CPU seconds and waits between them (a thread started between them counts from zero), and the CPU
-    it last ran on at the second reading, where that reading has it."""
+    its id, name, CPU seconds and waits between them (a thread started between them counts from zero)."""
     used = [{"tid": tid, "name": now["name"], "cpu_s": now["cpu_s"] - before.get(tid, {}).get("cpu_s", 0.0),
-             "waits": now.get("waits", 0) - before.get(tid, {}).get("waits", 0),
-             **({"cpu": now["cpu"]} if "cpu" in now else {})} for tid, now in after.items()]
+             "waits": now.get("waits", 0) - before.get(tid, {}).get("waits", 0)} for tid, now in after.items()]
     return sorted((u for u in used if u["cpu_s"] > 0), key=lambda u: -u["cpu_s"])[:top]
