@@ -516,10 +516,10 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
         in "\n".join(run.sequence_lines(arms, 3))
     assert "What the whole machine did" not in text  # no window read the machine (a run from before)
     # what the machine did: the cells' windows weighted by their wall time, each window's forward CPU in turn
-    near = {"cpu": 3, "others": 0.5, "stolen": 0.0, "siblings": [{"cpu": 11, "busy": 0.9}]}
+    near = {"cpu": 3, "busy": 1.0, "others": 0.5, "stolen": 0.0, "siblings": [{"cpu": 11, "busy": 0.9}]}
     ahead = {"tid": 5, "run_s": 0.5, "runnable_s": 0.004, "involuntary": 2, "cpu_before": 3, "cpu": 3, "moved": False}
     cells[0]["machine"] = {"wall_s": 1.0, "cpus": 16, "busy_cpus": 2.0, "stolen_cpus": 0.5, "core": near,
-                           "forward": ahead,
+                           "forward": ahead, "canary_us": [1100.0, 1650.4],
                            "processes": [{"pid": 7, "name": "sglang::scheduler", "cpu_s": 1.0},
                                          {"pid": 9, "name": "python3", "cpu_s": 0.2, "client": True}]}
     cells[1]["machine"] = {"wall_s": 3.0, "cpus": 16, "busy_cpus": 4.0, "stolen_cpus": 0.1,
@@ -527,8 +527,9 @@ def test_the_sequences_table_sets_rotated_passes_beside_those_in_a_row_and_a_rea
                            "processes": [{"pid": 7, "name": "sglang::scheduler", "cpu_s": 2.5},
                                          {"pid": 8, "name": "sglang::scheduler", "cpu_s": 3.0}]}
     machine_text = "\n".join(run.sequence_lines(arms, 3))
-    assert (f"| {run.ALWAYS} | in a row | 3.50 of 16 | 0.20 | 5.0 ms, 4, 3, 3 -> 4 | 50% (11 90%), n/a | "
-            "sglang::scheduler 7 3.50 s, sglang::scheduler 8 3.00 s, python3 9 (client) 0.20 s |") in machine_text
+    assert (f"| {run.ALWAYS} | in a row | 3.50 of 16 | 0.20 | 5.0 ms, 4 preempted; CPU 3, 3 -> 4 | 50% (11 90%), "
+            "n/a | 1100 / 1650, n/a / n/a | sglang::scheduler 7 3.50 s, sglang::scheduler 8 3.00 s, python3 9 (client) "
+            "0.20 s |") in machine_text
     assert f"| {run.ALWAYS} | rotated |" not in machine_text.split("What the whole machine did")[1]
     del arms[run.ALWAYS]["sequences"]["after a decode burst"]  # an arm stopped before its last window
     assert f"| {run.ALWAYS} | yes | 42.50 | 68.00 | 1.60 | 71.40 | 1.05 | n/a | n/a | 38.00 | 40.00 | n/a | n/a | " \
@@ -703,6 +704,7 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
         return {"t": k * 0.1, "uptime": 1000.0 + k * 0.1,
                 "cpus": {0: (k * tick // 10, 0), 1: (k * tick // 20, 0), 2: (0, k * tick // 10)},
                 "forward": {"tid": tid, "run_s": k * 0.03, "runnable_s": k * 0.002, "involuntary": k, "cpu": 0},
+                "canary_us": 1200.0 if first else 1800.0,
                 "processes": {4: ("leftover", k * 0.1, 1), os.getpid(): ("pytest", k * 0.01, 2)}}
 
     monkeypatch.setattr(run, "burst", fake_burst)
@@ -742,11 +744,13 @@ def test_the_sweep_times_its_prefill_prompts_in_rounds_of_every_length(monkeypat
     # each prompt's machine: 1.5 CPUs busy, 1 stolen, the forward 2 ms runnable and preempted once a prompt, its
     # CPU 0 busy 70% beside its own 30%, beside its sibling half busy
     assert f"| 1536 | dense | {cells[1]['ttft_s'] * 1e3:.1f} | {cells[1]['ttft_parts_s']['forward'] * 1e3:.1f} | " \
-           f"1.5 | 1.2 | 24 | 0.0 | 3.1 | 2.00 | 1 | 1.50 | 1.00 | 2.0 | 1.0 | 70% (50%) |" in lines
-    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 0.8 | 16 | 0.0 | 2.0 | 2.00 | 1 | 1.50 | " \
-           "1.00 | 2.0 | 1.0 | 70% (50%) |" in lines
+           f"1.5 | 1.2 | 24 | 0.0 | 3.1 | 2.00 | 1 | 1.50 of 3 | 1.00 | 2.0 | 1.0 | 70% (50%), 5 of 5 | 1500 |" \
+           in lines
+    assert f"| 1024 | dense | {cells[0]['ttft_s'] * 1e3:.1f} | n/a | 1.0 | 0.8 | 16 | 0.0 | 2.0 | 2.00 | 1 | " \
+           "1.50 of 3 | 1.00 | 2.0 | 1.0 | 70% (50%), 5 of 5 | 1500 |" in lines
     assert f"| 2048 | dense | {cells[2]['ttft_s'] * 1e3:.1f} | {cells[2]['ttft_parts_s']['forward'] * 1e3:.1f} | " \
-           f"2.0 | 1.5 | 32 | 2.0 | 4.1 | 2.00 | 1 | 1.50 | 1.00 | 2.0 | 1.0 | 70% (50%) |" in lines
+           f"2.0 | 1.5 | 32 | 2.0 | 4.1 | 2.00 | 1 | 1.50 of 3 | 1.00 | 2.0 | 1.0 | 70% (50%), 5 of 5 | 1500 |" \
+           in lines
     assert cells[0]["machine"]["windows"] == plan.prefill_reps
     assert cells[0]["machine"]["forward_cpus"] == [0] * plan.prefill_reps
     assert set(readings) == {7}  # the server's main thread, read from outside

@@ -1964,29 +1964,35 @@ def clock_window(server: Server, passes: list[tuple[int, list[list[int]]]], part
 
 def machine_pooled(windows: list[dict]) -> dict:
     """Several windows' `machine` (a prefill length's prompts', one pass each) pooled: the CPUs busy and stolen,
-    and how busy the forward's CPU was beside it (`others`) and its busiest sibling, each as their seconds over
-    the windows' wall seconds (the kernel counts in ticks of 10 ms: a window's own figure is coarse); the
+    and how busy the forward's CPU was beside it (its busy seconds less the forward's own, summed over the windows
+    where the forward stayed on one CPU, `weighed` of them) and its busiest sibling, each as their seconds over
+    the windows' wall seconds (the kernel counts in ticks of a few ms: a window's own figure is coarse); the
     forward's thread's ms runnable waiting for a CPU and its preemptions, a window (where every window read it);
-    the CPUs it ran on; every process's CPU seconds summed, the busiest first."""
+    the CPUs it ran on; the canary's median microseconds over both ends of every window (`machine.canary`: the
+    machine's speed for one thread); every process's CPU seconds summed, the busiest first."""
     wall = sum(w["wall_s"] for w in windows)
     forwards = [w["forward"] for w in windows if w.get("forward")]
-    cores = [(w["core"], w["wall_s"]) for w in windows if w.get("core") and not w["forward"]["moved"]]
-    paired = [(c, t) for c, t in cores if c["siblings"]]  # a core without hyperthreads has no sibling to be busy
-    used: dict[tuple[int, str], dict] = {}
+    steady = [w for w in windows if w.get("core") and not w["forward"]["moved"]]  # the forward on one CPU
+    steady_wall = sum(w["wall_s"] for w in steady)
+    paired = [w for w in steady if w["core"]["siblings"]]  # a core without hyperthreads has no sibling to be busy
+    used: dict[tuple[int, int | None], dict] = {}
     for w in windows:
         for p in w["processes"]:
-            u = used.setdefault((p["pid"], p["name"]), {**p, "cpu_s": 0.0})
+            u = used.setdefault((p["pid"], p.get("start")), {**p, "cpu_s": 0.0})
             u["cpu_s"] += p["cpu_s"]
     whole = len(forwards) == len(windows)
+    canaries = [us for w in windows for us in w.get("canary_us") or () if us is not None]
     return {"windows": len(windows), "cpus": windows[0]["cpus"],
+            "canary_us": statistics.median(canaries) if canaries else None,
             "busy_cpus": sum(w["busy_cpus"] * w["wall_s"] for w in windows) / wall,
             "stolen_cpus": sum(w["stolen_cpus"] * w["wall_s"] for w in windows) / wall,
             "runnable_ms": sum(f["runnable_s"] for f in forwards) / len(forwards) * 1e3 if whole else None,
             "involuntary": sum(f["involuntary"] for f in forwards) / len(forwards) if whole else None,
             "forward_cpus": [f["cpu"] for f in forwards], "moved": sum(1 for f in forwards if f["moved"]),
-            "core_others": sum(c["others"] * t for c, t in cores) / sum(t for _, t in cores) if cores else None,
-            "sibling_busy": sum(max(s["busy"] for s in c["siblings"]) * t for c, t in paired)
-            / sum(t for _, t in paired) if paired else None,
+            "core_others": max(0.0, sum(w["core"]["busy"] * w["wall_s"] - w["forward"]["run_s"] for w in steady))
+            / steady_wall if steady else None, "weighed": len(steady),
+            "sibling_busy": sum(max(s["busy"] for s in w["core"]["siblings"]) * w["wall_s"] for w in paired)
+            / sum(w["wall_s"] for w in paired) if paired else None,
             "processes": sorted(used.values(), key=lambda u: -u["cpu_s"])}
 
 
@@ -2222,17 +2228,34 @@ def machine_lines(arms: dict[str, dict]) -> list[str]:
     if not rows:
         return []
     return ["What the whole machine did in each window (`benchmarks/gpu/machine.py`, read by the client from "
-            "Linux's /proc around the window; in a row: each shape's window together): the CPUs busy and stolen "
-            "by the hypervisor on average; the scheduler's forward thread, read from outside: its ms runnable "
-            "but waiting for a CPU another task held, how often the kernel preempted it and the CPU it ran on "
-            "(a -> b: it moved); how busy that CPU was beside the forward's own time and each hyperthread sibling "
-            "of it; and the processes that used the most CPU (CPU s; `client`: the reader's own). A pass whose "
-            "thread waits runnable, or runs beside a busy sibling or a stolen CPU, is slowed by the machine, not "
-            "its code; a process that should not run (a server that did not end) shows here. A virtual "
+            "Linux's /proc around the window; in a row: each shape's window together, the CPUs' means weighted "
+            "by each window's time, the forward's ms and preemptions summed): the CPUs busy and stolen by the "
+            "hypervisor on average; the scheduler's forward thread, read from outside: its ms runnable but "
+            "waiting for a CPU another task held, how often the kernel preempted it and the CPU it ran on "
+            "(a -> b: it moved, or moved and came back); how busy that CPU was beside the forward's own time and "
+            "each hyperthread sibling of it; and the processes alive at its end that used the most CPU (CPU s; "
+            "`client`: the reader's own). A pass whose thread waits runnable, or runs beside a busy sibling or a "
+            "stolen CPU, is slowed by the machine, not its code; a process that should not run (a server that did "
+            "not end) shows here. A virtual "
             "machine's siblings are its virtual topology: a neighbour on the physical core beyond what the "
-            "hypervisor steals is not seen:", "",
+            "hypervisor steals is not seen, but for the canary: a fixed loop of pure Python the reader times "
+            "before and after each window (us, the least of three runs; `machine.canary`), which takes longer "
+            "where the machine runs one thread slower:", "",
             "| arm | window | busy CPUs | stolen CPUs | forward: runnable ms, preempted, CPU | its CPU beside it "
-            "(siblings) | processes |", "|---|---|---:|---:|---|---|---|", *rows, ""]
+            "(siblings) | canary us before / after | processes |", "|---|---|---:|---:|---|---|---|---|", *rows, ""]
+
+
+def process_list(windows: list[dict]) -> str:
+    """The processes that used the most CPU over `windows` (each window's `machine`), summed by process (its pid
+    and start: a pid taken again is another), the busiest `machine.TOP` first, the reader's own marked."""
+    used: dict[tuple[int, int | None], list] = {}
+    for w in windows:
+        for p in w["processes"]:
+            u = used.setdefault((p["pid"], p.get("start")), [p["name"], 0.0, p.get("client", False)])
+            u[1] += p["cpu_s"]
+    top = sorted(used.items(), key=lambda kv: -kv[1][1])[:machine.TOP]
+    return ", ".join(f"{name} {pid}{' (client)' if client else ''} {seconds:.2f} s"
+                     for (pid, _), (name, seconds, client) in top)
 
 
 def machine_row(windows: list[dict]) -> str:
@@ -2246,7 +2269,7 @@ def machine_row(windows: list[dict]) -> str:
     if all(forwards):
         where = ", ".join(f"{f['cpu_before']} -> {f['cpu']}" if f["moved"] else str(f["cpu"]) for f in forwards)
         forward = (f"{sum(f['runnable_s'] for f in forwards) * 1e3:.1f} ms, "
-                   f"{sum(f['involuntary'] for f in forwards)}, {where}")
+                   f"{sum(f['involuntary'] for f in forwards)} preempted; CPU {where}")
     else:
         forward = "n/a"
     beside = []
@@ -2257,15 +2280,9 @@ def machine_row(windows: list[dict]) -> str:
             continue
         near = ", ".join(f"{s['cpu']} {s['busy']:.0%}" for s in core["siblings"])
         beside.append(f"{core['others']:.0%} ({near})" if near else f"{core['others']:.0%}")
-    used: dict[tuple[int, str], list] = {}
-    for w in windows:
-        for p in w["processes"]:
-            u = used.setdefault((p["pid"], p["name"]), [0.0, p.get("client", False)])
-            u[0] += p["cpu_s"]
-    top = sorted(used.items(), key=lambda kv: -kv[1][0])[:machine.TOP]
-    procs = ", ".join(f"{name} {pid}{' (client)' if client else ''} {seconds:.2f} s"
-                      for (pid, name), (seconds, client) in top)
-    return (f"{busy:.2f} of {windows[0]['cpus']} | {stolen:.2f} | {forward} | {', '.join(beside)} | "
+    procs = process_list(windows)
+    canary = ", ".join(" / ".join(_f(us, ".0f") for us in w.get("canary_us") or (None, None)) for w in windows)
+    return (f"{busy:.2f} of {windows[0]['cpus']} | {stolen:.2f} | {forward} | {', '.join(beside)} | {canary} | "
             f"{procs or 'none'}")
 
 
@@ -2683,20 +2700,23 @@ def pass_span_lines(arms: dict) -> list[str]:
     if prefill:
         lines += ["| prefill tokens | arm | TTFT ms | forward ms (stamps) | host ms a pass | thread CPU ms | waits | "
                   "gc ms | device ms a pass | device / host | passes | busy CPUs | stolen CPUs | runnable ms | "
-                  "preempted | its CPU beside it (busiest sibling) |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "preempted | its CPU beside it (busiest sibling), prompts weighed | canary us |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
         for name, cell in sorted(prefill, key=lambda r: (r[1]["tokens"], order.index(r[0]))):
             spans, forward = cell["pass_spans"], (cell.get("ttft_parts_s") or {}).get("forward")
             m = cell.get("machine") or {}
             core = "n/a" if m.get("core_others") is None else f"{m['core_others']:.0%} " + (
-                "(no sibling)" if m["sibling_busy"] is None else f"({m['sibling_busy']:.0%})")
+                "(no sibling)" if m["sibling_busy"] is None else f"({m['sibling_busy']:.0%})") + \
+                f", {m['weighed']} of {m['windows']}"
+            busy = "n/a" if m.get("busy_cpus") is None else f"{m['busy_cpus']:.2f} of {m['cpus']}"
             lines.append(f"| {cell['tokens']} | {name} | {cell['ttft_s'] * 1e3:.1f} | "
                          f"{_f(forward and forward * 1e3, '.1f')} | {spans['host_ms']:.1f} | "
                          f"{_f(spans.get('cpu_ms'), '.1f')} | {_f(spans.get('waits'), '.0f')} | "
                          f"{_f(spans.get('gc_ms'), '.1f')} | {_f(spans['device_ms'], '.1f')} | "
                          f"{_f(_over(spans['device_ms'], spans['host_ms']), '.2f')} "
-                         f"| {spans['passes']} | {_f(m.get('busy_cpus'), '.2f')} | {_f(m.get('stolen_cpus'), '.2f')} "
-                         f"| {_f(m.get('runnable_ms'), '.1f')} | {_f(m.get('involuntary'), '.1f')} | {core} |")
+                         f"| {spans['passes']} | {busy} | {_f(m.get('stolen_cpus'), '.2f')} "
+                         f"| {_f(m.get('runnable_ms'), '.1f')} | {_f(m.get('involuntary'), '.1f')} | {core} "
+                         f"| {_f(m.get('canary_us'), '.0f')} |")
         lines.append("")
         beside = prefill_processes(prefill)
         if beside:
@@ -2704,9 +2724,14 @@ def pass_span_lines(arms: dict) -> list[str]:
                       "machine.py`, read by the client from /proc around each prompt, pooled over a length's): the "
                       "CPUs busy and stolen by the hypervisor on average; the forward's thread, read from outside, "
                       "its ms runnable but waiting for a CPU another task held and the kernel's preemptions of it, "
-                      "a prompt; how busy its CPU was beside it and that CPU's busiest hyperthread sibling (a "
+                      "a prompt (means over a length's prompts); how busy its CPU was beside it and that CPU's "
+                      "busiest hyperthread sibling, over the prompts in which it stayed on one CPU (weighed; a "
                       "virtual machine's siblings are its virtual topology). A pass whose thread waits runnable or "
-                      "runs beside a busy sibling is slowed by the machine, not its code. The processes that used "
+                      "runs beside a busy sibling is slowed by the machine, not its code; the canary (us, the "
+                      "median over the prompts' readings before and after each) is a fixed loop of pure Python the "
+                      "reader times, longer where the machine runs one thread slower, as a neighbour on the "
+                      "physical core that a virtual machine does not publish makes it. The processes (alive at "
+                      "each prompt's end) that used "
                       "the most CPU over each arm's prompts (CPU s, the reader's own marked `client`; a process "
                       "that should not run, such as a server that did not end, shows here):", "",
                       *beside, ""]
@@ -2743,16 +2768,12 @@ def pass_span_lines(arms: dict) -> list[str]:
 
 def prefill_processes(prefill: list[tuple[str, dict]]) -> list[str]:
     """One line per arm of `pass_span_lines`' prefill cells: the processes that used the most CPU over all its
-    lengths' prompts (each length's `machine`), the busiest first."""
-    arms: dict[str, dict[tuple[int, str], list]] = {}
+    lengths' prompts (each length's `machine`, `process_list`)."""
+    arms: dict[str, list[dict]] = {}
     for name, cell in prefill:
-        for p in (cell.get("machine") or {}).get("processes", ()):
-            u = arms.setdefault(name, {}).setdefault((p["pid"], p["name"]), [0.0, p.get("client", False)])
-            u[0] += p["cpu_s"]
-    return [f"- {name}: " + ", ".join(f"{pname} {pid}{' (client)' if client else ''} {seconds:.2f} s"
-                                      for (pid, pname), (seconds, client)
-                                      in sorted(used.items(), key=lambda kv: -kv[1][0])[:machine.TOP])
-            for name, used in arms.items()]
+        if cell.get("machine"):
+            arms.setdefault(name, []).append(cell["machine"])
+    return [f"- {name}: {process_list(windows)}" for name, windows in arms.items()]
 
 
 def tiles_lines(tiles: dict | None, sweep: dict | None) -> list[str]:
