@@ -1,6 +1,6 @@
-"""The forward's stack samples (`vskipper.sglang.stack_samples`): a sampler thread reads the frames of the thread
-that runs a pass, only while it runs one, and counts per phase where it stood; the part clock starts it where the
-serve spec asks (`ENV_STACK_SAMPLES`)."""
+"""The forward's stack samples (`vskipper.sglang.stack_samples`): a sampler thread ticks while a pass runs, the
+thread that runs it (the main thread, at a signal) or the sampler reads its frames, and counts per phase where it
+stood; the part clock starts it where the serve spec asks (`ENV_STACK_SAMPLES`)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,8 @@ def test_the_part_clock_samples_its_passes_where_asked_and_attests_them():
             time.sleep(0.005)
         samples = clock.attestation()["samples"]
         assert samples["samples_total"]["prefill"] >= 10
-        assert set(samples) == {"interval_s", "samples_total", "seconds_total", *KINDS}
+        assert set(samples) == {"interval_s", "mode", "samples_total", "seconds_total", *KINDS}
+        assert samples["mode"] == "signal"  # the pass ran in the main thread, which made the clock
         assert any(":spin:" in key for key in samples["innermost"]["prefill"])
         # the clock's own frame (the pass it wraps) is vSkipper's innermost; no frame of SGLang's runtime here
         assert all(key.startswith("vskipper/sglang/part_times.py:") for key in samples["vskipper"]["prefill"])
@@ -188,3 +189,74 @@ def test_the_start_of_a_pass_after_a_gap_has_its_share_of_the_samples():
     assert head + tail >= 80  # about 160 at 5 ms over 0.8 s of passes
     assert 0.08 <= head / (head + tail) <= 0.35
     assert sampler.seconds["prefill"] > 0  # what the samples held the lock, counted
+
+
+def test_the_main_threads_passes_are_sampled_by_the_thread_itself_at_a_signal_and_others_by_the_sampler():
+    """Made in the main thread, the sampler signals it and the main thread counts its own stack (a thread that
+    walks another's frames can crash CPython 3.11); a forward on another thread, or a sampler told not to signal,
+    is read by the sampler thread as before; a sampler made off the main thread cannot take the signal."""
+    import signal as signals
+
+    def sample_pass(sampler, ident, work) -> dict:
+        running: list = [(ident, "prefill")]
+        sampler.running = lambda: running[0]
+        sampler.start()
+        try:
+            sampler.begin()
+            work(0.2)
+            running[0] = None
+            sampler.end()
+        finally:
+            sampler.stop()
+            sampler.join(5.0)
+        return sampler.counts["innermost"]["prefill"]
+
+    from vskipper.sglang import stack_samples
+
+    main = StackSampler(lambda: None, interval_s=0.002)
+    twin = StackSampler(lambda: None, interval_s=0.005)  # two at once share the handler, each its own samples
+    assert main.mode == twin.mode == "signal" and main.view["mode"] == "signal"
+    assert signals.getsignal(signals.SIGUSR2) is stack_samples._dispatch
+    twin.running = lambda: (threading.get_ident(), "prefill")
+    twin.start()
+    twin.begin()
+    counts = sample_pass(main, threading.get_ident(), spin)
+    twin.end()
+    twin.stop()
+    twin.join(5.0)
+    assert sum(counts.values()) >= 20 and top(counts, 1)[0][0].startswith("tests/test_stack_samples.py:spin:")
+    # each counted the samples it asked for (a sampler's thread needs the interpreter's lock to ask, which a
+    # spinning forward gives up at its 5 ms switch interval: both ask about that often here)
+    assert twin.samples["prefill"] >= 5 and sum(counts.values()) == main.samples["prefill"]
+    assert main._asked is None and main not in stack_samples._signalled  # every signal handled; stopped
+    assert StackSampler(lambda: None, signals=False).mode == "thread"
+    signals.signal(signals.SIGUSR2, signals.SIG_IGN)  # someone else's handler: the sampler reads from its thread
+    try:
+        assert StackSampler(lambda: None).mode == "thread"
+    finally:
+        signals.signal(signals.SIGUSR2, stack_samples._dispatch)
+
+    other = {}
+    worker = threading.Thread(target=lambda: other.update(sampler=StackSampler(lambda: None)))
+    worker.start()
+    worker.join()
+    assert other["sampler"].mode == "thread"  # made off the main thread
+
+    done = threading.Event()
+    ident: list = []
+
+    def forward():  # a forward on another thread: the signal mode's sampler reads it from its own thread
+        ident.append(threading.get_ident())
+        while not done.is_set():
+            spin(0.001)
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    while not ident:
+        time.sleep(0.001)
+    try:
+        counts = sample_pass(StackSampler(lambda: None, interval_s=0.002), ident[0], lambda s: time.sleep(s))
+    finally:
+        done.set()
+        thread.join(5.0)
+    assert sum(counts.values()) >= 20 and top(counts, 1)[0][0].startswith("tests/test_stack_samples.py:spin:")

@@ -3,10 +3,18 @@
 
 The part clock says how long a pass's launches took on the host and, from the kernel's account, whether its thread
 computed or waited meanwhile (`vskipper.sglang.part_times`); it does not say where in the code. A sampler thread
-reads the forward thread's innermost Python frame (`sys._current_frames`) while the clock's pass runs, and counts
-per phase the line it stood at, three ways: the innermost frame whatever its code (torch's and Triton's Python
+ticks while the clock's pass runs, and at each tick the forward's Python stack is read and counted per phase by
+the line it stood at, three ways: the innermost frame whatever its code (torch's and Triton's Python
 included; where the thread is inside C code, such as a kernel launch or a wait on a lock, the Python line that
 called it), the innermost frame of vSkipper's code, and the innermost of SGLang's runtime (`sglang/srt`).
+
+Where the forward is the process's main thread (SGLang's scheduler runs it there) and the sampler was made in it,
+the tick sends that thread a signal (`SIGNAL`) and the stack is read by the thread itself, in the handler Python
+runs between two of its instructions (`mode` "signal"): a thread that walks another running thread's frames
+(`sys._current_frames`, then `f_back`) can crash CPython 3.11 (a segmentation fault in the sampler's walk, seen
+once on a CPU server; CPython issues 99110 and 111363), and one that walks its own cannot. System calls the signal
+interrupts are restarted (`signal.siginterrupt`). Elsewhere (another thread's forward, a sampler made off the main
+thread, or `SIGNAL` already handled by someone else) the sampler thread reads the frames itself (`mode` "thread").
 
 A sample needs the interpreter's lock, which the forward lets go around each of torch's operators and Triton's
 launches and otherwise every 5 ms (the interpreter's switch interval): a sample lands where the forward next lets
@@ -15,7 +23,8 @@ samples come further apart than `INTERVAL_S`. A line's share of the samples is a
 time at the resolution of those hand-overs; the counts say how many samples there were.
 
 Its own cost: a sample holds the interpreter's lock for 30-65 us (the stack walked, its keys kept per line; counted
-per phase as `seconds_total`), and the forward then waits for the lock to come back. On a 2-core CPU host a sample
+per phase as `seconds_total`), and the forward then waits for the lock to come back (in the signal mode the forward
+walks its own stack in that time). On a 2-core CPU host a sample
 cost the pass 210-240 us in all (the medians over arms and shapes), so a sample every 2 ms made a pass 7-18%
 slower (median 11%), every 5 ms from 3% faster to 8% slower (median 6% slower, within the repetitions' noise;
 `benchmarks/host_time_bench.py --only samples`, `benchmarks/README.md`). Hence 5 ms, the interpreter's own
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 import threading
 import time
@@ -40,6 +50,14 @@ from typing import Any
 INTERVAL_S = 0.005  # between two samples of a running pass (its cost: the module's docstring)
 IDLE_CHECK_S = 1.0  # how often a sampler between passes looks whether it was stopped
 KINDS = ("innermost", "vskipper", "sglang")  # which frame of a sample is counted
+SIGNAL = getattr(signal, "SIGUSR2", None)  # the tick's signal to the forward's thread (SGLang handles none such)
+_signalled: set[StackSampler] = set()  # the samplers whose ticks signal the main thread (`_dispatch`)
+
+
+def _dispatch(signum, frame) -> None:
+    """The main thread's handler of `SIGNAL`: each signalling sampler that asked for a sample takes it."""
+    for sampler in list(_signalled):
+        sampler._on_signal(frame)
 
 
 @lru_cache(maxsize=1)
@@ -111,16 +129,22 @@ class StackSampler(threading.Thread):
     after a pass the sampler saw end and whenever a reader asks (`publish`), so that a reader on another thread
     serializes them while it samples on."""
 
-    def __init__(self, running: Callable[[], tuple[int, str] | None], interval_s: float = INTERVAL_S) -> None:
-        """`running()`: (the forward thread's ident, the phase of its pass) while a pass runs, else None."""
+    def __init__(self, running: Callable[[], tuple[int, str] | None], interval_s: float = INTERVAL_S,
+                 signals: bool = True) -> None:
+        """`running()`: (the forward thread's ident, the phase of its pass) while a pass runs, else None.
+        `signals`: the main thread's passes sampled by the thread itself, at a signal (the module's docstring),
+        where this is the main thread and the signal is free; else (or False) by this thread."""
         super().__init__(name="vskipper-stack-sampler", daemon=True)
         self.running, self.interval_s = running, interval_s
+        self._main = threading.main_thread().ident
+        self._asked: tuple[int, str] | None = None  # the pass a signal was sent for, until its handler runs
+        self.mode = "signal" if signals and self._take_signal() else "thread"
         self.samples: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # per phase, the time its samples took
         self.counts: dict[str, dict[str, Counter[str]]] = {kind: defaultdict(Counter) for kind in KINDS}
-        self.view: dict[str, Any] = {"interval_s": interval_s, "samples_total": {}, "seconds_total": {},
-                                     **{kind: {} for kind in KINDS}}
-        self._lock = threading.Lock()  # the counts, between the sampler and a reader's `publish`
+        self.view: dict[str, Any] = {"interval_s": interval_s, "mode": self.mode, "samples_total": {},
+                                     "seconds_total": {}, **{kind: {} for kind in KINDS}}
+        self._lock = threading.RLock()  # the counts, between the sampling thread and a reader's `publish`
         self._halt = threading.Event()
         self._passing = threading.Event()  # set from a pass's begin to its end: the sampler wakes for it
 
@@ -133,24 +157,59 @@ class StackSampler(threading.Thread):
         gap)."""
         self._passing.clear()
 
+    def _take_signal(self) -> bool:
+        """Handle `SIGNAL` in this process (`_dispatch`, restarting the system calls it interrupts), where this
+        is the main thread and nobody else handles it: whether the main thread's passes are sampled at a signal.
+        Several samplers share the handler, each taking the samples it asked for."""
+        if SIGNAL is None or not hasattr(signal, "pthread_kill") or threading.get_ident() != self._main:
+            return False
+        held = signal.getsignal(SIGNAL)
+        if held is not _dispatch:
+            if held not in (signal.SIG_DFL, None):
+                return False  # someone else's
+            signal.signal(SIGNAL, _dispatch)
+            signal.siginterrupt(SIGNAL, False)
+        _signalled.add(self)
+        return True
+
     def sample(self) -> bool:
-        """Take one sample where a pass runs: whether one was taken (not where the pass ended meanwhile)."""
+        """Take one sample where a pass runs: whether one was taken (not where the pass ended meanwhile). In the
+        signal mode the main thread takes it (`_on_signal`) and this says whether one was asked for: not while
+        the last one asked for is still waiting for its handler."""
         t0 = time.perf_counter()
         running = self.running()
         if running is None:
             return False
         ident, phase = running
+        if self.mode == "signal" and ident == self._main:
+            if self._asked is not None:
+                return False
+            self._asked = running
+            signal.pthread_kill(ident, SIGNAL)
+            return True
         frame = sys._current_frames().get(ident)
         if frame is None or self.running() != running:
             return False
         keys = sample_keys(frame)
         del frame
+        self._count(phase, keys, t0)
+        return True
+
+    def _on_signal(self, frame) -> None:
+        """In the main thread's handler of `SIGNAL` (`_dispatch`): its own stack counted, where this sampler asked
+        for a sample and the pass it asked for still runs."""
+        t0 = time.perf_counter()
+        asked, self._asked = self._asked, None
+        if asked is None or frame is None or self.running() != asked:
+            return
+        self._count(asked[1], sample_keys(frame), t0)
+
+    def _count(self, phase: str, keys: dict[str, str], t0: float) -> None:
         with self._lock:
             self.samples[phase] += 1
             for kind, key in keys.items():
                 self.counts[kind][phase][key] += 1
             self.seconds[phase] += time.perf_counter() - t0
-        return True
 
     def publish(self) -> None:
         """Copy the counts into `view` in one update (a reader serializing `view` meets no dict that changes size,
@@ -181,6 +240,8 @@ class StackSampler(threading.Thread):
             self.view["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
     def stop(self) -> None:
+        """Stop sampling. The signal's handler stays (a signal already sent still finds it), without this sampler."""
+        _signalled.discard(self)
         self._halt.set()
         self._passing.set()  # a sleeping sampler wakes to stop
 
