@@ -1564,7 +1564,7 @@ def test_the_sweeps_servers_sample_their_stacks_where_the_run_asks_and_the_summa
                                     run.ALWAYS: {"prefill": cells}})
     # the interval the servers attest (an earlier run's 2 ms here) and the ms the samples held the lock
     assert f"{run.ALWAYS}, the innermost frame (where the thread is in C code, the line that called it) " \
-           "(120 samples; every 2 ms, the samples holding the interpreter's lock 6.0 ms in all):" in lines
+           "(120 samples; every 2 ms, the samples taking 6.0 ms of the forward in all):" in lines
     assert not any(line.startswith("dense,") for line in lines)  # an arm that did not sample: no table
     # 45 of 60 at 1,024 tokens: 75% of the 40 ms a pass; 15 of 60 at 2,048: 25%, 10 ms; 60 of 120 in all
     assert "| `triton/runtime/jit.py:run:700` | 75.0% (30.0 ms) | 25.0% (10.0 ms) | 50.0% |" in lines

@@ -2316,8 +2316,9 @@ def merge_samples(windows: list[dict]) -> dict | None:
 
 def sampling(windows: list[dict]) -> str:
     """How the windows' servers sampled, for a summary: every how many ms (as their samplers attest: an earlier
-    run's may differ from `INTERVAL_S`) and, where they count it, the ms their samples held the interpreter's lock
-    in all."""
+    run's may differ from `INTERVAL_S`) and, where they count it, the ms their samples took in all (the forward's
+    own time where it reads its stack at a signal; the interpreter's lock, which the forward waits for, where the
+    sampler's thread reads it)."""
     from vskipper.sglang.stack_samples import INTERVAL_S
 
     samples = [w["samples"] for w in windows if w.get("samples")]
@@ -2325,7 +2326,7 @@ def sampling(windows: list[dict]) -> str:
     text = "every " + " or ".join(f"{i * 1e3:g}" for i in intervals) + " ms"
     seconds = [s.get("seconds") for s in samples]
     if samples and all(t is not None for t in seconds):
-        text += f", the samples holding the interpreter's lock {sum(seconds) * 1e3:.1f} ms in all"
+        text += f", the samples taking {sum(seconds) * 1e3:.1f} ms of the forward in all"
     return text
 
 
@@ -2348,8 +2349,9 @@ def sample_lines(arms: dict[str, dict], shown: int = 6) -> list[str]:
         if not lines:
             lines = ["Where the forward's host time went, by samples of its Python stack while a pass ran "
                      "(`VSKIPPER_STACK_SAMPLES`, on every server of this stage: one at each tick of a clock, where "
-                     "the forward lets the interpreter's lock go, as it does around each launch; a stretch of pure "
-                     "Python is charged to the call that ends it, and a frame's share of the samples is about its "
+                     "the forward next runs Python, as it does after each launch (the scheduler's main thread "
+                     "reads its own stack at the tick's signal); a stretch of pure Python is charged to the call "
+                     "that ends it, and a frame's share of the samples is about its "
                      "share of the passes' host time): the most sampled frames of the three sequences' windows "
                      "together, beside their share in the windows of each shape's passes in a row, and in brackets "
                      "the host ms a pass that share stands for.", ""]
@@ -2654,8 +2656,8 @@ def sweep_sample_lines(arms: dict, shown: int = 8) -> list[str]:
         if not lines:
             lines = ["Where each arm's prefill passes spent the host's time, by samples of the forward's Python "
                      "stack (`run.sh --samples`: every sweep server samples at each tick of a clock while a pass "
-                     "runs, where the forward lets the interpreter's lock go, as around each launch; a stretch of "
-                     "pure Python is charged to the call that ends it). Each frame's share of a length's samples, "
+                     "runs, where the forward next runs Python, as after each launch; a stretch of pure Python is "
+                     "charged to the call that ends it). Each frame's share of a length's samples, "
                      "and in brackets that share of the length's host ms a pass:", ""]
         total, counts = sampled(cells)
         for kind, what in SAMPLED_KINDS.items():

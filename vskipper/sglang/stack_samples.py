@@ -16,18 +16,19 @@ once on a CPU server; CPython issues 99110 and 111363), and one that walks its o
 interrupts are restarted (`signal.siginterrupt`). Elsewhere (another thread's forward, a sampler made off the main
 thread, or `SIGNAL` already handled by someone else) the sampler thread reads the frames itself (`mode` "thread").
 
-A sample needs the interpreter's lock, which the forward lets go around each of torch's operators and Triton's
+A tick needs the interpreter's lock, which the forward lets go around each of torch's operators and Triton's
 launches and otherwise every 5 ms (the interpreter's switch interval): a sample lands where the forward next lets
-the lock go, so a stretch of pure Python is charged to the call that ends it, and where the forward keeps the lock
-samples come further apart than `INTERVAL_S`. A line's share of the samples is about its share of the passes' host
+the lock go (at a signal: where it next runs Python, after the call it was in), so a stretch of pure Python is
+charged to the call that ends it, and where the forward keeps the lock samples come further apart than
+`INTERVAL_S`. A line's share of the samples is about its share of the passes' host
 time at the resolution of those hand-overs; the counts say how many samples there were.
 
-Its own cost: a sample holds the interpreter's lock for 30-65 us (the stack walked, its keys kept per line; counted
-per phase as `seconds_total`), and the forward then waits for the lock to come back (in the signal mode the forward
-walks its own stack in that time). On a 2-core CPU host a sample
-cost the pass 210-240 us in all (the medians over arms and shapes), so a sample every 2 ms made a pass 7-18%
-slower (median 11%), every 5 ms from 3% faster to 8% slower (median 6% slower, within the repetitions' noise;
-`benchmarks/host_time_bench.py --only samples`, `benchmarks/README.md`). Hence 5 ms, the interpreter's own
+Its own cost: read from the sampler's thread, a sample holds the interpreter's lock for 30-65 us (the stack walked,
+its keys kept per line; counted per phase as `seconds_total`), and the forward then waits for the lock to come
+back: on a 2-core CPU host a sample cost the pass 210-240 us in all (the medians over arms and shapes), a sample
+every 5 ms made a pass a median 6% slower. In the signal mode the forward spends its own 29-44 us and nothing is
+handed over: every 2 ms a median 6.5% slower, every 5 ms 3% (`benchmarks/host_time_bench.py --only samples`,
+`benchmarks/README.md`). Hence 5 ms, the interpreter's own
 switch interval, at which a stretch of pure Python is sampled anyway. It is a measurement mode
 (`VSKIPPER_STACK_SAMPLES=1`, `ServeSpec.stack_samples`), off when deployed, and only reads frames while a pass
 runs: between passes it sleeps until the next one begins (`StackSampler.begin`), so that it takes no lock from
