@@ -454,6 +454,8 @@ def measure_samples(models: dict[str, ServedModel], shapes, repetitions: int, qu
                 if isinstance(side, Sampled):
                     side.phase = f"{shape.label}/{side_name}"
             timed = measure(sides, shapes, repetitions, quick, {"pass": (shape,)})["pass"][shape.label]
+            for sampler in samplers.values():
+                sampler.publish()  # the samples taken so far counted
             results[shape.label] = {**timed, "sampled_passes": 2 + timed["passes"] * repetitions, "samples": {
                 side_name: {"samples": side.sampler.samples[side.phase], "seconds": side.sampler.seconds[side.phase]}
                 for side_name, side in sides.items() if isinstance(side, Sampled)}}

@@ -4,6 +4,7 @@ stood; the part clock starts it where the serve spec asks (`ENV_STACK_SAMPLES`).
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
@@ -114,8 +115,9 @@ def test_the_part_clock_samples_its_passes_where_asked_and_attests_them():
             time.sleep(0.005)
         samples = clock.attestation()["samples"]
         assert samples["samples_total"]["prefill"] >= 10
-        assert set(samples) == {"interval_s", "mode", "samples_total", "seconds_total", *KINDS}
-        assert samples["mode"] == "signal"  # the pass ran in the main thread, which made the clock
+        assert set(samples) == {"interval_s", "mode", "samples_by_mode", "samples_total", "seconds_total", *KINDS}
+        # the pass ran in the main thread, which made the clock: every sample read there at a signal
+        assert samples["mode"] == "signal" and samples["samples_by_mode"] == {"signal": samples["samples_total"]["prefill"]}
         assert any(":spin:" in key for key in samples["innermost"]["prefill"])
         # the clock's own frame (the pass it wraps) is vSkipper's innermost; no frame of SGLang's runtime here
         assert all(key.startswith("vskipper/sglang/part_times.py:") for key in samples["vskipper"]["prefill"])
@@ -191,61 +193,69 @@ def test_the_start_of_a_pass_after_a_gap_has_its_share_of_the_samples():
     assert sampler.seconds["prefill"] > 0  # what the samples held the lock, counted
 
 
+needs_signal = pytest.mark.skipif(not hasattr(signal, "SIGUSR2") or not hasattr(signal, "pthread_kill"),
+                                  reason="no SIGUSR2 to signal a thread with here")
+
+
+def sample_until(sampler, ident, phase, work, samples: int = 20, deadline_s: float = 20.0) -> None:
+    """`sampler` over passes of `phase` by thread `ident`, each running `work(0.02)`, until it has counted
+    `samples` of them (or the deadline: a loaded machine hands the interpreter's lock over late)."""
+    running: list = [None]
+    sampler.running = lambda: running[0]
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        running[0] = (ident, phase)
+        sampler.begin()
+        work(0.02)
+        running[0] = None
+        sampler.end()
+        sampler.publish()
+        if sampler.samples[phase] >= samples:
+            return
+
+
+@needs_signal
 def test_the_main_threads_passes_are_sampled_by_the_thread_itself_at_a_signal_and_others_by_the_sampler():
-    """Made in the main thread, the sampler signals it and the main thread counts its own stack (a thread that
-    walks another's frames can crash CPython 3.11); a forward on another thread, or a sampler told not to signal,
-    is read by the sampler thread as before; a sampler made off the main thread cannot take the signal."""
-    import signal as signals
-
-    def sample_pass(sampler, ident, work) -> dict:
-        running: list = [(ident, "prefill")]
-        sampler.running = lambda: running[0]
-        sampler.start()
-        try:
-            sampler.begin()
-            work(0.2)
-            running[0] = None
-            sampler.end()
-        finally:
-            sampler.stop()
-            sampler.join(5.0)
-        return sampler.counts["innermost"]["prefill"]
-
+    """Made in the main thread, the sampler signals it and the main thread reads its own stack (a thread that
+    walks another's frames can crash CPython 3.11); two such samplers share the handler and each counts what it
+    asked for; a forward on another thread, or a sampler told not to signal, is read by the sampler's thread; a
+    sampler made off the main thread, or where someone else handles the signal, cannot take it."""
     from vskipper.sglang import stack_samples
 
     main = StackSampler(lambda: None, interval_s=0.002)
-    twin = StackSampler(lambda: None, interval_s=0.005)  # two at once share the handler, each its own samples
+    twin = StackSampler(lambda: None, interval_s=0.002)
     assert main.mode == twin.mode == "signal" and main.view["mode"] == "signal"
-    assert signals.getsignal(signals.SIGUSR2) is stack_samples._dispatch
-    twin.running = lambda: (threading.get_ident(), "prefill")
+    assert signal.getsignal(signal.SIGUSR2) is stack_samples._dispatch
+    main.start()
     twin.start()
-    twin.begin()
-    counts = sample_pass(main, threading.get_ident(), spin)
-    twin.end()
-    twin.stop()
-    twin.join(5.0)
-    assert sum(counts.values()) >= 20 and top(counts, 1)[0][0].startswith("tests/test_stack_samples.py:spin:")
-    # each counted the samples it asked for (a sampler's thread needs the interpreter's lock to ask, which a
-    # spinning forward gives up at its 5 ms switch interval: both ask about that often here)
-    assert twin.samples["prefill"] >= 5 and sum(counts.values()) == main.samples["prefill"]
-    assert main._asked is None and main not in stack_samples._signalled  # every signal handled; stopped
-    assert StackSampler(lambda: None, signals=False).mode == "thread"
-    signals.signal(signals.SIGUSR2, signals.SIG_IGN)  # someone else's handler: the sampler reads from its thread
     try:
-        assert StackSampler(lambda: None).mode == "thread"
+        sample_until(main, threading.get_ident(), "prefill", spin)
+        sample_until(twin, threading.get_ident(), "decode", spin)  # the other sampler's ticks meanwhile: none
     finally:
-        signals.signal(signals.SIGUSR2, stack_samples._dispatch)
-
+        for s in (main, twin):
+            s.stop()
+            s.join(5.0)
+    for s, phase in ((main, "prefill"), (twin, "decode")):
+        assert s.samples[phase] >= 20 and set(s.samples) == {phase} and s.by_mode == {"signal": s.samples[phase]}
+        assert top(s.counts["innermost"][phase], 1)[0][0].startswith("tests/test_stack_samples.py:spin:")
+        assert s._asked is None and s not in stack_samples._signalled  # every signal handled; stopped
+    assert StackSampler(lambda: None, signals=False).mode == "thread"
     other = {}
     worker = threading.Thread(target=lambda: other.update(sampler=StackSampler(lambda: None)))
     worker.start()
     worker.join()
     assert other["sampler"].mode == "thread"  # made off the main thread
+    previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # someone else's handler
+    try:
+        assert StackSampler(lambda: None).mode == "thread"
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        signal.siginterrupt(signal.SIGUSR2, False)
 
     done = threading.Event()
     ident: list = []
 
-    def forward():  # a forward on another thread: the signal mode's sampler reads it from its own thread
+    def forward():  # a forward on another thread: read by the sampler's thread whatever its mode
         ident.append(threading.get_ident())
         while not done.is_set():
             spin(0.001)
@@ -254,9 +264,57 @@ def test_the_main_threads_passes_are_sampled_by_the_thread_itself_at_a_signal_an
     thread.start()
     while not ident:
         time.sleep(0.001)
+    walker = StackSampler(lambda: None, interval_s=0.002)
+    walker.start()
     try:
-        counts = sample_pass(StackSampler(lambda: None, interval_s=0.002), ident[0], lambda s: time.sleep(s))
+        sample_until(walker, ident[0], "prefill", time.sleep)
     finally:
         done.set()
         thread.join(5.0)
-    assert sum(counts.values()) >= 20 and top(counts, 1)[0][0].startswith("tests/test_stack_samples.py:spin:")
+        walker.stop()
+        walker.join(5.0)
+    assert walker.mode == "signal" and walker.by_mode == {"thread": walker.samples["prefill"]} and \
+        walker.samples["prefill"] >= 20
+
+
+@needs_signal
+def test_a_handler_that_fails_stops_its_sampler_and_never_the_forward(monkeypatch):
+    """The handler runs inside the forward: a sample that raises there is the sampler's error, not the pass's."""
+    from vskipper.sglang import stack_samples
+
+    sampler = StackSampler(lambda: None, interval_s=0.002)
+
+    def broken(frame):
+        raise ValueError("no keys")
+
+    monkeypatch.setattr(stack_samples, "sample_keys", broken)
+    sampler.start()
+    try:
+        running = (threading.get_ident(), "prefill")
+        sampler.running = lambda: running
+        sampler.begin()
+        end = time.monotonic() + 10.0
+        while "error" not in sampler.view and time.monotonic() < end:
+            spin(0.01)  # the forward runs on through the handler's failure
+        sampler.end()
+    finally:
+        sampler.stop()
+        sampler.join(5.0)
+    assert sampler.view["error"] == "ValueError: no keys" and sampler not in stack_samples._signalled
+
+
+@needs_signal
+def test_a_signal_handled_elsewhere_after_the_start_stops_the_sampler_without_signalling():
+    """Someone sets the signal's handler after the sampler took it (a default one would end the process at the
+    next signal): the sampler sends none, says so and stops."""
+    running = (threading.get_ident(), "prefill")  # this, the main thread, runs a pass
+    sampler = StackSampler(lambda: running, interval_s=0.002)
+    previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        sampler.start()
+        sampler.begin()
+        sampler.join(5.0)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        signal.siginterrupt(signal.SIGUSR2, False)
+    assert not sampler.is_alive() and "handled elsewhere" in sampler.view["error"] and sampler.samples == {}

@@ -13,7 +13,8 @@ the tick sends that thread a signal (`SIGNAL`) and the stack is read by the thre
 runs between two of its instructions (`mode` "signal"): a thread that walks another running thread's frames
 (`sys._current_frames`, then `f_back`) can crash CPython 3.11 (a segmentation fault in the sampler's walk, seen
 once on a CPU server; CPython issues 99110 and 111363), and one that walks its own cannot. System calls the signal
-interrupts are restarted (`signal.siginterrupt`). Elsewhere (another thread's forward, a sampler made off the main
+interrupts are restarted where the kernel restarts them (SA_RESTART, `signal.siginterrupt`; Python retries its own,
+and pyzmq its polls); a handler that fails stops its sampler, never the pass. Elsewhere (another thread's forward, a sampler made off the main
 thread, or `SIGNAL` already handled by someone else) the sampler thread reads the frames itself (`mode` "thread").
 
 A tick needs the interpreter's lock, which the forward lets go around each of torch's operators and Triton's
@@ -26,8 +27,9 @@ time at the resolution of those hand-overs; the counts say how many samples ther
 Its own cost: read from the sampler's thread, a sample holds the interpreter's lock for 30-65 us (the stack walked,
 its keys kept per line; counted per phase as `seconds_total`), and the forward then waits for the lock to come
 back: on a 2-core CPU host a sample cost the pass 210-240 us in all (the medians over arms and shapes), a sample
-every 5 ms made a pass a median 6% slower. In the signal mode the forward spends its own 29-44 us and nothing is
-handed over: every 2 ms a median 6.5% slower, every 5 ms 3% (`benchmarks/host_time_bench.py --only samples`,
+every 5 ms made a pass a median 6% slower. In the signal mode the forward spends its own 29-44 us reading its stack
+and the sampler's thread still takes the lock to send the signal: a sample cost the pass a median 120 us in all,
+every 2 ms a median 6.5% slower, every 5 ms 3% (`benchmarks/host_time_bench.py --only samples`,
 `benchmarks/README.md`). Hence 5 ms, the interpreter's own
 switch interval, at which a stretch of pure Python is sampled anyway. It is a measurement mode
 (`VSKIPPER_STACK_SAMPLES=1`, `ServeSpec.stack_samples`), off when deployed, and only reads frames while a pass
@@ -43,7 +45,8 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter, defaultdict
+import weakref
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from functools import cache, lru_cache
 from typing import Any
@@ -52,13 +55,20 @@ INTERVAL_S = 0.005  # between two samples of a running pass (its cost: the modul
 IDLE_CHECK_S = 1.0  # how often a sampler between passes looks whether it was stopped
 KINDS = ("innermost", "vskipper", "sglang")  # which frame of a sample is counted
 SIGNAL = getattr(signal, "SIGUSR2", None)  # the tick's signal to the forward's thread (SGLang handles none such)
-_signalled: set[StackSampler] = set()  # the samplers whose ticks signal the main thread (`_dispatch`)
+_signalled: weakref.WeakSet[StackSampler] = weakref.WeakSet()  # whose ticks signal the main thread (`_dispatch`)
+TAKEN, PENDING, NO_PASS = "taken", "pending", "no pass"  # what a tick did (`StackSampler.sample`)
 
 
 def _dispatch(signum, frame) -> None:
-    """The main thread's handler of `SIGNAL`: each signalling sampler that asked for a sample takes it."""
+    """The main thread's handler of `SIGNAL`: each signalling sampler that asked for a sample takes it. It runs
+    inside the forward, so nothing it does may raise there: a sampler that fails stops signalling, and its
+    attestation says why."""
     for sampler in list(_signalled):
-        sampler._on_signal(frame)
+        try:
+            sampler._on_signal(frame)
+        except Exception as exc:  # noqa: BLE001 -- the forward goes on; the sampler's view names the error
+            _signalled.discard(sampler)
+            sampler.view["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
 
 @lru_cache(maxsize=1)
@@ -125,10 +135,10 @@ class StackSampler(threading.Thread):
     """Samples the frames of the thread that runs a pass every `interval_s`, counting per phase each of `KINDS`,
     from a pass's `begin` to its `end`, at the ticks of a clock that runs on between passes (a sampler woken by a
     pass waits for the next tick, not a whole interval: each part of a pass, its start too, has its share of the
-    samples). It also counts the seconds its samples held the interpreter's lock (`seconds_total`, per phase): what
-    it cost the forward beyond the lock's hand-over. `view` holds copies of the counts, replaced in one update
-    after a pass the sampler saw end and whenever a reader asks (`publish`), so that a reader on another thread
-    serializes them while it samples on."""
+    samples). It also counts the seconds its samples took (`seconds_total`, per phase): in the signal mode the
+    forward's own, else what they held the interpreter's lock. `view` holds copies of the counts, replaced in one
+    update after a pass the sampler saw end and whenever a reader asks (`publish`), so that a reader on another
+    thread serializes them while it samples on; `samples_by_mode` counts how each sample was read."""
 
     def __init__(self, running: Callable[[], tuple[int, str] | None], interval_s: float = INTERVAL_S,
                  signals: bool = True) -> None:
@@ -139,13 +149,15 @@ class StackSampler(threading.Thread):
         self.running, self.interval_s = running, interval_s
         self._main = threading.main_thread().ident
         self._asked: tuple[int, str] | None = None  # the pass a signal was sent for, until its handler runs
+        self._taken: deque = deque()  # the handler's samples (phase, keys, seconds), counted by this thread
         self.mode = "signal" if signals and self._take_signal() else "thread"
+        self.by_mode: Counter[str] = Counter()  # how each sample was read: at a signal, or walked from this thread
         self.samples: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # per phase, the time its samples took
         self.counts: dict[str, dict[str, Counter[str]]] = {kind: defaultdict(Counter) for kind in KINDS}
-        self.view: dict[str, Any] = {"interval_s": interval_s, "mode": self.mode, "samples_total": {},
-                                     "seconds_total": {}, **{kind: {} for kind in KINDS}}
-        self._lock = threading.RLock()  # the counts, between the sampling thread and a reader's `publish`
+        self.view: dict[str, Any] = {"interval_s": interval_s, "mode": self.mode, "samples_by_mode": {},
+                                     "samples_total": {}, "seconds_total": {}, **{kind: {} for kind in KINDS}}
+        self._lock = threading.Lock()  # the counts, between this thread and a reader's `publish` (never the handler)
         self._halt = threading.Event()
         self._passing = threading.Event()  # set from a pass's begin to its end: the sampler wakes for it
 
@@ -159,64 +171,79 @@ class StackSampler(threading.Thread):
         self._passing.clear()
 
     def _take_signal(self) -> bool:
-        """Handle `SIGNAL` in this process (`_dispatch`, restarting the system calls it interrupts), where this
-        is the main thread and nobody else handles it: whether the main thread's passes are sampled at a signal.
-        Several samplers share the handler, each taking the samples it asked for."""
+        """Handle `SIGNAL` in this process (`_dispatch`; the system calls it interrupts restarted where the kernel
+        restarts them, SA_RESTART), where this is the main thread and nobody else handles it (None: a handler
+        installed outside Python): whether the main thread's passes are sampled at a signal. Several samplers
+        share the handler, each taking the samples it asked for."""
         if SIGNAL is None or not hasattr(signal, "pthread_kill") or threading.get_ident() != self._main:
             return False
         held = signal.getsignal(SIGNAL)
         if held is not _dispatch:
-            if held not in (signal.SIG_DFL, None):
+            if held is not signal.SIG_DFL:
                 return False  # someone else's
             signal.signal(SIGNAL, _dispatch)
-            signal.siginterrupt(SIGNAL, False)
+        signal.siginterrupt(SIGNAL, False)
         _signalled.add(self)
         return True
 
-    def sample(self) -> bool:
-        """Take one sample where a pass runs: whether one was taken (not where the pass ended meanwhile). In the
-        signal mode the main thread takes it (`_on_signal`) and this says whether one was asked for: not while
-        the last one asked for is still waiting for its handler."""
+    def sample(self) -> str:
+        """One tick where a pass runs: `TAKEN` (a sample counted, or asked of the main thread at a signal),
+        `PENDING` (the last one asked for still waits for its handler) or `NO_PASS` (none runs, or it ended
+        meanwhile). The main thread is signalled only while `_dispatch` still handles the signal (a handler set
+        in its place since: no more signals, and its frames are not walked either)."""
         t0 = time.perf_counter()
         running = self.running()
         if running is None:
-            return False
+            return NO_PASS
         ident, phase = running
         if self.mode == "signal" and ident == self._main:
             if self._asked is not None:
-                return False
+                return PENDING
+            if signal.getsignal(SIGNAL) is not _dispatch:
+                _signalled.discard(self)
+                self.view["error"] = "the stack's signal is handled elsewhere now: no more samples"
+                self._halt.set()
+                return NO_PASS
             self._asked = running
             signal.pthread_kill(ident, SIGNAL)
-            return True
+            return TAKEN
         frame = sys._current_frames().get(ident)
-        if frame is None or self.running() != running:
-            return False
+        if frame is None or self.running() is not running:
+            return NO_PASS
         keys = sample_keys(frame)
         del frame
-        self._count(phase, keys, t0)
-        return True
+        self._taken.append((phase, keys, time.perf_counter() - t0, "thread"))
+        return TAKEN
 
     def _on_signal(self, frame) -> None:
-        """In the main thread's handler of `SIGNAL` (`_dispatch`): its own stack counted, where this sampler asked
-        for a sample and the pass it asked for still runs."""
+        """In the main thread's handler of `SIGNAL` (`_dispatch`): its own stack read, where this sampler asked for
+        a sample and the pass it asked for still runs (the same pass: a later one of the same phase is another),
+        and handed to the sampler's thread to count (the handler takes no lock: the main thread may hold it)."""
         t0 = time.perf_counter()
         asked, self._asked = self._asked, None
-        if asked is None or frame is None or self.running() != asked:
+        if asked is None or frame is None or self.running() is not asked:
             return
-        self._count(asked[1], sample_keys(frame), t0)
+        keys = sample_keys(frame)
+        self._taken.append((asked[1], keys, time.perf_counter() - t0, "signal"))
 
-    def _count(self, phase: str, keys: dict[str, str], t0: float) -> None:
+    def _drain(self) -> None:
+        """Count the samples taken since the last drain."""
         with self._lock:
-            self.samples[phase] += 1
-            for kind, key in keys.items():
-                self.counts[kind][phase][key] += 1
-            self.seconds[phase] += time.perf_counter() - t0
+            while self._taken:
+                phase, keys, seconds, mode = self._taken.popleft()
+                self.samples[phase] += 1
+                self.by_mode[mode] += 1
+                for kind, key in keys.items():
+                    self.counts[kind][phase][key] += 1
+                self.seconds[phase] += seconds
 
     def publish(self) -> None:
         """Copy the counts into `view` in one update (a reader serializing `view` meets no dict that changes size,
         and no total without its counts)."""
+        self._drain()
         with self._lock:
             fresh = {"samples_total": dict(self.samples), "seconds_total": dict(self.seconds),
+                     "samples_by_mode": dict(self.by_mode),
                      **{kind: {phase: dict(c) for phase, c in self.counts[kind].items()} for kind in KINDS}}
         self.view.update(fresh)
 
@@ -232,13 +259,16 @@ class StackSampler(threading.Thread):
                     continue
                 if self._halt.wait(self.interval_s - time.monotonic() % self.interval_s):  # the next tick
                     break
-                if self.sample():
+                tick = self.sample()
+                if tick == TAKEN:
                     sampled = True
-                elif sampled:  # a pass ended since the last sample: its counts out for readers
+                elif tick == NO_PASS and sampled:  # a pass ended since the last sample: its counts out for readers
                     self.publish()
                     sampled = False
         except Exception as exc:  # the sampler stops; the attestation says why
             self.view["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        finally:
+            self._drain()
 
     def stop(self) -> None:
         """Stop sampling. The signal's handler stays (a signal already sent still finds it), without this sampler."""
