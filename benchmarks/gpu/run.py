@@ -1975,11 +1975,6 @@ def machine_pooled(windows: list[dict]) -> dict:
     steady = [w for w in windows if w.get("core") and not w["forward"]["moved"]]  # the forward on one CPU
     steady_wall = sum(w["wall_s"] for w in steady)
     paired = [w for w in steady if w["core"]["siblings"]]  # a core without hyperthreads has no sibling to be busy
-    used: dict[tuple[int, int | None], dict] = {}
-    for w in windows:
-        for p in w["processes"]:
-            u = used.setdefault((p["pid"], p.get("start")), {**p, "cpu_s": 0.0})
-            u["cpu_s"] += p["cpu_s"]
     whole = len(forwards) == len(windows)
     canaries = [us for w in windows for us in w.get("canary_us") or () if us is not None]
     return {"windows": len(windows), "cpus": windows[0]["cpus"],
@@ -1993,7 +1988,7 @@ def machine_pooled(windows: list[dict]) -> dict:
             / steady_wall if steady else None, "weighed": len(steady),
             "sibling_busy": sum(max(s["busy"] for s in w["core"]["siblings"]) * w["wall_s"] for w in paired)
             / sum(w["wall_s"] for w in paired) if paired else None,
-            "processes": sorted(used.values(), key=lambda u: -u["cpu_s"])}
+            "processes": summed_processes(windows)}
 
 
 def forward_tid(threads: dict) -> int | None:
@@ -2245,26 +2240,29 @@ def machine_lines(arms: dict[str, dict]) -> list[str]:
             "(siblings) | canary us before / after | processes |", "|---|---|---:|---:|---|---|---|---|", *rows, ""]
 
 
-def process_list(windows: list[dict]) -> str:
-    """The processes that used the most CPU over `windows` (each window's `machine`), summed by process (its pid
-    and start: a pid taken again is another), the busiest `machine.TOP` first, the reader's own marked."""
-    used: dict[tuple[int, int | None], list] = {}
+def summed_processes(windows: list[dict]) -> list[dict]:
+    """Every process's CPU seconds over `windows` (each window's `machine`), summed by process (its pid and start:
+    a pid taken again is another), the busiest first."""
+    used: dict[tuple[int, int | None], dict] = {}
     for w in windows:
         for p in w["processes"]:
-            u = used.setdefault((p["pid"], p.get("start")), [p["name"], 0.0, p.get("client", False)])
-            u[1] += p["cpu_s"]
-    top = sorted(used.items(), key=lambda kv: -kv[1][1])[:machine.TOP]
-    return ", ".join(f"{name} {pid}{' (client)' if client else ''} {seconds:.2f} s"
-                     for (pid, _), (name, seconds, client) in top)
+            u = used.setdefault((p["pid"], p.get("start")), {**p, "cpu_s": 0.0})
+            u["cpu_s"] += p["cpu_s"]
+    return sorted(used.values(), key=lambda u: -u["cpu_s"])
+
+
+def process_list(windows: list[dict]) -> str:
+    """The processes that used the most CPU over `windows` (`summed_processes`), the busiest `machine.TOP`, the
+    reader's own marked."""
+    return ", ".join(f"{p['name']} {p['pid']}{' (client)' if p.get('client') else ''} {p['cpu_s']:.2f} s"
+                     for p in summed_processes(windows)[:machine.TOP])
 
 
 def machine_row(windows: list[dict]) -> str:
     """One row's cells of `machine_lines` over one or more windows' `machine`: the CPUs busy and stolen weighted by
     each window's wall time; the forward's runnable ms and preemptions summed, and each window's CPU in turn;
     each window's CPU's load beside the forward; the processes' CPU summed over the windows."""
-    wall = sum(w["wall_s"] for w in windows)
-    busy = sum(w["busy_cpus"] * w["wall_s"] for w in windows) / wall
-    stolen = sum(w["stolen_cpus"] * w["wall_s"] for w in windows) / wall
+    pooled = machine_pooled(windows)
     forwards = [w.get("forward") for w in windows]
     if all(forwards):
         where = ", ".join(f"{f['cpu_before']} -> {f['cpu']}" if f["moved"] else str(f["cpu"]) for f in forwards)
@@ -2282,7 +2280,8 @@ def machine_row(windows: list[dict]) -> str:
         beside.append(f"{core['others']:.0%} ({near})" if near else f"{core['others']:.0%}")
     procs = process_list(windows)
     canary = ", ".join(" / ".join(_f(us, ".0f") for us in w.get("canary_us") or (None, None)) for w in windows)
-    return (f"{busy:.2f} of {windows[0]['cpus']} | {stolen:.2f} | {forward} | {', '.join(beside)} | {canary} | "
+    return (f"{pooled['busy_cpus']:.2f} of {pooled['cpus']} | {pooled['stolen_cpus']:.2f} | {forward} | "
+            f"{', '.join(beside)} | {canary} | "
             f"{procs or 'none'}")
 
 
