@@ -155,7 +155,7 @@ class ServedModel:
     request-to-token pool and torch-native attention backend; `batch` builds SGLang's ForwardBatch of a pass."""
 
     def __init__(self, arm: Arm, checkpoint: Path, requests: int, slots: int, execution: str = "auto",
-                 prefill_read: str | None = None) -> None:
+                 prefill_read: str | None = None, prefill_graphs: tuple[int, ...] = ()) -> None:
         from safetensors.torch import load_file
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -175,6 +175,8 @@ class ServedModel:
         model.load_weights(load_file(str(checkpoint / "model.safetensors")).items())
         if prefill_read is not None:  # the read a device's table chose, in place of this device's default
             model.slot.execution = replace(model.slot.execution, prefill_read=prefill_read)
+        if prefill_graphs:  # built over the execution that serves here (a server's spec asks at its build)
+            model.slot.prefill_graphs = model.prefill_graphs_for(prefill_graphs)
         self.model = model.eval()
         self.runtime = model.runtime
         attn = model.model.layers[0].self_attn

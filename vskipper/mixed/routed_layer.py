@@ -200,22 +200,41 @@ def _routed_torch(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, run: torch.Te
 
 def _routed_triton(ops: LayerOps, x: torch.Tensor, u: torch.Tensor, weights: torch.Tensor, cohorts: Cohorts,
                    tiles: Any, x_owned: bool) -> Handoff:
-    from vskipper.mixed.kernels import CohortFFN, cohort_ffn_pair, cohort_gemm, cohort_scatter_add
+    q, _, _ = triton_attention_in(ops, u, cohorts, tiles)
+    # packed: the slots that hold a RUN row read; or every batch row's output, in batch rows (`reads_every_query`)
+    a = ops.read_cohort(q, cohorts.run_idx, cohorts.live)
+    return triton_attention_out(ops, x, a, weights, cohorts, tiles, x_owned)
 
-    w_q, b_q, w_o = ops.attention_weights()
-    idx, n_run = cohorts.run_idx, cohorts.n_run
-    # The RUN rows' queries in their batch rows, rotated beside every row's key; the others' of no meaning, finite
-    # where the read reads every row (a Project-Only row's output there is never read: o_proj reads the RUN rows').
-    q = cohort_gemm(u, idx, n_run, w_q, tile=tiles, batch_rows=True, finite_others=ops.reads_every_query)
+
+def triton_attention_in(ops: LayerOps, u: torch.Tensor, cohorts: Cohorts,
+                        tiles: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The triton execution's work before the read: the RUN cohort's Q (its rows' queries in their batch rows,
+    rotated beside every row's key; the others' of no meaning, finite where the read reads every row: a
+    Project-Only row's output there is never read, o_proj reads the RUN rows'), every row's K/V written. Returns
+    (q, k, v), k and v every row's in batch order. It reads nothing the host decides per pass besides what `ops`,
+    `u` and the maps hold: a captured segment of it replays over whatever they hold then."""
+    from vskipper.mixed.kernels import cohort_gemm
+
+    w_q, b_q, _ = ops.attention_weights()
+    q = cohort_gemm(u, cohorts.run_idx, cohorts.n_run, w_q, tile=tiles, batch_rows=True,
+                    finite_others=ops.reads_every_query)
     if b_q is not None:
         q += b_q
-    q, k, v = ops.batch_q_kv(u, q)  # k, v: every row's, in batch order
+    q, k, v = ops.batch_q_kv(u, q)
     ops.write_kv(k, v)
-    # packed: the slots that hold a RUN row read; or every batch row's output, in batch rows (`reads_every_query`)
-    a = ops.read_cohort(q, idx, cohorts.live)
+    return q, k, v
+
+
+def triton_attention_out(ops: LayerOps, x: torch.Tensor, a: torch.Tensor, weights: torch.Tensor, cohorts: Cohorts,
+                         tiles: Any, x_owned: bool) -> Handoff:
+    """The triton execution's work after the read `a` (`LayerOps.read_cohort`'s): o_proj onto the RUN rows'
+    residual, LN2, and both cohorts' FFNs weighted into the branch output."""
+    from vskipper.mixed.kernels import CohortFFN, cohort_ffn_pair, cohort_scatter_add
+
+    _, _, w_o = ops.attention_weights()
     h = x if x_owned else x.clone()  # Project-Only rows: h = x
     # RUN rows: h = x + o_proj(a), the RUN rows' outputs gathered by the kernel where they lie in batch rows
-    cohort_scatter_add(a, idx, n_run, w_o, h, tile=tiles, batch_rows=ops.reads_every_query)
+    cohort_scatter_add(a, cohorts.run_idx, cohorts.n_run, w_o, h, tile=tiles, batch_rows=ops.reads_every_query)
     # Every row is in exactly one cohort (n_run + n_proj = rows), so each branch stores its rows of delta: no
     # zero fill, no read of delta (where a down GEMM serves in the gathered form, which adds, the pair zeroes it).
     delta = torch.empty_like(h)

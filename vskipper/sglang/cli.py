@@ -133,6 +133,7 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
         check_arm_for_model,
         checkpoint_config,
         part_clock_from_env,
+        prefill_graphs_from_env,
         serve_environment,
         switch_from_env,
     )
@@ -150,6 +151,7 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
                      switch_from_env(os.environ, ENV_INTERLEAVE_CONTROL), tile_table=tiles,
                      pass_spans=switch_from_env(os.environ, ENV_PASS_SPANS),
                      stack_samples=switch_from_env(os.environ, ENV_STACK_SAMPLES),
+                     prefill_graphs=prefill_graphs_from_env(os.environ),
                      prefill_floor_tokens=getattr(args, "prefill_floor_tokens", None))
     cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *profile.flags,
            "--host", args.host, "--port", str(args.port), *extra,

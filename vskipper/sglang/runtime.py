@@ -317,13 +317,19 @@ class Runtime:
             return
         step.tape.pad(step.rows)
         valid = torch.ones(step.rows, dtype=torch.bool, device=hidden.device)
+        step.state = self.pass_state(step, hidden, positions, valid, fused)
+
+    def pass_state(self, step: Step, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                   fused: bool = False) -> Any:
+        """The skipper's per-pass state of `step`'s rows (`valid`: False for padding rows, which run every layer),
+        as `prepare_state` computes it, returned rather than set."""
         batch = BatchContext(hidden, valid, self.routed_layers, step.phase, step.keys, positions)
         state = None
         if fused:
             from vskipper.mixed.routes import fused_state
 
             state = fused_state(self.skipper, batch)
-        step.state = self.skipper.prepare_batch(batch) if state is None else state
+        return self.skipper.prepare_batch(batch) if state is None else state
 
     # -- admission (SGLang's scheduler, through vskipper.sglang.hooks) ------------------------------------------
 

@@ -53,6 +53,11 @@ ENV_TILE_TABLE = "VSKIPPER_TILE_TABLE"
 # (`vskipper serve --stand-in-ops`): SGLang's torch paths, or vSkipper's one-launch Triton kernels in their place
 # (`vskipper.sglang.stand_in_ops`); the profile sets it, never a caller's environment.
 ENV_STAND_IN_OPS = "VSKIPPER_STAND_IN_OPS"
+# The token counts a routed arm's prefill passes are captured at (comma-separated, e.g. "1024,2048,4096"): each
+# routed layer's work before and after its read replays from CUDA graphs (`vskipper.sglang.prefill_graphs`), a pass
+# padded to the least count that holds it; unset: every routed prefill pass eager. Off by default: an opt-in mode
+# whose graphs have not yet served on a device.
+ENV_PREFILL_GRAPHS = "VSKIPPER_PREFILL_GRAPHS"
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
 GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}
@@ -79,10 +84,16 @@ class ServeSpec:
     pass_spans: bool = False  # time each pass whole (`ENV_PASS_SPANS`; the part clock times its spans too)
     prefill_floor_tokens: int | None = None  # the prefill switch's floor (`ENV_PREFILL_FLOOR`); None: the constant's
     stack_samples: bool = False  # sample the forward's stack in each pass (`ENV_STACK_SAMPLES`; with the clock's spans)
+    prefill_graphs: tuple[int, ...] = ()  # the routed prefill passes' captured token counts (`ENV_PREFILL_GRAPHS`)
 
     def __post_init__(self) -> None:
         if self.execution not in EXECUTIONS:
             raise ServeConfigError(f"{ENV_EXECUTION} must be one of {', '.join(EXECUTIONS)}, got {self.execution!r}")
+        sizes = self.prefill_graphs
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or list(sizes) != sorted(
+                set(sizes)):
+            raise ServeConfigError(f"{ENV_PREFILL_GRAPHS} must list positive token counts in increasing order, got "
+                                   f"{sizes!r}")
         floor = self.prefill_floor_tokens
         if floor is not None:
             if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
@@ -128,6 +139,8 @@ class ServeSpec:
             env[ENV_TILE_TABLE] = str(self.tile_table)
         if self.prefill_floor_tokens is not None:
             env[ENV_PREFILL_FLOOR] = str(self.prefill_floor_tokens)
+        if self.prefill_graphs:
+            env[ENV_PREFILL_GRAPHS] = ",".join(map(str, self.prefill_graphs))
         return env
 
     @classmethod
@@ -159,7 +172,20 @@ class ServeSpec:
                    environ.get(ENV_THRESHOLDS_SOURCE, "flags"), profile, part_clock_from_env(environ),
                    switch_from_env(environ, ENV_INTERLEAVE_CONTROL), environ.get(ENV_EXECUTION, "auto"),
                    Path(environ[ENV_TILE_TABLE]) if environ.get(ENV_TILE_TABLE) else None,
-                   switch_from_env(environ, ENV_PASS_SPANS), floor, switch_from_env(environ, ENV_STACK_SAMPLES))
+                   switch_from_env(environ, ENV_PASS_SPANS), floor, switch_from_env(environ, ENV_STACK_SAMPLES),
+                   prefill_graphs_from_env(environ))
+
+
+def prefill_graphs_from_env(environ) -> tuple[int, ...]:
+    """The routed prefill passes' captured token counts the environment asks for (`ENV_PREFILL_GRAPHS`)."""
+    text = environ.get(ENV_PREFILL_GRAPHS, "").strip()
+    if not text:
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ServeConfigError(f"{ENV_PREFILL_GRAPHS} must list token counts separated by commas (e.g. "
+                               f"'1024,2048'), got {text!r}") from None
 
 
 def switch_from_env(environ, name: str) -> bool:

@@ -282,6 +282,7 @@ class StepSlot:
         self.execution: CohortExecution = TORCH_EXECUTION
         self.part_clock: PartClock | None = None  # the measurement mode's clock (`vskipper.sglang.part_times`)
         self.fused_gate = False  # a trained gate's routes from `vskipper.mixed.router` (the triton execution)
+        self.prefill_graphs = None  # `vskipper.sglang.prefill_graphs.PrefillGraphs`, where the spec asks for them
 
 
 def plan_pass(forward_batch, rows: int, context: int | None = None) -> PassPlan:
@@ -748,6 +749,9 @@ class RoutedLayerMixin:
         body may update it in place (`routed_layer`)."""
         if u is None:
             u = self.input_layernorm(x)
+        graphs = self._slot.prefill_graphs
+        if graphs is not None and graphs.active is not None:  # this pass replays its routed layers
+            return graphs.layer(self, x, u, layer_parts(self))
         execution = self._slot.execution
         triton = execution.decode == "triton"  # one execution for both phases
         parts = layer_parts(self)
@@ -909,6 +913,7 @@ class SkipperCausalLM(RouterWeightsMixin):
                 from vskipper.mixed.router import warm_gate
 
                 warm_gate(self.runtime.skipper, layers[0].router, weight.dtype, device)
+        self.slot.prefill_graphs = self.prefill_graphs_for(spec.prefill_graphs)
         active.register(self)  # for the SGLang hooks around the forward and the graph runners
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
         # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
@@ -939,6 +944,27 @@ class SkipperCausalLM(RouterWeightsMixin):
             # what computes a routed layer's route: a trained gate's fused form in the triton execution
             "skipper_route": (gate_form(self.runtime.skipper) if self.slot.fused_gate else None)
             or "the skipper's own route"})
+
+    def prefill_graphs_for(self, sizes: tuple[int, ...]):
+        """The routed prefill passes' graphs at token counts `sizes` (the spec's, `ENV_PREFILL_GRAPHS`), or None
+        where none are asked for or the arm has no skipper; refused by name where they cannot be captured
+        (`prefill_graph_blocker`). `PREFILL_GRAPH_STAND_IN` (tests) makes each graph off CUDA."""
+        from vskipper.sglang import prefill_graphs as pg
+
+        layers = [self.model.layers[i] for i in self.routed_layers
+                  if self.model.start_layer <= i < self.model.end_layer]
+        if not sizes or self.runtime.skipper is None or not layers:
+            return None
+        weight = self.model.embed_tokens.weight
+        stand_in = pg.PREFILL_GRAPH_STAND_IN
+        blocker = pg.prefill_graph_blocker(self.runtime.arm, self.slot.execution, self.runtime.spec.part_clock,
+                                           torch.device("cuda") if stand_in is not None else weight.device)
+        if blocker is not None:
+            raise ServeConfigError(f"{pg.ENV_PREFILL_GRAPHS}: {blocker}")
+        graphs = pg.PrefillGraphs(sizes, self.runtime, self.slot.execution, weight.shape[1],
+                                  layers[0].self_attn.q_size, weight.dtype, weight.device, stand_in)
+        self.runtime.model_counters["prefill_graphs"] = graphs.attestation()
+        return graphs
 
     def _part_clock(self) -> PartClock:
         """The part clock over this rank's layers (of its passes' spans alone where only `pass_spans` asks for
@@ -1079,7 +1105,11 @@ class SkipperCausalLM(RouterWeightsMixin):
             if input_embeds.shape[0] != step.rows:
                 raise RuntimeError(f"the pass was planned for {step.rows} rows but its forward has "
                                    f"{input_embeds.shape[0]} (padded batches are not served routed)")
-            self.runtime.prepare_state(step, input_embeds, positions, fused=self.slot.execution.decode == "triton")
+            fused = self.slot.execution.decode == "triton"
+            graphs = self.slot.prefill_graphs
+            if graphs is None or step.phase != "prefill" or \
+                    not graphs.begin(step, positions, forward_batch, input_embeds, fused):
+                self.runtime.prepare_state(step, input_embeds, positions, fused=fused)
             self.slot.step, self.slot.plan = step, prepared.plan
         try:
             out = super().forward(input_ids, positions, forward_batch, input_embeds, get_embedding,
@@ -1087,6 +1117,8 @@ class SkipperCausalLM(RouterWeightsMixin):
         finally:
             self.slot.step = None
             self.slot.plan = None
+            if self.slot.prefill_graphs is not None:
+                self.slot.prefill_graphs.end()
         if inline and step is not None:
             self._count(step, replayed=False)
         return out

@@ -1,0 +1,180 @@
+"""A routed prefill pass's routed layers replayed from captured segments (`vskipper.sglang.prefill_graphs`), beside
+the same passes eager: the real model class with SGLang's KV pool, request-to-token pool and torch-native backend
+(`benchmarks/host_time_bench.ServedModel`), the triton execution under the Triton interpreter, the read through
+SGLang's backend.
+
+No CUDA graph is captured on CPU: `RerunGraph` stands in, a replay running the captured function again and copying
+its outputs into the capture's, so a segment that closed over one pass's tensors reads them again at the next
+(as a graph reads its captured addresses). What only a device shows (an address that moves, a launch CUDA refuses
+to capture) `benchmarks/gpu/check_served.py` checks there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from benchmarks.host_time_bench import ARMS, CONTEXT, ServedModel, Shape  # noqa: E402
+from vskipper.checkpoint import TinySize, make_tiny_model  # noqa: E402
+from vskipper.mixed.segment_graphs import RerunGraph, SegmentGraphs, copy_into  # noqa: E402
+
+REQUESTS = 8
+SIZES = (16, 64)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_model("flexidepth-llama", tmp_path_factory.mktemp("tiny") / "m", TinySize(layers=4))
+
+
+def served(checkpoint, monkeypatch, arm: str = "s=0.5", sizes=SIZES) -> list[ServedModel]:
+    """A model whose routed prefill passes replay (first) beside one that runs them eagerly, one checkpoint, the
+    same KV pool contents."""
+    from vskipper.sglang import active, prefill_graphs
+    from vskipper.sglang.configs import register_configs
+    from vskipper.sglang.standalone import init_sglang
+
+    monkeypatch.setattr(active, "_ACTIVE", [])
+    monkeypatch.setattr(active, "_RUNTIME", [])
+    monkeypatch.setattr(prefill_graphs, "PREFILL_GRAPH_STAND_IN", RerunGraph)
+    init_sglang("cpu")
+    register_configs()
+    slots = REQUESTS * (CONTEXT + 64) + 1
+    built = [ServedModel(ARMS[arm], checkpoint, REQUESTS, slots, execution="triton", prefill_read="backend",
+                         prefill_graphs=graphs) for graphs in (sizes, ())]
+    gen = torch.Generator().manual_seed(0)
+    kv = [torch.randn(b.shape, generator=gen) for b in built[0].pool.k_buffer + built[0].pool.v_buffer]
+    for m in built:
+        for i, buffer in enumerate(m.pool.k_buffer + m.pool.v_buffer):
+            buffer.copy_(kv[i])
+    return built
+
+
+def both(graphed: ServedModel, eager: ServedModel, shape: Shape, first: int, seed: int):
+    """One prefill pass of `shape` from request slot `first` on each model, the same token ids: (the graphed
+    pass's logits, the eager pass's, each model's K and V at the pass's KV slots in every layer)."""
+    ids = torch.randint(3, 500, (shape.rows,), generator=torch.Generator().manual_seed(seed))
+    out = []
+    for m in (graphed, eager):
+        fb = m.batch(shape, first)
+        fb.input_ids = ids.clone()
+        m.model.prepare_pass(fb)
+        with m.context():
+            logits = m.model.forward(fb.input_ids, fb.positions, fb).next_token_logits
+        m.model.finish_pass(fb, False)
+        out.append((logits, [b[fb.out_cache_loc].clone() for b in m.pool.k_buffer + m.pool.v_buffer]))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def assert_same(graphed: ServedModel, eager: ServedModel, shape: Shape, first: int, seed: int) -> None:
+    got, want, got_kv, want_kv = both(graphed, eager, shape, first, seed)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for g, w in zip(got_kv, want_kv, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_routed_prefill_passes_replayed_at_each_count_equal_the_eager_passes(checkpoint, monkeypatch):
+    """Passes of other lengths, prompts and request slots through the captures of two counts: one of exactly a
+    count, shorter ones padded to it (after a longer one, whose rows are padding now), one too long for any (eager);
+    each pass's logits and every layer's K/V at its slots equal the eager model's, and both runtimes counted the
+    same rows."""
+    graphed, eager = served(checkpoint, monkeypatch)
+    graphs = graphed.model.slot.prefill_graphs
+    routed = len(graphed.model.routed_layers)
+    passes = [(Shape("prefill", 1, 16), 0), (Shape("prefill", 2, 5), 2), (Shape("prefill", 3, 20), 1),
+              (Shape("prefill", 1, 64), 4), (Shape("prefill", 2, 7), 5), (Shape("prefill", 1, 90), 6),
+              (Shape("prefill", 4, 9), 0)]
+    for seed, (shape, first) in enumerate(passes):
+        assert_same(graphed, eager, shape, first, seed)
+    # the state and each routed layer's two segments captured once per count, replayed at every later pass there
+    assert graphs.graphs.counts == {"captured": 2 * (1 + 2 * routed), "replayed": 4 * (1 + 2 * routed)}
+    assert dict(graphs.passes["by_tokens"]) == {"16": 3, "64": 3}
+    assert dict(graphs.passes["eager"]) == {"over 64 tokens": 1}
+    got, want = graphed.model.runtime.attestation(), eager.model.runtime.attestation()
+    assert got["rows_total"] == want["rows_total"]
+    rows = got["rows_total"]["prefill"]
+    assert rows["project_only"] > 0 and rows["run"] > 0
+    assert got["prefill_graphs"]["tokens"] == list(SIZES)
+
+
+def test_a_replayed_pass_routes_its_own_rows_not_the_captures(checkpoint, monkeypatch):
+    """Two passes of one count over other requests: the graph tape holds each pass's own routes (RandomSkip
+    hashes each row's request and position), so the second replay routed otherwise than the capture."""
+    graphed, eager = served(checkpoint, monkeypatch)
+    tape = graphed.model.slot.prefill_graphs.tape
+    assert_same(graphed, eager, Shape("prefill", 2, 8), 0, 1)
+    first = tape.run[:, :16].clone()
+    assert_same(graphed, eager, Shape("prefill", 2, 8), 3, 2)
+    assert not torch.equal(first, tape.run[:, :16])
+    assert tape.run[:, 16:].all()  # padding rows past the pass's: RUN at every layer
+
+
+def test_the_s0_control_replays_every_row_run(checkpoint, monkeypatch):
+    graphed, eager = served(checkpoint, monkeypatch, arm="s=0")
+    assert_same(graphed, eager, Shape("prefill", 2, 6), 0, 3)
+    assert_same(graphed, eager, Shape("prefill", 1, 16), 2, 4)
+    assert graphed.model.runtime.attestation()["rows_total"]["prefill"]["project_only"] == 0
+
+
+def test_prefill_graphs_are_refused_by_name_where_they_cannot_be_captured(checkpoint, monkeypatch):
+    """On CPU without the stand-in; with the packed read; with the torch execution."""
+    from vskipper.sglang import prefill_graphs
+    from vskipper.sglang.spec import ServeConfigError
+
+    graphed, _ = served(checkpoint, monkeypatch)
+    model = graphed.model
+    monkeypatch.setattr(prefill_graphs, "PREFILL_GRAPH_STAND_IN", None)
+    with pytest.raises(ServeConfigError, match="VSKIPPER_PREFILL_GRAPHS: no CUDA graphs on cpu"):
+        model.prefill_graphs_for(SIZES)
+    monkeypatch.setattr(prefill_graphs, "PREFILL_GRAPH_STAND_IN", RerunGraph)
+    from dataclasses import replace
+
+    model.slot.execution = replace(model.slot.execution, prefill_read="packed")
+    with pytest.raises(ServeConfigError, match="the 'packed' read"):
+        model.prefill_graphs_for(SIZES)
+    from vskipper.sglang.models.routed import TORCH_EXECUTION
+
+    model.slot.execution = TORCH_EXECUTION
+    with pytest.raises(ServeConfigError, match="the torch execution"):
+        model.prefill_graphs_for(SIZES)
+    assert model.prefill_graphs_for(()) is None
+
+
+def test_the_spec_reads_the_counts_and_refuses_a_list_it_cannot_capture_by_name():
+    from vskipper.arms import get_arm
+    from vskipper.sglang.spec import ENV_PREFILL_GRAPHS, ServeConfigError, ServeSpec
+
+    arm = get_arm("dense")
+    spec = ServeSpec(arm, 0, 0, prefill_graphs=(1024, 2048))
+    assert spec.to_env()[ENV_PREFILL_GRAPHS] == "1024,2048"
+    assert ServeSpec.from_env(spec.to_env()).prefill_graphs == (1024, 2048)
+    assert ServeSpec.from_env(ServeSpec(arm, 0, 0).to_env()).prefill_graphs == ()
+    for bad in ((2048, 1024), (0,), (1024, 1024)):
+        with pytest.raises(ServeConfigError, match=ENV_PREFILL_GRAPHS):
+            ServeSpec(arm, 0, 0, prefill_graphs=bad)
+    with pytest.raises(ServeConfigError, match=f"{ENV_PREFILL_GRAPHS} must list token counts"):
+        ServeSpec.from_env({**spec.to_env(), ENV_PREFILL_GRAPHS: "1024;2048"})
+
+
+def test_a_segment_runs_eagerly_captures_and_replays_and_its_outputs_are_the_captures():
+    """The segment graphs themselves: the first call warms, captures and replays (three runs of the function
+    under the stand-in), later calls replay once each, the outputs handed back are the same tensors every time,
+    refilled; a function that closed over a tensor reads it again, as a graph reads its address."""
+    static = torch.zeros(3)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return {"double": static * 2, "pair": (static + 1, static.sum())}
+
+    graphs = SegmentGraphs(torch.device("cpu"))
+    first = graphs.run("k", fn)
+    assert len(calls) == 3 and graphs.counts == {"captured": 1}
+    static.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    again = graphs.run("k", fn)
+    assert again is first and len(calls) == 4 and graphs.counts == {"captured": 1, "replayed": 1}
+    torch.testing.assert_close(again["double"], torch.tensor([2.0, 4.0, 6.0]))
+    torch.testing.assert_close(again["pair"][1], torch.tensor(6.0))
+    with pytest.raises(TypeError, match="not object"):
+        copy_into(object(), object())

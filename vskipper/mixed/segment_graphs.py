@@ -1,0 +1,151 @@
+"""Segments of a pass captured as CUDA graphs and replayed, each keyed by the caller (`SegmentGraphs`).
+
+A segment is a function of no arguments that reads only storage the caller keeps at fixed addresses (static
+buffers it refills before each replay, weights, a tape that never moves) and returns tensors (alone, or in tuples,
+lists, dicts, named tuples and dataclasses). The first call of a key runs the function once eagerly on the capture stream (what
+it launches compiles and warms there), then captures it and replays the capture; every later call replays it. The
+outputs a call returns are the capture's own: the next replay of the same key overwrites them, so the caller
+consumes them before that.
+
+A segment must give the same outputs when it runs twice over the same inputs (its first call runs it eagerly, then
+replays the capture: an update in place of its own inputs would apply twice).
+
+Every segment shares one memory pool. A later capture may reuse what an earlier one freed (its intermediates); the
+outputs of each capture are held, so none is ever another's intermediate. Segments must replay on one stream and
+consume each output before a segment captured earlier than its producer replays again: the caller's passes replay
+them in capture order.
+
+Where no CUDA graph can be captured (CPU), `RerunGraph` stands in: a replay runs the captured function again and
+copies its outputs into the capture's. It reads what a graph would where the function closed over tensors (a
+per-pass tensor it kept is the capture's, read again whatever it holds now), and not where the function looks an
+object up again at each call (an attribute set anew each pass is read anew, where a graph would read the capture's
+address): a test over it catches the first kind of mistake, only a device the second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+
+def copy_into(held: Any, fresh: Any) -> None:
+    """Copy `fresh` outputs into `held` ones of the same structure (tensors in place)."""
+    if isinstance(held, torch.Tensor):
+        held.copy_(fresh)
+    elif isinstance(held, dict):
+        for key, value in held.items():
+            copy_into(value, fresh[key])
+    elif isinstance(held, (tuple, list)):
+        for h, f in zip(held, fresh, strict=True):
+            copy_into(h, f)
+    elif dataclasses.is_dataclass(held):
+        for f in dataclasses.fields(held):
+            copy_into(getattr(held, f.name), getattr(fresh, f.name))
+    elif held is not None and not isinstance(held, (int, float, bool, str)):
+        raise TypeError(f"a segment's outputs are tensors in tuples, lists, dicts and dataclasses, not "
+                        f"{type(held).__name__}")
+
+
+class RerunGraph:
+    """A stand-in for a CUDA graph where none can be captured (CPU): the capture runs the function, a replay
+    runs it again and copies its outputs into the capture's."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], Any] | None = None
+        self.outputs: Any = None
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        self.fn, self.outputs = fn, fn()
+        return self.outputs
+
+    def replay(self) -> None:
+        copy_into(self.outputs, self.fn())
+
+
+class CudaGraph:
+    """One CUDA graph captured on `stream` into `pool`, in thread-local mode (another thread's CUDA calls, as a
+    state writer's event queries, neither break the capture nor are refused)."""
+
+    def __init__(self, pool: Any, stream: torch.cuda.Stream) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool, self.stream = pool, stream
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                outputs = fn()
+            finally:
+                self.graph.capture_end()
+        current.wait_stream(self.stream)
+        return outputs
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class SegmentGraphs:
+    """Captured segments by key (module docstring). `graph` makes one graph (`RerunGraph` off CUDA); `hold` wraps
+    each capture (a runtime that must take no state document meanwhile)."""
+
+    def __init__(self, device: torch.device, graph: Callable[[], Any] | None = None,
+                 hold: Callable[[], Any] | None = None) -> None:
+        self.device = device
+        self._graphs: dict[Hashable, tuple[Any, Any]] = {}
+        self._hold = hold
+        self.counts: Counter[str] = Counter()  # "captured", "replayed"
+        if graph is not None:
+            self._make = graph
+        elif device.type == "cuda":
+            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+            self._make = lambda: CudaGraph(pool, stream)
+            self._stream = stream
+        else:
+            self._make = RerunGraph
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, fn: Callable[[], Any]) -> Any:
+        """The outputs of segment `key` (`fn` captured at its first call, replayed at every later one)."""
+        held = self._graphs.get(key)
+        if held is None:
+            return self._capture(key, fn)
+        held[0].replay()
+        self.counts["replayed"] += 1
+        return held[1]
+
+    def _capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
+        graph = self._make()
+        self._warm(fn)
+        if self._hold is not None:
+            with self._hold():
+                outputs = graph.capture(fn)
+        else:
+            outputs = graph.capture(fn)
+        graph.replay()  # a CUDA capture launched nothing: the replay computes the pass's outputs
+        self._graphs[key] = (graph, outputs)
+        self.counts["captured"] += 1
+        return outputs
+
+    def _warm(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` once eagerly where its capture will run (on CUDA: the capture stream), so that what it launches
+        is compiled and its libraries' per-stream state made before the capture."""
+        stream = getattr(self, "_stream", None)
+        if stream is None:
+            fn()
+            return
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            fn()
+        current.wait_stream(stream)

@@ -1,0 +1,199 @@
+"""A routed prefill pass's routed layers replayed from CUDA graphs (`ENV_PREFILL_GRAPHS`): an opt-in mode.
+
+A routed prefill pass is eager in SGLang (its prefill graphs hold no routed variant, `ROUTED_GRAPH_PHASES`), and on
+a GPU below a few thousand tokens its time is the host's launches: each routed layer of the triton execution issues
+its route, cohort maps, Q GEMM, RoPE, K/V write, o_proj scatter, norm and FFN pair one launch at a time. Here each
+routed layer's work before its read and after it is captured once per token count (`ServeSpec.prefill_graphs`) and
+replayed (`vskipper.mixed.segment_graphs`); the read between them stays eager, through SGLang's attention backend
+over the pass's own batch (its metadata is the pass's), as SGLang's breakable prefill graphs break at attention.
+The dense layers run as they do in every other pass.
+
+Per pass: the least captured count that holds its rows (none: the pass runs eagerly); its per-row inputs copied
+into static buffers of that count (positions, KV slots, request keys, dense-mode rows, valid rows; the rows past the
+pass's are padding: position 0, KV slot 0, SGLang's padding slot, valid False, so every routed layer runs them,
+`vskipper.skippers.base`) and the embeddings with them; the skipper's per-pass state replayed from its own segment
+into storage the layers' segments read. Per routed layer: the layer's input x and LN1 x copied into static rows,
+its segment before the read replayed (the route, the maps recording it on the graph tape, Q, RoPE, every row's K/V
+written at the static slots), SGLang's read of the pass's rows, its output copied into static rows, the segment
+after the read replayed (o_proj onto a copy of x, LN2, the FFN pair), and the layer's hand-off handed on as views
+of the segment's outputs, the pass's rows alone. The pass is counted from the graph tape: padding rows are RUN, so
+the pass's Project-Only rows are the tape's and its RUN rows its rows less those (`Runtime.finish`).
+
+What a pass costs the host here: per routed layer two replays, the read's launches and three copies, in place of
+the layer's launches; per pass about a dozen copies and fills. What it costs the device: the padding rows' work at
+every routed layer, the copies. Each count's first pass runs every segment eagerly, captures it and replays it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from vskipper.mixed.cohorts import CohortBuilder
+from vskipper.mixed.routed_layer import Handoff, triton_attention_in, triton_attention_out
+from vskipper.mixed.segment_graphs import SegmentGraphs
+from vskipper.mixed.tape import RouteTape, tape_capacity
+from vskipper.sglang.runtime import Step
+from vskipper.sglang.spec import ENV_PREFILL_GRAPHS
+
+# Tests: what makes each graph where no CUDA graph can be captured (`vskipper.mixed.segment_graphs.RerunGraph`);
+# None: CUDA graphs, on CUDA only.
+PREFILL_GRAPH_STAND_IN = None
+
+
+def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device) -> str | None:
+    """Why a routed prefill pass cannot replay its routed layers from graphs here, or None."""
+    if "prefill" not in arm.routed_phases:
+        return f"arm {arm.name!r} does not route prefill"
+    if execution.decode != "triton":
+        return f"the routed layers run the torch execution ({execution.reason or 'not triton'}), whose sizes are " \
+               f"read on the host"
+    if execution.prefill_read != "backend":
+        return f"the routed layers prefill with the {execution.prefill_read!r} read: graphs break only around " \
+               f"SGLang's backend read, whose metadata is the pass's"
+    if part_clock:
+        return "the part clock times each part of a pass on the host, which a replay does not run"
+    if device.type != "cuda":
+        return f"no CUDA graphs on {device.type}"
+    return None
+
+
+class PrefillGraphs:
+    """The captured routed layers of routed prefill passes of up to `sizes[-1]` rows (module docstring), for the
+    model whose `runtime` decides its passes. `graph` makes one graph (tests: `RerunGraph` on CPU)."""
+
+    def __init__(self, sizes: tuple[int, ...], runtime, execution, hidden: int, q_size: int, dtype: torch.dtype,
+                 device: torch.device, graph=None) -> None:
+        if not sizes:
+            raise ValueError(f"{ENV_PREFILL_GRAPHS}: no token count to capture")
+        self.sizes, self.runtime, self.execution = tuple(sizes), runtime, execution
+        self.graphs = SegmentGraphs(device, graph, hold=runtime.capturing_graphs)
+        cap = self.sizes[-1]
+        capacity = tape_capacity(cap)
+        # the graph tape and maps: fixed storage every capture reads and writes
+        self.tape = RouteTape(capacity, runtime.routed_layers, dtype, device)
+        self.builder = CohortBuilder(capacity, device)
+        self.x = torch.zeros(cap, hidden, dtype=dtype, device=device)  # the embeddings, then each layer's input x
+        self.u = torch.zeros(cap, hidden, dtype=dtype, device=device)  # LN1 x
+        self.a = torch.zeros(cap, q_size, dtype=dtype, device=device)  # the read's output, in batch rows
+        self.positions = torch.zeros(cap, dtype=torch.int64, device=device)
+        self.keys = torch.zeros(cap, dtype=torch.int64, device=device)
+        self.valid = torch.zeros(cap, dtype=torch.bool, device=device)
+        self.dense = torch.zeros(cap, dtype=torch.bool, device=device)
+        self.loc: torch.Tensor | None = None  # KV slots, in SGLang's dtype for them (at the first pass)
+        self.filled = 0  # rows the last pass wrote (a shorter pass resets the rest to padding; zeros are)
+        self.steps: dict[int, Step] = {}  # per count: the step its segments were captured from
+        self.active: tuple[int, Step, Any] | None = None  # this pass's (count, step, SGLang's batch)
+        # passes by the count they replayed at, and the routed prefill passes run eagerly by why
+        self.passes: dict[str, Any] = {"by_tokens": Counter(), "eager": Counter()}
+
+    def attestation(self) -> dict[str, Any]:
+        return {"tokens": list(self.sizes), "passes": self.passes, "segments": self.graphs.counts}
+
+    def size_for(self, rows: int) -> int | None:
+        """The least captured count that holds `rows`, or None."""
+        i = bisect_left(self.sizes, rows)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def begin(self, step: Step, positions: torch.Tensor, forward_batch, embeddings: torch.Tensor,
+              fused: bool) -> bool:
+        """Take a routed prefill pass (its rows' inputs into the static buffers, the skipper's state from its
+        segment, the step counted from the graph tape), or leave it eager (False)."""
+        n = step.rows
+        size = self.size_for(n)
+        if size is None:
+            self.passes["eager"][f"over {self.sizes[-1]} tokens"] += 1
+            return False
+        self._inputs(step, positions, forward_batch.out_cache_loc, embeddings)
+        graph_step = self.steps.get(size)
+        if graph_step is None:
+            graph_step = Step("prefill", True, step.skipper, None, self.tape, self.builder, self.dense[:size], size,
+                              keys=self.keys[:size])
+            self.steps[size] = graph_step
+        x, positions_, valid = self.x[:size], self.positions[:size], self.valid[:size]
+        graph_step.state = self.graphs.run(
+            (size, "state"), lambda: self.runtime.pass_state(graph_step, x, positions_, valid, fused))
+        step.tape, step.builder = self.tape, self.builder  # the pass is counted from the graph tape
+        self.active = (size, graph_step, forward_batch)
+        self.passes["by_tokens"][str(size)] += 1
+        return True
+
+    def end(self) -> None:
+        self.active = None
+
+    def _inputs(self, step: Step, positions: torch.Tensor, loc: torch.Tensor, embeddings: torch.Tensor) -> None:
+        """The pass's rows into the static buffers; the padding rows up to the rows the last pass wrote reset."""
+        n = step.rows
+        if self.loc is None:
+            self.loc = torch.zeros(self.sizes[-1], dtype=loc.dtype, device=self.x.device)
+        self.positions[:n].copy_(positions)
+        self.loc[:n].copy_(loc)
+        if step.keys is not None:
+            self.keys[:n].copy_(step.keys)
+        self.valid[:n].fill_(True)
+        if step.dense_rows is not None:
+            self.dense[:n].copy_(step.dense_rows)
+        else:
+            self.dense[:n].fill_(False)
+        self.x[:n].copy_(embeddings)
+        if self.filled > n:  # rows a longer pass wrote: padding now (the rows past them are padding already)
+            for t in (self.positions, self.loc, self.keys):
+                t[n:self.filled].zero_()
+            self.valid[n:self.filled].fill_(False)
+            self.dense[n:self.filled].fill_(False)
+        self.filled = n
+
+    def layer(self, layer, x: torch.Tensor, u: torch.Tensor, parts) -> Handoff:
+        """Routed layer `layer`'s hand-off for this pass from its input x and u = LN1 x, replayed (module
+        docstring)."""
+        size, step, forward_batch = self.active
+        n = x.shape[0]
+        self.x[:n].copy_(x)
+        self.u[:n].copy_(u)
+        lid = layer.layer_id
+        q, k, v, cohorts, weights = self.graphs.run((size, lid, "in"), lambda: self._attention_in(layer, step, parts))
+        attn = parts.attn
+        k, v = (t[:n].view(n, attn.num_kv_heads, attn.head_dim) for t in (k, v))
+        a = parts.radix(q[:n], k, v, forward_batch, save_kv_cache=False)  # the pass's own read, its K/V written
+        self.a[:n].copy_(a.view(n, -1))
+        delta, h = self.graphs.run((size, lid, "out"),
+                                   lambda: self._attention_out(layer, step, parts, cohorts, weights))
+        return Handoff(delta[:n], h[:n])
+
+    def _ops(self, layer, size: int, parts):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        from vskipper.sglang.models.routed import SGLangLayerOps
+
+        execution = self.execution
+        # the static KV slots stand in for the batch's: the segment writes every row's K/V there
+        batch = SimpleNamespace(out_cache_loc=self.loc[:size], forward_mode=ForwardMode.EXTEND)
+        return SGLangLayerOps(layer, self.positions[:size], batch, None, "triton", prefill_read="backend",
+                              decode_read=execution.decode_read, parts=parts)
+
+    def _attention_in(self, layer, step: Step, parts):
+        """The segment before the read: the route, the maps recording it, Q, RoPE, every row's K/V written."""
+        size = step.rows
+        u = self.u[:size]
+        if layer._slot.fused_gate:
+            from vskipper.mixed.router import gate_route
+
+            route = gate_route(step.skipper, u, step.state, parts.router)
+        else:
+            router = parts.router if step.skipper.requires_router_weights else None
+            route = step.skipper.route(layer.layer_id, u, step.state, router)
+        cohorts = step.builder.record_and_build(step.tape, layer.layer_id, route, step.dense_rows)
+        _, weights = step.tape.layer(layer.layer_id, size)
+        q, k, v = triton_attention_in(self._ops(layer, size, parts), u, cohorts, self.execution.tiles)
+        return q, k, v, cohorts, weights
+
+    def _attention_out(self, layer, step: Step, parts, cohorts, weights) -> Handoff:
+        """The segment after the read: o_proj onto a copy of x (a replay of it twice gives the same), LN2, the FFN
+        pair."""
+        size = step.rows
+        return triton_attention_out(self._ops(layer, size, parts), self.x[:size], self.a[:size], weights, cohorts,
+                                    self.execution.tiles, x_owned=False)
