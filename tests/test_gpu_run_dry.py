@@ -1653,6 +1653,65 @@ def test_a_prefill_only_sweep_serves_no_decode_cell_and_its_summary_says_what_it
                {"dry_run": True, "sweep": sweep})
 
 
+def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_counts_and_says_so(tmp_path,
+                                                                                                 monkeypatch):
+    """`run.sh --routed-prefill-graphs` (ENV_ROUTED_PREFILL_GRAPHS_RUN; refused on a dry run, whose servers capture
+    no graph): the sweep's routed arms, and only they, are started with the counts every prefill pass it serves
+    holds (each length, each round's tokens); the summary says what each attested it replayed; a folder holds
+    one kind of sweep. (No server: each is stood in for, with the attestation a graphed one gives.)"""
+    from types import SimpleNamespace
+
+    r = subprocess.run([str(SCRIPT), "install", str(tmp_path / "x"), "--dry-run", "--routed-prefill-graphs"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "--routed-prefill-graphs: CUDA graphs, not a CPU dry run's" in r.stderr
+    assert run.run_sweep_flags(run.Plan.gpu(), {run.ENV_ROUTED_PREFILL_GRAPHS_RUN: "1"}).routed_prefill_graphs
+    assert not run.run_sweep_flags(run.Plan.gpu(), {}).routed_prefill_graphs
+    with pytest.raises(SystemExit, match="CUDA graphs, which a CPU dry run"):
+        run.run_sweep_flags(run.Plan.dry(), {run.ENV_ROUTED_PREFILL_GRAPHS_RUN: "1"})
+    assert run.Plan.gpu().routed_graph_tokens == tuple(sorted({*run.Plan.gpu().prefill_lengths,
+                                                                *(n * t for n, t in run.Plan.gpu().prefill_rounds)}))
+
+    plan = dataclasses.replace(run.Plan.dry(), sweep_decode=False, routed_prefill_graphs=True,
+                               prefill_lengths=(32, 64), prefill_rounds=((2, 16),))
+    assert plan.routed_graph_tokens == (32, 64)
+    started = {}
+
+    def fake_server(plan, stack, model, workdir, name, arm_files, mem=None, graph_batches=None, samples=False,
+                    prefill_graphs=(), **kw):
+        started[name] = prefill_graphs
+        return SimpleNamespace(name=name, get_json=lambda path: {"max_total_num_tokens": 4096},
+                               wait_ready=lambda timeout: None)
+
+    def fake_served(server):
+        graphs = None if server.name in ("dense", run.PREFILL_GRAPHS) else {
+            "tokens": [32, 64], "passes": {"by_tokens": {"64": 3, "32": 4}, "eager": {"over 64 tokens": 1}},
+            "segments": {"captured": 10, "replayed": 30},
+            "capture_check": {"segments": 10, "worst_difference": 0.0039, "worst_segment": "(64, 3, 'out')"}}
+        return {"arm": server.name, "profile": {"decode_graphs": "disabled"}, "prefill_graphs": graphs}
+
+    monkeypatch.setattr(run, "server_for", fake_server)
+    monkeypatch.setattr(run, "prefill_warm_up", lambda plan, server, vocab: None)
+    monkeypatch.setattr(run, "prefill_cells", lambda plan, server, vocab: (
+        [{"tokens": n, "ttft_s": 0.1, "ttft_reps": [0.1] * 3} for n in plan.prefill_lengths], []))
+    monkeypatch.setattr(run, "ready", lambda plan, servers: None)
+    monkeypatch.setattr(run, "triton_compiles", lambda server: None)
+    monkeypatch.setattr(run, "served", fake_served)
+    monkeypatch.setattr(run, "check_served", lambda plan, out, stage: {"ok": True, "cases": []})
+    out = tmp_path / "out"
+    sweep = run.stage_sweep(plan, out, 300)
+    assert started == {"dense": (), run.ALWAYS: (32, 64), run.CONTROL: (32, 64), run.PREFILL_GRAPHS: ()}
+    text = run.markdown({"dry_run": True, "sweep": sweep})
+    assert "Routed prefill layers replayed from CUDA graphs (`VSKIPPER_PREFILL_GRAPHS`" in text
+    assert f"- {run.ALWAYS}: captured at 32, 64 tokens; passes replayed 4 at 32, 3 at 64; eager 1 over 64 " \
+           "tokens; segments captured 10, replayed 30; each capture's replay against its eager run: worst " \
+           "difference 0.0039 of the largest value over 10 segments ((64, 3, 'out'))" in text
+    assert "- dense:" not in text.split("Routed prefill layers replayed")[1].split("\n\n")[1]
+    eager = dataclasses.replace(plan, routed_prefill_graphs=False)
+    assert "with its routed prefill layers from graphs (--routed-prefill-graphs), and this run serves them " \
+           "eagerly: a folder holds one kind of sweep" in run.sweep_mode_mismatch(eager, out)
+    assert run.sweep_mode_mismatch(plan, out) is None
+
+
 def test_a_sweep_starts_an_arm_that_ends_before_its_limit_keeps_a_failed_arms_error_and_what_a_stop_served(
         tmp_path, monkeypatch):
     """On a device a sweep arm starts where what it takes (`Plan.sweep_arm_s`: a whole sweep's 150 s, a

@@ -96,6 +96,8 @@ def test_routed_prefill_passes_replayed_at_each_count_equal_the_eager_passes(che
     rows = got["rows_total"]["prefill"]
     assert rows["project_only"] > 0 and rows["run"] > 0
     assert got["prefill_graphs"]["tokens"] == list(SIZES)
+    check = got["prefill_graphs"]["capture_check"]
+    assert check["segments"] == 2 * (1 + 2 * routed) and check["worst_difference"] < 1e-5
 
 
 def test_a_replayed_pass_routes_its_own_rows_not_the_captures(checkpoint, monkeypatch):
@@ -176,5 +178,21 @@ def test_a_segment_runs_eagerly_captures_and_replays_and_its_outputs_are_the_cap
     assert again is first and len(calls) == 4 and graphs.counts == {"captured": 1, "replayed": 1}
     torch.testing.assert_close(again["double"], torch.tensor([2.0, 4.0, 6.0]))
     torch.testing.assert_close(again["pair"][1], torch.tensor(6.0))
+    assert graphs.check["segments"] == 1 and graphs.check["worst_difference"] == 0.0
     with pytest.raises(TypeError, match="not object"):
         copy_into(object(), object())
+
+
+def test_a_capture_whose_replay_differs_from_its_eager_run_is_named_with_its_difference():
+    """A function that is not the same twice over the same inputs (here it counts its calls): the check names the
+    segment and how far its replay strayed."""
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return (torch.full((2,), float(len(calls))), torch.tensor([len(calls)]))
+
+    graphs = SegmentGraphs(torch.device("cpu"))
+    graphs.run("ok", lambda: torch.ones(2))
+    graphs.run(("drifts", 1), fn)
+    assert graphs.check == {"segments": 2, "worst_difference": 2.0, "worst_segment": "('drifts', 1)"}

@@ -64,7 +64,7 @@ from loadgen.attestation import READ_ATTEMPTS, read_answered  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
-from vskipper.sglang.spec import ENV_PART_CLOCK, ENV_PASS_SPANS, ENV_STACK_SAMPLES  # noqa: E402
+from vskipper.sglang.spec import ENV_PART_CLOCK, ENV_PASS_SPANS, ENV_PREFILL_GRAPHS, ENV_STACK_SAMPLES  # noqa: E402
 from vskipper.sglang.threads import ALLOCATOR_COUNTERS  # noqa: E402
 
 # The order `run.sh all` runs them in (`run.py stages` prints it): the tiles first, since every routed server
@@ -106,6 +106,10 @@ ENV_SAMPLES_RUN = "VSKIPPER_GPU_RUN_SAMPLES"  # run.sh --samples: the sweep's se
 # run.sh --prefill-only: the sweep's servers serve its prefill lengths and rounds alone, no decode cell (each
 # server captures the one decode graph of a request): what a routed prefill pass costs, in less device time
 ENV_PREFILL_ONLY_RUN = "VSKIPPER_GPU_RUN_PREFILL_ONLY"
+# run.sh --routed-prefill-graphs: the sweep's routed arms replay their routed layers' prefill work from CUDA graphs
+# captured at the sweep's prefill token counts (`vskipper.sglang.prefill_graphs`, `ENV_PREFILL_GRAPHS`); dense and
+# the reference arm as ever. A device's option: a CPU server captures no graph.
+ENV_ROUTED_PREFILL_GRAPHS_RUN = "VSKIPPER_GPU_RUN_ROUTED_PREFILL_GRAPHS"
 PREFILL_ONLY_GRAPHS = (1,)  # the decode graphs a prefill-only sweep server captures
 # What one sweep arm takes on the H200, its server's start included (sweep-865480a's logs: a dense server ready 42 s
 # after its launch, a routed one 59 s; a whole arm, its decode cells and prefill, 140-150 s; the prefill cells alone
@@ -203,6 +207,9 @@ class Plan:
     # The sweep's servers serve its decode cells before its prefill lengths (ENV_PREFILL_ONLY_RUN: not, where a run
     # asks for its prefill figures alone); a sweep without decode cells has no tau.
     sweep_decode: bool = True
+    # The sweep's routed arms replay their routed prefill layers from graphs (ENV_ROUTED_PREFILL_GRAPHS_RUN) at
+    # `routed_graph_tokens`.
+    routed_prefill_graphs: bool = False
 
     @classmethod
     def gpu(cls) -> Plan:
@@ -268,6 +275,12 @@ class Plan:
             return []
         return ["--cuda-graph-backend-prefill", "breakable", "--cuda-graph-bs-prefill",
                 *(str(n) for n in sorted(self.prefill_lengths))]
+
+    @property
+    def routed_graph_tokens(self) -> tuple[int, ...]:
+        """The token counts the routed arms' prefill graphs are captured at: every prefill pass the sweep serves,
+        a prompt of each length alone and each round of several (a round's passes hold at most its tokens)."""
+        return tuple(sorted({*self.prefill_lengths, *(n * length for n, length in self.prefill_rounds)}))
 
     def max_running(self) -> int | None:
         return headline.max_running(self.sglang_flags)
@@ -403,15 +416,19 @@ def run_stand_in_ops(plan: Plan, environ=os.environ) -> Plan:
 
 
 def run_sweep_flags(plan: Plan, environ=os.environ) -> Plan:
-    """The plan with the sweep's servers sampling their stacks where the run asks (ENV_SAMPLES_RUN, 0 or 1), and
-    serving its prefill cells alone where it asks (ENV_PREFILL_ONLY_RUN, 0 or 1)."""
+    """The plan with the sweep's servers sampling their stacks where the run asks (ENV_SAMPLES_RUN, 0 or 1),
+    serving its prefill cells alone where it asks (ENV_PREFILL_ONLY_RUN, 0 or 1), and its routed arms replaying
+    their routed prefill layers from graphs where it asks (ENV_ROUTED_PREFILL_GRAPHS_RUN, 0 or 1; not on CPU)."""
     flags = {}
-    for name in (ENV_SAMPLES_RUN, ENV_PREFILL_ONLY_RUN):
+    for name in (ENV_SAMPLES_RUN, ENV_PREFILL_ONLY_RUN, ENV_ROUTED_PREFILL_GRAPHS_RUN):
         value = environ.get(name) or "0"
         if value not in ("0", "1"):
             raise SystemExit(f"{name}={value!r}: 0 or 1")
         flags[name] = value == "1"
-    return replace(plan, sweep_samples=flags[ENV_SAMPLES_RUN], sweep_decode=not flags[ENV_PREFILL_ONLY_RUN])
+    if flags[ENV_ROUTED_PREFILL_GRAPHS_RUN] and plan.dry_run:
+        raise SystemExit("--routed-prefill-graphs: CUDA graphs, which a CPU dry run's servers do not capture")
+    return replace(plan, sweep_samples=flags[ENV_SAMPLES_RUN], sweep_decode=not flags[ENV_PREFILL_ONLY_RUN],
+                   routed_prefill_graphs=flags[ENV_ROUTED_PREFILL_GRAPHS_RUN])
 
 
 def earlier(out: Path, name: str, usable) -> tuple[Path | None, str]:
@@ -477,13 +494,22 @@ def prefill_only(sweep: dict) -> bool:
 
 def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
     """Why this run's sweep cannot continue or reuse what OUTDIR's sweep served: arms served with decode cells
-    where this run serves its prefill alone, or the other way round (`run.sh --prefill-only`); None where they
-    agree or nothing was served yet. A folder holds one kind of sweep: its arms' prefill passes follow the same
+    where this run serves its prefill alone, or the other way round (`run.sh --prefill-only`), or routed arms whose
+    prefill layers replayed from graphs where this run's run eagerly, or the other way round
+    (`--routed-prefill-graphs`); None where they agree or nothing was served yet. A folder holds one kind of sweep: its arms' prefill passes follow the same
     work."""
     folder = out / "sweep"
-    kept = decode_cells({p.name.removesuffix(".result.json"): json.loads(p.read_text())
-                         for p in folder.glob("*.result.json")} if folder.is_dir() else {})
+    docs = {p.name.removesuffix(".result.json"): json.loads(p.read_text())
+            for p in folder.glob("*.result.json")} if folder.is_dir() else {}
+    kept = decode_cells(docs)
     other = sorted(name for name, decoded in kept.items() if decoded != plan.sweep_decode)
+    graphed = sorted(name for name in (ALWAYS, CONTROL) if (docs.get(name) or {}).get("served")
+                     and bool(docs[name]["served"].get("prefill_graphs")) != plan.routed_prefill_graphs)
+    if graphed:
+        done = "eagerly" if plan.routed_prefill_graphs else "from graphs (--routed-prefill-graphs)"
+        return (f"{out}'s sweep served {', '.join(graphed)} with its routed prefill layers {done}, and this run "
+                f"serves them {'from graphs' if plan.routed_prefill_graphs else 'eagerly'}: a folder holds one kind "
+                "of sweep; give this run a new OUTDIR (and the old one as --earlier)")
     if not other:
         return None
     done = "with its decode cells" if not plan.sweep_decode else "without decode cells (--prefill-only)"
@@ -506,12 +532,13 @@ def graph_flags(flags: tuple[str, ...], batches: tuple[int, ...] | None) -> list
 def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
           arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None,
           graph_batches: tuple[int, ...] | None = None, flags: list[str] | None = None,
-          part_clock: bool = False, samples: bool = False) -> Server:
+          part_clock: bool = False, samples: bool = False, prefill_graphs: tuple[int, ...] = ()) -> Server:
     """`vskipper serve` with the plan's flags and the tiles stage's table where it wrote one (`model` is
     OUTDIR/model); `thresholds` as its --enter-tokens / --exit-tokens (else the arm's from the roofline rule for the
     detected GPU); `graph_batches`, the only decode batch sizes captured (`graph_flags`); `flags`, SGLang flags
     after all of those; `part_clock`, its part clock on (`ENV_PART_CLOCK`: every part of every layer timed);
-    `samples`, the forward's stack sampled in each pass (`ENV_STACK_SAMPLES`)."""
+    `samples`, the forward's stack sampled in each pass (`ENV_STACK_SAMPLES`); `prefill_graphs`, the token counts
+    its routed prefill layers are captured at (`ENV_PREFILL_GRAPHS`; none: eager)."""
     extra = graph_flags(plan.sglang_flags, graph_batches) + (["--mem-fraction-static", mem] if mem else []) \
         + list(flags or [])
     kw = {}
@@ -525,7 +552,9 @@ def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | N
                                         extra=extra, platform=plan.platform, graceful=False,
                                         tile_table=tuned_table(plan, model.parent),
                                         env={ENV_PASS_SPANS: "1", **({ENV_PART_CLOCK: "1"} if part_clock else {}),
-                                             **({ENV_STACK_SAMPLES: "1"} if samples else {})},
+                                             **({ENV_STACK_SAMPLES: "1"} if samples else {}),
+                                             **({ENV_PREFILL_GRAPHS: ",".join(map(str, prefill_graphs))}
+                                                if prefill_graphs else {})},
                                         stand_in_ops=None if plan.stand_in_ops == "torch" else plan.stand_in_ops,
                                         **kw))
 
@@ -550,9 +579,11 @@ class Attached:
 
 def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: str, arm_files: dict[str, Path],
                mem: str | None = None, thresholds: dict | None = None, key: str | None = None,
-               graph_batches: tuple[int, ...] | None = None, part_clock: bool = False, samples: bool = False):
+               graph_batches: tuple[int, ...] | None = None, part_clock: bool = False, samples: bool = False,
+               prefill_graphs: tuple[int, ...] = ()):
     """The arm's server: attached from ENV_SERVERS when it names `key` (default: the arm), else started (stopped
-    with `stack`); `thresholds` go to the hybrid arm only; `part_clock`, `samples` as `start` takes them."""
+    with `stack`); `thresholds` go to the hybrid arm only; `part_clock`, `samples` and `prefill_graphs` as `start`
+    takes them (dense's start takes no `prefill_graphs`)."""
     given = json.loads(Path(os.environ[ENV_SERVERS]).read_text()) if os.environ.get(ENV_SERVERS) else {}
     if (key or name) in given:
         return Attached(given[key or name])
@@ -562,7 +593,7 @@ def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: s
                      samples=samples)
     return start(plan, stack, model, workdir, arm_file=arm_files[name], mem=mem,
                  thresholds=thresholds if name == HYBRID else None, graph_batches=graph_batches,
-                 part_clock=part_clock, samples=samples)
+                 part_clock=part_clock, samples=samples, prefill_graphs=prefill_graphs)
 
 
 def ready(plan: Plan, servers: list[Server]) -> None:
@@ -597,7 +628,8 @@ def served(server: Server) -> dict:
             "graph_passes_total": doc.get("graph_passes_total"), "routed_graph_variants": doc.get("routed_graph_variants"),
             "cuda_graphs": doc["execution"].get("cuda_graphs"), "rows_total": doc.get("rows_total"),
             "routed_layers_backend": doc["execution"].get("routed_layers_backend"), "tiles": doc["execution"].get("tiles"),
-            "thresholds": doc["thresholds"], "sglang_version": doc.get("sglang_version")}
+            "thresholds": doc["thresholds"], "sglang_version": doc.get("sglang_version"),
+            "prefill_graphs": doc.get("prefill_graphs")}
 
 
 def triton_compiles(server: Server) -> dict | None:
@@ -1328,8 +1360,9 @@ def sweep_arm(plan: Plan, stage: Stage, model: Path, arm_files: dict[str, Path],
     cells."""
     with ExitStack() as stack:
         server = server_for(plan, stack, model, stage.out / name, name, arm_files, plan.solo_mem_fraction,
-                            graph_batches=plan.sweep_graph_batches,
-                            samples=plan.sweep_samples)
+                            graph_batches=plan.sweep_graph_batches, samples=plan.sweep_samples,
+                            prefill_graphs=plan.routed_graph_tokens
+                            if plan.routed_prefill_graphs and name in (ALWAYS, CONTROL) else ())
         ready(plan, [server])
         capacity = kv_capacity(server)
         compiled = triton_compiles(server)  # what the arm compiles while it serves its cells: from here
@@ -2535,6 +2568,7 @@ def markdown(results: dict, out: Path | None = None) -> str:
                              f"| {_range(to_dense)} |")
             lines.append("")
         lines += prefill_graph_lines(c.get("prefill_graphs"))
+        lines += routed_prefill_graph_lines(sweep.get("arms") or {})
         lines += ttft_parts_lines(sweep.get("arms") or {})
         lines += pass_span_lines(sweep.get("arms") or {})
         lines += sweep_sample_lines(sweep.get("arms") or {})
@@ -2598,6 +2632,33 @@ def prefill_graph_lines(reference: dict | None) -> list[str]:
         r = routed.get(p["tokens"])
         lines.append(f"| {p['tokens']} | {p['dense_over_graphs_time']:.3f} | {_range(p)} | "
                      f"{_f(r and r['graphs_over_routed_time'], '.3f')} | {_range(r)} |")
+    return lines + [""]
+
+
+def routed_prefill_graph_lines(arms: dict) -> list[str]:
+    """Which arms replayed their routed prefill layers from graphs (`vskipper.sglang.prefill_graphs`, their
+    attestations): the counts captured, the passes each replayed at, those it ran eagerly and why, the segments
+    captured and replayed, and how far a capture's first replay strayed from the eager run before it. Every figure
+    above compares those arms' replayed passes with dense's eager ones."""
+    graphed = [(name, arm["served"]["prefill_graphs"]) for name, arm in arms.items()
+               if (arm.get("served") or {}).get("prefill_graphs")]
+    if not graphed:
+        return []
+    lines = ["Routed prefill layers replayed from CUDA graphs (`VSKIPPER_PREFILL_GRAPHS`: each routed layer's work "
+             "before and after its read, the read eager; dense and the reference arm as above):", ""]
+    for name, doc in graphed:
+        passes = doc.get("passes") or {}
+        by = ", ".join(f"{n} at {tokens}" for tokens, n in sorted((passes.get("by_tokens") or {}).items(),
+                                                                  key=lambda kv: int(kv[0])))
+        eager = ", ".join(f"{n} {why}" for why, n in (passes.get("eager") or {}).items())
+        segments, check = doc.get("segments") or {}, doc.get("capture_check") or {}
+        worst = check.get("worst_difference")
+        checked = (f"; each capture's replay against its eager run: worst difference {worst:.3g} of the largest "
+                   f"value over {check.get('segments', 0)} segments ({check.get('worst_segment')})"
+                   if worst is not None else "")
+        lines.append(f"- {name}: captured at {', '.join(map(str, doc.get('tokens') or []))} tokens; passes "
+                     f"replayed {by or 'none'}; eager {eager or 'none'}; segments captured "
+                     f"{segments.get('captured', 0)}, replayed {segments.get('replayed', 0)}{checked}")
     return lines + [""]
 
 

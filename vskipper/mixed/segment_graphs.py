@@ -2,8 +2,9 @@
 
 A segment is a function of no arguments that reads only storage the caller keeps at fixed addresses (static
 buffers it refills before each replay, weights, a tape that never moves) and returns tensors (alone, or in tuples,
-lists, dicts, named tuples and dataclasses). The first call of a key runs the function once eagerly on the capture stream (what
-it launches compiles and warms there), then captures it and replays the capture; every later call replays it. The
+lists, dicts, named tuples and dataclasses). The first call of a key runs the function once eagerly on the capture
+stream (what it launches compiles and warms there), then captures it, replays the capture and checks that replay
+against the eager run (`SegmentGraphs.check`, the one read of the device here); every later call replays it. The
 outputs a call returns are the capture's own: the next replay of the same key overwrites them, so the caller
 consumes them before that.
 
@@ -30,6 +31,33 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+
+
+def tensors(outputs: Any) -> list[torch.Tensor]:
+    """The tensors of a segment's outputs, in order."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, dict):
+        return [t for value in outputs.values() for t in tensors(value)]
+    if isinstance(outputs, (tuple, list)):
+        return [t for value in outputs for t in tensors(value)]
+    if dataclasses.is_dataclass(outputs):
+        return [t for f in dataclasses.fields(outputs) for t in tensors(getattr(outputs, f.name))]
+    return []
+
+
+def difference(got: Any, want: Any) -> float:
+    """The worst difference between two segments' outputs of one structure: per floating tensor its largest
+    absolute difference over the larger of its largest value and 1e-6, 1.0 for another tensor that differs
+    anywhere (reads the device: a capture's check, not a replay's)."""
+    worst = 0.0
+    for g, w in zip(tensors(got), tensors(want), strict=True):
+        if g.is_floating_point():
+            scale = max(float(w.abs().max()) if w.numel() else 0.0, 1e-6)
+            worst = max(worst, float((g.float() - w.float()).abs().max()) / scale if g.numel() else 0.0)
+        elif not torch.equal(g, w):
+            worst = max(worst, 1.0)
+    return worst
 
 
 def copy_into(held: Any, fresh: Any) -> None:
@@ -100,6 +128,9 @@ class SegmentGraphs:
         self._graphs: dict[Hashable, tuple[Any, Any]] = {}
         self._hold = hold
         self.counts: Counter[str] = Counter()  # "captured", "replayed"
+        # each capture's first replay against the eager run before it, over the same inputs: the worst difference
+        # (`difference`) and the segment it was in
+        self.check: dict[str, Any] = {"segments": 0, "worst_difference": 0.0, "worst_segment": None}
         if graph is not None:
             self._make = graph
         elif device.type == "cuda":
@@ -126,7 +157,7 @@ class SegmentGraphs:
 
     def _capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
         graph = self._make()
-        self._warm(fn)
+        eager = self._warm(fn)
         if self._hold is not None:
             with self._hold():
                 outputs = graph.capture(fn)
@@ -135,17 +166,21 @@ class SegmentGraphs:
         graph.replay()  # a CUDA capture launched nothing: the replay computes the pass's outputs
         self._graphs[key] = (graph, outputs)
         self.counts["captured"] += 1
+        worst = difference(outputs, eager)
+        self.check["segments"] += 1
+        if worst >= self.check["worst_difference"]:
+            self.check["worst_difference"], self.check["worst_segment"] = worst, repr(key)
         return outputs
 
-    def _warm(self, fn: Callable[[], Any]) -> None:
+    def _warm(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` once eagerly where its capture will run (on CUDA: the capture stream), so that what it launches
-        is compiled and its libraries' per-stream state made before the capture."""
+        is compiled and its libraries' per-stream state made before the capture; its outputs."""
         stream = getattr(self, "_stream", None)
         if stream is None:
-            fn()
-            return
+            return fn()
         current = torch.cuda.current_stream()
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            fn()
+            outputs = fn()
         current.wait_stream(stream)
+        return outputs

@@ -92,7 +92,8 @@ class PrefillGraphs:
         self.passes: dict[str, Any] = {"by_tokens": Counter(), "eager": Counter()}
 
     def attestation(self) -> dict[str, Any]:
-        return {"tokens": list(self.sizes), "passes": self.passes, "segments": self.graphs.counts}
+        return {"tokens": list(self.sizes), "passes": self.passes, "segments": self.graphs.counts,
+                "capture_check": self.graphs.check}
 
     def size_for(self, rows: int) -> int | None:
         """The least captured count that holds `rows`, or None."""
