@@ -64,6 +64,13 @@ measured that read faster: dense and routed arms then read alike); a decode pass
 and the triton execution's masked decode read is one launch where dense's torch-native read runs here. The
 kernels' outputs are left as their storage held them (denormals flushed to zero), which no host decision reads.
 
+`--prefill-graphs` (with `--execution triton`): the routed arms' prefill passes replay their routed layers from
+graphs captured at each prefill shape's tokens (`vskipper.sglang.prefill_graphs`, as `VSKIPPER_PREFILL_GRAPHS`
+serves them), a replay standing in for a CUDA graph's launch by doing nothing (`NoReplay`): what is timed is the
+host's work around the replays (the pass's copies into the static buffers, per routed layer three copies and the
+read through SGLang's backend, two lookups), not the replay's own launch (on a GPU, `cudaGraphLaunch` of a graph
+of some dozen kernels, tens of microseconds) nor any kernel's work, which a replay leaves on the device.
+
 `--stand-in-ops triton` serves every arm's RMSNorm, SiLU-and-mul and RoPE as a server on `vskipper serve
 --stand-in-ops triton` serves them: SGLang's three torch paths hooked in this process (`vskipper.sglang.stand_in_ops`), each call one
 Triton launch, recorded and not run; the calls each path took are printed last.
@@ -235,6 +242,17 @@ class ServedModel:
 
 STAND_IN_OPS_SHOWN = {"torch": "SGLang's torch paths",
                       "triton": "the CUDA stand-ins' Triton kernels (vskipper serve --stand-in-ops triton)"}
+
+
+class NoReplay:
+    """A stand-in for a captured CUDA graph whose replay launches nothing: its capture runs the function once (its
+    outputs, which replays never refresh), its replay costs the host a Python call."""
+
+    def capture(self, fn):
+        return fn()
+
+    def replay(self) -> None:
+        pass
 
 
 def stand_in_hooks() -> None:
@@ -596,8 +614,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="two more routed arms: FlexiDepth always-route over the checkpoint's routers, its routes "
                              "from the fused gate as served in the triton execution (fd) and from the gate's own "
                              "route (fd-own)")
+    parser.add_argument("--prefill-graphs", action="store_true",
+                        help="with --execution triton: the routed arms' prefill passes replay their routed layers "
+                             "from graphs at each prefill shape's tokens, each replay launching nothing (the host's "
+                             "work around the replays)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
+    if args.prefill_graphs and args.execution != "triton":
+        parser.error("--prefill-graphs replays the triton execution's routed layers: give --execution triton")
     repetitions = 2 if args.quick else args.repetitions
     if repetitions < 1:
         parser.error("--repetitions must be at least 1")
@@ -623,8 +647,15 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = make_tiny_model("flexidepth-llama", Path(tmp) / "tiny", size)
         arms = {**ARMS, **(dict.fromkeys(FLEXIDEPTH_ARMS, get_arm("always-route")) if args.flexidepth else {})}
         routed = ROUTED_ARMS + (FLEXIDEPTH_ARMS if args.flexidepth else ())
+        graphs = ()
+        if args.prefill_graphs:
+            from vskipper.sglang import prefill_graphs
+
+            prefill_graphs.PREFILL_GRAPH_STAND_IN = NoReplay
+            graphs = tuple(sorted({s.rows for s in shapes if s.phase == "prefill"}))
         models = {name: ServedModel(arm, checkpoint, requests, slots, args.execution if name in routed
-                                    else "auto", "backend" if triton and name in routed else None)
+                                    else "auto", "backend" if triton and name in routed else None,
+                                    graphs if name in routed else ())
                   for name, arm in arms.items()}
     if args.flexidepth:  # fd-own: the gate's own route, as the torch execution routes (the fused gate is triton's)
         models["fd-own"].model.slot.fused_gate = False
@@ -641,7 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"routed arms' execution: {execution.decode}, prefill read {execution.prefill_read!r}; every arm's RMSNorm, "
           f"SiLU-and-mul and RoPE on {STAND_IN_OPS_SHOWN[args.stand_in_ops]}"
           + ("; Triton launches recorded, not run: the host's Python around them timed, the kernels and Triton's "
-             "own launcher not" if interpreted else ""))
+             "own launcher not" if interpreted else "")
+          + ("; the routed arms' prefill passes replay their routed layers from graphs (each replay launching "
+             "nothing here)" if args.prefill_graphs else ""))
     # decode passes replay a captured graph on a GPU: the triton execution's eager pass is timed in prefill alone
     kinds = {"hooks": shapes, "pass": tuple(s for s in shapes if s.phase == "prefill") if triton else shapes}
     kinds["parts"] = kinds["samples"] = kinds["pass"]
@@ -679,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"repetitions": repetitions, "goal": GOAL, "execution": args.execution,
                                          "prefill_read": execution.prefill_read,
                                          "stand_in_ops": args.stand_in_ops, "routed_arms": list(routed),
+                                         "prefill_graphs": args.prefill_graphs,
                                          "launches": launches,
                                          "results": results, "summary": summaries}, indent=2) + "\n")
     return 0
