@@ -149,3 +149,23 @@ def test_the_host_time_bench_times_the_stack_sampler_against_none_where_asked(tm
             for arm in arms.values():
                 assert arm["samples_per_pass"] > 0 and 0 < arm["own_us_per_sample"]
                 assert arm["ratio"]["min"] <= arm["ratio"]["median"] <= arm["ratio"]["max"]
+
+
+def test_the_host_time_bench_times_routed_prefill_passes_whose_routed_layers_replay_where_asked(tmp_path):
+    """`--prefill-graphs` (with `--execution triton` only): the routed arms' prefill passes replay their routed
+    layers (each replay launching nothing): a replayed pass launches no Triton kernel and fewer operators than
+    dense's, whose eager layers are as ever."""
+    bench = str(ROOT / "benchmarks" / "host_time_bench.py")
+    refused = subprocess.run([sys.executable, bench, "--quick", "--prefill-graphs"], capture_output=True, text=True,
+                             timeout=300, cwd=ROOT)
+    assert refused.returncode == 2 and "give --execution triton" in refused.stderr
+    out = tmp_path / "graphs.json"
+    run = subprocess.run([sys.executable, bench, "--quick", "--execution", "triton", "--prefill-graphs", "--only",
+                          "pass", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "the routed arms' prefill passes replay their routed layers from graphs" in run.stdout
+    report = json.loads(out.read_text())
+    assert report["prefill_graphs"] is True and set(report["summary"]["pass"]) == {"prefill 2x8"}
+    prefill = report["launches"]["prefill 2x8"]
+    for arm in ("s=0", "s=0.5"):
+        assert prefill[arm]["triton"] == 0 and 0 < prefill[arm]["ops"] < prefill["dense"]["ops"]
