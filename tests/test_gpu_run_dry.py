@@ -1686,11 +1686,16 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
         graphs = None if server.name in ("dense", run.PREFILL_GRAPHS) else {
             "tokens": [32, 64], "passes": {"by_tokens": {"64": 3, "32": 4}, "eager": {"over 64 tokens": 1}},
             "segments": {"captured": 10, "replayed": 30},
-            "capture_check": {"segments": 10, "worst_difference": 0.0039, "worst_segment": "(64, 3, 'out')"}}
+            "capture_check": {"segments": 10, "worst_difference": 0.0039, "worst_segment": "(64, 3, 'out')",
+                              "rechecked": 10, "worst_recheck": 0.0078 if server.name == run.ALWAYS else 0.5,
+                              "worst_recheck_segment": "(32, 2, 'in')"},
+            "memory": {"reserved_bytes": 3 * 2**30}, "failed": {}}
         return {"arm": server.name, "profile": {"decode_graphs": "disabled"}, "prefill_graphs": graphs}
 
     monkeypatch.setattr(run, "server_for", fake_server)
-    monkeypatch.setattr(run, "prefill_warm_up", lambda plan, server, vocab: None)
+    warmed = []
+    monkeypatch.setattr(run, "prefill_warm_up", lambda plan, server, vocab, times=1: warmed.append((server.name,
+                                                                                                  times)))
     monkeypatch.setattr(run, "prefill_cells", lambda plan, server, vocab: (
         [{"tokens": n, "ttft_s": 0.1, "ttft_reps": [0.1] * 3} for n in plan.prefill_lengths], []))
     monkeypatch.setattr(run, "ready", lambda plan, servers: None)
@@ -1700,11 +1705,17 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
     out = tmp_path / "out"
     sweep = run.stage_sweep(plan, out, 300)
     assert started == {"dense": (), run.ALWAYS: (32, 64), run.CONTROL: (32, 64), run.PREFILL_GRAPHS: ()}
+    # the graphed arms warm each count twice (captured, then checked again) before their timed prompts
+    assert warmed == [("dense", 1), (run.ALWAYS, 2), (run.CONTROL, 2), (run.PREFILL_GRAPHS, 1)]
     text = run.markdown({"dry_run": True, "sweep": sweep})
     assert "Routed prefill layers replayed from CUDA graphs (`VSKIPPER_PREFILL_GRAPHS`" in text
     assert f"- {run.ALWAYS}: captured at 32, 64 tokens; passes replayed 4 at 32, 3 at 64; eager 1 over 64 " \
            "tokens; segments captured 10, replayed 30; each capture's replay against its eager run: worst " \
-           "difference 0.0039 of the largest value over 10 segments ((64, 3, 'out'))" in text
+           "difference 0.0039 of the largest value over 10 segments ((64, 3, 'out')); each segment's first later " \
+           "replay against its eager run after it: worst difference 0.0078 of the largest value over 10 segments " \
+           "((32, 2, 'in')); the captures reserved 3.00 GiB" in text
+    assert f"**{run.CONTROL}'s replays strayed from its eager runs by 0.5 of the largest value: its routed " \
+           "prefill figures above are in doubt.**" in text and f"**{run.ALWAYS}'s replays" not in text
     assert "- dense:" not in text.split("Routed prefill layers replayed")[1].split("\n\n")[1]
     eager = dataclasses.replace(plan, routed_prefill_graphs=False)
     assert "with its routed prefill layers from graphs (--routed-prefill-graphs), and this run serves them " \

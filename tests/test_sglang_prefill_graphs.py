@@ -5,8 +5,12 @@ SGLang's backend.
 
 No CUDA graph is captured on CPU: `RerunGraph` stands in, a replay running the captured function again and copying
 its outputs into the capture's, so a segment that closed over one pass's tensors reads them again at the next
-(as a graph reads its captured addresses). What only a device shows (an address that moves, a launch CUDA refuses
-to capture) `benchmarks/gpu/check_served.py` checks there."""
+(as a graph reads its captured addresses). What only a device shows (a value looked up anew at each call that a
+graph keeps from its capture, a kernel that runs outside the capture, a launch CUDA refuses to capture) no test
+here can: a served arm checks each segment's first replays against its eager runs on the device
+(`SegmentGraphs.check`, in the attestation and the device run's summary). SGLang's torch-native backend reads a
+prefill's new K/V from the pool, not from the operands the read is handed, which the device's Triton backend reads:
+the tests check those operands against the pool."""
 
 from __future__ import annotations
 
@@ -28,9 +32,10 @@ def checkpoint(tmp_path_factory):
     return make_tiny_model("flexidepth-llama", tmp_path_factory.mktemp("tiny") / "m", TinySize(layers=4))
 
 
-def served(checkpoint, monkeypatch, arm: str = "s=0.5", sizes=SIZES) -> list[ServedModel]:
+def served(checkpoint, monkeypatch, arm: str = "s=0.5", sizes=SIZES,
+           operands: ReadOperands | None = None) -> list[ServedModel]:
     """A model whose routed prefill passes replay (first) beside one that runs them eagerly, one checkpoint, the
-    same KV pool contents."""
+    same KV pool contents; `operands` installed once SGLang is set up."""
     from vskipper.sglang import active, prefill_graphs
     from vskipper.sglang.configs import register_configs
     from vskipper.sglang.standalone import init_sglang
@@ -40,6 +45,8 @@ def served(checkpoint, monkeypatch, arm: str = "s=0.5", sizes=SIZES) -> list[Ser
     monkeypatch.setattr(prefill_graphs, "PREFILL_GRAPH_STAND_IN", RerunGraph)
     init_sglang("cpu")
     register_configs()
+    if operands is not None:
+        operands.install(monkeypatch)
     slots = REQUESTS * (CONTEXT + 64) + 1
     built = [ServedModel(ARMS[arm], checkpoint, REQUESTS, slots, execution="triton", prefill_read="backend",
                          prefill_graphs=graphs) for graphs in (sizes, ())]
@@ -51,42 +58,78 @@ def served(checkpoint, monkeypatch, arm: str = "s=0.5", sizes=SIZES) -> list[Ser
     return built
 
 
-def both(graphed: ServedModel, eager: ServedModel, shape: Shape, first: int, seed: int):
+class ReadOperands:
+    """Once installed (after SGLang is set up for the CPU): every prefill read handed its new tokens' K/V as
+    operands (a routed layer's, which writes them itself first) is checked: those operands are the K/V the pool
+    (`pool`, the model's whose pass runs) holds at the pass's slots, as the device's Triton backend, which reads
+    them, needs them. The reads checked are counted (`checked`)."""
+
+    def __init__(self) -> None:
+        self.checked: list[int] = []
+        self.pool = None
+
+    def install(self, monkeypatch) -> None:
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        real, operands = RadixAttention.forward, self
+
+        def forward(self, q, k, v, forward_batch, save_kv_cache=True, **kwargs):
+            if k is not None and not save_kv_cache and not forward_batch.forward_mode.is_decode():
+                loc = forward_batch.out_cache_loc
+                for got, pool in ((k, operands.pool.k_buffer), (v, operands.pool.v_buffer)):
+                    torch.testing.assert_close(got.reshape(loc.shape[0], -1),
+                                               pool[self.layer_id][loc].reshape(loc.shape[0], -1), rtol=0, atol=0)
+                operands.checked.append(self.layer_id)
+            return real(self, q, k, v, forward_batch, save_kv_cache, **kwargs)
+
+        monkeypatch.setattr(RadixAttention, "forward", forward)
+
+
+def both(graphed: ServedModel, eager: ServedModel, shape: Shape, first: int, seed: int, operands=None):
     """One prefill pass of `shape` from request slot `first` on each model, the same token ids: (the graphed
-    pass's logits, the eager pass's, each model's K and V at the pass's KV slots in every layer)."""
+    pass's logits, the eager pass's, each model's whole K and V pools but SGLang's padding slot 0)."""
     ids = torch.randint(3, 500, (shape.rows,), generator=torch.Generator().manual_seed(seed))
     out = []
     for m in (graphed, eager):
         fb = m.batch(shape, first)
         fb.input_ids = ids.clone()
+        if operands is not None:
+            operands.pool = m.pool
         m.model.prepare_pass(fb)
         with m.context():
             logits = m.model.forward(fb.input_ids, fb.positions, fb).next_token_logits
         m.model.finish_pass(fb, False)
-        out.append((logits, [b[fb.out_cache_loc].clone() for b in m.pool.k_buffer + m.pool.v_buffer]))
+        out.append((logits, [b[1:].clone() for b in m.pool.k_buffer + m.pool.v_buffer]))
     return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
-def assert_same(graphed: ServedModel, eager: ServedModel, shape: Shape, first: int, seed: int) -> None:
-    got, want, got_kv, want_kv = both(graphed, eager, shape, first, seed)
+def assert_same(graphed: ServedModel, eager: ServedModel, shape: Shape, first: int, seed: int,
+                operands=None) -> None:
+    """The pass's logits and the whole KV pools (every other request's slots too) alike on both models, and the
+    graphed pass's reads handed the K/V it wrote (one read a routed layer)."""
+    read = len(operands.checked) if operands is not None else 0
+    got, want, got_kv, want_kv = both(graphed, eager, shape, first, seed, operands)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for g, w in zip(got_kv, want_kv, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    if operands is not None:  # the graphed model's routed layers and the eager model's each read once
+        assert len(operands.checked) - read == 2 * len(graphed.model.routed_layers)
 
 
 def test_routed_prefill_passes_replayed_at_each_count_equal_the_eager_passes(checkpoint, monkeypatch):
     """Passes of other lengths, prompts and request slots through the captures of two counts: one of exactly a
-    count, shorter ones padded to it (after a longer one, whose rows are padding now), one too long for any (eager);
-    each pass's logits and every layer's K/V at its slots equal the eager model's, and both runtimes counted the
-    same rows."""
-    graphed, eager = served(checkpoint, monkeypatch)
+    count, shorter ones padded to it (after a longer one, whose rows are padding now: their KV slots must not be
+    written again), one too long for any (eager); each pass's logits and the whole KV pools equal the eager
+    model's, each read is handed the K/V its layer wrote, and both runtimes counted the same rows."""
+    read_operands = ReadOperands()
+    graphed, eager = served(checkpoint, monkeypatch, operands=read_operands)
     graphs = graphed.model.slot.prefill_graphs
     routed = len(graphed.model.routed_layers)
     passes = [(Shape("prefill", 1, 16), 0), (Shape("prefill", 2, 5), 2), (Shape("prefill", 3, 20), 1),
               (Shape("prefill", 1, 64), 4), (Shape("prefill", 2, 7), 5), (Shape("prefill", 1, 90), 6),
               (Shape("prefill", 4, 9), 0)]
     for seed, (shape, first) in enumerate(passes):
-        assert_same(graphed, eager, shape, first, seed)
+        assert_same(graphed, eager, shape, first, seed, read_operands)
     # the state and each routed layer's two segments captured once per count, replayed at every later pass there
     assert graphs.graphs.counts == {"captured": 2 * (1 + 2 * routed), "replayed": 4 * (1 + 2 * routed)}
     assert dict(graphs.passes["by_tokens"]) == {"16": 3, "64": 3}
@@ -97,19 +140,22 @@ def test_routed_prefill_passes_replayed_at_each_count_equal_the_eager_passes(che
     assert rows["project_only"] > 0 and rows["run"] > 0
     assert got["prefill_graphs"]["tokens"] == list(SIZES)
     check = got["prefill_graphs"]["capture_check"]
-    assert check["segments"] == 2 * (1 + 2 * routed) and check["worst_difference"] < 1e-5
+    assert check["segments"] == check["rechecked"] == 2 * (1 + 2 * routed)  # each count's second pass rechecked
+    assert check["worst_difference"] < 1e-5 and check["worst_recheck"] < 1e-5
+    assert got["prefill_graphs"]["failed"] == {} and got["prefill_graphs"]["memory"] == {"reserved_bytes": 0}
 
 
 def test_a_replayed_pass_routes_its_own_rows_not_the_captures(checkpoint, monkeypatch):
     """Two passes of one count over other requests: the graph tape holds each pass's own routes (RandomSkip
-    hashes each row's request and position), so the second replay routed otherwise than the capture."""
+    hashes each row's request and position), so the second replay routed otherwise than the capture; the padding
+    rows past a pass's own are RUN at every layer."""
     graphed, eager = served(checkpoint, monkeypatch)
     tape = graphed.model.slot.prefill_graphs.tape
     assert_same(graphed, eager, Shape("prefill", 2, 8), 0, 1)
     first = tape.run[:, :16].clone()
-    assert_same(graphed, eager, Shape("prefill", 2, 8), 3, 2)
-    assert not torch.equal(first, tape.run[:, :16])
-    assert tape.run[:, 16:].all()  # padding rows past the pass's: RUN at every layer
+    assert_same(graphed, eager, Shape("prefill", 2, 5), 3, 2)  # 10 rows at the count of 16
+    assert not torch.equal(first[:, :10], tape.run[:, :10])
+    assert tape.run[:, 10:16].all() and not tape.run[:, :10].all()
 
 
 def test_the_s0_control_replays_every_row_run(checkpoint, monkeypatch):
@@ -175,12 +221,14 @@ def test_a_segment_runs_eagerly_captures_and_replays_and_its_outputs_are_the_cap
     assert len(calls) == 3 and graphs.counts == {"captured": 1}
     static.copy_(torch.tensor([1.0, 2.0, 3.0]))
     again = graphs.run("k", fn)
-    assert again is first and len(calls) == 4 and graphs.counts == {"captured": 1, "replayed": 1}
+    # replayed, then run eagerly again beside the replay once (its recheck)
+    assert again is first and len(calls) == 5 and graphs.counts == {"captured": 1, "replayed": 1}
     torch.testing.assert_close(again["double"], torch.tensor([2.0, 4.0, 6.0]))
     torch.testing.assert_close(again["pair"][1], torch.tensor(6.0))
     assert graphs.check["segments"] == 1 and graphs.check["worst_difference"] == 0.0
-    with pytest.raises(TypeError, match="not object"):
-        copy_into(object(), object())
+    held, fresh = {"t": torch.zeros(2), "layers": frozenset({1})}, {"t": torch.ones(2), "layers": frozenset({2})}
+    copy_into(held, fresh)  # a constant of the function (a set of layers) is left as it is
+    assert held["layers"] == frozenset({1}) and held["t"].tolist() == [1.0, 1.0]
 
 
 def test_a_capture_whose_replay_differs_from_its_eager_run_is_named_with_its_difference():
@@ -195,4 +243,43 @@ def test_a_capture_whose_replay_differs_from_its_eager_run_is_named_with_its_dif
     graphs = SegmentGraphs(torch.device("cpu"))
     graphs.run("ok", lambda: torch.ones(2))
     graphs.run(("drifts", 1), fn)
-    assert graphs.check == {"segments": 2, "worst_difference": 2.0, "worst_segment": "('drifts', 1)"}
+    assert graphs.check == {"segments": 2, "worst_difference": 2.0, "worst_segment": "('drifts', 1)",
+                            "rechecked": 0, "worst_recheck": 0.0, "worst_recheck_segment": None}
+    graphs.run(("drifts", 1), fn)  # replayed (the 4th call), then run again (the 5th): rechecked once
+    graphs.run(("drifts", 1), fn)
+    assert len(calls) == 6 and graphs.check["rechecked"] == 1 and graphs.check["worst_recheck"] == 1.0
+    assert graphs.check["worst_recheck_segment"] == "('drifts', 1)"
+
+
+def test_a_count_whose_capture_fails_serves_its_passes_eagerly_and_says_why(checkpoint, monkeypatch):
+    """A capture CUDA refuses (here the second routed layer's segment after its read): that pass's later segments
+    run eagerly, every later pass of that count runs eagerly whole, the other count still replays; every pass
+    equals the eager model's."""
+    from vskipper.sglang import prefill_graphs
+
+    graphed, eager = served(checkpoint, monkeypatch)
+    refused = (16, graphed.model.routed_layers[1], "out")
+
+    class Refusing(RerunGraph):
+        def capture(self, fn):
+            if capturing[0] == refused:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super().capture(fn)
+
+    capturing = [None]
+    graphs = graphed.model.slot.prefill_graphs
+    real_run = graphs.graphs.run
+
+    def run(key, fn):
+        capturing[0] = key
+        return real_run(key, fn)
+
+    monkeypatch.setattr(graphs.graphs, "run", run)
+    monkeypatch.setattr(graphs.graphs, "_make", Refusing)
+    assert prefill_graphs.PREFILL_GRAPH_STAND_IN is RerunGraph
+    for seed, (shape, first) in enumerate([(Shape("prefill", 2, 8), 0), (Shape("prefill", 1, 12), 3),
+                                           (Shape("prefill", 1, 40), 4), (Shape("prefill", 1, 50), 5)]):
+        assert_same(graphed, eager, shape, first, seed)
+    assert graphs.failed == {"16": "RuntimeError: operation not permitted when stream is capturing"}
+    assert dict(graphs.passes["by_tokens"]) == {"16": 1, "64": 2}
+    assert dict(graphs.passes["eager"]) == {"capture failed at 16 tokens": 1}

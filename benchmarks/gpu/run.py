@@ -769,14 +769,16 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
 WARM_REPETITION = 10_000  # the prompts' repetition of `prefill_warm_up`: none of the timed cells' prompts
 
 
-def prefill_warm_up(plan: Plan, server: Server, vocab: int) -> None:
+def prefill_warm_up(plan: Plan, server: Server, vocab: int, times: int = 1) -> None:
     """One untimed prompt at each of the sweep's prefill lengths and one of each of its rounds, prompts no timed
     cell sends: what the cells' passes launch compiled and the allocator's blocks cached before they are timed, as
-    the decode cells' prefilled bursts leave them in a whole sweep."""
-    for length in plan.prefill_lengths:
-        asyncio.run(burst(server, [prefill_prompt(length, WARM_REPETITION, vocab)], 1))
-    for n, length in plan.prefill_rounds:
-        prefill_round(server, round_prompts(n, length, WARM_REPETITION, vocab))
+    the decode cells' prefilled bursts leave them in a whole sweep; `times` over (a server whose routed prefill
+    layers replay from graphs captures each count at its first pass and checks it again at its second)."""
+    for time_ in range(times):
+        for length in plan.prefill_lengths:
+            asyncio.run(burst(server, [prefill_prompt(length, WARM_REPETITION + time_, vocab)], 1))
+        for n, length in plan.prefill_rounds:
+            prefill_round(server, round_prompts(n, length, WARM_REPETITION + time_, vocab))
 
 
 def round_prompts(n: int, length: int, repetition: int, vocab: int) -> list[list[int]]:
@@ -1388,8 +1390,10 @@ def sweep_arm(plan: Plan, stage: Stage, model: Path, arm_files: dict[str, Path],
                                "step_s": step_s, "step_s_reps": [s for s, _ in reps], "tpot_s": step_s,
                                "decode_tok_s": batch / step_s,
                                "pass_spans": headline.pass_spans(before, pass_clock(server), "decode")})
-        if not plan.sweep_decode:  # no decode burst prefilled first: the prefill path warmed on its own
-            prefill_warm_up(plan, server, vocab)
+        graphed = plan.routed_prefill_graphs and name in (ALWAYS, CONTROL)
+        if not plan.sweep_decode or graphed:  # no decode burst prefilled first: the prefill path warmed on its own
+            # (graphed: each count captured at the first prompt that pads to it, checked again at the second)
+            prefill_warm_up(plan, server, vocab, times=2 if graphed else 1)
         prefill, rounds = prefill_cells(plan, server, vocab)
         return {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill, "prefill_rounds": rounds,
                 "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"]) for d in decode]),
@@ -2635,6 +2639,11 @@ def prefill_graph_lines(reference: dict | None) -> list[str]:
     return lines + [""]
 
 
+# A replayed segment whose outputs stray further than this from its eager run's (of its largest value) puts its
+# arm's figures in doubt: bfloat16 rounding and a reduction's order stay well under it.
+GRAPH_CHECK_DOUBT = 0.05
+
+
 def routed_prefill_graph_lines(arms: dict) -> list[str]:
     """Which arms replayed their routed prefill layers from graphs (`vskipper.sglang.prefill_graphs`, their
     attestations): the counts captured, the passes each replayed at, those it ran eagerly and why, the segments
@@ -2652,13 +2661,23 @@ def routed_prefill_graph_lines(arms: dict) -> list[str]:
                                                                   key=lambda kv: int(kv[0])))
         eager = ", ".join(f"{n} {why}" for why, n in (passes.get("eager") or {}).items())
         segments, check = doc.get("segments") or {}, doc.get("capture_check") or {}
-        worst = check.get("worst_difference")
-        checked = (f"; each capture's replay against its eager run: worst difference {worst:.3g} of the largest "
-                   f"value over {check.get('segments', 0)} segments ({check.get('worst_segment')})"
-                   if worst is not None else "")
+        checked = "".join(
+            f"; {what}: worst difference {check[field]:.3g} of the largest value over {check.get(count, 0)} "
+            f"segments ({check.get(where)})" for what, count, field, where in (
+                ("each capture's replay against its eager run", "segments", "worst_difference", "worst_segment"),
+                ("each segment's first later replay against its eager run after it", "rechecked", "worst_recheck",
+                 "worst_recheck_segment")) if check.get(field) is not None)
+        memory = (doc.get("memory") or {}).get("reserved_bytes")
+        failed = "; ".join(f"at {tokens}: {why}" for tokens, why in (doc.get("failed") or {}).items())
         lines.append(f"- {name}: captured at {', '.join(map(str, doc.get('tokens') or []))} tokens; passes "
                      f"replayed {by or 'none'}; eager {eager or 'none'}; segments captured "
-                     f"{segments.get('captured', 0)}, replayed {segments.get('replayed', 0)}{checked}")
+                     f"{segments.get('captured', 0)}, replayed {segments.get('replayed', 0)}{checked}"
+                     f"{f'; the captures reserved {memory / 2**30:.2f} GiB' if memory else ''}"
+                     f"{f'; captures failed {failed}' if failed else ''}")
+        worst = max(check.get("worst_difference") or 0.0, check.get("worst_recheck") or 0.0)
+        if worst > GRAPH_CHECK_DOUBT:
+            lines.append(f"  **{name}'s replays strayed from its eager runs by {worst:.3g} of the largest value: its "
+                         f"routed prefill figures above are in doubt.**")
     return lines + [""]
 
 

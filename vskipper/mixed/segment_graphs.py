@@ -3,10 +3,11 @@
 A segment is a function of no arguments that reads only storage the caller keeps at fixed addresses (static
 buffers it refills before each replay, weights, a tape that never moves) and returns tensors (alone, or in tuples,
 lists, dicts, named tuples and dataclasses). The first call of a key runs the function once eagerly on the capture
-stream (what it launches compiles and warms there), then captures it, replays the capture and checks that replay
-against the eager run (`SegmentGraphs.check`, the one read of the device here); every later call replays it. The
-outputs a call returns are the capture's own: the next replay of the same key overwrites them, so the caller
-consumes them before that.
+stream (what it launches compiles and warms there), then captures it and replays the capture; every later call
+replays it. Twice per key the device is read (`SegmentGraphs.check`): the capture's first replay against that eager
+run, and the first later replay against the function run eagerly again after it. The outputs a call returns are the
+capture's own: the next replay of the same key overwrites them, so the caller consumes them before that. A capture
+that fails raises `CaptureFailed` and leaves its work undone: the caller runs the function eagerly.
 
 A segment must give the same outputs when it runs twice over the same inputs (its first call runs it eagerly, then
 replays the capture: an update in place of its own inputs would apply twice).
@@ -26,6 +27,7 @@ address): a test over it catches the first kind of mistake, only a device the se
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -61,7 +63,7 @@ def difference(got: Any, want: Any) -> float:
 
 
 def copy_into(held: Any, fresh: Any) -> None:
-    """Copy `fresh` outputs into `held` ones of the same structure (tensors in place)."""
+    """Copy `fresh` outputs into `held` ones of the same structure (tensors in place; other leaves left)."""
     if isinstance(held, torch.Tensor):
         held.copy_(fresh)
     elif isinstance(held, dict):
@@ -73,9 +75,7 @@ def copy_into(held: Any, fresh: Any) -> None:
     elif dataclasses.is_dataclass(held):
         for f in dataclasses.fields(held):
             copy_into(getattr(held, f.name), getattr(fresh, f.name))
-    elif held is not None and not isinstance(held, (int, float, bool, str)):
-        raise TypeError(f"a segment's outputs are tensors in tuples, lists, dicts and dataclasses, not "
-                        f"{type(held).__name__}")
+    # anything else (a number, a set of layers) is the function's own constant: a graph does not write it
 
 
 class RerunGraph:
@@ -118,19 +118,35 @@ class CudaGraph:
         self.graph.replay()
 
 
+class CaptureFailed(RuntimeError):
+    """A segment's capture failed (`key`, why): the caller runs its work eagerly instead."""
+
+    def __init__(self, key: Hashable, why: str) -> None:
+        super().__init__(f"the capture of segment {key!r} failed: {why}")
+        self.key, self.why = key, why
+
+
 class SegmentGraphs:
     """Captured segments by key (module docstring). `graph` makes one graph (`RerunGraph` off CUDA); `hold` wraps
-    each capture (a runtime that must take no state document meanwhile)."""
+    each capture (a runtime that must take no state document meanwhile).
+
+    Two checks read the device, once per segment each: a capture's first replay against the eager run before it
+    over the same inputs, and the first replay of a later call (other inputs) against the function run eagerly
+    again after it (`recheck`): a kernel that ran outside the capture, or a value the capture kept from its own
+    pass, leaves the later replay's outputs stale. The worst of each (`difference`) and its segment are in `check`."""
 
     def __init__(self, device: torch.device, graph: Callable[[], Any] | None = None,
                  hold: Callable[[], Any] | None = None) -> None:
         self.device = device
-        self._graphs: dict[Hashable, tuple[Any, Any]] = {}
+        self._graphs: dict[Hashable, tuple[Any, Any, Callable[[], Any]]] = {}
+        self._unchecked: set[Hashable] = set()  # captured, not yet replayed at a later call
         self._hold = hold
         self.counts: Counter[str] = Counter()  # "captured", "replayed"
-        # each capture's first replay against the eager run before it, over the same inputs: the worst difference
-        # (`difference`) and the segment it was in
-        self.check: dict[str, Any] = {"segments": 0, "worst_difference": 0.0, "worst_segment": None}
+        self.check: dict[str, Any] = {"segments": 0, "worst_difference": 0.0, "worst_segment": None,
+                                      "rechecked": 0, "worst_recheck": 0.0, "worst_recheck_segment": None}
+        # what the captures took of the device's memory (CUDA's caching allocator reserved more by this much)
+        self.memory: dict[str, int] = {"reserved_bytes": 0}
+        self._stream = None
         if graph is not None:
             self._make = graph
         elif device.type == "cuda":
@@ -147,40 +163,56 @@ class SegmentGraphs:
         return len(self._graphs)
 
     def run(self, key: Hashable, fn: Callable[[], Any]) -> Any:
-        """The outputs of segment `key` (`fn` captured at its first call, replayed at every later one)."""
+        """The outputs of segment `key` (`fn` captured at its first call, replayed at every later one). A capture
+        that fails raises `CaptureFailed`, its work not done."""
         held = self._graphs.get(key)
         if held is None:
             return self._capture(key, fn)
-        held[0].replay()
+        graph, outputs, captured = held
+        graph.replay()
         self.counts["replayed"] += 1
-        return held[1]
+        if key in self._unchecked:
+            self._unchecked.discard(key)
+            self._note(key, difference(outputs, self._eager(captured)), "rechecked", "worst_recheck",
+                       "worst_recheck_segment")
+        return outputs
 
     def _capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
         graph = self._make()
-        eager = self._warm(fn)
-        if self._hold is not None:
-            with self._hold():
-                outputs = graph.capture(fn)
-        else:
-            outputs = graph.capture(fn)
+        eager = self._eager(fn)
+        before = torch.cuda.memory_reserved(self.device) if self._stream is not None else 0
+        try:
+            with warnings.catch_warnings():  # a segment that launches nothing (a view's state) captures no node
+                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                if self._hold is not None:
+                    with self._hold():
+                        outputs = graph.capture(fn)
+                else:
+                    outputs = graph.capture(fn)
+        except Exception as exc:  # noqa: BLE001 (whatever CUDA or the function refused: the caller runs eagerly)
+            raise CaptureFailed(key, f"{type(exc).__name__}: {str(exc).strip()[:300]}") from exc
+        if self._stream is not None:
+            self.memory["reserved_bytes"] += torch.cuda.memory_reserved(self.device) - before
         graph.replay()  # a CUDA capture launched nothing: the replay computes the pass's outputs
-        self._graphs[key] = (graph, outputs)
+        self._graphs[key] = (graph, outputs, fn)
+        self._unchecked.add(key)
         self.counts["captured"] += 1
-        worst = difference(outputs, eager)
-        self.check["segments"] += 1
-        if worst >= self.check["worst_difference"]:
-            self.check["worst_difference"], self.check["worst_segment"] = worst, repr(key)
+        self._note(key, difference(outputs, eager), "segments", "worst_difference", "worst_segment")
         return outputs
 
-    def _warm(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` once eagerly where its capture will run (on CUDA: the capture stream), so that what it launches
-        is compiled and its libraries' per-stream state made before the capture; its outputs."""
-        stream = getattr(self, "_stream", None)
-        if stream is None:
+    def _note(self, key: Hashable, worst: float, count: str, field: str, where: str) -> None:
+        self.check[count] += 1
+        if worst >= self.check[field]:
+            self.check[field], self.check[where] = worst, repr(key)
+
+    def _eager(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` once eagerly where its capture runs (on CUDA: the capture stream), so that what it launches is
+        compiled and its libraries' per-stream state made before the capture; its outputs."""
+        if self._stream is None:
             return fn()
         current = torch.cuda.current_stream()
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
             outputs = fn()
-        current.wait_stream(stream)
+        current.wait_stream(self._stream)
         return outputs

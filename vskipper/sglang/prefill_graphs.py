@@ -26,6 +26,7 @@ every routed layer, the copies. Each count's first pass runs every segment eager
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_left
 from collections import Counter
 from types import SimpleNamespace
@@ -35,10 +36,12 @@ import torch
 
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.routed_layer import Handoff, triton_attention_in, triton_attention_out
-from vskipper.mixed.segment_graphs import SegmentGraphs
+from vskipper.mixed.segment_graphs import CaptureFailed, SegmentGraphs
 from vskipper.mixed.tape import RouteTape, tape_capacity
 from vskipper.sglang.runtime import Step
 from vskipper.sglang.spec import ENV_PREFILL_GRAPHS
+
+logger = logging.getLogger(__name__)
 
 # Tests: what makes each graph where no CUDA graph can be captured (`vskipper.mixed.segment_graphs.RerunGraph`);
 # None: CUDA graphs, on CUDA only.
@@ -90,10 +93,23 @@ class PrefillGraphs:
         self.active: tuple[int, Step, Any] | None = None  # this pass's (count, step, SGLang's batch)
         # passes by the count they replayed at, and the routed prefill passes run eagerly by why
         self.passes: dict[str, Any] = {"by_tokens": Counter(), "eager": Counter()}
+        self.failed: dict[str, str] = {}  # counts whose capture failed (why): their passes run eagerly
 
     def attestation(self) -> dict[str, Any]:
         return {"tokens": list(self.sizes), "passes": self.passes, "segments": self.graphs.counts,
-                "capture_check": self.graphs.check}
+                "capture_check": self.graphs.check, "memory": self.graphs.memory, "failed": self.failed}
+
+    def _segment(self, size: int, key, fn):
+        """Segment `key`'s outputs at count `size`: replayed, or run eagerly where that count's capture failed (this
+        pass's later segments too; its later passes run eagerly whole, `begin`)."""
+        if str(size) in self.failed:
+            return fn()
+        try:
+            return self.graphs.run(key, fn)
+        except CaptureFailed as exc:
+            self.failed[str(size)] = exc.why
+            logger.warning("routed prefill graphs at %d tokens: %s; passes of that count run eagerly", size, exc)
+            return fn()
 
     def size_for(self, rows: int) -> int | None:
         """The least captured count that holds `rows`, or None."""
@@ -109,6 +125,9 @@ class PrefillGraphs:
         if size is None:
             self.passes["eager"][f"over {self.sizes[-1]} tokens"] += 1
             return False
+        if str(size) in self.failed:
+            self.passes["eager"][f"capture failed at {size} tokens"] += 1
+            return False
         self._inputs(step, positions, forward_batch.out_cache_loc, embeddings)
         graph_step = self.steps.get(size)
         if graph_step is None:
@@ -116,8 +135,8 @@ class PrefillGraphs:
                               keys=self.keys[:size])
             self.steps[size] = graph_step
         x, positions_, valid = self.x[:size], self.positions[:size], self.valid[:size]
-        graph_step.state = self.graphs.run(
-            (size, "state"), lambda: self.runtime.pass_state(graph_step, x, positions_, valid, fused))
+        graph_step.state = self._segment(
+            size, (size, "state"), lambda: self.runtime.pass_state(graph_step, x, positions_, valid, fused))
         step.tape, step.builder = self.tape, self.builder  # the pass is counted from the graph tape
         self.active = (size, graph_step, forward_batch)
         self.passes["by_tokens"][str(size)] += 1
@@ -156,13 +175,14 @@ class PrefillGraphs:
         self.x[:n].copy_(x)
         self.u[:n].copy_(u)
         lid = layer.layer_id
-        q, k, v, cohorts, weights = self.graphs.run((size, lid, "in"), lambda: self._attention_in(layer, step, parts))
+        q, k, v, cohorts, weights = self._segment(size, (size, lid, "in"),
+                                                  lambda: self._attention_in(layer, step, parts))
         attn = parts.attn
         k, v = (t[:n].view(n, attn.num_kv_heads, attn.head_dim) for t in (k, v))
         a = parts.radix(q[:n], k, v, forward_batch, save_kv_cache=False)  # the pass's own read, its K/V written
         self.a[:n].copy_(a.view(n, -1))
-        delta, h = self.graphs.run((size, lid, "out"),
-                                   lambda: self._attention_out(layer, step, parts, cohorts, weights))
+        delta, h = self._segment(size, (size, lid, "out"),
+                                 lambda: self._attention_out(layer, step, parts, cohorts, weights))
         return Handoff(delta[:n], h[:n])
 
     def _ops(self, layer, size: int, parts):
