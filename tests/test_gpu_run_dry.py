@@ -1684,12 +1684,13 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
 
     def fake_served(server):
         graphs = None if server.name in ("dense", run.PREFILL_GRAPHS) else {
-            "tokens": [32, 64], "passes": {"by_tokens": {"64": 3, "32": 4}, "eager": {"over 64 tokens": 1}},
+            "tokens": [32, 64], "passes": {"by_tokens": {"64": 3, "32": 4},
+                                           "eager": {"longer than every count": 1, "its count's capture failed": 0}},
             "segments": {"captured": 10, "replayed": 30},
             "capture_check": {"segments": 10, "worst_difference": 0.0039, "worst_segment": "(64, 3, 'out')",
                               "rechecked": 10, "worst_recheck": 0.0078 if server.name == run.ALWAYS else 0.5,
                               "worst_recheck_segment": "(32, 2, 'in')"},
-            "memory": {"reserved_bytes": 3 * 2**30}, "failed": {}}
+            "memory": {"reserved_bytes": 3 * 2**30}, "failed": {"32": None, "64": None}}
         return {"arm": server.name, "profile": {"decode_graphs": "disabled"}, "prefill_graphs": graphs}
 
     monkeypatch.setattr(run, "server_for", fake_server)
@@ -1709,8 +1710,8 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
     assert warmed == [("dense", 1), (run.ALWAYS, 2), (run.CONTROL, 2), (run.PREFILL_GRAPHS, 1)]
     text = run.markdown({"dry_run": True, "sweep": sweep})
     assert "Routed prefill layers replayed from CUDA graphs (`VSKIPPER_PREFILL_GRAPHS`" in text
-    assert f"- {run.ALWAYS}: captured at 32, 64 tokens; passes replayed 4 at 32, 3 at 64; eager 1 over 64 " \
-           "tokens; segments captured 10, replayed 30; each capture's replay against its eager run: worst " \
+    assert f"- {run.ALWAYS}: captured at 32, 64 tokens; passes replayed 4 at 32, 3 at 64; eager 1 longer than " \
+           "every count; segments captured 10, replayed 30; each capture's replay against its eager run: worst " \
            "difference 0.0039 of the largest value over 10 segments ((64, 3, 'out')); each segment's first later " \
            "replay against its eager run after it: worst difference 0.0078 of the largest value over 10 segments " \
            "((32, 2, 'in')); the captures reserved 3.00 GiB" in text

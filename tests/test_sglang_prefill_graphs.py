@@ -132,8 +132,8 @@ def test_routed_prefill_passes_replayed_at_each_count_equal_the_eager_passes(che
         assert_same(graphed, eager, shape, first, seed, read_operands)
     # the state and each routed layer's two segments captured once per count, replayed at every later pass there
     assert graphs.graphs.counts == {"captured": 2 * (1 + 2 * routed), "replayed": 4 * (1 + 2 * routed)}
-    assert dict(graphs.passes["by_tokens"]) == {"16": 3, "64": 3}
-    assert dict(graphs.passes["eager"]) == {"over 64 tokens": 1}
+    assert graphs.passes == {"by_tokens": {"16": 3, "64": 3},
+                             "eager": {"longer than every count": 1, "its count's capture failed": 0}}
     got, want = graphed.model.runtime.attestation(), eager.model.runtime.attestation()
     assert got["rows_total"] == want["rows_total"]
     rows = got["rows_total"]["prefill"]
@@ -142,7 +142,8 @@ def test_routed_prefill_passes_replayed_at_each_count_equal_the_eager_passes(che
     check = got["prefill_graphs"]["capture_check"]
     assert check["segments"] == check["rechecked"] == 2 * (1 + 2 * routed)  # each count's second pass rechecked
     assert check["worst_difference"] < 1e-5 and check["worst_recheck"] < 1e-5
-    assert got["prefill_graphs"]["failed"] == {} and got["prefill_graphs"]["memory"] == {"reserved_bytes": 0}
+    assert got["prefill_graphs"]["failed"] == {"16": None, "64": None}
+    assert got["prefill_graphs"]["memory"] == {"reserved_bytes": 0}
 
 
 def test_a_replayed_pass_routes_its_own_rows_not_the_captures(checkpoint, monkeypatch):
@@ -218,7 +219,7 @@ def test_a_segment_runs_eagerly_captures_and_replays_and_its_outputs_are_the_cap
 
     graphs = SegmentGraphs(torch.device("cpu"))
     first = graphs.run("k", fn)
-    assert len(calls) == 3 and graphs.counts == {"captured": 1}
+    assert len(calls) == 3 and graphs.counts == {"captured": 1, "replayed": 0}
     static.copy_(torch.tensor([1.0, 2.0, 3.0]))
     again = graphs.run("k", fn)
     # replayed, then run eagerly again beside the replay once (its recheck)
@@ -280,6 +281,6 @@ def test_a_count_whose_capture_fails_serves_its_passes_eagerly_and_says_why(chec
     for seed, (shape, first) in enumerate([(Shape("prefill", 2, 8), 0), (Shape("prefill", 1, 12), 3),
                                            (Shape("prefill", 1, 40), 4), (Shape("prefill", 1, 50), 5)]):
         assert_same(graphed, eager, shape, first, seed)
-    assert graphs.failed == {"16": "RuntimeError: operation not permitted when stream is capturing"}
-    assert dict(graphs.passes["by_tokens"]) == {"16": 1, "64": 2}
-    assert dict(graphs.passes["eager"]) == {"capture failed at 16 tokens": 1}
+    assert graphs.failed == {"16": "RuntimeError: operation not permitted when stream is capturing", "64": None}
+    assert graphs.passes == {"by_tokens": {"16": 1, "64": 2},
+                             "eager": {"longer than every count": 0, "its count's capture failed": 1}}

@@ -2658,8 +2658,8 @@ def routed_prefill_graph_lines(arms: dict) -> list[str]:
     for name, doc in graphed:
         passes = doc.get("passes") or {}
         by = ", ".join(f"{n} at {tokens}" for tokens, n in sorted((passes.get("by_tokens") or {}).items(),
-                                                                  key=lambda kv: int(kv[0])))
-        eager = ", ".join(f"{n} {why}" for why, n in (passes.get("eager") or {}).items())
+                                                                  key=lambda kv: int(kv[0])) if n)
+        eager = ", ".join(f"{n} {why}" for why, n in (passes.get("eager") or {}).items() if n)
         segments, check = doc.get("segments") or {}, doc.get("capture_check") or {}
         checked = "".join(
             f"; {what}: worst difference {check[field]:.3g} of the largest value over {check.get(count, 0)} "
@@ -2668,7 +2668,7 @@ def routed_prefill_graph_lines(arms: dict) -> list[str]:
                 ("each segment's first later replay against its eager run after it", "rechecked", "worst_recheck",
                  "worst_recheck_segment")) if check.get(field) is not None)
         memory = (doc.get("memory") or {}).get("reserved_bytes")
-        failed = "; ".join(f"at {tokens}: {why}" for tokens, why in (doc.get("failed") or {}).items())
+        failed = "; ".join(f"at {tokens}: {why}" for tokens, why in (doc.get("failed") or {}).items() if why)
         lines.append(f"- {name}: captured at {', '.join(map(str, doc.get('tokens') or []))} tokens; passes "
                      f"replayed {by or 'none'}; eager {eager or 'none'}; segments captured "
                      f"{segments.get('captured', 0)}, replayed {segments.get('replayed', 0)}{checked}"

@@ -141,7 +141,7 @@ class SegmentGraphs:
         self._graphs: dict[Hashable, tuple[Any, Any, Callable[[], Any]]] = {}
         self._unchecked: set[Hashable] = set()  # captured, not yet replayed at a later call
         self._hold = hold
-        self.counts: Counter[str] = Counter()  # "captured", "replayed"
+        self.counts: Counter[str] = Counter(captured=0, replayed=0)  # fixed keys: a reader may list them meanwhile
         self.check: dict[str, Any] = {"segments": 0, "worst_difference": 0.0, "worst_segment": None,
                                       "rechecked": 0, "worst_recheck": 0.0, "worst_recheck_segment": None}
         # what the captures took of the device's memory (CUDA's caching allocator reserved more by this much)

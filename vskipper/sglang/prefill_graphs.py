@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,6 +41,9 @@ from vskipper.sglang.runtime import Step
 from vskipper.sglang.spec import ENV_PREFILL_GRAPHS
 
 logger = logging.getLogger(__name__)
+
+# Why a routed prefill pass runs eagerly where graphs are asked for (`PrefillGraphs.passes`)
+EAGER_REASONS = ("longer than every count", "its count's capture failed")
 
 # Tests: what makes each graph where no CUDA graph can be captured (`vskipper.mixed.segment_graphs.RerunGraph`);
 # None: CUDA graphs, on CUDA only.
@@ -91,9 +93,12 @@ class PrefillGraphs:
         self.filled = 0  # rows the last pass wrote (a shorter pass resets the rest to padding; zeros are)
         self.steps: dict[int, Step] = {}  # per count: the step its segments were captured from
         self.active: tuple[int, Step, Any] | None = None  # this pass's (count, step, SGLang's batch)
-        # passes by the count they replayed at, and the routed prefill passes run eagerly by why
-        self.passes: dict[str, Any] = {"by_tokens": Counter(), "eager": Counter()}
-        self.failed: dict[str, str] = {}  # counts whose capture failed (why): their passes run eagerly
+        # passes by the count they replayed at, and the routed prefill passes run eagerly by why. Every key is made
+        # here (the state writer reads these while the forward counts: values change, keys never)
+        self.passes: dict[str, dict[str, int]] = {"by_tokens": dict.fromkeys(map(str, self.sizes), 0),
+                                                  "eager": dict.fromkeys(EAGER_REASONS, 0)}
+        # per count, why its capture failed (its passes then run eagerly), or None
+        self.failed: dict[str, str | None] = dict.fromkeys(map(str, self.sizes))
 
     def attestation(self) -> dict[str, Any]:
         return {"tokens": list(self.sizes), "passes": self.passes, "segments": self.graphs.counts,
@@ -102,7 +107,7 @@ class PrefillGraphs:
     def _segment(self, size: int, key, fn):
         """Segment `key`'s outputs at count `size`: replayed, or run eagerly where that count's capture failed (this
         pass's later segments too; its later passes run eagerly whole, `begin`)."""
-        if str(size) in self.failed:
+        if self.failed[str(size)] is not None:
             return fn()
         try:
             return self.graphs.run(key, fn)
@@ -123,10 +128,10 @@ class PrefillGraphs:
         n = step.rows
         size = self.size_for(n)
         if size is None:
-            self.passes["eager"][f"over {self.sizes[-1]} tokens"] += 1
+            self.passes["eager"]["longer than every count"] += 1
             return False
-        if str(size) in self.failed:
-            self.passes["eager"][f"capture failed at {size} tokens"] += 1
+        if self.failed[str(size)] is not None:
+            self.passes["eager"]["its count's capture failed"] += 1
             return False
         self._inputs(step, positions, forward_batch.out_cache_loc, embeddings)
         graph_step = self.steps.get(size)
