@@ -284,3 +284,18 @@ def test_a_count_whose_capture_fails_serves_its_passes_eagerly_and_says_why(chec
     assert graphs.failed == {"16": "RuntimeError: operation not permitted when stream is capturing", "64": None}
     assert graphs.passes == {"by_tokens": {"16": 1, "64": 2},
                              "eager": {"longer than every count": 0, "its count's capture failed": 1}}
+
+
+def test_flexidepth_passes_replayed_route_with_the_fused_gate_as_the_eager_passes_do(checkpoint, monkeypatch):
+    """FlexiDepth always-route over the checkpoint's routers: the fused gate's two launches are inside each routed
+    layer's segment before the read, over the layer's static LN1 rows (the padding rows' too, routed RUN)."""
+    from vskipper.arms import get_arm
+
+    monkeypatch.setitem(ARMS, "fd", get_arm("always-route"))
+    graphed, eager = served(checkpoint, monkeypatch, arm="fd")
+    assert graphed.model.slot.fused_gate
+    for seed, (shape, first) in enumerate([(Shape("prefill", 2, 8), 0), (Shape("prefill", 1, 11), 2),
+                                           (Shape("prefill", 3, 7), 3)]):
+        assert_same(graphed, eager, shape, first, seed)
+    got, want = graphed.model.runtime.attestation(), eager.model.runtime.attestation()
+    assert got["rows_total"] == want["rows_total"] and got["prefill_graphs"]["passes"]["by_tokens"]["16"] == 2
