@@ -250,6 +250,18 @@ def test_a_capture_whose_replay_differs_from_its_eager_run_is_named_with_its_dif
     graphs.run(("drifts", 1), fn)
     assert len(calls) == 6 and graphs.check["rechecked"] == 1 and graphs.check["worst_recheck"] == 1.0
     assert graphs.check["worst_recheck_segment"] == "('drifts', 1)"
+    # a segment whose outputs are static storage its every run writes: the checks compare copies taken between
+    # the runs, and a recheck leaves the replay's outputs there
+    static, runs = torch.zeros(2), []
+
+    def writes_static():
+        runs.append(1)
+        return static.fill_(float(len(runs) ** 2))
+
+    graphs.run("static", writes_static)  # eager 1, captured 4, replayed 9
+    assert graphs.check["worst_difference"] == 8.0 and graphs.check["worst_segment"] == "'static'"
+    assert graphs.run("static", writes_static) is static and static.tolist() == [16.0, 16.0]  # the replay's
+    assert graphs.check["rechecked"] == 2 and graphs.check["worst_recheck"] == 1.0  # 0.36 of 25 stays below 1
 
 
 def test_a_count_whose_capture_fails_serves_its_passes_eagerly_and_says_why(checkpoint, monkeypatch):

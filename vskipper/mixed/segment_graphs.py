@@ -62,6 +62,12 @@ def difference(got: Any, want: Any) -> float:
     return worst
 
 
+def snapshot(outputs: Any) -> list[torch.Tensor]:
+    """A copy of the tensors of a segment's outputs, in order (a segment may return views of static storage that
+    its next run overwrites)."""
+    return [t.clone() for t in tensors(outputs)]
+
+
 def copy_into(held: Any, fresh: Any) -> None:
     """Copy `fresh` outputs into `held` ones of the same structure (tensors in place; other leaves left)."""
     if isinstance(held, torch.Tensor):
@@ -173,13 +179,16 @@ class SegmentGraphs:
         self.counts["replayed"] += 1
         if key in self._unchecked:
             self._unchecked.discard(key)
-            self._note(key, difference(outputs, self._eager(captured)), "rechecked", "worst_recheck",
+            replayed = snapshot(outputs)  # the eager run may write the same static storage
+            self._note(key, difference(replayed, self._eager(captured)), "rechecked", "worst_recheck",
                        "worst_recheck_segment")
+            for t, r in zip(tensors(outputs), replayed, strict=True):  # the replay's outputs, as it left them
+                t.copy_(r)
         return outputs
 
     def _capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
         graph = self._make()
-        eager = self._eager(fn)
+        eager = snapshot(self._eager(fn))  # the capture's replay may write the same static storage
         before = torch.cuda.memory_reserved(self.device) if self._stream is not None else 0
         try:
             with warnings.catch_warnings():  # a segment that launches nothing (a view's state) captures no node

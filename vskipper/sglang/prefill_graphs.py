@@ -16,12 +16,13 @@ into storage the layers' segments read. Per routed layer: the layer's input x an
 its segment before the read replayed (the route, the maps recording it on the graph tape, Q, RoPE, every row's K/V
 written at the static slots), SGLang's read of the pass's rows, its output copied into static rows, the segment
 after the read replayed (o_proj onto a copy of x, LN2, the FFN pair), and the layer's hand-off handed on as views
-of the segment's outputs, the pass's rows alone. The pass is counted from the graph tape: padding rows are RUN, so
+of the segment's outputs, the pass's rows alone. Each segment copies its outputs into static rows every routed
+layer shares (a layer's are consumed before the next layer's segments replay): a capture holds none of its own. The pass is counted from the graph tape: padding rows are RUN, so
 the pass's Project-Only rows are the tape's and its RUN rows its rows less those (`Runtime.finish`).
 
 What a pass costs the host here: per routed layer two replays, the read's launches and three copies, in place of
 the layer's launches; per pass about a dozen copies and fills. What it costs the device: the padding rows' work at
-every routed layer, the copies. Each count's first pass runs every segment eagerly, captures it and replays it.
+every routed layer, the copies (about seven of a layer's rows' width a routed layer, well under 1% of a pass). Each count's first pass runs every segment eagerly, captures it and replays it.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class PrefillGraphs:
         self.valid = torch.zeros(cap, dtype=torch.bool, device=device)
         self.dense = torch.zeros(cap, dtype=torch.bool, device=device)
         self.loc: torch.Tensor | None = None  # KV slots, in SGLang's dtype for them (at the first pass)
+        self._outputs: dict[str, torch.Tensor] = {}  # the segments' static outputs (`_out`), made at the first
         self.filled = 0  # rows the last pass wrote (a shorter pass resets the rest to padding; zeros are)
         self.steps: dict[int, Step] = {}  # per count: the step its segments were captured from
         self.active: tuple[int, Step, Any] | None = None  # this pass's (count, step, SGLang's batch)
@@ -215,11 +217,26 @@ class PrefillGraphs:
         cohorts = step.builder.record_and_build(step.tape, layer.layer_id, route, step.dense_rows)
         _, weights = step.tape.layer(layer.layer_id, size)
         q, k, v = triton_attention_in(self._ops(layer, size, parts), u, cohorts, self.execution.tiles)
-        return q, k, v, cohorts, weights
+        return self._out("q", q), self._out("k", k), self._out("v", v), cohorts, weights
 
     def _attention_out(self, layer, step: Step, parts, cohorts, weights) -> Handoff:
-        """The segment after the read: o_proj onto a copy of x (a replay of it twice gives the same), LN2, the FFN
-        pair."""
+        """The segment after the read: o_proj onto a copy of x in the static residual rows (a replay of it twice
+        gives the same), LN2, the FFN pair."""
         size = step.rows
-        return triton_attention_out(self._ops(layer, size, parts), self.x[:size], self.a[:size], weights, cohorts,
-                                    self.execution.tiles, x_owned=False)
+        h = self._out("h", self.x[:size])
+        delta, h = triton_attention_out(self._ops(layer, size, parts), h, self.a[:size], weights, cohorts,
+                                        self.execution.tiles, x_owned=True)
+        return Handoff(self._out("delta", delta), h)
+
+    def _out(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` copied into the static output rows `name` (one set for every routed layer: a layer's outputs are
+        consumed before the next layer's segments replay), which the segment returns in its place: a capture's
+        own outputs are then its intermediates, whose memory the later captures share, rather than held per
+        layer and count."""
+        rows, width = t.shape
+        out = self._outputs.get(name)
+        if out is None or out.shape[1] != width or out.dtype != t.dtype:
+            out = self._outputs[name] = torch.empty(self.sizes[-1], width, dtype=t.dtype, device=t.device)
+        view = out[:rows]
+        view.copy_(t)
+        return view
