@@ -1689,7 +1689,8 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
             "segments": {"captured": 10, "replayed": 30},
             "capture_check": {"segments": 10, "worst_difference": 0.0039, "worst_segment": "(64, 3, 'out')",
                               "rechecked": 10, "worst_recheck": 0.0078 if server.name == run.ALWAYS else 0.5,
-                              "worst_recheck_segment": "(32, 2, 'in')"},
+                              "worst_recheck_segment": "(32, 2, 'in')", "empty": ["(32, 'state')"],
+                              "not_finite": []},
             "memory": {"reserved_bytes": 3 * 2**30}, "failed": {"32": None, "64": None}}
         return {"arm": server.name, "profile": {"decode_graphs": "disabled"}, "prefill_graphs": graphs}
 
@@ -1717,6 +1718,11 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
            "((32, 2, 'in')); the captures reserved 3.00 GiB" in text
     assert f"**{run.CONTROL}'s replays strayed from its eager runs by 0.5 of the largest value: its routed " \
            "prefill figures above are in doubt.**" in text and f"**{run.ALWAYS}'s replays" not in text
+    assert "Segments whose capture recorded no kernel: (32, 'state')." in text
+    sweep["arms"][run.ALWAYS]["served"]["prefill_graphs"]["capture_check"]["not_finite"] = ["(64, 3, 'out')"]
+    assert f"**{run.ALWAYS}'s replays strayed from its eager runs by NaN or infinite values where the eager " \
+           "run's were not ((64, 3, 'out')): its routed prefill figures above are in doubt.**" in run.markdown(
+               {"dry_run": True, "sweep": sweep})
     assert "- dense:" not in text.split("Routed prefill layers replayed")[1].split("\n\n")[1]
     eager = dataclasses.replace(plan, routed_prefill_graphs=False)
     assert "with its routed prefill layers from graphs (--routed-prefill-graphs), and this run serves them " \

@@ -21,7 +21,7 @@ pytest.importorskip("sglang")
 
 from benchmarks.host_time_bench import ARMS, CONTEXT, ServedModel, Shape  # noqa: E402
 from vskipper.checkpoint import TinySize, make_tiny_model  # noqa: E402
-from vskipper.mixed.segment_graphs import RerunGraph, SegmentGraphs, copy_into  # noqa: E402
+from vskipper.mixed.segment_graphs import CaptureFailed, RerunGraph, SegmentGraphs, copy_into  # noqa: E402
 
 REQUESTS = 8
 SIZES = (16, 64)
@@ -245,7 +245,8 @@ def test_a_capture_whose_replay_differs_from_its_eager_run_is_named_with_its_dif
     graphs.run("ok", lambda: torch.ones(2))
     graphs.run(("drifts", 1), fn)
     assert graphs.check == {"segments": 2, "worst_difference": 2.0, "worst_segment": "('drifts', 1)",
-                            "rechecked": 0, "worst_recheck": 0.0, "worst_recheck_segment": None}
+                            "rechecked": 0, "worst_recheck": 0.0, "worst_recheck_segment": None, "empty": [],
+                            "not_finite": []}
     graphs.run(("drifts", 1), fn)  # replayed (the 4th call), then run again (the 5th): rechecked once
     graphs.run(("drifts", 1), fn)
     assert len(calls) == 6 and graphs.check["rechecked"] == 1 and graphs.check["worst_recheck"] == 1.0
@@ -258,16 +259,46 @@ def test_a_capture_whose_replay_differs_from_its_eager_run_is_named_with_its_dif
         runs.append(1)
         return static.fill_(float(len(runs) ** 2))
 
+    graphs = SegmentGraphs(torch.device("cpu"))
     graphs.run("static", writes_static)  # eager 1, captured 4, replayed 9
     assert graphs.check["worst_difference"] == 8.0 and graphs.check["worst_segment"] == "'static'"
     assert graphs.run("static", writes_static) is static and static.tolist() == [16.0, 16.0]  # the replay's
-    assert graphs.check["rechecked"] == 2 and graphs.check["worst_recheck"] == 1.0  # 0.36 of 25 stays below 1
+    assert graphs.check["rechecked"] == 1 and graphs.check["worst_recheck"] == pytest.approx(9 / 25)
+
+
+def test_a_replay_that_writes_nothing_is_flagged_and_a_non_finite_difference_stays_json():
+    """A kernel that ran outside its capture (here: the function runs at the capture, the replay does nothing):
+    the capture's outputs are poisoned before its first replay, so the eager run's values against NaN read as
+    `NOT_FINITE`; NaN or infinity on one side alone reads so too, the same on both sides not at all."""
+    import json
+
+    from vskipper.mixed.segment_graphs import NOT_FINITE, difference
+
+    class RanOutside:
+        def capture(self, fn):
+            return fn()
+
+        def replay(self):
+            pass
+
+    static = torch.zeros(3)
+    graphs = SegmentGraphs(torch.device("cpu"), graph=RanOutside)
+    graphs.run("outside", lambda: static.copy_(torch.tensor([1.0, 2.0, 3.0])))
+    assert graphs.check["worst_difference"] == NOT_FINITE and graphs.check["worst_segment"] == "'outside'"
+    assert graphs.check["not_finite"] == ["'outside'"]
+    json.dumps(graphs.check, allow_nan=False)
+    nan, inf = float("nan"), float("inf")
+    assert difference(torch.tensor([nan, 1.0]), torch.tensor([1.0, 1.0])) == NOT_FINITE
+    assert difference(torch.tensor([inf, 1.0]), torch.tensor([1.0, 1.0])) == NOT_FINITE
+    assert difference(torch.tensor([nan, inf, 2.0]), torch.tensor([nan, inf, 1.0])) == 1.0  # the finite pair only
+    assert difference(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0])) == 0.5
 
 
 def test_a_count_whose_capture_fails_serves_its_passes_eagerly_and_says_why(checkpoint, monkeypatch):
     """A capture CUDA refuses (here the second routed layer's segment after its read): that pass's later segments
-    run eagerly, every later pass of that count runs eagerly whole, the other count still replays; every pass
-    equals the eager model's."""
+    run eagerly and it counts as eager, every later pass of that count runs eagerly whole, no count captures after
+    it (on CUDA the shared pool may be unusable), a count captured before it still replays; every pass equals the
+    eager model's."""
     from vskipper.sglang import prefill_graphs
 
     graphed, eager = served(checkpoint, monkeypatch)
@@ -290,12 +321,48 @@ def test_a_count_whose_capture_fails_serves_its_passes_eagerly_and_says_why(chec
     monkeypatch.setattr(graphs.graphs, "run", run)
     monkeypatch.setattr(graphs.graphs, "_make", Refusing)
     assert prefill_graphs.PREFILL_GRAPH_STAND_IN is RerunGraph
-    for seed, (shape, first) in enumerate([(Shape("prefill", 2, 8), 0), (Shape("prefill", 1, 12), 3),
-                                           (Shape("prefill", 1, 40), 4), (Shape("prefill", 1, 50), 5)]):
+    for seed, (shape, first) in enumerate([(Shape("prefill", 1, 40), 4), (Shape("prefill", 2, 8), 0),
+                                           (Shape("prefill", 1, 12), 3), (Shape("prefill", 1, 50), 5)]):
         assert_same(graphed, eager, shape, first, seed)
     assert graphs.failed == {"16": "RuntimeError: operation not permitted when stream is capturing", "64": None}
-    assert graphs.passes == {"by_tokens": {"16": 1, "64": 2},
-                             "eager": {"longer than every count": 0, "its count's capture failed": 1}}
+    assert graphs.passes == {"by_tokens": {"16": 0, "64": 2},
+                             "eager": {"longer than every count": 0, "its count's capture failed": 2}}
+    assert graphs.graphs.broken.startswith(f"{refused!r}: RuntimeError")
+    with pytest.raises(CaptureFailed, match="no capture after a failed one"):
+        graphs.graphs.run("another", lambda: torch.zeros(1))
+
+
+def test_replayed_passes_equal_eager_ones_where_the_add_norm_works_in_place(checkpoint, monkeypatch):
+    """SGLang's RMSNorm with a residual as its CUDA kernel runs it, both in place (the CPU's torch path makes new
+    tensors): the next layer's add-norm then writes into the static rows a routed layer's hand-off lies in."""
+    from vskipper.sglang import standalone
+
+    real_init, calls = standalone.init_sglang, []
+
+    def init(*args, **kwargs):
+        out = real_init(*args, **kwargs)
+        from sglang.srt.layers import layernorm
+
+        real = layernorm.RMSNorm.forward_native
+
+        def in_place(self, x, residual=None, post_residual_addition=None, quant_linear=None):
+            if residual is None or post_residual_addition is not None:
+                return real(self, x, residual, post_residual_addition)
+            normed, summed = real(self, x, residual)
+            residual.copy_(summed)
+            x.copy_(normed)
+            calls.append(1)
+            return x, residual
+
+        monkeypatch.setattr(layernorm.RMSNorm, "forward_native", in_place)
+        return out
+
+    monkeypatch.setattr(standalone, "init_sglang", init)
+    graphed, eager = served(checkpoint, monkeypatch)
+    for seed, (shape, first) in enumerate([(Shape("prefill", 1, 16), 0), (Shape("prefill", 2, 5), 2),
+                                           (Shape("prefill", 3, 20), 1), (Shape("prefill", 1, 60), 4)]):
+        assert_same(graphed, eager, shape, first, seed)
+    assert calls  # the in-place add-norm ran
 
 
 def test_flexidepth_passes_replayed_route_with_the_fused_gate_as_the_eager_passes_do(checkpoint, monkeypatch):

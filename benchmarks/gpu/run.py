@@ -2674,10 +2674,14 @@ def routed_prefill_graph_lines(arms: dict) -> list[str]:
                      f"{segments.get('captured', 0)}, replayed {segments.get('replayed', 0)}{checked}"
                      f"{f'; the captures reserved {memory / 2**30:.2f} GiB' if memory else ''}"
                      f"{f'; captures failed {failed}' if failed else ''}")
+        if check.get("empty"):
+            lines.append(f"  Segments whose capture recorded no kernel: {', '.join(check['empty'])}.")
         worst = max(check.get("worst_difference") or 0.0, check.get("worst_recheck") or 0.0)
-        if worst > GRAPH_CHECK_DOUBT:
-            lines.append(f"  **{name}'s replays strayed from its eager runs by {worst:.3g} of the largest value: its "
-                         f"routed prefill figures above are in doubt.**")
+        if worst > GRAPH_CHECK_DOUBT or check.get("not_finite"):
+            by = (f"NaN or infinite values where the eager run's were not ({', '.join(check['not_finite'])})"
+                  if check.get("not_finite") else f"{worst:.3g} of the largest value")
+            lines.append(f"  **{name}'s replays strayed from its eager runs by {by}: its routed prefill figures "
+                         f"above are in doubt.**")
     return lines + [""]
 
 

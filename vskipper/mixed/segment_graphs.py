@@ -4,10 +4,11 @@ A segment is a function of no arguments that reads only storage the caller keeps
 buffers it refills before each replay, weights, a tape that never moves) and returns tensors (alone, or in tuples,
 lists, dicts, named tuples and dataclasses). The first call of a key runs the function once eagerly on the capture
 stream (what it launches compiles and warms there), then captures it and replays the capture; every later call
-replays it. Twice per key the device is read (`SegmentGraphs.check`): the capture's first replay against that eager
-run, and the first later replay against the function run eagerly again after it. The outputs a call returns are the
-capture's own: the next replay of the same key overwrites them, so the caller consumes them before that. A capture
-that fails raises `CaptureFailed` and leaves its work undone: the caller runs the function eagerly.
+replays it. Twice per key the device is read (`SegmentGraphs.check`): the capture's first replay (its outputs set to
+NaN before it) against that eager run, and the first later replay against the function run eagerly again after
+it. The outputs a call returns are the capture's own: the next replay of the same key overwrites them, so the
+caller consumes them before that. A capture that fails raises `CaptureFailed` and leaves its work undone (the
+caller runs the function eagerly), and every capture after it does too.
 
 A segment must give the same outputs when it runs twice over the same inputs (its first call runs it eagerly, then
 replays the capture: an update in place of its own inputs would apply twice).
@@ -48,18 +49,38 @@ def tensors(outputs: Any) -> list[torch.Tensor]:
     return []
 
 
+# What `difference` says of a value that is NaN or infinite on one side and not the same on the other (finite, so
+# that an attestation holding it stays JSON)
+NOT_FINITE = 1e30
+
+
 def difference(got: Any, want: Any) -> float:
-    """The worst difference between two segments' outputs of one structure: per floating tensor its largest
-    absolute difference over the larger of its largest value and 1e-6, 1.0 for another tensor that differs
-    anywhere (reads the device: a capture's check, not a replay's)."""
+    """The worst difference between two segments' outputs of one structure (or flat lists of their tensors): per
+    floating tensor its largest absolute difference where both are finite over the larger of `want`'s largest
+    finite value and 1e-6, `NOT_FINITE` where one side is NaN or infinite and the other is not the same; 1.0 for
+    another tensor that differs anywhere (reads the device: a capture's check, not a replay's)."""
     worst = 0.0
     for g, w in zip(tensors(got), tensors(want), strict=True):
+        if not g.numel():
+            continue
         if g.is_floating_point():
-            scale = max(float(w.abs().max()) if w.numel() else 0.0, 1e-6)
-            worst = max(worst, float((g.float() - w.float()).abs().max()) / scale if g.numel() else 0.0)
+            g, w = g.float(), w.float()
+            finite = g.isfinite() & w.isfinite()
+            if bool((~finite & ~((g == w) | (g.isnan() & w.isnan()))).any()):
+                return NOT_FINITE
+            scale = max(float(w.abs().where(finite, 0).max()), 1e-6)
+            worst = max(worst, float((g - w).abs().where(finite, 0).max()) / scale)
         elif not torch.equal(g, w):
             worst = max(worst, 1.0)
     return worst
+
+
+def poison(outputs: Any) -> None:
+    """NaN into every floating tensor of a capture's outputs before its first replay: a replay that writes none
+    of them (a kernel that ran outside the capture) leaves NaN where the eager run left values."""
+    for t in tensors(outputs):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
 
 
 def snapshot(outputs: Any) -> list[torch.Tensor]:
@@ -109,16 +130,34 @@ class CudaGraph:
         self.pool, self.stream = pool, stream
 
     def capture(self, fn: Callable[[], Any]) -> Any:
+        """`fn` captured; where it fails, the segment's own error raised, the capture ended as far as CUDA lets
+        it and the pool released from recording (torch ends the stream's capture before it stops allocating to the
+        pool, so a capture CUDA refused leaves the pool recording otherwise). The pool may still be unusable for
+        another capture: the caller captures no more (`SegmentGraphs`)."""
         current = torch.cuda.current_stream()
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 outputs = fn()
-            finally:
-                self.graph.capture_end()
+            except BaseException:
+                self._abandon()
+                raise
+            self.graph.capture_end()
         current.wait_stream(self.stream)
         return outputs
+
+    def _abandon(self) -> None:
+        try:
+            self.graph.capture_end()
+        except Exception:  # noqa: BLE001 (CUDA invalidated the capture: the segment's own error is the one raised)
+            end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+            if end is not None:
+                try:
+                    end(self.stream.device.index if self.stream.device.index is not None
+                        else torch.cuda.current_device(), self.pool)
+                except Exception:  # noqa: BLE001 (not recording any more)
+                    pass
 
     def replay(self) -> None:
         self.graph.replay()
@@ -149,10 +188,15 @@ class SegmentGraphs:
         self._hold = hold
         self.counts: Counter[str] = Counter(captured=0, replayed=0)  # fixed keys: a reader may list them meanwhile
         self.check: dict[str, Any] = {"segments": 0, "worst_difference": 0.0, "worst_segment": None,
-                                      "rechecked": 0, "worst_recheck": 0.0, "worst_recheck_segment": None}
+                                      "rechecked": 0, "worst_recheck": 0.0, "worst_recheck_segment": None,
+                                      # segments whose capture recorded no kernel; whose check met a NaN or an
+                                      # infinity where the other side had something else (`NOT_FINITE`)
+                                      "empty": [], "not_finite": []}
         # what the captures took of the device's memory (CUDA's caching allocator reserved more by this much)
         self.memory: dict[str, int] = {"reserved_bytes": 0}
         self._stream = None
+        self.broken: str | None = None  # why the first failed capture failed: no capture after it
+        self._failed: list[Any] = []  # the graphs whose capture failed, kept (CUDA's allocator may still name them)
         if graph is not None:
             self._make = graph
         elif device.type == "cuda":
@@ -170,9 +214,12 @@ class SegmentGraphs:
 
     def run(self, key: Hashable, fn: Callable[[], Any]) -> Any:
         """The outputs of segment `key` (`fn` captured at its first call, replayed at every later one). A capture
-        that fails raises `CaptureFailed`, its work not done."""
+        that fails raises `CaptureFailed`, its work not done, and so does every capture after it (on CUDA the
+        shared pool may be unusable once one failed; the segments captured already still replay)."""
         held = self._graphs.get(key)
         if held is None:
+            if self.broken is not None:
+                raise CaptureFailed(key, f"no capture after a failed one ({self.broken})")
             return self._capture(key, fn)
         graph, outputs, captured = held
         graph.replay()
@@ -191,17 +238,22 @@ class SegmentGraphs:
         eager = snapshot(self._eager(fn))  # the capture's replay may write the same static storage
         before = torch.cuda.memory_reserved(self.device) if self._stream is not None else 0
         try:
-            with warnings.catch_warnings():  # a segment that launches nothing (a view's state) captures no node
-                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
                 if self._hold is not None:
                     with self._hold():
                         outputs = graph.capture(fn)
                 else:
                     outputs = graph.capture(fn)
         except Exception as exc:  # noqa: BLE001 (whatever CUDA or the function refused: the caller runs eagerly)
+            self._failed.append(graph)
+            self.broken = f"{key!r}: {type(exc).__name__}: {str(exc).strip()[:300]}"
             raise CaptureFailed(key, f"{type(exc).__name__}: {str(exc).strip()[:300]}") from exc
+        if any("CUDA Graph is empty" in str(w.message) for w in warned):  # a segment that launches nothing
+            self.check["empty"].append(repr(key))
         if self._stream is not None:
             self.memory["reserved_bytes"] += torch.cuda.memory_reserved(self.device) - before
+        poison(outputs)
         graph.replay()  # a CUDA capture launched nothing: the replay computes the pass's outputs
         self._graphs[key] = (graph, outputs, fn)
         self._unchecked.add(key)
@@ -211,6 +263,8 @@ class SegmentGraphs:
 
     def _note(self, key: Hashable, worst: float, count: str, field: str, where: str) -> None:
         self.check[count] += 1
+        if worst >= NOT_FINITE:
+            self.check["not_finite"].append(repr(key))
         if worst >= self.check[field]:
             self.check[field], self.check[where] = worst, repr(key)
 

@@ -108,7 +108,8 @@ class PrefillGraphs:
 
     def _segment(self, size: int, key, fn):
         """Segment `key`'s outputs at count `size`: replayed, or run eagerly where that count's capture failed (this
-        pass's later segments too; its later passes run eagerly whole, `begin`)."""
+        pass's later segments too; its later passes run eagerly whole, `begin`). Once one capture failed, no count
+        captures again (`SegmentGraphs.broken`): a count captured before it still replays."""
         if self.failed[str(size)] is not None:
             return fn()
         try:
@@ -146,10 +147,16 @@ class PrefillGraphs:
             size, (size, "state"), lambda: self.runtime.pass_state(graph_step, x, positions_, valid, fused))
         step.tape, step.builder = self.tape, self.builder  # the pass is counted from the graph tape
         self.active = (size, graph_step, forward_batch)
-        self.passes["by_tokens"][str(size)] += 1
         return True
 
     def end(self) -> None:
+        """After the pass's forward: counted as replayed at its count, or as eager where a capture failed in it."""
+        if self.active is not None:
+            size = str(self.active[0])
+            if self.failed[size] is None:
+                self.passes["by_tokens"][size] += 1
+            else:
+                self.passes["eager"]["its count's capture failed"] += 1
         self.active = None
 
     def _inputs(self, step: Step, positions: torch.Tensor, loc: torch.Tensor, embeddings: torch.Tensor) -> None:
