@@ -244,6 +244,16 @@ STAND_IN_OPS_SHOWN = {"torch": "SGLang's torch paths",
                       "triton": "the CUDA stand-ins' Triton kernels (vskipper serve --stand-in-ops triton)"}
 
 
+def same_kv(models: list[ServedModel], seed: int = 0) -> None:
+    """The same random K/V in every model's pools (models of one checkpoint and size), as if each had served the
+    same requests: their passes then read alike."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(b.shape, generator=gen) for b in models[0].pool.k_buffer + models[0].pool.v_buffer]
+    for m in models:
+        for i, buffer in enumerate(m.pool.k_buffer + m.pool.v_buffer):
+            buffer.copy_(kv[i])
+
+
 class NoReplay:
     """A stand-in for a captured CUDA graph whose replay launches nothing: its capture runs the function once (its
     outputs, which replays never refresh), its replay costs the host a Python call."""

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("sglang")
 
-from benchmarks.host_time_bench import ARMS, CONTEXT, ServedModel, Shape  # noqa: E402
+from benchmarks.host_time_bench import ARMS, CONTEXT, ServedModel, Shape, same_kv  # noqa: E402
 from vskipper.checkpoint import TinySize, make_tiny_model  # noqa: E402
 
 ROWS, GRAPH = 3, 4  # a batch of 3 replays the graph captured for 4 (SGLang's next capture size)
@@ -57,11 +57,7 @@ def served_pair(tmp_path, monkeypatch, arm_name: str) -> list[ServedModel]:
     checkpoint = make_tiny_model("flexidepth-llama", tmp_path / "tiny", TinySize(layers=4))
     slots = REQUESTS * (CONTEXT + 64) + 1
     built = [ServedModel(arm(arm_name), checkpoint, REQUESTS, slots, execution="triton") for _ in range(2)]
-    gen = torch.Generator().manual_seed(0)
-    kv = [torch.randn(b.shape, generator=gen) for b in built[0].pool.k_buffer + built[0].pool.v_buffer]
-    for m in built:
-        for i, buffer in enumerate(m.pool.k_buffer + m.pool.v_buffer):
-            buffer.copy_(kv[i])
+    same_kv(built)
     return built
 
 

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("sglang")
 
-from benchmarks.host_time_bench import ARMS, CONTEXT, ServedModel, Shape  # noqa: E402
+from benchmarks.host_time_bench import ARMS, CONTEXT, ServedModel, Shape, same_kv  # noqa: E402
 from vskipper.checkpoint import TinySize, make_tiny_model  # noqa: E402
 from vskipper.mixed.segment_graphs import CaptureFailed, RerunGraph, SegmentGraphs, copy_into  # noqa: E402
 
@@ -50,11 +50,7 @@ def served(checkpoint, monkeypatch, arm: str = "s=0.5", sizes=SIZES,
     slots = REQUESTS * (CONTEXT + 64) + 1
     built = [ServedModel(ARMS[arm], checkpoint, REQUESTS, slots, execution="triton", prefill_read="backend",
                          prefill_graphs=graphs) for graphs in (sizes, ())]
-    gen = torch.Generator().manual_seed(0)
-    kv = [torch.randn(b.shape, generator=gen) for b in built[0].pool.k_buffer + built[0].pool.v_buffer]
-    for m in built:
-        for i, buffer in enumerate(m.pool.k_buffer + m.pool.v_buffer):
-            buffer.copy_(kv[i])
+    same_kv(built)
     return built
 
 
