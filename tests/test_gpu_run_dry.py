@@ -1718,7 +1718,10 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
            "((32, 2, 'in')); the captures reserved 3.00 GiB" in text
     assert f"**{run.CONTROL}'s replays strayed from its eager runs by 0.5 of the largest value: its routed " \
            "prefill figures above are in doubt.**" in text and f"**{run.ALWAYS}'s replays" not in text
-    assert "Segments whose capture recorded no kernel: (32, 'state')." in text
+    assert "Segments whose capture recorded no kernel (a trained gate's state is a view of its inputs and " \
+           "launches none; any other is suspect): (32, 'state')." in text
+    assert run.Plan.gpu().sweep_arm_s + run.GRAPHED_ARM_EXTRA_S == dataclasses.replace(
+        run.Plan.gpu(), routed_prefill_graphs=True).sweep_arm_s
     sweep["arms"][run.ALWAYS]["served"]["prefill_graphs"]["capture_check"]["not_finite"] = ["(64, 3, 'out')"]
     assert f"**{run.ALWAYS}'s replays strayed from its eager runs by NaN or infinite values where the eager " \
            "run's were not ((64, 3, 'out')): its routed prefill figures above are in doubt.**" in run.markdown(

@@ -116,6 +116,9 @@ PREFILL_ONLY_GRAPHS = (1,)  # the decode graphs a prefill-only sweep server capt
 # about 6 s): a sweep starts an arm only where this much is left before its limit (`Stage.fits`).
 SWEEP_ARM_S = 150.0
 PREFILL_ONLY_ARM_S = 75.0
+# What a sweep arm's start and warm-up take more where its routed prefill layers replay (`--routed-prefill-graphs`:
+# a second warm-up round, each count's segments captured and checked twice; not yet timed on a device)
+GRAPHED_ARM_EXTRA_S = 15.0
 STAGE_END_S = 25.0  # what a stage that runs to its limit keeps after its last step: its result and the summary
 TERM_EXIT = 128 + signal.SIGTERM  # a stage's exit on run.sh's TERM at its limit (`main`)
 STEP_NEED_S = 120.0  # what a stage's subprocess step needs left to start (`run_steps`), unless it says
@@ -250,11 +253,12 @@ class Plan:
 
     @property
     def sweep_arm_s(self) -> float:
-        """What one sweep server's arm takes, its start included: a whole sweep's or a prefill-only one's (on the
-        dry run a second: every arm starts)."""
+        """What one sweep server's arm takes, its start included: a whole sweep's or a prefill-only one's, more
+        where the routed arms capture their prefill graphs (on the dry run a second: every arm starts)."""
         if self.dry_run:
             return 1.0
-        return SWEEP_ARM_S if self.sweep_decode else PREFILL_ONLY_ARM_S
+        return (SWEEP_ARM_S if self.sweep_decode else PREFILL_ONLY_ARM_S) + \
+            (GRAPHED_ARM_EXTRA_S if self.routed_prefill_graphs else 0.0)
 
     @property
     def reference_arm_s(self) -> float:
@@ -278,8 +282,9 @@ class Plan:
 
     @property
     def routed_graph_tokens(self) -> tuple[int, ...]:
-        """The token counts the routed arms' prefill graphs are captured at: every prefill pass the sweep serves,
-        a prompt of each length alone and each round of several (a round's passes hold at most its tokens)."""
+        """The token counts the routed arms' prefill graphs are captured at: every pass of the sweep's prefill
+        cells, a prompt of each length alone and each round of several (a round's passes hold at most its
+        tokens)."""
         return tuple(sorted({*self.prefill_lengths, *(n * length for n, length in self.prefill_rounds)}))
 
     def max_running(self) -> int | None:
@@ -553,8 +558,8 @@ def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | N
                                         tile_table=tuned_table(plan, model.parent),
                                         env={ENV_PASS_SPANS: "1", **({ENV_PART_CLOCK: "1"} if part_clock else {}),
                                              **({ENV_STACK_SAMPLES: "1"} if samples else {}),
-                                             **({ENV_PREFILL_GRAPHS: ",".join(map(str, prefill_graphs))}
-                                                if prefill_graphs else {})},
+                                             # set either way: never one inherited from the caller
+                                             ENV_PREFILL_GRAPHS: ",".join(map(str, prefill_graphs))},
                                         stand_in_ops=None if plan.stand_in_ops == "torch" else plan.stand_in_ops,
                                         **kw))
 
@@ -2675,7 +2680,8 @@ def routed_prefill_graph_lines(arms: dict) -> list[str]:
                      f"{f'; the captures reserved {memory / 2**30:.2f} GiB' if memory else ''}"
                      f"{f'; captures failed {failed}' if failed else ''}")
         if check.get("empty"):
-            lines.append(f"  Segments whose capture recorded no kernel: {', '.join(check['empty'])}.")
+            lines.append(f"  Segments whose capture recorded no kernel (a trained gate's state is a view of its "
+                         f"inputs and launches none; any other is suspect): {', '.join(check['empty'])}.")
         worst = max(check.get("worst_difference") or 0.0, check.get("worst_recheck") or 0.0)
         if worst > GRAPH_CHECK_DOUBT or check.get("not_finite"):
             by = (f"NaN or infinite values where the eager run's were not ({', '.join(check['not_finite'])})"
