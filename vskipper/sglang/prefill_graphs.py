@@ -70,13 +70,15 @@ def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device
 
 class PrefillGraphs:
     """The captured routed layers of routed prefill passes of up to `sizes[-1]` rows (module docstring), for the
-    model whose `runtime` decides its passes. `graph` makes one graph (tests: `RerunGraph` on CPU)."""
+    model whose `runtime` decides its passes. `layer_ops(layer, positions, batch, parts)` gives the routed body a
+    layer's `LayerOps` of the triton execution with the backend read (the model's `SGLangLayerOps`); `graph` makes
+    one graph (tests: `RerunGraph` on CPU)."""
 
-    def __init__(self, sizes: tuple[int, ...], runtime, execution, hidden: int, q_size: int, dtype: torch.dtype,
-                 device: torch.device, graph=None) -> None:
+    def __init__(self, sizes: tuple[int, ...], runtime, execution, layer_ops, hidden: int, q_size: int,
+                 dtype: torch.dtype, device: torch.device, graph=None) -> None:
         if not sizes:
             raise ValueError(f"{ENV_PREFILL_GRAPHS}: no token count to capture")
-        self.sizes, self.runtime, self.execution = tuple(sizes), runtime, execution
+        self.sizes, self.runtime, self.execution, self.layer_ops = tuple(sizes), runtime, execution, layer_ops
         self.graphs = SegmentGraphs(device, graph, hold=runtime.capturing_graphs)
         cap = self.sizes[-1]
         capacity = tape_capacity(cap)
@@ -202,13 +204,9 @@ class PrefillGraphs:
     def _ops(self, layer, size: int, parts):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-        from vskipper.sglang.models.routed import SGLangLayerOps
-
-        execution = self.execution
         # the static KV slots stand in for the batch's: the segment writes every row's K/V there
         batch = SimpleNamespace(out_cache_loc=self.loc[:size], forward_mode=ForwardMode.EXTEND)
-        return SGLangLayerOps(layer, self.positions[:size], batch, None, "triton", prefill_read="backend",
-                              decode_read=execution.decode_read, parts=parts)
+        return self.layer_ops(layer, self.positions[:size], batch, parts)
 
     def _attention_in(self, layer, step: Step, parts):
         """The segment before the read: the route, the maps recording it, Q, RoPE, every row's K/V written."""

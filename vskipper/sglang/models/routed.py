@@ -961,7 +961,13 @@ class SkipperCausalLM(RouterWeightsMixin):
                                            torch.device("cuda") if stand_in is not None else weight.device)
         if blocker is not None:
             raise ServeConfigError(f"{pg.ENV_PREFILL_GRAPHS}: {blocker}")
-        graphs = pg.PrefillGraphs(sizes, self.runtime, self.slot.execution, weight.shape[1],
+        execution = self.slot.execution
+
+        def layer_ops(layer, positions, batch, parts):
+            return SGLangLayerOps(layer, positions, batch, None, "triton", prefill_read="backend",
+                                  decode_read=execution.decode_read, parts=parts)
+
+        graphs = pg.PrefillGraphs(sizes, self.runtime, execution, layer_ops, weight.shape[1],
                                   layers[0].self_attn.q_size, weight.dtype, weight.device, stand_in)
         self.runtime.model_counters["prefill_graphs"] = graphs.attestation()
         return graphs
