@@ -90,19 +90,10 @@ def snapshot(outputs: Any) -> list[torch.Tensor]:
 
 
 def copy_into(held: Any, fresh: Any) -> None:
-    """Copy `fresh` outputs into `held` ones of the same structure (tensors in place; other leaves left)."""
-    if isinstance(held, torch.Tensor):
-        held.copy_(fresh)
-    elif isinstance(held, dict):
-        for key, value in held.items():
-            copy_into(value, fresh[key])
-    elif isinstance(held, (tuple, list)):
-        for h, f in zip(held, fresh, strict=True):
-            copy_into(h, f)
-    elif dataclasses.is_dataclass(held):
-        for f in dataclasses.fields(held):
-            copy_into(getattr(held, f.name), getattr(fresh, f.name))
-    # anything else (a number, a set of layers) is the function's own constant: a graph does not write it
+    """Copy the tensors of `fresh` outputs into those of `held` ones of the same structure, in place (other leaves,
+    a number or a set of layers, are the function's own constants: a graph does not write them)."""
+    for h, f in zip(tensors(held), tensors(fresh), strict=True):
+        h.copy_(f)
 
 
 class RerunGraph:
@@ -206,12 +197,6 @@ class SegmentGraphs:
         else:
             self._make = RerunGraph
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._graphs
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
     def run(self, key: Hashable, fn: Callable[[], Any]) -> Any:
         """The outputs of segment `key` (`fn` captured at its first call, replayed at every later one). A capture
         that fails raises `CaptureFailed`, its work not done, and so does every capture after it (on CUDA the
@@ -229,8 +214,7 @@ class SegmentGraphs:
             replayed = snapshot(outputs)  # the eager run may write the same static storage
             self._note(key, difference(replayed, self._eager(captured)), "rechecked", "worst_recheck",
                        "worst_recheck_segment")
-            for t, r in zip(tensors(outputs), replayed, strict=True):  # the replay's outputs, as it left them
-                t.copy_(r)
+            copy_into(outputs, replayed)  # the replay's outputs, as it left them
         return outputs
 
     def _capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
