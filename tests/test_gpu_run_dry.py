@@ -1691,13 +1691,13 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
                               "rechecked": 10, "worst_recheck": 0.0078 if server.name == run.ALWAYS else 0.5,
                               "worst_recheck_segment": "(32, 2, 'in')", "empty": ["(32, 'state')"],
                               "not_finite": []},
-            "memory": {"reserved_bytes": 3 * 2**30}, "failed": {"32": None, "64": None}}
+            "memory": {"reserved_bytes": 3 * 2**30}, "failed": {"32": None, "64": None},
+            "captured_at_boot_s": {"32": 1.234, "64": 2.5}}
         return {"arm": server.name, "profile": {"decode_graphs": "disabled"}, "prefill_graphs": graphs}
 
     monkeypatch.setattr(run, "server_for", fake_server)
     warmed = []
-    monkeypatch.setattr(run, "prefill_warm_up", lambda plan, server, vocab, times=1: warmed.append((server.name,
-                                                                                                  times)))
+    monkeypatch.setattr(run, "prefill_warm_up", lambda plan, server, vocab: warmed.append(server.name))
     monkeypatch.setattr(run, "prefill_cells", lambda plan, server, vocab: (
         [{"tokens": n, "ttft_s": 0.1, "ttft_reps": [0.1] * 3} for n in plan.prefill_lengths], []))
     monkeypatch.setattr(run, "ready", lambda plan, servers: None)
@@ -1707,11 +1707,11 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
     out = tmp_path / "out"
     sweep = run.stage_sweep(plan, out, 300)
     assert started == {"dense": (), run.ALWAYS: (32, 64), run.CONTROL: (32, 64), run.PREFILL_GRAPHS: ()}
-    # the graphed arms warm each count twice (captured, then checked again) before their timed prompts
-    assert warmed == [("dense", 1), (run.ALWAYS, 2), (run.CONTROL, 2), (run.PREFILL_GRAPHS, 1)]
+    # every arm warms once: the graphed servers captured and checked each count before they reported ready
+    assert warmed == ["dense", run.ALWAYS, run.CONTROL, run.PREFILL_GRAPHS]
     text = run.markdown({"dry_run": True, "sweep": sweep})
     assert "Routed prefill layers replayed from CUDA graphs (`VSKIPPER_PREFILL_GRAPHS`" in text
-    assert f"- {run.ALWAYS}: captured at 32, 64 tokens; passes replayed 4 at 32, 3 at 64; eager 1 longer than " \
+    assert f"- {run.ALWAYS}: captured at 32, 64 tokens (before it served, in 1.2, 2.5 s); passes replayed 4 at 32, 3 at 64; eager 1 longer than " \
            "every count; segments captured 10, replayed 30; each capture's replay against its eager run: worst " \
            "difference 0.0039 of the largest value over 10 segments ((64, 3, 'out')); each segment's first later " \
            "replay against its eager run after it: worst difference 0.0078 of the largest value over 10 segments " \

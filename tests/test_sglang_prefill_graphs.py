@@ -374,3 +374,60 @@ def test_flexidepth_passes_replayed_route_with_the_fused_gate_as_the_eager_passe
         assert_same(graphed, eager, shape, first, seed)
     got, want = graphed.model.runtime.attestation(), eager.model.runtime.attestation()
     assert got["rows_total"] == want["rows_total"] and got["prefill_graphs"]["passes"]["by_tokens"]["16"] == 2
+
+
+def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_capture(checkpoint, monkeypatch):
+    """The server captures every count once SGLang's scheduler is built (the hook after `get_init_info`, handed the
+    scheduler): two passes a count, of no request, counted nowhere, writing no KV slot but SGLang's padding slot.
+    Every segment is then captured and rechecked before the first served pass, and the served passes replay
+    only, equal to the eager model's, their rows counted as the eager model counts them."""
+    from types import SimpleNamespace
+
+    from vskipper.sglang import active, hooks
+
+    graphed, eager = served(checkpoint, monkeypatch)
+    graphs = graphed.model.slot.prefill_graphs
+    routed = len(graphed.model.routed_layers)
+    segments = 2 * (1 + 2 * routed)
+    monkeypatch.setattr(active, "_ACTIVE", [graphed.model])
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
+        model=graphed.model, attn_backend=graphed.backend)))
+    hooks.after_boot_capture(None, scheduler)
+    check = graphs.graphs.check
+    assert graphs.graphs.counts == {"captured": segments, "replayed": segments}  # the second pass replayed each
+    assert check["segments"] == check["rechecked"] == segments and not check["not_finite"]
+    assert check["worst_difference"] < 1e-5 and check["worst_recheck"] < 1e-5
+    att = graphed.model.runtime.attestation()
+    assert all(s is not None and s >= 0 for s in att["prefill_graphs"]["captured_at_boot_s"].values())
+    assert att["prefill_graphs"]["passes"]["by_tokens"] == {"16": 0, "64": 0}
+    assert att["rows_total"] == eager.model.runtime.attestation()["rows_total"]
+    passes = [(Shape("prefill", 2, 5), 2), (Shape("prefill", 1, 64), 4), (Shape("prefill", 3, 7), 0)]
+    for seed, (shape, first) in enumerate(passes):
+        assert_same(graphed, eager, shape, first, seed)
+    assert graphs.graphs.counts["captured"] == segments
+    assert graphs.graphs.counts["replayed"] == segments + 3 * (1 + 2 * routed)  # the boot's and three passes'
+    assert graphs.passes["by_tokens"] == {"16": 1, "64": 2}  # 10 rows; 64; 21
+    assert graphed.model.runtime.attestation()["rows_total"] == eager.model.runtime.attestation()["rows_total"]
+
+
+def test_a_model_of_another_runner_or_without_prefill_graphs_captures_nothing_at_boot(checkpoint, monkeypatch):
+    """The boot hook captures only for the skipper model the scheduler's runner serves, and only where its spec
+    asks for prefill graphs."""
+    from types import SimpleNamespace
+
+    from vskipper.sglang import active, hooks
+
+    graphed, eager = served(checkpoint, monkeypatch)
+    graphs = graphed.model.slot.prefill_graphs
+
+    def scheduler(model):
+        return SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
+            model=model, attn_backend=graphed.backend)))
+
+    monkeypatch.setattr(active, "_ACTIVE", [graphed.model])
+    hooks.after_boot_capture(None, scheduler(eager.model))
+    monkeypatch.setattr(active, "_ACTIVE", [eager.model])
+    hooks.after_boot_capture(None, scheduler(eager.model))
+    assert eager.model.slot.prefill_graphs is None
+    assert graphs.graphs.counts == {"captured": 0, "replayed": 0}
+    assert set(graphs.boot.values()) == {None}

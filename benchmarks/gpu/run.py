@@ -116,8 +116,9 @@ PREFILL_ONLY_GRAPHS = (1,)  # the decode graphs a prefill-only sweep server capt
 # about 6 s): a sweep starts an arm only where this much is left before its limit (`Stage.fits`).
 SWEEP_ARM_S = 150.0
 PREFILL_ONLY_ARM_S = 75.0
-# What a sweep arm's start and warm-up take more where its routed prefill layers replay (`--routed-prefill-graphs`:
-# a second warm-up round, each count's segments captured and checked twice; not yet timed on a device)
+# What a sweep arm's start takes more where its routed prefill layers replay (`--routed-prefill-graphs`: the server
+# captures each count's segments and checks them twice before it reports ready; not yet timed on a device, each
+# server attests its counts' seconds, `captured_at_boot_s`)
 GRAPHED_ARM_EXTRA_S = 15.0
 STAGE_END_S = 25.0  # what a stage that runs to its limit keeps after its last step: its result and the summary
 TERM_EXIT = 128 + signal.SIGTERM  # a stage's exit on run.sh's TERM at its limit (`main`)
@@ -774,16 +775,15 @@ def prefill_cells(plan: Plan, server: Server, vocab: int) -> tuple[list[dict], l
 WARM_REPETITION = 10_000  # the prompts' repetition of `prefill_warm_up`: none of the timed cells' prompts
 
 
-def prefill_warm_up(plan: Plan, server: Server, vocab: int, times: int = 1) -> None:
+def prefill_warm_up(plan: Plan, server: Server, vocab: int) -> None:
     """One untimed prompt at each of the sweep's prefill lengths and one of each of its rounds, prompts no timed
     cell sends: what the cells' passes launch compiled and the allocator's blocks cached before they are timed, as
-    the decode cells' prefilled bursts leave them in a whole sweep; `times` over (a server whose routed prefill
-    layers replay from graphs captures each count at its first pass and checks it again at its second)."""
-    for time_ in range(times):
-        for length in plan.prefill_lengths:
-            asyncio.run(burst(server, [prefill_prompt(length, WARM_REPETITION + time_, vocab)], 1))
-        for n, length in plan.prefill_rounds:
-            prefill_round(server, round_prompts(n, length, WARM_REPETITION + time_, vocab))
+    the decode cells' prefilled bursts leave them in a whole sweep (a server whose routed prefill layers replay
+    from graphs captured and checked them before it reported ready)."""
+    for length in plan.prefill_lengths:
+        asyncio.run(burst(server, [prefill_prompt(length, WARM_REPETITION, vocab)], 1))
+    for n, length in plan.prefill_rounds:
+        prefill_round(server, round_prompts(n, length, WARM_REPETITION, vocab))
 
 
 def round_prompts(n: int, length: int, repetition: int, vocab: int) -> list[list[int]]:
@@ -1395,10 +1395,8 @@ def sweep_arm(plan: Plan, stage: Stage, model: Path, arm_files: dict[str, Path],
                                "step_s": step_s, "step_s_reps": [s for s, _ in reps], "tpot_s": step_s,
                                "decode_tok_s": batch / step_s,
                                "pass_spans": headline.pass_spans(before, pass_clock(server), "decode")})
-        graphed = plan.routed_prefill_graphs and name in (ALWAYS, CONTROL)
-        if not plan.sweep_decode or graphed:  # no decode burst prefilled first: the prefill path warmed on its own
-            # (graphed: each count captured at the first prompt that pads to it, checked again at the second)
-            prefill_warm_up(plan, server, vocab, times=2 if graphed else 1)
+        if not plan.sweep_decode:  # no decode burst prefilled first: the prefill path warmed on its own
+            prefill_warm_up(plan, server, vocab)
         prefill, rounds = prefill_cells(plan, server, vocab)
         return {"kv_pool_tokens": capacity, "decode": decode, "prefill": prefill, "prefill_rounds": rounds,
                 "skipped": skipped, "line": fit_line([(d["resident_tokens"], d["step_s"]) for d in decode]),
@@ -2674,7 +2672,9 @@ def routed_prefill_graph_lines(arms: dict) -> list[str]:
                  "worst_recheck_segment")) if check.get(field) is not None)
         memory = (doc.get("memory") or {}).get("reserved_bytes")
         failed = "; ".join(f"at {tokens}: {why}" for tokens, why in (doc.get("failed") or {}).items() if why)
-        lines.append(f"- {name}: captured at {', '.join(map(str, doc.get('tokens') or []))} tokens; passes "
+        boot = [(tokens, s) for tokens, s in (doc.get("captured_at_boot_s") or {}).items() if s is not None]
+        booted = f" (before it served, in {', '.join(f'{s:.1f}' for _, s in boot)} s)" if boot else ""
+        lines.append(f"- {name}: captured at {', '.join(map(str, doc.get('tokens') or []))} tokens{booted}; passes "
                      f"replayed {by or 'none'}; eager {eager or 'none'}; segments captured "
                      f"{segments.get('captured', 0)}, replayed {segments.get('replayed', 0)}{checked}"
                      f"{f'; the captures reserved {memory / 2**30:.2f} GiB' if memory else ''}"

@@ -21,6 +21,9 @@ scheduler's included, and applies their hooks before the scheduler is built. `re
                     `SkipperCausalLM.decode_graph_variants`); no state document is taken (nor so any device
                     copy or timing event waited for) through the capture (`Runtime.capturing_graphs`), and
                     AROUND the prefill graph runner's capture likewise
+  prefill graphs    AFTER Scheduler.get_init_info, before the executed configuration's reader there: the routed
+                    prefill graphs (`vskipper.sglang.prefill_graphs`), where the spec asks for them, captured and
+                    checked at every count before the server reports ready (`SkipperCausalLM.capture_prefill_graphs`)
   replay veto       AROUND the graph runners' can_run_graph: a routed pass replays only a routed variant, never a
                     dense graph (`SkipperCausalLM.graph_veto`, `vskipper.sglang.replay`)
   executed config   AFTER Scheduler.get_init_info and AROUND Scheduler.run_batch (`vskipper.sglang.executed`):
@@ -202,6 +205,16 @@ def around_prefill_capture(original, graph_runner, *args, **kwargs):
         return original(graph_runner, *args, **kwargs)
 
 
+def after_boot_capture(result, scheduler, *args, **kwargs) -> None:
+    """Once SGLang's scheduler is built (its pools allocated, its own graphs captured) and before it reports
+    ready: the skipper model's routed prefill graphs captured and checked, where the spec asks for them
+    (`SkipperCausalLM.capture_prefill_graphs`)."""
+    model = _model()
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    if model is not None and getattr(runner, "model", None) is model:
+        model.capture_prefill_graphs(runner.attn_backend)
+
+
 def glue_captures(glue, key) -> bool:
     """Whether this run of SGLang's metadata glue graph for `key` captures its graph (`MetadataGlueGraph.run`: its
     warm-up runs done, no graph yet, not disabled), read from its own state; True where that state is not as this
@@ -243,6 +256,9 @@ def register() -> None:
     HookRegistry.register(CAPTURE_TARGET, around_decode_capture, HookType.AROUND)
     HookRegistry.register(PREFILL_CAPTURE_TARGET, around_prefill_capture, HookType.AROUND)
     HookRegistry.register(GLUE_RUN_TARGET, around_glue_graph_run, HookType.AROUND)
+    # before the executed configuration's reader on the same target (hooks wrap in the order registered), so that
+    # the attestation it has written holds the captures
+    HookRegistry.register(executed.BOOTED_TARGET, after_boot_capture, HookType.AFTER)
     executed.register(HookRegistry, HookType)
     stand_in_ops.register(HookRegistry, HookType)
 

@@ -22,12 +22,17 @@ the pass's Project-Only rows are the tape's and its RUN rows its rows less those
 
 What a pass costs the host here: per routed layer two replays, the read's launches and three copies, in place of
 the layer's launches; per pass about a dozen copies and fills. What it costs the device: the padding rows' work at
-every routed layer, the copies (about seven of a layer's rows' width a routed layer, well under 1% of a pass). Each count's first pass runs every segment eagerly, captures it and replays it.
+every routed layer, the copies (about seven of a layer's rows' width a routed layer, well under 1% of a pass).
+
+A server captures and checks every count before it serves (`capture_all`, from the hook after SGLang's scheduler is
+built): no served pass waits on a capture, nor on a check that reads the device. Where no capture came first (a
+model driven outside a server), a count's first pass runs each segment eagerly, captures it and replays it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from bisect import bisect_left
 from types import SimpleNamespace
 from typing import Any
@@ -103,10 +108,13 @@ class PrefillGraphs:
                                                   "eager": dict.fromkeys(EAGER_REASONS, 0)}
         # per count, why its capture failed (its passes then run eagerly), or None
         self.failed: dict[str, str | None] = dict.fromkeys(map(str, self.sizes))
+        # per count, the seconds its captures and checks took before the server served (`capture_all`), or None
+        self.boot: dict[str, float | None] = dict.fromkeys(map(str, self.sizes))
 
     def attestation(self) -> dict[str, Any]:
         return {"tokens": list(self.sizes), "passes": self.passes, "segments": self.graphs.counts,
-                "capture_check": self.graphs.check, "memory": self.graphs.memory, "failed": self.failed}
+                "capture_check": self.graphs.check, "memory": self.graphs.memory, "failed": self.failed,
+                "captured_at_boot_s": self.boot}
 
     def _segment(self, size: int, key, fn):
         """Segment `key`'s outputs at count `size`: replayed, or run eagerly where that count's capture failed (this
@@ -138,15 +146,8 @@ class PrefillGraphs:
         if self.failed[str(size)] is not None:
             self.passes["eager"]["its count's capture failed"] += 1
             return False
-        self._inputs(step, positions, forward_batch.out_cache_loc, embeddings)
-        graph_step = self.steps.get(size)
-        if graph_step is None:
-            graph_step = Step("prefill", True, step.skipper, None, self.tape, self.builder, self.dense[:size], size,
-                              keys=self.keys[:size])
-            self.steps[size] = graph_step
-        x, positions_, valid = self.x[:size], self.positions[:size], self.valid[:size]
-        graph_step.state = self._segment(
-            size, (size, "state"), lambda: self.runtime.pass_state(graph_step, x, positions_, valid, fused))
+        self._inputs(n, positions, forward_batch.out_cache_loc, embeddings, step.keys, step.dense_rows)
+        graph_step = self._step(size, fused)
         step.tape, step.builder = self.tape, self.builder  # the pass is counted from the graph tape
         self.active = (size, graph_step, forward_batch)
         return True
@@ -161,18 +162,62 @@ class PrefillGraphs:
                 self.passes["eager"]["its count's capture failed"] += 1
         self.active = None
 
-    def _inputs(self, step: Step, positions: torch.Tensor, loc: torch.Tensor, embeddings: torch.Tensor) -> None:
-        """The pass's rows into the static buffers; the padding rows up to the rows the last pass wrote reset."""
-        n = step.rows
+    def capture_all(self, layers, embed, parts_of, vocab: int, seed: int = 0) -> None:
+        """Every count's segments captured and checked before the server serves (it calls this once booted, with
+        SGLang's pools allocated and a forward context published), so that no served pass waits on a capture: the
+        hybrid arm's first routed prefill comes under load. Per count two passes of `vocab`'s random tokens at
+        positions from 0, written at SGLang's padding KV slot 0, through the routed `layers` on this rank (`embed`
+        the embedding, `parts_of` a layer's parts); each layer's read stands in as its own queries, since the read
+        stays eager in every served pass. The first pass captures each segment and checks its first replay against
+        its eager run, the second (other tokens) its first later replay against an eager rerun
+        (`SegmentGraphs.check`). A count whose capture fails is marked, as at a served pass (`_segment`). No pass
+        is counted; each count's seconds are attested (`captured_at_boot_s`)."""
+        device = self.x.device
+        for size in self.sizes:
+            t0 = time.perf_counter()
+            for round_ in range(2):
+                if self.failed[str(size)] is not None:
+                    break
+                ids = torch.randint(0, vocab, (size,), generator=torch.Generator().manual_seed(seed + round_))
+                x = embed(ids.to(device))
+                positions = torch.arange(size, device=device)
+                loc = torch.zeros(size, dtype=torch.int64, device=device)
+                self._inputs(size, positions, loc, x)
+                step = self._step(size, True)
+                for layer in layers:
+                    self._layer(layer, size, step, x, layer.input_layernorm(x), parts_of(layer),
+                                lambda q, k, v, n: q[:n])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.boot[str(size)] = round(time.perf_counter() - t0, 3)
+            logger.info("routed prefill graphs at %d tokens captured and checked in %.1f s%s", size,
+                        self.boot[str(size)], f" (failed: {self.failed[str(size)]})" if self.failed[str(size)] else "")
+
+    def _step(self, size: int, fused: bool) -> Step:
+        """The step count `size`'s segments run (made at its first pass), its skipper's state for the pass in the
+        static buffers replayed from the state segment."""
+        step = self.steps.get(size)
+        if step is None:
+            step = self.steps[size] = Step("prefill", True, self.runtime.skipper, None, self.tape, self.builder,
+                                           self.dense[:size], size, keys=self.keys[:size])
+        x, positions, valid = self.x[:size], self.positions[:size], self.valid[:size]
+        step.state = self._segment(size, (size, "state"),
+                                   lambda: self.runtime.pass_state(step, x, positions, valid, fused))
+        return step
+
+    def _inputs(self, n: int, positions: torch.Tensor, loc: torch.Tensor, embeddings: torch.Tensor,
+                keys: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> None:
+        """A pass's `n` rows into the static buffers (request keys and dense-mode rows where it has them); the
+        padding rows up to the rows the last pass wrote reset."""
         if self.loc is None:
             self.loc = torch.zeros(self.sizes[-1], dtype=loc.dtype, device=self.x.device)
         self.positions[:n].copy_(positions)
         self.loc[:n].copy_(loc)
-        if step.keys is not None:
-            self.keys[:n].copy_(step.keys)
+        if keys is not None:
+            self.keys[:n].copy_(keys)
         self.valid[:n].fill_(True)
-        if step.dense_rows is not None:
-            self.dense[:n].copy_(step.dense_rows)
+        if dense is not None:
+            self.dense[:n].copy_(dense)
         else:
             self.dense[:n].fill_(False)
         self.x[:n].copy_(embeddings)
@@ -187,16 +232,24 @@ class PrefillGraphs:
         """Routed layer `layer`'s hand-off for this pass from its input x and u = LN1 x, replayed (module
         docstring)."""
         size, step, forward_batch = self.active
+        attn = parts.attn
+
+        def read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
+            k, v = (t[:n].view(n, attn.num_kv_heads, attn.head_dim) for t in (k, v))
+            return parts.radix(q[:n], k, v, forward_batch, save_kv_cache=False)  # the pass's read, its K/V written
+
+        return self._layer(layer, size, step, x, u, parts, read)
+
+    def _layer(self, layer, size: int, step: Step, x: torch.Tensor, u: torch.Tensor, parts, read) -> Handoff:
+        """`layer`: x and u into the static rows, its segment before the read, `read(q, k, v, rows)` of the pass's
+        rows into the static read output, its segment after the read."""
         n = x.shape[0]
         self.x[:n].copy_(x)
         self.u[:n].copy_(u)
         lid = layer.layer_id
         q, k, v, cohorts, weights = self._segment(size, (size, lid, "in"),
                                                   lambda: self._attention_in(layer, step, parts))
-        attn = parts.attn
-        k, v = (t[:n].view(n, attn.num_kv_heads, attn.head_dim) for t in (k, v))
-        a = parts.radix(q[:n], k, v, forward_batch, save_kv_cache=False)  # the pass's own read, its K/V written
-        self.a[:n].copy_(a.view(n, -1))
+        self.a[:n].copy_(read(q, k, v, n).view(n, -1))
         delta, h = self._segment(size, (size, lid, "out"),
                                  lambda: self._attention_out(layer, step, parts, cohorts, weights))
         return Handoff(delta[:n], h[:n])

@@ -972,6 +972,23 @@ class SkipperCausalLM(RouterWeightsMixin):
         self.runtime.model_counters["prefill_graphs"] = graphs.attestation()
         return graphs
 
+    def capture_prefill_graphs(self, attn_backend) -> None:
+        """Every count of the routed prefill graphs captured and checked (`PrefillGraphs.capture_all`), where the
+        spec asks for them: once SGLang's scheduler is built (its pools allocated; `attn_backend` its model
+        runner's), before the server serves."""
+        graphs = self.slot.prefill_graphs
+        if graphs is None:
+            return
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+        from sglang.srt.utils.common import DynamicGradMode
+
+        layers = [self.model.layers[i] for i in self.routed_layers
+                  if self.model.start_layer <= i < self.model.end_layer]
+        # the grad mode SGLang's event loop serves in: the tensors made here are written again while it serves
+        with DynamicGradMode(), forward_context(ForwardContext(attn_backend=attn_backend)):
+            graphs.capture_all(layers, self.model.embed_tokens, layer_parts,
+                               self.model.embed_tokens.weight.shape[0])
+
     def _part_clock(self) -> PartClock:
         """The part clock over this rank's layers (of its passes' spans alone where only `pass_spans` asks for
         it), live in the attestation (`part_clock`), whose writer waits for the device's end of the passes first."""
