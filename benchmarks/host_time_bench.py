@@ -159,7 +159,8 @@ QUICK = (Shape("decode", 4), Shape("prefill", 2, 8))
 class ServedModel:
     """The skipper model class of one arm, built in this process as a server's scheduler builds it (its own
     runtime, its weights loaded by its own loader, the routed layers' `execution`), over SGLang's KV pool,
-    request-to-token pool and torch-native attention backend; `batch` builds SGLang's ForwardBatch of a pass."""
+    request-to-token pool and torch-native attention backend; `batch` builds SGLang's ForwardBatch of a pass. The
+    class is the checkpoint's architecture's (FlexiDepth-Llama's or Qwen3's)."""
 
     def __init__(self, arm: Arm, checkpoint: Path, requests: int, slots: int, execution: str = "auto",
                  prefill_read: str | None = None, prefill_graphs: tuple[int, ...] = ()) -> None:
@@ -170,15 +171,18 @@ class ServedModel:
 
         from vskipper.sglang import active
         from vskipper.sglang.models.ddllama import DDLlamaForCausalLM
+        from vskipper.sglang.models.qwen3_skipper import Qwen3SkipperForCausalLM
         from vskipper.sglang.runtime import Runtime
         from vskipper.sglang.spec import ServeSpec
 
         config = AutoConfig.from_pretrained(str(checkpoint))
         routed = tuple(config.routing_layers)
+        architecture = config.architectures[0]  # the checkpoint's, as SGLang's registry resolves it
+        model_class = {c.__name__: c for c in (DDLlamaForCausalLM, Qwen3SkipperForCausalLM)}[architecture]
         # The model asks for the process's runtime (`get_runtime`): this arm's, built without a state file.
         active.set_runtime(Runtime(ServeSpec(arm, 0, 0, None, execution=execution), config.model_type, routed,
-                                   "DDLlamaForCausalLM"))
-        model = DDLlamaForCausalLM(config)
+                                   architecture))
+        model = model_class(config)
         model.load_weights(load_file(str(checkpoint / "model.safetensors")).items())
         if prefill_read is not None:  # the read a device's table chose, in place of this device's default
             model.slot.execution = replace(model.slot.execution, prefill_read=prefill_read)

@@ -431,3 +431,39 @@ def test_a_model_of_another_runner_or_without_prefill_graphs_captures_nothing_at
     assert eager.model.slot.prefill_graphs is None
     assert graphs.graphs.counts == {"captured": 0, "replayed": 0}
     assert set(graphs.boot.values()) == {None}
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    return make_tiny_model("qwen3-skipper", tmp_path_factory.mktemp("tiny-qwen3") / "m", TinySize(layers=4))
+
+
+@pytest.mark.parametrize("arm", ["s=0.5", "qwen3"])
+def test_qwen3_passes_replayed_equal_the_eager_passes(qwen3_checkpoint, monkeypatch, arm):
+    """Qwen3's layers through the same segments: q_norm and k_norm inside the segment before the read, the layer's
+    fold handing its sum on in place (into the static rows the next routed layer copies from), RandomSkip and the
+    trained gate's fused route; captured at boot, then passes of both counts and one longer than either, equal to
+    the eager model's."""
+    from types import SimpleNamespace
+
+    from vskipper.arms import get_arm
+    from vskipper.sglang import active, hooks
+
+    if arm == "qwen3":
+        monkeypatch.setitem(ARMS, "qwen3", get_arm("qwen3-always-route"))
+    graphed, eager = served(qwen3_checkpoint, monkeypatch, arm=arm)
+    assert type(graphed.model).__name__ == "Qwen3SkipperForCausalLM"
+    assert graphed.model.slot.fused_gate == (arm == "qwen3")
+    monkeypatch.setattr(active, "_ACTIVE", [graphed.model])
+    hooks.after_boot_capture(None, SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
+        model=graphed.model, attn_backend=graphed.backend))))
+    graphs = graphed.model.slot.prefill_graphs
+    captured = graphs.graphs.counts["captured"]
+    for seed, (shape, first) in enumerate([(Shape("prefill", 2, 8), 0), (Shape("prefill", 1, 40), 2),
+                                           (Shape("prefill", 3, 30), 3), (Shape("prefill", 1, 16), 6)]):
+        assert_same(graphed, eager, shape, first, seed)
+    assert graphs.graphs.counts["captured"] == captured and graphs.failed == {"16": None, "64": None}
+    assert graphs.passes["by_tokens"] == {"16": 2, "64": 1} and graphs.passes["eager"]["longer than every count"] == 1
+    got, want = graphed.model.runtime.attestation(), eager.model.runtime.attestation()
+    assert got["rows_total"] == want["rows_total"]
+    assert got["rows_total"]["prefill"]["project_only"] > 0
