@@ -60,7 +60,8 @@ with every Triton launch recorded and not executed (`vskipper.mixed.launches.int
 Python around each launch is timed, the interpreter's run of the kernel is not, and Triton's own launcher (a
 compiled kernel's argument binding and its driver call on a GPU) is not in the figure either. Its `pass`
 measurement takes the prefill shape alone, its read through SGLang's attention backend (as on the H200, whose table
-measured that read faster: dense and routed arms then read alike); a decode pass replays a captured graph on a GPU,
+measured that read faster: dense and routed arms then read alike; `--prefill-read packed`: the routed arms' packed
+Triton read, one launch a layer); a decode pass replays a captured graph on a GPU,
 and the triton execution's masked decode read is one launch where dense's torch-native read runs here. The
 kernels' outputs are left as their storage held them (denormals flushed to zero), which no host decision reads.
 
@@ -68,7 +69,7 @@ kernels' outputs are left as their storage held them (denormals flushed to zero)
 graphs captured at each prefill shape's tokens (`vskipper.sglang.prefill_graphs`, as `VSKIPPER_PREFILL_GRAPHS`
 serves them), a replay standing in for a CUDA graph's launch by doing nothing (`NoReplay`): what is timed is the
 host's work around the replays (the pass's copies into the static buffers, per routed layer three copies and the
-read through SGLang's backend, two lookups), not the replay's own launch (on a GPU, `cudaGraphLaunch` of a graph
+read through SGLang's backend, two lookups; with the packed read two copies and one lookup), not the replay's own launch (on a GPU, `cudaGraphLaunch` of a graph
 of some dozen kernels, tens of microseconds) nor any kernel's work, which a replay leaves on the device.
 
 `--stand-in-ops triton` serves every arm's RMSNorm, SiLU-and-mul and RoPE as a server on `vskipper serve
@@ -634,10 +635,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --execution triton: the routed arms' prefill passes replay their routed layers "
                              "from graphs at each prefill shape's tokens, each replay launching nothing (the host's "
                              "work around the replays)")
+    parser.add_argument("--prefill-read", choices=("backend", "packed"), default="backend",
+                        help="with --execution triton: the routed arms' prefill read, through SGLang's backend (as "
+                             "the H200's table chose) or the packed Triton read (with --prefill-graphs: inside each "
+                             "routed layer's one segment)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     if args.prefill_graphs and args.execution != "triton":
         parser.error("--prefill-graphs replays the triton execution's routed layers: give --execution triton")
+    if args.prefill_read != "backend" and args.execution != "triton":
+        parser.error("--prefill-read is the triton execution's: give --execution triton")
     repetitions = 2 if args.quick else args.repetitions
     if repetitions < 1:
         parser.error("--repetitions must be at least 1")
@@ -670,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_graphs.PREFILL_GRAPH_STAND_IN = NoReplay
             graphs = tuple(sorted({s.rows for s in shapes if s.phase == "prefill"}))
         models = {name: ServedModel(arm, checkpoint, requests, slots, args.execution if name in routed
-                                    else "auto", "backend" if triton and name in routed else None,
+                                    else "auto", args.prefill_read if triton and name in routed else None,
                                     graphs if name in routed else ())
                   for name, arm in arms.items()}
     if args.flexidepth:  # fd-own: the gate's own route, as the torch execution routes (the fused gate is triton's)

@@ -169,3 +169,16 @@ def test_the_host_time_bench_times_routed_prefill_passes_whose_routed_layers_rep
     prefill = report["launches"]["prefill 2x8"]
     for arm in ("s=0", "s=0.5"):
         assert prefill[arm]["triton"] == 0 and 0 < prefill[arm]["ops"] < prefill["dense"]["ops"]
+    # the packed read: each routed layer one segment, its read inside: fewer operators still than the backend read's
+    refused = subprocess.run([sys.executable, bench, "--quick", "--prefill-read", "packed"], capture_output=True,
+                             text=True, timeout=300, cwd=ROOT)
+    assert refused.returncode == 2 and "--prefill-read is the triton execution's" in refused.stderr
+    packed_out = tmp_path / "packed.json"
+    run = subprocess.run([sys.executable, bench, "--quick", "--execution", "triton", "--prefill-graphs",
+                          "--prefill-read", "packed", "--only", "pass", "--json", str(packed_out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "prefill read 'packed'" in run.stdout
+    packed = json.loads(packed_out.read_text())["launches"]["prefill 2x8"]
+    for arm in ("s=0", "s=0.5"):
+        assert packed[arm]["triton"] == 0 and 0 < packed[arm]["ops"] < prefill[arm]["ops"]

@@ -33,9 +33,9 @@ def checkpoint(tmp_path_factory):
 
 
 def served(checkpoint, monkeypatch, arm: str = "s=0.5", sizes=SIZES,
-           operands: ReadOperands | None = None) -> list[ServedModel]:
+           operands: ReadOperands | None = None, read: str = "backend") -> list[ServedModel]:
     """A model whose routed prefill passes replay (first) beside one that runs them eagerly, one checkpoint, the
-    same KV pool contents; `operands` installed once SGLang is set up."""
+    same KV pool contents, both prefilling with `read`; `operands` installed once SGLang is set up."""
     from vskipper.sglang import active, prefill_graphs
     from vskipper.sglang.configs import register_configs
     from vskipper.sglang.standalone import init_sglang
@@ -48,7 +48,7 @@ def served(checkpoint, monkeypatch, arm: str = "s=0.5", sizes=SIZES,
     if operands is not None:
         operands.install(monkeypatch)
     slots = REQUESTS * (CONTEXT + 64) + 1
-    built = [ServedModel(ARMS[arm], checkpoint, REQUESTS, slots, execution="triton", prefill_read="backend",
+    built = [ServedModel(ARMS[arm], checkpoint, REQUESTS, slots, execution="triton", prefill_read=read,
                          prefill_graphs=graphs) for graphs in (sizes, ())]
     same_kv(built)
     return built
@@ -112,31 +112,35 @@ def assert_same(graphed: ServedModel, eager: ServedModel, shape: Shape, first: i
         assert len(operands.checked) - read == 2 * len(graphed.model.routed_layers)
 
 
-def test_routed_prefill_passes_replayed_at_each_count_equal_the_eager_passes(checkpoint, monkeypatch):
+@pytest.mark.parametrize("read", ["backend", "packed"])
+def test_routed_prefill_passes_replayed_at_each_count_equal_the_eager_passes(checkpoint, monkeypatch, read):
     """Passes of other lengths, prompts and request slots through the captures of two counts: one of exactly a
     count, shorter ones padded to it (after a longer one, whose rows are padding now: their KV slots must not be
-    written again), one too long for any (eager); each pass's logits and the whole KV pools equal the eager
-    model's, each read is handed the K/V its layer wrote, and both runtimes counted the same rows."""
-    read_operands = ReadOperands()
-    graphed, eager = served(checkpoint, monkeypatch, operands=read_operands)
+    written again, their request slots and positions are reset), one too long for any (eager); each pass's logits
+    and the whole KV pools equal the eager model's, both runtimes counted the same rows. The backend read: each
+    read is handed the K/V its layer wrote, two segments a routed layer. The packed read: one segment a routed
+    layer, the read inside it over the static request slots and positions."""
+    read_operands = ReadOperands() if read == "backend" else None
+    graphed, eager = served(checkpoint, monkeypatch, operands=read_operands, read=read)
     graphs = graphed.model.slot.prefill_graphs
     routed = len(graphed.model.routed_layers)
+    per_layer = 2 if read == "backend" else 1
     passes = [(Shape("prefill", 1, 16), 0), (Shape("prefill", 2, 5), 2), (Shape("prefill", 3, 20), 1),
               (Shape("prefill", 1, 64), 4), (Shape("prefill", 2, 7), 5), (Shape("prefill", 1, 90), 6),
               (Shape("prefill", 4, 9), 0)]
     for seed, (shape, first) in enumerate(passes):
         assert_same(graphed, eager, shape, first, seed, read_operands)
-    # the state and each routed layer's two segments captured once per count, replayed at every later pass there
-    assert graphs.graphs.counts == {"captured": 2 * (1 + 2 * routed), "replayed": 4 * (1 + 2 * routed)}
+    # the state and each routed layer's segments captured once per count, replayed at every later pass there
+    assert graphs.graphs.counts == {"captured": 2 * (1 + per_layer * routed), "replayed": 4 * (1 + per_layer * routed)}
     assert graphs.passes == {"by_tokens": {"16": 3, "64": 3},
                              "eager": {"longer than every count": 1, "its count's capture failed": 0}}
     got, want = graphed.model.runtime.attestation(), eager.model.runtime.attestation()
     assert got["rows_total"] == want["rows_total"]
     rows = got["rows_total"]["prefill"]
     assert rows["project_only"] > 0 and rows["run"] > 0
-    assert got["prefill_graphs"]["tokens"] == list(SIZES)
+    assert got["prefill_graphs"]["tokens"] == list(SIZES) and got["prefill_graphs"]["read"] == read
     check = got["prefill_graphs"]["capture_check"]
-    assert check["segments"] == check["rechecked"] == 2 * (1 + 2 * routed)  # each count's second pass rechecked
+    assert check["segments"] == check["rechecked"] == 2 * (1 + per_layer * routed)  # each count's second pass
     assert check["worst_difference"] < 1e-5 and check["worst_recheck"] < 1e-5
     assert got["prefill_graphs"]["failed"] == {"16": None, "64": None}
     assert got["prefill_graphs"]["memory"] == {"reserved_bytes": 0}
@@ -163,7 +167,8 @@ def test_the_s0_control_replays_every_row_run(checkpoint, monkeypatch):
 
 
 def test_prefill_graphs_are_refused_by_name_where_they_cannot_be_captured(checkpoint, monkeypatch):
-    """On CPU without the stand-in; with the packed read; with the torch execution."""
+    """On CPU without the stand-in; with the torch execution (the triton execution's two reads both serve,
+    `GRAPH_READS`)."""
     from vskipper.sglang import prefill_graphs
     from vskipper.sglang.spec import ServeConfigError
 
@@ -173,11 +178,6 @@ def test_prefill_graphs_are_refused_by_name_where_they_cannot_be_captured(checkp
     with pytest.raises(ServeConfigError, match="VSKIPPER_PREFILL_GRAPHS: no CUDA graphs on cpu"):
         model.prefill_graphs_for(SIZES)
     monkeypatch.setattr(prefill_graphs, "PREFILL_GRAPH_STAND_IN", RerunGraph)
-    from dataclasses import replace
-
-    model.slot.execution = replace(model.slot.execution, prefill_read="packed")
-    with pytest.raises(ServeConfigError, match="the 'packed' read"):
-        model.prefill_graphs_for(SIZES)
     from vskipper.sglang.models.routed import TORCH_EXECUTION
 
     model.slot.execution = TORCH_EXECUTION
@@ -376,7 +376,9 @@ def test_flexidepth_passes_replayed_route_with_the_fused_gate_as_the_eager_passe
     assert got["rows_total"] == want["rows_total"] and got["prefill_graphs"]["passes"]["by_tokens"]["16"] == 2
 
 
-def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_capture(checkpoint, monkeypatch):
+@pytest.mark.parametrize("read", ["backend", "packed"])
+def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_capture(checkpoint, monkeypatch,
+                                                                                    read):
     """The server captures every count once SGLang's scheduler is built (the hook after `get_init_info`, handed the
     scheduler): two passes a count, of no request, counted nowhere, writing no KV slot but SGLang's padding slot.
     Every segment is then captured and rechecked before the first served pass, and the served passes replay
@@ -385,10 +387,11 @@ def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_ca
 
     from vskipper.sglang import active, hooks
 
-    graphed, eager = served(checkpoint, monkeypatch)
+    graphed, eager = served(checkpoint, monkeypatch, read=read)
     graphs = graphed.model.slot.prefill_graphs
     routed = len(graphed.model.routed_layers)
-    segments = 2 * (1 + 2 * routed)
+    per_pass = 1 + (2 if read == "backend" else 1) * routed
+    segments = 2 * per_pass
     monkeypatch.setattr(active, "_ACTIVE", [graphed.model])
     scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
         model=graphed.model, attn_backend=graphed.backend)))
@@ -405,7 +408,7 @@ def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_ca
     for seed, (shape, first) in enumerate(passes):
         assert_same(graphed, eager, shape, first, seed)
     assert graphs.graphs.counts["captured"] == segments
-    assert graphs.graphs.counts["replayed"] == segments + 3 * (1 + 2 * routed)  # the boot's and three passes'
+    assert graphs.graphs.counts["replayed"] == segments + 3 * per_pass  # the boot's and three passes'
     assert graphs.passes["by_tokens"] == {"16": 1, "64": 2}  # 10 rows; 64; 21
     assert graphed.model.runtime.attestation()["rows_total"] == eager.model.runtime.attestation()["rows_total"]
 

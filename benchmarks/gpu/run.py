@@ -2656,8 +2656,9 @@ def routed_prefill_graph_lines(arms: dict) -> list[str]:
                if (arm.get("served") or {}).get("prefill_graphs")]
     if not graphed:
         return []
-    lines = ["Routed prefill layers replayed from CUDA graphs (`VSKIPPER_PREFILL_GRAPHS`: each routed layer's work "
-             "before and after its read, the read eager; dense and the reference arm as above):", ""]
+    lines = ["Routed prefill layers replayed from CUDA graphs (`VSKIPPER_PREFILL_GRAPHS`: with the packed read each "
+             "routed layer whole, with the backend read its work before and after the read, the read eager; dense "
+             "and the reference arm as above):", ""]
     for name, doc in graphed:
         passes = doc.get("passes") or {}
         by = ", ".join(f"{n} at {tokens}" for tokens, n in sorted((passes.get("by_tokens") or {}).items(),
@@ -2674,7 +2675,9 @@ def routed_prefill_graph_lines(arms: dict) -> list[str]:
         failed = "; ".join(f"at {tokens}: {why}" for tokens, why in (doc.get("failed") or {}).items() if why)
         boot = [(tokens, s) for tokens, s in (doc.get("captured_at_boot_s") or {}).items() if s is not None]
         booted = f" (before it served, in {', '.join(f'{s:.1f}' for _, s in boot)} s)" if boot else ""
-        lines.append(f"- {name}: captured at {', '.join(map(str, doc.get('tokens') or []))} tokens{booted}; passes "
+        read = f" with the {doc['read']} read" if doc.get("read") else ""
+        lines.append(f"- {name}: captured at {', '.join(map(str, doc.get('tokens') or []))} tokens{read}{booted}; "
+                     f"passes "
                      f"replayed {by or 'none'}; eager {eager or 'none'}; segments captured "
                      f"{segments.get('captured', 0)}, replayed {segments.get('replayed', 0)}{checked}"
                      f"{f'; the captures reserved {memory / 2**30:.2f} GiB' if memory else ''}"

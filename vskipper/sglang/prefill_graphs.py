@@ -2,27 +2,32 @@
 
 A routed prefill pass is eager in SGLang (its prefill graphs hold no routed variant, `ROUTED_GRAPH_PHASES`), and on
 a GPU below a few thousand tokens its time is the host's launches: each routed layer of the triton execution issues
-its route, cohort maps, Q GEMM, RoPE, K/V write, o_proj scatter, norm and FFN pair one launch at a time. Here each
-routed layer's work before its read and after it is captured once per token count (`ServeSpec.prefill_graphs`) and
-replayed (`vskipper.mixed.segment_graphs`); the read between them stays eager, through SGLang's attention backend
-over the pass's own batch (its metadata is the pass's), as SGLang's breakable prefill graphs break at attention.
-The dense layers run as they do in every other pass.
+its route, cohort maps, Q GEMM, RoPE, K/V write, read, o_proj scatter, norm and FFN pair one launch at a time. Here
+each routed layer's work is captured once per token count (`ServeSpec.prefill_graphs`) and replayed
+(`vskipper.mixed.segment_graphs`), as the execution's prefill read allows (`GRAPH_READS`): with the packed read,
+which reads only device values, the whole layer is one segment; with the read through SGLang's attention backend,
+whose metadata is the pass's own, the work before the read and after it are two segments and the read stays eager
+between them, as SGLang's breakable prefill graphs break at attention. The dense layers run as they do in every
+other pass.
 
 Per pass: the least captured count that holds its rows (none: the pass runs eagerly); its per-row inputs copied
-into static buffers of that count (positions, KV slots, request keys, dense-mode rows, valid rows; the rows past the
-pass's are padding: position 0, KV slot 0, SGLang's padding slot, valid False, so every routed layer runs them,
-`vskipper.skippers.base`) and the embeddings with them; the skipper's per-pass state replayed from its own segment
-into storage the layers' segments read. Per routed layer: the layer's input x and LN1 x copied into static rows,
-its segment before the read replayed (the route, the maps recording it on the graph tape, Q, RoPE, every row's K/V
-written at the static slots), SGLang's read of the pass's rows, its output copied into static rows, the segment
-after the read replayed (o_proj onto a copy of x, LN2, the FFN pair), and the layer's hand-off handed on as views
-of the segment's outputs, the pass's rows alone. Each segment copies its outputs into static rows every routed
-layer shares (a layer's are consumed before the next layer's segments replay): a capture holds none of its own. The pass is counted from the graph tape: padding rows are RUN, so
-the pass's Project-Only rows are the tape's and its RUN rows its rows less those (`Runtime.finish`).
+into static buffers of that count (positions, KV slots, request keys and slots, dense-mode rows, valid rows; the
+rows past the pass's are padding: position 0, KV slot 0, SGLang's padding slot, request slot 0, valid False, so
+every routed layer runs them, `vskipper.skippers.base`) and the embeddings with them; the skipper's per-pass state
+replayed from its own segment into storage the layers' segments read. Per routed layer: the layer's input x and
+LN1 x copied into static rows; with the packed read its segment replayed (the route, the maps recording it on the
+graph tape, Q, RoPE, every row's K/V written at the static slots, the RUN cohort's read, o_proj onto a copy of x,
+LN2, the FFN pair); with the backend read its segment before the read replayed (through the K/V write), SGLang's
+read of the pass's rows, its output copied into static rows, the segment after the read replayed (from o_proj).
+The layer's hand-off is handed on as views of the segment's outputs, the pass's rows alone. Each segment copies
+its outputs into static rows every routed layer shares (a layer's are consumed before the next layer's segments
+replay): a capture holds none of its own. The pass is counted from the graph tape: padding rows are RUN, so the
+pass's Project-Only rows are the tape's and its RUN rows its rows less those (`Runtime.finish`).
 
-What a pass costs the host here: per routed layer two replays, the read's launches and three copies, in place of
-the layer's launches; per pass about a dozen copies and fills. What it costs the device: the padding rows' work at
-every routed layer, the copies (about seven of a layer's rows' width a routed layer, well under 1% of a pass).
+What a pass costs the host here: per routed layer one replay and two copies (packed), or two replays, the read's
+launches and three copies (backend), in place of the layer's launches; per pass about a dozen copies and fills.
+What it costs the device: the padding rows' work at every routed layer, the copies (about seven of a layer's
+rows' width a routed layer, well under 1% of a pass).
 
 A server captures and checks every count before it serves (`capture_all`, from the hook after SGLang's scheduler is
 built): no served pass waits on a capture, nor on a check that reads the device. Where no capture came first (a
@@ -48,6 +53,12 @@ from vskipper.sglang.spec import ENV_PREFILL_GRAPHS
 
 logger = logging.getLogger(__name__)
 
+# The prefill reads a routed layer's graphs serve with: what each is captured as
+GRAPH_READS = {
+    "packed": "one segment a routed layer, its read inside (the triton execution's packed read reads only device "
+              "values: each row's request slot and position from static rows, SGLang's pools at fixed addresses)",
+    "backend": "two segments a routed layer, SGLang's backend read eager between them (its metadata is the pass's)",
+}
 # Why a routed prefill pass runs eagerly where graphs are asked for (`PrefillGraphs.passes`)
 EAGER_REASONS = ("longer than every count", "its count's capture failed")
 
@@ -63,9 +74,6 @@ def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device
     if execution.decode != "triton":
         return f"the routed layers run the torch execution ({execution.reason or 'not triton'}), whose sizes are " \
                f"read on the host"
-    if execution.prefill_read != "backend":
-        return f"the routed layers prefill with the {execution.prefill_read!r} read: graphs break only around " \
-               f"SGLang's backend read, whose metadata is the pass's"
     if part_clock:
         return "the part clock times each part of a pass on the host, which a replay does not run"
     if device.type != "cuda":
@@ -75,15 +83,18 @@ def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device
 
 class PrefillGraphs:
     """The captured routed layers of routed prefill passes of up to `sizes[-1]` rows (module docstring), for the
-    model whose `runtime` decides its passes. `layer_ops(layer, positions, batch, parts)` gives the routed body a
-    layer's `LayerOps` of the triton execution with the backend read (the model's `SGLangLayerOps`); `graph` makes
-    one graph (tests: `RerunGraph` on CPU)."""
+    model whose `runtime` decides its passes. `layer_ops(layer, positions, batch, req_rows, parts)` gives the
+    routed body a layer's `LayerOps` of the triton execution with its prefill read (`GRAPH_READS`; the model's
+    `SGLangLayerOps`, `req_rows` each row's request slot); `graph` makes one graph (tests: `RerunGraph` on CPU)."""
 
     def __init__(self, sizes: tuple[int, ...], runtime, execution, layer_ops, hidden: int, q_size: int,
                  dtype: torch.dtype, device: torch.device, graph=None) -> None:
         if not sizes:
             raise ValueError(f"{ENV_PREFILL_GRAPHS}: no token count to capture")
         self.sizes, self.runtime, self.execution, self.layer_ops = tuple(sizes), runtime, execution, layer_ops
+        if execution.prefill_read not in GRAPH_READS:
+            raise ValueError(f"prefill graphs serve the reads {sorted(GRAPH_READS)}, not {execution.prefill_read!r}")
+        self.packed = execution.prefill_read == "packed"
         self.graphs = SegmentGraphs(device, graph, hold=runtime.capturing_graphs)
         cap = self.sizes[-1]
         capacity = tape_capacity(cap)
@@ -95,6 +106,7 @@ class PrefillGraphs:
         self.a = torch.zeros(cap, q_size, dtype=dtype, device=device)  # the read's output, in batch rows
         self.positions = torch.zeros(cap, dtype=torch.int64, device=device)
         self.keys = torch.zeros(cap, dtype=torch.int64, device=device)
+        self.req_rows = torch.zeros(cap, dtype=torch.int64, device=device)  # each row's request slot (packed read)
         self.valid = torch.zeros(cap, dtype=torch.bool, device=device)
         self.dense = torch.zeros(cap, dtype=torch.bool, device=device)
         self.loc: torch.Tensor | None = None  # KV slots, in SGLang's dtype for them (at the first pass)
@@ -112,7 +124,7 @@ class PrefillGraphs:
         self.boot: dict[str, float | None] = dict.fromkeys(map(str, self.sizes))
 
     def attestation(self) -> dict[str, Any]:
-        return {"tokens": list(self.sizes), "passes": self.passes, "segments": self.graphs.counts,
+        return {"tokens": list(self.sizes), "read": self.execution.prefill_read, "passes": self.passes, "segments": self.graphs.counts,
                 "capture_check": self.graphs.check, "memory": self.graphs.memory, "failed": self.failed,
                 "captured_at_boot_s": self.boot}
 
@@ -135,9 +147,10 @@ class PrefillGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def begin(self, step: Step, positions: torch.Tensor, forward_batch, embeddings: torch.Tensor,
-              fused: bool) -> bool:
+              fused: bool, req_rows: torch.Tensor | None = None) -> bool:
         """Take a routed prefill pass (its rows' inputs into the static buffers, the skipper's state from its
-        segment, the step counted from the graph tape), or leave it eager (False)."""
+        segment, the step counted from the graph tape), or leave it eager (False). `req_rows`: each row's request
+        slot (the pass's plan), which the packed read reads."""
         n = step.rows
         size = self.size_for(n)
         if size is None:
@@ -146,7 +159,9 @@ class PrefillGraphs:
         if self.failed[str(size)] is not None:
             self.passes["eager"]["its count's capture failed"] += 1
             return False
-        self._inputs(n, positions, forward_batch.out_cache_loc, embeddings, step.keys, step.dense_rows)
+        if self.packed and req_rows is None:
+            raise ValueError("the packed read's graphs read each row's request slot: begin() needs req_rows")
+        self._inputs(n, positions, forward_batch.out_cache_loc, embeddings, step.keys, step.dense_rows, req_rows)
         graph_step = self._step(size, fused)
         step.tape, step.builder = self.tape, self.builder  # the pass is counted from the graph tape
         self.active = (size, graph_step, forward_batch)
@@ -206,15 +221,19 @@ class PrefillGraphs:
         return step
 
     def _inputs(self, n: int, positions: torch.Tensor, loc: torch.Tensor, embeddings: torch.Tensor,
-                keys: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> None:
-        """A pass's `n` rows into the static buffers (request keys and dense-mode rows where it has them); the
-        padding rows up to the rows the last pass wrote reset."""
+                keys: torch.Tensor | None = None, dense: torch.Tensor | None = None,
+                req_rows: torch.Tensor | None = None) -> None:
+        """A pass's `n` rows into the static buffers (request keys, dense-mode rows and request slots where it has
+        them); the padding rows up to the rows the last pass wrote reset (request slot 0: a padding row reads
+        request 0's first key, and its output is dropped)."""
         if self.loc is None:
             self.loc = torch.zeros(self.sizes[-1], dtype=loc.dtype, device=self.x.device)
         self.positions[:n].copy_(positions)
         self.loc[:n].copy_(loc)
         if keys is not None:
             self.keys[:n].copy_(keys)
+        if req_rows is not None:
+            self.req_rows[:n].copy_(req_rows)
         self.valid[:n].fill_(True)
         if dense is not None:
             self.dense[:n].copy_(dense)
@@ -222,7 +241,7 @@ class PrefillGraphs:
             self.dense[:n].fill_(False)
         self.x[:n].copy_(embeddings)
         if self.filled > n:  # rows a longer pass wrote: padding now (the rows past them are padding already)
-            for t in (self.positions, self.loc, self.keys):
+            for t in (self.positions, self.loc, self.keys, self.req_rows):
                 t[n:self.filled].zero_()
             self.valid[n:self.filled].fill_(False)
             self.dense[n:self.filled].fill_(False)
@@ -241,12 +260,16 @@ class PrefillGraphs:
         return self._layer(layer, size, step, x, u, parts, read)
 
     def _layer(self, layer, size: int, step: Step, x: torch.Tensor, u: torch.Tensor, parts, read) -> Handoff:
-        """`layer`: x and u into the static rows, its segment before the read, `read(q, k, v, rows)` of the pass's
-        rows into the static read output, its segment after the read."""
+        """`layer`: x and u into the static rows, then with the packed read its one segment; with the backend
+        read its segment before the read, `read(q, k, v, rows)` of the pass's rows into the static read output,
+        its segment after the read (`GRAPH_READS`)."""
         n = x.shape[0]
         self.x[:n].copy_(x)
         self.u[:n].copy_(u)
         lid = layer.layer_id
+        if self.packed:
+            delta, h = self._segment(size, (size, lid, "layer"), lambda: self._whole(layer, step, parts))
+            return Handoff(delta[:n], h[:n])
         q, k, v, cohorts, weights = self._segment(size, (size, lid, "in"),
                                                   lambda: self._attention_in(layer, step, parts))
         self.a[:n].copy_(read(q, k, v, n).view(n, -1))
@@ -259,12 +282,12 @@ class PrefillGraphs:
 
         # the static KV slots stand in for the batch's: the segment writes every row's K/V there
         batch = SimpleNamespace(out_cache_loc=self.loc[:size], forward_mode=ForwardMode.EXTEND)
-        return self.layer_ops(layer, self.positions[:size], batch, parts)
+        return self.layer_ops(layer, self.positions[:size], batch, self.req_rows[:size], parts)
 
-    def _attention_in(self, layer, step: Step, parts):
-        """The segment before the read: the route, the maps recording it, Q, RoPE, every row's K/V written."""
-        size = step.rows
-        u = self.u[:size]
+    def _route(self, layer, step: Step, parts):
+        """The layer's route over the static LN1 rows, recorded on the graph tape with the cohort maps built:
+        (cohorts, branch weights)."""
+        u = self.u[:step.rows]
         if layer._slot.fused_gate:
             from vskipper.mixed.router import gate_route
 
@@ -273,8 +296,27 @@ class PrefillGraphs:
             router = parts.router if step.skipper.requires_router_weights else None
             route = step.skipper.route(layer.layer_id, u, step.state, router)
         cohorts = step.builder.record_and_build(step.tape, layer.layer_id, route, step.dense_rows)
-        _, weights = step.tape.layer(layer.layer_id, size)
-        q, k, v = triton_attention_in(self._ops(layer, size, parts), u, cohorts, self.execution.tiles)
+        _, weights = step.tape.layer(layer.layer_id, step.rows)
+        return cohorts, weights
+
+    def _whole(self, layer, step: Step, parts) -> Handoff:
+        """The packed read's one segment: the route and maps, Q, RoPE, every row's K/V written, the RUN cohort's
+        packed read, o_proj onto a copy of x in the static residual rows, LN2, the FFN pair (the triton body's
+        steps, `routed_layer`)."""
+        size = step.rows
+        cohorts, weights = self._route(layer, step, parts)
+        ops = self._ops(layer, size, parts)
+        q, _, _ = triton_attention_in(ops, self.u[:size], cohorts, self.execution.tiles)
+        a = ops.read_cohort(q, cohorts.run_idx, cohorts.live)
+        h = self._out("h", self.x[:size])
+        delta, h = triton_attention_out(ops, h, a, weights, cohorts, self.execution.tiles, x_owned=True)
+        return Handoff(self._out("delta", delta), h)
+
+    def _attention_in(self, layer, step: Step, parts):
+        """The segment before the read: the route, the maps recording it, Q, RoPE, every row's K/V written."""
+        cohorts, weights = self._route(layer, step, parts)
+        q, k, v = triton_attention_in(self._ops(layer, step.rows, parts), self.u[:step.rows], cohorts,
+                                      self.execution.tiles)
         return self._out("q", q), self._out("k", k), self._out("v", v), cohorts, weights
 
     def _attention_out(self, layer, step: Step, parts, cohorts, weights) -> Handoff:

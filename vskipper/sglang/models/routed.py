@@ -963,9 +963,11 @@ class SkipperCausalLM(RouterWeightsMixin):
             raise ServeConfigError(f"{pg.ENV_PREFILL_GRAPHS}: {blocker}")
         execution = self.slot.execution
 
-        def layer_ops(layer, positions, batch, parts):
-            return SGLangLayerOps(layer, positions, batch, None, "triton", prefill_read="backend",
-                                  decode_read=execution.decode_read, parts=parts)
+        def layer_ops(layer, positions, batch, req_rows, parts):
+            return SGLangLayerOps(layer, positions, batch, PassPlan(req_rows, 0), "triton",
+                                  prefill_read=execution.prefill_read, decode_read=execution.decode_read,
+                                  read_tile=execution.tiles.read_tile if execution.tiles is not None else None,
+                                  parts=parts)
 
         graphs = pg.PrefillGraphs(sizes, self.runtime, execution, layer_ops, weight.shape[1],
                                   layers[0].self_attn.q_size, weight.dtype, weight.device, stand_in)
@@ -1130,8 +1132,9 @@ class SkipperCausalLM(RouterWeightsMixin):
                                    f"{input_embeds.shape[0]} (padded batches are not served routed)")
             fused = self.slot.execution.decode == "triton"
             graphs = self.slot.prefill_graphs
+            req_rows = prepared.plan.req_rows if prepared.plan is not None else None
             if graphs is None or step.phase != "prefill" or \
-                    not graphs.begin(step, positions, forward_batch, input_embeds, fused):
+                    not graphs.begin(step, positions, forward_batch, input_embeds, fused, req_rows):
                 self.runtime.prepare_state(step, input_embeds, positions, fused=fused)
             self.slot.step, self.slot.plan = step, prepared.plan
         try:
