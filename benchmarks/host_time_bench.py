@@ -179,7 +179,11 @@ class ServedModel:
         config = AutoConfig.from_pretrained(str(checkpoint))
         routed = tuple(config.routing_layers)
         architecture = config.architectures[0]  # the checkpoint's, as SGLang's registry resolves it
-        model_class = {c.__name__: c for c in (DDLlamaForCausalLM, Qwen3SkipperForCausalLM)}[architecture]
+        classes = {c.__name__: c for c in (DDLlamaForCausalLM, Qwen3SkipperForCausalLM)}
+        if architecture not in classes:
+            raise ValueError(f"{checkpoint}: config field 'architectures' is {config.architectures!r}; a served "
+                             f"model is one of {', '.join(classes)}")
+        model_class = classes[architecture]
         # The model asks for the process's runtime (`get_runtime`): this arm's, built without a state file.
         active.set_runtime(Runtime(ServeSpec(arm, 0, 0, None, execution=execution), config.model_type, routed,
                                    architecture))

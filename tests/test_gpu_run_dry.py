@@ -1711,7 +1711,8 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
     assert warmed == ["dense", run.ALWAYS, run.CONTROL, run.PREFILL_GRAPHS]
     text = run.markdown({"dry_run": True, "sweep": sweep})
     assert "Routed prefill layers replayed from CUDA graphs (`VSKIPPER_PREFILL_GRAPHS`" in text
-    assert f"- {run.ALWAYS}: captured at 32, 64 tokens with the backend read (before it served, in 1.2, 2.5 s); " \
+    assert f"- {run.ALWAYS}: captured at 32, 64 tokens with the backend read (before it served: 1.2 s at 32, " \
+           "2.5 s at 64); " \
            "passes replayed 4 at 32, 3 at 64; eager 1 longer than " \
            "every count; segments captured 10, replayed 30; each capture's replay against its eager run: worst " \
            "difference 0.0039 of the largest value over 10 segments ((64, 3, 'out')); each segment's first later " \

@@ -413,6 +413,30 @@ def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_ca
     assert graphed.model.runtime.attestation()["rows_total"] == eager.model.runtime.attestation()["rows_total"]
 
 
+def test_the_boot_passes_differ_as_served_passes_do_and_keep_each_request_within_its_row():
+    """The second boot pass of a count, which rechecks each segment's replay, differs from the first in every
+    per-pass input a segment could wrongly keep from its capture: fewer rows (padded), other requests and their
+    positions, other keys, dense-mode rows; each request's KV slots are written into its own request row (never
+    the padding request 0), kept to be put back, and a request never spans more rows than a request row holds."""
+    from vskipper.sglang.prefill_graphs import PrefillGraphs
+
+    req_to_token = torch.zeros(6, 40, dtype=torch.int32)
+    slots = 1 + torch.arange(64)
+    kept: dict = {}
+    gen = torch.Generator().manual_seed(0)
+    n0, pos0, req0, keys0, dense0 = PrefillGraphs._boot_pass(64, 0, req_to_token, slots, kept, gen)
+    n1, pos1, req1, keys1, dense1 = PrefillGraphs._boot_pass(64, 1, req_to_token, slots, kept, gen)
+    assert n0 == 64 and n1 == 48
+    assert pos0.tolist() == list(range(40)) + list(range(24))  # a request row holds 40: two requests
+    assert pos1.tolist() == list(range(24)) * 2
+    assert req0.tolist() == [1] * 40 + [2] * 24 and req1.tolist() == [3] * 24 + [4] * 24
+    assert set(keys0[:40].tolist()).isdisjoint(keys1.tolist()) and keys1[0] != keys1[-1]
+    assert not dense0.any() and dense1.tolist() == [False] * 24 + [True] * 24
+    assert req_to_token[3, :24].tolist() == list(range(1, 25)) and req_to_token[4, :24].tolist() == list(range(25, 49))
+    assert req_to_token[0].eq(0).all() and sorted(kept) == [1, 2, 3, 4]
+    assert all(held.eq(0).all() for held in kept.values())  # as they were before the passes
+
+
 def test_a_model_of_another_runner_or_without_prefill_graphs_captures_nothing_at_boot(checkpoint, monkeypatch):
     """The boot hook captures only for the skipper model the scheduler's runner serves, and only where its spec
     asks for prefill graphs."""
@@ -430,8 +454,8 @@ def test_a_model_of_another_runner_or_without_prefill_graphs_captures_nothing_at
     monkeypatch.setattr(active, "_ACTIVE", [graphed.model])
     hooks.after_boot_capture(None, scheduler(eager.model))
     monkeypatch.setattr(active, "_ACTIVE", [eager.model])
-    hooks.after_boot_capture(None, scheduler(eager.model))
-    assert eager.model.slot.prefill_graphs is None
+    hooks.after_boot_capture(None, scheduler(eager.model))  # no graphs asked for: nothing to capture
+    assert eager.model.slot.prefill_graphs is None and "prefill_graphs" not in eager.model.runtime.attestation()
     assert graphs.graphs.counts == {"captured": 0, "replayed": 0}
     assert set(graphs.boot.values()) == {None}
 
@@ -441,8 +465,8 @@ def qwen3_checkpoint(tmp_path_factory):
     return make_tiny_model("qwen3-skipper", tmp_path_factory.mktemp("tiny-qwen3") / "m", TinySize(layers=4))
 
 
-@pytest.mark.parametrize("arm", ["s=0.5", "qwen3"])
-def test_qwen3_passes_replayed_equal_the_eager_passes(qwen3_checkpoint, monkeypatch, arm):
+@pytest.mark.parametrize("arm,read", [("s=0.5", "backend"), ("qwen3", "backend"), ("qwen3", "packed")])
+def test_qwen3_passes_replayed_equal_the_eager_passes(qwen3_checkpoint, monkeypatch, arm, read):
     """Qwen3's layers through the same segments: q_norm and k_norm inside the segment before the read, the layer's
     fold handing its sum on in place (into the static rows the next routed layer copies from), RandomSkip and the
     trained gate's fused route; captured at boot, then passes of both counts and one longer than either, equal to
@@ -454,18 +478,20 @@ def test_qwen3_passes_replayed_equal_the_eager_passes(qwen3_checkpoint, monkeypa
 
     if arm == "qwen3":
         monkeypatch.setitem(ARMS, "qwen3", get_arm("qwen3-always-route"))
-    graphed, eager = served(qwen3_checkpoint, monkeypatch, arm=arm)
+    graphed, eager = served(qwen3_checkpoint, monkeypatch, arm=arm, read=read)
     assert type(graphed.model).__name__ == "Qwen3SkipperForCausalLM"
     assert graphed.model.slot.fused_gate == (arm == "qwen3")
     monkeypatch.setattr(active, "_ACTIVE", [graphed.model])
     hooks.after_boot_capture(None, SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
         model=graphed.model, attn_backend=graphed.backend))))
     graphs = graphed.model.slot.prefill_graphs
-    captured = graphs.graphs.counts["captured"]
+    captured, replayed = graphs.graphs.counts["captured"], graphs.graphs.counts["replayed"]
     for seed, (shape, first) in enumerate([(Shape("prefill", 2, 8), 0), (Shape("prefill", 1, 40), 2),
                                            (Shape("prefill", 3, 30), 3), (Shape("prefill", 1, 16), 6)]):
         assert_same(graphed, eager, shape, first, seed)
     assert graphs.graphs.counts["captured"] == captured and graphs.failed == {"16": None, "64": None}
+    per_pass = 1 + (2 if read == "backend" else 1) * len(graphed.model.routed_layers)
+    assert graphs.graphs.counts["replayed"] - replayed == 3 * per_pass  # three passes replayed, one eager
     assert graphs.passes["by_tokens"] == {"16": 2, "64": 1} and graphs.passes["eager"]["longer than every count"] == 1
     got, want = graphed.model.runtime.attestation(), eager.model.runtime.attestation()
     assert got["rows_total"] == want["rows_total"]

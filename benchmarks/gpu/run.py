@@ -2674,7 +2674,7 @@ def routed_prefill_graph_lines(arms: dict) -> list[str]:
         memory = (doc.get("memory") or {}).get("reserved_bytes")
         failed = "; ".join(f"at {tokens}: {why}" for tokens, why in (doc.get("failed") or {}).items() if why)
         boot = [(tokens, s) for tokens, s in (doc.get("captured_at_boot_s") or {}).items() if s is not None]
-        booted = f" (before it served, in {', '.join(f'{s:.1f}' for _, s in boot)} s)" if boot else ""
+        booted = f" (before it served: {', '.join(f'{s:.1f} s at {tokens}' for tokens, s in boot)})" if boot else ""
         read = f" with the {doc['read']} read" if doc.get("read") else ""
         lines.append(f"- {name}: captured at {', '.join(map(str, doc.get('tokens') or []))} tokens{read}{booted}; "
                      f"passes "

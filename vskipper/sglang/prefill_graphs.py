@@ -179,34 +179,80 @@ class PrefillGraphs:
 
     def capture_all(self, layers, embed, parts_of, vocab: int, seed: int = 0) -> None:
         """Every count's segments captured and checked before the server serves (it calls this once booted, with
-        SGLang's pools allocated and a forward context published), so that no served pass waits on a capture: the
-        hybrid arm's first routed prefill comes under load. Per count two passes of `vocab`'s random tokens at
-        positions from 0, written at SGLang's padding KV slot 0, through the routed `layers` on this rank (`embed`
-        the embedding, `parts_of` a layer's parts); each layer's read stands in as its own queries, since the read
-        stays eager in every served pass. The first pass captures each segment and checks its first replay against
-        its eager run, the second (other tokens) its first later replay against an eager rerun
-        (`SegmentGraphs.check`). A count whose capture fails is marked, as at a served pass (`_segment`). No pass
-        is counted; each count's seconds are attested (`captured_at_boot_s`)."""
-        device = self.x.device
-        for size in self.sizes:
-            t0 = time.perf_counter()
-            for round_ in range(2):
-                if self.failed[str(size)] is not None:
-                    break
-                ids = torch.randint(0, vocab, (size,), generator=torch.Generator().manual_seed(seed + round_))
-                x = embed(ids.to(device))
-                positions = torch.arange(size, device=device)
-                loc = torch.zeros(size, dtype=torch.int64, device=device)
-                self._inputs(size, positions, loc, x)
-                step = self._step(size, True)
-                for layer in layers:
-                    self._layer(layer, size, step, x, layer.input_layernorm(x), parts_of(layer),
-                                lambda q, k, v, n: q[:n])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            self.boot[str(size)] = round(time.perf_counter() - t0, 3)
-            logger.info("routed prefill graphs at %d tokens captured and checked in %.1f s%s", size,
-                        self.boot[str(size)], f" (failed: {self.failed[str(size)]})" if self.failed[str(size)] else "")
+        SGLang's pools allocated and a forward context published), so that no served pass waits on a capture or a
+        check: the hybrid arm's first routed prefill comes under load. Per count two passes of no request through
+        the routed `layers` on this rank (`embed` the embedding, `parts_of` a layer's parts, `vocab` the token ids
+        drawn from; `_boot_pass`): the first captures each segment and checks its first replay against its eager
+        run, the second, as unlike the first as a served pass may be (fewer rows, so padded; other requests,
+        positions, keys and dense-mode rows), checks its first later replay against an eager rerun
+        (`SegmentGraphs.check`). Each row writes its own KV slot and each request's rows read their own keys (the
+        packed read, inside the segment); the backend read, eager in every served pass, is stood in for by each
+        row's query. The KV slots and request rows the passes take are put back as they were. A count whose
+        capture fails is marked, as at a served pass (`_segment`); an eager run that fails (as out of memory)
+        fails the server's start. No pass is counted; each count's seconds are attested (`captured_at_boot_s`)."""
+        from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+
+        device, cap = self.x.device, self.sizes[-1]
+        pool, req_to_token = get_token_to_kv_pool(), get_req_to_token_pool().req_to_token
+        layer_ids = [parts_of(layer).radix.layer_id for layer in layers]
+        # every row its own KV slot past SGLang's padding slot (what they held is put back after)
+        slots = 1 + torch.arange(cap, device=device) % max(1, pool.get_key_buffer(layer_ids[0]).shape[0] - 1)
+        kept = [(pool.get_key_buffer(lid)[slots].cpu(), pool.get_value_buffer(lid)[slots].cpu()) for lid in layer_ids]
+        rows_kept: dict[int, torch.Tensor] = {}
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            for size in self.sizes:
+                t0 = time.perf_counter()
+                for round_ in range(2):
+                    if self.failed[str(size)] is not None:
+                        break
+                    n, positions, req_rows, keys, dense = self._boot_pass(size, round_, req_to_token, slots,
+                                                                          rows_kept, generator)
+                    x = embed(torch.randint(0, vocab, (n,), generator=generator).to(device))
+                    self._inputs(n, positions, slots[:n], x, keys, dense, req_rows)
+                    step = self._step(size, True)
+                    for layer in layers:
+                        self._layer(layer, size, step, x, layer.input_layernorm(x), parts_of(layer),
+                                    lambda q, k, v, rows: q[:rows])
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                self.boot[str(size)] = round(time.perf_counter() - t0, 3)
+                why = self.failed[str(size)]
+                logger.info("routed prefill graphs at %d tokens captured and checked in %.1f s%s", size,
+                            self.boot[str(size)], f" (failed: {why})" if why else "")
+        finally:
+            for lid, (k, v) in zip(layer_ids, kept, strict=True):
+                pool.get_key_buffer(lid)[slots] = k.to(device)
+                pool.get_value_buffer(lid)[slots] = v.to(device)
+            for row, held in rows_kept.items():
+                req_to_token[row] = held
+
+    @staticmethod
+    def _boot_pass(size: int, round_: int, req_to_token: torch.Tensor, slots: torch.Tensor,
+                   rows_kept: dict[int, torch.Tensor], generator: torch.Generator):
+        """A boot pass at count `size`: (rows, positions, request slots, keys, dense-mode rows). Round 0: every row,
+        one request (of at most a request row's width, more where the count is wider); round 1: a quarter fewer
+        rows in two requests, the second's rows in dense mode, other keys. Each request takes its own request row
+        past the padding request 0 (where SGLang's pool has one: kept in `rows_kept` to be put back), its rows
+        in order at positions from 0, their KV slots `slots` in order written into its row."""
+        device = slots.device
+        n = size if round_ == 0 or size == 1 else size - max(1, size // 4)
+        halves = [n] if round_ == 0 else [h for h in (n // 2, n - n // 2) if h]
+        width = req_to_token.shape[1]
+        lengths = [min(width, h - start) for h in halves for start in range(0, h, width)]
+        spare = req_to_token.shape[0] - 1
+        positions, req_rows, keys, dense = [], [], [], []
+        start = 0
+        for i, length in enumerate(lengths):
+            row = 1 + (2 * round_ + i) % spare if spare > 0 else 0
+            rows_kept.setdefault(row, req_to_token[row].clone())
+            req_to_token[row, :length] = slots[start:start + length].to(req_to_token.dtype)
+            positions.append(torch.arange(length))
+            req_rows.append(torch.full((length,), row))
+            keys.append(torch.full((length,), int(torch.randint(1, 1 << 30, (1,), generator=generator))))
+            dense.append(torch.full((length,), round_ == 1 and i == len(lengths) - 1 and len(lengths) > 1))
+            start += length
+        return (n, *(torch.cat(t).to(device) for t in (positions, req_rows, keys, dense)))
 
     def _step(self, size: int, fused: bool) -> Step:
         """The step count `size`'s segments run (made at its first pass), its skipper's state for the pass in the
