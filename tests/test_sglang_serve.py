@@ -28,7 +28,15 @@ from tests.sglang_world import ROOT, greedy_reference, serve  # noqa: E402
 from vskipper.arms import get_arm  # noqa: E402
 from vskipper.checkpoint import TinySize  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
-from vskipper.sglang.spec import ENV_ARM, ENV_ENTER, ENV_EXECUTION, ENV_EXIT, ENV_PREFILL_FLOOR  # noqa: E402
+from vskipper.sglang.spec import (  # noqa: E402
+    ENV_ARM,
+    ENV_ENTER,
+    ENV_EXECUTION,
+    ENV_EXIT,
+    ENV_PREFILL_FLOOR,
+    ENV_PREFILL_GRAPH_STAND_IN,
+    ENV_PREFILL_GRAPHS,
+)
 from vskipper.skippers.registry import build_skipper  # noqa: E402
 
 pytestmark = pytest.mark.server  # real SGLang servers, and `vskipper serve` processes that refuse to start
@@ -116,6 +124,17 @@ def triton_server(served_model, tmp_path_factory):
     interpreter on CPU: the execution a GPU serves, in both phases."""
     with serve(served_model, tmp_path_factory.mktemp("triton-execution"), arm="always-route",
                env={ENV_EXECUTION: "triton", "TRITON_INTERPRET": "1"}) as server:
+        yield server
+
+
+@pytest.fixture(scope="class")
+def graphed_server(served_model, tmp_path_factory):
+    """The triton server's arm and execution with its routed prefill layers replayed from graphs at 8 and 32 tokens
+    (`ENV_PREFILL_GRAPHS`), made by the stand-in that reruns each capture at every replay (no CUDA graph on CPU:
+    `ENV_PREFILL_GRAPH_STAND_IN`, honoured under the interpreter alone)."""
+    with serve(served_model, tmp_path_factory.mktemp("prefill-graphs"), arm="always-route",
+               env={ENV_EXECUTION: "triton", "TRITON_INTERPRET": "1", ENV_PREFILL_GRAPHS: "8,32",
+                    ENV_PREFILL_GRAPH_STAND_IN: "rerun"}) as server:
         yield server
 
 
@@ -458,6 +477,44 @@ class TestTritonExecution:
         assert att["execution"]["routed_layers_backend"] == {"decode": "triton", "prefill": "triton",
                                                             "prefill_read": "packed", "tiles": "interpreter tile"}
         assert att["execution"]["project_only_q"] == "skipped: the RUN cohort's count-bounded Q GEMM"
+
+
+class TestRoutedPrefillGraphs:
+    """A real server whose routed prefill layers replay from graphs: captured and checked at every count before it
+    reports ready (the hook after SGLang's scheduler is built), then its passes replayed, the packed read inside each
+    routed layer's one segment."""
+
+    def test_the_server_captures_at_start_and_serves_the_torch_routed_forward_token_for_token(
+            self, graphed_server, served_model):
+        att = graphed_server.get_json("/vskipper/attestation")
+        graphs = att["prefill_graphs"]
+        routed = len(att["model"]["routed_layers"])
+        segments = 2 * (1 + routed)  # per count the state and each routed layer's one segment
+        assert graphs["tokens"] == [8, 32] and graphs["read"] == "packed"
+        assert all(s is not None for s in graphs["captured_at_boot_s"].values())
+        assert graphs["capture_check"]["segments"] == graphs["capture_check"]["rechecked"] == segments
+        assert graphs["failed"] == {"8": None, "32": None}
+
+        def replays_add_up(att: dict) -> int:
+            """Every segment captured at start, none since; the second boot pass's replays and each replayed
+            pass's (SGLang's warm-up request's too); the boot's passes counted nowhere."""
+            graphs = att["prefill_graphs"]
+            replayed = sum(graphs["passes"]["by_tokens"].values())
+            assert graphs["segments"] == {"captured": segments, "replayed": segments + (1 + routed) * replayed}
+            assert replayed + graphs["passes"]["eager"]["longer than every count"] \
+                == att["passes_total"]["prefill"]["routed"]
+            return replayed
+
+        before = replays_add_up(att)
+        att = _serves_the_routed_reference(graphed_server, served_model)
+        assert replays_add_up(att) > before
+        graphs = att["prefill_graphs"]
+        prompt = list(range(3, 43))  # 40 tokens: longer than every count, eager
+        assert graphed_server.generate_ids(prompt, 3) == greedy_reference(
+            served_model, prompt, 3, build_skipper("flexidepth", {}))
+        after = graphed_server.get_json("/vskipper/attestation")["prefill_graphs"]
+        assert after["passes"]["eager"]["longer than every count"] \
+            == graphs["passes"]["eager"]["longer than every count"] + 1
 
 
 class TestHybridArm:

@@ -37,6 +37,7 @@ model driven outside a server), a count's first pass runs each segment eagerly, 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from bisect import bisect_left
 from types import SimpleNamespace
@@ -46,10 +47,10 @@ import torch
 
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.routed_layer import Handoff, triton_attention_in, triton_attention_out
-from vskipper.mixed.segment_graphs import CaptureFailed, SegmentGraphs
+from vskipper.mixed.segment_graphs import CaptureFailed, RerunGraph, SegmentGraphs
 from vskipper.mixed.tape import RouteTape, tape_capacity
 from vskipper.sglang.runtime import Step
-from vskipper.sglang.spec import ENV_PREFILL_GRAPHS
+from vskipper.sglang.spec import ENV_PREFILL_GRAPH_STAND_IN, ENV_PREFILL_GRAPHS
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,19 @@ GRAPH_READS = {
 EAGER_REASONS = ("longer than every count", "its count's capture failed")
 
 # Tests: what makes each graph where no CUDA graph can be captured (`vskipper.mixed.segment_graphs.RerunGraph`);
-# None: CUDA graphs, on CUDA only.
+# None: CUDA graphs, on CUDA only (or as `ENV_PREFILL_GRAPH_STAND_IN` asks a server, `graph_stand_in`).
 PREFILL_GRAPH_STAND_IN = None
+
+
+def graph_stand_in():
+    """What makes each graph in place of a CUDA graph: `PREFILL_GRAPH_STAND_IN` where a test set it, the rerunning
+    stand-in where `ENV_PREFILL_GRAPH_STAND_IN` asks for it under Triton's interpreter (a test's server), else None
+    (CUDA graphs)."""
+    if PREFILL_GRAPH_STAND_IN is not None:
+        return PREFILL_GRAPH_STAND_IN
+    if os.environ.get(ENV_PREFILL_GRAPH_STAND_IN) == "rerun" and os.environ.get("TRITON_INTERPRET") == "1":
+        return RerunGraph
+    return None
 
 
 def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device) -> str | None:

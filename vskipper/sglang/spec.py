@@ -53,11 +53,15 @@ ENV_TILE_TABLE = "VSKIPPER_TILE_TABLE"
 # (`vskipper serve --stand-in-ops`): SGLang's torch paths, or vSkipper's one-launch Triton kernels in their place
 # (`vskipper.sglang.stand_in_ops`); the profile sets it, never a caller's environment.
 ENV_STAND_IN_OPS = "VSKIPPER_STAND_IN_OPS"
-# The token counts a routed arm's prefill passes are captured at (comma-separated, e.g. "1024,2048,4096"): each
-# routed layer's work before and after its read replays from CUDA graphs (`vskipper.sglang.prefill_graphs`), a pass
-# padded to the least count that holds it; unset: every routed prefill pass eager. Off by default: an opt-in mode
-# whose graphs have not yet served on a device.
+# The token counts a routed arm's prefill passes are captured at (comma-separated, e.g. "1024,2048,4096"), each
+# captured and checked as the server starts: each routed layer's work replays from CUDA graphs (the read too with
+# the packed read, `vskipper.sglang.prefill_graphs`), a pass padded to the least count that holds it; unset: every
+# routed prefill pass eager. Off by default: an opt-in mode whose graphs have not yet served on a device.
 ENV_PREFILL_GRAPHS = "VSKIPPER_PREFILL_GRAPHS"
+# Tests: "rerun" has a CPU server's routed prefill graphs made by the stand-in that reruns each capture at every
+# replay (`vskipper.mixed.segment_graphs.RerunGraph`), so that a real server's capture at start and its replayed
+# passes run where no CUDA graph can be captured; honoured only under Triton's interpreter (TRITON_INTERPRET=1)
+ENV_PREFILL_GRAPH_STAND_IN = "VSKIPPER_PREFILL_GRAPH_STAND_IN"
 
 # Trained gates read routers trained for one model family; the others route any checkpoint.
 GATE_MODEL_TYPES = {"flexidepth": ("ddllama",), "qwen3_hard_gate": ("qwen3_skipper",)}

@@ -948,7 +948,7 @@ class SkipperCausalLM(RouterWeightsMixin):
     def prefill_graphs_for(self, sizes: tuple[int, ...]):
         """The routed prefill passes' graphs at token counts `sizes` (the spec's, `ENV_PREFILL_GRAPHS`), or None
         where none are asked for or the arm has no skipper; refused by name where they cannot be captured
-        (`prefill_graph_blocker`). `PREFILL_GRAPH_STAND_IN` (tests) makes each graph off CUDA."""
+        (`prefill_graph_blocker`). A stand-in (tests, `graph_stand_in`) makes each graph off CUDA."""
         from vskipper.sglang import prefill_graphs as pg
 
         layers = [self.model.layers[i] for i in self.routed_layers
@@ -956,7 +956,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         if not sizes or self.runtime.skipper is None or not layers:
             return None
         weight = self.model.embed_tokens.weight
-        stand_in = pg.PREFILL_GRAPH_STAND_IN
+        stand_in = pg.graph_stand_in()
         blocker = pg.prefill_graph_blocker(self.runtime.arm, self.slot.execution, self.runtime.spec.part_clock,
                                            torch.device("cuda") if stand_in is not None else weight.device)
         if blocker is not None:
