@@ -164,7 +164,8 @@ class ServedModel:
     class is the checkpoint's architecture's (FlexiDepth-Llama's or Qwen3's)."""
 
     def __init__(self, arm: Arm, checkpoint: Path, requests: int, slots: int, execution: str = "auto",
-                 prefill_read: str | None = None, prefill_graphs: tuple[int, ...] = ()) -> None:
+                 prefill_read: str | None = None, prefill_graphs: tuple[int, ...] = (),
+                 asked_read: str = "auto") -> None:
         from safetensors.torch import load_file
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -185,8 +186,8 @@ class ServedModel:
                              f"model is one of {', '.join(classes)}")
         model_class = classes[architecture]
         # The model asks for the process's runtime (`get_runtime`): this arm's, built without a state file.
-        active.set_runtime(Runtime(ServeSpec(arm, 0, 0, None, execution=execution), config.model_type, routed,
-                                   architecture))
+        active.set_runtime(Runtime(ServeSpec(arm, 0, 0, None, execution=execution, prefill_read=asked_read),
+                                   config.model_type, routed, architecture))
         model = model_class(config)
         model.load_weights(load_file(str(checkpoint / "model.safetensors")).items())
         if prefill_read is not None:  # the read a device's table chose, in place of this device's default

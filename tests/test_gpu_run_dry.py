@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 
 import pytest
 
@@ -1733,6 +1733,61 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
     assert "with its routed prefill layers from graphs (--routed-prefill-graphs), and this run serves them " \
            "eagerly: a folder holds one kind of sweep" in run.sweep_mode_mismatch(eager, out)
     assert run.sweep_mode_mismatch(plan, out) is None
+
+
+def test_a_sweep_whose_routed_arms_are_asked_for_a_prefill_read_hands_it_to_them_alone(tmp_path, monkeypatch):
+    """`run.sh --routed-prefill-read packed|backend` (ENV_ROUTED_PREFILL_READ_RUN; refused on a dry run, whose
+    servers run the torch execution): the sweep's routed arms, and only they, are started asking for that read
+    (`VSKIPPER_PREFILL_READ`, set empty for every other server so none inherits the caller's); a folder holds one
+    kind of sweep. (No server: each is stood in for, attesting the read it was asked for.)"""
+    from types import SimpleNamespace
+
+    r = subprocess.run([str(SCRIPT), "install", str(tmp_path / "x"), "--dry-run", "--routed-prefill-read", "packed"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "--routed-prefill-read: the triton execution's, not a CPU dry run's" in r.stderr
+    r = subprocess.run([str(SCRIPT), "install", str(tmp_path / "x"), "--routed-prefill-read", "rows"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "--routed-prefill-read: packed or backend" in r.stderr
+    assert run.run_sweep_flags(run.Plan.gpu(), {run.ENV_ROUTED_PREFILL_READ_RUN: "packed"}).routed_prefill_read \
+        == "packed"
+    assert run.run_sweep_flags(run.Plan.gpu(), {run.ENV_ROUTED_PREFILL_READ_RUN: ""}).routed_prefill_read is None
+    with pytest.raises(SystemExit, match="one of packed, backend"):
+        run.run_sweep_flags(run.Plan.gpu(), {run.ENV_ROUTED_PREFILL_READ_RUN: "rows"})
+    with pytest.raises(SystemExit, match="the triton execution's, which a CPU dry run"):
+        run.run_sweep_flags(run.Plan.dry(), {run.ENV_ROUTED_PREFILL_READ_RUN: "backend"})
+
+    envs = {}
+
+    def fake_launched(model, workdir, env=None, **kw):
+        envs[workdir.name] = env
+        return nullcontext(SimpleNamespace(name=workdir.name, get_json=lambda path: {"max_total_num_tokens": 4096},
+                                           wait_ready=lambda timeout: None))
+
+    def fake_served(server):
+        why = {} if server.name in ("dense", run.PREFILL_GRAPHS) else {
+            "prefill_read_why": "VSKIPPER_PREFILL_READ=packed, in place of the execution's choice: backend"}
+        return {"arm": server.name, "profile": {"decode_graphs": "disabled"},
+                "routed_layers_backend": {"prefill_read": "packed" if why else "backend", **why}}
+
+    monkeypatch.setattr(run, "launched", fake_launched)
+    monkeypatch.setattr(run, "tuned_table", lambda plan, folder: None)
+    monkeypatch.setattr(run, "prefill_warm_up", lambda plan, server, vocab: None)
+    monkeypatch.setattr(run, "prefill_cells", lambda plan, server, vocab: (
+        [{"tokens": n, "ttft_s": 0.1, "ttft_reps": [0.1] * 3} for n in plan.prefill_lengths], []))
+    monkeypatch.setattr(run, "triton_compiles", lambda server: None)
+    monkeypatch.setattr(run, "served", fake_served)
+    monkeypatch.setattr(run, "check_served", lambda plan, out, stage: {"ok": True, "cases": []})
+    plan = dataclasses.replace(run.Plan.dry(), sweep_decode=False, routed_prefill_read="packed",
+                               prefill_lengths=(32, 64), prefill_rounds=())
+    out = tmp_path / "out"
+    run.stage_sweep(plan, out, 300)
+    assert {name: env[run.ENV_PREFILL_READ] for name, env in envs.items()} == {
+        "dense": "", run.ALWAYS: "packed", run.CONTROL: "packed", run.PREFILL_GRAPHS: ""}
+    assert run.sweep_mode_mismatch(plan, out) is None
+    assert f"served {', '.join(sorted((run.ALWAYS, run.CONTROL)))} with the packed read (--routed-prefill-read), " \
+           "and this run serves them " \
+           "with the table's prefill read: a folder holds one kind of sweep" in run.sweep_mode_mismatch(
+               dataclasses.replace(plan, routed_prefill_read=None), out)
 
 
 def test_a_sweep_starts_an_arm_that_ends_before_its_limit_keeps_a_failed_arms_error_and_what_a_stop_served(

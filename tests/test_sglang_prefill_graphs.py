@@ -496,3 +496,38 @@ def test_qwen3_passes_replayed_equal_the_eager_passes(qwen3_checkpoint, monkeypa
     got, want = graphed.model.runtime.attestation(), eager.model.runtime.attestation()
     assert got["rows_total"] == want["rows_total"]
     assert got["rows_total"]["prefill"]["project_only"] > 0
+
+
+def test_the_prefill_read_asked_for_replaces_the_executions_choice_and_is_refused_by_name_where_it_cannot_serve(
+        checkpoint, monkeypatch):
+    """`VSKIPPER_PREFILL_READ`: the triton execution prefills with the read asked for (its own choice kept in
+    `prefill_read_why`), and its prefill graphs with it; an unknown read, or one asked of the torch execution, is
+    refused naming the variable."""
+    from vskipper.arms import get_arm
+    from vskipper.sglang import active, prefill_graphs
+    from vskipper.sglang.configs import register_configs
+    from vskipper.sglang.spec import ENV_PREFILL_READ, ServeConfigError, ServeSpec
+    from vskipper.sglang.standalone import init_sglang
+
+    monkeypatch.setattr(active, "_ACTIVE", [])
+    monkeypatch.setattr(active, "_RUNTIME", [])
+    monkeypatch.setattr(prefill_graphs, "PREFILL_GRAPH_STAND_IN", RerunGraph)
+    init_sglang("cpu")  # before SGLang's layers are imported (the model module imports them)
+    register_configs()
+    from vskipper.sglang.models.routed import TORCH_EXECUTION, asked_prefill_read
+    slots = REQUESTS * (CONTEXT + 64) + 1
+    model = ServedModel(ARMS["s=0.5"], checkpoint, REQUESTS, slots, execution="triton", prefill_graphs=SIZES,
+                        asked_read="backend").model  # the interpreter's choice is the packed read
+    execution = model.slot.execution
+    assert execution.prefill_read == "backend" and model.slot.prefill_graphs.packed is False
+    assert execution.prefill_read_why == f"{ENV_PREFILL_READ}=backend, in place of the execution's choice: packed"
+    assert model.runtime.attestation()["prefill_graphs"]["read"] == "backend"
+    assert asked_prefill_read(execution, "auto") is execution
+    with pytest.raises(ServeConfigError, match=f"{ENV_PREFILL_READ}=packed: the triton execution's prefill read, "
+                                               "and the routed layers run the torch execution"):
+        asked_prefill_read(TORCH_EXECUTION, "packed")
+    with pytest.raises(ServeConfigError, match=f"{ENV_PREFILL_READ} must be one of auto, packed, backend"):
+        ServeSpec(get_arm("always-route"), 0, 0, prefill_read="rows")
+    spec = ServeSpec(get_arm("always-route"), 0, 0, prefill_read="packed")
+    assert ServeSpec.from_env(spec.to_env()).prefill_read == "packed"
+    assert ENV_PREFILL_READ not in ServeSpec(get_arm("always-route"), 0, 0).to_env()

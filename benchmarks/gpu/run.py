@@ -64,7 +64,13 @@ from loadgen.attestation import READ_ATTEMPTS, read_answered  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
-from vskipper.sglang.spec import ENV_PART_CLOCK, ENV_PASS_SPANS, ENV_PREFILL_GRAPHS, ENV_STACK_SAMPLES  # noqa: E402
+from vskipper.sglang.spec import (  # noqa: E402
+    ENV_PART_CLOCK,
+    ENV_PASS_SPANS,
+    ENV_PREFILL_GRAPHS,
+    ENV_PREFILL_READ,
+    ENV_STACK_SAMPLES,
+)
 from vskipper.sglang.threads import ALLOCATOR_COUNTERS  # noqa: E402
 
 # The order `run.sh all` runs them in (`run.py stages` prints it): the tiles first, since every routed server
@@ -110,6 +116,10 @@ ENV_PREFILL_ONLY_RUN = "VSKIPPER_GPU_RUN_PREFILL_ONLY"
 # captured at the sweep's prefill token counts (`vskipper.sglang.prefill_graphs`, `ENV_PREFILL_GRAPHS`); dense and
 # the reference arm as ever. A device's option: a CPU server captures no graph.
 ENV_ROUTED_PREFILL_GRAPHS_RUN = "VSKIPPER_GPU_RUN_ROUTED_PREFILL_GRAPHS"
+# run.sh --routed-prefill-read: the sweep's routed arms prefill with this read (packed or backend) in place of the
+# table's choice (`ENV_PREFILL_READ`; empty: the table's); the triton execution's, so a device's option.
+ENV_ROUTED_PREFILL_READ_RUN = "VSKIPPER_GPU_RUN_ROUTED_PREFILL_READ"
+ROUTED_PREFILL_READS = ("packed", "backend")
 PREFILL_ONLY_GRAPHS = (1,)  # the decode graphs a prefill-only sweep server captures
 # What one sweep arm takes on the H200, its server's start included (sweep-865480a's logs: a dense server ready 42 s
 # after its launch, a routed one 59 s; a whole arm, its decode cells and prefill, 140-150 s; the prefill cells alone
@@ -214,6 +224,9 @@ class Plan:
     # The sweep's routed arms replay their routed prefill layers from graphs (ENV_ROUTED_PREFILL_GRAPHS_RUN) at
     # `routed_graph_tokens`.
     routed_prefill_graphs: bool = False
+    # The sweep's routed arms prefill with this read in place of the table's choice (ENV_ROUTED_PREFILL_READ_RUN);
+    # None: the table's.
+    routed_prefill_read: str | None = None
 
     @classmethod
     def gpu(cls) -> Plan:
@@ -433,8 +446,13 @@ def run_sweep_flags(plan: Plan, environ=os.environ) -> Plan:
         flags[name] = value == "1"
     if flags[ENV_ROUTED_PREFILL_GRAPHS_RUN] and plan.dry_run:
         raise SystemExit("--routed-prefill-graphs: CUDA graphs, which a CPU dry run's servers do not capture")
+    read = environ.get(ENV_ROUTED_PREFILL_READ_RUN) or None
+    if read is not None and read not in ROUTED_PREFILL_READS:
+        raise SystemExit(f"{ENV_ROUTED_PREFILL_READ_RUN}={read!r}: one of {', '.join(ROUTED_PREFILL_READS)}")
+    if read is not None and plan.dry_run:
+        raise SystemExit("--routed-prefill-read: the triton execution's, which a CPU dry run's servers do not run")
     return replace(plan, sweep_samples=flags[ENV_SAMPLES_RUN], sweep_decode=not flags[ENV_PREFILL_ONLY_RUN],
-                   routed_prefill_graphs=flags[ENV_ROUTED_PREFILL_GRAPHS_RUN])
+                   routed_prefill_graphs=flags[ENV_ROUTED_PREFILL_GRAPHS_RUN], routed_prefill_read=read)
 
 
 def earlier(out: Path, name: str, usable) -> tuple[Path | None, str]:
@@ -498,6 +516,15 @@ def prefill_only(sweep: dict) -> bool:
     return bool(served) and not any(served.values())
 
 
+def asked_read(served: dict) -> str | None:
+    """The prefill read a server's routed layers were asked to serve with (`ENV_PREFILL_READ`, as its execution
+    attests it), or None where they took the table's choice."""
+    backend = served.get("routed_layers_backend")
+    if not isinstance(backend, dict) or not (backend.get("prefill_read_why") or "").startswith(f"{ENV_PREFILL_READ}="):
+        return None
+    return backend.get("prefill_read")
+
+
 def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
     """Why this run's sweep cannot continue or reuse what OUTDIR's sweep served: arms served with decode cells
     where this run serves its prefill alone, or the other way round (`run.sh --prefill-only`), or routed arms whose
@@ -511,6 +538,15 @@ def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
     other = sorted(name for name, decoded in kept.items() if decoded != plan.sweep_decode)
     graphed = sorted(name for name in (ALWAYS, CONTROL) if (docs.get(name) or {}).get("served")
                      and bool(docs[name]["served"].get("prefill_graphs")) != plan.routed_prefill_graphs)
+    reads = sorted(name for name in (ALWAYS, CONTROL) if (docs.get(name) or {}).get("served")
+                   and asked_read(docs[name]["served"]) != plan.routed_prefill_read)
+    if reads:
+        def read(asked: str | None) -> str:
+            return f"the {asked} read (--routed-prefill-read)" if asked else "the table's prefill read"
+
+        return (f"{out}'s sweep served {', '.join(reads)} with {read(asked_read(docs[reads[0]]['served']))}, and this "
+                f"run serves them with {read(plan.routed_prefill_read)}: a folder holds one kind of sweep; give this "
+                "run a new OUTDIR (and the old one as --earlier)")
     if graphed:
         done = "eagerly" if plan.routed_prefill_graphs else "from graphs (--routed-prefill-graphs)"
         return (f"{out}'s sweep served {', '.join(graphed)} with its routed prefill layers {done}, and this run "
@@ -538,13 +574,15 @@ def graph_flags(flags: tuple[str, ...], batches: tuple[int, ...] | None) -> list
 def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
           arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None,
           graph_batches: tuple[int, ...] | None = None, flags: list[str] | None = None,
-          part_clock: bool = False, samples: bool = False, prefill_graphs: tuple[int, ...] = ()) -> Server:
+          part_clock: bool = False, samples: bool = False, prefill_graphs: tuple[int, ...] = (),
+          prefill_read: str | None = None) -> Server:
     """`vskipper serve` with the plan's flags and the tiles stage's table where it wrote one (`model` is
     OUTDIR/model); `thresholds` as its --enter-tokens / --exit-tokens (else the arm's from the roofline rule for the
     detected GPU); `graph_batches`, the only decode batch sizes captured (`graph_flags`); `flags`, SGLang flags
     after all of those; `part_clock`, its part clock on (`ENV_PART_CLOCK`: every part of every layer timed);
     `samples`, the forward's stack sampled in each pass (`ENV_STACK_SAMPLES`); `prefill_graphs`, the token counts
-    its routed prefill layers are captured at (`ENV_PREFILL_GRAPHS`; none: eager)."""
+    its routed prefill layers are captured at (`ENV_PREFILL_GRAPHS`; none: eager); `prefill_read`, the triton
+    execution's prefill read in place of the table's choice (`ENV_PREFILL_READ`; None: the table's)."""
     extra = graph_flags(plan.sglang_flags, graph_batches) + (["--mem-fraction-static", mem] if mem else []) \
         + list(flags or [])
     kw = {}
@@ -560,7 +598,8 @@ def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | N
                                         env={ENV_PASS_SPANS: "1", **({ENV_PART_CLOCK: "1"} if part_clock else {}),
                                              **({ENV_STACK_SAMPLES: "1"} if samples else {}),
                                              # set either way: never one inherited from the caller
-                                             ENV_PREFILL_GRAPHS: ",".join(map(str, prefill_graphs))},
+                                             ENV_PREFILL_GRAPHS: ",".join(map(str, prefill_graphs)),
+                                             ENV_PREFILL_READ: prefill_read or ""},
                                         stand_in_ops=None if plan.stand_in_ops == "torch" else plan.stand_in_ops,
                                         **kw))
 
@@ -586,10 +625,10 @@ class Attached:
 def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: str, arm_files: dict[str, Path],
                mem: str | None = None, thresholds: dict | None = None, key: str | None = None,
                graph_batches: tuple[int, ...] | None = None, part_clock: bool = False, samples: bool = False,
-               prefill_graphs: tuple[int, ...] = ()):
+               prefill_graphs: tuple[int, ...] = (), prefill_read: str | None = None):
     """The arm's server: attached from ENV_SERVERS when it names `key` (default: the arm), else started (stopped
-    with `stack`); `thresholds` go to the hybrid arm only; `part_clock`, `samples` and `prefill_graphs` as `start`
-    takes them (dense's start takes no `prefill_graphs`)."""
+    with `stack`); `thresholds` go to the hybrid arm only; `part_clock`, `samples`, `prefill_graphs` and
+    `prefill_read` as `start` takes them (dense's start takes neither of the last two)."""
     given = json.loads(Path(os.environ[ENV_SERVERS]).read_text()) if os.environ.get(ENV_SERVERS) else {}
     if (key or name) in given:
         return Attached(given[key or name])
@@ -599,7 +638,7 @@ def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: s
                      samples=samples)
     return start(plan, stack, model, workdir, arm_file=arm_files[name], mem=mem,
                  thresholds=thresholds if name == HYBRID else None, graph_batches=graph_batches,
-                 part_clock=part_clock, samples=samples, prefill_graphs=prefill_graphs)
+                 part_clock=part_clock, samples=samples, prefill_graphs=prefill_graphs, prefill_read=prefill_read)
 
 
 def ready(plan: Plan, servers: list[Server]) -> None:
@@ -1369,7 +1408,8 @@ def sweep_arm(plan: Plan, stage: Stage, model: Path, arm_files: dict[str, Path],
         server = server_for(plan, stack, model, stage.out / name, name, arm_files, plan.solo_mem_fraction,
                             graph_batches=plan.sweep_graph_batches, samples=plan.sweep_samples,
                             prefill_graphs=plan.routed_graph_tokens
-                            if plan.routed_prefill_graphs and name in (ALWAYS, CONTROL) else ())
+                            if plan.routed_prefill_graphs and name in (ALWAYS, CONTROL) else (),
+                            prefill_read=plan.routed_prefill_read if name in (ALWAYS, CONTROL) else None)
         ready(plan, [server])
         capacity = kv_capacity(server)
         compiled = triton_compiles(server)  # what the arm compiles while it serves its cells: from here

@@ -3,7 +3,7 @@
 #
 #   benchmarks/gpu/run.sh install|tiles|sweep|ladder|headline|kernels|clock|all|lease-1..lease-6|pack OUTDIR
 #                         [--dry-run] [--within SECONDS] [--earlier DIR]... [--pack FILE] [--stand-in-ops OPS]
-#                         [--samples] [--prefill-only] [--routed-prefill-graphs]
+#                         [--samples] [--prefill-only] [--routed-prefill-graphs] [--routed-prefill-read READ]
 #
 # install   installs the bundle (.gpu-bundle/, `make gpu-bundle`) into $VSKIPPER_SITE unless it is there already,
 #           and prints the GPU, its memory and driver, torch and triton (OUTDIR/env.json)
@@ -36,7 +36,10 @@
 # --prefill-only  the sweep serves its prefill lengths and rounds alone, no decode cell (so no tau): a routed
 #               prefill's cost against dense's in about half a sweep's device time
 # --routed-prefill-graphs  the sweep's routed arms replay each routed layer's prefill work from CUDA graphs captured
-#               at the sweep's prefill token counts (VSKIPPER_PREFILL_GRAPHS; the read eager between): not on a dry run
+#               at the sweep's prefill token counts (VSKIPPER_PREFILL_GRAPHS; with the backend read, the read eager
+#               between): not on a dry run
+# --routed-prefill-read READ  the sweep's routed arms prefill with the packed or the backend read in place of the
+#               table's choice (VSKIPPER_PREFILL_READ): the triton execution's, not on a dry run
 #
 # A stage stopped by its budget or limit runs again while the call has time (up to three runs; a failed one does
 # not, nor one whose budget a lease caps): in a lease, in `all`, and named alone with --within (without it, a stage
@@ -50,12 +53,12 @@ set -euo pipefail
 usage() {
     echo "usage: $0 install|tiles|sweep|ladder|headline|kernels|clock|all|lease-N|pack OUTDIR [--dry-run]" \
          "[--within SECONDS] [--earlier DIR]... [--pack FILE] [--stand-in-ops torch|triton] [--samples]" \
-         "[--prefill-only] [--routed-prefill-graphs]" >&2
+         "[--prefill-only] [--routed-prefill-graphs] [--routed-prefill-read packed|backend]" >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
 CALL="$0 $*"  # what a stopped call reruns
-STAGE=$1 OUT=$2 DRY="" WITHIN="" PACK="" EARLIER="" OPS=torch SAMPLES=0 PREFILL_ONLY=0 ROUTED_GRAPHS=0
+STAGE=$1 OUT=$2 DRY="" WITHIN="" PACK="" EARLIER="" OPS=torch SAMPLES=0 PREFILL_ONLY=0 ROUTED_GRAPHS=0 ROUTED_READ=""
 shift 2
 while [ $# -gt 0 ]; do
     case $1 in
@@ -70,6 +73,8 @@ while [ $# -gt 0 ]; do
         --samples) SAMPLES=1; shift ;;
         --prefill-only) PREFILL_ONLY=1; shift ;;
         --routed-prefill-graphs) ROUTED_GRAPHS=1; shift ;;
+        --routed-prefill-read) [ $# -ge 2 ] && [[ $2 =~ ^(packed|backend)$ ]] || { echo "--routed-prefill-read: packed or backend" >&2; usage; }
+                               ROUTED_READ=$2; shift 2 ;;
         *) usage ;;
     esac
 done
@@ -77,6 +82,7 @@ case $STAGE in install|tiles|sweep|ladder|headline|kernels|clock|all|pack|lease-
 [ "$STAGE" != pack ] || [ -n "$PACK" ] || { echo "pack: --pack FILE names the archive" >&2; usage; }
 [ -z "$DRY" ] || [ "$OPS" = torch ] || { echo "--stand-in-ops $OPS: the CUDA stand-ins', not a CPU dry run's" >&2; exit 2; }
 [ -z "$DRY" ] || [ "$ROUTED_GRAPHS" = 0 ] || { echo "--routed-prefill-graphs: CUDA graphs, not a CPU dry run's" >&2; exit 2; }
+[ -z "$DRY" ] || [ -z "$ROUTED_READ" ] || { echo "--routed-prefill-read: the triton execution's, not a CPU dry run's" >&2; exit 2; }
 START_S=$SECONDS
 [ -z "$PACK" ] || PACK=$(cd "$(dirname "$PACK")" && pwd)/$(basename "$PACK")
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -100,6 +106,7 @@ export VSKIPPER_GPU_RUN_STAND_IN_OPS=$OPS
 export VSKIPPER_GPU_RUN_SAMPLES=$SAMPLES
 export VSKIPPER_GPU_RUN_PREFILL_ONLY=$PREFILL_ONLY
 export VSKIPPER_GPU_RUN_ROUTED_PREFILL_GRAPHS=$ROUTED_GRAPHS
+export VSKIPPER_GPU_RUN_ROUTED_PREFILL_READ=$ROUTED_READ
 # What a --within call keeps at its end: a stage's 30 s to stop after TERM, then the summary and the pack.
 END_MARGIN_S=${VSKIPPER_END_MARGIN_S:-45}
 MIN_STAGE_S=140  # a stage with less than this left of --within is not started (its budget would be under 60 s)

@@ -128,6 +128,7 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
     from vskipper.sglang.spec import (
         ENV_INTERLEAVE_CONTROL,
         ENV_PASS_SPANS,
+        ENV_PREFILL_READ,
         ENV_STACK_SAMPLES,
         ServeSpec,
         check_arm_for_model,
@@ -152,6 +153,7 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
                      pass_spans=switch_from_env(os.environ, ENV_PASS_SPANS),
                      stack_samples=switch_from_env(os.environ, ENV_STACK_SAMPLES),
                      prefill_graphs=prefill_graphs_from_env(os.environ),
+                     prefill_read=os.environ.get(ENV_PREFILL_READ) or "auto",
                      prefill_floor_tokens=getattr(args, "prefill_floor_tokens", None))
     cmd = [sys.executable, "-m", "vskipper.sglang.server", "--model-path", str(args.model), *profile.flags,
            "--host", args.host, "--port", str(args.port), *extra,

@@ -45,6 +45,12 @@ ENV_INTERLEAVE_CONTROL = "VSKIPPER_INTERLEAVE_CONTROL"
 # TRITON_INTERPRET=1, which the server's environment then keeps: tests). The same served semantics either way.
 ENV_EXECUTION = "VSKIPPER_COHORT_EXECUTION"
 EXECUTIONS = ("auto", "torch", "triton")
+# The triton execution's prefill read (`vskipper.sglang.models.routed.PREFILL_READS`): auto (the default: the tile
+# table's choice, `TileTable.prefill_read`), packed or backend, in its place (attested with the table's choice in
+# `prefill_read_why`): the table weighs the reads' device time alone, where routed prefill graphs change what each
+# leaves the host (`ENV_PREFILL_GRAPHS`: the packed read replays inside each routed layer's one segment).
+ENV_PREFILL_READ = "VSKIPPER_PREFILL_READ"
+PREFILL_READ_CHOICES = ("auto", "packed", "backend")
 # A tile table measured on the serving GPU (`vskipper serve --tile-table`), which the triton execution's GEMMs and
 # packed prefill read take instead of the one shipped for it (`vskipper.mixed.tiles.given_tile_table`); unset: the
 # shipped one. Only the flag sets it: `serve_environment` never passes one inherited from the caller.
@@ -89,10 +95,14 @@ class ServeSpec:
     prefill_floor_tokens: int | None = None  # the prefill switch's floor (`ENV_PREFILL_FLOOR`); None: the constant's
     stack_samples: bool = False  # sample the forward's stack in each pass (`ENV_STACK_SAMPLES`; with the clock's spans)
     prefill_graphs: tuple[int, ...] = ()  # the routed prefill passes' captured token counts (`ENV_PREFILL_GRAPHS`)
+    prefill_read: str = "auto"  # the triton execution's prefill read asked for (`ENV_PREFILL_READ`)
 
     def __post_init__(self) -> None:
         if self.execution not in EXECUTIONS:
             raise ServeConfigError(f"{ENV_EXECUTION} must be one of {', '.join(EXECUTIONS)}, got {self.execution!r}")
+        if self.prefill_read not in PREFILL_READ_CHOICES:
+            raise ServeConfigError(f"{ENV_PREFILL_READ} must be one of {', '.join(PREFILL_READ_CHOICES)}, got "
+                                   f"{self.prefill_read!r}")
         sizes = self.prefill_graphs
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or list(sizes) != sorted(
                 set(sizes)):
@@ -145,6 +155,8 @@ class ServeSpec:
             env[ENV_PREFILL_FLOOR] = str(self.prefill_floor_tokens)
         if self.prefill_graphs:
             env[ENV_PREFILL_GRAPHS] = ",".join(map(str, self.prefill_graphs))
+        if self.prefill_read != "auto":
+            env[ENV_PREFILL_READ] = self.prefill_read
         return env
 
     @classmethod
@@ -177,7 +189,7 @@ class ServeSpec:
                    switch_from_env(environ, ENV_INTERLEAVE_CONTROL), environ.get(ENV_EXECUTION, "auto"),
                    Path(environ[ENV_TILE_TABLE]) if environ.get(ENV_TILE_TABLE) else None,
                    switch_from_env(environ, ENV_PASS_SPANS), floor, switch_from_env(environ, ENV_STACK_SAMPLES),
-                   prefill_graphs_from_env(environ))
+                   prefill_graphs_from_env(environ), environ.get(ENV_PREFILL_READ) or "auto")
 
 
 def prefill_graphs_from_env(environ) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from operator import is_
 from pathlib import Path
 from types import SimpleNamespace
@@ -67,7 +67,13 @@ from vskipper.sglang import active
 from vskipper.sglang.part_times import PartClock, PassClock, clock_phase, cuda_events
 from vskipper.sglang.replay import PHASES, ReplayLedger
 from vskipper.sglang.runtime import Step, get_runtime
-from vskipper.sglang.spec import ENV_EXECUTION, ENV_TILE_TABLE, ROUTED_GRAPH_PHASES, ServeConfigError
+from vskipper.sglang.spec import (
+    ENV_EXECUTION,
+    ENV_PREFILL_READ,
+    ENV_TILE_TABLE,
+    ROUTED_GRAPH_PHASES,
+    ServeConfigError,
+)
 from vskipper.skippers.modules import ProjectorAdapter, SkipRouter, is_router_tensor, router_sizes
 
 
@@ -256,6 +262,20 @@ def cohort_execution(layers, device: torch.device, requested: str = "auto",
         why = ""
     return CohortExecution("torch", reason=why, prefill_read="backend" if device.type == "cuda" else "sized",
                            decode_read="backend" if device.type == "cpu" else "masked")
+
+
+def asked_prefill_read(execution: CohortExecution, asked: str) -> CohortExecution:
+    """`execution` prefilling with the read `asked` (`ENV_PREFILL_READ`) in place of the table's choice, which
+    `prefill_read_why` keeps; as it is where `asked` is auto. Only the triton execution takes one: refused by name
+    for the torch execution."""
+    if asked == "auto":
+        return execution
+    if execution.decode != "triton":
+        raise ServeConfigError(f"{ENV_PREFILL_READ}={asked}: the triton execution's prefill read, and the routed "
+                               f"layers run the torch execution ({execution.reason or 'not CUDA'})")
+    chose = f"{execution.prefill_read}" + (f" ({execution.prefill_read_why})" if execution.prefill_read_why else "")
+    return replace(execution, prefill_read=asked,
+                   prefill_read_why=f"{ENV_PREFILL_READ}={asked}, in place of the execution's choice: {chose}")
 
 
 @dataclass
@@ -896,6 +916,8 @@ class SkipperCausalLM(RouterWeightsMixin):
         if self.runtime.spec.execution == "triton" and self.slot.execution.decode != "triton":
             raise ServeConfigError(f"{ENV_EXECUTION}=triton, but the routed layers cannot run it: "
                                    f"{self.slot.execution.reason}")
+        if self.runtime.skipper is not None:
+            self.slot.execution = asked_prefill_read(self.slot.execution, spec.prefill_read)
         self.graph_blocker = routed_graph_blocker(self.slot.execution, device)
         if self.slot.execution.decode == "triton":
             from vskipper.mixed.router import gate_form
