@@ -490,7 +490,7 @@ class TestRoutedPrefillGraphs:
         graphs = att["prefill_graphs"]
         routed = len(att["model"]["routed_layers"])
         segments = 2 * (1 + routed)  # per count the state and each routed layer's one segment
-        assert graphs["tokens"] == [8, 32] and graphs["read"] == "packed"
+        assert graphs["tokens"] == [8, 32] and graphs["read"] == "packed" and graphs["made_by"] == "stand-in RerunGraph"
         assert all(s is not None for s in graphs["captured_at_boot_s"].values())
         assert graphs["capture_check"]["segments"] == graphs["capture_check"]["rechecked"] == segments
         assert graphs["failed"] == {"8": None, "32": None}

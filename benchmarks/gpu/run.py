@@ -527,10 +527,11 @@ def asked_read(served: dict) -> str | None:
 
 def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
     """Why this run's sweep cannot continue or reuse what OUTDIR's sweep served: arms served with decode cells
-    where this run serves its prefill alone, or the other way round (`run.sh --prefill-only`), or routed arms whose
+    where this run serves its prefill alone, or the other way round (`run.sh --prefill-only`), routed arms asked for
+    another prefill read than this run asks for, or none where it asks (`--routed-prefill-read`), or routed arms whose
     prefill layers replayed from graphs where this run's run eagerly, or the other way round
-    (`--routed-prefill-graphs`); None where they agree or nothing was served yet. A folder holds one kind of sweep: its arms' prefill passes follow the same
-    work."""
+    (`--routed-prefill-graphs`); None where they agree or nothing was served yet. A folder holds one kind of sweep:
+    its arms' prefill passes follow the same work."""
     folder = out / "sweep"
     docs = {p.name.removesuffix(".result.json"): json.loads(p.read_text())
             for p in folder.glob("*.result.json")} if folder.is_dir() else {}

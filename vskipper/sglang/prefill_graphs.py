@@ -108,6 +108,8 @@ class PrefillGraphs:
             raise ValueError(f"prefill graphs serve the reads {sorted(GRAPH_READS)}, not {execution.prefill_read!r}")
         self.packed = execution.prefill_read == "packed"
         self.graphs = SegmentGraphs(device, graph, hold=runtime.capturing_graphs)
+        # what makes each graph, attested: a stand-in is named (tests only: no CUDA graph then)
+        self.made_by = "CUDA graphs" if graph is None else f"stand-in {getattr(graph, '__name__', repr(graph))}"
         cap = self.sizes[-1]
         capacity = tape_capacity(cap)
         # the graph tape and maps: fixed storage every capture reads and writes
@@ -136,7 +138,8 @@ class PrefillGraphs:
         self.boot: dict[str, float | None] = dict.fromkeys(map(str, self.sizes))
 
     def attestation(self) -> dict[str, Any]:
-        return {"tokens": list(self.sizes), "read": self.execution.prefill_read, "passes": self.passes, "segments": self.graphs.counts,
+        return {"tokens": list(self.sizes), "read": self.execution.prefill_read, "made_by": self.made_by,
+                "passes": self.passes, "segments": self.graphs.counts,
                 "capture_check": self.graphs.check, "memory": self.graphs.memory, "failed": self.failed,
                 "captured_at_boot_s": self.boot}
 

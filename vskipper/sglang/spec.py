@@ -45,8 +45,9 @@ ENV_INTERLEAVE_CONTROL = "VSKIPPER_INTERLEAVE_CONTROL"
 # TRITON_INTERPRET=1, which the server's environment then keeps: tests). The same served semantics either way.
 ENV_EXECUTION = "VSKIPPER_COHORT_EXECUTION"
 EXECUTIONS = ("auto", "torch", "triton")
-# The triton execution's prefill read (`vskipper.sglang.models.routed.PREFILL_READS`): auto (the default: the tile
-# table's choice, `TileTable.prefill_read`), packed or backend, in its place (attested with the table's choice in
+# The triton execution's prefill read (`PREFILL_READ_CHOICES`; the reads:
+# `vskipper.sglang.models.routed.PREFILL_READS`): auto (the default: the tile table's choice,
+# `TileTable.prefill_read`), packed or backend, in its place (attested with the table's choice in
 # `prefill_read_why`): the table weighs the reads' device time alone, where routed prefill graphs change what each
 # leaves the host (`ENV_PREFILL_GRAPHS`: the packed read replays inside each routed layer's one segment).
 ENV_PREFILL_READ = "VSKIPPER_PREFILL_READ"

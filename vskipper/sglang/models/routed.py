@@ -272,7 +272,7 @@ def asked_prefill_read(execution: CohortExecution, asked: str) -> CohortExecutio
         return execution
     if execution.decode != "triton":
         raise ServeConfigError(f"{ENV_PREFILL_READ}={asked}: the triton execution's prefill read, and the routed "
-                               f"layers run the torch execution ({execution.reason or 'not CUDA'})")
+                               f"layers run the torch execution ({execution.reason or 'not triton'})")
     chose = f"{execution.prefill_read}" + (f" ({execution.prefill_read_why})" if execution.prefill_read_why else "")
     return replace(execution, prefill_read=asked,
                    prefill_read_why=f"{ENV_PREFILL_READ}={asked}, in place of the execution's choice: {chose}")
