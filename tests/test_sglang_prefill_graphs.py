@@ -21,7 +21,7 @@ pytest.importorskip("sglang")
 
 from benchmarks.host_time_bench import ARMS, CONTEXT, ServedModel, Shape, same_kv  # noqa: E402
 from vskipper.checkpoint import TinySize, make_tiny_model  # noqa: E402
-from vskipper.mixed.segment_graphs import CaptureFailed, RerunGraph, SegmentGraphs, copy_into  # noqa: E402
+from vskipper.mixed.segment_graphs import CaptureFailed, RerunGraph, SegmentGraphs, copy_into, tensors  # noqa: E402
 
 REQUESTS = 8
 SIZES = (16, 64)
@@ -133,7 +133,7 @@ def test_routed_prefill_passes_replayed_at_each_count_equal_the_eager_passes(che
     # the state and each routed layer's segments captured once per count, replayed at every later pass there
     assert graphs.graphs.counts == {"captured": 2 * (1 + per_layer * routed), "replayed": 4 * (1 + per_layer * routed)}
     assert graphs.passes == {"by_tokens": {"16": 3, "64": 3},
-                             "eager": {"longer than every count": 1, "its count's capture failed": 0}}
+                             "eager": {"longer than every count": 1, "its count's capture failed or strayed": 0}}
     got, want = graphed.model.runtime.attestation(), eager.model.runtime.attestation()
     assert got["rows_total"] == want["rows_total"]
     rows = got["rows_total"]["prefill"]
@@ -322,7 +322,7 @@ def test_a_count_whose_capture_fails_serves_its_passes_eagerly_and_says_why(chec
         assert_same(graphed, eager, shape, first, seed)
     assert graphs.failed == {"16": "RuntimeError: operation not permitted when stream is capturing", "64": None}
     assert graphs.passes == {"by_tokens": {"16": 0, "64": 2},
-                             "eager": {"longer than every count": 0, "its count's capture failed": 2}}
+                             "eager": {"longer than every count": 0, "its count's capture failed or strayed": 2}}
     assert graphs.graphs.broken.startswith(f"{refused!r}: RuntimeError")
     with pytest.raises(CaptureFailed, match="no capture after a failed one"):
         graphs.graphs.run("another", lambda: torch.zeros(1))
@@ -531,3 +531,48 @@ def test_the_prefill_read_asked_for_replaces_the_executions_choice_and_is_refuse
     spec = ServeSpec(get_arm("always-route"), 0, 0, prefill_read="packed")
     assert ServeSpec.from_env(spec.to_env()).prefill_read == "packed"
     assert ENV_PREFILL_READ not in ServeSpec(get_arm("always-route"), 0, 0).to_env()
+
+
+def test_a_count_whose_replays_stray_at_start_serves_its_passes_eagerly_and_says_why(checkpoint, monkeypatch):
+    """A graph whose replay leaves other values than its eager run (here every replay of count 16's segments adds
+    one to its outputs, as a replay of something else than the eager run would) is found by the checks at start:
+    that count is marked failed, named with the segment and how far it strayed, and its passes run eagerly, equal
+    to the eager model's; the other count replays."""
+    from types import SimpleNamespace
+
+    from vskipper.sglang import active, hooks
+
+    graphed, eager = served(checkpoint, monkeypatch, read="packed")
+    graphs = graphed.model.slot.prefill_graphs
+    making = [None]
+
+    class Straying(RerunGraph):
+        def __init__(self):
+            super().__init__()
+            self.key = making[0]
+
+        def replay(self):
+            super().replay()
+            if self.key[0] == 16:
+                for t in tensors(self.outputs):
+                    if t.is_floating_point():
+                        t.add_(1.0)
+
+    real_run = graphs.graphs.run
+
+    def run(key, fn):
+        making[0] = key
+        return real_run(key, fn)
+
+    monkeypatch.setattr(graphs.graphs, "run", run)
+    monkeypatch.setattr(graphs.graphs, "_make", Straying)
+    monkeypatch.setattr(active, "_ACTIVE", [graphed.model])
+    hooks.after_boot_capture(None, SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
+        model=graphed.model, attn_backend=graphed.backend))))
+    assert graphs.failed["64"] is None
+    assert graphs.failed["16"].startswith("segment (16, ") and "replay strayed from its eager run by" in \
+        graphs.failed["16"]
+    for seed, (shape, first) in enumerate([(Shape("prefill", 2, 8), 0), (Shape("prefill", 1, 40), 2)]):
+        assert_same(graphed, eager, shape, first, seed)
+    assert graphs.passes == {"by_tokens": {"16": 0, "64": 1},
+                             "eager": {"longer than every count": 0, "its count's capture failed or strayed": 1}}

@@ -183,6 +183,9 @@ class SegmentGraphs:
                                       # segments whose capture recorded no kernel; whose check met a NaN or an
                                       # infinity where the other side had something else (`NOT_FINITE`)
                                       "empty": [], "not_finite": []}
+        # each checked segment's worst difference over its checks so far (`difference`), for a caller that refuses
+        # a capture that strayed
+        self.worst_by_key: dict[Hashable, float] = {}
         # what the captures took of the device's memory (CUDA's caching allocator reserved more by this much)
         self.memory: dict[str, int] = {"reserved_bytes": 0}
         self._stream = None
@@ -247,6 +250,7 @@ class SegmentGraphs:
 
     def _note(self, key: Hashable, worst: float, count: str, field: str, where: str) -> None:
         self.check[count] += 1
+        self.worst_by_key[key] = max(worst, self.worst_by_key.get(key, 0.0))
         if worst >= NOT_FINITE:
             self.check["not_finite"].append(repr(key))
         if worst >= self.check[field]:

@@ -60,8 +60,13 @@ GRAPH_READS = {
               "values: each row's request slot and position from static rows, SGLang's pools at fixed addresses)",
     "backend": "two segments a routed layer, SGLang's backend read eager between them (its metadata is the pass's)",
 }
+# A count whose segments' checks at start strayed further than this from their eager runs (of the largest value,
+# `vskipper.mixed.segment_graphs.difference`; NaN or infinity on one side alone is further) serves its passes
+# eagerly: a replay of the same kernels over the same inputs agrees with its eager run but for the order of a
+# reduction, so a straying one replays something else (a kernel outside the capture, a value kept from it)
+CHECK_REFUSES = 0.05
 # Why a routed prefill pass runs eagerly where graphs are asked for (`PrefillGraphs.passes`)
-EAGER_REASONS = ("longer than every count", "its count's capture failed")
+EAGER_REASONS = ("longer than every count", "its count's capture failed or strayed")
 
 # Tests: what makes each graph where no CUDA graph can be captured (`vskipper.mixed.segment_graphs.RerunGraph`);
 # None: CUDA graphs, on CUDA only (or as `ENV_PREFILL_GRAPH_STAND_IN` asks a server, `graph_stand_in`).
@@ -172,7 +177,7 @@ class PrefillGraphs:
             self.passes["eager"]["longer than every count"] += 1
             return False
         if self.failed[str(size)] is not None:
-            self.passes["eager"]["its count's capture failed"] += 1
+            self.passes["eager"]["its count's capture failed or strayed"] += 1
             return False
         if self.packed and req_rows is None:
             raise ValueError("the packed read's graphs read each row's request slot: begin() needs req_rows")
@@ -189,7 +194,7 @@ class PrefillGraphs:
             if self.failed[size] is None:
                 self.passes["by_tokens"][size] += 1
             else:
-                self.passes["eager"]["its count's capture failed"] += 1
+                self.passes["eager"]["its count's capture failed or strayed"] += 1
         self.active = None
 
     def capture_all(self, layers, embed, parts_of, vocab: int, seed: int = 0) -> None:
@@ -232,15 +237,32 @@ class PrefillGraphs:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 self.boot[str(size)] = round(time.perf_counter() - t0, 3)
+                self._refuse_straying(size)
                 why = self.failed[str(size)]
-                logger.info("routed prefill graphs at %d tokens captured and checked in %.1f s%s", size,
-                            self.boot[str(size)], f" (failed: {why})" if why else "")
+                logger.log(logging.WARNING if why else logging.INFO,
+                           "routed prefill graphs at %d tokens captured and checked in %.1f s%s", size,
+                           self.boot[str(size)], f"; its passes run eagerly: {why}" if why else "")
         finally:
             for lid, (k, v) in zip(layer_ids, kept, strict=True):
                 pool.get_key_buffer(lid)[slots] = k.to(device)
                 pool.get_value_buffer(lid)[slots] = v.to(device)
             for row, held in rows_kept.items():
                 req_to_token[row] = held
+            if device.type == "cuda":  # the pools as they were before any stream of SGLang's reads them; the
+                torch.cuda.synchronize(device)  # captures' eager runs' cached blocks back to the device
+                torch.cuda.empty_cache()
+
+    def _refuse_straying(self, size: int) -> None:
+        """Count `size` marked failed, so that its passes run eagerly, where a segment's check at start strayed
+        further than `CHECK_REFUSES` (its capture kept)."""
+        if self.failed[str(size)] is not None:
+            return
+        strayed = [(worst, key) for key, worst in self.graphs.worst_by_key.items()
+                   if isinstance(key, tuple) and key[0] == size and worst > CHECK_REFUSES]
+        if strayed:
+            worst, key = max(strayed)
+            self.failed[str(size)] = f"segment {key!r}'s replay strayed from its eager run by {worst:.3g} of the " \
+                                     f"largest value (over {CHECK_REFUSES})"
 
     @staticmethod
     def _boot_pass(size: int, round_: int, req_to_token: torch.Tensor, slots: torch.Tensor,
