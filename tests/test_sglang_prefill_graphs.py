@@ -533,11 +533,13 @@ def test_the_prefill_read_asked_for_replaces_the_executions_choice_and_is_refuse
     assert ENV_PREFILL_READ not in ServeSpec(get_arm("always-route"), 0, 0).to_env()
 
 
-def test_a_count_whose_replays_stray_at_start_serves_its_passes_eagerly_and_says_why(checkpoint, monkeypatch):
+@pytest.mark.parametrize("stray", ["one", "nan"])
+def test_a_count_whose_replays_stray_at_start_serves_its_passes_eagerly_and_says_why(checkpoint, monkeypatch,
+                                                                                   stray):
     """A graph whose replay leaves other values than its eager run (here every replay of count 16's segments adds
-    one to its outputs, as a replay of something else than the eager run would) is found by the checks at start:
-    that count is marked failed, named with the segment and how far it strayed, and its passes run eagerly, equal
-    to the eager model's; the other count replays."""
+    one to its outputs, or leaves NaN, as a replay of something else than the eager run would) is found by the
+    checks at start: that count is marked failed, named with the segment and how far it strayed, and its passes run
+    eagerly, equal to the eager model's; the other count replays."""
     from types import SimpleNamespace
 
     from vskipper.sglang import active, hooks
@@ -556,7 +558,7 @@ def test_a_count_whose_replays_stray_at_start_serves_its_passes_eagerly_and_says
             if self.key[0] == 16:
                 for t in tensors(self.outputs):
                     if t.is_floating_point():
-                        t.add_(1.0)
+                        t.add_(1.0) if stray == "one" else t.fill_(float("nan"))
 
     real_run = graphs.graphs.run
 

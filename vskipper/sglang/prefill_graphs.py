@@ -208,8 +208,8 @@ class PrefillGraphs:
         (`SegmentGraphs.check`). Each row writes its own KV slot and each request's rows read their own keys (the
         packed read, inside the segment); the backend read, eager in every served pass, is stood in for by each
         row's query. The KV slots and request rows the passes take are put back as they were. A count whose
-        capture fails is marked, as at a served pass (`_segment`); an eager run that fails (as out of memory)
-        fails the server's start. No pass is counted; each count's seconds are attested (`captured_at_boot_s`)."""
+        capture fails is marked, as at a served pass (`_segment`), and so is one whose checks strayed
+        (`_refuse_straying`); an eager run that fails (as out of memory) fails the server's start. No pass is counted; each count's seconds are attested (`captured_at_boot_s`)."""
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
         device, cap = self.x.device, self.sizes[-1]
@@ -260,7 +260,7 @@ class PrefillGraphs:
         strayed = [(worst, key) for key, worst in self.graphs.worst_by_key.items()
                    if isinstance(key, tuple) and key[0] == size and worst > CHECK_REFUSES]
         if strayed:
-            worst, key = max(strayed)
+            worst, key = max(strayed, key=lambda found: found[0])  # keys of a count differ in kind: not compared
             self.failed[str(size)] = f"segment {key!r}'s replay strayed from its eager run by {worst:.3g} of the " \
                                      f"largest value (over {CHECK_REFUSES})"
 
