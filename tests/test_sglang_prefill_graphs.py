@@ -54,6 +54,30 @@ def served(checkpoint, monkeypatch, arm: str = "s=0.5", sizes=SIZES,
     return built
 
 
+def made_with_keys(monkeypatch, graphs: SegmentGraphs, graph_class) -> None:
+    """Each graph of `graphs` made by `graph_class(key)`, the key of the segment it is made for."""
+    real_run, making = graphs.run, [None]
+
+    def run(key, fn):
+        making[0] = key
+        return real_run(key, fn)
+
+    monkeypatch.setattr(graphs, "run", run)
+    monkeypatch.setattr(graphs, "_make", lambda: graph_class(making[0]))
+
+
+def boot(monkeypatch, model: ServedModel) -> None:
+    """What the server does once SGLang's scheduler is built: the hook after `get_init_info`, handed a scheduler
+    whose runner serves `model`."""
+    from types import SimpleNamespace
+
+    from vskipper.sglang import active, hooks
+
+    monkeypatch.setattr(active, "_ACTIVE", [model.model])
+    hooks.after_boot_capture(None, SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
+        model=model.model, attn_backend=model.backend))))
+
+
 class ReadOperands:
     """Once installed (after SGLang is set up for the CPU): every prefill read handed its new tokens' K/V as
     operands (a routed layer's, which writes them itself first) is checked: those operands are the K/V the pool
@@ -301,21 +325,17 @@ def test_a_count_whose_capture_fails_serves_its_passes_eagerly_and_says_why(chec
     refused = (16, graphed.model.routed_layers[1], "out")
 
     class Refusing(RerunGraph):
+        def __init__(self, key):
+            super().__init__()
+            self.key = key
+
         def capture(self, fn):
-            if capturing[0] == refused:
+            if self.key == refused:
                 raise RuntimeError("operation not permitted when stream is capturing")
             return super().capture(fn)
 
-    capturing = [None]
     graphs = graphed.model.slot.prefill_graphs
-    real_run = graphs.graphs.run
-
-    def run(key, fn):
-        capturing[0] = key
-        return real_run(key, fn)
-
-    monkeypatch.setattr(graphs.graphs, "run", run)
-    monkeypatch.setattr(graphs.graphs, "_make", Refusing)
+    made_with_keys(monkeypatch, graphs.graphs, Refusing)
     assert prefill_graphs.PREFILL_GRAPH_STAND_IN is RerunGraph
     for seed, (shape, first) in enumerate([(Shape("prefill", 1, 40), 4), (Shape("prefill", 2, 8), 0),
                                            (Shape("prefill", 1, 12), 3), (Shape("prefill", 1, 50), 5)]):
@@ -380,22 +400,16 @@ def test_flexidepth_passes_replayed_route_with_the_fused_gate_as_the_eager_passe
 def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_capture(checkpoint, monkeypatch,
                                                                                     read):
     """The server captures every count once SGLang's scheduler is built (the hook after `get_init_info`, handed the
-    scheduler): two passes a count, of no request, counted nowhere, writing no KV slot but SGLang's padding slot.
-    Every segment is then captured and rechecked before the first served pass, and the served passes replay
-    only, equal to the eager model's, their rows counted as the eager model counts them."""
-    from types import SimpleNamespace
-
-    from vskipper.sglang import active, hooks
-
+    scheduler): two passes a count, of no request, counted nowhere, the KV slots and request rows they write put
+    back as they were (the whole pool is compared with the eager model's below). Every segment is then captured
+    and rechecked before the first served pass, and the served passes replay only, equal to the eager model's,
+    their rows counted as the eager model counts them."""
     graphed, eager = served(checkpoint, monkeypatch, read=read)
     graphs = graphed.model.slot.prefill_graphs
     routed = len(graphed.model.routed_layers)
     per_pass = 1 + (2 if read == "backend" else 1) * routed
     segments = 2 * per_pass
-    monkeypatch.setattr(active, "_ACTIVE", [graphed.model])
-    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
-        model=graphed.model, attn_backend=graphed.backend)))
-    hooks.after_boot_capture(None, scheduler)
+    boot(monkeypatch, graphed)
     check = graphs.graphs.check
     assert graphs.graphs.counts == {"captured": segments, "replayed": segments}  # the second pass replayed each
     assert check["segments"] == check["rechecked"] == segments and not check["not_finite"]
@@ -471,19 +485,14 @@ def test_qwen3_passes_replayed_equal_the_eager_passes(qwen3_checkpoint, monkeypa
     fold handing its sum on in place (into the static rows the next routed layer copies from), RandomSkip and the
     trained gate's fused route; captured at boot, then passes of both counts and one longer than either, equal to
     the eager model's."""
-    from types import SimpleNamespace
-
     from vskipper.arms import get_arm
-    from vskipper.sglang import active, hooks
 
     if arm == "qwen3":
         monkeypatch.setitem(ARMS, "qwen3", get_arm("qwen3-always-route"))
     graphed, eager = served(qwen3_checkpoint, monkeypatch, arm=arm, read=read)
     assert type(graphed.model).__name__ == "Qwen3SkipperForCausalLM"
     assert graphed.model.slot.fused_gate == (arm == "qwen3")
-    monkeypatch.setattr(active, "_ACTIVE", [graphed.model])
-    hooks.after_boot_capture(None, SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
-        model=graphed.model, attn_backend=graphed.backend))))
+    boot(monkeypatch, graphed)
     graphs = graphed.model.slot.prefill_graphs
     captured, replayed = graphs.graphs.counts["captured"], graphs.graphs.counts["replayed"]
     for seed, (shape, first) in enumerate([(Shape("prefill", 2, 8), 0), (Shape("prefill", 1, 40), 2),
@@ -540,18 +549,13 @@ def test_a_count_whose_replays_stray_at_start_serves_its_passes_eagerly_and_says
     one to its outputs, or leaves NaN, as a replay of something else than the eager run would) is found by the
     checks at start: that count is marked failed, named with the segment and how far it strayed, and its passes run
     eagerly, equal to the eager model's; the other count replays."""
-    from types import SimpleNamespace
-
-    from vskipper.sglang import active, hooks
-
     graphed, eager = served(checkpoint, monkeypatch, read="packed")
     graphs = graphed.model.slot.prefill_graphs
-    making = [None]
 
     class Straying(RerunGraph):
-        def __init__(self):
+        def __init__(self, key):
             super().__init__()
-            self.key = making[0]
+            self.key = key
 
         def replay(self):
             super().replay()
@@ -560,17 +564,8 @@ def test_a_count_whose_replays_stray_at_start_serves_its_passes_eagerly_and_says
                     if t.is_floating_point():
                         t.add_(1.0) if stray == "one" else t.fill_(float("nan"))
 
-    real_run = graphs.graphs.run
-
-    def run(key, fn):
-        making[0] = key
-        return real_run(key, fn)
-
-    monkeypatch.setattr(graphs.graphs, "run", run)
-    monkeypatch.setattr(graphs.graphs, "_make", Straying)
-    monkeypatch.setattr(active, "_ACTIVE", [graphed.model])
-    hooks.after_boot_capture(None, SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
-        model=graphed.model, attn_backend=graphed.backend))))
+    made_with_keys(monkeypatch, graphs.graphs, Straying)
+    boot(monkeypatch, graphed)
     assert graphs.failed["64"] is None
     assert graphs.failed["16"].startswith("segment (16, ") and "replay strayed from its eager run by" in \
         graphs.failed["16"]
