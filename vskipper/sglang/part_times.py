@@ -246,8 +246,8 @@ class PartClock:
 
     def calibrate(self, calls: int = 2000, rounds: int = 5) -> float:
         """The clock's own host time a wrapped call (`call_cost_s`): a call timed through a scratch clock of this
-        one's kind, nested in another as a layer's parts are, less the same call unwrapped; the least of `rounds`
-        rounds of `calls`. A floor: in a pass the clock's code may run with its data out of the processor's caches,
+        one's kind, nested in another as a layer's parts are, less the same call unwrapped: the least of `rounds`
+        rounds of `calls` of each, so that a round another thread held up counts on neither side. A floor: in a pass the clock's code may run with its data out of the processor's caches,
         and a part named by a function of the call's arguments (the fused QKV projection's) costs a few
         microseconds more. A pass's `calls` times it is the least the clock adds to its host time by its own
         Python; a difference between a timed and an untimed pass many times that is not the clock's code."""
@@ -258,18 +258,16 @@ class PartClock:
 
         timed = scratch.timed(work, "glue", "routed")
         outer = scratch.timed(lambda: [timed() for _ in range(calls)], "glue", "routed")
-        best = None
+        wrapped = plain = float("inf")
         for _ in range(rounds):
             t0 = self.clock()
             outer()
-            wrapped = self.clock() - t0
+            wrapped = min(wrapped, self.clock() - t0)
             t0 = self.clock()
             [work() for _ in range(calls)]  # noqa: B018 -- the same loop, unwrapped
-            plain = self.clock() - t0
-            cost = max(0.0, (wrapped - plain) / calls)
-            best = cost if best is None else min(best, cost)
-        self.call_cost_s = best
-        return best
+            plain = min(plain, self.clock() - t0)
+        self.call_cost_s = max(0.0, (wrapped - plain) / calls)
+        return self.call_cost_s
 
     def install(self, layers, routed: tuple[int, ...]) -> None:
         """Wrap the parts of SGLang decoder layers (Llama, Qwen3; `layers`: (layer id, layer)), and measure what a
