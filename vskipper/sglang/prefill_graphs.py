@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from vskipper.mixed.cohorts import CohortBuilder
-from vskipper.mixed.routed_layer import Handoff, triton_attention_in, triton_attention_out
+from vskipper.mixed.routed_layer import Handoff, routed_layer, triton_attention_in, triton_attention_out
 from vskipper.mixed.segment_graphs import CaptureFailed, RerunGraph, SegmentGraphs
 from vskipper.mixed.tape import RouteTape, tape_capacity
 from vskipper.sglang.runtime import Step
@@ -388,11 +388,9 @@ class PrefillGraphs:
         steps, `routed_layer`)."""
         size = step.rows
         cohorts, weights = self._route(layer, step, parts)
-        ops = self._ops(layer, size, parts)
-        q, _, _ = triton_attention_in(ops, self.u[:size], cohorts, self.execution.tiles)
-        a = ops.read_cohort(q, cohorts.run_idx, cohorts.live)
         h = self._out("h", self.x[:size])
-        delta, h = triton_attention_out(ops, h, a, weights, cohorts, self.execution.tiles, x_owned=True)
+        delta, h = routed_layer(self._ops(layer, size, parts), h, self.u[:size], None, weights, "triton", cohorts,
+                                self.execution.tiles, x_owned=True)  # the triton body reads no run mask
         return Handoff(self._out("delta", delta), h)
 
     def _attention_in(self, layer, step: Step, parts):
