@@ -31,6 +31,7 @@ from vskipper.metrics_names import (
     OPERATOR_V_STAR_TOKENS,
     PASSES,
     RESIDENT_TOKENS,
+    ROUTED_PREFILL_PASSES,
     ROWS,
     SGLANG_E2E,
     SGLANG_GENERATED_TOKENS,
@@ -115,6 +116,9 @@ def _panels() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
         ("Routing", "Routed share of passes per phase, per GPU class", "percentunit", [
             (share(f'rate({passes}{{{NS}, mode="routed"}}[{RATE}])', f"rate({passes}{{{NS}}}[{RATE}])",
                    f"{by_class}, phase"), f"{{{{service}}}} {cls} {{{{phase}}}}")]),
+        ("Routing", "Routed prefill passes by how their routed layers ran, per GPU class", "ops", [
+            (f"sum by ({by_class}, layers) (rate({ROUTED_PREFILL_PASSES.name}{{{NS}}}[{RATE}]))",
+             f"{{{{service}}}} {cls} {{{{layers}}}}")]),
         ("Routing", "Decode cohort sizes (row-layer visits per pass, by action)", "short", [
             (f'sum by ({by_class}, action) (rate({rows}{{{NS}, phase="decode"}}[{RATE}]))\n'
              f'/ on ({by_class}) group_left () sum by ({by_class}) (rate({passes}{{{NS}, phase="decode"}}[{RATE}]))',

@@ -18,6 +18,7 @@ from vskipper.metrics_names import (
     OPERATOR_RESOURCE_READY,
     PASSES,
     RESIDENT_TOKENS,
+    ROUTED_PREFILL_PASSES,
     ROWS,
     SWITCH_DECISIONS,
     THRESHOLD_TOKENS,
@@ -35,6 +36,7 @@ FLAP_WINDOW = "10m"
 FLAP_TRANSITIONS = 10  # route_on + route_off decisions per window: more than one a minute defeats the hysteresis
 NEVER_ENGAGES_WINDOW = "15m"
 NOT_EXECUTED_WINDOW = "10m"
+REFUSED_WINDOW = "10m"
 
 
 def share(numerator: str, denominator: str, by: str) -> str:
@@ -71,6 +73,8 @@ def alerts() -> list[dict]:
         f"sum by ({TARGET}, phase) (increase({PASSES.name}{{mode=\"routed\"}}[{w}])) > 0\n"
         f"unless on ({TARGET}, phase)\n"
         f"sum by ({TARGET}, phase) (increase({ROWS.name}{{action=\"project_only\"}}[{w}])) > 0")
+    refused = (f"sum by ({TARGET}) (increase({ROUTED_PREFILL_PASSES.name}{{layers=\"eager_refused\"}}"
+               f"[{REFUSED_WINDOW}])) > 0")
     return [
         {"alert": "VskipperRoutingNeverEngages", "expr": never_engages, "for": "5m",
          "labels": {"severity": "warning"},
@@ -93,6 +97,14 @@ def alerts() -> list[dict]:
              "description": "{{ $labels.instance }}: {{ $labels.phase }} passes ran in routed mode for "
                             f"{NOT_EXECUTED_WINDOW} but no row took project_only. The attested arm declares "
                             "skipping that the server does not perform."}},
+        {"alert": "VskipperPrefillGraphsRefused", "expr": refused, "for": "5m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Routed prefill passes run eagerly: their count's graphs were refused",
+             "description": "{{ $labels.instance }}: {{ $value }} routed prefill passes in "
+                            f"{REFUSED_WINDOW} ran their routed layers eagerly because their token count's "
+                            "graphs were refused (the capture failed, or its checks at start strayed). The "
+                            "attestation's prefill_graphs.failed names the count and why."}},
         {"alert": "VskipperOperatorReconcileErrors",
          "expr": f'sum by (job) (increase({OPERATOR_RECONCILES}{{result="error"}}[10m])) > 0',
          "for": "15m", "labels": {"severity": "warning"},

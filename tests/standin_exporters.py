@@ -9,7 +9,8 @@ types and labels of `vskipper.metrics_names`, the module the real runtime regist
 - `engaged`: V above the enter threshold, decode passes routed, 24 of 32 decode row-visits skip; the switch
   flips route_on/route_off several times a second (a flapping switch).
 - `stuck`: V above the enter threshold but every decode pass dense (routing never engages); prefill passes run
-  routed while no row skips (a mechanism declared but not executed).
+  routed while no row skips (a mechanism declared but not executed), their routed layers eagerly because their
+  count's prefill graphs were refused (the `engaged` server's replay).
 
 A third endpoint stands in for kube-state-metrics (`--kube-state-port`): the pod series of the two servers and of
 an unrelated pod, one server not Ready and restarting, for the dashboard's per-class pod panels.
@@ -60,6 +61,7 @@ class RuntimeStandIn:
         if self.scenario == "engaged":
             passes.labels("decode", "routed").inc(4)
             passes.labels("prefill", "routed").inc(1)
+            self.metrics[mn.ROUTED_PREFILL_PASSES.name].labels("replayed").inc(1)
             passes.labels("prefill", "dense").inc(1)
             rows.labels("decode", "run").inc(16 * 8)
             rows.labels("decode", "project_only").inc(16 * 24)
@@ -74,6 +76,7 @@ class RuntimeStandIn:
         else:  # stuck
             passes.labels("decode", "dense").inc(4)
             passes.labels("prefill", "routed").inc(1)
+            self.metrics[mn.ROUTED_PREFILL_PASSES.name].labels("eager_refused").inc(1)
             rows.labels("decode", "run").inc(16 * 32)
             rows.labels("prefill", "run").inc(16 * 1500)
             decisions.labels("prefill_routed").inc()

@@ -1693,6 +1693,9 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
                               "not_finite": []},
             "memory": {"reserved_bytes": 3 * 2**30}, "failed": {"32": None, "64": None},
             "captured_at_boot_s": {"32": 1.234, "64": 2.5}, "read": "backend"}
+        if server.name == run.CONTROL:  # its prefill budget of 24 tokens left 64 out
+            graphs |= {"reach": {"asked": "counts", "prefill_budget": 24, "left_out": [64]},
+                       "captured_at_boot_s": {"32": 1.234, "64": None}}
         return {"arm": server.name, "profile": {"decode_graphs": "disabled"}, "prefill_graphs": graphs}
 
     monkeypatch.setattr(run, "server_for", fake_server)
@@ -1718,6 +1721,8 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
            "difference 0.0039 of the largest value over 10 segments ((64, 3, 'out')); each segment's first later " \
            "replay against its eager run after it: worst difference 0.0078 of the largest value over 10 segments " \
            "((32, 2, 'in')); the captures reserved 3.00 GiB" in text
+    assert f"- {run.CONTROL}: captured at 32 tokens with the backend read (before it served: 1.2 s at 32; 64 left " \
+           "out, above the least count that holds its prefill budget of 24 tokens); passes" in text
     assert f"**{run.CONTROL}'s replays strayed from its eager runs by 0.5 of the largest value: its routed " \
            "prefill figures above are in doubt.**" in text and f"**{run.ALWAYS}'s replays" not in text
     assert "Segments whose capture recorded no kernel (a trained gate's state is a view of its inputs and " \

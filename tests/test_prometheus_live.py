@@ -172,7 +172,7 @@ def _runtime_side(expr: str) -> bool:
 def test_every_runtime_side_alert_returns_data_on_the_pathological_servers(pathological_runtimes):
     groups = yaml.safe_load(RULES.read_text())["groups"]
     alerts = [(r["alert"], r["expr"]) for g in groups for r in g["rules"] if "alert" in r and _runtime_side(r["expr"])]
-    assert len(alerts) == 3
+    assert len(alerts) == 4
     empty = [name for name, expr in alerts if not _query(pathological_runtimes, expr)]
     assert not empty, f"alert expressions with no data: {empty}"
 
@@ -187,6 +187,7 @@ def test_alerts_pick_the_pathological_server_and_spare_the_healthy_one(pathologi
     assert instances("VskipperRoutingNeverEngages") == {"qwen"}
     assert instances("VskipperMechanismNotExecuted") == {"qwen"}
     assert instances("VskipperSwitchFlapping") == {"llama"}
+    assert instances("VskipperPrefillGraphsRefused") == {"qwen"}
 
 
 def test_prometheus_evaluates_the_loaded_rules(pathological_runtimes):
@@ -201,7 +202,7 @@ def test_prometheus_evaluates_the_loaded_rules(pathological_runtimes):
     pending = {r["metric"]["alertname"] for r in _query(pathological_runtimes, 'ALERTS{alertstate="pending"}')}
     # ... and the operator-down alert: this Prometheus scrapes no operator at all
     assert pending == {"VskipperRoutingNeverEngages", "VskipperSwitchFlapping", "VskipperMechanismNotExecuted",
-                       "VskipperOperatorDown"}
+                       "VskipperPrefillGraphsRefused", "VskipperOperatorDown"}
 
 
 def _panel_expr(title_prefix: str, ref: str = "A") -> str:

@@ -66,16 +66,16 @@ def made_with_keys(monkeypatch, graphs: SegmentGraphs, graph_class) -> None:
     monkeypatch.setattr(graphs, "_make", lambda: graph_class(making[0]))
 
 
-def boot(monkeypatch, model: ServedModel) -> None:
+def boot(monkeypatch, model: ServedModel, chunk: int | None = None) -> None:
     """What the server does once SGLang's scheduler is built: the hook after `get_init_info`, handed a scheduler
-    whose runner serves `model`."""
+    whose runner serves `model` (its prefill chunked at `chunk` tokens; None: a scheduler that names no budget)."""
     from types import SimpleNamespace
 
     from vskipper.sglang import active, hooks
 
     monkeypatch.setattr(active, "_ACTIVE", [model.model])
-    hooks.after_boot_capture(None, SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
-        model=model.model, attn_backend=model.backend))))
+    hooks.after_boot_capture(None, SimpleNamespace(chunked_prefill_size=chunk, tp_worker=SimpleNamespace(
+        model_runner=SimpleNamespace(model=model.model, attn_backend=model.backend))))
 
 
 class ReadOperands:
@@ -224,6 +224,37 @@ def test_the_spec_reads_the_counts_and_refuses_a_list_it_cannot_capture_by_name(
             ServeSpec(arm, 0, 0, prefill_graphs=bad)
     with pytest.raises(ServeConfigError, match=f"{ENV_PREFILL_GRAPHS} must list token counts"):
         ServeSpec.from_env({**spec.to_env(), ENV_PREFILL_GRAPHS: "1024;2048"})
+    assert spec.prefill_graph_counts() == (1024, 2048)
+
+
+def test_auto_asks_four_counts_an_octave_up_to_2048_tokens():
+    """"auto" asks for `AUTO_PREFILL_GRAPHS`: a pass pads by less than a quarter of its rows, from 16 tokens to
+    2048; the spec keeps the word (the counts the server's budget reaches are chosen as it starts)."""
+    from vskipper.arms import get_arm
+    from vskipper.sglang.spec import AUTO_PREFILL_GRAPHS, ENV_PREFILL_GRAPHS, ServeConfigError, ServeSpec
+
+    arm = get_arm("dense")
+    spec = ServeSpec.from_env({**ServeSpec(arm, 0, 0).to_env(), ENV_PREFILL_GRAPHS: " auto "})
+    assert spec.prefill_graphs == "auto" and spec.to_env()[ENV_PREFILL_GRAPHS] == "auto"
+    counts = spec.prefill_graph_counts()
+    assert counts == AUTO_PREFILL_GRAPHS and counts[:6] == (16, 20, 24, 28, 32, 40) and counts[-1] == 2048
+    assert list(counts) == sorted(set(counts)) and len(counts) == 4 * 7 + 1
+    assert all((b - a) / a <= 0.25 for a, b in zip(counts, counts[1:], strict=False))  # padding under a quarter
+    for bad in ("AUTO", "all", ""):
+        with pytest.raises(ServeConfigError, match=f"{ENV_PREFILL_GRAPHS} must be 'auto' or list token counts"):
+            ServeSpec(arm, 0, 0, prefill_graphs=bad)
+    with pytest.raises(ServeConfigError, match=f"{ENV_PREFILL_GRAPHS} must list token counts"):
+        ServeSpec.from_env({**spec.to_env(), ENV_PREFILL_GRAPHS: "1024,auto"})
+
+
+def test_the_counts_a_budget_reaches_run_up_to_the_least_that_holds_it():
+    from vskipper.sglang.prefill_graphs import reached_by
+
+    sizes = (16, 64, 256)
+    assert reached_by(sizes, None) == sizes
+    assert reached_by(sizes, 10) == reached_by(sizes, 16) == (16,)
+    assert reached_by(sizes, 17) == reached_by(sizes, 64) == (16, 64)
+    assert reached_by(sizes, 65) == reached_by(sizes, 4096) == sizes
 
 
 def test_a_segment_runs_eagerly_captures_and_replays_and_its_outputs_are_the_captures():
@@ -425,6 +456,26 @@ def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_ca
     assert graphs.graphs.counts["replayed"] == segments + 3 * per_pass  # the boot's and three passes'
     assert graphs.passes["by_tokens"] == {"16": 1, "64": 2}  # 10 rows; 64; 21
     assert graphed.model.runtime.attestation()["rows_total"] == eager.model.runtime.attestation()["rows_total"]
+
+
+def test_the_boot_leaves_out_the_counts_no_pass_of_the_prefill_budget_reaches(checkpoint, monkeypatch):
+    """Under a prefill chunk of 12 tokens no pass holds more than 12 rows: the start captures 16 alone, and 64,
+    which no pass reaches, is left out (attested with the budget). A pass of 12 rows replays at 16; one longer
+    than the budget (which SGLang's chunked prefill does not make) runs eagerly, as longer than every count."""
+    graphed, eager = served(checkpoint, monkeypatch)
+    graphs = graphed.model.slot.prefill_graphs
+    boot(monkeypatch, graphed, chunk=12)
+    per_pass = 1 + 2 * len(graphed.model.routed_layers)
+    assert graphs.graphs.counts == {"captured": per_pass, "replayed": per_pass}  # 16's segments alone
+    att = graphed.model.runtime.attestation()["prefill_graphs"]
+    assert att["reach"] == {"asked": "counts", "prefill_budget": 12, "left_out": [64]}
+    assert att["captured_at_boot_s"]["64"] is None and att["captured_at_boot_s"]["16"] is not None
+    assert att["failed"] == {"16": None, "64": None}
+    for seed, (shape, first) in enumerate([(Shape("prefill", 2, 6), 0), (Shape("prefill", 1, 40), 2)]):
+        assert_same(graphed, eager, shape, first, seed)
+    assert graphs.passes == {"by_tokens": {"16": 1, "64": 0},
+                             "eager": {"longer than every count": 1, "its count's capture failed or strayed": 0}}
+    assert graphs.graphs.counts["captured"] == per_pass
 
 
 def test_the_boot_passes_differ_as_served_passes_do_and_keep_each_request_within_its_row():

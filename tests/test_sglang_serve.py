@@ -28,7 +28,9 @@ from tests.sglang_world import ROOT, greedy_reference, serve  # noqa: E402
 from vskipper.arms import get_arm  # noqa: E402
 from vskipper.checkpoint import TinySize  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
+from vskipper.metrics_names import PREFILL_LAYER_RUNS  # noqa: E402
 from vskipper.sglang.spec import (  # noqa: E402
+    AUTO_PREFILL_GRAPHS,
     ENV_ARM,
     ENV_ENTER,
     ENV_EXECUTION,
@@ -129,13 +131,18 @@ def triton_server(served_model, tmp_path_factory):
 
 @pytest.fixture(scope="class")
 def graphed_server(served_model, tmp_path_factory):
-    """The triton server's arm and execution with its routed prefill layers replayed from graphs at 8 and 32 tokens
-    (`ENV_PREFILL_GRAPHS`), made by the stand-in that reruns each capture at every replay (no CUDA graph on CPU:
-    `ENV_PREFILL_GRAPH_STAND_IN`, honoured under the interpreter alone)."""
+    """The triton server's arm and execution with its routed prefill layers replayed from graphs at the counts "auto"
+    asks for (`ENV_PREFILL_GRAPHS`) that its prefill chunk of `GRAPHED_CHUNK` tokens reaches, made by the stand-in
+    that reruns each capture at every replay (no CUDA graph on CPU: `ENV_PREFILL_GRAPH_STAND_IN`, honoured under the
+    interpreter alone)."""
     with serve(served_model, tmp_path_factory.mktemp("prefill-graphs"), arm="always-route",
-               env={ENV_EXECUTION: "triton", "TRITON_INTERPRET": "1", ENV_PREFILL_GRAPHS: "8,32",
-                    ENV_PREFILL_GRAPH_STAND_IN: "rerun"}) as server:
+               env={ENV_EXECUTION: "triton", "TRITON_INTERPRET": "1", ENV_PREFILL_GRAPHS: "auto",
+                    ENV_PREFILL_GRAPH_STAND_IN: "rerun"},
+               extra=("--chunked-prefill-size", str(GRAPHED_CHUNK), "--enable-metrics")) as server:
         yield server
+
+
+GRAPHED_CHUNK = 24  # the graphed server's prefill chunk: "auto"'s counts 16, 20 and 24 reach it
 
 
 VOCAB = TinySize().vocab  # the tiny checkpoints' vocabulary
@@ -368,8 +375,10 @@ class TestDenseArm:
         assert "sglang:" in text  # SGLang's own metrics sit beside ours
         for phase in ("prefill", "decode"):
             assert _metric(text, "vskipper_passes_total", mode="dense", phase=phase) == att["passes_total"][phase]["dense"]
-        # Decode is not switched in the dense arm: no threshold is exported for alerts to compare V with, nor a floor.
-        assert not any(line.startswith(("vskipper_threshold_tokens", "vskipper_prefill_floor_tokens"))
+        # Decode is not switched in the dense arm: no threshold is exported for alerts to compare V with, nor a floor;
+        # nor does it route prefill.
+        assert not any(line.startswith(("vskipper_threshold_tokens", "vskipper_prefill_floor_tokens",
+                                        "vskipper_routed_prefill_passes_total"))
                        for line in text.splitlines())
 
 
@@ -464,6 +473,11 @@ class TestAlwaysRouteFlexiDepth:
                 assert _metric(text, "vskipper_rows_total", phase=phase, action=action) == att["rows_total"][phase][action]
             assert _metric(text, "vskipper_passes_total", mode="routed", phase=phase) == \
                 att["passes_total"][phase]["routed"]
+        # no prefill graphs asked: every routed prefill pass's routed layers ran eagerly, counted so
+        assert "prefill_graphs" not in att
+        assert {how: _metric(text, "vskipper_routed_prefill_passes_total", layers=how) for how in PREFILL_LAYER_RUNS} \
+            == {"replayed": 0, "eager_longer": 0, "eager_refused": 0,
+                "eager_not_asked": att["passes_total"]["prefill"]["routed"]}
         assert att["skipper"]["name"] == "flexidepth"
         assert att["switch"]["settings"] == {"prefill": "routed", "decode": "routed", "promotion": True}
 
@@ -480,20 +494,24 @@ class TestTritonExecution:
 
 
 class TestRoutedPrefillGraphs:
-    """A real server whose routed prefill layers replay from graphs: captured and checked at every count before it
-    reports ready (the hook after SGLang's scheduler is built), then its passes replayed, the packed read inside each
-    routed layer's one segment."""
+    """A real server whose routed prefill layers replay from graphs: "auto"'s counts its prefill chunk reaches captured
+    and checked before it reports ready (the hook after SGLang's scheduler is built, which reads the chunk), the rest
+    left out; then its passes replayed, the packed read inside each routed layer's one segment."""
 
     def test_the_server_captures_at_start_and_serves_the_torch_routed_forward_token_for_token(
             self, graphed_server, served_model):
         att = graphed_server.get_json("/vskipper/attestation")
         graphs = att["prefill_graphs"]
         routed = len(att["model"]["routed_layers"])
-        segments = 2 * (1 + routed)  # per count the state and each routed layer's one segment
-        assert graphs["tokens"] == [8, 32] and graphs["read"] == "packed" and graphs["made_by"] == "stand-in RerunGraph"
-        assert all(s is not None for s in graphs["captured_at_boot_s"].values())
+        captured = [16, 20, 24]  # the counts a pass within the chunk reaches
+        segments = len(captured) * (1 + routed)  # per count the state and each routed layer's one segment
+        assert graphs["tokens"] == list(AUTO_PREFILL_GRAPHS) and graphs["read"] == "packed" \
+            and graphs["made_by"] == "stand-in RerunGraph"
+        assert graphs["reach"] == {"asked": "auto", "prefill_budget": GRAPHED_CHUNK,
+                                   "left_out": list(AUTO_PREFILL_GRAPHS[len(captured):])}
+        assert [int(n) for n, s in graphs["captured_at_boot_s"].items() if s is not None] == captured
         assert graphs["capture_check"]["segments"] == graphs["capture_check"]["rechecked"] == segments
-        assert graphs["failed"] == {"8": None, "32": None}
+        assert set(graphs["failed"].values()) == {None}
 
         def replays_add_up(att: dict) -> int:
             """Every segment captured at start, none since; the second boot pass's replays and each replayed
@@ -508,13 +526,22 @@ class TestRoutedPrefillGraphs:
         before = replays_add_up(att)
         att = _serves_the_routed_reference(graphed_server, served_model)
         assert replays_add_up(att) > before
-        graphs = att["prefill_graphs"]
-        prompt = list(range(3, 43))  # 40 tokens: longer than every count, eager
+        graphs, before = att["prefill_graphs"], replays_add_up(att)
+        prompt = list(range(3, 43))  # 40 tokens: two chunks, of 24 and 16, each replayed, the second reading the first
         assert graphed_server.generate_ids(prompt, 3) == greedy_reference(
             served_model, prompt, 3, build_skipper("flexidepth", {}))
-        after = graphed_server.get_json("/vskipper/attestation")["prefill_graphs"]
-        assert after["passes"]["eager"]["longer than every count"] \
-            == graphs["passes"]["eager"]["longer than every count"] + 1
+        after = graphed_server.get_json("/vskipper/attestation")
+        assert replays_add_up(after) == before + 2
+        by_tokens = after["prefill_graphs"]["passes"]["by_tokens"]
+        assert by_tokens["24"] == graphs["passes"]["by_tokens"]["24"] + 1
+        assert by_tokens["16"] == graphs["passes"]["by_tokens"]["16"] + 1
+        assert after["prefill_graphs"]["passes"]["eager"] == graphs["passes"]["eager"]
+        # Prometheus counts each routed prefill pass by how its routed layers ran, as the attestation does
+        text = graphed_server.metrics()
+        after = graphed_server.get_json("/vskipper/attestation")["prefill_graphs"]["passes"]
+        assert {how: _metric(text, "vskipper_routed_prefill_passes_total", layers=how) for how in PREFILL_LAYER_RUNS} \
+            == {"replayed": sum(after["by_tokens"].values()), "eager_longer": after["eager"]["longer than every count"],
+                "eager_refused": 0, "eager_not_asked": 0}
 
 
 class TestHybridArm:

@@ -76,8 +76,19 @@ PREFILL_FLOOR_TOKENS = MetricName(
     "--prefill-floor-tokens`, else vskipper.constants'); exported only while the prefill phase is switched (hybrid "
     "policy)")
 
+# How a routed prefill pass's routed layers ran (`vskipper.sglang.prefill_graphs`): replayed from the routed prefill
+# graphs, or eagerly where the pass is longer than every captured count, where its count was refused (its capture
+# failed or its checks at start strayed), or where the server asks for no graphs (`VSKIPPER_PREFILL_GRAPHS` unset)
+PREFILL_LAYER_RUNS = ("replayed", "eager_longer", "eager_refused", "eager_not_asked")
+ROUTED_PREFILL_PASSES = MetricName(
+    "vskipper_routed_prefill_passes_total", "counter",
+    "Routed prefill passes, by how their routed layers ran: replayed from the routed prefill graphs, or eagerly "
+    "(eager_longer: longer than every count captured; eager_refused: its count's capture failed or its checks at "
+    "start strayed; eager_not_asked: the server asks for no prefill graphs)",
+    (("layers", PREFILL_LAYER_RUNS),))
+
 RUNTIME_METRICS: tuple[MetricName, ...] = (ROWS, PASSES, SWITCH_DECISIONS, PROMOTIONS, RESIDENT_TOKENS,
-                                           THRESHOLD_TOKENS, PREFILL_FLOOR_TOKENS)
+                                           THRESHOLD_TOKENS, PREFILL_FLOOR_TOKENS, ROUTED_PREFILL_PASSES)
 
 # SGLang 0.5.21's own histograms (seconds), exported under the `sglang:` prefix with a `model_name` label.
 SGLANG_TTFT = "sglang:time_to_first_token_seconds"

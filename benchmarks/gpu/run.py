@@ -2715,9 +2715,16 @@ def routed_prefill_graph_lines(arms: dict) -> list[str]:
         memory = (doc.get("memory") or {}).get("reserved_bytes")
         failed = "; ".join(f"at {tokens}: {why}" for tokens, why in (doc.get("failed") or {}).items() if why)
         boot = [(tokens, s) for tokens, s in (doc.get("captured_at_boot_s") or {}).items() if s is not None]
-        booted = f" (before it served: {', '.join(f'{s:.1f} s at {tokens}' for tokens, s in boot)})" if boot else ""
+        reach = doc.get("reach") or {}
+        left_out = reach.get("left_out") or []
+        captured = [n for n in doc.get("tokens") or [] if n not in left_out]
+        notes = [f"before it served: {', '.join(f'{s:.1f} s at {tokens}' for tokens, s in boot)}"] if boot else []
+        if left_out:
+            notes.append(f"{', '.join(map(str, left_out))} left out, above the least count that holds its prefill "
+                         f"budget of {reach.get('prefill_budget')} tokens")
+        booted = f" ({'; '.join(notes)})" if notes else ""
         read = f" with the {doc['read']} read" if doc.get("read") else ""
-        lines.append(f"- {name}: captured at {', '.join(map(str, doc.get('tokens') or []))} tokens{read}{booted}; "
+        lines.append(f"- {name}: captured at {', '.join(map(str, captured))} tokens{read}{booted}; "
                      f"passes "
                      f"replayed {by or 'none'}; eager {eager or 'none'}; segments captured "
                      f"{segments.get('captured', 0)}, replayed {segments.get('replayed', 0)}{checked}"

@@ -207,12 +207,12 @@ def around_prefill_capture(original, graph_runner, *args, **kwargs):
 
 def after_boot_capture(result, scheduler, *args, **kwargs) -> None:
     """Once SGLang's scheduler is built (its pools allocated, its own graphs captured) and before it reports
-    ready: the skipper model's routed prefill graphs captured and checked, where the spec asks for them
-    (`SkipperCausalLM.capture_prefill_graphs`)."""
+    ready: the skipper model's routed prefill graphs captured and checked, where the spec asks for them, at the
+    counts a pass within the scheduler's prefill budget reaches (`SkipperCausalLM.capture_prefill_graphs`)."""
     model = _model()
     runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     if model is not None and getattr(runner, "model", None) is model:
-        model.capture_prefill_graphs(runner.attn_backend)
+        model.capture_prefill_graphs(runner.attn_backend, prefill_budget(scheduler))
 
 
 def glue_captures(glue, key) -> bool:

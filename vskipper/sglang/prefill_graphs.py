@@ -30,7 +30,9 @@ What it costs the device: the padding rows' work at every routed layer, the copi
 rows' width a routed layer, well under 1% of a pass).
 
 A server captures and checks every count before it serves (`capture_all`, from the hook after SGLang's scheduler is
-built): no served pass waits on a capture, nor on a check that reads the device. Where no capture came first (a
+built): no served pass waits on a capture, nor on a check that reads the device. It leaves out the counts no pass
+within its prefill budget reaches (those above the least count that holds its prefill chunk, `reached_by`): they
+would cost its start and device memory for nothing. Where no capture came first (a
 model driven outside a server), a count's first pass runs each segment eagerly, captures it and replays it.
 """
 
@@ -65,8 +67,9 @@ GRAPH_READS = {
 # eagerly: a replay of the same kernels over the same inputs agrees with its eager run but for the order of a
 # reduction, so a straying one replays something else (a kernel outside the capture, a value kept from it)
 CHECK_REFUSES = 0.05
-# Why a routed prefill pass runs eagerly where graphs are asked for (`PrefillGraphs.passes`)
-EAGER_REASONS = ("longer than every count", "its count's capture failed or strayed")
+# Why a routed prefill pass runs eagerly where graphs are asked for (`PrefillGraphs.passes`), and how its routed
+# layers ran as Prometheus counts it (`vskipper.metrics_names.PREFILL_LAYER_RUNS`, `Step.prefill_layers`)
+EAGER_REASONS = {"longer than every count": "eager_longer", "its count's capture failed or strayed": "eager_refused"}
 
 # Tests: what makes each graph where no CUDA graph can be captured (`vskipper.mixed.segment_graphs.RerunGraph`);
 # None: CUDA graphs, on CUDA only (or as `ENV_PREFILL_GRAPH_STAND_IN` asks a server, `graph_stand_in`).
@@ -98,6 +101,15 @@ def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device
     return None
 
 
+def reached_by(sizes: tuple[int, ...], budget: int | None) -> tuple[int, ...]:
+    """The counts of `sizes` (increasing) a prefill pass of at most `budget` tokens can take: each up to the least
+    that holds the budget (every count where there is no budget)."""
+    if budget is None:
+        return tuple(sizes)
+    i = bisect_left(sizes, budget)
+    return tuple(sizes[:i + 1])
+
+
 class PrefillGraphs:
     """The captured routed layers of routed prefill passes of up to `sizes[-1]` rows (module docstring), for the
     model whose `runtime` decides its passes. `layer_ops(layer, positions, batch, req_rows, parts)` gives the
@@ -105,10 +117,16 @@ class PrefillGraphs:
     `SGLangLayerOps`, `req_rows` each row's request slot); `graph` makes one graph (tests: `RerunGraph` on CPU)."""
 
     def __init__(self, sizes: tuple[int, ...], runtime, execution, layer_ops, hidden: int, q_size: int,
-                 dtype: torch.dtype, device: torch.device, graph=None) -> None:
+                 dtype: torch.dtype, device: torch.device, graph=None, asked: tuple[int, ...] | str = ()) -> None:
         if not sizes:
             raise ValueError(f"{ENV_PREFILL_GRAPHS}: no token count to capture")
         self.sizes, self.runtime, self.execution, self.layer_ops = tuple(sizes), runtime, execution, layer_ops
+        # the counts a pass may take: every count, until the start leaves out those no pass reaches (`capture_all`)
+        self.reached = self.sizes
+        # what was asked ("auto": `AUTO_PREFILL_GRAPHS`, else the counts), the scheduler's prefill budget the start
+        # read and the counts it left out (attested: keys fixed here, values set once at the start)
+        self.reach: dict[str, Any] = {"asked": asked if isinstance(asked, str) else "counts", "prefill_budget": None,
+                                      "left_out": []}
         if execution.prefill_read not in GRAPH_READS:
             raise ValueError(f"prefill graphs serve the reads {sorted(GRAPH_READS)}, not {execution.prefill_read!r}")
         self.packed = execution.prefill_read == "packed"
@@ -132,7 +150,8 @@ class PrefillGraphs:
         self._outputs: dict[str, torch.Tensor] = {}  # the segments' static outputs (`_out`), made at the first
         self.filled = 0  # rows the last pass wrote (a shorter pass resets the rest to padding; zeros are)
         self.steps: dict[int, Step] = {}  # per count: the step its segments were captured from
-        self.active: tuple[int, Step, Any] | None = None  # this pass's (count, step, SGLang's batch)
+        # this pass's (count, the step its segments run, SGLang's batch, the pass's own step)
+        self.active: tuple[int, Step, Any, Step] | None = None
         # passes by the count they replayed at, and the routed prefill passes run eagerly by why. Every key is made
         # here (the state writer reads these while the forward counts: values change, keys never)
         self.passes: dict[str, dict[str, int]] = {"by_tokens": dict.fromkeys(map(str, self.sizes), 0),
@@ -146,7 +165,7 @@ class PrefillGraphs:
         return {"tokens": list(self.sizes), "read": self.execution.prefill_read, "made_by": self.made_by,
                 "passes": self.passes, "segments": self.graphs.counts,
                 "capture_check": self.graphs.check, "memory": self.graphs.memory, "failed": self.failed,
-                "captured_at_boot_s": self.boot}
+                "captured_at_boot_s": self.boot, "reach": self.reach}
 
     def _segment(self, size: int, key, fn):
         """Segment `key`'s outputs at count `size`: replayed, or run eagerly where that count's capture failed (this
@@ -162,9 +181,9 @@ class PrefillGraphs:
             return fn()
 
     def size_for(self, rows: int) -> int | None:
-        """The least captured count that holds `rows`, or None."""
-        i = bisect_left(self.sizes, rows)
-        return self.sizes[i] if i < len(self.sizes) else None
+        """The least count that holds `rows` of those a pass may take (`reached`), or None."""
+        i = bisect_left(self.reached, rows)
+        return self.reached[i] if i < len(self.reached) else None
 
     def begin(self, step: Step, positions: torch.Tensor, forward_batch, embeddings: torch.Tensor,
               fused: bool, req_rows: torch.Tensor | None = None) -> bool:
@@ -174,30 +193,35 @@ class PrefillGraphs:
         n = step.rows
         size = self.size_for(n)
         if size is None:
-            self.passes["eager"]["longer than every count"] += 1
+            self._eager(step, "longer than every count")
             return False
         if self.failed[str(size)] is not None:
-            self.passes["eager"]["its count's capture failed or strayed"] += 1
+            self._eager(step, "its count's capture failed or strayed")
             return False
         if self.packed and req_rows is None:
             raise ValueError("the packed read's graphs read each row's request slot: begin() needs req_rows")
         self._inputs(n, positions, forward_batch.out_cache_loc, embeddings, step.keys, step.dense_rows, req_rows)
         graph_step = self._step(size, fused)
         step.tape, step.builder = self.tape, self.builder  # the pass is counted from the graph tape
-        self.active = (size, graph_step, forward_batch)
+        self.active = (size, graph_step, forward_batch, step)
         return True
+
+    def _eager(self, step: Step, why: str) -> None:
+        self.passes["eager"][why] += 1
+        step.prefill_layers = EAGER_REASONS[why]
 
     def end(self) -> None:
         """After the pass's forward: counted as replayed at its count, or as eager where a capture failed in it."""
         if self.active is not None:
-            size = str(self.active[0])
+            size, step = str(self.active[0]), self.active[3]
             if self.failed[size] is None:
                 self.passes["by_tokens"][size] += 1
+                step.prefill_layers = "replayed"
             else:
-                self.passes["eager"]["its count's capture failed or strayed"] += 1
+                self._eager(step, "its count's capture failed or strayed")
         self.active = None
 
-    def capture_all(self, layers, embed, parts_of, vocab: int, seed: int = 0) -> None:
+    def capture_all(self, layers, embed, parts_of, vocab: int, seed: int = 0, budget: int | None = None) -> None:
         """Every count's segments captured and checked before the server serves (it calls this once booted, with
         SGLang's pools allocated and a forward context published), so that no served pass waits on a capture or a
         check: the hybrid arm's first routed prefill comes under load. Per count two passes of no request through
@@ -209,10 +233,20 @@ class PrefillGraphs:
         packed read, inside the segment); the backend read, eager in every served pass, is stood in for by each
         row's query. The KV slots and request rows the passes take are put back as they were. A count whose
         capture fails is marked, as at a served pass (`_segment`), and so is one whose checks strayed
-        (`_refuse_straying`); an eager run that fails (as out of memory) fails the server's start. No pass is counted; each count's seconds are attested (`captured_at_boot_s`)."""
+        (`_refuse_straying`); an eager run that fails (as out of memory) fails the server's start. No pass is
+        counted; each count's seconds are attested (`captured_at_boot_s`). `budget`: the most tokens one of the
+        server's prefill passes holds (its prefill chunk, or its per-round cap; `reached_by`): the counts above the
+        least count that holds it are left out, never captured (a pass longer than the budget, which SGLang does
+        not make, runs eagerly)."""
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
-        device, cap = self.x.device, self.sizes[-1]
+        self.reached = reached_by(self.sizes, budget)
+        left_out = [size for size in self.sizes if size not in self.reached]
+        self.reach.update(prefill_budget=budget, left_out=left_out)
+        if left_out:
+            logger.info("routed prefill graphs: %s tokens left out, above the least count that holds the server's "
+                        "prefill budget of %d tokens", ",".join(map(str, left_out)), budget)
+        device, cap = self.x.device, self.reached[-1]
         pool, req_to_token = get_token_to_kv_pool(), get_req_to_token_pool().req_to_token
         layer_ids = [parts_of(layer).radix.layer_id for layer in layers]
         # every row its own KV slot past SGLang's padding slot (what they held is put back after)
@@ -221,7 +255,7 @@ class PrefillGraphs:
         rows_kept: dict[int, torch.Tensor] = {}
         generator = torch.Generator().manual_seed(seed)
         try:
-            for size in self.sizes:
+            for size in self.reached:
                 t0 = time.perf_counter()
                 for round_ in range(2):
                     if self.failed[str(size)] is not None:
@@ -333,7 +367,7 @@ class PrefillGraphs:
     def layer(self, layer, x: torch.Tensor, u: torch.Tensor, parts) -> Handoff:
         """Routed layer `layer`'s hand-off for this pass from its input x and u = LN1 x, replayed (module
         docstring)."""
-        size, step, forward_batch = self.active
+        size, step, forward_batch, _ = self.active
         attn = parts.attn
 
         def read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:

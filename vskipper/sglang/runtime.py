@@ -144,6 +144,9 @@ class Step:
     keys: torch.Tensor | None = None  # int64 [rows]: each row's request key (RandomSkip hashes it)
     control: bool = False  # an interleaved control pass: every row RUN through the routed layers (`ServeSpec`)
     context: int | None = None  # decode: the longest request's tokens, read on the host once (the read's bound)
+    # a routed prefill pass where the server asks for prefill graphs: how its routed layers ran
+    # (`vskipper.metrics_names.PREFILL_LAYER_RUNS`, set by `vskipper.sglang.prefill_graphs.PrefillGraphs`)
+    prefill_layers: str | None = None
 
 
 class PassRoutes(NamedTuple):
@@ -202,6 +205,7 @@ class _Prometheus:
         self.resident = gauge(m.RESIDENT_TOKENS)
         self.threshold = gauge(m.THRESHOLD_TOKENS)
         self.prefill_floor = gauge(m.PREFILL_FLOOR_TOKENS)
+        self.routed_prefill = counter(m.ROUTED_PREFILL_PASSES)
         self._children: dict = {}
 
     def child(self, metric, *labels):
@@ -280,6 +284,12 @@ class Runtime:
             self.prometheus.threshold.labels("exit").set(spec.exit_tokens)
         if self.prometheus is not None and arm.switch_settings().prefill is Policy.HYBRID:
             self.prometheus.prefill_floor.set(spec.switch_constants().prefill_min_prompt_tokens)
+        if self.prometheus is not None and "prefill" in arm.routed_phases:
+            # every series from the start (at 0), so that a share of them reads 0, not nothing, before a pass
+            from vskipper.metrics_names import PREFILL_LAYER_RUNS
+
+            for how in PREFILL_LAYER_RUNS:
+                self.prometheus.child(self.prometheus.routed_prefill, how)
         self.write_state()
 
     # -- per pass -------------------------------------------------------------------------------------------
@@ -607,6 +617,8 @@ class Runtime:
         if self.prometheus is not None:
             p = self.prometheus
             p.child(p.passes, step.phase, mode).inc()
+            if step.routed and step.phase == "prefill":
+                p.child(p.routed_prefill, step.prefill_layers or "eager_not_asked").inc()
             decisions = self.switch.counters.decisions
             for kind, n in decisions.items():
                 if n > self._decisions_seen[kind]:

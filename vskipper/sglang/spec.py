@@ -60,11 +60,19 @@ ENV_TILE_TABLE = "VSKIPPER_TILE_TABLE"
 # (`vskipper serve --stand-in-ops`): SGLang's torch paths, or vSkipper's one-launch Triton kernels in their place
 # (`vskipper.sglang.stand_in_ops`); the profile sets it, never a caller's environment.
 ENV_STAND_IN_OPS = "VSKIPPER_STAND_IN_OPS"
-# The token counts a routed arm's prefill passes are captured at (comma-separated, e.g. "1024,2048,4096"), each
-# captured and checked as the server starts: each routed layer's work replays from CUDA graphs (the read too with
-# the packed read, `vskipper.sglang.prefill_graphs`), a pass padded to the least count that holds it; unset: every
-# routed prefill pass eager. Off by default: an opt-in mode whose graphs have not yet served on a device.
+# The token counts a routed arm's prefill passes are captured at (comma-separated, e.g. "1024,2048,4096", or "auto":
+# `AUTO_PREFILL_GRAPHS`), each captured and checked as the server starts: each routed layer's work replays from CUDA
+# graphs (the read too with the packed read, `vskipper.sglang.prefill_graphs`), a pass padded to the least count
+# that holds it; a count no pass of the server's prefill budget reaches (one above the least count that holds the
+# budget) is left out at start. Unset: every routed prefill pass eager. Off by default: an opt-in mode whose graphs
+# have not yet served on a device.
 ENV_PREFILL_GRAPHS = "VSKIPPER_PREFILL_GRAPHS"
+PREFILL_GRAPHS_AUTO = "auto"
+# What "auto" captures: four counts an octave from 16 to 2048 tokens (16, 20, 24, 28, 32, 40, ...), so that a pass
+# pads by less than a quarter of its rows. Not above 2048: on the H200 a routed prefill pass's device waits on its
+# host below about 2k tokens (`benchmarks/results/H200`), which is what the graphs take off, and above it a padded
+# row costs device time the host no longer hides. Within the server's prefill budget only (above).
+AUTO_PREFILL_GRAPHS = tuple(m << k for k in range(2, 9) for m in (4, 5, 6, 7)) + (2048,)
 # Tests: "rerun" has a CPU server's routed prefill graphs made by the stand-in that reruns each capture at every
 # replay (`vskipper.mixed.segment_graphs.RerunGraph`), so that a real server's capture at start and its replayed
 # passes run where no CUDA graph can be captured; honoured only under Triton's interpreter (TRITON_INTERPRET=1)
@@ -95,7 +103,8 @@ class ServeSpec:
     pass_spans: bool = False  # time each pass whole (`ENV_PASS_SPANS`; the part clock times its spans too)
     prefill_floor_tokens: int | None = None  # the prefill switch's floor (`ENV_PREFILL_FLOOR`); None: the constant's
     stack_samples: bool = False  # sample the forward's stack in each pass (`ENV_STACK_SAMPLES`; with the clock's spans)
-    prefill_graphs: tuple[int, ...] = ()  # the routed prefill passes' captured token counts (`ENV_PREFILL_GRAPHS`)
+    # the routed prefill passes' captured token counts, or "auto" (`ENV_PREFILL_GRAPHS`; `prefill_graph_counts`)
+    prefill_graphs: tuple[int, ...] | str = ()
     prefill_read: str = "auto"  # the triton execution's prefill read asked for (`ENV_PREFILL_READ`)
 
     def __post_init__(self) -> None:
@@ -105,7 +114,11 @@ class ServeSpec:
             raise ServeConfigError(f"{ENV_PREFILL_READ} must be one of {', '.join(PREFILL_READ_CHOICES)}, got "
                                    f"{self.prefill_read!r}")
         sizes = self.prefill_graphs
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or list(sizes) != sorted(
+        if isinstance(sizes, str):
+            if sizes != PREFILL_GRAPHS_AUTO:
+                raise ServeConfigError(f"{ENV_PREFILL_GRAPHS} must be {PREFILL_GRAPHS_AUTO!r} or list token counts, "
+                                       f"got {sizes!r}")
+        elif any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or list(sizes) != sorted(
                 set(sizes)):
             raise ServeConfigError(f"{ENV_PREFILL_GRAPHS} must list positive token counts in increasing order, got "
                                    f"{sizes!r}")
@@ -155,7 +168,8 @@ class ServeSpec:
         if self.prefill_floor_tokens is not None:
             env[ENV_PREFILL_FLOOR] = str(self.prefill_floor_tokens)
         if self.prefill_graphs:
-            env[ENV_PREFILL_GRAPHS] = ",".join(map(str, self.prefill_graphs))
+            env[ENV_PREFILL_GRAPHS] = self.prefill_graphs if isinstance(self.prefill_graphs, str) \
+                else ",".join(map(str, self.prefill_graphs))
         if self.prefill_read != "auto":
             env[ENV_PREFILL_READ] = self.prefill_read
         return env
@@ -192,17 +206,24 @@ class ServeSpec:
                    switch_from_env(environ, ENV_PASS_SPANS), floor, switch_from_env(environ, ENV_STACK_SAMPLES),
                    prefill_graphs_from_env(environ), environ.get(ENV_PREFILL_READ) or "auto")
 
+    def prefill_graph_counts(self) -> tuple[int, ...]:
+        """The token counts the routed prefill graphs are asked at: the spec's, or `AUTO_PREFILL_GRAPHS` for "auto"
+        (either way, those the server's prefill budget reaches are captured, `PrefillGraphs.capture_all`)."""
+        return AUTO_PREFILL_GRAPHS if self.prefill_graphs == PREFILL_GRAPHS_AUTO else tuple(self.prefill_graphs)
 
-def prefill_graphs_from_env(environ) -> tuple[int, ...]:
-    """The routed prefill passes' captured token counts the environment asks for (`ENV_PREFILL_GRAPHS`)."""
+
+def prefill_graphs_from_env(environ) -> tuple[int, ...] | str:
+    """The routed prefill passes' captured token counts the environment asks for, or "auto" (`ENV_PREFILL_GRAPHS`)."""
     text = environ.get(ENV_PREFILL_GRAPHS, "").strip()
     if not text:
         return ()
+    if text == PREFILL_GRAPHS_AUTO:
+        return text
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise ServeConfigError(f"{ENV_PREFILL_GRAPHS} must list token counts separated by commas (e.g. "
-                               f"'1024,2048'), got {text!r}") from None
+                               f"'1024,2048') or {PREFILL_GRAPHS_AUTO!r}, got {text!r}") from None
 
 
 def switch_from_env(environ, name: str) -> bool:

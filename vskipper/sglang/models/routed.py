@@ -935,7 +935,7 @@ class SkipperCausalLM(RouterWeightsMixin):
                 from vskipper.mixed.router import warm_gate
 
                 warm_gate(self.runtime.skipper, layers[0].router, weight.dtype, device)
-        self.slot.prefill_graphs = self.prefill_graphs_for(spec.prefill_graphs)
+        self.slot.prefill_graphs = self.prefill_graphs_for(spec.prefill_graph_counts())
         active.register(self)  # for the SGLang hooks around the forward and the graph runners
         # Live counters (fixed keys, values only change), read whenever the attestation is written.
         # The variants this arm captured (a dense arm none) live beside the counters, outside `execution`,
@@ -968,7 +968,7 @@ class SkipperCausalLM(RouterWeightsMixin):
             or "the skipper's own route"})
 
     def prefill_graphs_for(self, sizes: tuple[int, ...]):
-        """The routed prefill passes' graphs at token counts `sizes` (the spec's, `ENV_PREFILL_GRAPHS`), or None
+        """The routed prefill passes' graphs at token counts `sizes` (the spec's, `ServeSpec.prefill_graph_counts`), or None
         where none are asked for or the arm has no skipper; refused by name where they cannot be captured
         (`prefill_graph_blocker`). A stand-in (tests, `graph_stand_in`) makes each graph off CUDA."""
         from vskipper.sglang import prefill_graphs as pg
@@ -992,14 +992,16 @@ class SkipperCausalLM(RouterWeightsMixin):
                                   parts=parts)
 
         graphs = pg.PrefillGraphs(sizes, self.runtime, execution, layer_ops, weight.shape[1],
-                                  layers[0].self_attn.q_size, weight.dtype, weight.device, stand_in)
+                                  layers[0].self_attn.q_size, weight.dtype, weight.device, stand_in,
+                                  asked=self.runtime.spec.prefill_graphs)
         self.runtime.model_counters["prefill_graphs"] = graphs.attestation()
         return graphs
 
-    def capture_prefill_graphs(self, attn_backend) -> None:
-        """Every count of the routed prefill graphs captured and checked (`PrefillGraphs.capture_all`), where the
-        spec asks for them: once SGLang's scheduler is built (its pools allocated; `attn_backend` its model
-        runner's), before the server serves."""
+    def capture_prefill_graphs(self, attn_backend, budget: int | None = None) -> None:
+        """Every count of the routed prefill graphs a pass of at most `budget` tokens (the scheduler's prefill
+        budget) can reach captured and checked (`PrefillGraphs.capture_all`), where the spec asks for them: once
+        SGLang's scheduler is built (its pools allocated; `attn_backend` its model runner's), before the server
+        serves."""
         graphs = self.slot.prefill_graphs
         if graphs is None:
             return
@@ -1011,7 +1013,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         # the grad mode SGLang's event loop serves in: the tensors made here are written again while it serves
         with DynamicGradMode(), forward_context(ForwardContext(attn_backend=attn_backend)):
             graphs.capture_all(layers, self.model.embed_tokens, layer_parts,
-                               self.model.embed_tokens.weight.shape[0])
+                               self.model.embed_tokens.weight.shape[0], budget=budget)
 
     def _part_clock(self) -> PartClock:
         """The part clock over this rank's layers (of its passes' spans alone where only `pass_spans` asks for
