@@ -1740,6 +1740,54 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
     assert run.sweep_mode_mismatch(plan, out) is None
 
 
+def test_a_headline_whose_routed_arms_replay_their_prefill_layers_asks_auto_and_keeps_each_arm_one_way(
+        dry_run, tmp_path, monkeypatch):
+    """`--routed-prefill-graphs` and `--routed-prefill-read` reach the headline's routed arms too: each is started
+    asking for the counts "auto" asks (`VSKIPPER_PREFILL_GRAPHS=auto`, those its prefill chunk reaches) and the read.
+    An arm's headline cells serve one way: on a copy of the dry run, whose arms prefilled eagerly with the table's
+    read, a run asking for graphs (or for a read) is refused by name, and `covers` does not take the headline as
+    done. The summary names the headline's graphed arms. (The dry run's servers capture no CUDA graph: the first
+    server start is stood in for, and stops the stage.)"""
+    out, _ = dry_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("servers", "server", "kernels"))
+    graphed = dataclasses.replace(run.Plan.dry(), routed_prefill_graphs=True, routed_prefill_read="packed")
+    done = json.loads((copy / "headline.json").read_text())
+    arms = tuple(done["arms_requested"])
+    assert run.headline_mode_mismatch(run.Plan.dry(), copy) is None and run.covers("headline", done, arms, copy,
+                                                                                   run.Plan.dry())
+    first = next(key for key in run.HEADLINE_ARMS if (copy / "headline" / key / "served.json").is_file())
+    with pytest.raises(SystemExit, match=f"served {first} with its routed prefill layers eagerly, and this run "
+                                         "serves them from graphs: an arm's headline cells serve one way"):
+        run.stage_headline(graphed, copy, 300)
+    assert not run.covers("headline", done, arms, copy, graphed)
+    with pytest.raises(SystemExit, match=f"served {first} with the table's prefill read, and this run serves it "
+                                         r"with the packed read \(--routed-prefill-read\)"):
+        run.stage_headline(dataclasses.replace(graphed, routed_prefill_graphs=False), copy, 300)
+
+    text = run.markdown({"dry_run": True, "headline": {**done, "arms": {first: {**done["arms"][first], "served": {
+        **done["arms"][first]["served"], "prefill_graphs": {"tokens": [16, 20, 24, 28], "read": "packed",
+                                                           "reach": {"prefill_budget": 24, "left_out": [28]}}}}}}})
+    assert "the read eager; the headline's routed arms above; dense prefilled eagerly):" in text
+    assert f"- {first}: captured at 16, 20, 24 tokens with the packed read (28 left out, above the least count " \
+           "that holds its prefill budget of 24 tokens)" in text
+
+    shutil.rmtree(copy / "headline")  # a headline served anew: its first routed arm starts asking for both
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def fake_launched(model, workdir, env=None, **kw):
+        started.append((workdir.parent.name, env[run.ENV_PREFILL_GRAPHS], env[run.ENV_PREFILL_READ]))
+        raise Started
+
+    monkeypatch.setattr(run, "launched", fake_launched)
+    with pytest.raises(Started):
+        run.stage_headline(graphed, copy, 300)
+    assert started == [(first, "auto", "packed")]
+
+
 def test_a_sweep_whose_routed_arms_are_asked_for_a_prefill_read_hands_it_to_them_alone(tmp_path, monkeypatch):
     """`run.sh --routed-prefill-read packed|backend` (ENV_ROUTED_PREFILL_READ_RUN; refused on a dry run, whose
     servers run the torch execution): the sweep's routed arms, and only they, are started asking for that read

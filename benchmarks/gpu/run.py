@@ -70,6 +70,7 @@ from vskipper.sglang.spec import (  # noqa: E402
     ENV_PREFILL_GRAPHS,
     ENV_PREFILL_READ,
     ENV_STACK_SAMPLES,
+    PREFILL_GRAPHS_AUTO,
 )
 from vskipper.sglang.threads import ALLOCATOR_COUNTERS  # noqa: E402
 
@@ -222,10 +223,10 @@ class Plan:
     # asks for its prefill figures alone); a sweep without decode cells has no tau.
     sweep_decode: bool = True
     # The sweep's routed arms replay their routed prefill layers from graphs (ENV_ROUTED_PREFILL_GRAPHS_RUN) at
-    # `routed_graph_tokens`.
+    # `routed_graph_tokens`, the headline's routed arms at the counts "auto" asks that their prefill chunk reaches.
     routed_prefill_graphs: bool = False
-    # The sweep's routed arms prefill with this read in place of the table's choice (ENV_ROUTED_PREFILL_READ_RUN);
-    # None: the table's.
+    # The sweep's and the headline's routed arms prefill with this read in place of the table's choice
+    # (ENV_ROUTED_PREFILL_READ_RUN); None: the table's.
     routed_prefill_read: str | None = None
 
     @classmethod
@@ -561,6 +562,33 @@ def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
             "folder holds one kind of sweep; give this run a new OUTDIR (and the old one as --earlier)")
 
 
+def headline_mode_mismatch(plan: Plan, out: Path) -> str | None:
+    """Why this run's headline cannot continue what OUTDIR's headline served: a routed arm's cells served with its
+    routed prefill layers from graphs where this run's run eagerly, or the other way round
+    (`--routed-prefill-graphs`), or with another prefill read than this run asks for (`--routed-prefill-read`);
+    None where they agree or nothing was served yet. A folder's headline cells of one arm serve one way."""
+    folder = out / "headline"
+    for key in HEADLINE_ARMS:
+        path = folder / key / "served.json"
+        if HEADLINE_ARMS[key][0] == "dense" or not path.is_file():
+            continue
+        served_doc = json.loads(path.read_text())
+        graphed = bool(served_doc.get("prefill_graphs"))
+        if graphed != plan.routed_prefill_graphs:
+            done = "from graphs (--routed-prefill-graphs)" if graphed else "eagerly"
+            return (f"{out}'s headline served {key} with its routed prefill layers {done}, and this run serves them "
+                    f"{'from graphs' if plan.routed_prefill_graphs else 'eagerly'}: an arm's headline cells serve one "
+                    "way; give this run a new OUTDIR (and the old one as --earlier)")
+        if asked_read(served_doc) != plan.routed_prefill_read:
+            def read(asked: str | None) -> str:
+                return f"the {asked} read (--routed-prefill-read)" if asked else "the table's prefill read"
+
+            return (f"{out}'s headline served {key} with {read(asked_read(served_doc))}, and this run serves it with "
+                    f"{read(plan.routed_prefill_read)}: an arm's headline cells serve one way; give this run a new "
+                    "OUTDIR (and the old one as --earlier)")
+    return None
+
+
 def graph_flags(flags: tuple[str, ...], batches: tuple[int, ...] | None) -> list[str]:
     """The plan's SGLang flags, with the decode graphs captured at `batches` alone instead of every size up to the
     plan's largest (the sweep decodes at its own batches only: each size captured costs every start time, twice
@@ -575,14 +603,14 @@ def graph_flags(flags: tuple[str, ...], batches: tuple[int, ...] | None) -> list
 def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | None = None,
           arm_file: Path | None = None, mem: str | None = None, thresholds: dict | None = None,
           graph_batches: tuple[int, ...] | None = None, flags: list[str] | None = None,
-          part_clock: bool = False, samples: bool = False, prefill_graphs: tuple[int, ...] = (),
+          part_clock: bool = False, samples: bool = False, prefill_graphs: tuple[int, ...] | str = (),
           prefill_read: str | None = None) -> Server:
     """`vskipper serve` with the plan's flags and the tiles stage's table where it wrote one (`model` is
     OUTDIR/model); `thresholds` as its --enter-tokens / --exit-tokens (else the arm's from the roofline rule for the
     detected GPU); `graph_batches`, the only decode batch sizes captured (`graph_flags`); `flags`, SGLang flags
     after all of those; `part_clock`, its part clock on (`ENV_PART_CLOCK`: every part of every layer timed);
     `samples`, the forward's stack sampled in each pass (`ENV_STACK_SAMPLES`); `prefill_graphs`, the token counts
-    its routed prefill layers are captured at (`ENV_PREFILL_GRAPHS`; none: eager); `prefill_read`, the triton
+    its routed prefill layers are captured at, or "auto" (`ENV_PREFILL_GRAPHS`; none: eager); `prefill_read`, the triton
     execution's prefill read in place of the table's choice (`ENV_PREFILL_READ`; None: the table's)."""
     extra = graph_flags(plan.sglang_flags, graph_batches) + (["--mem-fraction-static", mem] if mem else []) \
         + list(flags or [])
@@ -599,7 +627,8 @@ def start(plan: Plan, stack: ExitStack, model: Path, workdir: Path, arm: str | N
                                         env={ENV_PASS_SPANS: "1", **({ENV_PART_CLOCK: "1"} if part_clock else {}),
                                              **({ENV_STACK_SAMPLES: "1"} if samples else {}),
                                              # set either way: never one inherited from the caller
-                                             ENV_PREFILL_GRAPHS: ",".join(map(str, prefill_graphs)),
+                                             ENV_PREFILL_GRAPHS: prefill_graphs if isinstance(prefill_graphs, str)
+                                             else ",".join(map(str, prefill_graphs)),
                                              ENV_PREFILL_READ: prefill_read or ""},
                                         stand_in_ops=None if plan.stand_in_ops == "torch" else plan.stand_in_ops,
                                         **kw))
@@ -626,7 +655,7 @@ class Attached:
 def server_for(plan: Plan, stack: ExitStack, model: Path, workdir: Path, name: str, arm_files: dict[str, Path],
                mem: str | None = None, thresholds: dict | None = None, key: str | None = None,
                graph_batches: tuple[int, ...] | None = None, part_clock: bool = False, samples: bool = False,
-               prefill_graphs: tuple[int, ...] = (), prefill_read: str | None = None):
+               prefill_graphs: tuple[int, ...] | str = (), prefill_read: str | None = None):
     """The arm's server: attached from ENV_SERVERS when it names `key` (default: the arm), else started (stopped
     with `stack`); `thresholds` go to the hybrid arm only; `part_clock`, `samples`, `prefill_graphs` and
     `prefill_read` as `start` takes them (dense's start takes neither of the last two)."""
@@ -1125,6 +1154,9 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     if not ladder or ladder.get("left") or not ladder.get("cells"):
         raise RuntimeError(f"{ladder_path}: the ladder stage has not completed (Q* and dense's cells); run "
                            "`run.sh ladder OUTDIR` first")
+    mismatch = headline_mode_mismatch(plan, out)
+    if mismatch:
+        raise SystemExit(f"[headline] {mismatch}")
     stage = Stage("headline", out, budget_s)
     model = write_model(plan, out)
     arm_files = write_arms(out)
@@ -1174,7 +1206,8 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
         if todo:
             # An arm starts where all its cells fit what is left of the budget; the first arm of a run where one
             # of them does (an arm longer than a whole budget goes on in the next run).
-            needed = plan.start_estimate_s + (sum(estimates.values()) if started else estimates[todo[0].key])
+            start_s = plan.start_estimate_s + (GRAPHED_ARM_EXTRA_S if plan.routed_prefill_graphs else 0.0)
+            needed = start_s + (sum(estimates.values()) if started else estimates[todo[0].key])
             if not stage.has_time(needed, f"{key}: {len(todo)} cells"):
                 todo = []
         if todo:
@@ -1184,8 +1217,12 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
             with ExitStack() as stack:
                 t0 = time.monotonic()
                 # ENV_SERVERS names a server by its arm; the hybrid arm at the tau's thresholds is another server.
+                # its routed prefill layers from graphs where the run asks: the counts "auto" asks that the
+                # server's prefill chunk reaches (headline prefill passes come in every size)
                 server = server_for(plan, stack, model, work / "server", name, arm_files, plan.solo_mem_fraction,
-                                    thresholds=flags, key=f"{name}@tau" if variant == "tau" else None)
+                                    thresholds=flags, key=f"{name}@tau" if variant == "tau" else None,
+                                    prefill_graphs=PREFILL_GRAPHS_AUTO if plan.routed_prefill_graphs else (),
+                                    prefill_read=plan.routed_prefill_read)
                 ready(plan, [server])
                 warm_up(plan, server, vocab)
                 log(stage.name, f"{key} up and warm after {time.monotonic() - t0:.0f} s")
@@ -2552,6 +2589,8 @@ def markdown(results: dict, out: Path | None = None) -> str:
     lines += check_lines(results)
     lines += tiles_lines(results.get("tiles"), results.get("sweep"))
     lines += headline.headline_lines(results.get("ladder"), results.get("headline"))
+    lines += routed_prefill_graph_lines((results.get("headline") or {}).get("arms") or {},
+                                        "the headline's routed arms above; dense prefilled eagerly")
     sweep = results.get("sweep")
     state = sweep_state_lines(sweep)
     if state and not sweep.get("comparison"):  # no arm pair to compare: what happened, alone
@@ -2688,18 +2727,18 @@ def prefill_graph_lines(reference: dict | None) -> list[str]:
 GRAPH_CHECK_DOUBT = 0.05
 
 
-def routed_prefill_graph_lines(arms: dict) -> list[str]:
+def routed_prefill_graph_lines(arms: dict, others: str = "dense and the reference arm as above") -> list[str]:
     """Which arms replayed their routed prefill layers from graphs (`vskipper.sglang.prefill_graphs`, their
     attestations): the counts captured, the passes each replayed at, those it ran eagerly and why, the segments
     captured and replayed, and how far a capture's first replay strayed from the eager run before it. Every figure
-    above compares those arms' replayed passes with dense's eager ones."""
+    above compares those arms' replayed passes with dense's eager ones (`others`: how the rest prefilled)."""
     graphed = [(name, arm["served"]["prefill_graphs"]) for name, arm in arms.items()
                if (arm.get("served") or {}).get("prefill_graphs")]
     if not graphed:
         return []
     lines = ["Routed prefill layers replayed from CUDA graphs (`VSKIPPER_PREFILL_GRAPHS`: with the packed read each "
-             "routed layer whole, with the backend read its work before and after the read, the read eager; dense "
-             "and the reference arm as above):", ""]
+             f"routed layer whole, with the backend read its work before and after the read, the read eager; "
+             f"{others}):", ""]
     for name, doc in graphed:
         passes = doc.get("passes") or {}
         by = ", ".join(f"{n} at {tokens}" for tokens, n in sorted((passes.get("by_tokens") or {}).items(),
@@ -3152,6 +3191,8 @@ def covers(stage: str, done: dict, arms: tuple[str, ...], out: Path, plan: Plan 
     if stage == "headline":
         if not set(arms) <= set(done.get("arms_requested") or HEADLINE_ARMS):
             return False
+        if plan is not None and headline_mode_mismatch(plan, out) is not None:
+            return False  # stage_headline says why (an arm's headline cells serve one way)
         # an arm not served for want of a sweep (no tau) serves in a later call that has one (--earlier)
         waiting = [k for k in arms if ((done.get("arms") or {}).get(k) or {}).get("wants_sweep")]
         return not (waiting and sweep_for_tau(out)[0] is not None)

@@ -37,9 +37,10 @@
 #               prefill's cost against dense's in about half a sweep's device time
 # --routed-prefill-graphs  the sweep's routed arms replay each routed layer's prefill work from CUDA graphs captured
 #               at the sweep's prefill token counts (VSKIPPER_PREFILL_GRAPHS; with the backend read, the read eager
-#               between): not on a dry run
-# --routed-prefill-read READ  the sweep's routed arms prefill with the packed or the backend read in place of the
-#               table's choice (VSKIPPER_PREFILL_READ): the triton execution's, not on a dry run
+#               between), the headline's routed arms at the counts "auto" asks that their prefill chunk reaches:
+#               not on a dry run
+# --routed-prefill-read READ  the sweep's and the headline's routed arms prefill with the packed or the backend read
+#               in place of the table's choice (VSKIPPER_PREFILL_READ): the triton execution's, not on a dry run
 #
 # A stage stopped by its budget or limit runs again while the call has time (up to three runs; a failed one does
 # not, nor one whose budget a lease caps): in a lease, in `all`, and named alone with --within (without it, a stage
