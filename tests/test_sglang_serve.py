@@ -145,6 +145,18 @@ def graphed_server(served_model, tmp_path_factory):
 GRAPHED_CHUNK = 24  # the graphed server's prefill chunk: "auto"'s counts 16, 20 and 24 reach it
 
 
+@pytest.fixture(scope="class")
+def graphed_hybrid_server(served_model, tmp_path_factory):
+    """The hybrid arm (`hybrid_server`'s thresholds and floor) with the triton execution and its routed prefill
+    layers replayed from graphs, as `graphed_server`: the headline's graphed hybrid arm, on CPU."""
+    with serve(served_model, tmp_path_factory.mktemp("hybrid-prefill-graphs"), arm="hybrid",
+               enter_tokens=HYBRID_ENTER, exit_tokens=HYBRID_EXIT, prefill_floor_tokens=HYBRID_PREFILL_FLOOR,
+               env={ENV_EXECUTION: "triton", "TRITON_INTERPRET": "1", ENV_PREFILL_GRAPHS: "auto",
+                    ENV_PREFILL_GRAPH_STAND_IN: "rerun"},
+               extra=("--chunked-prefill-size", str(GRAPHED_CHUNK), "--enable-metrics")) as server:
+        yield server
+
+
 VOCAB = TinySize().vocab  # the tiny checkpoints' vocabulary
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 # (API, body, the field the 400 must name): each would kill SGLang 0.5.21's scheduler or give a 500 unguarded.
@@ -542,6 +554,39 @@ class TestRoutedPrefillGraphs:
         assert {how: _metric(text, "vskipper_routed_prefill_passes_total", layers=how) for how in PREFILL_LAYER_RUNS} \
             == {"replayed": sum(after["by_tokens"].values()), "eager_longer": after["eager"]["longer than every count"],
                 "eager_refused": 0, "eager_not_asked": 0}
+
+
+class TestHybridArmPrefillGraphs:
+    """The hybrid arm whose routed prefill rounds replay their routed layers from graphs: dense rounds under its
+    floor run as ever, a round over it routes, its chunks replayed, the first of them the switch's share probe read
+    from the graph tape; decode then routes (V over enter), and the tokens are the torch routed forward's."""
+
+    def test_a_routed_round_replays_its_chunks_probes_from_the_graph_tape_and_decodes_the_routed_tokens(
+            self, graphed_hybrid_server, served_model):
+        server = graphed_hybrid_server
+        before = server.get_json("/vskipper/attestation")
+        assert before["prefill_graphs"]["reach"]["left_out"][0] == 28  # 16, 20 and 24 captured
+        short = [5, 6, 7, 8, 9, 10, 11, 12]  # under the floor: a dense round, no graph
+        assert server.generate_ids(short, 2) == greedy_reference(served_model, short, 2)
+        prompt = list(range(100, 164))  # 64 tokens, over the floor of 48: chunks of 24, 24 and 16, each replayed
+        out = server.generate_ids(prompt, 3)
+        after = server.get_json("/vskipper/attestation")
+        assert out == greedy_reference(served_model, prompt, 3, build_skipper("flexidepth", {}))
+        passes = {p: {m: after["passes_total"][p][m] - before["passes_total"][p][m] for m in ("dense", "routed")}
+                  for p in ("prefill", "decode")}
+        assert passes["prefill"] == {"dense": 1, "routed": 3} and passes["decode"]["routed"] >= 2
+        graphs = after["prefill_graphs"]["passes"]
+        was = before["prefill_graphs"]["passes"]
+        assert {n: graphs["by_tokens"][n] - was["by_tokens"][n] for n in ("16", "20", "24")} == \
+            {"16": 1, "20": 0, "24": 2}
+        assert graphs["eager"] == was["eager"]
+        switch = after["switch"]
+        assert switch["probes_total"] == before["switch"]["probes_total"] + 1  # the round's probe, counted once
+        assert 0.0 < switch["prefill_share_estimate"] < 1.0  # rows sent both ways, none of the padding's counted
+        assert after["rows_total"]["prefill"]["project_only"] > before["rows_total"]["prefill"]["project_only"]
+        text = server.metrics()
+        assert _metric(text, "vskipper_routed_prefill_passes_total", layers="replayed") == \
+            sum(graphs["by_tokens"].values()) == after["passes_total"]["prefill"]["routed"]
 
 
 class TestHybridArm:
