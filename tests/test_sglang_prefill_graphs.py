@@ -247,8 +247,16 @@ def test_auto_asks_four_counts_an_octave_up_to_2048_tokens():
         ServeSpec.from_env({**spec.to_env(), ENV_PREFILL_GRAPHS: "1024,auto"})
 
 
-def test_the_counts_a_budget_reaches_run_up_to_the_least_that_holds_it():
+def test_the_counts_a_chunk_reaches_run_up_to_the_least_that_holds_it():
+    """Only a chunked prefill bounds a pass: unchunked, SGLang admits a round's first prompt whole, however long."""
+    from types import SimpleNamespace
+
+    from vskipper.sglang.hooks import prefill_chunk
     from vskipper.sglang.prefill_graphs import reached_by
+
+    assert prefill_chunk(SimpleNamespace(chunked_prefill_size=8192, max_prefill_tokens=16384)) == 8192
+    for unchunked in (None, -1, 0):
+        assert prefill_chunk(SimpleNamespace(chunked_prefill_size=unchunked, max_prefill_tokens=16384)) is None
 
     sizes = (16, 64, 256)
     assert reached_by(sizes, None) == sizes
@@ -458,7 +466,7 @@ def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_ca
     assert graphed.model.runtime.attestation()["rows_total"] == eager.model.runtime.attestation()["rows_total"]
 
 
-def test_the_boot_leaves_out_the_counts_no_pass_of_the_prefill_budget_reaches(checkpoint, monkeypatch):
+def test_the_boot_leaves_out_the_counts_no_pass_of_the_prefill_chunk_reaches(checkpoint, monkeypatch):
     """Under a prefill chunk of 12 tokens no pass holds more than 12 rows: the start captures 16 alone, and 64,
     which no pass reaches, is left out (attested with the budget). A pass of 12 rows replays at 16; one longer
     than the budget (which SGLang's chunked prefill does not make) runs eagerly, as longer than every count."""
@@ -468,8 +476,9 @@ def test_the_boot_leaves_out_the_counts_no_pass_of_the_prefill_budget_reaches(ch
     per_pass = 1 + 2 * len(graphed.model.routed_layers)
     assert graphs.graphs.counts == {"captured": per_pass, "replayed": per_pass}  # 16's segments alone
     att = graphed.model.runtime.attestation()["prefill_graphs"]
-    assert att["reach"] == {"asked": "counts", "prefill_budget": 12, "left_out": [64]}
+    assert att["reach"] == {"asked": "counts", "prefill_chunk": 12, "left_out": [64]}
     assert att["captured_at_boot_s"]["64"] is None and att["captured_at_boot_s"]["16"] is not None
+    assert graphs.x.shape[0] == graphs.loc.shape[0] == 16  # the storage sized for the counts kept
     assert att["failed"] == {"16": None, "64": None}
     for seed, (shape, first) in enumerate([(Shape("prefill", 2, 6), 0), (Shape("prefill", 1, 40), 2)]):
         assert_same(graphed, eager, shape, first, seed)

@@ -519,7 +519,7 @@ class TestRoutedPrefillGraphs:
         segments = len(captured) * (1 + routed)  # per count the state and each routed layer's one segment
         assert graphs["tokens"] == list(AUTO_PREFILL_GRAPHS) and graphs["read"] == "packed" \
             and graphs["made_by"] == "stand-in RerunGraph"
-        assert graphs["reach"] == {"asked": "auto", "prefill_budget": GRAPHED_CHUNK,
+        assert graphs["reach"] == {"asked": "auto", "prefill_chunk": GRAPHED_CHUNK,
                                    "left_out": list(AUTO_PREFILL_GRAPHS[len(captured):])}
         assert [int(n) for n, s in graphs["captured_at_boot_s"].items() if s is not None] == captured
         assert graphs["capture_check"]["segments"] == graphs["capture_check"]["rechecked"] == segments

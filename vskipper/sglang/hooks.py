@@ -84,6 +84,14 @@ def prefill_budget(scheduler: Any) -> int | None:
     return int(cap) if cap else None
 
 
+def prefill_chunk(scheduler: Any) -> int | None:
+    """The most tokens one of the scheduler's prefill passes holds where it chunks its prefill (its chunk: the
+    PrefillAdder never takes more, a mixed chunk's decode rows included), else None: unchunked, a round's first
+    prompt passes SGLang's per-round cap whole."""
+    chunk = getattr(scheduler, "chunked_prefill_size", None)
+    return int(chunk) if chunk is not None and chunk > 0 else None
+
+
 def admission_limits(scheduler: Any, running_batch: Any) -> AdmissionLimits:
     """What SGLang's next admission round can take, read as its PrefillAdder will: the prefill budget, the free
     plus evictable KV tokens less the running requests' decode reservations, and the free request slots. A limit
@@ -208,11 +216,11 @@ def around_prefill_capture(original, graph_runner, *args, **kwargs):
 def after_boot_capture(result, scheduler, *args, **kwargs) -> None:
     """Once SGLang's scheduler is built (its pools allocated, its own graphs captured) and before it reports
     ready: the skipper model's routed prefill graphs captured and checked, where the spec asks for them, at the
-    counts a pass within the scheduler's prefill budget reaches (`SkipperCausalLM.capture_prefill_graphs`)."""
+    counts a pass within the scheduler's prefill chunk reaches (`SkipperCausalLM.capture_prefill_graphs`)."""
     model = _model()
     runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     if model is not None and getattr(runner, "model", None) is model:
-        model.capture_prefill_graphs(runner.attn_backend, prefill_budget(scheduler))
+        model.capture_prefill_graphs(runner.attn_backend, prefill_chunk(scheduler))
 
 
 def glue_captures(glue, key) -> bool:

@@ -29,11 +29,11 @@ launches and three copies (backend), in place of the layer's launches; per pass 
 What it costs the device: the padding rows' work at every routed layer, the copies (about seven of a layer's
 rows' width a routed layer, well under 1% of a pass).
 
-A server captures and checks every count before it serves (`capture_all`, from the hook after SGLang's scheduler is
-built): no served pass waits on a capture, nor on a check that reads the device. It leaves out the counts no pass
-within its prefill budget reaches (those above the least count that holds its prefill chunk, `reached_by`): they
-would cost its start and device memory for nothing. Where no capture came first (a
-model driven outside a server), a count's first pass runs each segment eagerly, captures it and replays it.
+A server captures and checks every count it keeps before it serves (`capture_all`, from the hook after SGLang's
+scheduler is built): no served pass waits on a capture, nor on a check that reads the device. Where it chunks its
+prefill, it leaves out the counts no pass reaches (those above the least count that holds its prefill chunk,
+`reached_by`): they would cost its start and device memory for nothing. Where no capture came first (a model
+driven outside a server), a count's first pass runs each segment eagerly, captures it and replays it.
 """
 
 from __future__ import annotations
@@ -101,12 +101,12 @@ def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device
     return None
 
 
-def reached_by(sizes: tuple[int, ...], budget: int | None) -> tuple[int, ...]:
-    """The counts of `sizes` (increasing) a prefill pass of at most `budget` tokens can take: each up to the least
-    that holds the budget (every count where there is no budget)."""
-    if budget is None:
+def reached_by(sizes: tuple[int, ...], chunk: int | None) -> tuple[int, ...]:
+    """The counts of `sizes` (increasing) a prefill pass of at most `chunk` tokens can take: each up to the least
+    that holds the chunk (every count where there is none)."""
+    if chunk is None:
         return tuple(sizes)
-    i = bisect_left(sizes, budget)
+    i = bisect_left(sizes, chunk)
     return tuple(sizes[:i + 1])
 
 
@@ -123,9 +123,9 @@ class PrefillGraphs:
         self.sizes, self.runtime, self.execution, self.layer_ops = tuple(sizes), runtime, execution, layer_ops
         # the counts a pass may take: every count, until the start leaves out those no pass reaches (`capture_all`)
         self.reached = self.sizes
-        # what was asked ("auto": `AUTO_PREFILL_GRAPHS`, else the counts), the scheduler's prefill budget the start
+        # what was asked ("auto": `AUTO_PREFILL_GRAPHS`, else the counts), the scheduler's prefill chunk the start
         # read and the counts it left out (attested: keys fixed here, values set once at the start)
-        self.reach: dict[str, Any] = {"asked": asked if isinstance(asked, str) else "counts", "prefill_budget": None,
+        self.reach: dict[str, Any] = {"asked": asked if isinstance(asked, str) else "counts", "prefill_chunk": None,
                                       "left_out": []}
         if execution.prefill_read not in GRAPH_READS:
             raise ValueError(f"prefill graphs serve the reads {sorted(GRAPH_READS)}, not {execution.prefill_read!r}")
@@ -133,19 +133,8 @@ class PrefillGraphs:
         self.graphs = SegmentGraphs(device, graph, hold=runtime.capturing_graphs)
         # what makes each graph, attested: a stand-in is named (tests only: no CUDA graph then)
         self.made_by = "CUDA graphs" if graph is None else f"stand-in {getattr(graph, '__name__', repr(graph))}"
-        cap = self.sizes[-1]
-        capacity = tape_capacity(cap)
-        # the graph tape and maps: fixed storage every capture reads and writes
-        self.tape = RouteTape(capacity, runtime.routed_layers, dtype, device)
-        self.builder = CohortBuilder(capacity, device)
-        self.x = torch.zeros(cap, hidden, dtype=dtype, device=device)  # the embeddings, then each layer's input x
-        self.u = torch.zeros(cap, hidden, dtype=dtype, device=device)  # LN1 x
-        self.a = torch.zeros(cap, q_size, dtype=dtype, device=device)  # the read's output, in batch rows
-        self.positions = torch.zeros(cap, dtype=torch.int64, device=device)
-        self.keys = torch.zeros(cap, dtype=torch.int64, device=device)
-        self.req_rows = torch.zeros(cap, dtype=torch.int64, device=device)  # each row's request slot (packed read)
-        self.valid = torch.zeros(cap, dtype=torch.bool, device=device)
-        self.dense = torch.zeros(cap, dtype=torch.bool, device=device)
+        self._shape = (hidden, q_size, dtype, device)
+        self._allocate(self.sizes[-1])
         self.loc: torch.Tensor | None = None  # KV slots, in SGLang's dtype for them (at the first pass)
         self._outputs: dict[str, torch.Tensor] = {}  # the segments' static outputs (`_out`), made at the first
         self.filled = 0  # rows the last pass wrote (a shorter pass resets the rest to padding; zeros are)
@@ -160,6 +149,23 @@ class PrefillGraphs:
         self.failed: dict[str, str | None] = dict.fromkeys(map(str, self.sizes))
         # per count, the seconds its captures and checks took before the server served (`capture_all`), or None
         self.boot: dict[str, float | None] = dict.fromkeys(map(str, self.sizes))
+
+    def _allocate(self, cap: int) -> None:
+        """The static storage every capture of up to `cap` rows reads and writes: the graph tape and maps, each
+        row's inputs and the read's output."""
+        hidden, q_size, dtype, device = self._shape
+        self.cap = cap
+        capacity = tape_capacity(cap)
+        self.tape = RouteTape(capacity, self.runtime.routed_layers, dtype, device)
+        self.builder = CohortBuilder(capacity, device)
+        self.x = torch.zeros(cap, hidden, dtype=dtype, device=device)  # the embeddings, then each layer's input x
+        self.u = torch.zeros(cap, hidden, dtype=dtype, device=device)  # LN1 x
+        self.a = torch.zeros(cap, q_size, dtype=dtype, device=device)  # the read's output, in batch rows
+        self.positions = torch.zeros(cap, dtype=torch.int64, device=device)
+        self.keys = torch.zeros(cap, dtype=torch.int64, device=device)
+        self.req_rows = torch.zeros(cap, dtype=torch.int64, device=device)  # each row's request slot (packed read)
+        self.valid = torch.zeros(cap, dtype=torch.bool, device=device)
+        self.dense = torch.zeros(cap, dtype=torch.bool, device=device)
 
     def attestation(self) -> dict[str, Any]:
         return {"tokens": list(self.sizes), "read": self.execution.prefill_read, "made_by": self.made_by,
@@ -221,9 +227,9 @@ class PrefillGraphs:
                 self._eager(step, "its count's capture failed or strayed")
         self.active = None
 
-    def capture_all(self, layers, embed, parts_of, vocab: int, seed: int = 0, budget: int | None = None) -> None:
-        """Every count's segments captured and checked before the server serves (it calls this once booted, with
-        SGLang's pools allocated and a forward context published), so that no served pass waits on a capture or a
+    def capture_all(self, layers, embed, parts_of, vocab: int, seed: int = 0, chunk: int | None = None) -> None:
+        """Every kept count's segments captured and checked before the server serves (it calls this once booted,
+        with SGLang's pools allocated and a forward context published), so that no served pass waits on a capture or a
         check: the hybrid arm's first routed prefill comes under load. Per count two passes of no request through
         the routed `layers` on this rank (`embed` the embedding, `parts_of` a layer's parts, `vocab` the token ids
         drawn from; `_boot_pass`): the first captures each segment and checks its first replay against its eager
@@ -234,18 +240,21 @@ class PrefillGraphs:
         row's query. The KV slots and request rows the passes take are put back as they were. A count whose
         capture fails is marked, as at a served pass (`_segment`), and so is one whose checks strayed
         (`_refuse_straying`); an eager run that fails (as out of memory) fails the server's start. No pass is
-        counted; each count's seconds are attested (`captured_at_boot_s`). `budget`: the most tokens one of the
-        server's prefill passes holds (its prefill chunk, or its per-round cap; `reached_by`): the counts above the
-        least count that holds it are left out, never captured (a pass longer than the budget, which SGLang does
-        not make, runs eagerly)."""
+        counted; each count's seconds are attested (`captured_at_boot_s`). `chunk`: the server's prefill chunk, the
+        most tokens one of its prefill passes holds (SGLang's chunked prefill never makes a longer one; None where
+        it does not chunk, and a round's first prompt may then be as long as it is): the counts above the least
+        count that holds it are left out, never captured (`reached_by`), and the static storage sized for that
+        count."""
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
-        self.reached = reached_by(self.sizes, budget)
+        self.reached = reached_by(self.sizes, chunk)
         left_out = [size for size in self.sizes if size not in self.reached]
-        self.reach.update(prefill_budget=budget, left_out=left_out)
+        self.reach.update(prefill_chunk=chunk, left_out=left_out)
         if left_out:
             logger.info("routed prefill graphs: %s tokens left out, above the least count that holds the server's "
-                        "prefill budget of %d tokens", ",".join(map(str, left_out)), budget)
+                        "prefill chunk of %d tokens", ",".join(map(str, left_out)), chunk)
+            if not self.graphs.counts["captured"] and self.loc is None:  # no capture holds the storage yet
+                self._allocate(self.reached[-1])
         device, cap = self.x.device, self.reached[-1]
         pool, req_to_token = get_token_to_kv_pool(), get_req_to_token_pool().req_to_token
         layer_ids = [parts_of(layer).radix.layer_id for layer in layers]
@@ -344,7 +353,7 @@ class PrefillGraphs:
         them); the padding rows up to the rows the last pass wrote reset (request slot 0: a padding row reads
         request 0's first key, and its output is dropped)."""
         if self.loc is None:
-            self.loc = torch.zeros(self.sizes[-1], dtype=loc.dtype, device=self.x.device)
+            self.loc = torch.zeros(self.cap, dtype=loc.dtype, device=self.x.device)
         self.positions[:n].copy_(positions)
         self.loc[:n].copy_(loc)
         if keys is not None:
@@ -451,7 +460,7 @@ class PrefillGraphs:
         rows, width = t.shape
         out = self._outputs.get(name)
         if out is None or out.shape[1] != width or out.dtype != t.dtype:
-            out = self._outputs[name] = torch.empty(self.sizes[-1], width, dtype=t.dtype, device=t.device)
+            out = self._outputs[name] = torch.empty(self.cap, width, dtype=t.dtype, device=t.device)
         view = out[:rows]
         view.copy_(t)
         return view

@@ -63,15 +63,15 @@ ENV_STAND_IN_OPS = "VSKIPPER_STAND_IN_OPS"
 # The token counts a routed arm's prefill passes are captured at (comma-separated, e.g. "1024,2048,4096", or "auto":
 # `AUTO_PREFILL_GRAPHS`), each captured and checked as the server starts: each routed layer's work replays from CUDA
 # graphs (the read too with the packed read, `vskipper.sglang.prefill_graphs`), a pass padded to the least count
-# that holds it; a count no pass of the server's prefill budget reaches (one above the least count that holds the
-# budget) is left out at start. Unset: every routed prefill pass eager. Off by default: an opt-in mode whose graphs
+# that holds it; where the server chunks its prefill, a count no pass reaches (one above the least count that holds
+# the chunk) is left out at start. Unset: every routed prefill pass eager. Off by default: an opt-in mode whose graphs
 # have not yet served on a device.
 ENV_PREFILL_GRAPHS = "VSKIPPER_PREFILL_GRAPHS"
 PREFILL_GRAPHS_AUTO = "auto"
 # What "auto" captures: four counts an octave from 16 to 2048 tokens (16, 20, 24, 28, 32, 40, ...), so that a pass
 # pads by less than a quarter of its rows. Not above 2048: on the H200 a routed prefill pass's device waits on its
 # host below about 2k tokens (`benchmarks/results/H200`), which is what the graphs take off, and above it a padded
-# row costs device time the host no longer hides. Within the server's prefill budget only (above).
+# row costs device time the host no longer hides. Within the server's prefill chunk only (above).
 AUTO_PREFILL_GRAPHS = tuple(m << k for k in range(2, 9) for m in (4, 5, 6, 7)) + (2048,)
 # Tests: "rerun" has a CPU server's routed prefill graphs made by the stand-in that reruns each capture at every
 # replay (`vskipper.mixed.segment_graphs.RerunGraph`), so that a real server's capture at start and its replayed
@@ -208,7 +208,7 @@ class ServeSpec:
 
     def prefill_graph_counts(self) -> tuple[int, ...]:
         """The token counts the routed prefill graphs are asked at: the spec's, or `AUTO_PREFILL_GRAPHS` for "auto"
-        (either way, those the server's prefill budget reaches are captured, `PrefillGraphs.capture_all`)."""
+        (either way, those the server's prefill chunk reaches are captured, `PrefillGraphs.capture_all`)."""
         return AUTO_PREFILL_GRAPHS if self.prefill_graphs == PREFILL_GRAPHS_AUTO else tuple(self.prefill_graphs)
 
 

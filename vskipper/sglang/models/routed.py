@@ -997,11 +997,11 @@ class SkipperCausalLM(RouterWeightsMixin):
         self.runtime.model_counters["prefill_graphs"] = graphs.attestation()
         return graphs
 
-    def capture_prefill_graphs(self, attn_backend, budget: int | None = None) -> None:
-        """Every count of the routed prefill graphs a pass of at most `budget` tokens (the scheduler's prefill
-        budget) can reach captured and checked (`PrefillGraphs.capture_all`), where the spec asks for them: once
-        SGLang's scheduler is built (its pools allocated; `attn_backend` its model runner's), before the server
-        serves."""
+    def capture_prefill_graphs(self, attn_backend, chunk: int | None = None) -> None:
+        """Every count of the routed prefill graphs a pass of at most `chunk` tokens (the scheduler's prefill
+        chunk; None: unchunked) can reach captured and checked (`PrefillGraphs.capture_all`), where the spec asks
+        for them: once SGLang's scheduler is built (its pools allocated; `attn_backend` its model runner's), before
+        the server serves."""
         graphs = self.slot.prefill_graphs
         if graphs is None:
             return
@@ -1013,7 +1013,7 @@ class SkipperCausalLM(RouterWeightsMixin):
         # the grad mode SGLang's event loop serves in: the tensors made here are written again while it serves
         with DynamicGradMode(), forward_context(ForwardContext(attn_backend=attn_backend)):
             graphs.capture_all(layers, self.model.embed_tokens, layer_parts,
-                               self.model.embed_tokens.weight.shape[0], budget=budget)
+                               self.model.embed_tokens.weight.shape[0], chunk=chunk)
 
     def _part_clock(self) -> PartClock:
         """The part clock over this rank's layers (of its passes' spans alone where only `pass_spans` asks for
