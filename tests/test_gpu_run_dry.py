@@ -28,6 +28,7 @@ from loadgen.suite import load_suite  # noqa: E402
 from tests.sglang_world import ROOT  # noqa: E402
 from tests.test_serve_contract import sglang_parser  # noqa: E402
 from vskipper.mixed.tiles import load_tile_table, table_label  # noqa: E402
+from vskipper.sglang.spec import AUTO_PREFILL_GRAPHS  # noqa: E402
 from vskipper.sglang.stack_samples import INTERVAL_S  # noqa: E402
 
 pytestmark = pytest.mark.server  # the device run's stages against real SGLang servers
@@ -1693,8 +1694,8 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
                               "not_finite": []},
             "memory": {"reserved_bytes": 3 * 2**30}, "failed": {"32": None, "64": None},
             "captured_at_boot_s": {"32": 1.234, "64": 2.5}, "read": "backend"}
-        if server.name == run.CONTROL:  # its prefill budget of 24 tokens left 64 out
-            graphs |= {"reach": {"asked": "counts", "prefill_budget": 24, "left_out": [64]},
+        if server.name == run.CONTROL:  # its prefill chunk of 24 tokens left 64 out
+            graphs |= {"reach": {"asked": "counts", "prefill_chunk": 24, "left_out": [64]},
                        "captured_at_boot_s": {"32": 1.234, "64": None}}
         return {"arm": server.name, "profile": {"decode_graphs": "disabled"}, "prefill_graphs": graphs}
 
@@ -1722,7 +1723,7 @@ def test_a_sweep_whose_routed_arms_replay_their_prefill_layers_hands_them_the_co
            "replay against its eager run after it: worst difference 0.0078 of the largest value over 10 segments " \
            "((32, 2, 'in')); the captures reserved 3.00 GiB" in text
     assert f"- {run.CONTROL}: captured at 32 tokens with the backend read (before it served: 1.2 s at 32; 64 left " \
-           "out, above the least count that holds its prefill budget of 24 tokens); passes" in text
+           "out, above the least count that holds its prefill chunk of 24 tokens); passes" in text
     assert f"**{run.CONTROL}'s replays strayed from its eager runs by 0.5 of the largest value: its routed " \
            "prefill figures above are in doubt.**" in text and f"**{run.ALWAYS}'s replays" not in text
     assert "Segments whose capture recorded no kernel (a trained gate's state is a view of its inputs and " \
@@ -1767,10 +1768,27 @@ def test_a_headline_whose_routed_arms_replay_their_prefill_layers_asks_auto_and_
 
     text = run.markdown({"dry_run": True, "headline": {**done, "arms": {first: {**done["arms"][first], "served": {
         **done["arms"][first]["served"], "prefill_graphs": {"tokens": [16, 20, 24, 28], "read": "packed",
-                                                           "reach": {"prefill_budget": 24, "left_out": [28]}}}}}}})
+                                                           "reach": {"prefill_chunk": 24, "left_out": [28]}}}}}}})
     assert "the read eager; the headline's routed arms above; dense prefilled eagerly):" in text
     assert f"- {first}: captured at 16, 20, 24 tokens with the packed read (28 left out, above the least count " \
-           "that holds its prefill budget of 24 tokens)" in text
+           "that holds its prefill chunk of 24 tokens)" in text
+    ladder = {"tokens": list(AUTO_PREFILL_GRAPHS), "read": "packed",  # "auto" under a chunk of 100 tokens
+              "captured_at_boot_s": {str(n): 0.5 if n < 112 else 1.5 if n == 112 else None
+                                     for n in AUTO_PREFILL_GRAPHS},
+              "reach": {"prefill_chunk": 100, "left_out": [n for n in AUTO_PREFILL_GRAPHS if n > 112]}}
+    text = run.markdown({"dry_run": True, "headline": {**done, "arms": {first: {
+        **done["arms"][first], "served": {**done["arms"][first]["served"], "prefill_graphs": ladder}}}}})
+    assert f"- {first}: captured at {', '.join(str(n) for n in AUTO_PREFILL_GRAPHS if n <= 112)} tokens with the " \
+           "packed read (before it served: 7.0 s over 12 counts, the longest 1.5 s at 112; 17 counts from 128 " \
+           "left out, above the least count that holds its prefill chunk of 100 tokens)" in text
+
+    assert done["arms"][first].get("model")  # the queueing model's prediction, which a note may follow
+    noted = {**done, "arms": {first: {**done["arms"][first], "model_note": "The model's routed prefill passes are"}}}
+    ladder = json.loads((copy / "ladder.json").read_text())
+    assert "The model's routed prefill passes are" in run.markdown({"dry_run": True, "ladder": ladder,
+                                                                    "headline": noted})
+    assert run.Plan.gpu().headline_start_s + len(AUTO_PREFILL_GRAPHS) * run.GRAPHED_COUNT_S == dataclasses.replace(
+        run.Plan.gpu(), routed_prefill_graphs=True).headline_start_s
 
     shutil.rmtree(copy / "headline")  # a headline served anew: its first routed arm starts asking for both
     started = []
@@ -1786,6 +1804,23 @@ def test_a_headline_whose_routed_arms_replay_their_prefill_layers_asks_auto_and_
     with pytest.raises(Started):
         run.stage_headline(graphed, copy, 300)
     assert started == [(first, "auto", "packed")]
+
+
+def test_a_headline_arm_prefilling_another_way_than_the_sweep_says_its_model_reads_the_sweeps_way():
+    """The queueing model reads the sweep's routed prefill passes (always-route's, the control's for the control):
+    where those ran their routed layers one way and the headline arm's the other, the note says so."""
+    graphed = {"prefill_graphs": {"tokens": [16, 20]}}
+    swept = {run.ALWAYS: {"served": {"arm": run.ALWAYS}}, run.CONTROL: {"served": graphed}}
+    assert run.prefill_mode_note("hybrid-rule", graphed, swept, run.HYBRID) == (
+        f"The model's routed prefill passes are the sweep's {run.ALWAYS} arm's, which ran their routed layers "
+        "eagerly, while hybrid-rule's replayed their routed layers from graphs: its prefill predictions describe "
+        "the sweep's way, not the arm's.")
+    assert "which replayed their routed layers from graphs, while control's ran their routed layers eagerly" in \
+        run.prefill_mode_note("control", {"arm": run.CONTROL}, swept, run.CONTROL)
+    assert run.prefill_mode_note("control", graphed, swept, run.CONTROL) is None
+    assert run.prefill_mode_note("always", {"arm": run.ALWAYS}, swept, run.ALWAYS) is None
+    assert run.prefill_mode_note("hybrid-rule", graphed, {}, run.HYBRID) is None  # no sweep: no model either
+    assert run.graphed_start_s(4) == run.GRAPHED_ARM_EXTRA_S < run.graphed_start_s(29) == 29 * run.GRAPHED_COUNT_S
 
 
 def test_a_sweep_whose_routed_arms_are_asked_for_a_prefill_read_hands_it_to_them_alone(tmp_path, monkeypatch):

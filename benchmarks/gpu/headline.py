@@ -997,6 +997,8 @@ def headline_lines(ladder: Mapping | None, headline: Mapping | None) -> list[str
         lines += [arm["table"], f"Routed share of {key}'s passes in the repetitions compared: {shares}."
                   + (f" Not engaged: {arm['not_engaged']}." if arm.get("not_engaged") else ""), ""]
         lines += model_table(key, arm.get("model"), arm["loads"])
+        if arm.get("model") and arm.get("model_note"):
+            lines += [arm["model_note"], ""]
         lines += pass_span_table(key, arm["loads"])
         lines += pass_kind_table(key, arm["loads"])
         lines += compile_lines(key, arm["loads"])

@@ -65,6 +65,7 @@ from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.modelspec import decode_bytes  # noqa: E402
 from vskipper.sglang.launch import Server, http, launched  # noqa: E402
 from vskipper.sglang.spec import (  # noqa: E402
+    AUTO_PREFILL_GRAPHS,
     ENV_PART_CLOCK,
     ENV_PASS_SPANS,
     ENV_PREFILL_GRAPHS,
@@ -127,10 +128,12 @@ PREFILL_ONLY_GRAPHS = (1,)  # the decode graphs a prefill-only sweep server capt
 # about 6 s): a sweep starts an arm only where this much is left before its limit (`Stage.fits`).
 SWEEP_ARM_S = 150.0
 PREFILL_ONLY_ARM_S = 75.0
-# What a sweep arm's start takes more where its routed prefill layers replay (`--routed-prefill-graphs`: the server
-# captures each count's segments and checks them twice before it reports ready; not yet timed on a device, each
-# server attests its counts' seconds, `captured_at_boot_s`)
+# What a routed arm's start takes more where its routed prefill layers replay (`--routed-prefill-graphs`: the server
+# captures each count's segments and checks them twice before it reports ready): at least GRAPHED_ARM_EXTRA_S, and
+# GRAPHED_COUNT_S a count (`graphed_start_s`). Not yet timed on a device: each server attests its counts' seconds
+# (`captured_at_boot_s`).
 GRAPHED_ARM_EXTRA_S = 15.0
+GRAPHED_COUNT_S = 1.0
 STAGE_END_S = 25.0  # what a stage that runs to its limit keeps after its last step: its result and the summary
 TERM_EXIT = 128 + signal.SIGTERM  # a stage's exit on run.sh's TERM at its limit (`main`)
 STEP_NEED_S = 120.0  # what a stage's subprocess step needs left to start (`run_steps`), unless it says
@@ -273,7 +276,14 @@ class Plan:
         if self.dry_run:
             return 1.0
         return (SWEEP_ARM_S if self.sweep_decode else PREFILL_ONLY_ARM_S) + \
-            (GRAPHED_ARM_EXTRA_S if self.routed_prefill_graphs else 0.0)
+            (graphed_start_s(len(self.routed_graph_tokens)) if self.routed_prefill_graphs else 0.0)
+
+    @property
+    def headline_start_s(self) -> float:
+        """What a headline routed arm's start takes: a server's, more where it captures the counts "auto" asks (as
+        many as its prefill chunk reaches, all of them under SGLang's GPU defaults)."""
+        return self.start_estimate_s + (graphed_start_s(len(AUTO_PREFILL_GRAPHS)) if self.routed_prefill_graphs
+                                        else 0.0)
 
     @property
     def reference_arm_s(self) -> float:
@@ -304,6 +314,11 @@ class Plan:
 
     def max_running(self) -> int | None:
         return headline.max_running(self.sglang_flags)
+
+
+def graphed_start_s(counts: int) -> float:
+    """What a server's start takes more to capture and check `counts` counts of routed prefill graphs."""
+    return max(GRAPHED_ARM_EXTRA_S, GRAPHED_COUNT_S * counts)
 
 
 class Stage:
@@ -570,7 +585,7 @@ def headline_mode_mismatch(plan: Plan, out: Path) -> str | None:
     folder = out / "headline"
     for key in HEADLINE_ARMS:
         path = folder / key / "served.json"
-        if HEADLINE_ARMS[key][0] == "dense" or not path.is_file():
+        if not path.is_file():
             continue
         served_doc = json.loads(path.read_text())
         graphed = bool(served_doc.get("prefill_graphs"))
@@ -1206,8 +1221,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
         if todo:
             # An arm starts where all its cells fit what is left of the budget; the first arm of a run where one
             # of them does (an arm longer than a whole budget goes on in the next run).
-            start_s = plan.start_estimate_s + (GRAPHED_ARM_EXTRA_S if plan.routed_prefill_graphs else 0.0)
-            needed = start_s + (sum(estimates.values()) if started else estimates[todo[0].key])
+            needed = plan.headline_start_s + (sum(estimates.values()) if started else estimates[todo[0].key])
             if not stage.has_time(needed, f"{key}: {len(todo)} cells"):
                 todo = []
         if todo:
@@ -1241,6 +1255,9 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
                               bandwidth)
         if predicted:
             doc["model"] = predicted
+            note = prefill_mode_note(key, doc.get("served"), (sweep or {}).get("arms") or {}, name)
+            if note:
+                doc["model_note"] = note
     swept = (sweep or {}).get("arms") or {}
     pool = headline.kv_pool_of(result)
     # one prefill source for the limit and its parts, so that the parts' "both at the limit" is the limit
@@ -1258,6 +1275,22 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     # Left work and started no server: a rerun, with less time than this run had, could not start one either.
     result["idle"] = bool(stage.left) and not started
     return result
+
+
+def prefill_mode_note(key: str, served_doc: dict | None, swept: dict, name: str) -> str | None:
+    """Where a headline arm's routed prefill layers ran one way (from graphs, or eagerly) and the sweep's arm whose
+    lines the queueing model reads (`arm_model`) ran them the other: a sentence saying the model's routed prefill
+    passes are not the arm's; else None."""
+    routes = CONTROL if name == CONTROL else ALWAYS
+    theirs_doc = (swept.get(routes) or {}).get("served")
+    if served_doc is None or theirs_doc is None:
+        return None
+    mine, theirs = bool(served_doc.get("prefill_graphs")), bool(theirs_doc.get("prefill_graphs"))
+    if mine == theirs:
+        return None
+    how = {True: "replayed their routed layers from graphs", False: "ran their routed layers eagerly"}
+    return (f"The model's routed prefill passes are the sweep's {routes} arm's, which {how[theirs]}, while {key}'s "
+            f"{how[mine]}: its prefill predictions describe the sweep's way, not the arm's.")
 
 
 def arm_model(plan: Plan, sweep: dict | None, name: str, thresholds: dict | None, cells: list, suites: dict,
@@ -2727,6 +2760,9 @@ def prefill_graph_lines(reference: dict | None) -> list[str]:
 GRAPH_CHECK_DOUBT = 0.05
 
 
+BOOT_LISTED = 8  # a graphed arm's counts whose boot seconds the summary lists one by one; more are summed
+
+
 def routed_prefill_graph_lines(arms: dict, others: str = "dense and the reference arm as above") -> list[str]:
     """Which arms replayed their routed prefill layers from graphs (`vskipper.sglang.prefill_graphs`, their
     attestations): the counts captured, the passes each replayed at, those it ran eagerly and why, the segments
@@ -2757,10 +2793,17 @@ def routed_prefill_graph_lines(arms: dict, others: str = "dense and the referenc
         reach = doc.get("reach") or {}
         left_out = reach.get("left_out") or []
         captured = [n for n in doc.get("tokens") or [] if n not in left_out]
-        notes = [f"before it served: {', '.join(f'{s:.1f} s at {tokens}' for tokens, s in boot)}"] if boot else []
+        if len(boot) > BOOT_LISTED:  # a ladder ("auto"): the whole and the longest
+            longest = max(boot, key=lambda found: found[1])
+            notes = [f"before it served: {sum(s for _, s in boot):.1f} s over {len(boot)} counts, the longest "
+                     f"{longest[1]:.1f} s at {longest[0]}"]
+        else:
+            notes = [f"before it served: {', '.join(f'{s:.1f} s at {tokens}' for tokens, s in boot)}"] if boot else []
         if left_out:
-            notes.append(f"{', '.join(map(str, left_out))} left out, above the least count that holds its prefill "
-                         f"budget of {reach.get('prefill_budget')} tokens")
+            shown = ", ".join(map(str, left_out)) if len(left_out) <= BOOT_LISTED else \
+                f"{len(left_out)} counts from {left_out[0]}"
+            notes.append(f"{shown} left out, above the least count that holds its prefill chunk of "
+                         f"{reach.get('prefill_chunk')} tokens")
         booted = f" ({'; '.join(notes)})" if notes else ""
         read = f" with the {doc['read']} read" if doc.get("read") else ""
         lines.append(f"- {name}: captured at {', '.join(map(str, captured))} tokens{read}{booted}; "
