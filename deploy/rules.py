@@ -59,6 +59,12 @@ def recording_rules() -> list[dict]:
     ]
 
 
+def alert(name: str, expr: str, severity: str, summary: str, description: str, for_: str = "5m") -> dict:
+    """An alerting rule of a runtime's series: pending for `for_`, labelled with its severity."""
+    return {"alert": name, "expr": expr, "for": for_, "labels": {"severity": severity},
+            "annotations": {"summary": summary, "description": description}}
+
+
 def alerts() -> list[dict]:
     w = NEVER_ENGAGES_WINDOW
     never_engages = (
@@ -76,35 +82,26 @@ def alerts() -> list[dict]:
     refused = (f"sum by ({TARGET}) (increase({ROUTED_PREFILL_PASSES.name}{{layers=\"eager_refused\"}}"
                f"[{REFUSED_WINDOW}])) > 0")
     return [
-        {"alert": "VskipperRoutingNeverEngages", "expr": never_engages, "for": "5m",
-         "labels": {"severity": "warning"},
-         "annotations": {
-             "summary": "Routing never engages although V stays above the enter threshold",
-             "description": "{{ $labels.instance }}: resident tokens stayed above the enter threshold for "
-                            f"{NEVER_ENGAGES_WINDOW} and no decode pass ran routed. The switch is not acting "
-                            "on its thresholds (or the runtime exports thresholds it does not use)."}},
-        {"alert": "VskipperSwitchFlapping", "expr": flapping, "for": "5m",
-         "labels": {"severity": "warning"},
-         "annotations": {
-             "summary": "The decode mode switch flaps",
-             "description": "{{ $labels.instance }}: {{ $value }} route_on/route_off decisions in "
-                            f"{FLAP_WINDOW}. The exit/enter band is too narrow for this load; check the "
-                            "thresholds the operator derived for this GPU class."}},
-        {"alert": "VskipperMechanismNotExecuted", "expr": not_executed, "for": "5m",
-         "labels": {"severity": "critical"},
-         "annotations": {
-             "summary": "Routed passes ran but no row skipped: the declared mechanism is not executed",
-             "description": "{{ $labels.instance }}: {{ $labels.phase }} passes ran in routed mode for "
-                            f"{NOT_EXECUTED_WINDOW} but no row took project_only. The attested arm declares "
-                            "skipping that the server does not perform."}},
-        {"alert": "VskipperPrefillGraphsRefused", "expr": refused, "for": "5m",
-         "labels": {"severity": "warning"},
-         "annotations": {
-             "summary": "Routed prefill passes run eagerly: their count's graphs were refused",
-             "description": "{{ $labels.instance }}: {{ $value }} routed prefill passes in "
-                            f"{REFUSED_WINDOW} ran their routed layers eagerly because their token count's "
-                            "graphs were refused (the capture failed, or its checks at start strayed). The "
-                            "attestation's prefill_graphs.failed names the count and why."}},
+        alert("VskipperRoutingNeverEngages", never_engages, "warning",
+              "Routing never engages although V stays above the enter threshold",
+              "{{ $labels.instance }}: resident tokens stayed above the enter threshold for "
+              f"{NEVER_ENGAGES_WINDOW} and no decode pass ran routed. The switch is not acting on its thresholds "
+              "(or the runtime exports thresholds it does not use)."),
+        alert("VskipperSwitchFlapping", flapping, "warning", "The decode mode switch flaps",
+              "{{ $labels.instance }}: {{ $value }} route_on/route_off decisions in "
+              f"{FLAP_WINDOW}. The exit/enter band is too narrow for this load; check the thresholds the operator "
+              "derived for this GPU class."),
+        alert("VskipperMechanismNotExecuted", not_executed, "critical",
+              "Routed passes ran but no row skipped: the declared mechanism is not executed",
+              "{{ $labels.instance }}: {{ $labels.phase }} passes ran in routed mode for "
+              f"{NOT_EXECUTED_WINDOW} but no row took project_only. The attested arm declares skipping that the "
+              "server does not perform."),
+        alert("VskipperPrefillGraphsRefused", refused, "warning",
+              "Routed prefill passes run eagerly: their count's graphs were refused",
+              "{{ $labels.instance }}: {{ $value }} routed prefill passes in "
+              f"{REFUSED_WINDOW} ran their routed layers eagerly because their token count's graphs were refused "
+              "(the capture failed, or its checks at start strayed). The attestation's prefill_graphs.failed "
+              "names the count and why."),
         {"alert": "VskipperOperatorReconcileErrors",
          "expr": f'sum by (job) (increase({OPERATOR_RECONCILES}{{result="error"}}[10m])) > 0',
          "for": "15m", "labels": {"severity": "warning"},
