@@ -25,7 +25,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 def test_promtool_accepts_the_rules():
     proc = promtool("check", "rules", str(RULES))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "SUCCESS: 10 rules found" in proc.stdout
+    assert "SUCCESS: 11 rules found" in proc.stdout
 
 
 def test_rule_unit_tests_pass():
