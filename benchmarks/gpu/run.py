@@ -541,6 +541,11 @@ def asked_read(served: dict) -> str | None:
     return backend.get("prefill_read")
 
 
+def read_words(asked: str | None) -> str:
+    """The prefill read a run or a server was asked for, in a refusal's words."""
+    return f"the {asked} read (--routed-prefill-read)" if asked else "the table's prefill read"
+
+
 def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
     """Why this run's sweep cannot continue or reuse what OUTDIR's sweep served: arms served with decode cells
     where this run serves its prefill alone, or the other way round (`run.sh --prefill-only`), routed arms asked for
@@ -558,11 +563,8 @@ def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
     reads = sorted(name for name in (ALWAYS, CONTROL) if (docs.get(name) or {}).get("served")
                    and asked_read(docs[name]["served"]) != plan.routed_prefill_read)
     if reads:
-        def read(asked: str | None) -> str:
-            return f"the {asked} read (--routed-prefill-read)" if asked else "the table's prefill read"
-
-        return (f"{out}'s sweep served {', '.join(reads)} with {read(asked_read(docs[reads[0]]['served']))}, and this "
-                f"run serves them with {read(plan.routed_prefill_read)}: a folder holds one kind of sweep; give this "
+        return (f"{out}'s sweep served {', '.join(reads)} with {read_words(asked_read(docs[reads[0]]['served']))}, and this "
+                f"run serves them with {read_words(plan.routed_prefill_read)}: a folder holds one kind of sweep; give this "
                 "run a new OUTDIR (and the old one as --earlier)")
     if graphed:
         done = "eagerly" if plan.routed_prefill_graphs else "from graphs (--routed-prefill-graphs)"
@@ -595,11 +597,8 @@ def headline_mode_mismatch(plan: Plan, out: Path) -> str | None:
                     f"{'from graphs' if plan.routed_prefill_graphs else 'eagerly'}: an arm's headline cells serve one "
                     "way; give this run a new OUTDIR (and the old one as --earlier)")
         if asked_read(served_doc) != plan.routed_prefill_read:
-            def read(asked: str | None) -> str:
-                return f"the {asked} read (--routed-prefill-read)" if asked else "the table's prefill read"
-
-            return (f"{out}'s headline served {key} with {read(asked_read(served_doc))}, and this run serves it with "
-                    f"{read(plan.routed_prefill_read)}: an arm's headline cells serve one way; give this run a new "
+            return (f"{out}'s headline served {key} with {read_words(asked_read(served_doc))}, and this run serves it with "
+                    f"{read_words(plan.routed_prefill_read)}: an arm's headline cells serve one way; give this run a new "
                     "OUTDIR (and the old one as --earlier)")
     return None
 

@@ -154,7 +154,6 @@ class PrefillGraphs:
         """The static storage every capture of up to `cap` rows reads and writes: the graph tape and maps, each
         row's inputs and the read's output."""
         hidden, q_size, dtype, device = self._shape
-        self.cap = cap
         capacity = tape_capacity(cap)
         self.tape = RouteTape(capacity, self.runtime.routed_layers, dtype, device)
         self.builder = CohortBuilder(capacity, device)
@@ -248,12 +247,12 @@ class PrefillGraphs:
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
         self.reached = reached_by(self.sizes, chunk)
-        left_out = [size for size in self.sizes if size not in self.reached]
+        left_out = list(self.sizes[len(self.reached):])
         self.reach.update(prefill_chunk=chunk, left_out=left_out)
         if left_out:
             logger.info("routed prefill graphs: %s tokens left out, above the least count that holds the server's "
                         "prefill chunk of %d tokens", ",".join(map(str, left_out)), chunk)
-            if not self.graphs.counts["captured"] and self.loc is None:  # no capture holds the storage yet
+            if self.loc is None:  # no pass has run, so no capture holds the storage yet
                 self._allocate(self.reached[-1])
         device, cap = self.x.device, self.reached[-1]
         pool, req_to_token = get_token_to_kv_pool(), get_req_to_token_pool().req_to_token
@@ -353,7 +352,7 @@ class PrefillGraphs:
         them); the padding rows up to the rows the last pass wrote reset (request slot 0: a padding row reads
         request 0's first key, and its output is dropped)."""
         if self.loc is None:
-            self.loc = torch.zeros(self.cap, dtype=loc.dtype, device=self.x.device)
+            self.loc = torch.zeros(self.x.shape[0], dtype=loc.dtype, device=self.x.device)
         self.positions[:n].copy_(positions)
         self.loc[:n].copy_(loc)
         if keys is not None:
@@ -460,7 +459,7 @@ class PrefillGraphs:
         rows, width = t.shape
         out = self._outputs.get(name)
         if out is None or out.shape[1] != width or out.dtype != t.dtype:
-            out = self._outputs[name] = torch.empty(self.cap, width, dtype=t.dtype, device=t.device)
+            out = self._outputs[name] = torch.empty(self.x.shape[0], width, dtype=t.dtype, device=t.device)
         view = out[:rows]
         view.copy_(t)
         return view
