@@ -42,6 +42,7 @@ class DoubleConfig:
     attestation_path: str = DEFAULT_ATTESTATION_PATH
     fail_every: int = 0  # > 0: every n-th request answers HTTP 500 (to exercise the accounting gate)
     late_attestations: int = 0  # the first n attestation reads answer late: "answered": false, no pass counted
+    admit_after: int = 0  # > 0: admit nothing until this many requests wait (a client that caps concurrency stalls)
 
 
 @dataclass
@@ -89,6 +90,9 @@ class DoubleServer:
 
     async def _loop(self) -> None:
         c = self.config
+        while len(self._waiting) < c.admit_after:
+            self._wake.clear()
+            await self._wake.wait()
         while True:
             if not self._waiting and not self._running:
                 self._wake.clear()

@@ -1,7 +1,8 @@
 """End to end on loopback: the real client and open-loop driver against the test double server.
 
-The double (tests/loadgen_double_server.py) stands in for vSkipper's server, which does not exist yet; every
-cell here is bounded (tens of requests, well under a second of injection each).
+The double (tests/loadgen_double_server.py) stands in for vSkipper's server so that the driver's accounting, gates and
+reports can be checked in seconds, with failures and late attestations injected at will; the real SGLang servers are
+driven by the serve tests. Every cell here is bounded (tens of requests, well under a second of injection each).
 """
 
 import asyncio
@@ -81,24 +82,25 @@ def test_natural_lane_counts_context_limit_hits():
 
 
 def test_open_loop_has_no_concurrency_cap_and_serves_every_request():
+    """The server admits nothing until all 40 requests wait, so an injector that held any back until others
+    finished would stall here: the bound on the cell is a failure, never a wait. No assertion reads a wall-clock
+    lag: on a loaded host the event loop itself can lag by hundreds of milliseconds."""
     suite = make_suite(40)
-    slow = DoubleConfig(decode_base_s=0.01, natural_max=40)
+    slow = DoubleConfig(decode_base_s=0.01, natural_max=40, admit_after=40)
 
     async def go():
         async with DoubleServer(slow) as srv:
             plan = matched_plan(suite, 200.0, 5, {r.id: 30 for r in suite.requests})
-            return await run_cell(Endpoint(srv.url, attestation_path=None), plan, "upstream")
+            return await asyncio.wait_for(run_cell(Endpoint(srv.url, attestation_path=None), plan, "upstream"), 30)
 
     cell = run(go())
-    # Arrivals keep their schedule even though the server is far behind: injection is not throttled. A throttled
-    # injector would lag by a request's service time (30 tokens of 10 ms); the bound is half of it, so that the
-    # event loop's own lag on a loaded host (tens of ms) is not mistaken for throttling.
-    service_s = 30 * slow.decode_base_s
-    assert max(abs(r.submit_s - r.scheduled_s) for r in cell.records) < service_s / 2
-    in_flight = max(sum(1 for o in cell.records if o.submit_s <= r.submit_s < o.finish_s) for r in cell.records)
-    assert in_flight >= 30
-    assert cell.completed == 40 and cell.summary["drain_s"] > 0.2
-    assert cell.summary["injected_rate"] == pytest.approx(200.0, rel=0.5)
+    records = cell.records
+    assert cell.submitted == cell.completed == 40
+    assert max(r.submit_s for r in records) < min(r.first_token_s for r in records)  # all 40 in flight at once
+    assert all(r.submit_s >= r.scheduled_s - 1e-3 for r in records)  # none injected ahead of its arrival time
+    assert [r.submit_s for r in records] == sorted(r.submit_s for r in records)  # in the schedule's order
+    # 30 decode steps of at least 10 ms each follow the last arrival.
+    assert cell.summary["drain_s"] >= 30 * slow.decode_base_s
 
 
 def test_failed_requests_are_recorded_and_refused_by_the_accounting_gate():
