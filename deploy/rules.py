@@ -59,10 +59,15 @@ def recording_rules() -> list[dict]:
     ]
 
 
+RUNBOOK = "https://github.com/vskipper/vskipper/blob/main/deploy/runbook.md"
+
+
 def alert(name: str, expr: str, severity: str, summary: str, description: str, for_: str = "5m") -> dict:
-    """An alerting rule of a runtime's series: pending for `for_`, labelled with its severity."""
+    """An alerting rule: pending for `for_`, labelled with its severity, linking its section of deploy/runbook.md
+    (a section titled with the alert's name)."""
     return {"alert": name, "expr": expr, "for": for_, "labels": {"severity": severity},
-            "annotations": {"summary": summary, "description": description}}
+            "annotations": {"summary": summary, "description": description,
+                            "runbook_url": f"{RUNBOOK}#{name.lower()}"}}
 
 
 def alerts() -> list[dict]:
@@ -102,17 +107,9 @@ def alerts() -> list[dict]:
               f"{REFUSED_WINDOW} ran their routed layers eagerly because their token count's graphs were refused "
               "(the capture failed, or its checks at start strayed). The attestation's prefill_graphs.failed "
               "names the count and why."),
-        {"alert": "VskipperOperatorReconcileErrors",
-         "expr": f'sum by (job) (increase({OPERATOR_RECONCILES}{{result="error"}}[10m])) > 0',
-         "for": "15m", "labels": {"severity": "warning"},
-         "annotations": {
-             "summary": "The vSkipper operator keeps failing to reconcile",
-             "description": "{{ $value }} failed reconciliations in 10m (see " + OPERATOR_ERRORS + " "
-                            "by kind and the operator's Events)."}},
     ]
 
 
-RUNBOOK = "https://github.com/vskipper/vskipper/blob/main/deploy/runbook.md"
 # The operator's metrics target: the chart's ServiceMonitor (job = the metrics Service, `<release>-vskipper-
 # operator-metrics`) or PodMonitor (job = `<namespace>/<monitor>`), or a static job of that name.
 OPERATOR_JOB = 'job=~".*vskipper-operator.*"'
@@ -121,33 +118,28 @@ NOT_SERVED_FOR = "15m"
 
 
 def operator_alerts() -> list[dict]:
-    """The operator and the resources it serves: the operator's target down or gone, a SkipperDeployment not
-    Ready, GPU classes present but not served. Each links its runbook section."""
+    """The operator and the resources it serves: the operator's target down or gone, its reconciles failing, a
+    SkipperDeployment not Ready, GPU classes present but not served."""
     return [
-        {"alert": "VskipperOperatorDown",
-         "expr": f"up{{{OPERATOR_JOB}}} == 0\nor absent(up{{{OPERATOR_JOB}}})", "for": "5m",
-         "labels": {"severity": "critical"},
-         "annotations": {
-             "summary": "The vSkipper operator is down or not scraped",
-             "description": "No vSkipper operator target has answered for 5m: SkipperDeployments are not "
-                            "reconciled (new GPU classes, scaling, drift and model-download status wait).",
-             "runbook_url": f"{RUNBOOK}#vskipperoperatordown"}},
-        {"alert": "VskipperDeploymentNotReady", "expr": f"{OPERATOR_RESOURCE_READY} == 0",
-         "for": NOT_READY_FOR, "labels": {"severity": "warning"},
-         "annotations": {
-             "summary": "A SkipperDeployment is not Ready",
-             "description": "{{ $labels.namespace }}/{{ $labels.name }} has not been Ready for "
-                            f"{NOT_READY_FOR}: see its Ready and ModelAvailable conditions "
-                            "(kubectl describe skd).",
-             "runbook_url": f"{RUNBOOK}#vskipperdeploymentnotready"}},
-        {"alert": "VskipperGpuClassNotServed", "expr": f'{OPERATOR_GPU_CLASSES}{{served="false"}} > 0',
-         "for": NOT_SERVED_FOR, "labels": {"severity": "warning"},
-         "annotations": {
-             "summary": "GPU classes in the pool are not served",
-             "description": "{{ $labels.namespace }}/{{ $labels.name }}: {{ $value }} GPU class(es) present "
-                            "are not served (unknown bandwidth, or not in spec.placement.gpuProducts): "
-                            "status.gpuClasses gives each reason.",
-             "runbook_url": f"{RUNBOOK}#vskippergpuclassnotserved"}},
+        alert("VskipperOperatorDown", f"up{{{OPERATOR_JOB}}} == 0\nor absent(up{{{OPERATOR_JOB}}})", "critical",
+              "The vSkipper operator is down or not scraped",
+              "No vSkipper operator target has answered for 5m: SkipperDeployments are not reconciled (new GPU "
+              "classes, scaling, drift and model-download status wait)."),
+        alert("VskipperOperatorReconcileErrors",
+              f'sum by (job) (increase({OPERATOR_RECONCILES}{{result="error"}}[10m])) > 0', "warning",
+              "The vSkipper operator keeps failing to reconcile",
+              "{{ $value }} failed reconciliations in 10m (see " + OPERATOR_ERRORS + " by kind and the operator's "
+              "Events).", for_="15m"),
+        alert("VskipperDeploymentNotReady", f"{OPERATOR_RESOURCE_READY} == 0", "warning",
+              "A SkipperDeployment is not Ready",
+              "{{ $labels.namespace }}/{{ $labels.name }} has not been Ready for "
+              f"{NOT_READY_FOR}: see its Ready and ModelAvailable conditions (kubectl describe skd).",
+              for_=NOT_READY_FOR),
+        alert("VskipperGpuClassNotServed", f'{OPERATOR_GPU_CLASSES}{{served="false"}} > 0', "warning",
+              "GPU classes in the pool are not served",
+              "{{ $labels.namespace }}/{{ $labels.name }}: {{ $value }} GPU class(es) present are not served "
+              "(unknown bandwidth, or not in spec.placement.gpuProducts): status.gpuClasses gives each reason.",
+              for_=NOT_SERVED_FOR),
     ]
 
 

@@ -277,7 +277,7 @@ class TestRealOperator:
         queries = [(title, _instantiate(expr)) for title, expr in _dashboard_exprs() if _operator_side(expr)]
         rules = [(name, expr) for name, expr in _rule_exprs() if _operator_side(expr)]
         assert len(queries) >= 8  # thresholds, reconciles, errors, retries, duration, GPU classes
-        assert [name for name, _ in rules] == ["VskipperOperatorReconcileErrors", "VskipperOperatorDown",
+        assert [name for name, _ in rules] == ["VskipperOperatorDown", "VskipperOperatorReconcileErrors",
                                                "VskipperDeploymentNotReady", "VskipperGpuClassNotServed"]
         empty = [title for title, expr in queries + rules if not _query(base, expr)]
         # the operator is up: its down alert has nothing to say; every other query has data

@@ -49,7 +49,7 @@ def test_rule_unit_tests_fail_when_an_alert_is_silenced(tmp_path):
     assert "VskipperSwitchFlapping" in proc.stdout + proc.stderr
 
 
-def test_operator_alerts_link_runbook_sections_that_exist():
+def test_every_alert_links_a_runbook_section_that_exists():
     import re
 
     import yaml
@@ -57,9 +57,13 @@ def test_operator_alerts_link_runbook_sections_that_exist():
     runbook = (ROOT / "deploy" / "runbook.md").read_text()
     anchors = {re.sub(r"[^a-z0-9-]", "", h.lower().replace(" ", "-")) for h in re.findall(r"^## (.+)$", runbook, re.M)}
     groups = {g["name"]: g["rules"] for g in yaml.safe_load(RULES.read_text())["groups"]}
-    assert [r["alert"] for r in groups["vskipper.operator"]] == ["VskipperOperatorDown", "VskipperDeploymentNotReady",
-                                                                 "VskipperGpuClassNotServed"]
-    for rule in groups["vskipper.operator"]:
+    assert [r["alert"] for r in groups["vskipper.operator"]] == [
+        "VskipperOperatorDown", "VskipperOperatorReconcileErrors", "VskipperDeploymentNotReady",
+        "VskipperGpuClassNotServed"]
+    alerts = [r for g in ("vskipper.alerts", "vskipper.operator") for r in groups[g]]
+    assert len(alerts) == 8
+    for rule in alerts:
         url = rule["annotations"]["runbook_url"]
         assert url.startswith("https://github.com/vskipper/vskipper/blob/main/deploy/runbook.md#"), url
         assert url.rpartition("#")[2] in anchors, url
+    assert len(anchors) == len(alerts)  # no section of an alert that no longer exists
