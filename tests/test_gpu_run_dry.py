@@ -1747,7 +1747,8 @@ def test_a_headline_whose_routed_arms_replay_their_prefill_layers_asks_auto_and_
     asking for the counts "auto" asks (`VSKIPPER_PREFILL_GRAPHS=auto`, those its prefill chunk reaches) and the read.
     An arm's headline cells serve one way: on a copy of the dry run, whose arms prefilled eagerly with the table's
     read, a run asking for graphs (or for a read) is refused by name, and `covers` does not take the headline as
-    done. The summary names the headline's graphed arms. (The dry run's servers capture no CUDA graph: the first
+    done; a hybrid arm's folder served at other thresholds than this run's would be set aside, and is no obstacle.
+    The summary names the headline's graphed arms. (The dry run's servers capture no CUDA graph: the first
     server start is stood in for, and stops the stage.)"""
     out, _ = dry_run
     copy = tmp_path / "run"
@@ -1765,6 +1766,19 @@ def test_a_headline_whose_routed_arms_replay_their_prefill_layers_asks_auto_and_
     with pytest.raises(SystemExit, match=f"served {first} with the table's prefill read, and this run serves it "
                                          r"with the packed read \(--routed-prefill-read\)"):
         run.stage_headline(dataclasses.replace(graphed, routed_prefill_graphs=False), copy, 300)
+    # An arm this run does not serve, or whose folder it sets aside (served at other thresholds, as a tau arm from
+    # another sweep's tau), is no obstacle; `covers`, which knows no thresholds, takes every served arm as one.
+    hybrid = "hybrid-rule"  # served in every dry run (its tau arm may not be)
+    served_at = done["arms"][hybrid]["thresholds"]
+    assert run.served_elsewhere(copy / "headline" / hybrid, served_at) is None
+    assert f"served {hybrid} with its routed prefill layers eagerly" in run.headline_mode_mismatch(
+        graphed, copy, (hybrid,), {hybrid: served_at})
+    moved = {**served_at, "enter_tokens": served_at["enter_tokens"] + 64}
+    assert run.served_elsewhere(copy / "headline" / hybrid, moved)[:2] == [served_at["enter_tokens"],
+                                                                        served_at["exit_tokens"]]
+    assert run.headline_mode_mismatch(graphed, copy, (hybrid,), {hybrid: moved}) is None
+    assert run.headline_mode_mismatch(graphed, copy, (hybrid,), {}) is None
+    assert run.headline_mode_mismatch(graphed, copy, (hybrid,)) is not None
 
     text = run.markdown({"dry_run": True, "headline": {**done, "arms": {first: {**done["arms"][first], "served": {
         **done["arms"][first]["served"], "prefill_graphs": {"tokens": [16, 20, 24, 28], "read": "packed",

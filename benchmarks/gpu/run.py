@@ -579,15 +579,20 @@ def sweep_mode_mismatch(plan: Plan, out: Path) -> str | None:
             "folder holds one kind of sweep; give this run a new OUTDIR (and the old one as --earlier)")
 
 
-def headline_mode_mismatch(plan: Plan, out: Path) -> str | None:
-    """Why this run's headline cannot continue what OUTDIR's headline served: a routed arm's cells served with its
-    routed prefill layers from graphs where this run's run eagerly, or the other way round
+def headline_mode_mismatch(plan: Plan, out: Path, arms: tuple[str, ...] = tuple(HEADLINE_ARMS),
+                           serving: dict[str, dict | None] | None = None) -> str | None:
+    """Why this run's headline cannot continue what OUTDIR's headline served: a routed arm of `arms` whose cells
+    served with its routed prefill layers from graphs where this run's run eagerly, or the other way round
     (`--routed-prefill-graphs`), or with another prefill read than this run asks for (`--routed-prefill-read`);
-    None where they agree or nothing was served yet. A folder's headline cells of one arm serve one way."""
+    None where they agree or nothing was served yet. A folder's headline cells of one arm serve one way. Where
+    `serving` gives the thresholds this run serves each arm at (the arms it serves), an arm not among them and an
+    arm whose folder is set aside, served at other thresholds (`served_elsewhere`), are no obstacle."""
     folder = out / "headline"
-    for key in HEADLINE_ARMS:
+    for key in arms:
         path = folder / key / "served.json"
         if not path.is_file():
+            continue
+        if serving is not None and (key not in serving or served_elsewhere(folder / key, serving[key])):
             continue
         served_doc = json.loads(path.read_text())
         graphed = bool(served_doc.get("prefill_graphs"))
@@ -1168,9 +1173,6 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     if not ladder or ladder.get("left") or not ladder.get("cells"):
         raise RuntimeError(f"{ladder_path}: the ladder stage has not completed (Q* and dense's cells); run "
                            "`run.sh ladder OUTDIR` first")
-    mismatch = headline_mode_mismatch(plan, out)
-    if mismatch:
-        raise SystemExit(f"[headline] {mismatch}")
     stage = Stage("headline", out, budget_s)
     model = write_model(plan, out)
     arm_files = write_arms(out)
@@ -1191,13 +1193,19 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
         tau_source = f"no measured tau: {sweep_source}"
     elif th_tau is not None and sweep_source != OWN_SWEEP:
         th_tau["source"] = tau_source = f"{th_tau['source']}, {sweep_source}"
+    means = {"rule": th_rule, "tau": th_tau}
+    serving = {key: means.get(HEADLINE_ARMS[key][2]) for key in arms
+               if not (HEADLINE_ARMS[key][2] == "tau" and th_tau is None)}
+    mismatch = headline_mode_mismatch(plan, out, arms, serving)
+    if mismatch:
+        raise SystemExit(f"[headline] {mismatch}")
     bandwidth = device_bandwidth(plan)  # charges the adapter's read in the skip's limit (none on the dry run)
     result: dict = {"thresholds": {"rule": th_rule, "tau": th_tau or {"skipped": tau_source}}, "arms": {},
                     "arms_requested": list(arms), "check": check_served(plan, out, stage)}
     started = False
     for key in arms:  # in the order asked (`headline_order`)
         name, role, variant, loads = HEADLINE_ARMS[key]
-        thresholds = {"rule": th_rule, "tau": th_tau}.get(variant)
+        thresholds = means.get(variant)
         doc = {"arm": name, "role": role, "loads": {}, "thresholds": thresholds}
         result["arms"][key] = doc
         if variant == "tau" and th_tau is None:
@@ -1337,20 +1345,29 @@ def resample_tau(sweep: dict | None) -> None:
         comparison["tau_ms_interval"] = [round(s * 1e3, 4) for s in interval]
 
 
-def set_aside_other_thresholds(stage: Stage, key: str, work: Path, thresholds: dict | None) -> None:
-    """An arm's cells served at other thresholds than this run means (a tau arm served from another sweep's tau,
-    given since with --earlier) are not this arm's: its folder is set aside beside it, named by the thresholds its
-    server attested, and the arm serves again."""
+def served_elsewhere(work: Path, thresholds: dict | None) -> list | None:
+    """The thresholds (enter, exit, prefill floor) an arm's folder `work` served at where they are not those this
+    run means it to (a tau arm served from another sweep's tau, given since with --earlier); None where they are,
+    where nothing served yet, or where the arm serves no thresholds of its own (`thresholds` None). A prefill floor
+    left to the rule's constant matches any attested one (its place is None)."""
     served_path = work / "served.json"
     if thresholds is None or not served_path.is_file():
-        return
+        return None
     was = json.loads(served_path.read_text()).get("thresholds") or {}
     fields = ("enter_tokens", "exit_tokens", "prefill_floor_tokens")
     served_as, means = [was.get(f) for f in fields], [thresholds.get(f) for f in fields]
-    if means[2] is None:  # the rule's floor, the constant's: any attested one matches
+    if means[2] is None:
         served_as[2] = None
-    if served_as == means:
+    return None if served_as == means else served_as
+
+
+def set_aside_other_thresholds(stage: Stage, key: str, work: Path, thresholds: dict | None) -> None:
+    """An arm's cells served at other thresholds than this run means (`served_elsewhere`) are not this arm's: its
+    folder is set aside beside it, named by the thresholds its server attested, and the arm serves again."""
+    served_as = served_elsewhere(work, thresholds)
+    if served_as is None:
         return
+    means = [thresholds.get(f) for f in ("enter_tokens", "exit_tokens", "prefill_floor_tokens")]
     aside = work.with_name(f"{work.name}-enter{served_as[0]}-exit{served_as[1]}"
                            + (f"-floor{served_as[2]}" if served_as[2] is not None else ""))
     if aside.exists():
@@ -3233,7 +3250,7 @@ def covers(stage: str, done: dict, arms: tuple[str, ...], out: Path, plan: Plan 
     if stage == "headline":
         if not set(arms) <= set(done.get("arms_requested") or HEADLINE_ARMS):
             return False
-        if plan is not None and headline_mode_mismatch(plan, out) is not None:
+        if plan is not None and headline_mode_mismatch(plan, out, arms) is not None:
             return False  # stage_headline says why (an arm's headline cells serve one way)
         # an arm not served for want of a sweep (no tau) serves in a later call that has one (--earlier)
         waiting = [k for k in arms if ((done.get("arms") or {}).get(k) or {}).get("wants_sweep")]
