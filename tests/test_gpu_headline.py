@@ -114,14 +114,14 @@ def test_thresholds_from_a_measured_tau_scale_v_star_and_round_like_the_rule():
 
 def test_a_measured_tau_at_or_below_zero_serves_the_least_thresholds():
     """No fixed cost for the rule to cover (the H200's sweep: tau -0.046 ms): V* = 0, exit one step (a served exit
-    is positive) and enter the same (1.25 steps rounds to one)."""
+    is positive) and enter one step above it (`rounded_thresholds` keeps a band)."""
     for tau in (-0.046, 0.0):
         th, source = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": tau}}, 10_000)
-        assert (th["exit_tokens"], th["enter_tokens"], th["v_star_tokens"]) == (10_000, 10_000, 0.0)
+        assert (th["exit_tokens"], th["enter_tokens"], th["v_star_tokens"]) == (10_000, 20_000, 0.0)
         assert th["source"] == source and source.startswith(f"measured tau {tau:.3g} ms <= 0 (sweep)")
     th, source = headline.thresholds_from_tau(RULE, {"comparison": {"tau_ms": -0.5,
                                                                     "tau_ms_interval": [-0.8, -0.1]}}, 10_000)
-    assert (th["exit_tokens"], th["enter_tokens"], th["tau_ms"]) == (10_000, 10_000, -0.1)
+    assert (th["exit_tokens"], th["enter_tokens"], th["tau_ms"]) == (10_000, 20_000, -0.1)
     assert source.startswith("measured tau -0.5 ms, 95% [-0.8, -0.1], served at its upper end <= 0 (sweep)")
 
 

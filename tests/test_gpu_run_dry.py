@@ -146,8 +146,8 @@ def test_headline_pairs_each_routed_arm_with_dense_on_the_same_cells_and_every_g
         comparison = json.loads((out / "sweep.json").read_text())["comparison"]
         served_tau = (comparison.get("tau_ms_interval") or [None, comparison["tau_ms"]])[1]
         assert tau["thresholds"]["tau_ms"] == served_tau
-        if served_tau <= 0:  # (10 / 10 here)
-            assert (tau["thresholds"]["enter_tokens"], tau["thresholds"]["exit_tokens"]) == (10, 10)
+        if served_tau <= 0:  # (20 / 10 here)
+            assert (tau["thresholds"]["enter_tokens"], tau["thresholds"]["exit_tokens"]) == (20, 10)
         assert tau["thresholds"]["source"].startswith("measured tau")
         assert tau["served"]["thresholds"]["enter_tokens"] == tau["thresholds"]["enter_tokens"]
         assert tau["served"]["thresholds"]["source"] == "flags"

@@ -12,6 +12,7 @@ from vskipper.roofline import (
     gemm_floor_ms,
     lookup_device,
     round_to_step,
+    rounded_thresholds,
     v_star_tokens,
 )
 
@@ -74,6 +75,17 @@ def test_v_star_scales_inversely_with_skip_and_kv_bytes():
     assert v_star_tokens(2000, 0.25, 16, 4096) == pytest.approx(2 * base)
     assert v_star_tokens(2000, 0.5, 16, 2048) == pytest.approx(2 * base)
     assert v_star_tokens(4000, 0.5, 16, 4096) == pytest.approx(2 * base)
+
+
+def test_rounding_never_closes_the_band():
+    """Below four rounding steps of V* exit and enter would round to one value; enter stays one step above."""
+    assert rounded_thresholds(35_000, 10_000, 1.25) == (40_000, 50_000)  # 35k and 43.75k both round to 40k
+    assert rounded_thresholds(0.0, 10_000, 1.25, least=10_000) == (10_000, 20_000)
+    assert rounded_thresholds(45_000, 10_000, 1.25) == (50_000, 60_000)  # the rounding's own band is kept
+    assert rounded_thresholds(35_000, 10_000, 1.0) == (40_000, 40_000)  # no band asked, none made
+    for v_star in range(0, 400_000, 2_500):
+        exit_tokens, enter_tokens = rounded_thresholds(v_star, 10_000, 1.25)
+        assert enter_tokens > exit_tokens and exit_tokens == round_to_step(v_star, 10_000)
 
 
 def test_rounding_is_half_up_not_bankers():

@@ -22,7 +22,8 @@ class SwitchConstants:
     tau_reference_routed_layers: int = 16
 
     # Served hysteresis band derived from the crossover V*: routing is left at V <= exit and entered at
-    # V >= enter, with exit = V* and enter = enter_factor * V*, both rounded to the nearest rounding step.
+    # V >= enter, with exit = V* and enter = enter_factor * V*, both rounded to the nearest rounding step (enter at
+    # least one step above exit: `vskipper.roofline.rounded_thresholds`).
     enter_factor: float = 1.25
     threshold_rounding_tokens: int = 10_000
 

@@ -8,7 +8,7 @@ s * L_r * b * V / BW seconds, against routed mode's fixed per-step cost tau. Rou
     V > V* = tau * BW / (s * L_r * b),      tau = tau_16 * L_r / 16.
 
 The served thresholds are a hysteresis band around it: exit = V*, enter = 1.25 V*, both rounded to the nearest
-10k tokens. The ridge point M* = peak FLOP/s / BW (in rows) says where decode GEMMs turn compute-bound, above
+10k tokens, enter at least one step above exit. The ridge point M* = peak FLOP/s / BW (in rows) says where decode GEMMs turn compute-bound, above
 which skipped rows also save arithmetic and the rule is conservative.
 
 Pure Python: no torch, no I/O (the operator imports this without torch).
@@ -161,10 +161,12 @@ def round_to_step(value: float, step: int) -> int:
 
 
 def rounded_thresholds(v_star: float, step: int, enter_factor: float, least: int = 0) -> tuple[int, int]:
-    """(exit, enter) for a V*: exit = V*, enter = enter_factor * V* (never below exit), each rounded to the step;
-    exit at least `least`."""
+    """(exit, enter) for a V*: exit = V*, enter = enter_factor * V*, each rounded to the step; exit at least `least`.
+    Where enter_factor > 1, enter stays at least one step above exit: below four steps of V* the two would round to
+    one value (V* = 35k: 40k and 40k at a 10k step), and a switch with no band flips at every step V crosses it."""
     exit_tokens = max(least, round_to_step(v_star, step))
-    return exit_tokens, max(exit_tokens, round_to_step(enter_factor * v_star, step))
+    band = step if enter_factor > 1 else 0
+    return exit_tokens, max(exit_tokens + band, round_to_step(enter_factor * v_star, step))
 
 
 def ridge_rows(dense_tflops: float, bandwidth_gbps: float) -> float:

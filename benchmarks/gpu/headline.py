@@ -244,7 +244,7 @@ def thresholds_from_tau(rule: Mapping, sweep: Mapping | None, step: int) -> tupl
     tau (-0.046 ms, 95% [-0.37, 0.21]) gave V* = 0, and that arm routed 91-99% of its decode passes at 0.75 Q*,
     where they cost 9.9-10.0 ms against dense's 9.5-9.7 (lease-4). A tau at or below zero leaves the rule no fixed
     cost to cover: V* is zero, and the arm serves at the least thresholds the step expresses (exit one step, a served
-    exit being positive), routing at nearly every load."""
+    exit being positive, and enter one above it), routing at nearly every load."""
     if sweep is None:
         return None, "the sweep stage has not run: no measured tau"
     comparison = sweep.get("comparison") or {}
