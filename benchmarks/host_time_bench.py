@@ -331,9 +331,10 @@ def report_launches(counts: dict, routed: tuple[str, ...] = ROUTED_ARMS) -> None
 
 
 def passes_for(kind: str, shape: Shape, quick: bool) -> int:
-    """Passes of each arm per repetition: enough for a stable median, in a few seconds."""
+    """Passes of each arm per repetition: enough for a stable median, in a few seconds (quick: a few, and for the
+    stack sampler's sides enough passes that a 5 ms sampler takes samples of each)."""
     if quick:
-        return 3
+        return 12 if kind == "samples" else 3
     if kind == "hooks":
         return 200 if shape.phase == "decode" and shape.batch <= 64 else 100
     return max(5, min(40, 2000 // shape.rows))
@@ -495,7 +496,7 @@ def measure_samples(models: dict[str, ServedModel], shapes, repetitions: int, qu
             for side_name, side in sides.items():
                 if isinstance(side, Sampled):
                     side.phase = f"{shape.label}/{side_name}"
-            timed = measure(sides, shapes, repetitions, quick, {"pass": (shape,)})["pass"][shape.label]
+            timed = measure(sides, shapes, repetitions, quick, {"samples": (shape,)})["samples"][shape.label]
             for sampler in samplers.values():
                 sampler.publish()  # the samples taken so far counted
             results[shape.label] = {**timed, "sampled_passes": 2 + timed["passes"] * repetitions, "samples": {

@@ -14,7 +14,15 @@ from pass_modes import Mode
 
 from vskipper.sglang.part_times import PartClock
 from vskipper.sglang.spec import ENV_STACK_SAMPLES, ServeConfigError, ServeSpec
-from vskipper.sglang.stack_samples import KINDS, StackSampler, frame_key, sample_keys, top, window
+from vskipper.sglang.stack_samples import (
+    KINDS,
+    StackSampler,
+    frame_key,
+    next_tick_s,
+    sample_keys,
+    top,
+    window,
+)
 
 
 def spin(seconds: float) -> None:
@@ -32,10 +40,20 @@ def test_a_frame_is_counted_by_its_files_last_two_parts_its_function_and_its_lin
     assert set(keys) == {"innermost"}
 
 
-def test_the_sampler_reads_the_running_threads_frames_only_while_a_pass_runs_and_publishes_after():
+def spin_until(taken, samples: int, deadline_s: float = 20.0) -> None:
+    """Spin until `taken()` reaches `samples` (a loaded machine's sampler wakes late), or the deadline."""
+    end = time.monotonic() + deadline_s
+    while taken() < samples and time.monotonic() < end:
+        spin(0.01)
+
+
+def test_the_sampler_reads_the_running_threads_frames_only_while_a_pass_runs_and_publishes_after(monkeypatch):
     """Samples while `running` names the thread, by phase, from a pass's begin to its end; none between passes,
     where it does not even look; the counts reach `view` once the pass has ended, each field replaced whole; a
     sleeping sampler stops at once."""
+    import vskipper.sglang.stack_samples as stack_samples
+
+    monkeypatch.setattr(stack_samples, "IDLE_CHECK_S", 60.0)
     running: list = [None]
     looks = [0]
 
@@ -52,7 +70,7 @@ def test_the_sampler_reads_the_running_threads_frames_only_while_a_pass_runs_and
         spin(0.05)  # named but not begun: the sampler sleeps
         assert sampler.samples == {}
         sampler.begin()
-        spin(0.2)
+        spin_until(lambda: sampler.samples.get("prefill", 0), 10)
         running[0] = None
         sampler.end()
         end = time.monotonic() + 5.0
@@ -65,8 +83,9 @@ def test_the_sampler_reads_the_running_threads_frames_only_while_a_pass_runs_and
     finally:
         t0 = time.monotonic()
         sampler.stop()
-        sampler.join(5.0)
-    assert not sampler.is_alive() and time.monotonic() - t0 < 0.5
+        sampler.join(10.0)
+    # stopped by waking it: a sampler left asleep would look again only after IDLE_CHECK_S (patched to a minute)
+    assert not sampler.is_alive() and time.monotonic() - t0 < 10.0
     view = sampler.view
     assert view["samples_total"]["prefill"] >= 10 and set(view["samples_total"]) == {"prefill"}
     innermost = view["innermost"]["prefill"]
@@ -109,7 +128,8 @@ def test_the_part_clock_samples_its_passes_where_asked_and_attests_them():
     attestation's `samples`; a clock without it has none."""
     clock = PartClock(usage=None, collector=None, samples=True)
     try:
-        clock.around_pass(Mode(decode=False), lambda: spin(0.3), tokens=64)
+        clock.around_pass(Mode(decode=False), lambda: spin_until(lambda: clock.sampler.samples.get("prefill", 0), 10),
+                          tokens=64)
         end = time.monotonic() + 5.0
         while not clock.attestation()["samples"]["samples_total"] and time.monotonic() < end:
             time.sleep(0.005)
@@ -142,8 +162,10 @@ def test_a_reader_gets_the_samples_so_far_while_passes_run_back_to_back():
     writer calls before each document) publishes them itself."""
     clock = PartClock(usage=None, collector=None, samples=True)
     try:
-        for _ in range(10):
+        passes = 0
+        while clock.sampler.samples.get("decode", 0) < 5 and passes < 1000:  # 10 passes or so on an idle machine
             clock.around_pass(Mode(decode=True), lambda: spin(0.02), tokens=8)
+            passes += 1
         clock.read_device()
         samples = clock.attestation()["samples"]
         assert samples["samples_total"]["decode"] >= 5
@@ -166,10 +188,18 @@ def nap_tail(seconds: float) -> None:
         time.sleep(0.0002)
 
 
-def test_the_start_of_a_pass_after_a_gap_has_its_share_of_the_samples():
-    """A sampler woken by a pass samples at the next tick of its clock, not a whole interval later: passes with a
-    gap between them, each 4 ms of one part then 16 ms of another at a 5 ms interval, give the first part about a
-    fifth of the samples (a sampler that waited a whole interval on waking would give it none)."""
+def test_a_sampler_woken_by_a_pass_waits_for_the_next_tick_not_a_whole_interval():
+    """Ticks lie on the clock's multiples of the interval: woken 2.3 ms into a 5 ms tick, it waits 2.7 ms."""
+    assert next_tick_s(12.3e-3, 5e-3) == pytest.approx(2.7e-3)
+    assert next_tick_s(10.0e-3 + 1e-9, 5e-3) == pytest.approx(5e-3)
+    assert 0 < next_tick_s(time.monotonic(), 5e-3) <= 5e-3
+
+
+def test_the_start_of_a_pass_after_a_gap_is_sampled_too():
+    """Passes with a gap between them, each 4 ms of one part then 16 ms of another at a 5 ms interval: the first
+    part is sampled (about a fifth of the samples on an idle machine; a sampler that waited a whole interval on
+    waking would give it none). Only that it is sampled is asserted: on a loaded machine the sampler's thread
+    wakes late, which takes samples off the head at random."""
     running: list = [None]
     sampler = StackSampler(lambda: running[0], interval_s=0.005)
     sampler.start()
@@ -188,8 +218,7 @@ def test_the_start_of_a_pass_after_a_gap_has_its_share_of_the_samples():
     counts = sampler.counts["innermost"]["prefill"]
     head = sum(n for key, n in counts.items() if ":nap_head:" in key)
     tail = sum(n for key, n in counts.items() if ":nap_tail:" in key)
-    assert head + tail >= 80  # about 160 at 5 ms over 0.8 s of passes
-    assert 0.08 <= head / (head + tail) <= 0.35
+    assert head > 0 and tail > head  # about 30 and 130 at 5 ms over 0.8 s of passes on an idle machine
     assert sampler.seconds["prefill"] > 0  # what the samples held the lock, counted
 
 

@@ -257,7 +257,7 @@ class StackSampler(threading.Thread):
                         sampled = False
                     self._passing.wait(IDLE_CHECK_S)
                     continue
-                if self._halt.wait(self.interval_s - time.monotonic() % self.interval_s):  # the next tick
+                if self._halt.wait(next_tick_s(time.monotonic(), self.interval_s)):
                     break
                 tick = self.sample()
                 if tick == TAKEN:
@@ -275,6 +275,12 @@ class StackSampler(threading.Thread):
         _signalled.discard(self)
         self._halt.set()
         self._passing.set()  # a sleeping sampler wakes to stop
+
+
+def next_tick_s(now: float, interval_s: float) -> float:
+    """Seconds from `now` to the sampler's next tick: ticks lie on the clock's multiples of the interval, so that a
+    sampler woken by a pass samples at the next one, not a whole interval after waking."""
+    return interval_s - now % interval_s
 
 
 def top(counts: dict[str, int], n: int = 8) -> list[tuple[str, int]]:
