@@ -4,6 +4,8 @@ shared out; decode shapes are timed as CUDA graph replays."""
 
 from dataclasses import replace
 
+import pytest
+
 from vskipper.mixed.tiles import (
     COUNT_RANGES,
     OPERATIONS,
@@ -317,6 +319,7 @@ def test_the_tuner_times_the_prefill_lengths_together_on_twice_a_decode_shapes_s
                          num_warps=tile.num_warps, num_stages=tile.num_stages)
     current = parse_tile_table(data, H100.shared_mem_per_block)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner.time, "monotonic", lambda: 0.0)  # the clock stands still: nothing is spent
     monkeypatch.setattr(tuner, "current_table", lambda *args: current)
     monkeypatch.setattr(tuner, "op_weights", lambda *args: (None, None))
     monkeypatch.setattr(tuner, "shape_calls", lambda *args: (None, None, None))
@@ -326,12 +329,12 @@ def test_the_tuner_times_the_prefill_lengths_together_on_twice_a_decode_shapes_s
                budget_s=1000.0)
     decode = [[lo] for lo, _ in COUNT_RANGES if lo < PREFILL_RANGES[0][0]]
     assert [los for los, *_ in groups] == (decode + [[lo for lo, _ in PREFILL_RANGES]]) * len(OPERATIONS)
-    # nothing is spent here, so each group takes its weights' part of the whole budget over the weights still left
+    # nothing is spent, so each group takes its weights' part of the whole budget over the weights still left
     left = sum(len(OPERATIONS) * tuner.shape_weight(lo) + tuner.PAIR_WEIGHT for lo, _ in COUNT_RANGES)
     for los, share, candidates, by_half, graph, keep in groups:
         prefill = len(los) > 1
         weight = sum(tuner.shape_weight(lo) for lo in los)
-        assert abs(share - 1000.0 * weight / left) < 0.5
+        assert share == pytest.approx(1000.0 * weight / left)
         assert (by_half, graph, keep) == ((True, False, 3) if prefill else (False, True, 1))
         if prefill:
             assert candidates[:3] == own and set(PREFILL_SEED_TILES) & set(candidates[3:])
