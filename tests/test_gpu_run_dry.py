@@ -1897,9 +1897,10 @@ def test_a_sweep_starts_an_arm_that_ends_before_its_limit_keeps_a_failed_arms_er
     """On a device a sweep arm starts where what it takes (`Plan.sweep_arm_s`: a whole sweep's 150 s, a
     prefill-only one's 75 s, from the H200's logs) ends before the stage's limit less its end (`Stage.fits`), not
     where 30% of the budget is left; the check starts with its own 60 s. An arm whose server fails is named with its
-    error and the others serve; a stage stopped at its limit (run.sh's TERM) keeps the arms it served, its
-    comparison and summary written, the arm it was serving left for the next call. (No server: each arm is stood
-    in for, on a clock that each arm advances by a minute.)"""
+    error and the others serve (but the control, with routed prefill graphs, after always-route failed with them);
+    a stage stopped at its limit (run.sh's TERM) keeps the arms it served, its comparison and summary written, the
+    arm it was serving left for the next call. (No server: each arm is stood in for, on a clock that each arm
+    advances by a minute.)"""
     gpu = run.Plan.gpu()
     prefill_only = dataclasses.replace(gpu, sweep_decode=False)
     assert (gpu.sweep_arm_s, prefill_only.sweep_arm_s, run.Plan.dry().sweep_arm_s) == (150.0, 75.0, 1.0)
@@ -1969,6 +1970,19 @@ def test_a_sweep_starts_an_arm_that_ends_before_its_limit_keeps_a_failed_arms_er
     monkeypatch.setattr(run, "sweep_arm", lambda *args: (_ for _ in ()).throw(SystemExit("refused")))
     with pytest.raises(SystemExit, match="refused"):
         run.stage_sweep(prefill_only, out, 120, limit_s=1000)
+    # with routed prefill graphs, the control is not started after always-route failed: it serves the same graphs
+    monkeypatch.setattr(run, "sweep_arm", fake_arm)
+    monkeypatch.setattr(run, "sweep_reference", lambda *args: {"flags": []})
+    served.clear()
+    graphed = dataclasses.replace(prefill_only, routed_prefill_graphs=True)
+    sweep = run.stage_sweep(graphed, tmp_path / "graphed", 120, limit_s=10_000)
+    assert served == ["dense", run.ALWAYS] and sweep["failed"] == [run.ALWAYS, run.CONTROL]
+    assert sweep["errors"][run.CONTROL] == f"not served: {run.ALWAYS}, which replays the same routed prefill " \
+                                           "graphs, failed (RuntimeError: the server exited with code 1 before " \
+                                           "it was ready)"
+    served.clear()  # without them, it is
+    run.stage_sweep(prefill_only, tmp_path / "eager", 120, limit_s=10_000)
+    assert served == ["dense", run.ALWAYS, run.CONTROL]
 
 
 def test_run_sh_packs_what_a_stage_wrote_while_it_runs_and_holds_nothing_open_after(tmp_path):

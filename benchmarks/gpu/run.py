@@ -1458,6 +1458,14 @@ def stage_sweep(plan: Plan, out: Path, budget_s: float, limit_s: float | None = 
                 continue
             if not stage.fits(plan.sweep_arm_s, f"sweep of {name}"):
                 continue
+            if name == CONTROL and plan.routed_prefill_graphs and ALWAYS in result["errors"]:
+                # the control serves the same graphs over the same routed layers: its start would fail alike and
+                # spend the device's minutes on it
+                result["errors"][name] = f"not served: {ALWAYS}, which replays the same routed prefill graphs, " \
+                                         f"failed ({result['errors'][ALWAYS][:200]})"
+                stage.failed.append(name)
+                log(stage.name, f"{name}: {result['errors'][name]}")
+                continue
             serving = f"sweep of {name}"
             try:
                 doc = sweep_arm(plan, stage, model, arms, name, vocab)
@@ -3196,6 +3204,8 @@ def main(argv: list[str] | None = None) -> int:
     result["plan"] = asdict(plan)
     write_whole(path, json.dumps(result, indent=1, default=str) + "\n")  # a KILL after a stop tears no result
     summary(plan, args.out)
+    if args.stage in ("sweep", "headline"):  # what the next call turns on, in the call's own output
+        print("\n".join(routed_prefill_graph_lines(result.get("arms") or {}, "the other arms eagerly")), end="")
     print(f"[{args.stage}] wrote {path}")
     if result.get("failed"):  # not run again by this call, whatever it left: a failure that repeats would spend it
         return 1
