@@ -414,10 +414,26 @@ def test_replayed_passes_equal_eager_ones_where_the_add_norm_works_in_place(chec
 
     monkeypatch.setattr(standalone, "init_sglang", init)
     graphed, eager = served(checkpoint, monkeypatch)
+    # the model's last layer is routed: its hand-off leaves the model for the final norm, and SGLang may keep what
+    # the norm returns beyond the pass. It is handed on as copies, never as the static rows the next pass writes.
+    model = graphed.model.model
+    assert graphed.model.routed_layers[-1] == model.end_layer - 1
+    final, real_norm = [], model.norm.forward
+
+    def norm(x, residual=None, *args, **kwargs):
+        final.append((x, residual))
+        return real_norm(x, residual, *args, **kwargs)
+
+    monkeypatch.setattr(model.norm, "forward", norm)
     for seed, (shape, first) in enumerate([(Shape("prefill", 1, 16), 0), (Shape("prefill", 2, 5), 2),
                                            (Shape("prefill", 3, 20), 1), (Shape("prefill", 1, 60), 4)]):
         assert_same(graphed, eager, shape, first, seed)
     assert calls  # the in-place add-norm ran
+    graphs = graphed.model.slot.prefill_graphs
+    assert sum(graphs.passes["by_tokens"].values()) == 4
+    static = {t.untyped_storage().data_ptr() for t in graphs._outputs.values()}
+    assert len(final) == 4 and static
+    assert all(t.untyped_storage().data_ptr() not in static for pair in final for t in pair)
 
 
 def test_flexidepth_passes_replayed_route_with_the_fused_gate_as_the_eager_passes_do(checkpoint, monkeypatch):
@@ -456,6 +472,12 @@ def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_ca
     att = graphed.model.runtime.attestation()
     assert all(s is not None and s >= 0 for s in att["prefill_graphs"]["captured_at_boot_s"].values())
     assert att["prefill_graphs"]["passes"]["by_tokens"] == {"16": 0, "64": 0}
+    kv = att["prefill_graphs"]["kv_write_check"]
+    if read == "backend":  # each routed layer's K/V in the pool as its segment computed them, every pass
+        assert kv["compared"] == 2 * 2 * routed and kv["worst_difference"] == 0.0 and kv["not_compared"] is None
+    else:
+        assert kv == {"compared": 0, "worst_difference": None, "worst_at": None,
+                      "not_compared": "the packed read reads its K/V inside the segment"}
     assert att["rows_total"] == eager.model.runtime.attestation()["rows_total"]
     passes = [(Shape("prefill", 2, 5), 2), (Shape("prefill", 1, 64), 4), (Shape("prefill", 3, 7), 0)]
     for seed, (shape, first) in enumerate(passes):
@@ -464,6 +486,32 @@ def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_ca
     assert graphs.graphs.counts["replayed"] == segments + 3 * per_pass  # the boot's and three passes'
     assert graphs.passes["by_tokens"] == {"16": 1, "64": 2}  # 10 rows; 64; 21
     assert graphed.model.runtime.attestation()["rows_total"] == eager.model.runtime.attestation()["rows_total"]
+
+
+def test_a_kv_write_that_does_not_replay_is_caught_at_start_and_its_counts_serve_eagerly(checkpoint, monkeypatch):
+    """With the backend read the boot's read reads no pool, so a K/V write that ran only when first called (as a
+    kernel outside a CUDA capture runs at the capture alone) leaves the pool holding other K/V than the segments
+    computed: the start compares them and refuses the counts, whose passes then run eagerly."""
+    graphed, eager = served(checkpoint, monkeypatch)
+    pool_class, written = type(graphed.pool), set()
+    real = pool_class.set_kv_buffer
+
+    def once(self, layer, *args, **kwargs):
+        if layer.layer_id not in written:
+            written.add(layer.layer_id)
+            return real(self, layer, *args, **kwargs)
+        return None
+
+    monkeypatch.setattr(pool_class, "set_kv_buffer", once)
+    boot(monkeypatch, graphed)
+    att = graphed.model.runtime.attestation()["prefill_graphs"]
+    for count in ("16", "64"):
+        assert att["failed"][count].startswith("the K/V the pool holds strayed from what layer ")
+        assert att["failed"][count].endswith("its write did not replay")
+    assert att["kv_write_check"]["worst_difference"] > 0.05
+    monkeypatch.setattr(pool_class, "set_kv_buffer", real)
+    assert_same(graphed, eager, Shape("prefill", 2, 5), 2, 0)
+    assert graphed.model.slot.prefill_graphs.passes["eager"]["its count's capture failed or strayed"] == 1
 
 
 def test_the_boot_leaves_out_the_counts_no_pass_of_the_prefill_chunk_reaches(checkpoint, monkeypatch):

@@ -49,7 +49,7 @@ import torch
 
 from vskipper.mixed.cohorts import CohortBuilder
 from vskipper.mixed.routed_layer import Handoff, routed_layer, triton_attention_in, triton_attention_out
-from vskipper.mixed.segment_graphs import CaptureFailed, RerunGraph, SegmentGraphs
+from vskipper.mixed.segment_graphs import CaptureFailed, RerunGraph, SegmentGraphs, difference
 from vskipper.mixed.tape import RouteTape, tape_capacity
 from vskipper.sglang.runtime import Step
 from vskipper.sglang.spec import ENV_PREFILL_GRAPH_STAND_IN, ENV_PREFILL_GRAPHS
@@ -117,7 +117,8 @@ class PrefillGraphs:
     `SGLangLayerOps`, `req_rows` each row's request slot); `graph` makes one graph (tests: `RerunGraph` on CPU)."""
 
     def __init__(self, sizes: tuple[int, ...], runtime, execution, layer_ops, hidden: int, q_size: int,
-                 dtype: torch.dtype, device: torch.device, graph=None, asked: tuple[int, ...] | str = ()) -> None:
+                 dtype: torch.dtype, device: torch.device, graph=None, asked: tuple[int, ...] | str = (),
+                 last_layer: int | None = None) -> None:
         if not sizes:
             raise ValueError(f"{ENV_PREFILL_GRAPHS}: no token count to capture")
         self.sizes, self.runtime, self.execution, self.layer_ops = tuple(sizes), runtime, execution, layer_ops
@@ -130,6 +131,10 @@ class PrefillGraphs:
         if execution.prefill_read not in GRAPH_READS:
             raise ValueError(f"prefill graphs serve the reads {sorted(GRAPH_READS)}, not {execution.prefill_read!r}")
         self.packed = execution.prefill_read == "packed"
+        # the layer whose hand-off leaves the model (the last this rank runs): handed on as copies, not as views of
+        # the static rows the next pass's replays write, since SGLang may keep the model's hidden states beyond the
+        # pass (returned hidden states, copied to the host on a stream of their own; a pipeline stage's send)
+        self.last_layer = last_layer
         self.graphs = SegmentGraphs(device, graph, hold=runtime.capturing_graphs)
         # what makes each graph, attested: a stand-in is named (tests only: no CUDA graph then)
         self.made_by = "CUDA graphs" if graph is None else f"stand-in {getattr(graph, '__name__', repr(graph))}"
@@ -149,6 +154,12 @@ class PrefillGraphs:
         self.failed: dict[str, str | None] = dict.fromkeys(map(str, self.sizes))
         # per count, the seconds its captures and checks took before the server served (`capture_all`), or None
         self.boot: dict[str, float | None] = dict.fromkeys(map(str, self.sizes))
+        # the backend read's K/V writes at start (`_check_kv_write`): what the pool holds against what each layer's
+        # segment computed, the worst over every layer and pass of the count, and where; or why none is compared
+        self.kv_write: dict[str, Any] = {"compared": 0, "worst_difference": None, "worst_at": None,
+                                         "not_compared": "the packed read reads its K/V inside the segment"
+                                         if self.packed else None}
+        self._kv_worst: dict[int, tuple[float, str]] = {}
 
     def _allocate(self, cap: int) -> None:
         """The static storage every capture of up to `cap` rows reads and writes: the graph tape and maps, each
@@ -170,7 +181,7 @@ class PrefillGraphs:
         return {"tokens": list(self.sizes), "read": self.execution.prefill_read, "made_by": self.made_by,
                 "passes": self.passes, "segments": self.graphs.counts,
                 "capture_check": self.graphs.check, "memory": self.graphs.memory, "failed": self.failed,
-                "captured_at_boot_s": self.boot, "reach": self.reach}
+                "captured_at_boot_s": self.boot, "reach": self.reach, "kv_write_check": self.kv_write}
 
     def _segment(self, size: int, key, fn):
         """Segment `key`'s outputs at count `size`: replayed, or run eagerly where that count's capture failed (this
@@ -265,6 +276,9 @@ class PrefillGraphs:
         try:
             for size in self.reached:
                 t0 = time.perf_counter()
+                if device.type == "cuda":  # the eager runs' cached blocks back to the device, which a capture's
+                    torch.cuda.synchronize(device)  # pool may then take (it cannot take another pool's)
+                    torch.cuda.empty_cache()
                 for round_ in range(2):
                     if self.failed[str(size)] is not None:
                         break
@@ -273,9 +287,11 @@ class PrefillGraphs:
                     x = embed(torch.randint(0, vocab, (n,), generator=generator).to(device))
                     self._inputs(n, positions, slots[:n], x, keys, dense, req_rows)
                     step = self._step(size, True)
-                    for layer in layers:
+                    for layer, lid in zip(layers, layer_ids, strict=True):
                         self._layer(layer, size, step, x, layer.input_layernorm(x), parts_of(layer),
                                     lambda q, k, v, rows: q[:rows])
+                        if not self.packed:
+                            self._check_kv_write(size, lid, pool, slots[:n])
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 self.boot[str(size)] = round(time.perf_counter() - t0, 3)
@@ -294,10 +310,37 @@ class PrefillGraphs:
                 torch.cuda.synchronize(device)  # captures' eager runs' cached blocks back to the device
                 torch.cuda.empty_cache()
 
+    def _check_kv_write(self, size: int, lid: int, pool, slots: torch.Tensor) -> None:
+        """With the backend read, at start: the K and V layer `lid`'s segment before the read computed (its static
+        outputs) against what the pool holds at the pass's slots, which SGLang's backend reads when serving. The
+        boot's read stands in for the backend's and reads no pool, so only this sees a write that did not replay
+        (a kernel outside the capture leaves the first pass's K/V at the second's slots). Not compared where the
+        pool stores another dtype (an fp8 KV cache), whose rounding would read as a difference."""
+        k, v = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        if k.dtype != self._outputs["k"].dtype:
+            self.kv_write["not_compared"] = f"the KV pool stores {k.dtype}, the segments compute " \
+                                            f"{self._outputs['k'].dtype}"
+            return
+        n = slots.shape[0]
+        worst = difference([k[slots].reshape(n, -1), v[slots].reshape(n, -1)],
+                           [self._outputs["k"][:n], self._outputs["v"][:n]])
+        self.kv_write["compared"] += 1
+        if worst >= self._kv_worst.get(size, (-1.0, ""))[0]:
+            self._kv_worst[size] = (worst, f"layer {lid} at {size} tokens")
+        if self.kv_write["worst_difference"] is None or worst >= self.kv_write["worst_difference"]:
+            self.kv_write.update(worst_difference=worst, worst_at=f"layer {lid} at {size} tokens")
+
     def _refuse_straying(self, size: int) -> None:
         """Count `size` marked failed, so that its passes run eagerly, where a segment's check at start strayed
-        further than `CHECK_REFUSES` (its capture kept)."""
+        further than `CHECK_REFUSES` (its capture kept), or, with the backend read, the K/V the pool holds did
+        (`_check_kv_write`)."""
         if self.failed[str(size)] is not None:
+            return
+        worst, where = self._kv_worst.get(size, (0.0, ""))
+        if worst > CHECK_REFUSES:
+            self.failed[str(size)] = f"the K/V the pool holds strayed from what {where}'s segment computed by " \
+                                     f"{worst:.3g} of the largest value (over {CHECK_REFUSES}): its write did not " \
+                                     "replay"
             return
         strayed = [(worst, key) for key, worst in self.graphs.worst_by_key.items()
                    if isinstance(key, tuple) and key[0] == size and worst > CHECK_REFUSES]
@@ -394,12 +437,14 @@ class PrefillGraphs:
         lid = layer.layer_id
         if self.packed:
             delta, h = self._segment(size, (size, lid, "layer"), lambda: self._whole(layer, step, parts))
-            return Handoff(delta[:n], h[:n])
-        q, k, v, cohorts, weights = self._segment(size, (size, lid, "in"),
-                                                  lambda: self._attention_in(layer, step, parts))
-        self.a[:n].copy_(read(q, k, v, n).view(n, -1))
-        delta, h = self._segment(size, (size, lid, "out"),
-                                 lambda: self._attention_out(layer, step, parts, cohorts, weights))
+        else:
+            q, k, v, cohorts, weights = self._segment(size, (size, lid, "in"),
+                                                      lambda: self._attention_in(layer, step, parts))
+            self.a[:n].copy_(read(q, k, v, n).view(n, -1))
+            delta, h = self._segment(size, (size, lid, "out"),
+                                     lambda: self._attention_out(layer, step, parts, cohorts, weights))
+        if lid == self.last_layer:
+            return Handoff(delta[:n].clone(), h[:n].clone())
         return Handoff(delta[:n], h[:n])
 
     def _ops(self, layer, size: int, parts):

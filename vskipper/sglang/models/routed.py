@@ -993,7 +993,7 @@ class SkipperCausalLM(RouterWeightsMixin):
 
         graphs = pg.PrefillGraphs(sizes, self.runtime, execution, layer_ops, weight.shape[1],
                                   layers[0].self_attn.q_size, weight.dtype, weight.device, stand_in,
-                                  asked=self.runtime.spec.prefill_graphs)
+                                  asked=self.runtime.spec.prefill_graphs, last_layer=self.model.end_layer - 1)
         self.runtime.model_counters["prefill_graphs"] = graphs.attestation()
         return graphs
 
