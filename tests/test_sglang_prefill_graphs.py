@@ -191,8 +191,8 @@ def test_the_s0_control_replays_every_row_run(checkpoint, monkeypatch):
 
 
 def test_prefill_graphs_are_refused_by_name_where_they_cannot_be_captured(checkpoint, monkeypatch):
-    """On CPU without the stand-in; with the torch execution (the triton execution's two reads both serve,
-    `GRAPH_READS`)."""
+    """On CPU without the stand-in; with SGLang's hierarchical cache; with the torch execution (the triton
+    execution's two reads both serve, `GRAPH_READS`)."""
     from vskipper.sglang import prefill_graphs
     from vskipper.sglang.spec import ServeConfigError
 
@@ -204,6 +204,13 @@ def test_prefill_graphs_are_refused_by_name_where_they_cannot_be_captured(checkp
     monkeypatch.setattr(prefill_graphs, "PREFILL_GRAPH_STAND_IN", RerunGraph)
     from vskipper.sglang.models.routed import TORCH_EXECUTION
 
+    assert not prefill_graphs.hierarchical_cache()  # off here
+    real = prefill_graphs.hierarchical_cache
+    monkeypatch.setattr(prefill_graphs, "hierarchical_cache", lambda: True)
+    with pytest.raises(ServeConfigError, match=r"VSKIPPER_PREFILL_GRAPHS: SGLang's hierarchical cache "
+                                               r"\(--enable-hierarchical-cache\) loads a layer's prefix K/V"):
+        model.prefill_graphs_for(SIZES)
+    monkeypatch.setattr(prefill_graphs, "hierarchical_cache", real)
     model.slot.execution = TORCH_EXECUTION
     with pytest.raises(ServeConfigError, match="the torch execution"):
         model.prefill_graphs_for(SIZES)

@@ -87,7 +87,19 @@ def graph_stand_in():
     return None
 
 
-def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device) -> str | None:
+def hierarchical_cache() -> bool:
+    """Whether this process's SGLang serves with its hierarchical cache (`--enable-hierarchical-cache`); False
+    where no server configuration is published (a model built outside a server)."""
+    from sglang.srt.runtime_context import get_memory
+
+    try:
+        return bool(get_memory().enable_hierarchical_cache)
+    except ValueError:  # "config namespace ... not published"
+        return False
+
+
+def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device,
+                          hierarchical: bool = False) -> str | None:
     """Why a routed prefill pass cannot replay its routed layers from graphs here, or None."""
     if "prefill" not in arm.routed_phases:
         return f"arm {arm.name!r} does not route prefill"
@@ -98,6 +110,9 @@ def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device
         return "the part clock times each part of a pass on the host, which a replay does not run"
     if device.type != "cuda":
         return f"no CUDA graphs on {device.type}"
+    if hierarchical:
+        return "SGLang's hierarchical cache (--enable-hierarchical-cache) loads a layer's prefix K/V from the host " \
+               "while the pass runs, and the layer waits for it in Python, which a replayed layer does not run"
     return None
 
 

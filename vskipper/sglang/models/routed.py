@@ -980,7 +980,8 @@ class SkipperCausalLM(RouterWeightsMixin):
         weight = self.model.embed_tokens.weight
         stand_in = pg.graph_stand_in()
         blocker = pg.prefill_graph_blocker(self.runtime.arm, self.slot.execution, self.runtime.spec.part_clock,
-                                           torch.device("cuda") if stand_in is not None else weight.device)
+                                           torch.device("cuda") if stand_in is not None else weight.device,
+                                           pg.hierarchical_cache())
         if blocker is not None:
             raise ServeConfigError(f"{pg.ENV_PREFILL_GRAPHS}: {blocker}")
         execution = self.slot.execution
