@@ -99,7 +99,7 @@ def test_open_loop_has_no_concurrency_cap_and_serves_every_request():
     assert max(r.submit_s for r in records) < min(r.first_token_s for r in records)  # all 40 in flight at once
     assert all(r.submit_s >= r.scheduled_s - 1e-3 for r in records)  # none injected ahead of its arrival time
     assert [r.submit_s for r in records] == sorted(r.submit_s for r in records)  # in the schedule's order
-    # 30 decode steps of at least 10 ms each follow the last arrival.
+    # a prefill and 29 decode steps of at least 10 ms each follow the last arrival
     assert cell.summary["drain_s"] >= 30 * slow.decode_base_s
 
 

@@ -78,7 +78,7 @@ def test_v_star_scales_inversely_with_skip_and_kv_bytes():
 
 
 def test_rounding_never_closes_the_band():
-    """Below four rounding steps of V* exit and enter would round to one value; enter stays one step above."""
+    """Below four rounding steps of V* exit and enter may round to one value; enter stays one step above."""
     assert rounded_thresholds(35_000, 10_000, 1.25) == (40_000, 50_000)  # 35k and 43.75k both round to 40k
     assert rounded_thresholds(0.0, 10_000, 1.25, least=10_000) == (10_000, 20_000)
     assert rounded_thresholds(45_000, 10_000, 1.25) == (50_000, 60_000)  # the rounding's own band is kept

@@ -14,6 +14,8 @@ the tests check those operands against the pool."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -191,8 +193,8 @@ def test_the_s0_control_replays_every_row_run(checkpoint, monkeypatch):
 
 
 def test_prefill_graphs_are_refused_by_name_where_they_cannot_be_captured(checkpoint, monkeypatch):
-    """On CPU without the stand-in; with SGLang's hierarchical cache; with the torch execution (the triton
-    execution's two reads both serve, `GRAPH_READS`)."""
+    """On CPU without the stand-in; with SGLang's hierarchical cache and the packed read; with the torch execution
+    (the triton execution's two reads both serve, `GRAPH_READS`)."""
     from vskipper.sglang import prefill_graphs
     from vskipper.sglang.spec import ServeConfigError
 
@@ -205,8 +207,10 @@ def test_prefill_graphs_are_refused_by_name_where_they_cannot_be_captured(checkp
     from vskipper.sglang.models.routed import TORCH_EXECUTION
 
     assert not prefill_graphs.hierarchical_cache()  # off here
-    real = prefill_graphs.hierarchical_cache
+    real, backend = prefill_graphs.hierarchical_cache, model.slot.execution
     monkeypatch.setattr(prefill_graphs, "hierarchical_cache", lambda: True)
+    assert model.prefill_graphs_for(SIZES) is not None  # the backend read, eager, waits for the prefix K/V itself
+    model.slot.execution = dataclasses.replace(backend, prefill_read="packed")
     with pytest.raises(ServeConfigError, match=r"VSKIPPER_PREFILL_GRAPHS: SGLang's hierarchical cache "
                                                r"\(--enable-hierarchical-cache\) loads a layer's prefix K/V"):
         model.prefill_graphs_for(SIZES)
@@ -480,8 +484,8 @@ def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_ca
     assert all(s is not None and s >= 0 for s in att["prefill_graphs"]["captured_at_boot_s"].values())
     assert att["prefill_graphs"]["passes"]["by_tokens"] == {"16": 0, "64": 0}
     kv = att["prefill_graphs"]["kv_write_check"]
-    if read == "backend":  # each routed layer's K/V in the pool as its segment computed them, every pass
-        assert kv["compared"] == 2 * 2 * routed and kv["worst_difference"] == 0.0 and kv["not_compared"] is None
+    if read == "backend":  # each routed layer's K/V in the pool as its first replay after the capture left them
+        assert kv["compared"] == 2 * routed and kv["worst_difference"] == 0.0 and kv["not_compared"] is None
     else:
         assert kv == {"compared": 0, "worst_difference": None, "worst_at": None,
                       "not_compared": "the packed read reads its K/V inside the segment"}
@@ -496,27 +500,36 @@ def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_ca
 
 
 def test_a_kv_write_that_does_not_replay_is_caught_at_start_and_its_counts_serve_eagerly(checkpoint, monkeypatch):
-    """With the backend read the boot's read reads no pool, so a K/V write that ran only when first called (as a
-    kernel outside a CUDA capture runs at the capture alone) leaves the pool holding other K/V than the segments
-    computed: the start compares them and refuses the counts, whose passes then run eagerly."""
+    """With the backend read the boot's read reads no pool, so a K/V write that runs in every eager run but not in
+    a replay (as a kernel outside a CUDA capture) leaves the pool holding the first pass's K/V at the second's
+    slots: the start compares them right after the second pass's replays, before their eager reruns write the
+    pool again, and refuses the counts, whose passes then run eagerly."""
     graphed, eager = served(checkpoint, monkeypatch)
-    pool_class, written = type(graphed.pool), set()
-    real = pool_class.set_kv_buffer
+    replaying = [False]
+    real_replay = RerunGraph.replay
 
-    def once(self, layer, *args, **kwargs):
-        if layer.layer_id not in written:
-            written.add(layer.layer_id)
-            return real(self, layer, *args, **kwargs)
-        return None
+    def replay(self):
+        replaying[0] = True
+        try:
+            return real_replay(self)
+        finally:
+            replaying[0] = False
 
-    monkeypatch.setattr(pool_class, "set_kv_buffer", once)
+    pool_class = type(graphed.pool)
+    real_write = pool_class.set_kv_buffer
+
+    def outside_the_capture(self, *args, **kwargs):
+        return None if replaying[0] else real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(RerunGraph, "replay", replay)
+    monkeypatch.setattr(pool_class, "set_kv_buffer", outside_the_capture)
     boot(monkeypatch, graphed)
     att = graphed.model.runtime.attestation()["prefill_graphs"]
     for count in ("16", "64"):
         assert att["failed"][count].startswith("the K/V the pool holds strayed from what layer ")
         assert att["failed"][count].endswith("its write did not replay")
     assert att["kv_write_check"]["worst_difference"] > 0.05
-    monkeypatch.setattr(pool_class, "set_kv_buffer", real)
+    monkeypatch.setattr(pool_class, "set_kv_buffer", real_write)
     assert_same(graphed, eager, Shape("prefill", 2, 5), 2, 0)
     assert graphed.model.slot.prefill_graphs.passes["eager"]["its count's capture failed or strayed"] == 1
 

@@ -38,6 +38,7 @@ from vskipper.sglang.spec import (  # noqa: E402
     ENV_PREFILL_FLOOR,
     ENV_PREFILL_GRAPH_STAND_IN,
     ENV_PREFILL_GRAPHS,
+    ENV_PREFILL_READ,
 )
 from vskipper.skippers.registry import build_skipper  # noqa: E402
 
@@ -148,11 +149,12 @@ GRAPHED_CHUNK = 24  # the graphed server's prefill chunk: "auto"'s counts 16, 20
 @pytest.fixture(scope="class")
 def graphed_hybrid_server(served_model, tmp_path_factory):
     """The hybrid arm (`hybrid_server`'s thresholds and floor) with the triton execution and its routed prefill
-    layers replayed from graphs, as `graphed_server`: the headline's graphed hybrid arm, on CPU."""
+    layers replayed from graphs, as `graphed_server` but through SGLang's backend read (as the H200's table reads):
+    the headline's graphed hybrid arm, on CPU."""
     with serve(served_model, tmp_path_factory.mktemp("hybrid-prefill-graphs"), arm="hybrid",
                enter_tokens=HYBRID_ENTER, exit_tokens=HYBRID_EXIT, prefill_floor_tokens=HYBRID_PREFILL_FLOOR,
                env={ENV_EXECUTION: "triton", "TRITON_INTERPRET": "1", ENV_PREFILL_GRAPHS: "auto",
-                    ENV_PREFILL_GRAPH_STAND_IN: "rerun"},
+                    ENV_PREFILL_GRAPH_STAND_IN: "rerun", ENV_PREFILL_READ: "backend"},
                extra=("--chunked-prefill-size", str(GRAPHED_CHUNK), "--enable-metrics")) as server:
         yield server
 
@@ -524,6 +526,7 @@ class TestRoutedPrefillGraphs:
         assert [int(n) for n, s in graphs["captured_at_boot_s"].items() if s is not None] == captured
         assert graphs["capture_check"]["segments"] == graphs["capture_check"]["rechecked"] == segments
         assert set(graphs["failed"].values()) == {None}
+        assert graphs["kv_write_check"]["not_compared"] == "the packed read reads its K/V inside the segment"
 
         def replays_add_up(att: dict) -> int:
             """Every segment captured at start, none since; the second boot pass's replays and each replayed
@@ -557,15 +560,20 @@ class TestRoutedPrefillGraphs:
 
 
 class TestHybridArmPrefillGraphs:
-    """The hybrid arm whose routed prefill rounds replay their routed layers from graphs: dense rounds under its
-    floor run as ever, a round over it routes, its chunks replayed, the first of them the switch's share probe read
-    from the graph tape; decode then routes (V over enter), and the tokens are the torch routed forward's."""
+    """The hybrid arm whose routed prefill rounds replay their routed layers from graphs (through SGLang's backend
+    read, its K/V writes checked at start): dense rounds under its floor run as ever, a round over it routes, its
+    chunks replayed, the first of them the switch's share probe read from the graph tape; decode then routes (V over
+    enter), and the tokens are the torch routed forward's."""
 
     def test_a_routed_round_replays_its_chunks_probes_from_the_graph_tape_and_decodes_the_routed_tokens(
             self, graphed_hybrid_server, served_model):
         server = graphed_hybrid_server
         before = server.get_json("/vskipper/attestation")
         assert before["prefill_graphs"]["reach"]["left_out"][0] == 28  # 16, 20 and 24 captured
+        # the backend read's K/V writes compared at start: every routed layer's first replay after its capture
+        kv = before["prefill_graphs"]["kv_write_check"]
+        assert before["prefill_graphs"]["read"] == "backend" and kv["not_compared"] is None
+        assert kv["compared"] == 3 * len(before["model"]["routed_layers"]) and kv["worst_difference"] == 0.0
         short = [5, 6, 7, 8, 9, 10, 11, 12]  # under the floor: a dense round, no graph
         assert server.generate_ids(short, 2) == greedy_reference(served_model, short, 2)
         prompt = list(range(100, 164))  # 64 tokens, over the floor of 48: chunks of 24, 24 and 16, each replayed

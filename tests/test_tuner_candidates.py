@@ -297,6 +297,7 @@ def test_the_tuner_times_the_prefill_lengths_together_on_twice_a_decode_shapes_s
     current table's tile at each length, all of them timed whatever the budget, then the large tiles. (No GPU here:
     CUDA, the operands and the timing stood in for; the clock read as each group starts.)"""
     import time
+    from types import SimpleNamespace
 
     import torch
 
@@ -307,7 +308,7 @@ def test_the_tuner_times_the_prefill_lengths_together_on_twice_a_decode_shapes_s
 
     def fake_shapes(shapes, candidates, clock, interpret, graph, log=print, by_half=False, keep=1):
         los = [int(shape.name.split("rows ")[1].split("..")[0]) for shape in shapes]
-        groups.append((los, clock.shape_deadline - time.monotonic(), candidates, by_half, graph, keep))
+        groups.append((los, clock.shape_deadline - tuner.time.monotonic(), candidates, by_half, graph, keep))
         return [{"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "kernel_ms": 1.0,
                  "torch_ms": 1.0, "line": ""} for _ in shapes]
 
@@ -319,7 +320,8 @@ def test_the_tuner_times_the_prefill_lengths_together_on_twice_a_decode_shapes_s
                          num_warps=tile.num_warps, num_stages=tile.num_stages)
     current = parse_tile_table(data, H100.shared_mem_per_block)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(tuner.time, "monotonic", lambda: 0.0)  # the clock stands still: nothing is spent
+    # the tuner's clock stands still (its module's alone): nothing is spent
+    monkeypatch.setattr(tuner, "time", SimpleNamespace(monotonic=lambda: 0.0, perf_counter=time.perf_counter))
     monkeypatch.setattr(tuner, "current_table", lambda *args: current)
     monkeypatch.setattr(tuner, "op_weights", lambda *args: (None, None))
     monkeypatch.setattr(tuner, "shape_calls", lambda *args: (None, None, None))

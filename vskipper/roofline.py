@@ -8,8 +8,8 @@ s * L_r * b * V / BW seconds, against routed mode's fixed per-step cost tau. Rou
     V > V* = tau * BW / (s * L_r * b),      tau = tau_16 * L_r / 16.
 
 The served thresholds are a hysteresis band around it: exit = V*, enter = 1.25 V*, both rounded to the nearest
-10k tokens, enter at least one step above exit. The ridge point M* = peak FLOP/s / BW (in rows) says where decode GEMMs turn compute-bound, above
-which skipped rows also save arithmetic and the rule is conservative.
+10k tokens, enter at least one step above exit. The ridge point M* = peak FLOP/s / BW (in rows) says where decode
+GEMMs turn compute-bound, above which skipped rows also save arithmetic and the rule is conservative.
 
 Pure Python: no torch, no I/O (the operator imports this without torch).
 """
@@ -162,7 +162,7 @@ def round_to_step(value: float, step: int) -> int:
 
 def rounded_thresholds(v_star: float, step: int, enter_factor: float, least: int = 0) -> tuple[int, int]:
     """(exit, enter) for a V*: exit = V*, enter = enter_factor * V*, each rounded to the step; exit at least `least`.
-    Where enter_factor > 1, enter stays at least one step above exit: below four steps of V* the two would round to
+    Where enter_factor > 1, enter stays at least one step above exit: below four steps of V* the two may round to
     one value (V* = 35k: 40k and 40k at a 10k step), and a switch with no band flips at every step V crosses it."""
     exit_tokens = max(least, round_to_step(v_star, step))
     band = step if enter_factor > 1 else 0
@@ -222,7 +222,8 @@ def derive_thresholds(
     dense_tflops: float | None = None,
     constants: SwitchConstants = CONSTANTS,
 ) -> Thresholds:
-    """The served decode thresholds: exit = V*, enter = enter_factor * V*, each rounded to the rounding step."""
+    """The served decode thresholds: exit = V*, enter = enter_factor * V*, each rounded to the rounding step, enter
+    at least one step above exit (`rounded_thresholds`)."""
     v_star = v_star_tokens(bandwidth_gbps, skip_ratio, routed_layers, kv_bytes, constants)
     exit_tokens, enter_tokens = rounded_thresholds(v_star, constants.threshold_rounding_tokens,
                                                    constants.enter_factor)

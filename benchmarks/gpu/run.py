@@ -2811,6 +2811,13 @@ def routed_prefill_graph_lines(arms: dict, others: str = "dense and the referenc
                 ("each capture's replay against its eager run", "segments", "worst_difference", "worst_segment"),
                 ("each segment's first later replay against its eager run after it", "rechecked", "worst_recheck",
                  "worst_recheck_segment")) if check.get(field) is not None)
+        kv = doc.get("kv_write_check") or {}
+        if kv.get("compared"):
+            checked += (f"; the K/V each routed layer's replay left in the pool against what it computed: worst "
+                        f"difference {kv['worst_difference']:.3g} of the largest value over {kv['compared']} layers "
+                        f"({kv.get('worst_at')})")
+        elif kv.get("not_compared") and not doc.get("read") == "packed":
+            checked += f"; its K/V writes not compared ({kv['not_compared']})"
         memory = (doc.get("memory") or {}).get("reserved_bytes")
         failed = "; ".join(f"at {tokens}: {why}" for tokens, why in (doc.get("failed") or {}).items() if why)
         boot = [(tokens, s) for tokens, s in (doc.get("captured_at_boot_s") or {}).items() if s is not None]
@@ -2839,7 +2846,8 @@ def routed_prefill_graph_lines(arms: dict, others: str = "dense and the referenc
         if check.get("empty"):
             lines.append(f"  Segments whose capture recorded no kernel (a trained gate's state is a view of its "
                          f"inputs and launches none; any other is suspect): {', '.join(check['empty'])}.")
-        worst = max(check.get("worst_difference") or 0.0, check.get("worst_recheck") or 0.0)
+        worst = max(check.get("worst_difference") or 0.0, check.get("worst_recheck") or 0.0,
+                    kv.get("worst_difference") or 0.0)
         if worst > GRAPH_CHECK_DOUBT or check.get("not_finite"):
             by = (f"NaN or infinite values where the eager run's were not ({', '.join(check['not_finite'])})"
                   if check.get("not_finite") else f"{worst:.3g} of the largest value")
@@ -3205,7 +3213,9 @@ def main(argv: list[str] | None = None) -> int:
     write_whole(path, json.dumps(result, indent=1, default=str) + "\n")  # a KILL after a stop tears no result
     summary(plan, args.out)
     if args.stage in ("sweep", "headline"):  # what the next call turns on, in the call's own output
-        print("\n".join(routed_prefill_graph_lines(result.get("arms") or {}, "the other arms eagerly")), end="")
+        others = {"sweep": "dense and the reference arm as in the summary",
+                  "headline": "the headline's routed arms; dense prefilled eagerly"}[args.stage]
+        print("\n".join(routed_prefill_graph_lines(result.get("arms") or {}, others)), end="")
     print(f"[{args.stage}] wrote {path}")
     if result.get("failed"):  # not run again by this call, whatever it left: a failure that repeats would spend it
         return 1

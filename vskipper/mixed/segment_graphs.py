@@ -176,6 +176,9 @@ class SegmentGraphs:
         self.device = device
         self._graphs: dict[Hashable, tuple[Any, Any, Callable[[], Any]]] = {}
         self._unchecked: set[Hashable] = set()  # captured, not yet replayed at a later call
+        # called with (key, outputs) right after a segment's first later replay, before the eager rerun that checks
+        # it writes whatever that rerun writes too: the caller's look at what the replay alone left
+        self.after_first_replay: Callable[[Hashable, Any], None] | None = None
         self._hold = hold
         self.counts: Counter[str] = Counter(captured=0, replayed=0)  # fixed keys: a reader may list them meanwhile
         self.check: dict[str, Any] = {"segments": 0, "worst_difference": 0.0, "worst_segment": None,
@@ -214,6 +217,8 @@ class SegmentGraphs:
         self.counts["replayed"] += 1
         if key in self._unchecked:
             self._unchecked.discard(key)
+            if self.after_first_replay is not None:
+                self.after_first_replay(key, outputs)
             replayed = snapshot(outputs)  # the eager run may write the same static storage
             self._note(key, difference(replayed, self._eager(captured)), "rechecked", "worst_recheck",
                        "worst_recheck_segment")

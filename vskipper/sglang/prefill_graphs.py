@@ -19,13 +19,15 @@ LN1 x copied into static rows; with the packed read its segment replayed (the ro
 graph tape, Q, RoPE, every row's K/V written at the static slots, the RUN cohort's read, o_proj onto a copy of x,
 LN2, the FFN pair); with the backend read its segment before the read replayed (through the K/V write), SGLang's
 read of the pass's rows, its output copied into static rows, the segment after the read replayed (from o_proj).
-The layer's hand-off is handed on as views of the segment's outputs, the pass's rows alone. Each segment copies
+The layer's hand-off is handed on as views of the segment's outputs, the pass's rows alone (the last layer a rank
+runs hands on copies: SGLang may keep the model's hidden states beyond the pass). Each segment copies
 its outputs into static rows every routed layer shares (a layer's are consumed before the next layer's segments
 replay): a capture holds none of its own. The pass is counted from the graph tape: padding rows are RUN, so the
 pass's Project-Only rows are the tape's and its RUN rows its rows less those (`Runtime.finish`).
 
 What a pass costs the host here: per routed layer one replay and two copies (packed), or two replays, the read's
-launches and three copies (backend), in place of the layer's launches; per pass about a dozen copies and fills.
+launches and three copies (backend), in place of the layer's launches; per pass about a dozen copies and fills, and
+the last layer's two copies of its hand-off.
 What it costs the device: the padding rows' work at every routed layer, the copies (about seven of a layer's
 rows' width a routed layer, well under 1% of a pass).
 
@@ -90,12 +92,9 @@ def graph_stand_in():
 def hierarchical_cache() -> bool:
     """Whether this process's SGLang serves with its hierarchical cache (`--enable-hierarchical-cache`); False
     where no server configuration is published (a model built outside a server)."""
-    from sglang.srt.runtime_context import get_memory
+    from sglang.srt.runtime_context import _CONTEXT, get_memory
 
-    try:
-        return bool(get_memory().enable_hierarchical_cache)
-    except ValueError:  # "config namespace ... not published"
-        return False
+    return _CONTEXT.is_config_namespace_published("memory") and bool(get_memory().enable_hierarchical_cache)
 
 
 def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device,
@@ -110,9 +109,10 @@ def prefill_graph_blocker(arm, execution, part_clock: bool, device: torch.device
         return "the part clock times each part of a pass on the host, which a replay does not run"
     if device.type != "cuda":
         return f"no CUDA graphs on {device.type}"
-    if hierarchical:
+    if hierarchical and execution.prefill_read == "packed":
         return "SGLang's hierarchical cache (--enable-hierarchical-cache) loads a layer's prefix K/V from the host " \
-               "while the pass runs, and the layer waits for it in Python, which a replayed layer does not run"
+               "while the pass runs, and the layer waits for it in Python, which a layer replayed with the packed " \
+               "read does not run (the backend read, eager, waits)"
     return None
 
 
@@ -175,6 +175,7 @@ class PrefillGraphs:
                                          "not_compared": "the packed read reads its K/V inside the segment"
                                          if self.packed else None}
         self._kv_worst: dict[int, tuple[float, str]] = {}
+        self._boot_rows = 0  # the rows of the boot pass under way
 
     def _allocate(self, cap: int) -> None:
         """The static storage every capture of up to `cap` rows reads and writes: the graph tape and maps, each
@@ -288,6 +289,9 @@ class PrefillGraphs:
         kept = [(pool.get_key_buffer(lid)[slots].cpu(), pool.get_value_buffer(lid)[slots].cpu()) for lid in layer_ids]
         rows_kept: dict[int, torch.Tensor] = {}
         generator = torch.Generator().manual_seed(seed)
+        if not self.packed:  # each routed layer's K/V writes, as its first replay after the capture left them
+            pool_layer = {layer.layer_id: lid for layer, lid in zip(layers, layer_ids, strict=True)}
+            self.graphs.after_first_replay = lambda key, outputs: self._check_kv_write(key, outputs, pool, pool_layer)
         try:
             for size in self.reached:
                 t0 = time.perf_counter()
@@ -302,11 +306,10 @@ class PrefillGraphs:
                     x = embed(torch.randint(0, vocab, (n,), generator=generator).to(device))
                     self._inputs(n, positions, slots[:n], x, keys, dense, req_rows)
                     step = self._step(size, True)
-                    for layer, lid in zip(layers, layer_ids, strict=True):
+                    self._boot_rows = n
+                    for layer in layers:
                         self._layer(layer, size, step, x, layer.input_layernorm(x), parts_of(layer),
                                     lambda q, k, v, rows: q[:rows])
-                        if not self.packed:
-                            self._check_kv_write(size, lid, pool, slots[:n])
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 self.boot[str(size)] = round(time.perf_counter() - t0, 3)
@@ -316,6 +319,7 @@ class PrefillGraphs:
                            "routed prefill graphs at %d tokens captured and checked in %.1f s%s", size,
                            self.boot[str(size)], f"; its passes run eagerly: {why}" if why else "")
         finally:
+            self.graphs.after_first_replay = None
             for lid, (k, v) in zip(layer_ids, kept, strict=True):
                 pool.get_key_buffer(lid)[slots] = k.to(device)
                 pool.get_value_buffer(lid)[slots] = v.to(device)
@@ -325,20 +329,25 @@ class PrefillGraphs:
                 torch.cuda.synchronize(device)  # captures' eager runs' cached blocks back to the device
                 torch.cuda.empty_cache()
 
-    def _check_kv_write(self, size: int, lid: int, pool, slots: torch.Tensor) -> None:
-        """With the backend read, at start: the K and V layer `lid`'s segment before the read computed (its static
-        outputs) against what the pool holds at the pass's slots, which SGLang's backend reads when serving. The
-        boot's read stands in for the backend's and reads no pool, so only this sees a write that did not replay
-        (a kernel outside the capture leaves the first pass's K/V at the second's slots). Not compared where the
-        pool stores another dtype (an fp8 KV cache), whose rounding would read as a difference."""
-        k, v = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
-        if k.dtype != self._outputs["k"].dtype:
-            self.kv_write["not_compared"] = f"the KV pool stores {k.dtype}, the segments compute " \
-                                            f"{self._outputs['k'].dtype}"
+    def _check_kv_write(self, key, outputs, pool, pool_layer: dict[int, int]) -> None:
+        """With the backend read, at start: right after the first replay of a routed layer's segment before the read
+        that follows its capture (the second boot pass, over other tokens, before the eager rerun that checks it
+        writes the pool again), the K and V it computed against what the pool holds at the pass's slots, which
+        SGLang's backend reads when serving. The boot's read stands in for the backend's and reads no pool, so only
+        this sees a write that did not replay (a kernel outside the capture leaves the first pass's K/V there). Not
+        compared where the pool stores another dtype (an fp8 KV cache), whose rounding would read as a
+        difference."""
+        if not (isinstance(key, tuple) and len(key) == 3 and key[2] == "in"):
             return
-        n = slots.shape[0]
-        worst = difference([k[slots].reshape(n, -1), v[slots].reshape(n, -1)],
-                           [self._outputs["k"][:n], self._outputs["v"][:n]])
+        size, lid = key[0], pool_layer[key[1]]
+        _, k_out, v_out, *_ = outputs
+        k, v = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        if k.dtype != k_out.dtype:
+            self.kv_write["not_compared"] = f"the KV pool stores {k.dtype}, the segments compute {k_out.dtype}"
+            return
+        n = self._boot_rows
+        slots = self.loc[:n]
+        worst = difference([k[slots].reshape(n, -1), v[slots].reshape(n, -1)], [k_out[:n], v_out[:n]])
         self.kv_write["compared"] += 1
         if worst >= self._kv_worst.get(size, (-1.0, ""))[0]:
             self._kv_worst[size] = (worst, f"layer {lid} at {size} tokens")
