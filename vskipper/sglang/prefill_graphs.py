@@ -175,7 +175,6 @@ class PrefillGraphs:
                                          "not_compared": "the packed read reads its K/V inside the segment"
                                          if self.packed else None}
         self._kv_worst: dict[int, tuple[float, str]] = {}
-        self._boot_rows = 0  # the rows of the boot pass under way
 
     def _allocate(self, cap: int) -> None:
         """The static storage every capture of up to `cap` rows reads and writes: the graph tape and maps, each
@@ -306,7 +305,6 @@ class PrefillGraphs:
                     x = embed(torch.randint(0, vocab, (n,), generator=generator).to(device))
                     self._inputs(n, positions, slots[:n], x, keys, dense, req_rows)
                     step = self._step(size, True)
-                    self._boot_rows = n
                     for layer in layers:
                         self._layer(layer, size, step, x, layer.input_layernorm(x), parts_of(layer),
                                     lambda q, k, v, rows: q[:rows])
@@ -345,14 +343,13 @@ class PrefillGraphs:
         if k.dtype != k_out.dtype:
             self.kv_write["not_compared"] = f"the KV pool stores {k.dtype}, the segments compute {k_out.dtype}"
             return
-        n = self._boot_rows
+        n = self.filled  # the rows of the boot pass under way
         slots = self.loc[:n]
         worst = difference([k[slots].reshape(n, -1), v[slots].reshape(n, -1)], [k_out[:n], v_out[:n]])
         self.kv_write["compared"] += 1
-        if worst >= self._kv_worst.get(size, (-1.0, ""))[0]:
-            self._kv_worst[size] = (worst, f"layer {lid} at {size} tokens")
-        if self.kv_write["worst_difference"] is None or worst >= self.kv_write["worst_difference"]:
-            self.kv_write.update(worst_difference=worst, worst_at=f"layer {lid} at {size} tokens")
+        self._kv_worst[size] = max(self._kv_worst.get(size, (-1.0, "")), (worst, f"layer {lid} at {size} tokens"))
+        worst, where = max(self._kv_worst.values())
+        self.kv_write.update(worst_difference=worst, worst_at=where)
 
     def _refuse_straying(self, size: int) -> None:
         """Count `size` marked failed, so that its passes run eagerly, where a segment's check at start strayed
