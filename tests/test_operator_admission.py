@@ -118,6 +118,9 @@ CASES = [
     ("skipper-param-type", {"skipper": {"name": "flexidepth", "params": {"skip_ratio": "half"}}},
      "spec.skipper.params.skip_ratio", "both"),
     ("static-depth-without-ratio", {"skipper": {"name": "static_depth"}}, "spec.skipper.params.ratio", "both"),
+    # A tail under one of the preset's routed layers: the count comes from the preset table, which the CRD lacks.
+    ("static-depth-ratio-below-one-layer", {"skipper": {"name": "static_depth", "params": {"ratio": 0.05}}},
+     "spec.skipper.params.ratio", "planner"),
     # metadata.name: the children's names append the GPU class.
     ("name-too-long", {"metadata.name": "a" * 41}, "metadata.name", "both"),
     ("name-not-a-dns-label", {"metadata.name": "Llama_8B"}, "metadata.name", "both"),

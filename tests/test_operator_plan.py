@@ -303,6 +303,15 @@ def test_dense_dense_switch_serves_the_dense_arm():
     assert arg(by_kind(result, "Deployment")[0], "--arm") == "dense"
 
 
+def test_a_static_depth_arm_derives_its_thresholds_from_the_layers_its_ratio_projects():
+    """0.3 of Llama's 16 routed layers projects 4 of them: s = 0.25, not 0.3."""
+    ratio = {"skipper": {"name": "static_depth", "params": {"ratio": 0.3}}}
+    result = plan(resource(**ratio), mixed_pool())
+    want = derive_thresholds(lookup_device(A100).bandwidth_gbps, 0.25, 16, LLAMA_B)
+    assert (result.classes[0].enter_tokens, result.classes[0].exit_tokens) == (want.enter_tokens, want.exit_tokens)
+    assert want.exit_tokens != derive_thresholds(lookup_device(A100).bandwidth_gbps, 0.3, 16, LLAMA_B).exit_tokens
+
+
 def test_explicit_model_geometry_without_a_preset():
     model = {"path": "/m", "kvHeads": 8, "headDim": 128, "routedLayers": 16}
     assert plan(resource(model=model), mixed_pool()).classes[0].exit_tokens == 160_000

@@ -368,6 +368,20 @@ def test_routed_arms_are_served_on_both_skipper_families_and_refused_on_a_checkp
         check_arm_for_model(get_arm("random-r50-d50"), "qwen3")
 
 
+def test_a_static_depth_arm_switches_on_the_share_its_routed_layers_carry_out_and_is_refused_where_none():
+    """The server's own routed layers decide, whatever the operator was told: 0.75 of 2 layers projects one (the
+    prefill rule reads s = 0.5); 0.25 of them projects none and the start is refused, naming the parameter."""
+    def arm(ratio):
+        return Arm.from_dict({"name": "tail", "skipper": "static_depth", "params": {"ratio": ratio},
+                              "prefill": "hybrid", "decode": "dense"})
+
+    rt = Runtime(ServeSpec(arm(0.75), 0, 0, None), "ddllama", (2, 3), "DDLlamaForCausalLM")
+    assert rt.switch.prefill_share_estimate == 0.5
+    with pytest.raises(ServeConfigError, match=r"arm 'tail': field 'params'\.ratio: 0\.25 of 2 routed layers "
+                                               r"projects no layer"):
+        Runtime(ServeSpec(arm(0.25), 0, 0, None), "ddllama", (2, 3), "DDLlamaForCausalLM")
+
+
 def test_a_routed_arm_on_a_qwen3_checkpoint_routes_its_passes(tmp_path):
     arm = Arm.from_dict({"skipper": "static_depth", "params": {"ratio": 0.5}, "prefill": "routed", "decode": "routed"})
     rt = Runtime(ServeSpec(arm, 0, 0, tmp_path / "state.json"), "qwen3_skipper", (0, 3),

@@ -29,6 +29,8 @@ from vskipper.arms import get_arm  # noqa: E402
 from vskipper.checkpoint import TinySize  # noqa: E402
 from vskipper.constants import CONSTANTS  # noqa: E402
 from vskipper.metrics_names import PREFILL_LAYER_RUNS  # noqa: E402
+from vskipper.modelspec import load_model_facts  # noqa: E402
+from vskipper.roofline import derive_thresholds, lookup_device  # noqa: E402
 from vskipper.sglang.spec import (  # noqa: E402
     AUTO_PREFILL_GRAPHS,
     ENV_ARM,
@@ -280,6 +282,28 @@ def test_serve_derives_hybrid_thresholds_from_the_roofline_rule_for_the_gpu(serv
     assert int(env[ENV_ENTER]) == expected["enter_tokens"] > 0
     assert int(env[ENV_EXIT]) == expected["exit_tokens"] > 0
     assert env["VSKIPPER_THRESHOLDS_SOURCE"] == f"roofline:{device}"
+
+
+def test_serve_refuses_a_static_depth_ratio_that_projects_none_of_the_checkpoints_routed_layers(served_model, tmp_path):
+    """The tiny checkpoint routes 2 layers: 0.25 projects none, while 0.75 projects one and derives its thresholds
+    from s = 0.5."""
+    def arm(ratio, decode):
+        path = tmp_path / f"static-{ratio}.json"
+        path.write_text(json.dumps({"skipper": "static_depth", "params": {"ratio": ratio}, "prefill": decode,
+                                    "decode": decode}))
+        return str(path)
+
+    r = _serve_cli("--model", str(served_model), "--arm-config", arm(0.25, "routed"), "--dry-run")
+    assert r.returncode == 2
+    assert "field 'params'.ratio: 0.25 of 2 routed layers projects no layer" in r.stderr, r.stderr
+    gpu = "NVIDIA H100 80GB HBM3"
+    ok = _serve_cli("--model", str(served_model), "--arm-config", arm(0.75, "hybrid"), "--gpu", gpu, "--dry-run")
+    assert ok.returncode == 0, ok.stderr
+    env = json.loads(ok.stdout)["environment"]
+    facts = load_model_facts(str(served_model))
+    want = derive_thresholds(lookup_device(gpu).bandwidth_gbps, 0.5, 2, facts.kv_bytes_per_token_layer,
+                             lookup_device(gpu).dense_tflops)
+    assert (int(env[ENV_ENTER]), int(env[ENV_EXIT])) == (want.enter_tokens, want.exit_tokens)
 
 
 def test_serve_hands_a_prefill_floor_to_the_server_and_refuses_one_for_an_arm_that_does_not_switch_prefill(

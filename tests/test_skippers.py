@@ -12,6 +12,7 @@ from vskipper.skippers import (
     SkipperConfigError,
     SkipperEntry,
     build_skipper,
+    get_entry,
     register_skipper,
     unregister_skipper,
 )
@@ -142,6 +143,26 @@ def test_static_depth_projects_a_tail_for_every_valid_row(ratio, projected):
         expected_run = ~valid if layer in tail else torch.ones(8, dtype=torch.bool)
         assert torch.equal(rt.run_mask.view(-1), expected_run)
         assert bool((rt.weights == 1).all())
+
+
+@pytest.mark.parametrize("ratio,layers,share", [(0.5, 16, 0.5), (0.3, 16, 0.25), (0.0, 16, 0.0), (1.0, 2, 1.0),
+                                                 (0.05, 20, 0.05)])
+def test_static_depth_declares_the_share_its_whole_layers_carry_out(ratio, layers, share):
+    entry = get_entry("static_depth")
+    assert entry.declared_skip_ratio({"ratio": ratio}) == ratio
+    assert entry.declared_skip_ratio({"ratio": ratio}, layers) == pytest.approx(share)
+    assert len(tail_layers(tuple(range(layers)), ratio)) == round(share * layers)
+
+
+def test_a_static_depth_ratio_that_projects_no_layer_is_refused_naming_it():
+    with pytest.raises(SkipperConfigError, match=r"spec\.params\.ratio: 0\.05 of 16 routed layers projects no "
+                                                 r"layer.*1/16 = 0\.0625"):
+        get_entry("static_depth").declared_skip_ratio({"ratio": 0.05}, 16, where="spec.params")
+
+
+def test_skippers_that_route_rows_declare_their_params_share_on_any_layers():
+    assert get_entry("random_skip").declared_skip_ratio({"r": 0.5, "d": 0.3, "seed": 0}, 16) == pytest.approx(0.15)
+    assert get_entry("flexidepth").declared_skip_ratio({"skip_ratio": 0.01}, 16) == 0.01
 
 
 # ---- trained gates on a tiny checkpoint -----------------------------------------------------------------

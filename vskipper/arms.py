@@ -99,10 +99,13 @@ class Arm:
     def switch_settings(self) -> SwitchSettings:
         return SwitchSettings(self.prefill, self.decode, promotion=self.promotion)
 
-    def declared_skip_ratio(self) -> float | None:
+    def declared_skip_ratio(self, routed_layers: int | None = None) -> float | None:
+        """The share s of routed decisions that project, as the params declare it; given the model's routed
+        layers, as those layers carry it out (SkipperConfigError where they cannot)."""
         if self.skipper is None:
             return None
-        return get_entry(self.skipper).declared_skip_ratio(self.params)
+        return get_entry(self.skipper).declared_skip_ratio(self.params, routed_layers,
+                                                            where=f"arm {self.name!r}: field 'params'")
 
     def fields(self) -> dict[str, Any]:
         """The arm as `from_dict` takes it (an arm file, the served configuration)."""

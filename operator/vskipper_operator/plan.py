@@ -172,9 +172,16 @@ def resolve(resource: Mapping[str, Any]) -> Resolved:
     head_dim = model.get("headDim") or preset.head_dim
     routed_layers = skipper.get("routedLayers") or model.get("routedLayers") or preset.num_routed_layers
     s = skipper.get("skipRatio")
+    entry = get_entry(skipper["name"])
+    params = entry.validate_params(skipper.get("params"), "spec.skipper.params")
+    # A routing arm serves the params whatever skipRatio says: they must be able to skip on these routed layers.
+    try:
+        layer_s = entry.declared_skip_ratio(params, int(routed_layers) if arm.skipper else None,
+                                            "spec.skipper.params")
+    except SkipperConfigError as exc:
+        raise SpecError(str(exc)) from None
     if s is None:
-        params = get_entry(skipper["name"]).validate_params(skipper.get("params"), "spec.skipper.params")
-        s = get_entry(skipper["name"]).declared_skip_ratio(params)
+        s = layer_s
         if s is None:
             raise SpecError(f"spec.skipper.skipRatio: required: skipper {skipper['name']!r} declares no skip ratio")
         if not 0 < s <= 1:

@@ -75,7 +75,7 @@ def thresholds(arm: Arm, enter: int | None, exit_: int | None, model_dir: str | 
                gpu: str | None = None) -> tuple[int, int, str]:
     """(enter, exit, source): from the flags, else, for an arm that switches decode, from the roofline rule
     for the GPU (`--gpu`, else the detected one), the checkpoint's routed layers and KV width, and the arm's
-    declared skip ratio."""
+    skip ratio as the checkpoint's routed layers carry it out."""
     if enter is not None or exit_ is not None:
         if enter is None or exit_ is None:
             raise ValueError("--enter-tokens and --exit-tokens go together")
@@ -87,11 +87,11 @@ def thresholds(arm: Arm, enter: int | None, exit_: int | None, model_dir: str | 
         raise ValueError(f"arm {arm.name!r} switches decode by resident tokens and no GPU was detected: pass "
                          "--enter-tokens and --exit-tokens, or --gpu PRODUCT to derive them for that GPU")
     device = lookup_device(product)
-    skip_ratio = arm.declared_skip_ratio()
+    facts = load_model_facts(str(model_dir))
+    skip_ratio = arm.declared_skip_ratio(facts.num_routed_layers)
     if not skip_ratio:
         raise ValueError(f"arm {arm.name!r} declares no skip ratio to derive thresholds from: pass "
                          "--enter-tokens and --exit-tokens")
-    facts = load_model_facts(str(model_dir))
     t = derive_thresholds(device.bandwidth_gbps, skip_ratio, facts.num_routed_layers,
                           facts.kv_bytes_per_token_layer, device.dense_tflops)
     return t.enter_tokens, t.exit_tokens, f"roofline:{device.name}"
@@ -141,6 +141,8 @@ def server_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]
 
     arm = load_arm(args)
     check_arm_for_model(arm, checkpoint_config(args.model).get("model_type", ""))
+    if arm.skipper is not None:  # the params can skip on this checkpoint's routed layers (else SkipperConfigError)
+        arm.declared_skip_ratio(load_model_facts(str(args.model)).num_routed_layers)
     enter, exit_, source = thresholds(arm, args.enter_tokens, args.exit_tokens, args.model,
                                       getattr(args, "gpu", None))
     platform = resolve_platform(getattr(args, "platform", "auto"))

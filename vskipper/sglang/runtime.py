@@ -242,10 +242,11 @@ class Runtime:
         self.device = device
         try:
             self.skipper = build_skipper(arm.skipper, arm.params) if arm.skipper else None
+            share = arm.declared_skip_ratio(len(self.routed_layers) if arm.skipper else None)
         except SkipperConfigError as exc:
             raise ServeConfigError(str(exc)) from None
         self.switch = ModeSwitch(arm.switch_settings(), spec.enter_tokens, spec.exit_tokens,
-                                 constants=spec.switch_constants(), declared_project_share=arm.declared_skip_ratio())
+                                 constants=spec.switch_constants(), declared_project_share=share)
         self.counters = Counters()
         self._requests: OrderedDict[str, RequestRecord] = OrderedDict()
         self._candidates: PrefillDecision | None = None

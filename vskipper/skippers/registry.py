@@ -75,6 +75,10 @@ class SkipperEntry:
     description: str = ""
     # Declared fraction s of routed decisions that project, from validated params (feeds the roofline rule).
     skip_ratio: Callable[[Mapping[str, Any]], float] | None = None
+    # The fraction that actually projects over a model's routed layers, where it differs from `skip_ratio` (a
+    # skipper that picks whole layers projects a whole number of them). Raises SkipperConfigError, naming the
+    # parameter, where the params declare skipping that those layers cannot carry out.
+    layer_skip_ratio: Callable[[Mapping[str, Any], int, str], float] | None = None
 
     def validate_params(self, params: Mapping[str, Any] | None, where: str = "params") -> dict[str, Any]:
         params = dict(params or {})
@@ -93,7 +97,11 @@ class SkipperEntry:
                 resolved[key] = spec.default
         return resolved
 
-    def declared_skip_ratio(self, params: Mapping[str, Any]) -> float | None:
+    def declared_skip_ratio(self, params: Mapping[str, Any], routed_layers: int | None = None,
+                            where: str = "params") -> float | None:
+        """The share s the params declare; given the model's routed layers, the share those layers carry out."""
+        if routed_layers is not None and self.layer_skip_ratio is not None:
+            return float(self.layer_skip_ratio(params, routed_layers, where))
         return None if self.skip_ratio is None else float(self.skip_ratio(params))
 
 
@@ -173,6 +181,22 @@ def build_skipper(name: str, params: Mapping[str, Any] | None = None, where: str
     return skipper
 
 
+def tail_count(routed_layers: int, ratio: float) -> int:
+    """How many of a model's routed layers a static tail fraction `ratio` projects (whole layers, rounded down)."""
+    return int(routed_layers * ratio + 1e-9)
+
+
+def _static_depth_share(params: Mapping[str, Any], routed_layers: int, where: str) -> float:
+    ratio = params["ratio"]
+    take = tail_count(routed_layers, ratio)
+    if ratio > 0 and take == 0:
+        raise SkipperConfigError(
+            f"{where}.ratio: {ratio} of {routed_layers} routed layers projects no layer, so the arm would serve "
+            f"every row dense while declaring s = {ratio}; the least ratio that projects a layer is "
+            f"1/{routed_layers} = {1 / routed_layers:.4g} (0 for an all-RUN control)")
+    return take / routed_layers
+
+
 def _unit(help_text: str, default: Any = _REQUIRED) -> ParamSpec:
     return ParamSpec(float, default, 0.0, 1.0, help_text)
 
@@ -212,4 +236,5 @@ register_skipper(SkipperEntry(
     params={"ratio": _unit("tail fraction of the routed layers every valid row projects")},
     description="a fixed tail of the routed layers is projected for every valid row",
     skip_ratio=lambda p: p["ratio"],
+    layer_skip_ratio=_static_depth_share,
 ))

@@ -7,10 +7,11 @@ from typing import Any
 import torch
 
 from vskipper.skippers.base import BatchContext, LayerRoute, Skipper, unit_route
+from vskipper.skippers.registry import tail_count
 
 
 def tail_layers(routed_layers: tuple[int, ...], ratio: float) -> frozenset[int]:
-    take = int(len(routed_layers) * ratio + 1e-9)
+    take = tail_count(len(routed_layers), ratio)
     return frozenset(routed_layers[len(routed_layers) - take:])
 
 
