@@ -71,6 +71,20 @@ def _query(base: str, expr: str) -> list:
     return body["data"]["result"]
 
 
+def eventually(check, timeout: float = 30.0):
+    """`check()` until it raises no AssertionError (its value), for up to `timeout` seconds. Prometheus scrapes every
+    second with a 1 s timeout: one scrape that a loaded host answers late marks its target's series stale until the
+    next lands, and a one-shot query in that second reads no data. A check that holds returns at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
 @contextmanager
 def running_prometheus(tmp: Path, scrape_configs: list[dict], targets: int):
     """Prometheus on a free loopback port with the chart's rules, scraping every second; yields its URL once
@@ -173,8 +187,12 @@ def test_every_runtime_side_alert_returns_data_on_the_pathological_servers(patho
     groups = yaml.safe_load(RULES.read_text())["groups"]
     alerts = [(r["alert"], r["expr"]) for g in groups for r in g["rules"] if "alert" in r and _runtime_side(r["expr"])]
     assert len(alerts) == 4
-    empty = [name for name, expr in alerts if not _query(pathological_runtimes, expr)]
-    assert not empty, f"alert expressions with no data: {empty}"
+
+    def check():
+        empty = [name for name, expr in alerts if not _query(pathological_runtimes, expr)]
+        assert not empty, f"alert expressions with no data: {empty}"
+
+    eventually(check)
 
 
 def test_alerts_pick_the_pathological_server_and_spare_the_healthy_one(pathological_runtimes):
@@ -184,25 +202,31 @@ def test_alerts_pick_the_pathological_server_and_spare_the_healthy_one(pathologi
         expr = dict(_rule_exprs())[alert]
         return {service[r["metric"]["instance"]] for r in _query(pathological_runtimes, expr)}
 
-    assert instances("VskipperRoutingNeverEngages") == {"qwen"}
-    assert instances("VskipperMechanismNotExecuted") == {"qwen"}
-    assert instances("VskipperSwitchFlapping") == {"llama"}
-    assert instances("VskipperPrefillGraphsRefused") == {"qwen"}
+    def check():
+        assert instances("VskipperRoutingNeverEngages") == {"qwen"}
+        assert instances("VskipperMechanismNotExecuted") == {"qwen"}
+        assert instances("VskipperSwitchFlapping") == {"llama"}
+        assert instances("VskipperPrefillGraphsRefused") == {"qwen"}
+
+    eventually(check)
 
 
 def test_prometheus_evaluates_the_loaded_rules(pathological_runtimes):
     """The server loaded the rules file: recording rules compute the shares of the known counts and every
     runtime-side alert is pending (for: 5m)."""
-    share = _query(pathological_runtimes, "vskipper:decode_rows_skipped:ratio_rate5m")
-    by_service = {r["metric"]["service"]: float(r["value"][1]) for r in share}
-    assert by_service["llama"] == pytest.approx(0.75, abs=0.01)  # 24 of 32 decode row-visits skip
-    assert by_service["qwen"] == 0.0
-    routed = _query(pathological_runtimes, 'vskipper:passes_routed:ratio_rate5m{phase="decode"}')
-    assert {r["metric"]["service"]: float(r["value"][1]) for r in routed} == {"llama": 1.0, "qwen": 0.0}
-    pending = {r["metric"]["alertname"] for r in _query(pathological_runtimes, 'ALERTS{alertstate="pending"}')}
-    # ... and the operator-down alert: this Prometheus scrapes no operator at all
-    assert pending == {"VskipperRoutingNeverEngages", "VskipperSwitchFlapping", "VskipperMechanismNotExecuted",
-                       "VskipperPrefillGraphsRefused", "VskipperOperatorDown"}
+    def check():
+        share = _query(pathological_runtimes, "vskipper:decode_rows_skipped:ratio_rate5m")
+        by_service = {r["metric"]["service"]: float(r["value"][1]) for r in share}
+        assert by_service.get("llama") == pytest.approx(0.75, abs=0.01)  # 24 of 32 decode row-visits skip
+        assert by_service.get("qwen") == 0.0
+        routed = _query(pathological_runtimes, 'vskipper:passes_routed:ratio_rate5m{phase="decode"}')
+        assert {r["metric"]["service"]: float(r["value"][1]) for r in routed} == {"llama": 1.0, "qwen": 0.0}
+        pending = {r["metric"]["alertname"] for r in _query(pathological_runtimes, 'ALERTS{alertstate="pending"}')}
+        # ... and the operator-down alert: this Prometheus scrapes no operator at all
+        assert pending == {"VskipperRoutingNeverEngages", "VskipperSwitchFlapping", "VskipperMechanismNotExecuted",
+                           "VskipperPrefillGraphsRefused", "VskipperOperatorDown"}
+
+    eventually(check)
 
 
 def _panel_expr(title_prefix: str, ref: str = "A") -> str:
@@ -211,10 +235,14 @@ def _panel_expr(title_prefix: str, ref: str = "A") -> str:
 
 def test_thresholds_are_drawn_per_gpu_class(pathological_runtimes):
     expr = _panel_expr("Resident tokens V against the thresholds of each GPU class", "B")
-    series = {(r["metric"]["service"], r["metric"][GPU_CLASS], r["metric"]["bound"]) for r in
-              _query(pathological_runtimes, _instantiate(expr))}
-    assert series == {(s, c, b) for s, c in (("llama", "nvidia-a100-sxm4-80gb"), ("qwen", "nvidia-h100-80gb-hbm3"))
-                      for b in ("enter", "exit")}
+    want = {(s, c, b) for s, c in (("llama", "nvidia-a100-sxm4-80gb"), ("qwen", "nvidia-h100-80gb-hbm3"))
+            for b in ("enter", "exit")}
+
+    def check():
+        assert {(r["metric"]["service"], r["metric"][GPU_CLASS], r["metric"]["bound"]) for r in
+                _query(pathological_runtimes, _instantiate(expr))} == want
+
+    eventually(check)
 
 
 def test_server_pod_readiness_and_restarts_are_drawn_per_gpu_class(pathological_runtimes):
@@ -223,15 +251,19 @@ def test_server_pod_readiness_and_restarts_are_drawn_per_gpu_class(pathological_
     pod_panels = [(title, expr) for title, expr in _dashboard_exprs() if _kube_state_side(expr)]
     assert [t for t, _ in pod_panels] == ["Server pods by readiness, per GPU class / A",
                                           "Container restarts, per GPU class / A"]
-    ready = {(r["metric"][GPU_CLASS], r["metric"]["condition"]): float(r["value"][1])
-             for r in _query(pathological_runtimes, _instantiate(pod_panels[0][1]))}
-    assert ready == {("nvidia-a100-sxm4-80gb", "true"): 1.0, ("nvidia-a100-sxm4-80gb", "false"): 0.0,
-                     ("nvidia-a100-sxm4-80gb", "unknown"): 0.0, ("nvidia-h100-80gb-hbm3", "true"): 0.0,
-                     ("nvidia-h100-80gb-hbm3", "false"): 1.0, ("nvidia-h100-80gb-hbm3", "unknown"): 0.0}
-    restarts = {r["metric"][GPU_CLASS]: float(r["value"][1])
-                for r in _query(pathological_runtimes, _instantiate(pod_panels[1][1]))}
-    assert set(restarts) == {"nvidia-a100-sxm4-80gb", "nvidia-h100-80gb-hbm3"}
-    assert restarts["nvidia-a100-sxm4-80gb"] == 0.0 and restarts["nvidia-h100-80gb-hbm3"] > 0
+
+    def check():
+        ready = {(r["metric"][GPU_CLASS], r["metric"]["condition"]): float(r["value"][1])
+                 for r in _query(pathological_runtimes, _instantiate(pod_panels[0][1]))}
+        assert ready == {("nvidia-a100-sxm4-80gb", "true"): 1.0, ("nvidia-a100-sxm4-80gb", "false"): 0.0,
+                         ("nvidia-a100-sxm4-80gb", "unknown"): 0.0, ("nvidia-h100-80gb-hbm3", "true"): 0.0,
+                         ("nvidia-h100-80gb-hbm3", "false"): 1.0, ("nvidia-h100-80gb-hbm3", "unknown"): 0.0}
+        restarts = {r["metric"][GPU_CLASS]: float(r["value"][1])
+                    for r in _query(pathological_runtimes, _instantiate(pod_panels[1][1]))}
+        assert set(restarts) == {"nvidia-a100-sxm4-80gb", "nvidia-h100-80gb-hbm3"}
+        assert restarts["nvidia-a100-sxm4-80gb"] == 0.0 and restarts["nvidia-h100-80gb-hbm3"] > 0
+
+    eventually(check)
 
 
 # -- the real operator --------------------------------------------------------------------------------------------
@@ -271,6 +303,11 @@ def real_operator(tmp_path_factory):
                 yield {"base": base, "cluster": cluster, "refused": refused, "healthy": healthy}
 
 
+def _pending_are(base: str, names: set[str]) -> None:
+    pending = {r["metric"]["alertname"] for r in _query(base, 'ALERTS{alertstate="pending"}')}
+    assert pending == names
+
+
 class TestRealOperator:
     def test_every_operator_side_dashboard_query_and_rule_returns_data(self, real_operator):
         base = real_operator["base"]
@@ -279,9 +316,14 @@ class TestRealOperator:
         assert len(queries) >= 8  # thresholds, reconciles, errors, retries, duration, GPU classes
         assert [name for name, _ in rules] == ["VskipperOperatorDown", "VskipperOperatorReconcileErrors",
                                                "VskipperDeploymentNotReady", "VskipperGpuClassNotServed"]
-        empty = [title for title, expr in queries + rules if not _query(base, expr)]
-        # the operator is up: its down alert has nothing to say; every other query has data
-        assert empty == ["VskipperOperatorDown"], f"operator-side queries with no data from the real operator: {empty}"
+
+        def check():
+            empty = [title for title, expr in queries + rules if not _query(base, expr)]
+            # the operator is up: its down alert has nothing to say; every other query has data
+            assert empty == ["VskipperOperatorDown"], \
+                f"operator-side queries with no data from the real operator: {empty}"
+
+        eventually(check)
 
     def test_gauges_are_the_plan_of_the_reconciled_example_and_keep_its_namespace(self, real_operator):
         base, meta = real_operator["base"], real_operator["healthy"]["metadata"]
@@ -292,13 +334,19 @@ class TestRealOperator:
 
         # only the resource that reconciled has gauges; its namespace, not the operator pod's, is kept
         key = (meta["namespace"], meta["name"])
-        assert per_class("vskipper_operator_enter_tokens") == {(*key, A100): 200_000, (*key, H100): 340_000}
-        assert per_class("vskipper_operator_exit_tokens") == {(*key, A100): 160_000, (*key, H100): 270_000}
-        classes = {r["metric"]["served"]: float(r["value"][1]) for r in _query(base, "vskipper_operator_gpu_classes")}
-        assert classes["true"] == 2
-        # no kubelet makes pods ready here: the reconciled resource and the invalid one are not Ready
-        ready = {r["metric"]["name"]: float(r["value"][1]) for r in _query(base, "vskipper_operator_resource_ready")}
-        assert ready == {meta["name"]: 0, "random-invalid": 0}
+
+        def check():
+            assert per_class("vskipper_operator_enter_tokens") == {(*key, A100): 200_000, (*key, H100): 340_000}
+            assert per_class("vskipper_operator_exit_tokens") == {(*key, A100): 160_000, (*key, H100): 270_000}
+            classes = {r["metric"]["served"]: float(r["value"][1])
+                       for r in _query(base, "vskipper_operator_gpu_classes")}
+            assert classes.get("true") == 2
+            # no kubelet makes pods ready here: the reconciled resource and the invalid one are not Ready
+            ready = {r["metric"]["name"]: float(r["value"][1])
+                     for r in _query(base, "vskipper_operator_resource_ready")}
+            assert ready == {meta["name"]: 0, "random-invalid": 0}
+
+        eventually(check)
 
     def test_counters_record_what_the_operator_met(self, real_operator):
         base, refused = real_operator["base"], real_operator["refused"]
@@ -306,21 +354,25 @@ class TestRealOperator:
         def by(label, metric):
             return {r["metric"][label]: float(r["value"][1]) for r in _query(base, metric)}
 
-        assert set(by("result", "vskipper_operator_reconciles_total")) == {"applied", "unchanged", "error", "invalid"}
-        assert set(by("kind", "vskipper_operator_errors_total")) == {"api", "invalid_spec"}
-        assert set(by("reason", "vskipper_operator_api_retries_total")) == {"server_error"}
-        # each failed reconcile: a list answered 500, retried three times (VSKIPPER_OPERATOR_API_BACKOFFS)
-        errors = by("result", "vskipper_operator_reconciles_total")["error"]
-        assert errors >= 2 and len(list(refused)) >= 4 * errors
-        # series that name no resource carry the operator's own namespace (honor_labels keeps the others')
-        assert {r["metric"]["namespace"] for r in _query(base, "vskipper_operator_reconciles_total")} == \
-            {OPERATOR_NAMESPACE}
+        def check():
+            assert set(by("result", "vskipper_operator_reconciles_total")) == {"applied", "unchanged", "error",
+                                                                               "invalid"}
+            assert set(by("kind", "vskipper_operator_errors_total")) == {"api", "invalid_spec"}
+            assert set(by("reason", "vskipper_operator_api_retries_total")) == {"server_error"}
+            # each failed reconcile: a list answered 500, retried three times (VSKIPPER_OPERATOR_API_BACKOFFS)
+            errors = by("result", "vskipper_operator_reconciles_total")["error"]
+            assert errors >= 2 and len(list(refused)) >= 4 * errors
+            # series that name no resource carry the operator's own namespace (honor_labels keeps the others')
+            assert {r["metric"]["namespace"] for r in _query(base, "vskipper_operator_reconciles_total")} == \
+                {OPERATOR_NAMESPACE}
+
+        eventually(check)
 
     def test_pending_alerts_are_reconcile_errors_resources_not_ready_and_classes_not_served(self, real_operator):
         base, cluster = real_operator["base"], real_operator["cluster"]
-        pending = {r["metric"]["alertname"] for r in _query(base, 'ALERTS{alertstate="pending"}')}
         # no pod is ever ready here, and the example pool has GPUs of unknown bandwidth (GB300)
-        assert pending == {"VskipperOperatorReconcileErrors", "VskipperDeploymentNotReady", "VskipperGpuClassNotServed"}
+        eventually(lambda: _pending_are(base, {"VskipperOperatorReconcileErrors", "VskipperDeploymentNotReady",
+                                               "VskipperGpuClassNotServed"}))
         # the healthy example's Deployments exist; the failing namespace got none
         assert cluster.http("GET", "/apis/apps/v1/namespaces/llm/deployments")["items"]
         assert not cluster.writes("/namespaces/bench/deployments")
@@ -415,12 +467,16 @@ def test_real_runtime_answers_every_runtime_side_dashboard_query(real_runtime):
     base, labels = real_runtime
     exprs = [(title, expr) for title, expr in _dashboard_exprs() if _runtime_side(expr)]
     assert len(exprs) >= 11  # routing, switch and latency panels
-    empty = [title for title, expr in exprs if not _query(base, _instantiate(expr))]
-    assert not empty, f"dashboard queries with no data from the real server: {empty}"
-    # the per-class views carry the GPU class the planned ServiceMonitor copies from the pod
-    thresholds = _query(base, _instantiate(_panel_expr("Resident tokens V against the thresholds", "B")))
-    assert {(r["metric"][GPU_CLASS], r["metric"]["bound"], float(r["value"][1])) for r in thresholds} == \
-        {(labels[GPU_CLASS], "enter", 30.0), (labels[GPU_CLASS], "exit", 20.0)}
+
+    def check():
+        empty = [title for title, expr in exprs if not _query(base, _instantiate(expr))]
+        assert not empty, f"dashboard queries with no data from the real server: {empty}"
+        # the per-class views carry the GPU class the planned ServiceMonitor copies from the pod
+        thresholds = _query(base, _instantiate(_panel_expr("Resident tokens V against the thresholds", "B")))
+        assert {(r["metric"][GPU_CLASS], r["metric"]["bound"], float(r["value"][1])) for r in thresholds} == \
+            {(labels[GPU_CLASS], "enter", 30.0), (labels[GPU_CLASS], "exit", 20.0)}
+
+    eventually(check)
 
 
 def test_real_runtime_answers_every_recording_rule(real_runtime):
@@ -428,15 +484,19 @@ def test_real_runtime_answers_every_recording_rule(real_runtime):
     groups = yaml.safe_load(RULES.read_text())["groups"]
     records = [(r["record"], r["expr"]) for g in groups for r in g["rules"] if "record" in r]
     assert len(records) == 3 and all(_runtime_side(expr) for _, expr in records)
-    for name, expr in records:
-        result = _query(base, expr)
-        assert result, f"{name}: no data from the real server"
-        for r in result:
-            assert {k: r["metric"][k] for k in ("namespace", "service", GPU_CLASS)} == \
-                {k: labels[k] for k in ("namespace", "service", GPU_CLASS)}, name
-            assert 0.0 <= float(r["value"][1]) <= 1.0, (name, r)
-    routed = _query(base, 'vskipper:passes_routed:ratio_rate5m{phase="decode"}')
-    assert float(routed[0]["value"][1]) > 0  # the switch engaged on the real server
+
+    def check():
+        for name, expr in records:
+            result = _query(base, expr)
+            assert result, f"{name}: no data from the real server"
+            for r in result:
+                assert {k: r["metric"][k] for k in ("namespace", "service", GPU_CLASS)} == \
+                    {k: labels[k] for k in ("namespace", "service", GPU_CLASS)}, name
+                assert 0.0 <= float(r["value"][1]) <= 1.0, (name, r)
+        routed = _query(base, 'vskipper:passes_routed:ratio_rate5m{phase="decode"}')
+        assert routed and float(routed[0]["value"][1]) > 0  # the switch engaged on the real server
+
+    eventually(check)
 
 
 def test_real_runtime_emits_every_runtime_metric_and_sglang_metric(real_runtime):
@@ -445,8 +505,12 @@ def test_real_runtime_emits_every_runtime_metric_and_sglang_metric(real_runtime)
     names = [m.name for m in mn.RUNTIME_METRICS]
     names += [f'{h.replace("sglang:", "sglang[:_]")}_bucket' for h in mn.SGLANG_HISTOGRAMS]
     names += [h.replace("sglang:", "sglang[:_]") for h in (*mn.SGLANG_GAUGES, *mn.SGLANG_COUNTERS)]
-    missing = [n for n in names if not _query(base, f'{{__name__=~"{n}"}}')]
-    assert not missing, f"not exported by the real server: {missing}"
+
+    def check():
+        missing = [n for n in names if not _query(base, f'{{__name__=~"{n}"}}')]
+        assert not missing, f"not exported by the real server: {missing}"
+
+    eventually(check)
     rule_inputs = {n for _, expr in _rule_exprs() if _runtime_side(expr)
                    for n in (m.name for m in mn.RUNTIME_METRICS) if n in expr}
     assert rule_inputs <= set(names)
@@ -459,8 +523,12 @@ def test_autoscaling_examples_adapter_rule_gives_the_hpa_a_value_per_server_pod(
 
     base, labels = real_runtime
     rule = adapter_rule()
-    series = {r["metric"]["__name__"] for r in _query(base, rule["seriesQuery"])}
-    assert len(series) == 1, series
-    result = _query(base, adapter_query(rule, series.pop(), labels["namespace"], [labels["pod"], "other-0"]))
-    assert [r["metric"] for r in result] == [{"pod": labels["pod"]}]
-    assert float(result[0]["value"][1]) >= 0
+
+    def check():
+        series = {r["metric"]["__name__"] for r in _query(base, rule["seriesQuery"])}
+        assert len(series) == 1, series
+        result = _query(base, adapter_query(rule, series.pop(), labels["namespace"], [labels["pod"], "other-0"]))
+        assert [r["metric"] for r in result] == [{"pod": labels["pod"]}]
+        assert float(result[0]["value"][1]) >= 0
+
+    eventually(check)
