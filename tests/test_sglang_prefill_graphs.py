@@ -185,8 +185,14 @@ def test_a_replayed_pass_routes_its_own_rows_not_the_captures(checkpoint, monkey
     assert tape.run[:, 10:16].all() and not tape.run[:, :10].all()
 
 
-def test_the_s0_control_replays_every_row_run(checkpoint, monkeypatch):
+def test_the_s0_control_replays_every_row_run(checkpoint, monkeypatch, caplog):
+    """... and its start says that its checks compared no Project-Only row (the projector's path unchecked)."""
     graphed, eager = served(checkpoint, monkeypatch, arm="s=0")
+    boot(monkeypatch, graphed)
+    rows = graphed.model.runtime.attestation()["prefill_graphs"]["boot_rows"]
+    assert rows["project_only"] == 0 and rows["run"] == 2 * sum(SIZES) * len(graphed.model.routed_layers)
+    assert rows["unchecked"].startswith("no row of the checks at start took Project-Only")
+    assert "no row of the checks at start took Project-Only" in caplog.text
     assert_same(graphed, eager, Shape("prefill", 2, 6), 0, 3)
     assert_same(graphed, eager, Shape("prefill", 1, 16), 2, 4)
     assert graphed.model.runtime.attestation()["rows_total"]["prefill"]["project_only"] == 0
@@ -483,6 +489,9 @@ def test_every_count_captured_and_checked_at_boot_serves_its_passes_without_a_ca
     att = graphed.model.runtime.attestation()
     assert all(s is not None and s >= 0 for s in att["prefill_graphs"]["captured_at_boot_s"].values())
     assert att["prefill_graphs"]["passes"]["by_tokens"] == {"16": 0, "64": 0}
+    rows = att["prefill_graphs"]["boot_rows"]  # both branches replayed and checked; every row-visit counted
+    assert rows["project_only"] > 0 and rows["unchecked"] is None
+    assert rows["run"] + rows["project_only"] == 2 * sum(SIZES) * routed
     kv = att["prefill_graphs"]["kv_write_check"]
     if read == "backend":  # each routed layer's K/V in the pool as its first replay after the capture left them
         assert kv["compared"] == 2 * routed and kv["worst_difference"] == 0.0 and kv["not_compared"] is None

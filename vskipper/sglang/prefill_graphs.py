@@ -175,6 +175,10 @@ class PrefillGraphs:
                                          "not_compared": "the packed read reads its K/V inside the segment"
                                          if self.packed else None}
         self._kv_worst: dict[int, tuple[float, str]] = {}
+        # the row-visits of the routed layers the checks at start compared, by the branch they took (RUN counts the
+        # padding rows): where none took Project-Only (a trained gate that ran every boot row, the s = 0 control)
+        # the checks never replayed the projector's path, and `unchecked` says so
+        self.boot_rows: dict[str, Any] = {"run": 0, "project_only": 0, "unchecked": None}
 
     def _allocate(self, cap: int) -> None:
         """The static storage every capture of up to `cap` rows reads and writes: the graph tape and maps, each
@@ -196,7 +200,8 @@ class PrefillGraphs:
         return {"tokens": list(self.sizes), "read": self.execution.prefill_read, "made_by": self.made_by,
                 "passes": self.passes, "segments": self.graphs.counts,
                 "capture_check": self.graphs.check, "memory": self.graphs.memory, "failed": self.failed,
-                "captured_at_boot_s": self.boot, "reach": self.reach, "kv_write_check": self.kv_write}
+                "captured_at_boot_s": self.boot, "reach": self.reach, "kv_write_check": self.kv_write,
+                "boot_rows": self.boot_rows}
 
     def _segment(self, size: int, key, fn):
         """Segment `key`'s outputs at count `size`: replayed, or run eagerly where that count's capture failed (this
@@ -265,7 +270,9 @@ class PrefillGraphs:
         row's query. The KV slots and request rows the passes take are put back as they were. A count whose
         capture fails is marked, as at a served pass (`_segment`), and so is one whose checks strayed
         (`_refuse_straying`); an eager run that fails (as out of memory) fails the server's start. No pass is
-        counted; each count's seconds are attested (`captured_at_boot_s`). `chunk`: the server's prefill chunk, the
+        counted; each count's seconds are attested (`captured_at_boot_s`), and the row-visits the checks compared by
+        branch (`boot_rows`: where none took Project-Only, the projector's replay went unchecked, and a warning
+        says so). `chunk`: the server's prefill chunk, the
         most tokens one of its prefill passes holds (SGLang's chunked prefill never makes a longer one; None where
         it does not chunk, and a round's first prompt may then be as long as it is): the counts above the least
         count that holds it are left out, never captured (`reached_by`), and the static storage sized for that
@@ -308,6 +315,11 @@ class PrefillGraphs:
                     for layer in layers:
                         self._layer(layer, size, step, x, layer.input_layernorm(x), parts_of(layer),
                                     lambda q, k, v, rows: q[:rows])
+                    # each layer's (RUN, Project-Only) rows of the pass, as its maps launch wrote them (a read of
+                    # the device: the start serves nothing yet)
+                    run, project = (int(c) for c in self.tape.counts.sum(dim=0).tolist())
+                    self.boot_rows["run"] += run
+                    self.boot_rows["project_only"] += project
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 self.boot[str(size)] = round(time.perf_counter() - t0, 3)
@@ -316,6 +328,11 @@ class PrefillGraphs:
                 logger.log(logging.WARNING if why else logging.INFO,
                            "routed prefill graphs at %d tokens captured and checked in %.1f s%s", size,
                            self.boot[str(size)], f"; its passes run eagerly: {why}" if why else "")
+            if not self.boot_rows["project_only"] and any(self.boot[str(n)] is not None for n in self.reached):
+                self.boot_rows["unchecked"] = ("no row of the checks at start took Project-Only, so no replay of "
+                                               "the projector's path was compared with its eager run")
+                logger.warning("routed prefill graphs: %s (the skipper ran every boot row)",
+                               self.boot_rows["unchecked"])
         finally:
             self.graphs.after_first_replay = None
             for lid, (k, v) in zip(layer_ids, kept, strict=True):
