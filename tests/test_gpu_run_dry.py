@@ -1767,7 +1767,7 @@ def test_a_headline_whose_routed_arms_replay_their_prefill_layers_asks_auto_and_
                                          r"with the packed read \(--routed-prefill-read\)"):
         run.stage_headline(dataclasses.replace(graphed, routed_prefill_graphs=False), copy, 300)
     # An arm this run does not serve, or whose folder it sets aside (served at other thresholds, as a tau arm from
-    # another sweep's tau), is no obstacle; `covers`, which knows no thresholds, takes every served arm as one.
+    # another sweep's tau), is no obstacle; without thresholds every served arm is one.
     hybrid = "hybrid-rule"  # served in every dry run (its tau arm may not be)
     served_at = done["arms"][hybrid]["thresholds"]
     assert run.served_elsewhere(copy / "headline" / hybrid, served_at) is None
@@ -1779,6 +1779,17 @@ def test_a_headline_whose_routed_arms_replay_their_prefill_layers_asks_auto_and_
     assert run.headline_mode_mismatch(graphed, copy, (hybrid,), {hybrid: moved}) is None
     assert run.headline_mode_mismatch(graphed, copy, (hybrid,), {}) is None
     assert run.headline_mode_mismatch(graphed, copy, (hybrid,)) is not None
+    # `covers` weighs the arms as the earlier result served them: a tau arm it did not serve (no tau then), whose
+    # folder holds cells served the other way, is no reason to run the headline again; the same arm served is.
+    tau_arm = "hybrid-tau"
+    (copy / "headline" / tau_arm).mkdir(parents=True, exist_ok=True)
+    shutil.copy(copy / "headline" / hybrid / "served.json", copy / "headline" / tau_arm / "served.json")
+    no_tau = {**done, "thresholds": {**done["thresholds"], "tau": {"skipped": "no measured tau"}}}
+    assert run.covers("headline", no_tau, (tau_arm,), copy, graphed)
+    assert not run.covers("headline", no_tau, (hybrid, tau_arm), copy, graphed)
+    served_tau = {**done, "thresholds": {**done["thresholds"], "tau": served_at}}
+    assert not run.covers("headline", served_tau, (tau_arm,), copy, graphed)
+    assert run.covers("headline", no_tau, (tau_arm,), copy, run.Plan.dry())
 
     text = run.markdown({"dry_run": True, "headline": {**done, "arms": {first: {**done["arms"][first], "served": {
         **done["arms"][first]["served"], "prefill_graphs": {"tokens": [16, 20, 24, 28], "read": "packed",
@@ -2084,3 +2095,22 @@ def test_the_graph_lines_give_the_kv_write_check_and_flag_a_write_that_strayed()
     doc["read"], doc["kv_write_check"] = "packed", {"compared": 0, "not_compared": "the packed read reads its K/V "
                                                                                    "inside the segment"}
     assert "K/V" not in text()  # the packed read's replay reads the K/V it wrote: its own checks see them
+    doc["memory"] = {"reserved_bytes": 3 * 2**29, "free_after_boot_bytes": 5 * 2**29}
+    assert "; the captures reserved 1.50 GiB, 2.5 GiB of the device free after them" in text()
+    doc["memory"] = {"reserved_bytes": 0, "free_after_boot_bytes": 5 * 2**29}
+    assert "; 2.5 GiB of the device free after the captures" in text()
+
+
+def test_the_graph_lines_say_where_the_checks_at_start_compared_no_project_only_row():
+    """A routed arm whose boot rows all ran (a trained gate on the boot's token ids) has its projector's replay
+    unchecked, which its lines say; the s = 0 control runs every row by design and is not flagged."""
+    unchecked = "no row of the checks at start took Project-Only, so no replay of the projector's path was compared"
+    doc = {"tokens": [16], "read": "packed", "passes": {"by_tokens": {"16": 2}},
+           "segments": {"captured": 3, "replayed": 9}, "capture_check": {"segments": 3, "worst_difference": 0.0},
+           "boot_rows": {"run": 64, "project_only": 0, "unchecked": unchecked}}
+    lines = run.routed_prefill_graph_lines({run.ALWAYS: {"served": {"prefill_graphs": doc}},
+                                            run.CONTROL: {"served": {"prefill_graphs": doc}}})
+    assert [line for line in lines if unchecked in line] == [f"  {run.ALWAYS}: {unchecked}."]
+    doc["boot_rows"] = {"run": 40, "project_only": 24, "unchecked": None}
+    assert not any("Project-Only" in line for line in run.routed_prefill_graph_lines(
+        {run.ALWAYS: {"served": {"prefill_graphs": doc}}}))

@@ -1165,6 +1165,14 @@ def _summary(path: Path) -> dict | None:
                                               "window_req_s", "window_output_tok_s")}}
 
 
+def headline_serving(arms: tuple[str, ...], th_rule: dict, th_tau: dict | None) -> dict[str, dict | None]:
+    """The thresholds a headline serves each arm of `arms` at, for the arms it serves: a tau arm only where a
+    measured tau gave thresholds (`th_tau`)."""
+    means = {"rule": th_rule, "tau": th_tau}
+    return {key: means.get(HEADLINE_ARMS[key][2]) for key in arms
+            if not (HEADLINE_ARMS[key][2] == "tau" and th_tau is None)}
+
+
 def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...] = tuple(HEADLINE_ARMS)) -> dict:
     """Each routed arm of `arms` (HEADLINE_ARMS keys) alone on the ladder's cells (one server start each), then
     every arm against dense."""
@@ -1194,9 +1202,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     elif th_tau is not None and sweep_source != OWN_SWEEP:
         th_tau["source"] = tau_source = f"{th_tau['source']}, {sweep_source}"
     means = {"rule": th_rule, "tau": th_tau}
-    serving = {key: means.get(HEADLINE_ARMS[key][2]) for key in arms
-               if not (HEADLINE_ARMS[key][2] == "tau" and th_tau is None)}
-    mismatch = headline_mode_mismatch(plan, out, arms, serving)
+    mismatch = headline_mode_mismatch(plan, out, arms, headline_serving(arms, th_rule, th_tau))
     if mismatch:
         raise SystemExit(f"[headline] {mismatch}")
     bandwidth = device_bandwidth(plan)  # charges the adapter's read in the skip's limit (none on the dry run)
@@ -2787,6 +2793,15 @@ GRAPH_CHECK_DOUBT = 0.05
 BOOT_LISTED = 8  # a graphed arm's counts whose boot seconds the summary lists one by one; more are summed
 
 
+def memory_words(reserved: int | None, free: int | None) -> str:
+    """What an arm's prefill graphs took of the device's memory and what its start left free, for its graph line."""
+    took = f"; the captures reserved {reserved / 2**30:.2f} GiB" if reserved else ""
+    if free is None:
+        return took
+    return f"{took}, {free / 2**30:.1f} GiB of the device free after them" if took else \
+        f"; {free / 2**30:.1f} GiB of the device free after the captures"
+
+
 def routed_prefill_graph_lines(arms: dict, others: str = "dense and the reference arm as above") -> list[str]:
     """Which arms replayed their routed prefill layers from graphs (`vskipper.sglang.prefill_graphs`, their
     attestations): the counts captured, the passes each replayed at, those it ran eagerly and why, the segments
@@ -2816,9 +2831,10 @@ def routed_prefill_graph_lines(arms: dict, others: str = "dense and the referenc
             checked += (f"; the K/V each routed layer's replay left in the pool against what it computed: worst "
                         f"difference {kv['worst_difference']:.3g} of the largest value over {kv['compared']} layers "
                         f"({kv.get('worst_at')})")
-        elif kv.get("not_compared") and not doc.get("read") == "packed":
+        elif kv.get("not_compared") and doc.get("read") != "packed":
             checked += f"; its K/V writes not compared ({kv['not_compared']})"
         memory = (doc.get("memory") or {}).get("reserved_bytes")
+        free = (doc.get("memory") or {}).get("free_after_boot_bytes")
         failed = "; ".join(f"at {tokens}: {why}" for tokens, why in (doc.get("failed") or {}).items() if why)
         boot = [(tokens, s) for tokens, s in (doc.get("captured_at_boot_s") or {}).items() if s is not None]
         reach = doc.get("reach") or {}
@@ -2841,7 +2857,7 @@ def routed_prefill_graph_lines(arms: dict, others: str = "dense and the referenc
                      f"passes "
                      f"replayed {by or 'none'}; eager {eager or 'none'}; segments captured "
                      f"{segments.get('captured', 0)}, replayed {segments.get('replayed', 0)}{checked}"
-                     f"{f'; the captures reserved {memory / 2**30:.2f} GiB' if memory else ''}"
+                     f"{memory_words(memory, free)}"
                      f"{f'; captures failed {failed}' if failed else ''}")
         if check.get("empty"):
             lines.append(f"  Segments whose capture recorded no kernel (a trained gate's state is a view of its "
@@ -2853,6 +2869,9 @@ def routed_prefill_graph_lines(arms: dict, others: str = "dense and the referenc
                   if check.get("not_finite") else f"{worst:.3g} of the largest value")
             lines.append(f"  **{name}'s replays strayed from its eager runs by {by}: its routed prefill figures "
                          f"above are in doubt.**")
+        unchecked = (doc.get("boot_rows") or {}).get("unchecked")
+        if unchecked and name != CONTROL:  # the s = 0 control runs every row by design
+            lines.append(f"  {name}: {unchecked}.")
     return lines + [""]
 
 
@@ -3270,7 +3289,11 @@ def covers(stage: str, done: dict, arms: tuple[str, ...], out: Path, plan: Plan 
     if stage == "headline":
         if not set(arms) <= set(done.get("arms_requested") or HEADLINE_ARMS):
             return False
-        if plan is not None and headline_mode_mismatch(plan, out, arms) is not None:
+        # the arms the earlier result served, at its thresholds, as stage_headline would weigh them
+        th = done.get("thresholds")
+        serving = None if not th else headline_serving(
+            arms, th.get("rule"), None if "skipped" in (th.get("tau") or {"skipped": True}) else th["tau"])
+        if plan is not None and headline_mode_mismatch(plan, out, arms, serving) is not None:
             return False  # stage_headline says why (an arm's headline cells serve one way)
         # an arm not served for want of a sweep (no tau) serves in a later call that has one (--earlier)
         waiting = [k for k in arms if ((done.get("arms") or {}).get(k) or {}).get("wants_sweep")]

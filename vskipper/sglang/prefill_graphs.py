@@ -343,6 +343,8 @@ class PrefillGraphs:
             if device.type == "cuda":  # the pools as they were before any stream of SGLang's reads them; the
                 torch.cuda.synchronize(device)  # captures' eager runs' cached blocks back to the device
                 torch.cuda.empty_cache()
+                # what the device has left for the served passes' activations once every capture holds its pool
+                self.graphs.memory["free_after_boot_bytes"] = torch.cuda.mem_get_info(device)[0]
 
     def _check_kv_write(self, key, outputs, pool, pool_layer: dict[int, int]) -> None:
         """With the backend read, at start: right after the first replay of a routed layer's segment before the read
