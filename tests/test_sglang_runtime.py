@@ -377,6 +377,8 @@ def test_a_static_depth_arm_switches_on_the_share_its_routed_layers_carry_out_an
 
     rt = Runtime(ServeSpec(arm(0.75), 0, 0, None), "ddllama", (2, 3), "DDLlamaForCausalLM")
     assert rt.switch.prefill_share_estimate == 0.5
+    att = rt.attestation()
+    assert att["served_skip_ratio"] == 0.5 and att["arm"]["declared_skip_ratio"] == 0.75
     with pytest.raises(ServeConfigError, match=r"arm 'tail': field 'params'\.ratio: 0\.25 of 2 routed layers "
                                                r"projects no layer"):
         Runtime(ServeSpec(arm(0.25), 0, 0, None), "ddllama", (2, 3), "DDLlamaForCausalLM")

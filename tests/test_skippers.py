@@ -2,6 +2,7 @@
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -145,19 +146,26 @@ def test_static_depth_projects_a_tail_for_every_valid_row(ratio, projected):
         assert bool((rt.weights == 1).all())
 
 
-@pytest.mark.parametrize("ratio,layers,share", [(0.5, 16, 0.5), (0.3, 16, 0.25), (0.0, 16, 0.0), (1.0, 2, 1.0),
-                                                 (0.05, 20, 0.05)])
-def test_static_depth_declares_the_share_its_whole_layers_carry_out(ratio, layers, share):
+@pytest.mark.parametrize("ratio,layers,projected", [(0.5, 16, 8), (0.3, 16, 4), (0.0, 16, 0), (1.0, 2, 2),
+                                                     (0.05, 20, 1)])
+def test_static_depth_declares_the_share_its_whole_layers_carry_out(ratio, layers, projected):
     entry = get_entry("static_depth")
     assert entry.declared_skip_ratio({"ratio": ratio}) == ratio
-    assert entry.declared_skip_ratio({"ratio": ratio}, layers) == pytest.approx(share)
-    assert len(tail_layers(tuple(range(layers)), ratio)) == round(share * layers)
+    assert entry.declared_skip_ratio({"ratio": ratio}, layers) == pytest.approx(projected / layers)
+    assert len(tail_layers(tuple(range(layers)), ratio)) == projected
 
 
-def test_a_static_depth_ratio_that_projects_no_layer_is_refused_naming_it():
-    with pytest.raises(SkipperConfigError, match=r"spec\.params\.ratio: 0\.05 of 16 routed layers projects no "
-                                                 r"layer.*1/16 = 0\.0625"):
-        get_entry("static_depth").declared_skip_ratio({"ratio": 0.05}, 16, where="spec.params")
+@pytest.mark.parametrize("layers", [3, 9, 12, 16, 28, 48])
+def test_a_static_depth_ratio_that_projects_no_layer_is_refused_naming_it_and_the_least_that_does(layers):
+    entry = get_entry("static_depth")
+    with pytest.raises(SkipperConfigError, match=rf"spec\.params\.ratio: 0\.01 of {layers} routed layers projects "
+                                                 rf"no layer.*least ratio that projects a layer is 1/{layers} "
+                                                 r"\(at least ([0-9.]+);") as err:
+        entry.declared_skip_ratio({"ratio": 0.01}, layers, where="spec.params")
+    least = float(re.search(r"at least ([0-9.]+);", str(err.value))[1])
+    assert entry.declared_skip_ratio({"ratio": least}, layers) == pytest.approx(1 / layers)  # what it suggests serves
+    with pytest.raises(SkipperConfigError, match=r"spec\.params\.ratio: the model has no routed layer"):
+        entry.declared_skip_ratio({"ratio": 0.5}, 0, where="spec.params")
 
 
 def test_skippers_that_route_rows_declare_their_params_share_on_any_layers():

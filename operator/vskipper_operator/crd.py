@@ -196,7 +196,8 @@ SPEC_SCHEMA: dict = _obj({
                      "generated)", enum=sorted(registered())),
         "params": _skipper_params(),
         "skipRatio": _num("declared fraction s of routed decisions that project (default: what the skipper "
-                          "declares from its params)", minimum=0, exclusiveMinimum=True, maximum=1),
+                          "declares from its params, as the routed layers carry it out)", minimum=0,
+                          exclusiveMinimum=True, maximum=1),
         "routedLayers": _int("routed layers L_r (default: the model's)", 1, 1024),
     }, required=("name",), description="the layer skipper and what the roofline rule assumes of it"),
     "switch": _obj({

@@ -242,11 +242,13 @@ class Runtime:
         self.device = device
         try:
             self.skipper = build_skipper(arm.skipper, arm.params) if arm.skipper else None
-            share = arm.declared_skip_ratio(len(self.routed_layers) if arm.skipper else None)
+            # the share of routed decisions that project as this rank's routed layers carry the params out (a
+            # static tail projects whole layers: 0.3 of 16 is 0.25), which the switch's prefill rule reads
+            self.served_skip_ratio = arm.declared_skip_ratio(len(self.routed_layers) if arm.skipper else None)
         except SkipperConfigError as exc:
             raise ServeConfigError(str(exc)) from None
         self.switch = ModeSwitch(arm.switch_settings(), spec.enter_tokens, spec.exit_tokens,
-                                 constants=spec.switch_constants(), declared_project_share=share)
+                                 constants=spec.switch_constants(), declared_project_share=self.served_skip_ratio)
         self.counters = Counters()
         self._requests: OrderedDict[str, RequestRecord] = OrderedDict()
         self._candidates: PrefillDecision | None = None
@@ -706,6 +708,7 @@ class Runtime:
                              "unkeyed_admissions_total": c.unkeyed_admissions,
                              "withheld_generated_kv_tokens_total": c.withheld_generated_kv_tokens},
             "arm": self.arm.as_dict(),
+            "served_skip_ratio": self.served_skip_ratio,  # the arm's declared share as the routed layers carry it
             "skipper": self.skipper.attestation() if self.skipper is not None else None,
             "switch": self.switch.attestation(),
             "thresholds": {"enter_tokens": self.spec.enter_tokens, "exit_tokens": self.spec.exit_tokens,

@@ -188,12 +188,15 @@ def tail_count(routed_layers: int, ratio: float) -> int:
 
 def _static_depth_share(params: Mapping[str, Any], routed_layers: int, where: str) -> float:
     ratio = params["ratio"]
+    if routed_layers < 1:
+        raise SkipperConfigError(f"{where}.ratio: the model has no routed layer to project ({routed_layers})")
     take = tail_count(routed_layers, ratio)
     if ratio > 0 and take == 0:
+        least = math.ceil(1e4 / routed_layers) / 1e4  # 1/L rounded up to 4 places: itself projects a layer
         raise SkipperConfigError(
             f"{where}.ratio: {ratio} of {routed_layers} routed layers projects no layer, so the arm would serve "
             f"every row dense while declaring s = {ratio}; the least ratio that projects a layer is "
-            f"1/{routed_layers} = {1 / routed_layers:.4g} (0 for an all-RUN control)")
+            f"1/{routed_layers} (at least {least:g}; 0 for an all-RUN control)")
     return take / routed_layers
 
 
