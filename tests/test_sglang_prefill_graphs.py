@@ -538,6 +538,8 @@ def test_a_kv_write_that_does_not_replay_is_caught_at_start_and_its_counts_serve
         assert att["failed"][count].startswith("the K/V the pool holds strayed from what layer ")
         assert att["failed"][count].endswith("its write did not replay")
     assert att["kv_write_check"]["worst_difference"] > 0.05
+    # no count serves replays: the checks vouch for none, and nothing is said to have gone unchecked
+    assert att["boot_rows"] == {"run": 0, "project_only": 0, "unchecked": None}
     monkeypatch.setattr(pool_class, "set_kv_buffer", real_write)
     assert_same(graphed, eager, Shape("prefill", 2, 5), 2, 0)
     assert graphed.model.slot.prefill_graphs.passes["eager"]["its count's capture failed or strayed"] == 1

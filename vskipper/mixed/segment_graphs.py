@@ -190,7 +190,7 @@ class SegmentGraphs:
         # a capture that strayed
         self.worst_by_key: dict[Hashable, float] = {}
         # what the captures took of the device's memory (CUDA's caching allocator reserved more by this much)
-        self.memory: dict[str, int] = {"reserved_bytes": 0}
+        self.memory: dict[str, int | None] = {"reserved_bytes": 0}
         self._stream = None
         self.broken: str | None = None  # why the first failed capture failed: no capture after it
         self._failed: list[Any] = []  # the graphs whose capture failed, kept (CUDA's allocator may still name them)

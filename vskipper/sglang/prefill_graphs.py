@@ -176,9 +176,13 @@ class PrefillGraphs:
                                          if self.packed else None}
         self._kv_worst: dict[int, tuple[float, str]] = {}
         # the row-visits of the routed layers the checks at start compared, by the branch they took (RUN counts the
-        # padding rows): where none took Project-Only (a trained gate that ran every boot row, the s = 0 control)
-        # the checks never replayed the projector's path, and `unchecked` says so
+        # padding rows), over the counts whose replays serve: where none took Project-Only (a trained gate that ran
+        # every boot row, the s = 0 control) no served replay of the projector's path was checked, as `unchecked`
+        # says
         self.boot_rows: dict[str, Any] = {"run": 0, "project_only": 0, "unchecked": None}
+        # what the device had free once every capture held its pool (CUDA; the key made here, as every key the
+        # state writer reads)
+        self.graphs.memory["free_after_boot_bytes"] = None
 
     def _allocate(self, cap: int) -> None:
         """The static storage every capture of up to `cap` rows reads and writes: the graph tape and maps, each
@@ -280,6 +284,7 @@ class PrefillGraphs:
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
         self.reached = reached_by(self.sizes, chunk)
+        self.boot_rows.update(run=0, project_only=0, unchecked=None)
         left_out = list(self.sizes[len(self.reached):])
         self.reach.update(prefill_chunk=chunk, left_out=left_out)
         if left_out:
@@ -301,6 +306,7 @@ class PrefillGraphs:
         try:
             for size in self.reached:
                 t0 = time.perf_counter()
+                rows = [0, 0]  # this count's (RUN, Project-Only) row-visits, kept where its replays serve
                 if device.type == "cuda":  # the eager runs' cached blocks back to the device, which a capture's
                     torch.cuda.synchronize(device)  # pool may then take (it cannot take another pool's)
                     torch.cuda.empty_cache()
@@ -317,18 +323,19 @@ class PrefillGraphs:
                                     lambda q, k, v, rows: q[:rows])
                     # each layer's (RUN, Project-Only) rows of the pass, as its maps launch wrote them (a read of
                     # the device: the start serves nothing yet)
-                    run, project = (int(c) for c in self.tape.counts.sum(dim=0).tolist())
-                    self.boot_rows["run"] += run
-                    self.boot_rows["project_only"] += project
+                    rows = [a + int(b) for a, b in zip(rows, self.tape.counts.sum(dim=0).tolist(), strict=True)]
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 self.boot[str(size)] = round(time.perf_counter() - t0, 3)
                 self._refuse_straying(size)
                 why = self.failed[str(size)]
+                if why is None:  # a refused count serves eagerly: its checks vouch for no replay served
+                    self.boot_rows["run"] += rows[0]
+                    self.boot_rows["project_only"] += rows[1]
                 logger.log(logging.WARNING if why else logging.INFO,
                            "routed prefill graphs at %d tokens captured and checked in %.1f s%s", size,
                            self.boot[str(size)], f"; its passes run eagerly: {why}" if why else "")
-            if not self.boot_rows["project_only"] and any(self.boot[str(n)] is not None for n in self.reached):
+            if not self.boot_rows["project_only"] and any(self.failed[str(n)] is None for n in self.reached):
                 self.boot_rows["unchecked"] = ("no row of the checks at start took Project-Only, so no replay of "
                                                "the projector's path was compared with its eager run")
                 logger.warning("routed prefill graphs: %s (the skipper ran every boot row)",
