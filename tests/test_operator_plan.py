@@ -321,11 +321,11 @@ def test_planning_a_thousand_nodes_for_a_hundred_resources_is_fast():
     products = [A100, H100, "NVIDIA-L40S", "NVIDIA-H200", UNKNOWN]
     nodes = [node(f"n{i}", products[i % len(products)] + ("-SHARED" if i % 7 == 0 else ""), zone=f"z{i % 3}")
              for i in range(1000)]
-    start = time.perf_counter()
+    start = time.thread_time()  # this thread's CPU: what other work on a loaded host takes does not count
     results = [plan(resource(name=f"r{i}", replicas=i % 10), nodes) for i in range(100)]
-    elapsed = time.perf_counter() - start
+    elapsed = time.thread_time() - start
     assert all(len(r.served) == 4 for r in results)
-    assert elapsed < 5.0, f"planning took {elapsed:.2f}s"  # a guard; typically well under a second
+    assert elapsed < 5.0, f"planning took {elapsed:.2f} s of CPU"  # a guard; typically well under a second
 
 
 def _row(result, product):
