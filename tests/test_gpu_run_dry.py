@@ -1779,17 +1779,24 @@ def test_a_headline_whose_routed_arms_replay_their_prefill_layers_asks_auto_and_
     assert run.headline_mode_mismatch(graphed, copy, (hybrid,), {hybrid: moved}) is None
     assert run.headline_mode_mismatch(graphed, copy, (hybrid,), {}) is None
     assert run.headline_mode_mismatch(graphed, copy, (hybrid,)) is not None
-    # `covers` weighs the arms as the earlier result served them: a tau arm it did not serve (no tau then), whose
-    # folder holds cells served the other way, is no reason to run the headline again; the same arm served is.
-    tau_arm = "hybrid-tau"
+    # `covers` weighs the arms as stage_headline would serve them now: a tau arm this run cannot serve (no sweep, so
+    # no tau) is no obstacle, whatever its folder holds; an arm whose folder served at other thresholds than this
+    # run's would be set aside and served again, so the result does not cover it.
+    tau_arm, sweep_json = "hybrid-tau", copy / "sweep.json"
     (copy / "headline" / tau_arm).mkdir(parents=True, exist_ok=True)
     shutil.copy(copy / "headline" / hybrid / "served.json", copy / "headline" / tau_arm / "served.json")
-    no_tau = {**done, "thresholds": {**done["thresholds"], "tau": {"skipped": "no measured tau"}}}
-    assert run.covers("headline", no_tau, (tau_arm,), copy, graphed)
-    assert not run.covers("headline", no_tau, (hybrid, tau_arm), copy, graphed)
-    served_tau = {**done, "thresholds": {**done["thresholds"], "tau": served_at}}
-    assert not run.covers("headline", served_tau, (tau_arm,), copy, graphed)
-    assert run.covers("headline", no_tau, (tau_arm,), copy, run.Plan.dry())
+    kept = sweep_json.read_text()
+    sweep_json.unlink()
+    monkeypatch.delenv(run.ENV_EARLIER, raising=False)
+    assert run.covers("headline", done, (tau_arm,), copy, graphed)
+    assert not run.covers("headline", done, (hybrid, tau_arm), copy, graphed)
+    sweep_json.write_text(kept)
+    assert run.covers("headline", done, (hybrid,), copy, run.Plan.dry())
+    hybrid_served = copy / "headline" / hybrid / "served.json"
+    kept = hybrid_served.read_text()
+    hybrid_served.write_text(json.dumps({**json.loads(kept), "thresholds": moved}))
+    assert not run.covers("headline", done, (hybrid,), copy, run.Plan.dry())
+    hybrid_served.write_text(kept)
 
     text = run.markdown({"dry_run": True, "headline": {**done, "arms": {first: {**done["arms"][first], "served": {
         **done["arms"][first]["served"], "prefill_graphs": {"tokens": [16, 20, 24, 28], "read": "packed",
@@ -2038,17 +2045,18 @@ echo second > "$3/second.txt"
     with tarfile.open(archive) as final:
         assert {"out/first.txt", "out/second.txt"} <= set(final.getnames())
     assert [p.name for p in tmp_path.iterdir() if ".part." in p.name] == []
-    # a packer asleep for 30 s when the stages end: stopped with its sleep, the call returns at once
-    assert call(30, 0) < 15
+    # a packer asleep for an hour when the stages end: stopped with its sleep, the call returns (a packer left
+    # asleep would outlast the call's timeout)
+    assert call(3600, 0) < 100
     bad = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60,
                          env={**env, "VSKIPPER_PACK_EVERY_S": "0"})
     assert bad.returncode == 2 and "VSKIPPER_PACK_EVERY_S: a whole number of seconds, 1 or more" in bad.stderr
     # run.sh killed outright (no EXIT trap runs): its packer stops by itself within an interval
     archive.unlink()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-                            start_new_session=True, env={**env, "VSKIPPER_PACK_EVERY_S": "1", "STAGE_S": "9"})
+                            start_new_session=True, env={**env, "VSKIPPER_PACK_EVERY_S": "1", "STAGE_S": "40"})
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 35  # the stage outlasts the wait: run.sh is killed while its packer runs
         while not archive.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert archive.exists()

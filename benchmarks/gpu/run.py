@@ -1165,6 +1165,20 @@ def _summary(path: Path) -> dict | None:
                                               "window_req_s", "window_output_tok_s")}}
 
 
+def headline_thresholds(plan: Plan, out: Path, model: Path) -> tuple[dict, dict | None, dict | None, str]:
+    """The thresholds a headline in `out` serves its hybrid arms at: (the rule's, the measured tau's or None, the
+    sweep that tau comes from or None, where the tau comes from or why there is none)."""
+    th_rule = rule(plan, model)
+    sweep, sweep_source = sweep_for_tau(out)
+    resample_tau(sweep)
+    th_tau, tau_source = headline.thresholds_from_tau(th_rule, sweep, plan.threshold_step)
+    if sweep is None:
+        tau_source = f"no measured tau: {sweep_source}"
+    elif th_tau is not None and sweep_source != OWN_SWEEP:
+        th_tau["source"] = tau_source = f"{th_tau['source']}, {sweep_source}"
+    return th_rule, th_tau, sweep, tau_source
+
+
 def headline_serving(arms: tuple[str, ...], th_rule: dict, th_tau: dict | None) -> dict[str, dict | None]:
     """The thresholds a headline serves each arm of `arms` at, for the arms it serves: a tau arm only where a
     measured tau gave thresholds (`th_tau`)."""
@@ -1193,14 +1207,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
         if suites[load].digest != doc["digest"]:
             raise RuntimeError(f"{doc['path']}: digest {suites[load].digest[:12]} is not the ladder's "
                                f"suites.{load}.digest {doc['digest'][:12]}")
-    th_rule = rule(plan, model)
-    sweep, sweep_source = sweep_for_tau(out)
-    resample_tau(sweep)
-    th_tau, tau_source = headline.thresholds_from_tau(th_rule, sweep, plan.threshold_step)
-    if sweep is None:
-        tau_source = f"no measured tau: {sweep_source}"
-    elif th_tau is not None and sweep_source != OWN_SWEEP:
-        th_tau["source"] = tau_source = f"{th_tau['source']}, {sweep_source}"
+    th_rule, th_tau, sweep, tau_source = headline_thresholds(plan, out, model)
     means = {"rule": th_rule, "tau": th_tau}
     mismatch = headline_mode_mismatch(plan, out, arms, headline_serving(arms, th_rule, th_tau))
     if mismatch:
@@ -3289,12 +3296,16 @@ def covers(stage: str, done: dict, arms: tuple[str, ...], out: Path, plan: Plan 
     if stage == "headline":
         if not set(arms) <= set(done.get("arms_requested") or HEADLINE_ARMS):
             return False
-        # the arms the earlier result served, at its thresholds, as stage_headline would weigh them
-        th = done.get("thresholds")
-        serving = None if not th else headline_serving(
-            arms, th.get("rule"), None if "skipped" in (th.get("tau") or {"skipped": True}) else th["tau"])
-        if plan is not None and headline_mode_mismatch(plan, out, arms, serving) is not None:
-            return False  # stage_headline says why (an arm's headline cells serve one way)
+        if plan is not None:
+            # the arms this run serves, at the thresholds it serves them at, as stage_headline weighs them: one
+            # whose folder served at others would be set aside and served again; one served another way (graphs,
+            # read) stops the stage, which says why
+            th_rule, th_tau, _, _ = headline_thresholds(plan, out, write_model(plan, out))
+            serving = headline_serving(arms, th_rule, th_tau)
+            if any(served_elsewhere(out / "headline" / key, th) is not None for key, th in serving.items()):
+                return False
+            if headline_mode_mismatch(plan, out, arms, serving) is not None:
+                return False
         # an arm not served for want of a sweep (no tau) serves in a later call that has one (--earlier)
         waiting = [k for k in arms if ((done.get("arms") or {}).get(k) or {}).get("wants_sweep")]
         return not (waiting and sweep_for_tau(out)[0] is not None)
