@@ -13,7 +13,15 @@ from vskipper.constants import attestation
 from vskipper.modelspec import PRESETS
 from vskipper.roofline import derive_thresholds, lookup_device
 from vskipper_operator.crd import SpecError
-from vskipper_operator.plan import contains, diff, new_conflicts, plan, status_patch
+from vskipper_operator.plan import (
+    PLAN_HASH_ANNOTATION,
+    contains,
+    diff,
+    new_conflicts,
+    object_key,
+    plan,
+    status_patch,
+)
 
 LLAMA_B = PRESETS["llama-3-8b"].kv_bytes_per_token_layer
 
@@ -251,6 +259,29 @@ def test_spec_update_changes_only_what_it_should():
     changes = diff(after.objects, before.objects)
     assert {o["kind"] for o in changes.update} == {"ConfigMap", "Deployment"}  # Service unchanged
     assert arg(deployment_for(after, H100), "--exit-tokens") == "550000"
+
+
+def test_a_setting_removed_from_the_spec_is_applied_though_the_applied_objects_still_hold_it():
+    """An applied object keeps every field it was given until an apply that leaves it out: a pod annotation or a
+    nodeSelector key taken out of the spec leaves the live Deployments holding the old fields, and only each
+    object's digest of its plan (`vskipper.io/plan-hash`) tells them apart."""
+    pool = [n for n in mixed_pool()]
+    for n in pool:
+        n["metadata"]["labels"]["pool"] = "serving"
+    wide = resource(placement={"nodeSelector": {"pool": "serving"}}, pod={"annotations": {"team": "llm"}})
+    before = json.loads(json.dumps(plan(wide, pool).objects))
+    after = plan(resource(), pool).objects
+    deployments = [o for o in after if o["kind"] == "Deployment"]
+    assert deployments and all(contains({**o, "metadata": {**o["metadata"], "annotations": {
+        k: v for k, v in o["metadata"]["annotations"].items() if k != PLAN_HASH_ANNOTATION}}}, {
+        **d, "metadata": {**d["metadata"], "annotations": {k: v for k, v in d["metadata"]["annotations"].items()
+                                                         if k != PLAN_HASH_ANNOTATION}}})
+        for o, d in zip(sorted((o for o in before if o["kind"] == "Deployment"), key=object_key),
+                        sorted(deployments, key=object_key), strict=True))  # the old objects hold the new fields
+    changes = diff(after, before)
+    assert sorted(o["metadata"]["name"] for o in changes.update if o["kind"] == "Deployment") == sorted(
+        o["metadata"]["name"] for o in deployments)
+    assert diff(after, json.loads(json.dumps(after))).empty
 
 
 def test_gpu_class_leaving_the_pool_deletes_its_deployment():

@@ -58,6 +58,10 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 PRODUCT_ANNOTATION = "vskipper.io/gpu-product"
 NODES_LOST_ANNOTATION = "vskipper.io/nodes-lost-at"
+# Each planned object's digest of itself: `contains` sees a field the plan no longer sets (a nodeSelector key or a
+# pod annotation removed from the spec) only through it, since the applied object keeps every field it was given
+# until an apply that leaves one out removes it.
+PLAN_HASH_ANNOTATION = "vskipper.io/plan-hash"
 CONFIG_DIR = "/etc/vskipper"
 ARM_FILE = f"{CONFIG_DIR}/arm.json"
 PROBE_MODULE = "vskipper_operator.probe"
@@ -879,6 +883,9 @@ def _objects(r: Resolved, classes: list[GpuClass], measured: Mapping[str, float]
     if spec["bandwidthProbe"]["enabled"]:
         objects += [_probe_job(r, c) for c in classes if not c.reason.startswith("NotAllowed")
                     and c.node_state == "Present" and _lookup(measured, c.product) is None]
+    for obj in objects:
+        digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+        obj["metadata"].setdefault("annotations", {})[PLAN_HASH_ANNOTATION] = digest
     return objects
 
 
