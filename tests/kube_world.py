@@ -26,6 +26,11 @@ semantics (a PATCH merges JSON). Faults are injected with kmock's own DSL, e.g.
   keeps both (the API server stores nothing; kmock still sends a MODIFIED event for it). Not modelled: kinds
   that carry no generation (Events, Nodes) get one here, a `status` write applies whatever else it holds, a
   list's `resourceVersion` is kmock's placeholder and a DELETED event carries the last stored version;
+- `metadata.managedFields` names who wrote an object and how: a create records its `fieldManager` as an *Update*,
+  a server-side apply (`application/apply-patch+yaml`) the manager's *Apply* entry, and a client may rewrite the
+  list (kubectl's upgrade from client-side apply does). Which fields each entry owns, and the pruning on apply
+  that follows from it (a field an apply leaves out is removed only from the applier's own *Apply* entry), are
+  not modelled: the tests read who holds the entries;
 - `fail(...)` makes matching writes fail without changing anything (kmock's own reactions answer with a status
   but still apply the write);
 - with `admission=True`, SkipperDeployments are admitted against the generated CRD (tests/admission.py), 422
@@ -195,6 +200,7 @@ class ApiServer(kmock.KubernetesEmulator):
                         for key, value in amounts.items():
                             amounts[key] = canonical_quantity(value)
             self._stamp(request)  # on the canonical body: a write of `1000m` over a stored `1` changes nothing
+            self._record_manager(request)
         return await super()._handle(request)
 
     refused: list = attrs.field(factory=list)
@@ -228,6 +234,22 @@ class ApiServer(kmock.KubernetesEmulator):
         meta = request.data.get("metadata")
         request.data["metadata"] = {**(meta if isinstance(meta, dict) else {}), "resourceVersion": version,
                                     "generation": generation}
+
+    def _record_manager(self, request) -> None:
+        """The write's field manager in `managedFields` (module docstring): a create's as an Update, an apply's as
+        its Apply entry beside the others."""
+        if not isinstance(request.data, dict):
+            return
+        manager = (request.params or {}).get("fieldManager") or "unknown"
+        entry = {"manager": manager, "apiVersion": request.data.get("apiVersion"), "fieldsType": "FieldsV1",
+                 "fieldsV1": {}}
+        if request.action == kmock.action.CREATE:
+            request.data["metadata"]["managedFields"] = [{**entry, "operation": "Update"}]
+        elif "apply-patch" in (request.headers or {}).get("Content-Type", ""):
+            stored = self._stored(request) or {}
+            others = [e for e in (stored.get("metadata") or {}).get("managedFields") or []
+                      if (e.get("manager"), e.get("operation")) != (manager, "Apply")]
+            request.data["metadata"]["managedFields"] = [*others, {**entry, "operation": "Apply"}]
 
     def _stamp_deletion(self, request) -> None:
         """A delete that finalizers hold sets `deletionTimestamp` (kmock's own patch): a write of its own, with its

@@ -63,6 +63,33 @@ def test_canonicalized_quantities_are_not_reapplied_on_every_resync(cluster):
     assert runner.exception is None, runner.output
 
 
+def _owning_upgrade(request) -> bool:
+    """The JSON patch that makes a created object's fields the operator's Apply (`Kube.own_as_applied`)."""
+    return isinstance(request.data, list) and any(op.get("path") == "/metadata/managedFields" for op in request.data)
+
+
+def test_what_the_operator_creates_it_holds_as_applied_so_a_later_apply_can_remove_a_field(cluster):
+    """A create is a POST, which the API server records as the operator's Update of every field it sent, and
+    server-side apply never removes a field another operation owns: right after each create the operator makes
+    its entry the Apply one. (The fields each entry owns, and the pruning itself, are not modelled here:
+    tests/kube_world.py.)"""
+    add_node(cluster, "a100-0", A100)
+    add_resource(cluster)
+    with operator() as runner:
+        wait_for(lambda: deployment(cluster, "nvidia-a100-sxm4-80gb"), what="deployment")
+
+        def holders(obj):
+            return [(e["manager"], e["operation"]) for e in obj["metadata"].get("managedFields") or []]
+
+        wait_for(lambda: holders(deployment(cluster, "nvidia-a100-sxm4-80gb")) == [("vskipper-operator", "Apply")],
+                 what="the Deployment held as the operator's Apply")
+        service = cluster.http("GET", "/api/v1/namespaces/llm/services/llama")
+        assert holders(service) == [("vskipper-operator", "Apply")]
+        upgrades = [r for r in cluster.writes("/deployments/") if _owning_upgrade(r)]
+        assert upgrades and upgrades[0].data[0]["op"] == "test"  # only at the version the POST returned
+    assert runner.exception is None, runner.output
+
+
 def test_a_probe_job_whose_template_changes_is_replaced_not_patched(cluster):
     add_node(cluster, "h100-0", H100)
     add_resource(cluster, bandwidthProbe={"enabled": True})
@@ -77,7 +104,8 @@ def test_a_probe_job_whose_template_changes_is_replaced_not_patched(cluster):
         wait_for(lambda: (s := status_of(cluster)).get("observedGeneration") == 2 and s, what="status")
         image = deployment(cluster, "nvidia-h100-80gb-hbm3")["spec"]["template"]["spec"]["containers"][0]["image"]
         assert image == new_image
-        assert {r.method for r in cluster.writes(job_path)} == {"DELETE"}
+        # the Job itself was deleted, never patched: its one other write made the operator's create its Apply
+        assert {r.method for r in cluster.writes(job_path) if not _owning_upgrade(r)} == {"DELETE"}
         assert not [r for r in cluster.api.refused if r.url.path.startswith(JOBS)], "a Job template was patched"
         assert late_writes(cluster, "/jobs") == [] and late_writes(cluster, "/deployments") == []
     assert runner.exception is None, runner.output
@@ -143,8 +171,9 @@ def test_gauges_of_a_deleted_resource_are_removed(cluster):
         assert exported()
         cluster.http("DELETE", f"{SKD_PATH}/llama")
         wait_for(lambda: cluster.http("GET", f"{SKD_PATH}/llama") is None, what="resource gone")
-        wait_for(lambda: not exported(), what="gauges removed")
-        assert not [k for k in metrics.GPU_CLASSES._metrics if k[:2] == ("llm", "llama")]
+        # the operator's thread removes them gauge by gauge: the test waits for the last as well as the first
+        wait_for(lambda: not exported() and not [k for k in metrics.GPU_CLASSES._metrics if k[:2] == ("llm", "llama")],
+                 what="gauges removed")
     assert runner.exception is None, runner.output
 
 

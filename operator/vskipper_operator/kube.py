@@ -9,12 +9,19 @@ login Kopf uses: the service account token or the kubeconfig, read anew) and rep
 
 A name held by an object the resource does not own (no owner reference with its uid) is never adopted: `create`
 raises `NameTaken`, saying who holds it, and writes nothing.
+
+A create is a POST (it fails on a name someone else took meanwhile, where an apply would take the object over),
+which the API server records as the operator's *Update* of every field it sent; server-side apply never removes
+a field another operation owns, so a field a later plan leaves out (an emptyDir model volume a PVC replaces, an
+init container) would stay for good. Right after the POST the operator's entry in `managedFields` is made its
+*Apply* entry (`own_as_applied`, kubectl's upgrade from client-side apply), so that its applies own those fields.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -22,6 +29,8 @@ from typing import Any
 import aiohttp
 
 from vskipper_operator import metrics
+
+logger = logging.getLogger(__name__)
 
 MANAGER = "vskipper-operator"
 RETRY_STATUSES = {409: "conflict", 429: "throttled", 500: "server_error", 502: "server_error",
@@ -200,10 +209,33 @@ class Kube:
                 current = await self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) or {}
             else:
                 metrics.APPLIED.labels(obj["kind"], "create").inc()
-                return created
+                return await self.own_as_applied(obj, created)
         if not owned_by(current, owner_uid):
             raise NameTaken(obj, current)
         return await self.apply(obj)  # ours, but no longer carrying the labels it is listed by
+
+    async def own_as_applied(self, obj: Mapping[str, Any], created: dict) -> dict:
+        """The operator's Update entry in the created object's `managedFields` turned into its Apply entry (a JSON
+        patch that holds only at the version the POST returned); the object as the server then holds it. Where the
+        object changed meanwhile (409, 422) it is left as it is: its fields stay the operator's Update, which a
+        later apply cannot remove, and a warning says so."""
+        meta = created.get("metadata") or {}
+        entries = meta.get("managedFields") or []
+        upgraded = [{**e, "operation": "Apply"} if e.get("manager") == MANAGER and e.get("operation") == "Update"
+                    and not e.get("subresource") else e for e in entries]
+        if upgraded == entries:
+            return created
+        patch = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+                 {"op": "replace", "path": "/metadata/managedFields", "value": upgraded}]
+        path = path_for(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        try:
+            return await self.request("PATCH", path, body=patch, content_type="application/json-patch+json")
+        except ApiError as exc:
+            if exc.status not in (409, 422):
+                raise
+            logger.warning(f"{obj['kind']} {obj['metadata']['name']} changed before its fields were made the "
+                           f"operator's applied ones ({exc.status}): a field a later plan leaves out stays")
+            return created
 
     async def apply(self, obj: Mapping[str, Any]) -> dict:
         """Server-side apply: the operator's field manager owns exactly the fields it sends."""
