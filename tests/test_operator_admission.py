@@ -124,6 +124,9 @@ CASES = [
     # metadata.name: the children's names append the GPU class.
     ("name-too-long", {"metadata.name": "a" * 41}, "metadata.name", "both"),
     ("name-not-a-dns-label", {"metadata.name": "Llama_8B"}, "metadata.name", "both"),
+    ("name-starting-with-a-digit", {"metadata.name": "3b-demo"}, "metadata.name", "both"),  # the Service's name
+    ("grace-shorter-than-the-drain", {"serving": {"image": "x", "terminationGracePeriodSeconds": 20}},
+     "spec.serving.terminationGracePeriodSeconds", "both"),
     # The rest of the spec.
     ("replicas-negative", {"replicas": -1}, "spec.replicas", "both"),
     ("model-without-geometry", {"model": {"path": "/m"}}, "spec.model", "both"),

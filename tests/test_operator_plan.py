@@ -249,7 +249,7 @@ def test_plan_of_the_applied_state_is_empty():
         obj["status"] = {"observedGeneration": 1}
         if obj["kind"] == "Deployment":
             obj["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1"
-            obj["spec"]["progressDeadlineSeconds"] = 600
+            obj["spec"]["revisionHistoryLimit"] = 10
     assert diff(plan(resource(uid="u1"), mixed_pool()).objects, applied).empty
 
 

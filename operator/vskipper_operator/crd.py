@@ -41,10 +41,15 @@ MODEL_PRESETS = ("llama-3-8b", "qwen3-4b", "qwen3-8b")
 # `vskipper.serveargs`; `vskipper_operator.flags` checks extraArgs with the parsers themselves.
 OWNED_ARGS = operator_owned_strings()
 MAX_NAME = 40  # child objects append the GPU class to the resource's name and must stay DNS labels
+DRAIN_SECONDS = 15  # preStop: endpoints stop routing to a terminating pod before SGLang gets SIGTERM
+# The least grace period a server pod gets: the drain's sleep, then as long again for SGLang's own shutdown (the
+# kubelet kills the container when the grace period, which the preStop hook's time counts in, runs out).
+MIN_GRACE_SECONDS = 2 * DRAIN_SECONDS
 MAX_TOKENS = 10**9  # thresholds above this are typos (no GPU holds a billion resident KV tokens)
 
 # Patterns the API server would otherwise check only when the derived objects are written (RE2 and Python re).
 DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_1035_RE = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"  # a Service's name: a letter first
 LABEL_VALUE_RE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 LABEL_KEY_RE = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                 r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -232,8 +237,9 @@ SPEC_SCHEMA: dict = _obj({
                                     "passed through the environment)", "api-key"),
         "startupTimeoutSeconds": _int("how long a server may take to load the model and warm up before its "
                                       "liveness probe counts", 60, 7200, default=1800),
-        "terminationGracePeriodSeconds": _int("time a server pod gets to drain in-flight requests on shutdown",
-                                              10, 3600, default=120),
+        "terminationGracePeriodSeconds": _int("time a server pod gets to drain in-flight requests on shutdown "
+                                              f"(the preStop drain's {DRAIN_SECONDS} s included)",
+                                              MIN_GRACE_SECONDS, 3600, default=120),
         "networkPolicy": _obj({
             "enabled": _bool("plan a networking.k8s.io/v1 NetworkPolicy admitting only allowFrom to the server "
                              "port (Prometheus included: allow its namespace to scrape /metrics)", False),
@@ -476,10 +482,11 @@ RULES: tuple[Rule, ...] = (
 )
 
 # On the resource itself: child objects are named `<name>-<gpu class>`.
-NAME_RULE = Rule("", f"self.metadata.name.size() <= {MAX_NAME} && self.metadata.name.matches({_cel_str(DNS_LABEL_RE)})",
-                 f"must be a DNS label of at most {MAX_NAME} characters (child objects append the GPU class)",
+NAME_RULE = Rule("", f"self.metadata.name.size() <= {MAX_NAME} && self.metadata.name.matches({_cel_str(DNS_1035_RE)})",
+                 f"must be a DNS label that starts with a letter (the Service takes the name), of at most {MAX_NAME} "
+                 "characters (child objects append the GPU class)",
                  lambda obj: isinstance(name := (obj.get("metadata") or {}).get("name"), str)
-                 and len(name) <= MAX_NAME and re.search(DNS_LABEL_RE, name) is not None, "metadata.name")
+                 and len(name) <= MAX_NAME and re.search(DNS_1035_RE, name) is not None, "metadata.name")
 
 
 def _node_at(schema: dict, path: str) -> dict:

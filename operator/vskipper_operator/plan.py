@@ -42,6 +42,7 @@ from vskipper.serveargs import serve_argv
 from vskipper.skippers.registry import SkipperConfigError, get_entry
 from vskipper_operator.crd import (
     API_VERSION,
+    DRAIN_SECONDS,
     GPU_PRODUCT_LABEL,
     HF_SCHEME,
     KIND,
@@ -75,10 +76,10 @@ FETCH_CONTAINER = "fetch-model"
 FETCH_MODULE = "vskipper.fetch"
 RUNTIME_UID = 10001  # the runtime image's user (images/runtime.Dockerfile: USER 10001:10001)
 API_KEY_ENV = "VSKIPPER_API_KEY"
-DRAIN_SECONDS = 15  # preStop: endpoints stop routing to a terminating pod before SGLang gets SIGTERM
 DEFAULT_CPU = "4"  # per replica, when spec.resources.cpu is not given
 DEFAULT_MEMORY = "32Gi"  # host memory for loading the weights and the tokenizer workers
 PROBE_PERIOD = 10
+PROGRESS_MARGIN_S = 900  # beyond the start's timeout: the image's pull and the model's download
 # PodSecurity `restricted` (tests/pod_security.py checks every planned pod against it): non-root, the runtime's
 # default seccomp profile, no privilege escalation, every capability dropped.
 POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
@@ -811,6 +812,9 @@ def _deployment(r: Resolved, c: GpuClass, config_hash: str) -> dict:
             "spec": {"replicas": c.replicas, "selector": {"matchLabels": _class_selector(r, c)},
                      # A GPU node seldom has a spare GPU: replace one pod at a time, never surge.
                      "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+                     # a rollout waits out a pod's start (the model's download and load, the warm-up) before the
+                     # Deployment reports ProgressDeadlineExceeded (600 s by default, under the default start)
+                     "progressDeadlineSeconds": serving["startupTimeoutSeconds"] + PROGRESS_MARGIN_S,
                      "template": {"metadata": {"labels": {**(knobs.get("labels") or {}), **labels},
                                                "annotations": annotations}, "spec": pod}}}
 
