@@ -201,6 +201,12 @@ def test_entrypoint_execs_vskipper_serve(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ran: serve --model /m --exit-tokens 1 --enter-tokens 2"
     assert "NVIDIA-H100-80GB-HBM3" in proc.stderr
+    # a key someone gave as a flag goes through, and stays out of the container's log
+    path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+    for flag in (["--api-key", "sk-flag"], ["--api-key=sk-flag"]):
+        proc = entrypoint("--model", "/m", "--arm", "dense", *flag, PATH=path)
+        assert proc.returncode == 0 and "sk-flag" in proc.stdout, proc.stderr
+        assert "sk-flag" not in proc.stderr and "***" in proc.stderr
 
 
 BUILD = os.environ.get("VSKIPPER_IMAGE_BUILD") == "1"

@@ -144,7 +144,8 @@ def test_the_planned_pod_downloads_what_its_server_then_serves(hub, tmp_path, cl
     """The init container and the server container of a planned hf:// Deployment, run as the kubelet runs them
     (the cache volume is a folder here, Secrets are resolved, `$(VAR)` expanded): the download lands where the
     server reads, `vskipper serve --dry-run` accepts it through the image's entrypoint, and a real server on CPU
-    answers a completion with the API key and refuses one without."""
+    answers a completion with the API key and refuses one without. The key travels in the environment alone: no
+    command line holds it, the dry run prints it masked, and the server's log never shows it."""
     from vskipper.sglang.launch import http, serve
 
     spec = resource(model={"path": f"hf://{REPO}", "preset": "llama-3-8b",
@@ -186,13 +187,14 @@ def test_the_planned_pod_downloads_what_its_server_then_serves(hub, tmp_path, cl
     assert dry.returncode == 0, dry.stderr
     command = json.loads(dry.stdout)["command"]
     assert command[command.index("--model-path") + 1] == str(model)
-    assert command[command.index("--api-key") + 1] == "sk-standin"
+    assert "sk-standin" not in dry.stdout + dry.stderr and "--api-key" not in command
+    assert json.loads(dry.stdout)["environment"]["VSKIPPER_API_KEY"] == "***"
 
-    # A real server on the downloaded checkpoint, with the API key the Secret gave the pod.
+    # A real server on the downloaded checkpoint, with the API key the Secret gave the pod's environment.
     with serve(model, tmp_path / "serve", arm=args[args.index("--arm") + 1],
                enter_tokens=int(args[args.index("--enter-tokens") + 1]),
                exit_tokens=int(args[args.index("--exit-tokens") + 1]),
-               extra=["--api-key", "sk-standin"]) as running:
+               env={"VSKIPPER_API_KEY": server_env["VSKIPPER_API_KEY"]}) as running:
         body = {"model": "default", "prompt": "hello", "max_tokens": 4, "temperature": 0}
         assert http(running.url + "/v1/completions", body)[0] == 401
         req = urllib.request.Request(
@@ -202,3 +204,5 @@ def test_the_planned_pod_downloads_what_its_server_then_serves(hub, tmp_path, cl
             answer = json.loads(resp.read())
         assert answer["choices"][0]["text"] is not None and answer["usage"]["completion_tokens"] >= 1
         assert http(running.url + "/ready")[0] == 200  # the readiness probe's endpoint, without the key
+        log = running.log.read_text()
+        assert "server_args=" in log and "sk-standin" not in log, log[-2000:]  # SGLang logs its arguments

@@ -75,7 +75,8 @@ def test_planned_container_args_are_declared_flags_that_both_parsers_take():
         sglang_dests, left = resolve(sglang_parser(), rest)
         assert left == []
         declared = {f.dest for f in SGLANG_OPERATOR_FLAGS if f.spec_field}
-        assert sglang_dests == declared - {"cuda_graph_max_bs_decode"}  # no spec.serving.cudaGraphMaxBatchSize
+        # no spec.serving.cudaGraphMaxBatchSize; the API key comes in the environment (serveargs.API_KEY_ENV)
+        assert sglang_dests == declared - {"cuda_graph_max_bs_decode", "api_key"}
         assert set(a for a in args if a.startswith("--")) <= set(operator_owned_strings()) | {
             f.name for f in SGLANG_OPERATOR_FLAGS}
 
@@ -88,3 +89,26 @@ def test_launcher_command_parses_as_serve_would(tmp_path):
     dests -= {"func"}
     assert rest == [] and dests == {"model", "arm", "port", "state_file", "enter_tokens", "exit_tokens", "platform"}
     assert cmd[cut + 1:] == ["--dtype", "float32", "--max-running-requests", "4"]
+
+
+def test_the_api_key_reaches_sglangs_parser_from_the_environment_and_is_masked_in_the_log():
+    """`vskipper.sglang.server` adds the key of VSKIPPER_API_KEY to the arguments its own process parses (a flag
+    given wins, and no variable adds nothing), and masks it in every log record of the process."""
+    import logging
+
+    from vskipper.serveargs import API_KEY_ENV
+    from vskipper.sglang.server import mask_in_logs, with_api_key
+
+    assert with_api_key(["--port", "1"], {API_KEY_ENV: "sk-1"}) == (["--port", "1", "--api-key", "sk-1"], "sk-1")
+    assert with_api_key(["--api-key=mine"], {API_KEY_ENV: "sk-1"}) == (["--api-key=mine"], None)
+    assert with_api_key(["--port", "1"], {API_KEY_ENV: ""}) == (["--port", "1"], None)
+    factory = logging.getLogRecordFactory()
+    try:
+        mask_in_logs("sk-1")
+        record = logging.getLogger("sglang.test").makeRecord("sglang.test", logging.INFO, __file__, 1,
+                                                              "server_args=%s", ({"api_key": "sk-1"},), None)
+        assert record.getMessage() == "server_args={'api_key': '***'}"
+        plain = logging.getLogger("x").makeRecord("x", logging.INFO, __file__, 1, "port %d", (1,), None)
+        assert plain.getMessage() == "port 1"
+    finally:
+        logging.setLogRecordFactory(factory)

@@ -129,11 +129,16 @@ SGLANG_OPERATOR_FLAGS: tuple[SGLangFlag, ...] = (
     SGLangFlag("disable_radix_cache", ("--disable-radix-cache",), "spec.serving.prefixCache", type=None,
                in_admission_rule=False),
     SGLangFlag("enable_metrics", ("--enable-metrics",), "spec.metrics.enabled", type=None, in_admission_rule=False),
+    # The key travels in the environment (API_KEY_ENV, from the Secret), never on a command line or in the spec.
     SGLangFlag("api_key", ("--api-key",), "spec.serving.apiKeySecret", why="(never as text in the spec)"),
     # Not set, but a config file could set the others behind the operator's back.
     SGLangFlag("config", ("--config",), in_admission_rule=False,
                why="nobody: a config file would set the operator's flags behind its back"),
 )
+
+# The server's API key (SGLang's --api-key): `vskipper.sglang.server` hands it to SGLang inside its own process, so
+# it is in no process's arguments (`ps`, a container's printed command), and its own log lines mask it.
+API_KEY_ENV = "VSKIPPER_API_KEY"
 
 SERVE_BY_DEST = {f.destination: f for f in SERVE_FLAGS}
 SGLANG_BY_DEST = {f.dest: f for f in SGLANG_OPERATOR_FLAGS}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 from vskipper.serveargs import CONTAINER_ENV as ENV
@@ -88,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(command))
         return 0
     product = os.environ.get("VSKIPPER_GPU_PRODUCT", "unknown GPU")
-    print(f"vskipper runtime on {product}: {' '.join(command)}", file=sys.stderr, flush=True)
+    shown = [re.sub(r"^(--api-key=).*", r"\1***", a) if not (i and command[i - 1] == "--api-key") else "***"
+             for i, a in enumerate(command)]  # a key given as a flag stays out of the container's log
+    print(f"vskipper runtime on {product}: {' '.join(shown)}", file=sys.stderr, flush=True)
     os.execvp(command[0], command)
     return 127  # not reached
 

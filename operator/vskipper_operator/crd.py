@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vskipper.constants import CONSTANTS
-from vskipper.serveargs import operator_owned_strings
+from vskipper.serveargs import API_KEY_ENV, operator_owned_strings
 from vskipper.skippers.registry import registered
 from vskipper.switch import Policy
 
@@ -437,9 +437,9 @@ RULES: tuple[Rule, ...] = (
     Rule("pod.env[]", f"has(self.name) && self.name.matches({_cel_str(ENV_NAME_RE)})",
          "must have a name that is a C identifier-like environment variable name",
          lambda e: isinstance(e.get("name"), str) and re.search(ENV_NAME_RE, e["name"]) is not None, "name"),
-    Rule("pod.env[]", "!has(self.name) || !(self.name in ['VSKIPPER_GPU_PRODUCT', 'VSKIPPER_API_KEY'])",
-         "must not set a variable the operator owns (VSKIPPER_GPU_PRODUCT, VSKIPPER_API_KEY)",
-         lambda e: e.get("name") not in ("VSKIPPER_GPU_PRODUCT", "VSKIPPER_API_KEY"), "name"),
+    Rule("pod.env[]", f"!has(self.name) || !(self.name in ['VSKIPPER_GPU_PRODUCT', '{API_KEY_ENV}'])",
+         f"must not set a variable the operator owns (VSKIPPER_GPU_PRODUCT, {API_KEY_ENV})",
+         lambda e: e.get("name") not in ("VSKIPPER_GPU_PRODUCT", API_KEY_ENV), "name"),
     Rule("pod.volumes[]", f"has(self.name) && self.name.matches({_cel_str(DNS_LABEL_RE)}) && "
          "!(self.name in ['switch', 'shm', 'model'])",
          "must have a DNS-label name other than the operator's volumes (switch, shm, model)",

@@ -38,7 +38,7 @@ from vskipper.roofline import (
     kv_bytes_per_token_layer,
     normalize_product,
 )
-from vskipper.serveargs import serve_argv
+from vskipper.serveargs import API_KEY_ENV, serve_argv
 from vskipper.skippers.registry import SkipperConfigError, get_entry
 from vskipper_operator.crd import (
     API_VERSION,
@@ -75,7 +75,6 @@ MODEL_CACHE = "/models"  # where an hf:// download's cache volume is mounted
 FETCH_CONTAINER = "fetch-model"
 FETCH_MODULE = "vskipper.fetch"
 RUNTIME_UID = 10001  # the runtime image's user (images/runtime.Dockerfile: USER 10001:10001)
-API_KEY_ENV = "VSKIPPER_API_KEY"
 DEFAULT_CPU = "4"  # per replica, when spec.resources.cpu is not given
 DEFAULT_MEMORY = "32Gi"  # host memory for loading the weights and the tokenizer workers
 PROBE_PERIOD = 10
@@ -641,9 +640,8 @@ def server_args(r: Resolved, c: GpuClass) -> list[str]:
                        "mem_fraction_static": serving.get("memFractionStatic"),
                        "attention_backend": serving.get("attentionBackend"),
                        "disable_radix_cache": not serving["prefixCache"],
-                       "enable_metrics": spec["metrics"]["enabled"],
-                       # expanded by the kubelet from the Secret-backed variable
-                       "api_key": f"$({API_KEY_ENV})" if serving.get("apiKeySecret") else None})
+                       # the API key comes from the Secret-backed variable (API_KEY_ENV), not from an argument
+                       "enable_metrics": spec["metrics"]["enabled"]})
     return args + list(serving.get("extraArgs", []))
 
 

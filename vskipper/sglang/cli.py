@@ -14,6 +14,7 @@ from pathlib import Path
 from vskipper.arms import Arm, get_arm
 from vskipper.modelspec import load_model_facts
 from vskipper.roofline import derive_thresholds, lookup_device
+from vskipper.serveargs import API_KEY_ENV
 from vskipper.switch import Policy
 
 NVIDIA_DEVICE_NODE = "/dev/nvidiactl"  # present wherever an NVIDIA driver exposes a device
@@ -168,7 +169,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     cmd, env = server_command(args)
     if args.dry_run:
-        shown = {k: v for k, v in env.items() if k.startswith(("VSKIPPER_", "SGLANG_")) or k == "PYTHONPATH"}
+        shown = {k: "***" if k == API_KEY_ENV else v for k, v in env.items()
+                 if k.startswith(("VSKIPPER_", "SGLANG_")) or k == "PYTHONPATH"}  # the key stays unprinted
         profile = json.loads(env[ENV_PROFILE])
         print(json.dumps({"command": cmd, "environment": shown, "profile": profile}, indent=2))
         return 0

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
 import uuid
 from pathlib import Path
 
+from vskipper.serveargs import API_KEY_ENV
 from vskipper.sglang import SGLANG_VERSION
 from vskipper.sglang.configs import register_configs
 from vskipper.sglang.guard import install_request_guard, vocab_size
@@ -120,6 +122,30 @@ def _model_path(argv: list[str]) -> str:
     raise ServeConfigError("--model-path is required")
 
 
+def with_api_key(argv: list[str], environ) -> tuple[list[str], str | None]:
+    """SGLang's arguments with the API key of `API_KEY_ENV` (a Secret's, in a pod) added, for this process's
+    parser alone: (the arguments, the key, or None where none is set). A `--api-key` given as a flag wins."""
+    key = environ.get(API_KEY_ENV) or None
+    if key is None or any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
+        return argv, None
+    return [*argv, "--api-key", key], key
+
+
+def mask_in_logs(secret: str) -> None:
+    """Every log record of this process has `secret` masked (SGLang logs its resolved arguments, the API key
+    among them, when it starts)."""
+    make = logging.getLogRecordFactory()
+
+    def record(*args, **kwargs):
+        rec = make(*args, **kwargs)
+        message = rec.getMessage()
+        if secret in message:
+            rec.msg, rec.args = message.replace(secret, "***"), None
+        return rec
+
+    logging.setLogRecordFactory(record)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -146,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     add_attestation_route(http_server.app, spec.state_file)
     install_request_guard(http_server.app, vocab)
     load_plugins()
+    argv, key = with_api_key(argv, os.environ)
+    if key is not None:
+        mask_in_logs(key)
     server_args = prepare_server_args(argv)
     try:
         run_server(server_args)
