@@ -188,6 +188,11 @@ def test_service_monitor_and_probe_jobs_are_optional():
     # A probe per class still lacking a measurement, the unknown GPU included (a measurement would serve it).
     probed = sorted(j["metadata"]["annotations"]["vskipper.io/gpu-product"] for j in by_kind(full, "Job"))
     assert probed == [A100, UNKNOWN]
+    # an overridden class's measurement would serve nothing (the override wins): no GPU spent probing it
+    overridden = plan(resource(bandwidthProbe={"enabled": True}, bandwidthOverrides=[{"product": A100, "gbps": 1500}]),
+                      mixed_pool(), measured={H100: 3100.0})
+    assert sorted(j["metadata"]["annotations"]["vskipper.io/gpu-product"]
+                  for j in by_kind(overridden, "Job")) == [UNKNOWN]
 
 
 def test_server_pods_carry_their_gpu_class_and_the_monitor_copies_it_onto_their_series():

@@ -69,6 +69,7 @@ from vskipper_operator.settings import Settings
 RESYNC_SECONDS = Settings.from_env().resync_seconds
 BANDWIDTH_CONFIG_MAP = "vskipper-bandwidth"
 CLASSES_ANNOTATION = "vskipper.io/gpu-classes"
+log = logging.getLogger(__name__)  # lines that are not an object's Events
 MEASURED_ANNOTATION = "vskipper.io/measured-bandwidth"
 
 # Per event loop (one operator run each; tests run several in one process): the credentials Kopf logged in
@@ -309,7 +310,9 @@ async def on_node(gpu_nodes: kopf.Index, skipper_deployments: kopf.Index, logger
             await _annotate(namespace, name, CLASSES_ANNOTATION, classes)
         except ApiError as exc:
             failed += 1
-            logger.warning(f"could not mark {namespace}/{name} for re-planning (retried on the next Node event): {exc}")
+            # logged, not posted: Kopf would post a Node's warning as an Event in `default`, where an operator
+            # watching its own namespaces may not write
+            log.warning(f"could not mark {namespace}/{name} for re-planning (retried on the next Node event): {exc}")
     if not failed:  # remembered only once every resource has it: a failed trigger is not lost
         _classes[loop] = classes
 

@@ -883,8 +883,10 @@ def _objects(r: Resolved, classes: list[GpuClass], measured: Mapping[str, float]
                      "podTargetLabels": [CLASS_LABEL],
                      "endpoints": [{"port": "http", "path": "/metrics", "interval": spec["metrics"]["interval"]}]}})
     if spec["bandwidthProbe"]["enabled"]:
+        # no probe where its measurement would serve nothing: measured already, or overridden (an override wins)
         objects += [_probe_job(r, c) for c in classes if not c.reason.startswith("NotAllowed")
-                    and c.node_state == "Present" and _lookup(measured, c.product) is None]
+                    and c.node_state == "Present" and _lookup(measured, c.product) is None
+                    and c.bandwidth_source != "override"]
     for obj in objects:
         digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
         obj["metadata"].setdefault("annotations", {})[PLAN_HASH_ANNOTATION] = digest
