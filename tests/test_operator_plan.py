@@ -301,6 +301,9 @@ def test_contains_ignores_server_fields_but_not_changed_values():
     assert contains({"a": 1, "b": {"c": "x", "d": 2}}, {"b": {"c": "x"}})
     assert not contains({"a": [1, 2]}, {"a": [1]})
     assert not contains({"a": {"c": "y"}}, {"a": {"c": "x"}})
+    # quantities as the API server stores them: an emptyDir's size limit given in bytes comes back as 40G
+    assert contains({"emptyDir": {"sizeLimit": "40G"}}, {"emptyDir": {"sizeLimit": 40_000_000_000}})
+    assert not contains({"emptyDir": {"sizeLimit": "40G"}}, {"emptyDir": {"sizeLimit": "41G"}})
 
 
 @pytest.mark.parametrize(("change", "message"), [

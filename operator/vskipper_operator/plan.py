@@ -919,10 +919,11 @@ def quantity(value: Any) -> Decimal | None:
 
 def contains(applied: Any, desired: Any, quantities: bool = False) -> bool:
     """Every field the plan sets has that value in the applied object (fields the server adds are ignored;
-    resource requests and limits, which the API server stores canonically, compare by value)."""
+    quantities, which the API server stores canonically, compare by value: resource requests and limits, an
+    emptyDir's sizeLimit)."""
     if isinstance(desired, Mapping):
         return isinstance(applied, Mapping) and all(
-            k in applied and contains(applied[k], v, quantities or k in ("requests", "limits"))
+            k in applied and contains(applied[k], v, quantities or k in ("requests", "limits", "sizeLimit"))
             for k, v in desired.items())
     if isinstance(desired, list):
         return (isinstance(applied, list) and len(applied) == len(desired)
