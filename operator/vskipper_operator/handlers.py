@@ -132,6 +132,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # Events are posted explicitly, not from every log line
     settings.networking.error_backoffs = [1, 3, 10, 30]
     settings.execution.max_workers = 4
+    # A deletion that meets the resync timer mid-run waits for it to end, then checks again after this long (Kopf's
+    # default, 60 s, held a deleted resource and its finalizer that long behind one reconcile)
+    settings.background.cancellation_polling = 2
     _settings.pop(asyncio.get_running_loop(), None)  # read afresh for this run
     port = operator_settings().metrics_port
     if port and not _metrics_served:
