@@ -110,5 +110,7 @@ def test_the_api_key_reaches_sglangs_parser_from_the_environment_and_is_masked_i
         assert record.getMessage() == "server_args={'api_key': '***'}"
         plain = logging.getLogger("x").makeRecord("x", logging.INFO, __file__, 1, "port %d", (1,), None)
         assert plain.getMessage() == "port 1"
+        # a record whose arguments do not fit its format is made as logging makes it, to fail where it reports
+        logging.getLogger("x").makeRecord("x", logging.INFO, __file__, 1, "port %d", ("one",), None)
     finally:
         logging.setLogRecordFactory(factory)

@@ -138,7 +138,10 @@ def mask_in_logs(secret: str) -> None:
 
     def record(*args, **kwargs):
         rec = make(*args, **kwargs)
-        message = rec.getMessage()
+        try:
+            message = rec.getMessage()
+        except Exception:  # a malformed record fails where logging reports it (at emit), not in the caller
+            return rec
         if secret in message:
             rec.msg, rec.args = message.replace(secret, "***"), None
         return rec
