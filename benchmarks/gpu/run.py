@@ -1208,8 +1208,8 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
             raise RuntimeError(f"{doc['path']}: digest {suites[load].digest[:12]} is not the ladder's "
                                f"suites.{load}.digest {doc['digest'][:12]}")
     th_rule, th_tau, sweep, tau_source = headline_thresholds(plan, out, model)
-    means = {"rule": th_rule, "tau": th_tau}
-    mismatch = headline_mode_mismatch(plan, out, arms, headline_serving(arms, th_rule, th_tau))
+    serving = headline_serving(arms, th_rule, th_tau)  # no entry: a tau arm without a tau, served nowhere
+    mismatch = headline_mode_mismatch(plan, out, arms, serving)
     if mismatch:
         raise SystemExit(f"[headline] {mismatch}")
     bandwidth = device_bandwidth(plan)  # charges the adapter's read in the skip's limit (none on the dry run)
@@ -1218,7 +1218,7 @@ def stage_headline(plan: Plan, out: Path, budget_s: float, arms: tuple[str, ...]
     started = False
     for key in arms:  # in the order asked (`headline_order`)
         name, role, variant, loads = HEADLINE_ARMS[key]
-        thresholds = means.get(variant)
+        thresholds = serving.get(key)
         doc = {"arm": name, "role": role, "loads": {}, "thresholds": thresholds}
         result["arms"][key] = doc
         if variant == "tau" and th_tau is None:
