@@ -14,7 +14,7 @@ import kmock
 import pytest
 from kopf.testing import KopfRunner
 from kube_world import wait_for
-from operator_fixtures import A100, H100, UNKNOWN, node, resource
+from operator_fixtures import A100, H100, UNKNOWN, mig_mixed_node, node, resource
 
 from vskipper.sglang.launch import free_port
 from vskipper_operator.plan import plan
@@ -190,6 +190,42 @@ def test_gpu_class_appearing_and_leaving_is_replanned_through_the_node_watch(clu
         wait_for(lambda: deployment(cluster, "nvidia-h100-80gb-hbm3") is None, what="H100 deployment deleted")
         wait_for(lambda: [r["product"] for r in status_of(cluster).get("gpuClasses", [])] == [A100], what="status")
     assert runner.exception is None, runner.output
+
+
+def test_mig_slices_are_served_as_their_own_resource_and_replanned_when_the_card_is_repartitioned(cluster):
+    """A node as GFD labels it under the `mixed` strategy: the slice type's Deployment requests the slice, no
+    Deployment asks for the partitioned card whole, and a new partition replaces the old slice's Deployment."""
+    small, large = f"{A100}-MIG-1g.10gb", f"{A100}-MIG-3g.40gb"
+    cluster.http("POST", "/api/v1/nodes", mig_mixed_node("mig-0", A100, {"1g.10gb": 7}))
+    add_resource(cluster, placement={"nodeLossGraceSeconds": 0},
+                 bandwidthOverrides=[{"product": small, "gbps": 280}, {"product": large, "gbps": 800}])
+    with operator() as runner:
+        dep = wait_for(lambda: deployment(cluster, small.lower().replace(".", "-")), what="1g.10gb deployment")
+        assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+            "nvidia.com/mig-1g.10gb": "1"}
+        assert [r["product"] for r in wait_for(lambda: status_of(cluster).get("gpuClasses"), what="status")] == [
+            small]
+        assert deployment(cluster, "nvidia-a100-sxm4-80gb") is None
+        cluster.http("DELETE", "/api/v1/nodes/mig-0")
+        cluster.http("POST", "/api/v1/nodes", mig_mixed_node("mig-0", A100, {"3g.40gb": 2}))
+        dep = wait_for(lambda: deployment(cluster, large.lower().replace(".", "-")), what="3g.40gb deployment")
+        assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+            "nvidia.com/mig-3g.40gb": "1"}
+        wait_for(lambda: deployment(cluster, small.lower().replace(".", "-")) is None, what="1g.10gb deployment deleted")
+    assert runner.exception is None, runner.output
+
+
+def test_the_node_trigger_names_each_slice_type_and_a_card_only_while_it_is_whole():
+    from vskipper_operator.handlers import _gpu_classes
+
+    def index(*nodes):
+        return {n["metadata"]["name"]: [{"labels": n["metadata"]["labels"],
+                                         "gpus": int(n.get("status", {}).get("allocatable", {}).get(
+                                             "nvidia.com/gpu", 0))}] for n in nodes}
+
+    assert _gpu_classes(index(mig_mixed_node("m", A100, {"1g.10gb": 7}))) == f"{A100}-MIG-1g.10gb"
+    assert _gpu_classes(index(mig_mixed_node("m", A100, {"3g.40gb": 1}, whole=1), node("h", H100))) == (
+        f"{A100},{A100}-MIG-3g.40gb,{H100}")
 
 
 def test_api_conflicts_are_retried_with_backoff(cluster):

@@ -7,7 +7,7 @@ import time
 
 import monitoring_schemas
 import pytest
-from operator_fixtures import A100, H100, UNKNOWN, mixed_pool, node, resource
+from operator_fixtures import A100, H100, UNKNOWN, mig_mixed_node, mixed_pool, node, resource
 
 from vskipper.constants import attestation
 from vskipper.modelspec import PRESETS
@@ -102,10 +102,67 @@ def test_name_conflicts_are_warned_until_the_status_reports_them():
         "Service llm/llama is held by another owner"]
 
 
+MIG_1G = f"{A100}-MIG-1g.10gb"
+MIG_3G = f"{A100}-MIG-3g.40gb"
+
+
+def affinity_of(dep):
+    terms = dep["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    return [(e["key"], e["values"]) for t in terms for e in t["matchExpressions"]]
+
+
 def test_mig_slices_stay_unknown():
-    result = plan(resource(), [node("mig-0", "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb")])
+    result = plan(resource(), [node("mig-0", MIG_1G, **{"nvidia.com/mig.strategy": "single"})])
     assert not by_kind(result, "Deployment")
     assert "MIG" in result.classes[0].reason
+
+
+def test_under_the_mixed_strategy_each_slice_type_is_a_class_and_a_partitioned_card_is_none():
+    """GFD's `mixed` labels keep the whole card's name in nvidia.com/gpu.product; the planner reads the slice
+    types from their own labels and counts the card only where the device plugin still has it whole."""
+    partitioned = mig_mixed_node("mig-0", A100, {"1g.10gb": 3, "3g.40gb": 1})
+    result = plan(resource(), [partitioned])
+    assert [(c.product, c.resource, c.nodes) for c in result.classes] == [
+        (MIG_1G, "nvidia.com/mig-1g.10gb", 1), (MIG_3G, "nvidia.com/mig-3g.40gb", 1)]
+    assert all(c.reason.startswith("UnknownGPU: a MIG slice") for c in result.classes)
+    assert not by_kind(result, "Deployment")  # never a whole-A100 Deployment no node could take
+    served = plan(resource(bandwidthOverrides=[{"product": MIG_3G, "gbps": 800}]), [partitioned])
+    dep = deployment_for(served, MIG_3G)
+    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/mig-3g.40gb": "1"}
+    assert affinity_of(dep) == [("nvidia.com/mig-3g.40gb.product", [MIG_3G])]
+    row = _row(served, MIG_3G)
+    assert row["resource"] == "nvidia.com/mig-3g.40gb" and row["labels"] == [MIG_3G]
+    # A card left whole beside the partitioned one is served from the catalogue, pinned as any whole card.
+    beside = plan(resource(), [mig_mixed_node("mig-1", A100, {"1g.10gb": 7}, whole=1), node("a100-0", A100)])
+    assert [(c.product, c.resource, c.nodes, c.served) for c in beside.classes] == [
+        (A100, "nvidia.com/gpu", 2, True), (MIG_1G, "nvidia.com/mig-1g.10gb", 1, False)]
+    assert affinity_of(deployment_for(beside, A100)) == [("nvidia.com/gpu.product", [A100])]
+    # A slice type whose count is 0 offers nothing.
+    empty = mig_mixed_node("mig-2", A100, {"1g.10gb": 7})
+    empty["metadata"]["labels"]["nvidia.com/mig-1g.10gb.count"] = "0"
+    assert plan(resource(), [empty]).classes == []
+
+
+def test_a_slice_offered_under_both_strategies_or_to_tensor_parallel_pods_is_not_served_and_says_why():
+    single = node("mig-s", MIG_1G, **{"nvidia.com/mig.strategy": "single"})
+    mixed = mig_mixed_node("mig-m", A100, {"1g.10gb": 7})
+    override = [{"product": MIG_1G, "gbps": 280}]
+    both = plan(resource(bandwidthOverrides=override), [single, mixed])
+    (c,) = both.classes
+    assert not c.served and c.reason.startswith("MigStrategyMismatch:") and c.nodes == 2
+    assert "nvidia.com/gpu and as nvidia.com/mig-1g.10gb" in c.reason
+    degraded = next(x for x in both.status()["conditions"] if x["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "MigStrategyMismatch"
+    assert [(t, r) for t, r, _ in both.new_events({}, [])] == [("Warning", "MigStrategyMismatch")]
+    assert both.new_events(both.status(), []) == []  # shown in the status: not posted again
+    # The nodeSelector picks one set, which is then served.
+    picked = plan(resource(bandwidthOverrides=override, placement={"nodeSelector": {"nvidia.com/mig.strategy": "mixed"}}),
+                  [single, mixed])
+    assert [(c.product, c.served, c.resource) for c in picked.classes] == [(MIG_1G, True, "nvidia.com/mig-1g.10gb")]
+    tp = plan(resource(bandwidthOverrides=override, resources={"gpus": 2}), [mixed])
+    assert tp.classes[0].reason.startswith("MigSliceTensorParallel:") and not by_kind(tp, "Deployment")
+    assert "gpus is 2" in tp.classes[0].reason
 
 
 def test_bandwidth_override_serves_an_unknown_gpu_and_beats_measured_and_catalogue():
@@ -418,6 +475,13 @@ def test_a_class_whose_nodes_vanish_is_kept_for_the_grace_period_then_removed():
     back = plan(resource(**spec), mixed_pool(), previous=served_rows(later.objects), now="2026-01-01T00:10:30Z")
     assert _row(back, H100)["nodeState"] == "Present" and "nodesLostAt" not in _row(back, H100)
     assert NODES_LOST_ANNOTATION not in deployment_for(back, H100)["metadata"]["annotations"]
+    # A MIG slice's class is kept as it was pinned: its own product label and resource.
+    mig_spec = {**spec, "bandwidthOverrides": [{"product": MIG_1G, "gbps": 280}]}
+    sliced = plan(resource(**mig_spec), [mig_mixed_node("mig-0", A100, {"1g.10gb": 7})], now="2026-01-01T00:00:00Z")
+    for previous in (served_rows(sliced.objects), sliced.status()["gpuClasses"]):
+        kept = plan(resource(**mig_spec), [], previous=previous, now="2026-01-01T00:01:00Z")
+        assert deployment_for(kept, MIG_1G)["spec"] == deployment_for(sliced, MIG_1G)["spec"]
+        assert _row(kept, MIG_1G)["nodeState"] == "NodesLost"
     # Status rows serve as well (what the planner's CLI user may pass).
     assert _row(plan(resource(**spec), without_h100, previous=before.status()["gpuClasses"], now="2026-01-01T00:01:00Z"),
                 H100)["nodeState"] == "NodesLost"

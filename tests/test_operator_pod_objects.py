@@ -10,7 +10,7 @@ import copy
 import kubernetes_validate
 import monitoring_schemas
 import pytest
-from operator_fixtures import A100, H100, node, resource
+from operator_fixtures import A100, H100, mig_mixed_node, node, resource
 from pod_security import pod_templates, violations
 
 from vskipper_operator.plan import FETCH_CONTAINER, MODEL_CACHE, plan
@@ -20,7 +20,7 @@ MIG = "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb"
 IMG = "ghcr.io/vskipper/vskipper-runtime:0.1.0"
 POOL_LABEL = {"example.com/pool": "gpu"}
 POOL = [node("a100-0", A100, **POOL_LABEL), node("h100-0", H100, **POOL_LABEL),
-        node("mig-0", MIG, **POOL_LABEL, **{"nvidia.com/mig.strategy": "mixed"})]
+        mig_mixed_node("mig-0", A100, {"1g.10gb": 7}, **POOL_LABEL)]
 
 SPECS = {
     "plain": {},
@@ -231,8 +231,12 @@ def test_probe_jobs_schedule_like_their_class_and_request_the_mig_slice():
         assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert jobs[MIG]["containers"][0]["resources"]["limits"] == {"nvidia.com/mig-1g.10gb": "1"}
     assert jobs[A100]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
-    mig = deployment(result, MIG)["spec"]["template"]["spec"]["containers"][0]
-    assert mig["resources"]["limits"] == {"nvidia.com/mig-1g.10gb": "1"}
+    mig = deployment(result, MIG)["spec"]["template"]["spec"]
+    assert mig["containers"][0]["resources"]["limits"] == {"nvidia.com/mig-1g.10gb": "1"}
+    # pinned by the slice type's own product label: the card's nvidia.com/gpu.product names the whole A100
+    assert mig["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
+        {"matchExpressions": [{"key": "nvidia.com/mig-1g.10gb.product", "operator": "In", "values": [MIG]}]}]
+    assert jobs[MIG]["affinity"] == mig["affinity"]
     # Under the `single` strategy a slice is advertised as nvidia.com/gpu.
     single = planned({"bandwidthOverrides": [{"product": MIG, "gbps": 280}]},
                      [node("mig-0", MIG, **{"nvidia.com/mig.strategy": "single"})])

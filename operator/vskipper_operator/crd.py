@@ -516,7 +516,7 @@ def _walk(node: dict):
 
 def _class_status() -> dict:
     return _obj({
-        "product": _str("nvidia.com/gpu.product (normalised)"),
+        "product": _str("the GPU product (nvidia.com/gpu.product, or a MIG slice's product label), normalised"),
         "device": _str("catalogue device, if known"),
         "nodes": _int("nodes of this class"),
         "served": {"type": "boolean"},
@@ -525,7 +525,10 @@ def _class_status() -> dict:
                           enum=["Present", "AwaitingScaleUp", "NodesLost"]),
         "nodesLostAt": _str("when the class was first seen without nodes", format="date-time"),
         "labels": {"type": "array", "items": {"type": "string"},
-                   "description": "nvidia.com/gpu.product values the class's pods are pinned to"},
+                   "description": "product label values the class's pods are pinned to (nvidia.com/gpu.product, "
+                                  "or a MIG slice's nvidia.com/mig-<profile>.product under the mixed strategy)"},
+        "resource": _str("the extended resource each pod of the class requests: nvidia.com/gpu, or a MIG slice's "
+                         "own (nvidia.com/mig-1g.10gb) under the mixed strategy"),
         "reason": _str("why the class is not served"),
         "bandwidthGBps": _num("memory bandwidth the thresholds were derived from"),
         "bandwidthSource": _str("where the bandwidth came from", enum=["catalogue", "override", "measured"]),

@@ -56,6 +56,7 @@ from vskipper_operator.plan import (
     downloads,
     new_conflicts,
     node_gpus,
+    offers,
     plan,
     resolve,
     served_rows,
@@ -179,10 +180,11 @@ def _nodes(index: kopf.Index) -> list[Node]:
 
 
 def _gpu_classes(index: kopf.Index) -> str:
-    """The trigger: the GPU products present, and how many GPU nodes carry no product label."""
-    entries = [entry for store in index.values() for entry in store]
-    products = sorted({e["labels"][GPU_PRODUCT_LABEL] for e in entries if GPU_PRODUCT_LABEL in e["labels"]})
-    unlabelled = sum(1 for e in entries if GPU_PRODUCT_LABEL not in e["labels"])
+    """The trigger: the GPU products the nodes offer (a MIG slice type under the `mixed` strategy among them, and
+    a card only while some node still has it whole), and how many GPU nodes carry no product label."""
+    nodes = _nodes(index)
+    products = sorted({raw for n in nodes for raw, _ in offers(n)})
+    unlabelled = sum(1 for n in nodes if GPU_PRODUCT_LABEL not in n.labels)
     return ",".join(products + ([f"+{unlabelled} unlabelled"] if unlabelled else []))
 
 

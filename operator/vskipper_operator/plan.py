@@ -1,7 +1,8 @@
 """Pure planning: a SkipperDeployment and the cluster's nodes in, the objects the operator applies out.
 
-`plan(resource, nodes, measured)` groups the nodes by GPU class (`nvidia.com/gpu.product`, with GPU Feature
-Discovery's `-SHARED` suffix stripped), picks each class's memory bandwidth (spec override, then a measured probe
+`plan(resource, nodes, measured)` groups the nodes by GPU class (`offers`: `nvidia.com/gpu.product`, with GPU
+Feature Discovery's `-SHARED` suffix stripped, and under MIG's `mixed` strategy each slice type's own
+`nvidia.com/mig-<profile>.product`), picks each class's memory bandwidth (spec override, then a measured probe
 result, then the device catalogue), derives that class's switching thresholds with the roofline rule
 (`vskipper.roofline.derive_thresholds`) and returns one Deployment per served class, pinned to the class by node
 affinity and launched with its own thresholds, plus a Service, a ConfigMap holding the switch constants and the
@@ -70,6 +71,11 @@ PROBE_MODULE = "vskipper_operator.probe"
 
 GPU_RESOURCE = "nvidia.com/gpu"
 MIG_STRATEGY_LABEL = "nvidia.com/mig.strategy"
+# Under the `mixed` strategy GPU Feature Discovery keeps nvidia.com/gpu.product as the whole card's name and labels
+# each slice type apart: `nvidia.com/mig-1g.10gb.product` (`<card>-MIG-1g.10gb`) and `.count`, while the device
+# plugin advertises the slices as their own resource (`nvidia.com/mig-1g.10gb`) and only the cards left whole as
+# nvidia.com/gpu. A slice's labels are its resource's name with `.product`, `.count` etc. after it.
+MIG_SLICE_PRODUCT_RE = re.compile(r"^(nvidia\.com/mig-[0-9]+g\.[0-9]+gb)\.product$")
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every Namespace by the API server (1.22+)
 MODEL_CACHE = "/models"  # where an hf:// download's cache volume is mounted
 FETCH_CONTAINER = "fetch-model"
@@ -104,6 +110,28 @@ def node_gpus(status: Mapping[str, Any] | None) -> int:
         return int(value)
     except (TypeError, ValueError):
         return 0
+
+
+def offers(node: Node) -> list[tuple[str, str]]:
+    """The GPU products a node offers a pod, each as (product label value, the extended resource a pod requests
+    for it). A whole card is `nvidia.com/gpu.product` with `nvidia.com/gpu`, and so is a slice under the `single`
+    strategy (`<card>-MIG-1g.10gb` in gpu.product). Under `mixed` each slice type with a nonzero count is its own
+    offer, and the card's own label counts only while the node still has whole cards allocatable."""
+    labels = node.labels
+    raw = labels.get(GPU_PRODUCT_LABEL)
+    if labels.get(MIG_STRATEGY_LABEL) != "mixed":
+        return [(raw, GPU_RESOURCE)] if raw else []
+    out = [(raw, GPU_RESOURCE)] if raw and node.gpus > 0 else []
+    for key, value in sorted(labels.items()):
+        match = MIG_SLICE_PRODUCT_RE.match(key)
+        if match and value and labels.get(f"{match[1]}.count", "1") not in ("0", ""):
+            out.append((value, match[1]))
+    return out
+
+
+def label_key(resource: str) -> str:
+    """The node label holding the product of the offer whose pods request `resource`."""
+    return GPU_PRODUCT_LABEL if resource == GPU_RESOURCE else f"{resource}.product"
 
 
 def nodes_from_document(doc: Any) -> list[Node]:
@@ -220,16 +248,18 @@ class GpuClass:
     threshold_source: str | None = None  # roofline | override
     deployment: str | None = None
     replicas: int = 0
-    mig_strategy: str = ""  # the nodes' nvidia.com/mig.strategy label (single, mixed), if any
+    resource: str = GPU_RESOURCE  # what a pod requests: nvidia.com/gpu, or a slice's own under `mixed` MIG
     node_state: str = "Present"  # Present | AwaitingScaleUp (no node yet) | NodesLost (kept for the grace period)
     nodes_lost_at: str | None = None  # when a served class was first seen without nodes
 
     @property
-    def gpu_resource(self) -> str:
-        """The extended resource a pod of this class requests: a MIG slice under the `mixed` strategy is its own
-        resource (`nvidia.com/mig-1g.10gb`); whole GPUs, and slices under `single`, are `nvidia.com/gpu`."""
-        match = re.search(r"-MIG-([0-9]+g\.[0-9]+gb)$", self.product, re.IGNORECASE)
-        return f"nvidia.com/mig-{match[1].lower()}" if match and self.mig_strategy == "mixed" else GPU_RESOURCE
+    def label_key(self) -> str:
+        """The node label the class's pods are pinned by (`offers`)."""
+        return label_key(self.resource)
+
+    @property
+    def is_mig(self) -> bool:
+        return "-MIG-" in self.product.upper()
 
     def as_status(self, ready: int = 0) -> dict:
         row: dict[str, Any] = {"product": self.product, "nodes": self.nodes, "served": self.served,
@@ -237,7 +267,7 @@ class GpuClass:
         if self.nodes_lost_at:
             row["nodesLostAt"] = self.nodes_lost_at
         if self.served:
-            row["labels"] = list(self.labels)
+            row.update(labels=list(self.labels), resource=self.resource)
         if self.device:
             row["device"] = self.device.name
         if self.reason:
@@ -285,7 +315,8 @@ class PlanResult:
         return f"{INSTANCE_LABEL}={self.name},{COMPONENT_LABEL}=server"
 
     def events(self) -> list[tuple[GpuClass, str, str, str]]:
-        """(class, type, reason, message): the thresholds derived for each served class, and each unknown GPU."""
+        """(class, type, reason, message): the thresholds derived for each served class, and why each class present
+        is not served (an unknown GPU, a MIG slice the spec cannot use), unless the spec left it out."""
         out = []
         for c in self.classes:
             if c.served:
@@ -295,19 +326,19 @@ class PlanResult:
                             f"{c.product}: {c.bandwidth_gbps:g} GB/s ({c.bandwidth_source}), {vstar}"
                             f"exit {c.exit_tokens:,} / enter {c.enter_tokens:,} tokens ({c.threshold_source}) "
                             f"-> {c.deployment} x{c.replicas}"))
-            elif c.reason.startswith("UnknownGPU"):
-                out.append((c, "Warning", "UnknownGPU", f"{c.product}: {c.reason}"))
+            elif c.reason and not c.reason.startswith("NotAllowed"):
+                out.append((c, "Warning", c.reason.split(":")[0], f"{c.product}: {c.reason}"))
         return out
 
     def new_events(self, previous_status: Mapping[str, Any], changed: Iterable[str]) -> list[tuple[str, str, str]]:
         """(type, reason, message) worth posting after an apply: a served class's thresholds when its Deployment
-        (named in `changed`) was just written, an unknown GPU the resource's status does not show yet. A resync
+        (named in `changed`) was just written, a class not served for a reason the resource's status does not show
+        for it yet. A resync
         that changes nothing posts nothing."""
         changed = set(changed)
-        known_unknown = {r["product"] for r in previous_status.get("gpuClasses", [])
-                         if r.get("reason", "").startswith("Unknown")}
+        shown = {(r["product"], r.get("reason", "").split(":")[0]) for r in previous_status.get("gpuClasses", [])}
         return [(kind, reason, message) for c, kind, reason, message in self.events()
-                if (c.served and c.deployment in changed) or (not c.served and c.product not in known_unknown)]
+                if (c.served and c.deployment in changed) or (not c.served and (c.product, reason) not in shown)]
 
     def status(self, ready: Mapping[str, int] | None = None, generation: int | None = None,
                now: str = "", previous: Iterable[Mapping[str, Any]] = (), conflicts: Iterable[str] = (),
@@ -324,6 +355,8 @@ class PlanResult:
         problems = [(reason, message) for reason, message, present in (
             ("NameTaken", "; ".join(conflicts), conflicts),
             ("UnknownGPU", f"not served (unknown bandwidth): {', '.join(unknown)}", unknown),
+            *((c.reason.split(":")[0], f"{c.product} not served: {c.reason.split(': ', 1)[-1]}", True)
+              for c in self.classes if c.reason.startswith("Mig")),
             ("GpuFeatureDiscoveryMissing", f"GPU nodes without a {GPU_PRODUCT_LABEL} label (is GPU Feature "
              f"Discovery running?): {', '.join(self.unlabelled)}", self.unlabelled),
             ("ReplicasPerClassUnmatched", f"spec.replicasPerClass asks for replicas of {', '.join(self.unmatched)}, "
@@ -427,26 +460,29 @@ def _lookup(table: Mapping[str, Any], product: str) -> Any:
 
 def _classes(nodes: Iterable[Node | Mapping[str, Any]], spec: dict, unlabelled: list[str]) -> list[GpuClass]:
     selector = spec.get("placement", {}).get("nodeSelector") or {}
-    groups: dict[str, tuple[set[str], list[int]]] = {}
-    strategies: dict[str, str] = {}
+    groups: dict[str, tuple[set[str], set[str], set[str]]] = {}  # product: (label values, resources, node names)
     for node in nodes:
         node = node if isinstance(node, Node) else Node.from_object(node)
-        labels = node.labels
-        raw = labels.get(GPU_PRODUCT_LABEL)
-        if any(labels.get(k) != v for k, v in selector.items()):
+        if any(node.labels.get(k) != v for k, v in selector.items()):
             continue
-        if not raw:
+        if not node.labels.get(GPU_PRODUCT_LABEL):
             if node.gpus > 0:
                 unlabelled.append(node.name)
             continue
-        product = normalize_product(raw)
-        seen, count = groups.setdefault(product, (set(), [0]))
-        seen.add(raw)
-        count[0] += 1
-        if labels.get(MIG_STRATEGY_LABEL):
-            strategies[product] = labels[MIG_STRATEGY_LABEL]
-    return [GpuClass(p, tuple(sorted(seen)), count[0], mig_strategy=strategies.get(p, ""))
-            for p, (seen, count) in sorted(groups.items())]
+        for raw, resource in offers(node):
+            seen, resources, names = groups.setdefault(normalize_product(raw), (set(), set(), set()))
+            seen.add(raw)
+            resources.add(resource)
+            names.add(node.name)
+    out = []
+    for product, (seen, resources, names) in sorted(groups.items()):
+        c = GpuClass(product, tuple(sorted(seen)), len(names), resource=min(resources))
+        if len(resources) > 1:
+            c.reason = (f"MigStrategyMismatch: nodes offer {product!r} as {' and as '.join(sorted(resources))} "
+                        f"(their {MIG_STRATEGY_LABEL} labels differ); one Deployment can pin only one of them: "
+                        "select one set with spec.placement.nodeSelector")
+        out.append(c)
+    return out
 
 
 def _parse_time(text: str | None) -> datetime.datetime | None:
@@ -467,9 +503,12 @@ def served_rows(applied: Iterable[Mapping[str, Any]]) -> list[dict]:
             continue
         terms = ((((obj.get("spec") or {}).get("template") or {}).get("spec") or {}).get("affinity") or {}).get(
             "nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
-        labels = [v for t in terms for e in t.get("matchExpressions", []) if e.get("key") == GPU_PRODUCT_LABEL
-                  for v in e.get("values", [])]
-        row = {"product": annotations[PRODUCT_ANNOTATION], "served": True, "labels": labels}
+        pins = [(e["key"], v) for t in terms for e in t.get("matchExpressions", [])
+                if e.get("key") == GPU_PRODUCT_LABEL or MIG_SLICE_PRODUCT_RE.match(e.get("key") or "")
+                for v in e.get("values", [])]
+        resource = next((m[1] for key, _ in pins if (m := MIG_SLICE_PRODUCT_RE.match(key))), GPU_RESOURCE)
+        row = {"product": annotations[PRODUCT_ANNOTATION], "served": True, "labels": [v for _, v in pins],
+               "resource": resource}
         if annotations.get(NODES_LOST_ANNOTATION):
             row.update(nodeState="NodesLost", nodesLostAt=annotations[NODES_LOST_ANNOTATION])
         rows.append(row)
@@ -507,7 +546,8 @@ def _absent_classes(present: list[GpuClass], spec: dict, previous: Iterable[Mapp
             continue
         have.add(_key(product))
         labels = tuple(row.get("labels") or (product,))
-        out.append(GpuClass(product, labels, 0, node_state="NodesLost", nodes_lost_at=lost_at))
+        out.append(GpuClass(product, labels, 0, resource=row.get("resource") or GPU_RESOURCE,
+                            node_state="NodesLost", nodes_lost_at=lost_at))
     return out
 
 
@@ -533,6 +573,14 @@ def plan(resource: Mapping[str, Any], nodes: Iterable[Node | Mapping[str, Any]],
         c.device = find_device(c.product)
         if not _allowed(c.product, allowed):
             c.reason = "NotAllowed: not in spec.placement.gpuProducts"
+            continue
+        if c.reason:
+            continue
+        if c.is_mig and spec["resources"]["gpus"] > 1:
+            # A CUDA process enumerates one MIG device whatever CUDA_VISIBLE_DEVICES lists, so tensor parallelism
+            # over slices would start one rank per slice that each see the same, first one.
+            c.reason = (f"MigSliceTensorParallel: a process sees one MIG slice, and spec.resources.gpus is "
+                        f"{spec['resources']['gpus']}; serve {c.product!r} from a SkipperDeployment with gpus: 1")
             continue
         for source, value in (("override", _lookup(overrides, c.product)),
                               ("measured", _lookup(measured or {}, c.product)),
@@ -616,7 +664,7 @@ def _meta(r: Resolved, name: str, labels: dict, annotations: dict | None = None)
 
 
 def _affinity(c: GpuClass) -> dict:
-    term = {"matchExpressions": [{"key": GPU_PRODUCT_LABEL, "operator": "In", "values": list(c.labels)}]}
+    term = {"matchExpressions": [{"key": c.label_key, "operator": "In", "values": list(c.labels)}]}
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
@@ -775,7 +823,7 @@ def _deployment(r: Resolved, c: GpuClass, config_hash: str) -> dict:
         "name": "server", "image": serving["image"], "args": server_args(r, c),
         "ports": [{"name": "http", "containerPort": serving["port"], "protocol": "TCP"}],
         "env": env + list(knobs.get("env", [])),
-        "resources": {"limits": {c.gpu_resource: str(res["gpus"])}, "requests": requests},
+        "resources": {"limits": {c.resource: str(res["gpus"])}, "requests": requests},
         # SGLang 0.5.21's endpoints (none needs the API key): /health answers 200 once the model is loaded and
         # warmed up, which the startup probe waits for; /health_generate runs a one-token generation unless
         # requests are running (a hung scheduler fails it: liveness restarts the pod); /ready is 503 while
@@ -848,7 +896,7 @@ def _probe_job(r: Resolved, c: GpuClass) -> dict:
     knobs = r.spec.get("pod") or {}
     container = {"name": "probe", "image": r.spec["serving"]["image"],
                  "command": ["python", "-m", PROBE_MODULE], "args": ["--device", "cuda"],
-                 "resources": {"limits": {c.gpu_resource: "1"}},
+                 "resources": {"limits": {c.resource: "1"}},
                  "securityContext": dict(CONTAINER_SECURITY), "terminationMessagePolicy": "File"}
     pod = {"restartPolicy": "Never", **_placement(r.spec, c), "securityContext": dict(POD_SECURITY),
            "containers": [container]}
